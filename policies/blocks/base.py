@@ -1,0 +1,101 @@
+"""The `BlockManager` interface: where each sequence's KV cache lives.
+
+Block tables are lists of physical GPU block ids (`seq.block_table`); token position p of a
+sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
+While a sequence is SWAPPED its `block_table` holds CPU block ids.
+Implementations: `paged` (PagedAttention), `prefix` (paged + automatic prefix caching),
+`contiguous` (the pre-PagedAttention reservation baseline).
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from policies.sequence import Sequence
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"  # can be allocated now
+    LATER = "later"  # not now (pool busy / watermark), maybe after others finish
+    NEVER = "never"  # can never fit in the GPU pool: the request is aborted as too_long
+
+
+@dataclass(slots=True)
+class BlockUsage:
+    gpu_used: int
+    gpu_total: int
+    cpu_used: int
+    cpu_total: int
+    prefix_hits: int = 0  # prefix caching: blocks found in cache (cumulative)
+    prefix_queries: int = 0  # prefix caching: full blocks looked up (cumulative)
+
+
+class BlockManager(ABC):
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
+                 watermark: float = 0.01, max_model_len: int | None = None) -> None:
+        if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size={block_size!r} is invalid: must be a power of two >= 1")
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks={num_gpu_blocks!r} is invalid: must be an integer >= 1")
+        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks={num_cpu_blocks!r} is invalid: must be an integer >= 0")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark={watermark!r} is invalid: must be in [0, 1)")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.max_model_len = max_model_len
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @abstractmethod
+    def can_allocate(self, seq: Sequence) -> AllocStatus:
+        """Whether `allocate(seq)` can place all of seq's current tokens (a WAITING sequence)."""
+
+    @abstractmethod
+    def allocate(self, seq: Sequence) -> None:
+        """Give a WAITING sequence blocks for all its current tokens. `prefix` may also advance
+        `seq.num_computed_tokens` over cached blocks (always leaving >= 1 token to compute)."""
+
+    @abstractmethod
+    def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether slots for positions < num_computed_tokens + num_new_tokens can be provided."""
+
+    @abstractmethod
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Ensure those slots exist and are owned by seq alone; returns copy-on-write copies."""
+
+    @abstractmethod
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Child shares all of parent's blocks (ref counts +1)."""
+
+    @abstractmethod
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks (GPU or CPU, whichever it holds); empties its block table."""
+
+    @abstractmethod
+    def can_swap_out(self, seq: Sequence) -> bool: ...
+
+    @abstractmethod
+    def swap_out(self, seq: Sequence) -> dict[int, int]:
+        """Move a RUNNING sequence's blocks to the CPU pool; returns {gpu_block: cpu_block}."""
+
+    @abstractmethod
+    def can_swap_in(self, seq: Sequence) -> AllocStatus: ...
+
+    @abstractmethod
+    def swap_in(self, seq: Sequence) -> dict[int, int]:
+        """Move a SWAPPED sequence back; returns {cpu_block: gpu_block}."""
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Called after each step for each scheduled sequence (prefix caching registers the
+        full blocks that are now computed). No-op by default."""
+
+    @abstractmethod
+    def num_free_gpu_blocks(self) -> int: ...
+
+    @abstractmethod
+    def usage(self) -> BlockUsage: ...

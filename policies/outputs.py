@@ -1,0 +1,48 @@
+"""What `Scheduler.schedule(now)` hands the backend: the step contract of DESIGN.md.
+
+The backend executes, in order: `swap_out`, `swap_in`, `copy`, then the forward over `scheduled`.
+For each `ScheduledSeq` it computes `num_new_tokens` tokens starting at `seq.num_computed_tokens`
+(read during execution; the scheduler advances it in `update`) and, if `num_samples > 0`, samples
+that many tokens from the last computed position (n > 1 for the prompt of a parallel-sampling
+request; 0 for a prefill chunk that does not finish the prompt).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from policies.request import Request
+from policies.sequence import Sequence
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_new_tokens: int
+    num_samples: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    now: float
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: dict[int, int] = field(default_factory=dict)  # gpu block -> cpu block
+    swap_in: dict[int, int] = field(default_factory=dict)  # cpu block -> gpu block
+    copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu block, dst gpu block)
+    preempted: list[Sequence] = field(default_factory=list)
+    aborted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.swap_out or self.swap_in or self.copy)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.seq.is_prefill)
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return sum(1 for s in self.scheduled if not s.seq.is_prefill)

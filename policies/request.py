@@ -1,0 +1,98 @@
+"""What a user asks for: a `Request` with its `SamplingParams`, validated at the door.
+
+Both backends share these types. Validation raises `ValueError` naming the field, the
+value and what is allowed, so bad input never travels into the scheduler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: {allowed}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """vLLM-compatible sampling and length limits. temperature 0 means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings; need a tokenizer (engine only)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return with each sampled token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+
+    def validate(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+               "temperature", self.temperature, "must be a number >= 0 (0 = greedy)")
+        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+               "top_p", self.top_p, "must be in (0, 1]")
+        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
+               "top_k", self.top_k, "must be -1 (disabled), 0 (disabled) or a positive integer")
+        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1,
+               "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "must be an integer or None")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               "max_tokens", self.max_tokens, "must be an integer >= 1")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "must be non-empty strings")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+               "logprobs", self.logprobs, "must be None or an integer >= 0")
+
+
+@dataclass(slots=True)
+class Request:
+    """One user request. Its sequences (n of them after the prompt is done) live in the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    priority: int = 0  # lower value = more urgent
+    eos_token_id: int | None = None
+    # Filled in by the scheduler when the request ends; never None after that.
+    finish_reason: str | None = None
+
+    def validate(self, max_model_len: int, vocab_size: int | None = None) -> None:
+        _check(isinstance(self.request_id, str) and self.request_id != "", "request_id",
+               self.request_id, "must be a non-empty string")
+        _check(len(self.prompt_token_ids) > 0, "prompt_token_ids", self.prompt_token_ids,
+               "the prompt must hold at least one token")
+        n = len(self.prompt_token_ids)
+        _check(n <= max_model_len, "prompt_token_ids", f"<{n} tokens>",
+               f"the prompt is longer than max_model_len={max_model_len}")
+        bad = [t for t in self.prompt_token_ids
+               if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size)]
+        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        _check(not bad, "prompt_token_ids", bad[:5], f"token ids must be integers in {limit}")
+        _check(_is_int(self.priority), "priority", self.priority, "must be an integer (lower = more urgent)")
+        _check(isinstance(self.arrival_time, (int, float)) and self.arrival_time >= 0,
+               "arrival_time", self.arrival_time, "must be a number >= 0")
+        self.sampling_params.validate()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
