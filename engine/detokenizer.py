@@ -1,0 +1,73 @@
+"""Incremental detokenization and stop strings, as vLLM does them.
+
+Text is decoded from a window of a few earlier tokens so that byte-level merges and sentencepiece
+leading spaces come out right, and nothing is emitted while the window ends in an incomplete UTF-8
+character. The engine only detokenizes step by step for requests with stop strings; everything
+else is decoded once, when the request finishes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+# Tokens before the first unread one that are decoded again as context (vLLM uses 5 too).
+_CONTEXT_TOKENS = 5
+
+
+@dataclass(slots=True)
+class DecodeState:
+    """Per sequence: `text` covers token_ids[num_prompt_tokens:read_offset]."""
+
+    prefix_offset: int
+    read_offset: int
+    text: str = ""
+    stopped: str | None = None  # the stop string that ended the text, once found
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+
+    def new_state(self, num_prompt_tokens: int) -> DecodeState:
+        return DecodeState(prefix_offset=max(num_prompt_tokens - _CONTEXT_TOKENS, 0),
+                           read_offset=num_prompt_tokens)
+
+    def update(self, state: DecodeState, token_ids: list[int]) -> int:
+        """Decode token_ids[state.read_offset:] into state.text; returns how many chars were added."""
+        if state.read_offset >= len(token_ids):
+            return 0
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        prefix_text = decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
+        full_text = decode(token_ids[state.prefix_offset:], skip_special_tokens=skip)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return 0  # an incomplete character (or nothing visible yet): wait for more tokens
+        new_text = full_text[len(prefix_text):]
+        state.text += new_text
+        state.prefix_offset = state.read_offset
+        state.read_offset = len(token_ids)
+        return len(new_text)
+
+    def decode_output(self, token_ids: list[int], num_prompt_tokens: int) -> str:
+        """The whole output text at once (the same decoding, over one window)."""
+        state = self.new_state(num_prompt_tokens)
+        self.update(state, token_ids)
+        return state.text
+
+
+def find_stop_string(state: DecodeState, new_chars: int, stop: list[str]) -> bool:
+    """vLLM's check: look for a stop string overlapping the `new_chars` just added; if found,
+    truncate the text right before it, remember which one, and return True."""
+    if new_chars == 0:
+        return False
+    text = state.text
+    for stop_str in stop:
+        start = max(len(text) - new_chars - len(stop_str) + 1, 0)
+        index = text.find(stop_str, start)
+        if index != -1:
+            state.text = text[:index]
+            state.stopped = stop_str
+            return True
+    return False
