@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from policies.sequence import Sequence
@@ -51,6 +52,13 @@ class BlockManager(ABC):
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_seq_tokens(self, seq: Sequence) -> int:
+        """Tokens a sequence can hold at its longest: min(prompt + max_tokens, max_model_len)."""
+        limit = seq.num_prompt_tokens + seq.request.sampling_params.max_tokens
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len)
+        return max(limit, seq.num_tokens)
+
     @abstractmethod
     def can_allocate(self, seq: Sequence) -> AllocStatus:
         """Whether `allocate(seq)` can place all of seq's current tokens (a WAITING sequence)."""
@@ -62,11 +70,15 @@ class BlockManager(ABC):
 
     @abstractmethod
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether slots for positions < num_computed_tokens + num_new_tokens can be provided."""
+        """Whether slots for positions < num_computed_tokens + num_new_tokens can be provided.
+        A decode (num_new_tokens=1) never needs more than one free GPU block, so it is True
+        whenever `num_free_gpu_blocks() >= 1` (contiguous: always, within the reservation)."""
 
     @abstractmethod
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Ensure those slots exist and are owned by seq alone; returns copy-on-write copies."""
+        """Ensure those slots exist and are owned by seq alone; returns (src, dst) block copies the
+        backend must run before the forward (copy-on-write; contiguous: the fork copies). Call it for
+        every chunk the forward writes, and do not free or swap out seq later in the same step."""
 
     @abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -81,7 +93,9 @@ class BlockManager(ABC):
 
     @abstractmethod
     def swap_out(self, seq: Sequence) -> dict[int, int]:
-        """Move a RUNNING sequence's blocks to the CPU pool; returns {gpu_block: cpu_block}."""
+        """Move a RUNNING sequence's blocks to the CPU pool; returns {gpu_block: cpu_block} copies
+        (blocks already copied for a sibling are shared, not copied again). Within one step, plan
+        swap-outs before swap-ins (the backend runs them in that order)."""
 
     @abstractmethod
     def can_swap_in(self, seq: Sequence) -> AllocStatus: ...
@@ -96,6 +110,13 @@ class BlockManager(ABC):
 
     @abstractmethod
     def num_free_gpu_blocks(self) -> int: ...
+
+    @abstractmethod
+    def check_invariants(self, seqs: Iterable[Sequence]) -> None:
+        """Raise AssertionError unless, given ALL live sequences (those holding or waiting for blocks):
+        ref counts equal block-table references (plus the manager's own holds), free + used == total
+        in each pool, and blocks are shared only by forked siblings (or through the prefix cache).
+        O(blocks + table entries): meant for tests, after every scheduler step."""
 
     @abstractmethod
     def usage(self) -> BlockUsage: ...

@@ -1,0 +1,241 @@
+"""PagedAttention's block manager (vLLM v0): fixed-size blocks with reference counts, copy-on-write
+after fork, a watermark on admission, and a CPU pool for swap preemption.
+
+Swap with shared blocks: `swap_out`/`swap_in` work one sequence at a time. When a block is copied to
+the other device while another sequence still holds it, the pair (gpu block, cpu block) is remembered
+as a *mirror*: a sibling that moves later maps the same block to the same copy (so two forked
+sequences swapped out together share one CPU block, and share one GPU block again once both are back).
+A mirror is forgotten when either side is freed or the GPU side is written in place.
+
+Ordering within one step (the backend runs swap_out, swap_in, copy, then the forward): plan swap-outs
+before swap-ins, and never free or swap out a sequence after calling `append_slots` on it in the same
+step; then no block released while planning is overwritten before the step reads it.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from policies.blocks.base import AllocStatus, BlockManager, BlockUsage
+from policies.blocks.pool import BlockPool, OutOfBlocksError
+from policies.sequence import Sequence
+
+
+class PagedBlockManager(BlockManager):
+    # Whether two requests may hold the same block (prefix caching); forked siblings always may.
+    shares_across_requests = False
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
+                 watermark: float = 0.01, max_model_len: int | None = None) -> None:
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark, max_model_len)
+        self.gpu = self._make_gpu_pool()
+        self.cpu = BlockPool(num_cpu_blocks, "cpu")
+        self._swapped: set[int] = set()  # seq ids whose block_table holds CPU block ids
+        self._gpu_mirror: dict[int, int] = {}  # gpu block -> cpu block with the same contents
+        self._cpu_mirror: dict[int, int] = {}  # the inverse
+
+    def _make_gpu_pool(self) -> BlockPool:
+        return BlockPool(self.num_gpu_blocks, "gpu")
+
+    # -- admission -------------------------------------------------------------------------------
+    def _admit(self, needed: int) -> AllocStatus:
+        if needed > self.num_gpu_blocks:
+            return AllocStatus.NEVER
+        if self.gpu.num_free - needed < self.watermark_blocks:
+            return AllocStatus.LATER
+        return AllocStatus.OK
+
+    def can_allocate(self, seq: Sequence) -> AllocStatus:
+        if self.blocks_for(self.max_seq_tokens(seq)) > self.num_gpu_blocks:
+            return AllocStatus.NEVER
+        return self._admit(self.blocks_for(seq.num_tokens))
+
+    def allocate(self, seq: Sequence) -> None:
+        self._require_no_blocks(seq)
+        needed = self.blocks_for(seq.num_tokens)
+        if needed > self.gpu.num_free:
+            raise OutOfBlocksError(f"seq {seq.seq_id} needs {needed} GPU blocks, {self.gpu.num_free} free")
+        allocate = self.gpu.allocate
+        seq.block_table.extend(allocate() for _ in range(needed))
+
+    def _require_no_blocks(self, seq: Sequence) -> None:
+        if seq.block_table:
+            raise ValueError(f"seq.block_table={seq.block_table!r} of seq {seq.seq_id} is invalid: "
+                             f"it must be empty (free the sequence before allocating it again)")
+
+    # -- decode / prefill chunks (hot path: O(blocks written), no scans) --------------------------
+    def _append_cost(self, seq: Sequence, num_new_tokens: int) -> int:
+        table = seq.block_table
+        bs = self.block_size
+        start = seq.num_computed_tokens
+        end_block = (start + num_new_tokens + bs - 1) // bs
+        have = len(table)
+        cost = end_block - have if end_block > have else 0
+        refs = self.gpu.ref_counts
+        for i in range(start // bs, end_block if end_block < have else have):
+            if refs[table[i]] > 1:
+                cost += 1
+        return cost
+
+    def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """A decode (num_new_tokens=1) needs at most one new block."""
+        return self._append_cost(seq, num_new_tokens) <= self.gpu.num_free
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        if seq.seq_id in self._swapped:
+            raise ValueError(f"seq {seq.seq_id} is swapped out: swap it in before append_slots")
+        table = seq.block_table
+        bs = self.block_size
+        start = seq.num_computed_tokens
+        end_block = (start + num_new_tokens + bs - 1) // bs
+        have = len(table)
+        gpu = self.gpu
+        copies: list[tuple[int, int]] = []
+        first = start // bs
+        if first < have:
+            refs = gpu.ref_counts
+            for i in range(first, end_block if end_block < have else have):
+                block = table[i]
+                if refs[block] > 1:  # shared after fork: write into a private copy
+                    new = gpu.allocate()
+                    refs[block] -= 1
+                    table[i] = new
+                    copies.append((block, new))
+                elif self._gpu_mirror:
+                    self._forget_gpu_mirror(block)  # written in place: its CPU copy goes stale
+        for _ in range(have, end_block):
+            table.append(gpu.allocate())
+        return copies
+
+    # -- sharing ---------------------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        self._require_no_blocks(child)
+        on_cpu = parent.seq_id in self._swapped
+        pool = self.cpu if on_cpu else self.gpu
+        for block in parent.block_table:
+            pool.incref(block)
+        child.block_table.extend(parent.block_table)
+        if on_cpu:
+            self._swapped.add(child.seq_id)
+
+    def free(self, seq: Sequence) -> None:
+        if seq.seq_id in self._swapped:
+            self._swapped.discard(seq.seq_id)
+            self._release_cpu(seq.block_table)
+        else:
+            self._release_gpu(seq.block_table)
+        seq.block_table.clear()
+
+    def _release_gpu(self, blocks: list[int]) -> None:
+        # Tail first: with prefix caching, blocks released together are evicted tail first.
+        gpu, mirror = self.gpu, self._gpu_mirror
+        for block in reversed(blocks):
+            if gpu.decref(block) and mirror:
+                self._forget_gpu_mirror(block)
+
+    def _release_cpu(self, blocks: list[int]) -> None:
+        for block in blocks:
+            if self.cpu.decref(block) and block in self._cpu_mirror:
+                del self._gpu_mirror[self._cpu_mirror.pop(block)]
+
+    def _forget_gpu_mirror(self, block: int) -> None:
+        cpu_block = self._gpu_mirror.pop(block, None)
+        if cpu_block is not None:
+            del self._cpu_mirror[cpu_block]
+
+    # -- swap ------------------------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        if seq.seq_id in self._swapped or not seq.block_table:
+            return False
+        needed = sum(1 for block in seq.block_table if block not in self._gpu_mirror)
+        return needed <= self.cpu.num_free
+
+    def swap_out(self, seq: Sequence) -> dict[int, int]:
+        if not self.can_swap_out(seq):
+            raise ValueError(f"seq {seq.seq_id} cannot be swapped out (already swapped, no blocks, "
+                             f"or too few free CPU blocks: {self.cpu.num_free}); check can_swap_out")
+        mapping: dict[int, int] = {}
+        cpu_table: list[int] = []
+        for gpu_block in seq.block_table:
+            cpu_block = self._gpu_mirror.get(gpu_block)
+            if cpu_block is None:
+                cpu_block = self.cpu.allocate()
+                mapping[gpu_block] = cpu_block
+                self._gpu_mirror[gpu_block] = cpu_block
+                self._cpu_mirror[cpu_block] = gpu_block
+            else:
+                self.cpu.incref(cpu_block)
+            cpu_table.append(cpu_block)
+        self._release_gpu(seq.block_table)  # forgets the mirrors of blocks nobody holds any more
+        seq.block_table[:] = cpu_table
+        self._swapped.add(seq.seq_id)
+        return mapping
+
+    def can_swap_in(self, seq: Sequence) -> AllocStatus:
+        if seq.seq_id not in self._swapped:
+            raise ValueError(f"seq {seq.seq_id} is not swapped out")
+        if len(seq.block_table) > self.num_gpu_blocks:
+            return AllocStatus.NEVER
+        return self._admit(sum(1 for block in seq.block_table if block not in self._cpu_mirror))
+
+    def swap_in(self, seq: Sequence) -> dict[int, int]:
+        if seq.seq_id not in self._swapped:
+            raise ValueError(f"seq {seq.seq_id} is not swapped out")
+        needed = sum(1 for block in seq.block_table if block not in self._cpu_mirror)
+        if needed > self.gpu.num_free:
+            raise OutOfBlocksError(f"seq {seq.seq_id} needs {needed} GPU blocks to swap in, "
+                                   f"{self.gpu.num_free} free")
+        mapping: dict[int, int] = {}
+        gpu_table: list[int] = []
+        for cpu_block in seq.block_table:
+            gpu_block = self._cpu_mirror.get(cpu_block)
+            if gpu_block is None:
+                gpu_block = self.gpu.allocate()
+                mapping[cpu_block] = gpu_block
+                self._cpu_mirror[cpu_block] = gpu_block
+                self._gpu_mirror[gpu_block] = cpu_block
+            else:
+                self.gpu.incref(gpu_block)
+            gpu_table.append(gpu_block)
+        self._release_cpu(seq.block_table)
+        seq.block_table[:] = gpu_table
+        self._swapped.discard(seq.seq_id)
+        return mapping
+
+    # -- accounting ------------------------------------------------------------------------------
+    def num_free_gpu_blocks(self) -> int:
+        return self.gpu.num_free
+
+    def usage(self) -> BlockUsage:
+        return BlockUsage(self.num_gpu_blocks - self.gpu.num_free, self.num_gpu_blocks,
+                          self.num_cpu_blocks - self.cpu.num_free, self.num_cpu_blocks)
+
+    def check_invariants(self, seqs: Iterable[Sequence]) -> None:
+        seqs = list(seqs)
+        gpu_refs: Counter[int] = Counter()
+        cpu_refs: Counter[int] = Counter()
+        owners: dict[tuple[bool, int], set[str]] = {}
+        for seq in seqs:
+            table = seq.block_table
+            on_cpu = seq.seq_id in self._swapped
+            assert len(set(table)) == len(table), f"seq {seq.seq_id} holds a block twice: {table}"
+            if table:
+                assert self.blocks_for(seq.num_computed_tokens) <= len(table), \
+                    f"seq {seq.seq_id}: {seq.num_computed_tokens} computed tokens but {len(table)} blocks"
+            elif not seq.is_finished:
+                assert seq.num_computed_tokens == 0, f"seq {seq.seq_id} has computed tokens but no blocks"
+            (cpu_refs if on_cpu else gpu_refs).update(table)
+            for block in table:
+                owners.setdefault((on_cpu, block), set()).add(seq.request.request_id)
+        live = {seq.seq_id for seq in seqs}
+        assert self._swapped <= live, f"swapped seqs {sorted(self._swapped - live)} are not live"
+        self.gpu.check(gpu_refs)
+        self.cpu.check(cpu_refs)
+        if not self.shares_across_requests:
+            for (on_cpu, block), requests in owners.items():
+                assert len(requests) == 1, f"{'cpu' if on_cpu else 'gpu'} block {block} is held by " \
+                                           f"unrelated requests {sorted(requests)}"
+        assert {c: g for g, c in self._gpu_mirror.items()} == self._cpu_mirror, "mirrors disagree"
+        for gpu_block, cpu_block in self._gpu_mirror.items():
+            assert self.gpu.ref_counts[gpu_block] > 0 and self.cpu.ref_counts[cpu_block] > 0, \
+                f"mirror {gpu_block}<->{cpu_block} outlived one of its blocks"

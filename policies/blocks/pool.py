@@ -1,0 +1,62 @@
+"""A pool of fixed-size KV blocks with reference counts: the allocator under the paged managers.
+
+Free ids live on a stack that starts as [n-1, ..., 1, 0], so a fresh pool hands out 0, 1, 2, ...
+and a freed block is the next one reused (LIFO). Every operation is O(1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class OutOfBlocksError(RuntimeError):
+    """An allocation was attempted without checking capacity first (a caller bug)."""
+
+
+@dataclass(slots=True)
+class BlockPool:
+    num_blocks: int
+    device: str = "gpu"
+    ref_counts: list[int] = field(init=False)
+    free_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ref_counts = [0] * self.num_blocks
+        self.free_ids = list(range(self.num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self) -> int:
+        if not self.free_ids:
+            raise OutOfBlocksError(f"no free {self.device} block (pool of {self.num_blocks}); "
+                                   f"check capacity before allocating")
+        block = self.free_ids.pop()
+        self.ref_counts[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        self.ref_counts[block] += 1
+
+    def decref(self, block: int) -> bool:
+        """Drop one reference; returns True when the block became free."""
+        refs = self.ref_counts[block] - 1
+        if refs < 0:
+            raise RuntimeError(f"{self.device} block {block} freed more often than it was referenced")
+        self.ref_counts[block] = refs
+        if refs:
+            return False
+        self.free_ids.append(block)
+        return True
+
+    def check(self, expected_refs: dict[int, int]) -> None:
+        """Assert ref counts equal `expected_refs` (block -> references; absent = 0) and that the
+        free stack holds exactly the unreferenced blocks, once each."""
+        for block, refs in enumerate(self.ref_counts):
+            want = expected_refs.get(block, 0)
+            assert refs == want, f"{self.device} block {block}: ref count {refs} != {want} references"
+        free = set(self.free_ids)
+        assert len(free) == len(self.free_ids), f"{self.device} free list holds duplicates"
+        unreferenced = {b for b, r in enumerate(self.ref_counts) if r == 0}
+        assert free == unreferenced, (f"{self.device} free list {sorted(free)[:8]}... != "
+                                      f"unreferenced blocks {sorted(unreferenced)[:8]}...")
