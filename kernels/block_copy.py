@@ -1,0 +1,103 @@
+"""Block copies: copy-on-write inside the GPU pool (all layers in one launch) and swap between
+the GPU pool and a pinned CPU pool.
+
+One kernel does both: it reads base addresses from int64 pointer tables, so one launch copies
+the same (src, dst) block pairs in every layer's K and V cache.  A GPU program may address pinned
+host memory directly (CUDA unified addressing), so a swap is a single launch with no staging:
+`swap_blocks(..., method="kernel")`.  `method="torch"` instead gathers into a contiguous pinned
+staging buffer, moves it in one copy and scatters; the default was picked by
+`python -m experiments.bench_kernels` (kernels/NOTES.md).  Caches must be contiguous.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.validate import check_layer_caches, check_pairs
+
+_RAW_DTYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+CHUNK = 4096  # elements per program
+SWAP_METHOD = "kernel"
+
+
+@triton.jit
+def _copy_blocks_kernel(src_table, dst_table, pairs_ptr, block_numel, src_block_stride, dst_block_stride,
+                        DTYPE: tl.constexpr, CHUNK: tl.constexpr):
+    pair = tl.program_id(0)
+    tensor = tl.program_id(1)
+    offs = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_numel
+    src_base = tl.multiple_of(tl.load(src_table + tensor).to(tl.pointer_type(DTYPE)), 16)
+    dst_base = tl.multiple_of(tl.load(dst_table + tensor).to(tl.pointer_type(DTYPE)), 16)
+    src_block = tl.load(pairs_ptr + 2 * pair)
+    dst_block = tl.load(pairs_ptr + 2 * pair + 1)
+    x = tl.load(src_base + src_block * src_block_stride + offs, mask=mask)
+    tl.store(dst_base + dst_block * dst_block_stride + offs, x, mask=mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _pointer_table(pointers: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(pointers, dtype=torch.int64, device=device)
+
+
+def _launch(srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor,
+            device: torch.device) -> None:
+    first = srcs[0]
+    for i, t in enumerate((*srcs, *dsts)):
+        if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or not t.is_contiguous():
+            raise ValueError(f"cache #{i} {tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()} is invalid: "
+                             f"all caches must be contiguous [*, {tuple(first.shape[1:])}] {first.dtype}")
+        if t.data_ptr() % 16:
+            raise ValueError(f"cache #{i} data_ptr={t.data_ptr():#x} is invalid: must be 16-byte aligned")
+    num_pairs = pairs.shape[0]
+    if num_pairs == 0:
+        return
+    block_numel = first[0].numel()
+    src_table = _pointer_table(tuple(t.data_ptr() for t in srcs), device)
+    dst_table = _pointer_table(tuple(t.data_ptr() for t in dsts), device)
+    pairs = pairs.to(device, non_blocking=True).contiguous()
+    grid = (num_pairs, len(srcs), triton.cdiv(block_numel, CHUNK))
+    _copy_blocks_kernel[grid](src_table, dst_table, pairs, block_numel, first.stride(0), first.stride(0),
+                              DTYPE=_RAW_DTYPES[first.element_size()], CHUNK=CHUNK, num_warps=4)
+
+
+def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
+    """Copy block src -> dst for every (src, dst) row of pairs in every layer's K and V cache."""
+    check_layer_caches(k_caches, v_caches)
+    check_pairs(pairs, same_pool=True)
+    caches = [*k_caches, *v_caches]
+    _launch(caches, caches, pairs, caches[0].device)
+
+
+def _swap_with_torch(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+    pin = torch.cuda.is_available()
+    src_idx, dst_idx = pairs[:, 0].to(src.device), pairs[:, 1].to(dst.device)
+    if src.device.type == "cuda":  # GPU -> CPU: gather on the GPU, one copy, scatter on the CPU
+        staging = torch.empty((pairs.shape[0], *src.shape[1:]), dtype=src.dtype, pin_memory=pin)
+        staging.copy_(src.index_select(0, src_idx), non_blocking=True)
+        torch.cuda.current_stream(src.device).synchronize()
+    else:                          # CPU -> GPU: gather on the CPU into pinned memory, one copy
+        staging = torch.empty((pairs.shape[0], *src.shape[1:]), dtype=src.dtype, pin_memory=pin)
+        torch.index_select(src, 0, src_idx, out=staging)
+        staging = staging.to(dst.device, non_blocking=True)
+    dst.index_copy_(0, dst_idx, staging)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, *, method: str | None = None) -> None:
+    """Copy block pairs[i, 0] of src to block pairs[i, 1] of dst (one cache tensor, any devices;
+    the CPU side must be pinned for the kernel method).  Asynchronous on the current stream
+    except the torch method's GPU -> CPU direction, which waits for its copy."""
+    check_pairs(pairs, same_pool=False)
+    method = method or SWAP_METHOD
+    if method not in ("kernel", "torch"):
+        raise ValueError(f"method={method!r} is invalid: 'kernel' or 'torch'")
+    if src.device == dst.device:
+        _launch([src], [dst], pairs, src.device)
+        return
+    gpu = src.device if src.device.type == "cuda" else dst.device
+    host = dst if src.device.type == "cuda" else src
+    if method == "kernel" and host.is_pinned():
+        _launch([src], [dst], pairs, gpu)
+    else:
+        _swap_with_torch(src, dst, pairs)

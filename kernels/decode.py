@@ -1,0 +1,174 @@
+"""Paged decode attention (one new query token per sequence), flash-decoding style.
+
+Grid (batch, kv_head, split): a program takes every query head of one KV head (GQA), so each
+K/V tile is read from the cache once, and runs tl.dot on a [BLOCK_H, head_dim] query tile padded
+to 16 rows (the tensor-core minimum).  Each sequence's context is cut into `num_splits` equal
+chunks (per sequence, so ragged batches stay balanced); with several splits every program writes
+a normalised partial output plus its log-sum-exp and a second kernel merges them.  The split
+count comes from the batch and the block table's width only, never from the context lengths'
+values, so the launch needs no device sync and can be captured in a CUDA graph.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.common import LOG2E, block_dim, device_sms, dot_precision, upcast_operands
+from kernels.validate import check_attention_inputs, check_out
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeConfig:
+    block_n: int = 64           # tokens per K/V tile
+    num_warps: int = 4
+    num_stages: int = 3
+    num_splits: int | None = None  # None: heuristic below
+    programs_per_sm: int = 4       # heuristic's target of programs in flight per SM
+    min_split_tokens: int = 256    # heuristic never cuts a context finer than this
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(context_lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(length, start + chunk)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_h
+    hd_mask = (offs_h < GROUP)[:, None]
+    if BLOCK_D != HEAD_DIM:
+        hd_mask = hd_mask & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + b * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
+    v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + offs_n
+        n_mask = tokens < end
+        page = tl.load(table + tokens // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = tokens % BLOCK_SIZE
+        kv_mask = n_mask[:, None]
+        if BLOCK_D != HEAD_DIM:
+            kv_mask = kv_mask & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_base + (page * stride_kb + slot * stride_kt)[:, None], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + (page * stride_vb + slot * stride_vt)[:, None], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    acc = acc / safe_l[:, None]
+    if NUM_SPLITS == 1:
+        out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=hd_mask)
+    else:
+        row = (b * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=hd_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=offs_h < GROUP)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    rows = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    parts = tl.load(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
+                      config: DecodeConfig) -> int:
+    """Enough programs to fill the GPU, never chunks shorter than min_split_tokens (a power of 2,
+    to bound the compiled variants); an explicit config.num_splits may be any count >= 1."""
+    if config.num_splits is not None:
+        return config.num_splits
+    wanted = triton.cdiv(config.programs_per_sm * device_sms(device), max(1, batch * num_kv_heads))
+    cap = max(1, max_context // config.min_split_tokens)
+    return triton.next_power_of_2(max(1, min(wanted, cap)))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           *, config: DecodeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`out` (optional, [B, Hq, D] with contiguous head_dim) receives the result, e.g. a static
+    CUDA-graph buffer; `config` overrides tile shapes and the split count (benchmarks)."""
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q.dtype={q.dtype} is invalid: Triton kernels take float16, bfloat16 or float32")
+    config = config or DecodeConfig()
+    if config.block_n < 16 or config.block_n & (config.block_n - 1):
+        raise ValueError(f"config.block_n={config.block_n} is invalid: a power of two >= 16")
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = check_out(out, q)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    bd = block_dim(head_dim)
+    splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device, config)
+    upcast = upcast_operands(q.dtype)
+    if splits > 1:
+        part_out = torch.empty(batch * num_heads * splits, bd, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch * num_heads * splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=bd,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, NUM_SPLITS=splits,
+        UPCAST=upcast, DOT_PRECISION=dot_precision(upcast), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=bd, NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return out

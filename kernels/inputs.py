@@ -1,0 +1,68 @@
+"""Random paged-attention problems for the kernel tests and the benchmark.
+
+Blocks are handed out in a random order (block tables are non-contiguous), spare pool blocks
+and unused block-table columns hold real but unrelated blocks, so wrong indexing shows up as a
+wrong answer rather than a lucky one.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PagedProblem:
+    q: torch.Tensor                    # decode [B, Hq, D]; prefill [T, Hq, D]
+    k_cache: torch.Tensor              # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor         # [S, max_blocks] int32
+    context_lens: torch.Tensor         # [S] int32
+    cu_seqlens_q: torch.Tensor | None  # [S + 1] int32 for prefill, None for decode
+    max_seqlen_q: int
+    scale: float
+
+    def decode_args(self) -> tuple:
+        return self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens, self.scale
+
+    def prefill_args(self) -> tuple:
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.cu_seqlens_q,
+                self.context_lens, self.scale)
+
+    def to(self, dtype: torch.dtype) -> "PagedProblem":
+        """Same problem in another dtype (e.g. float64 for a high-precision reference)."""
+        return PagedProblem(self.q.to(dtype), self.k_cache.to(dtype), self.v_cache.to(dtype), self.block_tables,
+                            self.context_lens, self.cu_seqlens_q, self.max_seqlen_q, self.scale)
+
+
+def random_paged_problem(context_lens: list[int], q_lens: list[int] | None, num_q_heads: int,
+                         num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                         device: str | torch.device = "cpu", spare_blocks: int = 3, extra_columns: int = 1,
+                         seed: int = 0) -> PagedProblem:
+    """q_lens None: a decode problem (one query per sequence); else prefill with q_lens[s] new
+    tokens ending at context_lens[s].  Values are N(0, 1) in `dtype`, drawn on `device`."""
+    gen = torch.Generator().manual_seed(seed)
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    max_blocks = max(blocks_per_seq, default=0) + extra_columns
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=gen)
+    used = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = order[used:used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=dev_gen, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=dev_gen, device=device, dtype=dtype)
+    if q_lens is None:
+        num_q, cu, max_q = len(context_lens), None, 1
+    else:
+        if any(ql > cl for ql, cl in zip(q_lens, context_lens)) or len(q_lens) != len(context_lens):
+            raise ValueError(f"q_lens={q_lens} is invalid: one per sequence, each <= its context_len")
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(q_lens, dtype=torch.int64).cumsum(0)
+        num_q, max_q = int(cu[-1]), max(q_lens, default=0)
+        cu = cu.to(device)
+    q = torch.randn(num_q, num_q_heads, head_dim, generator=dev_gen, device=device, dtype=dtype)
+    return PagedProblem(q, k_cache, v_cache,
+                        tables.to(torch.int32).to(device), torch.tensor(context_lens, dtype=torch.int32, device=device),
+                        cu, max_q, head_dim ** -0.5)

@@ -1,0 +1,102 @@
+"""KV-cache write, block copy and swap kernels (interpreted on the CPU) against the references."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from kernels import reference
+from kernels.block_copy import copy_blocks, swap_blocks
+from kernels.cache_write import write_kv_cache
+from kernels.inputs import random_paged_problem
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen):
+    return torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+
+
+@settings(max_examples=20, deadline=None)
+@given(num_tokens=st.integers(1, 40), num_kv_heads=st.sampled_from([1, 2, 3]), head_dim=st.sampled_from([16, 24, 64]),
+       block_size=st.sampled_from([16, 32]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
+def test_write_kv_cache_matches_reference(num_tokens, num_kv_heads, head_dim, block_size, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = (num_tokens + block_size - 1) // block_size + 2
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1  # padding tokens are skipped
+    # K and V as views into a fused qkv projection output, as the engine has them.
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    k, v = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
+    k_cache, v_cache = (_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    reference.write_kv_cache(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_written_cache_is_read_back_by_attention():
+    """Write a sequence's K/V through slot mapping, then decode over it: same as the reference."""
+    prob = random_paged_problem([37], None, 4, 2, 16, 16, torch.float32, seed=9)
+    k, v = torch.randn(2, 37, 2, 16).unbind(0)
+    table = prob.block_tables[0].long()
+    slots = table[torch.arange(37) // 16] * 16 + torch.arange(37) % 16
+    write_kv_cache(k, v, prob.k_cache, prob.v_cache, slots)
+    out = kernels.decode.paged_decode_attention(*prob.decode_args())
+    expected = torch.softmax(torch.einsum("hd,lhd->hl", prob.q[0], k.repeat_interleave(2, 1)) * prob.scale, -1)
+    torch.testing.assert_close(out[0], torch.einsum("hl,lhd->hd", expected, v.repeat_interleave(2, 1)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_all_layers(dtype):
+    gen = torch.Generator().manual_seed(1)
+    k_caches = [_cache(12, 16, 2, 16, dtype, gen) for _ in range(3)]
+    v_caches = [_cache(12, 16, 2, 16, dtype, gen) for _ in range(3)]
+    expected_k, expected_v = [c.clone() for c in k_caches], [c.clone() for c in v_caches]
+    pairs = torch.tensor([[3, 0], [3, 7], [11, 4], [5, 10]])
+    copy_blocks(k_caches, v_caches, pairs)
+    reference.copy_blocks(expected_k, expected_v, pairs)
+    for got, want in zip(k_caches + v_caches, expected_k + expected_v):
+        assert torch.equal(got, want)
+    assert torch.equal(k_caches[2][7], expected_k[2][3]) and not torch.equal(k_caches[2][7], k_caches[2][6])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_blocks_between_pools(dtype):
+    """Swap out then in between pools of different sizes; the round trip restores the blocks."""
+    gen = torch.Generator().manual_seed(2)
+    gpu_pool, cpu_pool = _cache(8, 16, 2, 16, dtype, gen), _cache(20, 16, 2, 16, dtype, gen)
+    cpu_ref = cpu_pool.clone()
+    out_pairs = torch.tensor([[1, 19], [6, 0], [2, 7]])
+    swap_blocks(gpu_pool, cpu_pool, out_pairs)
+    reference.swap_blocks(gpu_pool, cpu_ref, out_pairs)
+    assert torch.equal(cpu_pool, cpu_ref)
+    restored = _cache(8, 16, 2, 16, dtype, gen)
+    swap_blocks(cpu_pool, restored, out_pairs.flip(1))
+    assert torch.equal(restored[[1, 6, 2]], gpu_pool[[1, 6, 2]])
+
+
+def test_block_ops_reject_bad_pairs():
+    cache = torch.zeros(4, 16, 1, 16)
+    with pytest.raises(ValueError, match="pairs"):
+        copy_blocks([cache], [cache.clone()], torch.tensor([[0, 1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="pairs\\[:, 1\\]"):
+        copy_blocks([cache], [cache.clone()], torch.tensor([[0, 1], [1, 2]]))
+    with pytest.raises(ValueError, match="k_caches"):
+        reference.copy_blocks([], [], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="method"):
+        swap_blocks(cache, cache.clone(), torch.tensor([[0, 1]]), method="dma")
+
+
+def test_dispatch_uses_reference_on_cpu_and_triton_when_forced(monkeypatch):
+    prob = random_paged_problem([30, 3], None, 4, 2, 16, 16, torch.float32, seed=4)
+    calls = []
+    monkeypatch.setattr(kernels.decode, "paged_decode_attention", lambda *a: calls.append("triton") or a[0])
+    monkeypatch.setattr(kernels.reference, "paged_decode_attention", lambda *a: calls.append("ref") or a[0])
+    kernels.paged_decode_attention(*prob.decode_args())
+    monkeypatch.setattr(kernels, "BACKEND", "triton")
+    kernels.paged_decode_attention(*prob.decode_args())
+    monkeypatch.setattr(kernels, "BACKEND", "cuda")
+    with pytest.raises(ValueError, match="BACKEND"):
+        kernels.paged_decode_attention(*prob.decode_args())
+    assert calls == ["ref", "triton"]
