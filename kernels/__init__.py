@@ -21,14 +21,14 @@ Dispatch: the names exported here run the Triton kernels when the tensors are on
 references otherwise (the engine's CPU path, fp32).  Set `kernels.BACKEND` (initial value from
 the environment variable SERVELAB_KERNELS) to "triton" to force Triton (interpreted on the CPU
 under TRITON_INTERPRET=1) or "reference" to force the references.  The Triton launchers live in
-kernels.decode, kernels.prefill, kernels.cache_write and kernels.block_copy; they also take an optional
+kernels.decode, kernels.prefill, kernels.cache_write and kernels.copy; they also take an optional
 keyword `config` (decode/prefill tile shapes) or `method` (swap), used by the benchmark.
 """
 import os
 
 import torch
 
-from kernels import block_copy, cache_write, decode, prefill, reference
+from kernels import copy, cache_write, decode, prefill, reference
 
 BACKEND = os.environ.get("SERVELAB_KERNELS", "auto")
 _BACKENDS = ("auto", "triton", "reference")
@@ -62,12 +62,12 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
-    impl = block_copy.copy_blocks if _use_triton(*k_caches) else reference.copy_blocks
+    impl = copy.copy_blocks if _use_triton(*k_caches) else reference.copy_blocks
     impl(k_caches, v_caches, pairs)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
-    impl = block_copy.swap_blocks if _use_triton(src, dst) else reference.swap_blocks
+    impl = copy.swap_blocks if _use_triton(src, dst) else reference.swap_blocks
     impl(src, dst, pairs)
 
 

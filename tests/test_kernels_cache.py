@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import kernels
 from kernels import reference
-from kernels.block_copy import copy_blocks, swap_blocks
+from kernels.copy import copy_blocks, swap_blocks
 from kernels.cache_write import write_kv_cache
 from kernels.inputs import random_paged_problem
 
