@@ -41,6 +41,8 @@ class Sequence:
     num_preemptions: int = 0
     # Index among the request's sequences (0 = the one that ran the prompt); children are forked.
     sample_index: int = 0
+    # Order in which the scheduler accepted the request (ties between equal arrival times).
+    arrival_index: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort:<why>"
 
     @classmethod
@@ -77,4 +79,4 @@ class Sequence:
         return Sequence(seq_id=seq_id, request=self.request, token_ids=list(self.token_ids),
                         num_prompt_tokens=self.num_prompt_tokens, status=self.status,
                         num_computed_tokens=self.num_computed_tokens, block_table=[],
-                        sample_index=sample_index)
+                        sample_index=sample_index, arrival_index=self.arrival_index)

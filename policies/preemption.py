@@ -1,0 +1,98 @@
+"""Preemption: take a running sequence off the GPU, by swap or by recompute (vLLM v0 semantics).
+
+- swap: its blocks move to the CPU pool (`out.swap_out`) and it waits in the swapped queue; when
+  the CPU pool cannot take them it falls back to recompute, and the trace says so
+  (`preempted` event with mode "recompute_fallback", step counter `num_swap_fallbacks`).
+- recompute: its blocks are freed, `num_computed_tokens` drops to 0 (prompt and generated tokens
+  are recomputed later) and it goes back to the waiting queue at its policy position. Victims join
+  the waiting queue when the step ends, so they are not re-admitted by the step that evicted them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from policies.blocks.base import BlockManager
+from policies.outputs import SchedulerOutput
+from policies.policy.base import Policy
+from policies.queues import SchedulerQueues
+from policies.sequence import Sequence, SequenceStatus
+from policies.trace import TraceRecorder
+
+logger = logging.getLogger("servelab.scheduler")
+WARN_EVERY = 50  # vLLM logs a warning every 50 preemptions
+
+
+@dataclass(slots=True)
+class PreemptionCounts:
+    """Preemptions of one step. Swap fallbacks are also counted in `recompute`."""
+
+    recompute: int = 0
+    swap: int = 0
+    swap_fallbacks: int = 0
+
+
+class Preemptor:
+    def __init__(self, queues: SchedulerQueues, block_manager: BlockManager, policy: Policy,
+                 recorder: TraceRecorder) -> None:
+        self.queues = queues
+        self.block_manager = block_manager
+        self.policy = policy
+        self.recorder = recorder
+        self._default_victim = type(policy).pick_victim is Policy.pick_victim
+        self.total = 0
+        self.counts = PreemptionCounts()
+        self.victims: set[Sequence] = set()  # preempted this step
+        self._to_waiting: list[Sequence] = []
+
+    def begin_step(self) -> None:
+        self.counts = PreemptionCounts()
+        if self.victims:
+            self.victims = set()
+
+    def end_step(self) -> None:
+        for seq in self._to_waiting:
+            self.queues.add_waiting(seq)
+        self._to_waiting.clear()
+
+    def pick_victim(self, candidates: list[Sequence]) -> Sequence:
+        """`candidates` are in running (policy) order, so the default victim (max key) is the last."""
+        return candidates[-1] if self._default_victim else self.policy.pick_victim(candidates)
+
+    def preempt(self, seq: Sequence, out: SchedulerOutput, now: float) -> None:
+        self.queues.remove(seq)
+        seq.num_preemptions += 1
+        self.total += 1
+        if self.total % WARN_EVERY == 0:
+            logger.warning(
+                "Sequence %d of request %r was preempted by %s (%d preemptions in total): the KV "
+                "cache is too small for this load; raise num_gpu_blocks or lower max_num_seqs / "
+                "max_num_batched_tokens.", seq.seq_id, seq.request.request_id,
+                self.policy.preemption_mode, self.total)
+        out.preempted.append(seq)
+        self.victims.add(seq)
+        mode = self.policy.preemption_mode
+        if mode == "swap":
+            if self.block_manager.can_swap_out(seq):
+                out.swap_out.update(self.block_manager.swap_out(seq))
+                self.queues.add_swapped(seq)
+                self.counts.swap += 1
+                self.recorder.preempted(seq, "swap", now)
+                self.recorder.swapped_out(seq, now)
+                return
+            mode = "recompute_fallback"
+            self.counts.swap_fallbacks += 1
+        self.counts.recompute += 1
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self._to_waiting.append(seq)
+        self.recorder.preempted(seq, mode, now)
+
+    def discard(self, seq: Sequence) -> bool:
+        """Forget a recompute victim of this step (being aborted before it re-queues); False if
+        seq is not one."""
+        if seq in self._to_waiting:
+            self._to_waiting.remove(seq)
+            return True
+        return False

@@ -1,0 +1,140 @@
+"""The trace recorder: every lifecycle event of every request, and one row per scheduler step.
+
+The scheduler fires the events (it never measures time: `now` comes from the backend), so a
+simulator run and an engine run of the same workload leave the same schema. Rows are plain dicts
+(`REQUEST_COLUMNS`, `STEP_COLUMNS`); `experiments/` turns them into parquet files and a summary.
+
+Request metrics follow vLLM's serving benchmark (REFERENCE.md): TTFT = first token - arrival,
+E2E = finish - arrival, TPOT = (E2E - TTFT) / (output tokens of sample 0 - 1) (None for a single
+token), queueing time = first scheduled - arrival. `token_times` are the output token times of
+sample 0 (inter-token latencies are their differences).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from policies.request import Request
+from policies.sequence import Sequence
+
+REQUEST_COLUMNS = (
+    "request_id", "arrival_time", "priority", "prompt_len", "output_len", "n",
+    "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions", "num_swaps",
+    "status", "finish_reason", "ttft", "tpot", "e2e", "queueing_time", "token_times",
+)
+STEP_COLUMNS = (
+    "step", "time", "duration", "num_batched_tokens", "num_prefill_tokens", "num_prefill_seqs",
+    "num_decode_seqs", "num_running", "num_waiting", "num_swapped", "gpu_blocks_used",
+    "gpu_blocks_total", "cpu_blocks_used", "cpu_blocks_total", "kv_tokens", "num_swap_out_blocks",
+    "num_swap_in_blocks", "num_copy_blocks", "num_preempted_recompute", "num_preempted_swap",
+    "num_swap_fallbacks", "num_finished", "num_aborted", "prefix_hits", "prefix_queries",
+)
+EVENT_COLUMNS = ("time", "event", "request_id", "seq_id", "detail")
+EVENTS = ("arrived", "scheduled", "first_token", "preempted", "swapped_out", "swapped_in",
+          "finished", "aborted")
+PREEMPTION_EVENT_MODES = ("recompute", "swap", "recompute_fallback")
+
+
+@dataclass(slots=True)
+class _Live:
+    """What the recorder keeps about a request until it ends."""
+
+    request: Request
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    num_swaps: int = 0
+    token_times: list[float] = field(default_factory=list)
+
+
+class TraceRecorder:
+    """Collects `requests` rows (one per ended request, in end order), `steps` rows (one per
+    `Scheduler.update`) and, if `record_events`, the raw lifecycle `events` (tuples in
+    `EVENT_COLUMNS` order; per-token times are kept in the request rows instead)."""
+
+    def __init__(self, record_events: bool = True) -> None:
+        self.record_events = record_events
+        self.requests: list[dict] = []
+        self.steps: list[dict] = []
+        self.events: list[tuple] = []
+        self._live: dict[str, _Live] = {}
+
+    def _event(self, now: float, event: str, request_id: str, seq_id: int | None, detail: str = "") -> None:
+        if self.record_events:
+            self.events.append((now, event, request_id, seq_id, detail))
+
+    def arrived(self, request: Request, now: float) -> None:
+        self._live[request.request_id] = _Live(request)
+        self._event(now, "arrived", request.request_id, None)
+
+    def scheduled(self, seq: Sequence, now: float) -> None:
+        """A sequence was admitted; only the request's first admission is a lifecycle event."""
+        live = self._live[seq.request.request_id]
+        if live.first_scheduled_time is None:
+            live.first_scheduled_time = now
+            self._event(now, "scheduled", seq.request.request_id, seq.seq_id)
+
+    def first_token(self, seq: Sequence, now: float) -> None:
+        live = self._live[seq.request.request_id]
+        if live.first_token_time is None:
+            live.first_token_time = now
+            self._event(now, "first_token", seq.request.request_id, seq.seq_id)
+
+    def token(self, seq: Sequence, now: float) -> None:
+        """An output token of sample 0 (the scheduler's hot path appends to `token_list` directly)."""
+        self._live[seq.request.request_id].token_times.append(now)
+
+    def token_list(self, request: Request) -> list[float]:
+        """The live list of sample 0's output token times, for cheap appends in the hot path."""
+        return self._live[request.request_id].token_times
+
+    def preempted(self, seq: Sequence, mode: str, now: float) -> None:
+        if mode not in PREEMPTION_EVENT_MODES:
+            raise ValueError(f"mode={mode!r} is invalid: choose one of {PREEMPTION_EVENT_MODES}")
+        self._live[seq.request.request_id].num_preemptions += 1
+        self._event(now, "preempted", seq.request.request_id, seq.seq_id, mode)
+
+    def swapped_out(self, seq: Sequence, now: float) -> None:
+        self._live[seq.request.request_id].num_swaps += 1
+        self._event(now, "swapped_out", seq.request.request_id, seq.seq_id)
+
+    def swapped_in(self, seq: Sequence, now: float) -> None:
+        self._live[seq.request.request_id].num_swaps += 1
+        self._event(now, "swapped_in", seq.request.request_id, seq.seq_id)
+
+    def finished(self, request: Request, seqs: Iterable[Sequence], now: float) -> dict:
+        return self._close("finished", request, seqs, now)
+
+    def aborted(self, request: Request, seqs: Iterable[Sequence], now: float) -> dict:
+        return self._close("aborted", request, seqs, now)
+
+    def step(self, row: dict) -> None:
+        self.steps.append(row)
+
+    def _close(self, status: str, request: Request, seqs: Iterable[Sequence], now: float) -> dict:
+        live = self._live.pop(request.request_id)
+        self._event(now, status, request.request_id, None, request.finish_reason or "")
+        seqs = list(seqs)
+        seq0_outputs = next((s.num_output_tokens for s in seqs if s.sample_index == 0), 0)
+        arrival = request.arrival_time
+        ttft = None if live.first_token_time is None else live.first_token_time - arrival
+        e2e = now - arrival
+        tpot = (e2e - ttft) / (seq0_outputs - 1) if ttft is not None and seq0_outputs > 1 else None
+        queueing = None if live.first_scheduled_time is None else live.first_scheduled_time - arrival
+        row = {
+            "request_id": request.request_id, "arrival_time": arrival, "priority": request.priority,
+            "prompt_len": request.num_prompt_tokens,
+            "output_len": sum(s.num_output_tokens for s in seqs), "n": request.sampling_params.n,
+            "first_scheduled_time": live.first_scheduled_time,
+            "first_token_time": live.first_token_time, "finish_time": now,
+            "num_preemptions": live.num_preemptions, "num_swaps": live.num_swaps, "status": status,
+            "finish_reason": request.finish_reason, "ttft": ttft, "tpot": tpot, "e2e": e2e,
+            "queueing_time": queueing, "token_times": live.token_times,
+        }
+        self.requests.append(row)
+        return row
+
+    @property
+    def num_live(self) -> int:
+        """Requests that arrived and have not ended yet."""
+        return len(self._live)
