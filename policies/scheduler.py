@@ -105,6 +105,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return self.queues.has_unfinished()
 
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """A live request's sequences in sample order. The list itself (children are appended as
+        samples fork) stays valid after the request ends, so the engine can build its outputs."""
+        return self._seqs[request_id]
+
     # ---- requests -------------------------------------------------------------------------
     def add(self, request: Request, now: float) -> None:
         request.validate(self.config.max_model_len)
