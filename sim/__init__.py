@@ -1,0 +1,6 @@
+"""The discrete-event simulator backend (SimPy) and its latency models."""
+from sim.latency import Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel
+from sim.simulator import SIM_TOKEN, SimResult, Simulator
+
+__all__ = ["Hardware", "LatencyModel", "ModelShape", "ProfiledModel", "RooflineModel", "SIM_TOKEN",
+           "SimResult", "Simulator"]

@@ -1,0 +1,57 @@
+"""Backend dispatch for `experiments.run` / `experiments.ab`: `cfg.backend.name` -> a run function.
+
+A backend is one function `run(cfg, workload, recorder, on_done) -> BackendRun`: it builds its
+scheduler (`experiments.factory.build_scheduler`, handing it `recorder`), feeds it `workload`'s
+requests at their arrival times, executes every step, calls `on_done(n)` as n requests end, and
+returns when all have ended. Adding a backend = one `@register_backend("name")` function here (or
+in a module imported here) plus `conf/backend/<name>.yaml` with `name: <name>`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from experiments import factory
+from experiments.workloads import Workload
+from policies.trace import TraceRecorder
+
+
+@dataclass(slots=True)
+class BackendRun:
+    num_steps: int
+    elapsed_s: float  # from t = 0 to the end of the last request, on the backend's clock
+    clock: str  # "simulated" or "wall"
+    info: dict[str, Any] = field(default_factory=dict)  # extras for summary.json
+
+
+BackendFn = Callable[[DictConfig, Workload, TraceRecorder, Callable[[int], None]], BackendRun]
+BACKENDS: dict[str, BackendFn] = {}
+
+
+def register_backend(name: str) -> Callable[[BackendFn], BackendFn]:
+    def wrap(fn: BackendFn) -> BackendFn:
+        BACKENDS[name] = fn
+        return fn
+    return wrap
+
+
+def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
+                on_done: Callable[[int], None] = lambda n: None) -> BackendRun:
+    name = cfg.backend.get("name")
+    if name not in BACKENDS:
+        raise ValueError(f"backend.name={name!r} is unknown: choose one of {sorted(BACKENDS)}")
+    return BACKENDS[name](cfg, workload, recorder, on_done)
+
+
+@register_backend("sim")
+def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
+            on_done: Callable[[int], None]) -> BackendRun:
+    from sim import Simulator
+    gpu, cpu = factory.kv_block_counts(cfg)
+    scheduler = factory.build_scheduler(cfg, gpu, cpu, recorder)
+    latency = factory.build_latency(cfg)
+    result = Simulator(scheduler, latency, workload.requests, workload.stop_lens, on_done).run()
+    return BackendRun(result.num_steps, result.sim_time_s, "simulated",
+                      {"num_gpu_blocks": gpu, "num_cpu_blocks": cpu, "latency_model": latency.name})

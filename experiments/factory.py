@@ -1,0 +1,137 @@
+"""Config -> objects: model/hardware shapes, KV block counts, scheduler, latency model, workload.
+
+Every check raises ValueError naming the config key (`blocks.block_size=0 is invalid: ...`), which
+the entry points print as one line.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.paths import resolve_path
+from experiments.workloads import Workload, build_workload
+from sim.latency import Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel
+
+LATENCY_MODELS = ("roofline", "profiled")
+
+
+def section(cfg: DictConfig, key: str) -> dict[str, Any]:
+    if key not in cfg or cfg[key] is None:
+        raise ValueError(f"{key} is missing from the config")
+    return OmegaConf.to_container(cfg[key], resolve=True)  # type: ignore[return-value]
+
+
+def model_shape(cfg: DictConfig) -> ModelShape:
+    return ModelShape.from_dict(section(cfg, "model"))
+
+
+def hardware(cfg: DictConfig) -> Hardware:
+    return Hardware.from_dict(section(cfg, "hardware"))
+
+
+def _int_at_least(b: Mapping[str, Any], key: str, low: int) -> int:
+    v = b.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"blocks.{key}={v!r} is invalid: must be an integer >= {low}")
+    return v
+
+
+def _gib(b: Mapping[str, Any], key: str, allow_zero: bool) -> float:
+    v = b.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"blocks.{key}={v!r} is invalid: must be a number {'>=' if allow_zero else '>'} 0 (GiB)")
+    return float(v)
+
+
+def block_size(cfg: DictConfig) -> int:
+    bs = cfg.blocks.get("block_size")
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+        raise ValueError(f"blocks.block_size={bs!r} is invalid: must be a power of two >= 1")
+    return bs
+
+
+def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
+    """(num_gpu_blocks, num_cpu_blocks) for the simulated GPU, as vLLM sizes its pools."""
+    b = section(cfg, "blocks")
+    model, hw = model_shape(cfg), hardware(cfg)
+    block_bytes = model.kv_bytes_per_token * block_size(cfg)
+    if b.get("num_gpu_blocks") is not None:
+        gpu = _int_at_least(b, "num_gpu_blocks", 1)
+    elif b.get("kv_cache_gib") is not None:
+        gpu = int(_gib(b, "kv_cache_gib", allow_zero=False) * 2**30 // block_bytes)
+        if gpu < 1:
+            raise ValueError(f"blocks.kv_cache_gib={b['kv_cache_gib']!r} is invalid: it holds no KV block "
+                             f"of {block_bytes} bytes (model={model.name}, block_size={block_size(cfg)})")
+    else:
+        util = b.get("gpu_memory_utilization")
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValueError(f"blocks.gpu_memory_utilization={util!r} is invalid: must be in (0, 1]")
+        sched = cfg.scheduler
+        # Peak activations of one max-size forward (vLLM measures this with a profiling run).
+        activations = (sched.max_num_batched_tokens * (4 * model.hidden_size + 2 * model.intermediate_size)
+                       * model.dtype_bytes + sched.max_num_seqs * model.vocab_size * 4)
+        budget = hw.memory_bytes * util - model.weight_bytes - activations
+        gpu = int(budget // block_bytes)
+        if gpu < 1:
+            raise ValueError(f"blocks.gpu_memory_utilization={util!r} is invalid: {hw.name} memory x {util} "
+                             f"leaves {budget / 2**30:.2f} GiB for KV after weights and activations: no block fits")
+    if b.get("num_cpu_blocks") is not None:
+        cpu = _int_at_least(b, "num_cpu_blocks", 0)
+    else:
+        cpu = int(_gib(b, "swap_space_gib", allow_zero=True) * 2**30 // block_bytes)
+    return gpu, cpu
+
+
+def build_block_manager(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int):
+    from policies.blocks import BLOCK_MANAGERS, make_block_manager
+    kind = cfg.blocks.get("kind")
+    if kind not in BLOCK_MANAGERS:
+        raise ValueError(f"blocks.kind={kind!r} is unknown: choose one of {sorted(BLOCK_MANAGERS)}")
+    watermark = cfg.blocks.get("watermark")
+    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+        raise ValueError(f"blocks.watermark={watermark!r} is invalid: must be in [0, 1)")
+    return make_block_manager(kind, block_size(cfg), num_gpu_blocks, num_cpu_blocks, float(watermark),
+                              cfg.scheduler.max_model_len)
+
+
+def build_scheduler(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int, recorder=None):
+    """The policies.Scheduler for this config (both backends use it; the engine passes its own
+    measured block counts)."""
+    from policies import Scheduler, SchedulerConfig, make_policy
+    pol = section(cfg, "policy")
+    name = pol.pop("name", None)
+    try:
+        policy = make_policy(name, **pol)
+    except TypeError as e:
+        raise ValueError(f"policy: {e} (keys of conf/policy/{name}.yaml must match the policy's arguments)") from None
+    except ValueError as e:
+        raise ValueError(f"policy.{e}") from None
+    s = section(cfg, "scheduler")
+    try:
+        sched_cfg = SchedulerConfig(**s)
+    except TypeError as e:
+        raise ValueError(f"scheduler: {e}") from None
+    return Scheduler(sched_cfg, policy, build_block_manager(cfg, num_gpu_blocks, num_cpu_blocks), recorder)
+
+
+def build_latency(cfg: DictConfig) -> LatencyModel:
+    lat = section(cfg, "latency")
+    name = lat.get("name")
+    if name == "roofline":
+        return RooflineModel(model_shape(cfg), hardware(cfg), block_size(cfg))
+    if name == "profiled":
+        path = resolve_path(str(lat.get("path")))
+        if not path.is_file():
+            raise ValueError(f"latency.path={str(lat.get('path'))!r} is invalid: no such profile. Run "
+                             "`python -m experiments.profile` on that GPU, or try "
+                             "latency.path=experiments/profiles/example-synthetic.csv")
+        return ProfiledModel(path, block_size(cfg), model_name=cfg.model.get("name"))
+    raise ValueError(f"latency.name={name!r} is unknown: choose one of {list(LATENCY_MODELS)}")
+
+
+def workload(cfg: DictConfig) -> Workload:
+    seed = cfg.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} is invalid: must be an integer >= 0")
+    return build_workload(section(cfg, "workload"), seed, model_shape(cfg).vocab_size)

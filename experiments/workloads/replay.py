@@ -1,0 +1,112 @@
+"""Replay a recorded trace: CSV or JSONL (by extension), one request per row/line.
+
+Fields: `arrival_time` (seconds >= 0, required), `prompt_token_ids` (JSONL: a list of ints; CSV:
+space-separated ints) or `prompt_len` (then random token ids, seeded), `output_len` (>= 1,
+required), `priority` (int, default 0), `request_id` (default: the row index), `max_tokens`
+(optional cap >= output_len). Rows are sorted by arrival (stable). Config: `path`, optional
+`num_requests` (first N rows), `time_scale` (multiplies arrival times; 0.5 = twice the rate).
+A malformed row raises ValueError naming the file, the line and the field.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from experiments.paths import resolve_path
+from experiments.workloads import Workload, register_workload
+from experiments.workloads.common import get_int, get_positive, is_int, is_num, make_request
+
+
+def _bad(path: Path, line: int, field: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{path}:{line}: field {field}={value!r} is invalid: {allowed}")
+
+
+def _as_int(path: Path, line: int, row: Mapping[str, Any], field: str, low: int) -> int:
+    v = row.get(field)
+    if isinstance(v, str):
+        try:
+            v = int(v.strip())
+        except ValueError:
+            pass
+    if not is_int(v) or v < low:
+        raise _bad(path, line, field, row.get(field), f"must be an integer >= {low}")
+    return v
+
+
+def read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) for each request in a CSV or JSONL file."""
+    text = path.read_text()
+    if path.suffix == ".csv":
+        return [(k + 2, dict(r)) for k, r in enumerate(csv.DictReader(text.splitlines()))]
+    if path.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"workload.path={str(path)!r} is invalid: must end in .csv or .jsonl")
+    rows = []
+    for k, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{k}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{k}: must be a JSON object, got {type(row).__name__}")
+        rows.append((k, row))
+    return rows
+
+
+def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int,
+            rng: np.random.Generator) -> list[int]:
+    ids = row.get("prompt_token_ids")
+    if ids in (None, ""):
+        n = _as_int(path, line, row, "prompt_len", 1)
+        return rng.integers(0, vocab_size, size=n).tolist()
+    if isinstance(ids, str):
+        try:
+            ids = [int(t) for t in ids.split()]
+        except ValueError:
+            raise _bad(path, line, "prompt_token_ids", row["prompt_token_ids"],
+                       "must be space-separated integers") from None
+    if not isinstance(ids, list) or not ids or not all(is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise _bad(path, line, "prompt_token_ids", ids, f"must be a non-empty list of integers in [0, {vocab_size})")
+    return ids
+
+
+@register_workload("replay")
+def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
+    if not cfg.get("path"):
+        raise ValueError(f"{where}.path={cfg.get('path')!r} is invalid: give a .csv or .jsonl trace file")
+    path = resolve_path(cfg["path"])
+    if not path.is_file():
+        raise ValueError(f"{where}.path={str(cfg['path'])!r} is invalid: no such file")
+    scale = get_positive(cfg, "time_scale", where) if cfg.get("time_scale") is not None else 1.0
+    rows = read_rows(path)
+    if cfg.get("num_requests") is not None:
+        rows = rows[:get_int(cfg, "num_requests", where)]
+    if not rows:
+        raise ValueError(f"{where}.path={str(path)!r} holds no requests")
+    rng = np.random.default_rng(seed)
+    items, seen = [], set()
+    for index, (line, row) in enumerate(rows):
+        t = row.get("arrival_time")
+        if isinstance(t, str):
+            try:
+                t = float(t)
+            except ValueError:
+                pass
+        if not is_num(t) or not t >= 0:
+            raise _bad(path, line, "arrival_time", row.get("arrival_time"), "must be a number >= 0")
+        prompt = _prompt(path, line, row, vocab_size, rng)
+        out = _as_int(path, line, row, "output_len", 1)
+        prio = _as_int(path, line, row, "priority", -2**31) if row.get("priority") not in (None, "") else 0
+        cap = _as_int(path, line, row, "max_tokens", out) if row.get("max_tokens") not in (None, "") else None
+        rid = str(row.get("request_id") or index)
+        if rid in seen:
+            raise _bad(path, line, "request_id", rid, "must be unique in the trace")
+        seen.add(rid)
+        items.append((float(t) * scale, index, make_request(rid, prompt, out, cap, float(t) * scale, prio), out))
+    items.sort(key=lambda it: (it[0], it[1]))
+    return Workload(str(cfg.get("name", "replay")), [it[2] for it in items], [it[3] for it in items])

@@ -1,0 +1,66 @@
+"""The `LatencyModel` interface: how long the backend takes for one scheduler step.
+
+The simulator calls `step_time(out)` before `scheduler.update`, so each scheduled sequence still
+holds its pre-step `num_computed_tokens` (c) and computes `num_new_tokens` (q) tokens at positions
+[c, c + q). A step with q == 1 is a decode (it reads c + 1 KV entries); q > 1 is a prefill chunk
+(possibly over a cached or earlier-computed prefix of c tokens). `swap_time(n)` is the cost of
+moving n KV blocks over the host link; recompute costs nothing extra here because the scheduler
+re-schedules the recomputed tokens as prefill, which `step_time` prices.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from policies.outputs import SchedulerOutput
+
+
+@dataclass(slots=True)
+class BatchShape:
+    """What a latency model needs to know about a step, computed in one pass over `scheduled`."""
+
+    num_prefill_tokens: int = 0  # new tokens of chunks with q > 1
+    num_prefill_seqs: int = 0
+    prefill_context_tokens: int = 0  # sum of c over prefill chunks (cached/earlier prefix read)
+    prefill_attention_pairs: int = 0  # sum of q*c + q*(q+1)/2: (query, key) pairs of causal attention
+    num_decode_seqs: int = 0
+    num_context_tokens: int = 0  # sum of c + 1 over decodes: KV entries the decodes read
+    num_samples: int = 0  # tokens sampled (LM head rows)
+    num_copies: int = 0  # copy-on-write block copies
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> BatchShape:
+        p_tokens = p_seqs = p_ctx = p_pairs = d_seqs = d_ctx = samples = 0
+        for seq, q, n in out.scheduled:
+            c = seq.num_computed_tokens
+            samples += n
+            if q == 1:
+                d_seqs += 1
+                d_ctx += c + 1
+            else:
+                p_seqs += 1
+                p_tokens += q
+                p_ctx += c
+                p_pairs += q * c + (q * (q + 1) >> 1)
+        return cls(p_tokens, p_seqs, p_ctx, p_pairs, d_seqs, d_ctx, samples, len(out.copy))
+
+
+class LatencyModel(ABC):
+    name: str = "base"
+
+    @abstractmethod
+    def step_time(self, out: SchedulerOutput) -> float:
+        """Seconds the forward of `out.scheduled` (plus its copy-on-write copies) takes."""
+
+    @abstractmethod
+    def swap_time(self, num_blocks: int) -> float:
+        """Seconds to move `num_blocks` KV blocks between GPU and CPU (0 for 0 blocks)."""
+
+    def total_time(self, out: SchedulerOutput) -> float:
+        """Step time plus the swap-out and swap-in transfers the backend runs before the forward."""
+        t = self.step_time(out)
+        if out.swap_out:
+            t += self.swap_time(len(out.swap_out))
+        if out.swap_in:
+            t += self.swap_time(len(out.swap_in))
+        return t

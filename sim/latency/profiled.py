@@ -1,0 +1,174 @@
+"""Latency model interpolated from a measured profile (`experiments/profiles/<gpu>-<model>.csv`).
+
+Profile schema (v1). A CSV file whose leading `# key: value` comment lines carry metadata:
+`model` (conf/model name, checked against the run), `block_size` (of the swap rows), `device`,
+and free-form `dtype`, `versions`, `date`, `command`. Then a header and one row per measurement:
+
+    kind,num_prefill_tokens,num_decode_seqs,num_context_tokens,num_blocks,time_s
+
+- `kind=step`: one forward step with `num_prefill_tokens` prefill tokens (new tokens of chunks
+  with more than one token; 0 for a pure decode step), `num_decode_seqs` one-token decodes and
+  `num_context_tokens` = total KV entries those decodes read (sum of their context lengths,
+  new token included; 0 when `num_decode_seqs` is 0). `time_s` = measured step time in seconds
+  (forward + sampling + per-step host overhead). `num_blocks` is empty.
+- `kind=swap`: moving `num_blocks` KV blocks one way over the host link; `time_s` in seconds.
+  The other columns are empty.
+
+Step rows must form a full grid over three axes: the distinct `num_prefill_tokens` values x
+the distinct `num_decode_seqs` values x the distinct context-per-decode values
+(`num_context_tokens / num_decode_seqs`); rows with `num_decode_seqs = 0` stand for every context
+value. Repeated measurements of one grid point are reduced to their median. Step time is
+multilinear in the three axes between grid points (exact at grid points, monotone where the
+data is) and extrapolated linearly outside the grid; swap time is piecewise linear in the
+number of blocks (scaled by block_size / profile block_size), also extrapolated linearly.
+Prefill attention over an earlier-computed prefix is not an axis: chunked prefill is priced as
+a prefill of its new tokens.
+"""
+from __future__ import annotations
+
+import csv
+import statistics
+from bisect import bisect_right
+from pathlib import Path
+
+from policies.outputs import SchedulerOutput
+from sim.latency.base import BatchShape, LatencyModel
+
+COLUMNS = ("kind", "num_prefill_tokens", "num_decode_seqs", "num_context_tokens", "num_blocks", "time_s")
+STEP_FIELDS = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")
+
+
+def read_profile(path: str | Path) -> tuple[dict[str, str], list[tuple[int, dict[str, str]]]]:
+    """Metadata dict and (line number, row) pairs; raises ValueError naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"latency profile {str(path)!r} does not exist")
+    meta: dict[str, str] = {}
+    lines = path.read_text().splitlines()
+    body_start = 0
+    for i, line in enumerate(lines):
+        if line.startswith("#"):
+            key, sep, value = line[1:].partition(":")
+            if sep:
+                meta[key.strip()] = value.strip()
+            body_start = i + 1
+        elif line.strip():
+            break
+        else:
+            body_start = i + 1
+    reader = csv.DictReader(lines[body_start:])
+    missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ValueError(f"{path}:{body_start + 1}: header lacks columns {missing}; expected {list(COLUMNS)}")
+    rows = [(body_start + 2 + k, row) for k, row in enumerate(reader) if any(v for v in row.values())]
+    return meta, rows
+
+
+def _number(path: Path, line: int, row: dict[str, str], name: str, integer: bool) -> float:
+    raw = (row.get(name) or "").strip()
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{path}:{line}: field {name}={raw!r} is invalid: must be {kind} >= 0") from None
+    if value < 0:
+        raise ValueError(f"{path}:{line}: field {name}={raw!r} is invalid: must be >= 0")
+    return value
+
+
+def _segment(axis: list[float], x: float) -> tuple[int, float]:
+    """Index i and weight w with x = (1 - w) axis[i] + w axis[i + 1]; w outside [0, 1] extrapolates."""
+    if len(axis) == 1:
+        return 0, 0.0
+    i = min(max(bisect_right(axis, x) - 1, 0), len(axis) - 2)
+    return i, (x - axis[i]) / (axis[i + 1] - axis[i])
+
+
+class ProfiledModel(LatencyModel):
+    name = "profiled"
+
+    def __init__(self, path: str | Path, block_size: int, model_name: str | None = None) -> None:
+        path = Path(path)
+        self.path = path
+        self.meta, rows = read_profile(path)
+        if model_name is not None and self.meta.get("model") not in (None, model_name):
+            raise ValueError(f"latency profile {str(path)!r} was measured for model={self.meta['model']!r}, "
+                             f"not model={model_name!r}: profile that model or pick its profile")
+        profile_bs = int(self.meta.get("block_size", block_size))
+        self._block_scale = block_size / profile_bs
+        points: dict[tuple[int, int, float], list[float]] = {}
+        swaps: dict[int, list[float]] = {}
+        for line, row in rows:
+            kind = (row.get("kind") or "").strip()
+            t = _number(path, line, row, "time_s", integer=False)
+            if kind == "step":
+                p, d, c = (int(_number(path, line, row, f, integer=True)) for f in STEP_FIELDS)
+                if d == 0 and c != 0:
+                    raise ValueError(f"{path}:{line}: field num_context_tokens={c} is invalid: "
+                                     "must be 0 when num_decode_seqs is 0")
+                points.setdefault((p, d, round(c / d, 6) if d else -1.0), []).append(t)
+            elif kind == "swap":
+                n = int(_number(path, line, row, "num_blocks", integer=True))
+                swaps.setdefault(n, []).append(t)
+            else:
+                raise ValueError(f"{path}:{line}: field kind={kind!r} is invalid: must be 'step' or 'swap'")
+        if not points:
+            raise ValueError(f"latency profile {str(path)!r} has no kind=step rows")
+        if not swaps:
+            raise ValueError(f"latency profile {str(path)!r} has no kind=swap rows")
+        self.prefill_axis = sorted({k[0] for k in points})
+        self.decode_axis = sorted({k[1] for k in points})
+        self.context_axis = sorted({k[2] for k in points if k[1] > 0}) or [0.0]
+        grid = []
+        for p in self.prefill_axis:
+            plane = []
+            for d in self.decode_axis:
+                line_ = []
+                for ctx in self.context_axis:
+                    key = (p, d, ctx if d else -1.0)
+                    if key not in points:
+                        raise ValueError(
+                            f"latency profile {str(path)!r} lacks the grid point num_prefill_tokens={p}, "
+                            f"num_decode_seqs={d}, num_context_tokens={round(ctx * d)}: step rows must "
+                            "cover every combination of the distinct prefill, decode and context-per-decode values")
+                    line_.append(statistics.median(points[key]))
+                plane.append(line_)
+            grid.append(plane)
+        self._grid = grid
+        self.swap_axis = sorted(swaps)
+        self._swap_times = [statistics.median(swaps[n]) for n in self.swap_axis]
+        if len(self.swap_axis) == 1:  # one measurement: proportional through the origin
+            self.swap_axis.insert(0, 0)
+            self._swap_times.insert(0, 0.0)
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        if not out.scheduled:
+            return 0.0
+        b = BatchShape.of(out)
+        return self.lookup(b.num_prefill_tokens, b.num_decode_seqs, b.num_context_tokens)
+
+    def lookup(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int) -> float:
+        ctx = num_context_tokens / num_decode_seqs if num_decode_seqs else self.context_axis[0]
+        ip, wp = _segment(self.prefill_axis, num_prefill_tokens)
+        idd, wd = _segment(self.decode_axis, num_decode_seqs)
+        ic, wc = _segment(self.context_axis, ctx)
+        g = self._grid
+        total = 0.0
+        for a, fa in ((ip, 1 - wp), (ip + 1, wp)):
+            if fa == 0:
+                continue
+            for b, fb in ((idd, 1 - wd), (idd + 1, wd)):
+                if fb == 0:
+                    continue
+                for c, fc in ((ic, 1 - wc), (ic + 1, wc)):
+                    if fc != 0:
+                        total += fa * fb * fc * g[a][b][c]
+        return max(total, 0.0)
+
+    def swap_time(self, num_blocks: int) -> float:
+        if num_blocks <= 0:
+            return 0.0
+        x = num_blocks * self._block_scale
+        i, w = _segment(self.swap_axis, x)
+        ts = self._swap_times
+        return max(ts[i] + w * (ts[i + 1] - ts[i]), 0.0)

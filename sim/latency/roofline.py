@@ -1,0 +1,69 @@
+"""Analytic roofline latency model.
+
+A step runs four phases one after the other; each costs max(bytes / (bw * eb), flops / (rate * e))
+with bw = `hbm_bandwidth`, rate = peak FLOP/s for the model dtype, eb = `bandwidth_efficiency`:
+
+1. GEMMs: bytes = every layer's weights + the LM head (`ModelShape.step_weight_bytes`);
+   flops = 2 * tokens * linear_params + 2 * samples * vocab * hidden; efficiency `gemm_efficiency`.
+2. Elementwise kernels (norms, RoPE, activation, residuals): bytes = tokens * activation bytes/token.
+3. Decode attention (q == 1): bytes = (sum of c + 1) KV entries read; flops = 4 L H D per
+   (query, key) pair; efficiency `attention_efficiency`.
+4. Prefill attention (q > 1): bytes = (sum of c + q) KV entries (the prefix read plus the new
+   tokens written and read); flops = 4 L H D * sum(q c + q (q + 1) / 2) (causal).
+Plus copy-on-write copies (read + write a block each) and a fixed `step_overhead_s`.
+Swap: `swap_latency_s + n * (block_bytes / host_link_bandwidth + swap_block_overhead_s)`.
+"""
+from __future__ import annotations
+
+from policies.outputs import SchedulerOutput
+from sim.latency.base import BatchShape, LatencyModel
+from sim.latency.shapes import Hardware, ModelShape
+
+
+class RooflineModel(LatencyModel):
+    name = "roofline"
+
+    def __init__(self, model: ModelShape, hardware: Hardware, block_size: int) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} is invalid: must be an integer >= 1")
+        self.model, self.hardware, self.block_size = model, hardware, block_size
+        bw = hardware.hbm_bandwidth * hardware.bandwidth_efficiency
+        rate = hardware.flops_for(model.dtype_bytes)
+        # Everything below is per-step constants turned into seconds-per-unit, so step_time is a
+        # handful of multiplications after one pass over the batch.
+        self._weights_s = model.step_weight_bytes / bw
+        self._gemm_s_per_token = 2 * model.linear_params / (rate * hardware.gemm_efficiency)
+        self._gemm_s_per_sample = 2 * model.lm_head_params / (rate * hardware.gemm_efficiency)
+        self._act_s_per_token = model.activation_bytes_per_token / bw
+        self._kv_s_per_token = model.kv_bytes_per_token / bw
+        self._attn_s_per_pair = model.attention_flops_per_pair / (rate * hardware.attention_efficiency)
+        self.block_bytes = model.kv_bytes_per_token * block_size
+        self._copy_s_per_block = 2 * self.block_bytes / bw
+        self._overhead_s = hardware.step_overhead_s
+        self._swap_s_per_block = (self.block_bytes / hardware.host_link_bandwidth
+                                  + hardware.swap_block_overhead_s)
+        self._swap_latency_s = hardware.swap_latency_s
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        return self.shape_time(BatchShape.of(out))
+
+    def shape_time(self, b: BatchShape) -> float:
+        tokens = b.num_prefill_tokens + b.num_decode_seqs
+        if tokens == 0 and b.num_copies == 0:
+            return 0.0
+        t = self._overhead_s + b.num_copies * self._copy_s_per_block
+        if tokens:
+            gemm_compute = tokens * self._gemm_s_per_token + b.num_samples * self._gemm_s_per_sample
+            t += max(self._weights_s, gemm_compute) + tokens * self._act_s_per_token
+        if b.num_decode_seqs:
+            ctx = b.num_context_tokens
+            t += max(ctx * self._kv_s_per_token, ctx * self._attn_s_per_pair)
+        if b.num_prefill_tokens:
+            kv = b.prefill_context_tokens + b.num_prefill_tokens
+            t += max(kv * self._kv_s_per_token, b.prefill_attention_pairs * self._attn_s_per_pair)
+        return t
+
+    def swap_time(self, num_blocks: int) -> float:
+        if num_blocks <= 0:
+            return 0.0
+        return self._swap_latency_s + num_blocks * self._swap_s_per_block
