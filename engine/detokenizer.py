@@ -34,26 +34,33 @@ class Detokenizer:
         return DecodeState(prefix_offset=max(num_prompt_tokens - _CONTEXT_TOKENS, 0),
                            read_offset=num_prompt_tokens)
 
-    def update(self, state: DecodeState, token_ids: list[int]) -> int:
-        """Decode token_ids[state.read_offset:] into state.text; returns how many chars were added."""
-        if state.read_offset >= len(token_ids):
+    def update(self, state: DecodeState, token_ids: list[int], pending: list[int] = (),
+               final: bool = False) -> int:
+        """Decode what follows `state.read_offset` in `token_ids + pending` into state.text (pending:
+        tokens sampled this step, not yet appended to the sequence); returns the chars added.
+        `final`: the sequence ended, so an incomplete trailing character is emitted as U+FFFD."""
+        end = len(token_ids) + len(pending)
+        if state.read_offset >= end:
             return 0
         decode = self.tokenizer.decode
         skip = self.skip_special_tokens
-        prefix_text = decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
-        full_text = decode(token_ids[state.prefix_offset:], skip_special_tokens=skip)
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        window = token_ids[state.prefix_offset:]
+        if pending:
+            window = window + list(pending)
+        prefix_text = decode(window[:state.read_offset - state.prefix_offset], skip_special_tokens=skip)
+        full_text = decode(window, skip_special_tokens=skip)
+        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
             return 0  # an incomplete character (or nothing visible yet): wait for more tokens
         new_text = full_text[len(prefix_text):]
         state.text += new_text
         state.prefix_offset = state.read_offset
-        state.read_offset = len(token_ids)
+        state.read_offset = end
         return len(new_text)
 
     def decode_output(self, token_ids: list[int], num_prompt_tokens: int) -> str:
         """The whole output text at once (the same decoding, over one window)."""
         state = self.new_state(num_prompt_tokens)
-        self.update(state, token_ids)
+        self.update(state, token_ids, final=True)
         return state.text
 
 

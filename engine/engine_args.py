@@ -1,0 +1,87 @@
+"""`EngineArgs`: every knob of `LLMEngine` / `LLM` in one flat dataclass (vLLM's names), and
+the configs built from it for the model runner and the scheduler."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import CacheConfig, ModelConfig, load_model_config
+from policies.policy.base import PREEMPTION_MODES
+
+BLOCK_MANAGERS = ("paged", "prefix", "contiguous")
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str = "tiny-llama"  # conf/model name, local HF dir, or .gguf path
+    dtype: str | None = None  # None: the model's (conf/model yaml or config.json)
+    device: str | None = None  # None: "cuda" when available, else "cpu"
+    tokenizer: str | None = None  # None: from the model's weights (none for dummy weights)
+    detokenize: bool = True  # False: outputs carry token ids only (text "") unless stop strings are set
+    # Scheduling (policies/): which block manager and policy, and the step budget.
+    block_manager: str = "paged"  # paged | prefix | contiguous
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"  # recompute | swap
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01
+    # KV cache.
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0  # GiB of pinned CPU memory
+    num_gpu_blocks: int | None = None  # override the profiled count (required on CPU)
+    enforce_eager: bool = False  # True: no CUDA graphs
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model={self.model!r} is invalid: a conf/model name, an HF dir or a .gguf file")
+        if self.block_manager not in BLOCK_MANAGERS:
+            raise ValueError(f"block_manager={self.block_manager!r} is invalid: choose one of {BLOCK_MANAGERS}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is invalid: "
+                             f"choose one of {PREEMPTION_MODES}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
+                                               or self.max_model_len < 2):
+            raise ValueError(f"max_model_len={self.max_model_len!r} is invalid: None or an integer >= 2")
+        if self.device is not None and self.device.split(":")[0] not in ("cuda", "cpu"):
+            raise ValueError(f"device={self.device!r} is invalid: 'cuda', 'cuda:<i>' or 'cpu'")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"engine arguments {unknown} are unknown: allowed are {sorted(names)}")
+        return cls(**d)
+
+    def resolve_device(self) -> str:
+        import torch
+
+        if self.device is None:
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} is invalid: CUDA is not available here")
+        return self.device
+
+    def model_config(self) -> ModelConfig:
+        return load_model_config(self.model, dtype=self.dtype)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+                           swap_space=self.swap_space, num_gpu_blocks=self.num_gpu_blocks)
+
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        if self.max_model_len is None:
+            return model.max_position_embeddings
+        if self.max_model_len > model.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} is invalid: the model supports at most "
+                             f"max_position_embeddings={model.max_position_embeddings}")
+        return self.max_model_len

