@@ -13,6 +13,7 @@ same requests, scheduler and latency model give the same trace.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 from typing import Callable, Iterable, Mapping
 
 import simpy
@@ -21,6 +22,8 @@ from policies.request import Request
 from sim.latency.base import LatencyModel
 
 SIM_TOKEN = 1
+_num_samples = itemgetter(2)
+_seq_id = attrgetter("seq.seq_id")
 
 
 @dataclass(slots=True)
@@ -102,17 +105,25 @@ class Simulator:
                     f"swapped={sched.num_swapped}) but schedules nothing and no arrival is left")
             idle_rounds = 0
             yield env.timeout(latency.total_time(out))
-            tokens: dict[int, list[int]] = {}
-            stops: list[int] = []
-            for seq, _, n in out.scheduled:
-                if n:
-                    tokens[seq.seq_id] = one if n == 1 else [SIM_TOKEN] * n
-                    if stop_lens:
-                        stop = stop_lens.get(seq.request.request_id)
-                        if stop is not None and seq.num_output_tokens + 1 >= stop:
-                            stops.append(seq.seq_id)
+            scheduled = out.scheduled
+            samples = list(map(_num_samples, scheduled))
+            if samples.count(1) == len(samples):  # the common case: every entry samples one token
+                tokens = dict.fromkeys(map(_seq_id, scheduled), one)
+            else:
+                tokens = {seq.seq_id: [SIM_TOKEN] * n for seq, _, n in scheduled if n}
+            stops = self._stops(scheduled) if stop_lens else None
             self.num_steps += 1
             if stops:
                 sched.update(out, tokens, env.now, stops)
             else:
                 sched.update(out, tokens, env.now)
+
+    def _stops(self, scheduled) -> list[int]:
+        """Sequences whose token sampled this step reaches their request's stop length."""
+        stop_lens, stops = self.stop_lens, []
+        for seq, _, n in scheduled:
+            if n:
+                stop = stop_lens.get(seq.request.request_id)
+                if stop is not None and seq.num_output_tokens + 1 >= stop:
+                    stops.append(seq.seq_id)
+        return stops

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 
 from policies.outputs import SchedulerOutput
 
@@ -30,19 +31,30 @@ class BatchShape:
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> BatchShape:
-        p_tokens = p_seqs = p_ctx = p_pairs = d_seqs = d_ctx = samples = 0
-        for seq, q, n in out.scheduled:
-            c = seq.num_computed_tokens
-            samples += n
-            if q == 1:
-                d_seqs += 1
-                d_ctx += c + 1
-            else:
+        scheduled = out.scheduled
+        n = len(scheduled)
+        # Sums over all entries run in C (map + attrgetter); only prefill chunks, usually few, are
+        # visited in Python. This runs every simulated step.
+        computed = sum(map(_computed, scheduled))
+        new = sum(map(_num_new, scheduled))
+        samples = sum(map(_num_samples, scheduled))
+        if new == n:  # every entry computes one token: all decodes
+            return cls(0, 0, 0, 0, n, computed + n, samples, len(out.copy))
+        p_tokens = p_ctx = p_pairs = p_seqs = 0
+        for seq, q, _ in scheduled:
+            if q > 1:
+                c = seq.num_computed_tokens
                 p_seqs += 1
                 p_tokens += q
                 p_ctx += c
                 p_pairs += q * c + (q * (q + 1) >> 1)
-        return cls(p_tokens, p_seqs, p_ctx, p_pairs, d_seqs, d_ctx, samples, len(out.copy))
+        d_seqs = n - p_seqs
+        return cls(p_tokens, p_seqs, p_ctx, p_pairs, d_seqs, computed - p_ctx + d_seqs, samples, len(out.copy))
+
+
+_computed = attrgetter("seq.num_computed_tokens")
+_num_new = itemgetter(1)
+_num_samples = itemgetter(2)
 
 
 class LatencyModel(ABC):

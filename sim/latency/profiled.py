@@ -30,6 +30,7 @@ import csv
 import statistics
 from bisect import bisect_right
 from pathlib import Path
+from typing import Iterable
 
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel
@@ -62,6 +63,21 @@ def read_profile(path: str | Path) -> tuple[dict[str, str], list[tuple[int, dict
         raise ValueError(f"{path}:{body_start + 1}: header lacks columns {missing}; expected {list(COLUMNS)}")
     rows = [(body_start + 2 + k, row) for k, row in enumerate(reader) if any(v for v in row.values())]
     return meta, rows
+
+
+def write_profile(path: str | Path, meta: dict[str, object], steps: Iterable[tuple[int, int, int, float]],
+                  swaps: Iterable[tuple[int, float]]) -> Path:
+    """Write a profile in this schema: meta as `# key: value` lines (include model, block_size,
+    device), steps as (num_prefill_tokens, num_decode_seqs, num_context_tokens, time_s), swaps as
+    (num_blocks, time_s)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {key}: {value}" for key, value in meta.items()]
+    lines.append(",".join(COLUMNS))
+    lines += [f"step,{p},{d},{c},,{t:.9g}" for p, d, c, t in steps]
+    lines += [f"swap,,,,{n},{t:.9g}" for n, t in swaps]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _number(path: Path, line: int, row: dict[str, str], name: str, integer: bool) -> float:

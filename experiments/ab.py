@@ -1,0 +1,219 @@
+"""`python -m experiments.ab a='[OVERRIDES]' b='[OVERRIDES]' [COMMON OVERRIDES] [--out DIR]`
+
+Runs two configs that differ by the overrides in `a` and `b` (Hydra overrides, comma-separated
+in brackets, e.g. `a='[policy=fcfs]' b='[policy=priority]'`) on the identical request stream (the
+workload is built once from the common config; a and b may not change it), pairs the requests by
+id and reports B - A for every per-request latency (mean, p50, p90, p99; per priority class too)
+with paired-bootstrap confidence intervals, plus the run-level metrics. Writes `a/` and `b/` run
+dirs (full traces), `ab.csv`, `ab.md` and `ab.png` into the output dir
+(default `outputs/ab/<date>/<time>`) and prints the table. Works with any backend
+(`backend=...` as a common override, or in a/b).
+
+    python -m experiments.ab a='[policy=fcfs]' b='[policy=priority]' workload=priority
+    python -m experiments.ab a='[policy.preemption_mode=recompute]' b='[policy.preemption_mode=swap]' \\
+        blocks.num_gpu_blocks=2000
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig, OmegaConf
+
+from experiments import factory
+from experiments.bootstrap import paired_bootstrap
+from experiments.cli import run_cli
+from experiments.run import run
+
+LATENCY_METRICS = ("ttft", "tpot", "e2e", "queueing_time")
+LATENCY_STATS = ("mean", "p50", "p90", "p99")
+CLASS_STATS = ("mean", "p90")
+RUN_METRICS = ("request_throughput", "output_throughput", "goodput", "mean_batch_size", "num_preemptions",
+               "swap_out_blocks", "kv_utilization", "duration_s")
+
+
+def split_overrides(text: str, name: str) -> list[str]:
+    """`[x=1,y=[2,3]]` -> ['x=1', 'y=[2,3]'] (commas inside brackets or quotes stay); `x=1` -> ['x=1']."""
+    text = text.strip()
+    if not (text.startswith("[") and text.endswith("]")):
+        return [text] if text else []
+    items, depth, quote, cur = [], 0, "", ""
+    for ch in text[1:-1]:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    if depth or quote:
+        raise ValueError(f"{name}={text!r} is invalid: unbalanced brackets or quotes")
+    items.append(cur.strip())
+    return [i for i in items if i]
+
+
+@dataclass(slots=True)
+class ABResult:
+    table: pd.DataFrame
+    summary_a: dict[str, Any]
+    summary_b: dict[str, Any]
+    out_dir: Path
+
+
+def compose_pair(common: Sequence[str], a: Sequence[str], b: Sequence[str]) -> tuple[DictConfig, DictConfig]:
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg_a = compose(config_name="config", overrides=[*common, *a])
+        cfg_b = compose(config_name="config", overrides=[*common, *b])
+    for key in ("workload", "seed"):
+        if OmegaConf.to_container(cfg_a, resolve=True)[key] != OmegaConf.to_container(cfg_b, resolve=True)[key]:
+            raise ValueError(f"a and b differ in {key}: an A/B comparison runs one request stream, "
+                             f"so put {key} overrides among the common ones")
+    return cfg_a, cfg_b
+
+
+def _paired(req_a: pd.DataFrame, req_b: pd.DataFrame) -> pd.DataFrame:
+    cols = ["request_id", "priority", "status", *LATENCY_METRICS]
+    both = req_a[cols].merge(req_b[cols], on="request_id", suffixes=("_a", "_b"), validate="one_to_one")
+    if len(both) != len(req_a) or len(both) != len(req_b):
+        raise ValueError(f"A and B ended different request sets ({len(req_a)} vs {len(req_b)} rows, "
+                         f"{len(both)} shared): they must run the same stream")
+    return both[(both["status_a"] == "finished") & (both["status_b"] == "finished")]
+
+
+def paired_table(req_a: pd.DataFrame, req_b: pd.DataFrame, resamples: int = 1000,
+                 confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """One row per (metric, stat, class): A, B, B - A with its bootstrap CI, relative change."""
+    both = _paired(req_a, req_b)
+    groups = [("all", both)]
+    if both["priority_a"].nunique() > 1:
+        groups += [(f"priority={p}", g) for p, g in both.groupby("priority_a", sort=True)]
+    rows = []
+    for scope, g in groups:
+        for metric in LATENCY_METRICS:
+            pair = g[[f"{metric}_a", f"{metric}_b"]].dropna()
+            if pair.empty:
+                continue
+            a, b = pair.iloc[:, 0].to_numpy(), pair.iloc[:, 1].to_numpy()
+            for stat in (LATENCY_STATS if scope == "all" else CLASS_STATS):
+                diff, low, high = paired_bootstrap(a, b, stat, resamples, confidence, seed)
+                base = float(np.mean(a)) if stat == "mean" else float(np.percentile(a, int(stat[1:])))
+                rows.append({"metric": metric, "stat": stat, "scope": scope, "n": len(a), "a": base,
+                             "b": base + diff, "diff": diff, "ci_low": low, "ci_high": high,
+                             "rel_diff": diff / base if base else np.nan,
+                             "significant": bool(low > 0 or high < 0)})
+    return pd.DataFrame(rows)
+
+
+def run_table(summary_a: dict[str, Any], summary_b: dict[str, Any]) -> pd.DataFrame:
+    """Run-level metrics (one value per run, so no interval)."""
+    rows = []
+    for m in RUN_METRICS:
+        a, b = summary_a.get(m), summary_b.get(m)
+        if a is None or b is None:
+            continue
+        rows.append({"metric": m, "stat": "run", "scope": "all", "n": summary_a["completed"], "a": float(a),
+                     "b": float(b), "diff": float(b) - float(a), "ci_low": np.nan, "ci_high": np.nan,
+                     "rel_diff": (float(b) - float(a)) / float(a) if a else np.nan, "significant": None})
+    return pd.DataFrame(rows)
+
+
+def markdown(table: pd.DataFrame, label_a: str, label_b: str, confidence: float) -> str:
+    head = (f"| metric | scope | stat | A: {label_a} | B: {label_b} | B - A | {confidence:.0%} CI | change |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in table.itertuples():
+        latency = r.metric in LATENCY_METRICS
+        f = (lambda x: f"{x * 1e3:.1f} ms") if latency else (lambda x: f"{x:,.3g}")
+        ci = "-" if np.isnan(r.ci_low) else f"[{f(r.ci_low)}, {f(r.ci_high)}]"
+        change = "-" if np.isnan(r.rel_diff) else f"{r.rel_diff:+.1%}" + (" *" if r.significant else "")
+        lines.append(f"| {r.metric} | {r.scope} | {r.stat} | {f(r.a)} | {f(r.b)} | {f(r.diff)} | {ci} | {change} |")
+    return "\n".join(lines) + "\n\n`*`: the confidence interval excludes 0 (paired bootstrap over requests).\n"
+
+
+def ab_figure(table: pd.DataFrame, req_a: pd.DataFrame, req_b: pd.DataFrame, label_a: str, label_b: str):
+    import matplotlib.pyplot as plt
+    from experiments.plots import latency_cdf_figure
+    lat = table[(table["metric"].isin(LATENCY_METRICS)) & (table["stat"] != "run")].reset_index(drop=True)
+    fig, ax = plt.subplots(figsize=(8, 0.28 * len(lat) + 1.2))
+    y = np.arange(len(lat))[::-1]
+    rel = lat["rel_diff"].to_numpy() * 100
+    base = lat["a"].replace(0, np.nan).to_numpy()
+    err = np.vstack([(lat["diff"] - lat["ci_low"]) / base, (lat["ci_high"] - lat["diff"]) / base]) * 100
+    ax.errorbar(rel, y, xerr=np.nan_to_num(err), fmt="o", ms=3, capsize=2)
+    ax.axvline(0, color="gray", lw=0.8)
+    ax.set_yticks(y, [f"{r.metric} {r.stat} ({r.scope})" for r in lat.itertuples()], fontsize=7)
+    ax.set_xlabel(f"B ({label_b}) vs A ({label_a}): change in % with CI")
+    fig.tight_layout()
+    cdf = latency_cdf_figure({f"A: {label_a}": req_a, f"B: {label_b}": req_b})
+    return fig, cdf
+
+
+def compare(cfg_a: DictConfig, cfg_b: DictConfig, out_dir: str | Path, label_a: str = "A", label_b: str = "B",
+            resamples: int = 1000, confidence: float = 0.95) -> ABResult:
+    out_dir = Path(out_dir)
+    workload = factory.workload(cfg_a)
+    summary_a = run(cfg_a, out_dir / "a", f"A: {label_a}", workload.fresh())
+    summary_b = run(cfg_b, out_dir / "b", f"B: {label_b}", workload.fresh())
+    req_a = pd.read_parquet(out_dir / "a" / "requests.parquet")
+    req_b = pd.read_parquet(out_dir / "b" / "requests.parquet")
+    table = pd.concat([paired_table(req_a, req_b, resamples, confidence, int(cfg_a.seed)),
+                       run_table(summary_a, summary_b)], ignore_index=True)
+    table.to_csv(out_dir / "ab.csv", index=False)
+    (out_dir / "ab.md").write_text(markdown(table, label_a, label_b, confidence))
+    fig, cdf = ab_figure(table, req_a, req_b, label_a, label_b)
+    fig.savefig(out_dir / "ab.png", dpi=110)
+    cdf.savefig(out_dir / "ab_cdf.png", dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    plt.close(cdf)
+    return ABResult(table, summary_a, summary_b, out_dir)
+
+
+def _main(argv: Sequence[str] | None = None) -> ABResult:
+    parser = argparse.ArgumentParser(prog="python -m experiments.ab", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="a=[...] b=[...] and common Hydra overrides")
+    parser.add_argument("--out", type=Path, default=None, help="output dir (default outputs/ab/<date>/<time>)")
+    parser.add_argument("--resamples", type=int, default=1000)
+    parser.add_argument("--confidence", type=float, default=0.95)
+    args = parser.parse_args(argv)
+    a, b, common = None, None, []
+    for item in args.overrides:
+        if item.startswith("a="):
+            a = split_overrides(item[2:], "a")
+        elif item.startswith("b="):
+            b = split_overrides(item[2:], "b")
+        else:
+            common.append(item)
+    if a is None or b is None:
+        raise ValueError("a and b are required: e.g. a='[policy=fcfs]' b='[policy=priority]'")
+    if args.resamples < 1:
+        raise ValueError(f"--resamples={args.resamples} is invalid: must be >= 1")
+    cfg_a, cfg_b = compose_pair(common, a, b)
+    out = args.out or Path("outputs/ab") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    label_a, label_b = ",".join(a) or "base", ",".join(b) or "base"
+    result = compare(cfg_a, cfg_b, out, label_a, label_b, args.resamples, args.confidence)
+    print(f"A = {label_a}\nB = {label_b}\ncommon: {' '.join(common) or '(defaults)'}\n")
+    print(markdown(result.table, label_a, label_b, args.confidence))
+    print(f"runs, ab.csv, ab.md, ab.png in {out}")
+    return result
+
+
+def main() -> None:
+    run_cli(_main)
+
+
+if __name__ == "__main__":
+    main()
