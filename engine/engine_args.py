@@ -40,7 +40,8 @@ class EngineArgs:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model={self.model!r} is invalid: a conf/model name, an HF dir or a .gguf file")
         if self.block_manager not in BLOCK_MANAGERS:
-            raise ValueError(f"block_manager={self.block_manager!r} is invalid: choose one of {BLOCK_MANAGERS}")
+            raise ValueError(f"block_manager={self.block_manager!r} is invalid: "
+                             f"choose one of {BLOCK_MANAGERS}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is invalid: "
                              f"choose one of {PREEMPTION_MODES}")

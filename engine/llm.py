@@ -59,6 +59,8 @@ class LLM:
         except ValueError:
             for request_id in request_ids:  # a bad prompt: nothing of this call stays queued
                 self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():  # collect the aborted outputs
+                self.engine.step()
             raise
         return self._run(request_ids, use_tqdm)
 
@@ -79,5 +81,5 @@ class LLM:
                         bar.set_postfix_str(f"output {out_tokens / elapsed:.0f} tok/s", refresh=False)
         missing = [r for r in request_ids if r not in done]
         if missing:
-            raise RuntimeError(f"requests {missing[:5]} ended without an output: engine state is inconsistent")
+            raise RuntimeError(f"requests {missing[:5]} ended without an output: the engine lost them")
         return [done[r] for r in request_ids]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from engine.detokenizer import DecodeState, Detokenizer, find_stop_string
 from engine.engine_args import EngineArgs
@@ -77,8 +77,9 @@ class LLMEngine:
     def _build_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int,
                          recorder: TraceRecorder | None) -> Scheduler:
         a = self.args
-        config = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-                                 max_model_len=self.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill)
+        config = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
+                                 max_num_seqs=a.max_num_seqs, max_model_len=self.max_model_len,
+                                 enable_chunked_prefill=a.enable_chunked_prefill)
         blocks = make_block_manager(a.block_manager, a.block_size, num_gpu_blocks, num_cpu_blocks,
                                     a.watermark, self.max_model_len)
         return Scheduler(config, make_policy(a.policy, preemption_mode=a.preemption_mode), blocks, recorder)
@@ -91,24 +92,28 @@ class LLMEngine:
         return time.perf_counter() - self._start
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
         """Queue a request; raises ValueError (naming the field) on bad input, adding nothing."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params={params!r:.80} is invalid: must be a SamplingParams")
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"sampling_params={params!r:.80} is invalid: must be a SamplingParams")
         params.validate()
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} is invalid: stop strings need a tokenizer and model "
                              f"{self.model_config.name!r} has none (dummy weights); use stop_token_ids")
         if self._extra_eos_ids and not params.ignore_eos:
-            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *self._extra_eos_ids])
+            params = dataclasses.replace(params,
+                                         stop_token_ids=[*params.stop_token_ids, *self._extra_eos_ids])
         if isinstance(prompt, str):
             text, token_ids = prompt, encode_prompt(self.tokenizer, prompt)
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, list(prompt)
         else:
-            raise ValueError(f"prompt={prompt!r:.80} is invalid: must be a string or a list of token ids")
+            raise ValueError(  # noqa: TRY004
+                f"prompt={prompt!r:.80} is invalid: must be a string or a list of token ids")
         now = self.now()
         request = Request(request_id, token_ids, params, now if arrival_time is None else arrival_time,
                           priority, eos_token_id=self.eos_token_id)
@@ -200,7 +205,8 @@ class LLMEngine:
         if live.logprobs is not None:
             self._num_logprob_requests -= 1
         completions = [self._completion(live, seq) for seq in live.seqs]
-        metrics = RequestMetrics(arrival_time=row["arrival_time"], first_scheduled_time=row["first_scheduled_time"],
+        metrics = RequestMetrics(arrival_time=row["arrival_time"],
+                                 first_scheduled_time=row["first_scheduled_time"],
                                  first_token_time=row["first_token_time"], finished_time=row["finish_time"],
                                  num_preemptions=row["num_preemptions"])
         return RequestOutput(request.request_id, live.prompt, request.prompt_token_ids, completions,
@@ -223,7 +229,8 @@ class LLMEngine:
             text = self.detokenizer.decode_output(seq.token_ids, seq.num_prompt_tokens)
         else:
             text = ""
-        if seq.finish_reason == "stop" and stop_reason is None and token_ids and token_ids[-1] in params.stop_token_ids:
+        if (seq.finish_reason == "stop" and stop_reason is None and token_ids
+                and token_ids[-1] in params.stop_token_ids):
             stop_reason = token_ids[-1]
         logprobs = live.logprobs.get(seq.seq_id, []) if live.logprobs is not None else None
         return CompletionOutput(seq.sample_index, text, token_ids, seq.finish_reason, stop_reason, logprobs)

@@ -70,12 +70,11 @@ class Sampler:
             return [SampleResult([t] * n) for t, n in zip(tokens, counts)]
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if min_tok:
+        masked = [(i, t) for i in min_tok for t in _stop_ids(sampled[i], logits.shape[1])]
+        if masked:
+            rows, cols = zip(*masked)
             logits = logits.clone()
-            rows, cols = zip(*[(i, t) for i in min_tok for t in _stop_ids(sampled[i], logits.shape[1])]) \
-                or ((), ())
-            if rows:
-                logits[list(rows), list(cols)] = float("-inf")
+            logits[list(rows), list(cols)] = float("-inf")
         expand = None
         if any(n != 1 for n in counts):
             expand = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(self.device)

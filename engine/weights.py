@@ -12,6 +12,7 @@ transformers' names map onto the fused layout of `engine/models/llama.py` in `lo
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -171,17 +172,63 @@ def resolve_gguf(weights: str) -> Path:
     return path
 
 
-def hf_config_from_gguf(weights: str) -> Any:
-    from transformers import AutoConfig
+@functools.lru_cache(maxsize=4)
+def _gguf_metadata(path: str, mtime: float) -> dict[str, Any]:
+    """Scalar metadata of a GGUF file, plus its vocabulary size and whether it has `output.weight`."""
+    from gguf import GGUFReader
 
+    reader = GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    meta["n_tokens"] = len(tokens.data) if tokens is not None else None
+    meta["has_output"] = any(t.name == "output.weight" for t in reader.tensors)
+    return meta
+
+
+def model_config_from_gguf(weights: str, name: str, dtype: str = "float32") -> ModelConfig:
+    """The model's shapes from a GGUF file's metadata (gguf-py; faster than transformers' parser,
+    which also converts the whole tokenizer)."""
     path = resolve_gguf(weights)
-    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    meta = _gguf_metadata(str(path), path.stat().st_mtime)
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"general.architecture={arch!r} in {path.name} is not supported: "
+                         "llama, qwen2 or qwen3")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    if get("expert_count"):
+        raise ValueError(f"{arch}.expert_count={get('expert_count')} in {path.name} is not supported: "
+                         "mixture-of-experts models are not supported")
+    if get("rope.scaling.type", "none") != "none":
+        raise ValueError(f"{arch}.rope.scaling.type={get('rope.scaling.type')!r} in {path.name} is not "
+                         "supported: only unscaled RoPE from GGUF")
+    heads, hidden = get("attention.head_count"), get("embedding_length")
+    head_dim = get("attention.key_length") or hidden // heads
+    if get("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{arch}.rope.dimension_count={get('rope.dimension_count')} in {path.name} is not "
+                         f"supported: partial rotary (head_dim={head_dim})")
+    return ModelConfig(
+        name=name, architecture=arch, hidden_size=hidden, intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"), num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv") or heads, head_dim=head_dim,
+        vocab_size=get("vocab_size") or meta["n_tokens"], max_position_embeddings=get("context_length"),
+        rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=None,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings=not meta["has_output"], attention_bias=arch == "qwen2", dtype=dtype,
+        weights=weights, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
 
 
-def gguf_state_dict(weights: str) -> dict[str, torch.Tensor]:
+def gguf_hf_model(weights: str) -> Any:
+    """transformers' model of a GGUF file (dequantized to float32)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_gguf(weights)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                    dtype=torch.float32)
-    return hf_model.state_dict()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+
+
+def gguf_state_dict(weights: str) -> dict[str, torch.Tensor]:
+    return gguf_hf_model(weights).state_dict()
