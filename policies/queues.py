@@ -39,6 +39,7 @@ class SchedulerQueues:
         self.swapped: deque[Sequence] = deque()
         self.running_cost = 0
         self.kv_tokens = 0
+        self.running_version = 0  # bumped whenever the running queue changes
 
     def add_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -52,6 +53,7 @@ class SchedulerQueues:
         """`cost` overrides `seq_cost` (a forked child: its parent already holds its slot)."""
         seq.status = RUNNING
         _insert(self.running, seq, self.key)
+        self.running_version += 1
         self.running_cost += seq_cost(seq) if cost is None else cost
         self.kv_tokens += seq.num_computed_tokens
 
@@ -60,6 +62,7 @@ class SchedulerQueues:
         status = seq.status
         if status is RUNNING:
             self.running.remove(seq)
+            self.running_version += 1
             self.running_cost -= seq_cost(seq)
             self.kv_tokens -= seq.num_computed_tokens
         elif status is SequenceStatus.WAITING:

@@ -60,6 +60,8 @@ class _StepStats:
     num_prefill_tokens: int = 0
     num_prefill_seqs: int = 0
     num_decode_seqs: int = 0
+    num_partial: int = 0  # prefill chunks that do not finish their sequence (sample nothing)
+    num_running: int = 0  # running sequences when schedule() returned
 
 
 class Scheduler:
@@ -79,6 +81,11 @@ class Scheduler:
         # Per live sequence: (stop length, min length, eos or None, stop ids or None, token times).
         self._stop_info: dict[Sequence, tuple] = {}
         self._decode_entries: dict[Sequence, ScheduledSeq] = {}  # reused every decode step
+        # Decode fast path: every running sequence has exactly one token to compute, and the
+        # entries of the last full decode batch (valid while the running queue is unchanged).
+        self._all_decoding = False
+        self._batch_entries: tuple[int, list[ScheduledSeq]] = (-1, [])
+        self._block_mask = block_manager.block_size - 1
         self._next_seq_id = 0
         self._num_added = 0
         self._now = 0.0
@@ -109,6 +116,18 @@ class Scheduler:
         """A live request's sequences in sample order. The list itself (children are appended as
         samples fork) stays valid after the request ends, so the engine can build its outputs."""
         return self._seqs[request_id]
+
+    def check_invariants(self) -> None:
+        """For tests, between steps: queues ordered and consistent, every live sequence queued or
+        finished, sequence slots within max_num_seqs, and the block manager's own invariants."""
+        self.queues.check()
+        live = [seq for family in self._seqs.values() for seq in family]
+        queued = {id(seq) for queue in (self.queues.waiting, self.queues.running, self.queues.swapped)
+                  for seq in queue}
+        assert all(seq.is_finished or id(seq) in queued for seq in live), "a live sequence is lost"
+        assert len(queued) == sum(not seq.is_finished for seq in live), "a queued sequence is not live"
+        assert self.queues.running_cost <= self.config.max_num_seqs, "running sequences exceed max_num_seqs"
+        self.block_manager.check_invariants(live)
 
     # ---- requests -------------------------------------------------------------------------
     def add(self, request: Request, now: float) -> None:
@@ -153,6 +172,7 @@ class Scheduler:
             if not preempted:
                 self._admit(out, budget, now, take_waiting=False, take_swapped=True)
         self.preemptor.end_step()
+        self._stats.num_running = len(queues.running)
         if self._to_report:  # aborted since the last schedule(), including too_long ones just now
             out.aborted, self._to_report = self._to_report, []
         return out
@@ -176,9 +196,12 @@ class Scheduler:
         running = self.queues.running
         if not running:
             return budget, False
-        decodes = [seq for seq in running if len(seq.token_ids) - seq.num_computed_tokens == 1]
-        prefills = [seq for seq in running if len(seq.token_ids) - seq.num_computed_tokens != 1] \
-            if len(decodes) < len(running) else []
+        if self._all_decoding:
+            decodes, prefills = running, []
+        else:
+            decodes = [seq for seq in running if len(seq.token_ids) - seq.num_computed_tokens == 1]
+            prefills = [seq for seq in running if len(seq.token_ids) - seq.num_computed_tokens != 1] \
+                if len(decodes) < len(running) else []
         if len(decodes) > budget:
             decodes = decodes[:budget]
         # Hot path: one block-manager call for the whole decode batch when it surely fits.
@@ -186,10 +209,16 @@ class Scheduler:
         preempted = False
         if copies is not None:
             out.copy.extend(copies)
-            out.scheduled.extend(map(self._decode_entries.__getitem__, decodes))
+            version = self.queues.running_version
+            if decodes is running and self._batch_entries[0] == version:
+                out.scheduled.extend(self._batch_entries[1])
+            else:
+                out.scheduled.extend(map(self._decode_entries.__getitem__, decodes))
+                if decodes is running:
+                    self._batch_entries = (version, out.scheduled.copy())
             budget -= len(decodes)
         else:
-            budget, preempted = self._schedule_one_by_one(out, decodes, budget, now, decode=True)
+            budget, preempted = self._schedule_one_by_one(out, list(decodes), budget, now, decode=True)
         self._stats.num_decode_seqs = len(out.scheduled)
         if prefills and budget:
             budget, preempted_prefill = self._schedule_one_by_one(out, prefills, budget, now, decode=False)
@@ -289,6 +318,7 @@ class Scheduler:
         samples = seq_cost(seq) if chunk == uncomputed else 0
         out.scheduled.append(ScheduledSeq(seq, chunk, samples))
         stats = self._stats
+        stats.num_partial += not samples
         if uncomputed > 1:
             stats.num_prefill_tokens += chunk
             stats.num_prefill_seqs += 1
@@ -298,31 +328,62 @@ class Scheduler:
     # ---- update ---------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, new_token_ids: dict[int, list[int]], now: float,
                stop_seq_ids: Collection[int] = ()) -> list[Request]:
+        if self._stats_out is not out:
+            raise ValueError("update() got an output that is not the last one schedule() returned")
         self._now = now
         mark, skip_aborted = self._mark_computed, self._aborted_in_flight
-        append_token = self._append_token
-        num_new_tokens = 0
+        # mark_computed is due after a prefill chunk, after a decode that fills a block, and after
+        # any step that ran block copies (contiguous releases their sources then).
+        mask = 0 if out.copy else self._block_mask
+        stop_info, first_token = self._stop_info, self.recorder.first_token
+        finish, fork = self._finish, self._fork
+        stats = self._stats
+        self.queues.kv_tokens += stats.num_prefill_tokens + stats.num_decode_seqs
+        # The hot loop: one decode token per sequence, stop rules inlined (see _append_token).
         for seq, num_new, num_samples in out.scheduled:
             if skip_aborted and seq.status is not RUNNING:
-                continue  # aborted between schedule() and update()
+                self.queues.kv_tokens -= num_new  # aborted between schedule() and update()
+                continue
             seq.num_computed_tokens += num_new
-            num_new_tokens += num_new
-            if mark is not None:
+            if mark is not None and (num_new != 1 or not seq.num_computed_tokens & mask):
                 mark(seq)
-            if num_samples:
-                tokens = new_token_ids.get(seq.seq_id)
-                if tokens is None or len(tokens) != num_samples:
-                    raise ValueError(f"new_token_ids[{seq.seq_id}]={tokens!r} is invalid: sequence "
-                                     f"{seq.seq_id} was scheduled to sample {num_samples} token(s)")
-                if num_samples == 1:
-                    append_token(seq, tokens[0], now, stop_seq_ids)
-                else:
-                    self._fork(seq, tokens, now, stop_seq_ids)
-        self.queues.kv_tokens += num_new_tokens
+            if num_samples != 1:
+                if num_samples:
+                    fork(seq, self._tokens_for(seq, num_samples, new_token_ids), now, stop_seq_ids)
+                continue
+            try:
+                (token,) = new_token_ids[seq.seq_id]
+            except (KeyError, TypeError, ValueError):
+                self._tokens_for(seq, 1, new_token_ids)  # raises a clear ValueError
+                raise
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            stop_len, min_len, eos, stop_ids, times = stop_info[seq]
+            if times is not None:
+                if not times:
+                    first_token(seq, now)
+                times.append(now)
+            num_tokens = len(token_ids)
+            if num_tokens >= min_len and (token == eos or (stop_ids is not None and token in stop_ids)
+                                          or (stop_seq_ids and seq.seq_id in stop_seq_ids)):
+                finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
+            elif num_tokens >= stop_len:
+                finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
+        # Every running sequence sampled this step: each now has exactly one token to compute.
+        self._all_decoding = (not skip_aborted and
+                              len(out.scheduled) - stats.num_partial == stats.num_running)
         self._aborted_in_flight = False
         ended, self._ended = self._ended, []
         self._record_step(out, now, ended)
         return ended
+
+    @staticmethod
+    def _tokens_for(seq: Sequence, num_samples: int, new_token_ids: dict[int, list[int]]) -> list[int]:
+        tokens = new_token_ids.get(seq.seq_id) if isinstance(new_token_ids, dict) else None
+        if not isinstance(tokens, (list, tuple)) or len(tokens) != num_samples:
+            raise ValueError(f"new_token_ids[{seq.seq_id}]={tokens!r} is invalid: sequence {seq.seq_id} "
+                             f"was scheduled to sample {num_samples} token(s)")
+        return list(tokens)
 
     def _append_token(self, seq: Sequence, token: int, now: float, stop_seq_ids: Collection[int]) -> None:
         token_ids = seq.token_ids
@@ -335,7 +396,7 @@ class Scheduler:
         num_tokens = len(token_ids)
         # vLLM's order: stop conditions (after min_tokens) win over length limits.
         if num_tokens >= min_len and (token == eos or (stop_ids is not None and token in stop_ids)
-                                      or seq.seq_id in stop_seq_ids):
+                                      or (stop_seq_ids and seq.seq_id in stop_seq_ids)):
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
         elif num_tokens >= stop_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
@@ -413,7 +474,8 @@ class Scheduler:
     def _recount(self, out: SchedulerOutput) -> None:
         self._stats = stats = _StepStats()
         self._stats_out = out
-        for seq, num_new, _ in out.scheduled:
+        for seq, num_new, num_samples in out.scheduled:
+            stats.num_partial += not num_samples
             if len(seq.token_ids) - seq.num_computed_tokens > 1:
                 stats.num_prefill_tokens += num_new
                 stats.num_prefill_seqs += 1
@@ -422,8 +484,6 @@ class Scheduler:
 
     def _record_step(self, out: SchedulerOutput, now: float, ended: list[Request]) -> None:
         stats, counts = self._stats, self.preemptor.counts
-        if self._stats_out is not out:
-            raise ValueError("update() got an output that is not the last one schedule() returned")
         usage, queues = self.block_manager.usage(), self.queues
         num_aborted = sum(1 for r in ended if r.finish_reason.startswith("abort:"))
         self.recorder.step({
