@@ -1,0 +1,154 @@
+"""Sim-vs-engine comparison as pure functions over run traces (used by `experiments.fidelity` and
+its tests).
+
+`error_rows(engine, sim)`: for each headline metric the engine value (truth), the simulator's and
+the relative error (sim - engine) / engine, with the issue's targets: <= 5% on request and output
+token throughput and mean TPOT, <= 10% on p90 TTFT (the others are reported without a target).
+Metrics come from `experiments.metrics.summarize` over each run's requests and steps, so both
+sides use vLLM's definitions on the same trace schema.
+
+`ranking_row(...)`: an A/B difference (B - A of one metric) measured on the engine and predicted
+by the simulator: does the simulator get its sign, and how close is its size.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+
+from experiments.metrics import summarize
+
+# (column, label, summary path, target or None)
+METRICS = (
+    ("request_throughput", "request throughput (req/s)", ("request_throughput",), 0.05),
+    ("output_throughput", "output throughput (tok/s)", ("output_throughput",), 0.05),
+    ("ttft_mean", "mean TTFT (s)", ("ttft", "mean"), None),
+    ("ttft_p90", "p90 TTFT (s)", ("ttft", "p90"), 0.10),
+    ("tpot_mean", "mean TPOT (s)", ("tpot", "mean"), 0.05),
+    ("e2e_mean", "mean e2e (s)", ("e2e", "mean"), None),
+    ("num_preemptions", "preemptions", ("num_preemptions",), None),
+)
+SIZE_TOLERANCE = 0.25  # a predicted A/B difference "has the right size" within +-25% of the engine's
+
+
+def metric_values(summary: Mapping[str, Any]) -> dict[str, float]:
+    out = {}
+    for col, _, path, _ in METRICS:
+        v: Any = summary
+        for key in path:
+            v = None if v is None else v.get(key)
+        out[col] = math.nan if v is None else float(v)
+    return out
+
+
+def summary_of(requests: pd.DataFrame, steps: pd.DataFrame, block_size: int) -> dict[str, Any]:
+    return summarize(requests, steps, block_size)
+
+
+def relative_error(sim: float, engine: float) -> float:
+    """(sim - engine) / |engine|; 0 when both are 0, nan when only the engine's is 0 or one is nan."""
+    if math.isnan(sim) or math.isnan(engine):
+        return math.nan
+    if engine == 0:
+        return 0.0 if sim == 0 else math.nan
+    return (sim - engine) / abs(engine)
+
+
+def error_rows(engine: Mapping[str, Any], sim: Mapping[str, Any], scenario: str) -> list[dict[str, Any]]:
+    """One row per metric: engine, sim, relative error, target, whether it is met."""
+    e, s = metric_values(engine), metric_values(sim)
+    rows = []
+    for col, label, _, target in METRICS:
+        err = relative_error(s[col], e[col])
+        ok = None if target is None or math.isnan(err) else abs(err) <= target
+        rows.append({"scenario": scenario, "metric": col, "label": label, "engine": e[col], "sim": s[col],
+                     "rel_error": err, "target": target, "within_target": ok})
+    return rows
+
+
+def error_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=["scenario", "metric", "label", "engine", "sim", "rel_error", "target",
+                                       "within_target"])
+
+
+def _num(v: float, metric: str) -> str:
+    if math.isnan(v):
+        return "-"
+    if metric in ("ttft_mean", "ttft_p90", "tpot_mean", "e2e_mean"):
+        return f"{v * 1e3:.1f} ms"
+    if metric == "num_preemptions":
+        return f"{v:.0f}"
+    return f"{v:,.2f}"
+
+
+def error_markdown(table: pd.DataFrame) -> str:
+    """Scenarios as rows; per metric `engine / sim (error)`; a mark where a target is missed."""
+    metrics = [m for m, *_ in METRICS]
+    labels = {m: lab for m, lab, *_ in METRICS}
+    lines = ["| scenario | " + " | ".join(labels[m] for m in metrics) + " |",
+             "|---|" + "---:|" * len(metrics)]
+    for scenario, g in table.groupby("scenario", sort=False):
+        cells = []
+        for m in metrics:
+            r = g[g["metric"] == m].iloc[0]
+            err = "-" if math.isnan(r["rel_error"]) else f"{r['rel_error']:+.1%}"
+            miss = " **!**" if r["within_target"] is False else ""
+            cells.append(f"{_num(r['engine'], m)} / {_num(r['sim'], m)} ({err}){miss}")
+        lines.append(f"| {scenario} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Cells: engine / simulator (relative error of the simulator). Targets: <= 5% on both "
+                 "throughputs and mean TPOT, <= 10% on p90 TTFT; **!** marks a missed target.")
+    return "\n".join(lines) + "\n"
+
+
+def target_summary(table: pd.DataFrame) -> str:
+    judged = table[table["within_target"].notna()]
+    met = int(judged["within_target"].astype(bool).sum())
+    worst = judged.loc[judged["rel_error"].abs().idxmax()] if len(judged) else None
+    text = f"{met}/{len(judged)} targeted errors within target"
+    if worst is not None:
+        text += f"; largest {worst['rel_error']:+.1%} ({worst['scenario']}, {worst['metric']})"
+    return text
+
+
+def ranking_row(name: str, metric: str, engine_ab: Mapping[str, float], sim_ab: Mapping[str, float]) -> dict[str, Any]:
+    """`engine_ab`/`sim_ab`: {a, b, diff, ci_low, ci_high} of one A/B metric (B - A) on each backend."""
+    ed, sd = engine_ab["diff"], sim_ab["diff"]
+    significant = not (engine_ab.get("ci_low", math.nan) <= 0 <= engine_ab.get("ci_high", math.nan))
+    sign_ok = bool(np.sign(ed) == np.sign(sd))
+    ratio = sd / ed if ed else math.nan
+    return {"comparison": name, "metric": metric,
+            "engine_a": engine_ab["a"], "engine_b": engine_ab["b"], "engine_diff": ed,
+            "engine_rel": ed / engine_ab["a"] if engine_ab["a"] else math.nan, "engine_significant": significant,
+            "sim_a": sim_ab["a"], "sim_b": sim_ab["b"], "sim_diff": sd,
+            "sim_rel": sd / sim_ab["a"] if sim_ab["a"] else math.nan,
+            "sign_predicted": sign_ok, "size_ratio": ratio,
+            "size_predicted": bool(sign_ok and abs(ratio - 1) <= SIZE_TOLERANCE)}
+
+
+def ranking_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| comparison | metric | engine A -> B (change) | sim A -> B (change) | sign | size (sim/engine) |",
+             "|---|---|---:|---:|:---:|---:|"]
+    for r in rows:
+        latency = r["metric"].split()[0] in ("ttft", "tpot", "e2e", "queueing_time")
+        f = (lambda x: f"{x * 1e3:.1f} ms") if latency else (lambda x: f"{x:,.3g}")
+        sig = "" if r["engine_significant"] else " (n.s.)"
+        lines.append(
+            f"| {r['comparison']} | {r['metric']} | {f(r['engine_a'])} -> {f(r['engine_b'])} "
+            f"({r['engine_rel']:+.1%}){sig} | {f(r['sim_a'])} -> {f(r['sim_b'])} ({r['sim_rel']:+.1%}) | "
+            f"{'yes' if r['sign_predicted'] else 'NO'} | {r['size_ratio']:.2f} "
+            f"{'(ok)' if r['size_predicted'] else '(off)'} |")
+    lines.append("")
+    lines.append(f"sign: the simulator's B - A has the engine's sign; size: simulator difference / engine "
+                 f"difference, ok within +-{SIZE_TOLERANCE:.0%}; (n.s.): the engine's 95% paired-bootstrap "
+                 "interval includes 0.")
+    return "\n".join(lines) + "\n"
+
+
+def kv_usage(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(step end times, fraction of GPU KV blocks in use) of a run."""
+    t = (steps["time"] + steps["duration"]).to_numpy(dtype=float)
+    total = steps["gpu_blocks_total"].replace(0, np.nan).to_numpy(dtype=float)
+    return t, steps["gpu_blocks_used"].to_numpy(dtype=float) / total

@@ -1,0 +1,196 @@
+"""`python -m experiments.profile model=qwen3-0.6b [overrides]`: measure the engine's step times on
+this machine and write the latency profile the simulator's `profiled` model reads
+(`experiments/profiles/<gpu>-<model>.csv`, schema in sim/latency/profiled.py), then calibrate the
+roofline model from it (`conf/hardware/<gpu>-calibrated.yaml`, experiments/calibrate.py).
+
+What is timed: `ModelRunner.execute(out)` on synthetic `SchedulerOutput`s (fake sequences with
+their own KV blocks, experiments/profiling/synthetic.py): host input preparation, the device
+copies, the forward (a captured CUDA graph for decode-only steps, as in the engine), logits and
+sampling, and the sampled tokens' copy back; CUDA-synchronised wall clock, `warmup` untimed runs
+then the median of `repeats`. The scheduler's CPU cost per step (schedule + update, which
+`execute` does not include) is measured separately on a real Scheduler (profiling/host.py) and
+added: `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N blocks each way.
+
+    python -m experiments.profile model=qwen3-0.6b            # the GPU profile (~1 min on an H200)
+    python -m experiments.profile model=tiny-qwen3 profile_grid=tiny device=cpu out=/tmp/p.csv
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from experiments.cli import run_cli
+from experiments.paths import REPO_ROOT
+from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
+from experiments.profiling.host import host_overhead
+from experiments.profiling.synthetic import StepShape, blocks_needed, swap_mapping, synthetic_step
+
+HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
+
+
+def gpu_slug(device_name: str) -> str:
+    """'NVIDIA H200' -> 'h200' (a conf/hardware name it contains), else a slug of the name."""
+    low = device_name.lower()
+    known = sorted((p.stem for p in HARDWARE_DIR.glob("*.yaml") if "-" not in p.stem), key=len, reverse=True)
+    for stem in known:
+        if stem in low:
+            return stem
+    return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "device"
+
+
+def versions() -> str:
+    import torch
+    import transformers
+    try:
+        import triton
+        tri = triton.__version__
+    except ImportError:
+        tri = "none"
+    return f"torch {torch.__version__}, triton {tri}, transformers {transformers.__version__}"
+
+
+def _timer(device) -> Callable[[Callable[[], Any], int, int], float]:
+    import torch
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def median_time(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+        for _ in range(warmup):
+            fn()
+        sync()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    return median_time
+
+
+def build_runner(cfg: DictConfig, grid: ProfileGrid):
+    """A ModelRunner whose KV cache holds the largest grid step and whose swap pool the largest swap."""
+    import torch
+
+    from engine.config import CacheConfig, ModelConfig
+    from engine.model_runner import ModelRunner
+    model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    bs = cfg.block_size
+    shapes = grid.step_shapes() + grid.split_shapes()
+    num_gpu_blocks = max(max(blocks_needed(s, bs) for s in shapes), max(grid.swap_blocks),
+                         math.ceil(cfg.max_model_len / bs)) + 1
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = cfg.dtype or (model.dtype if device.startswith("cuda") else "float32")
+    block_bytes = bs * model.kv_bytes_per_token(getattr(torch, dtype))
+    swap_gib = (max(grid.swap_blocks) + 1) * block_bytes / 2**30
+    if max(grid.decode_seqs) > cfg.max_num_seqs:
+        raise ValueError(f"profile_grid.decode_seqs max {max(grid.decode_seqs)} is invalid: must be <= "
+                         f"max_num_seqs={cfg.max_num_seqs} (the engine's decode batches never exceed it)")
+    if max(grid.context_per_decode) > cfg.max_model_len:
+        raise ValueError(f"profile_grid.context_per_decode max {max(grid.context_per_decode)} is invalid: "
+                         f"must be <= max_model_len={cfg.max_model_len}")
+    cache = CacheConfig(block_size=bs, swap_space=swap_gib * 1.001, num_gpu_blocks=num_gpu_blocks)
+    return ModelRunner(model, cache, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                       max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, device=device,
+                       dtype=dtype, enforce_eager=cfg.enforce_eager, seed=cfg.seed)
+
+
+def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], float]:
+    """Step rows (forward_s + host_s), swap rows, and the fitted prefill_pair_s."""
+    median_time = _timer(runner.device)
+    bs, n_gpu = runner.block_size, runner.num_gpu_blocks
+    forward: dict[tuple[int, int, int, int], float] = {}
+    shapes = grid.step_shapes() + [s for s in grid.split_shapes() if s.num_prefill_seqs > 1]
+    for shape in tqdm(shapes, desc="steps", unit="shape", disable=not cfg.progress, dynamic_ncols=True):
+        out = synthetic_step(shape, bs, n_gpu, runner.vocab_size, seed=cfg.seed)
+        key = (shape.num_prefill_tokens, shape.num_prefill_seqs, shape.num_decode_seqs, shape.context_per_decode)
+        forward[key] = median_time(lambda: runner.execute(out), cfg.warmup, cfg.repeats)
+    host = {(p, d): host_overhead(p, d, bs, cfg.host_repeats, cfg.seed)
+            for p in grid.prefill_tokens for d in grid.decode_seqs if p or d}
+    rows = []
+    for s in grid.step_shapes():
+        f = forward[(s.num_prefill_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.context_per_decode)]
+        h = host[(s.num_prefill_tokens, s.num_decode_seqs)]
+        rows.append({"kind": "step", "num_prefill_tokens": s.num_prefill_tokens,
+                     "num_decode_seqs": s.num_decode_seqs, "num_context_tokens": s.num_context_tokens,
+                     "time_s": f + h, "forward_s": f, "host_s": h})
+    split = [(s.num_prefill_tokens, s.prefill_attention_pairs,
+              forward[(s.num_prefill_tokens, s.num_prefill_seqs, 0, 0)]) for s in grid.split_shapes()]
+    kv = runner.kv_cache
+    for n in grid.swap_blocks:
+        mapping = swap_mapping(n, n_gpu, runner.num_cpu_blocks)
+        back = {c: g for g, c in mapping.items()}
+        for name, fn in (("out", lambda: kv.apply(mapping, {}, [])), ("in", lambda: kv.apply({}, back, []))):
+            rows.append({"kind": "swap", "num_blocks": n, "time_s": median_time(fn, cfg.warmup, cfg.repeats)})
+    return rows, fit_prefill_pair_s(split)
+
+
+def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
+    """Build the runner, measure the grid, write the CSV; returns (path, metadata)."""
+    import torch
+    grid = ProfileGrid.from_dict(OmegaConf.to_container(cfg.profile_grid, resolve=True))
+    for key in ("warmup", "repeats", "host_repeats"):
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < (0 if key == "warmup" else 1):
+            raise ValueError(f"{key}={cfg[key]!r} is invalid: must be an integer >= {0 if key == 'warmup' else 1}")
+    start = time.perf_counter()
+    runner = build_runner(cfg, grid)
+    setup_s = time.perf_counter() - start
+    rows, pair_s = measure(cfg, runner, grid)
+    dev = runner.device
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    gpu = cfg.gpu or gpu_slug(device_name)
+    meta = {
+        "model": cfg.model.name, "block_size": runner.block_size, "device": device_name,
+        "dtype": str(runner.dtype).replace("torch.", ""), "versions": versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "engine": (f"ModelRunner max_num_batched_tokens={cfg.max_num_batched_tokens} max_num_seqs="
+                   f"{cfg.max_num_seqs} max_model_len={cfg.max_model_len} enforce_eager={cfg.enforce_eager}"),
+        "timing": (f"execute() wall clock, CUDA-synchronised; {cfg.warmup} warm-up runs, median of "
+                   f"{cfg.repeats}; host_s = scheduler schedule+update measured on a real Scheduler "
+                   f"(median of {cfg.host_repeats}), time_s = forward_s + host_s"),
+        "prefill_layout": "one sequence per step, no prefix, sampling one token",
+        "prefill_pair_s": f"{pair_s:.6e}",
+    }
+    if runner.graphs is not None:
+        meta["decode_graph_sizes"] = " ".join(str(s) for s in runner.graphs.sizes)
+    meta["elapsed_s"] = f"{time.perf_counter() - start:.1f} (runner setup {setup_s:.1f})"
+    out = Path(cfg.out) if cfg.out else REPO_ROOT / "experiments" / "profiles" / f"{gpu}-{cfg.model.name}.csv"
+    path = write_profile(out, meta, rows)
+    meta["gpu"] = gpu
+    return path, meta
+
+
+@hydra.main(config_path="../conf", config_name="profile", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    command = "python -m experiments.profile " + " ".join(sys.argv[1:])
+    path, meta = profile(cfg, command.strip())
+    steps = sum(1 for line in path.read_text().splitlines() if line.startswith("step,"))
+    print(f"profile of {meta['model']} on {meta['device']}: {steps} step rows, prefill_pair_s="
+          f"{meta['prefill_pair_s']}, {meta['elapsed_s']}s -> {path}")
+    if cfg.calibrate:
+        from experiments.calibrate import calibrate_to_file
+        hw = HARDWARE_DIR / f"{meta['gpu']}.yaml"
+        if not hw.is_file():
+            print(f"  no conf/hardware/{meta['gpu']}.yaml to calibrate from: roofline calibration skipped")
+            return
+        target = Path(cfg.calibrated_out) if cfg.calibrated_out else HARDWARE_DIR / f"{meta['gpu']}-calibrated.yaml"
+        report = calibrate_to_file(path, hw, target, command)
+        print(report)
+
+
+def main() -> None:
+    run_cli(_main)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The profile grid (config group `profile_grid`) and the CSV file the profiler writes.
+
+Step rows cover the full grid prefill tokens x decode sequences x context per decode that
+`sim/latency/profiled.py` interpolates over (rows with 0 decodes stand for every context value).
+Each prefill is one sequence with no prefix; the `split` rows (the same prefill tokens over more
+sequences) measure what attention costs per (query, key) pair, written as the `prefill_pair_s`
+metadata the profiled model uses to price other layouts (several prompts, chunks over a prefix).
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from experiments.profiling.synthetic import StepShape
+from sim.latency.profiled import COLUMNS
+
+EXTRA_COLUMNS = ("forward_s", "host_s")  # optional: time_s = forward_s + host_s (readers ignore them)
+
+
+def _int_list(d: Mapping[str, Any], key: str, low: int) -> list[int]:
+    v = d.get(key)
+    if not isinstance(v, (list, tuple)) or not v or any(
+            isinstance(x, bool) or not isinstance(x, int) or x < low for x in v):
+        raise ValueError(f"profile_grid.{key}={v!r} is invalid: must be a non-empty list of integers >= {low}")
+    if len(set(v)) != len(v):
+        raise ValueError(f"profile_grid.{key}={list(v)!r} is invalid: values must be distinct")
+    return sorted(v)
+
+
+@dataclass(slots=True)
+class ProfileGrid:
+    prefill_tokens: list[int]
+    decode_seqs: list[int]
+    context_per_decode: list[int]
+    swap_blocks: list[int]
+    split_prefill_tokens: list[int]
+    split_counts: list[int]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ProfileGrid:
+        grid = cls(_int_list(d, "prefill_tokens", 0), _int_list(d, "decode_seqs", 0),
+                   _int_list(d, "context_per_decode", 2), _int_list(d, "swap_blocks", 1),
+                   _int_list(d, "split_prefill_tokens", 2), _int_list(d, "split_counts", 1))
+        if grid.prefill_tokens == [0] and grid.decode_seqs == [0]:
+            raise ValueError("profile_grid: prefill_tokens and decode_seqs are both [0]: no step to measure")
+        if 1 in grid.prefill_tokens:
+            raise ValueError("profile_grid.prefill_tokens holds 1: a one-token chunk is a decode, use >= 2")
+        if max(grid.split_counts) > min(grid.split_prefill_tokens):
+            raise ValueError(f"profile_grid.split_counts={grid.split_counts} is invalid: each count must be <= "
+                             f"every split_prefill_tokens value {grid.split_prefill_tokens}")
+        return grid
+
+    def step_shapes(self) -> list[StepShape]:
+        shapes = []
+        for p in self.prefill_tokens:
+            for d in self.decode_seqs:
+                for c in (self.context_per_decode if d else [0]):
+                    if p or d:
+                        shapes.append(StepShape(p, 1 if p else 0, d, c))
+        return shapes
+
+    def split_shapes(self) -> list[StepShape]:
+        """Pure prefill steps of the same tokens over 1, 2, 4, ... sequences (1: a grid row too)."""
+        return [StepShape(p, k, 0, 0) for p in self.split_prefill_tokens for k in self.split_counts]
+
+
+def fit_prefill_pair_s(points: list[tuple[int, int, float]]) -> float:
+    """(prefill tokens, attention pairs, seconds) of the split rows -> seconds per pair: the
+    within-group least-squares slope (one intercept per prefill-token count), clipped at 0."""
+    groups: dict[int, list[tuple[int, float]]] = {}
+    for p, pairs, t in points:
+        groups.setdefault(p, []).append((pairs, t))
+    sxy = sxx = 0.0
+    for rows in groups.values():
+        mx = sum(x for x, _ in rows) / len(rows)
+        my = sum(y for _, y in rows) / len(rows)
+        sxy += sum((x - mx) * (y - my) for x, y in rows)
+        sxx += sum((x - mx) ** 2 for x, _ in rows)
+    return max(sxy / sxx, 0.0) if sxx > 0 else 0.0
+
+
+def write_profile(path: str | Path, meta: Mapping[str, Any], rows: list[Mapping[str, Any]]) -> Path:
+    """`# key: value` metadata lines, then the v1 columns plus `EXTRA_COLUMNS`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        for key, value in meta.items():
+            text = str(value).replace("\n", " ")
+            f.write(f"# {key}: {text}\n")
+        writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *EXTRA_COLUMNS], lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _fmt(row.get(k)) for k in writer.fieldnames})
+    return path
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6e}"
+    return str(v)

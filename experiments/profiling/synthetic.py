@@ -1,0 +1,97 @@
+"""Synthetic steps for the profiler: `SchedulerOutput`s over fake sequences with distinct KV blocks.
+
+A step shape is (prefill tokens P in S sequences, D decodes of C context tokens each). Prefill
+sequences start at position 0 (no prefix) and sample one token, as a prompt's last chunk does;
+each decode sequence holds C tokens (C - 1 computed, the new one included in its context) and
+samples one token. Every sequence gets its own physical blocks, so the attention kernels read as
+many distinct KV bytes as a real batch of that shape (shared blocks would be served from L2).
+`ModelRunner.execute` does not modify sequences, so one synthetic step can be executed repeatedly.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from policies.outputs import ScheduledSeq, SchedulerOutput
+from policies.request import Request, SamplingParams
+from policies.sequence import Sequence, SequenceStatus
+
+TOKEN_ID_HIGH = 10000  # token ids drawn from [0, 10000), as nano-vllm's benchmark prompts
+PROFILE_PARAMS = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
+
+
+@dataclass(slots=True)
+class StepShape:
+    num_prefill_tokens: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    context_per_decode: int  # C: KV entries each decode reads (its new token included)
+
+    @property
+    def num_context_tokens(self) -> int:
+        return self.num_decode_seqs * self.context_per_decode if self.num_decode_seqs else 0
+
+    @property
+    def prefill_attention_pairs(self) -> int:
+        return sum(q * (q + 1) // 2 for q in split_tokens(self.num_prefill_tokens, self.num_prefill_seqs))
+
+
+def split_tokens(total: int, parts: int) -> list[int]:
+    """`total` tokens over `parts` sequences as evenly as possible (0 parts for 0 tokens)."""
+    if total == 0:
+        return []
+    if parts < 1 or parts > total:
+        raise ValueError(f"num_prefill_seqs={parts} is invalid for {total} prefill tokens: must be in [1, {total}]")
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def blocks_needed(shape: StepShape, block_size: int) -> int:
+    pre = sum(math.ceil(q / block_size) for q in split_tokens(shape.num_prefill_tokens, shape.num_prefill_seqs))
+    return pre + shape.num_decode_seqs * math.ceil(shape.context_per_decode / block_size)
+
+
+def _sequence(seq_id: int, num_prompt: int, num_output: int, num_computed: int, first_block: int,
+              block_size: int, rng: random.Random, high: int) -> Sequence:
+    prompt = [rng.randrange(high) for _ in range(num_prompt)]
+    seq = Sequence.from_request(seq_id, Request(f"profile-{seq_id}", prompt, PROFILE_PARAMS))
+    seq.token_ids.extend(rng.randrange(high) for _ in range(num_output))
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = num_computed
+    seq.block_table = list(range(first_block, first_block + math.ceil(seq.num_tokens / block_size)))
+    return seq
+
+
+def synthetic_step(shape: StepShape, block_size: int, num_gpu_blocks: int, vocab_size: int,
+                   seed: int = 0) -> SchedulerOutput:
+    """One step of `shape` over blocks [0, blocks_needed) with token ids below min(10000,
+    vocab_size); raises ValueError if the blocks do not fit."""
+    if shape.num_decode_seqs and shape.context_per_decode < 2:
+        raise ValueError(f"context_per_decode={shape.context_per_decode} is invalid: a decode reads >= 2 tokens")
+    need = blocks_needed(shape, block_size)
+    if need > num_gpu_blocks:
+        raise ValueError(f"step {shape} needs {need} KV blocks of {block_size} tokens but the profiler's "
+                         f"cache has num_gpu_blocks={num_gpu_blocks}: shrink the grid or give it more blocks")
+    rng, high = random.Random(seed), min(TOKEN_ID_HIGH, vocab_size)
+    scheduled, next_block, seq_id = [], 0, 0
+    for q in split_tokens(shape.num_prefill_tokens, shape.num_prefill_seqs):
+        seq = _sequence(seq_id, q, 0, 0, next_block, block_size, rng, high)
+        scheduled.append(ScheduledSeq(seq, q, 1))
+        next_block += len(seq.block_table)
+        seq_id += 1
+    for _ in range(shape.num_decode_seqs):
+        seq = _sequence(seq_id, shape.context_per_decode - 1, 1, shape.context_per_decode - 1,
+                        next_block, block_size, rng, high)
+        scheduled.append(ScheduledSeq(seq, 1, 1))
+        next_block += len(seq.block_table)
+        seq_id += 1
+    return SchedulerOutput(now=0.0, scheduled=scheduled)
+
+
+def swap_mapping(num_blocks: int, num_gpu_blocks: int, num_cpu_blocks: int) -> dict[int, int]:
+    """num_blocks (gpu block -> cpu block) pairs, spread over the GPU pool as a real victim's are."""
+    if num_blocks > min(num_gpu_blocks, num_cpu_blocks):
+        raise ValueError(f"swap of {num_blocks} blocks is invalid: the profiler has {num_gpu_blocks} GPU and "
+                         f"{num_cpu_blocks} CPU blocks (raise swap_space or shrink grid.swap_blocks)")
+    stride = max(1, num_gpu_blocks // num_blocks)
+    return {i * stride: i for i in range(num_blocks)}
