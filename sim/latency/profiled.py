@@ -22,7 +22,15 @@ multilinear in the three axes between grid points (exact at grid points, monoton
 data is) and extrapolated linearly outside the grid; swap time is piecewise linear in the
 number of blocks (scaled by block_size / profile block_size), also extrapolated linearly.
 Prefill attention over an earlier-computed prefix is not an axis: chunked prefill is priced as
-a prefill of its new tokens.
+a prefill of its new tokens, unless the profile carries these optional metadata keys (written by
+`experiments.profile`; readers that ignore them still get a valid, coarser model):
+- `prefill_pair_s`: seconds per causal-attention (query, key) pair. The grid's prefill rows are one
+  sequence of P new tokens with no prefix (P (P + 1) / 2 pairs); a step whose prefill chunks have
+  a different layout (several prompts, a chunk over an earlier-computed prefix) is corrected by
+  `prefill_pair_s * (its pairs - P (P + 1) / 2)`.
+- `decode_graph_sizes`: the engine's CUDA-graph batch sizes; a decode-only step of D sequences runs
+  the smallest size >= D (padding rows read no KV), so it is priced at that many decodes with the
+  same total context.
 """
 from __future__ import annotations
 
@@ -92,6 +100,32 @@ def _number(path: Path, line: int, row: dict[str, str], name: str, integer: bool
     return value
 
 
+def _meta_number(path: Path, meta: dict[str, str], key: str) -> float:
+    raw = meta.get(key)
+    if raw is None:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{path}: metadata {key}={raw!r} is invalid: must be a number >= 0")
+    return value
+
+
+def _meta_sizes(path: Path, meta: dict[str, str], key: str) -> list[int]:
+    raw = meta.get(key)
+    if raw is None:
+        return []
+    try:
+        sizes = sorted(int(x) for x in raw.replace(",", " ").split())
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"{path}: metadata {key}={raw!r} is invalid: must be positive integers")
+    return sizes
+
+
 def _segment(axis: list[float], x: float) -> tuple[int, float]:
     """Index i and weight w with x = (1 - w) axis[i] + w axis[i + 1]; w outside [0, 1] extrapolates."""
     if len(axis) == 1:
@@ -151,6 +185,8 @@ class ProfiledModel(LatencyModel):
                 plane.append(line_)
             grid.append(plane)
         self._grid = grid
+        self.prefill_pair_s = _meta_number(path, self.meta, "prefill_pair_s")
+        self.graph_sizes = _meta_sizes(path, self.meta, "decode_graph_sizes")
         self.swap_axis = sorted(swaps)
         self._swap_times = [statistics.median(swaps[n]) for n in self.swap_axis]
         if len(self.swap_axis) == 1:  # one measurement: proportional through the origin
@@ -161,7 +197,13 @@ class ProfiledModel(LatencyModel):
         if not out.scheduled:
             return 0.0
         b = BatchShape.of(out)
-        return self.lookup(b.num_prefill_tokens, b.num_decode_seqs, b.num_context_tokens)
+        p, d = b.num_prefill_tokens, b.num_decode_seqs
+        if p == 0 and self.graph_sizes:
+            d = next((s for s in self.graph_sizes if s >= d), d)
+        t = self.lookup(p, d, b.num_context_tokens)
+        if p and self.prefill_pair_s:
+            t += self.prefill_pair_s * (b.prefill_attention_pairs - p * (p + 1) // 2)
+        return max(t, 0.0)
 
     def lookup(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int) -> float:
         ctx = num_context_tokens / num_decode_seqs if num_decode_seqs else self.context_axis[0]
