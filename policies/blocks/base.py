@@ -80,6 +80,17 @@ class BlockManager(ABC):
         backend must run before the forward (copy-on-write; contiguous: the fork copies). Call it for
         every chunk the forward writes, and do not free or swap out seq later in the same step."""
 
+    def append_decode_slots(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
+        """`append_slots(seq, 1)` for every seq of a decode batch, all or nothing: returns the copies,
+        or None without changing anything when they might not all fit (then go seq by seq and
+        preempt). One call instead of 2 per sequence: use it on the hot path."""
+        if self.num_free_gpu_blocks() < len(seqs):
+            return None
+        copies: list[tuple[int, int]] = []
+        for seq in seqs:
+            copies.extend(self.append_slots(seq, 1))
+        return copies
+
     @abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares all of parent's blocks (ref counts +1)."""

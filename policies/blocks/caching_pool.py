@@ -28,10 +28,6 @@ class CachingBlockPool(BlockPool):
         self.hash_to_block = {}
         self.evictor = OrderedDict()
 
-    @property
-    def num_free(self) -> int:
-        return len(self.free_ids) + len(self.evictor)
-
     def allocate(self) -> int:
         if self.free_ids:
             block = self.free_ids.pop()
@@ -44,6 +40,7 @@ class CachingBlockPool(BlockPool):
             raise OutOfBlocksError(f"no free {self.device} block (pool of {self.num_blocks}); "
                                    f"check capacity before allocating")
         self.ref_counts[block] = 1
+        self.num_free -= 1
         return block
 
     def decref(self, block: int) -> bool:
@@ -57,6 +54,7 @@ class CachingBlockPool(BlockPool):
             self.free_ids.append(block)
         else:
             self.evictor[block] = None
+        self.num_free += 1
         return True
 
     def lookup(self, block_hash: int) -> int | None:
@@ -66,6 +64,7 @@ class CachingBlockPool(BlockPool):
         """Take a reference on a cached block, reviving it from the evictor if it was unreferenced."""
         if self.ref_counts[block] == 0:
             del self.evictor[block]
+            self.num_free -= 1
         self.ref_counts[block] += 1
 
     def register(self, block: int, block_hash: int) -> bool:
@@ -84,6 +83,7 @@ class CachingBlockPool(BlockPool):
         free = set(self.free_ids)
         assert len(free) == len(self.free_ids), f"{self.device} free list holds duplicates"
         assert not free & set(self.evictor), "a block is both free and in the evictor"
+        assert self.num_free == len(free) + len(self.evictor), "free counter drifted"
         unreferenced = {b for b, r in enumerate(self.ref_counts) if r == 0}
         assert free | set(self.evictor) == unreferenced, "free + evictor != unreferenced blocks"
         assert all(self.block_hash[b] is None for b in free), "a free block still carries a hash"

@@ -101,6 +101,17 @@ class ContiguousBlockManager(BlockManager):
         self._in_flight[seq.seq_id] = [src for src, _ in copies]
         return copies
 
+    def append_decode_slots(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
+        bs = self.block_size
+        if any(seq.num_computed_tokens >= len(seq.block_table) * bs for seq in seqs):
+            return None
+        if not self._pending:
+            return []
+        copies: list[tuple[int, int]] = []
+        for seq in seqs:
+            copies.extend(self.append_slots(seq, 1))
+        return copies
+
     def mark_computed(self, seq: Sequence) -> None:
         if self._in_flight:
             sources = self._in_flight.pop(seq.seq_id, None)

@@ -30,6 +30,8 @@ class PagedBlockManager(BlockManager):
         super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark, max_model_len)
         self.gpu = self._make_gpu_pool()
         self.cpu = BlockPool(num_cpu_blocks, "cpu")
+        self._refs = self.gpu.ref_counts  # hot-path aliases
+        self._shift = block_size.bit_length() - 1
         self._swapped: set[int] = set()  # seq ids whose block_table holds CPU block ids
         self._gpu_mirror: dict[int, int] = {}  # gpu block -> cpu block with the same contents
         self._cpu_mirror: dict[int, int] = {}  # the inverse
@@ -66,45 +68,72 @@ class PagedBlockManager(BlockManager):
     # -- decode / prefill chunks (hot path: O(blocks written), no scans) --------------------------
     def _append_cost(self, seq: Sequence, num_new_tokens: int) -> int:
         table = seq.block_table
-        bs = self.block_size
         start = seq.num_computed_tokens
-        end_block = (start + num_new_tokens + bs - 1) // bs
+        end_block = (start + num_new_tokens + self.block_size - 1) >> self._shift
         have = len(table)
         cost = end_block - have if end_block > have else 0
-        refs = self.gpu.ref_counts
-        for i in range(start // bs, end_block if end_block < have else have):
+        refs = self._refs
+        for i in range(start >> self._shift, end_block if end_block < have else have):
             if refs[table[i]] > 1:
                 cost += 1
         return cost
 
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """A decode (num_new_tokens=1) needs at most one new block."""
+        if num_new_tokens == 1:  # a decode needs at most one block
+            if self.gpu.num_free:
+                return True
+            i = seq.num_computed_tokens >> self._shift
+            return i < len(seq.block_table) and self._refs[seq.block_table[i]] == 1
         return self._append_cost(seq, num_new_tokens) <= self.gpu.num_free
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
-        if seq.seq_id in self._swapped:
+        if self._swapped and seq.seq_id in self._swapped:
             raise ValueError(f"seq {seq.seq_id} is swapped out: swap it in before append_slots")
         table = seq.block_table
-        bs = self.block_size
         start = seq.num_computed_tokens
-        end_block = (start + num_new_tokens + bs - 1) // bs
+        if num_new_tokens == 1:  # decode fast path: write in place, or open one new block
+            i = start >> self._shift
+            if i == len(table):
+                table.append(self.gpu.allocate())
+                return []
+            if i < len(table) and self._refs[table[i]] == 1:
+                if self._gpu_mirror:
+                    self._forget_gpu_mirror(table[i])  # written in place: its CPU copy goes stale
+                return []
+        end_block = (start + num_new_tokens + self.block_size - 1) >> self._shift
         have = len(table)
-        gpu = self.gpu
+        gpu, refs = self.gpu, self._refs
         copies: list[tuple[int, int]] = []
-        first = start // bs
-        if first < have:
-            refs = gpu.ref_counts
-            for i in range(first, end_block if end_block < have else have):
-                block = table[i]
-                if refs[block] > 1:  # shared after fork: write into a private copy
-                    new = gpu.allocate()
-                    refs[block] -= 1
-                    table[i] = new
-                    copies.append((block, new))
-                elif self._gpu_mirror:
-                    self._forget_gpu_mirror(block)  # written in place: its CPU copy goes stale
+        for i in range(start >> self._shift, end_block if end_block < have else have):
+            block = table[i]
+            if refs[block] > 1:  # shared after fork: write into a private copy
+                new = gpu.allocate()
+                refs[block] -= 1
+                table[i] = new
+                copies.append((block, new))
+            elif self._gpu_mirror:
+                self._forget_gpu_mirror(block)
         for _ in range(have, end_block):
             table.append(gpu.allocate())
+        return copies
+
+    def append_decode_slots(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
+        if self.gpu.num_free < len(seqs):
+            return None
+        if self._swapped and any(seq.seq_id in self._swapped for seq in seqs):
+            raise ValueError("append_decode_slots got a swapped-out sequence: swap it in first")
+        copies: list[tuple[int, int]] = []
+        shift, refs, allocate = self._shift, self._refs, self.gpu.allocate
+        for seq in seqs:
+            table = seq.block_table
+            i = seq.num_computed_tokens >> shift
+            if i == len(table):
+                table.append(allocate())
+            elif refs[table[i]] == 1:
+                if self._gpu_mirror:
+                    self._forget_gpu_mirror(table[i])
+            else:
+                copies.extend(self.append_slots(seq, 1))
         return copies
 
     # -- sharing ---------------------------------------------------------------------------------
@@ -171,31 +200,43 @@ class PagedBlockManager(BlockManager):
         self._swapped.add(seq.seq_id)
         return mapping
 
-    def can_swap_in(self, seq: Sequence) -> AllocStatus:
+    def _resident_copy(self, seq: Sequence, index: int, cpu_block: int) -> int | None:
+        """A GPU block that already holds the contents of seq's `index`-th (CPU) block, or None."""
+        return self._cpu_mirror.get(cpu_block)
+
+    def _share_resident(self, gpu_block: int) -> None:
+        self.gpu.incref(gpu_block)
+
+    def _swap_in_plan(self, seq: Sequence) -> tuple[list[int | None], int]:
+        """Resident copies per block, and how many free GPU blocks swapping in consumes."""
         if seq.seq_id not in self._swapped:
             raise ValueError(f"seq {seq.seq_id} is not swapped out")
+        sources = [self._resident_copy(seq, i, c) for i, c in enumerate(seq.block_table)]
+        refs = self._refs
+        return sources, sum(1 for g in sources if g is None or refs[g] == 0)
+
+    def can_swap_in(self, seq: Sequence) -> AllocStatus:
+        _, needed = self._swap_in_plan(seq)
         if len(seq.block_table) > self.num_gpu_blocks:
             return AllocStatus.NEVER
-        return self._admit(sum(1 for block in seq.block_table if block not in self._cpu_mirror))
+        return self._admit(needed)
 
     def swap_in(self, seq: Sequence) -> dict[int, int]:
-        if seq.seq_id not in self._swapped:
-            raise ValueError(f"seq {seq.seq_id} is not swapped out")
-        needed = sum(1 for block in seq.block_table if block not in self._cpu_mirror)
+        sources, needed = self._swap_in_plan(seq)
         if needed > self.gpu.num_free:
             raise OutOfBlocksError(f"seq {seq.seq_id} needs {needed} GPU blocks to swap in, "
                                    f"{self.gpu.num_free} free")
+        for gpu_block in sources:  # take the resident copies first so allocating cannot evict them
+            if gpu_block is not None:
+                self._share_resident(gpu_block)
         mapping: dict[int, int] = {}
         gpu_table: list[int] = []
-        for cpu_block in seq.block_table:
-            gpu_block = self._cpu_mirror.get(cpu_block)
+        for cpu_block, gpu_block in zip(seq.block_table, sources):
             if gpu_block is None:
                 gpu_block = self.gpu.allocate()
                 mapping[cpu_block] = gpu_block
                 self._cpu_mirror[cpu_block] = gpu_block
                 self._gpu_mirror[gpu_block] = cpu_block
-            else:
-                self.gpu.incref(gpu_block)
             gpu_table.append(gpu_block)
         self._release_cpu(seq.block_table)
         seq.block_table[:] = gpu_table

@@ -1,7 +1,8 @@
 """A pool of fixed-size KV blocks with reference counts: the allocator under the paged managers.
 
 Free ids live on a stack that starts as [n-1, ..., 1, 0], so a fresh pool hands out 0, 1, 2, ...
-and a freed block is the next one reused (LIFO). Every operation is O(1).
+and a freed block is the next one reused (LIFO). Every operation is O(1); `num_free` is a plain
+counter because the scheduler reads it for every decode.
 """
 from __future__ import annotations
 
@@ -18,14 +19,12 @@ class BlockPool:
     device: str = "gpu"
     ref_counts: list[int] = field(init=False)
     free_ids: list[int] = field(init=False)
+    num_free: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.ref_counts = [0] * self.num_blocks
         self.free_ids = list(range(self.num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_ids)
+        self.num_free = self.num_blocks
 
     def allocate(self) -> int:
         if not self.free_ids:
@@ -33,6 +32,7 @@ class BlockPool:
                                    f"check capacity before allocating")
         block = self.free_ids.pop()
         self.ref_counts[block] = 1
+        self.num_free -= 1
         return block
 
     def incref(self, block: int) -> None:
@@ -47,6 +47,7 @@ class BlockPool:
         if refs:
             return False
         self.free_ids.append(block)
+        self.num_free += 1
         return True
 
     def check(self, expected_refs: dict[int, int]) -> None:
@@ -57,6 +58,7 @@ class BlockPool:
             assert refs == want, f"{self.device} block {block}: ref count {refs} != {want} references"
         free = set(self.free_ids)
         assert len(free) == len(self.free_ids), f"{self.device} free list holds duplicates"
+        assert self.num_free == len(free), f"{self.device} free counter {self.num_free} != {len(free)}"
         unreferenced = {b for b, r in enumerate(self.ref_counts) if r == 0}
         assert free == unreferenced, (f"{self.device} free list {sorted(free)[:8]}... != "
                                       f"unreferenced blocks {sorted(unreferenced)[:8]}...")

@@ -10,8 +10,9 @@ one sequence released together are evicted tail first, so shared prefixes surviv
 
 Counters: `prefix_queries` counts the full blocks eligible for a hit at each `allocate`
 ((num_tokens - 1) // block_size of them), `prefix_hits` those served from the cache.
-Swapped-in blocks are fresh copies and are not published again; the GPU originals stay cached
-(in the evictor once unreferenced) until evicted.
+Swap: the GPU originals of swapped-out blocks stay cached (in the evictor once unreferenced), and
+`swap_in` reuses any that are still cached instead of copying them back; other swapped-in blocks
+are fresh private copies and are not published again.
 """
 from __future__ import annotations
 
@@ -92,18 +93,26 @@ class PrefixCachingBlockManager(PagedBlockManager):
 
     def mark_computed(self, seq: Sequence) -> None:
         hashes = self._seq_hashes.get(seq.seq_id)
-        if hashes is None:
+        if hashes is None or (num_full := seq.num_computed_tokens >> self._shift) <= len(hashes) \
+                or seq.seq_id in self._swapped:
             return
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
-        if num_full <= len(hashes) or seq.seq_id in self._swapped:
-            return
         tokens, table = seq.token_ids, seq.block_table
         parent = hashes[-1] if hashes else ROOT_HASH
         for i in range(len(hashes), num_full):
             parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
             self.gpu.register(table[i], parent)  # a duplicate of a cached block stays private
             hashes.append(parent)
+
+    def _resident_copy(self, seq: Sequence, index: int, cpu_block: int) -> int | None:
+        mirror = self._cpu_mirror.get(cpu_block)
+        if mirror is not None:
+            return mirror
+        hashes = self._seq_hashes.get(seq.seq_id)
+        return self.gpu.lookup(hashes[index]) if hashes and index < len(hashes) else None
+
+    def _share_resident(self, gpu_block: int) -> None:
+        self.gpu.acquire_cached(gpu_block)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         super().fork(parent, child)
