@@ -123,6 +123,12 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], flo
         rows.append({"kind": "step", "num_prefill_tokens": s.num_prefill_tokens,
                      "num_decode_seqs": s.num_decode_seqs, "num_context_tokens": s.num_context_tokens,
                      "time_s": f + h, "forward_s": f, "host_s": h})
+    # The grid needs a (0 prefill, 0 decode) corner although no step is empty: it repeats the
+    # smallest prefill's time, so tiny prefill chunks are priced like it (launch-bound), not less.
+    smallest = next((r for r in rows if r["num_decode_seqs"] == 0), None)
+    if smallest is not None:
+        rows.insert(0, {"kind": "step", "num_prefill_tokens": 0, "num_decode_seqs": 0, "num_context_tokens": 0,
+                        "time_s": smallest["time_s"], "forward_s": smallest["forward_s"], "host_s": smallest["host_s"]})
     split = [(s.num_prefill_tokens, s.prefill_attention_pairs,
               forward[(s.num_prefill_tokens, s.num_prefill_seqs, 0, 0)]) for s in grid.split_shapes()]
     kv = runner.kv_cache
@@ -158,7 +164,8 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "timing": (f"execute() wall clock, CUDA-synchronised; {cfg.warmup} warm-up runs, median of "
                    f"{cfg.repeats}; host_s = scheduler schedule+update measured on a real Scheduler "
                    f"(median of {cfg.host_repeats}), time_s = forward_s + host_s"),
-        "prefill_layout": "one sequence per step, no prefix, sampling one token",
+        "prefill_layout": ("one sequence per step, no prefix, sampling one token; the 0/0 row repeats "
+                           "the smallest prefill row"),
         "prefill_pair_s": f"{pair_s:.6e}",
     }
     if runner.graphs is not None:

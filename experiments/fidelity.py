@@ -1,0 +1,253 @@
+"""`python -m experiments.fidelity [COMMON OVERRIDES] [--spec FILE] [--out DIR] [--runs DIR]
+[--engine-runs DIR] [--profile CSV] [--scenarios a,b]`: does the simulator predict the engine?
+
+Each scenario of the spec (conf/fidelity/default.yaml: the offline nano-vllm benchmark, Poisson
+arrivals at three loads, memory pressure with swap and with recompute, two priority policies)
+builds one request stream and runs it through `backend=engine` and through `backend=sim` with
+`latency=profiled` (the profile of this device and model), the simulator getting the engine's
+KV block counts. `load` scenarios arrive at `load x capacity`, capacity being the engine's output
+token throughput on the spec's `capacity` scenario divided by the scenario's mean output length.
+Writes into --out (default experiments/results/fidelity): `fidelity.md` (device, date, command,
+error table, policy-ranking table), `fidelity.csv`, `ranking.csv`, `meta.json` and one PNG per
+scenario (CDFs, KV usage); full traces go to --runs (default outputs/fidelity/<date>/<time>).
+`--engine-runs DIR` reuses the engine traces of an earlier --runs dir (the simulator runs again).
+
+    python -m experiments.fidelity                      # on the GPU, after experiments.profile
+    python -m experiments.fidelity --engine-runs outputs/fidelity/2026-11-22/10-00-00
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import pandas as pd
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig, OmegaConf
+
+from experiments import factory
+from experiments.ab import paired_table, run_table
+from experiments.cli import run_cli
+from experiments.fidelity_plots import save_scenario_figure
+from experiments.fidelity_report import (error_markdown, error_rows, error_table, metric_values, ranking_markdown,
+                                         ranking_row, relative_error, target_summary)
+from experiments.paths import REPO_ROOT, resolve_path
+from experiments.run import run
+from experiments.traces import load_run
+
+DEFAULT_SPEC = REPO_ROOT / "conf" / "fidelity" / "default.yaml"
+
+
+def load_spec(path: str | Path) -> dict[str, Any]:
+    path = resolve_path(path)
+    if not Path(path).is_file():
+        raise ValueError(f"--spec={str(path)!r} is invalid: no such file")
+    spec = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    for key in ("common", "engine", "sim", "scenarios"):
+        if key not in spec:
+            raise ValueError(f"spec {path}: key {key!r} is missing")
+    for name, scn in spec["scenarios"].items():
+        if not isinstance(scn, dict) or not isinstance(scn.get("overrides", []), list):
+            raise ValueError(f"spec {path}: scenarios.{name} must be a mapping with an `overrides` list")
+        load = scn.get("load")
+        if load is not None and (not isinstance(load, (int, float)) or load <= 0):
+            raise ValueError(f"spec {path}: scenarios.{name}.load={load!r} is invalid: must be a number > 0")
+        if load is not None and spec.get("capacity") not in spec["scenarios"]:
+            raise ValueError(f"spec {path}: capacity={spec.get('capacity')!r} must name a scenario "
+                             f"(scenarios.{name} has a load)")
+    return spec
+
+
+def compose_cfg(overrides: Sequence[str]) -> DictConfig:
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _free_device() -> None:
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def device_name() -> str:
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+class Fidelity:
+    def __init__(self, spec: dict[str, Any], common: list[str], runs_dir: Path, engine_runs: Path | None,
+                 profile: str | None) -> None:
+        self.spec, self.common, self.runs_dir, self.engine_runs = spec, common, runs_dir, engine_runs
+        self.base = [*spec["common"], *common]
+        self.profile = profile
+        self.capacity_tok_s: float | None = None
+        self.results: dict[str, dict[str, Any]] = {}  # scenario -> {engine/sim: (summary, requests, steps)}
+        self.settings: dict[str, dict[str, Any]] = {}
+
+    def profile_path(self, cfg: DictConfig) -> str:
+        if self.profile:
+            return self.profile
+        path = resolve_path(str(compose_cfg([*self.base, *self.spec["sim"]]).latency.path))
+        if not Path(path).is_file():
+            raise ValueError(f"no latency profile at {path}: run `python -m experiments.profile` on this device "
+                             "first, or pass --profile")
+        return str(path)
+
+    def warmup(self) -> None:
+        if self.engine_runs is not None or not self.spec.get("warmup"):
+            return
+        cfg = compose_cfg([*self.base, *self.spec["warmup"], *self.spec["engine"]])
+        run(cfg, self.runs_dir / "_warmup", "warm-up")
+        _free_device()
+
+    def scenario_overrides(self, name: str) -> list[str]:
+        scn = self.spec["scenarios"][name]
+        overrides = [*self.base, *scn.get("overrides", [])]
+        if scn.get("load") is not None:
+            if self.capacity_tok_s is None:
+                raise ValueError(f"scenario {name} has a load but the capacity scenario did not run first")
+            probe = factory.workload(compose_cfg([*overrides, "workload.rate=1.0"]))
+            mean_out = sum(probe.output_lens) / len(probe.output_lens)
+            rate = scn["load"] * self.capacity_tok_s / mean_out
+            overrides.append(f"workload.rate={rate:.6g}")
+            self.settings.setdefault(name, {})["rate"] = float(f"{rate:.6g}")
+        return overrides
+
+    def run_scenario(self, name: str) -> None:
+        overrides = self.scenario_overrides(name)
+        cfg_e = compose_cfg([*overrides, *self.spec["engine"]])
+        workload = factory.workload(cfg_e)
+        reuse = self.engine_runs / name / "engine" if self.engine_runs is not None else None
+        if reuse is not None:
+            r = load_run(reuse)
+            engine = (r.summary, r.requests, r.steps)
+        else:
+            out = self.runs_dir / name / "engine"
+            summary = run(cfg_e, out, f"{name} engine", workload.fresh())
+            _free_device()
+            r = load_run(out)
+            engine = (summary, r.requests, r.steps)
+        info = engine[0].get("run", {})
+        blocks = [f"blocks.num_gpu_blocks={info['num_gpu_blocks']}"] if info.get("num_gpu_blocks") else []
+        if info.get("num_cpu_blocks") is not None:
+            blocks.append(f"blocks.num_cpu_blocks={info['num_cpu_blocks']}")
+        cfg_s = compose_cfg([*overrides, *self.spec["sim"], f"latency.path={self.profile_path(cfg_e)}", *blocks])
+        out = self.runs_dir / name / "sim"
+        summary = run(cfg_s, out, f"{name} sim", workload.fresh())
+        r = load_run(out)
+        self.results[name] = {"engine": engine, "sim": (summary, r.requests, r.steps)}
+        self.settings.setdefault(name, {}).update(
+            {"overrides": [o for o in overrides if o not in self.base], "num_requests": len(workload),
+             "num_gpu_blocks": info.get("num_gpu_blocks"), "num_cpu_blocks": info.get("num_cpu_blocks"),
+             "engine_wall_s": info.get("wall_time_s") or engine[0].get("run", {}).get("wall_time_s")})
+        if name == self.spec.get("capacity"):
+            self.capacity_tok_s = float(engine[0]["output_throughput"])
+            self.settings[name]["capacity_output_tok_s"] = self.capacity_tok_s
+
+    def error_table(self) -> pd.DataFrame:
+        rows = []
+        for name, res in self.results.items():
+            rows += error_rows(res["engine"][0], res["sim"][0], name)
+        return error_table(rows)
+
+    def ranking(self) -> list[dict[str, Any]]:
+        rows = []
+        for ab in self.spec.get("ab", []):
+            if ab["a"] not in self.results or ab["b"] not in self.results:
+                continue
+            tables = {}
+            for backend in ("engine", "sim"):
+                (sa, ra, _), (sb, rb, _) = self.results[ab["a"]][backend], self.results[ab["b"]][backend]
+                tables[backend] = pd.concat([paired_table(ra, rb), run_table(sa, sb)], ignore_index=True)
+            for spec in ab["metrics"]:
+                metric, stat, scope = spec.split()
+                picked = {}
+                for backend, t in tables.items():
+                    sel = t[(t["metric"] == metric) & (t["stat"] == stat) & (t["scope"] == scope)]
+                    if len(sel):
+                        picked[backend] = sel.iloc[0].to_dict()
+                if len(picked) == 2:
+                    rows.append(ranking_row(ab["name"], f"{metric} {stat} ({scope})", picked["engine"], picked["sim"]))
+        return rows
+
+    def write(self, out_dir: Path, meta: dict[str, Any]) -> str:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        table, ranking = self.error_table(), self.ranking()
+        table.to_csv(out_dir / "fidelity.csv", index=False)
+        pd.DataFrame(ranking).to_csv(out_dir / "ranking.csv", index=False)
+        for name, res in self.results.items():
+            errs = {m: relative_error(metric_values(res["sim"][0])[m], v)
+                    for m, v in metric_values(res["engine"][0]).items()}
+            save_scenario_figure(out_dir / f"{name}.png", name,
+                                 {b: (res[b][1], res[b][2]) for b in ("engine", "sim")}, errs)
+        meta = {**meta, "scenarios": self.settings, "targets": target_summary(table)}
+        (out_dir / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        settings = "\n".join(f"- `{n}`: {' '.join(s.get('overrides', []))}"
+                             + (f" (rate {s['rate']} req/s)" if "rate" in s else "")
+                             + f"; {s.get('num_requests')} requests, {s.get('num_gpu_blocks')} GPU blocks"
+                             for n, s in self.settings.items())
+        text = (f"# Simulator fidelity: engine vs sim (profiled latency)\n\n"
+                f"- device: {meta['device']}\n- date: {meta['date']}\n- command: `{meta['command']}`\n"
+                f"- profile: `{meta['profile']}`\n- versions: {meta['versions']}\n\n"
+                f"## Errors\n\n{error_markdown(table)}\n{meta['targets']}.\n\n"
+                f"## Policy ranking (A/B on the engine vs in the simulator)\n\n{ranking_markdown(ranking)}\n"
+                f"## Scenarios\n\n{settings}\n\nPlots: `<scenario>.png` (CDFs of TTFT, TPOT, E2E; KV usage "
+                f"over time). Traces: `{meta['runs_dir']}`.\n")
+        (out_dir / "fidelity.md").write_text(text)
+        return text
+
+
+def _main(argv: Sequence[str] | None = None) -> Fidelity:
+    parser = argparse.ArgumentParser(prog="python -m experiments.fidelity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides added to every run")
+    parser.add_argument("--spec", default=str(DEFAULT_SPEC), help="scenario file (conf/fidelity/*.yaml)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "experiments" / "results" / "fidelity")
+    parser.add_argument("--runs", type=Path, default=None, help="trace dir (default outputs/fidelity/<date>/<time>)")
+    parser.add_argument("--engine-runs", type=Path, default=None, help="reuse the engine runs of this --runs dir")
+    parser.add_argument("--profile", default=None, help="latency profile CSV (default: the sim config's latency.path)")
+    parser.add_argument("--scenarios", default=None, help="comma-separated subset of the spec's scenarios")
+    args = parser.parse_args(argv)
+    spec = load_spec(args.spec)
+    names = list(spec["scenarios"])
+    if args.scenarios:
+        wanted = args.scenarios.split(",")
+        unknown = [w for w in wanted if w not in names]
+        if unknown:
+            raise ValueError(f"--scenarios={args.scenarios!r} is invalid: {unknown} not in {names}")
+        names = [n for n in names if n in wanted]
+    cap = spec.get("capacity")
+    if cap in names:  # the capacity scenario runs first: the loads need it
+        names.remove(cap)
+        names.insert(0, cap)
+    runs_dir = args.runs or Path("outputs/fidelity") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    fid = Fidelity(spec, list(args.overrides), runs_dir, args.engine_runs, args.profile)
+    old_meta = args.engine_runs / "meta.json" if args.engine_runs else None
+    meta: dict[str, Any] = json.loads(old_meta.read_text()) if old_meta and old_meta.is_file() else {}
+    if not meta:
+        from experiments.profile import versions
+        meta = {"device": device_name(), "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "versions": versions()}
+    meta["command"] = "python -m experiments.fidelity " + " ".join(sys.argv[1:] if argv is None else argv)
+    fid.warmup()
+    for name in names:
+        print(f"[fidelity] {name}", flush=True)
+        fid.run_scenario(name)
+    meta.update({"profile": fid.profile_path(None), "runs_dir": str(runs_dir), "spec": str(args.spec)})
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    (runs_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(fid.write(args.out, meta))
+    return fid
+
+
+def main() -> None:
+    run_cli(_main)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The profiler (CPU, tiny model and grid), its CSV schema and loading, the profiled model's
+interpolation and its optional metadata, and the roofline calibration."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_module
+
+from experiments.calibrate import calibrate, calibrate_to_file, profile_points
+from experiments.profile import gpu_slug, profile
+from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
+from experiments.profiling.host import host_overhead
+from experiments.profiling.synthetic import StepShape, blocks_needed, synthetic_step
+from sim.latency import BatchShape, Hardware, ModelShape, ProfiledModel, RooflineModel
+from sim.latency.profiled import COLUMNS, read_profile
+
+TINY_GRID = ["profile_grid.prefill_tokens=[0,8]", "profile_grid.decode_seqs=[0,2]",
+             "profile_grid.context_per_decode=[4,16]", "profile_grid.swap_blocks=[1,2]",
+             "profile_grid.split_prefill_tokens=[8]", "profile_grid.split_counts=[1,2]"]
+
+
+def tiny_profile(path, extra=()):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="profile", overrides=[
+            "model=tiny-qwen3", "device=cpu", "warmup=0", "repeats=1", "host_repeats=1", "max_model_len=64",
+            "max_num_seqs=4", "progress=false", "calibrate=false", f"out={path}", *TINY_GRID, *extra])
+    return profile(cfg, "pytest")
+
+
+def test_profiler_on_cpu_writes_a_profile_the_simulator_loads(tmp_path):
+    path, meta = tiny_profile(tmp_path / "cpu-tiny-qwen3.csv")
+    file_meta, rows = read_profile(path)
+    for key in ("model", "block_size", "device", "dtype", "versions", "date", "command", "prefill_pair_s"):
+        assert key in file_meta, key
+    assert file_meta["model"] == "tiny-qwen3" and file_meta["device"] == "cpu"
+    assert "torch" in file_meta["versions"] and "transformers" in file_meta["versions"]
+    header = path.read_text().splitlines()[len(file_meta)]
+    assert header.split(",")[:len(COLUMNS)] == list(COLUMNS)
+    steps = [r for _, r in rows if r["kind"] == "step"]
+    swaps = [r for _, r in rows if r["kind"] == "swap"]
+    # P in {0, 8} x (D = 0, or D = 2 x C in {4, 16}): 6 rows (0/0 repeats P=8's); swaps both ways.
+    assert len(steps) == 6 and len(swaps) == 4
+    assert steps[0]["time_s"] == next(r["time_s"] for r in steps[1:] if r["num_decode_seqs"] == "0")
+    for r in steps:
+        assert float(r["time_s"]) == pytest.approx(float(r["forward_s"]) + float(r["host_s"]), rel=1e-5)
+        assert float(r["forward_s"]) > 0 and float(r["host_s"]) > 0
+    model = ProfiledModel(path, block_size=16, model_name="tiny-qwen3")
+    for r in steps:
+        p, d, c = (int(r[k]) for k in ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens"))
+        assert model.lookup(p, d, c) == pytest.approx(float(r["time_s"]), rel=1e-5)
+    with pytest.raises(ValueError, match="model='tiny-qwen3'"):
+        ProfiledModel(path, block_size=16, model_name="qwen3-0.6b")
+
+
+def test_synthetic_steps_have_the_requested_shape_and_distinct_blocks():
+    shape = StepShape(num_prefill_tokens=40, num_prefill_seqs=3, num_decode_seqs=5, context_per_decode=33)
+    out = synthetic_step(shape, block_size=16, num_gpu_blocks=100, vocab_size=256)
+    b = BatchShape.of(out)
+    assert (b.num_prefill_tokens, b.num_prefill_seqs, b.num_decode_seqs) == (40, 3, 5)
+    assert b.num_context_tokens == shape.num_context_tokens == 5 * 33
+    assert b.prefill_attention_pairs == shape.prefill_attention_pairs
+    blocks = [blk for s in out.scheduled for blk in s.seq.block_table]
+    assert len(blocks) == len(set(blocks)) == blocks_needed(shape, 16)
+    assert all(t < 256 for s in out.scheduled for t in s.seq.token_ids)
+    with pytest.raises(ValueError, match="num_gpu_blocks=3"):
+        synthetic_step(shape, block_size=16, num_gpu_blocks=3, vocab_size=256)
+
+
+def test_grid_validation_names_the_field():
+    good = dict(prefill_tokens=[0, 64], decode_seqs=[0, 8], context_per_decode=[16], swap_blocks=[1],
+                split_prefill_tokens=[64], split_counts=[1, 2])
+    grid = ProfileGrid.from_dict(good)
+    assert len(grid.step_shapes()) == 3 and len(grid.split_shapes()) == 2
+    for key, bad in (("decode_seqs", [0, -1]), ("prefill_tokens", [0, 1]), ("swap_blocks", []),
+                     ("context_per_decode", [16, 16]), ("split_counts", [1, 128])):
+        with pytest.raises(ValueError, match=key):
+            ProfileGrid.from_dict({**good, key: bad})
+
+
+def test_host_overhead_is_measured_for_decode_and_prefill_steps():
+    assert 0 < host_overhead(0, 8, 16, repeats=2) < 0.5
+    assert 0 < host_overhead(64, 8, 16, repeats=2) < 0.5
+
+
+def test_prefill_pair_fit_recovers_the_slope():
+    k = 3e-9
+    points = [(p, pairs, 1e-3 * p / 1024 + k * pairs) for p in (1024, 2048)
+              for pairs in (p * p // 2, p * p // 4, p * p // 8)]
+    assert fit_prefill_pair_s(points) == pytest.approx(k, rel=1e-9)
+    assert fit_prefill_pair_s([(8, 10, 1.0), (8, 20, 0.5)]) == 0.0  # negative slopes clip to 0
+
+
+def _synthetic_file(tmp_path, fn, meta=None, prefill=(0, 128, 512), decode=(0, 1, 16, 64), ctx=(64, 512)):
+    rows = [{"kind": "step", "num_prefill_tokens": p, "num_decode_seqs": d, "num_context_tokens": d * c,
+             "time_s": fn(p, d, c)} for p in prefill for d in decode for c in (ctx if d else [0])]
+    rows += [{"kind": "swap", "num_blocks": n, "time_s": 1e-5 * n} for n in (1, 8)]
+    base = {"model": "qwen3-0.6b", "block_size": 16, "device": "synthetic"}
+    return write_profile(tmp_path / "p.csv", {**base, **(meta or {})}, rows)
+
+
+def test_profiled_model_is_exact_at_grid_points_and_monotone_between(tmp_path):
+    def fn(p, d, c):  # increasing in every axis, with a kink so interpolation is not trivially exact
+        return 1e-3 + 4e-6 * p + 2e-9 * p * p + 3e-5 * d ** 0.7 + 1e-9 * d * c + 2e-8 * p * d
+    path = _synthetic_file(tmp_path, fn)
+    model = ProfiledModel(path, block_size=16)
+    for p, d, c in itertools.product((0, 128, 512), (0, 1, 16, 64), (64, 512)):
+        assert model.lookup(p, d, d * c) == pytest.approx(fn(p, d, c if d else 0), rel=1e-6)
+    rng = random.Random(0)
+    for _ in range(200):
+        p, d, c = rng.randrange(0, 600), rng.randrange(0, 70), rng.randrange(64, 512)
+        t = model.lookup(p, d, d * c)
+        assert model.lookup(p + rng.randrange(1, 50), d, d * c) >= t
+        assert model.lookup(p, d + 1, (d + 1) * c) >= t
+        assert d == 0 or model.lookup(p, d, d * (c + rng.randrange(1, 50))) >= t
+
+
+def test_pair_correction_and_graph_buckets(tmp_path):
+    fn = lambda p, d, c: 1e-3 + 1e-6 * p + 1e-5 * d + 1e-9 * d * c  # noqa: E731
+    path = _synthetic_file(tmp_path, fn, {"prefill_pair_s": "1e-9", "decode_graph_sizes": "1 2 4 8 16 32 48 64"})
+    model = ProfiledModel(path, block_size=16)
+    one = synthetic_step(StepShape(256, 1, 0, 0), 16, 1000, 256)
+    four = synthetic_step(StepShape(256, 4, 0, 0), 16, 1000, 256)
+    pairs_one, pairs_four = BatchShape.of(one).prefill_attention_pairs, BatchShape.of(four).prefill_attention_pairs
+    assert model.step_time(one) == pytest.approx(model.lookup(256, 0, 0))  # the profile's own layout
+    assert model.step_time(four) == pytest.approx(model.lookup(256, 0, 0) - 1e-9 * (pairs_one - pairs_four))
+    dec = synthetic_step(StepShape(0, 0, 20, 100), 16, 1000, 256)  # 20 decodes run the 32-graph
+    assert model.step_time(dec) == pytest.approx(model.lookup(0, 32, 2000))
+    mixed = synthetic_step(StepShape(128, 1, 20, 100), 16, 1000, 256)  # eager: no padding
+    assert model.step_time(mixed) == pytest.approx(model.lookup(128, 20, 2000))
+    bad = _synthetic_file(tmp_path, fn, {"prefill_pair_s": "-1"})
+    with pytest.raises(ValueError, match="prefill_pair_s"):
+        ProfiledModel(bad, block_size=16)
+
+
+def test_calibration_recovers_known_roofline_parameters(tmp_path, request):
+    root = request.config.rootpath
+    model = ModelShape.from_dict(yaml.safe_load((root / "conf/model/qwen3-0.6b.yaml").read_text()))
+    base_cfg = yaml.safe_load((root / "conf/hardware/h200.yaml").read_text())
+    truth = Hardware.from_dict({**base_cfg, "bandwidth_efficiency": 0.6, "gemm_efficiency": 0.45,
+                                "attention_efficiency": 0.3, "step_overhead_s": 2e-3})
+    roof = RooflineModel(model, truth, 16)
+    grid = ProfileGrid.from_dict(dict(prefill_tokens=[0, 256, 1024, 2048], decode_seqs=[0, 1, 32, 256],
+                                      context_per_decode=[64, 1024, 4096], swap_blocks=[1], split_prefill_tokens=[2],
+                                      split_counts=[1]))
+    rows = []
+    for s in grid.step_shapes():
+        shape = BatchShape(s.num_prefill_tokens, 1 if s.num_prefill_tokens else 0, 0, s.prefill_attention_pairs,
+                           s.num_decode_seqs, s.num_context_tokens, s.num_decode_seqs + (1 if s.num_prefill_tokens else 0))
+        rows.append({"kind": "step", "num_prefill_tokens": s.num_prefill_tokens, "num_decode_seqs": s.num_decode_seqs,
+                     "num_context_tokens": s.num_context_tokens, "time_s": roof.shape_time(shape)})
+    rows += [{"kind": "swap", "num_blocks": n, "time_s": roof.swap_time(n)} for n in (1, 16, 256)]
+    path = write_profile(tmp_path / "h200-qwen3-0.6b.csv", {"model": "qwen3-0.6b", "block_size": 16}, rows)
+    assert len(profile_points(path)[1]) == len(grid.step_shapes())
+    values, report = calibrate(path, root / "conf/hardware/h200.yaml")
+    fitted = Hardware.from_dict(values)  # the roofline model accepts the fitted values
+    errors = [RooflineModel(model, fitted, 16).shape_time(s) / t - 1 for s, t in profile_points(path)[1]]
+    assert max(abs(e) for e in errors) < 0.01, report
+    assert values["step_overhead_s"] == pytest.approx(2e-3, rel=0.05)
+    assert values["swap_latency_s"] == pytest.approx(truth.swap_latency_s, rel=0.01, abs=1e-7)
+    target = tmp_path / "h200-calibrated.yaml"
+    calibrate_to_file(path, root / "conf/hardware/h200.yaml", target, "pytest")
+    assert Hardware.from_dict(yaml.safe_load(target.read_text())).gemm_efficiency == values["gemm_efficiency"]
+
+
+def test_gpu_slug_uses_the_hardware_names():
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_slug("Some Other GPU 9000") == "some-other-gpu-9000"
