@@ -10,5 +10,16 @@ from policies.scheduler import Scheduler, SchedulerConfig
 from policies.sequence import Sequence, SequenceStatus
 from policies.trace import TraceRecorder
 
-__all__ = ["Request", "SamplingParams", "Sequence", "SequenceStatus", "SchedulerOutput", "ScheduledSeq",
-           "Scheduler", "SchedulerConfig", "make_policy", "make_block_manager", "TraceRecorder"]
+__all__ = [
+           "Request",
+           "SamplingParams",
+           "ScheduledSeq",
+           "Scheduler",
+           "SchedulerConfig",
+           "SchedulerOutput",
+           "Sequence",
+           "SequenceStatus",
+           "TraceRecorder",
+           "make_block_manager",
+           "make_policy",
+]

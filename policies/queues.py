@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from policies.sequence import Sequence, SequenceStatus
 

@@ -17,20 +17,21 @@ stop rules, frees finished sequences and records the step. See preemption.py and
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Collection
 
 from policies.blocks.base import AllocStatus, BlockManager
+from policies.lifecycle import Lifecycle
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.policy.base import Policy
 from policies.preemption import Preemptor
 from policies.queues import SchedulerQueues, seq_cost
 from policies.request import Request
 from policies.sequence import Sequence, SequenceStatus
+from policies.step_stats import StepStats
 from policies.trace import TraceRecorder
 
-RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
-FINISHED = SequenceStatus.FINISHED_STOPPED  # statuses >= this are finished
+RUNNING = SequenceStatus.RUNNING
 LATER, NEVER = AllocStatus.LATER, AllocStatus.NEVER
 
 
@@ -46,22 +47,13 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
-        if not isinstance(self.enable_chunked_prefill, bool):
+        if type(self.enable_chunked_prefill) is not bool:
             raise ValueError(f"enable_chunked_prefill={self.enable_chunked_prefill!r} is invalid: "
                              "must be True or False")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid: without "
                              f"chunked prefill a whole prompt must fit in one step, so it must be >= "
                              f"max_model_len={self.max_model_len}")
-
-
-@dataclass(slots=True)
-class _StepStats:
-    num_prefill_tokens: int = 0
-    num_prefill_seqs: int = 0
-    num_decode_seqs: int = 0
-    num_partial: int = 0  # prefill chunks that do not finish their sequence (sample nothing)
-    num_running: int = 0  # running sequences when schedule() returned
 
 
 class Scheduler:
@@ -73,28 +65,17 @@ class Scheduler:
         self.recorder = TraceRecorder() if recorder is None else recorder
         self.queues = SchedulerQueues(policy.key)
         self.preemptor = Preemptor(self.queues, block_manager, policy, self.recorder)
+        self.lifecycle = Lifecycle(self.queues, block_manager, self.recorder, self.preemptor,
+                                   config.max_model_len)
         self._may_force = type(policy).may_preempt is not Policy.may_preempt
-        overridden = type(block_manager).mark_computed is not BlockManager.mark_computed
-        self._mark_computed = block_manager.mark_computed if overridden else None
-        self._seqs: dict[str, list[Sequence]] = {}  # live request id -> its sequences (sample order)
-        self._seen: set[str] = set()
-        # Per live sequence: (stop length, min length, eos or None, stop ids or None, token times).
-        self._stop_info: dict[Sequence, tuple] = {}
-        self._decode_entries: dict[Sequence, ScheduledSeq] = {}  # reused every decode step
         # Decode fast path: every running sequence has exactly one token to compute, and the
         # entries of the last full decode batch (valid while the running queue is unchanged).
         self._all_decoding = False
         self._batch_entries: tuple[int, list[ScheduledSeq]] = (-1, [])
-        self._block_mask = block_manager.block_size - 1
-        self._next_seq_id = 0
-        self._num_added = 0
         self._now = 0.0
         self._step = 0
-        self._stats = _StepStats()
+        self._stats = StepStats()
         self._stats_out: SchedulerOutput | None = None
-        self._ended: list[Request] = []  # returned by the next update()
-        self._to_report: list[Request] = []  # aborted requests for the next out.aborted
-        self._aborted_in_flight = False  # a running sequence was aborted after schedule()
 
     # ---- queries --------------------------------------------------------------------------
     @property
@@ -115,13 +96,13 @@ class Scheduler:
     def sequences(self, request_id: str) -> list[Sequence]:
         """A live request's sequences in sample order. The list itself (children are appended as
         samples fork) stays valid after the request ends, so the engine can build its outputs."""
-        return self._seqs[request_id]
+        return self.lifecycle.families[request_id]
 
     def check_invariants(self) -> None:
         """For tests, between steps: queues ordered and consistent, every live sequence queued or
         finished, sequence slots within max_num_seqs, and the block manager's own invariants."""
         self.queues.check()
-        live = [seq for family in self._seqs.values() for seq in family]
+        live = [seq for family in self.lifecycle.families.values() for seq in family]
         queued = {id(seq) for queue in (self.queues.waiting, self.queues.running, self.queues.swapped)
                   for seq in queue}
         assert all(seq.is_finished or id(seq) in queued for seq in live), "a live sequence is lost"
@@ -136,29 +117,22 @@ class Scheduler:
         if n > self.config.max_num_seqs:
             raise ValueError(f"n={n} is invalid: a request's samples must fit in one batch, "
                              f"n <= max_num_seqs={self.config.max_num_seqs}")
-        if request.request_id in self._seen:
+        if request.request_id in self.lifecycle.seen:
             raise ValueError(f"request_id={request.request_id!r} is invalid: already added to this scheduler")
-        self._seen.add(request.request_id)
-        seq = Sequence.from_request(self._new_seq_id(), request)
-        seq.arrival_index = self._num_added
-        self._num_added += 1
-        self._seqs[request.request_id] = [seq]
-        self.recorder.arrived(request, now)
-        self._register(seq)
-        self.queues.add_waiting(seq)
+        self.lifecycle.arrive(request, now)
 
     def abort(self, request_id: str, reason: str = "user", now: float | None = None) -> bool:
-        seqs = self._seqs.get(request_id) if isinstance(request_id, str) else None
-        if seqs is None:
+        family = self.lifecycle.families.get(request_id) if isinstance(request_id, str) else None
+        if family is None:
             return False
-        self._abort_request(seqs[0].request, str(reason), self._now if now is None else now)
+        self.lifecycle.abort(family[0].request, str(reason), self._now if now is None else now)
         return True
 
     # ---- schedule -------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         self._now = now
         out = SchedulerOutput(now)
-        self._stats, self._stats_out = _StepStats(), out
+        self._stats, self._stats_out = StepStats(), out
         self.preemptor.begin_step()
         queues, budget = self.queues, self.config.max_num_batched_tokens
         if self._may_force and queues.waiting and queues.running:
@@ -173,8 +147,7 @@ class Scheduler:
                 self._admit(out, budget, now, take_waiting=False, take_swapped=True)
         self.preemptor.end_step()
         self._stats.num_running = len(queues.running)
-        if self._to_report:  # aborted since the last schedule(), including too_long ones just now
-            out.aborted, self._to_report = self._to_report, []
+        out.aborted = self.lifecycle.take_aborted()  # since the last schedule(), too_long ones included
         return out
 
     def _force_preempt(self, out: SchedulerOutput, now: float) -> None:
@@ -213,7 +186,7 @@ class Scheduler:
             if decodes is running and self._batch_entries[0] == version:
                 out.scheduled.extend(self._batch_entries[1])
             else:
-                out.scheduled.extend(map(self._decode_entries.__getitem__, decodes))
+                out.scheduled.extend(map(self.lifecycle.decode_entries.__getitem__, decodes))
                 if decodes is running:
                     self._batch_entries = (version, out.scheduled.copy())
             budget -= len(decodes)
@@ -245,7 +218,7 @@ class Scheduler:
                     continue
             out.copy.extend(block_manager.append_slots(seq, chunk))
             if decode:
-                out.scheduled.append(self._decode_entries[seq])
+                out.scheduled.append(self.lifecycle.decode_entries[seq])
             else:
                 self._push_chunk(out, seq, chunk)
             budget -= chunk
@@ -289,7 +262,7 @@ class Scheduler:
             if status is LATER and not queues.running:
                 status = NEVER  # the GPU pool holds no running sequence: waiting cannot help
             if status is NEVER:
-                self._abort_request(seq.request, "too_long", now, out)
+                self._abort_too_long(seq.request, out, now)
                 continue
             if status is LATER:
                 break
@@ -317,13 +290,13 @@ class Scheduler:
         # A chunk that completes the sequence samples: n tokens for an unforked parallel prompt.
         samples = seq_cost(seq) if chunk == uncomputed else 0
         out.scheduled.append(ScheduledSeq(seq, chunk, samples))
-        stats = self._stats
-        stats.num_partial += not samples
-        if uncomputed > 1:
-            stats.num_prefill_tokens += chunk
-            stats.num_prefill_seqs += 1
-        else:
-            stats.num_decode_seqs += 1
+        self._stats.add_chunk(uncomputed, chunk, samples)
+
+    def _abort_too_long(self, request: Request, out: SchedulerOutput, now: float) -> None:
+        self.lifecycle.abort(request, "too_long", now)
+        if any(entry.seq.request is request for entry in out.scheduled):  # a sibling ran this step
+            out.scheduled[:] = [entry for entry in out.scheduled if entry.seq.request is not request]
+            self._stats = StepStats.of(out, 0)
 
     # ---- update ---------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, new_token_ids: dict[int, list[int]], now: float,
@@ -331,174 +304,14 @@ class Scheduler:
         if self._stats_out is not out:
             raise ValueError("update() got an output that is not the last one schedule() returned")
         self._now = now
-        mark, skip_aborted = self._mark_computed, self._aborted_in_flight
-        # mark_computed is due after a prefill chunk, after a decode that fills a block, and after
-        # any step that ran block copies (contiguous releases their sources then).
-        mask = 0 if out.copy else self._block_mask
-        stop_info, first_token = self._stop_info, self.recorder.first_token
-        finish, fork = self._finish, self._fork
-        stats = self._stats
+        stats, skip_aborted = self._stats, self.lifecycle.aborted_in_flight
         self.queues.kv_tokens += stats.num_prefill_tokens + stats.num_decode_seqs
-        # The hot loop: one decode token per sequence, stop rules inlined (see _append_token).
-        for seq, num_new, num_samples in out.scheduled:
-            if skip_aborted and seq.status is not RUNNING:
-                self.queues.kv_tokens -= num_new  # aborted between schedule() and update()
-                continue
-            seq.num_computed_tokens += num_new
-            if mark is not None and (num_new != 1 or not seq.num_computed_tokens & mask):
-                mark(seq)
-            if num_samples != 1:
-                if num_samples:
-                    fork(seq, self._tokens_for(seq, num_samples, new_token_ids), now, stop_seq_ids)
-                continue
-            try:
-                (token,) = new_token_ids[seq.seq_id]
-            except (KeyError, TypeError, ValueError):
-                self._tokens_for(seq, 1, new_token_ids)  # raises a clear ValueError
-                raise
-            token_ids = seq.token_ids
-            token_ids.append(token)
-            stop_len, min_len, eos, stop_ids, times = stop_info[seq]
-            if times is not None:
-                if not times:
-                    first_token(seq, now)
-                times.append(now)
-            num_tokens = len(token_ids)
-            if num_tokens >= min_len and (token == eos or (stop_ids is not None and token in stop_ids)
-                                          or (stop_seq_ids and seq.seq_id in stop_seq_ids)):
-                finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
-            elif num_tokens >= stop_len:
-                finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
+        self.lifecycle.apply(out, new_token_ids, now, stop_seq_ids)
         # Every running sequence sampled this step: each now has exactly one token to compute.
         self._all_decoding = (not skip_aborted and
                               len(out.scheduled) - stats.num_partial == stats.num_running)
-        self._aborted_in_flight = False
-        ended, self._ended = self._ended, []
-        self._record_step(out, now, ended)
-        return ended
-
-    @staticmethod
-    def _tokens_for(seq: Sequence, num_samples: int, new_token_ids: dict[int, list[int]]) -> list[int]:
-        tokens = new_token_ids.get(seq.seq_id) if isinstance(new_token_ids, dict) else None
-        if not isinstance(tokens, (list, tuple)) or len(tokens) != num_samples:
-            raise ValueError(f"new_token_ids[{seq.seq_id}]={tokens!r} is invalid: sequence {seq.seq_id} "
-                             f"was scheduled to sample {num_samples} token(s)")
-        return list(tokens)
-
-    def _append_token(self, seq: Sequence, token: int, now: float, stop_seq_ids: Collection[int]) -> None:
-        token_ids = seq.token_ids
-        token_ids.append(token)
-        stop_len, min_len, eos, stop_ids, times = self._stop_info[seq]
-        if times is not None:
-            if not times:
-                self.recorder.first_token(seq, now)
-            times.append(now)
-        num_tokens = len(token_ids)
-        # vLLM's order: stop conditions (after min_tokens) win over length limits.
-        if num_tokens >= min_len and (token == eos or (stop_ids is not None and token in stop_ids)
-                                      or (stop_seq_ids and seq.seq_id in stop_seq_ids)):
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
-        elif num_tokens >= stop_len:
-            self._finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
-
-    def _fork(self, parent: Sequence, tokens: list[int], now: float, stop_seq_ids: Collection[int]) -> None:
-        """The prompt of a parallel-sampling request is done: children share its blocks (CoW)."""
-        family = self._seqs[parent.request.request_id]
-        children = []
-        for sample_index in range(1, len(tokens)):
-            child = parent.fork(self._new_seq_id(), sample_index)
-            self.block_manager.fork(parent, child)
-            family.append(child)
-            self._register(child)
-            self.queues.add_running(child, cost=0)  # the parent held n slots since admission
-            children.append(child)
-        self._decode_entries[parent] = ScheduledSeq(parent, 1, 1)
-        for seq, token in zip([parent, *children], tokens):
-            self._append_token(seq, token, now, stop_seq_ids)
-
-    # ---- endings --------------------------------------------------------------------------
-    def _finish(self, seq: Sequence, status: SequenceStatus, reason: str, now: float) -> None:
-        self.queues.remove(seq)
-        self.block_manager.free(seq)
-        seq.status, seq.finish_reason = status, reason
-        family = self._seqs[seq.request.request_id]
-        if all(s.status >= FINISHED for s in family):
-            seq.request.finish_reason = family[0].finish_reason  # sample 0 speaks for the request
-            self._end_request(seq.request, family, now, aborted=False)
-
-    def _abort_request(self, request: Request, reason: str, now: float,
-                       out: SchedulerOutput | None = None) -> None:
-        family = self._seqs[request.request_id]
-        for seq in family:
-            status = seq.status
-            if status >= FINISHED:
-                continue
-            if not (status is WAITING and self.preemptor.discard(seq)):
-                self.queues.remove(seq)
-            if status is RUNNING or status is SequenceStatus.SWAPPED:
-                self.block_manager.free(seq)
-                self._aborted_in_flight = True
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED_ABORTED, f"abort:{reason}"
-        request.finish_reason = f"abort:{reason}"
-        if out is not None and any(entry.seq.request is request for entry in out.scheduled):
-            out.scheduled[:] = [entry for entry in out.scheduled if entry.seq.request is not request]
-            self._recount(out)
-        self._end_request(request, family, now, aborted=True)
-
-    def _end_request(self, request: Request, family: list[Sequence], now: float, aborted: bool) -> None:
-        del self._seqs[request.request_id]
-        for seq in family:
-            self._stop_info.pop(seq, None)
-            self._decode_entries.pop(seq, None)
-        if aborted:
-            self.recorder.aborted(request, family, now)
-            self._to_report.append(request)
-        else:
-            self.recorder.finished(request, family, now)
-        self._ended.append(request)
-
-    # ---- bookkeeping ----------------------------------------------------------------------
-    def _new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
-
-    def _register(self, seq: Sequence) -> None:
-        request, params = seq.request, seq.request.sampling_params
-        stop_len = min(seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
-        eos = None if params.ignore_eos else request.eos_token_id
-        times = self.recorder.token_list(request) if seq.sample_index == 0 else None
-        self._stop_info[seq] = (stop_len, seq.num_prompt_tokens + params.min_tokens, eos,
-                                frozenset(params.stop_token_ids) or None, times)
-        self._decode_entries[seq] = ScheduledSeq(seq, 1, seq_cost(seq))
-
-    def _recount(self, out: SchedulerOutput) -> None:
-        self._stats = stats = _StepStats()
-        self._stats_out = out
-        for seq, num_new, num_samples in out.scheduled:
-            stats.num_partial += not num_samples
-            if len(seq.token_ids) - seq.num_computed_tokens > 1:
-                stats.num_prefill_tokens += num_new
-                stats.num_prefill_seqs += 1
-            else:
-                stats.num_decode_seqs += 1
-
-    def _record_step(self, out: SchedulerOutput, now: float, ended: list[Request]) -> None:
-        stats, counts = self._stats, self.preemptor.counts
-        usage, queues = self.block_manager.usage(), self.queues
-        num_aborted = sum(1 for r in ended if r.finish_reason.startswith("abort:"))
-        self.recorder.step({
-            "step": self._step, "time": out.now, "duration": now - out.now,
-            "num_batched_tokens": stats.num_prefill_tokens + stats.num_decode_seqs,
-            "num_prefill_tokens": stats.num_prefill_tokens, "num_prefill_seqs": stats.num_prefill_seqs,
-            "num_decode_seqs": stats.num_decode_seqs, "num_running": len(queues.running),
-            "num_waiting": len(queues.waiting), "num_swapped": len(queues.swapped),
-            "gpu_blocks_used": usage.gpu_used, "gpu_blocks_total": usage.gpu_total,
-            "cpu_blocks_used": usage.cpu_used, "cpu_blocks_total": usage.cpu_total,
-            "kv_tokens": queues.kv_tokens, "num_swap_out_blocks": len(out.swap_out),
-            "num_swap_in_blocks": len(out.swap_in), "num_copy_blocks": len(out.copy),
-            "num_preempted_recompute": counts.recompute, "num_preempted_swap": counts.swap,
-            "num_swap_fallbacks": counts.swap_fallbacks, "num_finished": len(ended) - num_aborted,
-            "num_aborted": num_aborted, "prefix_hits": usage.prefix_hits,
-            "prefix_queries": usage.prefix_queries,
-        })
+        ended = self.lifecycle.take_ended()
+        self.recorder.step(stats.row(self._step, out, now, self.queues, self.block_manager.usage(),
+                                     self.preemptor.counts, ended))
         self._step += 1
+        return ended

@@ -11,8 +11,8 @@ sample 0 (inter-token latencies are their differences).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from policies.request import Request
 from policies.sequence import Sequence

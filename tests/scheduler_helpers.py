@@ -1,18 +1,25 @@
 """Test helpers for the scheduler: a builder and a fake backend that keeps a token-level KV store.
 
 `KVStoreBackend.execute(out)` does what a real backend does, in the contract's order: swap_out,
-swap_in, copy, then the forward, which first writes every scheduled token's "KV" (its token id) into
-its slot and then checks that every position each sequence attends to holds the right token. So any
+swap_in, copy, then the forward, which first writes every scheduled token's "KV" (a fingerprint of
+the tokens up to it) into its slot and then checks that every position each sequence attends to holds the right token. So any
 block-management or ordering mistake (a shared block written in place, a swap planned in the wrong
 order, a prefix hit on wrong contents, a block freed while still read) fails the read check.
 """
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
-from policies import (Request, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
-                      make_block_manager, make_policy)
+from policies import (
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    make_block_manager,
+    make_policy,
+)
 
 
 def make_scheduler(policy: str = "fcfs", blocks: str = "paged", *, block_size: int = 4,
@@ -40,6 +47,8 @@ def compact(out: SchedulerOutput) -> list[tuple[str, int, int]]:
 
 
 class KVStoreBackend:
+    """Slots hold `prefix_fingerprints` of the sequence that wrote them."""
+
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.gpu: dict[int, list[int | None]] = {}
@@ -56,15 +65,25 @@ class KVStoreBackend:
             self.gpu[gpu_block] = list(self._block(self.cpu, cpu_block))
         for src, dst in out.copy:
             self.gpu[dst] = list(self._block(self.gpu, src))
+        kv = {seq.seq_id: prefix_fingerprints(seq.token_ids) for seq, _, _ in out.scheduled}
         for seq, num_new, _ in out.scheduled:  # write this step's KV ...
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
-                self._block(self.gpu, seq.block_table[pos // bs])[pos % bs] = seq.token_ids[pos]
+                self._block(self.gpu, seq.block_table[pos // bs])[pos % bs] = kv[seq.seq_id][pos]
         for seq, num_new, _ in out.scheduled:  # ... then attend over everything up to it
+            expected = kv[seq.seq_id]
             for pos in range(seq.num_computed_tokens + num_new):
                 held = self._block(self.gpu, seq.block_table[pos // bs])[pos % bs]
-                assert held == seq.token_ids[pos], (
-                    f"seq {seq.seq_id} reads token {held} at position {pos}, expected {seq.token_ids[pos]} "
-                    f"(block table {seq.block_table})")
+                assert held == expected[pos], (
+                    f"seq {seq.seq_id} reads wrong KV at position {pos} (block table {seq.block_table})")
+
+
+def prefix_fingerprints(token_ids: list[int]) -> list[int]:
+    """A stand-in for K/V: position p's value depends on all tokens up to p, like real attention KV."""
+    out, h = [], 0
+    for token in token_ids:
+        h = hash((h, token))
+        out.append(h)
+    return out
 
 
 def sample_tokens(out: SchedulerOutput, token_fn: Callable[[], int]) -> dict[int, list[int]]:
@@ -75,7 +94,9 @@ def run_to_end(scheduler: Scheduler, *, token_fn: Callable[[], int] | None = Non
                dt: float = 1.0, max_steps: int = 1000, check: bool = True,
                backend: KVStoreBackend | None = None) -> list[SchedulerOutput]:
     """Step until nothing is left; returns every step's output (checked against a KV store)."""
-    token_fn = token_fn or (lambda rng=random.Random(0): rng.randint(1000, 2000))
+    if token_fn is None:
+        rng = random.Random(0)
+        token_fn = lambda: rng.randint(1000, 2000)
     backend = backend or KVStoreBackend(scheduler.block_manager.block_size)
     outs = []
     while scheduler.has_unfinished():

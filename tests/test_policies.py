@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
+from scheduler_helpers import compact, make_scheduler, request, run_to_end
 
 from policies import Request, SamplingParams, Sequence, make_policy
 from policies.policy import FCFSPolicy, Policy, PriorityPolicy, available_policies, register_policy
-from scheduler_helpers import compact, make_scheduler, request, run_to_end
 
 
 def seq(seq_id: int, arrival: float, priority: int = 0, arrival_index: int = 0, prompt_len: int = 4) -> Sequence:
@@ -71,7 +71,7 @@ def first_victim(policy: str) -> str:
     for i, length in enumerate([4, 5, 6]):
         s.add(request("abc"[i], length, 10, arrival=i), now=0.0)
     outs = run_to_end(s)
-    return [x.request.request_id for out in outs for x in out.preempted][0]
+    return next(x.request.request_id for out in outs for x in out.preempted)
 
 
 def test_a_custom_victim_rule_is_used_for_preemption():

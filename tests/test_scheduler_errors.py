@@ -4,9 +4,9 @@ from __future__ import annotations
 import logging
 
 import pytest
+from scheduler_helpers import KVStoreBackend, make_scheduler, request, run_to_end
 
 from policies import Request, SamplingParams, SchedulerConfig, SequenceStatus, make_block_manager
-from scheduler_helpers import KVStoreBackend, make_scheduler, request, run_to_end
 
 
 @pytest.mark.parametrize("make, field", [

@@ -4,10 +4,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from scheduler_helpers import make_scheduler, request, run_to_end
 
 from policies import Scheduler, TraceRecorder
 from policies.trace import EVENT_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS
-from scheduler_helpers import make_scheduler, request, run_to_end
 
 
 def rows_by_id(s):

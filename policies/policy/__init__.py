@@ -18,5 +18,12 @@ from policies.policy.base import PREEMPTION_MODES, Policy, available_policies, m
 from policies.policy.fcfs import FCFSPolicy
 from policies.policy.priority import PriorityPolicy
 
-__all__ = ["PREEMPTION_MODES", "Policy", "FCFSPolicy", "PriorityPolicy", "available_policies",
-           "make_policy", "register_policy"]
+__all__ = [
+           "PREEMPTION_MODES",
+           "FCFSPolicy",
+           "Policy",
+           "PriorityPolicy",
+           "available_policies",
+           "make_policy",
+           "register_policy",
+]

@@ -13,7 +13,7 @@ from policies.sequence import Sequence
 class PriorityPolicy(Policy):
     def __init__(self, preemption_mode: str = "recompute", preempt_running: bool = True) -> None:
         super().__init__(preemption_mode)
-        if not isinstance(preempt_running, bool):
+        if type(preempt_running) is not bool:
             raise ValueError(f"preempt_running={preempt_running!r} is invalid: must be True or False")
         self.preempt_running = preempt_running
 

@@ -1,0 +1,198 @@
+"""What happens to sequences around the scheduling decisions: arrival, sampled tokens and the stop
+rules, forking parallel samples, finishing and aborting, and the bookkeeping of live requests.
+
+Stop rules, checked per sampled token (vLLM's order: a stop condition wins over a length limit):
+- once the sequence has >= min_tokens outputs: the request's eos_token_id (unless ignore_eos), a
+  token in stop_token_ids, or the backend's `stop_seq_ids` (stop strings) -> FINISHED_STOPPED "stop";
+- max_tokens outputs, or num_tokens >= max_model_len -> FINISHED_LENGTH "length".
+A request ends when all its sequences have; its finish_reason is then sample 0's ("abort:<why>"
+when aborted). Ended requests are handed out once by `take_ended` (and aborted ones once more by
+`take_aborted`, for `SchedulerOutput.aborted`).
+"""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from policies.blocks.base import BlockManager
+from policies.outputs import ScheduledSeq, SchedulerOutput
+from policies.preemption import Preemptor
+from policies.queues import SchedulerQueues, seq_cost
+from policies.request import Request
+from policies.sequence import Sequence, SequenceStatus
+from policies.trace import TraceRecorder
+
+RUNNING, WAITING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED
+FINISHED = SequenceStatus.FINISHED_STOPPED  # statuses >= this are finished
+
+
+class Lifecycle:
+    def __init__(self, queues: SchedulerQueues, block_manager: BlockManager, recorder: TraceRecorder,
+                 preemptor: Preemptor, max_model_len: int) -> None:
+        self.queues = queues
+        self.block_manager = block_manager
+        self.recorder = recorder
+        self.preemptor = preemptor
+        self.max_model_len = max_model_len
+        self.families: dict[str, list[Sequence]] = {}  # live request id -> its sequences, sample order
+        self.seen: set[str] = set()
+        # Per live sequence: (stop length, min length, eos or None, stop ids or None, token times).
+        self.stop_info: dict[Sequence, tuple] = {}
+        self.decode_entries: dict[Sequence, ScheduledSeq] = {}  # reused by every decode step
+        self.aborted_in_flight = False  # a running sequence was aborted after schedule()
+        overridden = type(block_manager).mark_computed is not BlockManager.mark_computed
+        self._mark_computed = block_manager.mark_computed if overridden else None
+        self._block_mask = block_manager.block_size - 1
+        self._ended: list[Request] = []
+        self._aborted: list[Request] = []
+        self._next_seq_id = 0
+
+    def arrive(self, request: Request, now: float) -> None:
+        """A validated, new request: its first sequence joins the waiting queue."""
+        self.seen.add(request.request_id)
+        seq = Sequence.from_request(self._new_seq_id(), request)
+        seq.arrival_index = len(self.seen) - 1
+        self.families[request.request_id] = [seq]
+        self.recorder.arrived(request, now)
+        self._register(seq)
+        self.queues.add_waiting(seq)
+
+    def take_ended(self) -> list[Request]:
+        ended, self._ended = self._ended, []
+        return ended
+
+    def take_aborted(self) -> list[Request]:
+        aborted, self._aborted = self._aborted, []
+        return aborted
+
+    # ---- after a step -----------------------------------------------------------------------
+    def apply(self, out: SchedulerOutput, new_token_ids: dict[int, list[int]], now: float,
+              stop_seq_ids: Collection[int]) -> None:
+        """Advance progress and append the sampled tokens of every scheduled sequence (the hot loop:
+        one decode token per sequence, with the stop rules of `_append_token` inlined)."""
+        mark, skip_aborted = self._mark_computed, self.aborted_in_flight
+        # mark_computed is due after a prefill chunk, after a decode that fills a block, and after
+        # any step that ran block copies (contiguous releases their sources then).
+        mask = 0 if out.copy else self._block_mask
+        stop_info, first_token, finish = self.stop_info, self.recorder.first_token, self._finish
+        for seq, num_new, num_samples in out.scheduled:
+            if skip_aborted and seq.status is not RUNNING:
+                self.queues.kv_tokens -= num_new  # aborted between schedule() and update()
+                continue
+            seq.num_computed_tokens += num_new
+            if mark is not None and (num_new != 1 or not seq.num_computed_tokens & mask):
+                mark(seq)
+            if num_samples != 1:
+                if num_samples:
+                    self._fork(seq, _tokens_for(seq, num_samples, new_token_ids), now, stop_seq_ids)
+                continue
+            try:
+                (token,) = new_token_ids[seq.seq_id]
+            except (KeyError, TypeError, ValueError):
+                _tokens_for(seq, 1, new_token_ids)  # raises a ValueError naming the sequence
+                raise
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            stop_len, min_len, eos, stop_ids, times = stop_info[seq]
+            if times is not None:
+                if not times:
+                    first_token(seq, now)
+                times.append(now)
+            num_tokens = len(token_ids)
+            if num_tokens >= min_len and (token == eos or (stop_ids is not None and token in stop_ids)
+                                          or (stop_seq_ids and seq.seq_id in stop_seq_ids)):
+                finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
+            elif num_tokens >= stop_len:
+                finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
+        self.aborted_in_flight = False
+
+    def _append_token(self, seq: Sequence, token: int, now: float, stop_seq_ids: Collection[int]) -> None:
+        token_ids = seq.token_ids
+        token_ids.append(token)
+        stop_len, min_len, eos, stop_ids, times = self.stop_info[seq]
+        if times is not None:
+            if not times:
+                self.recorder.first_token(seq, now)
+            times.append(now)
+        num_tokens = len(token_ids)
+        if num_tokens >= min_len and (token == eos or (stop_ids is not None and token in stop_ids)
+                                      or (stop_seq_ids and seq.seq_id in stop_seq_ids)):
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
+        elif num_tokens >= stop_len:
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
+
+    def _fork(self, parent: Sequence, tokens: list[int], now: float, stop_seq_ids: Collection[int]) -> None:
+        """A parallel-sampling prompt is done: n - 1 children share its blocks (copy-on-write) and
+        join the running queue right after it; each sample gets one of the n tokens."""
+        family = self.families[parent.request.request_id]
+        children = []
+        for sample_index in range(1, len(tokens)):
+            child = parent.fork(self._new_seq_id(), sample_index)
+            self.block_manager.fork(parent, child)
+            family.append(child)
+            self._register(child)
+            self.queues.add_running(child, cost=0)  # the parent held n slots since admission
+            children.append(child)
+        self.decode_entries[parent] = ScheduledSeq(parent, 1, 1)
+        for seq, token in zip([parent, *children], tokens):
+            self._append_token(seq, token, now, stop_seq_ids)
+
+    # ---- endings ----------------------------------------------------------------------------
+    def _finish(self, seq: Sequence, status: SequenceStatus, reason: str, now: float) -> None:
+        self.queues.remove(seq)
+        self.block_manager.free(seq)
+        seq.status, seq.finish_reason = status, reason
+        family = self.families[seq.request.request_id]
+        if all(s.status >= FINISHED for s in family):
+            seq.request.finish_reason = family[0].finish_reason  # sample 0 speaks for the request
+            self._end(seq.request, family, now, aborted=False)
+
+    def abort(self, request: Request, reason: str, now: float) -> None:
+        """End a live request: every unfinished sequence leaves its queue and frees its blocks."""
+        family = self.families[request.request_id]
+        for seq in family:
+            status = seq.status
+            if status >= FINISHED:
+                continue
+            if not (status is WAITING and self.preemptor.discard(seq)):
+                self.queues.remove(seq)
+            if status is RUNNING or status is SWAPPED:
+                self.block_manager.free(seq)
+                self.aborted_in_flight = True
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED_ABORTED, f"abort:{reason}"
+        request.finish_reason = f"abort:{reason}"
+        self._end(request, family, now, aborted=True)
+
+    def _end(self, request: Request, family: list[Sequence], now: float, aborted: bool) -> None:
+        del self.families[request.request_id]
+        for seq in family:
+            self.stop_info.pop(seq, None)
+            self.decode_entries.pop(seq, None)
+        if aborted:
+            self.recorder.aborted(request, family, now)
+            self._aborted.append(request)
+        else:
+            self.recorder.finished(request, family, now)
+        self._ended.append(request)
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def _register(self, seq: Sequence) -> None:
+        request, params = seq.request, seq.request.sampling_params
+        stop_len = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        eos = None if params.ignore_eos else request.eos_token_id
+        times = self.recorder.token_list(request) if seq.sample_index == 0 else None
+        self.stop_info[seq] = (stop_len, seq.num_prompt_tokens + params.min_tokens, eos,
+                               frozenset(params.stop_token_ids) or None, times)
+        # A decode samples n tokens only for an unforked parallel prompt's last token.
+        self.decode_entries[seq] = ScheduledSeq(seq, 1, seq_cost(seq))
+
+
+def _tokens_for(seq: Sequence, num_samples: int, new_token_ids: dict[int, list[int]]) -> list[int]:
+    tokens = new_token_ids.get(seq.seq_id) if isinstance(new_token_ids, dict) else None
+    if not isinstance(tokens, (list, tuple)) or len(tokens) != num_samples:
+        raise ValueError(f"new_token_ids[{seq.seq_id}]={tokens!r} is invalid: sequence {seq.seq_id} "
+                         f"was scheduled to sample {num_samples} token(s)")
+    return list(tokens)

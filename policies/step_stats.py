@@ -1,0 +1,57 @@
+"""Counts of one scheduler step, gathered while scheduling (no extra pass over the batch on the hot
+path), and the `steps` trace row built from them in `update` (columns: trace.STEP_COLUMNS)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.blocks.base import BlockUsage
+from policies.outputs import SchedulerOutput
+from policies.preemption import PreemptionCounts
+from policies.queues import SchedulerQueues
+from policies.request import Request
+
+
+@dataclass(slots=True)
+class StepStats:
+    """A scheduled chunk is a prefill when it starts with more than one token to compute (as
+    `Sequence.is_prefill`), else a decode."""
+
+    num_prefill_tokens: int = 0
+    num_prefill_seqs: int = 0
+    num_decode_seqs: int = 0
+    num_partial: int = 0  # prefill chunks that do not finish their sequence (sample nothing)
+    num_running: int = 0  # running sequences when schedule() returned
+
+    def add_chunk(self, uncomputed: int, num_new: int, num_samples: int) -> None:
+        self.num_partial += not num_samples
+        if uncomputed > 1:
+            self.num_prefill_tokens += num_new
+            self.num_prefill_seqs += 1
+        else:
+            self.num_decode_seqs += 1
+
+    @classmethod
+    def of(cls, out: SchedulerOutput, num_running: int) -> StepStats:
+        stats = cls(num_running=num_running)
+        for seq, num_new, num_samples in out.scheduled:
+            stats.add_chunk(len(seq.token_ids) - seq.num_computed_tokens, num_new, num_samples)
+        return stats
+
+    def row(self, step: int, out: SchedulerOutput, now: float, queues: SchedulerQueues,
+            usage: BlockUsage, preemptions: PreemptionCounts, ended: list[Request]) -> dict:
+        num_aborted = sum(1 for r in ended if r.finish_reason.startswith("abort:"))
+        return {
+            "step": step, "time": out.now, "duration": now - out.now,
+            "num_batched_tokens": self.num_prefill_tokens + self.num_decode_seqs,
+            "num_prefill_tokens": self.num_prefill_tokens, "num_prefill_seqs": self.num_prefill_seqs,
+            "num_decode_seqs": self.num_decode_seqs, "num_running": len(queues.running),
+            "num_waiting": len(queues.waiting), "num_swapped": len(queues.swapped),
+            "gpu_blocks_used": usage.gpu_used, "gpu_blocks_total": usage.gpu_total,
+            "cpu_blocks_used": usage.cpu_used, "cpu_blocks_total": usage.cpu_total,
+            "kv_tokens": queues.kv_tokens, "num_swap_out_blocks": len(out.swap_out),
+            "num_swap_in_blocks": len(out.swap_in), "num_copy_blocks": len(out.copy),
+            "num_preempted_recompute": preemptions.recompute, "num_preempted_swap": preemptions.swap,
+            "num_swap_fallbacks": preemptions.swap_fallbacks, "num_finished": len(ended) - num_aborted,
+            "num_aborted": num_aborted, "prefix_hits": usage.prefix_hits,
+            "prefix_queries": usage.prefix_queries,
+        }
