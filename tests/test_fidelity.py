@@ -1,0 +1,89 @@
+"""The fidelity report on traces with a known error, the policy-ranking verdicts, and a tiny CPU
+end-to-end fidelity run (profiler on a tiny grid, then engine vs simulator)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from experiments.fidelity_report import (error_markdown, error_rows, error_table, metric_values, ranking_markdown,
+                                         ranking_row, relative_error, target_summary)
+from experiments.metrics import summarize
+from experiments.traces import requests_frame, steps_frame
+from policies import Request, SamplingParams, Scheduler, SchedulerConfig, TraceRecorder, make_block_manager, \
+    make_policy
+from sim import Simulator
+from sim.latency import LatencyModel
+
+
+class Linear(LatencyModel):
+    """Step time = scale * (1 ms + 10 us per scheduled token): a stand-in for a measured backend."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def step_time(self, out) -> float:
+        return self.scale * (1e-3 + 1e-5 * sum(s.num_new_tokens for s in out.scheduled))
+
+    def swap_time(self, num_blocks: int) -> float:
+        return self.scale * 1e-5 * num_blocks
+
+
+def traces(scale: float, num_gpu_blocks: int = 400):
+    requests = [Request(str(i), [i % 50 + 1] * (20 + 7 * i), SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True))
+                for i in range(24)]
+    recorder = TraceRecorder()
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=512),
+                      make_policy("fcfs", preemption_mode="recompute"),
+                      make_block_manager("paged", 16, num_gpu_blocks, 0, 0.01, 512), recorder)
+    Simulator(sched, Linear(scale), requests).run()
+    req, steps = requests_frame(recorder), steps_frame(recorder)
+    return summarize(req, steps, 16), req, steps
+
+
+def test_error_table_on_traces_with_a_known_error():
+    engine, _, _ = traces(1.0)
+    sim, _, _ = traces(1.1)  # every step 10% slower, all arrivals at t = 0: same schedule, times x 1.1
+    rows = {r["metric"]: r for r in error_rows(engine, sim, "known")}
+    assert rows["request_throughput"]["rel_error"] == pytest.approx(1 / 1.1 - 1, rel=1e-9)
+    assert rows["output_throughput"]["rel_error"] == pytest.approx(1 / 1.1 - 1, rel=1e-9)
+    for m in ("ttft_mean", "ttft_p90", "tpot_mean", "e2e_mean"):
+        assert rows[m]["rel_error"] == pytest.approx(0.1, rel=1e-9), m
+    assert rows["num_preemptions"]["rel_error"] == 0.0
+    assert rows["request_throughput"]["within_target"] is False  # 9.1% > 5%
+    assert rows["ttft_p90"]["within_target"] is True  # 10% <= 10%
+    assert rows["e2e_mean"]["within_target"] is None  # no target
+    table = error_table(list(rows.values()))
+    md = error_markdown(table)
+    assert "| known |" in md and "+10.0%" in md and "**!**" in md
+    assert target_summary(table).startswith("1/4 targeted errors within target")
+
+
+def test_identical_traces_have_zero_error_and_preemptions_are_counted():
+    engine, req, _ = traces(1.0, num_gpu_blocks=40)  # few blocks: the scheduler must preempt
+    assert engine["num_preemptions"] > 0
+    rows = error_rows(engine, traces(1.0, num_gpu_blocks=40)[0], "same")
+    assert all(r["rel_error"] == 0.0 for r in rows)
+    assert metric_values(engine)["num_preemptions"] == req["num_preemptions"].sum()
+
+
+def test_relative_error_edge_cases():
+    assert relative_error(1.1, 1.0) == pytest.approx(0.1)
+    assert relative_error(0.0, 0.0) == 0.0
+    assert math.isnan(relative_error(3.0, 0.0))
+    assert math.isnan(relative_error(math.nan, 1.0))
+
+
+def test_ranking_verdicts():
+    ab = lambda a, b, lo, hi: {"a": a, "b": b, "diff": b - a, "ci_low": lo, "ci_high": hi}  # noqa: E731
+    good = ranking_row("x", "ttft mean (all)", ab(1.0, 0.5, -0.6, -0.4), ab(1.1, 0.6, -0.6, -0.4))
+    assert good["sign_predicted"] and good["size_predicted"] and good["engine_significant"]
+    assert good["size_ratio"] == pytest.approx(1.0)
+    off = ranking_row("x", "ttft mean (all)", ab(1.0, 0.5, -0.6, -0.4), ab(1.0, 0.9, -0.2, 0.0))
+    assert off["sign_predicted"] and not off["size_predicted"]
+    wrong = ranking_row("x", "e2e mean (all)", ab(1.0, 1.2, -0.1, 0.3), ab(1.0, 0.9, -0.2, 0.0))
+    assert not wrong["sign_predicted"] and not wrong["engine_significant"]
+    md = ranking_markdown([good, off, wrong])
+    assert md.count("| x |") == 3 and "NO" in md and "(n.s.)" in md
