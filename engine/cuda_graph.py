@@ -36,6 +36,7 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
         self._capture_all()
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -73,4 +74,5 @@ class DecodeGraphs:
         self.context_lens[:bs].copy_(torch.from_numpy(host.decode_context_lens))
         self.block_tables[:bs, :width].copy_(torch.from_numpy(host.decode_block_tables))
         self.graphs[bs].replay()
+        self.num_replays += 1
         return self.outputs[bs]

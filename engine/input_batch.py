@@ -51,11 +51,25 @@ class HostBatch:
     num_decode_seqs: int
 
 
-def _block_table_array(seqs: list[ScheduledSeq], width: int) -> np.ndarray:
-    table = np.zeros((len(seqs), width), dtype=np.int32)
+def _block_table_array(seqs: list[ScheduledSeq], width: int, rows: int | None = None) -> np.ndarray:
+    table = np.zeros((len(seqs) if rows is None else rows, width), dtype=np.int32)
     for i, s in enumerate(seqs):
         table[i, :len(s.seq.block_table)] = s.seq.block_table
     return table
+
+
+def _check(s: ScheduledSeq, block_size: int) -> None:
+    seq, start = s.seq, s.seq.num_computed_tokens
+    end = start + s.num_new_tokens
+    if s.num_new_tokens < 1 or end > seq.num_tokens:
+        raise ValueError(f"seq {seq.seq_id}: num_new_tokens={s.num_new_tokens} is invalid with "
+                         f"{start} computed of {seq.num_tokens} tokens")
+    if len(seq.block_table) * block_size < end:
+        raise ValueError(f"seq {seq.seq_id}: block_table holds {len(seq.block_table)} blocks of "
+                         f"{block_size}, too few for {end} tokens")
+    if s.num_samples > 0 and end != seq.num_tokens:
+        raise ValueError(f"seq {seq.seq_id}: num_samples={s.num_samples} but the step ends at "
+                         f"token {end} of {seq.num_tokens} (sampling needs the last token)")
 
 
 def build_host_batch(scheduled: list[ScheduledSeq], block_size: int,
@@ -64,57 +78,44 @@ def build_host_batch(scheduled: list[ScheduledSeq], block_size: int,
     many rows, for a captured CUDA graph of that batch size."""
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
     decodes = [s for s in scheduled if s.num_new_tokens == 1]
-    ids, pos, slots, sample_rows, sampled = [], [], [], [], []
-    cu, pre_ctx = [0], []
-    row = 0
-    for s in prefills + decodes:
-        seq, start = s.seq, s.seq.num_computed_tokens
+    for s in scheduled:
+        _check(s, block_size)
+    sampled = [s for s in prefills if s.num_samples > 0] + [s for s in decodes if s.num_samples > 0]
+    # Prefill part: numpy per sequence (few sequences, many tokens each).
+    pre_ids, pre_pos, pre_slots, cu, pre_ctx, sample_rows = [], [], [], [0], [], []
+    for s in prefills:
+        start = s.seq.num_computed_tokens
         end = start + s.num_new_tokens
-        if s.num_new_tokens < 1 or end > seq.num_tokens:
-            raise ValueError(f"seq {seq.seq_id}: num_new_tokens={s.num_new_tokens} is invalid with "
-                             f"{start} computed of {seq.num_tokens} tokens")
-        if len(seq.block_table) * block_size < end:
-            raise ValueError(f"seq {seq.seq_id}: block_table holds {len(seq.block_table)} blocks of "
-                             f"{block_size}, too few for {end} tokens")
-        if s.num_samples > 0 and end != seq.num_tokens:
-            raise ValueError(f"seq {seq.seq_id}: num_samples={s.num_samples} but the step ends at "
-                             f"token {end} of {seq.num_tokens} (sampling needs the last token)")
         p = np.arange(start, end, dtype=np.int64)
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
-        pos.append(p)
-        slots.append(table[p // block_size] * block_size + p % block_size)
-        row += s.num_new_tokens
-        if s.num_new_tokens > 1:
-            cu.append(row)
-            pre_ctx.append(end)
+        table = np.asarray(s.seq.block_table, dtype=np.int64)
+        pre_ids.append(np.asarray(s.seq.token_ids[start:end], dtype=np.int64))
+        pre_pos.append(p)
+        pre_slots.append(table[p // block_size] * block_size + p % block_size)
+        cu.append(cu[-1] + s.num_new_tokens)
+        pre_ctx.append(end)
         if s.num_samples > 0:
-            sample_rows.append(row - 1)
-            sampled.append(s)
+            sample_rows.append(cu[-1] - 1)
     num_prefill_tokens = cu[-1]
-    dec_ctx = [s.seq.num_computed_tokens + 1 for s in decodes]
+    # Decode part: plain Python ints per sequence (many sequences, one token each), padded.
     pad = 0 if pad_decode_to is None else pad_decode_to - len(decodes)
     if pad < 0:
         raise ValueError(f"pad_decode_to={pad_decode_to} is smaller than the {len(decodes)} decode rows")
-    if pad:
-        ids.append(np.zeros(pad, dtype=np.int64))
-        pos.append(np.zeros(pad, dtype=np.int64))
-        slots.append(np.full(pad, -1, dtype=np.int64))
-        dec_ctx += [0] * pad
+    dec_pos = [s.seq.num_computed_tokens for s in decodes]
+    dec_ids = [s.seq.token_ids[p] for s, p in zip(decodes, dec_pos)]
+    dec_slots = [s.seq.block_table[p // block_size] * block_size + p % block_size
+                 for s, p in zip(decodes, dec_pos)]
+    dec_ctx = [p + 1 for p in dec_pos] + [0] * pad
+    sample_rows += [num_prefill_tokens + i for i, s in enumerate(decodes) if s.num_samples > 0]
     width = max([len(s.seq.block_table) for s in scheduled] + [1])
-    empty = np.zeros(0, dtype=np.int64)
-    dec_tables = _block_table_array(decodes, width)
-    if pad:
-        dec_tables = np.concatenate([dec_tables, np.zeros((pad, width), dtype=np.int32)])
     return HostBatch(
-        input_ids=np.concatenate(ids) if ids else empty,
-        positions=np.concatenate(pos) if pos else empty,
-        slot_mapping=np.concatenate(slots) if slots else empty,
+        input_ids=np.concatenate(pre_ids + [np.asarray(dec_ids + [0] * pad, dtype=np.int64)]),
+        positions=np.concatenate(pre_pos + [np.asarray(dec_pos + [0] * pad, dtype=np.int64)]),
+        slot_mapping=np.concatenate(pre_slots + [np.asarray(dec_slots + [-1] * pad, dtype=np.int64)]),
         num_prefill_tokens=num_prefill_tokens,
         prefill_block_tables=_block_table_array(prefills, width),
         prefill_cu_seqlens_q=np.asarray(cu, dtype=np.int32),
         prefill_context_lens=np.asarray(pre_ctx, dtype=np.int32),
-        decode_block_tables=dec_tables,
+        decode_block_tables=_block_table_array(decodes, width, len(decodes) + pad),
         decode_context_lens=np.asarray(dec_ctx, dtype=np.int32),
         sample_rows=np.asarray(sample_rows, dtype=np.int64),
         sampled=sampled, num_decode_seqs=len(decodes))

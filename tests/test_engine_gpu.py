@@ -1,0 +1,123 @@
+"""The engine's model runner on a CUDA GPU: Qwen3-0.6B shapes with dummy bf16 weights against
+transformers on the same weights, CUDA-graph decode against eager decode, the profiled KV budget,
+and swaps through pinned memory on the side stream.
+
+Run on the GPU machine with TRITON_INTERPRET=0 (tests/conftest.py sets it to 1 by default):
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/test_engine_gpu.py
+"""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import CacheConfig, load_model_config
+from engine.model_runner import ModelRunner
+from engine.weights import to_hf_state_dict
+from policies.outputs import SchedulerOutput
+from policies.request import SamplingParams
+from tests.engine_model_helpers import BlockAllocator, make_seqs, random_prompts, step
+
+pytestmark = pytest.mark.gpu
+PROMPT_LENS = [37, 200, 5, 513, 64]
+
+
+def qwen3_runner(enforce_eager: bool, **cache) -> ModelRunner:
+    cfg = load_model_config("qwen3-0.6b")
+    cache = CacheConfig(**({"num_gpu_blocks": 2048} | cache))
+    return ModelRunner(cfg, cache, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=2048,
+                       device="cuda", dtype=torch.bfloat16, enforce_eager=enforce_eager, seed=0)
+
+
+def run_greedy(runner: ModelRunner, prompts: list[list[int]], steps: int,
+               forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[dict]]]:
+    """Greedy decode with top-5 logprobs; with `forced`, the sequences continue with those tokens
+    instead of their own (teacher forcing), so two runs can be compared position by position."""
+    seqs = make_seqs(prompts, SamplingParams(temperature=0, logprobs=5, max_tokens=steps))
+    alloc = BlockAllocator(runner.block_size, runner.num_gpu_blocks)
+    tokens = [[] for _ in seqs]
+    logprobs = [[] for _ in seqs]
+    for k in range(steps):
+        results = step(runner, alloc, seqs, 10_000)
+        for i, s in enumerate(seqs):
+            tokens[i].append(results[s.seq_id].token_ids[0])
+            logprobs[i].append(results[s.seq_id].logprobs[0])
+            if forced is not None:
+                s.token_ids[-1] = forced[i][k]
+    return tokens, logprobs
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    pairs = [(a, b) for x, y in zip(ours, theirs) for a, b in zip(x, y)]
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
+@torch.no_grad()
+def test_qwen3_dummy_bf16_close_to_transformers():
+    runner = qwen3_runner(enforce_eager=True)
+    hf = AutoModelForCausalLM.from_config(runner.model_config.to_hf_config(), dtype=torch.bfloat16)
+    hf = hf.cuda().eval()
+    hf.load_state_dict(to_hf_state_dict(runner.model), strict=True)
+    prompts = random_prompts(PROMPT_LENS, 10_000, seed=0)
+    ours, our_lp = run_greedy(runner, prompts, steps=24)
+    # transformers teacher-forced on our tokens: its argmax at every generated position
+    theirs = []
+    for p, toks in zip(prompts, ours):
+        logits = hf(torch.tensor([p + toks], device="cuda")).logits[0].float()
+        theirs.append(logits[len(p) - 1:-1].argmax(-1).tolist())
+        first = torch.log_softmax(logits[len(p) - 1], -1)
+        top = first.topk(5)
+        mine = our_lp[prompts.index(p)][0]
+        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+            if t in mine:
+                assert abs(mine[t] - v) < 0.15, (t, mine[t], v)
+    assert agreement(ours, theirs) >= 0.9
+    assert all(o[0] == t[0] for o, t in zip(ours, theirs))
+
+
+@torch.no_grad()
+def test_cuda_graph_decode_equals_eager():
+    prompts = random_prompts(PROMPT_LENS + [3, 90], 10_000, seed=1)  # 7 seqs: padded to the 8-graph
+    eager = qwen3_runner(enforce_eager=True)
+    e_tok, e_lp = run_greedy(eager, prompts, steps=20)
+    del eager
+    torch.cuda.empty_cache()
+    graphed = qwen3_runner(enforce_eager=False)
+    assert graphed.graphs is not None and 8 in graphed.graphs.graphs
+    g_tok, g_lp = run_greedy(graphed, prompts, steps=20, forced=e_tok)
+    assert graphed.graphs.num_replays == 19  # every step after the prefill ran a graph
+    assert agreement(g_tok, e_tok) >= 0.97
+    for i in range(len(prompts)):
+        for k in range(20):
+            common = set(e_lp[i][k]) & set(g_lp[i][k])
+            assert common and all(abs(e_lp[i][k][t] - g_lp[i][k][t]) < 0.05 for t in common)
+            if g_tok[i][k] != e_tok[i][k]:  # only near-ties may differ
+                assert g_tok[i][k] in e_lp[i][k]
+                assert e_lp[i][k][e_tok[i][k]] - e_lp[i][k][g_tok[i][k]] < 0.05
+
+
+def test_profiled_kv_budget_respects_gpu_memory_utilization():
+    runner = qwen3_runner(enforce_eager=True, num_gpu_blocks=None, gpu_memory_utilization=0.3,
+                          swap_space=0.5)
+    total = torch.cuda.mem_get_info()[1]
+    assert runner.num_gpu_blocks > 2048 // 16
+    assert torch.cuda.memory_allocated() <= 0.3 * total
+    assert runner.num_cpu_blocks == int(0.5 * (1 << 30)) // (16 * 2 * 28 * 8 * 128 * 2)
+    assert runner.kv_cache.cpu_k_caches[0].is_pinned()
+
+
+@torch.no_grad()
+def test_swap_roundtrip_through_pinned_pool_on_side_stream():
+    runner = qwen3_runner(enforce_eager=True, swap_space=0.25)
+    kv = runner.kv_cache
+    src = [3, 7, 11]
+    for cache in kv.k_caches + kv.v_caches:
+        cache[src] = torch.randn_like(cache[src])
+    before = [c[src].clone() for c in kv.k_caches + kv.v_caches]
+    runner.execute(SchedulerOutput(now=0, swap_out={b: i for i, b in enumerate(src)}))
+    for cache in kv.k_caches + kv.v_caches:
+        cache[src] = 0
+    dst = [100, 5, 64]
+    runner.execute(SchedulerOutput(now=0, swap_in={i: b for i, b in enumerate(dst)},
+                                   copy=[(100, 200)]))
+    for b, c in zip(before, kv.k_caches + kv.v_caches):
+        assert torch.equal(c[dst], b)
+        assert torch.equal(c[200], b[0])
