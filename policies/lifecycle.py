@@ -35,7 +35,9 @@ class Lifecycle:
         self.max_model_len = max_model_len
         self.families: dict[str, list[Sequence]] = {}  # live request id -> its sequences, sample order
         self.seen: set[str] = set()
-        # Per live sequence: (stop length, min length, eos or None, stop ids or None, token times).
+        # Per live sequence: (stop_len, min_len, stop tokens or None, sample 0's token times or None):
+        # a sequence holding num_tokens > stop_len tokens stops for length; a stop token counts once
+        # it holds num_tokens > min_len.
         self.stop_info: dict[Sequence, tuple] = {}
         self.decode_entries: dict[Sequence, ScheduledSeq] = {}  # reused by every decode step
         self.aborted_in_flight = False  # a running sequence was aborted after schedule()
@@ -78,8 +80,9 @@ class Lifecycle:
             if skip_aborted and seq.status is not RUNNING:
                 self.queues.kv_tokens -= num_new  # aborted between schedule() and update()
                 continue
-            seq.num_computed_tokens += num_new
-            if mark is not None and (num_new != 1 or not seq.num_computed_tokens & mask):
+            computed = seq.num_computed_tokens + num_new
+            seq.num_computed_tokens = computed
+            if mark is not None and (num_new != 1 or not computed & mask):
                 mark(seq)
             if num_samples != 1:
                 if num_samples:
@@ -90,34 +93,32 @@ class Lifecycle:
             except (KeyError, TypeError, ValueError):
                 _tokens_for(seq, 1, new_token_ids)  # raises a ValueError naming the sequence
                 raise
-            token_ids = seq.token_ids
-            token_ids.append(token)
-            stop_len, min_len, eos, stop_ids, times = stop_info[seq]
+            seq.token_ids.append(token)
+            stop_len, min_len, stops, times = stop_info[seq]
             if times is not None:
                 if not times:
                     first_token(seq, now)
                 times.append(now)
-            num_tokens = len(token_ids)
-            if num_tokens >= min_len and (token == eos or (stop_ids is not None and token in stop_ids)
-                                          or (stop_seq_ids and seq.seq_id in stop_seq_ids)):
+            # The sampled token is the first one without KV: num_tokens == computed + 1.
+            if (stops is not None and token in stops or stop_seq_ids and seq.seq_id in stop_seq_ids) \
+                    and computed >= min_len:
                 finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
-            elif num_tokens >= stop_len:
+            elif computed >= stop_len:
                 finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
         self.aborted_in_flight = False
 
     def _append_token(self, seq: Sequence, token: int, now: float, stop_seq_ids: Collection[int]) -> None:
-        token_ids = seq.token_ids
-        token_ids.append(token)
-        stop_len, min_len, eos, stop_ids, times = self.stop_info[seq]
+        seq.token_ids.append(token)
+        stop_len, min_len, stops, times = self.stop_info[seq]
         if times is not None:
             if not times:
                 self.recorder.first_token(seq, now)
             times.append(now)
-        num_tokens = len(token_ids)
-        if num_tokens >= min_len and (token == eos or (stop_ids is not None and token in stop_ids)
-                                      or (stop_seq_ids and seq.seq_id in stop_seq_ids)):
+        num_tokens = len(seq.token_ids)
+        if (stops is not None and token in stops or stop_seq_ids and seq.seq_id in stop_seq_ids) \
+                and num_tokens > min_len:
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
-        elif num_tokens >= stop_len:
+        elif num_tokens > stop_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
 
     def _fork(self, parent: Sequence, tokens: list[int], now: float, stop_seq_ids: Collection[int]) -> None:
@@ -181,11 +182,14 @@ class Lifecycle:
 
     def _register(self, seq: Sequence) -> None:
         request, params = seq.request, seq.request.sampling_params
-        stop_len = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len)
-        eos = None if params.ignore_eos else request.eos_token_id
+        # Outputs reach max_tokens, or num_tokens reaches max_model_len.
+        stop_len = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len) - 1
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos and request.eos_token_id is not None:
+            stops.add(request.eos_token_id)
         times = self.recorder.token_list(request) if seq.sample_index == 0 else None
-        self.stop_info[seq] = (stop_len, seq.num_prompt_tokens + params.min_tokens, eos,
-                               frozenset(params.stop_token_ids) or None, times)
+        self.stop_info[seq] = (stop_len, seq.num_prompt_tokens + params.min_tokens - 1,
+                               frozenset(stops) or None, times)
         # A decode samples n tokens only for an unforked parallel prompt's last token.
         self.decode_entries[seq] = ScheduledSeq(seq, 1, seq_cost(seq))
 
