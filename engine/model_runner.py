@@ -3,7 +3,8 @@
 Construction: build the model and load its weights; on a GPU, profile a forward pass at
 `max_num_batched_tokens` to size the KV cache from `gpu_memory_utilization` (unless
 `CacheConfig.num_gpu_blocks` is given; on CPU it must be); allocate the KV cache and the swap
-pool; capture decode CUDA graphs unless `enforce_eager` (always eager on CPU).
+pool; capture decode CUDA graphs unless `enforce_eager` (always eager on CPU). The elementwise
+ops are torch.compile'd on CUDA unless `enforce_eager` (`compile_model` overrides).
 
 `execute(out)`: cache ops (swap out, swap in, copy) then one forward over the flattened batch
 (a captured graph when every scheduled sequence decodes one token), logits of the sampled rows
@@ -31,7 +32,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-                 enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto") -> None:
+                 enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
+                 compile_model: bool | None = None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -46,8 +48,10 @@ class ModelRunner:
                              f"max_position_embeddings={model_config.max_position_embeddings}")
         self.block_size = cache_config.block_size
         self.ops = attention_ops(attention_backend, self.device)
+        if compile_model is None:  # vLLM's convention: enforce_eager turns off compilation too
+            compile_model = self.device.type == "cuda" and not enforce_eager
         self.model = build_model(model_config, self.ops, self.device, self.dtype,
-                                 max_positions=max_model_len, seed=seed)
+                                 max_positions=max_model_len, seed=seed, compile=compile_model)
         self.sampler = Sampler(self.device)
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._profile_num_gpu_blocks()
         self.num_cpu_blocks = num_cpu_blocks(cache_config.swap_space, model_config, self.block_size,

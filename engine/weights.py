@@ -33,11 +33,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def build_model(cfg: ModelConfig, ops: ModuleType, device: torch.device | str, dtype: torch.dtype,
-                max_positions: int | None = None, seed: int = 0) -> LlamaForCausalLM:
+                max_positions: int | None = None, seed: int = 0, compile: bool = False) -> LlamaForCausalLM:
     """The model on `device` in `dtype` (RoPE tables stay float32) with its weights loaded."""
     device = torch.device(device)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, ops, max_positions)
+        model = LlamaForCausalLM(cfg, ops, max_positions, compile)
     for p in model.parameters():
         p.data = p.data.to(dtype)
     load_weights(model, cfg.weights, seed)

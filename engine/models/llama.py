@@ -4,12 +4,12 @@ q/k head), over a flattened varlen batch whose attention goes through the paged 
 Parameters use a fused layout (q/k/v in `qkv_proj`, gate/up in `gate_up_proj`); `engine/weights.py`
 maps transformers' names onto it. Arithmetic follows transformers' modeling code step by step
 (float32 RMSNorm, cos/sin cast to the activation dtype, residual adds in the activation dtype) so
-that bf16 logits stay close to theirs. `forward` returns hidden states; `compute_logits` is called
-only on the rows that are sampled.
+that bf16 logits stay close to theirs; the residual add is fused into the next RMSNorm.
+`forward` returns hidden states; `compute_logits` is called only on the rows that are sampled.
 """
 from __future__ import annotations
 
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -17,25 +17,28 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
+from engine.models.ops import fused_ops
 from engine.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, fns: SimpleNamespace) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fns = fns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.fns.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        return self.fns.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType,
-                 rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, rotary: RotaryEmbedding,
+                 fns: SimpleNamespace) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -43,11 +46,12 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, fns)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, fns)
         self.rotary = [rotary]  # a list: shared by every layer, not registered as a submodule
+        self.fns = fns
         self.attn = PagedAttention(ops, layer_idx, scale=self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -57,49 +61,58 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = self.fns.apply_rope(positions, q, k, self.rotary[0].cos_sin)
         o = self.attn(q.contiguous(), k.contiguous(), v.contiguous(), meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fns: SimpleNamespace) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fns = fns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.fns.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType,
-                 rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, rotary: RotaryEmbedding,
+                 fns: SimpleNamespace) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, ops, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fns)
+        self.self_attn = Attention(cfg, layer_idx, ops, rotary, fns)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fns)
+        self.mlp = MLP(cfg, fns)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (or the embeddings); residual: the stream before it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """`ops`: the attention kernels module (`kernels` or `kernels.reference`)."""
+    """`ops`: the attention kernels module (`kernels` or `kernels.reference`); `compile`: wrap the
+    elementwise pieces in torch.compile (GPU)."""
 
-    def __init__(self, cfg: ModelConfig, ops: ModuleType, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, max_positions: int | None = None,
+                 compile: bool = False) -> None:
         super().__init__()
         self.config = cfg
+        fns = fused_ops(compile)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary, fns)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fns)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -107,17 +120,17 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+    def bind_kv_cache(self, k_caches: list[torch.Tensor | None], v_caches: list[torch.Tensor | None]) -> None:
         for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
             layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] (only the sampled rows) -> float32 logits [R, vocab]."""

@@ -1,6 +1,6 @@
-"""Rotary position embedding (neox / rotate-half layout, as transformers' Llama), with the
-`default` and `llama3` frequency schedules. cos/sin are precomputed in float32 per position and
-cast to the activation dtype before use, exactly as transformers does, so logits match closely.
+"""Rotary position embedding tables (neox / rotate-half layout, as transformers' Llama), with the
+`default` and `llama3` frequency schedules. cos/sin are precomputed in float32 per position;
+`engine.models.ops.apply_rope` casts them to the activation dtype before use, as transformers does.
 """
 from __future__ import annotations
 
@@ -34,15 +34,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         # [max_positions, 2, head_dim]: cos and sin; a buffer so .to(device) moves it.
         self.register_buffer("cos_sin", torch.stack([emb.cos(), emb.sin()], dim=1), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D], k [T, Hkv, D]."""
-        cos_sin = self.cos_sin[positions].to(q.dtype)
-        cos, sin = cos_sin[:, 0, None, :], cos_sin[:, 1, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
