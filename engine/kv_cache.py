@@ -44,9 +44,10 @@ class KVCache:
         # block, and garbage there must never be NaN.
         self.k_caches = [torch.zeros(num_gpu_blocks, *shape, dtype=dtype, device=device) for _ in layers]
         self.v_caches = [torch.zeros(num_gpu_blocks, *shape, dtype=dtype, device=device) for _ in layers]
+        # The swap pool is only ever read where a swap-out wrote: no need to touch its pages now.
         pin = device.type == "cuda"
-        self.cpu_k_caches = [torch.zeros(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
-        self.cpu_v_caches = [torch.zeros(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
+        self.cpu_k_caches = [torch.empty(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
+        self.cpu_v_caches = [torch.empty(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin) for _ in layers]
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def apply(self, swap_out: dict[int, int], swap_in: dict[int, int],
