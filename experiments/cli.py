@@ -4,13 +4,18 @@ bad configuration or input -> one line on stderr naming the key, exit code 2, no
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
-from typing import Callable
+from typing import Callable, TypeVar
 
-from hydra.errors import ConfigCompositionException, HydraException
+from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
+
+CONFIG_ERRORS = (ValueError, HydraException, OmegaConfBaseException)  # ConfigCompositionException is a HydraException
+F = TypeVar("F", bound=Callable)
+_user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
 def one_line(exc: BaseException) -> str:
@@ -31,14 +36,37 @@ def one_line(exc: BaseException) -> str:
     return msg
 
 
+def _exit(exc: BaseException) -> None:
+    print(f"error: {one_line(exc)}", file=sys.stderr)
+    sys.exit(2)
+
+
+def config_errors(fn: F) -> F:
+    """Wrap a Hydra task function: config errors raised inside the job become one line + exit 2
+    (before Hydra's job runner would print its own lines around them)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CONFIG_ERRORS as exc:
+            if _user_full_error:
+                raise
+            _exit(exc)
+    return wrapper  # type: ignore[return-value]
+
+
 def run_cli(entry: Callable[[], object]) -> None:
-    """Run a @hydra.main function; turn config errors into one line and exit code 2."""
-    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    """Run an entry point (a @hydra.main function or a plain one); composition and other config
+    errors become one line and exit code 2."""
+    global _user_full_error
+    _user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let exceptions reach us instead of Hydra's printer
     try:
         entry()
-    except (ValueError, ConfigCompositionException, OmegaConfBaseException, HydraException) as exc:
-        if full_error:
+    except CONFIG_ERRORS as exc:
+        if _user_full_error:
             raise
-        print(f"error: {one_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+        _exit(exc)
+    finally:
+        if not _user_full_error:
+            os.environ.pop("HYDRA_FULL_ERROR", None)

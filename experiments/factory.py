@@ -106,12 +106,15 @@ def build_scheduler(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int, r
     except TypeError as e:
         raise ValueError(f"policy: {e} (keys of conf/policy/{name}.yaml must match the policy's arguments)") from None
     except ValueError as e:
-        raise ValueError(f"policy.{e}") from None
+        msg = str(e)
+        raise ValueError("policy.name=" + msg[len("policy="):] if msg.startswith("policy=") else f"policy.{msg}") from None
     s = section(cfg, "scheduler")
     try:
         sched_cfg = SchedulerConfig(**s)
     except TypeError as e:
         raise ValueError(f"scheduler: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"scheduler.{e}") from None
     return Scheduler(sched_cfg, policy, build_block_manager(cfg, num_gpu_blocks, num_cpu_blocks), recorder)
 
 

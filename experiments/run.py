@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from experiments import factory
 from experiments.backends import run_backend
-from experiments.cli import run_cli
+from experiments.cli import config_errors, run_cli
 from experiments.metrics import summarize, summary_table
 from experiments.traces import write_summary, write_traces
 from experiments.workloads import Workload
@@ -64,6 +64,7 @@ def _label() -> str:
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@config_errors
 def _main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     label = _label()

@@ -1,0 +1,54 @@
+"""Every option of every config group composes and builds its objects."""
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from experiments import factory
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("policy", "blocks", "backend", "model", "hardware", "workload", "latency")
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+PROFILE = "latency.path=experiments/profiles/example-synthetic.csv"
+
+
+def compose_with(*overrides):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_every_group_has_options():
+    assert {g for g, _ in OPTIONS} == set(GROUPS)
+    assert {"fcfs", "priority"} <= {o for g, o in OPTIONS if g == "policy"}
+    assert {"paged", "prefix", "contiguous"} <= {o for g, o in OPTIONS if g == "blocks"}
+    assert {"h200", "h100", "a100"} <= {o for g, o in OPTIONS if g == "hardware"}
+
+
+@pytest.mark.parametrize("group, option", OPTIONS)
+def test_option_composes_and_builds(group, option):
+    overrides = [f"{group}={option}", "workload.num_requests=7"]
+    if option == "profiled":
+        overrides.append(PROFILE)
+    if group == "model":  # tiny models would get millions of blocks from 140 GiB (tested below)
+        overrides.append("blocks.kv_cache_gib=1")
+    cfg = compose_with(*overrides)
+    assert cfg[group] is not None
+    assert factory.model_shape(cfg).kv_bytes_per_token > 0
+    gpu, cpu = factory.kv_block_counts(cfg)
+    assert gpu >= 1 and cpu >= 0
+    scheduler = factory.build_scheduler(cfg, gpu, cpu)
+    assert scheduler.block_manager.num_gpu_blocks == gpu
+    assert factory.build_latency(cfg).swap_time(1) > 0
+    assert len(factory.workload(cfg)) == 7
+
+
+def test_default_kv_pool_is_derived_from_hardware_memory():
+    cfg = compose_with()
+    gpu, cpu = factory.kv_block_counts(cfg)
+    block_bytes = 2 * 28 * 8 * 128 * 2 * 16  # qwen3-0.6b, bf16, 16 tokens
+    budget = 140.4 * 2**30 * 0.9 - factory.model_shape(cfg).weight_bytes
+    assert budget / block_bytes - 300 < gpu < budget / block_bytes  # minus the activation estimate
+    assert cpu == 4 * 2**30 // block_bytes
+    assert factory.kv_block_counts(compose_with("blocks.kv_cache_gib=1"))[0] == 2**30 // block_bytes
+    assert factory.kv_block_counts(compose_with("blocks.num_gpu_blocks=123"))[0] == 123
+    assert factory.kv_block_counts(compose_with("hardware=h100"))[0] < gpu

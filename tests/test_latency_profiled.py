@@ -1,0 +1,92 @@
+"""Profiled latency model: schema, exact grid points, monotone interpolation, errors."""
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sim.latency import Hardware, ModelShape, ProfiledModel, RooflineModel
+from sim.latency.base import BatchShape
+from sim.latency.profiled import read_profile, write_profile
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "experiments/profiles/example-synthetic.csv"
+
+
+def test_example_profile_is_exact_at_grid_points():
+    pm = ProfiledModel(EXAMPLE, block_size=16, model_name="qwen3-0.6b")
+    _, rows = read_profile(EXAMPLE)
+    steps = [r for _, r in rows if r["kind"] == "step"]
+    assert len(steps) > 20
+    for r in steps:
+        p, d, c = int(r["num_prefill_tokens"]), int(r["num_decode_seqs"]), int(r["num_context_tokens"])
+        assert pm.lookup(p, d, c) == pytest.approx(float(r["time_s"]), rel=1e-9)
+    for _, r in rows:
+        if r["kind"] == "swap":
+            assert pm.swap_time(int(r["num_blocks"])) == pytest.approx(float(r["time_s"]), rel=1e-9)
+
+
+def test_example_matches_the_roofline_it_was_generated_from():
+    cfg = lambda group, name: yaml.safe_load((ROOT / f"conf/{group}/{name}.yaml").read_text())  # noqa: E731
+    roof = RooflineModel(ModelShape.from_dict(cfg("model", "qwen3-0.6b")), Hardware.from_dict(cfg("hardware", "h200")), 16)
+    pm = ProfiledModel(EXAMPLE, block_size=16)
+    shape = BatchShape(num_decode_seqs=64, num_context_tokens=64 * 512, num_samples=64)
+    assert pm.lookup(0, 64, 64 * 512) == pytest.approx(roof.shape_time(shape), rel=1e-7)  # 9 digits in the CSV
+
+
+def test_interpolation_is_monotone_between_grid_points():
+    pm = ProfiledModel(EXAMPLE, block_size=16)
+    prefill = range(0, 2049, 97)
+    decode = range(0, 257, 23)
+    ctx = (100, 300, 700, 1500, 2500)
+    for c in ctx:
+        for p in prefill:
+            times = [pm.lookup(p, d, d * c) for d in decode]
+            assert times == sorted(times)
+        for d in decode:
+            times = [pm.lookup(p, d, d * c) for p in prefill]
+            assert times == sorted(times)
+    for p, d in itertools.product((0, 256), (1, 64)):
+        times = [pm.lookup(p, d, d * c) for c in ctx]
+        assert times == sorted(times)
+
+
+def write(tmp_path, steps, swaps=((1, 1e-4), (10, 1e-3)), **meta):
+    return write_profile(tmp_path / "p.csv", {"model": "m", "block_size": 16, **meta}, steps, swaps)
+
+
+def test_multilinear_midpoints_and_linear_extrapolation(tmp_path):
+    # t = 1 + p/100 + d/10 + d*ctx/1e4 on a 2x2x2 grid (the cross term is bilinear in d and ctx/seq)
+    t = lambda p, d, c: 1 + p / 100 + d / 10 + c / 1e4  # noqa: E731
+    steps = [(p, d, d * L, t(p, d, d * L)) for p in (0, 100) for d in (1, 3) for L in (10, 30)]
+    pm = ProfiledModel(write(tmp_path, steps), block_size=16)
+    assert pm.lookup(50, 2, 2 * 20) == pytest.approx(t(50, 2, 40))
+    assert pm.lookup(200, 5, 5 * 40) == pytest.approx(t(200, 5, 200))  # outside: linear
+    assert pm.swap_time(5) == pytest.approx(5e-4)
+    assert pm.swap_time(20) == pytest.approx(2e-3)
+    assert ProfiledModel(write(tmp_path, steps), block_size=32).swap_time(5) == pytest.approx(1e-3)
+
+
+def test_missing_grid_point_is_named(tmp_path):
+    steps = [(p, d, d * 10, 1.0) for p in (0, 64) for d in (1, 2)][:-1]
+    with pytest.raises(ValueError, match=r"lacks the grid point num_prefill_tokens=64, num_decode_seqs=2"):
+        ProfiledModel(write(tmp_path, steps), block_size=16)
+
+
+def test_bad_rows_name_file_line_and_field(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("# model: m\nkind,num_prefill_tokens,num_decode_seqs,num_context_tokens,num_blocks,time_s\n"
+                    "step,0,1,10,,0.001\nstep,0,x,10,,0.001\n")
+    with pytest.raises(ValueError, match=r"bad.csv:4: field num_decode_seqs='x' is invalid"):
+        ProfiledModel(path, block_size=16)
+    path.write_text("kind,num_prefill_tokens,time_s\nstep,0,1\n")
+    with pytest.raises(ValueError, match=r"header lacks columns"):
+        ProfiledModel(path, block_size=16)
+
+
+def test_model_mismatch_and_missing_swaps(tmp_path):
+    steps = [(0, 1, 10, 1e-3)]
+    with pytest.raises(ValueError, match=r"measured for model='m', not model='other'"):
+        ProfiledModel(write(tmp_path, steps), block_size=16, model_name="other")
+    with pytest.raises(ValueError, match=r"no kind=swap rows"):
+        ProfiledModel(write(tmp_path, steps, swaps=()), block_size=16)
