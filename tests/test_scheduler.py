@@ -140,7 +140,9 @@ def test_priority_orders_admission_by_priority_then_arrival():
 def test_parallel_sampling_forks_copy_on_write_after_the_prompt():
     s = make_scheduler()
     tokens = itertools.count(1).__next__
-    log = drive(s, [(0, request("par", 6, 3, n=2)), (0, request("other", 3, 2, arrival=1.0))], tokens=tokens)
+    s.add(request("par", 6, 3, n=2), now=0.0)
+    family = s.sequences("par")  # the engine keeps this list to build its outputs
+    log = drive(s, [(0, request("other", 3, 2, arrival=1.0))], tokens=tokens)
     assert schedules(log) == [
         [("par/0", 6, 2), ("other/0", 3, 1)],  # the prompt samples n=2 tokens
         [("par/0", 1, 1), ("par/1", 1, 1), ("other/0", 1, 1)],  # the child runs right after its parent
@@ -151,6 +153,8 @@ def test_parallel_sampling_forks_copy_on_write_after_the_prompt():
     assert log[0][4] == [] and log[2][4] == []
     par = next(r for r in s.recorder.requests if r["request_id"] == "par")
     assert par["n"] == 2 and par["output_len"] == 6 and par["token_times"] == [1.0, 2.0, 3.0]
+    assert [(q.sample_index, q.output_token_ids, q.finish_reason) for q in family] == [
+        (0, [1, 4, 7], "length"), (1, [2, 5, 8], "length")]
 
 
 def test_prefix_cache_hit_skips_computed_tokens():
