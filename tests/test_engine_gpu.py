@@ -5,6 +5,8 @@ and swaps through pinned memory on the side stream.
 Run on the GPU machine with TRITON_INTERPRET=0 (tests/conftest.py sets it to 1 by default):
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/test_engine_gpu.py
 """
+import gc
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -20,11 +22,12 @@ pytestmark = pytest.mark.gpu
 PROMPT_LENS = [37, 200, 5, 513, 64]
 
 
-def qwen3_runner(enforce_eager: bool, **cache) -> ModelRunner:
+def qwen3_runner(enforce_eager: bool, compile_model: bool | None = None, **cache) -> ModelRunner:
     cfg = load_model_config("qwen3-0.6b")
     cache = CacheConfig(**({"num_gpu_blocks": 2048} | cache))
     return ModelRunner(cfg, cache, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=2048,
-                       device="cuda", dtype=torch.bfloat16, enforce_eager=enforce_eager, seed=0)
+                       device="cuda", dtype=torch.bfloat16, enforce_eager=enforce_eager, seed=0,
+                       compile_model=compile_model)
 
 
 def run_greedy(runner: ModelRunner, prompts: list[list[int]], steps: int,
@@ -50,9 +53,10 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
+@pytest.mark.parametrize("compile_model", [False, True])
 @torch.no_grad()
-def test_qwen3_dummy_bf16_close_to_transformers():
-    runner = qwen3_runner(enforce_eager=True)
+def test_qwen3_dummy_bf16_close_to_transformers(compile_model):
+    runner = qwen3_runner(enforce_eager=True, compile_model=compile_model)
     hf = AutoModelForCausalLM.from_config(runner.model_config.to_hf_config(), dtype=torch.bfloat16)
     hf = hf.cuda().eval()
     hf.load_state_dict(to_hf_state_dict(runner.model), strict=True)
@@ -60,12 +64,11 @@ def test_qwen3_dummy_bf16_close_to_transformers():
     ours, our_lp = run_greedy(runner, prompts, steps=24)
     # transformers teacher-forced on our tokens: its argmax at every generated position
     theirs = []
-    for p, toks in zip(prompts, ours):
+    for i, (p, toks) in enumerate(zip(prompts, ours)):
         logits = hf(torch.tensor([p + toks], device="cuda")).logits[0].float()
         theirs.append(logits[len(p) - 1:-1].argmax(-1).tolist())
-        first = torch.log_softmax(logits[len(p) - 1], -1)
-        top = first.topk(5)
-        mine = our_lp[prompts.index(p)][0]
+        top = torch.log_softmax(logits[len(p) - 1], -1).topk(5)
+        mine = our_lp[i][0]
         for t, v in zip(top.indices.tolist(), top.values.tolist()):
             if t in mine:
                 assert abs(mine[t] - v) < 0.15, (t, mine[t], v)
@@ -76,7 +79,7 @@ def test_qwen3_dummy_bf16_close_to_transformers():
 @torch.no_grad()
 def test_cuda_graph_decode_equals_eager():
     prompts = random_prompts(PROMPT_LENS + [3, 90], 10_000, seed=1)  # 7 seqs: padded to the 8-graph
-    eager = qwen3_runner(enforce_eager=True)
+    eager = qwen3_runner(enforce_eager=True, compile_model=True)  # same ops; only the graphs differ
     e_tok, e_lp = run_greedy(eager, prompts, steps=20)
     del eager
     torch.cuda.empty_cache()
@@ -95,6 +98,8 @@ def test_cuda_graph_decode_equals_eager():
 
 
 def test_profiled_kv_budget_respects_gpu_memory_utilization():
+    gc.collect()
+    torch.cuda.empty_cache()
     runner = qwen3_runner(enforce_eager=True, num_gpu_blocks=None, gpu_memory_utilization=0.3,
                           swap_space=0.5)
     total = torch.cuda.mem_get_info()[1]
