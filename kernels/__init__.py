@@ -24,11 +24,12 @@ under TRITON_INTERPRET=1) or "reference" to force the references.  The Triton la
 kernels.decode, kernels.prefill, kernels.cache_write and kernels.copy; they also take an optional
 keyword `config` (decode/prefill tile shapes) or `method` (swap), used by the benchmark.
 """
+
 import os
 
 import torch
 
-from kernels import copy, cache_write, decode, prefill, reference
+from kernels import cache_write, copy, decode, prefill, reference
 
 BACKEND = os.environ.get("SERVELAB_KERNELS", "auto")
 _BACKENDS = ("auto", "triton", "reference")
@@ -42,21 +43,35 @@ def _use_triton(*tensors: torch.Tensor) -> bool:
     return BACKEND == "triton"
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     impl = decode.paged_decode_attention if _use_triton(q) else reference.paged_decode_attention
     return impl(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, max_seqlen_q: int | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
     impl = prefill.paged_prefill_attention if _use_triton(q) else reference.paged_prefill_attention
     return impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_seqlen_q)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     impl = cache_write.write_kv_cache if _use_triton(k_cache) else reference.write_kv_cache
     impl(k, v, k_cache, v_cache, slot_mapping)
 
@@ -71,5 +86,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> No
     impl(src, dst, pairs)
 
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "write_kv_cache", "copy_blocks",
-           "swap_blocks", "reference", "BACKEND"]
+__all__ = [
+    "BACKEND",
+    "copy_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "reference",
+    "swap_blocks",
+    "write_kv_cache",
+]

@@ -4,6 +4,7 @@ Token t goes to slot slot_mapping[t] = block * block_size + offset, i.e. row
 k_cache[block, offset] (all KV heads at once); a negative slot (padding) is skipped.
 One program per token copies its [num_kv_heads, head_dim] rows of K and V.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -12,11 +13,28 @@ from kernels.validate import check_kv_write
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t)
     if slot < 0:
@@ -34,8 +52,9 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     if k.shape[0] == 0:
         return
@@ -45,9 +64,25 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         v = v.contiguous()
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     _write_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], num_warps=4,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4,
     )

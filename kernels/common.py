@@ -1,4 +1,5 @@
 """Small helpers shared by the kernel launchers."""
+
 import functools
 import os
 
@@ -41,6 +42,10 @@ def block_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
-             torch.float32: tl.float32, torch.float64: tl.float64}
+TL_DTYPES = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+}
 LOG2E = 1.4426950408889634

@@ -8,6 +8,7 @@ host memory directly (CUDA unified addressing), so a swap is a single launch wit
 staging buffer, moves it in one copy and scatters; the default was picked by
 `python -m experiments.bench_kernels` (kernels/NOTES.md).  Caches must be contiguous.
 """
+
 import functools
 
 import torch
@@ -22,8 +23,16 @@ SWAP_METHOD = "kernel"
 
 
 @triton.jit
-def _copy_blocks_kernel(src_table, dst_table, pairs_ptr, block_numel, src_block_stride, dst_block_stride,
-                        DTYPE: tl.constexpr, CHUNK: tl.constexpr):
+def _copy_blocks_kernel(
+    src_table,
+    dst_table,
+    pairs_ptr,
+    block_numel,
+    src_block_stride,
+    dst_block_stride,
+    DTYPE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     pair = tl.program_id(0)
     tensor = tl.program_id(1)
     offs = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
@@ -41,13 +50,16 @@ def _pointer_table(pointers: tuple[int, ...], device: torch.device) -> torch.Ten
     return torch.tensor(pointers, dtype=torch.int64, device=device)
 
 
-def _launch(srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor,
-            device: torch.device) -> None:
+def _launch(
+    srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor, device: torch.device
+) -> None:
     first = srcs[0]
     for i, t in enumerate((*srcs, *dsts)):
         if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or not t.is_contiguous():
-            raise ValueError(f"cache #{i} {tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()} is invalid: "
-                             f"all caches must be contiguous [*, {tuple(first.shape[1:])}] {first.dtype}")
+            raise ValueError(
+                f"cache #{i} {tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()} is invalid: "
+                f"all caches must be contiguous [*, {tuple(first.shape[1:])}] {first.dtype}"
+            )
         if t.data_ptr() % 16:
             raise ValueError(f"cache #{i} data_ptr={t.data_ptr():#x} is invalid: must be 16-byte aligned")
     num_pairs = pairs.shape[0]
@@ -58,8 +70,17 @@ def _launch(srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Ten
     dst_table = _pointer_table(tuple(t.data_ptr() for t in dsts), device)
     pairs = pairs.to(device, non_blocking=True).contiguous()
     grid = (num_pairs, len(srcs), triton.cdiv(block_numel, CHUNK))
-    _copy_blocks_kernel[grid](src_table, dst_table, pairs, block_numel, first.stride(0), first.stride(0),
-                              DTYPE=_RAW_DTYPES[first.element_size()], CHUNK=CHUNK, num_warps=4)
+    _copy_blocks_kernel[grid](
+        src_table,
+        dst_table,
+        pairs,
+        block_numel,
+        first.stride(0),
+        first.stride(0),
+        DTYPE=_RAW_DTYPES[first.element_size()],
+        CHUNK=CHUNK,
+        num_warps=4,
+    )
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
@@ -77,14 +98,16 @@ def _swap_with_torch(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) 
         staging = torch.empty((pairs.shape[0], *src.shape[1:]), dtype=src.dtype, pin_memory=pin)
         staging.copy_(src.index_select(0, src_idx), non_blocking=True)
         torch.cuda.current_stream(src.device).synchronize()
-    else:                          # CPU -> GPU: gather on the CPU into pinned memory, one copy
+    else:  # CPU -> GPU: gather on the CPU into pinned memory, one copy
         staging = torch.empty((pairs.shape[0], *src.shape[1:]), dtype=src.dtype, pin_memory=pin)
         torch.index_select(src, 0, src_idx, out=staging)
         staging = staging.to(dst.device, non_blocking=True)
     dst.index_copy_(0, dst_idx, staging)
 
 
-def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, *, method: str | None = None) -> None:
+def swap_blocks(
+    src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, *, method: str | None = None
+) -> None:
     """Copy block pairs[i, 0] of src to block pairs[i, 1] of dst (one cache tensor, any devices;
     the CPU side must be pinned for the kernel method).  Asynchronous on the current stream
     except the torch method's GPU -> CPU direction, which waits for its copy."""

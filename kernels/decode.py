@@ -8,6 +8,7 @@ a normalised partial output plus its log-sum-exp and a second kernel merges them
 count comes from the batch and the block table's width only, never from the context lengths'
 values, so the launch needs no device sync and can be captured in a CUDA graph.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -20,22 +21,44 @@ from kernels.validate import check_attention_inputs, check_out
 
 @dataclass(slots=True, frozen=True)
 class DecodeConfig:
-    block_n: int = 64           # tokens per K/V tile
+    block_n: int = 64  # tokens per K/V tile
     num_warps: int = 4
     num_stages: int = 3
     num_splits: int | None = None  # None: heuristic below
-    programs_per_sm: int = 4       # heuristic's target of programs in flight per SM
-    min_split_tokens: int = 256    # heuristic never cuts a context finer than this
+    programs_per_sm: int = 4  # heuristic's target of programs in flight per SM
+    min_split_tokens: int = 256  # heuristic never cuts a context finer than this
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_bt, stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -98,9 +121,18 @@ def _decode_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -114,12 +146,16 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride
     parts = tl.load(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     total = tl.sum(w, 0)
     merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + offs_d,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
-                      config: DecodeConfig) -> int:
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context: int, device: torch.device, config: DecodeConfig
+) -> int:
     """Enough programs to fill the GPU, never chunks shorter than min_split_tokens (a power of 2,
     to bound the compiled variants); an explicit config.num_splits may be any count >= 1."""
     if config.num_splits is not None:
@@ -129,9 +165,17 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     return triton.next_power_of_2(max(1, min(wanted, cap)))
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           *, config: DecodeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    config: DecodeConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`out` (optional, [B, Hq, D] with contiguous head_dim) receives the result, e.g. a static
     CUDA-graph buffer; `config` overrides tile shapes and the split count (benchmarks)."""
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
@@ -157,18 +201,50 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_lse = out  # unused
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=bd,
-        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, NUM_SPLITS=splits,
-        UPCAST=upcast, DOT_PRECISION=dot_precision(upcast), num_warps=config.num_warps, num_stages=config.num_stages,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=bd,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=splits,
+        UPCAST=upcast,
+        DOT_PRECISION=dot_precision(upcast),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=bd, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=bd,
+            NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=4,
         )
     return out

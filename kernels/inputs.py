@@ -4,6 +4,7 @@ Blocks are handed out in a random order (block tables are non-contiguous), spare
 and unused block-table columns hold real but unrelated blocks, so wrong indexing shows up as a
 wrong answer rather than a lucky one.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -11,11 +12,11 @@ import torch
 
 @dataclass(slots=True)
 class PagedProblem:
-    q: torch.Tensor                    # decode [B, Hq, D]; prefill [T, Hq, D]
-    k_cache: torch.Tensor              # [num_blocks, block_size, Hkv, D]
+    q: torch.Tensor  # decode [B, Hq, D]; prefill [T, Hq, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor
-    block_tables: torch.Tensor         # [S, max_blocks] int32
-    context_lens: torch.Tensor         # [S] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    context_lens: torch.Tensor  # [S] int32
     cu_seqlens_q: torch.Tensor | None  # [S + 1] int32 for prefill, None for decode
     max_seqlen_q: int
     scale: float
@@ -24,19 +25,43 @@ class PagedProblem:
         return self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens, self.scale
 
     def prefill_args(self) -> tuple:
-        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.cu_seqlens_q,
-                self.context_lens, self.scale)
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.cu_seqlens_q,
+            self.context_lens,
+            self.scale,
+        )
 
     def to(self, dtype: torch.dtype) -> "PagedProblem":
         """Same problem in another dtype (e.g. float64 for a high-precision reference)."""
-        return PagedProblem(self.q.to(dtype), self.k_cache.to(dtype), self.v_cache.to(dtype), self.block_tables,
-                            self.context_lens, self.cu_seqlens_q, self.max_seqlen_q, self.scale)
+        return PagedProblem(
+            self.q.to(dtype),
+            self.k_cache.to(dtype),
+            self.v_cache.to(dtype),
+            self.block_tables,
+            self.context_lens,
+            self.cu_seqlens_q,
+            self.max_seqlen_q,
+            self.scale,
+        )
 
 
-def random_paged_problem(context_lens: list[int], q_lens: list[int] | None, num_q_heads: int,
-                         num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                         device: str | torch.device = "cpu", spare_blocks: int = 3, extra_columns: int = 1,
-                         seed: int = 0) -> PagedProblem:
+def random_paged_problem(
+    context_lens: list[int],
+    q_lens: list[int] | None,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    spare_blocks: int = 3,
+    extra_columns: int = 1,
+    seed: int = 0,
+) -> PagedProblem:
     """q_lens None: a decode problem (one query per sequence); else prefill with q_lens[s] new
     tokens ending at context_lens[s].  Values are N(0, 1) in `dtype`, drawn on `device`."""
     gen = torch.Generator().manual_seed(seed)
@@ -48,7 +73,7 @@ def random_paged_problem(context_lens: list[int], q_lens: list[int] | None, num_
     tables = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=gen)
     used = 0
     for s, n in enumerate(blocks_per_seq):
-        tables[s, :n] = order[used:used + n]
+        tables[s, :n] = order[used : used + n]
         used += n
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=dev_gen, device=device, dtype=dtype)
@@ -63,6 +88,13 @@ def random_paged_problem(context_lens: list[int], q_lens: list[int] | None, num_
         num_q, max_q = int(cu[-1]), max(q_lens, default=0)
         cu = cu.to(device)
     q = torch.randn(num_q, num_q_heads, head_dim, generator=dev_gen, device=device, dtype=dtype)
-    return PagedProblem(q, k_cache, v_cache,
-                        tables.to(torch.int32).to(device), torch.tensor(context_lens, dtype=torch.int32, device=device),
-                        cu, max_q, head_dim ** -0.5)
+    return PagedProblem(
+        q,
+        k_cache,
+        v_cache,
+        tables.to(torch.int32).to(device),
+        torch.tensor(context_lens, dtype=torch.int32, device=device),
+        cu,
+        max_q,
+        head_dim**-0.5,
+    )

@@ -7,6 +7,7 @@ Grid (q_tile, seq, q_head), heaviest q tiles launched first.  A program first ru
 every row of its tile sees (no masks), then over the few tiles that cross the diagonal (causal
 mask); tiles past the last row's position are skipped.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -20,16 +21,37 @@ from kernels.validate import check_attention_inputs, check_out
 @dataclass(slots=True, frozen=True)
 class PrefillConfig:
     block_m: int = 128  # query rows per program
-    block_n: int = 64   # keys per tile
+    block_n: int = 64  # keys per tile
     num_warps: int = 8
     num_stages: int = 3
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, k_base, v_base, table, key0, offs_n, q_pos, kv_end, scale_log2,
-                 offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 stride_kb, stride_kt, stride_vb, stride_vt, MASKED: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_base,
+    v_base,
+    table,
+    key0,
+    offs_n,
+    q_pos,
+    kv_end,
+    scale_log2,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    MASKED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     keys = key0 + offs_n
     if MASKED:
         n_mask = keys < kv_end
@@ -59,11 +81,33 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, table, key0, offs_n, q_pos, k
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
-    scale_log2, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_seqlens_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     s = tl.program_id(1)
@@ -97,23 +141,76 @@ def _prefill_kernel(
     full_end = (tile_first // BLOCK_N) * BLOCK_N  # keys below this are visible to every row
     kv_end = tl.minimum(context, tile_first + BLOCK_M)
     for key0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, table, key0, offs_n, q_pos, kv_end,
-                                     scale_log2, offs_d, HEAD_DIM, BLOCK_D, BLOCK_SIZE, stride_kb, stride_kt,
-                                     stride_vb, stride_vt, False, UPCAST, DOT_PRECISION)
+        acc, m_i, l_i = _attend_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_base,
+            v_base,
+            table,
+            key0,
+            offs_n,
+            q_pos,
+            kv_end,
+            scale_log2,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            False,
+            UPCAST,
+            DOT_PRECISION,
+        )
     for key0 in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, table, key0, offs_n, q_pos, kv_end,
-                                     scale_log2, offs_d, HEAD_DIM, BLOCK_D, BLOCK_SIZE, stride_kb, stride_kt,
-                                     stride_vb, stride_vt, True, UPCAST, DOT_PRECISION)
+        acc, m_i, l_i = _attend_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_base,
+            v_base,
+            table,
+            key0,
+            offs_n,
+            q_pos,
+            kv_end,
+            scale_log2,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            True,
+            UPCAST,
+            DOT_PRECISION,
+        )
 
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float, max_seqlen_q: int | None = None,
-                            *, config: PrefillConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    *,
+    config: PrefillConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """max_seqlen_q (the longest q_len) sizes the grid; when omitted it is read from
     cu_seqlens_q, which costs one device sync.  `out` and `config` as in paged_decode_attention."""
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
@@ -132,12 +229,34 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     upcast = upcast_operands(q.dtype)
     grid = (triton.cdiv(max_seqlen_q, config.block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_dim(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n, UPCAST=upcast,
-        DOT_PRECISION=dot_precision(upcast), num_warps=config.num_warps, num_stages=config.num_stages,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_dim(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        UPCAST=upcast,
+        DOT_PRECISION=dot_precision(upcast),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

@@ -5,6 +5,7 @@ reference) and the CPU path of the engine.  Attention math runs in float32, or f
 the inputs are float64; outputs come back in the query's dtype.  A sequence with no context
 (context_len 0, e.g. a padded CUDA-graph slot) gets a zero output, as in the Triton kernels.
 """
+
 import torch
 
 from kernels.validate import check_attention_inputs, check_kv_write, check_layer_caches, check_pairs
@@ -22,8 +23,9 @@ def _gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-            scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [M, Hq, D] at absolute positions q_pos [M]; k, v [L, Hkv, D] at positions 0..L-1."""
     group = q.shape[1] // k.shape[1]
     dtype = _compute_dtype(q.dtype)
@@ -36,9 +38,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     return torch.einsum("hml,lhd->mhd", probs, v)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
     out = torch.zeros_like(q)
     for b, length in enumerate(context_lens.tolist()):
@@ -47,14 +54,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k = _gather_tokens(k_cache, block_tables[b], length)
         v = _gather_tokens(v_cache, block_tables[b], length)
         q_pos = torch.tensor([length - 1], device=q.device)
-        out[b] = _attend(q[b:b + 1], k, v, q_pos, scale)[0].to(q.dtype)
+        out[b] = _attend(q[b : b + 1], k, v, q_pos, scale)[0].to(q.dtype)
     return out
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float,
-                            max_seqlen_q: int | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
     out = torch.zeros_like(q)
     cu = cu_seqlens_q.tolist()
@@ -69,8 +82,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -78,8 +92,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
 
-def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                pairs: torch.Tensor) -> None:
+def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
     check_layer_caches(k_caches, v_caches)
     check_pairs(pairs, same_pool=True)
     src, dst = pairs[:, 0].to(k_caches[0].device), pairs[:, 1].to(k_caches[0].device)

@@ -1,5 +1,6 @@
 """Input checks shared by the Triton kernels and the references: a bad call raises ValueError
 naming the field, the value and what is allowed.  Only metadata is inspected (no device sync)."""
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -11,20 +12,29 @@ def _fail(field: str, value: object, allowed: str) -> None:
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4:
-        _fail("k_cache.shape", tuple(k_cache.shape),
-              "expected [num_blocks, block_size, num_kv_heads, head_dim]")
+        _fail(
+            "k_cache.shape", tuple(k_cache.shape), "expected [num_blocks, block_size, num_kv_heads, head_dim]"
+        )
     if v_cache.shape != k_cache.shape:
         _fail("v_cache.shape", tuple(v_cache.shape), f"must equal k_cache.shape {tuple(k_cache.shape)}")
     if v_cache.dtype != k_cache.dtype or k_cache.dtype not in FLOAT_DTYPES:
-        _fail("k_cache.dtype/v_cache.dtype", (k_cache.dtype, v_cache.dtype),
-              f"must be equal and one of {FLOAT_DTYPES}")
+        _fail(
+            "k_cache.dtype/v_cache.dtype",
+            (k_cache.dtype, v_cache.dtype),
+            f"must be equal and one of {FLOAT_DTYPES}",
+        )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         _fail("cache.stride(-1)", (k_cache.stride(-1), v_cache.stride(-1)), "head_dim must be contiguous")
 
 
-def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor | None = None) -> None:
+def check_attention_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+) -> None:
     check_cache(k_cache, v_cache)
     if q.dim() != 3:
         _fail("q.shape", tuple(q.shape), "expected [tokens_or_batch, num_q_heads, head_dim]")
@@ -39,14 +49,22 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if context_lens.dim() != 1 or context_lens.dtype != torch.int32:
         _fail("context_lens", (tuple(context_lens.shape), context_lens.dtype), "expected a 1-D int32 tensor")
     if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.shape[0] != num_seqs:
-        _fail("block_tables", (tuple(block_tables.shape), block_tables.dtype),
-              f"expected int32 [num_seqs={num_seqs}, max_blocks]")
+        _fail(
+            "block_tables",
+            (tuple(block_tables.shape), block_tables.dtype),
+            f"expected int32 [num_seqs={num_seqs}, max_blocks]",
+        )
     if cu_seqlens_q is None:
         if q.shape[0] != num_seqs:
             _fail("q.shape[0]", q.shape[0], f"decode takes one query per sequence ({num_seqs})")
-    elif cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape[0] != num_seqs + 1:
-        _fail("cu_seqlens_q", (tuple(cu_seqlens_q.shape), cu_seqlens_q.dtype),
-              f"expected int32 [num_seqs + 1 = {num_seqs + 1}]")
+    elif (
+        cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape[0] != num_seqs + 1
+    ):
+        _fail(
+            "cu_seqlens_q",
+            (tuple(cu_seqlens_q.shape), cu_seqlens_q.dtype),
+            f"expected int32 [num_seqs + 1 = {num_seqs + 1}]",
+        )
 
 
 def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -54,25 +72,38 @@ def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        _fail("out", (tuple(out.shape), out.dtype, str(out.device)),
-              f"expected {tuple(q.shape)} {q.dtype} on {q.device} with contiguous head_dim")
+        _fail(
+            "out",
+            (tuple(out.shape), out.dtype, str(out.device)),
+            f"expected {tuple(q.shape)} {q.dtype} on {q.device} with contiguous head_dim",
+        )
     return out
 
 
-def check_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def check_kv_write(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     check_cache(k_cache, v_cache)
     expected = (k.shape[0], *k_cache.shape[2:])
     if k.dim() != 3 or tuple(k.shape) != expected or v.shape != k.shape:
-        _fail("k.shape/v.shape", (tuple(k.shape), tuple(v.shape)),
-              f"expected [num_tokens, num_kv_heads, head_dim] = {expected}")
+        _fail(
+            "k.shape/v.shape",
+            (tuple(k.shape), tuple(v.shape)),
+            f"expected [num_tokens, num_kv_heads, head_dim] = {expected}",
+        )
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
-        _fail("slot_mapping", (tuple(slot_mapping.shape), slot_mapping.dtype), f"expected int64 [{k.shape[0]}]")
+        _fail(
+            "slot_mapping", (tuple(slot_mapping.shape), slot_mapping.dtype), f"expected int64 [{k.shape[0]}]"
+        )
 
 
 def check_layer_caches(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
     if not k_caches or len(k_caches) != len(v_caches):
-        _fail("len(k_caches), len(v_caches)", (len(k_caches), len(v_caches)), "equal and at least 1 (one per layer)")
+        _fail(
+            "len(k_caches), len(v_caches)",
+            (len(k_caches), len(v_caches)),
+            "equal and at least 1 (one per layer)",
+        )
 
 
 def check_pairs(pairs: torch.Tensor, same_pool: bool) -> None:

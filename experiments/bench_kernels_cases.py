@@ -1,0 +1,188 @@
+"""Problem builders, ceilings and block-op timings for experiments/bench_kernels.py."""
+
+import statistics
+import time
+
+import torch
+from triton.testing import do_bench
+
+from kernels import copy as block_copy
+from kernels import decode, prefill, reference
+from kernels.cache_write import write_kv_cache
+from kernels.inputs import random_paged_problem
+
+
+def _copy_gbps() -> float:
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median") / 1e6
+
+
+def _matmul_tflops() -> float:
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * 8192**3 / do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") / 1e9
+
+
+def ceilings() -> tuple[float, float]:
+    """(device-to-device copy GB/s counting read + write, bf16 matmul TFLOP/s on random data)."""
+    return _copy_gbps(), _matmul_tflops()
+
+
+def decode_problem(batch: int, ctx: int, hq: int, hkv: int, d: int, bs: int):
+    """A uniform-length paged decode problem and the same K/V contiguous as [B, Hkv, L, D]."""
+    prob = random_paged_problem(
+        [ctx] * batch, None, hq, hkv, d, bs, torch.bfloat16, device="cuda", seed=batch + ctx
+    )
+    nblk = (ctx + bs - 1) // bs
+    idx = prob.block_tables[:, :nblk].long()
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:
+        return cache[idx].view(batch, nblk * bs, hkv, d)[:, :ctx].permute(0, 2, 1, 3).contiguous()
+
+    return prob, contiguous(prob.k_cache), contiguous(prob.v_cache)
+
+
+def prefill_problem(new: int, prefix: int, hq: int, hkv: int, d: int, bs: int):
+    """One prompt of `new` tokens after `prefix` cached ones; plus q/k/v as [1, H, T, D] for SDPA."""
+    prob = random_paged_problem(
+        [prefix + new], [new], hq, hkv, d, bs, torch.bfloat16, device="cuda", seed=new
+    )
+    nblk = (prefix + new + bs - 1) // bs
+    idx = prob.block_tables[0, :nblk].long()
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:
+        return cache[idx].reshape(nblk * bs, hkv, d)[: prefix + new].transpose(0, 1).unsqueeze(0).contiguous()
+
+    q4 = prob.q.transpose(0, 1).unsqueeze(0).contiguous()
+    return prob, q4, contiguous(prob.k_cache), contiguous(prob.v_cache)
+
+
+def _wall_ms(fn, reps: int = 20) -> float:
+    """Median wall time of fn() including a device sync (for ops that involve the host)."""
+    times = []
+    for i in range(reps + 3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+SHAPE, BLOCK_BYTES = (16, 8, 128), 16 * 8 * 128 * 2  # one Qwen3-0.6B KV block per layer, bf16
+
+
+def _op(
+    kernel: str, shape: str, variant: str, ms: float, nbytes: int, ceiling: float, ref_ms: float | None = None
+) -> dict:
+    return {
+        "kernel": kernel,
+        "shape": shape,
+        "variant": variant,
+        "ms": ms,
+        "metric": nbytes / ms / 1e6,
+        "unit": "GB/s",
+        "ceiling": ceiling,
+        "ref_ms": ref_ms,
+    }
+
+
+def _write_kv_row(tokens: int, copy_bw: float) -> dict:
+    k_cache, v_cache = (torch.randn(65536, *SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(tokens, *SHAPE[1:], device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(65536 * 16, device="cuda")[:tokens]
+    ms = do_bench(lambda: write_kv_cache(k, v, k_cache, v_cache, slots), return_mode="median")
+    ref_ms = do_bench(lambda: reference.write_kv_cache(k, v, k_cache, v_cache, slots), return_mode="median")
+    return _op("write_kv", f"T{tokens}", "triton", ms, 2 * 2 * k.nbytes, copy_bw, ref_ms)
+
+
+def _copy_blocks_row(copy_bw: float, layers: int = 28, num_pairs: int = 256) -> dict:
+    k_caches = [torch.randn(4096, *SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    v_caches = [torch.randn(4096, *SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    perm = torch.randperm(4096)
+    pairs = torch.stack([perm[:num_pairs], perm[num_pairs : 2 * num_pairs]], 1).cuda()
+    ms = do_bench(lambda: block_copy.copy_blocks(k_caches, v_caches, pairs), return_mode="median")
+    ref_ms = do_bench(lambda: reference.copy_blocks(k_caches, v_caches, pairs), return_mode="median")
+    return _op(
+        "copy_blocks",
+        f"{layers}L x {num_pairs} blocks",
+        "triton",
+        ms,
+        2 * 2 * layers * num_pairs * BLOCK_BYTES,
+        copy_bw,
+        ref_ms,
+    )
+
+
+def _swap_row(
+    method: str, direction: str, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, link_gbps: float
+) -> dict:
+    ms = _wall_ms(lambda: block_copy.swap_blocks(src, dst, pairs, method=method))
+    return _op(
+        f"swap_{direction}",
+        f"{pairs.shape[0]} blocks x {BLOCK_BYTES >> 10} KiB",
+        method,
+        ms,
+        pairs.shape[0] * BLOCK_BYTES,
+        link_gbps,
+    )
+
+
+def _swap_rows(num_pairs: int = 1024) -> list[dict]:
+    """Swap one layer's blocks GPU <-> pinned CPU, against a plain pinned copy of the same bytes."""
+    gpu = torch.randn(4096, *SHAPE, device="cuda", dtype=torch.bfloat16)
+    host = torch.randn(4096, *SHAPE, dtype=torch.bfloat16).pin_memory()
+    nbytes = num_pairs * BLOCK_BYTES
+    dev_buf = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    host_buf = torch.empty(nbytes // 2, dtype=torch.bfloat16).pin_memory()
+    out_ms = _wall_ms(lambda: host_buf.copy_(dev_buf, non_blocking=True))
+    in_ms = _wall_ms(lambda: dev_buf.copy_(host_buf, non_blocking=True))
+    link = {"out": nbytes / out_ms / 1e6, "in": nbytes / in_ms / 1e6}
+    rows = [
+        _op("link_out", f"{nbytes >> 20} MiB contiguous", "pinned copy_", out_ms, nbytes, link["out"]),
+        _op("link_in", f"{nbytes >> 20} MiB contiguous", "pinned copy_", in_ms, nbytes, link["in"]),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    pairs = torch.stack(
+        [torch.randperm(4096, generator=gen)[:num_pairs], torch.randperm(4096, generator=gen)[:num_pairs]], 1
+    )
+    for method in ("kernel", "torch"):
+        rows.append(_swap_row(method, "out", gpu, host, pairs, link["out"]))
+        rows.append(_swap_row(method, "in", host, gpu, pairs, link["in"]))
+    return rows
+
+
+def block_ops_rows(copy_bw: float) -> list[dict]:
+    """KV write, copy-on-write across 28 layers and swap GPU <-> pinned CPU (Qwen3-0.6B blocks)."""
+    return [
+        _write_kv_row(256, copy_bw),
+        _write_kv_row(8192, copy_bw),
+        _copy_blocks_row(copy_bw),
+        *_swap_rows(),
+    ]
+
+
+def kernel_report() -> None:
+    """Registers, spills, shared memory and key SASS instruction counts of every compiled kernel."""
+    for name, fn in (
+        ("decode", decode._decode_kernel),
+        ("decode_reduce", decode._decode_reduce_kernel),
+        ("prefill", prefill._prefill_kernel),
+        ("copy", block_copy._copy_blocks_kernel),
+    ):
+        try:
+            for cache in fn.device_caches.values():
+                for compiled in cache[0].values():
+                    compiled._init_handles()
+                    meta = compiled.metadata
+                    sass = compiled.asm.get("sass", "") if hasattr(compiled.asm, "get") else ""
+                    counts = {
+                        op: sass.count(op) for op in ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128")
+                    }
+                    print(
+                        f"[ptxas] {name}: warps={meta.num_warps} stages={meta.num_stages} "
+                        f"regs={compiled.n_regs} spills={compiled.n_spills} smem={meta.shared} sass={counts}"
+                    )
+        except Exception as exc:  # noqa: BLE001  (introspection is best-effort across Triton versions)
+            print(f"[ptxas] {name}: unavailable ({type(exc).__name__}: {exc})")

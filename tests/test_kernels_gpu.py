@@ -1,0 +1,128 @@
+"""The kernels on a CUDA GPU in bf16 at realistic sizes, against float64 references.
+
+Run on the GPU machine with TRITON_INTERPRET=0 (tests/conftest.py sets it to 1 by default):
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/test_kernels_gpu.py
+"""
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cache_write import write_kv_cache
+from kernels.copy import copy_blocks, swap_blocks
+from kernels.decode import DecodeConfig, paged_decode_attention
+from kernels.inputs import random_paged_problem
+from kernels.prefill import paged_prefill_attention
+
+pytestmark = pytest.mark.gpu
+BF16_MAX_ERR = 1e-2  # bf16 operands land between 1e-3 and 1e-2 relative to float64
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _lens(n: int, low: int, high: int, seed: int) -> list[int]:
+    return torch.randint(low, high, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim,block_size",
+    [(16, 8, 128, 16), (32, 8, 64, 16), (14, 2, 64, 32), (8, 8, 128, 32)],
+)
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_decode_bf16(num_q_heads, num_kv_heads, head_dim, block_size, num_splits):
+    lens = _lens(24, 1, 3000, seed=num_q_heads + head_dim) + [1, block_size, 4096]
+    prob = random_paged_problem(
+        lens,
+        None,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        torch.bfloat16,
+        device="cuda",
+        seed=head_dim,
+    )
+    out = torch.full_like(prob.q, float("nan"))
+    paged_decode_attention(*prob.decode_args(), config=DecodeConfig(num_splits=num_splits), out=out)
+    ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < BF16_MAX_ERR
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size", [(16, 8, 128, 16), (32, 8, 64, 32)])
+def test_prefill_bf16(num_q_heads, num_kv_heads, head_dim, block_size):
+    q_lens = _lens(6, 1, 1500, seed=1) + [1, 2048]
+    prefix = _lens(6, 0, 2000, seed=2) + [100, 0]
+    prob = random_paged_problem(
+        [p + q for p, q in zip(prefix, q_lens)],
+        q_lens,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        torch.bfloat16,
+        device="cuda",
+        seed=3,
+    )
+    out = torch.full_like(prob.q, float("nan"))
+    paged_prefill_attention(*prob.prefill_args(), out=out)
+    ref = reference.paged_prefill_attention(*prob.to(torch.float64).prefill_args())
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < BF16_MAX_ERR
+
+
+def test_decode_fp16_and_fp32():
+    prob = random_paged_problem(
+        _lens(16, 1, 2000, seed=4), None, 16, 8, 128, 16, torch.float16, device="cuda"
+    )
+    ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
+    assert _rel_err(paged_decode_attention(*prob.decode_args()), ref) < 2e-3
+    assert _rel_err(paged_decode_attention(*prob.to(torch.float32).decode_args()), ref) < 1e-5
+
+
+def test_decode_in_cuda_graph():
+    """The decode launch has no host sync: it can be captured and replayed with new inputs."""
+    prob = random_paged_problem([700, 30, 2000, 5], None, 16, 8, 128, 16, torch.bfloat16, device="cuda")
+    out = torch.empty_like(prob.q)
+    paged_decode_attention(*prob.decode_args(), out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(*prob.decode_args(), out=out)
+    prob.q.copy_(torch.randn_like(prob.q))
+    prob.context_lens.copy_(torch.tensor([1, 300, 1999, 0], dtype=torch.int32))
+    graph.replay()
+    ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
+    assert _rel_err(out, ref) < BF16_MAX_ERR
+
+
+def test_write_copy_swap_bf16():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (512, 16, 8, 128)
+    k_caches = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+    v_caches = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+    k, v = torch.randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen).unbind(0)
+    slots = torch.randperm(200 * 16, device="cuda")[:300]
+    slots[::7] = -1
+    expected = [c.clone() for c in k_caches[:1] + v_caches[:1]]
+    write_kv_cache(k, v, k_caches[0], v_caches[0], slots)
+    reference.write_kv_cache(k, v, *expected, slots)
+    assert torch.equal(k_caches[0], expected[0]) and torch.equal(v_caches[0], expected[1])
+
+    pairs = torch.stack([torch.arange(0, 100), torch.arange(300, 400)], 1)
+    expected = [c.clone() for c in k_caches + v_caches]
+    copy_blocks(k_caches, v_caches, pairs)
+    reference.copy_blocks(expected[:3], expected[3:], pairs)
+    assert all(torch.equal(a, b) for a, b in zip(k_caches + v_caches, expected))
+
+    for method in ("kernel", "torch"):
+        host = torch.randn((256, *shape[1:]), dtype=torch.bfloat16).pin_memory()
+        swap_pairs = torch.stack([torch.randperm(512)[:64], torch.randperm(256)[:64]], 1)
+        swap_blocks(k_caches[1], host, swap_pairs, method=method)
+        torch.cuda.synchronize()
+        assert torch.equal(host[swap_pairs[:, 1]], k_caches[1][swap_pairs[:, 0].cuda()].cpu())
+        back = torch.zeros_like(k_caches[2])
+        swap_blocks(host, back, swap_pairs.flip(1), method=method)
+        torch.cuda.synchronize()
+        assert torch.equal(back[swap_pairs[:, 0].cuda()], k_caches[1][swap_pairs[:, 0].cuda()])
