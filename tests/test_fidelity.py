@@ -87,3 +87,46 @@ def test_ranking_verdicts():
     assert not wrong["sign_predicted"] and not wrong["engine_significant"]
     md = ranking_markdown([good, off, wrong])
     assert md.count("| x |") == 3 and "NO" in md and "(n.s.)" in md
+
+
+@pytest.mark.slow
+def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request):
+    """Profiler on a tiny grid (CPU), then every scenario of conf/fidelity/tiny.yaml through the
+    CPU engine and the simulator reading that profile; checks the outputs, not the (CPU-noise) errors."""
+    from hydra import compose, initialize_config_module
+
+    from experiments.fidelity import _main
+    from experiments.profile import profile
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="profile", overrides=[
+            "model=tiny-qwen3", "device=cpu", "warmup=0", "repeats=1", "host_repeats=1", "max_model_len=128",
+            "max_num_seqs=8", "progress=false", "calibrate=false", f"out={tmp_path / 'cpu-tiny-qwen3.csv'}",
+            "profile_grid.prefill_tokens=[0,8,64]", "profile_grid.decode_seqs=[0,2,8]",
+            "profile_grid.context_per_decode=[4,64]", "profile_grid.swap_blocks=[1,4]",
+            "profile_grid.split_prefill_tokens=[8]", "profile_grid.split_counts=[1,2]"])
+    csv, _ = profile(cfg, "pytest")
+    spec = request.config.rootpath / "conf/fidelity/tiny.yaml"
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    fid = _main(["--spec", str(spec), "--out", str(out), "--runs", str(runs), "--profile", str(csv)])
+    scenarios = list(yaml.safe_load(spec.read_text())["scenarios"])
+    table = fid.error_table()
+    assert sorted(table["scenario"].unique()) == sorted(scenarios)
+    assert len(table) == len(scenarios) * 7
+    for name in scenarios:
+        assert (out / f"{name}.png").stat().st_size > 0
+        for backend in ("engine", "sim"):
+            assert (runs / name / backend / "requests.parquet").is_file()
+        engine, sim = fid.results[name]["engine"][0], fid.results[name]["sim"][0]
+        assert engine["completed"] == sim["completed"] == 6
+        assert engine["run"]["backend"] == "engine" and sim["run"]["latency_model"] == "profiled"
+    assert fid.results["pressure_swap"]["engine"][0]["num_preempted_swap"] > 0
+    assert fid.results["pressure_recompute"]["sim"][0]["num_preempted_recompute"] > 0
+    assert fid.settings["poisson"]["rate"] > 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["device"] == "cpu" and "--spec" in meta["command"]
+    assert "| offline |" in (out / "fidelity.md").read_text()
+    assert len(fid.ranking()) == 2
+    # The simulator side alone, reusing the engine traces: identical engine numbers.
+    again = _main(["--spec", str(spec), "--out", str(tmp_path / "out2"), "--runs", str(tmp_path / "runs2"),
+                   "--profile", str(csv), "--engine-runs", str(runs), "--scenarios", "offline"])
+    assert again.results["offline"]["engine"][0]["duration_s"] == fid.results["offline"]["engine"][0]["duration_s"]

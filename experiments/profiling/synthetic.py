@@ -10,8 +10,9 @@ many distinct KV bytes as a real batch of that shape (shared blocks would be ser
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
+
+import numpy as np
 
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.request import Request, SamplingParams
@@ -52,10 +53,10 @@ def blocks_needed(shape: StepShape, block_size: int) -> int:
 
 
 def _sequence(seq_id: int, num_prompt: int, num_output: int, num_computed: int, first_block: int,
-              block_size: int, rng: random.Random, high: int) -> Sequence:
-    prompt = [rng.randrange(high) for _ in range(num_prompt)]
-    seq = Sequence.from_request(seq_id, Request(f"profile-{seq_id}", prompt, PROFILE_PARAMS))
-    seq.token_ids.extend(rng.randrange(high) for _ in range(num_output))
+              block_size: int, rng: np.random.Generator, high: int) -> Sequence:
+    tokens = rng.integers(0, high, size=num_prompt + num_output).tolist()
+    seq = Sequence.from_request(seq_id, Request(f"profile-{seq_id}", tokens[:num_prompt], PROFILE_PARAMS))
+    seq.token_ids.extend(tokens[num_prompt:])
     seq.status = SequenceStatus.RUNNING
     seq.num_computed_tokens = num_computed
     seq.block_table = list(range(first_block, first_block + math.ceil(seq.num_tokens / block_size)))
@@ -72,7 +73,7 @@ def synthetic_step(shape: StepShape, block_size: int, num_gpu_blocks: int, vocab
     if need > num_gpu_blocks:
         raise ValueError(f"step {shape} needs {need} KV blocks of {block_size} tokens but the profiler's "
                          f"cache has num_gpu_blocks={num_gpu_blocks}: shrink the grid or give it more blocks")
-    rng, high = random.Random(seed), min(TOKEN_ID_HIGH, vocab_size)
+    rng, high = np.random.default_rng(seed), min(TOKEN_ID_HIGH, vocab_size)
     scheduled, next_block, seq_id = [], 0, 0
     for q in split_tokens(shape.num_prefill_tokens, shape.num_prefill_seqs):
         seq = _sequence(seq_id, q, 0, 0, next_block, block_size, rng, high)
