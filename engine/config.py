@@ -186,13 +186,13 @@ class ModelConfig:
         """The equivalent transformers config (for golden tests against transformers' models)."""
         from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-        kw = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                  num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-                  num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                  vocab_size=self.vocab_size, max_position_embeddings=self.max_position_embeddings,
-                  rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
-                  tie_word_embeddings=self.tie_word_embeddings, bos_token_id=self.bos_token_id,
-                  eos_token_id=self.eos_token_id, hidden_act="silu")
+        kw = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+              "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+              "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+              "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+              "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+              "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
+              "eos_token_id": self.eos_token_id, "hidden_act": "silu"}
         if self.rope_scaling is not None:
             kw["rope_scaling"] = dict(self.rope_scaling)
         if self.architecture == "qwen2":

@@ -21,7 +21,7 @@ from engine.config import DTYPES, CacheConfig, ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.input_batch import build_host_batch, to_device
 from engine.kv_cache import KVCache, block_bytes, num_cpu_blocks
-from engine.sampler import SampleResult, Sampler
+from engine.sampler import Sampler, SampleResult
 from engine.weights import build_model
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.request import Request, SamplingParams

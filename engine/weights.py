@@ -150,7 +150,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                              f"(listed in {index.name})")
     for name in files:
         with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield key, f.get_tensor(key)
 
 

@@ -3,10 +3,10 @@ and CUDA-graph padding rows that change nothing (checked on CPU through the refe
 import numpy as np
 import torch
 
+import kernels.reference as ref
 from engine.config import load_model_config
 from engine.input_batch import build_host_batch, to_device
 from engine.weights import build_model
-import kernels.reference as ref
 from policies.outputs import ScheduledSeq
 from policies.request import Request
 from policies.sequence import Sequence

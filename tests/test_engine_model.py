@@ -9,9 +9,16 @@ from engine.input_batch import build_model_input
 from engine.models.rope import inv_frequencies
 from engine.weights import build_model
 from policies.outputs import ScheduledSeq
-from tests.engine_model_helpers import (ARCHS, BlockAllocator, hf_logits, hf_twin, make_seqs,
-                                        random_prompts, tiny_pair)
 from policies.request import SamplingParams
+from tests.engine_model_helpers import (
+    ARCHS,
+    BlockAllocator,
+    hf_logits,
+    hf_twin,
+    make_seqs,
+    random_prompts,
+    tiny_pair,
+)
 
 BLOCK = 4
 

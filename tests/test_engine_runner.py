@@ -10,7 +10,15 @@ from engine.config import CacheConfig, load_model_config
 from engine.model_runner import ModelRunner
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.request import SamplingParams
-from tests.engine_model_helpers import ARCHS, BlockAllocator, generate, hf_twin, make_seqs, random_prompts, step
+from tests.engine_model_helpers import (
+    ARCHS,
+    BlockAllocator,
+    generate,
+    hf_twin,
+    make_seqs,
+    random_prompts,
+    step,
+)
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=64)

