@@ -36,9 +36,12 @@ DECODE_CONTEXTS = (512, 4096, 32768)
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)
 REFERENCE_MAX_TOKENS = 64 * 4096  # the per-sequence torch reference is slow and memory-hungry
 DECODE_SWEEP = [
-    DecodeConfig(block_n=n, num_warps=w, num_stages=s, num_splits=sp)
-    for n, w, s in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (128, 4, 2)]
+    DecodeConfig(block_n=n, num_warps=w, num_stages=st, num_splits=sp)
+    for n, w, st in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (128, 4, 2)]
     for sp in (None, 1, 2, 4)
+] + [
+    DecodeConfig(block_n=n, num_stages=st, num_splits=sp, heads_fastest=False)
+    for n, st, sp in [(64, 3, None), (64, 3, 1), (128, 3, None), (64, 4, 2)]
 ]
 PREFILL_SWEEP = [
     PrefillConfig(block_m=m, block_n=n, num_warps=w, num_stages=s)
@@ -99,7 +102,8 @@ def _variant_name(cfg: DecodeConfig | PrefillConfig) -> str:
     if cfg in (DecodeConfig(), PrefillConfig()):
         return "default"
     if isinstance(cfg, DecodeConfig):
-        return f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}sp{cfg.num_splits or 'auto'}"
+        order = "" if cfg.heads_fastest else "-bfirst"
+        return f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}sp{cfg.num_splits or 'auto'}{order}"
     return f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
 
 
@@ -206,7 +210,12 @@ def bench_decode(copy_bw: float, sweep: bool) -> list[dict]:
     for batch in DECODE_BATCHES:
         for ctx in DECODE_CONTEXTS:
             swept = sweep and (batch, ctx) in ((64, 4096), (8, 32768))
-            rows += _decode_point(batch, ctx, copy_bw, DECODE_SWEEP if swept else [DecodeConfig()])
+            try:
+                rows += _decode_point(batch, ctx, copy_bw, DECODE_SWEEP if swept else [DecodeConfig()])
+            except torch.OutOfMemoryError as exc:
+                rows.append(
+                    {"kernel": "decode", "shape": f"B{batch}xL{ctx}", "note": f"OOM: {str(exc)[:120]}"}
+                )
             torch.cuda.empty_cache()
     return rows
 

@@ -176,7 +176,7 @@ def kernel_report() -> None:
                 for compiled in cache[0].values():
                     compiled._init_handles()
                     meta = compiled.metadata
-                    sass = compiled.asm.get("sass", "") if hasattr(compiled.asm, "get") else ""
+                    sass = compiled.asm["sass"]  # disassembled on first access
                     counts = {
                         op: sass.count(op) for op in ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128")
                     }

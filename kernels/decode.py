@@ -27,6 +27,7 @@ class DecodeConfig:
     num_splits: int | None = None  # None: heuristic below
     programs_per_sm: int = 4  # heuristic's target of programs in flight per SM
     min_split_tokens: int = 256  # heuristic never cuts a context finer than this
+    heads_fastest: bool = True  # launch the KV heads of one sequence next to each other (DRAM locality)
 
 
 @triton.jit
@@ -60,9 +61,15 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:
+        kv_head = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(context_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -114,7 +121,7 @@ def _decode_kernel(
         out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=hd_mask)
     else:
-        row = (b * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+        row = (b * NUM_HEADS + heads) * NUM_SPLITS + split
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=hd_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=offs_h < GROUP)
@@ -200,7 +207,8 @@ def paged_decode_attention(
         part_lse = torch.empty(batch * num_heads * splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    _decode_kernel[(batch, num_kv_heads, splits)](
+    grid = (num_kv_heads, batch, splits) if config.heads_fastest else (batch, num_kv_heads, splits)
+    _decode_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -230,6 +238,8 @@ def paged_decode_attention(
         NUM_SPLITS=splits,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision(upcast),
+        NUM_HEADS=num_heads,
+        HEADS_FASTEST=config.heads_fastest,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -39,10 +39,11 @@ def _check(context_lens, group, num_kv_heads, head_dim, block_size, dtype, confi
     dtype=st.sampled_from([torch.float32, torch.float16]),
     num_splits=st.sampled_from([None, 1, 2, 3]),
     block_n=st.sampled_from([16, 32]),
+    heads_fastest=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_decode_matches_reference(
-    data, group, num_kv_heads, head_dim, block_size, dtype, num_splits, block_n, seed
+    data, group, num_kv_heads, head_dim, block_size, dtype, num_splits, block_n, heads_fastest, seed
 ):
     lens = data.draw(
         st.lists(
@@ -58,7 +59,7 @@ def test_decode_matches_reference(
         head_dim,
         block_size,
         dtype,
-        DecodeConfig(block_n=block_n, num_splits=num_splits),
+        DecodeConfig(block_n=block_n, num_splits=num_splits, heads_fastest=heads_fastest),
         seed,
     )
 
