@@ -205,17 +205,29 @@ def _prefill_point(new: int, prefix: int, matmul_tflops: float, configs: list[Pr
     return rows
 
 
+def _progress(rows: list[dict]) -> None:
+    """One line per row as it is measured, so a run cut short still leaves its numbers in the log."""
+    for r in rows:
+        print(
+            f"  {r['kernel']:<13}{r['shape']:<16}{r.get('variant', ''):<22}"
+            f"{r.get('time_us', float('nan')):>10.1f} us"
+            f"  {r.get('frac_of_ceiling', float('nan')):.3f} of ceiling  vs_sdpa={r.get('vs_sdpa')}"
+            f"  err={r.get('rel_err_vs_sdpa')}  {r.get('note', '')}",
+            flush=True,
+        )
+
+
 def bench_decode(copy_bw: float, sweep: bool) -> list[dict]:
     rows = []
     for batch in DECODE_BATCHES:
         for ctx in DECODE_CONTEXTS:
             swept = sweep and (batch, ctx) in ((64, 4096), (8, 32768))
             try:
-                rows += _decode_point(batch, ctx, copy_bw, DECODE_SWEEP if swept else [DecodeConfig()])
+                point = _decode_point(batch, ctx, copy_bw, DECODE_SWEEP if swept else [DecodeConfig()])
             except torch.OutOfMemoryError as exc:
-                rows.append(
-                    {"kernel": "decode", "shape": f"B{batch}xL{ctx}", "note": f"OOM: {str(exc)[:120]}"}
-                )
+                point = [{"kernel": "decode", "shape": f"B{batch}xL{ctx}", "note": f"OOM: {str(exc)[:120]}"}]
+            _progress(point)
+            rows += point
             torch.cuda.empty_cache()
     return rows
 
@@ -223,9 +235,11 @@ def bench_decode(copy_bw: float, sweep: bool) -> list[dict]:
 def bench_prefill(matmul_tflops: float, sweep: bool) -> list[dict]:
     rows = []
     for new, prefix in [(t, 0) for t in PREFILL_TOKENS] + [(2048, 6144)]:  # last: a 2k chunk after 6k cached
-        rows += _prefill_point(
+        point = _prefill_point(
             new, prefix, matmul_tflops, PREFILL_SWEEP if sweep and new == 8192 else [PrefillConfig()]
         )
+        _progress(point)
+        rows += point
         torch.cuda.empty_cache()
     return rows
 
@@ -253,7 +267,9 @@ def main() -> None:
     if args.only in (None, "prefill"):
         rows += bench_prefill(matmul_tflops, not args.no_sweep)
     if args.only in (None, "blocks"):
-        rows += [_row(**r) for r in block_ops_rows(copy_bw)]
+        point = [_row(**r) for r in block_ops_rows(copy_bw)]
+        _progress(point)
+        rows += point
     kernel_report()
     table = pd.DataFrame(rows)
     table.insert(0, "device", device)
