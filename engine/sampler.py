@@ -51,8 +51,8 @@ class Sampler:
         if gen is None:
             seed = s.seq.request.sampling_params.seed
             if s.seq.sample_index:
-                seed = hash((seed, s.seq.sample_index)) & ((1 << 63) - 1)
-            gen = torch.Generator(device=self.device).manual_seed(seed)
+                seed = hash((seed, s.seq.sample_index))  # ints hash the same in every process
+            gen = torch.Generator(device=self.device).manual_seed(seed & ((1 << 63) - 1))
             self.generators[s.seq.seq_id] = gen
         return gen
 
