@@ -8,10 +8,12 @@ Lower half (model execution), for `LLMEngine` / `LLM` to build on:
   `CacheConfig(block_size=16, gpu_memory_utilization=0.9, swap_space=4.0 GiB, num_gpu_blocks=None)`.
 - `engine.model_runner.ModelRunner(model_config, cache_config, *, max_num_batched_tokens,
   max_num_seqs, max_model_len, device="cpu", dtype=None, enforce_eager=False, seed=0,
-  attention_backend="auto")`:
+  attention_backend="auto", compile_model=None)`:
   - builds the model (weights per `model_config.weights`; `seed` seeds dummy weights), sizes and
-    allocates the KV cache, captures decode CUDA graphs (GPU, unless `enforce_eager`).
-    `dtype=None`: the model config's dtype on CUDA, float32 on CPU.
+    allocates the KV cache, captures decode CUDA graphs (GPU, unless `enforce_eager`; buckets in
+    `.graphs.sizes`). `dtype=None`: the model config's dtype on CUDA, float32 on CPU.
+    `compile_model=None`: torch.compile the elementwise ops on CUDA unless `enforce_eager`.
+    `attention_backend`: "auto" (Triton on CUDA, torch references on CPU), "triton", "reference".
   - `.num_gpu_blocks`, `.num_cpu_blocks`: give these to `policies.make_block_manager(...)`.
     Raises ValueError if one `max_model_len` request does not fit (blocks needed vs. blocks fitting).
   - `.execute(out: SchedulerOutput) -> dict[seq_id, SampleResult]`: swap_out, swap_in, copy, then
