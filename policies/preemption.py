@@ -23,6 +23,15 @@ logger = logging.getLogger("servelab.scheduler")
 WARN_EVERY = 50  # vLLM logs a warning every 50 preemptions
 
 
+def merge_block_map(step_map: dict[int, int], mapping: dict[int, int], name: str) -> None:
+    """Add one sequence's block copies to the step's; a source block copied to two places in one
+    step cannot be expressed by the output's dict, so that is a block-manager bug, loudly."""
+    for src, dst in mapping.items():
+        if step_map.setdefault(src, dst) != dst:
+            raise RuntimeError(f"out.{name} would copy block {src} to both {step_map[src]} and {dst} "
+                               f"in one step")
+
+
 @dataclass(slots=True)
 class PreemptionCounts:
     """Preemptions of one step. Swap fallbacks are also counted in `recompute`."""
@@ -74,7 +83,7 @@ class Preemptor:
         mode = self.policy.preemption_mode
         if mode == "swap":
             if self.block_manager.can_swap_out(seq):
-                out.swap_out.update(self.block_manager.swap_out(seq))
+                merge_block_map(out.swap_out, self.block_manager.swap_out(seq), "swap_out")
                 self.queues.add_swapped(seq)
                 self.counts.swap += 1
                 self.recorder.preempted(seq, "swap", now)

@@ -24,7 +24,7 @@ from policies.blocks.base import AllocStatus, BlockManager
 from policies.lifecycle import Lifecycle
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.policy.base import Policy
-from policies.preemption import Preemptor
+from policies.preemption import Preemptor, merge_block_map
 from policies.queues import SchedulerQueues, seq_cost
 from policies.request import Request
 from policies.sequence import Sequence, SequenceStatus
@@ -244,6 +244,7 @@ class Scheduler:
         queues, block_manager, config = self.queues, self.block_manager, self.config
         key, victims = queues.key, self.preemptor.victims
         num_scheduled = len(out.scheduled)
+        swapped_in: list[tuple[Sequence, int]] = []
         while budget > 0:
             waiting = queues.waiting[0] if take_waiting and queues.waiting else None
             swapped = queues.swapped[0] if queues.swapped else None
@@ -268,21 +269,30 @@ class Scheduler:
                 break
             if from_swap:
                 queues.swapped.popleft()
-                out.swap_in.update(block_manager.swap_in(seq))
+                merge_block_map(out.swap_in, block_manager.swap_in(seq), "swap_in")
                 queues.add_running(seq)
                 self.recorder.swapped_in(seq, now)
-            else:
-                queues.waiting.popleft()
-                block_manager.allocate(seq)  # may skip prefix-cached tokens
-                queues.add_running(seq)
-                self.recorder.scheduled(seq, now)
+                # Slots are reserved after all swap-ins: a sibling swapped in later this step can
+                # then share the blocks this one brought back instead of copying them again.
+                swapped_in.append((seq, min(need, budget)))
+                budget -= min(need, budget)
+                continue
+            queues.waiting.popleft()
+            block_manager.allocate(seq)  # may skip prefix-cached tokens
+            queues.add_running(seq)
+            self.recorder.scheduled(seq, now)
             chunk = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            # A swapped-in block table may lack the slot of the token to compute next.
-            if not block_manager.can_append_slots(seq, chunk):
-                continue  # stays running; the next step's decode pass handles it
             out.copy.extend(block_manager.append_slots(seq, chunk))
             self._push_chunk(out, seq, chunk)
             budget -= chunk
+        for seq, chunk in swapped_in:  # the block table may lack the slot of the next token
+            if seq.status is not RUNNING:
+                continue  # aborted with a too_long sibling
+            if block_manager.can_append_slots(seq, chunk):
+                out.copy.extend(block_manager.append_slots(seq, chunk))
+                self._push_chunk(out, seq, chunk)
+            else:
+                budget += chunk  # stays running; the next step's decode pass handles it
         return budget, len(out.scheduled) > num_scheduled
 
     def _push_chunk(self, out: SchedulerOutput, seq: Sequence, chunk: int) -> None:

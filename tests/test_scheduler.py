@@ -214,3 +214,19 @@ def test_parallel_sampling_reserves_n_sequence_slots_at_admission():
     s.add(request("y", 4, 2, arrival=0.2), now=0.0)
     out = s.schedule(0.0)
     assert compact(out) == [("pair/0", 4, 2), ("x/0", 4, 1)]  # 2 + 1 slots: y must wait
+
+
+def test_swapped_siblings_come_back_sharing_one_copy():
+    # 3 GPU blocks, 1 CPU block. At step 1 the three samples of "par" share block 1; par/0 needs a
+    # private copy, so par/2 and then par/1 are swapped out (one CPU copy for both).
+    s = make_scheduler(num_gpu_blocks=3, num_cpu_blocks=1, max_num_batched_tokens=16, preemption_mode="swap")
+    log = drive(s, [(0, request("long", 4, 4)), (0, request("par", 1, 3, n=3, arrival=0.1))])
+    assert schedules(log) == [
+        [("long/0", 4, 1), ("par/0", 1, 3)],
+        [("long/0", 1, 1), ("par/0", 1, 1)], [("long/0", 1, 1), ("par/0", 1, 1)],
+        [("long/0", 1, 1)],  # par/1 and par/2 are back but share a block no free block can split yet
+        [("par/1", 1, 1), ("par/2", 1, 1)], [("par/1", 1, 1), ("par/2", 1, 1)],
+    ]
+    assert log[1][1] == ["par/2", "par/1"] and log[1][2] == {1: 0}
+    assert log[3][3] == {0: 1}  # one swap-in copy for both siblings
+    assert log[4][4] == [(1, 0)]  # then copy-on-write splits them

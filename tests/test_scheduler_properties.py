@@ -6,7 +6,8 @@ drives schedule/update with `KVStoreBackend` (every attention read is checked ag
 should see) and random sampled tokens (eos and a stop token come up at random). Checked after every
 step: the scheduler's and the block manager's invariants (ref counts == references, free + used ==
 total per pool, blocks shared only by forked siblings or the prefix cache), the step budget, no
-sequence scheduled twice, no block written by two sequences in one step. At the end: no block in use
+sequence scheduled twice, no block written by two sequences in one step, no sequence taken from the
+waiting or swapped queue ahead of one that precedes it in policy order. At the end: no block in use
 and every request ended (finished or aborted) with a reason, exactly once. FCFS never starves an
 earlier request: under fcfs, first admissions follow arrival order.
 """
@@ -68,7 +69,16 @@ def workloads(draw):
     return config, specs, draw(st.integers(0, 2**32 - 1))
 
 
-def check_step(scheduler, out, config, waiting_before: set[int]) -> None:
+def check_no_overtaking(scheduler, seqs, before: set[int], queue) -> None:
+    """Sequences taken from a queue this step all precede (policy key) those left in it."""
+    key = scheduler.policy.key
+    taken = [key(s) for s in seqs if id(s) in before]
+    left = [key(s) for s in queue if id(s) in before]
+    if taken and left:
+        assert max(taken) < min(left), "a sequence overtook an earlier one in its queue"
+
+
+def check_step(scheduler, out, config, waiting_before: set[int], swapped_before: set[int]) -> None:
     bs = config["block_size"]
     assert sum(e.num_new_tokens for e in out.scheduled) <= config["max_num_batched_tokens"]
     assert len(out.scheduled) <= config["max_num_seqs"]
@@ -87,6 +97,8 @@ def check_step(scheduler, out, config, waiting_before: set[int]) -> None:
             assert written.setdefault(block, seq.seq_id) == seq.seq_id, f"block {block} written twice"
     if scheduler.policy.preemption_mode == "recompute":
         assert not out.swap_out and not out.swap_in
+    check_no_overtaking(scheduler, seqs, waiting_before, scheduler.queues.waiting)
+    check_no_overtaking(scheduler, seqs, swapped_before, scheduler.queues.swapped)
     admitted = [id(s) in waiting_before for s in seqs]
     if not config["chunked"] and any(admitted):
         assert all(admitted), "a prefill step of the non-chunked mode also runs decodes"
@@ -123,9 +135,10 @@ def run_workload(policy, blocks, mode, config, specs, seed):
             now += 0.01
             continue
         waiting_before = {id(seq) for seq in scheduler.queues.waiting}
+        swapped_before = {id(seq) for seq in scheduler.queues.swapped}
         out = scheduler.schedule(now)
         ended_ids.update(r.request_id for r in out.aborted)
-        check_step(scheduler, out, config, waiting_before)
+        check_step(scheduler, out, config, waiting_before, swapped_before)
         backend.execute(out)
         for spec in specs:  # aborts while the step runs
             if spec.abort_step == step and spec.abort_in_flight:
