@@ -4,6 +4,8 @@ import os
 # Must happen before any kernel module imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tiny-model CPU tests are dominated by per-op overhead; one intra-op thread is fastest on 2 cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
