@@ -1,4 +1,7 @@
-"""Preemption: take a running sequence off the GPU, by swap or by recompute (vLLM v0 semantics).
+"""Preemption: whom to take off the GPU, and how, by swap or by recompute (vLLM v0 semantics).
+
+Victims are the policy's pick among running sequences not yet scheduled in the step (`make_room`),
+or, before scheduling, running sequences the waiting head may preempt (`force_for`, priority).
 
 - swap: its blocks move to the CPU pool (`out.swap_out`) and it waits in the swapped queue; when
   the CPU pool cannot take them it falls back to recompute, and the trace says so
@@ -12,10 +15,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from policies.blocks.base import BlockManager
+from policies.blocks.base import AllocStatus, BlockManager
 from policies.outputs import SchedulerOutput
 from policies.policy.base import Policy
-from policies.queues import SchedulerQueues
+from policies.queues import SchedulerQueues, seq_cost
 from policies.sequence import Sequence, SequenceStatus
 from policies.trace import TraceRecorder
 
@@ -67,6 +70,34 @@ class Preemptor:
     def pick_victim(self, candidates: list[Sequence]) -> Sequence:
         """`candidates` are in running (policy) order, so the default victim (max key) is the last."""
         return candidates[-1] if self._default_victim else self.policy.pick_victim(candidates)
+
+    def make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput, now: float) -> bool:
+        """Preempt victims among running sequences not scheduled this step until seq's slots fit;
+        False if seq itself was the victim."""
+        scheduled = {entry.seq for entry in out.scheduled}
+        while True:
+            victim = self.pick_victim([s for s in self.queues.running if s not in scheduled])
+            self.preempt(victim, out, now)
+            if victim is seq:
+                return False
+            if self.block_manager.can_append_slots(seq, num_tokens):
+                return True
+
+    def force_for(self, head: Sequence, out: SchedulerOutput, now: float, max_num_seqs: int) -> None:
+        """Before anything is scheduled: let the waiting head push out running sequences the policy
+        allows it to (`may_preempt`), least urgent first, until it fits (priority scheduling)."""
+        queues = self.queues
+        if queues.swapped and queues.key(queues.swapped[0]) < queues.key(head):
+            return  # the swapped head is served first anyway
+        cost, may_preempt = seq_cost(head), self.policy.may_preempt
+        while queues.running:
+            if (queues.running_cost + cost <= max_num_seqs
+                    and self.block_manager.can_allocate(head) is not AllocStatus.LATER):
+                return
+            allowed = [seq for seq in queues.running if may_preempt(head, seq)]
+            if not allowed:
+                return
+            self.preempt(self.pick_victim(allowed), out, now)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput, now: float) -> None:
         self.queues.remove(seq)

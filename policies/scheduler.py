@@ -136,7 +136,7 @@ class Scheduler:
         self.preemptor.begin_step()
         queues, budget = self.queues, self.config.max_num_batched_tokens
         if self._may_force and queues.waiting and queues.running:
-            self._force_preempt(out, now)
+            self.preemptor.force_for(queues.waiting[0], out, now, self.config.max_num_seqs)
         if self.config.enable_chunked_prefill:
             budget, preempted = self._schedule_running(out, budget, now)
             if not preempted:
@@ -149,21 +149,6 @@ class Scheduler:
         self._stats.num_running = len(queues.running)
         out.aborted = self.lifecycle.take_aborted()  # since the last schedule(), too_long ones included
         return out
-
-    def _force_preempt(self, out: SchedulerOutput, now: float) -> None:
-        """Let the waiting head push out running sequences the policy allows, until it fits."""
-        queues, head = self.queues, self.queues.waiting[0]
-        if queues.swapped and queues.key(queues.swapped[0]) < queues.key(head):
-            return  # the swapped head is served first anyway
-        cost, may_preempt = seq_cost(head), self.policy.may_preempt
-        while queues.running:
-            if (queues.running_cost + cost <= self.config.max_num_seqs
-                    and self.block_manager.can_allocate(head) is not LATER):
-                return
-            allowed = [seq for seq in queues.running if may_preempt(head, seq)]
-            if not allowed:
-                return
-            self.preemptor.preempt(self.preemptor.pick_victim(allowed), out, now)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> tuple[int, bool]:
         running = self.queues.running
@@ -214,7 +199,7 @@ class Scheduler:
                 chunk = budget
             if not block_manager.can_append_slots(seq, chunk):
                 preempted = True
-                if not self._make_room(seq, chunk, out, now):
+                if not self.preemptor.make_room(seq, chunk, out, now):
                     continue
             out.copy.extend(block_manager.append_slots(seq, chunk))
             if decode:
@@ -223,19 +208,6 @@ class Scheduler:
                 self._push_chunk(out, seq, chunk)
             budget -= chunk
         return budget, preempted
-
-    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput, now: float) -> bool:
-        """Preempt victims among running sequences not scheduled this step until seq's slots fit;
-        False if seq itself was the victim."""
-        scheduled = {entry.seq for entry in out.scheduled}
-        while True:
-            candidates = [s for s in self.queues.running if s not in scheduled]
-            victim = self.preemptor.pick_victim(candidates)
-            self.preemptor.preempt(victim, out, now)
-            if victim is seq:
-                return False
-            if self.block_manager.can_append_slots(seq, num_tokens):
-                return True
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float, take_waiting: bool,
                take_swapped: bool) -> tuple[int, bool]:
