@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -144,6 +145,7 @@ def markdown(table: pd.DataFrame, label_a: str, label_b: str, confidence: float)
 
 def ab_figure(table: pd.DataFrame, req_a: pd.DataFrame, req_b: pd.DataFrame, label_a: str, label_b: str):
     import matplotlib.pyplot as plt
+
     from experiments.plots import latency_cdf_figure
     lat = table[(table["metric"].isin(LATENCY_METRICS)) & (table["stat"] != "run")].reset_index(drop=True)
     fig, ax = plt.subplots(figsize=(8, 0.28 * len(lat) + 1.2))

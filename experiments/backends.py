@@ -8,8 +8,9 @@ in a module imported here) plus `conf/backend/<name>.yaml` with `name: <name>`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig
 

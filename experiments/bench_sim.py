@@ -1,10 +1,14 @@
-"""`python -m experiments.bench_sim [overrides]`: simulated requests per wall-clock second.
+"""`python -m experiments.bench_sim [--workloads sharegpt,alpaca] [overrides]`: simulated requests per
+wall-clock second.
 
-Default: 10,000 requests of the default workload (ShareGPT-like lengths, Poisson arrivals) with the
-roofline latency model, fcfs, paged blocks; one process, one core. Timed: the simulation itself
-(SimPy loop + scheduler + recorder + latency model). Reported separately: building the workload and
-writing the traces. Target: >= 5,000 simulated requests/s. Extra Hydra overrides are passed on,
-e.g. `python -m experiments.bench_sim workload=poisson workload.rate=100`.
+For each workload: 10,000 requests with Poisson arrivals at the workload's default rate (ShareGPT-like:
+~338 output tokens per request at 50 req/s; Alpaca-like: ~58 at 200 req/s), roofline latency model,
+fcfs, paged blocks, qwen3-0.6b on h200; one process, one core. Timed: the simulation itself (SimPy
+loop + scheduler + trace recorder + latency model). Not timed, reported: building the workload and
+writing the traces. The cost is per generated token (every decode step runs the scheduler), so
+req/s depends on output lengths: ns per output token is the comparable figure. Target: >= 5,000
+simulated requests/s. Process CPU time is reported too: on a shared machine it is what an idle core
+would give. `--profile` prints the top functions (cProfile) of one extra run of the first workload.
 """
 from __future__ import annotations
 
@@ -27,49 +31,71 @@ NUM_REQUESTS = 10_000
 TARGET = 5_000
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides (conf/)")
-    parser.add_argument("--requests", type=int, default=NUM_REQUESTS)
-    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
-    parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
-    args = parser.parse_args()
-    overrides = [f"workload.num_requests={args.requests}", "latency=roofline", "progress=false", *args.overrides]
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+def bench(workload_name: str, requests: int, repeat: int, overrides: list[str]) -> dict:
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+        cfg = compose(config_name="config", overrides=[
+            f"workload={workload_name}", f"workload.num_requests={requests}", "latency=roofline",
+            "progress=false", *overrides])
     t0 = time.perf_counter()
     workload = factory.workload(cfg)
     build_s = time.perf_counter() - t0
-    times, recorder, result = [], None, None
-    for _ in range(args.repeat):
+    wall, cpu, recorder, result = [], [], None, None
+    for _ in range(repeat):
         wl, recorder = workload.fresh(), TraceRecorder()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = run_backend(cfg, wl, recorder)
-        times.append(time.perf_counter() - t0)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         write_traces(recorder, tmp)
         write_s = time.perf_counter() - t0
-    sim_s = statistics.median(times)
-    rate = args.requests / sim_s
     tokens = sum(r["output_len"] for r in recorder.requests)
-    print(f"bench_sim: {args.requests} requests, workload={workload.name} ({cfg.workload.get('arrival', '-')}, "
-          f"rate={cfg.workload.get('rate')}), policy={cfg.policy.name}, blocks={cfg.blocks.kind}, "
-          f"latency={cfg.latency.name}, model={cfg.model.name}, hardware={cfg.hardware.name}")
-    print(f"  machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
-    print(f"  simulated {result.elapsed_s:.1f}s in {result.num_steps} steps, {tokens} output tokens")
-    print(f"  simulation wall time: {sim_s:.3f}s (median of {args.repeat}: "
-          f"{', '.join(f'{t:.3f}' for t in times)})")
-    print(f"  -> {rate:,.0f} simulated requests/s, {tokens / sim_s:,.0f} output tokens/s, "
-          f"{sim_s / result.num_steps * 1e6:.1f} us/step (target >= {TARGET:,} req/s: "
-          f"{'met' if rate >= TARGET else 'NOT met'})")
-    print(f"  not timed: building the workload {build_s:.3f}s, writing traces {write_s:.3f}s")
+    wall_s, cpu_s = statistics.median(wall), statistics.median(cpu)
+    return {"cfg": cfg, "workload": workload, "wall": wall, "wall_s": wall_s, "cpu_s": cpu_s, "tokens": tokens,
+            "steps": result.num_steps, "sim_s": result.elapsed_s, "build_s": build_s, "write_s": write_s,
+            "batch": tokens / max(result.num_steps, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (conf/), applied to every workload")
+    parser.add_argument("--workloads", default="sharegpt,alpaca", help="conf/workload options, comma-separated")
+    parser.add_argument("--requests", type=int, default=NUM_REQUESTS)
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    print(f"bench_sim: {args.requests:,} requests per workload, Poisson arrivals, roofline, "
+          f"machine {platform.machine()} ({_cpu_name()}), python {platform.python_version()}")
+    print(f"{'workload':10s} {'rate':>6s} {'out tok/req':>11s} {'steps':>8s} {'tok/step':>8s} {'wall s':>7s} "
+          f"{'req/s':>8s} {'ns/token':>9s} {'cpu s':>7s} {'req/s(cpu)':>10s} target")
+    first = None
+    for name in args.workloads.split(","):
+        r = bench(name, args.requests, args.repeat, args.overrides)
+        first = first or r
+        rate = args.requests / r["wall_s"]
+        print(f"{name:10s} {r['cfg'].workload.rate:6.0f} {r['tokens'] / args.requests:11.0f} {r['steps']:8d} "
+              f"{r['batch']:8.1f} {r['wall_s']:7.3f} {rate:8,.0f} {r['wall_s'] / r['tokens'] * 1e9:9.0f} "
+              f"{r['cpu_s']:7.3f} {args.requests / r['cpu_s']:10,.0f} {'met' if rate >= TARGET else 'NOT met'}")
+        print(f"{'':10s} (simulated {r['sim_s']:.1f}s; wall runs {', '.join(f'{t:.2f}' for t in r['wall'])}; "
+              f"not timed: workload {r['build_s']:.2f}s, writing traces {r['write_s']:.2f}s)")
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
-        run_backend(cfg, workload.fresh(), TraceRecorder())
+        run_backend(first["cfg"], first["workload"].fresh(), TraceRecorder())
         profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

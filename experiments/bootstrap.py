@@ -1,7 +1,7 @@
 """Paired bootstrap confidence intervals (numpy) for A/B comparisons on the same requests."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -8,7 +8,8 @@ import functools
 import os
 import re
 import sys
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException

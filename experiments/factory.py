@@ -5,7 +5,8 @@ the entry points print as one line.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 

@@ -11,7 +11,8 @@ and waste = 1 - utilisation, both weighted by step duration.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -73,7 +74,7 @@ def per_class(done: pd.DataFrame) -> dict[str, dict[str, Any]]:
         return {}
     out = {}
     for prio, group in done.groupby("priority", sort=True):
-        out[str(prio)] = {"num_requests": int(len(group)), "ttft": stats(group["ttft"].to_numpy()),
+        out[str(prio)] = {"num_requests": len(group), "ttft": stats(group["ttft"].to_numpy()),
                           "tpot": stats(group["tpot"].to_numpy()), "e2e": stats(group["e2e"].to_numpy())}
     return out
 
@@ -91,9 +92,9 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, block_size: int,
     prompt_tokens = int(done["prompt_len"].sum())
     batch = steps["num_prefill_seqs"] + steps["num_decode_seqs"] if len(steps) else pd.Series(dtype=float)
     summary: dict[str, Any] = {
-        "num_requests": int(len(requests)),
-        "completed": int(len(done)),
-        "aborted": int(len(aborted)),
+        "num_requests": len(requests),
+        "completed": len(done),
+        "aborted": len(aborted),
         "abort_reasons": {str(k): int(v) for k, v in aborted["finish_reason"].value_counts().sort_index().items()},
         "duration_s": duration,
         "request_throughput": rate(len(done)),
@@ -108,7 +109,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, block_size: int,
         values = inter_token_latencies(done) if name == "itl" else done[name].to_numpy()
         summary[name] = stats(values)
     summary.update({
-        "num_steps": int(len(steps)),
+        "num_steps": len(steps),
         "mean_batch_size": float(batch.mean()) if len(batch) else None,
         "mean_running": _weighted_mean(steps["num_running"].astype(float), steps["duration"]) if len(steps) else None,
         "num_preemptions": int(requests["num_preemptions"].sum()),

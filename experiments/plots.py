@@ -1,16 +1,16 @@
 """Matplotlib figures of a run (written as PNGs by `experiments.run`, reused by the notebook and A/B)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
 
 PREEMPT_MARKERS = {"recompute": ("x", "tab:red"), "swap": ("v", "tab:purple"),
                    "recompute_fallback": ("x", "tab:orange")}

@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hydra import compose, initialize_config_module
 

@@ -2,5 +2,13 @@
 from sim.latency import Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel
 from sim.simulator import SIM_TOKEN, SimResult, Simulator
 
-__all__ = ["Hardware", "LatencyModel", "ModelShape", "ProfiledModel", "RooflineModel", "SIM_TOKEN",
-           "SimResult", "Simulator"]
+__all__ = [
+           "SIM_TOKEN",
+           "Hardware",
+           "LatencyModel",
+           "ModelShape",
+           "ProfiledModel",
+           "RooflineModel",
+           "SimResult",
+           "Simulator",
+]

@@ -12,9 +12,9 @@ same requests, scheduler and latency model give the same trace.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
-from typing import Callable, Iterable, Mapping
 
 import simpy
 

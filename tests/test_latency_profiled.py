@@ -27,7 +27,7 @@ def test_example_profile_is_exact_at_grid_points():
 
 
 def test_example_matches_the_roofline_it_was_generated_from():
-    cfg = lambda group, name: yaml.safe_load((ROOT / f"conf/{group}/{name}.yaml").read_text())  # noqa: E731
+    cfg = lambda group, name: yaml.safe_load((ROOT / f"conf/{group}/{name}.yaml").read_text())
     roof = RooflineModel(ModelShape.from_dict(cfg("model", "qwen3-0.6b")), Hardware.from_dict(cfg("hardware", "h200")), 16)
     pm = ProfiledModel(EXAMPLE, block_size=16)
     shape = BatchShape(num_decode_seqs=64, num_context_tokens=64 * 512, num_samples=64)
@@ -57,7 +57,7 @@ def write(tmp_path, steps, swaps=((1, 1e-4), (10, 1e-3)), **meta):
 
 def test_multilinear_midpoints_and_linear_extrapolation(tmp_path):
     # t = 1 + p/100 + d/10 + d*ctx/1e4 on a 2x2x2 grid (the cross term is bilinear in d and ctx/seq)
-    t = lambda p, d, c: 1 + p / 100 + d / 10 + c / 1e4  # noqa: E731
+    t = lambda p, d, c: 1 + p / 100 + d / 10 + c / 1e4
     steps = [(p, d, d * L, t(p, d, d * L)) for p in (0, 100) for d in (1, 3) for L in (10, 30)]
     pm = ProfiledModel(write(tmp_path, steps), block_size=16)
     assert pm.lookup(50, 2, 2 * 20) == pytest.approx(t(50, 2, 40))

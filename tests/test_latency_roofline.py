@@ -16,11 +16,11 @@ from sim.latency import BatchShape, Hardware, ModelShape, RooflineModel
 #   activation bytes/token = 2 layers * (8*64 + 5*128) * 2 B = 4608
 #   attention FLOPs/pair   = 4 * 2 * 4 * 16 = 512
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = dict(name="toy", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False, dtype="bfloat16")
-HW = dict(name="toy-gpu", memory_gib=1, hbm_bandwidth=1e12, bf16_flops=1e14, fp32_flops=1e13,
-          host_link_bandwidth=1e9, bandwidth_efficiency=1.0, gemm_efficiency=1.0, attention_efficiency=1.0,
-          step_overhead_s=1e-3, swap_latency_s=1e-5, swap_block_overhead_s=1e-6)
+MODEL = {"name": "toy", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "tie_word_embeddings": False, "dtype": "bfloat16"}
+HW = {"name": "toy-gpu", "memory_gib": 1, "hbm_bandwidth": 1e12, "bf16_flops": 1e14, "fp32_flops": 1e13,
+          "host_link_bandwidth": 1e9, "bandwidth_efficiency": 1.0, "gemm_efficiency": 1.0, "attention_efficiency": 1.0,
+          "step_overhead_s": 1e-3, "swap_latency_s": 1e-5, "swap_block_overhead_s": 1e-6}
 
 
 def model(**kw) -> RooflineModel:

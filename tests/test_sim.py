@@ -68,9 +68,9 @@ def test_swap_transfers_are_priced():
 
 
 def run_workload(seed):
-    cfg = dict(kind="synthetic", num_requests=60, arrival="poisson", rate=200.0, burstiness=1.0,
-               prompt_len={"dist": "uniform", "low": 10, "high": 200}, output_len={"dist": "uniform", "low": 1, "high": 60},
-               max_tokens=None, priority=None, shared_prefix_len=0, vocab_size=1000)
+    cfg = {"kind": "synthetic", "num_requests": 60, "arrival": "poisson", "rate": 200.0, "burstiness": 1.0,
+               "prompt_len": {"dist": "uniform", "low": 10, "high": 200}, "output_len": {"dist": "uniform", "low": 1, "high": 60},
+               "max_tokens": None, "priority": None, "shared_prefix_len": 0, "vocab_size": 1000}
     w = build_workload(cfg, seed, 1000)
     sched = scheduler(num_gpu_blocks=40, mode="recompute")
     Simulator(sched, Constant(0.003), w.requests, w.stop_lens).run()

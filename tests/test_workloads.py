@@ -6,9 +6,9 @@ import pytest
 
 from experiments.workloads import build_workload
 
-BASE = dict(kind="synthetic", name="t", num_requests=200, arrival="poisson", rate=10.0, burstiness=1.0,
-            prompt_len={"dist": "fixed", "value": 8}, output_len={"dist": "fixed", "value": 4},
-            max_tokens=None, priority=None, shared_prefix_len=0, vocab_size=10000, seed=None)
+BASE = {"kind": "synthetic", "name": "t", "num_requests": 200, "arrival": "poisson", "rate": 10.0, "burstiness": 1.0,
+            "prompt_len": {"dist": "fixed", "value": 8}, "output_len": {"dist": "fixed", "value": 4},
+            "max_tokens": None, "priority": None, "shared_prefix_len": 0, "vocab_size": 10000, "seed": None}
 
 
 def build(**kw):
@@ -85,14 +85,14 @@ def test_seeded_and_fresh_copies():
 
 
 @pytest.mark.parametrize("kw, key", [
-    (dict(rate=-1.0), "workload.rate=-1.0"),
-    (dict(arrival="gamma", burstiness=0), "workload.burstiness=0"),
-    (dict(arrival="weibull"), "workload.arrival='weibull'"),
-    (dict(num_requests=0), "workload.num_requests=0"),
-    (dict(prompt_len={"dist": "zipf"}), "workload.prompt_len.dist='zipf'"),
-    (dict(output_len={"dist": "uniform", "low": 9, "high": 2}), "workload.output_len.high=2"),
-    (dict(priority={"values": [0, 1], "weights": [1]}), "workload.priority.weights"),
-    (dict(kind="nope"), "workload.kind='nope'"),
+    ({"rate": -1.0}, "workload.rate=-1.0"),
+    ({"arrival": "gamma", "burstiness": 0}, "workload.burstiness=0"),
+    ({"arrival": "weibull"}, "workload.arrival='weibull'"),
+    ({"num_requests": 0}, "workload.num_requests=0"),
+    ({"prompt_len": {"dist": "zipf"}}, "workload.prompt_len.dist='zipf'"),
+    ({"output_len": {"dist": "uniform", "low": 9, "high": 2}}, "workload.output_len.high=2"),
+    ({"priority": {"values": [0, 1], "weights": [1]}}, "workload.priority.weights"),
+    ({"kind": "nope"}, "workload.kind='nope'"),
 ])
 def test_bad_config_names_the_key(kw, key):
     with pytest.raises(ValueError, match="^" + key.replace("[", r"\[").replace(".", r"\.")):
@@ -124,8 +124,8 @@ def test_replay_csv_and_jsonl(tmp_path):
     ("e.jsonl", '{"arrival_time": 0, "prompt_token_ids": [1, 5000], "output_len": 2}\n',
      r"e.jsonl:1: field prompt_token_ids=\[1, 5000\]"),
     ("f.jsonl", '{"arrival_time": 0, "output_len": 2}\n', r"f.jsonl:1: field prompt_len=None"),
-    ("g.jsonl", '{"request_id": "a", "arrival_time": 0, "prompt_len": 1, "output_len": 2}\n'
-                '{"request_id": "a", "arrival_time": 0, "prompt_len": 1, "output_len": 2}\n',
+    ("g.jsonl", ('{"request_id": "a", "arrival_time": 0, "prompt_len": 1, "output_len": 2}\n'
+                '{"request_id": "a", "arrival_time": 0, "prompt_len": 1, "output_len": 2}\n'),
      r"g.jsonl:2: field request_id='a' is invalid: must be unique"),
     ("h.txt", "x", r"workload.path='.*h.txt' is invalid: must end in .csv or .jsonl"),
 ])

@@ -10,8 +10,9 @@ the backend ends it at output_len: the simulator emits a stop token there).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from policies.request import Request
 
@@ -69,6 +70,6 @@ def build_workload(cfg: Mapping[str, Any], seed: int, vocab_size: int) -> Worklo
     return _BUILDERS[kind](cfg, seed, vocab_size)
 
 
-from experiments.workloads import nanovllm, replay, synthetic  # noqa: E402,F401  (registration)
+from experiments.workloads import nanovllm, replay, synthetic  # noqa: F401  (registration)
 
 __all__ = ["Workload", "build_workload", "register_workload"]

@@ -1,7 +1,8 @@
 """Small helpers the workload builders share: config checks and request construction."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from policies.request import Request, SamplingParams
 

@@ -11,7 +11,8 @@ With 256 requests and max_input_len = max_output_len = 1024 that is 142,827 prom
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from experiments.workloads import Workload, register_workload
 from experiments.workloads.common import get_int, make_request

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ def read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{k}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{k}: must be a JSON object, got {type(row).__name__}")
+            raise ValueError(f"{path}:{k}: must be a JSON object, got {type(row).__name__}")  # noqa: TRY004
         rows.append((k, row))
     return rows
 

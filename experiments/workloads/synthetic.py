@@ -13,7 +13,8 @@ prefix-caching block manager has something to share.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 

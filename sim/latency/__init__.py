@@ -4,4 +4,4 @@ from sim.latency.profiled import ProfiledModel
 from sim.latency.roofline import RooflineModel
 from sim.latency.shapes import Hardware, ModelShape
 
-__all__ = ["BatchShape", "LatencyModel", "ProfiledModel", "RooflineModel", "Hardware", "ModelShape"]
+__all__ = ["BatchShape", "Hardware", "LatencyModel", "ModelShape", "ProfiledModel", "RooflineModel"]

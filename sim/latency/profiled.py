@@ -37,8 +37,8 @@ from __future__ import annotations
 import csv
 import statistics
 from bisect import bisect_right
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel
