@@ -116,8 +116,10 @@ class BlockManager(ABC):
         """Move a SWAPPED sequence back; returns {cpu_block: gpu_block}."""
 
     def mark_computed(self, seq: Sequence) -> None:
-        """Called after each step for each scheduled sequence (prefix caching registers the
-        full blocks that are now computed). No-op by default."""
+        """Called after a step for each scheduled sequence whose chunk was a prefill (more than one
+        token), whose decode filled a block (num_computed_tokens % block_size == 0), or in any step
+        that ran block copies; skipped for the other decodes, where nothing new became computed
+        (prefix caching registers the full blocks that are now computed). No-op by default."""
 
     @abstractmethod
     def num_free_gpu_blocks(self) -> int: ...
