@@ -112,6 +112,8 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------------
     def add(self, request: Request, now: float) -> None:
+        """Validate and queue a request (ValueError naming the field on bad input). `now` stamps the
+        `arrived` event; ordering and latency metrics use `request.arrival_time`."""
         request.validate(self.config.max_model_len)
         n = request.sampling_params.n
         if n > self.config.max_num_seqs:
@@ -122,6 +124,8 @@ class Scheduler:
         self.lifecycle.arrive(request, now)
 
     def abort(self, request_id: str, reason: str = "user", now: float | None = None) -> bool:
+        """End a live request with finish_reason "abort:<reason>"; False (never an exception) for an
+        unknown or already ended id. It shows up in the next `out.aborted` and `update()` result."""
         family = self.lifecycle.families.get(request_id) if isinstance(request_id, str) else None
         if family is None:
             return False
@@ -130,6 +134,7 @@ class Scheduler:
 
     # ---- schedule -------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
+        """Decide the next step (module docstring); the backend runs it, then calls `update`."""
         self._now = now
         out = SchedulerOutput(now)
         self._stats, self._stats_out = StepStats(), out
@@ -283,6 +288,9 @@ class Scheduler:
     # ---- update ---------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, new_token_ids: dict[int, list[int]], now: float,
                stop_seq_ids: Collection[int] = ()) -> list[Request]:
+        """Apply the step `out` that just ran: `new_token_ids[seq_id]` holds `num_samples` tokens per
+        sampling sequence, `stop_seq_ids` the sequences the backend saw hit a stop string. Returns
+        the requests that ended since the last update (finished, or aborted from anywhere)."""
         if self._stats_out is not out:
             raise ValueError("update() got an output that is not the last one schedule() returned")
         self._now = now
