@@ -125,13 +125,22 @@ def test_swap_out_and_in_with_shared_blocks():
     assert decode(mgr, a) == [(1, 2)]  # still copy-on-write after the round trip
 
 
-def test_in_place_write_makes_the_cpu_copy_stale():
+@pytest.mark.parametrize("append", ["append_slots", "append_decode_slots", "chunk"])
+def test_in_place_write_makes_the_cpu_copy_stale(append):
     mgr = PagedBlockManager(4, num_gpu_blocks=8, num_cpu_blocks=4, watermark=0.0)
     a = computed(make_seq(0, 6, n=2))
     mgr.allocate(a)
     b = fork(mgr, a, 1)
     assert mgr.swap_out(a) == {0: 0, 1: 1}
-    assert decode(mgr, b) == []  # b alone holds block 1 now and writes position 6 in place
+    # b alone holds block 1 now and writes position 6 (or 6..7) in place
+    b.token_ids += [98, 99]
+    if append == "append_slots":
+        assert mgr.append_slots(b, 1) == []
+    elif append == "append_decode_slots":
+        b.num_computed_tokens += 1  # positions 6 and 7 known, 7 is the decode
+        assert mgr.append_decode_slots([b]) == []
+    else:
+        assert mgr.append_slots(b, 2) == []
     assert mgr.swap_out(b) == {1: 2}  # block 0 still matches cpu 0; block 1 must be copied again
     assert b.block_table == [0, 2]
     mgr.check_invariants([a, b])

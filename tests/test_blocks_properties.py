@@ -62,7 +62,7 @@ class Harness:
         copies: list[tuple[int, int]] = []
         # 1. preemption (before anything is appended this step)
         for seq in list(self.running):
-            if rng.random() < 0.15:
+            if rng.random() < 0.3:
                 self.running.remove(seq)
                 if rng.random() < 0.6 and mgr.can_swap_out(seq):
                     mapping = mgr.swap_out(seq)

@@ -22,5 +22,14 @@ def make_block_manager(kind: str, block_size: int, num_gpu_blocks: int, num_cpu_
     return BLOCK_MANAGERS[kind](block_size, num_gpu_blocks, num_cpu_blocks, watermark, max_model_len)
 
 
-__all__ = ["AllocStatus", "BLOCK_MANAGERS", "BlockManager", "BlockUsage", "ContiguousBlockManager",
-           "OutOfBlocksError", "PagedBlockManager", "PrefixCachingBlockManager", "make_block_manager"]
+__all__ = [
+    "BLOCK_MANAGERS",
+    "AllocStatus",
+    "BlockManager",
+    "BlockUsage",
+    "ContiguousBlockManager",
+    "OutOfBlocksError",
+    "PagedBlockManager",
+    "PrefixCachingBlockManager",
+    "make_block_manager",
+]

@@ -73,7 +73,7 @@ class PagedBlockManager(BlockManager):
         have = len(table)
         cost = end_block - have if end_block > have else 0
         refs = self._refs
-        for i in range(start >> self._shift, end_block if end_block < have else have):
+        for i in range(start >> self._shift, min(have, end_block)):
             if refs[table[i]] > 1:
                 cost += 1
         return cost
@@ -104,7 +104,7 @@ class PagedBlockManager(BlockManager):
         have = len(table)
         gpu, refs = self.gpu, self._refs
         copies: list[tuple[int, int]] = []
-        for i in range(start >> self._shift, end_block if end_block < have else have):
+        for i in range(start >> self._shift, min(have, end_block)):
             block = table[i]
             if refs[block] > 1:  # shared after fork: write into a private copy
                 new = gpu.allocate()
