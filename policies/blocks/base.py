@@ -93,7 +93,9 @@ class BlockManager(ABC):
 
     @abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Child shares all of parent's blocks (ref counts +1)."""
+        """Child shares all of parent's blocks (ref counts +1). Contiguous (nothing shared): the child
+        gets a run reserved at the parent's admission, and the copies of the parent's computed
+        blocks come out of the child's next `append_slots`; until then it cannot be swapped out."""
 
     @abstractmethod
     def free(self, seq: Sequence) -> None:
