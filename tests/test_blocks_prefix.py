@@ -138,3 +138,24 @@ def test_swap_in_reuses_blocks_still_cached_on_the_gpu():
     mgr.free(b)
     assert mgr.usage().gpu_used == 0 and mgr.usage().cpu_used == 0
     mgr.check_invariants([])
+
+
+def test_a_blocked_waiting_head_is_hashed_once(monkeypatch):
+    from policies.blocks import prefix
+
+    calls = []
+    real = prefix.block_hash
+    monkeypatch.setattr(prefix, "block_hash", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+    mgr = PrefixCachingBlockManager(4, num_gpu_blocks=8, watermark=0.0)
+    a, filler = make_seq(0, list(range(12))), make_seq(1, list(range(100, 116)))
+    run_prefill(mgr, a)
+    mgr.allocate(filler)
+    calls.clear()
+    head = make_seq(2, list(range(12)) + [5, 6, 7, 8, 9])  # 3 cached blocks, then 2 to allocate, 1 free
+    for _ in range(5):
+        assert mgr.can_allocate(head) is AllocStatus.LATER
+    assert len(calls) == 4  # 3 hits and the first miss, once
+    mgr.free(filler)
+    mgr.allocate(head)
+    assert len(calls) == 4 and head.block_table[:3] == a.block_table and head.num_computed_tokens == 12
+    mgr.check_invariants([a, head])

@@ -40,6 +40,8 @@ class PrefixCachingBlockManager(PagedBlockManager):
         super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark, max_model_len)
         # Chained hashes of each allocated sequence's leading full blocks, as far as known so far.
         self._seq_hashes: dict[int, list[int]] = {}
+        self._query_key: tuple[int, int] | None = None  # (seq id, num tokens) of _query_hashes
+        self._query_hashes: list[int] = []
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -48,21 +50,22 @@ class PrefixCachingBlockManager(PagedBlockManager):
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int], int]:
         """(hashes, cached blocks) of the longest cached run of leading blocks, and how many blocks
-        were eligible. Stops at the first miss, so a cold prompt costs one hash."""
+        were eligible. Stops at the first miss, so a cold prompt costs one hash; the hashes of the
+        last sequence asked about are kept, so a waiting head asked every step is hashed once."""
         tokens, bs = seq.token_ids, self.block_size
         eligible = (len(tokens) - 1) // bs  # never the block holding the last token
-        hashes: list[int] = []
+        if self._query_key != (seq.seq_id, len(tokens)):  # tokens only grow: same length, same tokens
+            self._query_key, self._query_hashes = (seq.seq_id, len(tokens)), []
+        hashes, lookup = self._query_hashes, self.gpu.lookup
         blocks: list[int] = []
-        parent = ROOT_HASH
         for i in range(eligible):
-            h = block_hash(parent, tokens[i * bs:(i + 1) * bs])
-            block = self.gpu.lookup(h)
+            if i == len(hashes):
+                hashes.append(block_hash(hashes[-1] if i else ROOT_HASH, tokens[i * bs:(i + 1) * bs]))
+            block = lookup(hashes[i])
             if block is None:
                 break
-            hashes.append(h)
             blocks.append(block)
-            parent = h
-        return hashes, blocks, eligible
+        return hashes[:len(blocks)], blocks, eligible
 
     def _blocks_to_take(self, seq: Sequence, hits: list[int]) -> int:
         """Free blocks an allocation consumes: fresh ones plus hits revived from the evictor."""
