@@ -195,6 +195,12 @@ def test_bad_input_raises_value_errors():
         make_block_manager("paged", 3, 8)
     with pytest.raises(ValueError, match="num_gpu_blocks=0"):
         make_block_manager("prefix", 16, 0)
+    with pytest.raises(ValueError, match="num_cpu_blocks=-1"):
+        make_block_manager("paged", 16, 8, num_cpu_blocks=-1)
+    with pytest.raises(ValueError, match="watermark='0.1'"):
+        make_block_manager("contiguous", 16, 8, watermark="0.1")
+    with pytest.raises(ValueError, match="max_model_len=0"):
+        make_block_manager("paged", 16, 8, max_model_len=0)
     mgr = make_block_manager("paged", 4, 2, watermark=0.0)
     seq = make_seq(0, 4)
     mgr.allocate(seq)

@@ -41,8 +41,10 @@ class BlockManager(ABC):
             raise ValueError(f"num_gpu_blocks={num_gpu_blocks!r} is invalid: must be an integer >= 1")
         if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks={num_cpu_blocks!r} is invalid: must be an integer >= 0")
-        if not 0 <= watermark < 1:
-            raise ValueError(f"watermark={watermark!r} is invalid: must be in [0, 1)")
+        if not isinstance(watermark, (int, float)) or isinstance(watermark, bool) or not 0 <= watermark < 1:
+            raise ValueError(f"watermark={watermark!r} is invalid: must be a number in [0, 1)")
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+            raise ValueError(f"max_model_len={max_model_len!r} is invalid: must be None or an integer >= 1")
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
