@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import platform
 import pstats
 import random
@@ -42,10 +43,11 @@ def fake_tokens(out, rng: random.Random) -> dict[int, list[int]]:
     return {entry.seq.seq_id: [token] * entry.num_samples for entry in out.scheduled if entry.num_samples}
 
 
-def measure(scheduler: Scheduler, num_steps: int, seed: int) -> list[float]:
+def measure(scheduler: Scheduler, num_steps: int, seed: int) -> tuple[list[float], list[float]]:
+    """Per-step CPU microseconds of schedule() and of update()."""
     rng = random.Random(seed)
     clock = time.thread_time_ns
-    now, costs = 1_000.0, []
+    now, schedule_us, update_us = 1_000.0, [], []
     for _ in range(num_steps):
         t0 = clock()
         out = scheduler.schedule(now)
@@ -55,23 +57,26 @@ def measure(scheduler: Scheduler, num_steps: int, seed: int) -> list[float]:
         t2 = clock()
         scheduler.update(out, tokens, now)
         t3 = clock()
-        costs.append((t1 - t0 + t3 - t2) / 1_000)
-    return costs
+        schedule_us.append((t1 - t0) / 1_000)
+        update_us.append((t3 - t2) / 1_000)
+    return schedule_us, update_us
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", nargs="+", default=["paged", "prefix"])
+    parser.add_argument("--kinds", nargs="+", default=["paged", "prefix"],
+                        choices=["paged", "prefix", "contiguous"])
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3, help="fresh schedulers per kind; all steps pooled")
     parser.add_argument("--profile", action="store_true", help="cProfile one run per kind instead")
     args = parser.parse_args()
-    print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
-          f"{args.num_seqs} running seqs, block_size {args.block_size}, {args.steps} decode steps x "
-          f"{args.repeats}")
-    print(f"{'blocks':<10} {'median_us':>10} {'p99_us':>8} {'mean_us':>8} {'us/seq':>7} {'batch':>6}")
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, load average "
+          f"{os.getloadavg()[0]:.1f}; {args.num_seqs} running seqs, block_size {args.block_size}, "
+          f"{args.steps} decode steps x {args.repeats}; CPU time of schedule() + update() per step")
+    print(f"{'blocks':<10} {'median_us':>10} {'p99_us':>8} {'mean_us':>8} {'us/seq':>7} "
+          f"{'schedule_med':>12} {'update_med':>10}")
     for kind in args.kinds:
         if args.profile:
             scheduler = build(kind, args.num_seqs, args.block_size, seed=0)
@@ -79,16 +84,21 @@ def main() -> None:
             profiler.runcall(measure, scheduler, args.steps, 0)
             pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
             continue
-        costs: list[float] = []
+        schedule_us: list[float] = []
+        update_us: list[float] = []
         for repeat in range(args.repeats):
             scheduler = build(kind, args.num_seqs, args.block_size, seed=repeat)
-            costs += measure(scheduler, args.steps, seed=repeat)
+            s_us, u_us = measure(scheduler, args.steps, seed=repeat)
+            schedule_us += s_us
+            update_us += u_us
             assert scheduler.num_running == args.num_seqs and scheduler.recorder.steps[-1][
                 "num_decode_seqs"] == args.num_seqs, "the benchmark must measure full decode steps"
+        costs = [a + b for a, b in zip(schedule_us, update_us)]
         median = statistics.median(costs)
         p99 = statistics.quantiles(costs, n=100)[98]
         print(f"{kind:<10} {median:>10.1f} {p99:>8.1f} {statistics.fmean(costs):>8.1f} "
-              f"{median / args.num_seqs:>7.3f} {args.num_seqs:>6}")
+              f"{median / args.num_seqs:>7.3f} {statistics.median(schedule_us):>12.1f} "
+              f"{statistics.median(update_us):>10.1f}")
 
 
 if __name__ == "__main__":

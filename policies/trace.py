@@ -6,8 +6,16 @@ simulator run and an engine run of the same workload leave the same schema. Rows
 
 Request metrics follow vLLM's serving benchmark (REFERENCE.md): TTFT = first token - arrival,
 E2E = finish - arrival, TPOT = (E2E - TTFT) / (output tokens of sample 0 - 1) (None for a single
-token), queueing time = first scheduled - arrival. `token_times` are the output token times of
-sample 0 (inter-token latencies are their differences).
+token), queueing time = first scheduled - arrival, arrival = `request.arrival_time`. `token_times`
+are the output token times of sample 0 (inter-token latencies are their differences); `output_len`
+sums all samples. Rows appear in the order requests end.
+
+Step rows: `time` is the schedule() clock, `duration` the update() clock minus it. A chunk is a
+prefill when it starts with more than one token to compute, else a decode. `kv_tokens` is the sum of
+`num_computed_tokens` over running sequences (token slots whose KV is written), so KV utilisation is
+kv_tokens / (gpu_blocks_used * block_size); blocks shared by forked samples or the prefix cache
+count once per sequence, so it can exceed 1. `num_swap_fallbacks` are also in
+`num_preempted_recompute`; `prefix_hits` / `prefix_queries` are cumulative block counts.
 """
 from __future__ import annotations
 
