@@ -91,7 +91,9 @@ class Harness:
         admitted = []
         for seq in list(self.swapped):
             if rng.random() < 0.5 and mgr.can_swap_in(seq) is AllocStatus.OK:
-                swap_in.update(mgr.swap_in(seq))
+                mapping = mgr.swap_in(seq)
+                assert not swap_in.keys() & mapping.keys(), "one CPU block swapped in twice"
+                swap_in.update(mapping)
                 self.swapped.remove(seq)
                 admitted.append(seq)
         for seq in list(self.waiting):
