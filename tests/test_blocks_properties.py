@@ -185,7 +185,7 @@ class Harness:
 
 
 @pytest.mark.parametrize("kind", ["paged", "prefix", "contiguous"])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(rng=st.randoms(use_true_random=False), num_steps=st.integers(5, 40))
 def test_random_programs_keep_invariants_and_kv_contents(kind, rng, num_steps):
     harness = Harness(kind, rng)
