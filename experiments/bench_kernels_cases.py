@@ -1,38 +1,20 @@
-"""Problem builders, ceilings and block-op timings for experiments/bench_kernels.py."""
-
-import statistics
-import time
+"""Problem builders, block-op timings and compiler reports for experiments/bench_kernels.py."""
 
 import torch
 from triton.testing import do_bench
 
+from experiments.bench_timing import wall_ms
 from kernels import copy as block_copy
 from kernels import decode, prefill, reference
 from kernels.cache_write import write_kv_cache
 from kernels.inputs import random_paged_problem
 
 
-def _copy_gbps() -> float:
-    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
-    y = torch.empty_like(x)
-    return 2 * x.nbytes / do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median") / 1e6
-
-
-def _matmul_tflops() -> float:
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    return 2 * 8192**3 / do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") / 1e9
-
-
-def ceilings() -> tuple[float, float]:
-    """(device-to-device copy GB/s counting read + write, bf16 matmul TFLOP/s on random data)."""
-    return _copy_gbps(), _matmul_tflops()
-
-
-def decode_problem(batch: int, ctx: int, hq: int, hkv: int, d: int, bs: int):
+def decode_problem(
+    batch: int, ctx: int, hq: int, hkv: int, d: int, bs: int, seed: int = 0, device: str = "cuda"
+):
     """A uniform-length paged decode problem and the same K/V contiguous as [B, Hkv, L, D]."""
-    prob = random_paged_problem(
-        [ctx] * batch, None, hq, hkv, d, bs, torch.bfloat16, device="cuda", seed=batch + ctx
-    )
+    prob = random_paged_problem([ctx] * batch, None, hq, hkv, d, bs, torch.bfloat16, device=device, seed=seed)
     nblk = (ctx + bs - 1) // bs
     idx = prob.block_tables[:, :nblk].long()
 
@@ -42,10 +24,12 @@ def decode_problem(batch: int, ctx: int, hq: int, hkv: int, d: int, bs: int):
     return prob, contiguous(prob.k_cache), contiguous(prob.v_cache)
 
 
-def prefill_problem(new: int, prefix: int, hq: int, hkv: int, d: int, bs: int):
+def prefill_problem(
+    new: int, prefix: int, hq: int, hkv: int, d: int, bs: int, seed: int = 0, device: str = "cuda"
+):
     """One prompt of `new` tokens after `prefix` cached ones; plus q/k/v as [1, H, T, D] for SDPA."""
     prob = random_paged_problem(
-        [prefix + new], [new], hq, hkv, d, bs, torch.bfloat16, device="cuda", seed=new
+        [prefix + new], [new], hq, hkv, d, bs, torch.bfloat16, device=device, seed=seed
     )
     nblk = (prefix + new + bs - 1) // bs
     idx = prob.block_tables[0, :nblk].long()
@@ -55,19 +39,6 @@ def prefill_problem(new: int, prefix: int, hq: int, hkv: int, d: int, bs: int):
 
     q4 = prob.q.transpose(0, 1).unsqueeze(0).contiguous()
     return prob, q4, contiguous(prob.k_cache), contiguous(prob.v_cache)
-
-
-def _wall_ms(fn, reps: int = 20) -> float:
-    """Median wall time of fn() including a device sync (for ops that involve the host)."""
-    times = []
-    for i in range(reps + 3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 SHAPE, BLOCK_BYTES = (16, 8, 128), 16 * 8 * 128 * 2  # one Qwen3-0.6B KV block per layer, bf16
@@ -118,7 +89,7 @@ def _copy_blocks_row(copy_bw: float, layers: int = 28, num_pairs: int = 256) -> 
 def _swap_row(
     method: str, direction: str, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, link_gbps: float
 ) -> dict:
-    ms = _wall_ms(lambda: block_copy.swap_blocks(src, dst, pairs, method=method))
+    ms = wall_ms(lambda: block_copy.swap_blocks(src, dst, pairs, method=method))
     return _op(
         f"swap_{direction}",
         f"{pairs.shape[0]} blocks x {BLOCK_BYTES >> 10} KiB",
@@ -136,8 +107,8 @@ def _swap_rows(num_pairs: int = 1024) -> list[dict]:
     nbytes = num_pairs * BLOCK_BYTES
     dev_buf = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
     host_buf = torch.empty(nbytes // 2, dtype=torch.bfloat16).pin_memory()
-    out_ms = _wall_ms(lambda: host_buf.copy_(dev_buf, non_blocking=True))
-    in_ms = _wall_ms(lambda: dev_buf.copy_(host_buf, non_blocking=True))
+    out_ms = wall_ms(lambda: host_buf.copy_(dev_buf, non_blocking=True))
+    in_ms = wall_ms(lambda: dev_buf.copy_(host_buf, non_blocking=True))
     link = {"out": nbytes / out_ms / 1e6, "in": nbytes / in_ms / 1e6}
     rows = [
         _op("link_out", f"{nbytes >> 20} MiB contiguous", "pinned copy_", out_ms, nbytes, link["out"]),

@@ -93,24 +93,28 @@ def _decode_kernel(
     table = block_tables_ptr + b * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
     v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+    # Page ids of the next tile are loaded one iteration ahead (a loop-carried register), so the K/V
+    # loads do not depend on a load of their own iteration and Triton pipelines them num_stages deep.
+    page = tl.load(table + (start + offs_n) // BLOCK_SIZE, mask=start + offs_n < end, other=0).to(tl.int64)
     for tile in range(start, end, BLOCK_N):
         tokens = tile + offs_n
         n_mask = tokens < end
-        page = tl.load(table + tokens // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         slot = tokens % BLOCK_SIZE
         kv_mask = n_mask[:, None]
         if BLOCK_D != HEAD_DIM:
             kv_mask = kv_mask & (offs_d < HEAD_DIM)[None, :]
         k = tl.load(k_base + (page * stride_kb + slot * stride_kt)[:, None], mask=kv_mask, other=0.0)
         v = tl.load(v_base + (page * stride_vb + slot * stride_vt)[:, None], mask=kv_mask, other=0.0)
+        after = tokens + BLOCK_N
+        page = tl.load(table + after // BLOCK_SIZE, mask=after < end, other=0).to(tl.int64)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        p = tl.exp2(qk * scale_log2 - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new

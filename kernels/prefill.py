@@ -20,60 +20,47 @@ from kernels.validate import check_attention_inputs, check_out
 
 @dataclass(slots=True, frozen=True)
 class PrefillConfig:
-    block_m: int = 128  # query rows per program
-    block_n: int = 64  # keys per tile
+    block_m: int = 128  # query rows per program (tokens x packed heads)
+    block_n: int = 128  # keys per tile
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 2
+    pack_gqa: bool = True  # put the query heads of one KV head in the same program
+
+
+def gqa_pack(group: int, config: PrefillConfig) -> int:
+    """Query heads per program: the largest power of two dividing the GQA group that leaves at
+    least 16 tokens per tile (1 when packing is off)."""
+    pack = 1
+    while config.pack_gqa and group % (2 * pack) == 0 and config.block_m // (2 * pack) >= 16:
+        pack *= 2
+    return pack
 
 
 @triton.jit
-def _attend_tile(
+def _online_softmax_step(
     q,
+    k,
+    v,
     acc,
     m_i,
     l_i,
-    k_base,
-    v_base,
-    table,
-    key0,
-    offs_n,
+    keys,
     q_pos,
-    kv_end,
     scale_log2,
-    offs_d,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    stride_kb,
-    stride_kt,
-    stride_vb,
-    stride_vt,
     MASKED: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    keys = key0 + offs_n
-    if MASKED:
-        n_mask = keys < kv_end
-        page = tl.load(table + keys // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None]
-    else:
-        page = tl.load(table + keys // BLOCK_SIZE).to(tl.int64)
-        kv_mask = tl.full([offs_n.shape[0], 1], True, tl.int1)
-    if BLOCK_D != HEAD_DIM:
-        kv_mask = kv_mask & (offs_d < HEAD_DIM)[None, :]
-    slot = keys % BLOCK_SIZE
-    k = tl.load(k_base + (page * stride_kb + slot * stride_kt)[:, None], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + (page * stride_vb + slot * stride_vt)[:, None], mask=kv_mask, other=0.0)
+    """One key tile of flash attention: scores in fp32, running max / sum, P (in V's dtype) @ V."""
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASKED:
         qk = tl.where(keys[None, :] <= q_pos[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+    p = tl.exp2(qk * scale_log2 - m_new[:, None])  # one FMA per score before the exp
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -106,95 +93,79 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PACK: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # The BLOCK_M rows are TOKENS new tokens x PACK query heads sharing one KV head (row r is
+    # token r // PACK, head first_head + r % PACK): each K/V tile then serves PACK heads.
+    TOKENS: tl.constexpr = BLOCK_M // PACK
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     s = tl.program_id(1)
-    h = tl.program_id(2)
+    first_head = tl.program_id(2) * PACK
     q_start = tl.load(cu_seqlens_ptr + s)
     q_len = tl.load(cu_seqlens_ptr + s + 1) - q_start
-    if m_tile * BLOCK_M >= q_len:
+    if m_tile * TOKENS >= q_len:
         return
     context = tl.load(context_lens_ptr + s)
-    tile_first = context - q_len + m_tile * BLOCK_M  # absolute position of the tile's first row
+    tile_first = context - q_len + m_tile * TOKENS  # absolute position of the tile's first token
 
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = m_tile * TOKENS + offs_r // PACK
+    heads = first_head + offs_r % PACK
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     q_mask = (offs_m < q_len)[:, None]
     if BLOCK_D != HEAD_DIM:
         q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    q_off = rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = tile_first + tl.arange(0, BLOCK_M)
+    q_pos = tile_first + offs_r // PACK
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + s * stride_bt
-    kv_head = h // GROUP
+    kv_head = first_head // GROUP
     k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
     v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
     full_end = (tile_first // BLOCK_N) * BLOCK_N  # keys below this are visible to every row
-    kv_end = tl.minimum(context, tile_first + BLOCK_M)
+    kv_end = tl.minimum(context, tile_first + TOKENS)
+    d_mask = (offs_d < HEAD_DIM)[None, :]
+    # Page ids of the next tile are loaded one iteration ahead (a loop-carried register), so the K/V
+    # loads do not depend on a load of their own iteration and Triton pipelines them num_stages deep.
+    page = tl.load(table + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0).to(tl.int64)
     for key0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            q,
-            acc,
-            m_i,
-            l_i,
-            k_base,
-            v_base,
-            table,
-            key0,
-            offs_n,
-            q_pos,
-            kv_end,
-            scale_log2,
-            offs_d,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_SIZE,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            False,
-            UPCAST,
-            DOT_PRECISION,
+        keys = key0 + offs_n
+        slot = keys % BLOCK_SIZE
+        if BLOCK_D != HEAD_DIM:
+            k = tl.load(k_base + (page * stride_kb + slot * stride_kt)[:, None], mask=d_mask, other=0.0)
+            v = tl.load(v_base + (page * stride_vb + slot * stride_vt)[:, None], mask=d_mask, other=0.0)
+        else:
+            k = tl.load(k_base + (page * stride_kb + slot * stride_kt)[:, None])
+            v = tl.load(v_base + (page * stride_vb + slot * stride_vt)[:, None])
+        after = keys + BLOCK_N
+        page = tl.load(table + after // BLOCK_SIZE, mask=after < kv_end, other=0).to(tl.int64)
+        acc, m_i, l_i = _online_softmax_step(
+            q, k, v, acc, m_i, l_i, keys, q_pos, scale_log2, False, UPCAST, DOT_PRECISION
         )
-    for key0 in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            q,
-            acc,
-            m_i,
-            l_i,
-            k_base,
-            v_base,
-            table,
-            key0,
-            offs_n,
-            q_pos,
-            kv_end,
-            scale_log2,
-            offs_d,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_SIZE,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            True,
-            UPCAST,
-            DOT_PRECISION,
+    for key0 in range(full_end, kv_end, BLOCK_N):  # tiles crossing the diagonal: causal mask
+        keys = key0 + offs_n
+        slot = keys % BLOCK_SIZE
+        kv_mask = (keys < kv_end)[:, None] & d_mask
+        k = tl.load(k_base + (page * stride_kb + slot * stride_kt)[:, None], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + (page * stride_vb + slot * stride_vt)[:, None], mask=kv_mask, other=0.0)
+        after = keys + BLOCK_N
+        page = tl.load(table + after // BLOCK_SIZE, mask=after < kv_end, other=0).to(tl.int64)
+        acc, m_i, l_i = _online_softmax_step(
+            q, k, v, acc, m_i, l_i, keys, q_pos, scale_log2, True, UPCAST, DOT_PRECISION
         )
 
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    out = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    out = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -227,7 +198,9 @@ def paged_prefill_attention(
     if num_tokens == 0 or max_seqlen_q == 0:
         return out
     upcast = upcast_operands(q.dtype)
-    grid = (triton.cdiv(max_seqlen_q, config.block_m), num_seqs, num_heads)
+    group = num_heads // num_kv_heads
+    pack = gqa_pack(group, config)
+    grid = (triton.cdiv(max_seqlen_q, config.block_m // pack), num_seqs, num_heads // pack)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -248,12 +221,13 @@ def paged_prefill_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_dim(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
+        PACK=pack,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision(upcast),
         num_warps=config.num_warps,

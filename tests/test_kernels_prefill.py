@@ -41,7 +41,7 @@ def _check(
     head_dim=st.sampled_from([16, 64]),
     block_size=st.sampled_from([16, 32]),
     dtype=st.sampled_from([torch.float32, torch.float16]),
-    tiles=st.sampled_from([(16, 16), (32, 16), (16, 32)]),
+    tiles=st.sampled_from([(16, 16), (32, 16), (16, 32), (64, 32)]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_prefill_matches_reference(data, group, num_kv_heads, head_dim, block_size, dtype, tiles, seed):
@@ -127,3 +127,19 @@ def test_prefill_large_logits_stay_finite():
     out = paged_prefill_attention(*prob.prefill_args(), config=PrefillConfig(block_m=16, block_n=16))
     ref = reference.paged_prefill_attention(*prob.to(torch.float64).prefill_args())
     assert out.isfinite().all() and _rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("pack_gqa", [True, False])
+def test_prefill_gqa_packing(pack_gqa):
+    """Query heads of one KV head packed into the rows of a tile (pack 4 here) or one head per program."""
+    _check(
+        [40, 70],
+        [40, 23],
+        4,
+        2,
+        16,
+        16,
+        torch.float16,
+        PrefillConfig(block_m=64, block_n=16, pack_gqa=pack_gqa),
+        seed=21,
+    )
