@@ -40,6 +40,7 @@ from experiments.run import run
 from experiments.traces import load_run
 
 DEFAULT_SPEC = REPO_ROOT / "conf" / "fidelity" / "default.yaml"
+STALL_S = 0.25  # engine steps longer than this are stalls (JIT compiles, GC) no profile predicts
 
 
 def load_spec(path: str | Path) -> dict[str, Any]:
@@ -89,7 +90,7 @@ class Fidelity:
         self.results: dict[str, dict[str, Any]] = {}  # scenario -> {engine/sim: (summary, requests, steps)}
         self.settings: dict[str, dict[str, Any]] = {}
 
-    def profile_path(self, cfg: DictConfig) -> str:
+    def profile_path(self) -> str:
         if self.profile:
             return self.profile
         path = resolve_path(str(compose_cfg([*self.base, *self.spec["sim"]]).latency.path))
@@ -118,36 +119,44 @@ class Fidelity:
             self.settings.setdefault(name, {})["rate"] = float(f"{rate:.6g}")
         return overrides
 
-    def run_scenario(self, name: str) -> None:
+    def engine_run(self, name: str, overrides: list[str], workload) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+        """The scenario's engine run (or the reused one): (summary, requests, steps)."""
+        if self.engine_runs is not None:
+            r = load_run(self.engine_runs / name / "engine")
+            return r.summary, r.requests, r.steps
+        out = self.runs_dir / name / "engine"
+        summary = run(compose_cfg([*overrides, *self.spec["engine"]]), out, f"{name} engine", workload.fresh())
+        _free_device()
+        r = load_run(out)
+        return summary, r.requests, r.steps
+
+    def run_scenario(self, name: str, with_sim: bool = True) -> None:
         overrides = self.scenario_overrides(name)
-        cfg_e = compose_cfg([*overrides, *self.spec["engine"]])
-        workload = factory.workload(cfg_e)
-        reuse = self.engine_runs / name / "engine" if self.engine_runs is not None else None
-        if reuse is not None:
-            r = load_run(reuse)
-            engine = (r.summary, r.requests, r.steps)
-        else:
-            out = self.runs_dir / name / "engine"
-            summary = run(cfg_e, out, f"{name} engine", workload.fresh())
-            _free_device()
-            r = load_run(out)
-            engine = (summary, r.requests, r.steps)
+        workload = factory.workload(compose_cfg([*overrides, *self.spec["engine"]]))
+        engine = self.engine_run(name, overrides, workload)
         info = engine[0].get("run", {})
+        stalls = engine[2]["duration"][engine[2]["duration"] > STALL_S]
+        self.settings.setdefault(name, {}).update(
+            {"overrides": [o for o in overrides if o not in self.base], "num_requests": len(workload),
+             "num_gpu_blocks": info.get("num_gpu_blocks"), "num_cpu_blocks": info.get("num_cpu_blocks"),
+             "engine_stall_steps": int(len(stalls)), "engine_stall_s": float(stalls.sum())})
+        if name == self.spec.get("capacity"):
+            self.capacity_tok_s = float(engine[0]["output_throughput"])
+            self.settings[name]["capacity_output_tok_s"] = self.capacity_tok_s
+        line = (f"[fidelity] {name}: engine {engine[0]['duration_s']:.2f}s ({engine[0]['output_throughput']:.0f} "
+                f"tok/s, {len(stalls)} steps > {STALL_S}s)")
+        if not with_sim:
+            print(line, flush=True)
+            return
         blocks = [f"blocks.num_gpu_blocks={info['num_gpu_blocks']}"] if info.get("num_gpu_blocks") else []
         if info.get("num_cpu_blocks") is not None:
             blocks.append(f"blocks.num_cpu_blocks={info['num_cpu_blocks']}")
-        cfg_s = compose_cfg([*overrides, *self.spec["sim"], f"latency.path={self.profile_path(cfg_e)}", *blocks])
+        cfg_s = compose_cfg([*overrides, *self.spec["sim"], f"latency.path={self.profile_path()}", *blocks])
         out = self.runs_dir / name / "sim"
         summary = run(cfg_s, out, f"{name} sim", workload.fresh())
         r = load_run(out)
         self.results[name] = {"engine": engine, "sim": (summary, r.requests, r.steps)}
-        self.settings.setdefault(name, {}).update(
-            {"overrides": [o for o in overrides if o not in self.base], "num_requests": len(workload),
-             "num_gpu_blocks": info.get("num_gpu_blocks"), "num_cpu_blocks": info.get("num_cpu_blocks"),
-             "engine_wall_s": info.get("wall_time_s") or engine[0].get("run", {}).get("wall_time_s")})
-        if name == self.spec.get("capacity"):
-            self.capacity_tok_s = float(engine[0]["output_throughput"])
-            self.settings[name]["capacity_output_tok_s"] = self.capacity_tok_s
+        print(f"{line}, sim {summary['duration_s']:.2f}s ({summary['output_throughput']:.0f} tok/s)", flush=True)
 
     def error_table(self) -> pd.DataFrame:
         rows = []
@@ -190,9 +199,12 @@ class Fidelity:
         settings = "\n".join(f"- `{n}`: {' '.join(s.get('overrides', []))}"
                              + (f" (rate {s['rate']} req/s)" if "rate" in s else "")
                              + f"; {s.get('num_requests')} requests, {s.get('num_gpu_blocks')} GPU blocks"
+                             + (f"; engine stalls: {s['engine_stall_steps']} steps > {STALL_S}s, "
+                                f"{s['engine_stall_s']:.2f}s" if s.get("engine_stall_steps") else "")
                              for n, s in self.settings.items())
         text = (f"# Simulator fidelity: engine vs sim (profiled latency)\n\n"
                 f"- device: {meta['device']}\n- date: {meta['date']}\n- command: `{meta['command']}`\n"
+                + (f"- engine runs: `{meta['engine_command']}`\n" if meta.get("engine_command") else "") +
                 f"- profile: `{meta['profile']}`\n- versions: {meta['versions']}\n\n"
                 f"## Errors\n\n{error_markdown(table)}\n{meta['targets']}.\n\n"
                 f"## Policy ranking (A/B on the engine vs in the simulator)\n\n{ranking_markdown(ranking)}\n"
@@ -212,6 +224,8 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     parser.add_argument("--engine-runs", type=Path, default=None, help="reuse the engine runs of this --runs dir")
     parser.add_argument("--profile", default=None, help="latency profile CSV (default: the sim config's latency.path)")
     parser.add_argument("--scenarios", default=None, help="comma-separated subset of the spec's scenarios")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="only the engine runs (on the GPU); the simulator side later with --engine-runs")
     args = parser.parse_args(argv)
     spec = load_spec(args.spec)
     names = list(spec["scenarios"])
@@ -233,14 +247,23 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
         from experiments.profile import versions
         meta = {"device": device_name(), "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "versions": versions()}
-    meta["command"] = "python -m experiments.fidelity " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m experiments.fidelity " + " ".join(sys.argv[1:] if argv is None else argv)
+    if meta.get("command") and args.engine_runs:
+        meta["engine_command"] = meta["command"]
+    meta["command"] = command
+    if args.engine_only and args.engine_runs:
+        raise ValueError("--engine-only with --engine-runs is invalid: there would be nothing to run")
+    if not args.engine_only:
+        fid.profile_path()  # fail before any run if the profile is missing
     fid.warmup()
-    for name in names:
-        print(f"[fidelity] {name}", flush=True)
-        fid.run_scenario(name)
-    meta.update({"profile": fid.profile_path(None), "runs_dir": str(runs_dir), "spec": str(args.spec)})
     runs_dir.mkdir(parents=True, exist_ok=True)
-    (runs_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    for name in names:
+        fid.run_scenario(name, with_sim=not args.engine_only)
+        (runs_dir / "meta.json").write_text(json.dumps({**meta, "scenarios": fid.settings}, indent=2) + "\n")
+    if args.engine_only:
+        print(f"[fidelity] engine runs in {runs_dir}: run the simulator side with --engine-runs {runs_dir}")
+        return fid
+    meta.update({"profile": fid.profile_path(), "runs_dir": str(runs_dir), "spec": str(args.spec)})
     print(fid.write(args.out, meta))
     return fid
 

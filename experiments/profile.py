@@ -110,10 +110,16 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], flo
     bs, n_gpu = runner.block_size, runner.num_gpu_blocks
     forward: dict[tuple[int, int, int, int], float] = {}
     shapes = grid.step_shapes() + [s for s in grid.split_shapes() if s.num_prefill_seqs > 1]
+    start, done_p = time.perf_counter(), None
     for shape in tqdm(shapes, desc="steps", unit="shape", disable=not cfg.progress, dynamic_ncols=True):
+        if shape.num_prefill_tokens != done_p and not cfg.progress:  # a line per prefill plane (logs)
+            done_p = shape.num_prefill_tokens
+            print(f"[profile] prefill={done_p}: {len(forward)}/{len(shapes)} shapes done, "
+                  f"{time.perf_counter() - start:.1f}s", flush=True)
         out = synthetic_step(shape, bs, n_gpu, runner.vocab_size, seed=cfg.seed)
         key = (shape.num_prefill_tokens, shape.num_prefill_seqs, shape.num_decode_seqs, shape.context_per_decode)
         forward[key] = median_time(lambda: runner.execute(out), cfg.warmup, cfg.repeats)
+    print(f"[profile] {len(shapes)} step shapes in {time.perf_counter() - start:.1f}s", flush=True)
     host = {(p, d): host_overhead(p, d, bs, cfg.host_repeats, cfg.seed)
             for p in grid.prefill_tokens for d in grid.decode_seqs if p or d}
     rows = []
@@ -150,6 +156,8 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     start = time.perf_counter()
     runner = build_runner(cfg, grid)
     setup_s = time.perf_counter() - start
+    print(f"[profile] runner ready in {setup_s:.1f}s: {runner.num_gpu_blocks} KV blocks on {runner.device}, "
+          f"{len(grid.step_shapes())} step shapes to time", flush=True)
     rows, pair_s = measure(cfg, runner, grid)
     dev = runner.device
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
