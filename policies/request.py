@@ -84,10 +84,13 @@ class Request:
         n = len(self.prompt_token_ids)
         _check(n <= max_model_len, "prompt_token_ids", f"<{n} tokens>",
                f"the prompt is longer than max_model_len={max_model_len}")
-        bad = [t for t in self.prompt_token_ids
-               if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size)]
-        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        _check(not bad, "prompt_token_ids", bad[:5], f"token ids must be integers in {limit}")
+        ids = self.prompt_token_ids
+        # Fast path (runs for every request in the simulator): plain ints within range.
+        if not (set(map(type, ids)) == {int} and min(ids) >= 0
+                and (vocab_size is None or max(ids) < vocab_size)):
+            bad = [t for t in ids if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size)]
+            limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            _check(not bad, "prompt_token_ids", bad[:5], f"token ids must be integers in {limit}")
         _check(_is_int(self.priority), "priority", self.priority, "must be an integer (lower = more urgent)")
         _check(isinstance(self.arrival_time, (int, float)) and self.arrival_time >= 0,
                "arrival_time", self.arrival_time, "must be a number >= 0")
