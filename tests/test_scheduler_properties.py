@@ -173,7 +173,7 @@ def check_end(scheduler, added, policy) -> None:
 
 
 @pytest.mark.parametrize("policy, blocks, mode", COMBOS)
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
 def test_random_workloads_keep_every_invariant(policy, blocks, mode, workload):
     config, specs, seed = workload
