@@ -30,25 +30,25 @@ DECODE_BATCHES = (1, 8, 64, 256)
 DECODE_CONTEXTS = (512, 4096, 32768)
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)
 REFERENCE_MAX_TOKENS = 64 * 4096  # the per-sequence torch reference is slow and memory-hungry
+# Second-round sweeps (the first round, 26 decode and 9 prefill variants, is in kernels/NOTES.md).
 DECODE_SWEEP = {
     (64, 4096): [
-        DecodeConfig(block_n=n, num_stages=st, num_splits=sp)
-        for n, st in [(64, 3), (64, 4), (64, 5), (32, 4), (32, 6), (128, 3)]
-        for sp in (None, 1, 2)
+        DecodeConfig(block_n=n, num_stages=st, num_splits=sp, programs_per_sm=ppsm)
+        for n, st, sp, ppsm in [
+            (32, 4, 2, 4),
+            (32, 3, 1, 5),
+            (32, 5, 1, 3),
+            (16, 8, 1, 3),
+            (64, 3, 1, 3),
+            (64, 4, 1, 2),
+        ]
     ],
-    (8, 32768): [
-        DecodeConfig(block_n=n, num_stages=st, num_splits=sp)
-        for n, st in [(64, 3), (64, 4)]
-        for sp in (None, 8, 16, 32)
-    ],
+    (8, 32768): [DecodeConfig(num_splits=16), DecodeConfig(num_splits=4)],
+    (1, 32768): [DecodeConfig(num_splits=32), DecodeConfig(num_splits=128)],
 }
 PREFILL_SWEEP = [
-    PrefillConfig(block_m=m, block_n=n, num_warps=w, num_stages=st, pack_gqa=pack)
-    for m, n, w, st, pack in [
-        (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 64, 8, 3, True), (128, 64, 8, 4, True),
-        (128, 64, 8, 5, True), (64, 64, 4, 4, True), (128, 128, 8, 2, False), (128, 128, 8, 3, False),
-        (128, 64, 8, 4, False),
-    ]
+    PrefillConfig(num_stages=3), PrefillConfig(num_stages=2), PrefillConfig(block_n=64, num_stages=4),
+    PrefillConfig(num_stages=3, pack_gqa=False),
 ]  # fmt: skip
 
 

@@ -30,6 +30,16 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _max_shared_memory(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Shared memory one program may use (bytes), as Triton's launcher checks it."""
+    return _max_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def device_sms(device: torch.device) -> int:
     """Multiprocessor count for split heuristics; a small stand-in on the CPU."""
     if device.type != "cuda":

@@ -21,13 +21,15 @@ from kernels.validate import check_attention_inputs, check_out
 
 @dataclass(slots=True, frozen=True)
 class DecodeConfig:
-    block_n: int = 64  # tokens per K/V tile
+    """Defaults are the H200 sweep's best at batch 64 x 4k context (kernels/NOTES.md)."""
+
+    block_n: int = 32  # tokens per K/V tile
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4  # K/V tiles in flight + 1 (54 KB of shared memory: 4 programs per SM)
     num_splits: int | None = None  # None: heuristic below
-    programs_per_sm: int = 4  # heuristic's target of programs in flight per SM
+    programs_per_sm: int = 4  # how many of these programs run at once on one SM
     min_split_tokens: int = 256  # heuristic never cuts a context finer than this
-    heads_fastest: bool = True  # launch the KV heads of one sequence next to each other (DRAM locality)
+    heads_fastest: bool = True  # launch the KV heads of one sequence next to each other
 
 
 @triton.jit
@@ -167,13 +169,21 @@ def _decode_reduce_kernel(
 def choose_num_splits(
     batch: int, num_kv_heads: int, max_context: int, device: torch.device, config: DecodeConfig
 ) -> int:
-    """Enough programs to fill the GPU, never chunks shorter than min_split_tokens (a power of 2,
-    to bound the compiled variants); an explicit config.num_splits may be any count >= 1."""
+    """Split count (a power of 2, to bound compiled variants) whose programs best fill whole waves
+    of the GPU's program slots; more splits only when that is clearly better, never chunks shorter
+    than min_split_tokens.  An explicit config.num_splits may be any count >= 1."""
     if config.num_splits is not None:
         return config.num_splits
-    wanted = triton.cdiv(config.programs_per_sm * device_sms(device), max(1, batch * num_kv_heads))
+    slots = config.programs_per_sm * device_sms(device)
     cap = max(1, max_context // config.min_split_tokens)
-    return triton.next_power_of_2(max(1, min(wanted, cap)))
+    best, best_fill, splits = 1, 0.0, 1
+    while splits <= cap:
+        programs = batch * num_kv_heads * splits
+        fill = programs / (slots * triton.cdiv(programs, slots))  # busy fraction of the waves
+        if fill > 1.05 * best_fill:
+            best, best_fill = splits, fill
+        splits *= 2
+    return best
 
 
 def paged_decode_attention(

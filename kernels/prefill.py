@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, block_dim, dot_precision, upcast_operands
+from kernels.common import LOG2E, block_dim, dot_precision, max_shared_memory, upcast_operands
 from kernels.validate import check_attention_inputs, check_out
 
 
@@ -23,8 +23,17 @@ class PrefillConfig:
     block_m: int = 128  # query rows per program (tokens x packed heads)
     block_n: int = 128  # keys per tile
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int | None = None  # None: 3 where the GPU has the shared memory (225 KB), else 2
     pack_gqa: bool = True  # put the query heads of one KV head in the same program
+
+
+def default_stages(device: torch.device, config: PrefillConfig, head_dim: int) -> int:
+    """K/V buffers + 1: as many as fit in one program's shared memory next to the query tile."""
+    if device.type != "cuda":
+        return 2
+    tile_bytes = 2 * config.block_n * block_dim(head_dim) * 2  # one K and one V tile, 16-bit
+    q_bytes = config.block_m * block_dim(head_dim) * 2
+    return 3 if q_bytes + 2 * tile_bytes + 4096 <= max_shared_memory(device) else 2
 
 
 def gqa_pack(group: int, config: PrefillConfig) -> int:
@@ -231,6 +240,6 @@ def paged_prefill_attention(
         UPCAST=upcast,
         DOT_PRECISION=dot_precision(upcast),
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=config.num_stages or default_stages(q.device, config, head_dim),
     )
     return out
