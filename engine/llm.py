@@ -35,6 +35,13 @@ class LLM:
         self.engine = LLMEngine(EngineArgs.from_dict({"model": model, **engine_args}))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (benchmarks share one engine between LLM and experiment runs)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._ids = engine, itertools.count()
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

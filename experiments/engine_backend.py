@@ -69,6 +69,11 @@ def get_engine(args: EngineArgs) -> LLMEngine:
     return _ENGINE[key]
 
 
+def release_engine() -> None:
+    """Drop the kept engine (frees its device memory once nothing else references it)."""
+    _ENGINE.clear()
+
+
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
     engine = get_engine(engine_args(cfg))

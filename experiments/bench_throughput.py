@@ -1,0 +1,204 @@
+"""`python -m experiments.bench_throughput [overrides] [options]`: issue 5's throughput benchmark.
+
+nano-vllm's bench.py on our engine: 256 requests drawn with random.seed(0) (prompts of 100..1024
+token ids in 0..10000, max_tokens 100..1024, temperature 0.6, ignore_eos), Qwen3-0.6B shapes with
+dummy bf16 weights, CUDA graphs on; one warm-up generate, then output tokens / wall time.
+In the same run:
+- the bandwidth floor of this workload: every decode step reads the weights once and the KV of
+  each running sequence; with all requests decoding together (fewest weight passes) that is
+  `(max_out - 1) * weight_bytes + kv_bytes_per_token * sum_i sum_{j<out_i} (prompt_i + j)` bytes,
+  over the device-to-device copy bandwidth measured here; we report our fraction of it;
+- the peers on the same requests (a subset for the slow ones, reported on that subset):
+  transformers continuous batching and padded `generate`;
+- a latency run: Poisson arrivals at three rates through `experiments.run backend=engine`
+  (nano-vllm's length distribution), TTFT and TPOT p50/p99.
+Prints one table and writes CSV + markdown (device, date, versions) to experiments/results/.
+Overrides are Hydra overrides of conf/config.yaml (e.g. `model.num_hidden_layers=2` for a smoke run).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import platform
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from experiments import factory
+from experiments.engine_backend import engine_args, get_engine, release_engine
+from experiments.fidelity import compose_cfg
+from experiments.hf_peers import PeerResult, continuous_batching, hf_model, padded_generate
+from experiments.run import run
+from policies.request import SamplingParams
+
+BASE = ["backend=engine", "model=qwen3-0.6b", "workload=nanovllm", "scheduler.max_num_batched_tokens=16384",
+        "scheduler.max_num_seqs=256", "scheduler.max_model_len=2048", "progress=false", "plots=false"]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Bytes moved (read + write) per second by a device-to-device tensor copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    del src, dst
+    return 2 * nbytes * iters / seconds
+
+
+def floor_bytes(prompt_lens: list[int], output_lens: list[int], weight_bytes: int, kv_bytes_per_token: int) -> int:
+    decode_steps = max(output_lens) - 1  # the first token of each request comes from its prefill
+    kv_tokens = sum((out - 1) * p + (out - 1) * out // 2 for p, out in zip(prompt_lens, output_lens))
+    return decode_steps * weight_bytes + kv_tokens * kv_bytes_per_token
+
+
+def weight_bytes_per_step(model: torch.nn.Module, tied: bool) -> int:
+    """Every parameter is read once per step, except an untied input embedding (rows gathered)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not tied:
+        emb = next(p for n, p in model.named_parameters() if "embed_tokens" in n)
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/config.yaml")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--cb-requests", type=int, default=64, help="requests for transformers continuous batching")
+    ap.add_argument("--padded-requests", type=int, default=32, help="requests for padded generate")
+    ap.add_argument("--padded-batch", type=int, default=32)
+    ap.add_argument("--rates", default="0.3,0.6,0.9", help="latency-run arrival rates, x our req/s capacity")
+    ap.add_argument("--latency-requests", type=int, default=200)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    a = ap.parse_args()
+    wl = [f"workload.num_requests={a.num_requests}", f"workload.max_input_len={a.max_input_len}",
+          f"workload.max_output_len={a.max_output_len}"]
+    cfg = compose_cfg([*BASE, *wl, *a.overrides])
+    workload = factory.workload(cfg)
+    prompts = [r.prompt_token_ids for r in workload.requests]
+    params = [r.sampling_params for r in workload.requests]
+    max_tokens = [p.max_tokens for p in params]
+    args = engine_args(cfg)
+    device = torch.device(args.resolve_device())
+    bandwidth = copy_bandwidth(device)  # before the KV cache takes the memory
+
+    from engine.llm import LLM  # the engine is shared with the latency runs below
+    engine = get_engine(args)
+    llm = LLM.from_engine(engine)
+    model_cfg, dtype = engine.model_config, engine.runner.dtype
+    warm = [p[:64 + 32 * i] for i, p in enumerate(prompts[:8])]
+    llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    engine.reset()
+    _sync(device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    ours = PeerResult("servelab LLM.generate", len(prompts), sum(max_tokens),
+                      sum(o.num_output_tokens for o in outputs), seconds,
+                      f"block_size {args.block_size}, CUDA graphs {engine.runner.graphs is not None}")
+    floor = floor_bytes([len(p) for p in prompts], max_tokens,
+                        weight_bytes_per_step(engine.runner.model, model_cfg.tie_word_embeddings),
+                        model_cfg.kv_bytes_per_token(dtype))
+    floor_s = floor / bandwidth
+    capacity_req_s = len(prompts) / seconds
+    latency_rows = latency_runs(a.overrides, [float(x) * capacity_req_s for x in a.rates.split(",")],
+                                a.latency_requests)
+
+    del llm, engine, outputs
+    release_engine()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    hf = hf_model(model_cfg, str(device), dtype)
+    n_cb, n_pad = min(a.cb_requests, len(prompts)), min(a.padded_requests, len(prompts))
+    continuous_batching(hf, [p[:100] for p in prompts[:2]], [8, 8], 0.6)  # warm-up
+    peers = [continuous_batching(hf, prompts[:n_cb], max_tokens[:n_cb], 0.6),
+             padded_generate(hf, prompts[:n_pad], max_tokens[:n_pad], 0.6, a.padded_batch)]
+    report(a, device, bandwidth, floor, floor_s, ours, peers, latency_rows)
+
+
+def latency_runs(user_overrides: list[str], rates: list[float], num_requests: int) -> list[dict]:
+    """Poisson arrivals through `experiments.run backend=engine` (the engine of the throughput run is
+    reused); traces go to outputs/bench_throughput/."""
+    rows = []
+    stamp = dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    base = [o for o in BASE if not o.startswith("workload")]
+    lengths = ["workload.prompt_len.low=100", "workload.prompt_len.high=1024", "workload.output_len.low=100",
+               "workload.output_len.high=1024"]
+    for rate in rates:
+        cfg = compose_cfg([*base, "workload=poisson", f"workload.num_requests={num_requests}",
+                           f"workload.rate={rate:.4g}", *lengths,
+                           *[o for o in user_overrides if not o.startswith("workload")]])
+        s = run(cfg, Path("outputs/bench_throughput") / stamp / f"rate_{rate:.4g}", f"poisson {rate:.3g} req/s")
+        rows.append({"rate_req_s": rate, "requests": s["completed"], "output_tok_s": s["output_throughput"],
+                     "ttft_p50_ms": 1e3 * s["ttft"]["median"], "ttft_p99_ms": 1e3 * s["ttft"]["p99"],
+                     "tpot_p50_ms": 1e3 * s["tpot"]["median"], "tpot_p99_ms": 1e3 * s["tpot"]["p99"]})
+    return rows
+
+
+def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float, ours: PeerResult,
+           peers: list[PeerResult], latency_rows: list[dict]) -> None:
+    import transformers
+    import triton
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    now = dt.datetime.now(dt.timezone.utc)
+    env = {"device": device_name, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
+           "command": "python -m experiments.bench_throughput " + " ".join(a.overrides)}
+    floor_tok_s = ours.output_tokens / floor_s
+    rows = []
+    for r in [ours, *peers]:
+        rows.append({"system": r.name, "requests": r.num_requests, "output_tokens": r.output_tokens,
+                     "computed_tokens": r.computed_tokens, "seconds": round(r.seconds, 3),
+                     "output_tok_s": round(r.tok_s, 1), "ours_x": round(ours.tok_s / r.tok_s, 2), "note": r.note})
+    table = pd.DataFrame(rows)
+    floor_line = (f"bandwidth floor: {floor / 1e12:.2f} TB read at {bandwidth / 1e12:.2f} TB/s (copy, measured) = "
+                  f"{floor_s:.2f} s -> {floor_tok_s:,.0f} output tok/s; ours = {ours.tok_s:,.0f} tok/s = "
+                  f"{100 * ours.tok_s / floor_tok_s:.1f}% of the floor")
+    lat = pd.DataFrame(latency_rows).round(2)
+    print(" | ".join(f"{k}: {v}" for k, v in env.items()))
+    print(table.to_string(index=False))
+    print(floor_line)
+    print(lat.to_string(index=False))
+    a.out.mkdir(parents=True, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+    stem = a.out / f"bench_throughput_{slug}_{now.strftime('%Y-%m-%d')}"
+    meta = {**env, "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "floor_s": round(floor_s, 3),
+            "floor_tok_s": round(floor_tok_s, 1), "fraction_of_floor": round(ours.tok_s / floor_tok_s, 4)}
+    pd.concat([table.assign(section="throughput"), lat.assign(section="latency"),
+               pd.DataFrame([meta]).assign(section="meta")], ignore_index=True).to_csv(f"{stem}.csv", index=False)
+    md = "\n".join([f"# Throughput benchmark ({device_name})", "",
+                    *[f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()], "",
+                    _markdown(table), "", floor_line, "",
+                    "Latency (Poisson arrivals through backend=engine):", "", _markdown(lat), ""])
+    Path(f"{stem}.md").write_text(md)
+    print(f"wrote {stem}.csv and {stem}.md")
+
+
+def _markdown(df: pd.DataFrame) -> str:
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    main()
