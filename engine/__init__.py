@@ -31,4 +31,41 @@ Lower half (model execution), for `LLMEngine` / `LLM` to build on:
 - `engine.weights`: `build_model`, `load_hf_state_dict`, `to_hf_state_dict` (our weights under
   transformers' names: load them into `AutoModelForCausalLM.from_config(cfg.to_hf_config())`).
 - `engine.input_batch`: SchedulerOutput -> flattened varlen tensors (prefill part, then decode part).
+
+Upper half (the user API, vLLM's names), importable from `engine` directly:
+
+- `LLM(model, **engine_args).generate(prompts, sampling_params=None, use_tqdm=True)`: prompts are
+  strings, token-id lists, or a mix; one `SamplingParams` or one per prompt; returns
+  `RequestOutput`s in input order. `LLM.from_engine(engine)` wraps an existing engine.
+- `LLMEngine(EngineArgs(...), recorder=None, build_scheduler=None)`: `add_request(request_id, prompt,
+  sampling_params, arrival_time=None, priority=0, output_len=None)`, `abort_request(id) -> bool`,
+  `step() -> list[RequestOutput]` (only requests that ended in the step, aborted ones included),
+  `has_unfinished_requests()`, `reset(...)` (fresh scheduler and clock, same model and KV cache),
+  `.scheduler`, `.recorder` (the scheduler's trace), `.runner`, `.tokenizer`, `.now()`.
+- `EngineArgs`: model (conf/model name, HF dir, .gguf, or a `ModelConfig`), dtype, device,
+  tokenizer, detokenize, block_manager, policy, preemption_mode, scheduler limits, block_size,
+  gpu_memory_utilization, swap_space, num_gpu_blocks, enforce_eager, seed.
+- `RequestOutput(request_id, prompt, prompt_token_ids, outputs: [CompletionOutput(index, text,
+  token_ids, finish_reason, stop_reason, logprobs)], finished, metrics: RequestMetrics)`.
+- `engine.tokenizer` / `engine.detokenizer`: tokenizer from an HF dir or GGUF file; incremental
+  detokenization and vLLM's stop-string rule (text truncated before the stop string).
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineArgs": "engine.engine_args",
+            "RequestOutput": "engine.outputs", "CompletionOutput": "engine.outputs",
+            "RequestMetrics": "engine.outputs", "SamplingParams": "policies.request"}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import engine.config` stays light; `from engine import LLM` loads the model stack.
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestMetrics", "RequestOutput",
+           "SamplingParams"]

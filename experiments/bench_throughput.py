@@ -55,7 +55,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20)
     return 2 * nbytes * iters / seconds
 
 
-def floor_bytes(prompt_lens: list[int], output_lens: list[int], weight_bytes: int, kv_bytes_per_token: int) -> int:
+def floor_bytes(prompt_lens: list[int], output_lens: list[int], weight_bytes: int,
+                kv_bytes_per_token: int) -> int:
     decode_steps = max(output_lens) - 1  # the first token of each request comes from its prefill
     kv_tokens = sum((out - 1) * p + (out - 1) * out // 2 for p, out in zip(prompt_lens, output_lens))
     return decode_steps * weight_bytes + kv_tokens * kv_bytes_per_token
@@ -76,11 +77,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
-    ap.add_argument("--cb-requests", type=int, default=64, help="requests for transformers continuous batching")
-    ap.add_argument("--padded-requests", type=int, default=32, help="requests for padded generate")
-    ap.add_argument("--padded-batch", type=int, default=32)
+    ap.add_argument("--cb-requests", type=int, default=48, help="requests for transformers' CB")
+    ap.add_argument("--padded-requests", type=int, default=16, help="requests for padded generate")
+    ap.add_argument("--padded-batch", type=int, default=16)
     ap.add_argument("--rates", default="0.3,0.6,0.9", help="latency-run arrival rates, x our req/s capacity")
-    ap.add_argument("--latency-requests", type=int, default=200)
+    ap.add_argument("--latency-requests", type=int, default=150)
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args()
     wl = [f"workload.num_requests={a.num_requests}", f"workload.max_input_len={a.max_input_len}",
@@ -98,8 +99,8 @@ def main() -> None:
     engine = get_engine(args)
     llm = LLM.from_engine(engine)
     model_cfg, dtype = engine.model_config, engine.runner.dtype
-    warm = [p[:64 + 32 * i] for i, p in enumerate(prompts[:8])]
-    llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    warm = [p[:37 + 61 * i] for i, p in enumerate(prompts[:16])]  # varied shapes: kernels compile here
+    llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=24, ignore_eos=True), use_tqdm=False)
     engine.reset()
     _sync(device)
     start = time.perf_counter()
@@ -113,9 +114,15 @@ def main() -> None:
                         weight_bytes_per_step(engine.runner.model, model_cfg.tie_word_embeddings),
                         model_cfg.kv_bytes_per_token(dtype))
     floor_s = floor / bandwidth
+    print(f"ours: {ours.tok_s:,.0f} output tok/s ({ours.output_tokens} tokens in {seconds:.2f} s); floor "
+          f"{ours.output_tokens / floor_s:,.0f} tok/s at {bandwidth / 1e12:.2f} TB/s", flush=True)
     capacity_req_s = len(prompts) / seconds
-    latency_rows = latency_runs(a.overrides, [float(x) * capacity_req_s for x in a.rates.split(",")],
-                                a.latency_requests)
+    try:
+        latency_rows = latency_runs(a.overrides, [float(x) * capacity_req_s for x in a.rates.split(",")],
+                                    a.latency_requests)
+    except Exception as e:  # noqa: BLE001 (report the rest of the benchmark anyway)
+        print(f"latency runs failed: {type(e).__name__}: {e}", flush=True)
+        latency_rows = [{"error": f"{type(e).__name__}: {e}"[:300]}]
 
     del llm, engine, outputs
     release_engine()
@@ -124,10 +131,22 @@ def main() -> None:
         torch.cuda.empty_cache()
     hf = hf_model(model_cfg, str(device), dtype)
     n_cb, n_pad = min(a.cb_requests, len(prompts)), min(a.padded_requests, len(prompts))
-    continuous_batching(hf, [p[:100] for p in prompts[:2]], [8, 8], 0.6)  # warm-up
-    peers = [continuous_batching(hf, prompts[:n_cb], max_tokens[:n_cb], 0.6),
-             padded_generate(hf, prompts[:n_pad], max_tokens[:n_pad], 0.6, a.padded_batch)]
+    peers = [_guarded("transformers generate_batch (continuous batching)", n_cb, max_tokens[:n_cb], lambda: (
+                 continuous_batching(hf, [p[:100] for p in prompts[:2]], [8, 8], 0.6),  # warm-up
+                 continuous_batching(hf, prompts[:n_cb], max_tokens[:n_cb], 0.6))[1]),
+             _guarded("transformers generate (padded)", n_pad, max_tokens[:n_pad], lambda: padded_generate(
+                 hf, prompts[:n_pad], max_tokens[:n_pad], 0.6, a.padded_batch))]
     report(a, device, bandwidth, floor, floor_s, ours, peers, latency_rows)
+
+
+def _guarded(name: str, num_requests: int, max_tokens: list[int], fn) -> PeerResult:
+    """A peer that fails is reported as failed (with the error) instead of losing the whole run."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 (any failure of a third-party peer is reported, not raised)
+        print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
+        note = f"failed: {type(e).__name__}: {e}"[:200]
+        return PeerResult(name, num_requests, sum(max_tokens), 0, float("nan"), note)
 
 
 def latency_runs(user_overrides: list[str], rates: list[float], num_requests: int) -> list[dict]:
@@ -142,7 +161,8 @@ def latency_runs(user_overrides: list[str], rates: list[float], num_requests: in
         cfg = compose_cfg([*base, "workload=poisson", f"workload.num_requests={num_requests}",
                            f"workload.rate={rate:.4g}", *lengths,
                            *[o for o in user_overrides if not o.startswith("workload")]])
-        s = run(cfg, Path("outputs/bench_throughput") / stamp / f"rate_{rate:.4g}", f"poisson {rate:.3g} req/s")
+        out_dir = Path("outputs/bench_throughput") / stamp / f"rate_{rate:.4g}"
+        s = run(cfg, out_dir, f"poisson {rate:.3g} req/s")
         rows.append({"rate_req_s": rate, "requests": s["completed"], "output_tok_s": s["output_throughput"],
                      "ttft_p50_ms": 1e3 * s["ttft"]["median"], "ttft_p99_ms": 1e3 * s["ttft"]["p99"],
                      "tpot_p50_ms": 1e3 * s["tpot"]["median"], "tpot_p99_ms": 1e3 * s["tpot"]["p99"]})
@@ -154,8 +174,9 @@ def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float
     import transformers
     import triton
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    now = dt.datetime.now(dt.timezone.utc)
+    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else platform.processor() or "cpu")
+    now = dt.datetime.now(dt.UTC)
     env = {"device": device_name, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "torch": torch.__version__,
            "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
            "command": "python -m experiments.bench_throughput " + " ".join(a.overrides)}
@@ -164,9 +185,11 @@ def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float
     for r in [ours, *peers]:
         rows.append({"system": r.name, "requests": r.num_requests, "output_tokens": r.output_tokens,
                      "computed_tokens": r.computed_tokens, "seconds": round(r.seconds, 3),
-                     "output_tok_s": round(r.tok_s, 1), "ours_x": round(ours.tok_s / r.tok_s, 2), "note": r.note})
+                     "output_tok_s": round(r.tok_s, 1), "ours_x": round(ours.tok_s / r.tok_s, 2),
+                     "note": r.note})
     table = pd.DataFrame(rows)
-    floor_line = (f"bandwidth floor: {floor / 1e12:.2f} TB read at {bandwidth / 1e12:.2f} TB/s (copy, measured) = "
+    floor_line = (f"bandwidth floor: {floor / 1e12:.2f} TB read at {bandwidth / 1e12:.2f} TB/s "
+                  f"(device copy, measured) = "
                   f"{floor_s:.2f} s -> {floor_tok_s:,.0f} output tok/s; ours = {ours.tok_s:,.0f} tok/s = "
                   f"{100 * ours.tok_s / floor_tok_s:.1f}% of the floor")
     lat = pd.DataFrame(latency_rows).round(2)
@@ -179,8 +202,9 @@ def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float
     stem = a.out / f"bench_throughput_{slug}_{now.strftime('%Y-%m-%d')}"
     meta = {**env, "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "floor_s": round(floor_s, 3),
             "floor_tok_s": round(floor_tok_s, 1), "fraction_of_floor": round(ours.tok_s / floor_tok_s, 4)}
-    pd.concat([table.assign(section="throughput"), lat.assign(section="latency"),
-               pd.DataFrame([meta]).assign(section="meta")], ignore_index=True).to_csv(f"{stem}.csv", index=False)
+    sections = [table.assign(section="throughput"), lat.assign(section="latency"),
+                pd.DataFrame([meta]).assign(section="meta")]
+    pd.concat(sections, ignore_index=True).to_csv(f"{stem}.csv", index=False)
     md = "\n".join([f"# Throughput benchmark ({device_name})", "",
                     *[f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()], "",
                     _markdown(table), "", floor_line, "",
