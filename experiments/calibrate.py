@@ -41,6 +41,8 @@ def profile_points(path: str | Path) -> tuple[dict[str, str], list[tuple[BatchSh
             swaps.append((int(row["num_blocks"]), t))
             continue
         p, d, c = (int(row[k]) for k in ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens"))
+        if p == 0 and d == 0:
+            continue  # the grid's corner row: no step is empty, the roofline prices it 0
         shape = BatchShape(num_prefill_tokens=p, num_prefill_seqs=1 if p else 0, prefill_context_tokens=0,
                            prefill_attention_pairs=p * (p + 1) // 2, num_decode_seqs=d, num_context_tokens=c,
                            num_samples=d + (1 if p else 0))
@@ -130,7 +132,7 @@ def calibrate(profile: str | Path, hardware_yaml: str | Path) -> tuple[dict, str
 
 def calibrate_to_file(profile: str | Path, hardware_yaml: str | Path, target: str | Path, command: str) -> str:
     values, report = calibrate(profile, hardware_yaml)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     header = (f"# Roofline parameters fitted by least squares to {Path(profile).name} ({date}; {command}).\n"
               f"# Peaks are those of {Path(hardware_yaml).name}; efficiencies and overheads are fitted for\n"
               f"# that profile's model. Use: hardware={Path(target).stem} latency=roofline.\n"

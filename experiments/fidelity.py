@@ -22,8 +22,9 @@ import datetime as dt
 import gc
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pandas as pd
 from hydra import compose, initialize_config_module
@@ -33,8 +34,18 @@ from experiments import factory
 from experiments.ab import paired_table, run_table
 from experiments.cli import run_cli
 from experiments.fidelity_plots import save_scenario_figure
-from experiments.fidelity_report import (error_markdown, error_rows, error_table, metric_values, ranking_markdown,
-                                         ranking_row, relative_error, target_summary)
+from experiments.fidelity_report import (
+    breakdown_markdown,
+    error_markdown,
+    error_rows,
+    error_table,
+    metric_values,
+    ranking_markdown,
+    ranking_row,
+    relative_error,
+    step_breakdown_rows,
+    target_summary,
+)
 from experiments.paths import REPO_ROOT, resolve_path
 from experiments.run import run
 from experiments.traces import load_run
@@ -53,7 +64,8 @@ def load_spec(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"spec {path}: key {key!r} is missing")
     for name, scn in spec["scenarios"].items():
         if not isinstance(scn, dict) or not isinstance(scn.get("overrides", []), list):
-            raise ValueError(f"spec {path}: scenarios.{name} must be a mapping with an `overrides` list")
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"spec {path}: scenarios.{name} must be a mapping with an `overrides` list")
         load = scn.get("load")
         if load is not None and (not isinstance(load, (int, float)) or load <= 0):
             raise ValueError(f"spec {path}: scenarios.{name}.load={load!r} is invalid: must be a number > 0")
@@ -139,7 +151,7 @@ class Fidelity:
         self.settings.setdefault(name, {}).update(
             {"overrides": [o for o in overrides if o not in self.base], "num_requests": len(workload),
              "num_gpu_blocks": info.get("num_gpu_blocks"), "num_cpu_blocks": info.get("num_cpu_blocks"),
-             "engine_stall_steps": int(len(stalls)), "engine_stall_s": float(stalls.sum())})
+             "engine_stall_steps": len(stalls), "engine_stall_s": float(stalls.sum())})
         if name == self.spec.get("capacity"):
             self.capacity_tok_s = float(engine[0]["output_throughput"])
             self.settings[name]["capacity_output_tok_s"] = self.capacity_tok_s
@@ -187,8 +199,11 @@ class Fidelity:
     def write(self, out_dir: Path, meta: dict[str, Any]) -> str:
         out_dir.mkdir(parents=True, exist_ok=True)
         table, ranking = self.error_table(), self.ranking()
+        breakdown = [row for name, res in self.results.items()
+                     for row in step_breakdown_rows(res["engine"][2], res["sim"][2], name)]
         table.to_csv(out_dir / "fidelity.csv", index=False)
         pd.DataFrame(ranking).to_csv(out_dir / "ranking.csv", index=False)
+        pd.DataFrame(breakdown).to_csv(out_dir / "steps.csv", index=False)
         for name, res in self.results.items():
             errs = {m: relative_error(metric_values(res["sim"][0])[m], v)
                     for m, v in metric_values(res["engine"][0]).items()}
@@ -208,6 +223,7 @@ class Fidelity:
                 f"- profile: `{meta['profile']}`\n- versions: {meta['versions']}\n\n"
                 f"## Errors\n\n{error_markdown(table)}\n{meta['targets']}.\n\n"
                 f"## Policy ranking (A/B on the engine vs in the simulator)\n\n{ranking_markdown(ranking)}\n"
+                f"## Where the time goes (per step kind)\n\n{breakdown_markdown(breakdown)}\n"
                 f"## Scenarios\n\n{settings}\n\nPlots: `<scenario>.png` (CDFs of TTFT, TPOT, E2E; KV usage "
                 f"over time). Traces: `{meta['runs_dir']}`.\n")
         (out_dir / "fidelity.md").write_text(text)
@@ -245,7 +261,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     meta: dict[str, Any] = json.loads(old_meta.read_text()) if old_meta and old_meta.is_file() else {}
     if not meta:
         from experiments.profile import versions
-        meta = {"device": device_name(), "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        meta = {"device": device_name(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 "versions": versions()}
     command = "python -m experiments.fidelity " + " ".join(sys.argv[1:] if argv is None else argv)
     if meta.get("command") and args.engine_runs:

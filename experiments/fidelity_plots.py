@@ -7,11 +7,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-from experiments.fidelity_report import kv_usage  # noqa: E402
+from experiments.fidelity_report import kv_usage
 
 STYLE = {"engine": {"color": "tab:blue", "lw": 1.6}, "sim": {"color": "tab:orange", "lw": 1.2, "ls": "--"}}
 

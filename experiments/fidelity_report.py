@@ -13,7 +13,8 @@ by the simulator: does the simulator get its sign, and how close is its size.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -152,3 +153,49 @@ def kv_usage(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     t = (steps["time"] + steps["duration"]).to_numpy(dtype=float)
     total = steps["gpu_blocks_total"].replace(0, np.nan).to_numpy(dtype=float)
     return t, steps["gpu_blocks_used"].to_numpy(dtype=float) / total
+
+
+STEP_KINDS = ("decode", "mixed", "swap")
+
+
+def step_periods(steps: pd.DataFrame, clock: str) -> pd.DataFrame:
+    """Each step's kind (decode-only, mixed = with prefill tokens, swap = moving blocks) and period:
+    on the wall clock the time to the next step (the update and loop overhead included), in the
+    simulator its duration."""
+    kind = np.where((steps["num_swap_out_blocks"] > 0) | (steps["num_swap_in_blocks"] > 0), "swap",
+                    np.where(steps["num_prefill_tokens"] > 0, "mixed", "decode"))
+    if clock == "wall":
+        period = (steps["time"].shift(-1) - steps["time"]).fillna(steps["duration"])
+    else:
+        period = steps["duration"]
+    busy = steps["num_batched_tokens"] > 0
+    return pd.DataFrame({"kind": kind, "period": period.to_numpy(dtype=float)})[busy.to_numpy()]
+
+
+def step_breakdown_rows(engine_steps: pd.DataFrame, sim_steps: pd.DataFrame, scenario: str) -> list[dict[str, Any]]:
+    """Per step kind: count and mean period on the engine and in the simulator (where an error comes from)."""
+    e, s = step_periods(engine_steps, "wall"), step_periods(sim_steps, "simulated")
+    rows = []
+    for kind in STEP_KINDS:
+        ek, sk = e[e["kind"] == kind]["period"], s[s["kind"] == kind]["period"]
+        if len(ek) or len(sk):
+            em = float(ek.mean()) if len(ek) else math.nan
+            sm = float(sk.mean()) if len(sk) else math.nan
+            rows.append({"scenario": scenario, "kind": kind, "engine_steps": len(ek), "sim_steps": len(sk),
+                         "engine_mean_s": em, "sim_mean_s": sm, "rel_error": relative_error(sm, em),
+                         "engine_total_s": float(ek.sum()), "sim_total_s": float(sk.sum())})
+    return rows
+
+
+def breakdown_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| scenario | step kind | steps (engine / sim) | mean step (engine / sim) | error | total (engine / sim) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        err = "-" if math.isnan(r["rel_error"]) else f"{r['rel_error']:+.1%}"
+        lines.append(f"| {r['scenario']} | {r['kind']} | {r['engine_steps']} / {r['sim_steps']} | "
+                     f"{r['engine_mean_s'] * 1e3:.2f} / {r['sim_mean_s'] * 1e3:.2f} ms | {err} | "
+                     f"{r['engine_total_s']:.2f} / {r['sim_total_s']:.2f} s |")
+    lines.append("")
+    lines.append("decode: decode-only steps (CUDA graphs); mixed: steps with prefill tokens (eager); swap: steps "
+                 "that move KV blocks. Engine step = time to the next step (wall clock).")
+    return "\n".join(lines) + "\n"

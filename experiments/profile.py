@@ -17,13 +17,15 @@ added: `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N bl
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -33,7 +35,7 @@ from experiments.cli import run_cli
 from experiments.paths import REPO_ROOT
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
 from experiments.profiling.host import host_overhead
-from experiments.profiling.synthetic import StepShape, blocks_needed, swap_mapping, synthetic_step
+from experiments.profiling.synthetic import blocks_needed, swap_mapping, synthetic_step
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
 
@@ -104,8 +106,8 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
                        dtype=dtype, enforce_eager=cfg.enforce_eager, seed=cfg.seed)
 
 
-def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], float]:
-    """Step rows (forward_s + host_s), swap rows, and the fitted prefill_pair_s."""
+def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], list[tuple[int, int, float]]]:
+    """Step rows (forward_s + host_s), swap rows, and the split rows (tokens, pairs, seconds)."""
     median_time = _timer(runner.device)
     bs, n_gpu = runner.block_size, runner.num_gpu_blocks
     forward: dict[tuple[int, int, int, int], float] = {}
@@ -118,7 +120,7 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], flo
                   f"{time.perf_counter() - start:.1f}s", flush=True)
         out = synthetic_step(shape, bs, n_gpu, runner.vocab_size, seed=cfg.seed)
         key = (shape.num_prefill_tokens, shape.num_prefill_seqs, shape.num_decode_seqs, shape.context_per_decode)
-        forward[key] = median_time(lambda: runner.execute(out), cfg.warmup, cfg.repeats)
+        forward[key] = median_time(functools.partial(runner.execute, out), cfg.warmup, cfg.repeats)
     print(f"[profile] {len(shapes)} step shapes in {time.perf_counter() - start:.1f}s", flush=True)
     host = {(p, d): host_overhead(p, d, bs, cfg.host_repeats, cfg.seed)
             for p in grid.prefill_tokens for d in grid.decode_seqs if p or d}
@@ -141,9 +143,9 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], flo
     for n in grid.swap_blocks:
         mapping = swap_mapping(n, n_gpu, runner.num_cpu_blocks)
         back = {c: g for g, c in mapping.items()}
-        for name, fn in (("out", lambda: kv.apply(mapping, {}, [])), ("in", lambda: kv.apply({}, back, []))):
+        for fn in (functools.partial(kv.apply, mapping, {}, []), functools.partial(kv.apply, {}, back, [])):
             rows.append({"kind": "swap", "num_blocks": n, "time_s": median_time(fn, cfg.warmup, cfg.repeats)})
-    return rows, fit_prefill_pair_s(split)
+    return rows, split
 
 
 def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
@@ -158,14 +160,15 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     setup_s = time.perf_counter() - start
     print(f"[profile] runner ready in {setup_s:.1f}s: {runner.num_gpu_blocks} KV blocks on {runner.device}, "
           f"{len(grid.step_shapes())} step shapes to time", flush=True)
-    rows, pair_s = measure(cfg, runner, grid)
+    rows, split = measure(cfg, runner, grid)
+    pair_s, slope, se = fit_prefill_pair_s(split)
     dev = runner.device
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     gpu = cfg.gpu or gpu_slug(device_name)
     meta = {
         "model": cfg.model.name, "block_size": runner.block_size, "device": device_name,
         "dtype": str(runner.dtype).replace("torch.", ""), "versions": versions(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "engine": (f"ModelRunner max_num_batched_tokens={cfg.max_num_batched_tokens} max_num_seqs="
                    f"{cfg.max_num_seqs} max_model_len={cfg.max_model_len} enforce_eager={cfg.enforce_eager}"),
@@ -175,6 +178,10 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "prefill_layout": ("one sequence per step, no prefix, sampling one token; the 0/0 row repeats "
                            "the smallest prefill row"),
         "prefill_pair_s": f"{pair_s:.6e}",
+        "prefill_pair_fit": (f"slope {slope:.3e} s/pair, standard error {se:.1e}: "
+                             f"{'used' if pair_s else 'not significant, 0 used'}; split rows (tokens x seqs: s) "
+                             + " ".join(f"{p}x{k}:{t:.5f}" for (p, _, t), k in
+                                        zip(split, [s.num_prefill_seqs for s in grid.split_shapes()]))),
     }
     if runner.graphs is not None:
         meta["decode_graph_sizes"] = " ".join(str(s) for s in runner.graphs.sizes)

@@ -8,12 +8,29 @@ import math
 import pytest
 import yaml
 
-from experiments.fidelity_report import (error_markdown, error_rows, error_table, metric_values, ranking_markdown,
-                                         ranking_row, relative_error, target_summary)
+from experiments.fidelity_report import (
+    breakdown_markdown,
+    error_markdown,
+    error_rows,
+    error_table,
+    metric_values,
+    ranking_markdown,
+    ranking_row,
+    relative_error,
+    step_breakdown_rows,
+    target_summary,
+)
 from experiments.metrics import summarize
 from experiments.traces import requests_frame, steps_frame
-from policies import Request, SamplingParams, Scheduler, SchedulerConfig, TraceRecorder, make_block_manager, \
-    make_policy
+from policies import (
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    TraceRecorder,
+    make_block_manager,
+    make_policy,
+)
 from sim import Simulator
 from sim.latency import LatencyModel
 
@@ -61,6 +78,17 @@ def test_error_table_on_traces_with_a_known_error():
     assert target_summary(table).startswith("1/4 targeted errors within target")
 
 
+def test_step_breakdown_attributes_the_error_to_step_kinds():
+    _, _, fast = traces(1.0)
+    _, _, slow = traces(1.1)
+    rows = step_breakdown_rows(fast, slow, "known")  # the 1.0 run on the wall-clock side
+    assert {r["kind"] for r in rows} == {"decode", "mixed"}
+    for r in rows:
+        assert r["engine_steps"] == r["sim_steps"] > 0
+        assert r["rel_error"] == pytest.approx(0.1, rel=1e-6)
+    assert "| known | decode |" in breakdown_markdown(rows)
+
+
 def test_identical_traces_have_zero_error_and_preemptions_are_counted():
     engine, req, _ = traces(1.0, num_gpu_blocks=40)  # few blocks: the scheduler must preempt
     assert engine["num_preemptions"] > 0
@@ -77,7 +105,7 @@ def test_relative_error_edge_cases():
 
 
 def test_ranking_verdicts():
-    ab = lambda a, b, lo, hi: {"a": a, "b": b, "diff": b - a, "ci_low": lo, "ci_high": hi}  # noqa: E731
+    ab = lambda a, b, lo, hi: {"a": a, "b": b, "diff": b - a, "ci_low": lo, "ci_high": hi}
     good = ranking_row("x", "ttft mean (all)", ab(1.0, 0.5, -0.6, -0.4), ab(1.1, 0.6, -0.6, -0.4))
     assert good["sign_predicted"] and good["size_predicted"] and good["engine_significant"]
     assert good["size_ratio"] == pytest.approx(1.0)
@@ -130,3 +158,9 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request):
     again = _main(["--spec", str(spec), "--out", str(tmp_path / "out2"), "--runs", str(tmp_path / "runs2"),
                    "--profile", str(csv), "--engine-runs", str(runs), "--scenarios", "offline"])
     assert again.results["offline"]["engine"][0]["duration_s"] == fid.results["offline"]["engine"][0]["duration_s"]
+    # The GPU stage alone: engine traces and meta.json, no simulator run, no report.
+    engine_only = tmp_path / "engine_only"
+    _main(["--spec", str(spec), "--runs", str(engine_only), "--engine-only", "--scenarios", "offline"])
+    assert (engine_only / "offline" / "engine" / "requests.parquet").is_file()
+    assert not (engine_only / "offline" / "sim").exists()
+    assert json.loads((engine_only / "meta.json").read_text())["scenarios"]["offline"]["num_requests"] == 6

@@ -31,7 +31,7 @@ def tiny_profile(path, extra=()):
 
 
 def test_profiler_on_cpu_writes_a_profile_the_simulator_loads(tmp_path):
-    path, meta = tiny_profile(tmp_path / "cpu-tiny-qwen3.csv")
+    path, _ = tiny_profile(tmp_path / "cpu-tiny-qwen3.csv")
     file_meta, rows = read_profile(path)
     for key in ("model", "block_size", "device", "dtype", "versions", "date", "command", "prefill_pair_s"):
         assert key in file_meta, key
@@ -70,8 +70,8 @@ def test_synthetic_steps_have_the_requested_shape_and_distinct_blocks():
 
 
 def test_grid_validation_names_the_field():
-    good = dict(prefill_tokens=[0, 64], decode_seqs=[0, 8], context_per_decode=[16], swap_blocks=[1],
-                split_prefill_tokens=[64], split_counts=[1, 2])
+    good = {"prefill_tokens": [0, 64], "decode_seqs": [0, 8], "context_per_decode": [16], "swap_blocks": [1],
+            "split_prefill_tokens": [64], "split_counts": [1, 2]}
     grid = ProfileGrid.from_dict(good)
     assert len(grid.step_shapes()) == 3 and len(grid.split_shapes()) == 2
     for key, bad in (("decode_seqs", [0, -1]), ("prefill_tokens", [0, 1]), ("swap_blocks", []),
@@ -89,8 +89,14 @@ def test_prefill_pair_fit_recovers_the_slope():
     k = 3e-9
     points = [(p, pairs, 1e-3 * p / 1024 + k * pairs) for p in (1024, 2048)
               for pairs in (p * p // 2, p * p // 4, p * p // 8)]
-    assert fit_prefill_pair_s(points) == pytest.approx(k, rel=1e-9)
-    assert fit_prefill_pair_s([(8, 10, 1.0), (8, 20, 0.5)]) == 0.0  # negative slopes clip to 0
+    used, slope, se = fit_prefill_pair_s(points)
+    assert used == pytest.approx(k, rel=1e-9) and slope == pytest.approx(k, rel=1e-9) and se < 1e-15
+    assert fit_prefill_pair_s([(8, 10, 1.0), (8, 20, 0.5), (8, 30, 0.2)])[0] == 0.0  # negative: not used
+    rng = random.Random(1)  # pure noise of 5 ms on a 50 ms plateau: the slope is not significant
+    noisy = [(p, pairs, 0.05 + rng.gauss(0, 0.005)) for p in (1024, 2048) for pairs in (p * p // 2, p * p // 4,
+                                                                                           p * p // 8, p * p // 16)]
+    used, slope, se = fit_prefill_pair_s(noisy)
+    assert used == 0.0 and abs(slope) < 2 * se
 
 
 def _synthetic_file(tmp_path, fn, meta=None, prefill=(0, 128, 512), decode=(0, 1, 16, 64), ctx=(64, 512)):
@@ -118,7 +124,7 @@ def test_profiled_model_is_exact_at_grid_points_and_monotone_between(tmp_path):
 
 
 def test_pair_correction_and_graph_buckets(tmp_path):
-    fn = lambda p, d, c: 1e-3 + 1e-6 * p + 1e-5 * d + 1e-9 * d * c  # noqa: E731
+    fn = lambda p, d, c: 1e-3 + 1e-6 * p + 1e-5 * d + 1e-9 * d * c
     path = _synthetic_file(tmp_path, fn, {"prefill_pair_s": "1e-9", "decode_graph_sizes": "1 2 4 8 16 32 48 64"})
     model = ProfiledModel(path, block_size=16)
     one = synthetic_step(StepShape(256, 1, 0, 0), 16, 1000, 256)
@@ -142,9 +148,9 @@ def test_calibration_recovers_known_roofline_parameters(tmp_path, request):
     truth = Hardware.from_dict({**base_cfg, "bandwidth_efficiency": 0.6, "gemm_efficiency": 0.45,
                                 "attention_efficiency": 0.3, "step_overhead_s": 2e-3})
     roof = RooflineModel(model, truth, 16)
-    grid = ProfileGrid.from_dict(dict(prefill_tokens=[0, 256, 1024, 2048], decode_seqs=[0, 1, 32, 256],
-                                      context_per_decode=[64, 1024, 4096], swap_blocks=[1], split_prefill_tokens=[2],
-                                      split_counts=[1]))
+    grid = ProfileGrid.from_dict({"prefill_tokens": [0, 256, 1024, 2048], "decode_seqs": [0, 1, 32, 256],
+                                  "context_per_decode": [64, 1024, 4096], "swap_blocks": [1],
+                                  "split_prefill_tokens": [2], "split_counts": [1]})
     rows = []
     for s in grid.step_shapes():
         shape = BatchShape(s.num_prefill_tokens, 1 if s.num_prefill_tokens else 0, 0, s.prefill_attention_pairs,

@@ -9,9 +9,11 @@ metadata the profiled model uses to price other layouts (several prompts, chunks
 from __future__ import annotations
 
 import csv
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from experiments.profiling.synthetic import StepShape
 from sim.latency.profiled import COLUMNS
@@ -66,19 +68,30 @@ class ProfileGrid:
         return [StepShape(p, k, 0, 0) for p in self.split_prefill_tokens for k in self.split_counts]
 
 
-def fit_prefill_pair_s(points: list[tuple[int, int, float]]) -> float:
-    """(prefill tokens, attention pairs, seconds) of the split rows -> seconds per pair: the
-    within-group least-squares slope (one intercept per prefill-token count), clipped at 0."""
+def fit_prefill_pair_s(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """(prefill tokens, attention pairs, seconds) of the split rows -> (seconds per pair to use, the
+    fitted slope, its standard error). The slope is the within-group least-squares fit (one
+    intercept per prefill-token count); it is used only when positive and at least twice its
+    standard error: on an engine whose prefill steps are bound by host launch overhead the
+    attention cost hides under it, and a slope fitted to noise would misprice other layouts."""
     groups: dict[int, list[tuple[int, float]]] = {}
     for p, pairs, t in points:
         groups.setdefault(p, []).append((pairs, t))
     sxy = sxx = 0.0
+    centred = []
     for rows in groups.values():
         mx = sum(x for x, _ in rows) / len(rows)
         my = sum(y for _, y in rows) / len(rows)
         sxy += sum((x - mx) * (y - my) for x, y in rows)
         sxx += sum((x - mx) ** 2 for x, _ in rows)
-    return max(sxy / sxx, 0.0) if sxx > 0 else 0.0
+        centred += [(x - mx, y - my) for x, y in rows]
+    if sxx <= 0:
+        return 0.0, 0.0, math.inf
+    slope = sxy / sxx
+    dof = len(centred) - len(groups) - 1
+    sse = sum((y - slope * x) ** 2 for x, y in centred)
+    se = math.sqrt(sse / dof / sxx) if dof > 0 else math.inf
+    return (slope if slope > 0 and slope >= 2 * se else 0.0), slope, se
 
 
 def write_profile(path: str | Path, meta: Mapping[str, Any], rows: list[Mapping[str, Any]]) -> Path:

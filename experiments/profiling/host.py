@@ -13,8 +13,15 @@ import random
 import statistics
 import time
 
-from policies import Request, SamplingParams, Scheduler, SchedulerConfig, TraceRecorder, make_block_manager, \
-    make_policy
+from policies import (
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    TraceRecorder,
+    make_block_manager,
+    make_policy,
+)
 
 DECODE_PROMPT_LEN = 16
 _PARAMS = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
