@@ -124,6 +124,7 @@ def main() -> None:
         print(f"latency runs failed: {type(e).__name__}: {e}", flush=True)
         latency_rows = [{"error": f"{type(e).__name__}: {e}"[:300]}]
 
+    report(a, device, bandwidth, floor, floor_s, ours, [], latency_rows)  # kept if the peers never end
     del llm, engine, outputs
     release_engine()
     gc.collect()
