@@ -52,7 +52,8 @@ def test_engine_backend_writes_sim_traces_on_the_wall_clock(tmp_path):
 
 def test_ab_on_the_engine_backend(tmp_path):
     # A tiny pool forces preemptions: recompute (A) vs swap (B) on the same request stream.
-    common = [*ENGINE, *WORKLOAD, "blocks.num_gpu_blocks=20", "blocks.block_size=4",
+    # (all requests arrive within a millisecond, so the pressure does not depend on the step speed).
+    common = [*ENGINE, *WORKLOAD, "workload.rate=20000", "blocks.num_gpu_blocks=20", "blocks.block_size=4",
               "scheduler.max_model_len=64", "blocks.num_cpu_blocks=200"]
     result = ab_main(["a=[policy.preemption_mode=recompute]", "b=[policy.preemption_mode=swap]", *common,
                       "--out", str(tmp_path), "--resamples", "50"])
