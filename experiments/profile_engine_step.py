@@ -1,0 +1,86 @@
+"""`python -m experiments.profile_engine_step [overrides] [--steps N]`: where a decode step's time goes.
+
+Loads bench_throughput's nano-vllm requests into the engine, runs until every request is decoding,
+then times N steps split into scheduler.schedule / runner.execute (forward + sampling, synchronous:
+it returns host tokens) / scheduler.update / the rest of LLMEngine.step, and profiles a few steps
+with torch.profiler: the CUDA kernels by total time and the GPU-busy share of the wall time. The
+gap between wall time and GPU time is CPU work the GPU waits for.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from experiments import factory
+from experiments.bench_throughput import BASE
+from experiments.engine_backend import engine_args, get_engine
+from experiments.fidelity import compose_cfg
+
+
+def _timed(obj, name: str, acc: dict[str, float]):
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+    setattr(obj, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--profile-steps", type=int, default=8)
+    a = ap.parse_args()
+    cfg = compose_cfg([*BASE, *a.overrides])
+    workload = factory.workload(cfg)
+    engine = get_engine(engine_args(cfg))
+    for r in workload.requests:
+        engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params)
+    while engine.scheduler.num_waiting or any(s.num_new_tokens > 1 for s in _peek(engine)):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    acc: dict[str, float] = {}
+    _timed(engine.scheduler, "schedule", acc)
+    _timed(engine.scheduler, "update", acc)
+    _timed(engine.runner, "execute", acc)
+    ctx = sum(s.seq.num_computed_tokens for s in _peek(engine))
+    running = engine.scheduler.num_running
+    start = time.perf_counter()
+    for _ in range(a.steps):
+        engine.step()
+    wall = (time.perf_counter() - start) / a.steps
+    print(f"decode steps: {running} running seqs, mean context {ctx / max(running, 1):.0f} tokens")
+    print(f"per step: wall {wall * 1e3:.2f} ms = schedule {acc['schedule'] / a.steps * 1e3:.3f} + execute "
+          f"{acc['execute'] / a.steps * 1e3:.3f} + update {acc['update'] / a.steps * 1e3:.3f} + engine rest "
+          f"{(wall - sum(acc.values()) / a.steps) * 1e3:.3f} ms")
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(a.profile_steps):
+                engine.step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / a.profile_steps
+        events = prof.key_averages()
+        gpu = sum(e.self_device_time_total for e in events) / a.profile_steps / 1e3
+        print(f"profiled: wall {wall * 1e3:.2f} ms/step, GPU kernels {gpu:.2f} ms/step "
+              f"({100 * gpu / (wall * 1e3):.0f}% busy)")
+        print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+
+
+def _peek(engine):
+    """The running sequences as the next step would see them (decode entries of the scheduler)."""
+    from policies.outputs import ScheduledSeq
+    return [ScheduledSeq(s, len(s.token_ids) - s.num_computed_tokens, 1) for s in engine.scheduler.queues.running]
+
+
+if __name__ == "__main__":
+    main()
