@@ -58,14 +58,15 @@ class Preemptor:
         self._to_waiting: list[Sequence] = []
 
     def begin_step(self) -> None:
-        self.counts = PreemptionCounts()
-        if self.victims:
+        if self.victims:  # the last step preempted: fresh counts (else they are all still 0)
             self.victims = set()
+            self.counts = PreemptionCounts()
 
     def end_step(self) -> None:
-        for seq in self._to_waiting:
-            self.queues.add_waiting(seq)
-        self._to_waiting.clear()
+        if self._to_waiting:
+            for seq in self._to_waiting:
+                self.queues.add_waiting(seq)
+            self._to_waiting.clear()
 
     def pick_victim(self, candidates: list[Sequence]) -> Sequence:
         """`candidates` are in running (policy) order, so the default victim (max key) is the last."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 
 from policies.blocks.base import AllocStatus, BlockManager
 from policies.lifecycle import Lifecycle
@@ -33,6 +34,8 @@ from policies.trace import TraceRecorder
 
 RUNNING = SequenceStatus.RUNNING
 LATER, NEVER = AllocStatus.LATER, AllocStatus.NEVER
+_entry_computed = attrgetter("seq.num_computed_tokens")
+_entry_samples = itemgetter(2)
 
 
 @dataclass(slots=True)
@@ -69,9 +72,10 @@ class Scheduler:
                                    config.max_model_len)
         self._may_force = type(policy).may_preempt is not Policy.may_preempt
         # Decode fast path: every running sequence has exactly one token to compute, and the
-        # entries of the last full decode batch (valid while the running queue is unchanged).
+        # entries of the last full decode batch with their total samples (valid while the running
+        # queue is unchanged).
         self._all_decoding = False
-        self._batch_entries: tuple[int, list[ScheduledSeq]] = (-1, [])
+        self._batch_entries: tuple[int, list[ScheduledSeq], int] = (-1, [], 0)
         self._now = 0.0
         self._step = 0
         self._stats = StepStats()
@@ -144,7 +148,7 @@ class Scheduler:
             self.preemptor.force_for(queues.waiting[0], out, now, self.config.max_num_seqs)
         if self.config.enable_chunked_prefill:
             budget, preempted = self._schedule_running(out, budget, now)
-            if not preempted:
+            if not preempted and (queues.waiting or queues.swapped):
                 self._admit(out, budget, now, take_waiting=True, take_swapped=True)
         elif not self._admit(out, budget, now, take_waiting=True, take_swapped=False)[1]:
             budget, preempted = self._schedule_running(out, budget, now)
@@ -152,6 +156,7 @@ class Scheduler:
                 self._admit(out, budget, now, take_waiting=False, take_swapped=True)
         self.preemptor.end_step()
         self._stats.num_running = len(queues.running)
+        self._stats.fill_totals(out)
         out.aborted = self.lifecycle.take_aborted()  # since the last schedule(), too_long ones included
         return out
 
@@ -172,21 +177,32 @@ class Scheduler:
         preempted = False
         if copies is not None:
             out.copy.extend(copies)
-            version = self.queues.running_version
-            if decodes is running and self._batch_entries[0] == version:
-                out.scheduled.extend(self._batch_entries[1])
-            else:
-                out.scheduled.extend(map(self.lifecycle.decode_entries.__getitem__, decodes))
-                if decodes is running:
-                    self._batch_entries = (version, out.scheduled.copy())
+            self._push_decode_batch(out, decodes)
             budget -= len(decodes)
         else:
             budget, preempted = self._schedule_one_by_one(out, list(decodes), budget, now, decode=True)
-        self._stats.num_decode_seqs = len(out.scheduled)
+            entries = out.scheduled
+            self._stats.add_decodes(len(entries), sum(map(_entry_computed, entries)),
+                                    sum(map(_entry_samples, entries)))
         if prefills and budget:
             budget, preempted_prefill = self._schedule_one_by_one(out, prefills, budget, now, decode=False)
             preempted = preempted or preempted_prefill
         return budget, preempted
+
+    def _push_decode_batch(self, out: SchedulerOutput, decodes: list[Sequence]) -> None:
+        """Schedule decodes that all got their slots. The batch of the whole running queue is reused
+        while the queue is unchanged, and its computed tokens are the queue's running total."""
+        queues = self.queues
+        whole = decodes is queues.running
+        version, entries, samples = self._batch_entries
+        if not whole or version != queues.running_version:
+            entries = list(map(self.lifecycle.decode_entries.__getitem__, decodes))
+            samples = sum(map(_entry_samples, entries))
+            if whole:
+                self._batch_entries = (queues.running_version, entries, samples)
+        out.scheduled.extend(entries)
+        computed = queues.kv_tokens if whole else sum(map(_entry_computed, entries))
+        self._stats.add_decodes(len(entries), computed, samples)
 
     def _schedule_one_by_one(self, out: SchedulerOutput, seqs: list[Sequence], budget: int, now: float,
                              decode: bool) -> tuple[int, bool]:
@@ -277,7 +293,7 @@ class Scheduler:
         # A chunk that completes the sequence samples: n tokens for an unforked parallel prompt.
         samples = seq_cost(seq) if chunk == uncomputed else 0
         out.scheduled.append(ScheduledSeq(seq, chunk, samples))
-        self._stats.add_chunk(uncomputed, chunk, samples)
+        self._stats.add_chunk(seq.num_computed_tokens, uncomputed, chunk, samples)
 
     def _abort_too_long(self, request: Request, out: SchedulerOutput, now: float) -> None:
         self.lifecycle.abort(request, "too_long", now)

@@ -21,8 +21,12 @@ class StepStats:
     num_decode_seqs: int = 0
     num_partial: int = 0  # prefill chunks that do not finish their sequence (sample nothing)
     num_running: int = 0  # running sequences when schedule() returned
+    num_computed_tokens: int = 0  # over the scheduled sequences, before the step
+    num_samples: int = 0
 
-    def add_chunk(self, uncomputed: int, num_new: int, num_samples: int) -> None:
+    def add_chunk(self, num_computed: int, uncomputed: int, num_new: int, num_samples: int) -> None:
+        self.num_computed_tokens += num_computed
+        self.num_samples += num_samples
         self.num_partial += not num_samples
         if uncomputed > 1:
             self.num_prefill_tokens += num_new
@@ -30,16 +34,28 @@ class StepStats:
         else:
             self.num_decode_seqs += 1
 
+    def add_decodes(self, num_seqs: int, num_computed: int, num_samples: int) -> None:
+        self.num_decode_seqs += num_seqs
+        self.num_computed_tokens += num_computed
+        self.num_samples += num_samples
+
     @classmethod
     def of(cls, out: SchedulerOutput, num_running: int) -> StepStats:
         stats = cls(num_running=num_running)
         for seq, num_new, num_samples in out.scheduled:
-            stats.add_chunk(len(seq.token_ids) - seq.num_computed_tokens, num_new, num_samples)
+            computed = seq.num_computed_tokens
+            stats.add_chunk(computed, len(seq.token_ids) - computed, num_new, num_samples)
         return stats
+
+    def fill_totals(self, out: SchedulerOutput) -> None:
+        """The output's `sum_*` fields, from these counts."""
+        out.sum_new_tokens = self.num_prefill_tokens + self.num_decode_seqs
+        out.sum_computed_tokens = self.num_computed_tokens
+        out.sum_samples = self.num_samples
 
     def row(self, step: int, out: SchedulerOutput, now: float, queues: SchedulerQueues,
             usage: BlockUsage, preemptions: PreemptionCounts, ended: list[Request]) -> dict:
-        num_aborted = sum(1 for r in ended if r.finish_reason.startswith("abort:"))
+        num_aborted = sum(1 for r in ended if r.finish_reason.startswith("abort:")) if ended else 0
         return {
             "step": step, "time": out.now, "duration": now - out.now,
             "num_batched_tokens": self.num_prefill_tokens + self.num_decode_seqs,

@@ -5,7 +5,8 @@ prefixes, max/min tokens, priorities, n in 1..3, eos or not, aborts before or du
 drives schedule/update with `KVStoreBackend` (every attention read is checked against the tokens it
 should see) and random sampled tokens (eos and a stop token come up at random). Checked after every
 step: the scheduler's and the block manager's invariants (ref counts == references, free + used ==
-total per pool, blocks shared only by forked siblings or the prefix cache), the step budget, no
+total per pool, blocks shared only by forked siblings or the prefix cache), the step budget, the
+output's batch totals (`sum_*`) against its entries, no
 sequence scheduled twice, no block written by two sequences in one step, no sequence taken from the
 waiting or swapped queue ahead of one that precedes it in policy order. At the end: no block in use
 and every request ended (finished or aborted) with a reason, exactly once. FCFS never starves an
@@ -81,6 +82,9 @@ def check_no_overtaking(scheduler, seqs, before: set[int], queue) -> None:
 def check_step(scheduler, out, config, waiting_before: set[int], swapped_before: set[int]) -> None:
     bs = config["block_size"]
     assert sum(e.num_new_tokens for e in out.scheduled) <= config["max_num_batched_tokens"]
+    assert (out.sum_new_tokens, out.sum_computed_tokens, out.sum_samples) == (
+        sum(e.num_new_tokens for e in out.scheduled), sum(e.seq.num_computed_tokens for e in out.scheduled),
+        sum(e.num_samples for e in out.scheduled)), "the output's batch totals disagree with its entries"
     assert len(out.scheduled) <= config["max_num_seqs"]
     seqs = [e.seq for e in out.scheduled]
     assert len({id(s) for s in seqs}) == len(seqs), "a sequence is scheduled twice"

@@ -33,11 +33,13 @@ class BatchShape:
     def of(cls, out: SchedulerOutput) -> BatchShape:
         scheduled = out.scheduled
         n = len(scheduled)
-        # Sums over all entries run in C (map + attrgetter); only prefill chunks, usually few, are
-        # visited in Python. This runs every simulated step.
-        computed = sum(map(_computed, scheduled))
-        new = sum(map(_num_new, scheduled))
-        samples = sum(map(_num_samples, scheduled))
+        # This runs every simulated step: the totals come from the scheduler (or run in C, with map
+        # and attrgetter), and only prefill chunks, usually few, are visited in Python.
+        new, computed, samples = out.sum_new_tokens, out.sum_computed_tokens, out.sum_samples
+        if new is None or computed is None or samples is None:
+            new = sum(map(_num_new, scheduled))
+            computed = sum(map(_computed, scheduled))
+            samples = sum(map(_num_samples, scheduled))
         if new == n:  # every entry computes one token: all decodes
             return cls(0, 0, 0, 0, n, computed + n, samples, len(out.copy))
         p_tokens = p_ctx = p_pairs = p_seqs = 0
