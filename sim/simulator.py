@@ -47,6 +47,7 @@ class Simulator:
         self.num_steps = 0
         self._arrived = 0
         self._wake: simpy.Event | None = None
+        self._one = [SIM_TOKEN]  # shared by the entries of a step (update only reads it)
 
     def run(self) -> SimResult:
         self.env.process(self._arrivals())
@@ -69,13 +70,16 @@ class Simulator:
         return self._wake
 
     def _engine(self):
-        env, sched, latency = self.env, self.scheduler, self.latency
+        env, sched, total_time = self.env, self.scheduler, self.latency.total_time
+        schedule, timeout = sched.schedule, env.timeout
         stop_lens, on_done = self.stop_lens, self.on_done
         ended_rows = sched.recorder.requests  # grows by one row per ended request
         reported = 0
         total = len(self.requests)
-        one = [SIM_TOKEN]
         idle_rounds = 0
+        # The last batch and its synthetic tokens: decode steps often repeat the batch exactly.
+        batch: list | None = None
+        tokens: dict[int, list[int]] = {}
         while True:
             if on_done is not None and len(ended_rows) > reported:
                 on_done(len(ended_rows) - reported)
@@ -85,8 +89,8 @@ class Simulator:
                     return
                 yield self._idle()
                 continue
-            out = sched.schedule(env.now)
-            if out.is_empty:
+            out = schedule(env.now)
+            if not out.scheduled and out.is_empty:
                 # Nothing to run. Record the step if it preempted or aborted something, then
                 # sleep until the next arrival; with none left the scheduler is stuck.
                 if out.preempted or out.aborted:
@@ -104,19 +108,23 @@ class Simulator:
                     f"(waiting={sched.num_waiting}, running={sched.num_running}, "
                     f"swapped={sched.num_swapped}) but schedules nothing and no arrival is left")
             idle_rounds = 0
-            yield env.timeout(latency.total_time(out))
+            yield timeout(total_time(out))
             scheduled = out.scheduled
-            samples = list(map(_num_samples, scheduled))
-            if samples.count(1) == len(samples):  # the common case: every entry samples one token
-                tokens = dict.fromkeys(map(_seq_id, scheduled), one)
-            else:
-                tokens = {seq.seq_id: [SIM_TOKEN] * n for seq, _, n in scheduled if n}
-            stops = self._stops(scheduled) if stop_lens else None
+            if scheduled != batch:
+                batch, tokens = scheduled, self._sampled_tokens(scheduled)
             self.num_steps += 1
+            stops = self._stops(scheduled) if stop_lens else None
             if stops:
                 sched.update(out, tokens, env.now, stops)
             else:
                 sched.update(out, tokens, env.now)
+
+    def _sampled_tokens(self, scheduled) -> dict[int, list[int]]:
+        """`SIM_TOKEN` for every sample of the step (`update`'s `new_token_ids`)."""
+        samples = list(map(_num_samples, scheduled))
+        if samples.count(1) == len(samples):  # the common case: every entry samples one token
+            return dict.fromkeys(map(_seq_id, scheduled), self._one)
+        return {seq.seq_id: [SIM_TOKEN] * n for seq, _, n in scheduled if n}
 
     def _stops(self, scheduled) -> list[int]:
         """Sequences whose token sampled this step reaches their request's stop length."""
