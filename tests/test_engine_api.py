@@ -2,6 +2,8 @@
 stop strings, min_tokens, logprobs, and clear errors for bad input."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from engine_helpers import ragged_prompts, save_tiny_model
@@ -135,6 +137,12 @@ def test_bad_input_errors(tiny, llm, tmp_path):
         f.unlink()
     with pytest.raises(ValueError, match="model.safetensors"):
         LLM(str(empty), num_gpu_blocks=16, swap_space=0.01)
+    gelu = tmp_path / "gelu"
+    save_tiny_model(gelu, "llama", with_tokenizer=False)
+    config = json.loads((gelu / "config.json").read_text())
+    (gelu / "config.json").write_text(json.dumps(config | {"hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
+        LLM(str(gelu), num_gpu_blocks=16, swap_space=0.01)
     with pytest.raises(ValueError, match=r"needs 16 blocks .* only 4 fit"):
         LLM(tiny[0], num_gpu_blocks=4, swap_space=0.01, max_model_len=256, block_size=16)
     with pytest.raises(ValueError, match=r"prompt_token_ids=\[256, 999\].*\[0, 256\)"):
