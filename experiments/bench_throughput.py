@@ -132,9 +132,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     hf = hf_model(model_cfg, str(device), dtype)
     n_cb, n_pad = min(a.cb_requests, len(prompts)), min(a.padded_requests, len(prompts))
-    peers = [_guarded("transformers generate_batch (continuous batching)", n_cb, max_tokens[:n_cb], lambda: (
-                 continuous_batching(hf, [p[:100] for p in prompts[:2]], [8, 8], 0.6),  # warm-up
-                 continuous_batching(hf, prompts[:n_cb], max_tokens[:n_cb], 0.6))[1]),
+    peers = [_guarded("transformers generate_batch (continuous batching)", n_cb, max_tokens[:n_cb],
+                      lambda: continuous_batching(hf, prompts[:n_cb], max_tokens[:n_cb], 0.6)),
              _guarded("transformers generate (padded)", n_pad, max_tokens[:n_pad], lambda: padded_generate(
                  hf, prompts[:n_pad], max_tokens[:n_pad], 0.6, a.padded_batch))]
     report(a, device, bandwidth, floor, floor_s, ours, peers, latency_rows)

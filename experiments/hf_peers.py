@@ -7,6 +7,7 @@ asked for (`max_tokens`), as for our engine.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -49,31 +50,45 @@ def _generation_config(temperature: float, max_new_tokens: int):
 @torch.no_grad()
 def continuous_batching(model, prompts: list[list[int]], max_tokens: list[int],
                         temperature: float) -> PeerResult:
-    """transformers' continuous batching: `generate_batch` takes one max_new_tokens for all
-    requests, so its manager is driven directly (as generate_batch does) with each request's own."""
+    """transformers' continuous batching as `generate_batch` runs it (its context manager: warm-up
+    and CUDA-graph capture first, outside the timed region as our engine's are), but with each
+    request's own max_new_tokens (generate_batch takes one for all)."""
     config = _generation_config(temperature, max(max_tokens))
-    _sync()
-    start = time.perf_counter()
-    manager = model.init_continuous_batching(generation_config=config)
-    manager.start()
-    try:
-        for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-            manager.add_request(prompt, request_id=f"req-{i}", max_new_tokens=n)
-        done: dict[str, int] = {}
-        while len(done) < len(prompts):
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                if result.error is not None:
-                    raise RuntimeError(f"transformers continuous batching failed: {result.error}")
-                done[result.request_id] = len(result.generated_tokens)
-            elif result is None and not manager.is_running():
-                raise RuntimeError("transformers continuous batching stopped before finishing")
-    finally:
-        manager.stop(block=True)
-    _sync()
-    seconds = time.perf_counter() - start
+    params = inspect.signature(model.continuous_batching_context_manager).parameters
+    kwargs = {"generation_config": config, "block": True}
+    if "warmup" in params:
+        kwargs["warmup"] = True
+    if "workload_hints" in params:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        kwargs["workload_hints"] = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
+                                                 max_generated_length=max(max_tokens), num_requests=len(prompts))
+    with model.continuous_batching_context_manager(**kwargs) as manager:
+        if "warmup" not in params:  # older transformers: warm the same manager up by hand
+            _drain(manager, [p[:64] for p in prompts[:4]], [8] * min(4, len(prompts)), "warm")
+        _sync()
+        start = time.perf_counter()
+        done = _drain(manager, prompts, max_tokens, "req")
+        _sync()
+        seconds = time.perf_counter() - start
     return PeerResult("transformers generate_batch (continuous batching)", len(prompts), sum(max_tokens),
-                      sum(done.values()), seconds)
+                      sum(done.values()), seconds, "its context manager, per-request max_new_tokens")
+
+
+def _drain(manager, prompts: list[list[int]], max_tokens: list[int], prefix: str) -> dict[str, int]:
+    """Add the requests, wait for all of them; returns request id -> generated tokens."""
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        manager.add_request(prompt, request_id=f"{prefix}-{i}", max_new_tokens=n)
+    done: dict[str, int] = {}
+    while len(done) < len(prompts):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"transformers continuous batching failed: {result.error}")
+            done[result.request_id] = len(result.generated_tokens)
+        elif result is None and not manager.is_running():
+            raise RuntimeError("transformers continuous batching stopped before finishing")
+    return done
 
 
 @torch.no_grad()
