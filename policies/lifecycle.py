@@ -71,15 +71,17 @@ class Lifecycle:
               stop_seq_ids: Collection[int]) -> None:
         """Advance progress and append the sampled tokens of every scheduled sequence (the hot loop:
         one decode token per sequence, with the stop rules of `_append_token` inlined)."""
-        mark, skip_aborted = self._mark_computed, self.aborted_in_flight
+        scheduled = out.scheduled
+        if self.aborted_in_flight:  # sequences aborted between schedule() and update() advance nothing
+            self.queues.kv_tokens -= sum(num_new for seq, num_new, _ in scheduled if seq.status is not RUNNING)
+            scheduled = [entry for entry in scheduled if entry.seq.status is RUNNING]
+            self.aborted_in_flight = False
+        mark = self._mark_computed
         # mark_computed is due after a prefill chunk, after a decode that fills a block, and after
         # any step that ran block copies (contiguous releases their sources then).
         mask = 0 if out.copy else self._block_mask
         stop_info, first_token, finish = self.stop_info, self.recorder.first_token, self._finish
-        for seq, num_new, num_samples in out.scheduled:
-            if skip_aborted and seq.status is not RUNNING:
-                self.queues.kv_tokens -= num_new  # aborted between schedule() and update()
-                continue
+        for seq, num_new, num_samples in scheduled:
             computed = seq.num_computed_tokens + num_new
             seq.num_computed_tokens = computed
             if mark is not None and (num_new != 1 or not computed & mask):
@@ -105,7 +107,6 @@ class Lifecycle:
                 finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
             elif computed >= stop_len:
                 finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
-        self.aborted_in_flight = False
 
     def _append_token(self, seq: Sequence, token: int, now: float, stop_seq_ids: Collection[int]) -> None:
         seq.token_ids.append(token)

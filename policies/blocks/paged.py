@@ -123,14 +123,14 @@ class PagedBlockManager(BlockManager):
         if self._swapped and any(seq.seq_id in self._swapped for seq in seqs):
             raise ValueError("append_decode_slots got a swapped-out sequence: swap it in first")
         copies: list[tuple[int, int]] = []
-        shift, refs, allocate = self._shift, self._refs, self.gpu.allocate
+        shift, refs, allocate, mirror = self._shift, self._refs, self.gpu.allocate, self._gpu_mirror
         for seq in seqs:
             table = seq.block_table
             i = seq.num_computed_tokens >> shift
             if i == len(table):
                 table.append(allocate())
             elif refs[table[i]] == 1:
-                if self._gpu_mirror:
+                if mirror:
                     self._forget_gpu_mirror(table[i])
             else:
                 copies.extend(self.append_slots(seq, 1))
