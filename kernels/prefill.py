@@ -6,10 +6,14 @@ from the paged cache only (prefix-cache hits and chunked prefill are the same ca
 Grid (q_tile, seq, q_head), heaviest q tiles launched first.  A program first runs over the keys
 every row of its tile sees (no masks), then over the few tiles that cross the diagonal (causal
 mask); tiles past the last row's position are skipped.
+With a tile map (`tiles`, [N, 2] int32 rows of (seq, q_tile), seq < 0 = idle) the grid is
+(N, 1, q_head) whatever the batch holds: a CUDA graph captures it once for a bounded batch, and the
+host fills the map per step (`tile_map`; at most `max_tiles(...)` rows).
 """
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +38,33 @@ def default_stages(device: torch.device, config: PrefillConfig, head_dim: int) -
     tile_bytes = 2 * config.block_n * block_dim(head_dim) * 2  # one K and one V tile, 16-bit
     q_bytes = config.block_m * block_dim(head_dim) * 2
     return 3 if q_bytes + 2 * tile_bytes + 4096 <= max_shared_memory(device) else 2
+
+
+def tokens_per_tile(num_heads: int, num_kv_heads: int, config: PrefillConfig | None = None) -> int:
+    """New tokens one program covers (its BLOCK_M rows hold that many tokens x the packed heads)."""
+    config = config or PrefillConfig()
+    return config.block_m // gqa_pack(num_heads // num_kv_heads, config)
+
+
+def max_tiles(num_tokens: int, num_seqs: int, tokens: int) -> int:
+    """Tile-map rows enough for any batch of <= num_tokens new tokens in <= num_seqs sequences."""
+    return triton.cdiv(num_tokens, tokens) + num_seqs
+
+
+def tile_map(q_lens: np.ndarray, tokens: int, out: np.ndarray) -> int:
+    """Fill `out` ([N, 2] int32) with the (seq, q_tile) of every tile of sequences with these q_lens,
+    heaviest (latest) tiles first, then idle rows (-1); returns the number of real tiles."""
+    counts = -(-q_lens // tokens)
+    num = int(counts.sum())
+    if num > len(out):
+        raise ValueError(f"tile map of {len(out)} rows is invalid: the batch needs {num} tiles")
+    seqs = np.repeat(np.arange(len(q_lens), dtype=np.int32), counts)
+    firsts = np.cumsum(counts) - counts
+    tiles = np.arange(num, dtype=np.int32) - np.repeat(firsts, counts).astype(np.int32)
+    order = np.argsort(-tiles, kind="stable")
+    out[:num, 0], out[:num, 1] = seqs[order], tiles[order]
+    out[num:] = -1
+    return num
 
 
 def gqa_pack(group: int, config: PrefillConfig) -> int:
@@ -83,6 +114,7 @@ def _prefill_kernel(
     block_tables_ptr,
     cu_seqlens_ptr,
     context_lens_ptr,
+    tiles_ptr,
     out_ptr,
     scale_log2,
     stride_qt,
@@ -105,12 +137,19 @@ def _prefill_kernel(
     PACK: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TILE_MAP: tl.constexpr,
 ):
     # The BLOCK_M rows are TOKENS new tokens x PACK query heads sharing one KV head (row r is
     # token r // PACK, head first_head + r % PACK): each K/V tile then serves PACK heads.
     TOKENS: tl.constexpr = BLOCK_M // PACK
-    m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    s = tl.program_id(1)
+    if TILE_MAP:
+        s = tl.load(tiles_ptr + 2 * tl.program_id(0))
+        m_tile = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+        if s < 0:
+            return
+    else:
+        m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        s = tl.program_id(1)
     first_head = tl.program_id(2) * PACK
     q_start = tl.load(cu_seqlens_ptr + s)
     q_len = tl.load(cu_seqlens_ptr + s + 1) - q_start
@@ -190,9 +229,12 @@ def paged_prefill_attention(
     *,
     config: PrefillConfig | None = None,
     out: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """max_seqlen_q (the longest q_len) sizes the grid; when omitted it is read from
-    cu_seqlens_q, which costs one device sync.  `out` and `config` as in paged_decode_attention."""
+    cu_seqlens_q, which costs one device sync.  `tiles` ([N, 2] int32, from `tile_map` with the
+    same config) fixes the grid instead (max_seqlen_q unused).  `out` and `config` as in
+    paged_decode_attention; rows of `out` outside every sequence are left as they are."""
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q.dtype={q.dtype} is invalid: Triton kernels take float16, bfloat16 or float32")
@@ -202,14 +244,19 @@ def paged_prefill_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = check_out(out, q)
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if num_seqs else 0
-    if num_tokens == 0 or max_seqlen_q == 0:
-        return out
-    upcast = upcast_operands(q.dtype)
     group = num_heads // num_kv_heads
     pack = gqa_pack(group, config)
-    grid = (triton.cdiv(max_seqlen_q, config.block_m // pack), num_seqs, num_heads // pack)
+    if tiles is not None:
+        if tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.dtype != torch.int32:
+            raise ValueError(f"tiles={(tuple(tiles.shape), tiles.dtype)} is invalid: expected int32 [N, 2]")
+        grid = (tiles.shape[0], 1, num_heads // pack)
+    else:
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if num_seqs else 0
+        grid = (triton.cdiv(max_seqlen_q, config.block_m // pack), num_seqs, num_heads // pack)
+    if num_tokens == 0 or grid[0] * grid[1] == 0:
+        return out
+    upcast = upcast_operands(q.dtype)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -217,6 +264,7 @@ def paged_prefill_attention(
         block_tables,
         cu_seqlens_q,
         context_lens,
+        cu_seqlens_q if tiles is None else tiles,  # a stand-in pointer when unused
         out,
         scale * LOG2E,
         q.stride(0),
@@ -239,6 +287,7 @@ def paged_prefill_attention(
         PACK=pack,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision(upcast),
+        TILE_MAP=tiles is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages or default_stages(q.device, config, head_dim),
     )
