@@ -17,28 +17,28 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
-from engine.models.ops import fused_ops
+from engine.models.ops import fused_ops, rope_rows
 from engine.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, fns: SimpleNamespace) -> None:
+    """The epsilon is bound in `fns` (one per model)."""
+
+    def __init__(self, size: int, fns: SimpleNamespace) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
         self.fns = fns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fns.rms_norm(x, self.weight, self.eps)
+        return self.fns.rms_norm(x, self.weight)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual)."""
-        return self.fns.add_rms_norm(x, residual, self.weight, self.eps)
+        return self.fns.add_rms_norm(x, residual, self.weight)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, rotary: RotaryEmbedding,
-                 fns: SimpleNamespace) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, fns: SimpleNamespace) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -48,20 +48,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, fns)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, fns)
-        self.rotary = [rotary]  # a list: shared by every layer, not registered as a submodule
+            self.q_norm = RMSNorm(self.head_dim, fns)
+            self.k_norm = RMSNorm(self.head_dim, fns)
         self.fns = fns
         self.attn = PagedAttention(ops, layer_idx, scale=self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """rope: the step's cos/sin rows [T, 2, head_dim] (`ops.rope_rows`)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.fns.apply_rope(positions, q, k, self.rotary[0].cos_sin)
+        q, k = self.fns.apply_rope(q, k, rope)
         o = self.attn(q.contiguous(), k.contiguous(), v.contiguous(), meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -78,22 +78,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, rotary: RotaryEmbedding,
-                 fns: SimpleNamespace) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, fns: SimpleNamespace) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fns)
-        self.self_attn = Attention(cfg, layer_idx, ops, rotary, fns)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fns)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, fns)
+        self.self_attn = Attention(cfg, layer_idx, ops, fns)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, fns)
         self.mlp = MLP(cfg, fns)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (or the embeddings); residual: the stream before it."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(positions, h, meta)
+        h = self.self_attn(rope, h, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
@@ -106,13 +105,13 @@ class LlamaForCausalLM(nn.Module):
                  compile: bool = False) -> None:
         super().__init__()
         self.config = cfg
-        fns = fused_ops(compile)
+        fns = fused_ops(compile, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, self.rotary, fns)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, fns)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fns)
+        self.norm = RMSNorm(cfg.hidden_size, fns)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -128,10 +127,13 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None
+        rope = rope_rows(self.rotary.cos_sin, positions, x.dtype)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(rope, x, residual, meta)
         return self.norm.add_forward(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden] (only the sampled rows) -> float32 logits [R, vocab]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [R, hidden] (only the sampled rows) -> float32 logits [R, vocab] (into `out`, a
+        float32 [R, vocab] buffer, if given)."""
+        logits = F.linear(hidden, self.lm_head_weight)
+        return logits.float() if out is None else out.copy_(logits)

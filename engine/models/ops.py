@@ -2,9 +2,11 @@
 add), RoPE application, SiLU-and-mul. Arithmetic is transformers' (float32 RMSNorm rounded to the
 activation dtype before the weight multiply; cos/sin cast to the activation dtype).
 
-`fused_ops(compile=True)` returns them wrapped in `torch.compile` (one Triton kernel each instead of
-5-10 small ones: on a GPU this is most of a decode step's launch count); the plain versions serve the
-CPU path and `enforce_eager`.
+`fused_ops(compile, eps)` binds the model's RMSNorm epsilon (a constant to torch.compile: a float
+argument would be traced as a symbolic input read back with `.item()` on every call) and, with
+`compile=True`, wraps each piece in `torch.compile` (one Triton kernel each instead of 5-10 small
+ones); the plain versions serve the CPU path and `enforce_eager`. RoPE takes the cos/sin rows of
+the step's positions, gathered once per step (`rope_rows`) rather than once per layer.
 """
 from __future__ import annotations
 
@@ -33,10 +35,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T]; q [T, Hq, D], k [T, Hkv, D]; cos_sin [max_pos, 2, D] float32."""
-    cs = cos_sin[positions].to(q.dtype)
+def rope_rows(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cos_sin [max_pos, 2, D] float32, positions [T] -> the step's rows [T, 2, D] in `dtype`."""
+    return cos_sin[positions].to(dtype)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hkv, D]; cs [T, 2, D] from `rope_rows`."""
     cos, sin = cs[:, 0, None, :], cs[:, 1, None, :]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
@@ -46,9 +51,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def fused_ops(compile: bool) -> SimpleNamespace:
-    fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope,
-           "silu_and_mul": silu_and_mul}
+def fused_ops(compile: bool, eps: float) -> SimpleNamespace:
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_norm(x: torch.Tensor, residual: torch.Tensor,
+                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, residual, weight, eps)
+
+    fns = {"rms_norm": norm, "add_rms_norm": add_norm, "apply_rope": apply_rope, "silu_and_mul": silu_and_mul}
     if compile:
         fns = {name: torch.compile(fn, dynamic=True) for name, fn in fns.items()}
     return SimpleNamespace(**fns)
