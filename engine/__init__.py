@@ -10,8 +10,9 @@ Lower half (model execution), for `LLMEngine` / `LLM` to build on:
   max_num_seqs, max_model_len, device="cpu", dtype=None, enforce_eager=False, seed=0,
   attention_backend="auto", compile_model=None)`:
   - builds the model (weights per `model_config.weights`; `seed` seeds dummy weights), sizes and
-    allocates the KV cache, captures decode CUDA graphs (GPU, unless `enforce_eager`; buckets in
-    `.graphs.sizes`). `dtype=None`: the model config's dtype on CUDA, float32 on CPU.
+    allocates the KV cache, captures CUDA graphs of whole steps (GPU, unless `enforce_eager`;
+    decode-only buckets in `.graphs.sizes`, token-count buckets of steps with prefill tokens in
+    `.graphs.token_sizes`). `dtype=None`: the model config's dtype on CUDA, float32 on CPU.
     `compile_model=None`: torch.compile the elementwise ops on CUDA unless `enforce_eager`.
     `attention_backend`: "auto" (Triton on CUDA, torch references on CPU), "triton", "reference".
   - `.num_gpu_blocks`, `.num_cpu_blocks`: give these to `policies.make_block_manager(...)`.
@@ -30,7 +31,8 @@ Lower half (model execution), for `LLMEngine` / `LLM` to build on:
   `k_caches`/`v_caches` on the device, `cpu_k_caches`/`cpu_v_caches` swap pool, `apply(...)`).
 - `engine.weights`: `build_model`, `load_hf_state_dict`, `to_hf_state_dict` (our weights under
   transformers' names: load them into `AutoModelForCausalLM.from_config(cfg.to_hf_config())`).
-- `engine.input_batch`: SchedulerOutput -> flattened varlen tensors (prefill part, then decode part).
+- `engine.input_batch`: SchedulerOutput -> flattened varlen batch (decode rows, then prefill rows),
+  written with numpy into pinned buffers (`engine.batch_layout`) and copied to the device at once.
 
 Upper half (the user API, vLLM's names), importable from `engine` directly:
 

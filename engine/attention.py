@@ -1,9 +1,12 @@
-"""Paged attention for one step's flattened varlen batch: the prefill part (sequences computing
-more than one token) comes first, the decode part (one token each) after it.
+"""Paged attention for one step's flattened varlen batch: the decode rows (one query each) come
+first, the prefill sequences' rows (sequences computing more than one token) after them.
 
-Every new token's K/V is written to the cache through `slot_mapping`, then the prefill part runs
-`paged_prefill_attention` and the decode part `paged_decode_attention`, both reading K/V from the
-cache. `ops` is `kernels` (Triton) or `kernels.reference` (plain torch, the default on CPU).
+Every new token's K/V is written to the cache through `slot_mapping`, then the decode rows run
+`paged_decode_attention` and the prefill sequences `paged_prefill_attention`, both reading K/V from
+the cache. `ops` is the Triton launchers (CUDA) or `kernels.reference` (plain torch, the CPU path).
+The layout is the same in eager steps and in CUDA graphs; a graph pads it to its bucket: decode
+rows whose context length is 0 are idle (their output is overwritten by the prefill rows they
+overlap, or belongs to a padding row), and the prefill kernel runs a fixed tile-map grid.
 """
 from __future__ import annotations
 
@@ -18,12 +21,15 @@ ATTENTION_BACKENDS = ("auto", "triton", "reference")
 
 
 def attention_ops(backend: str, device: torch.device) -> ModuleType | SimpleNamespace:
-    """"auto": `kernels` (Triton on CUDA tensors, references on CPU ones); "triton": the Triton
-    launchers whatever the device (interpreted on CPU under TRITON_INTERPRET=1); "reference"."""
+    """"auto": the Triton launchers on CUDA (unless `kernels.BACKEND` forces the references), the
+    references on CPU; "triton": the Triton launchers whatever the device (interpreted on CPU under
+    TRITON_INTERPRET=1); "reference": `kernels.reference`."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is invalid: one of {ATTENTION_BACKENDS}")
     if backend == "auto":
-        return importlib.import_module("kernels" if device.type == "cuda" else "kernels.reference")
+        import kernels  # its BACKEND (env SERVELAB_KERNELS) may force the references
+
+        backend = "triton" if device.type == "cuda" and kernels.BACKEND != "reference" else "reference"
     if backend == "reference":
         return importlib.import_module("kernels.reference")
     from kernels import cache_write, copy, decode, prefill
@@ -36,16 +42,17 @@ def attention_ops(backend: str, device: torch.device) -> ModuleType | SimpleName
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64, -1 = do not write (CUDA-graph padding)
-    num_prefill_tokens: int
-    # Prefill part: S sequences, tokens [0, num_prefill_tokens) of the batch.
+    slot_mapping: torch.Tensor  # [T] int64, -1 = do not write (padding)
+    # Decode part: rows [0, D) of the batch, one query each.
+    num_decode_rows: int  # D
+    decode_block_tables: torch.Tensor | None = None  # [D, W] int32
+    decode_context_lens: torch.Tensor | None = None  # [D] int32 (0 = idle row)
+    # Prefill part (absent in decode-only steps): S sequences, rows from cu_seqlens_q[0] on.
     prefill_block_tables: torch.Tensor | None = None  # [S, W] int32
-    prefill_cu_seqlens_q: torch.Tensor | None = None  # [S + 1] int32
+    prefill_cu_seqlens_q: torch.Tensor | None = None  # [S + 1] int32, batch rows
     prefill_context_lens: torch.Tensor | None = None  # [S] int32
-    prefill_max_seqlen_q: int = 0
-    # Decode part: B sequences, tokens [num_prefill_tokens, num_prefill_tokens + B).
-    decode_block_tables: torch.Tensor | None = None  # [B, W] int32
-    decode_context_lens: torch.Tensor | None = None  # [B] int32 (0 = padding row)
+    prefill_max_seqlen_q: int = 0  # sizes the eager grid
+    prefill_tiles: torch.Tensor | None = None  # [N, 2] int32 tile map: a fixed grid (CUDA graphs)
 
 
 class PagedAttention:
@@ -57,7 +64,8 @@ class PagedAttention:
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self._pass_max_seqlen = "max_seqlen_q" in inspect.signature(ops.paged_prefill_attention).parameters
+        # The Triton launchers write both parts into one output buffer; the references return theirs.
+        self._write_out = "out" in inspect.signature(ops.paged_decode_attention).parameters
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -65,19 +73,27 @@ class PagedAttention:
         if self.k_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (call bind_kv_cache first)")
         self.ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        n_pre = meta.num_prefill_tokens
-        if n_pre == q.shape[0]:
-            return self._prefill(q, meta)
-        if n_pre == 0:
+        d = meta.num_decode_rows
+        if meta.prefill_cu_seqlens_q is None:
             return self._decode(q, meta)
-        return torch.cat([self._prefill(q[:n_pre], meta), self._decode(q[n_pre:], meta)])
+        if not self._write_out:
+            out = self._prefill(q, meta)  # zero on the decode rows
+            if d:
+                out[:d] = self._decode(q[:d], meta)
+            return out
+        out = torch.empty_like(q)
+        if d:
+            self._decode(q[:d], meta, out=out[:d])
+        return self._prefill(q, meta, out=out)  # after the decode part: it owns the rows they share
 
-    def _prefill(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        kw = {"max_seqlen_q": meta.prefill_max_seqlen_q} if self._pass_max_seqlen else {}
+    def _prefill(self, q: torch.Tensor, meta: AttentionMetadata, **out) -> torch.Tensor:
+        if meta.prefill_tiles is not None:
+            out["tiles"] = meta.prefill_tiles
         return self.ops.paged_prefill_attention(
             q, self.k_cache, self.v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-            meta.prefill_context_lens, self.scale, **kw)
+            meta.prefill_context_lens, self.scale, meta.prefill_max_seqlen_q, **out)
 
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata, **out) -> torch.Tensor:
         return self.ops.paged_decode_attention(
-            q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+            q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
+            **out)

@@ -1,18 +1,27 @@
-"""CUDA graphs of the decode-only forward, one per bucketed batch size (1, 2, 4, 8, 16, 32, ...,
-max_num_seqs), captured largest first into one shared memory pool.
+"""CUDA graphs of whole steps (forward and the logits of the sampled rows), captured largest
+first into one shared memory pool, on the views of the step input buffers (`engine.batch_layout`).
 
-Each graph reads static input buffers; a decode batch of B sequences runs the smallest captured
-size >= B, its extra rows padded inert (slot -1: no KV write; context length 0: zero output).
-Block tables are captured at the full width `ceil(max_model_len / block_size)`, so the attention
-kernel's launch shape never depends on the batch's contents.
+Two families of buckets:
+- decode-only steps of B sequences run the graph of the smallest batch size >= B (1, 2, 4, 8, 16,
+  32, ..., max_num_seqs); rows past B are inert (slot -1: no KV write; context 0: zero output);
+- steps with prefill tokens (prefill-only or mixed) of T tokens run the graph of the smallest
+  token count >= T (16, 32, 64, ... with 1.5x steps from 512, up to `MAX_GRAPH_TOKENS`). Its
+  decode kernel covers min(T, max_num_seqs) rows (those past the step's decode rows are idle),
+  and its prefill kernel a tile map with room for any batch of that many tokens.
+Block tables are captured at the full width `ceil(max_model_len / block_size)`, so no launch shape
+depends on the batch's contents. Larger steps run eagerly (the GPU is the bottleneck there).
+Logits go to one static [max rows, vocab] float32 buffer; sampling runs after the replay.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.input_batch import HostBatch
+from engine.batch_layout import BatchShape
+from engine.input_batch import BatchBuilder, ModelInput, StepPlan
 from engine.models.llama import LlamaForCausalLM
+from kernels.prefill import max_tiles
+
+MAX_GRAPH_TOKENS = 16384
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -23,56 +32,94 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
-    def __init__(self, model: LlamaForCausalLM, max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device) -> None:
+def graph_token_sizes(max_num_batched_tokens: int) -> list[int]:
+    """16, 32, ..., 512, then 768, 1024, 1536, 2048, ... (powers of 2 and 1.5x them), up to the
+    batch limit (capped at MAX_GRAPH_TOKENS); padding stays under half of the bucket."""
+    top = min(max_num_batched_tokens, MAX_GRAPH_TOKENS)
+    sizes, power = [], 16
+    while power < top:
+        sizes += [power] + ([power * 3 // 2] if power >= 512 else [])
+        power *= 2
+    return [s for s in sizes if s < top] + [top]
+
+
+class StepGraphs:
+    """`capture=False` keeps the same static shapes and buffers but runs them eagerly (the CPU tests
+    check the padded layouts this way)."""
+
+    def __init__(self, model: LlamaForCausalLM, builder: BatchBuilder, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, width: int, capture: bool = True) -> None:
         self.model = model
+        self.builder = builder
+        self.width = width
         self.sizes = graph_batch_sizes(max_num_seqs)
-        n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.token_sizes = graph_token_sizes(max_num_batched_tokens)
+        self.decode_shapes = {b: BatchShape(b, b, 0, b, width) for b in self.sizes}
+        self.mixed_shapes = {t: self._mixed_shape(t, max_num_seqs) for t in self.token_sizes}
+        too_large = [s for s in self.shapes() if not s.fits_in(builder.buffers.capacity)]
+        if too_large:
+            raise ValueError(f"graph shape {too_large[0]} is invalid: larger than the input buffers' "
+                             f"{builder.buffers.capacity}")
+        rows = max(s.num_sample_rows for s in (*self.decode_shapes.values(), *self.mixed_shapes.values()))
+        device = next(model.parameters()).device
+        self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.inputs: dict[BatchShape, ModelInput] = {}
+        self.graphs: dict[BatchShape, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
+        self._capture = capture
         self._capture_all()
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], num_prefill_tokens=0,
-                                 decode_block_tables=self.block_tables[:bs],
-                                 decode_context_lens=self.context_lens[:bs])
+    def _mixed_shape(self, num_tokens: int, max_num_seqs: int) -> BatchShape:
+        seqs = min(num_tokens // 2, max_num_seqs)  # a prefill sequence computes >= 2 tokens
+        rows = min(num_tokens, max_num_seqs)
+        return BatchShape(num_tokens, rows, seqs, rows, self.width,
+                          max_tiles(num_tokens, seqs, self.builder.tokens_per_tile))
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+    def shapes(self) -> list[BatchShape]:
+        return [*self.decode_shapes.values(), *self.mixed_shapes.values()]
 
     @torch.no_grad()
     def _capture_all(self) -> None:
         pool = None
-        for bs in reversed(self.sizes):
-            self._forward(bs)  # warm-up outside the capture: Triton compiles here
+        for shape in sorted(self.shapes(), key=lambda s: (s.num_tokens, s.num_tiles), reverse=True):
+            self.inputs[shape] = self.builder.prepare(StepPlan(), shape, cache=False)  # every row idle
+            if not self._capture:
+                continue
+            self._forward(shape)  # warm-up outside the capture: Triton and torch.compile compile here
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._forward(bs)
+                self._forward(shape)
             pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
+            self.graphs[shape] = graph
+        if self._capture:
+            torch.cuda.synchronize()
 
-    def bucket(self, num_seqs: int) -> int | None:
-        """The captured batch size to run `num_seqs` decodes in, or None if too many."""
-        return next((s for s in self.sizes if s >= num_seqs), None)
+    def _forward(self, shape: BatchShape) -> None:
+        inputs = self.inputs[shape]
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        self.model.compute_logits(hidden[inputs.sample_rows], out=self.logits[:shape.num_sample_rows])
 
-    def run(self, host: HostBatch) -> torch.Tensor:
-        """`host`: a decode-only batch already padded to a captured size -> hidden [bs, hidden]."""
-        bs = len(host.input_ids)
-        width = host.decode_block_tables.shape[1]
-        self.input_ids[:bs].copy_(torch.from_numpy(host.input_ids))
-        self.positions[:bs].copy_(torch.from_numpy(host.positions))
-        self.slot_mapping[:bs].copy_(torch.from_numpy(host.slot_mapping))
-        self.context_lens[:bs].copy_(torch.from_numpy(host.decode_context_lens))
-        self.block_tables[:bs, :width].copy_(torch.from_numpy(host.decode_block_tables))
-        self.graphs[bs].replay()
+    def shape_for(self, plan: StepPlan) -> BatchShape | None:
+        """The captured shape to run `plan` in, or None (too large: run it eagerly)."""
+        if plan.width > self.width:
+            return None
+        if plan.decode_only:
+            size = next((b for b in self.sizes if b >= len(plan.decodes)), None)
+            return None if size is None else self.decode_shapes[size]
+        size = next((t for t in self.token_sizes if t >= plan.num_tokens), None)
+        if size is None:
+            return None
+        shape = self.mixed_shapes[size]
+        tokens = self.builder.tokens_per_tile
+        tiles = sum(-(-n // tokens) for n in plan.prefill_lens)
+        return shape if plan.shape().fits_in(shape) and tiles <= shape.num_tiles else None
+
+    def run(self, shape: BatchShape) -> torch.Tensor:
+        """Replay `shape`'s graph on the inputs already uploaded -> logits [shape rows, vocab]."""
+        if self._capture:
+            self.graphs[shape].replay()
+        else:
+            self._forward(shape)
         self.num_replays += 1
-        return self.outputs[bs]
+        return self.logits[:shape.num_sample_rows]

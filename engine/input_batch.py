@@ -1,19 +1,30 @@
 """Turns the scheduled sequences of a `SchedulerOutput` into one flattened varlen batch.
 
-Sequences computing more than one token form the prefill part (first), sequences computing one
-token (decodes, and any 1-token chunk) the decode part (after it). For each sequence the tokens
-are positions `[num_computed_tokens, num_computed_tokens + num_new_tokens)` of `seq.token_ids`;
-position p is written to slot `block_table[p // block_size] * block_size + p % block_size`.
-Host arrays are built with numpy, then copied to the device in one pinned, non-blocking copy each.
+Layout (eager steps and CUDA graphs alike): the decode rows first (sequences computing one token:
+decodes, and any 1-token chunk), then the prefill sequences' rows (more than one token each), then
+padding rows up to the shape's `num_tokens` (token 0, position 0, slot -1: no KV write). For each
+sequence the tokens are positions `[num_computed_tokens, num_computed_tokens + num_new_tokens)` of
+`seq.token_ids`; position p is written to slot `block_table[p // block_size] * block_size +
+p % block_size`. Sampled rows (the last row of each sequence with num_samples > 0) are listed
+decode rows first, in scheduled order.
+
+`BatchBuilder.plan` sorts and checks a step (no buffer written); `fill` writes it, padded to a
+shape, into the pinned buffers of `engine.batch_layout` with numpy (decode rows vectorised, block
+tables kept between steps by `BlockTableRows`); `upload` makes it one host-to-device copy and
+returns the `ModelInput` views.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter, getitem, itemgetter
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.batch_layout import BatchShape, InputBuffers
+from engine.block_tables import BlockTableRows
+from kernels.prefill import tile_map
 from policies.outputs import ScheduledSeq
 
 
@@ -23,39 +34,32 @@ class ModelInput:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [R] int64: batch row of the last token of each sampled sequence
-    sampled: list[ScheduledSeq]  # the R sequences that sample, in `sample_rows` order
-    num_tokens: int  # T (including decode padding rows)
-    num_decode_seqs: int  # real decode rows (padding excluded)
-
-    @property
-    def decode_only(self) -> bool:
-        return self.meta.num_prefill_tokens == 0
+    temperatures: torch.Tensor  # [R] float32 (read by the fast sampling path only)
 
 
 @dataclass(slots=True)
-class HostBatch:
-    """The same batch as numpy arrays, before the device copy (CUDA graphs copy these into static
-    buffers)."""
+class StepPlan:
+    """One step sorted into the batch layout and checked, before any buffer is written."""
 
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    num_prefill_tokens: int
-    prefill_block_tables: np.ndarray
-    prefill_cu_seqlens_q: np.ndarray
-    prefill_context_lens: np.ndarray
-    decode_block_tables: np.ndarray
-    decode_context_lens: np.ndarray
-    sample_rows: np.ndarray
-    sampled: list[ScheduledSeq]
-    num_decode_seqs: int
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decode_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    decode_sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sampled: list[ScheduledSeq] = field(default_factory=list)  # decode rows first, then prefills
+    num_tokens: int = 0
+    width: int = 1  # the longest block table (at least 1 column)
 
+    @property
+    def decode_only(self) -> bool:
+        return not self.prefills
 
-def _block_table_array(seqs: list[ScheduledSeq], width: int, rows: int | None = None) -> np.ndarray:
-    table = np.zeros((len(seqs) if rows is None else rows, width), dtype=np.int32)
-    for i, s in enumerate(seqs):
-        table[i, :len(s.seq.block_table)] = s.seq.block_table
-    return table
+    @property
+    def prefill_lens(self) -> list[int]:
+        return [s.num_new_tokens for s in self.prefills]
+
+    def shape(self) -> BatchShape:
+        """The exact (unpadded) shape of an eager step."""
+        return BatchShape(self.num_tokens, len(self.decodes), len(self.prefills), len(self.sampled), self.width)
 
 
 def _check(s: ScheduledSeq, block_size: int) -> None:
@@ -72,77 +76,131 @@ def _check(s: ScheduledSeq, block_size: int) -> None:
                          f"token {end} of {seq.num_tokens} (sampling needs the last token)")
 
 
-def build_host_batch(scheduled: list[ScheduledSeq], block_size: int,
-                     pad_decode_to: int | None = None) -> HostBatch:
-    """`pad_decode_to`: pad the decode part with inert rows (no KV write, empty context) to this
-    many rows, for a captured CUDA graph of that batch size."""
-    prefills = [s for s in scheduled if s.num_new_tokens > 1]
-    decodes = [s for s in scheduled if s.num_new_tokens == 1]
-    for s in scheduled:
-        _check(s, block_size)
-    sampled = [s for s in prefills if s.num_samples > 0] + [s for s in decodes if s.num_samples > 0]
-    # Prefill part: numpy per sequence (few sequences, many tokens each).
-    pre_ids, pre_pos, pre_slots, cu, pre_ctx, sample_rows = [], [], [], [0], [], []
+_SEQ, _NUM_NEW, _NUM_SAMPLES = itemgetter(0), itemgetter(1), itemgetter(2)  # ScheduledSeq fields
+_COMPUTED, _TOKENS, _TABLE = attrgetter("num_computed_tokens"), attrgetter("token_ids"), attrgetter("block_table")
+
+
+def plan_step(scheduled: list[ScheduledSeq], block_size: int) -> StepPlan:
+    num_new = list(map(_NUM_NEW, scheduled))
+    if num_new.count(1) == len(num_new):
+        decodes, prefills = scheduled, []
+    else:
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens != 1]
     for s in prefills:
-        start = s.seq.num_computed_tokens
-        end = start + s.num_new_tokens
-        p = np.arange(start, end, dtype=np.int64)
-        table = np.asarray(s.seq.block_table, dtype=np.int64)
-        pre_ids.append(np.asarray(s.seq.token_ids[start:end], dtype=np.int64))
-        pre_pos.append(p)
-        pre_slots.append(table[p // block_size] * block_size + p % block_size)
-        cu.append(cu[-1] + s.num_new_tokens)
-        pre_ctx.append(end)
-        if s.num_samples > 0:
-            sample_rows.append(cu[-1] - 1)
-    num_prefill_tokens = cu[-1]
-    # Decode part: plain Python ints per sequence (many sequences, one token each), padded.
-    pad = 0 if pad_decode_to is None else pad_decode_to - len(decodes)
-    if pad < 0:
-        raise ValueError(f"pad_decode_to={pad_decode_to} is smaller than the {len(decodes)} decode rows")
-    dec_pos = [s.seq.num_computed_tokens for s in decodes]
-    dec_ids = [s.seq.token_ids[p] for s, p in zip(decodes, dec_pos)]
-    dec_slots = [s.seq.block_table[p // block_size] * block_size + p % block_size
-                 for s, p in zip(decodes, dec_pos)]
-    dec_ctx = [p + 1 for p in dec_pos] + [0] * pad
-    sample_rows += [num_prefill_tokens + i for i, s in enumerate(decodes) if s.num_samples > 0]
-    width = max([len(s.seq.block_table) for s in scheduled] + [1])
-    return HostBatch(
-        input_ids=np.concatenate(pre_ids + [np.asarray(dec_ids + [0] * pad, dtype=np.int64)]),
-        positions=np.concatenate(pre_pos + [np.asarray(dec_pos + [0] * pad, dtype=np.int64)]),
-        slot_mapping=np.concatenate(pre_slots + [np.asarray(dec_slots + [-1] * pad, dtype=np.int64)]),
-        num_prefill_tokens=num_prefill_tokens,
-        prefill_block_tables=_block_table_array(prefills, width),
-        prefill_cu_seqlens_q=np.asarray(cu, dtype=np.int32),
-        prefill_context_lens=np.asarray(pre_ctx, dtype=np.int32),
-        decode_block_tables=_block_table_array(decodes, width, len(decodes) + pad),
-        decode_context_lens=np.asarray(dec_ctx, dtype=np.int32),
-        sample_rows=np.asarray(sample_rows, dtype=np.int64),
-        sampled=sampled, num_decode_seqs=len(decodes))
+        _check(s, block_size)
+    seqs = list(map(_SEQ, decodes))
+    positions = np.fromiter(map(_COMPUTED, seqs), dtype=np.int64, count=len(seqs))
+    num_blocks = np.fromiter(map(len, map(_TABLE, seqs)), dtype=np.int64, count=len(seqs))
+    samples = np.fromiter(map(_NUM_SAMPLES, decodes), dtype=np.int64, count=len(seqs))
+    if decodes:  # the checks of `_check`, vectorised; the first failing row raises its message
+        ends = positions + 1
+        num_tokens = np.fromiter(map(len, map(_TOKENS, seqs)), dtype=np.int64, count=len(seqs))
+        bad = (ends > num_tokens) | (num_blocks * block_size < ends) | ((samples > 0) & (ends != num_tokens))
+        if bad.any():
+            _check(decodes[int(bad.argmax())], block_size)
+    sample_rows = np.flatnonzero(samples)
+    sampled = [decodes[i] for i in sample_rows.tolist()] + [s for s in prefills if s.num_samples > 0]
+    width = max([int(num_blocks.max(initial=1))] + [len(s.seq.block_table) for s in prefills])
+    return StepPlan(decodes, prefills, positions, sample_rows, sampled,
+                    len(decodes) + sum(s.num_new_tokens for s in prefills), width)
 
 
-def to_device(host: HostBatch, device: torch.device) -> ModelInput:
-    pin = device.type == "cuda"
+class BatchBuilder:
+    """Owns the step input buffers (sized by `capacity`) and the decode rows' block tables.
+    `tokens_per_tile`: the prefill kernel's tokens per program, for shapes with a tile map."""
 
-    def put(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+    def __init__(self, block_size: int, capacity: BatchShape, device: torch.device,
+                 tokens_per_tile: int = 1) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.tokens_per_tile = tokens_per_tile
+        self.buffers = InputBuffers(capacity, device)
+        self.block_tables = BlockTableRows(capacity.num_decode_rows, capacity.width)
+        self._views: dict[tuple[BatchShape, int], ModelInput] = {}
 
-    has_prefill = host.num_prefill_tokens > 0
-    has_decode = len(host.decode_context_lens) > 0
+    def plan(self, scheduled: list[ScheduledSeq]) -> StepPlan:
+        return plan_step(scheduled, self.block_size)
+
+    def write(self, plan: StepPlan, shape: BatchShape, temperatures: list[float] | None = None) -> InputBuffers:
+        """Fill `plan` padded to `shape` (which it must fit) and start its copy to the device."""
+        buffers = self.buffers if shape.fits_in(self.buffers.capacity) else InputBuffers(shape, self.device)
+        self.fill(buffers.host_views(shape), plan, temperatures)
+        buffers.upload(shape)
+        return buffers
+
+    def prepare(self, plan: StepPlan, shape: BatchShape, temperatures: list[float] | None = None,
+                cache: bool = True) -> ModelInput:
+        """`write`, then the device views (kept per shape and max_seqlen_q unless `cache=False`)."""
+        buffers = self.write(plan, shape, temperatures)
+        max_q = max(plan.prefill_lens, default=0)
+        if buffers is not self.buffers or not cache:
+            return _model_input(buffers.device_views(shape), shape, max_q)
+        key = (shape, max_q)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            views = self._views[key] = _model_input(self.buffers.device_views(shape), shape, max_q)
+        return views
+
+    def fill(self, v: dict[str, np.ndarray], plan: StepPlan, temperatures: list[float] | None) -> None:
+        """Write `plan` into the host views `v` of a shape it fits, padding every field."""
+        bs, d = self.block_size, len(plan.decodes)
+        ids, pos, slots = v["input_ids"], v["positions"], v["slot_mapping"]
+        if d:
+            p = plan.decode_positions
+            seqs = list(map(_SEQ, plan.decodes))
+            ids[:d] = list(map(getitem, map(_TOKENS, seqs), p.tolist()))
+            pos[:d] = p
+            tables = v["decode_block_tables"][:d]
+            self.block_tables.gather(seqs, tables)
+            slots[:d] = tables[np.arange(d), p // bs].astype(np.int64) * bs + p % bs
+        v["decode_context_lens"][:d] = plan.decode_positions + 1
+        v["decode_context_lens"][d:] = 0
+        cu, ctx, tables = v["prefill_cu_seqlens_q"], v["prefill_context_lens"], v["prefill_block_tables"]
+        row = cu[0] = d
+        for i, s in enumerate(plan.prefills):
+            start, n = s.seq.num_computed_tokens, s.num_new_tokens
+            p = np.arange(start, start + n, dtype=np.int64)
+            table = np.asarray(s.seq.block_table, dtype=np.int64)
+            ids[row:row + n] = s.seq.token_ids[start:start + n]
+            pos[row:row + n] = p
+            slots[row:row + n] = table[p // bs] * bs + p % bs
+            tables[i, :len(table)] = table
+            tables[i, len(table):] = 0
+            ctx[i] = start + n
+            row = cu[i + 1] = row + n
+        s_real = len(plan.prefills)
+        cu[s_real + 1:] = row
+        ctx[s_real:] = 0
+        ids[row:], pos[row:], slots[row:] = 0, 0, -1
+        if len(v["prefill_tiles"]):
+            tile_map(np.diff(cu), self.tokens_per_tile, v["prefill_tiles"])
+        r, r_dec = len(plan.sampled), len(plan.decode_sample_rows)
+        v["sample_rows"][:r_dec] = plan.decode_sample_rows
+        v["sample_rows"][r_dec:r] = [int(cu[i + 1]) - 1 for i, s in enumerate(plan.prefills) if s.num_samples > 0]
+        v["sample_rows"][r:] = 0
+        v["temperatures"][:r] = 0.0 if temperatures is None else temperatures
+        v["temperatures"][r:] = 0.0
+
+
+def _model_input(t: dict[str, torch.Tensor], shape: BatchShape, max_seqlen_q: int) -> ModelInput:
+    d, has_prefill = shape.num_decode_rows, shape.num_prefill_seqs > 0
     meta = AttentionMetadata(
-        slot_mapping=put(host.slot_mapping), num_prefill_tokens=host.num_prefill_tokens,
-        prefill_block_tables=put(host.prefill_block_tables) if has_prefill else None,
-        prefill_cu_seqlens_q=put(host.prefill_cu_seqlens_q) if has_prefill else None,
-        prefill_context_lens=put(host.prefill_context_lens) if has_prefill else None,
-        prefill_max_seqlen_q=int(np.diff(host.prefill_cu_seqlens_q).max()) if has_prefill else 0,
-        decode_block_tables=put(host.decode_block_tables) if has_decode else None,
-        decode_context_lens=put(host.decode_context_lens) if has_decode else None)
-    return ModelInput(input_ids=put(host.input_ids), positions=put(host.positions), meta=meta,
-                      sample_rows=put(host.sample_rows), sampled=host.sampled,
-                      num_tokens=len(host.input_ids), num_decode_seqs=host.num_decode_seqs)
+        slot_mapping=t["slot_mapping"], num_decode_rows=d,
+        decode_block_tables=t["decode_block_tables"] if d else None,
+        decode_context_lens=t["decode_context_lens"] if d else None,
+        prefill_block_tables=t["prefill_block_tables"] if has_prefill else None,
+        prefill_cu_seqlens_q=t["prefill_cu_seqlens_q"] if has_prefill else None,
+        prefill_context_lens=t["prefill_context_lens"] if has_prefill else None,
+        prefill_max_seqlen_q=max_seqlen_q,
+        prefill_tiles=t["prefill_tiles"] if shape.num_tiles else None)
+    return ModelInput(t["input_ids"], t["positions"], meta, t["sample_rows"], t["temperatures"])
 
 
-def build_model_input(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
-                      pad_decode_to: int | None = None) -> ModelInput:
-    return to_device(build_host_batch(scheduled, block_size, pad_decode_to), device)
+def build_model_input(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> ModelInput:
+    """One eager step's inputs with throwaway buffers (tests, one-off forwards)."""
+    plan = plan_step(scheduled, block_size)
+    shape = plan.shape()
+    return BatchBuilder(block_size, shape, device).prepare(plan, shape)

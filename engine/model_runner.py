@@ -3,12 +3,15 @@
 Construction: build the model and load its weights; on a GPU, profile a forward pass at
 `max_num_batched_tokens` to size the KV cache from `gpu_memory_utilization` (unless
 `CacheConfig.num_gpu_blocks` is given; on CPU it must be); allocate the KV cache and the swap
-pool; capture decode CUDA graphs unless `enforce_eager` (always eager on CPU). The elementwise
-ops are torch.compile'd on CUDA unless `enforce_eager` (`compile_model` overrides).
+pool; capture CUDA graphs of whole steps unless `enforce_eager` (always eager on CPU; buckets in
+`engine.cuda_graph`). The elementwise ops are torch.compile'd on CUDA unless `enforce_eager`
+(`compile_model` overrides).
 
-`execute(out)`: cache ops (swap out, swap in, copy) then one forward over the flattened batch
-(a captured graph when every scheduled sequence decodes one token), logits of the sampled rows
-only, then the sampler.
+`execute(out)`: cache ops (swap out, swap in, copy), then the step's inputs go to the device in one
+copy from pinned memory (`engine.input_batch`), then one forward over the flattened batch and the
+logits of the sampled rows (a graph replay when a bucket fits the step), then sampling: one
+vectorised draw when every row only needs its temperature, the full `Sampler` otherwise. The only
+device sync of a step is the read of the sampled tokens.
 """
 from __future__ import annotations
 
@@ -17,12 +20,14 @@ import math
 import torch
 
 from engine.attention import attention_ops
+from engine.batch_layout import BatchShape
 from engine.config import DTYPES, CacheConfig, ModelConfig
-from engine.cuda_graph import DecodeGraphs
-from engine.input_batch import build_host_batch, to_device
+from engine.cuda_graph import StepGraphs
+from engine.input_batch import BatchBuilder, StepPlan
 from engine.kv_cache import KVCache, block_bytes, num_cpu_blocks
-from engine.sampler import Sampler, SampleResult
+from engine.sampler import Sampler, SampleResult, sample_with_temperatures
 from engine.weights import build_model
+from kernels.prefill import max_tiles, tokens_per_tile
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.request import Request, SamplingParams
 from policies.sequence import Sequence
@@ -53,22 +58,27 @@ class ModelRunner:
         self.model = build_model(model_config, self.ops, self.device, self.dtype,
                                  max_positions=max_model_len, seed=seed, compile=compile_model)
         self.sampler = Sampler(self.device)
+        width = cache_config.blocks_per_seq(max_model_len)
+        tokens = tokens_per_tile(model_config.num_attention_heads, model_config.num_key_value_heads)
+        capacity = BatchShape(max_num_batched_tokens, max_num_seqs, max_num_seqs, max_num_seqs, width,
+                              max_tiles(max_num_batched_tokens, max_num_seqs, tokens))
+        self.batch = BatchBuilder(self.block_size, capacity, self.device, tokens)
+        self.graphs: StepGraphs | None = None
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._profile_num_gpu_blocks()
         self.num_cpu_blocks = num_cpu_blocks(cache_config.swap_space, model_config, self.block_size,
                                              self.dtype)
-        needed = cache_config.blocks_per_seq(max_model_len)
-        if self.num_gpu_blocks < needed:
+        if self.num_gpu_blocks < width:
             raise ValueError(
-                f"KV cache too small: one max_model_len={max_model_len} request needs {needed} blocks "
+                f"KV cache too small: one max_model_len={max_model_len} request needs {width} blocks "
                 f"of {self.block_size} tokens, but only {self.num_gpu_blocks} fit (gpu_memory_utilization="
                 f"{cache_config.gpu_memory_utilization}, num_gpu_blocks={cache_config.num_gpu_blocks}); "
                 "lower max_model_len or give the cache more memory")
         self.kv_cache = KVCache(model_config, self.block_size, self.num_gpu_blocks, self.num_cpu_blocks,
                                 self.device, self.dtype, self.ops)
         self.model.bind_kv_cache(self.kv_cache.k_caches, self.kv_cache.v_caches)
-        self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
-            self.graphs = DecodeGraphs(self.model, max_num_seqs, needed, self.device)
+            self.graphs = StepGraphs(self.model, self.batch, max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=max_num_batched_tokens, width=width)
 
     @property
     def vocab_size(self) -> int:
@@ -80,27 +90,35 @@ class ModelRunner:
         self.kv_cache.apply(out.swap_out, out.swap_in, out.copy)
         if not out.scheduled:
             return {}
-        hidden, host = self._forward(out.scheduled)
-        if not host.sampled:
+        plan = self.batch.plan(out.scheduled)
+        temperatures = self.sampler.fast_temperatures(plan.sampled)
+        logits, inputs = self._forward(plan, temperatures)
+        if not plan.sampled:
             return {}
-        rows = torch.from_numpy(host.sample_rows).to(self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        results = self.sampler(logits, host.sampled)
-        return {s.seq.seq_id: r for s, r in zip(host.sampled, results)}
+        rows = len(plan.sampled)
+        if temperatures is None:
+            results = self.sampler(logits[:rows], plan.sampled)
+        else:
+            all_greedy = not any(temperatures)
+            tokens = sample_with_temperatures(logits[:rows], inputs.temperatures[:rows], all_greedy)
+            results = [SampleResult([t]) for t in tokens.tolist()]
+        return {s.seq.seq_id: r for s, r in zip(plan.sampled, results)}
 
     def release(self, seq_ids) -> None:
         """Forget per-sequence state (seeded generators) of finished sequences."""
         self.sampler.release(seq_ids)
 
-    def _forward(self, scheduled: list[ScheduledSeq]):
-        bucket = None
-        if self.graphs is not None and all(s.num_new_tokens == 1 for s in scheduled):
-            bucket = self.graphs.bucket(len(scheduled))
-        host = build_host_batch(scheduled, self.block_size, pad_decode_to=bucket)
-        if bucket is not None and host.decode_block_tables.shape[1] <= self.graphs.block_tables.shape[1]:
-            return self.graphs.run(host), host
-        batch = to_device(host, self.device)
-        return self.model(batch.input_ids, batch.positions, batch.meta), host
+    def _forward(self, plan: StepPlan, temperatures: list[float] | None):
+        """-> (logits of the sampled rows, padded or not; the step's ModelInput)."""
+        shape = self.graphs.shape_for(plan) if self.graphs is not None else None
+        if shape is not None:
+            self.batch.write(plan, shape, temperatures)
+            return self.graphs.run(shape), self.graphs.inputs[shape]
+        inputs = self.batch.prepare(plan, plan.shape(), temperatures)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not plan.sampled:
+            return None, inputs
+        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs
 
     @torch.no_grad()
     def _profile_num_gpu_blocks(self) -> int:
@@ -126,12 +144,11 @@ class ModelRunner:
             seq.block_table = list(range(next_block, next_block + blocks))
             next_block += blocks
             scheduled.append(ScheduledSeq(seq, n, 1))
-        host = build_host_batch(scheduled, self.block_size)
-        batch = to_device(host, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-        self.sampler(self.model.compute_logits(hidden[batch.sample_rows]), host.sampled)
+        plan = self.batch.plan(scheduled)
+        logits, _ = self._forward(plan, None)
+        self.sampler(logits, plan.sampled)
         torch.cuda.synchronize(self.device)
-        del hidden, batch, temp
+        del logits, temp
         self.model.bind_kv_cache([None] * len(self.model.layers), [None] * len(self.model.layers))
         peak = torch.cuda.max_memory_allocated(self.device) - temp_bytes
         free, total = torch.cuda.mem_get_info(self.device)

@@ -7,11 +7,16 @@ Per row: min_tokens (mask the stop ids and EOS while too few tokens were generat
 requests draw their noise from a per-sequence `torch.Generator` (seeded from the request seed and
 the sequence's `sample_index`), so their tokens do not depend on the rest of the batch.
 Logprobs are the model's raw log-softmax (before any processing), as vLLM v1 returns them.
-An all-greedy batch without logprobs or min_tokens is one argmax.
+
+Fast path: when every row only needs its temperature (one sample, no top-k/top-p/min-p, no seed,
+no logprobs, no pending min_tokens), `fast_temperatures` returns the per-row temperatures and
+`sample_with_temperatures` draws all rows at once with the same arithmetic as the general path
+(an all-greedy batch is one argmax), reading the temperatures from the step's uploaded inputs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 
 import torch
 
@@ -27,6 +32,11 @@ class SampleResult:
     logprobs: list[dict[int, float]] | None = None
 
 
+_SEQ, _NUM_SAMPLES = itemgetter(0), itemgetter(2)  # ScheduledSeq fields
+_PARAMS, _TEMPERATURE = attrgetter("request.sampling_params"), attrgetter("temperature")
+_DECIDING = attrgetter("logprobs", "top_k", "top_p", "min_p", "seed", "min_tokens", "temperature")
+
+
 def _stop_ids(s: ScheduledSeq, vocab_size: int) -> list[int]:
     sp = s.seq.request.sampling_params
     ids = set(sp.stop_token_ids)
@@ -34,6 +44,21 @@ def _stop_ids(s: ScheduledSeq, vocab_size: int) -> list[int]:
     if eos is not None and not sp.ignore_eos:
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return [t for t in ids if t < vocab_size]
+
+
+def sample_with_temperatures(logits: torch.Tensor, temperatures: torch.Tensor, all_greedy: bool) -> torch.Tensor:
+    """logits [R, V] float32, temperatures [R] (0 = greedy) -> tokens [R] int64 (unseeded draws)."""
+    greedy = logits.argmax(dim=-1)
+    if all_greedy:
+        return greedy
+    scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+    noise = torch.empty_like(scaled).exponential_()
+    return torch.where(temperatures > 0, _exponential_race(torch.softmax(scaled, dim=-1), noise), greedy)
+
+
+def _exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(probs / Exp(1) noise): an exact categorical draw per row."""
+    return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
 
 
 class Sampler:
@@ -55,6 +80,23 @@ class Sampler:
             gen = torch.Generator(device=self.device).manual_seed(seed & ((1 << 63) - 1))
             self.generators[s.seq.seq_id] = gen
         return gen
+
+    @staticmethod
+    def fast_temperatures(sampled: list[ScheduledSeq]) -> list[float] | None:
+        """Per-row temperatures if the fast path serves every row, else None. Runs at C speed over the
+        rows: each distinct combination of the deciding fields is checked once."""
+        counts = list(map(_NUM_SAMPLES, sampled))
+        if counts.count(1) != len(counts):
+            return None
+        params = list(map(_PARAMS, map(_SEQ, sampled)))
+        for logprobs, top_k, top_p, min_p, seed, min_tokens, temperature in set(map(_DECIDING, params)):
+            if (logprobs is not None or top_k > 0 or top_p < 1.0 or min_p > 0
+                    or (seed is not None and temperature > 0)):
+                return None
+            if min_tokens and any(s.seq.num_output_tokens < s.seq.request.sampling_params.min_tokens
+                                  for s in sampled):
+                return None
+        return list(map(_TEMPERATURE, params))
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[SampleResult]:
@@ -123,7 +165,7 @@ class Sampler:
             lo, hi = seeded[start], seeded[end - 1] + 1
             noise[lo:hi].exponential_(generator=self._generator(seqs[lo]))
             start = end
-        return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
+        return _exponential_race(probs, noise)
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor,
                   params: list[SamplingParams]) -> list[dict[int, float] | None]:

@@ -1,6 +1,7 @@
 """The engine's model runner on a CUDA GPU: Qwen3-0.6B shapes with dummy bf16 weights against
-transformers on the same weights, CUDA-graph decode against eager decode, the profiled KV budget,
-and swaps through pinned memory on the side stream.
+transformers on the same weights, CUDA-graph steps (decode-only, and prefill chunks mixed with
+decodes) against eager steps, the profiled KV budget, and swaps through pinned memory on the side
+stream.
 
 Run on the GPU machine with TRITON_INTERPRET=0 (tests/conftest.py sets it to 1 by default):
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/test_engine_gpu.py
@@ -31,20 +32,24 @@ def qwen3_runner(enforce_eager: bool, compile_model: bool | None = None, **cache
 
 
 def run_greedy(runner: ModelRunner, prompts: list[list[int]], steps: int,
-               forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[dict]]]:
-    """Greedy decode with top-5 logprobs; with `forced`, the sequences continue with those tokens
-    instead of their own (teacher forcing), so two runs can be compared position by position."""
+               forced: list[list[int]] | None = None,
+               chunk: int = 10_000) -> tuple[list[list[int]], list[list[dict]]]:
+    """Greedy decode of `steps` tokens per prompt with top-5 logprobs, prompts computed `chunk`
+    tokens per step (small: prefill chunks share steps with decodes); with `forced`, the sequences
+    continue with those tokens instead of their own (teacher forcing), so two runs can be compared
+    position by position."""
     seqs = make_seqs(prompts, SamplingParams(temperature=0, logprobs=5, max_tokens=steps))
     alloc = BlockAllocator(runner.block_size, runner.num_gpu_blocks)
     tokens = [[] for _ in seqs]
     logprobs = [[] for _ in seqs]
-    for k in range(steps):
-        results = step(runner, alloc, seqs, 10_000)
+    while any(len(t) < steps for t in tokens):
+        results = step(runner, alloc, [s for s, t in zip(seqs, tokens) if len(t) < steps], chunk)
         for i, s in enumerate(seqs):
-            tokens[i].append(results[s.seq_id].token_ids[0])
-            logprobs[i].append(results[s.seq_id].logprobs[0])
-            if forced is not None:
-                s.token_ids[-1] = forced[i][k]
+            if s.seq_id in results:
+                if forced is not None:
+                    s.token_ids[-1] = forced[i][len(tokens[i])]
+                tokens[i].append(results[s.seq_id].token_ids[0])
+                logprobs[i].append(results[s.seq_id].logprobs[0])
     return tokens, logprobs
 
 
@@ -76,25 +81,33 @@ def test_qwen3_dummy_bf16_close_to_transformers(compile_model):
     assert all(o[0] == t[0] for o, t in zip(ours, theirs))
 
 
-@torch.no_grad()
-def test_cuda_graph_decode_equals_eager():
-    prompts = random_prompts(PROMPT_LENS + [3, 90], 10_000, seed=1)  # 7 seqs: padded to the 8-graph
-    eager = qwen3_runner(enforce_eager=True, compile_model=True)  # same ops; only the graphs differ
-    e_tok, e_lp = run_greedy(eager, prompts, steps=20)
-    del eager
-    torch.cuda.empty_cache()
-    graphed = qwen3_runner(enforce_eager=False)
-    assert graphed.graphs is not None and 8 in graphed.graphs.graphs
-    g_tok, g_lp = run_greedy(graphed, prompts, steps=20, forced=e_tok)
-    assert graphed.graphs.num_replays == 19  # every step after the prefill ran a graph
+def assert_graphs_equal_eager(e_tok, e_lp, g_tok, g_lp) -> None:
+    """Teacher-forced runs: the same tokens but at bf16 near-ties, and close logprobs everywhere."""
     assert agreement(g_tok, e_tok) >= 0.97
-    for i in range(len(prompts)):
-        for k in range(20):
+    for i in range(len(e_tok)):
+        for k in range(len(e_tok[i])):
             common = set(e_lp[i][k]) & set(g_lp[i][k])
             assert common and all(abs(e_lp[i][k][t] - g_lp[i][k][t]) < 0.05 for t in common)
             if g_tok[i][k] != e_tok[i][k]:  # only near-ties may differ
                 assert g_tok[i][k] in e_lp[i][k]
                 assert e_lp[i][k][e_tok[i][k]] - e_lp[i][k][g_tok[i][k]] < 0.05
+
+
+@pytest.mark.parametrize("chunk", [10_000, 96])
+@torch.no_grad()
+def test_cuda_graph_steps_equal_eager(chunk):
+    """chunk 10_000: one prefill step, then decode-only steps (7 seqs: padded to the 8-graph);
+    chunk 96: the 513-token prompt prefills in chunks next to the others' decodes (mixed graphs)."""
+    prompts = random_prompts(PROMPT_LENS + [3, 90], 10_000, seed=1)
+    eager = qwen3_runner(enforce_eager=True, compile_model=True)  # same ops; only the graphs differ
+    e_tok, e_lp = run_greedy(eager, prompts, steps=20, chunk=chunk)
+    del eager
+    torch.cuda.empty_cache()
+    graphed = qwen3_runner(enforce_eager=False)
+    assert graphed.graphs is not None and 8 in graphed.graphs.sizes
+    g_tok, g_lp = run_greedy(graphed, prompts, steps=20, forced=e_tok, chunk=chunk)
+    assert graphed.graphs.num_replays == (20 if chunk == 10_000 else 25)  # every step ran a graph
+    assert_graphs_equal_eager(e_tok, e_lp, g_tok, g_lp)
 
 
 def test_profiled_kv_budget_respects_gpu_memory_utilization():

@@ -42,8 +42,8 @@ def run_chunks(model, seqs, alloc, chunk: int) -> dict[int, list[torch.Tensor]]:
                 sched.append(ScheduledSeq(s, n, 0))
         batch = build_model_input(sched, BLOCK, torch.device("cpu"))
         out = model.compute_logits(model(batch.input_ids, batch.positions, batch.meta))
-        # rows: prefill part (n > 1) first, then the decode part, each in scheduled order
-        order = [s for s in sched if s.num_new_tokens > 1] + [s for s in sched if s.num_new_tokens == 1]
+        # rows: decode part (1 token) first, then the prefill part, each in scheduled order
+        order = [s for s in sched if s.num_new_tokens == 1] + [s for s in sched if s.num_new_tokens > 1]
         row = 0
         for s in order:
             logits[s.seq.seq_id].append(out[row:row + s.num_new_tokens])
