@@ -34,8 +34,9 @@ from experiments.hf_peers import PeerResult, continuous_batching, hf_model, padd
 from experiments.run import run
 from policies.request import SamplingParams
 
-BASE = ["backend=engine", "model=qwen3-0.6b", "workload=nanovllm", "scheduler.max_num_batched_tokens=16384",
-        "scheduler.max_num_seqs=256", "scheduler.max_model_len=2048", "progress=false", "plots=false"]
+BASE = ["backend=engine", "model=qwen3-0.6b", "workload=nanovllm",  # nano-vllm's engine limits:
+        "scheduler.max_num_batched_tokens=16384", "scheduler.max_num_seqs=512", "scheduler.max_model_len=4096",
+        "progress=false", "plots=false"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
