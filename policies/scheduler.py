@@ -18,7 +18,6 @@ stop rules, frees finished sequences and records the step. See preemption.py and
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 
 from policies.blocks.base import AllocStatus, BlockManager
@@ -28,6 +27,7 @@ from policies.policy.base import Policy
 from policies.preemption import Preemptor, merge_block_map
 from policies.queues import SchedulerQueues, seq_cost
 from policies.request import Request
+from policies.scheduler_config import SchedulerConfig
 from policies.sequence import Sequence, SequenceStatus
 from policies.step_stats import StepStats
 from policies.trace import TraceRecorder
@@ -36,27 +36,6 @@ RUNNING = SequenceStatus.RUNNING
 LATER, NEVER = AllocStatus.LATER, AllocStatus.NEVER
 _entry_computed = attrgetter("seq.num_computed_tokens")
 _entry_samples = itemgetter(2)
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 4096
-    enable_chunked_prefill: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
-        if type(self.enable_chunked_prefill) is not bool:
-            raise ValueError(f"enable_chunked_prefill={self.enable_chunked_prefill!r} is invalid: "
-                             "must be True or False")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid: without "
-                             f"chunked prefill a whole prompt must fit in one step, so it must be >= "
-                             f"max_model_len={self.max_model_len}")
 
 
 class Scheduler:
