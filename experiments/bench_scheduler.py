@@ -99,6 +99,8 @@ def main() -> None:
         print(f"{kind:<10} {median:>10.1f} {p99:>8.1f} {statistics.fmean(costs):>8.1f} "
               f"{median / args.num_seqs:>7.3f} {statistics.median(schedule_us):>12.1f} "
               f"{statistics.median(update_us):>10.1f}")
+    if not args.profile:  # the machine may be shared: CPU time still grows with contention
+        print(f"# load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

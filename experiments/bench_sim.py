@@ -1,14 +1,18 @@
-"""`python -m experiments.bench_sim [--workloads sharegpt,alpaca] [overrides]`: simulated requests per
-wall-clock second.
+"""`python -m experiments.bench_sim [--workloads sharegpt,alpaca,poisson] [overrides]`: simulated
+requests per wall-clock second.
 
 For each workload: 10,000 requests with Poisson arrivals at the workload's default rate (ShareGPT-like:
-~338 output tokens per request at 50 req/s; Alpaca-like: ~58 at 200 req/s), roofline latency model,
-fcfs, paged blocks, qwen3-0.6b on h200; one process, one core. Timed: the simulation itself (SimPy
-loop + scheduler + trace recorder + latency model). Not timed, reported: building the workload and
-writing the traces. The cost is per generated token (every decode step runs the scheduler), so
-req/s depends on output lengths: ns per output token is the comparable figure. Target: >= 5,000
-simulated requests/s. Process CPU time is reported too: on a shared machine it is what an idle core
-would give. `--profile` prints the top functions (cProfile) of one extra run of the first workload.
+~327 output tokens per request at 50 req/s; Alpaca-like: ~58 at 200 req/s; `poisson`, the conf
+default: uniform lengths, ~272 output tokens at 20 req/s), roofline latency model, fcfs, paged
+blocks, qwen3-0.6b on h200; one process, one core. Each workload's shape (rate, mean prompt and
+output tokens, tokens per step) is printed with its figures. Timed: the simulation itself (SimPy loop
++ scheduler + trace recorder + latency model). Not timed, reported: building the workload and
+writing the traces. Every step runs the scheduler and records a trace row, so the cost is a fixed
+part per step plus a part per running sequence: a workload whose batches are small (a low rate, as
+`poisson`) costs more per token, and ns per output token is the comparable figure. Target:
+>= 5,000 simulated requests/s. Process CPU time is reported too: on a shared machine it is what an
+idle core would give. `--profile` prints the top functions (cProfile) of one extra run of the first
+workload.
 """
 from __future__ import annotations
 
@@ -71,21 +75,23 @@ def bench(workload_name: str, requests: int, repeat: int, overrides: list[str]) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (conf/), applied to every workload")
-    parser.add_argument("--workloads", default="sharegpt,alpaca", help="conf/workload options, comma-separated")
+    parser.add_argument("--workloads", default="sharegpt,alpaca,poisson",
+                        help="conf/workload options, comma-separated")
     parser.add_argument("--requests", type=int, default=NUM_REQUESTS)
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     print(f"bench_sim: {args.requests:,} requests per workload, Poisson arrivals, roofline, "
           f"machine {platform.machine()} ({_cpu_name()}), python {platform.python_version()}")
-    print(f"{'workload':10s} {'rate':>6s} {'out tok/req':>11s} {'steps':>8s} {'tok/step':>8s} {'wall s':>7s} "
-          f"{'req/s':>8s} {'ns/token':>9s} {'cpu s':>7s} {'req/s(cpu)':>10s} target")
+    print(f"{'workload':10s} {'rate':>6s} {'prompt/req':>10s} {'out tok/req':>11s} {'steps':>8s} {'tok/step':>8s} "
+          f"{'wall s':>7s} {'req/s':>8s} {'ns/token':>9s} {'cpu s':>7s} {'req/s(cpu)':>10s} target")
     first = None
     for name in args.workloads.split(","):
         r = bench(name, args.requests, args.repeat, args.overrides)
         first = first or r
         rate = args.requests / r["wall_s"]
-        print(f"{name:10s} {r['cfg'].workload.rate:6.0f} {r['tokens'] / args.requests:11.0f} {r['steps']:8d} "
+        prompt = statistics.fmean(req.num_prompt_tokens for req in r["workload"].requests)
+        print(f"{name:10s} {r['cfg'].workload.rate:6.0f} {prompt:10.0f} {r['tokens'] / args.requests:11.0f} {r['steps']:8d} "
               f"{r['batch']:8.1f} {r['wall_s']:7.3f} {rate:8,.0f} {r['wall_s'] / r['tokens'] * 1e9:9.0f} "
               f"{r['cpu_s']:7.3f} {args.requests / r['cpu_s']:10,.0f} {'met' if rate >= TARGET else 'NOT met'}")
         print(f"{'':10s} (simulated {r['sim_s']:.1f}s; wall runs {', '.join(f'{t:.2f}' for t in r['wall'])}; "
