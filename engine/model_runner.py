@@ -99,8 +99,7 @@ class ModelRunner:
         if temperatures is None:
             results = self.sampler(logits[:rows], plan.sampled)
         else:
-            all_greedy = not any(temperatures)
-            tokens = sample_with_temperatures(logits[:rows], inputs.temperatures[:rows], all_greedy)
+            tokens = sample_with_temperatures(logits[:rows], inputs.temperatures[:rows], temperatures)
             results = [SampleResult([t]) for t in tokens.tolist()]
         return {s.seq.seq_id: r for s, r in zip(plan.sampled, results)}
 

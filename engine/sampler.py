@@ -46,14 +46,16 @@ def _stop_ids(s: ScheduledSeq, vocab_size: int) -> list[int]:
     return [t for t in ids if t < vocab_size]
 
 
-def sample_with_temperatures(logits: torch.Tensor, temperatures: torch.Tensor, all_greedy: bool) -> torch.Tensor:
-    """logits [R, V] float32, temperatures [R] (0 = greedy) -> tokens [R] int64 (unseeded draws)."""
-    greedy = logits.argmax(dim=-1)
-    if all_greedy:
-        return greedy
+def sample_with_temperatures(logits: torch.Tensor, temperatures: torch.Tensor,
+                             temperature_list: list[float]) -> torch.Tensor:
+    """logits [R, V] float32, temperatures [R] (0 = greedy; the same values on the host in
+    `temperature_list`) -> tokens [R] int64 (unseeded draws)."""
+    if not any(temperature_list):
+        return logits.argmax(dim=-1)
     scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
     noise = torch.empty_like(scaled).exponential_()
-    return torch.where(temperatures > 0, _exponential_race(torch.softmax(scaled, dim=-1), noise), greedy)
+    drawn = _exponential_race(torch.softmax(scaled, dim=-1), noise)
+    return drawn if all(temperature_list) else torch.where(temperatures > 0, drawn, logits.argmax(dim=-1))
 
 
 def _exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

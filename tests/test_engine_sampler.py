@@ -129,3 +129,27 @@ def test_child_sequences_use_their_own_generator():
     seq_a = [s(logits, [parent, child]) for _ in range(8)]
     assert [r[0].token_ids for r in seq_a] != [r[1].token_ids for r in seq_a]
     assert a[0] == seq_a[0][0].token_ids and a[1] == seq_a[0][1].token_ids
+
+
+def test_fast_path_draws_what_the_general_path_draws():
+    """Same RNG state, same tokens: greedy, tempered and mixed batches (the general path's noise is
+    one exponential_ over the whole batch too)."""
+    from engine.sampler import sample_with_temperatures
+
+    logits = rand_logits(5, seed=3)
+    for temps in ([0.0] * 5, [0.7, 1.3, 0.7, 2.0, 1.0], [0.0, 0.7, 0.0, 1.3, 0.0]):
+        rows = sched([SamplingParams(temperature=t) for t in temps])
+        assert Sampler.fast_temperatures(rows) == temps
+        torch.manual_seed(11)
+        general = [r.token_ids[0] for r in Sampler(torch.device("cpu"))(logits, rows)]
+        torch.manual_seed(11)
+        assert sample_with_temperatures(logits, torch.tensor(temps), temps).tolist() == general
+
+
+@pytest.mark.parametrize("params, samples", [
+    (SamplingParams(logprobs=1), 1), (SamplingParams(top_k=5), 1), (SamplingParams(top_p=0.9), 1),
+    (SamplingParams(min_p=0.1), 1), (SamplingParams(seed=3), 1), (SamplingParams(temperature=0.5), 2),
+    (SamplingParams(min_tokens=2, max_tokens=4), 1)])
+def test_fast_path_declines_what_it_cannot_do(params, samples):
+    rows = sched([SamplingParams(temperature=0), params], [1, samples])
+    assert Sampler.fast_temperatures(rows) is None

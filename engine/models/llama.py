@@ -60,9 +60,10 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.fns.apply_rope(q, k, rope)
-        o = self.attn(q.contiguous(), k.contiguous(), v.contiguous(), meta)
+            q, k = self.fns.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, rope)
+        else:
+            q, k = self.fns.apply_rope(q, k, rope)
+        o = self.attn(q, k, v, meta)  # the kernels take strided rows (v is a view of qkv)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

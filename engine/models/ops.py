@@ -6,7 +6,8 @@ activation dtype before the weight multiply; cos/sin cast to the activation dtyp
 argument would be traced as a symbolic input read back with `.item()` on every call) and, with
 `compile=True`, wraps each piece in `torch.compile` (one Triton kernel each instead of 5-10 small
 ones); the plain versions serve the CPU path and `enforce_eager`. RoPE takes the cos/sin rows of
-the step's positions, gathered once per step (`rope_rows`) rather than once per layer.
+the step's positions, gathered once per step (`rope_rows`) rather than once per layer; Qwen3's
+per-head q/k norms and RoPE form one piece (`qk_norm_rope`: one kernel instead of three).
 """
 from __future__ import annotations
 
@@ -59,7 +60,12 @@ def fused_ops(compile: bool, eps: float) -> SimpleNamespace:
                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(x, residual, weight, eps)
 
-    fns = {"rms_norm": norm, "add_rms_norm": add_norm, "apply_rope": apply_rope, "silu_and_mul": silu_and_mul}
+    def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     cs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cs)
+
+    fns = {"rms_norm": norm, "add_rms_norm": add_norm, "apply_rope": apply_rope, "qk_norm_rope": qk_norm_rope,
+           "silu_and_mul": silu_and_mul}
     if compile:
         fns = {name: torch.compile(fn, dynamic=True) for name, fn in fns.items()}
     return SimpleNamespace(**fns)
