@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import CacheConfig, load_model_config
+from engine.cuda_graph import StepGraphs
 from engine.model_runner import ModelRunner
 from engine.weights import to_hf_state_dict
 from policies.outputs import SchedulerOutput
@@ -23,11 +24,12 @@ pytestmark = pytest.mark.gpu
 PROMPT_LENS = [37, 200, 5, 513, 64]
 
 
-def qwen3_runner(enforce_eager: bool, compile_model: bool | None = None, **cache) -> ModelRunner:
+def qwen3_runner(enforce_eager: bool, compile_model: bool | None = None, dtype: torch.dtype = torch.bfloat16,
+                 **cache) -> ModelRunner:
     cfg = load_model_config("qwen3-0.6b")
     cache = CacheConfig(**({"num_gpu_blocks": 2048} | cache))
     return ModelRunner(cfg, cache, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=2048,
-                       device="cuda", dtype=torch.bfloat16, enforce_eager=enforce_eager, seed=0,
+                       device="cuda", dtype=dtype, enforce_eager=enforce_eager, seed=0,
                        compile_model=compile_model)
 
 
@@ -81,23 +83,14 @@ def test_qwen3_dummy_bf16_close_to_transformers(compile_model):
     assert all(o[0] == t[0] for o, t in zip(ours, theirs))
 
 
-def assert_graphs_equal_eager(e_tok, e_lp, g_tok, g_lp) -> None:
-    """Teacher-forced runs: the same tokens but at bf16 near-ties, and close logprobs everywhere."""
-    assert agreement(g_tok, e_tok) >= 0.97
-    for i in range(len(e_tok)):
-        for k in range(len(e_tok[i])):
-            common = set(e_lp[i][k]) & set(g_lp[i][k])
-            assert common and all(abs(e_lp[i][k][t] - g_lp[i][k][t]) < 0.05 for t in common)
-            if g_tok[i][k] != e_tok[i][k]:  # only near-ties may differ
-                assert g_tok[i][k] in e_lp[i][k]
-                assert e_lp[i][k][e_tok[i][k]] - e_lp[i][k][g_tok[i][k]] < 0.05
-
-
 @pytest.mark.parametrize("chunk", [10_000, 96])
 @torch.no_grad()
-def test_cuda_graph_steps_equal_eager(chunk):
-    """chunk 10_000: one prefill step, then decode-only steps (7 seqs: padded to the 8-graph);
-    chunk 96: the 513-token prompt prefills in chunks next to the others' decodes (mixed graphs)."""
+def test_cuda_graph_steps_agree_with_eager_steps(chunk):
+    """chunk 10_000: one prefill step, then decode-only steps (7 seqs: padded to the 8-graph); chunk
+    96: the 513-token prompt prefills in chunks next to the others' decodes (mixed-step graphs with
+    idle decode rows and a tile map). The graphs' matmuls have other shapes than the eager steps'
+    (padded batches), so bf16 rounding differs from the prefill on: the bar is transformers' (same
+    first tokens, >= 0.9 teacher-forced agreement, first-position logprobs within 0.15)."""
     prompts = random_prompts(PROMPT_LENS + [3, 90], 10_000, seed=1)
     eager = qwen3_runner(enforce_eager=True, compile_model=True)  # same ops; only the graphs differ
     e_tok, e_lp = run_greedy(eager, prompts, steps=20, chunk=chunk)
@@ -107,7 +100,28 @@ def test_cuda_graph_steps_equal_eager(chunk):
     assert graphed.graphs is not None and 8 in graphed.graphs.sizes
     g_tok, g_lp = run_greedy(graphed, prompts, steps=20, forced=e_tok, chunk=chunk)
     assert graphed.graphs.num_replays == (20 if chunk == 10_000 else 25)  # every step ran a graph
-    assert_graphs_equal_eager(e_tok, e_lp, g_tok, g_lp)
+    assert all(e[0] == g[0] for e, g in zip(e_tok, g_tok))
+    assert agreement(g_tok, e_tok) >= 0.9
+    for e, g in zip(e_lp, g_lp):
+        assert all(abs(e[0][t] - g[0][t]) < 0.15 for t in set(e[0]) & set(g[0]))
+
+
+@pytest.mark.parametrize("chunk", [10_000, 96])
+@torch.no_grad()
+def test_cuda_graph_replays_equal_their_shapes_run_eagerly(chunk):
+    """The captured graphs against the same padded shapes and buffers run without capture
+    (`StepGraphs(capture=False)`, same runner, same kernels): the same tokens and logprobs."""
+    prompts = random_prompts(PROMPT_LENS + [3, 90], 10_000, seed=1)
+    runner = qwen3_runner(enforce_eager=False)
+    g_tok, g_lp = run_greedy(runner, prompts, steps=20, chunk=chunk)
+    assert runner.graphs.num_replays == (20 if chunk == 10_000 else 25)
+    runner.graphs = StepGraphs(runner.model, runner.batch, max_num_seqs=64, max_num_batched_tokens=2048,
+                               width=runner.graphs.width, capture=False)
+    s_tok, s_lp = run_greedy(runner, prompts, steps=20, chunk=chunk)
+    assert runner.graphs.num_replays == (20 if chunk == 10_000 else 25)
+    assert s_tok == g_tok
+    worst = max(abs(a[t] - b[t]) for sa, ga in zip(s_lp, g_lp) for a, b in zip(sa, ga) for t in set(a) & set(b))
+    assert worst < 1e-3, worst
 
 
 def test_profiled_kv_budget_respects_gpu_memory_utilization():
