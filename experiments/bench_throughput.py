@@ -21,6 +21,7 @@ import argparse
 import datetime as dt
 import gc
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -180,7 +181,7 @@ def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float
     now = dt.datetime.now(dt.UTC)
     env = {"device": device_name, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "torch": torch.__version__,
            "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
-           "command": "python -m experiments.bench_throughput " + " ".join(a.overrides)}
+           "command": "python -m experiments.bench_throughput " + " ".join(sys.argv[1:])}
     floor_tok_s = ours.output_tokens / floor_s
     rows = []
     for r in [ours, *peers]:
