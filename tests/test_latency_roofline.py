@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from policies import Scheduler, SchedulerConfig, make_block_manager, make_policy
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.request import Request, SamplingParams
 from policies.sequence import Sequence
@@ -76,6 +77,21 @@ def test_mixed_batch_phases_add_up():
     prefill = max(128 * 256 / 1e12, (128 * 129 // 2) * 512 / 1e14)
     expected = 1e-3 + gemm + tokens * 4608 / 1e12 + decode + prefill
     assert rm.step_time(o) == pytest.approx(expected, rel=1e-12)
+
+
+def test_scheduler_totals_give_the_shape_of_the_entries():
+    # The scheduler keeps out.sum_* while building a batch (decode context from its running total):
+    # the shape must be the one the entries give, through chunked prefills, mixed and decode-only steps.
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), make_policy("fcfs"),
+                      make_block_manager("paged", 16, 100, 0, 0.0, 4096))
+    for i, prompt_len in enumerate((40, 70, 5)):
+        sched.add(Request(str(i), list(range(prompt_len)), SamplingParams(max_tokens=20, ignore_eos=True)), 0.0)
+    for step in range(8):
+        out = sched.schedule(float(step))
+        bare = SchedulerOutput(out.now, scheduled=list(out.scheduled), copy=list(out.copy))
+        assert out.sum_new_tokens is not None and BatchShape.of(out) == BatchShape.of(bare)
+        sched.update(out, {e.seq.seq_id: [1] * e.num_samples for e in out.scheduled if e.num_samples}, step + 0.5)
+    assert BatchShape.of(out).num_prefill_tokens == 0  # the last steps were decode-only
 
 
 def test_efficiency_factors_scale_times():
