@@ -59,13 +59,13 @@ def test_multirun_keeps_jobs_apart(tmp_path):
     ("blocks.num_gpu_blocks=0", "blocks.num_gpu_blocks=0"),
     ("blocks.kv_cache_gib=0.0001", "blocks.kv_cache_gib=0.0001"),
     ("workload.no_such_key=1", "workload.no_such_key"),
-    ("latency=profiled", "latency.path="),
+    ("latency=profiled model=llama-3.2-1b", "latency.path="),  # no h200 profile for that model
     ("scheduler.max_num_seqs=0", "scheduler.max_num_seqs=0"),
     ("policy.preemption_mode=later", "policy.preemption_mode='later'"),
 ])
 def test_bad_config_is_one_line_naming_the_key(override, key, monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(sys, "argv", ["run", override, *SMALL, f"hydra.run.dir={tmp_path}"])
+    monkeypatch.setattr(sys, "argv", ["run", *override.split(), *SMALL, f"hydra.run.dir={tmp_path}"])
     with pytest.raises(SystemExit) as exc:
         run_module.main()
     assert exc.value.code == 2
