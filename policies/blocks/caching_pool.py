@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from policies.blocks.pool import BlockPool, OutOfBlocksError
+from policies.blocks.pool import BlockPool
 
 
 @dataclass(slots=True)
@@ -28,34 +28,20 @@ class CachingBlockPool(BlockPool):
         self.hash_to_block = {}
         self.evictor = OrderedDict()
 
-    def allocate(self) -> int:
-        if self.free_ids:
-            block = self.free_ids.pop()
-        elif self.evictor:
-            block, _ = self.evictor.popitem(last=False)
-            del self.hash_to_block[self.block_hash[block]]
-            self.block_hash[block] = None
-            self.num_evictions += 1
-        else:
-            raise OutOfBlocksError(f"no free {self.device} block (pool of {self.num_blocks}); "
-                                   f"check capacity before allocating")
-        self.ref_counts[block] = 1
-        self.num_free -= 1
+    def _take_unreferenced(self) -> int:
+        if self.free_ids or not self.evictor:
+            return BlockPool._take_unreferenced(self)
+        block, _ = self.evictor.popitem(last=False)
+        del self.hash_to_block[self.block_hash[block]]
+        self.block_hash[block] = None
+        self.num_evictions += 1
         return block
 
-    def decref(self, block: int) -> bool:
-        refs = self.ref_counts[block] - 1
-        if refs < 0:
-            raise RuntimeError(f"{self.device} block {block} freed more often than it was referenced")
-        self.ref_counts[block] = refs
-        if refs:
-            return False
+    def _release(self, block: int) -> None:
         if self.block_hash[block] is None:
             self.free_ids.append(block)
         else:
             self.evictor[block] = None
-        self.num_free += 1
-        return True
 
     def lookup(self, block_hash: int) -> int | None:
         return self.hash_to_block.get(block_hash)
@@ -77,11 +63,7 @@ class CachingBlockPool(BlockPool):
         return True
 
     def check(self, expected_refs: dict[int, int]) -> None:
-        for block, refs in enumerate(self.ref_counts):
-            want = expected_refs.get(block, 0)
-            assert refs == want, f"{self.device} block {block}: ref count {refs} != {want} references"
-        free = set(self.free_ids)
-        assert len(free) == len(self.free_ids), f"{self.device} free list holds duplicates"
+        free = self._check_refs(expected_refs)
         assert not free & set(self.evictor), "a block is both free and in the evictor"
         assert self.num_free == len(free) + len(self.evictor), "free counter drifted"
         unreferenced = {b for b, r in enumerate(self.ref_counts) if r == 0}

@@ -27,13 +27,21 @@ class BlockPool:
         self.num_free = self.num_blocks
 
     def allocate(self) -> int:
-        if not self.free_ids:
-            raise OutOfBlocksError(f"no free {self.device} block (pool of {self.num_blocks}); "
-                                   f"check capacity before allocating")
-        block = self.free_ids.pop()
+        block = self._take_unreferenced()
         self.ref_counts[block] = 1
         self.num_free -= 1
         return block
+
+    def _take_unreferenced(self) -> int:
+        """An unreferenced block for a new allocation (subclasses may evict)."""
+        if not self.free_ids:
+            raise OutOfBlocksError(f"no free {self.device} block (pool of {self.num_blocks}); "
+                                   f"check capacity before allocating")
+        return self.free_ids.pop()
+
+    def _release(self, block: int) -> None:
+        """Where a block goes when its last reference is dropped (subclasses may keep it cached)."""
+        self.free_ids.append(block)
 
     def incref(self, block: int) -> None:
         self.ref_counts[block] += 1
@@ -46,19 +54,24 @@ class BlockPool:
         self.ref_counts[block] = refs
         if refs:
             return False
-        self.free_ids.append(block)
+        self._release(block)
         self.num_free += 1
         return True
 
     def check(self, expected_refs: dict[int, int]) -> None:
         """Assert ref counts equal `expected_refs` (block -> references; absent = 0) and that the
         free stack holds exactly the unreferenced blocks, once each."""
+        free = self._check_refs(expected_refs)
+        assert self.num_free == len(free), f"{self.device} free counter {self.num_free} != {len(free)}"
+        unreferenced = {b for b, r in enumerate(self.ref_counts) if r == 0}
+        assert free == unreferenced, (f"{self.device} free list {sorted(free)[:8]}... != "
+                                      f"unreferenced blocks {sorted(unreferenced)[:8]}...")
+
+    def _check_refs(self, expected_refs: dict[int, int]) -> set[int]:
+        """Assert ref counts equal `expected_refs` and the free stack has no duplicates; returns it."""
         for block, refs in enumerate(self.ref_counts):
             want = expected_refs.get(block, 0)
             assert refs == want, f"{self.device} block {block}: ref count {refs} != {want} references"
         free = set(self.free_ids)
         assert len(free) == len(self.free_ids), f"{self.device} free list holds duplicates"
-        assert self.num_free == len(free), f"{self.device} free counter {self.num_free} != {len(free)}"
-        unreferenced = {b for b, r in enumerate(self.ref_counts) if r == 0}
-        assert free == unreferenced, (f"{self.device} free list {sorted(free)[:8]}... != "
-                                      f"unreferenced blocks {sorted(unreferenced)[:8]}...")
+        return free
