@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tiny-model CPU tests are dominated by per-op overhead; one intra-op thread is fastest on 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 
 def _cuda_available() -> bool:
@@ -16,6 +16,20 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """OMP_NUM_THREADS only counts if set before torch starts; pin intra-op threads here too."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config, items):

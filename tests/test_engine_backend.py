@@ -7,7 +7,6 @@ import json
 
 import pandas as pd
 import pytest
-import torch
 
 from experiments import factory
 from experiments.ab import _main as ab_main
@@ -20,13 +19,6 @@ WORKLOAD = ["workload=poisson", "workload.num_requests=12", "workload.rate=40", 
             "workload.prompt_len.high=40", "workload.output_len.low=2", "workload.output_len.high=16",
             "workload.max_tokens=24"]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_engine_backend_writes_sim_traces_on_the_wall_clock(tmp_path):

@@ -4,7 +4,6 @@ preemption by swap and by recompute; seeded sampling is reproducible; n > 1 shar
 from __future__ import annotations
 
 import pytest
-import torch
 from engine_helpers import hf_greedy, ragged_prompts, save_tiny_model
 
 from engine.llm import LLM
@@ -14,14 +13,6 @@ ARCHS = ("llama", "qwen2", "qwen3")
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: threads only add contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
