@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import CacheConfig, ModelConfig, load_model_config
+from policies.blocks import BLOCK_MANAGERS
 from policies.policy.base import PREEMPTION_MODES
-
-BLOCK_MANAGERS = ("paged", "prefix", "contiguous")
 
 
 @dataclass(slots=True)
@@ -41,7 +40,7 @@ class EngineArgs:
             raise ValueError(f"model={self.model!r} is invalid: a conf/model name, an HF dir or a .gguf file")
         if self.block_manager not in BLOCK_MANAGERS:
             raise ValueError(f"block_manager={self.block_manager!r} is invalid: "
-                             f"choose one of {BLOCK_MANAGERS}")
+                             f"choose one of {tuple(BLOCK_MANAGERS)}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is invalid: "
                              f"choose one of {PREEMPTION_MODES}")
