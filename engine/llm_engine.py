@@ -23,6 +23,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.tokenizer import encode_prompt, load_tokenizer
 from engine.weights import resolve_gguf
 from policies.blocks import make_block_manager
+from policies.output_lens import reaching_output_len
 from policies.policy import make_policy
 from policies.request import Request, SamplingParams
 from policies.scheduler import Scheduler, SchedulerConfig
@@ -40,7 +41,6 @@ class _Live:
     prompt: str | None
     seqs: list[Sequence]  # the scheduler's list of the request's sequences (grows on fork)
     stop_states: dict[int, DecodeState] | None = None  # seq_id -> decode state (stop strings only)
-    output_len: int | None = None  # forced stop after this many tokens (trace replay)
     logprobs: dict[int, list[dict[int, float]]] | None = None  # seq_id -> per-token logprobs
 
 
@@ -68,6 +68,7 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}
         self._num_stop_requests = 0
         self._num_logprob_requests = 0
+        self._output_lens: dict[str, int] = {}  # request id -> forced output length (trace replay)
         self.reset(recorder, build_scheduler)
 
     def reset(self, recorder: TraceRecorder | None = None,
@@ -134,9 +135,11 @@ class LLMEngine:
         request.validate(self.max_model_len, self.vocab_size)
         self.scheduler.add(request, now)
         live = _Live(request, text, self.scheduler.sequences(request_id))
-        if params.stop or output_len is not None:
-            live.stop_states, live.output_len = {}, output_len
+        if params.stop:
+            live.stop_states = {}
             self._num_stop_requests += 1
+        if output_len is not None:
+            self._output_lens[request_id] = output_len
         if params.logprobs is not None:
             live.logprobs = {}
             self._num_logprob_requests += 1
@@ -159,7 +162,9 @@ class LLMEngine:
         out = self.scheduler.schedule(self.now())
         results = self.runner.execute(out)
         tokens = {seq_id: r.token_ids for seq_id, r in results.items()}
-        stop_seq_ids = self._check_stop_strings(tokens) if self._num_stop_requests else ()
+        stop_seq_ids = self._check_stop_strings(tokens) if self._num_stop_requests else []
+        if self._output_lens:
+            stop_seq_ids += reaching_output_len(out.scheduled, self._output_lens)
         ended = self.scheduler.update(out, tokens, self.now(), stop_seq_ids)
         if self._num_logprob_requests:
             self._collect_logprobs(out, results)
@@ -186,11 +191,6 @@ class LLMEngine:
             for seq in live.seqs:
                 new = tokens.get(seq.seq_id)
                 if new is None or seq.is_finished:
-                    continue
-                if live.output_len is not None and seq.num_output_tokens + 1 >= live.output_len:
-                    stopped.append(seq.seq_id)
-                    continue
-                if not params.stop:
                     continue
                 pending = new[:1]  # a prompt sampling n tokens: the first one is this seq's
                 state = states.get(seq.seq_id)
@@ -221,6 +221,7 @@ class LLMEngine:
                                f"{request.request_id!r}: the recorder and the scheduler disagree")
         if live.stop_states is not None:
             self._num_stop_requests -= 1
+        self._output_lens.pop(request.request_id, None)
         if live.logprobs is not None:
             self._num_logprob_requests -= 1
         completions = [self._completion(live, seq) for seq in live.seqs]

@@ -18,6 +18,7 @@ from operator import attrgetter, itemgetter
 
 import simpy
 
+from policies.output_lens import reaching_output_len
 from policies.request import Request
 from sim.latency.base import LatencyModel
 
@@ -113,7 +114,7 @@ class Simulator:
             if scheduled != batch:
                 batch, tokens = scheduled, self._sampled_tokens(scheduled)
             self.num_steps += 1
-            stops = self._stops(scheduled) if stop_lens else None
+            stops = reaching_output_len(scheduled, stop_lens) if stop_lens else None
             if stops:
                 sched.update(out, tokens, env.now, stops)
             else:
@@ -126,12 +127,3 @@ class Simulator:
             return dict.fromkeys(map(_seq_id, scheduled), self._one)
         return {seq.seq_id: [SIM_TOKEN] * n for seq, _, n in scheduled if n}
 
-    def _stops(self, scheduled) -> list[int]:
-        """Sequences whose token sampled this step reaches their request's stop length."""
-        stop_lens, stops = self.stop_lens, []
-        for seq, _, n in scheduled:
-            if n:
-                stop = stop_lens.get(seq.request.request_id)
-                if stop is not None and seq.num_output_tokens + 1 >= stop:
-                    stops.append(seq.seq_id)
-        return stops
