@@ -10,8 +10,9 @@ Logprobs are the model's raw log-softmax (before any processing), as vLLM v1 ret
 
 Fast path: when every row only needs its temperature (one sample, no top-k/top-p/min-p, no seed,
 no logprobs, no pending min_tokens), `fast_temperatures` returns the per-row temperatures and
-`sample_with_temperatures` draws all rows at once with the same arithmetic as the general path
-(an all-greedy batch is one argmax), reading the temperatures from the step's uploaded inputs.
+`sample_with_temperatures` draws all rows at once in one pass over the logits (Gumbel-max, the same
+distribution as the general path's exponential race; an all-greedy batch is one argmax), reading
+the temperatures from the step's uploaded inputs.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from operator import attrgetter, itemgetter
 
 import torch
 
+import kernels
 from policies.outputs import ScheduledSeq
 from policies.request import SamplingParams
 
@@ -49,13 +51,13 @@ def _stop_ids(s: ScheduledSeq, vocab_size: int) -> list[int]:
 def sample_with_temperatures(logits: torch.Tensor, temperatures: torch.Tensor,
                              temperature_list: list[float]) -> torch.Tensor:
     """logits [R, V] float32, temperatures [R] (0 = greedy; the same values on the host in
-    `temperature_list`) -> tokens [R] int64 (unseeded draws)."""
+    `temperature_list`) -> tokens [R] int64 (unseeded draws). A tempered batch is one Gumbel-max
+    pass over the logits (`kernels.sample_gumbel`) whose Philox seed comes from torch's global
+    generator, so `torch.manual_seed` makes the draws reproducible."""
     if not any(temperature_list):
         return logits.argmax(dim=-1)
-    scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
-    noise = torch.empty_like(scaled).exponential_()
-    drawn = _exponential_race(torch.softmax(scaled, dim=-1), noise)
-    return drawn if all(temperature_list) else torch.where(temperatures > 0, drawn, logits.argmax(dim=-1))
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    return kernels.sample_gumbel(logits, temperatures, seed)
 
 
 def _exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from kernels import cache_write, copy, decode, prefill, reference
+from kernels import cache_write, copy, decode, prefill, reference, sample
 
 BACKEND = os.environ.get("SERVELAB_KERNELS", "auto")
 _BACKENDS = ("auto", "triton", "reference")
@@ -86,12 +86,20 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> No
     impl(src, dst, pairs)
 
 
+def sample_gumbel(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
+    """One categorical draw per row of softmax(logits / T) (greedy where T = 0), from a Philox
+    stream fixed by `seed`: the Triton kernel on CUDA, the torch reference on CPU (another stream)."""
+    impl = sample.sample_gumbel if _use_triton(logits) else reference.sample_gumbel
+    return impl(logits, temperatures, seed)
+
+
 __all__ = [
     "BACKEND",
     "copy_blocks",
     "paged_decode_attention",
     "paged_prefill_attention",
     "reference",
+    "sample_gumbel",
     "swap_blocks",
     "write_kv_cache",
 ]

@@ -104,3 +104,13 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> No
     check_pairs(pairs, same_pool=False)
     src_idx, dst_idx = pairs[:, 0].to(src.device), pairs[:, 1].to(dst.device)
     dst[dst_idx] = src[src_idx].to(dst.device)
+
+
+def sample_gumbel(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
+    """Gumbel-max draw per row of softmax(logits / T), greedy where T = 0 (kernels.sample's
+    arithmetic; torch's generator seeded with `seed` supplies the uniforms, so the stream differs)."""
+    gen = torch.Generator(device=logits.device).manual_seed(seed & 0x7FFFFFFF)
+    u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp_(min=1e-30)
+    scaled = logits.float() / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+    drawn = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
+    return torch.where(temperatures > 0, drawn, logits.argmax(dim=-1))
