@@ -22,12 +22,13 @@ import triton
 from experiments.bench_kernels_cases import block_ops_rows, decode_problem, kernel_report, prefill_problem
 from experiments.bench_timing import bench_ms, copies_for, copy_gbps, graph_ms, matmul_tflops
 from kernels import reference
+from kernels.common import kv_cache_storage
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.prefill import PrefillConfig, paged_prefill_attention
 
 HQ, HKV, D, BS = 16, 8, 128, 16
 DECODE_BATCHES = (1, 8, 64, 256)
-DECODE_CONTEXTS = (512, 4096, 32768)
+DECODE_CONTEXTS = (512, 1024, 4096, 32768)
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)
 REFERENCE_MAX_TOKENS = 64 * 4096  # the per-sequence torch reference is slow and memory-hungry
 # Second-round sweeps (the first round, 26 decode and 9 prefill variants, is in kernels/NOTES.md).
@@ -44,8 +45,20 @@ DECODE_SWEEP = {
         ]
     ],
     (8, 32768): [DecodeConfig(num_splits=16), DecodeConfig(num_splits=4)],
+    (256, 1024): [DecodeConfig(num_stages=3), DecodeConfig(kv_eviction="evict_first")],
     (1, 32768): [DecodeConfig(num_splits=32), DecodeConfig(num_splits=128)],
 }
+# Round 4: the same configs on an HND cache (each (block, KV head) page one 4 KB chunk, see
+# kernels.common.kv_cache_storage) and with a streaming cache hint, side by side with NHD.
+DECODE_LAYOUT_SWEEP = {
+    (64, 4096): [
+        DecodeConfig(), DecodeConfig(num_stages=3), DecodeConfig(kv_eviction="evict_first"),
+        DecodeConfig(num_stages=3, kv_eviction="evict_first"), DecodeConfig(block_n=64, num_stages=3),
+        DecodeConfig(block_n=64, num_warps=8, num_stages=3, programs_per_sm=2),
+    ],
+    (256, 1024): [DecodeConfig(), DecodeConfig(num_stages=3), DecodeConfig(kv_eviction="evict_first")],
+    (8, 32768): [DecodeConfig()],
+}  # fmt: skip
 PREFILL_SWEEP = [
     PrefillConfig(num_stages=3), PrefillConfig(num_stages=2), PrefillConfig(block_n=64, num_stages=4),
     PrefillConfig(num_stages=3, pack_gqa=False),
@@ -69,13 +82,14 @@ def _variant_name(cfg: DecodeConfig | PrefillConfig) -> str:
     if cfg in (DecodeConfig(), PrefillConfig()):
         return "default"
     if isinstance(cfg, DecodeConfig):
-        return f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}sp{cfg.num_splits or 'auto'}"
+        hint = f"-{cfg.kv_eviction}" if cfg.kv_eviction else ""
+        return f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}sp{cfg.num_splits or 'auto'}{hint}"
     return f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}" + (
         "" if cfg.pack_gqa else "-nopack"
     )
 
 
-def _time_variants(kernel, shape, configs, call, problems, expected, row_of) -> list[dict]:
+def _time_variants(kernel, shape, configs, call, problems, expected, row_of, prefix="") -> list[dict]:
     """Check each config against `expected` on problems[0], then time it rotating over problems.
     A variant that fails (e.g. too much shared memory) becomes an error row, not a crash."""
     rows = []
@@ -84,14 +98,16 @@ def _time_variants(kernel, shape, configs, call, problems, expected, row_of) -> 
             err = _rel_err(call(problems[0], cfg), expected) if expected is not None else None
             ms = graph_ms([lambda p=p, c=cfg: call(p, c) for p in problems])
         except Exception as exc:  # noqa: BLE001
-            rows.append({"kernel": kernel, "shape": shape, "variant": _variant_name(cfg),
+            rows.append({"kernel": kernel, "shape": shape, "variant": prefix + _variant_name(cfg),
                          "note": f"error: {type(exc).__name__}: {str(exc)[:160]}"})  # fmt: skip
             continue
         rows.append(row_of(cfg, ms, err))
     return rows
 
 
-def _decode_point(batch: int, ctx: int, copy_bw: float, configs: list[DecodeConfig]) -> list[dict]:
+def _decode_point(
+    batch: int, ctx: int, copy_bw: float, configs: list[DecodeConfig], hnd_configs: list[DecodeConfig]
+) -> list[dict]:
     shape, kv_bytes = f"B{batch}xL{ctx}", 2 * batch * ctx * HKV * D * 2
     nbytes = kv_bytes + 2 * batch * HQ * D * 2
     sets = [decode_problem(batch, ctx, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv_bytes))]
@@ -116,7 +132,17 @@ def _decode_point(batch: int, ctx: int, copy_bw: float, configs: list[DecodeConf
         return _row("decode", shape, name, ms, nbytes / ms / 1e6, "GB/s", copy_bw, sdpa_ms, ref, err, note)
 
     call = lambda s, c: paged_decode_attention(*s[0].decode_args(), config=c)
-    return rows + _time_variants("decode", shape, configs, call, sets, expected, row_of)
+    rows += _time_variants("decode", shape, configs, call, sets, expected, row_of)
+    if not hnd_configs:
+        return rows
+    for s in sets:
+        s[0].k_cache, s[0].v_cache = kv_cache_storage(s[0].k_cache, "hnd"), kv_cache_storage(s[0].v_cache, "hnd")
+
+    def hnd_row_of(cfg, ms, err):
+        return _row("decode", shape, "hnd-" + _variant_name(cfg), ms, nbytes / ms / 1e6, "GB/s", copy_bw,
+                    sdpa_ms, None, err, note)  # fmt: skip
+
+    return rows + _time_variants("decode", shape, hnd_configs, call, sets, expected, hnd_row_of, "hnd-")
 
 
 def _prefill_point(new: int, prefix: int, matmul: float, configs: list[PrefillConfig]) -> list[dict]:
@@ -163,9 +189,12 @@ def bench_decode(copy_bw: float, sweep: bool) -> list[dict]:
     rows = []
     for batch in DECODE_BATCHES:
         for ctx in DECODE_CONTEXTS:
+            if ctx == 1024 and batch != 256:
+                continue  # 256 x 1k: the engine's decode step in bench_throughput
             configs = [DecodeConfig(), *(DECODE_SWEEP.get((batch, ctx), []) if sweep else [])]
+            hnd = DECODE_LAYOUT_SWEEP.get((batch, ctx), []) if sweep else []
             try:
-                point = _decode_point(batch, ctx, copy_bw, configs)
+                point = _decode_point(batch, ctx, copy_bw, configs, hnd)
             except torch.OutOfMemoryError as exc:
                 point = [{"kernel": "decode", "shape": f"B{batch}xL{ctx}", "note": f"OOM: {str(exc)[:120]}"}]
             _progress(point)

@@ -30,6 +30,7 @@ class DecodeConfig:
     programs_per_sm: int = 4  # how many of these programs run at once on one SM
     min_split_tokens: int = 256  # heuristic never cuts a context finer than this
     heads_fastest: bool = True  # launch the KV heads of one sequence next to each other
+    kv_eviction: str = ""  # cache hint for the K/V loads ("evict_first": streamed, keep L2 for the rest)
 
 
 @triton.jit
@@ -65,6 +66,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    KV_EVICTION: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -105,8 +107,10 @@ def _decode_kernel(
         kv_mask = n_mask[:, None]
         if BLOCK_D != HEAD_DIM:
             kv_mask = kv_mask & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(k_base + (page * stride_kb + slot * stride_kt)[:, None], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + (page * stride_vb + slot * stride_vt)[:, None], mask=kv_mask, other=0.0)
+        k_rows = (page * stride_kb + slot * stride_kt)[:, None]
+        v_rows = (page * stride_vb + slot * stride_vt)[:, None]
+        k = tl.load(k_base + k_rows, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
+        v = tl.load(v_base + v_rows, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
         after = tokens + BLOCK_N
         page = tl.load(table + after // BLOCK_SIZE, mask=after < end, other=0).to(tl.int64)
         if UPCAST:
@@ -254,6 +258,7 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision(upcast),
         NUM_HEADS=num_heads,
         HEADS_FASTEST=config.heads_fastest,
+        KV_EVICTION=config.kv_eviction,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

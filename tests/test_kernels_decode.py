@@ -6,6 +6,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference
+from kernels.common import block_is_dense, kv_cache_storage
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.inputs import random_paged_problem
 
@@ -87,6 +88,17 @@ def test_decode_strided_query_view():
     qkv[:, :4] = prob.q
     out = paged_decode_attention(qkv[:, :4], *prob.decode_args()[1:])
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
+    assert _rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kv_eviction", ["", "evict_first"])
+def test_decode_reads_hnd_cache_through_strides(kv_eviction):
+    """An HND-stored cache (kernels.common.kv_cache_storage) gives the NHD answer."""
+    prob = random_paged_problem([9, 40, 33], None, 4, 2, 16, 16, torch.float32, seed=7)
+    ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
+    prob.k_cache, prob.v_cache = kv_cache_storage(prob.k_cache, "hnd"), kv_cache_storage(prob.v_cache, "hnd")
+    assert not prob.k_cache.is_contiguous() and block_is_dense(prob.k_cache)
+    out = paged_decode_attention(*prob.decode_args(), config=DecodeConfig(block_n=32, kv_eviction=kv_eviction))
     assert _rel_err(out, ref) < 1e-5
 
 
