@@ -97,6 +97,15 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     if max(grid.decode_seqs) > cfg.max_num_seqs:
         raise ValueError(f"profile_grid.decode_seqs max {max(grid.decode_seqs)} is invalid: must be <= "
                          f"max_num_seqs={cfg.max_num_seqs} (the engine's decode batches never exceed it)")
+    prefill = [p for p in grid.prefill_tokens if p > 0]
+    if prefill and max(prefill) + max(grid.decode_seqs) > cfg.max_num_batched_tokens:
+        raise ValueError(f"profile_grid: prefill_tokens max {max(prefill)} + decode_seqs max "
+                         f"{max(grid.decode_seqs)} is invalid: must be <= max_num_batched_tokens="
+                         f"{cfg.max_num_batched_tokens} (the engine never runs such a step; timed, it would "
+                         "run eagerly and skew its neighbours in the interpolation)")
+    if prefill and max(grid.decode_seqs) + 1 > cfg.max_num_seqs:
+        raise ValueError(f"profile_grid.decode_seqs max {max(grid.decode_seqs)} is invalid beside a prefill: "
+                         f"must be <= max_num_seqs - 1 = {cfg.max_num_seqs - 1}")
     if max(grid.context_per_decode) > cfg.max_model_len:
         raise ValueError(f"profile_grid.context_per_decode max {max(grid.context_per_decode)} is invalid: "
                          f"must be <= max_model_len={cfg.max_model_len}")

@@ -175,3 +175,14 @@ def test_gpu_slug_uses_the_hardware_names():
     assert gpu_slug("NVIDIA H200") == "h200"
     assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
     assert gpu_slug("Some Other GPU 9000") == "some-other-gpu-9000"
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["profile_grid.decode_seqs=[0,4]"], "max_num_seqs - 1 = 3"),
+    (["profile_grid.prefill_tokens=[0,40]", "max_num_batched_tokens=40"], "max_num_batched_tokens=40"),
+])
+def test_profiler_rejects_step_shapes_the_engine_never_runs(tmp_path, extra, match):
+    """A decode count that leaves no room for the prefill beside it, or prefill + decodes over the
+    token budget, would be timed eagerly (off the CUDA graphs) and skew the interpolation."""
+    with pytest.raises(ValueError, match=match):
+        tiny_profile(tmp_path / "p.csv", extra)
