@@ -75,7 +75,8 @@ def test_grid_validation_names_the_field():
     grid = ProfileGrid.from_dict(good)
     assert len(grid.step_shapes()) == 3 and len(grid.split_shapes()) == 2
     for key, bad in (("decode_seqs", [0, -1]), ("prefill_tokens", [0, 1]), ("swap_blocks", []),
-                     ("context_per_decode", [16, 16]), ("split_counts", [1, 128])):
+                     ("context_per_decode", [16, 16]), ("split_counts", [1, 128]),
+                     ("split_prefill_tokens", [128])):
         with pytest.raises(ValueError, match=key):
             ProfileGrid.from_dict({**good, key: bad})
 
@@ -150,7 +151,7 @@ def test_calibration_recovers_known_roofline_parameters(tmp_path, request):
     roof = RooflineModel(model, truth, 16)
     grid = ProfileGrid.from_dict({"prefill_tokens": [0, 256, 1024, 2048], "decode_seqs": [0, 1, 32, 256],
                                   "context_per_decode": [64, 1024, 4096], "swap_blocks": [1],
-                                  "split_prefill_tokens": [2], "split_counts": [1]})
+                                  "split_prefill_tokens": [256], "split_counts": [1]})
     rows = []
     for s in grid.step_shapes():
         shape = BatchShape(s.num_prefill_tokens, 1 if s.num_prefill_tokens else 0, 0, s.prefill_attention_pairs,
@@ -179,7 +180,8 @@ def test_gpu_slug_uses_the_hardware_names():
 
 @pytest.mark.parametrize("extra, match", [
     (["profile_grid.decode_seqs=[0,4]"], "max_num_seqs - 1 = 3"),
-    (["profile_grid.prefill_tokens=[0,40]", "max_num_batched_tokens=40"], "max_num_batched_tokens=40"),
+    (["profile_grid.prefill_tokens=[0,40]", "profile_grid.split_prefill_tokens=[40]", "max_num_batched_tokens=40"],
+     "max_num_batched_tokens=40"),
 ])
 def test_profiler_rejects_step_shapes_the_engine_never_runs(tmp_path, extra, match):
     """A decode count that leaves no room for the prefill beside it, or prefill + decodes over the

@@ -49,6 +49,10 @@ class ProfileGrid:
             raise ValueError("profile_grid: prefill_tokens and decode_seqs are both [0]: no step to measure")
         if 1 in grid.prefill_tokens:
             raise ValueError("profile_grid.prefill_tokens holds 1: a one-token chunk is a decode, use >= 2")
+        missing = sorted(set(grid.split_prefill_tokens) - set(grid.prefill_tokens))
+        if missing:
+            raise ValueError(f"profile_grid.split_prefill_tokens={grid.split_prefill_tokens} is invalid: "
+                             f"{missing} not in prefill_tokens (its one-sequence row is the grid's)")
         if max(grid.split_counts) > min(grid.split_prefill_tokens):
             raise ValueError(f"profile_grid.split_counts={grid.split_counts} is invalid: each count must be <= "
                              f"every split_prefill_tokens value {grid.split_prefill_tokens}")
