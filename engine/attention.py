@@ -37,7 +37,7 @@ def attention_ops(backend: str, device: torch.device) -> ModuleType | SimpleName
     return SimpleNamespace(paged_decode_attention=decode.paged_decode_attention,
                            paged_prefill_attention=prefill.paged_prefill_attention,
                            write_kv_cache=cache_write.write_kv_cache, copy_blocks=copy.copy_blocks,
-                           swap_blocks=copy.swap_blocks)
+                           swap_blocks=copy.swap_blocks, swap_layers=copy.swap_layers)
 
 
 @dataclass(slots=True)

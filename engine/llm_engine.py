@@ -46,13 +46,15 @@ class _Live:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, recorder: TraceRecorder | None = None,
-                 build_scheduler: SchedulerBuilder | None = None) -> None:
+                 build_scheduler: SchedulerBuilder | None = None, runner: ModelRunner | None = None) -> None:
         """`build_scheduler(num_gpu_blocks, num_cpu_blocks, max_model_len)` overrides how the
-        scheduler is made from `args` (experiments build it from their Hydra config)."""
+        scheduler is made from `args` (experiments build it from their Hydra config). `runner`: an
+        object with ModelRunner's interface to execute steps instead of one built from `args` (the
+        profiler times the engine's host work with a runner that returns tokens at once)."""
         self.args = args
         self.model_config = args.model_config()
         self.max_model_len = args.resolve_max_model_len(self.model_config)
-        self.runner = ModelRunner(
+        self.runner = runner if runner is not None else ModelRunner(
             self.model_config, args.cache_config(), max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
             device=args.resolve_device(), dtype=args.dtype, enforce_eager=args.enforce_eager, seed=args.seed)

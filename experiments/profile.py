@@ -7,9 +7,10 @@ What is timed: `ModelRunner.execute(out)` on synthetic `SchedulerOutput`s (fake 
 their own KV blocks, experiments/profiling/synthetic.py): host input preparation, the device
 copies, the forward (a captured CUDA graph for decode-only steps, as in the engine), logits and
 sampling, and the sampled tokens' copy back; CUDA-synchronised wall clock, `warmup` untimed runs
-then the median of `repeats`. The scheduler's CPU cost per step (schedule + update, which
-`execute` does not include) is measured separately on a real Scheduler (profiling/host.py) and
-added: `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N blocks each way.
+then the median of `repeats`; decode contexts spread around their mean as a real batch's do
+(profiling/synthetic.py). The rest of the engine's CPU cost per step (`LLMEngine.step` around
+`execute`: schedule, update, outputs) is measured separately on a real engine with an instant runner
+(profiling/host.py) and added: `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N blocks each way.
 
     python -m experiments.profile model=qwen3-0.6b            # the GPU profile (~1 min on an H200)
     python -m experiments.profile model=tiny-qwen3 profile_grid=tiny device=cpu out=/tmp/p.csv
@@ -35,7 +36,7 @@ from experiments.cli import run_cli
 from experiments.paths import REPO_ROOT
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
 from experiments.profiling.host import host_overhead
-from experiments.profiling.synthetic import blocks_needed, swap_mapping, synthetic_step
+from experiments.profiling.synthetic import blocks_needed, decode_contexts, swap_mapping, synthetic_step
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
 
@@ -106,9 +107,11 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     if prefill and max(grid.decode_seqs) + 1 > cfg.max_num_seqs:
         raise ValueError(f"profile_grid.decode_seqs max {max(grid.decode_seqs)} is invalid beside a prefill: "
                          f"must be <= max_num_seqs - 1 = {cfg.max_num_seqs - 1}")
-    if max(grid.context_per_decode) > cfg.max_model_len:
-        raise ValueError(f"profile_grid.context_per_decode max {max(grid.context_per_decode)} is invalid: "
-                         f"must be <= max_model_len={cfg.max_model_len}")
+    longest = max(decode_contexts(max(grid.decode_seqs), max(grid.context_per_decode)), default=0)
+    if longest > cfg.max_model_len:
+        raise ValueError(f"profile_grid.context_per_decode max {max(grid.context_per_decode)} is invalid: its "
+                         f"longest decode ({longest} tokens, 7/4 of the mean) must be <= max_model_len="
+                         f"{cfg.max_model_len}")
     cache = CacheConfig(block_size=bs, swap_space=swap_gib * 1.001, num_gpu_blocks=num_gpu_blocks)
     return ModelRunner(model, cache, max_num_batched_tokens=cfg.max_num_batched_tokens,
                        max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, device=device,
@@ -131,7 +134,7 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
         key = (shape.num_prefill_tokens, shape.num_prefill_seqs, shape.num_decode_seqs, shape.context_per_decode)
         forward[key] = median_time(functools.partial(runner.execute, out), cfg.warmup, cfg.repeats)
     print(f"[profile] {len(shapes)} step shapes in {time.perf_counter() - start:.1f}s", flush=True)
-    host = {(p, d): host_overhead(p, d, bs, cfg.host_repeats, cfg.seed)
+    host = {(p, d): host_overhead(runner.model_config, p, d, bs, cfg.host_repeats, cfg.seed)
             for p in grid.prefill_tokens for d in grid.decode_seqs if p or d}
     rows = []
     for s in grid.step_shapes():
@@ -182,7 +185,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "engine": (f"ModelRunner max_num_batched_tokens={cfg.max_num_batched_tokens} max_num_seqs="
                    f"{cfg.max_num_seqs} max_model_len={cfg.max_model_len} enforce_eager={cfg.enforce_eager}"),
         "timing": (f"execute() wall clock, CUDA-synchronised; {cfg.warmup} warm-up runs, median of "
-                   f"{cfg.repeats}; host_s = scheduler schedule+update measured on a real Scheduler "
+                   f"{cfg.repeats}; host_s = LLMEngine.step() around an instant runner "
                    f"(median of {cfg.host_repeats}), time_s = forward_s + host_s"),
         "prefill_layout": ("one sequence per step, no prefix, sampling one token; the 0/0 row repeats "
                            "the smallest prefill row"),

@@ -16,6 +16,7 @@ API (same signatures in `kernels.reference`):
   write_kv_cache(k[T,Hkv,D], v[T,Hkv,D], k_cache, v_cache, slot_mapping[T] int64)  (slot < 0 skipped)
   copy_blocks(k_caches, v_caches, pairs[N,2] int64)      (every layer, block src -> dst)
   swap_blocks(src, dst, pairs[N,2] int64)                 (one cache tensor, GPU <-> pinned CPU)
+  swap_layers(srcs, dsts, pairs[N,2] int64)               (swap_blocks for every tensor, one launch)
 
 Dispatch: the names exported here run the Triton kernels when the tensors are on CUDA and the
 references otherwise (the engine's CPU path, fp32).  Set `kernels.BACKEND` (initial value from
@@ -86,6 +87,11 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> No
     impl(src, dst, pairs)
 
 
+def swap_layers(srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor) -> None:
+    impl = copy.swap_layers if _use_triton(*srcs, *dsts) else reference.swap_layers
+    impl(srcs, dsts, pairs)
+
+
 def sample_gumbel(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
     """One categorical draw per row of softmax(logits / T) (greedy where T = 0), from a Philox
     stream fixed by `seed`: the Triton kernel on CUDA, the torch reference on CPU (another stream)."""
@@ -101,5 +107,6 @@ __all__ = [
     "reference",
     "sample_gumbel",
     "swap_blocks",
+    "swap_layers",
     "write_kv_cache",
 ]

@@ -105,6 +105,23 @@ def _swap_with_torch(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) 
     dst.index_copy_(0, dst_idx, staging)
 
 
+def swap_layers(srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor) -> None:
+    """`swap_blocks(srcs[i], dsts[i], pairs)` for every i: one launch for all the tensors when the
+    host side is pinned (the engine's swap of every layer's K and V), else one call per tensor."""
+    if len(srcs) != len(dsts) or not srcs:
+        raise ValueError(f"srcs/dsts lengths ({len(srcs)}, {len(dsts)}) are invalid: equal and >= 1")
+    check_pairs(pairs, same_pool=False)
+    on_gpu = srcs[0].device.type == "cuda"
+    gpu, host = (srcs, dsts) if on_gpu else (dsts, srcs)
+    if SWAP_METHOD == "kernel" and all(t.device.type == "cuda" for t in gpu) and all(
+        t.device.type == "cpu" and t.is_pinned() for t in host
+    ):
+        _launch(srcs, dsts, pairs, gpu[0].device)
+        return
+    for src, dst in zip(srcs, dsts):
+        swap_blocks(src, dst, pairs)
+
+
 def swap_blocks(
     src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, *, method: str | None = None
 ) -> None:

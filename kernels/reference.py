@@ -106,6 +106,13 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> No
     dst[dst_idx] = src[src_idx].to(dst.device)
 
 
+def swap_layers(srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor) -> None:
+    if len(srcs) != len(dsts) or not srcs:
+        raise ValueError(f"srcs/dsts lengths ({len(srcs)}, {len(dsts)}) are invalid: equal and >= 1")
+    for src, dst in zip(srcs, dsts):
+        swap_blocks(src, dst, pairs)
+
+
 def sample_gumbel(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
     """Gumbel-max draw per row of softmax(logits / T), greedy where T = 0 (kernels.sample's
     arithmetic; torch's generator seeded with `seed` supplies the uniforms, so the stream differs)."""

@@ -87,6 +87,24 @@ def test_swap_blocks_between_pools(dtype):
     assert torch.equal(restored[[1, 6, 2]], gpu_pool[[1, 6, 2]])
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_swap_layers_swaps_every_tensor(impl):
+    """The engine's swap of all layers at once equals swap_blocks on each tensor."""
+    from kernels.copy import swap_layers
+
+    gen = torch.Generator().manual_seed(4)
+    gpu = [_cache(6, 16, 2, 16, torch.float32, gen) for _ in range(3)]
+    cpu = [_cache(9, 16, 2, 16, torch.float32, gen) for _ in range(3)]
+    expected = [c.clone() for c in cpu]
+    pairs = torch.tensor([[5, 8], [0, 2]])
+    (swap_layers if impl == "triton" else reference.swap_layers)(gpu, cpu, pairs)
+    for g, c, e in zip(gpu, cpu, expected):
+        reference.swap_blocks(g, e, pairs)
+        assert torch.equal(c, e)
+    with pytest.raises(ValueError, match="lengths"):
+        swap_layers(gpu, cpu[:2], pairs)
+
+
 def test_block_ops_reject_bad_pairs():
     cache = torch.zeros(4, 16, 1, 16)
     with pytest.raises(ValueError, match="pairs"):

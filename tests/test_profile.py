@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_module
 from experiments.calibrate import calibrate, calibrate_to_file, profile_points
 from experiments.profile import gpu_slug, profile
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
+from engine.config import load_model_config
 from experiments.profiling.host import host_overhead
 from experiments.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from sim.latency import BatchShape, Hardware, ModelShape, ProfiledModel, RooflineModel
@@ -82,8 +83,9 @@ def test_grid_validation_names_the_field():
 
 
 def test_host_overhead_is_measured_for_decode_and_prefill_steps():
-    assert 0 < host_overhead(0, 8, 16, repeats=2) < 0.5
-    assert 0 < host_overhead(64, 8, 16, repeats=2) < 0.5
+    model = load_model_config("tiny-qwen3")
+    assert 0 < host_overhead(model, 0, 8, 16, repeats=2) < 0.5
+    assert 0 < host_overhead(model, 64, 8, 16, repeats=2) < 0.5
 
 
 def test_prefill_pair_fit_recovers_the_slope():

@@ -1,11 +1,12 @@
-"""Per-step host overhead of the real engine that `ModelRunner.execute` does not include: the
-scheduler's `schedule(now)` + `update(out, tokens, now)` (with the trace recorder on, as in every
-experiments run) and building the `{seq_id: tokens}` dict. Measured on a real `Scheduler` in the
-state a step of the given shape runs in: D running decodes (all decoding: the scheduler's decode
-fast path) plus, for P > 0, one waiting prompt of P tokens that the measured step admits.
+"""Per-step host overhead of the real engine that `ModelRunner.execute` does not include: the whole
+`LLMEngine.step()` (scheduler `schedule` + `update` with the trace recorder on, the sampled-token
+dict, stop rules, request outputs) around an instant runner that returns every sampled token at
+once. Measured in the state a step of the given shape runs in: D running decodes (all decoding)
+plus, for P > 0, one waiting prompt of P tokens that the measured step admits.
 
-This is pure CPU work, so it is measured separately from the GPU step and added to it (profile
-column `host_s`); `time_s = forward_s + host_s` is the step period the engine loop pays.
+This is pure CPU work, so it is measured apart from the GPU step and added to it (profile column
+`host_s`); `time_s = forward_s + host_s` is the step period the engine loop pays. It is measured on
+the machine that runs the profile, whose CPU is the engine's.
 """
 from __future__ import annotations
 
@@ -13,65 +14,63 @@ import random
 import statistics
 import time
 
-from policies import (
-    Request,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-    TraceRecorder,
-    make_block_manager,
-    make_policy,
-)
+from engine.config import ModelConfig
+from engine.engine_args import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.sampler import SampleResult
+from policies import SamplingParams, SchedulerOutput, TraceRecorder
 
 DECODE_PROMPT_LEN = 16
 _PARAMS = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
 
 
-def _tokens(out) -> dict[int, list[int]]:
-    return {s.seq.seq_id: [1] * s.num_samples for s in out.scheduled if s.num_samples}
+class InstantRunner:
+    """ModelRunner's interface without a model: token 1 for every sampled row, no device work."""
+
+    def __init__(self, num_gpu_blocks: int, vocab_size: int) -> None:
+        self.num_gpu_blocks, self.num_cpu_blocks, self.vocab_size = num_gpu_blocks, 0, vocab_size
+
+    def execute(self, out: SchedulerOutput) -> dict[int, SampleResult]:
+        return {s.seq.seq_id: SampleResult([1] * s.num_samples) for s in out.scheduled if s.num_samples}
+
+    def release(self, seq_ids) -> None:
+        pass
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(10000) for _ in range(n)]
-
-
-def host_overhead(num_prefill_tokens: int, num_decode_seqs: int, block_size: int, repeats: int,
-                  seed: int = 0) -> float:
-    """Median seconds of schedule + update for a step with `num_decode_seqs` decodes and a new
-    prompt of `num_prefill_tokens` tokens (0: a steady-state decode step)."""
+def host_overhead(model: ModelConfig, num_prefill_tokens: int, num_decode_seqs: int, block_size: int,
+                  repeats: int, seed: int = 0) -> float:
+    """Median seconds of `LLMEngine.step()` (instant runner) for a step with `num_decode_seqs`
+    decodes and a new prompt of `num_prefill_tokens` tokens (0: a steady-state decode step)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} is invalid: must be >= 1")
     rng = random.Random(seed)
-    budget = num_prefill_tokens + num_decode_seqs + repeats + DECODE_PROMPT_LEN
+    high = min(10000, model.vocab_size)
     max_len = DECODE_PROMPT_LEN + num_prefill_tokens + 4 * repeats + 64
-    blocks_per_seq = max_len // block_size + 2
-    config = SchedulerConfig(max_num_batched_tokens=max(budget, DECODE_PROMPT_LEN * max(1, num_decode_seqs)),
-                             max_num_seqs=num_decode_seqs + repeats + 1, max_model_len=max_len)
-    blocks = make_block_manager("paged", block_size, (num_decode_seqs + repeats + 1) * blocks_per_seq, 0, 0.0,
-                                max_len)
-    sched = Scheduler(config, make_policy("fcfs"), blocks, TraceRecorder())
-    now = 0.0
+    blocks = (num_decode_seqs + repeats + 1) * (max_len // block_size + 2)
+    args = EngineArgs(model=model, device="cpu", max_num_batched_tokens=max(
+        num_prefill_tokens + num_decode_seqs + repeats + DECODE_PROMPT_LEN, DECODE_PROMPT_LEN * max(1, num_decode_seqs)),
+        max_num_seqs=num_decode_seqs + repeats + 1, max_model_len=max_len, block_size=block_size,
+        num_gpu_blocks=blocks, swap_space=0, detokenize=False, seed=seed)  # fmt: skip
+    engine = LLMEngine(args, TraceRecorder(), runner=InstantRunner(blocks, model.vocab_size))
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(high) for _ in range(n)]
+
     for i in range(num_decode_seqs):
-        sched.add(Request(f"d{i}", _prompt(rng, DECODE_PROMPT_LEN), _PARAMS, now), now)
-    while sched.num_waiting:
-        out = sched.schedule(now)
-        sched.update(out, _tokens(out), now)
-        now += 1e-3
+        engine.add_request(f"d{i}", prompt(DECODE_PROMPT_LEN), _PARAMS)
+    while engine.scheduler.num_waiting:
+        engine.step()
     if num_decode_seqs:  # one plain decode step so every running sequence is decoding
-        out = sched.schedule(now)
-        sched.update(out, _tokens(out), now)
-        now += 1e-3
+        engine.step()
     times = []
     for r in range(repeats):
         if num_prefill_tokens:
-            sched.add(Request(f"p{r}", _prompt(rng, num_prefill_tokens), _PARAMS, now), now)
+            engine.add_request(f"p{r}", prompt(num_prefill_tokens), _PARAMS)
         t0 = time.perf_counter()
-        out = sched.schedule(now)
-        sched.update(out, _tokens(out), now)
+        engine.step()
         times.append(time.perf_counter() - t0)
-        now += 1e-3
-        got = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        got = engine.recorder.steps[-1]["num_prefill_tokens"]
         if got != num_prefill_tokens:
             raise RuntimeError(f"host-overhead step scheduled {got} prefill tokens, "
-                               f"expected {num_prefill_tokens}: the scheduler state is not what was built")
+                               f"expected {num_prefill_tokens}: the engine state is not what was built")
     return statistics.median(times)

@@ -2,8 +2,10 @@
 
 A step shape is (prefill tokens P in S sequences, D decodes of C context tokens each). Prefill
 sequences start at position 0 (no prefix) and sample one token, as a prompt's last chunk does;
-each decode sequence holds C tokens (C - 1 computed, the new one included in its context) and
-samples one token. Every sequence gets its own physical blocks, so the attention kernels read as
+the D decodes read D * C KV entries in all, spread as a real batch's are: sequence i of D holds
+`decode_contexts(D, C)[i]` tokens, evenly from C / 4 to 7 C / 4 (mean C, the spread of contexts
+uniform in [100, 2048]: the decode kernel's programs then finish unevenly, as in the engine), the
+new token included, and samples one token. Every sequence gets its own physical blocks, so the attention kernels read as
 many distinct KV bytes as a real batch of that shape (shared blocks would be served from L2).
 `ModelRunner.execute` does not modify sequences, so one synthetic step can be executed repeatedly.
 """
@@ -47,9 +49,19 @@ def split_tokens(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
+def decode_contexts(num_decode_seqs: int, context_per_decode: int) -> list[int]:
+    """Contexts from C / 4 to 7 C / 4 (each >= 2) summing to exactly D * C."""
+    d, c = num_decode_seqs, context_per_decode
+    if d == 0:
+        return []
+    lens = [max(2, round(c * (0.25 + 1.5 * (i + 0.5) / d))) for i in range(d)]
+    lens[-1] += d * c - sum(lens)
+    return lens
+
+
 def blocks_needed(shape: StepShape, block_size: int) -> int:
     pre = sum(math.ceil(q / block_size) for q in split_tokens(shape.num_prefill_tokens, shape.num_prefill_seqs))
-    return pre + shape.num_decode_seqs * math.ceil(shape.context_per_decode / block_size)
+    return pre + sum(math.ceil(n / block_size) for n in decode_contexts(shape.num_decode_seqs, shape.context_per_decode))
 
 
 def _sequence(seq_id: int, num_prompt: int, num_output: int, num_computed: int, first_block: int,
@@ -80,9 +92,8 @@ def synthetic_step(shape: StepShape, block_size: int, num_gpu_blocks: int, vocab
         scheduled.append(ScheduledSeq(seq, q, 1))
         next_block += len(seq.block_table)
         seq_id += 1
-    for _ in range(shape.num_decode_seqs):
-        seq = _sequence(seq_id, shape.context_per_decode - 1, 1, shape.context_per_decode - 1,
-                        next_block, block_size, rng, high)
+    for n in decode_contexts(shape.num_decode_seqs, shape.context_per_decode):
+        seq = _sequence(seq_id, n - 1, 1, n - 1, next_block, block_size, rng, high)
         scheduled.append(ScheduledSeq(seq, 1, 1))
         next_block += len(seq.block_table)
         seq_id += 1
