@@ -3,27 +3,36 @@
 Measures the device's ceilings first (device-to-device copy bandwidth, bf16 matmul rate on random
 data), then: decode over a batch x context grid (Qwen3-0.6B attention: 16 q heads, 8 KV heads,
 head_dim 128, block_size 16, bf16) against SDPA on the same KV laid out contiguously and against
-the plain-torch paged reference; prefill of single prompts (causal) against SDPA; KV write, block
-copy and swap.  A sweep of tile shapes runs at the target points (decode 64 x 4k, 8 x 32k; prefill
-8k); every variant is checked against SDPA before it is timed.  Kernels and SDPA are timed from
-CUDA-graph replays (bench_timing.py).  Prints one table and writes it as CSV with device and date
-to --out (default experiments/results/).
+the plain-torch paged reference, for both decode kernels (the packed default and the per-KV-head
+one), plus a ragged engine-like batch (256 sequences of 100..2000 tokens); prefill of single
+prompts (causal) against SDPA; KV write, block copy and swap.  A sweep of variants runs at the
+target points (decode 64 x 4k, small batches; prefill 8k); every variant is checked against SDPA
+(or the float64 reference) before it is timed.  Kernels and SDPA are timed from CUDA-graph replays
+(bench_timing.py).  Prints one table and writes it as CSV with device and date to --out (default
+experiments/results/), rewritten after every point.
 """
 
 import argparse
 import datetime
 import time
+from collections.abc import Callable
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
 import triton
 
-from experiments.bench_kernels_cases import block_ops_rows, decode_problem, kernel_report, prefill_problem
+from experiments.bench_kernels_cases import (
+    block_ops_rows,
+    decode_problem,
+    kernel_report,
+    prefill_problem,
+    ragged_decode_problem,
+)
 from experiments.bench_timing import bench_ms, copies_for, copy_gbps, graph_ms, matmul_tflops
 from kernels import reference
-from kernels.common import kv_cache_storage
 from kernels.decode import DecodeConfig, paged_decode_attention
+from kernels.decode_packed import PackedDecodeConfig
 from kernels.prefill import PrefillConfig, paged_prefill_attention
 
 HQ, HKV, D, BS = 16, 8, 128, 16
@@ -31,34 +40,19 @@ DECODE_BATCHES = (1, 8, 64, 256)
 DECODE_CONTEXTS = (512, 1024, 4096, 32768)
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)
 REFERENCE_MAX_TOKENS = 64 * 4096  # the per-sequence torch reference is slow and memory-hungry
-# Second-round sweeps (the first round, 26 decode and 9 prefill variants, is in kernels/NOTES.md).
+# Round 5 (kernels/NOTES.md): every decode point times the packed default and the per-KV-head
+# kernel (DecodeConfig(), the default until round 4); these variants run at the points named.
+PER_HEAD = DecodeConfig()
 DECODE_SWEEP = {
     (64, 4096): [
-        DecodeConfig(block_n=n, num_stages=st, num_splits=sp, programs_per_sm=ppsm)
-        for n, st, sp, ppsm in [
-            (32, 4, 2, 4),
-            (32, 3, 1, 5),
-            (32, 5, 1, 3),
-            (16, 8, 1, 3),
-            (64, 3, 1, 3),
-            (64, 4, 1, 2),
-        ]
+        DecodeConfig(num_stages=3), PackedDecodeConfig(num_stages=4),
+        PackedDecodeConfig(block_n=8, num_stages=4, programs_per_sm=2),
+        PackedDecodeConfig(block_n=8, num_stages=3, programs_per_sm=3), PackedDecodeConfig(pdl=False),
+        PackedDecodeConfig(use_tma=False),
     ],
-    (8, 32768): [DecodeConfig(num_splits=16), DecodeConfig(num_splits=4)],
-    (256, 1024): [DecodeConfig(num_stages=3), DecodeConfig(kv_eviction="evict_first")],
-    (1, 32768): [DecodeConfig(num_splits=32), DecodeConfig(num_splits=128)],
-}
-# Round 4: the same configs on an HND cache (each (block, KV head) page one 4 KB chunk, see
-# kernels.common.kv_cache_storage) and with a streaming cache hint, side by side with NHD.
-DECODE_LAYOUT_SWEEP = {
-    (64, 4096): [
-        DecodeConfig(), DecodeConfig(num_stages=3), DecodeConfig(kv_eviction="evict_first"),
-        DecodeConfig(num_stages=3, kv_eviction="evict_first"), DecodeConfig(block_n=64, num_stages=3),
-        DecodeConfig(block_n=64, num_warps=8, num_stages=3, programs_per_sm=2),
-    ],
-    (256, 1024): [DecodeConfig(), DecodeConfig(num_stages=3), DecodeConfig(kv_eviction="evict_first")],
-    (8, 32768): [DecodeConfig()],
+    (256, 1024): [DecodeConfig(num_stages=3)],
 }  # fmt: skip
+SMALL_BATCH_SWEEP = [PackedDecodeConfig(min_split_tokens=32), PackedDecodeConfig(min_split_tokens=256)]
 PREFILL_SWEEP = [
     PrefillConfig(num_stages=3), PrefillConfig(num_stages=2), PrefillConfig(block_n=64, num_stages=4),
     PrefillConfig(num_stages=3, pack_gqa=False),
@@ -78,12 +72,16 @@ def _row(kernel, shape, variant, ms, metric, unit, ceiling, sdpa_ms=None, ref_ms
     }  # fmt: skip
 
 
-def _variant_name(cfg: DecodeConfig | PrefillConfig) -> str:
-    if cfg in (DecodeConfig(), PrefillConfig()):
+def _variant_name(cfg: DecodeConfig | PackedDecodeConfig | PrefillConfig) -> str:
+    if cfg in (PackedDecodeConfig(), PrefillConfig()):
         return "default"
     if isinstance(cfg, DecodeConfig):
         hint = f"-{cfg.kv_eviction}" if cfg.kv_eviction else ""
-        return f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}sp{cfg.num_splits or 'auto'}{hint}"
+        return f"per-head-n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}sp{cfg.num_splits or 'auto'}{hint}"
+    if isinstance(cfg, PackedDecodeConfig):
+        io = ("tma" if cfg.use_tma else "ptr") + ("" if cfg.pdl else "-nopdl")
+        return (f"packed-n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}pp{cfg.programs_per_sm}"
+                f"min{cfg.min_split_tokens}-{io}")  # fmt: skip
     return f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}" + (
         "" if cfg.pack_gqa else "-nopack"
     )
@@ -105,9 +103,7 @@ def _time_variants(kernel, shape, configs, call, problems, expected, row_of, pre
     return rows
 
 
-def _decode_point(
-    batch: int, ctx: int, copy_bw: float, configs: list[DecodeConfig], hnd_configs: list[DecodeConfig]
-) -> list[dict]:
+def _decode_point(batch: int, ctx: int, copy_bw: float, configs: list) -> list[dict]:
     shape, kv_bytes = f"B{batch}xL{ctx}", 2 * batch * ctx * HKV * D * 2
     nbytes = kv_bytes + 2 * batch * HQ * D * 2
     sets = [decode_problem(batch, ctx, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv_bytes))]
@@ -132,17 +128,24 @@ def _decode_point(
         return _row("decode", shape, name, ms, nbytes / ms / 1e6, "GB/s", copy_bw, sdpa_ms, ref, err, note)
 
     call = lambda s, c: paged_decode_attention(*s[0].decode_args(), config=c)
-    rows += _time_variants("decode", shape, configs, call, sets, expected, row_of)
-    if not hnd_configs:
-        return rows
-    for s in sets:
-        s[0].k_cache, s[0].v_cache = kv_cache_storage(s[0].k_cache, "hnd"), kv_cache_storage(s[0].v_cache, "hnd")
+    return rows + _time_variants("decode", shape, configs, call, sets, expected, row_of)
 
-    def hnd_row_of(cfg, ms, err):
-        return _row("decode", shape, "hnd-" + _variant_name(cfg), ms, nbytes / ms / 1e6, "GB/s", copy_bw,
-                    sdpa_ms, None, err, note)  # fmt: skip
 
-    return rows + _time_variants("decode", shape, hnd_configs, call, sets, expected, hnd_row_of, "hnd-")
+def _ragged_decode_point(copy_bw: float) -> list[dict]:
+    """The engine's kind of batch: 256 sequences of 100..2000 tokens (no SDPA: it needs equal
+    lengths); errors are against the float64 reference."""
+    prob = ragged_decode_problem(256, 100, 2000, HQ, HKV, D, BS)
+    nbytes = 2 * int(prob.context_lens.sum()) * HKV * D * 2 + 2 * 256 * HQ * D * 2
+    expected = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
+    shape = "B256xL100..2000"
+
+    def row_of(cfg, ms, err):
+        return _row(
+            "decode", shape, _variant_name(cfg), ms, nbytes / ms / 1e6, "GB/s", copy_bw, None, None, err
+        )
+
+    call = lambda p, c: paged_decode_attention(*p.decode_args(), config=c)
+    return _time_variants("decode", shape, [PackedDecodeConfig(), PER_HEAD], call, [prob], expected, row_of)
 
 
 def _prefill_point(new: int, prefix: int, matmul: float, configs: list[PrefillConfig]) -> list[dict]:
@@ -185,22 +188,24 @@ def _progress(rows: list[dict]) -> None:
               f"  err={r.get('rel_err_vs_sdpa')}  {r.get('note', '')}", flush=True)  # fmt: skip
 
 
-def bench_decode(copy_bw: float, sweep: bool) -> list[dict]:
-    rows = []
+def bench_decode(copy_bw: float, sweep: bool, save: Callable[[list[dict]], None]) -> None:
+    point = _ragged_decode_point(copy_bw)
+    _progress(point)
+    save(point)
     for batch in DECODE_BATCHES:
         for ctx in DECODE_CONTEXTS:
             if ctx == 1024 and batch != 256:
                 continue  # 256 x 1k: the engine's decode step in bench_throughput
-            configs = [DecodeConfig(), *(DECODE_SWEEP.get((batch, ctx), []) if sweep else [])]
-            hnd = DECODE_LAYOUT_SWEEP.get((batch, ctx), []) if sweep else []
+            configs = [PackedDecodeConfig(), PER_HEAD]
+            if sweep:
+                configs += DECODE_SWEEP.get((batch, ctx), []) + (SMALL_BATCH_SWEEP if batch <= 8 else [])
             try:
-                point = _decode_point(batch, ctx, copy_bw, configs, hnd)
+                point = _decode_point(batch, ctx, copy_bw, configs)
             except torch.OutOfMemoryError as exc:
                 point = [{"kernel": "decode", "shape": f"B{batch}xL{ctx}", "note": f"OOM: {str(exc)[:120]}"}]
             _progress(point)
-            rows += point
+            save(point)
             torch.cuda.empty_cache()
-    return rows
 
 
 def bench_prefill(matmul: float, sweep: bool) -> list[dict]:
@@ -229,26 +234,31 @@ def main() -> None:
     copy_bw, matmul = copy_gbps(), matmul_tflops()
     print(f"{device} | torch {torch.__version__} | triton {triton.__version__} | {date} UTC")
     print(f"ceilings: copy {copy_bw:.0f} GB/s (read+write), bf16 matmul {matmul:.0f} TFLOP/s")
-    rows = [_row("ceiling", "copy 2GiB", "torch copy_", 0.0, copy_bw, "GB/s", copy_bw),
-            _row("ceiling", "matmul 8192^3", "torch bf16", 0.0, matmul, "TFLOP/s", matmul)]  # fmt: skip
+    path = f"{args.out}/bench_kernels_{device.replace(' ', '_')}_{date.replace(':', '')}.csv"
+    rows: list[dict] = []
+
+    def save(new_rows: list[dict]) -> None:
+        """Append rows and rewrite the CSV, so a run cut short still leaves its numbers."""
+        rows.extend(new_rows)
+        table = pd.DataFrame(rows)
+        table.insert(0, "device", device)
+        table.insert(1, "date", date)
+        table["torch"], table["triton"] = torch.__version__, triton.__version__
+        table.to_csv(path, index=False)
+
+    save([_row("ceiling", "copy 2GiB", "torch copy_", 0.0, copy_bw, "GB/s", copy_bw),
+          _row("ceiling", "matmul 8192^3", "torch bf16", 0.0, matmul, "TFLOP/s", matmul)])  # fmt: skip
     if args.only in (None, "decode"):
-        rows += bench_decode(copy_bw, not args.no_sweep)
+        bench_decode(copy_bw, not args.no_sweep, save)
     if args.only in (None, "prefill"):
-        rows += bench_prefill(matmul, not args.no_sweep)
+        save(bench_prefill(matmul, not args.no_sweep))
     if args.only in (None, "blocks"):
         point = [_row(**r) for r in block_ops_rows(copy_bw)]
         _progress(point)
-        rows += point
-    rows.append(
-        _row("ceiling", "matmul 8192^3 (again)", "torch bf16", 0.0, matmul_tflops(), "TFLOP/s", matmul)
-    )
+        save(point)
+    save([_row("ceiling", "matmul 8192^3 (again)", "torch bf16", 0.0, matmul_tflops(), "TFLOP/s", matmul)])
     kernel_report()
-    table = pd.DataFrame(rows)
-    table.insert(0, "device", device)
-    table.insert(1, "date", date)
-    table["torch"], table["triton"] = torch.__version__, triton.__version__
-    path = f"{args.out}/bench_kernels_{device.replace(' ', '_')}_{date.replace(':', '')}.csv"
-    table.to_csv(path, index=False)
+    table = pd.read_csv(path)
     cols = ["kernel", "shape", "variant", "time_us", "achieved", "unit", "frac_of_ceiling", "vs_sdpa",
             "vs_reference", "rel_err_vs_sdpa", "note"]  # fmt: skip
     with pd.option_context("display.max_rows", 500, "display.width", 250, "display.max_colwidth", 40):

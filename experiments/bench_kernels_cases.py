@@ -5,7 +5,7 @@ from triton.testing import do_bench
 
 from experiments.bench_timing import wall_ms
 from kernels import copy as block_copy
-from kernels import decode, prefill, reference
+from kernels import decode, decode_packed, prefill, reference
 from kernels.cache_write import write_kv_cache
 from kernels.inputs import random_paged_problem
 
@@ -22,6 +22,14 @@ def decode_problem(
         return cache[idx].view(batch, nblk * bs, hkv, d)[:, :ctx].permute(0, 2, 1, 3).contiguous()
 
     return prob, contiguous(prob.k_cache), contiguous(prob.v_cache)
+
+
+def ragged_decode_problem(
+    batch: int, low: int, high: int, hq: int, hkv: int, d: int, bs: int, seed: int = 0, device: str = "cuda"
+):
+    """A decode problem with context lengths drawn uniformly from [low, high] (fixed seed)."""
+    lens = torch.randint(low, high + 1, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_paged_problem(lens, None, hq, hkv, d, bs, torch.bfloat16, device=device, seed=seed)
 
 
 def prefill_problem(
@@ -139,6 +147,8 @@ def kernel_report() -> None:
     for name, fn in (
         ("decode", decode._decode_kernel),
         ("decode_reduce", decode._decode_reduce_kernel),
+        ("decode_packed", decode_packed.decode_packed_kernel),
+        ("decode_packed_merge", decode_packed.decode_packed_merge_kernel),
         ("prefill", prefill._prefill_kernel),
         ("copy", block_copy._copy_blocks_kernel),
     ):

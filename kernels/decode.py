@@ -1,12 +1,19 @@
-"""Paged decode attention (one new query token per sequence), flash-decoding style.
+"""Paged decode attention (one new query token per sequence): the entry point and the per-KV-head
+kernel.
 
-Grid (batch, kv_head, split): a program takes every query head of one KV head (GQA), so each
-K/V tile is read from the cache once, and runs tl.dot on a [BLOCK_H, head_dim] query tile padded
-to 16 rows (the tensor-core minimum).  Each sequence's context is cut into `num_splits` equal
-chunks (per sequence, so ragged batches stay balanced); with several splits every program writes
-a normalised partial output plus its log-sum-exp and a second kernel merges them.  The split
-count comes from the batch and the block table's width only, never from the context lengths'
-values, so the launch needs no device sync and can be captured in a CUDA graph.
+`paged_decode_attention` runs the packed kernel (kernels/decode_packed.py: all KV heads of a
+block per tile, an even split of the batch's tiles over a fixed grid) unless it is given a
+`DecodeConfig`, which selects the per-KV-head kernel below (the default until round 4 of
+kernels/NOTES.md, kept for comparison and for shapes the bench finds it faster on).
+
+Per-KV-head kernel, flash-decoding style.  Grid (batch, kv_head, split): a program takes every
+query head of one KV head (GQA), so each K/V tile is read from the cache once, and runs tl.dot on
+a [BLOCK_H, head_dim] query tile padded to 16 rows (the tensor-core minimum).  Each sequence's
+context is cut into `num_splits` equal chunks (per sequence, so ragged batches stay balanced);
+with several splits every program writes a normalised partial output plus its log-sum-exp and a
+second kernel merges them.  The split count comes from the batch and the block table's width
+only, never from the context lengths' values, so the launch needs no device sync and can be
+captured in a CUDA graph (the packed kernel's grid is fixed per device, likewise).
 """
 
 from dataclasses import dataclass
@@ -16,12 +23,13 @@ import triton
 import triton.language as tl
 
 from kernels.common import LOG2E, block_dim, device_sms, dot_precision, upcast_operands
+from kernels.decode_packed import PackedDecodeConfig, attend_tile, paged_decode_packed
 from kernels.validate import check_attention_inputs, check_out
 
 
 @dataclass(slots=True, frozen=True)
 class DecodeConfig:
-    """Defaults are the H200 sweep's best at batch 64 x 4k context (kernels/NOTES.md)."""
+    """The per-KV-head kernel; defaults are its H200 sweep's best at batch 64 x 4k (NOTES.md)."""
 
     block_n: int = 32  # tokens per K/V tile
     num_warps: int = 4
@@ -116,14 +124,7 @@ def _decode_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-        p = tl.exp2(qk * scale_log2 - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / safe_l[:, None]
@@ -198,17 +199,19 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     *,
-    config: DecodeConfig | None = None,
+    config: DecodeConfig | PackedDecodeConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`out` (optional, [B, Hq, D] with contiguous head_dim) receives the result, e.g. a static
-    CUDA-graph buffer; `config` overrides tile shapes and the split count (benchmarks)."""
+    CUDA-graph buffer; `config` picks the kernel (PackedDecodeConfig, the default, or the per-head
+    DecodeConfig) and its tile shapes (benchmarks)."""
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q.dtype={q.dtype} is invalid: Triton kernels take float16, bfloat16 or float32")
-    config = config or DecodeConfig()
-    if config.block_n < 16 or config.block_n & (config.block_n - 1):
-        raise ValueError(f"config.block_n={config.block_n} is invalid: a power of two >= 16")
+    config = config or PackedDecodeConfig()
+    min_n = 1 if isinstance(config, PackedDecodeConfig) else 16  # packed tiles have block_n x Hkv rows
+    if config.block_n < min_n or config.block_n & (config.block_n - 1):
+        raise ValueError(f"config.block_n={config.block_n} is invalid: a power of two >= {min_n}")
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1:
@@ -216,6 +219,8 @@ def paged_decode_attention(
     out = check_out(out, q)
     if batch == 0:
         return out
+    if isinstance(config, PackedDecodeConfig):
+        return paged_decode_packed(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
     group = num_heads // num_kv_heads
     bd = block_dim(head_dim)
     splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device, config)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from kernels import reference
 from kernels.common import block_is_dense, kv_cache_storage
 from kernels.decode import DecodeConfig, paged_decode_attention
+from kernels.decode_packed import PackedDecodeConfig, tma_ok
 from kernels.inputs import random_paged_problem
 
 # Shrinking re-runs interpreted kernels hundreds of times; the first failing example is reported as is.
@@ -19,15 +20,29 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+def _poison_stale_slots(prob) -> None:
+    """NaN in every cache slot past a context in its last block: kernels must never use them."""
+    block_size = prob.k_cache.shape[1]
+    for s, n in enumerate(prob.context_lens.tolist()):
+        if n % block_size:
+            block = prob.block_tables[s, n // block_size].long()
+            prob.k_cache[block, n % block_size :] = float("nan")
+            prob.v_cache[block, n % block_size :] = float("nan")
+
+
 def _check(context_lens, group, num_kv_heads, head_dim, block_size, dtype, config, seed):
     prob = random_paged_problem(
         context_lens, None, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype, seed=seed
     )
+    _poison_stale_slots(prob)
     out = torch.full_like(prob.q, float("nan"))
     paged_decode_attention(*prob.decode_args(), config=config, out=out)
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
     assert not out.isnan().any(), "output not fully written"
-    assert _rel_err(out, ref) < TOL[dtype]
+    empty = torch.tensor(context_lens) == 0
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    if not empty.all():
+        assert _rel_err(out, ref) < TOL[dtype]
 
 
 @settings(max_examples=25, deadline=None, phases=NO_SHRINK)
@@ -65,6 +80,53 @@ def test_decode_matches_reference(
     )
 
 
+@settings(max_examples=30, deadline=None, phases=NO_SHRINK)
+@given(
+    data=st.data(),
+    group=st.sampled_from([1, 2, 4, 8]),
+    num_kv_heads=st.sampled_from([1, 2, 3, 4]),
+    head_dim=st.sampled_from([16, 64, 128]),
+    block_size=st.sampled_from([16, 32]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    block_n=st.sampled_from([8, 16, 32]),
+    use_tma=st.booleans(),
+    programs_per_sm=st.integers(1, 4),
+    min_split_tokens=st.sampled_from([1, 16, 256]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_packed_decode_matches_reference(
+    data, group, num_kv_heads, head_dim, block_size, dtype, block_n, use_tma, programs_per_sm, min_split_tokens,
+    seed,
+):  # fmt: skip
+    """Ragged batches (empty sequences too) split over 4..16 programs, TMA and pointer loads."""
+    lens = data.draw(
+        st.lists(
+            st.one_of(st.integers(0, 100), st.sampled_from([block_size, 2 * block_size, block_size + 1])),
+            min_size=1,
+            max_size=6,
+        )
+    )
+    config = PackedDecodeConfig(
+        block_n=block_n, use_tma=use_tma, programs_per_sm=programs_per_sm, min_split_tokens=min_split_tokens
+    )
+    _check(lens, group, num_kv_heads, head_dim, block_size, dtype, config, seed)
+
+
+@pytest.mark.parametrize("use_tma", [True, False])
+@pytest.mark.parametrize("lens", [[0], [0, 0, 5], [1, 0, 1], [40, 0, 0, 33, 9], [200, 1, 64]])
+def test_packed_decode_splits(lens, use_tma):
+    """Sequences shared by 2+ programs (merged), covered by one (written directly) and empty (zeros);
+    block_n 8 inside 16-token blocks, so short last tiles start mid-block or at its start."""
+    config = PackedDecodeConfig(block_n=8, use_tma=use_tma, programs_per_sm=2, min_split_tokens=8)
+    _check(lens, 2, 2, 64, 16, torch.float32, config, seed=len(lens))
+
+
+def test_packed_decode_merges_more_partials_than_one_step():
+    """One sequence over 20 programs: the merge takes its partials 16 at a time."""
+    config = PackedDecodeConfig(block_n=8, programs_per_sm=5, min_split_tokens=8)
+    _check([400, 3], 4, 1, 16, 16, torch.float32, config, seed=11)
+
+
 @pytest.mark.parametrize("lens", [[1], [1, 1, 1], [16, 32, 48], [17, 33, 15]])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_edge_lengths(lens, num_splits):
@@ -91,14 +153,19 @@ def test_decode_strided_query_view():
     assert _rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("kv_eviction", ["", "evict_first"])
-def test_decode_reads_hnd_cache_through_strides(kv_eviction):
-    """An HND-stored cache (kernels.common.kv_cache_storage) gives the NHD answer."""
+@pytest.mark.parametrize(
+    "config",
+    [DecodeConfig(block_n=32), DecodeConfig(block_n=32, kv_eviction="evict_first"), PackedDecodeConfig()],
+)
+def test_decode_reads_hnd_cache_through_strides(config):
+    """An HND-stored cache (kernels.common.kv_cache_storage) gives the NHD answer (the packed kernel
+    falls back from TMA to pointer loads there)."""
     prob = random_paged_problem([9, 40, 33], None, 4, 2, 16, 16, torch.float32, seed=7)
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
+    assert tma_ok(prob.k_cache, 16)
     prob.k_cache, prob.v_cache = kv_cache_storage(prob.k_cache, "hnd"), kv_cache_storage(prob.v_cache, "hnd")
-    assert not prob.k_cache.is_contiguous() and block_is_dense(prob.k_cache)
-    out = paged_decode_attention(*prob.decode_args(), config=DecodeConfig(block_n=32, kv_eviction=kv_eviction))
+    assert not prob.k_cache.is_contiguous() and block_is_dense(prob.k_cache) and not tma_ok(prob.k_cache, 16)
+    out = paged_decode_attention(*prob.decode_args(), config=config)
     assert _rel_err(out, ref) < 1e-5
 
 

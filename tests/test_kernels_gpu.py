@@ -11,6 +11,7 @@ from kernels import reference
 from kernels.cache_write import write_kv_cache
 from kernels.copy import copy_blocks, swap_blocks
 from kernels.decode import DecodeConfig, paged_decode_attention
+from kernels.decode_packed import PackedDecodeConfig
 from kernels.inputs import random_paged_problem
 from kernels.prefill import paged_prefill_attention
 
@@ -30,9 +31,21 @@ def _lens(n: int, low: int, high: int, seed: int) -> list[int]:
     "num_q_heads,num_kv_heads,head_dim,block_size",
     [(16, 8, 128, 16), (32, 8, 64, 16), (14, 2, 64, 32), (8, 8, 128, 32)],
 )
-@pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_decode_bf16(num_q_heads, num_kv_heads, head_dim, block_size, num_splits):
-    lens = _lens(24, 1, 3000, seed=num_q_heads + head_dim) + [1, block_size, 4096]
+@pytest.mark.parametrize(
+    "config",
+    [
+        DecodeConfig(),
+        DecodeConfig(num_splits=1),
+        DecodeConfig(num_splits=5),
+        PackedDecodeConfig(),
+        PackedDecodeConfig(use_tma=False),
+        PackedDecodeConfig(block_n=8, num_stages=4, programs_per_sm=2),
+        PackedDecodeConfig(block_n=8, use_tma=False, programs_per_sm=3, min_split_tokens=16),
+    ],
+    ids=lambda c: repr(c),
+)
+def test_decode_bf16(num_q_heads, num_kv_heads, head_dim, block_size, config):
+    lens = _lens(24, 1, 3000, seed=num_q_heads + head_dim) + [1, block_size, 4096, 0, 17]
     prob = random_paged_problem(
         lens,
         None,
@@ -45,7 +58,12 @@ def test_decode_bf16(num_q_heads, num_kv_heads, head_dim, block_size, num_splits
         seed=head_dim,
     )
     out = torch.full_like(prob.q, float("nan"))
-    paged_decode_attention(*prob.decode_args(), config=DecodeConfig(num_splits=num_splits), out=out)
+    # Stale slots past each context hold NaN: no kernel may let them into the result.
+    for cache in (prob.k_cache, prob.v_cache):
+        for s, n in enumerate(prob.context_lens.tolist()):
+            if n % block_size:
+                cache[prob.block_tables[s, n // block_size].long(), n % block_size :] = float("nan")
+    paged_decode_attention(*prob.decode_args(), config=config, out=out)
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
     assert not out.isnan().any()
     assert _rel_err(out, ref) < BF16_MAX_ERR
@@ -70,6 +88,17 @@ def test_prefill_bf16(num_q_heads, num_kv_heads, head_dim, block_size):
     paged_prefill_attention(*prob.prefill_args(), out=out)
     ref = reference.paged_prefill_attention(*prob.to(torch.float64).prefill_args())
     assert not out.isnan().any()
+    assert _rel_err(out, ref) < BF16_MAX_ERR
+
+
+@pytest.mark.parametrize("min_split_tokens", [16, 256])
+def test_packed_decode_long_single_sequence(min_split_tokens):
+    """One 32k sequence split over every SM (min 16 tokens: 1 program each, 100+ partials merged)."""
+    prob = random_paged_problem([32768, 5], None, 16, 8, 128, 16, torch.bfloat16, device="cuda", seed=9)
+    out = paged_decode_attention(
+        *prob.decode_args(), config=PackedDecodeConfig(min_split_tokens=min_split_tokens)
+    )
+    ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
     assert _rel_err(out, ref) < BF16_MAX_ERR
 
 

@@ -1,0 +1,169 @@
+"""Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--out DIR]`.
+
+Round 5 of kernels/NOTES.md: the per-KV-head kernel (kernels/decode.py) against the packed kernel
+(kernels/decode_packed.py: all KV heads of a page per tile, TMA or pointer loads, even split of
+the batch's tiles over a fixed grid) at batch 64 x 4k first, with SDPA on contiguous K/V as the
+bar; then the three fastest packed variants at the other grid points and a ragged engine-like
+batch (256 sequences of 100..2000 tokens).  Also times both kernels on a cache whose block tables
+are sequential (block i of sequence s = s * blocks + i), to separate the page scatter's cost from
+the kernel's.  Prints one line per row and writes a CSV to --out.
+"""
+
+import argparse
+import datetime
+from dataclasses import replace
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import triton
+
+from experiments.bench_kernels_cases import decode_problem, kernel_report
+from experiments.bench_timing import copies_for, copy_gbps, graph_ms
+from kernels import decode_packed
+from kernels.decode import DecodeConfig, paged_decode_attention
+from kernels.decode_packed import PackedDecodeConfig as P
+from kernels.inputs import random_paged_problem
+
+HQ, HKV, D, BS = 16, 8, 128, 16
+CANDIDATES = [
+    P(), P(num_warps=8), P(num_stages=4), P(use_tma=False),
+    P(block_n=8, num_stages=4, programs_per_sm=2), P(block_n=8, num_stages=3, programs_per_sm=3),
+    P(block_n=8, num_stages=5), P(block_n=8, num_stages=6), P(block_n=8, num_stages=4, programs_per_sm=2, num_warps=8),
+    P(block_n=8, num_stages=4, programs_per_sm=2, use_tma=False),
+]  # fmt: skip
+PER_HEAD = [DecodeConfig(), DecodeConfig(num_stages=3)]
+OTHER_POINTS = [(64, 32768), (256, 1024), (8, 32768), (1, 32768), (256, 512), (8, 4096), (1, 4096), (1, 512),
+                (64, 512)]  # fmt: skip
+
+
+def name(cfg) -> str:
+    if isinstance(cfg, DecodeConfig):
+        return f"head-n{cfg.block_n}s{cfg.num_stages}"
+    io = ("tma" if cfg.use_tma else "ptr") + ("" if cfg.pdl else "-nopdl")
+    split = "" if cfg.min_split_tokens == P().min_split_tokens else f"-min{cfg.min_split_tokens}"
+    return f"packed-n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}pp{cfg.programs_per_sm}-{io}{split}"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def sequential_tables(prob) -> None:
+    """Renumber the blocks so that each sequence's blocks are consecutive in the pool."""
+    batch, width = prob.block_tables.shape
+    nblk = (int(prob.context_lens.max()) + BS - 1) // BS
+    tables = torch.arange(batch * nblk, device=prob.block_tables.device, dtype=torch.int32).view(batch, nblk)
+    prob.block_tables = torch.cat([tables, prob.block_tables[:, nblk:]], 1) if width > nblk else tables
+
+
+def time_point(label, sets, nbytes, copy_bw, configs, sdpa=True, expected=None) -> list[dict]:
+    rows = []
+
+    def add(variant, ms, err=None, note=""):
+        row = {"shape": label, "variant": variant, "time_us": ms * 1e3, "GBps": nbytes / ms / 1e6,
+               "frac_copy": nbytes / ms / 1e6 / copy_bw, "err": err, "note": note}  # fmt: skip
+        rows.append(row)
+        print(f"  {label:<24}{variant:<36}{row['time_us']:>9.1f} us {row['frac_copy']:.3f} of copy  err={err}",
+              flush=True)  # fmt: skip
+
+    if sdpa:
+        fn = lambda s: F.scaled_dot_product_attention(s[0].q.unsqueeze(2), s[1], s[2], scale=s[0].scale,
+                                                     enable_gqa=True)  # fmt: skip
+        add("sdpa", graph_ms([lambda s=s: fn(s) for s in sets]))
+        expected = fn(sets[0]).squeeze(2)
+    for cfg in configs:
+        try:
+            out = paged_decode_attention(*sets[0][0].decode_args(), config=cfg)
+            err = rel_err(out, expected) if expected is not None else None
+            ms = graph_ms(
+                [lambda s=s, c=cfg: paged_decode_attention(*s[0].decode_args(), config=c) for s in sets]
+            )
+            add(name(cfg), ms, err)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(
+                {"shape": label, "variant": name(cfg), "note": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            )
+            print(f"  {label:<16}{name(cfg):<36} ERROR {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    return rows
+
+
+def uniform(batch: int, ctx: int, copy_bw: float, configs, sequential: bool = False) -> list[dict]:
+    kv = 2 * batch * ctx * HKV * D * 2
+    sets = [decode_problem(batch, ctx, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv))]
+    label = f"B{batch}xL{ctx}"
+    rows = time_point(label, sets, kv + 2 * batch * HQ * D * 2, copy_bw, configs)
+    if sequential:
+        for s in sets:
+            sequential_tables(s[0])
+        rows += time_point(label + "-seqtab", sets, kv + 2 * batch * HQ * D * 2, copy_bw, configs, sdpa=False)
+    del sets
+    torch.cuda.empty_cache()
+    return rows
+
+
+def ragged(copy_bw: float, configs) -> list[dict]:
+    lens = torch.randint(100, 2001, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    kv = 2 * sum(lens) * HKV * D * 2
+    sets = [(random_paged_problem(lens, None, HQ, HKV, D, BS, torch.bfloat16, device="cuda", seed=i),)
+            for i in range(copies_for(kv))]  # fmt: skip
+    expected = paged_decode_attention(*sets[0][0].decode_args(), config=DecodeConfig())
+    return time_point("B256x100..2000", sets, kv + 2 * 256 * HQ * D * 2, copy_bw, configs, sdpa=False,
+                      expected=expected)  # fmt: skip
+
+
+def merge_only_us(cfg: P) -> float:
+    """The merge kernel alone at B64x4k (every sequence shared by 2-3 programs): its share of a call."""
+    prob = decode_problem(64, 4096, HQ, HKV, D, BS)[0]
+    out = torch.empty_like(prob.q)
+    programs = cfg.programs_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+    parts = (
+        torch.zeros((64 + programs) * HQ, D, device="cuda"),
+        torch.zeros((64 + programs) * HQ, device="cuda"),
+    )
+    block_n = cfg.block_n
+    call = lambda: decode_packed.decode_packed_merge_kernel[(64, HQ)](
+        *parts, prob.context_lens, out, 64, programs, out.stride(0), out.stride(1), NUM_HEADS=HQ,
+        HEAD_DIM=D, BLOCK_D=D, BLOCK_N=block_n, BLOCK_B=64, MIN_TILES=max(1, cfg.min_split_tokens // block_n),
+        BLOCK_P=16, PDL=False, num_warps=4)  # fmt: skip
+    return graph_ms([call]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="experiments/results")
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name()
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
+    copy_bw = copy_gbps()
+    print(
+        f"{device} | torch {torch.__version__} | triton {triton.__version__} | {date} | copy {copy_bw:.0f} GB/s"
+    )
+    path = f"{args.out}/bench_kernels_sweep_{device.replace(' ', '_')}_{date.replace(':', '')}.csv"
+    rows: list[dict] = []
+
+    def save(new_rows: list[dict]) -> None:  # after every point: a run cut short keeps its numbers
+        rows.extend(new_rows)
+        table = pd.DataFrame(rows)
+        table.insert(0, "device", device)
+        table.insert(1, "date", date)
+        table.to_csv(path, index=False)
+
+    save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
+    packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),
+                    key=lambda r: r["time_us"])  # fmt: skip
+    best = [c for c in CANDIDATES if name(c) in [r["variant"] for r in packed[:3]]]
+    print("best packed at B64x4k:", [name(c) for c in best], flush=True)
+    merge_us = merge_only_us(best[0])
+    print(f"merge kernel alone at B64x4k: {merge_us:.1f} us", flush=True)
+    save([{"shape": "B64xL4096", "variant": "merge-only-" + name(best[0]), "time_us": merge_us}])
+    save(uniform(64, 4096, copy_bw, PER_HEAD[:1] + best[:1] + [replace(best[0], pdl=False)], sequential=True))
+    save(ragged(copy_bw, PER_HEAD[:1] + best))
+    for batch, ctx in OTHER_POINTS:
+        finer = [replace(best[0], min_split_tokens=n) for n in (32, 64)] if batch <= 8 else []
+        save(uniform(batch, ctx, copy_bw, PER_HEAD[:1] + best + finer))
+    kernel_report()
+
+
+if __name__ == "__main__":
+    main()
