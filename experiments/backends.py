@@ -53,7 +53,8 @@ def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     gpu, cpu = factory.kv_block_counts(cfg)
     scheduler = factory.build_scheduler(cfg, gpu, cpu, recorder)
     latency = factory.build_latency(cfg)
-    result = Simulator(scheduler, latency, workload.requests, workload.stop_lens, on_done).run()
+    result = Simulator(scheduler, latency, workload.requests, workload.stop_lens, on_done,
+                       fast_forward=cfg.backend.get("fast_forward", True)).run()
     return BackendRun(result.num_steps, result.sim_time_s, "simulated",
                       {"num_gpu_blocks": gpu, "num_cpu_blocks": cpu, "latency_model": latency.name})
 

@@ -30,6 +30,10 @@ def requests_frame(recorder: TraceRecorder) -> pd.DataFrame:
 
 
 def steps_frame(recorder: TraceRecorder) -> pd.DataFrame:
+    if isinstance(recorder, TraceRecorder):  # fast-forwarded decode runs, without building their rows
+        columns = recorder.step_columns()
+        if columns["step"]:
+            return pd.DataFrame(columns, columns=list(STEP_COLUMNS))
     return pd.DataFrame.from_records(recorder.steps, columns=list(STEP_COLUMNS))
 
 

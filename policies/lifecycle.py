@@ -11,9 +11,10 @@ when aborted). Ended requests are handed out once by `take_ended` (and aborted o
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from policies.blocks.base import BlockManager
+from policies.output_lens import holds_output_len
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.preemption import Preemptor
 from policies.queues import SchedulerQueues, seq_cost
@@ -107,6 +108,54 @@ class Lifecycle:
                 finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
             elif computed >= stop_len:
                 finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
+
+    @property
+    def has_pending_ends(self) -> bool:
+        """Requests ended since the last update, or sequences aborted in flight."""
+        return bool(self._ended or self._aborted or self.aborted_in_flight)
+
+    def decode_steps_before_stop(self, seqs: list[Sequence], token: int, max_steps: int) -> int:
+        """How many decode steps (<= max_steps) of `seqs` sampling `token` everywhere finish none of
+        them: the step where one reaches its length limit, or may stop on `token`, is not counted."""
+        limit, stop_info = max_steps, self.stop_info
+        for seq in seqs:
+            stop_len, min_len, stops, token_times = stop_info[seq]
+            if token_times is not None and not token_times:
+                return 0  # its first token is still to come (a first_token event, never in a run)
+            # Step s leaves computed + s + 1 computed tokens: it finishes once that reaches stop_len
+            # (or min_len, for a stop token).
+            steps = (min_len if stops is not None and token in stops and min_len < stop_len else stop_len) \
+                - seq.num_computed_tokens - 1
+            if steps < limit:
+                limit = steps
+        return max(limit, 0)
+
+    def append_decode_run(self, seqs: list[Sequence], token: int, times: list[float]) -> None:
+        """The token side of len(times) - 1 decode steps that finish nothing (step s ends at
+        times[s + 1]): every seq gets `token` per step, sample 0s their token times."""
+        tokens, stamps = [token] * (len(times) - 1), times[1:]
+        stop_info, first_token = self.stop_info, self.recorder.first_token
+        for seq in seqs:
+            seq.token_ids.extend(tokens)
+            token_times = stop_info[seq][3]
+            if token_times is not None:
+                if not token_times:
+                    first_token(seq, stamps[0])
+                token_times.extend(stamps)
+
+    def finish_decode_run(self, seqs: list[Sequence], token: int, now: float,
+                          output_lens: Mapping[str, int] | None) -> None:
+        """The stop rules of a decode run's last step, whose token is in (as `apply`, seq by seq;
+        `output_lens` as the simulator's stop_seq_ids)."""
+        stop_info = self.stop_info
+        for seq in seqs:
+            stop_len, min_len, stops, _ = stop_info[seq]
+            computed = seq.num_computed_tokens
+            if (stops is not None and token in stops or output_lens and holds_output_len(seq, output_lens)) \
+                    and computed >= min_len:
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
+            elif computed >= stop_len:
+                self._finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
 
     def _append_token(self, seq: Sequence, token: int, now: float, stop_seq_ids: Collection[int]) -> None:
         seq.token_ids.append(token)

@@ -17,9 +17,10 @@ stop rules, frees finished sequences and records the step. See preemption.py and
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from operator import attrgetter, itemgetter
 
+from policies import decode_run
 from policies.blocks.base import AllocStatus, BlockManager
 from policies.lifecycle import Lifecycle
 from policies.outputs import ScheduledSeq, SchedulerOutput
@@ -59,6 +60,7 @@ class Scheduler:
         self._step = 0
         self._stats = StepStats()
         self._stats_out: SchedulerOutput | None = None
+        self._decode_run = decode_run.NO_RUN  # what decode_run_limit allowed
 
     # ---- queries --------------------------------------------------------------------------
     @property
@@ -118,7 +120,7 @@ class Scheduler:
     # ---- schedule -------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         """Decide the next step (module docstring); the backend runs it, then calls `update`."""
-        self._now = now
+        self._now, self._decode_run = now, decode_run.NO_RUN
         out = SchedulerOutput(now)
         self._stats, self._stats_out = StepStats(), out
         self.preemptor.begin_step()
@@ -300,3 +302,19 @@ class Scheduler:
                                      self.preemptor.counts, ended))
         self._step += 1
         return ended
+
+    # ---- fast-forward (policies/decode_run.py) ----------------------------------------------
+    def decode_run_limit(self, max_steps: int, token: int, output_lens: Mapping[str, int] | None = None) -> int:
+        """How many of the next steps (<= max_steps) `advance_decodes` may apply at once if every
+        sample is `token`, `output_lens` end requests at those output lengths (as stop_seq_ids)
+        and nothing arrives or is aborted before the last one starts; 0 if the next is not one."""
+        self._decode_run = decode_run.run_limit(self, self._step, max_steps, token, output_lens) \
+            if self._all_decoding else decode_run.NO_RUN
+        return self._decode_run.limit
+
+    def advance_decodes(self, times: list[float], token: int, output_lens: Mapping[str, int] | None = None) -> None:
+        """Apply len(times) - 1 of them, step s from times[s] to times[s + 1], as schedule(times[s]);
+        update(out, {seq_id: [token] for each seq}, times[s + 1], stop_seq_ids) would."""
+        decode_run.advance(self, self._decode_run, self._step, times, token, output_lens)
+        self._step += len(times) - 1
+        self._now, self._stats_out, self._decode_run = times[-1], None, decode_run.NO_RUN

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from policies.request import Request
 from policies.sequence import Sequence
@@ -55,17 +56,84 @@ class _Live:
     token_times: list[float] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class DecodeRunSteps:
+    """The step rows of a fast-forwarded decode run (policies/decode_run.py), kept compact: step s of
+    the run, from times[s] to times[s + 1], has `first`'s values except step (+ s), time, duration,
+    gpu_blocks_used (gpu_used[s]), kv_tokens (+ s * num_seqs) and num_waiting (0, and
+    `last_num_waiting` in the last step, for requests that arrived during it)."""
+
+    first: dict
+    times: list[float]
+    gpu_used: list[int]
+    num_seqs: int
+    last_num_waiting: int
+
+    def rows(self) -> list[dict]:
+        rows = []
+        step, kv_tokens, start = self.first["step"], self.first["kv_tokens"], self.times[0]
+        for used, end in zip(self.gpu_used, islice(self.times, 1, None)):
+            row = self.first.copy()
+            row["step"], row["time"], row["duration"] = step, start, end - start
+            row["gpu_blocks_used"], row["kv_tokens"], row["num_waiting"] = used, kv_tokens, 0
+            rows.append(row)
+            step, kv_tokens, start = step + 1, kv_tokens + self.num_seqs, end
+        rows[-1]["num_waiting"] = self.last_num_waiting
+        return rows
+
+    def add_to(self, columns: dict[str, list]) -> None:
+        """Append the rows to `columns` (STEP_COLUMNS -> values) without building them."""
+        times, num_steps, first = self.times, len(self.gpu_used), self.first
+        varying = {
+            "step": range(first["step"], first["step"] + num_steps), "time": times[:-1],
+            "duration": [end - start for start, end in zip(times, islice(times, 1, None))],
+            "gpu_blocks_used": self.gpu_used,
+            "kv_tokens": range(first["kv_tokens"], first["kv_tokens"] + num_steps * self.num_seqs, self.num_seqs),
+            "num_waiting": [0] * (num_steps - 1) + [self.last_num_waiting],
+        }
+        for name, values in columns.items():
+            values.extend(varying[name] if name in varying else [first[name]] * num_steps)
+
+
 class TraceRecorder:
     """Collects `requests` rows (one per ended request, in end order), `steps` rows (one per
-    `Scheduler.update`) and, if `record_events`, the raw lifecycle `events` (tuples in
-    `EVENT_COLUMNS` order; per-token times are kept in the request rows instead)."""
+    `Scheduler.update`, or per step of a fast-forwarded decode run) and, if `record_events`, the
+    raw lifecycle `events` (tuples in `EVENT_COLUMNS` order; per-token times are kept in the
+    request rows instead)."""
 
     def __init__(self, record_events: bool = True) -> None:
         self.record_events = record_events
         self.requests: list[dict] = []
-        self.steps: list[dict] = []
         self.events: list[tuple] = []
         self._live: dict[str, _Live] = {}
+        self._steps: list[dict] = []
+        # Decode runs (and the rows after the first of them) whose rows are not built yet: a
+        # simulated run of 10^5-10^6 steps is mostly decode runs, whose rows cost more to build and
+        # hold than all the rest; `step_columns` writes them without ever building them.
+        self._pending: list[dict | DecodeRunSteps] = []
+
+    @property
+    def steps(self) -> list[dict]:
+        """One row per step, in step order (one list, which grows in place)."""
+        if self._pending:
+            for item in self._pending:
+                if type(item) is DecodeRunSteps:
+                    self._steps.extend(item.rows())
+                else:
+                    self._steps.append(item)
+            self._pending.clear()
+        return self._steps
+
+    def step_columns(self) -> dict[str, list]:
+        """The step rows as columns (STEP_COLUMNS order), the same values as `steps`."""
+        columns: dict[str, list] = {name: [] for name in STEP_COLUMNS}
+        for item in (*self._steps, *self._pending):
+            if type(item) is DecodeRunSteps:
+                item.add_to(columns)
+            else:
+                for name, values in columns.items():
+                    values.append(item[name])
+        return columns
 
     def _event(self, now: float, event: str, request_id: str, seq_id: int | None, detail: str = "") -> None:
         if self.record_events:
@@ -117,7 +185,11 @@ class TraceRecorder:
         return self._close("aborted", request, seqs, now)
 
     def step(self, row: dict) -> None:
-        self.steps.append(row)
+        (self._pending if self._pending else self._steps).append(row)
+
+    def decode_run(self, run: DecodeRunSteps) -> None:
+        """The rows of a fast-forwarded decode run's steps."""
+        self._pending.append(run)
 
     def _close(self, status: str, request: Request, seqs: Iterable[Sequence], now: float) -> dict:
         live = self._live.pop(request.request_id)

@@ -9,11 +9,24 @@ Generated tokens are `SIM_TOKEN` (requests from workloads carry `ignore_eos` and
 length); a request listed in `stop_lens` is ended at that output length through update's
 `stop_seq_ids`, the same path the engine uses for stop strings. Nothing here is random, so the
 same requests, scheduler and latency model give the same trace.
+
+Fast-forward (`fast_forward=True`, the default; `backend.fast_forward` in conf/backend/sim.yaml):
+most steps are decode steps of an unchanged batch. Before each step the engine asks the scheduler
+how many such steps lie ahead (`decode_run_limit`: nothing waiting, preempted or short of blocks,
+and only the last may finish a sequence), prices them with the latency model's `decode_times`,
+keeps those that start before the next arrival, and applies them with one `advance_decodes` after
+one timeout (an arrival during the last step is in the waiting queue by then, as it is in that
+step's update). The clock values are the ones stepping one by one computes (each step's end = its
+start + its duration), so the traces are byte-identical to `fast_forward=False`; steps whose end
+SimPy could not reach exactly from now with one delay (only possible early on) go one by one.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from itertools import accumulate, islice
+from math import inf
 from operator import attrgetter, itemgetter
 
 import simpy
@@ -23,6 +36,8 @@ from policies.request import Request
 from sim.latency.base import LatencyModel
 
 SIM_TOKEN = 1
+MAX_RUN_STEPS = 1 << 16  # steps per fast-forwarded decode run at most
+FIRST_CHUNK_STEPS = 32  # steps priced at once while looking for the end of a run, if no guess
 _num_samples = itemgetter(2)
 _seq_id = attrgetter("seq.seq_id")
 
@@ -37,8 +52,12 @@ class SimResult:
 class Simulator:
     def __init__(self, scheduler, latency: LatencyModel, requests: Iterable[Request],
                  stop_lens: Mapping[str, int] | None = None,
-                 on_done: Callable[[int], None] | None = None) -> None:
+                 on_done: Callable[[int], None] | None = None, fast_forward: bool = True) -> None:
         """scheduler: a `policies.Scheduler`; on_done(n) is called as n requests end (progress)."""
+        if type(fast_forward) is not bool:
+            raise ValueError(f"fast_forward={fast_forward!r} is invalid: must be True or False")
+        # (A stand-in scheduler without the fast-forward API is stepped one by one.)
+        self.fast_forward = fast_forward and hasattr(scheduler, "decode_run_limit")
         self.scheduler = scheduler
         self.latency = latency
         self.requests = sorted(requests, key=lambda r: r.arrival_time)
@@ -48,6 +67,8 @@ class Simulator:
         self.num_steps = 0
         self._arrived = 0
         self._wake: simpy.Event | None = None
+        self._next_arrival_at = 0.0  # SimPy time of the pending arrival (inf: none left)
+        self._step_time_guess = inf  # the last fast-forwarded step's duration
         self._one = [SIM_TOKEN]  # shared by the entries of a step (update only reads it)
 
     def run(self) -> SimResult:
@@ -60,11 +81,14 @@ class Simulator:
         env, add = self.env, self.scheduler.add
         for req in self.requests:
             if req.arrival_time > env.now:
-                yield env.timeout(req.arrival_time - env.now)
+                delay = req.arrival_time - env.now
+                self._next_arrival_at = env.now + delay  # the time SimPy computes for the timeout
+                yield env.timeout(delay)
             add(req, env.now)
             self._arrived += 1
             if self._wake is not None and not self._wake.triggered:
                 self._wake.succeed()
+        self._next_arrival_at = inf
 
     def _idle(self) -> simpy.Event:
         self._wake = self.env.event()
@@ -73,7 +97,7 @@ class Simulator:
     def _engine(self):
         env, sched, total_time = self.env, self.scheduler, self.latency.total_time
         schedule, timeout = sched.schedule, env.timeout
-        stop_lens, on_done = self.stop_lens, self.on_done
+        stop_lens, on_done, fast_forward = self.stop_lens, self.on_done, self.fast_forward
         ended_rows = sched.recorder.requests  # grows by one row per ended request
         reported = 0
         total = len(self.requests)
@@ -89,6 +113,14 @@ class Simulator:
                 if self._arrived == total:
                     return
                 yield self._idle()
+                continue
+            # Fast-forward: the next plain decode steps in one timeout.
+            times = self._decode_run() if fast_forward else None
+            if times is not None:
+                idle_rounds = 0
+                yield timeout(times[-1] - env.now)
+                sched.advance_decodes(times, SIM_TOKEN, stop_lens)
+                self.num_steps += len(times) - 1
                 continue
             out = schedule(env.now)
             if not out.scheduled and out.is_empty:
@@ -119,6 +151,39 @@ class Simulator:
                 sched.update(out, tokens, env.now, stops)
             else:
                 sched.update(out, tokens, env.now)
+
+    def _decode_run(self) -> list[float] | None:
+        """Times [t_0 = now, ..., t_K] of K >= 1 decode steps `advance_decodes` can apply at once:
+        nothing arrives before the last one starts, nor exactly when one ends (which of the two
+        SimPy runs first would then depend on its event ids; such a step is stepped normally)."""
+        sched, start = self.scheduler, self.env.now
+        limit = sched.decode_run_limit(MAX_RUN_STEPS, SIM_TOKEN, self.stop_lens)
+        if not limit:
+            return None
+        num_seqs, context = sched.num_running, sched.queues.kv_tokens + sched.num_running
+        times, until = [start], self._next_arrival_at
+        # Price about as many steps as fit before the arrival, judged by the last run's step time.
+        guess = self._step_time_guess
+        chunk = int((until - start) / guess) + 2 if until < inf and guess > 0 else FIRST_CHUNK_STEPS
+        # Step ends as SimPy's timeouts compute them (start + duration, one step after the other),
+        # up to the first one at or after the next arrival.
+        while len(times) <= limit:
+            num_steps = min(chunk, limit + 1 - len(times))
+            step_times = self.latency.decode_times(num_seqs, context + (len(times) - 1) * num_seqs,
+                                                   num_seqs, num_steps)
+            if step_times is None:
+                return None
+            done = len(times)
+            times.extend(islice(accumulate(step_times, initial=times[-1]), 1, None))
+            cut = bisect_left(times, until, done)
+            if cut < len(times):
+                del times[cut + (times[cut] != until):]
+                break
+            chunk = 2 * chunk
+        self._step_time_guess = times[-1] - times[-2] if len(times) > 1 else self._step_time_guess
+        if len(times) < 2 or start + (times[-1] - start) != times[-1]:
+            return None
+        return times
 
     def _sampled_tokens(self, scheduled) -> dict[int, list[int]]:
         """`SIM_TOKEN` for every sample of the step (`update`'s `new_token_ids`)."""

@@ -93,6 +93,32 @@ class BlockManager(ABC):
             copies.extend(self.append_slots(seq, 1))
         return copies
 
+    def decode_run_limit(self, seqs: list[Sequence], max_steps: int) -> int:
+        """How many consecutive decode steps of exactly `seqs` (each computes one token per step),
+        at most `max_steps`, `append_decode_slots` serves with no copy and no shortage: the steps
+        `append_decode_run` may then apply at once (the scheduler's fast-forward). 0, the default,
+        when the manager cannot tell without running them."""
+        return 0
+
+    def append_decode_run(self, seqs: list[Sequence], num_steps: int) -> list[int]:
+        """What `num_steps` such decode steps do to the blocks, in their order: per step
+        `append_decode_slots(seqs)`, then every seq advances one token and `mark_computed` runs for
+        those that filled a block. Advances each `seq.num_computed_tokens` by `num_steps`; returns
+        the GPU blocks used after each step. Only for steps `decode_run_limit` allowed."""
+        marks = type(self).mark_computed is not BlockManager.mark_computed
+        mask = self.block_size - 1
+        used = []
+        for _ in range(num_steps):
+            if self.append_decode_slots(seqs) != []:
+                raise RuntimeError("append_decode_run went past decode_run_limit: a step needs copies "
+                                   "or lacks blocks")
+            for seq in seqs:
+                seq.num_computed_tokens += 1
+                if marks and not seq.num_computed_tokens & mask:
+                    self.mark_computed(seq)
+            used.append(self.usage().gpu_used)
+        return used
+
     @abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares all of parent's blocks (ref counts +1). Contiguous (nothing shared): the child

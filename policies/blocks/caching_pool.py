@@ -43,6 +43,10 @@ class CachingBlockPool(BlockPool):
         else:
             self.evictor[block] = None
 
+    def _release_many(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._release(block)
+
     def lookup(self, block_hash: int) -> int | None:
         return self.hash_to_block.get(block_hash)
 

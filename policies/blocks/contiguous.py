@@ -112,6 +112,18 @@ class ContiguousBlockManager(BlockManager):
             copies.extend(self.append_slots(seq, 1))
         return copies
 
+    def decode_run_limit(self, seqs: list[Sequence], max_steps: int) -> int:
+        if self._pending or self._in_flight:  # fork copies to hand out or to unpin after a step
+            return 0
+        room = min((len(seq.block_table) * self.block_size - seq.num_computed_tokens for seq in seqs),
+                   default=max_steps)
+        return max(min(room, max_steps), 0)
+
+    def append_decode_run(self, seqs: list[Sequence], num_steps: int) -> list[int]:
+        for seq in seqs:  # reserved runs: nothing to allocate, and mark_computed has nothing to unpin
+            seq.num_computed_tokens += num_steps
+        return [self.num_gpu_blocks - self.extents.num_free] * num_steps
+
     def mark_computed(self, seq: Sequence) -> None:
         if self._in_flight:
             sources = self._in_flight.pop(seq.seq_id, None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from policies.blocks import paged_decode_run
 from policies.blocks.base import AllocStatus, BlockManager, BlockUsage
 from policies.blocks.pool import BlockPool, OutOfBlocksError
 from policies.sequence import Sequence
@@ -57,8 +58,7 @@ class PagedBlockManager(BlockManager):
         needed = self.blocks_for(seq.num_tokens)
         if needed > self.gpu.num_free:
             raise OutOfBlocksError(f"seq {seq.seq_id} needs {needed} GPU blocks, {self.gpu.num_free} free")
-        allocate = self.gpu.allocate
-        seq.block_table.extend(allocate() for _ in range(needed))
+        seq.block_table.extend(self.gpu.allocate_many(needed))
 
     def _require_no_blocks(self, seq: Sequence) -> None:
         if seq.block_table:
@@ -136,6 +136,12 @@ class PagedBlockManager(BlockManager):
                 copies.extend(self.append_slots(seq, 1))
         return copies
 
+    def decode_run_limit(self, seqs: list[Sequence], max_steps: int) -> int:
+        return paged_decode_run.decode_run_limit(self, seqs, max_steps)
+
+    def append_decode_run(self, seqs: list[Sequence], num_steps: int) -> list[int]:
+        return paged_decode_run.append_decode_run(self, seqs, num_steps)
+
     # -- sharing ---------------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self._require_no_blocks(child)
@@ -157,9 +163,9 @@ class PagedBlockManager(BlockManager):
 
     def _release_gpu(self, blocks: list[int]) -> None:
         # Tail first: with prefix caching, blocks released together are evicted tail first.
-        gpu, mirror = self.gpu, self._gpu_mirror
-        for block in reversed(blocks):
-            if gpu.decref(block) and mirror:
+        freed = self.gpu.decref_many(blocks[::-1])
+        if self._gpu_mirror:
+            for block in freed:
                 self._forget_gpu_mirror(block)
 
     def _release_cpu(self, blocks: list[int]) -> None:

@@ -32,6 +32,21 @@ class BlockPool:
         self.num_free -= 1
         return block
 
+    def allocate_many(self, count: int) -> list[int]:
+        """The blocks `count` allocate() calls would return, in that order (one slice of the free
+        stack when it holds them; subclasses take from it first)."""
+        free = self.free_ids
+        if count > len(free):
+            return [self.allocate() for _ in range(count)]
+        blocks = free[len(free) - count:]
+        del free[len(free) - count:]
+        blocks.reverse()
+        refs = self.ref_counts
+        for block in blocks:
+            refs[block] = 1
+        self.num_free -= count
+        return blocks
+
     def _take_unreferenced(self) -> int:
         """An unreferenced block for a new allocation (subclasses may evict)."""
         if not self.free_ids:
@@ -42,6 +57,10 @@ class BlockPool:
     def _release(self, block: int) -> None:
         """Where a block goes when its last reference is dropped (subclasses may keep it cached)."""
         self.free_ids.append(block)
+
+    def _release_many(self, blocks: list[int]) -> None:
+        """`_release` of each block, in order."""
+        self.free_ids.extend(blocks)
 
     def incref(self, block: int) -> None:
         self.ref_counts[block] += 1
@@ -57,6 +76,20 @@ class BlockPool:
         self._release(block)
         self.num_free += 1
         return True
+
+    def decref_many(self, blocks: list[int]) -> list[int]:
+        """decref() each block in order; returns those that became free, in that order."""
+        refs, freed = self.ref_counts, []
+        for block in blocks:
+            left = refs[block] - 1
+            if left < 0:
+                raise RuntimeError(f"{self.device} block {block} freed more often than it was referenced")
+            refs[block] = left
+            if not left:
+                freed.append(block)
+        self._release_many(freed)
+        self.num_free += len(freed)
+        return freed
 
     def check(self, expected_refs: dict[int, int]) -> None:
         """Assert ref counts equal `expected_refs` (block -> references; absent = 0) and that the

@@ -87,8 +87,7 @@ class PrefixCachingBlockManager(PagedBlockManager):
         for block in hits:  # take the hits first so fresh allocations cannot evict them
             self.gpu.acquire_cached(block)
         seq.block_table.extend(hits)
-        allocate = self.gpu.allocate
-        seq.block_table.extend(allocate() for _ in range(self.blocks_for(seq.num_tokens) - len(hits)))
+        seq.block_table.extend(self.gpu.allocate_many(self.blocks_for(seq.num_tokens) - len(hits)))
         seq.num_computed_tokens = len(hits) * self.block_size
         self._seq_hashes[seq.seq_id] = hashes
         self.prefix_queries += eligible

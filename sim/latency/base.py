@@ -10,6 +10,7 @@ re-schedules the recomputed tokens as prefill, which `step_time` prices.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 
@@ -70,6 +71,14 @@ class LatencyModel(ABC):
     def swap_time(self, num_blocks: int) -> float:
         """Seconds to move `num_blocks` KV blocks between GPU and CPU (0 for 0 blocks)."""
 
+    def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
+                     num_steps: int) -> list[float] | None:
+        """Step times of `num_steps` consecutive decode-only steps of one batch, each equal to
+        `step_time` of that step's output: step s runs `num_seqs` decodes (no copies) reading
+        `num_context_tokens + s * num_seqs` KV entries and sampling `num_samples` tokens. None (the
+        default) when the model cannot tell without the outputs: the simulator then steps one by one."""
+        return None
+
     def total_time(self, out: SchedulerOutput) -> float:
         """Step time plus the swap-out and swap-in transfers the backend runs before the forward."""
         t = self.step_time(out)
@@ -78,3 +87,12 @@ class LatencyModel(ABC):
         if out.swap_in:
             t += self.swap_time(len(out.swap_in))
         return t
+
+
+
+def shape_decode_times(shape_time: Callable[[BatchShape], float], num_seqs: int, num_context_tokens: int,
+                       num_samples: int, num_steps: int) -> list[float]:
+    """`LatencyModel.decode_times` for a model that prices a `BatchShape` (`shape_time`)."""
+    end = num_context_tokens + num_steps * num_seqs
+    return [shape_time(BatchShape(0, 0, 0, 0, num_seqs, context, num_samples, 0))
+            for context in range(num_context_tokens, end, num_seqs)]

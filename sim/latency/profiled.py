@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from policies.outputs import SchedulerOutput
-from sim.latency.base import BatchShape, LatencyModel
+from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
 
 COLUMNS = ("kind", "num_prefill_tokens", "num_decode_seqs", "num_context_tokens", "num_blocks", "time_s")
 STEP_FIELDS = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")
@@ -194,9 +194,14 @@ class ProfiledModel(LatencyModel):
             self._swap_times.insert(0, 0.0)
 
     def step_time(self, out: SchedulerOutput) -> float:
-        if not out.scheduled:
-            return 0.0
-        b = BatchShape.of(out)
+        return self.shape_time(BatchShape.of(out)) if out.scheduled else 0.0
+
+    def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
+                     num_steps: int) -> list[float]:
+        return shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps)
+
+    def shape_time(self, b: BatchShape) -> float:
+        """Step time of a batch that schedules something."""
         p, d = b.num_prefill_tokens, b.num_decode_seqs
         if p == 0 and self.graph_sizes:
             d = next((s for s in self.graph_sizes if s >= d), d)

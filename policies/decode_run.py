@@ -1,0 +1,93 @@
+"""Fast-forward over runs of decode steps: the work behind `Scheduler.decode_run_limit` and
+`Scheduler.advance_decodes` (used by the simulator; the engine learns a step's tokens by running it).
+
+A decode run is a stretch of steps in which the whole running queue decodes one token per step and
+nothing else happens: no sequence waits or is swapped out (so none is admitted or swapped in), no
+step preempts, copies a block or lacks one, and only the last step may finish sequences. Such steps
+differ only in their clock and in totals that grow by the batch size per step, so a backend that
+knows their times beforehand (the simulator: its latency model prices them, and it knows when the
+next request arrives) can apply K of them in one call. That leaves exactly the state and trace that
+K schedule()/update() pairs leave: the same tokens, block tables and prefix cache, token times,
+events, ended requests and step rows (kept compact by the recorder, see `DecodeRunSteps`).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+from policies.output_lens import decode_steps_before_output_len
+from policies.outputs import SchedulerOutput
+from policies.step_stats import StepStats
+from policies.trace import DecodeRunSteps
+
+if TYPE_CHECKING:
+    from policies.scheduler import Scheduler
+
+
+class Permit(NamedTuple):
+    """What `decode_run_limit` allowed: `limit` steps at once, of which the first `quiet` finish
+    nothing (quiet >= limit - 1), asked at scheduler step `step` with `num_seen` requests added."""
+
+    limit: int
+    quiet: int
+    step: int
+    num_seen: int
+
+
+NO_RUN = Permit(0, 0, -1, 0)
+
+
+def run_limit(scheduler: Scheduler, step: int, max_steps: int, token: int,
+              output_lens: Mapping[str, int] | None) -> Permit:
+    """`Scheduler.decode_run_limit`, for a scheduler whose running sequences all have one token to
+    compute (its `_all_decoding`): the next steps that schedule the whole running queue as plain
+    decodes, and how many of them finish nothing."""
+    queues, lifecycle = scheduler.queues, scheduler.lifecycle
+    running = queues.running
+    # Each running sequence samples one token (no unforked parallel prompt: its cost would be n),
+    # the whole queue fits the token budget, and nothing waits to be admitted or swapped in.
+    if (not running or queues.waiting or queues.swapped or queues.running_cost != len(running)
+            or len(running) > scheduler.config.max_num_batched_tokens or lifecycle.has_pending_ends
+            or max_steps < 1):
+        return NO_RUN
+    quiet = lifecycle.decode_steps_before_stop(running, token, max_steps - 1)
+    if quiet and output_lens:
+        forced = decode_steps_before_output_len(running, output_lens)
+        if forced is not None and forced < quiet:
+            quiet = forced
+    return Permit(scheduler.block_manager.decode_run_limit(running, quiet + 1), quiet, step, len(lifecycle.seen))
+
+
+def advance(scheduler: Scheduler, permit: Permit, step: int, times: list[float], token: int,
+            output_lens: Mapping[str, int] | None) -> None:
+    """`Scheduler.advance_decodes`: steps step, step + 1, ...; past `permit.quiet` of them, the last
+    one applies the stop rules. Requests added since the permit arrived during the last step."""
+    num_steps = len(times) - 1
+    if not 1 <= num_steps <= permit.limit or permit.step != step or scheduler.lifecycle.has_pending_ends \
+            or len(scheduler.queues.waiting) != len(scheduler.lifecycle.seen) - permit.num_seen:
+        raise ValueError(f"advance_decodes got {num_steps} steps: decode_run_limit allowed "
+                         f"{permit.limit if permit.step == step else 0} since the last step (and no abort)")
+    finishing = num_steps > permit.quiet
+    queues, lifecycle, block_manager = scheduler.queues, scheduler.lifecycle, scheduler.block_manager
+    running = queues.running
+    num_seqs = len(running)
+    scheduler.preemptor.begin_step()  # forgets the counts of a preempting step before the run
+    lifecycle.append_decode_run(running, token, times)
+    gpu_used = block_manager.append_decode_run(running, num_steps)
+    stats = StepStats(num_decode_seqs=num_seqs, num_running=num_seqs, num_samples=num_seqs)
+    plain = num_steps - 1 if finishing else num_steps  # steps before the one with the stop rules
+    kv_tokens = queues.kv_tokens
+    if plain:
+        queues.kv_tokens = kv_tokens + num_seqs  # as the first step's update leaves it
+        first = stats.row(step, SchedulerOutput(times[0]), times[1], queues, block_manager.usage(),
+                          scheduler.preemptor.counts, [])
+        # Requests in the waiting queue arrived during the last step (the caller's contract).
+        run = DecodeRunSteps(first, times, gpu_used, num_seqs, len(queues.waiting)) if not finishing else \
+            DecodeRunSteps(first, times[:-1], gpu_used[:-1], num_seqs, 0)
+        scheduler.recorder.decode_run(run)
+    queues.kv_tokens = kv_tokens + num_seqs * num_steps
+    if finishing:
+        lifecycle.finish_decode_run(list(running), token, times[-1], output_lens)
+        scheduler.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], queues,
+                                          block_manager.usage(), scheduler.preemptor.counts,
+                                          lifecycle.take_ended()))

@@ -1,0 +1,203 @@
+"""The simulator's fast-forward over decode runs leaves exactly the traces of stepping one by one.
+
+Property test: random small workloads (arrival ties with step ends, parallel sampling, stop tokens
+equal to the simulator's token, min_tokens, forced output lengths, tiny KV pools that preempt)
+through every policy x block manager x preemption mode, chunked prefill on and off, with the
+roofline model, both profiled models and a dyadic model whose step ends often coincide exactly
+with arrivals. Both paths must give equal request rows, step rows, events, clock and final block
+pools. Plus: the fast path does cover most steps, the written trace files are byte-identical, and
+the scheduler refuses a fast-forward it did not allow.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policies import Request, SamplingParams, Scheduler, SchedulerConfig, TraceRecorder, make_block_manager, make_policy
+from policies.outputs import SchedulerOutput
+from policies.trace import STEP_COLUMNS
+from sim import SIM_TOKEN, Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel, Simulator
+from sim.latency.base import BatchShape, shape_decode_times
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 160
+
+
+class Dyadic(LatencyModel):
+    """Step times in 1/1024 s: sums stay exact, so steps end exactly at arrival times often."""
+
+    name = "dyadic"
+
+    def shape_time(self, b: BatchShape) -> float:
+        return (8 + b.num_prefill_tokens // 8 + b.num_decode_seqs + b.num_context_tokens // 64 + b.num_copies) / 1024
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        return self.shape_time(BatchShape.of(out)) if out.scheduled or out.copy else 0.0
+
+    def decode_times(self, num_seqs, num_context_tokens, num_samples, num_steps):
+        return shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps)
+
+    def swap_time(self, num_blocks: int) -> float:
+        return num_blocks / 512
+
+
+def _conf(group: str, name: str) -> dict:
+    return yaml.safe_load((ROOT / f"conf/{group}/{name}.yaml").read_text())
+
+
+def latency_model(name: str, block_size: int) -> LatencyModel:
+    if name == "roofline":
+        return RooflineModel(ModelShape.from_dict(_conf("model", "qwen3-0.6b")),
+                             Hardware.from_dict(_conf("hardware", "h200")), block_size)
+    if name == "dyadic":
+        return Dyadic()
+    return ProfiledModel(ROOT / f"experiments/profiles/{name}.csv", block_size)
+
+
+@st.composite
+def cases(draw):
+    chunked = draw(st.booleans())
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    case = {
+        "policy": draw(st.sampled_from(["fcfs", "priority"])),
+        "mode": draw(st.sampled_from(["recompute", "swap"])),
+        "blocks": draw(st.sampled_from(["paged", "prefix", "contiguous"])),
+        "block_size": block_size,
+        "num_gpu_blocks": max(1, draw(st.sampled_from([40, 120, 400, 4000])) // block_size),
+        "num_cpu_blocks": draw(st.sampled_from([0, 64, 1000])) // block_size,
+        "watermark": draw(st.sampled_from([0.0, 0.05])),
+        "config": SchedulerConfig(max_num_batched_tokens=draw(st.sampled_from([3, 16, 64]) if chunked
+                                                              else st.just(MAX_MODEL_LEN)),
+                                  max_num_seqs=draw(st.integers(1, 8)), max_model_len=MAX_MODEL_LEN,
+                                  enable_chunked_prefill=chunked),
+        "latency": draw(st.sampled_from(["roofline", "dyadic", "example-synthetic", "h200-qwen3-0.6b"])),
+    }
+    shared = list(range(500, 500 + MAX_MODEL_LEN))
+    requests, stop_lens = [], {}
+    for i in range(draw(st.integers(1, 10))):
+        prompt_len = draw(st.integers(1, 60))
+        common = draw(st.sampled_from([0, prompt_len]))  # identical prefixes: prefix-cache hits
+        max_tokens = draw(st.integers(1, 60))
+        params = {"n": min(draw(st.sampled_from([1, 1, 2, 3])), case["config"].max_num_seqs), "max_tokens": max_tokens,
+                  "min_tokens": draw(st.sampled_from([0, 0, max_tokens // 2])),
+                  "ignore_eos": draw(st.booleans()),
+                  "stop_token_ids": draw(st.sampled_from([[], [], [SIM_TOKEN]]))}
+        prompt = shared[:common] + [2000 + 100 * i + j for j in range(prompt_len - common)]
+        requests.append((f"r{i}", prompt, params, draw(st.integers(0, 300)) / 1024,
+                         draw(st.integers(0, 2)), draw(st.sampled_from([None, SIM_TOKEN, 7]))))
+        if draw(st.integers(0, 3)) == 0:
+            stop_lens[f"r{i}"] = draw(st.integers(1, max_tokens))
+    case["requests"], case["stop_lens"] = requests, stop_lens
+    return case
+
+
+def simulate(case: dict, fast_forward: bool) -> tuple:
+    manager = make_block_manager(case["blocks"], case["block_size"], case["num_gpu_blocks"],
+                                 case["num_cpu_blocks"], case["watermark"], MAX_MODEL_LEN)
+    scheduler = Scheduler(case["config"], make_policy(case["policy"], preemption_mode=case["mode"]), manager,
+                          TraceRecorder())
+    requests = [Request(rid, list(prompt), SamplingParams(**params), arrival_time=arrival, priority=priority,
+                        eos_token_id=eos) for rid, prompt, params, arrival, priority, eos in case["requests"]]
+    result = Simulator(scheduler, latency_model(case["latency"], case["block_size"]), requests,
+                       case["stop_lens"], fast_forward=fast_forward).run()
+    if case["blocks"] == "contiguous":
+        pools = (manager.extents.starts, manager.extents.ends, manager.gpu_refs)
+    else:
+        pools = (manager.gpu.free_ids, manager.gpu.ref_counts, list(getattr(manager.gpu, "evictor", [])),
+                 getattr(manager.gpu, "hash_to_block", None))
+    return scheduler.recorder, result, pools + (manager.cpu.free_ids,)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_fast_forward_leaves_the_traces_of_stepping_one_by_one(case):
+    fast, fast_result, fast_pools = simulate(case, fast_forward=True)
+    plain, plain_result, plain_pools = simulate(case, fast_forward=False)
+    assert fast.requests == plain.requests
+    assert fast.events == plain.events
+    assert fast.step_columns() == plain.step_columns()  # compact decode runs, unbuilt
+    assert fast.steps == plain.steps
+    assert fast.step_columns() == {name: [row[name] for row in plain.steps] for name in STEP_COLUMNS}
+    assert (fast_result.num_steps, fast_result.sim_time_s) == (plain_result.num_steps, plain_result.sim_time_s)
+    assert fast_pools == plain_pools
+
+
+def _run_dir(tmp_path: Path, fast_forward: bool, overrides: list[str]) -> Path:
+    from hydra import compose, initialize_config_module
+
+    from experiments.run import run
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "progress=false", "plots=false", f"backend.fast_forward={str(fast_forward).lower()}", *overrides])
+    out = tmp_path / f"ff_{fast_forward}"
+    run(cfg, out)
+    return out
+
+
+@pytest.mark.parametrize("overrides", [
+    ["workload=poisson", "workload.num_requests=150"],
+    ["workload=sharegpt", "workload.num_requests=120", "blocks=prefix", "workload.shared_prefix_len=32",
+     "blocks.num_gpu_blocks=300", "policy.preemption_mode=swap"],
+])
+def test_trace_files_are_byte_identical(tmp_path, overrides):
+    fast, plain = _run_dir(tmp_path, True, overrides), _run_dir(tmp_path, False, overrides)
+    for name in ("requests.parquet", "steps.parquet", "events.parquet"):
+        assert (fast / name).read_bytes() == (plain / name).read_bytes(), name
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (fast, plain)]
+    assert [s["config"]["backend"].pop("fast_forward") for s in summaries] == [True, False]
+    for s in summaries:
+        assert s["run"].pop("wall_time_s") > 0  # the only measured (not simulated) field
+    assert summaries[0] == summaries[1]
+
+
+def test_fast_forward_covers_most_decode_steps(monkeypatch):
+    case = {"policy": "fcfs", "mode": "recompute", "blocks": "paged", "block_size": 16, "num_gpu_blocks": 4000,
+            "num_cpu_blocks": 0, "watermark": 0.01, "config": SchedulerConfig(max_model_len=MAX_MODEL_LEN),
+            "latency": "roofline", "stop_lens": {},
+            "requests": [(f"r{i}", list(range(10 + i)), {"max_tokens": 100 + 7 * i, "ignore_eos": True},
+                          i * 0.05, 0, None) for i in range(20)]}
+    advanced = []
+    original = Scheduler.advance_decodes
+    monkeypatch.setattr(Scheduler, "advance_decodes",
+                        lambda self, times, *a: advanced.append(len(times) - 1) or original(self, times, *a))
+    recorder, result, _ = simulate(case, fast_forward=True)
+    assert sum(advanced) > 0.9 * result.num_steps and len(advanced) < 0.1 * result.num_steps
+    assert len(recorder.requests) == 20
+
+
+def test_advance_decodes_refuses_steps_it_did_not_allow():
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64), make_policy("fcfs"),
+                          make_block_manager("paged", 4, 64, 0, 0.0, 64), TraceRecorder())
+    scheduler.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)), 0.0)
+    out = scheduler.schedule(0.0)
+    scheduler.update(out, {out.scheduled[0].seq.seq_id: [SIM_TOKEN]}, 1.0)
+    with pytest.raises(ValueError, match="decode_run_limit allowed 0"):
+        scheduler.advance_decodes([1.0, 2.0], SIM_TOKEN)  # not asked first
+    assert scheduler.decode_run_limit(100, SIM_TOKEN) == 4  # 4 more tokens; the last step finishes it
+    with pytest.raises(ValueError, match="advance_decodes got 5 steps"):
+        scheduler.advance_decodes([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], SIM_TOKEN)
+    scheduler.add(Request("b", [1, 2], SamplingParams(max_tokens=2)), 1.0)  # waiting: no longer allowed
+    assert scheduler.decode_run_limit(100, SIM_TOKEN) == 0
+
+
+def test_arrivals_exactly_at_step_ends():
+    # Dyadic step times are exact: put arrivals exactly on the ends of decode steps of a first run.
+    base = {"policy": "fcfs", "mode": "recompute", "blocks": "paged", "block_size": 4, "num_gpu_blocks": 400,
+            "num_cpu_blocks": 0, "watermark": 0.0, "config": SchedulerConfig(max_model_len=MAX_MODEL_LEN),
+            "latency": "dyadic", "stop_lens": {},
+            "requests": [("a", list(range(8)), {"max_tokens": 60, "ignore_eos": True}, 0.0, 0, None)]}
+    recorder, _, _ = simulate(base, fast_forward=False)
+    ends = [row["time"] + row["duration"] for row in recorder.steps]
+    case = dict(base, requests=base["requests"] + [
+        (f"b{i}", list(range(5)), {"max_tokens": 9, "ignore_eos": True}, ends[k], 0, None)
+        for i, k in enumerate((3, 20, 21, 40))])
+    fast, fast_result, _ = simulate(case, fast_forward=True)
+    plain, plain_result, _ = simulate(case, fast_forward=False)
+    assert any(row["time"] in ends[3:] and row["num_prefill_seqs"] for row in plain.steps)  # ties happened
+    assert (fast.requests, fast.events, fast.steps) == (plain.requests, plain.events, plain.steps)
+    assert fast_result == plain_result
