@@ -9,7 +9,7 @@ copies, the forward (a captured CUDA graph for decode-only steps, as in the engi
 sampling, and the sampled tokens' copy back; CUDA-synchronised wall clock, `warmup` untimed runs
 then the median of `repeats`; decode contexts spread around their mean as a real batch's do
 (profiling/synthetic.py). The rest of the engine's CPU cost per step (`LLMEngine.step` around
-`execute`: schedule, update, outputs) is measured separately on a real engine with an instant runner
+`execute`: schedule, update, outputs) is measured on a real engine driving the same runner
 (profiling/host.py) and added: `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N blocks each way.
 
     python -m experiments.profile model=qwen3-0.6b            # the GPU profile (~1 min on an H200)
@@ -35,7 +35,7 @@ from tqdm import tqdm
 from experiments.cli import run_cli
 from experiments.paths import REPO_ROOT
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
-from experiments.profiling.host import host_overhead
+from experiments.profiling.host import host_overheads
 from experiments.profiling.synthetic import blocks_needed, decode_contexts, swap_mapping, synthetic_step
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
@@ -134,8 +134,8 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
         key = (shape.num_prefill_tokens, shape.num_prefill_seqs, shape.num_decode_seqs, shape.context_per_decode)
         forward[key] = median_time(functools.partial(runner.execute, out), cfg.warmup, cfg.repeats)
     print(f"[profile] {len(shapes)} step shapes in {time.perf_counter() - start:.1f}s", flush=True)
-    host = {(p, d): host_overhead(runner.model_config, p, d, bs, cfg.host_repeats, cfg.seed)
-            for p in grid.prefill_tokens for d in grid.decode_seqs if p or d}
+    host = host_overheads(runner, [(p, d) for p in grid.prefill_tokens for d in grid.decode_seqs if p or d],
+                          cfg.warmup, cfg.host_repeats, cfg.seed)
     rows = []
     for s in grid.step_shapes():
         f = forward[(s.num_prefill_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.context_per_decode)]
@@ -185,7 +185,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "engine": (f"ModelRunner max_num_batched_tokens={cfg.max_num_batched_tokens} max_num_seqs="
                    f"{cfg.max_num_seqs} max_model_len={cfg.max_model_len} enforce_eager={cfg.enforce_eager}"),
         "timing": (f"execute() wall clock, CUDA-synchronised; {cfg.warmup} warm-up runs, median of "
-                   f"{cfg.repeats}; host_s = LLMEngine.step() around an instant runner "
+                   f"{cfg.repeats}; host_s = LLMEngine.step() minus its execute() on this runner "
                    f"(median of {cfg.host_repeats}), time_s = forward_s + host_s"),
         "prefill_layout": ("one sequence per step, no prefix, sampling one token; the 0/0 row repeats "
                            "the smallest prefill row"),

@@ -12,8 +12,9 @@ from hydra import compose, initialize_config_module
 from experiments.calibrate import calibrate, calibrate_to_file, profile_points
 from experiments.profile import gpu_slug, profile
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
-from engine.config import load_model_config
-from experiments.profiling.host import host_overhead
+from engine.config import CacheConfig, load_model_config
+from engine.model_runner import ModelRunner
+from experiments.profiling.host import host_overheads
 from experiments.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from sim.latency import BatchShape, Hardware, ModelShape, ProfiledModel, RooflineModel
 from sim.latency.profiled import COLUMNS, read_profile
@@ -83,9 +84,14 @@ def test_grid_validation_names_the_field():
 
 
 def test_host_overhead_is_measured_for_decode_and_prefill_steps():
-    model = load_model_config("tiny-qwen3")
-    assert 0 < host_overhead(model, 0, 8, 16, repeats=2) < 0.5
-    assert 0 < host_overhead(model, 64, 8, 16, repeats=2) < 0.5
+    """On a real engine around a (CPU) runner: positive, small, and the runner is left idle."""
+    runner = ModelRunner(load_model_config("tiny-qwen3"), CacheConfig(block_size=16, num_gpu_blocks=64,
+                                                                    swap_space=0),
+                         max_num_batched_tokens=96, max_num_seqs=9, max_model_len=128, device="cpu")
+    host = host_overheads(runner, [(0, 8), (64, 8)], warmup=1, repeats=2)
+    assert set(host) == {(0, 8), (64, 8)} and all(0 < h < 0.5 for h in host.values())
+    with pytest.raises(ValueError, match="over the runner's limits"):
+        host_overheads(runner, [(96, 1)], warmup=0, repeats=1)
 
 
 def test_prefill_pair_fit_recovers_the_slope():

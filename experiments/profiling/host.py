@@ -1,76 +1,93 @@
-"""Per-step host overhead of the real engine that `ModelRunner.execute` does not include: the whole
-`LLMEngine.step()` (scheduler `schedule` + `update` with the trace recorder on, the sampled-token
-dict, stop rules, request outputs) around an instant runner that returns every sampled token at
-once. Measured in the state a step of the given shape runs in: D running decodes (all decoding)
-plus, for P > 0, one waiting prompt of P tokens that the measured step admits.
+"""Per-step host overhead of the real engine that `ModelRunner.execute` does not include, measured in
+place: an `LLMEngine` drives the profiler's own runner (real forwards on the real device), and for
+each (prefill tokens P, decodes D) pair the host share of a step is `LLMEngine.step()`'s wall time
+minus the `execute` call inside it: scheduler `schedule` + `update` with the trace recorder on, the
+sampled-token dict, stop rules, request outputs. Timed between real forwards, Python runs with the
+caches a serving engine has (the same code timed in a tight CPU-only loop ran ~2x faster).
 
-This is pure CPU work, so it is measured apart from the GPU step and added to it (profile column
-`host_s`); `time_s = forward_s + host_s` is the step period the engine loop pays. It is measured on
-the machine that runs the profile, whose CPU is the engine's.
+State of a measured step: D running decodes (all decoding) plus, for P > 0, one waiting prompt of
+P tokens that the step admits (aborted after it, so D stays D).
+
+`time_s = forward_s + host_s` is then the step period the engine loop pays.
 """
 from __future__ import annotations
 
 import random
 import statistics
 import time
+from collections.abc import Iterable
 
-from engine.config import ModelConfig
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.sampler import SampleResult
-from policies import SamplingParams, SchedulerOutput, TraceRecorder
+from engine.model_runner import ModelRunner
+from policies import SamplingParams, TraceRecorder
 
 DECODE_PROMPT_LEN = 16
 _PARAMS = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
 
 
-class InstantRunner:
-    """ModelRunner's interface without a model: token 1 for every sampled row, no device work."""
+class _TimedRunner:
+    """Forwards to the runner and keeps the wall time of the last `execute`."""
 
-    def __init__(self, num_gpu_blocks: int, vocab_size: int) -> None:
-        self.num_gpu_blocks, self.num_cpu_blocks, self.vocab_size = num_gpu_blocks, 0, vocab_size
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.last_s = runner, 0.0
+        self.num_gpu_blocks, self.num_cpu_blocks = runner.num_gpu_blocks, runner.num_cpu_blocks
+        self.vocab_size = runner.vocab_size
 
-    def execute(self, out: SchedulerOutput) -> dict[int, SampleResult]:
-        return {s.seq.seq_id: SampleResult([1] * s.num_samples) for s in out.scheduled if s.num_samples}
+    def execute(self, out):
+        t0 = time.perf_counter()
+        try:
+            return self.runner.execute(out)
+        finally:
+            self.last_s = time.perf_counter() - t0
 
     def release(self, seq_ids) -> None:
-        pass
+        self.runner.release(seq_ids)
 
 
-def host_overhead(model: ModelConfig, num_prefill_tokens: int, num_decode_seqs: int, block_size: int,
-                  repeats: int, seed: int = 0) -> float:
-    """Median seconds of `LLMEngine.step()` (instant runner) for a step with `num_decode_seqs`
-    decodes and a new prompt of `num_prefill_tokens` tokens (0: a steady-state decode step)."""
+def host_overheads(runner: ModelRunner, pairs: Iterable[tuple[int, int]], warmup: int, repeats: int,
+                   seed: int = 0) -> dict[tuple[int, int], float]:
+    """{(P, D): median seconds of host work per step} for steps of D decodes and a P-token prompt,
+    on an engine with the runner's limits."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} is invalid: must be >= 1")
     rng = random.Random(seed)
-    high = min(10000, model.vocab_size)
-    max_len = DECODE_PROMPT_LEN + num_prefill_tokens + 4 * repeats + 64
-    blocks = (num_decode_seqs + repeats + 1) * (max_len // block_size + 2)
-    args = EngineArgs(model=model, device="cpu", max_num_batched_tokens=max(
-        num_prefill_tokens + num_decode_seqs + repeats + DECODE_PROMPT_LEN, DECODE_PROMPT_LEN * max(1, num_decode_seqs)),
-        max_num_seqs=num_decode_seqs + repeats + 1, max_model_len=max_len, block_size=block_size,
-        num_gpu_blocks=blocks, swap_space=0, detokenize=False, seed=seed)  # fmt: skip
-    engine = LLMEngine(args, TraceRecorder(), runner=InstantRunner(blocks, model.vocab_size))
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(high) for _ in range(n)]
-
-    for i in range(num_decode_seqs):
-        engine.add_request(f"d{i}", prompt(DECODE_PROMPT_LEN), _PARAMS)
-    while engine.scheduler.num_waiting:
-        engine.step()
-    if num_decode_seqs:  # one plain decode step so every running sequence is decoding
-        engine.step()
-    times = []
-    for r in range(repeats):
-        if num_prefill_tokens:
-            engine.add_request(f"p{r}", prompt(num_prefill_tokens), _PARAMS)
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-        got = engine.recorder.steps[-1]["num_prefill_tokens"]
-        if got != num_prefill_tokens:
-            raise RuntimeError(f"host-overhead step scheduled {got} prefill tokens, "
-                               f"expected {num_prefill_tokens}: the engine state is not what was built")
-    return statistics.median(times)
+    high = min(10000, runner.vocab_size)
+    timed = _TimedRunner(runner)
+    args = EngineArgs(model=runner.model_config, device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+                      max_num_batched_tokens=runner.max_num_batched_tokens, max_num_seqs=runner.max_num_seqs,
+                      max_model_len=runner.max_model_len, block_size=runner.block_size,
+                      num_gpu_blocks=runner.num_gpu_blocks, swap_space=0, detokenize=False, seed=seed)  # fmt: skip
+    engine = LLMEngine(args, TraceRecorder(), runner=timed)
+    out: dict[tuple[int, int], float] = {}
+    for p, d in pairs:
+        if p + d > runner.max_num_batched_tokens or d + (p > 0) > runner.max_num_seqs:
+            raise ValueError(f"host step of {p} prefill tokens + {d} decodes is invalid: over the runner's "
+                             f"limits ({runner.max_num_batched_tokens} tokens, {runner.max_num_seqs} sequences)")
+        engine.reset(TraceRecorder())
+        for i in range(d):
+            engine.add_request(f"d{i}", [rng.randrange(high) for _ in range(DECODE_PROMPT_LEN)], _PARAMS)
+        while engine.scheduler.num_waiting:
+            engine.step()
+        if d:
+            engine.step()  # every running sequence decoding
+        times = []
+        for r in range(warmup + repeats):
+            if p:
+                engine.add_request(f"p{r}", [rng.randrange(high) for _ in range(p)], _PARAMS)
+            t0 = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - t0
+            got = engine.recorder.steps[-1]["num_prefill_tokens"]
+            if got != p:
+                raise RuntimeError(f"host-overhead step scheduled {got} prefill tokens, expected {p}: "
+                                   "the engine state is not what was built")
+            if p:
+                engine.abort_request(f"p{r}")
+            if r >= warmup:
+                times.append(wall - timed.last_s)
+        for i in range(d):
+            engine.abort_request(f"d{i}")
+        engine.step()  # hands out the aborted requests' outputs, so the next reset() finds none in flight
+        out[(p, d)] = statistics.median(times)
+    return out
