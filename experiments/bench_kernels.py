@@ -3,7 +3,7 @@
 Measures the device's ceilings first (device-to-device copy bandwidth, bf16 matmul rate on random
 data), then: decode over a batch x context grid (Qwen3-0.6B attention: 16 q heads, 8 KV heads,
 head_dim 128, block_size 16, bf16) against SDPA on the same KV laid out contiguously and against
-the plain-torch paged reference, for both decode kernels (the packed default and the per-KV-head
+the plain-torch paged reference, for both decode kernels (the per-KV-head default and the packed
 one), plus a ragged engine-like batch (256 sequences of 100..2000 tokens); prefill of single
 prompts (causal) against SDPA; KV write, block copy and swap.  A sweep of variants runs at the
 target points (decode 64 x 4k, small batches; prefill 8k); every variant is checked against SDPA
@@ -40,19 +40,17 @@ DECODE_BATCHES = (1, 8, 64, 256)
 DECODE_CONTEXTS = (512, 1024, 4096, 32768)
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)
 REFERENCE_MAX_TOKENS = 64 * 4096  # the per-sequence torch reference is slow and memory-hungry
-# Round 5 (kernels/NOTES.md): every decode point times the packed default and the per-KV-head
-# kernel (DecodeConfig(), the default until round 4); these variants run at the points named.
-PER_HEAD = DecodeConfig()
+# Round 5 (kernels/NOTES.md): every decode point times the default (per-KV-head) kernel and the
+# packed one (PackedDecodeConfig()); these variants run at the points named.
+PACKED = PackedDecodeConfig()
 DECODE_SWEEP = {
     (64, 4096): [
-        DecodeConfig(num_stages=3), PackedDecodeConfig(num_stages=4),
+        DecodeConfig(num_stages=3), PackedDecodeConfig(pdl=False),
         PackedDecodeConfig(block_n=8, num_stages=4, programs_per_sm=2),
-        PackedDecodeConfig(block_n=8, num_stages=3, programs_per_sm=3), PackedDecodeConfig(pdl=False),
-        PackedDecodeConfig(use_tma=False),
     ],
     (256, 1024): [DecodeConfig(num_stages=3)],
 }  # fmt: skip
-SMALL_BATCH_SWEEP = [PackedDecodeConfig(min_split_tokens=32), PackedDecodeConfig(min_split_tokens=256)]
+SMALL_BATCH_SWEEP = [PackedDecodeConfig(min_split_tokens=64), PackedDecodeConfig(min_split_tokens=256)]
 PREFILL_SWEEP = [
     PrefillConfig(num_stages=3), PrefillConfig(num_stages=2), PrefillConfig(block_n=64, num_stages=4),
     PrefillConfig(num_stages=3, pack_gqa=False),
@@ -73,7 +71,7 @@ def _row(kernel, shape, variant, ms, metric, unit, ceiling, sdpa_ms=None, ref_ms
 
 
 def _variant_name(cfg: DecodeConfig | PackedDecodeConfig | PrefillConfig) -> str:
-    if cfg in (PackedDecodeConfig(), PrefillConfig()):
+    if cfg in (DecodeConfig(), PrefillConfig()):
         return "default"
     if isinstance(cfg, DecodeConfig):
         hint = f"-{cfg.kv_eviction}" if cfg.kv_eviction else ""
@@ -145,7 +143,7 @@ def _ragged_decode_point(copy_bw: float) -> list[dict]:
         )
 
     call = lambda p, c: paged_decode_attention(*p.decode_args(), config=c)
-    return _time_variants("decode", shape, [PackedDecodeConfig(), PER_HEAD], call, [prob], expected, row_of)
+    return _time_variants("decode", shape, [DecodeConfig(), PACKED], call, [prob], expected, row_of)
 
 
 def _prefill_point(new: int, prefix: int, matmul: float, configs: list[PrefillConfig]) -> list[dict]:
@@ -196,7 +194,7 @@ def bench_decode(copy_bw: float, sweep: bool, save: Callable[[list[dict]], None]
         for ctx in DECODE_CONTEXTS:
             if ctx == 1024 and batch != 256:
                 continue  # 256 x 1k: the engine's decode step in bench_throughput
-            configs = [PackedDecodeConfig(), PER_HEAD]
+            configs = [DecodeConfig(), PACKED]
             if sweep:
                 configs += DECODE_SWEEP.get((batch, ctx), []) + (SMALL_BATCH_SWEEP if batch <= 8 else [])
             try:

@@ -1,10 +1,10 @@
-"""Paged decode attention (one new query token per sequence): the entry point and the per-KV-head
-kernel.
+"""Paged decode attention (one new query token per sequence): the entry point and the default,
+per-KV-head kernel.
 
-`paged_decode_attention` runs the packed kernel (kernels/decode_packed.py: all KV heads of a
-block per tile, an even split of the batch's tiles over a fixed grid) unless it is given a
-`DecodeConfig`, which selects the per-KV-head kernel below (the default until round 4 of
-kernels/NOTES.md, kept for comparison and for shapes the bench finds it faster on).
+`paged_decode_attention` runs the per-KV-head kernel below unless given a `PackedDecodeConfig`,
+which selects the packed kernel (kernels/decode_packed.py: all KV heads of a block per tile, an
+even split of the batch's tiles over one program per SM).  Round 5 of kernels/NOTES.md: packed is
+faster on ragged and long-context batches, slower on short and small ones and at batch 64 x 4k.
 
 Per-KV-head kernel, flash-decoding style.  Grid (batch, kv_head, split): a program takes every
 query head of one KV head (GQA), so each K/V tile is read from the cache once, and runs tl.dot on
@@ -203,12 +203,12 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`out` (optional, [B, Hq, D] with contiguous head_dim) receives the result, e.g. a static
-    CUDA-graph buffer; `config` picks the kernel (PackedDecodeConfig, the default, or the per-head
-    DecodeConfig) and its tile shapes (benchmarks)."""
+    CUDA-graph buffer; `config` picks the kernel (DecodeConfig, the default: per KV head;
+    PackedDecodeConfig: packed) and its tile shapes."""
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q.dtype={q.dtype} is invalid: Triton kernels take float16, bfloat16 or float32")
-    config = config or PackedDecodeConfig()
+    config = config or DecodeConfig()
     min_n = 1 if isinstance(config, PackedDecodeConfig) else 16  # packed tiles have block_n x Hkv rows
     if config.block_n < min_n or config.block_n & (config.block_n - 1):
         raise ValueError(f"config.block_n={config.block_n} is invalid: a power of two >= {min_n}")

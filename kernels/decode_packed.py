@@ -1,5 +1,5 @@
 """Paged decode attention over all KV heads of a sequence at once, on a fixed grid that splits the
-batch's tiles evenly: the default decode kernel (kernels/NOTES.md, round 5).
+batch's tiles evenly (opt-in: `PackedDecodeConfig`; kernels/NOTES.md round 5 has where it wins).
 
 Tile: BLOCK_N tokens x every KV head.  In the NHD cache one block is [block_size, num_kv_heads,
 head_dim] contiguous, so a tile inside one block is a single dense chunk (32 KB for Qwen3-0.6B at
@@ -41,13 +41,13 @@ from kernels.common import (
 
 @dataclass(slots=True, frozen=True)
 class PackedDecodeConfig:
-    """Defaults: the H200 sweep's best at batch 64 x 4k context (kernels/NOTES.md, round 5)."""
+    """Selects the packed kernel; defaults are its best H200 variant (kernels/NOTES.md, round 5)."""
 
     block_n: int = 16  # tokens per tile (times num_kv_heads rows)
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 1
-    min_split_tokens: int = 64  # a program gets at least this many tokens of work
+    min_split_tokens: int = 32  # a program gets at least this many tokens of work
     use_tma: bool = True  # TMA copies where the cache allows them (tma_ok), else pointer loads
     pdl: bool = True  # launch the merge kernel early (programmatic dependent launch); it waits in-kernel
 

@@ -107,18 +107,22 @@ def test_decode_fp16_and_fp32():
         _lens(16, 1, 2000, seed=4), None, 16, 8, 128, 16, torch.float16, device="cuda"
     )
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
-    assert _rel_err(paged_decode_attention(*prob.decode_args()), ref) < 2e-3
-    assert _rel_err(paged_decode_attention(*prob.to(torch.float32).decode_args()), ref) < 1e-5
+    for config in (None, PackedDecodeConfig()):
+        assert _rel_err(paged_decode_attention(*prob.decode_args(), config=config), ref) < 2e-3
+        assert (
+            _rel_err(paged_decode_attention(*prob.to(torch.float32).decode_args(), config=config), ref) < 1e-5
+        )
 
 
-def test_decode_in_cuda_graph():
+@pytest.mark.parametrize("config", [None, PackedDecodeConfig()], ids=["default", "packed"])
+def test_decode_in_cuda_graph(config):
     """The decode launch has no host sync: it can be captured and replayed with new inputs."""
     prob = random_paged_problem([700, 30, 2000, 5], None, 16, 8, 128, 16, torch.bfloat16, device="cuda")
     out = torch.empty_like(prob.q)
-    paged_decode_attention(*prob.decode_args(), out=out)  # compile outside the capture
+    paged_decode_attention(*prob.decode_args(), config=config, out=out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode_attention(*prob.decode_args(), out=out)
+        paged_decode_attention(*prob.decode_args(), config=config, out=out)
     prob.q.copy_(torch.randn_like(prob.q))
     prob.context_lens.copy_(torch.tensor([1, 300, 1999, 0], dtype=torch.int32))
     graph.replay()
