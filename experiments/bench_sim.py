@@ -7,17 +7,18 @@ default: uniform lengths, ~272 output tokens at 20 req/s), roofline latency mode
 blocks, qwen3-0.6b on h200; one process, one core. Each workload's shape (rate, mean prompt and
 output tokens, tokens per step) is printed with its figures. Timed: the simulation itself (SimPy loop
 + scheduler + trace recorder + latency model). Not timed, reported: building the workload and
-writing the traces. Every step runs the scheduler and records a trace row, so the cost is a fixed
-part per step plus a part per running sequence: a workload whose batches are small (a low rate, as
-`poisson`) costs more per token, and ns per output token is the comparable figure. Target:
+writing the traces. The simulator fast-forwards runs of decode steps (sim/simulator.py), so the cost
+is mostly per request (admission, finishing, ~2 decode runs) and per output token, little per step;
+`backend.fast_forward=false` steps one by one (the same traces, for comparison). Target:
 >= 5,000 simulated requests/s. Process CPU time is reported too: on a shared machine it is what an
-idle core would give. `--profile` prints the top functions (cProfile) of one extra run of the first
-workload.
+idle core would give, and the load average before and after shows how shared it was. `--profile`
+prints the top functions (cProfile) of one extra run of the first workload.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import platform
 import pstats
 import statistics
@@ -44,6 +45,10 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown cpu"
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def bench(workload_name: str, requests: int, repeat: int, overrides: list[str]) -> dict:
@@ -82,7 +87,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     print(f"bench_sim: {args.requests:,} requests per workload, Poisson arrivals, roofline, "
-          f"machine {platform.machine()} ({_cpu_name()}), python {platform.python_version()}")
+          f"machine {platform.machine()} ({_cpu_name()}), python {platform.python_version()}, "
+          f"load average {_load()}")
     print(f"{'workload':10s} {'rate':>6s} {'prompt/req':>10s} {'out tok/req':>11s} {'steps':>8s} {'tok/step':>8s} "
           f"{'wall s':>7s} {'req/s':>8s} {'ns/token':>9s} {'cpu s':>7s} {'req/s(cpu)':>10s} target")
     first = None
@@ -96,6 +102,7 @@ def main() -> None:
               f"{r['cpu_s']:7.3f} {args.requests / r['cpu_s']:10,.0f} {'met' if rate >= TARGET else 'NOT met'}")
         print(f"{'':10s} (simulated {r['sim_s']:.1f}s; wall runs {', '.join(f'{t:.2f}' for t in r['wall'])}; "
               f"not timed: workload {r['build_s']:.2f}s, writing traces {r['write_s']:.2f}s)")
+    print(f"load average at the end: {_load()}")
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,10 +31,11 @@ def requests_frame(recorder: TraceRecorder) -> pd.DataFrame:
 
 
 def steps_frame(recorder: TraceRecorder) -> pd.DataFrame:
-    if isinstance(recorder, TraceRecorder):  # fast-forwarded decode runs, without building their rows
+    if isinstance(recorder, TraceRecorder) and recorder.has_compact_steps:
+        # Fast-forwarded decode runs, without building their rows; numpy infers int64 / float64 as
+        # from_records does.
         columns = recorder.step_columns()
-        if columns["step"]:
-            return pd.DataFrame(columns, columns=list(STEP_COLUMNS))
+        return pd.DataFrame({name: np.asarray(values) for name, values in columns.items()})
     return pd.DataFrame.from_records(recorder.steps, columns=list(STEP_COLUMNS))
 
 

@@ -121,26 +121,22 @@ class Lifecycle:
         for seq in seqs:
             stop_len, min_len, stops, token_times = stop_info[seq]
             if token_times is not None and not token_times:
-                return 0  # its first token is still to come (a first_token event, never in a run)
+                return 0  # its first token is still to come: a first_token event, not in a run
             # Step s leaves computed + s + 1 computed tokens: it finishes once that reaches stop_len
             # (or min_len, for a stop token).
             steps = (min_len if stops is not None and token in stops and min_len < stop_len else stop_len) \
                 - seq.num_computed_tokens - 1
-            if steps < limit:
-                limit = steps
+            limit = min(limit, steps)
         return max(limit, 0)
 
     def append_decode_run(self, seqs: list[Sequence], token: int, times: list[float]) -> None:
-        """The token side of len(times) - 1 decode steps that finish nothing (step s ends at
-        times[s + 1]): every seq gets `token` per step, sample 0s their token times."""
-        tokens, stamps = [token] * (len(times) - 1), times[1:]
-        stop_info, first_token = self.stop_info, self.recorder.first_token
+        """The token side of len(times) - 1 decode steps (step s ends at times[s + 1]) of seqs that
+        already have their first token: each gets `token` per step, sample 0s their token times."""
+        tokens, stamps, stop_info = [token] * (len(times) - 1), times[1:], self.stop_info
         for seq in seqs:
             seq.token_ids.extend(tokens)
             token_times = stop_info[seq][3]
             if token_times is not None:
-                if not token_times:
-                    first_token(seq, stamps[0])
                 token_times.extend(stamps)
 
     def finish_decode_run(self, seqs: list[Sequence], token: int, now: float,

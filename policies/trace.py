@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
+from operator import itemgetter
 
 from policies.request import Request
 from policies.sequence import Sequence
@@ -124,15 +125,24 @@ class TraceRecorder:
             self._pending.clear()
         return self._steps
 
+    @property
+    def has_compact_steps(self) -> bool:
+        """Whether some step rows are still kept compact (decode runs), so `step_columns` is cheaper
+        than building them for `steps`."""
+        return bool(self._pending)
+
     def step_columns(self) -> dict[str, list]:
         """The step rows as columns (STEP_COLUMNS order), the same values as `steps`."""
         columns: dict[str, list] = {name: [] for name in STEP_COLUMNS}
-        for item in (*self._steps, *self._pending):
+        rows = list(self._steps)
+        for item in self._pending:
             if type(item) is DecodeRunSteps:
+                _add_rows(columns, rows)
+                rows = []
                 item.add_to(columns)
             else:
-                for name, values in columns.items():
-                    values.append(item[name])
+                rows.append(item)
+        _add_rows(columns, rows)
         return columns
 
     def _event(self, now: float, event: str, request_id: str, seq_id: int | None, detail: str = "") -> None:
@@ -218,3 +228,13 @@ class TraceRecorder:
     def num_live(self) -> int:
         """Requests that arrived and have not ended yet."""
         return len(self._live)
+
+
+_row_values = itemgetter(*STEP_COLUMNS)
+
+
+def _add_rows(columns: dict[str, list], rows: list[dict]) -> None:
+    """Append step rows to `columns` (one transposition, not a loop per value)."""
+    if rows:
+        for values, transposed in zip(columns.values(), zip(*map(_row_values, rows))):
+            values.extend(transposed)

@@ -22,6 +22,7 @@ SimPy could not reach exactly from now with one delay (only possible early on) g
 """
 from __future__ import annotations
 
+import gc
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -74,7 +75,16 @@ class Simulator:
     def run(self) -> SimResult:
         self.env.process(self._arrivals())
         engine = self.env.process(self._engine())
-        self.env.run(until=engine)
+        # The cyclic garbage collector is paused while the simulation runs: it makes next to no
+        # reference cycles (a dozen objects in a 2,000-request run), and the collector's passes
+        # over the growing token lists and traces took ~10% of the run.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.env.run(until=engine)
+        finally:
+            if collecting:
+                gc.enable()
         return SimResult(len(self.requests), self.num_steps, self.env.now)
 
     def _arrivals(self):

@@ -18,7 +18,15 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies import Request, SamplingParams, Scheduler, SchedulerConfig, TraceRecorder, make_block_manager, make_policy
+from policies import (
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    TraceRecorder,
+    make_block_manager,
+    make_policy,
+)
 from policies.outputs import SchedulerOutput
 from policies.trace import STEP_COLUMNS
 from sim import SIM_TOKEN, Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel, Simulator
@@ -68,7 +76,7 @@ def cases(draw):
         "mode": draw(st.sampled_from(["recompute", "swap"])),
         "blocks": draw(st.sampled_from(["paged", "prefix", "contiguous"])),
         "block_size": block_size,
-        "num_gpu_blocks": max(1, draw(st.sampled_from([40, 120, 400, 4000])) // block_size),
+        "num_gpu_blocks": max(1, draw(st.sampled_from([40, 120, 200, 400, 4000])) // block_size),
         "num_cpu_blocks": draw(st.sampled_from([0, 64, 1000])) // block_size,
         "watermark": draw(st.sampled_from([0.0, 0.05])),
         "config": SchedulerConfig(max_num_batched_tokens=draw(st.sampled_from([3, 16, 64]) if chunked
@@ -79,7 +87,7 @@ def cases(draw):
     }
     shared = list(range(500, 500 + MAX_MODEL_LEN))
     requests, stop_lens = [], {}
-    for i in range(draw(st.integers(1, 10))):
+    for i in range(draw(st.integers(1, 14))):
         prompt_len = draw(st.integers(1, 60))
         common = draw(st.sampled_from([0, prompt_len]))  # identical prefixes: prefix-cache hits
         max_tokens = draw(st.integers(1, 60))
@@ -201,3 +209,16 @@ def test_arrivals_exactly_at_step_ends():
     assert any(row["time"] in ends[3:] and row["num_prefill_seqs"] for row in plain.steps)  # ties happened
     assert (fast.requests, fast.events, fast.steps) == (plain.requests, plain.events, plain.steps)
     assert fast_result == plain_result
+
+
+@pytest.mark.parametrize("hardware", ["h200", "a100"])
+@pytest.mark.parametrize("attention_efficiency", [0.5, 0.001])  # KV-bound / FLOP-bound attention
+def test_decode_times_equal_step_times_bit_for_bit(hardware, attention_efficiency):
+    hw = Hardware.from_dict({**_conf("hardware", hardware), "attention_efficiency": attention_efficiency})
+    models = [RooflineModel(ModelShape.from_dict(_conf("model", "qwen3-0.6b")), hw, 16),
+              ProfiledModel(ROOT / "experiments/profiles/h200-qwen3-0.6b.csv", 16)]
+    for model in models:
+        for num_seqs, context, samples in ((1, 1, 1), (7, 3001, 7), (256, 256 * 900, 256), (3, 10**6, 3)):
+            times = model.decode_times(num_seqs, context, samples, 40)
+            assert times == [model.shape_time(BatchShape(0, 0, 0, 0, num_seqs, context + s * num_seqs, samples, 0))
+                             for s in range(40)]

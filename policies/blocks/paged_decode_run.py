@@ -18,6 +18,7 @@ from policies.sequence import Sequence
 if TYPE_CHECKING:
     from policies.blocks.paged import PagedBlockManager
 
+
 def _openings(firsts: list[int], last_step: int, block_size: int) -> int:
     """Blocks opened in steps 0..last_step by sequences whose first opening is at step firsts[i]."""
     return sum((last_step - f) // block_size + 1 for f in firsts if f <= last_step)
@@ -27,7 +28,9 @@ def decode_run_limit(manager: PagedBlockManager, seqs: list[Sequence], max_steps
     """Steps (<= max_steps) before one would write a shared block (copy-on-write) or find fewer free
     blocks than `len(seqs)` (`append_decode_slots` then falls back to the one-by-one path)."""
     spare = manager.gpu.num_free - len(seqs)  # blocks the run may open before a step lacks them
-    if spare < 0 or max_steps < 1:
+    # Swap mirrors (which a write in place would forget) outlive no swapped-out sequence, and the
+    # scheduler runs no decode run while one is swapped out: with mirrors, step one by one.
+    if spare < 0 or max_steps < 1 or manager._gpu_mirror:
         return 0
     shift, refs, limit = manager._shift, manager._refs, max_steps
     firsts = []
@@ -57,7 +60,6 @@ def decode_run_limit(manager: PagedBlockManager, seqs: list[Sequence], max_steps
 def append_decode_run(manager: PagedBlockManager, seqs: list[Sequence], num_steps: int) -> list[int]:
     """`BlockManager.append_decode_run` for the paged managers, event by event."""
     shift, bs, n = manager._shift, manager.block_size, len(seqs)
-    mirror = manager._gpu_mirror
     marks = type(manager).mark_computed is not BlockManager.mark_computed
     starts = [seq.num_computed_tokens for seq in seqs]
     opens: list[int] = []  # step * n + index in seqs: step order, then batch order
@@ -69,9 +71,6 @@ def append_decode_run(manager: PagedBlockManager, seqs: list[Sequence], num_step
             opens.extend(range(first * n + index, num_steps * n, bs * n))
         if marks:  # after step s the sequence holds computed + s + 1 tokens of KV
             closes.extend(range(((-computed - 1) % bs) * n + index, num_steps * n, bs * n))
-        if mirror:  # blocks written in place: their CPU copies go stale
-            for i in range(computed >> shift, min(len(table), ((computed + num_steps - 1) >> shift) + 1)):
-                manager._forget_gpu_mirror(table[i])
         seq.num_computed_tokens = computed + num_steps
     gpu = manager.gpu
     if closes and len(opens) > len(gpu.free_ids):

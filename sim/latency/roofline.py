@@ -66,11 +66,12 @@ class RooflineModel(LatencyModel):
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
                      num_steps: int) -> list[float]:
         # shape_time of a decode-only batch with its context-independent part computed once, in the
-        # same order, so that every step time is bit-identical to step_time's.
+        # same order, so that every step time is bit-identical to step_time's. For ctx >= 0,
+        # max(ctx * kv, ctx * attn) == ctx * max(kv, attn) exactly: rounding is monotone.
         fixed = self.shape_time(BatchShape(0, 0, 0, 0, num_seqs, 0, num_samples, 0))
-        kv, attn = self._kv_s_per_token, self._attn_s_per_pair
+        per_token = max(self._kv_s_per_token, self._attn_s_per_pair)
         end = num_context_tokens + num_steps * num_seqs
-        return [fixed + max(ctx * kv, ctx * attn) for ctx in range(num_context_tokens, end, num_seqs)]
+        return [fixed + ctx * per_token for ctx in range(num_context_tokens, end, num_seqs)]
 
     def swap_time(self, num_blocks: int) -> float:
         if num_blocks <= 0:
