@@ -57,8 +57,10 @@ class Simulator:
         """scheduler: a `policies.Scheduler`; on_done(n) is called as n requests end (progress)."""
         if type(fast_forward) is not bool:
             raise ValueError(f"fast_forward={fast_forward!r} is invalid: must be True or False")
-        # (A stand-in scheduler without the fast-forward API is stepped one by one.)
-        self.fast_forward = fast_forward and hasattr(scheduler, "decode_run_limit")
+        # Step one by one with a stand-in scheduler without the fast-forward API, or a latency
+        # model that cannot price decode runs.
+        self.fast_forward = (fast_forward and hasattr(scheduler, "decode_run_limit")
+                             and type(latency).decode_times is not LatencyModel.decode_times)
         self.scheduler = scheduler
         self.latency = latency
         self.requests = sorted(requests, key=lambda r: r.arrival_time)
