@@ -40,7 +40,8 @@ class _Live:
     request: Request
     prompt: str | None
     seqs: list[Sequence]  # the scheduler's list of the request's sequences (grows on fork)
-    stop_states: dict[int, DecodeState] | None = None  # seq_id -> decode state (stop strings only)
+    # seq_id -> decode state (stop strings only); (parent seq_id, i) for a just-forked sample i
+    stop_states: dict[int | tuple[int, int], DecodeState] | None = None
     logprobs: dict[int, list[dict[int, float]]] | None = None  # seq_id -> per-token logprobs
 
 
@@ -168,6 +169,8 @@ class LLMEngine:
         if self._output_lens:
             stop_seq_ids += reaching_output_len(out.scheduled, self._output_lens)
         ended = self.scheduler.update(out, tokens, self.now(), stop_seq_ids)
+        if self._num_stop_requests:
+            self._adopt_fork_states()
         if self._num_logprob_requests:
             self._collect_logprobs(out, results)
         if not ended:
@@ -181,9 +184,11 @@ class LLMEngine:
         self.runner.release(released)
         return outputs
 
-    def _check_stop_strings(self, tokens: dict[int, list[int]]) -> list[int]:
+    def _check_stop_strings(self, tokens: dict[int, list[int]]) -> list[int | tuple[int, int]]:
         """Seq ids whose text now contains a stop string (checked once min_tokens are out, as vLLM).
-        The first tokens of forked samples are checked with their next token."""
+        A prompt that samples n tokens: token i > 0 starts the child forked in this step's update,
+        checked on its own state and named `(seq_id, i)`; `_adopt_fork_states` hands that state to
+        the child afterwards."""
         stopped, detok = [], self.detokenizer
         for live in self._live.values():
             states = live.stop_states
@@ -194,15 +199,30 @@ class LLMEngine:
                 new = tokens.get(seq.seq_id)
                 if new is None or seq.is_finished:
                     continue
-                pending = new[:1]  # a prompt sampling n tokens: the first one is this seq's
-                state = states.get(seq.seq_id)
-                if state is None:
-                    state = states[seq.seq_id] = detok.new_state(seq.num_prompt_tokens)
-                added = detok.update(state, seq.token_ids, pending)
-                if (state.stopped is None and seq.num_output_tokens + 1 >= params.min_tokens
-                        and find_stop_string(state, added, params.stop)):
-                    stopped.append(seq.seq_id)
+                for i, token in enumerate(new):
+                    key = seq.seq_id if i == 0 else (seq.seq_id, i)
+                    state = states.get(key)
+                    if state is None:
+                        state = states[key] = detok.new_state(seq.num_prompt_tokens)
+                    added = detok.update(state, seq.token_ids, [token])
+                    if (state.stopped is None and seq.num_output_tokens + 1 >= params.min_tokens
+                            and find_stop_string(state, added, params.stop)):
+                        stopped.append(key)
         return stopped
+
+    def _adopt_fork_states(self) -> None:
+        """Move the stop-string states of forked first tokens, keyed (parent seq id, i), to the
+        children the update made (sample i of the family)."""
+        for live in self._live.values():
+            states = live.stop_states
+            if not states or not any(isinstance(k, tuple) for k in states):
+                continue
+            by_index = {seq.sample_index: seq.seq_id for seq in live.seqs}
+            for key in [k for k in states if isinstance(k, tuple)]:
+                state = states.pop(key)
+                child = by_index.get(key[1])
+                if child is not None:
+                    states[child] = state
 
     def _collect_logprobs(self, out, results) -> None:
         for entry in out.scheduled:

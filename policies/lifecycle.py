@@ -3,7 +3,8 @@ rules, forking parallel samples, finishing and aborting, and the bookkeeping of 
 
 Stop rules, checked per sampled token (vLLM's order: a stop condition wins over a length limit):
 - once the sequence has >= min_tokens outputs: the request's eos_token_id (unless ignore_eos), a
-  token in stop_token_ids, or the backend's `stop_seq_ids` (stop strings) -> FINISHED_STOPPED "stop";
+  token in stop_token_ids, or the backend's `stop_seq_ids` (stop strings; the i-th token of a prompt
+  that samples n as `(seq_id, i)`, its child's id being made in this update) -> FINISHED_STOPPED "stop";
 - max_tokens outputs, or num_tokens >= max_model_len -> FINISHED_LENGTH "length".
 A request ends when all its sequences have; its finish_reason is then sample 0's ("abort:<why>"
 when aborted). Ended requests are handed out once by `take_ended` (and aborted ones once more by
@@ -153,7 +154,9 @@ class Lifecycle:
             elif computed >= stop_len:
                 self._finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
 
-    def _append_token(self, seq: Sequence, token: int, now: float, stop_seq_ids: Collection[int]) -> None:
+    def _append_token(self, seq: Sequence, token: int, now: float, stop_seq_ids: Collection,
+                      stopped: bool = False) -> None:
+        """`stopped`: the backend saw this token complete a stop string (besides `stop_seq_ids`)."""
         seq.token_ids.append(token)
         stop_len, min_len, stops, times = self.stop_info[seq]
         if times is not None:
@@ -161,7 +164,7 @@ class Lifecycle:
                 self.recorder.first_token(seq, now)
             times.append(now)
         num_tokens = len(seq.token_ids)
-        if (stops is not None and token in stops or stop_seq_ids and seq.seq_id in stop_seq_ids) \
+        if (stops is not None and token in stops or stopped or stop_seq_ids and seq.seq_id in stop_seq_ids) \
                 and num_tokens > min_len:
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
         elif num_tokens > stop_len:
@@ -181,7 +184,9 @@ class Lifecycle:
             children.append(child)
         self.decode_entries[parent] = ScheduledSeq(parent, 1, 1)
         for seq, token in zip([parent, *children], tokens):
-            self._append_token(seq, token, now, stop_seq_ids)
+            # A child's first token is named (parent seq id, sample index): its id is new here.
+            stopped = bool(stop_seq_ids) and (parent.seq_id, seq.sample_index) in stop_seq_ids
+            self._append_token(seq, token, now, stop_seq_ids, stopped)
 
     # ---- endings ----------------------------------------------------------------------------
     def _finish(self, seq: Sequence, status: SequenceStatus, reason: str, now: float) -> None:

@@ -284,9 +284,10 @@ class Scheduler:
 
     # ---- update ---------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, new_token_ids: dict[int, list[int]], now: float,
-               stop_seq_ids: Collection[int] = ()) -> list[Request]:
+               stop_seq_ids: Collection[int | tuple[int, int]] = ()) -> list[Request]:
         """Apply the step `out` that just ran: `new_token_ids[seq_id]` holds `num_samples` tokens per
-        sampling sequence, `stop_seq_ids` the sequences the backend saw hit a stop string. Returns
+        sampling sequence, `stop_seq_ids` the sequences the backend saw hit a stop string (for a
+        prompt sampling n > 1 tokens, `(seq_id, i)` names token i, whose child is forked here). Returns
         the requests that ended since the last update (finished, or aborted from anywhere)."""
         if self._stats_out is not out:
             raise ValueError("update() got an output that is not the last one schedule() returned")

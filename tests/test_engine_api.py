@@ -2,6 +2,7 @@
 stop strings, min_tokens, logprobs, and clear errors for bad input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -90,6 +91,25 @@ def test_stop_string_truncates_text(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.token_ids == full.token_ids[:len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
     assert stop in llm.tokenizer.decode(out.token_ids)  # the token that completed it is kept
+
+
+def test_stop_string_on_the_first_token_of_a_forked_sample(llm):
+    """n > 1: sample i > 0 is forked in the step that sampled its first token; a stop string that
+    token completes ends it right there (one token, empty text), not one token later."""
+    prompt = [ord(c) for c in "The quick brown fox"]
+    base = SamplingParams(temperature=1.0, seed=7, n=8, max_tokens=6, ignore_eos=True)
+    free = {o.index: o for o in llm.generate(prompt, base, use_tqdm=False)[0].outputs}
+    pick = next(o for i, o in sorted(free.items())
+                if i > 0 and o.text[:1].isascii() and o.text[:1].isprintable() and o.text[:1].strip()
+                and llm.tokenizer.decode(o.token_ids[:1]) == o.text[:1])
+    stop = pick.text[0]
+    outs = {o.index: o for o in llm.generate(prompt, dataclasses.replace(base, stop=[stop]),
+                                             use_tqdm=False)[0].outputs}
+    got = outs[pick.index]
+    assert got.token_ids == pick.token_ids[:1] and got.text == ""
+    assert got.finish_reason == "stop" and got.stop_reason == stop
+    for i, o in outs.items():  # every sample's tokens are a prefix of its unstopped run
+        assert o.token_ids == free[i].token_ids[:len(o.token_ids)]
 
 
 def test_stop_token_ids_and_min_tokens(llm):
