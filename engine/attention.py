@@ -10,6 +10,7 @@ overlap, or belongs to a padding row), and the prefill kernel runs a fixed tile-
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -18,14 +19,19 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
+DECODE_KERNELS = ("per-head", "packed")
 
 
-def attention_ops(backend: str, device: torch.device) -> ModuleType | SimpleNamespace:
+def attention_ops(backend: str, device: torch.device, decode_kernel: str = "per-head") -> ModuleType | SimpleNamespace:
     """"auto": the Triton launchers on CUDA (unless `kernels.BACKEND` forces the references), the
     references on CPU; "triton": the Triton launchers whatever the device (interpreted on CPU under
-    TRITON_INTERPRET=1); "reference": `kernels.reference`."""
+    TRITON_INTERPRET=1); "reference": `kernels.reference`. `decode_kernel` picks the Triton decode
+    kernel: "per-head" (kernels/decode.py) or "packed" (kernels/decode_packed.py, all KV heads of a
+    block per tile, work split evenly over the batch's tokens)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is invalid: one of {ATTENTION_BACKENDS}")
+    if decode_kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel={decode_kernel!r} is invalid: one of {DECODE_KERNELS}")
     if backend == "auto":
         import kernels  # its BACKEND (env SERVELAB_KERNELS) may force the references
 
@@ -33,8 +39,12 @@ def attention_ops(backend: str, device: torch.device) -> ModuleType | SimpleName
     if backend == "reference":
         return importlib.import_module("kernels.reference")
     from kernels import cache_write, copy, decode, prefill
+    from kernels.decode_packed import PackedDecodeConfig
 
-    return SimpleNamespace(paged_decode_attention=decode.paged_decode_attention,
+    decode_fn = decode.paged_decode_attention
+    if decode_kernel == "packed":
+        decode_fn = functools.partial(decode.paged_decode_attention, config=PackedDecodeConfig())
+    return SimpleNamespace(paged_decode_attention=decode_fn,
                            paged_prefill_attention=prefill.paged_prefill_attention,
                            write_kv_cache=cache_write.write_kv_cache, copy_blocks=copy.copy_blocks,
                            swap_blocks=copy.swap_blocks, swap_layers=copy.swap_layers)

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from engine.attention import DECODE_KERNELS
 from engine.config import CacheConfig, ModelConfig, load_model_config
 from policies.blocks import BLOCK_MANAGERS
 from policies.policy.base import PREEMPTION_MODES
@@ -33,6 +34,7 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB of pinned CPU memory
     num_gpu_blocks: int | None = None  # override the profiled count (required on CPU)
     enforce_eager: bool = False  # True: no CUDA graphs
+    decode_kernel: str = "per-head"  # Triton decode attention: "per-head" or "packed" (engine/attention.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -44,6 +46,8 @@ class EngineArgs:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is invalid: "
                              f"choose one of {PREEMPTION_MODES}")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel={self.decode_kernel!r} is invalid: choose one of {DECODE_KERNELS}")
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

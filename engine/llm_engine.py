@@ -58,7 +58,8 @@ class LLMEngine:
         self.runner = runner if runner is not None else ModelRunner(
             self.model_config, args.cache_config(), max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-            device=args.resolve_device(), dtype=args.dtype, enforce_eager=args.enforce_eager, seed=args.seed)
+            device=args.resolve_device(), dtype=args.dtype, enforce_eager=args.enforce_eager, seed=args.seed,
+            decode_kernel=args.decode_kernel)
         self.vocab_size = self.runner.vocab_size
         self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(self.model_config.weights))
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None

@@ -38,7 +38,7 @@ class ModelRunner:
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                  enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
-                 compile_model: bool | None = None) -> None:
+                 compile_model: bool | None = None, decode_kernel: str = "per-head") -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -52,7 +52,7 @@ class ModelRunner:
             raise ValueError(f"max_model_len={max_model_len} is invalid: the model supports at most "
                              f"max_position_embeddings={model_config.max_position_embeddings}")
         self.block_size = cache_config.block_size
-        self.ops = attention_ops(attention_backend, self.device)
+        self.ops = attention_ops(attention_backend, self.device, decode_kernel)
         if compile_model is None:  # vLLM's convention: enforce_eager turns off compilation too
             compile_model = self.device.type == "cuda" and not enforce_eager
         self.model = build_model(model_config, self.ops, self.device, self.dtype,

@@ -57,7 +57,8 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         max_model_len=sched.max_model_len, enable_chunked_prefill=sched.enable_chunked_prefill,
         block_size=block_size, gpu_memory_utilization=float(blocks.get("gpu_memory_utilization", 0.9)),
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
-        enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed), detokenize=False)
+        enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed), detokenize=False,
+        decode_kernel=str(backend.get("decode_kernel", "per-head")))
     return args
 
 

@@ -115,7 +115,8 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     cache = CacheConfig(block_size=bs, swap_space=swap_gib * 1.001, num_gpu_blocks=num_gpu_blocks)
     return ModelRunner(model, cache, max_num_batched_tokens=cfg.max_num_batched_tokens,
                        max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, device=device,
-                       dtype=dtype, enforce_eager=cfg.enforce_eager, seed=cfg.seed)
+                       dtype=dtype, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
+                       decode_kernel=cfg.decode_kernel)
 
 
 def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], list[tuple[int, int, float]]]:
@@ -183,7 +184,8 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "engine": (f"ModelRunner max_num_batched_tokens={cfg.max_num_batched_tokens} max_num_seqs="
-                   f"{cfg.max_num_seqs} max_model_len={cfg.max_model_len} enforce_eager={cfg.enforce_eager}"),
+                   f"{cfg.max_num_seqs} max_model_len={cfg.max_model_len} enforce_eager={cfg.enforce_eager} "
+                   f"decode_kernel={cfg.decode_kernel}"),
         "timing": (f"execute() wall clock, CUDA-synchronised; {cfg.warmup} warm-up runs, median of "
                    f"{cfg.repeats}; host_s = LLMEngine.step() minus its execute() on this runner "
                    f"(median of {cfg.host_repeats}), time_s = forward_s + host_s"),

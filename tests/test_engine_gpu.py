@@ -25,12 +25,12 @@ PROMPT_LENS = [37, 200, 5, 513, 64]
 
 
 def qwen3_runner(enforce_eager: bool, compile_model: bool | None = None, dtype: torch.dtype = torch.bfloat16,
-                 **cache) -> ModelRunner:
+                 decode_kernel: str = "per-head", **cache) -> ModelRunner:
     cfg = load_model_config("qwen3-0.6b")
     cache = CacheConfig(**({"num_gpu_blocks": 2048} | cache))
     return ModelRunner(cfg, cache, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=2048,
                        device="cuda", dtype=dtype, enforce_eager=enforce_eager, seed=0,
-                       compile_model=compile_model)
+                       compile_model=compile_model, decode_kernel=decode_kernel)
 
 
 def run_greedy(runner: ModelRunner, prompts: list[list[int]], steps: int,
@@ -60,10 +60,11 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
-@pytest.mark.parametrize("compile_model", [False, True])
+@pytest.mark.parametrize("compile_model, decode_kernel", [(False, "per-head"), (True, "per-head"),
+                                                          (True, "packed")])
 @torch.no_grad()
-def test_qwen3_dummy_bf16_close_to_transformers(compile_model):
-    runner = qwen3_runner(enforce_eager=True, compile_model=compile_model)
+def test_qwen3_dummy_bf16_close_to_transformers(compile_model, decode_kernel):
+    runner = qwen3_runner(enforce_eager=True, compile_model=compile_model, decode_kernel=decode_kernel)
     hf = AutoModelForCausalLM.from_config(runner.model_config.to_hf_config(), dtype=torch.bfloat16)
     hf = hf.cuda().eval()
     hf.load_state_dict(to_hf_state_dict(runner.model), strict=True)

@@ -9,6 +9,7 @@ from engine.config import CacheConfig, load_model_config
 from engine.cuda_graph import StepGraphs, graph_batch_sizes, graph_token_sizes
 from engine.model_runner import ModelRunner
 from kernels import reference
+from kernels.decode_packed import PackedDecodeConfig
 from kernels.inputs import random_paged_problem
 from kernels.prefill import PrefillConfig, max_tiles, paged_prefill_attention, tile_map, tokens_per_tile
 from policies.request import SamplingParams
@@ -41,11 +42,11 @@ def test_tile_map_grid_equals_the_eager_grid():
         tile_map(np.array(q_lens), tokens, tiles[:2])
 
 
-def make_runner(padded: bool) -> ModelRunner:
+def make_runner(padded: bool, decode_kernel: str = "per-head") -> ModelRunner:
     cfg = load_model_config("tiny-qwen3")
     runner = ModelRunner(cfg, CacheConfig(block_size=BLOCK, num_gpu_blocks=96, swap_space=0.001),
                          max_num_batched_tokens=48, max_num_seqs=6, max_model_len=64, device="cpu",
-                         attention_backend="triton")
+                         attention_backend="triton", decode_kernel=decode_kernel)
     if padded:
         runner.graphs = StepGraphs(runner.model, runner.batch, max_num_seqs=6, max_num_batched_tokens=48,
                                    width=runner.batch.buffers.capacity.width, capture=False)
@@ -53,14 +54,18 @@ def make_runner(padded: bool) -> ModelRunner:
 
 
 @torch.no_grad()
-def test_padded_step_shapes_equal_eager_steps():
+@pytest.mark.parametrize("decode_kernel", ["per-head", "packed"])
+def test_padded_step_shapes_equal_eager_steps(decode_kernel):
     """Chunked prompts of different lengths: steps that prefill only, mix prefill chunks with decodes,
-    and decode only (5 of 6 rows: padded), each in its bucket, against the same steps unpadded."""
+    and decode only (5 of 6 rows: padded), each in its bucket, against the same steps unpadded (the
+    unpadded run with the per-head decode kernel, the padded one with `decode_kernel`)."""
     prompts = random_prompts([11, 3, 26, 7, 2], 256, seed=4)
     params = SamplingParams(temperature=0, logprobs=2, max_tokens=8)
     results = []
     for padded in (False, True):
-        runner = make_runner(padded)
+        runner = make_runner(padded, decode_kernel if padded else "per-head")
+        config = getattr(runner.ops.paged_decode_attention, "keywords", {}).get("config")
+        assert isinstance(config, PackedDecodeConfig) == (padded and decode_kernel == "packed")
         seqs, alloc = make_seqs(prompts, params), BlockAllocator(BLOCK, runner.num_gpu_blocks)
         steps = []
         for _ in range(9):
