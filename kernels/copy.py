@@ -105,39 +105,34 @@ def _swap_with_torch(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) 
     dst.index_copy_(0, dst_idx, staging)
 
 
-def swap_layers(srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor) -> None:
-    """`swap_blocks(srcs[i], dsts[i], pairs)` for every i: one launch for all the tensors when the
-    host side is pinned (the engine's swap of every layer's K and V), else one call per tensor."""
+def swap_layers(
+    srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor, *, method: str | None = None
+) -> None:
+    """Copy block pairs[i, 0] of srcs[j] to block pairs[i, 1] of dsts[j] for every j (the engine's
+    swap of every layer's K and V): one launch for all the tensors when they share a device or the
+    host side is pinned (the kernel method), else the torch method tensor by tensor.  Asynchronous
+    on the current stream except the torch method's GPU -> CPU direction, which waits for its copy."""
     if len(srcs) != len(dsts) or not srcs:
         raise ValueError(f"srcs/dsts lengths ({len(srcs)}, {len(dsts)}) are invalid: equal and >= 1")
     check_pairs(pairs, same_pool=False)
-    on_gpu = srcs[0].device.type == "cuda"
-    gpu, host = (srcs, dsts) if on_gpu else (dsts, srcs)
-    if SWAP_METHOD == "kernel" and all(t.device.type == "cuda" for t in gpu) and all(
-        t.device.type == "cpu" and t.is_pinned() for t in host
-    ):
+    method = method or SWAP_METHOD
+    if method not in ("kernel", "torch"):
+        raise ValueError(f"method={method!r} is invalid: 'kernel' or 'torch'")
+    if all(s.device == d.device for s, d in zip(srcs, dsts)):
+        _launch(srcs, dsts, pairs, srcs[0].device)
+        return
+    to_host = srcs[0].device.type == "cuda"
+    gpu, host = (srcs, dsts) if to_host else (dsts, srcs)
+    if method == "kernel" and all(t.is_pinned() for t in host):
         _launch(srcs, dsts, pairs, gpu[0].device)
         return
     for src, dst in zip(srcs, dsts):
-        swap_blocks(src, dst, pairs)
+        _swap_with_torch(src, dst, pairs)
 
 
 def swap_blocks(
     src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, *, method: str | None = None
 ) -> None:
     """Copy block pairs[i, 0] of src to block pairs[i, 1] of dst (one cache tensor, any devices;
-    the CPU side must be pinned for the kernel method).  Asynchronous on the current stream
-    except the torch method's GPU -> CPU direction, which waits for its copy."""
-    check_pairs(pairs, same_pool=False)
-    method = method or SWAP_METHOD
-    if method not in ("kernel", "torch"):
-        raise ValueError(f"method={method!r} is invalid: 'kernel' or 'torch'")
-    if src.device == dst.device:
-        _launch([src], [dst], pairs, src.device)
-        return
-    gpu = src.device if src.device.type == "cuda" else dst.device
-    host = dst if src.device.type == "cuda" else src
-    if method == "kernel" and host.is_pinned():
-        _launch([src], [dst], pairs, gpu)
-    else:
-        _swap_with_torch(src, dst, pairs)
+    the CPU side must be pinned for the kernel method): `swap_layers` of one tensor."""
+    swap_layers([src], [dst], pairs, method=method)
