@@ -71,6 +71,7 @@ class LLMEngine:
         self._extra_eos_ids = eos_ids[1:]  # more EOS ids (Llama 3): stop token ids unless ignore_eos
         self._live: dict[str, _Live] = {}
         self._num_stop_requests = 0
+        self._forking: list[_Live] = []  # requests whose forked samples' stop states await their child
         self._num_logprob_requests = 0
         self._output_lens: dict[str, int] = {}  # request id -> forced output length (trace replay)
         self.reset(recorder, build_scheduler)
@@ -170,7 +171,7 @@ class LLMEngine:
         if self._output_lens:
             stop_seq_ids += reaching_output_len(out.scheduled, self._output_lens)
         ended = self.scheduler.update(out, tokens, self.now(), stop_seq_ids)
-        if self._num_stop_requests:
+        if self._forking:
             self._adopt_fork_states()
         if self._num_logprob_requests:
             self._collect_logprobs(out, results)
@@ -205,6 +206,8 @@ class LLMEngine:
                     state = states.get(key)
                     if state is None:
                         state = states[key] = detok.new_state(seq.num_prompt_tokens)
+                        if i == 1:  # once per forking prompt
+                            self._forking.append(live)
                     added = detok.update(state, seq.token_ids, [token])
                     if (state.stopped is None and seq.num_output_tokens + 1 >= params.min_tokens
                             and find_stop_string(state, added, params.stop)):
@@ -214,16 +217,15 @@ class LLMEngine:
     def _adopt_fork_states(self) -> None:
         """Move the stop-string states of forked first tokens, keyed (parent seq id, i), to the
         children the update made (sample i of the family)."""
-        for live in self._live.values():
-            states = live.stop_states
-            if not states or not any(isinstance(k, tuple) for k in states):
-                continue
+        for live in self._forking:
             by_index = {seq.sample_index: seq.seq_id for seq in live.seqs}
+            states = live.stop_states
             for key in [k for k in states if isinstance(k, tuple)]:
                 state = states.pop(key)
                 child = by_index.get(key[1])
                 if child is not None:
                     states[child] = state
+        self._forking.clear()
 
     def _collect_logprobs(self, out, results) -> None:
         for entry in out.scheduled:

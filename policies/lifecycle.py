@@ -72,7 +72,7 @@ class Lifecycle:
     def apply(self, out: SchedulerOutput, new_token_ids: dict[int, list[int]], now: float,
               stop_seq_ids: Collection[int]) -> None:
         """Advance progress and append the sampled tokens of every scheduled sequence (the hot loop:
-        one decode token per sequence, with the stop rules of `_append_token` inlined)."""
+        one decode token per sequence, with `_stop_rules` inlined)."""
         scheduled = out.scheduled
         if self.aborted_in_flight:  # sequences aborted between schedule() and update() advance nothing
             self.queues.kv_tokens -= sum(num_new for seq, num_new, _ in scheduled if seq.status is not RUNNING)
@@ -144,30 +144,29 @@ class Lifecycle:
                           output_lens: Mapping[str, int] | None) -> None:
         """The stop rules of a decode run's last step, whose token is in (as `apply`, seq by seq;
         `output_lens` as the simulator's stop_seq_ids)."""
-        stop_info = self.stop_info
         for seq in seqs:
-            stop_len, min_len, stops, _ = stop_info[seq]
-            computed = seq.num_computed_tokens
-            if (stops is not None and token in stops or output_lens and holds_output_len(seq, output_lens)) \
-                    and computed >= min_len:
-                self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
-            elif computed >= stop_len:
-                self._finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
+            stopped = bool(output_lens) and holds_output_len(seq, output_lens)
+            self._stop_rules(seq, token, stopped, seq.num_computed_tokens, now)
 
     def _append_token(self, seq: Sequence, token: int, now: float, stop_seq_ids: Collection,
                       stopped: bool = False) -> None:
         """`stopped`: the backend saw this token complete a stop string (besides `stop_seq_ids`)."""
         seq.token_ids.append(token)
-        stop_len, min_len, stops, times = self.stop_info[seq]
+        times = self.stop_info[seq][3]
         if times is not None:
             if not times:
                 self.recorder.first_token(seq, now)
             times.append(now)
-        num_tokens = len(seq.token_ids)
-        if (stops is not None and token in stops or stopped or stop_seq_ids and seq.seq_id in stop_seq_ids) \
-                and num_tokens > min_len:
+        stopped = stopped or bool(stop_seq_ids) and seq.seq_id in stop_seq_ids
+        self._stop_rules(seq, token, stopped, len(seq.token_ids) - 1, now)
+
+    def _stop_rules(self, seq: Sequence, token: int, stopped: bool, computed: int, now: float) -> None:
+        """The module's stop rules for `seq`, which just got `token` and holds `computed` tokens of KV
+        (its token count - 1; `apply` inlines them in its decode loop). `stopped`: the backend's."""
+        stop_len, min_len, stops, _ = self.stop_info[seq]
+        if (stopped or stops is not None and token in stops) and computed >= min_len:
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
-        elif num_tokens > stop_len:
+        elif computed >= stop_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
 
     def _fork(self, parent: Sequence, tokens: list[int], now: float, stop_seq_ids: Collection[int]) -> None:
