@@ -52,30 +52,6 @@ def block_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-KV_LAYOUTS = ("nhd", "hnd")
-
-
-def kv_cache_storage(cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """A copy of `cache` (logical [num_blocks, block_size, num_kv_heads, head_dim]) whose storage
-    follows `layout`: "nhd" is contiguous as indexed; "hnd" keeps each block's KV heads outermost,
-    so one (block, head) page is block_size * head_dim contiguous elements.  The result is a view
-    with the same logical shape; every kernel reads the cache through its strides."""
-    if layout not in KV_LAYOUTS:
-        raise ValueError(f"layout={layout!r} is invalid: one of {KV_LAYOUTS}")
-    if layout == "nhd":
-        return cache.contiguous()
-    return cache.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def block_is_dense(cache: torch.Tensor) -> bool:
-    """True when each block (dim 0) is one dense chunk of memory (either KV layout), which is
-    what the whole-block copy and swap kernels need."""
-    inner = cache[0]
-    return cache.stride(0) == inner.numel() and inner.is_contiguous() or (
-        cache.stride(0) == inner.numel() and inner.transpose(0, 1).is_contiguous()
-    )
-
-
 TL_DTYPES = {
     torch.float16: tl.float16,
     torch.bfloat16: tl.bfloat16,

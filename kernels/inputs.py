@@ -1,4 +1,4 @@
-"""Random paged-attention problems for the kernel tests and the benchmark.
+"""Random paged-attention problems (and KV storage layouts) for the kernel tests and the benchmark.
 
 Blocks are handed out in a random order (block tables are non-contiguous), spare pool blocks
 and unused block-table columns hold real but unrelated blocks, so wrong indexing shows up as a
@@ -47,6 +47,27 @@ class PagedProblem:
             self.max_seqlen_q,
             self.scale,
         )
+
+
+KV_LAYOUTS = ("nhd", "hnd")
+
+
+def kv_cache_storage(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """A copy of `cache` (logical [num_blocks, block_size, num_kv_heads, head_dim]) whose storage
+    follows `layout`: "nhd" is contiguous as indexed; "hnd" keeps each block's KV heads outermost,
+    so one (block, head) page is block_size * head_dim contiguous elements.  The result is a view
+    with the same logical shape; every kernel reads the cache through its strides."""
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"layout={layout!r} is invalid: one of {KV_LAYOUTS}")
+    if layout == "nhd":
+        return cache.contiguous()
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def block_is_dense(cache: torch.Tensor) -> bool:
+    """True when each block (dim 0) is one dense chunk of memory, in either KV layout."""
+    inner = cache[0]
+    return cache.stride(0) == inner.numel() and (inner.is_contiguous() or inner.transpose(0, 1).is_contiguous())
 
 
 def random_paged_problem(

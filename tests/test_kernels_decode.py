@@ -6,10 +6,9 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference
-from kernels.common import block_is_dense, kv_cache_storage
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig, tma_ok
-from kernels.inputs import random_paged_problem
+from kernels.inputs import block_is_dense, kv_cache_storage, random_paged_problem
 
 # Shrinking re-runs interpreted kernels hundreds of times; the first failing example is reported as is.
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
@@ -158,7 +157,7 @@ def test_decode_strided_query_view():
     [DecodeConfig(block_n=32), DecodeConfig(block_n=32, kv_eviction="evict_first"), PackedDecodeConfig()],
 )
 def test_decode_reads_hnd_cache_through_strides(config):
-    """An HND-stored cache (kernels.common.kv_cache_storage) gives the NHD answer (the packed kernel
+    """An HND-stored cache (kernels.inputs.kv_cache_storage) gives the NHD answer (the packed kernel
     falls back from TMA to pointer loads there)."""
     prob = random_paged_problem([9, 40, 33], None, 4, 2, 16, 16, torch.float32, seed=7)
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
