@@ -9,11 +9,11 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_module
 
+from engine.config import CacheConfig, load_model_config
+from engine.model_runner import ModelRunner
 from experiments.calibrate import calibrate, calibrate_to_file, profile_points
 from experiments.profile import gpu_slug, profile
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
-from engine.config import CacheConfig, load_model_config
-from engine.model_runner import ModelRunner
 from experiments.profiling.host import host_overheads
 from experiments.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from sim.latency import BatchShape, Hardware, ModelShape, ProfiledModel, RooflineModel
