@@ -27,6 +27,14 @@ def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{field}={value!r} is not supported: {allowed}")
 
 
+
+def reject_unknown_fields(cls: type, d: dict[str, Any], what: str) -> None:
+    """ValueError naming the keys of `d` that are not fields of the dataclass `cls`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{what} {unknown} are unknown: allowed are {sorted(names)}")
+
 @dataclass(slots=True)
 class ModelConfig:
     """Shapes of one Llama-family model; field names are the conf/model yaml schema."""
@@ -115,10 +123,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"model config fields {unknown} are unknown: allowed are {sorted(names)}")
+        reject_unknown_fields(cls, d, "model config fields")
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.name not in d]
         if required:

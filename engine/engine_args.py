@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.attention import DECODE_KERNELS
-from engine.config import CacheConfig, ModelConfig, load_model_config
+from engine.config import CacheConfig, ModelConfig, load_model_config, reject_unknown_fields
 from policies.blocks import BLOCK_MANAGERS
 from policies.policy.base import PREEMPTION_MODES
 
@@ -60,10 +60,7 @@ class EngineArgs:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"engine arguments {unknown} are unknown: allowed are {sorted(names)}")
+        reject_unknown_fields(cls, d, "engine arguments")
         return cls(**d)
 
     def resolve_device(self) -> str:
