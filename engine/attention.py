@@ -20,9 +20,12 @@ import torch
 
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
 DECODE_KERNELS = ("per-head", "packed")
+# The engine default: faster than per-head on the ragged batches an engine runs and from ~8k tokens
+# per sequence (kernels/NOTES.md round 5), and its time follows total tokens, not the longest context.
+DEFAULT_DECODE_KERNEL = "packed"
 
 
-def attention_ops(backend: str, device: torch.device, decode_kernel: str = "per-head") -> ModuleType | SimpleNamespace:
+def attention_ops(backend: str, device: torch.device, decode_kernel: str = DEFAULT_DECODE_KERNEL) -> ModuleType | SimpleNamespace:
     """"auto": the Triton launchers on CUDA (unless `kernels.BACKEND` forces the references), the
     references on CPU; "triton": the Triton launchers whatever the device (interpreted on CPU under
     TRITON_INTERPRET=1); "reference": `kernels.reference`. `decode_kernel` picks the Triton decode

@@ -10,7 +10,7 @@ Two families of buckets:
   and its prefill kernel a tile map with room for any batch of that many tokens.
 Block tables are captured at the full width `ceil(max_model_len / block_size)`, so no launch shape
 depends on the batch's contents. Larger steps run eagerly (the GPU is the bottleneck there).
-Logits go to one static [max rows, vocab] float32 buffer; sampling runs after the replay.
+Logits go to one static [max rows, vocab] buffer in the model's dtype; sampling runs after the replay.
 """
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ class StepGraphs:
                              f"{builder.buffers.capacity}")
         rows = max(s.num_sample_rows for s in (*self.decode_shapes.values(), *self.mixed_shapes.values()))
         device = next(model.parameters()).device
-        self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
+        dtype = next(model.parameters()).dtype
+        self.logits = torch.empty(rows, model.config.vocab_size, dtype=dtype, device=device)
         self.inputs: dict[BatchShape, ModelInput] = {}
         self.graphs: dict[BatchShape, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.attention import DECODE_KERNELS
+from engine.attention import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 from engine.config import CacheConfig, ModelConfig, load_model_config, reject_unknown_fields
 from policies.blocks import BLOCK_MANAGERS
 from policies.policy.base import PREEMPTION_MODES
@@ -34,7 +34,7 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB of pinned CPU memory
     num_gpu_blocks: int | None = None  # override the profiled count (required on CPU)
     enforce_eager: bool = False  # True: no CUDA graphs
-    decode_kernel: str = "per-head"  # Triton decode attention: "per-head" or "packed" (engine/attention.py)
+    decode_kernel: str = DEFAULT_DECODE_KERNEL  # Triton decode attention: "packed" or "per-head" (engine/attention.py)
     seed: int = 0
 
     def __post_init__(self) -> None:

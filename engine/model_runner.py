@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from engine.attention import attention_ops
+from engine.attention import DEFAULT_DECODE_KERNEL, attention_ops
 from engine.batch_layout import BatchShape
 from engine.config import DTYPES, CacheConfig, ModelConfig
 from engine.cuda_graph import StepGraphs
@@ -38,7 +38,7 @@ class ModelRunner:
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                  enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
-                 compile_model: bool | None = None, decode_kernel: str = "per-head") -> None:
+                 compile_model: bool | None = None, decode_kernel: str = DEFAULT_DECODE_KERNEL) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.max_num_batched_tokens = max_num_batched_tokens

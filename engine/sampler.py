@@ -50,8 +50,8 @@ def _stop_ids(s: ScheduledSeq, vocab_size: int) -> list[int]:
 
 def sample_with_temperatures(logits: torch.Tensor, temperatures: torch.Tensor,
                              temperature_list: list[float]) -> torch.Tensor:
-    """logits [R, V] float32, temperatures [R] (0 = greedy; the same values on the host in
-    `temperature_list`) -> tokens [R] int64 (unseeded draws). A tempered batch is one Gumbel-max
+    """logits [R, V] (float32 or the model's bf16/fp16, read as is), temperatures [R] (0 = greedy;
+    the same values on the host in `temperature_list`) -> tokens [R] int64 (unseeded draws). A tempered batch is one Gumbel-max
     pass over the logits (`kernels.sample_gumbel`) whose Philox seed comes from torch's global
     generator, so `torch.manual_seed` makes the draws reproducible."""
     if not any(temperature_list):
@@ -104,7 +104,7 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[SampleResult]:
-        """logits [R, V] (float32, one row per sampled sequence) -> one result per sequence."""
+        """logits [R, V] (any float dtype, one row per sampled sequence) -> one result per sequence."""
         params: list[SamplingParams] = [s.seq.request.sampling_params for s in sampled]
         counts = [s.num_samples for s in sampled]
         min_tok = [i for i, s in enumerate(sampled)
@@ -114,7 +114,7 @@ class Sampler:
         if all_greedy and not want_logprobs and not min_tok:
             tokens = logits.argmax(dim=-1).tolist()
             return [SampleResult([t] * n) for t, n in zip(tokens, counts)]
-
+        logits = logits.float()  # the model's logits may be bf16; log-softmax, top-p etc. run in float32
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         masked = [(i, t) for i in min_tok for t in _stop_ids(sampled[i], logits.shape[1])]
         if masked:

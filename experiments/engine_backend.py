@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig
 
+from engine.attention import DEFAULT_DECODE_KERNEL
 from engine.config import DTYPES, ModelConfig, check_against_gguf
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -58,7 +59,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         block_size=block_size, gpu_memory_utilization=float(blocks.get("gpu_memory_utilization", 0.9)),
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
         enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed), detokenize=False,
-        decode_kernel=str(backend.get("decode_kernel", "per-head")))
+        decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)))
     return args
 
 

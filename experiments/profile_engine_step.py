@@ -50,6 +50,7 @@ def main() -> None:
     _timed(engine.scheduler, "schedule", acc)
     _timed(engine.scheduler, "update", acc)
     _timed(engine.runner, "execute", acc)
+    spans = _gpu_spans(engine.runner) if torch.cuda.is_available() else None
     ctx = sum(s.seq.num_computed_tokens for s in _peek(engine))
     running = engine.scheduler.num_running
     start = time.perf_counter()
@@ -60,6 +61,11 @@ def main() -> None:
     print(f"per step: wall {wall * 1e3:.2f} ms = schedule {acc['schedule'] / a.steps * 1e3:.3f} + execute "
           f"{acc['execute'] / a.steps * 1e3:.3f} + update {acc['update'] / a.steps * 1e3:.3f} + engine rest "
           f"{(wall - sum(acc.values()) / a.steps) * 1e3:.3f} ms")
+    if spans is not None:
+        span = sum(s.elapsed_time(e) for s, e in spans) / len(spans)  # ms
+        print(f"GPU span per step (first input copy to last kernel, CUDA events): {span:.3f} ms; "
+              f"GPU idle between steps: {wall * 1e3 - span:.3f} ms ({100 * (1 - span / (wall * 1e3)):.0f}% of wall)")
+        spans.clear()
     if torch.cuda.is_available():
         from torch.profiler import ProfilerActivity, profile
 
@@ -74,6 +80,31 @@ def main() -> None:
         print(f"profiled: wall {wall * 1e3:.2f} ms/step, GPU kernels {gpu:.2f} ms/step "
               f"({100 * gpu / (wall * 1e3):.0f}% busy)")
         print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+
+
+def _gpu_spans(runner) -> list:
+    """Records a CUDA event before each step's inputs are enqueued and one after `execute` returns
+    (its token read has synchronised): the pair spans the step's GPU work, the rest of the wall
+    time is host work the GPU waits for."""
+    spans: list = []
+    forward, execute = runner._forward, runner.execute
+
+    def timed_forward(*args, **kwargs):
+        spans.append(torch.cuda.Event(enable_timing=True))
+        spans[-1].record()
+        return forward(*args, **kwargs)
+
+    def timed_execute(*args, **kwargs):
+        out = execute(*args, **kwargs)
+        if not spans or isinstance(spans[-1], tuple):  # a step without a forward
+            return out
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        spans[-1] = (spans[-1], end)
+        return out
+    runner._forward, runner.execute = timed_forward, timed_execute
+    return spans
 
 
 def _peek(engine):

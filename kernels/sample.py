@@ -1,10 +1,11 @@
 """One-pass categorical sampling with per-row temperatures (the engine's fast sampling path).
 
 Gumbel-max: token = argmax_v(logits[v] / T + G_v) with G_v = -log(-log(U_v)) and U_v uniform from
-Philox (`tl.rand(seed, row * vocab + v)`) is an exact draw from softmax(logits / T); a row with
+Philox (`tl.rand4x`, four uniforms per counter) is an exact draw from softmax(logits / T); a row with
 T = 0 is greedy (argmax of the logits, ties to the lowest index as torch.argmax). The logits are
-read once: no scaled copy, softmax, noise tensor or division pass (the torch version of the same
-draw moves ~10 full [rows, vocab] float32 tensors through memory). Each program reduces one chunk
+read once, in their own dtype (the engine's bf16 logits: half the bytes of a float32 copy): no
+scaled copy, softmax, noise tensor or division pass (the torch version of the same draw moves ~10
+full [rows, vocab] float32 tensors through memory). Each program reduces one chunk
 of one row to its best (score, index); a second small kernel picks each row's best chunk.
 """
 
@@ -14,6 +15,17 @@ import triton.language as tl
 
 CHUNK = 8192  # vocab entries per program: 256 rows x 151936 tokens -> 4864 programs
 BLOCK = 1024
+
+
+@triton.jit
+def _consider(row_ptr, cols, vocab, u, inv_t, noisy, best_val, best_idx):
+    """Fold columns `cols` (with uniforms `u`) into the running per-lane best (score, index)."""
+    mask = cols < vocab
+    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-30)))
+    x = tl.where(noisy, x * inv_t + gumbel, x)
+    better = (x > best_val) & mask
+    return tl.where(better, x, best_val), tl.where(better, cols, best_idx)
 
 
 @triton.jit
@@ -29,26 +41,28 @@ def _chunk_best_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Philox yields four uniforms per call: one call serves four BLOCK/4-column quarters of a tile
+    (one uniform per call made sampling Philox-bound, 4x the integer work). Counters are unique per
+    (row, tile, lane): row * (num_chunks * CHUNK / 4) + tile start / 4 + lane."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temp = tl.load(temps_ptr + row).to(tl.float32)
-    inv_t = tl.where(temp > 0.0, 1.0 / temp, 1.0)
-    offs = tl.arange(0, BLOCK)
-    best_val = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_idx = tl.full([BLOCK], 2147483647, dtype=tl.int32)
+    noisy = temp > 0.0
+    inv_t = tl.where(noisy, 1.0 / temp, 1.0)
+    QUARTER: tl.constexpr = BLOCK // 4
+    lanes = tl.arange(0, QUARTER)
+    best_val = tl.full([QUARTER], float("-inf"), dtype=tl.float32)
+    best_idx = tl.full([QUARTER], 2147483647, dtype=tl.int32)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_r
+    counter_base = row * (num_chunks * (CHUNK // 4))  # < 2**31: rows * padded vocab / 4 (checked)
     start = chunk * CHUNK
     for off in range(start, start + CHUNK, BLOCK):
-        cols = off + offs
-        mask = cols < vocab
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride_r + cols, mask=mask, other=float("-inf"))
-        x = x.to(tl.float32)
-        if temp > 0.0:
-            u = tl.rand(seed, row * vocab + cols)  # int32 offsets: rows * vocab < 2**31 (checked)
-            gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-30)))
-            x = x * inv_t + gumbel
-        better = (x > best_val) & mask
-        best_val = tl.where(better, x, best_val)
-        best_idx = tl.where(better, cols, best_idx)
+        u0, u1, u2, u3 = tl.rand4x(seed, counter_base + off // 4 + lanes)
+        cols = off + lanes
+        best_val, best_idx = _consider(row_ptr, cols, vocab, u0, inv_t, noisy, best_val, best_idx)
+        best_val, best_idx = _consider(row_ptr, cols + QUARTER, vocab, u1, inv_t, noisy, best_val, best_idx)
+        best_val, best_idx = _consider(row_ptr, cols + 2 * QUARTER, vocab, u2, inv_t, noisy, best_val, best_idx)
+        best_val, best_idx = _consider(row_ptr, cols + 3 * QUARTER, vocab, u3, inv_t, noisy, best_val, best_idx)
     top = tl.max(best_val, 0)
     idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
     tl.store(best_val_ptr + row * num_chunks + chunk, top)
@@ -75,14 +89,17 @@ def sample_gumbel(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -
     if temperatures.shape != (logits.shape[0],):
         raise ValueError(f"temperatures.shape={tuple(temperatures.shape)} is invalid: expected ({logits.shape[0]},)")
     rows, vocab = logits.shape
-    if rows * vocab >= 2**31:
-        raise ValueError(f"logits {tuple(logits.shape)} is invalid: rows * vocab must be < 2**31")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"logits.dtype={logits.dtype} is invalid: float32, bfloat16 or float16")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    chunk = min(CHUNK, triton.next_power_of_2(vocab))
+    chunk = max(4, min(CHUNK, triton.next_power_of_2(vocab)))
     block = min(BLOCK, chunk)
     num_chunks = triton.cdiv(vocab, chunk)
+    if rows * num_chunks * chunk >= 2**31:  # Philox counters and row offsets are int32
+        raise ValueError(f"logits {tuple(logits.shape)} is invalid: rows x vocab (padded to {num_chunks * chunk}) "
+                         "must be < 2**31")
     best_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     _chunk_best_kernel[(rows, num_chunks)](

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.attention import DEFAULT_DECODE_KERNEL
 from engine.config import CacheConfig, load_model_config
 from engine.cuda_graph import StepGraphs
 from engine.model_runner import ModelRunner
@@ -25,7 +26,7 @@ PROMPT_LENS = [37, 200, 5, 513, 64]
 
 
 def qwen3_runner(enforce_eager: bool, compile_model: bool | None = None, dtype: torch.dtype = torch.bfloat16,
-                 decode_kernel: str = "per-head", **cache) -> ModelRunner:
+                 decode_kernel: str = DEFAULT_DECODE_KERNEL, **cache) -> ModelRunner:
     cfg = load_model_config("qwen3-0.6b")
     cache = CacheConfig(**({"num_gpu_blocks": 2048} | cache))
     return ModelRunner(cfg, cache, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=2048,

@@ -55,11 +55,32 @@ def test_seed_fixes_the_draw_and_chunks_cover_the_vocab():
     assert set((a[1:] // 1024).tolist()) == {0, 1, 2}  # uniform logits: each full chunk wins somewhere
 
 
+def test_rows_and_quarters_draw_independently():
+    """Uniform logits over one 1024-token chunk (4 Philox quarters of 64 lanes per 256-token tile):
+    64 rows draw 64 nearly all different tokens (rows sharing counters would draw alike) landing
+    in every quarter; bf16 logits give the same draw as their float32 values."""
+    from kernels import sample
+
+    logits = torch.zeros(64, 1024)
+    old = sample.CHUNK, sample.BLOCK
+    sample.CHUNK, sample.BLOCK = 1024, 256
+    try:
+        drawn = sample_gumbel(logits, torch.ones(64), seed=3)
+        drawn_bf16 = sample_gumbel(logits.bfloat16(), torch.ones(64), seed=3)
+    finally:
+        sample.CHUNK, sample.BLOCK = old
+    assert len(set(drawn.tolist())) >= 58
+    assert set(((drawn % 256) // 64).tolist()) == {0, 1, 2, 3}
+    assert drawn.tolist() == drawn_bf16.tolist()
+
+
 def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="temperatures.shape"):
         sample_gumbel(torch.zeros(2, 8), torch.zeros(3), 0)
     with pytest.raises(ValueError, match="logits"):
         sample_gumbel(torch.zeros(8, 2).t(), torch.zeros(2), 0)
+    with pytest.raises(ValueError, match="logits.dtype"):
+        sample_gumbel(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2), 0)
 
 
 @pytest.mark.gpu
@@ -71,6 +92,8 @@ def test_gpu_sampling_at_engine_shape():
     out = sample_gumbel(logits, temps, seed=5)
     assert out[::2].tolist() == logits[::2].argmax(-1).tolist()
     assert ((out >= 0) & (out < 151936)).all()
+    half = logits.bfloat16()  # the engine's logits dtype: read as is
+    assert sample_gumbel(half, temps, seed=5)[::2].tolist() == half[::2].argmax(-1).tolist()
     base = torch.full((4096,), float("-inf"), device="cuda")
     base[:8] = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2])
     rows = 20000
