@@ -1,4 +1,9 @@
-"""Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--out DIR]`.
+"""Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head] [--out DIR]`.
+
+`--per-head` (round 6 of kernels/NOTES.md): the per-KV-head kernel's tile, pipeline depth and
+split count at batch 64 x 4k, SDPA timed before and after; then the three fastest at the other
+grid points and the ragged batch.  ncu showed the point as a wave-balance question: 512 programs
+(64 sequences x 8 KV heads, no split) on 132 SMs leave some SMs a program short at the end.
 
 Round 5 of kernels/NOTES.md: the per-KV-head kernel (kernels/decode.py) against the packed kernel
 (kernels/decode_packed.py: all KV heads of a page per tile, TMA or pointer loads, even split of
@@ -37,9 +42,17 @@ OTHER_POINTS = [(64, 32768), (256, 1024), (8, 32768), (1, 32768), (256, 512), (8
                 (64, 512)]  # fmt: skip
 
 
+PER_HEAD_GRID = [DecodeConfig(block_n=n, num_stages=st, num_splits=sp, num_warps=w)
+                 for n in (16, 32, 64) for st in (2, 3, 4) for sp in (1, 2, 3, 4) for w in (4,)
+                 if not (n == 64 and st == 4)] + [DecodeConfig(num_stages=3, num_warps=8, num_splits=sp)
+                                                  for sp in (1, 2)]  # fmt: skip
+
+
 def name(cfg) -> str:
     if isinstance(cfg, DecodeConfig):
-        return f"head-n{cfg.block_n}s{cfg.num_stages}"
+        split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
+        warps = "" if cfg.num_warps == 4 else f"w{cfg.num_warps}"
+        return f"head-n{cfg.block_n}s{cfg.num_stages}{warps}{split}"
     io = ("tma" if cfg.use_tma else "ptr") + ("" if cfg.pdl else "-nopdl")
     split = "" if cfg.min_split_tokens == P().min_split_tokens else f"-min{cfg.min_split_tokens}"
     return f"packed-n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}pp{cfg.programs_per_sm}-{io}{split}"
@@ -129,9 +142,22 @@ def merge_only_us(cfg: P) -> float:
     return graph_ms([call]) * 1e3
 
 
+def per_head_round(save, rows: list[dict], copy_bw: float) -> None:
+    save(uniform(64, 4096, copy_bw, PER_HEAD_GRID))
+    save(uniform(64, 4096, copy_bw, []))  # SDPA again: the drift over the sweep
+    timed = sorted((r for r in rows if r["variant"].startswith("head") and "time_us" in r), key=lambda r: r["time_us"])
+    best = [c for c in PER_HEAD_GRID if name(c) in [r["variant"] for r in timed[:3]]]
+    print("best per-head at B64x4k:", [name(c) for c in best], flush=True)
+    save(uniform(64, 4096, copy_bw, PER_HEAD[:1] + best))  # the winners once more, beside the default
+    save(ragged(copy_bw, PER_HEAD[:1] + best))
+    for batch, ctx in ((64, 32768), (256, 4096), (256, 1024), (8, 4096), (1, 4096)):
+        save(uniform(batch, ctx, copy_bw, PER_HEAD[:1] + best))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
+    parser.add_argument("--per-head", action="store_true", help="round 6: the per-head kernel's grid")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
@@ -149,6 +175,9 @@ def main() -> None:
         table.insert(1, "date", date)
         table.to_csv(path, index=False)
 
+    if args.per_head:
+        per_head_round(save, rows, copy_bw)
+        return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),
                     key=lambda r: r["time_us"])  # fmt: skip
