@@ -10,7 +10,8 @@ sampling, and the sampled tokens' copy back; CUDA-synchronised wall clock, `warm
 then the median of `repeats`; decode contexts spread around their mean as a real batch's do
 (profiling/synthetic.py). The rest of the engine's CPU cost per step (`LLMEngine.step` around
 `execute`: schedule, update, outputs) is measured on a real engine driving the same runner
-(profiling/host.py) and added: `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N blocks each way.
+(profiling/host.py: step wall time minus the same step's execute re-run warm, so it also holds
+execute's own slowdown between scheduler calls) and added: `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N blocks each way.
 
     python -m experiments.profile model=qwen3-0.6b            # the GPU profile (~1 min on an H200)
     python -m experiments.profile model=tiny-qwen3 profile_grid=tiny device=cpu out=/tmp/p.csv
@@ -187,7 +188,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
                    f"{cfg.max_num_seqs} max_model_len={cfg.max_model_len} enforce_eager={cfg.enforce_eager} "
                    f"decode_kernel={cfg.decode_kernel}"),
         "timing": (f"execute() wall clock, CUDA-synchronised; {cfg.warmup} warm-up runs, median of "
-                   f"{cfg.repeats}; host_s = LLMEngine.step() minus its execute() on this runner "
+                   f"{cfg.repeats}; host_s = LLMEngine.step() minus its execute() re-run warm on this runner "
                    f"(median of {cfg.host_repeats}), time_s = forward_s + host_s"),
         "prefill_layout": ("one sequence per step, no prefix, sampling one token; the 0/0 row repeats "
                            "the smallest prefill row"),

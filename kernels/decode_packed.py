@@ -1,5 +1,6 @@
 """Paged decode attention over all KV heads of a sequence at once, on a fixed grid that splits the
-batch's tiles evenly (opt-in: `PackedDecodeConfig`; kernels/NOTES.md round 5 has where it wins).
+batch's tiles evenly (selected by a `PackedDecodeConfig`; the engine's default, engine/attention.py;
+kernels/NOTES.md round 5 has where it wins).
 
 Tile: BLOCK_N tokens x every KV head.  In the NHD cache one block is [block_size, num_kv_heads,
 head_dim] contiguous, so a tile inside one block is a single dense chunk (32 KB for Qwen3-0.6B at
