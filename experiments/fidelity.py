@@ -1,5 +1,6 @@
 """`python -m experiments.fidelity [COMMON OVERRIDES] [--spec FILE] [--out DIR] [--runs DIR]
-[--engine-runs DIR] [--profile CSV] [--scenarios a,b]`: does the simulator predict the engine?
+[--engine-runs DIR] [--engine-repeats N] [--profile CSV] [--scenarios a,b]`: does the simulator
+predict the engine?
 
 Each scenario of the spec (conf/fidelity/default.yaml: the offline nano-vllm benchmark, Poisson
 arrivals at three loads, memory pressure with swap and with recompute, two priority policies)
@@ -11,6 +12,8 @@ Writes into --out (default experiments/results/fidelity): `fidelity.md` (device,
 error table, policy-ranking table), `fidelity.csv`, `ranking.csv`, `meta.json` and one PNG per
 scenario (CDFs, KV usage); full traces go to --runs (default outputs/fidelity/<date>/<time>).
 `--engine-runs DIR` reuses the engine traces of an earlier --runs dir (the simulator runs again).
+`--engine-repeats N` runs each scenario N times on the engine (same requests): the simulator is
+compared with the runs' mean and the table shows their spread, the engine's own run-to-run noise.
 
     python -m experiments.fidelity                      # on the GPU, after experiments.profile
     python -m experiments.fidelity --engine-runs outputs/fidelity/2026-11-22/10-00-00
@@ -94,8 +97,11 @@ def device_name() -> str:
 
 class Fidelity:
     def __init__(self, spec: dict[str, Any], common: list[str], runs_dir: Path, engine_runs: Path | None,
-                 profile: str | None) -> None:
+                 profile: str | None, engine_repeats: int = 1) -> None:
+        if not isinstance(engine_repeats, int) or isinstance(engine_repeats, bool) or engine_repeats < 1:
+            raise ValueError(f"engine_repeats={engine_repeats!r} is invalid: must be an integer >= 1")
         self.spec, self.common, self.runs_dir, self.engine_runs = spec, common, runs_dir, engine_runs
+        self.engine_repeats = engine_repeats
         self.base = [*spec["common"], *common]
         self.profile = profile
         self.capacity_tok_s: float | None = None
@@ -131,21 +137,27 @@ class Fidelity:
             self.settings.setdefault(name, {})["rate"] = float(f"{rate:.6g}")
         return overrides
 
-    def engine_run(self, name: str, overrides: list[str], workload) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
-        """The scenario's engine run (or the reused one): (summary, requests, steps)."""
+    def engine_run(self, name: str, overrides: list[str], workload) -> list[tuple[dict, pd.DataFrame, pd.DataFrame]]:
+        """The scenario's engine runs, `engine_repeats` of the same requests (or the reused ones, as
+        many as were stored): [(summary, requests, steps)], the first in `engine/`, then `engine_r2/`..."""
         if self.engine_runs is not None:
-            r = load_run(self.engine_runs / name / "engine")
-            return r.summary, r.requests, r.steps
-        out = self.runs_dir / name / "engine"
-        summary = run(compose_cfg([*overrides, *self.spec["engine"]]), out, f"{name} engine", workload.fresh())
-        _free_device()
-        r = load_run(out)
-        return summary, r.requests, r.steps
+            dirs = sorted(self.engine_runs.glob(f"{name}/engine_r*"), key=lambda d: int(d.name.removeprefix("engine_r")))
+            return [(r.summary, r.requests, r.steps) for r in map(load_run, [self.engine_runs / name / "engine", *dirs])]
+        runs = []
+        for i in range(self.engine_repeats):
+            out = self.runs_dir / name / ("engine" if i == 0 else f"engine_r{i + 1}")
+            label = f"{name} engine" + ("" if i == 0 else f" (repeat {i + 1})")
+            run(compose_cfg([*overrides, *self.spec["engine"]]), out, label, workload.fresh())
+            _free_device()
+            r = load_run(out)
+            runs.append((r.summary, r.requests, r.steps))
+        return runs
 
     def run_scenario(self, name: str, with_sim: bool = True) -> None:
         overrides = self.scenario_overrides(name)
         workload = factory.workload(compose_cfg([*overrides, *self.spec["engine"]]))
-        engine = self.engine_run(name, overrides, workload)
+        engine_runs = self.engine_run(name, overrides, workload)
+        engine = engine_runs[0]  # the first run: per-request tables (ranking), steps, plots
         info = engine[0].get("run", {})
         stalls = engine[2]["duration"][engine[2]["duration"] > STALL_S]
         self.settings.setdefault(name, {}).update(
@@ -155,8 +167,9 @@ class Fidelity:
         if name == self.spec.get("capacity"):
             self.capacity_tok_s = float(engine[0]["output_throughput"])
             self.settings[name]["capacity_output_tok_s"] = self.capacity_tok_s
-        line = (f"[fidelity] {name}: engine {engine[0]['duration_s']:.2f}s ({engine[0]['output_throughput']:.0f} "
-                f"tok/s, {len(stalls)} steps > {STALL_S}s)")
+        tok_s = "/".join(f"{r[0]['output_throughput']:.0f}" for r in engine_runs)
+        line = (f"[fidelity] {name}: engine {engine[0]['duration_s']:.2f}s ({tok_s} tok/s, {len(stalls)} steps > "
+                f"{STALL_S}s)")
         if not with_sim:
             print(line, flush=True)
             return
@@ -167,13 +180,14 @@ class Fidelity:
         out = self.runs_dir / name / "sim"
         summary = run(cfg_s, out, f"{name} sim", workload.fresh())
         r = load_run(out)
-        self.results[name] = {"engine": engine, "sim": (summary, r.requests, r.steps)}
+        self.results[name] = {"engine": engine, "sim": (summary, r.requests, r.steps),
+                              "engine_summaries": [run_[0] for run_ in engine_runs]}
         print(f"{line}, sim {summary['duration_s']:.2f}s ({summary['output_throughput']:.0f} tok/s)", flush=True)
 
     def error_table(self) -> pd.DataFrame:
         rows = []
         for name, res in self.results.items():
-            rows += error_rows(res["engine"][0], res["sim"][0], name)
+            rows += error_rows(res["engine"][0], res["sim"][0], name, res.get("engine_summaries"))
         return error_table(rows)
 
     def ranking(self) -> list[dict[str, Any]]:
@@ -240,6 +254,9 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     parser.add_argument("--engine-runs", type=Path, default=None, help="reuse the engine runs of this --runs dir")
     parser.add_argument("--profile", default=None, help="latency profile CSV (default: the sim config's latency.path)")
     parser.add_argument("--scenarios", default=None, help="comma-separated subset of the spec's scenarios")
+    parser.add_argument("--engine-repeats", type=int, default=1,
+                        help="engine runs per scenario (same requests): the sim is compared with their mean and "
+                             "the report shows their spread, the engine's own run-to-run noise")
     parser.add_argument("--engine-only", action="store_true",
                         help="only the engine runs (on the GPU); the simulator side later with --engine-runs")
     args = parser.parse_args(argv)
@@ -256,7 +273,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
         names.remove(cap)
         names.insert(0, cap)
     runs_dir = args.runs or Path("outputs/fidelity") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
-    fid = Fidelity(spec, list(args.overrides), runs_dir, args.engine_runs, args.profile)
+    fid = Fidelity(spec, list(args.overrides), runs_dir, args.engine_runs, args.profile, args.engine_repeats)
     old_meta = args.engine_runs / "meta.json" if args.engine_runs else None
     meta: dict[str, Any] = json.loads(old_meta.read_text()) if old_meta and old_meta.is_file() else {}
     if not meta:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import yaml
@@ -76,6 +77,28 @@ def test_error_table_on_traces_with_a_known_error():
     md = error_markdown(table)
     assert "| known |" in md and "+10.0%" in md and "**!**" in md
     assert target_summary(table).startswith("1/4 targeted errors within target")
+
+
+def test_repeated_engine_runs_give_the_mean_and_its_noise():
+    """Two engine runs with steps 1.0x and 1.2x as long: the engine value is their mean, the spread
+    their range over the mean (TPOT 1.0 and 1.2 -> 0.2 / 1.1), and an error inside that range counts
+    as within the engine's own noise."""
+    fast, slow, sim = traces(1.0)[0], traces(1.2)[0], traces(1.1)[0]
+    rows = {r["metric"]: r for r in error_rows(fast, sim, "noisy", [fast, slow])}
+    tpot = rows["tpot_mean"]
+    assert tpot["engine"] == pytest.approx((fast["tpot"]["mean"] + slow["tpot"]["mean"]) / 2, rel=1e-12)
+    assert tpot["engine_spread"] == pytest.approx(0.2 / 1.1, rel=1e-9)
+    assert abs(tpot["rel_error"]) < 1e-9  # 1.1x is the mean of 1.0x and 1.2x
+    assert rows["num_preemptions"]["engine_spread"] == 0.0
+    single = {r["metric"]: r for r in error_rows(fast, sim, "one", [fast])}
+    assert math.isnan(single["tpot_mean"]["engine_spread"]) and single["tpot_mean"]["rel_error"] == pytest.approx(0.1)
+    off = {r["metric"]: r for r in error_rows(fast, traces(1.17)[0], "off", [fast, slow])}  # TPOT +6.4%
+    table = error_table(list(off.values()))
+    assert not off["tpot_mean"]["within_target"] and abs(off["tpot_mean"]["rel_error"]) < off["tpot_mean"]["engine_spread"]
+    assert "±9.1%" in error_markdown(table)  # half of the 18.2% range
+    summary = target_summary(table)
+    assert summary.startswith("1/4 targeted errors within target")  # only p90 TTFT (+6.4% <= 10%)
+    assert "4/4 within target or within the engine's own run-to-run range" in summary
 
 
 def test_step_breakdown_attributes_the_error_to_step_kinds():
@@ -154,13 +177,19 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request):
     assert meta["device"] == "cpu" and "--spec" in meta["command"]
     assert "| offline |" in (out / "fidelity.md").read_text()
     assert len(fid.ranking()) == 2
-    # The simulator side alone, reusing the engine traces: identical engine numbers.
+    # The simulator side alone, reusing the engine traces (two stored repeats: identical copies, so
+    # no spread): identical engine numbers.
+    shutil.copytree(runs / "offline" / "engine", runs / "offline" / "engine_r2")
     again = _main(["--spec", str(spec), "--out", str(tmp_path / "out2"), "--runs", str(tmp_path / "runs2"),
                    "--profile", str(csv), "--engine-runs", str(runs), "--scenarios", "offline"])
     assert again.results["offline"]["engine"][0]["duration_s"] == fid.results["offline"]["engine"][0]["duration_s"]
+    assert len(again.results["offline"]["engine_summaries"]) == 2
+    assert (again.error_table()["engine_spread"] == 0.0).all()
     # The GPU stage alone: engine traces and meta.json, no simulator run, no report.
     engine_only = tmp_path / "engine_only"
-    _main(["--spec", str(spec), "--runs", str(engine_only), "--engine-only", "--scenarios", "offline"])
+    _main(["--spec", str(spec), "--runs", str(engine_only), "--engine-only", "--scenarios", "offline",
+           "--engine-repeats", "2"])
     assert (engine_only / "offline" / "engine" / "requests.parquet").is_file()
+    assert (engine_only / "offline" / "engine_r2" / "requests.parquet").is_file()
     assert not (engine_only / "offline" / "sim").exists()
     assert json.loads((engine_only / "meta.json").read_text())["scenarios"]["offline"]["num_requests"] == 6
