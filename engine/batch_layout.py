@@ -58,6 +58,12 @@ def layout(shape: BatchShape) -> tuple[dict[str, Field], int]:
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
+def _byte_slices(shape: BatchShape):
+    """(field, byte slice of the buffer, dtype, dims) for each of `shape`'s fields."""
+    for name, (off, dtype, dims) in layout(shape)[0].items():
+        yield name, slice(off, off + int(np.prod(dims)) * dtype.itemsize), dtype, dims
+
+
 class InputBuffers:
     """A pinned host buffer and its device twin (on CPU one buffer serves both), large enough for
     every shape that `fits_in` the capacity."""
@@ -81,18 +87,14 @@ class InputBuffers:
         if views is None:
             if len(self._host_views) >= 256:
                 self._host_views.clear()
-            fields, _ = layout(shape)
             host = self._host_np
-            views = self._host_views[shape] = {
-                name: host[off:off + int(np.prod(dims)) * dtype.itemsize].view(_NUMPY[dtype]).reshape(dims)
-                for name, (off, dtype, dims) in fields.items()}
+            views = self._host_views[shape] = {name: host[span].view(_NUMPY[dtype]).reshape(dims)
+                                               for name, span, dtype, dims in _byte_slices(shape)}
         return views
 
     def device_views(self, shape: BatchShape) -> dict[str, torch.Tensor]:
-        fields, _ = layout(shape)
         buf = self.device_buffer
-        return {name: buf[off:off + int(np.prod(dims)) * dtype.itemsize].view(dtype).view(dims)
-                for name, (off, dtype, dims) in fields.items()}
+        return {name: buf[span].view(dtype).view(dims) for name, span, dtype, dims in _byte_slices(shape)}
 
     def upload(self, shape: BatchShape) -> None:
         """Copy `shape`'s bytes to the device (stream-ordered before whatever runs next)."""

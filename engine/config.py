@@ -27,13 +27,13 @@ def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{field}={value!r} is not supported: {allowed}")
 
 
-
 def reject_unknown_fields(cls: type, d: dict[str, Any], what: str) -> None:
     """ValueError naming the keys of `d` that are not fields of the dataclass `cls`."""
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:
         raise ValueError(f"{what} {unknown} are unknown: allowed are {sorted(names)}")
+
 
 @dataclass(slots=True)
 class ModelConfig:

@@ -61,9 +61,8 @@ class StepGraphs:
             raise ValueError(f"graph shape {too_large[0]} is invalid: larger than the input buffers' "
                              f"{builder.buffers.capacity}")
         rows = max(s.num_sample_rows for s in (*self.decode_shapes.values(), *self.mixed_shapes.values()))
-        device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
-        self.logits = torch.empty(rows, model.config.vocab_size, dtype=dtype, device=device)
+        weight = next(model.parameters())
+        self.logits = torch.empty(rows, model.config.vocab_size, dtype=weight.dtype, device=weight.device)
         self.inputs: dict[BatchShape, ModelInput] = {}
         self.graphs: dict[BatchShape, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0

@@ -3,9 +3,10 @@ head_dim]` on the device (the layout of `kernels/`), plus a CPU swap pool of the
 (pinned when a GPU is used) sized by `CacheConfig.swap_space` GiB.
 
 `apply(swap_out, swap_in, copy)` runs one step's cache operations in the contract's order; a swap
-moves every layer's K and V in one launch. On a GPU the swaps run on a side stream that first waits for the compute stream (the blocks' last
-writes are done) and that the compute stream then waits for (the forward neither overwrites a
-block still being copied out nor reads one still being copied in).
+moves every layer's K and V in one launch. On a GPU the swaps run on a side stream that first
+waits for the compute stream (the blocks' last writes are done) and that the compute stream then
+waits for (the forward neither overwrites a block still being copied out nor reads one still being
+copied in).
 """
 from __future__ import annotations
 

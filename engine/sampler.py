@@ -51,9 +51,9 @@ def _stop_ids(s: ScheduledSeq, vocab_size: int) -> list[int]:
 def sample_with_temperatures(logits: torch.Tensor, temperatures: torch.Tensor,
                              temperature_list: list[float]) -> torch.Tensor:
     """logits [R, V] (float32 or the model's bf16/fp16, read as is), temperatures [R] (0 = greedy;
-    the same values on the host in `temperature_list`) -> tokens [R] int64 (unseeded draws). A tempered batch is one Gumbel-max
-    pass over the logits (`kernels.sample_gumbel`) whose Philox seed comes from torch's global
-    generator, so `torch.manual_seed` makes the draws reproducible."""
+    the same values on the host in `temperature_list`) -> tokens [R] int64 (unseeded draws). A
+    tempered batch is one Gumbel-max pass over the logits (`kernels.sample_gumbel`) whose Philox
+    seed comes from torch's global generator, so `torch.manual_seed` makes the draws reproducible."""
     if not any(temperature_list):
         return logits.argmax(dim=-1)
     seed = int(torch.randint(0, 2**31 - 1, ()))
@@ -93,13 +93,14 @@ class Sampler:
         if counts.count(1) != len(counts):
             return None
         params = list(map(_PARAMS, map(_SEQ, sampled)))
+        any_min_tokens = False
         for logprobs, top_k, top_p, min_p, seed, min_tokens, temperature in set(map(_DECIDING, params)):
             if (logprobs is not None or top_k > 0 or top_p < 1.0 or min_p > 0
                     or (seed is not None and temperature > 0)):
                 return None
-            if min_tokens and any(s.seq.num_output_tokens < s.seq.request.sampling_params.min_tokens
-                                  for s in sampled):
-                return None
+            any_min_tokens = any_min_tokens or bool(min_tokens)
+        if any_min_tokens and any(s.seq.num_output_tokens < p.min_tokens for s, p in zip(sampled, params)):
+            return None
         return list(map(_TEMPERATURE, params))
 
     @torch.no_grad()

@@ -187,7 +187,7 @@ class Fidelity:
     def error_table(self) -> pd.DataFrame:
         rows = []
         for name, res in self.results.items():
-            rows += error_rows(res["engine"][0], res["sim"][0], name, res.get("engine_summaries"))
+            rows += error_rows(res["engine"][0], res["sim"][0], name, res["engine_summaries"])
         return error_table(rows)
 
     def ranking(self) -> list[dict[str, Any]]:

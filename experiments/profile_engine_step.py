@@ -82,26 +82,26 @@ def main() -> None:
         print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
 
 
-def _gpu_spans(runner) -> list:
+def _gpu_spans(runner) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
     """Records a CUDA event before each step's inputs are enqueued and one after `execute` returns
     (its token read has synchronised): the pair spans the step's GPU work, the rest of the wall
-    time is host work the GPU waits for."""
-    spans: list = []
+    time is host work the GPU waits for. A step without a forward records nothing."""
+    spans, started = [], []
     forward, execute = runner._forward, runner.execute
 
     def timed_forward(*args, **kwargs):
-        spans.append(torch.cuda.Event(enable_timing=True))
-        spans[-1].record()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        started.append(start)
         return forward(*args, **kwargs)
 
     def timed_execute(*args, **kwargs):
         out = execute(*args, **kwargs)
-        if not spans or isinstance(spans[-1], tuple):  # a step without a forward
-            return out
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        spans[-1] = (spans[-1], end)
+        if started:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            spans.append((started.pop(), end))
         return out
     runner._forward, runner.execute = timed_forward, timed_execute
     return spans

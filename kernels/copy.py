@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.validate import check_layer_caches, check_pairs
+from kernels.validate import check_layer_caches, check_pairs, check_swap_lists
 
 _RAW_DTYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 CHUNK = 4096  # elements per program
@@ -112,8 +112,7 @@ def swap_layers(
     swap of every layer's K and V): one launch for all the tensors when they share a device or the
     host side is pinned (the kernel method), else the torch method tensor by tensor.  Asynchronous
     on the current stream except the torch method's GPU -> CPU direction, which waits for its copy."""
-    if len(srcs) != len(dsts) or not srcs:
-        raise ValueError(f"srcs/dsts lengths ({len(srcs)}, {len(dsts)}) are invalid: equal and >= 1")
+    check_swap_lists(srcs, dsts)
     check_pairs(pairs, same_pool=False)
     method = method or SWAP_METHOD
     if method not in ("kernel", "torch"):

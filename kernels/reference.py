@@ -8,7 +8,13 @@ the inputs are float64; outputs come back in the query's dtype.  A sequence with
 
 import torch
 
-from kernels.validate import check_attention_inputs, check_kv_write, check_layer_caches, check_pairs
+from kernels.validate import (
+    check_attention_inputs,
+    check_kv_write,
+    check_layer_caches,
+    check_pairs,
+    check_swap_lists,
+)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,8 +113,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> No
 
 
 def swap_layers(srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor) -> None:
-    if len(srcs) != len(dsts) or not srcs:
-        raise ValueError(f"srcs/dsts lengths ({len(srcs)}, {len(dsts)}) are invalid: equal and >= 1")
+    check_swap_lists(srcs, dsts)
     for src, dst in zip(srcs, dsts):
         swap_blocks(src, dst, pairs)
 

@@ -106,6 +106,11 @@ def check_layer_caches(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor
         )
 
 
+def check_swap_lists(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
+    if not srcs or len(srcs) != len(dsts):
+        _fail("srcs/dsts lengths", (len(srcs), len(dsts)), "equal and at least 1")
+
+
 def check_pairs(pairs: torch.Tensor, same_pool: bool) -> None:
     """pairs [N, 2] int64 of (src, dst) block ids.  Blocks are copied in parallel, so every dst
     must be distinct, and within one pool not also a src; checked when the pairs live on the CPU."""

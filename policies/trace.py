@@ -71,16 +71,10 @@ class DecodeRunSteps:
     last_num_waiting: int
 
     def rows(self) -> list[dict]:
-        rows = []
-        step, kv_tokens, start = self.first["step"], self.first["kv_tokens"], self.times[0]
-        for used, end in zip(self.gpu_used, islice(self.times, 1, None)):
-            row = self.first.copy()
-            row["step"], row["time"], row["duration"] = step, start, end - start
-            row["gpu_blocks_used"], row["kv_tokens"], row["num_waiting"] = used, kv_tokens, 0
-            rows.append(row)
-            step, kv_tokens, start = step + 1, kv_tokens + self.num_seqs, end
-        rows[-1]["num_waiting"] = self.last_num_waiting
-        return rows
+        columns: dict[str, list] = {name: [] for name in self.first}
+        self.add_to(columns)
+        names = list(columns)
+        return [dict(zip(names, values)) for values in zip(*columns.values())]
 
     def add_to(self, columns: dict[str, list]) -> None:
         """Append the rows to `columns` (STEP_COLUMNS -> values) without building them."""

@@ -5,9 +5,10 @@ wall time of consecutive `LLMEngine.step()` calls minus the median time of the s
 `execute` re-run back to back (warm, as the profile's grid times it; the re-runs happen before the
 scheduler updates: same tokens, same slots, so they rewrite identical KV). That covers scheduler
 `schedule` + `update` with the trace recorder on, the sampled-token dict, stop rules, request
-outputs, and the extra time `execute` itself takes between those instead of in a tight loop (cold
-host caches; on an H200 the engine's execute took 2.12 ms against 2.01 ms warm at 10 decodes, and
-+0.3% at 64, where longer kernels hide the slower host).
+outputs, and any difference between `execute` run between those and in a tight loop. On an H200
+the two disagree in sign: a standalone check at 10 decodes found the engine's execute slower than
+warm re-runs (2.12 vs 2.01 ms), while this measurement gave host_s of -36 to -137 us at 1-128
+decodes (2026-11-22; unexplained, README "Simulator fidelity").
 
 State of a measured step: D running decodes (all decoding) plus, for P > 0, one waiting prompt of
 P tokens that the step admits (aborted after it, so D stays D).

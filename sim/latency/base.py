@@ -89,7 +89,6 @@ class LatencyModel(ABC):
         return t
 
 
-
 def shape_decode_times(shape_time: Callable[[BatchShape], float], num_seqs: int, num_context_tokens: int,
                        num_samples: int, num_steps: int) -> list[float]:
     """`LatencyModel.decode_times` for a model that prices a `BatchShape` (`shape_time`)."""
