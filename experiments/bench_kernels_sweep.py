@@ -1,4 +1,9 @@
-"""Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head] [--out DIR]`.
+"""Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head | --waves] [--out DIR]`.
+
+`--waves` (round 7): batches whose 8 KV heads make whole or partial per-SM program counts (33, 64,
+66, 128, 132 sequences x 4k; 132 SMs): does the per-head kernel's deficit against SDPA come from
+512 programs loading 116 SMs with 4 and 16 with 3 (then it vanishes at 66 and 132), or from its
+streaming rate (then it stays)?
 
 `--per-head` (round 6 of kernels/NOTES.md): the per-KV-head kernel's tile, pipeline depth and
 split count at batch 64 x 4k, SDPA timed before and after; then the three fastest at the other
@@ -154,10 +159,29 @@ def per_head_round(save, rows: list[dict], copy_bw: float) -> None:
         save(uniform(batch, ctx, copy_bw, PER_HEAD[:1] + best))
 
 
+WAVE_BATCHES = (33, 64, 66, 128, 132)
+# Round 7b: cuDNN's shape (128-key tiles, 2 programs per SM) and narrower programs (2 warps).
+TILE_GRID = [DecodeConfig(block_n=n, num_stages=st, num_warps=w, num_splits=1)
+             for n, st, w in ((128, 2, 4), (128, 2, 8), (64, 2, 8), (64, 3, 8), (32, 3, 2), (32, 4, 2), (16, 4, 2),
+                              (32, 3, 4))]  # fmt: skip
+
+
+def waves_round(save, copy_bw: float) -> None:
+    for batch in WAVE_BATCHES:
+        save(uniform(batch, 4096, copy_bw, [replace(c, num_splits=1) for c in PER_HEAD] + [P()]))
+
+
+def tiles_round(save, copy_bw: float) -> None:
+    save(uniform(64, 4096, copy_bw, TILE_GRID))
+    save(uniform(64, 32768, copy_bw, TILE_GRID))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
     parser.add_argument("--per-head", action="store_true", help="round 6: the per-head kernel's grid")
+    parser.add_argument("--waves", action="store_true", help="round 7: batches of whole and partial waves")
+    parser.add_argument("--tiles", action="store_true", help="round 7b: 128-key tiles, 2-warp programs")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
@@ -177,6 +201,12 @@ def main() -> None:
 
     if args.per_head:
         per_head_round(save, rows, copy_bw)
+        return
+    if args.waves:
+        waves_round(save, copy_bw)
+        return
+    if args.tiles:
+        tiles_round(save, copy_bw)
         return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),

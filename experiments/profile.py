@@ -35,9 +35,10 @@ from tqdm import tqdm
 
 from experiments.cli import run_cli
 from experiments.paths import REPO_ROOT
-from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
+from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
 from experiments.profiling.host import host_overheads
 from experiments.profiling.synthetic import blocks_needed, decode_contexts, swap_mapping, synthetic_step
+from sim.latency.prefill_schedule import PrefillSchedule
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
 
@@ -120,8 +121,8 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
                        decode_kernel=cfg.decode_kernel)
 
 
-def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], list[tuple[int, int, float]]]:
-    """Step rows (forward_s + host_s), swap rows, and the split rows (tokens, pairs, seconds)."""
+def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], list[tuple[int, int, int, float]]]:
+    """Step rows (forward_s + host_s), swap rows, and the split rows (tokens, sequences, pairs, seconds)."""
     median_time = _timer(runner.device)
     bs, n_gpu = runner.block_size, runner.num_gpu_blocks
     forward: dict[tuple[int, int, int, int], float] = {}
@@ -151,7 +152,7 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     if smallest is not None:
         rows.insert(0, {"kind": "step", "num_prefill_tokens": 0, "num_decode_seqs": 0, "num_context_tokens": 0,
                         "time_s": smallest["time_s"], "forward_s": smallest["forward_s"], "host_s": smallest["host_s"]})
-    split = [(s.num_prefill_tokens, s.prefill_attention_pairs,
+    split = [(s.num_prefill_tokens, s.num_prefill_seqs, s.prefill_attention_pairs,
               forward[(s.num_prefill_tokens, s.num_prefill_seqs, 0, 0)]) for s in grid.split_shapes()]
     kv = runner.kv_cache
     for n in grid.swap_blocks:
@@ -160,6 +161,13 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
         for fn in (functools.partial(kv.apply, mapping, {}, []), functools.partial(kv.apply, {}, back, [])):
             rows.append({"kind": "swap", "num_blocks": n, "time_s": median_time(fn, cfg.warmup, cfg.repeats)})
     return rows, split
+
+
+def prefill_schedule(runner) -> PrefillSchedule:
+    """The prefill kernel's program geometry on the runner's device and model."""
+    from kernels.prefill import program_geometry
+    m = runner.model_config
+    return PrefillSchedule(*program_geometry(m.num_attention_heads, m.num_key_value_heads, m.head_dim, runner.device))
 
 
 def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
@@ -175,7 +183,9 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     print(f"[profile] runner ready in {setup_s:.1f}s: {runner.num_gpu_blocks} KV blocks on {runner.device}, "
           f"{len(grid.step_shapes())} step shapes to time", flush=True)
     rows, split = measure(cfg, runner, grid)
-    pair_s, slope, se = fit_prefill_pair_s(split)
+    pair_s, slope, se = fit_prefill_pair_s([(p, pairs, t) for p, _, pairs, t in split])
+    schedule = prefill_schedule(runner)
+    tile_s, tile_slope, tile_se = fit_prefill_tile_s([(p, k, t) for p, k, _, t in split], schedule)
     dev = runner.device
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     gpu = cfg.gpu or gpu_slug(device_name)
@@ -194,9 +204,12 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
                            "the smallest prefill row"),
         "prefill_pair_s": f"{pair_s:.6e}",
         "prefill_pair_fit": (f"slope {slope:.3e} s/pair, standard error {se:.1e}: "
-                             f"{'used' if pair_s else 'not significant, 0 used'}; split rows (tokens x seqs: s) "
-                             + " ".join(f"{p}x{k}:{t:.5f}" for (p, _, t), k in
-                                        zip(split, [s.num_prefill_seqs for s in grid.split_shapes()]))),
+                             f"{'used' if pair_s else 'not significant, 0 used'}"),
+        "prefill_schedule": schedule.format(),
+        "prefill_tile_s": f"{tile_s:.6e}",
+        "prefill_tile_fit": (f"slope {tile_slope:.3e} s/key tile, standard error {tile_se:.1e}: "
+                             f"{'used' if tile_s else 'not significant, 0 used'}"),
+        "prefill_split_rows": "tokens x seqs: s " + " ".join(f"{p}x{k}:{t:.6f}" for p, k, _, t in split),
     }
     if runner.graphs is not None:
         meta["decode_graph_sizes"] = " ".join(str(s) for s in runner.graphs.sizes)
@@ -212,8 +225,9 @@ def _main(cfg: DictConfig) -> None:
     command = "python -m experiments.profile " + " ".join(sys.argv[1:])
     path, meta = profile(cfg, command.strip())
     steps = sum(1 for line in path.read_text().splitlines() if line.startswith("step,"))
-    print(f"profile of {meta['model']} on {meta['device']}: {steps} step rows, prefill_pair_s="
-          f"{meta['prefill_pair_s']}, {meta['elapsed_s']}s -> {path}")
+    print(f"profile of {meta['model']} on {meta['device']}: {steps} step rows, prefill_tile_s="
+          f"{meta['prefill_tile_s']} ({meta['prefill_schedule']}), prefill_pair_s={meta['prefill_pair_s']}, "
+          f"{meta['elapsed_s']}s -> {path}")
     if cfg.calibrate:
         from experiments.calibrate import calibrate_to_file
         hw = HARDWARE_DIR / f"{meta['gpu']}.yaml"

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, block_dim, dot_precision, max_shared_memory, upcast_operands
+from kernels.common import LOG2E, block_dim, device_sms, dot_precision, max_shared_memory, upcast_operands
 from kernels.validate import check_attention_inputs, check_out
 
 
@@ -44,6 +44,20 @@ def tokens_per_tile(num_heads: int, num_kv_heads: int, config: PrefillConfig | N
     """New tokens one program covers (its BLOCK_M rows hold that many tokens x the packed heads)."""
     config = config or PrefillConfig()
     return config.block_m // gqa_pack(num_heads // num_kv_heads, config)
+
+
+def program_geometry(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                     config: PrefillConfig | None = None) -> tuple[int, int, int, int]:
+    """(tokens per program, keys per tile, programs per query tile, programs running at once): what
+    a latency model needs to pack this kernel's programs onto the GPU (sim/latency/prefill_schedule.py).
+    Programs per SM count shared memory only (query tile + K/V buffers); on an H200 one fits."""
+    config = config or PrefillConfig()
+    pack = gqa_pack(num_heads // num_kv_heads, config)
+    stages = config.num_stages or default_stages(device, config, head_dim)
+    tile_bytes = 2 * config.block_n * block_dim(head_dim) * 2
+    program_bytes = config.block_m * block_dim(head_dim) * 2 + max(1, stages - 1) * tile_bytes
+    per_sm = max(1, max_shared_memory(device) // program_bytes) if device.type == "cuda" else 1
+    return config.block_m // pack, config.block_n, num_heads // pack, per_sm * device_sms(device)
 
 
 def max_tiles(num_tokens: int, num_seqs: int, tokens: int) -> int:

@@ -15,6 +15,7 @@ from engine.model_runner import ModelRunner
 from experiments.calibrate import calibrate, calibrate_to_file, profile_points
 from experiments.profile import gpu_slug, profile
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
+from sim.latency.prefill_schedule import PrefillSchedule
 from experiments.profiling.host import host_overheads
 from experiments.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from sim.latency import BatchShape, Hardware, ModelShape, ProfiledModel, RooflineModel
@@ -36,8 +37,11 @@ def tiny_profile(path, extra=()):
 def test_profiler_on_cpu_writes_a_profile_the_simulator_loads(tmp_path):
     path, _ = tiny_profile(tmp_path / "cpu-tiny-qwen3.csv")
     file_meta, rows = read_profile(path)
-    for key in ("model", "block_size", "device", "dtype", "versions", "date", "command", "prefill_pair_s"):
+    for key in ("model", "block_size", "device", "dtype", "versions", "date", "command", "prefill_pair_s",
+                "prefill_schedule", "prefill_tile_s", "prefill_split_rows"):
         assert key in file_meta, key
+    # tiny-qwen3's prefill kernel geometry on the CPU stand-in (4 "SMs", one program each)
+    assert PrefillSchedule.parse(file_meta["prefill_schedule"]).concurrent == 4
     assert file_meta["model"] == "tiny-qwen3" and file_meta["device"] == "cpu"
     assert "torch" in file_meta["versions"] and "transformers" in file_meta["versions"]
     header = path.read_text().splitlines()[len(file_meta)]

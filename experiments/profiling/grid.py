@@ -3,8 +3,10 @@
 Step rows cover the full grid prefill tokens x decode sequences x context per decode that
 `sim/latency/profiled.py` interpolates over (rows with 0 decodes stand for every context value).
 Each prefill is one sequence with no prefix; the `split` rows (the same prefill tokens over more
-sequences) measure what attention costs per (query, key) pair, written as the `prefill_pair_s`
-metadata the profiled model uses to price other layouts (several prompts, chunks over a prefix).
+sequences) measure what another layout (several prompts, chunks over a prefix) saves, written as
+the metadata the profiled model prices such layouts with: `prefill_tile_s`, seconds per key tile on
+the prefill kernel's critical path (sim/latency/prefill_schedule.py), and the older per-pair slope
+`prefill_pair_s`.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.profiling.synthetic import StepShape
+from experiments.profiling.synthetic import StepShape, split_tokens
+from sim.latency.prefill_schedule import PrefillSchedule
 from sim.latency.profiled import COLUMNS
 
 EXTRA_COLUMNS = ("forward_s", "host_s")  # optional: time_s = forward_s + host_s (readers ignore them)
@@ -95,6 +98,27 @@ def fit_prefill_pair_s(points: list[tuple[int, int, float]]) -> tuple[float, flo
     dof = len(centred) - len(groups) - 1
     sse = sum((y - slope * x) ** 2 for x, y in centred)
     se = math.sqrt(sse / dof / sxx) if dof > 0 else math.inf
+    return (slope if slope > 0 and slope >= 2 * se else 0.0), slope, se
+
+
+def fit_prefill_tile_s(points: list[tuple[int, int, float]], schedule: PrefillSchedule) -> tuple[float, float, float]:
+    """(prefill tokens, sequences, seconds) of the split rows -> (seconds per critical-path key
+    tile to use, the fitted slope, its standard error): least squares through the origin of each
+    row's time minus its one-sequence row's against the makespan difference; used under the same
+    rule as `fit_prefill_pair_s`."""
+    single = {p: t for p, k, t in points if k == 1}
+    xs, ys = [], []
+    for p, k, t in points:
+        if k > 1 and p in single:
+            chunks = tuple((q, 0) for q in split_tokens(p, k))
+            xs.append(schedule.makespan(chunks) - schedule.single(p))
+            ys.append(t - single[p])
+    sxx = sum(x * x for x in xs)
+    if sxx <= 0:
+        return 0.0, 0.0, math.inf
+    slope = sum(x * y for x, y in zip(xs, ys)) / sxx
+    dof = len(xs) - 1
+    se = math.sqrt(sum((y - slope * x) ** 2 for x, y in zip(xs, ys)) / dof / sxx) if dof > 0 else math.inf
     return (slope if slope > 0 and slope >= 2 * se else 0.0), slope, se
 
 

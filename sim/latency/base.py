@@ -29,6 +29,7 @@ class BatchShape:
     num_context_tokens: int = 0  # sum of c + 1 over decodes: KV entries the decodes read
     num_samples: int = 0  # tokens sampled (LM head rows)
     num_copies: int = 0  # copy-on-write block copies
+    prefill_chunks: tuple[tuple[int, int], ...] = ()  # (q, c) of each prefill chunk
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> BatchShape:
@@ -44,6 +45,7 @@ class BatchShape:
         if new == n:  # every entry computes one token: all decodes
             return cls(0, 0, 0, 0, n, computed + n, samples, len(out.copy))
         p_tokens = p_ctx = p_pairs = p_seqs = 0
+        chunks = []
         for seq, q, _ in scheduled:
             if q > 1:
                 c = seq.num_computed_tokens
@@ -51,8 +53,10 @@ class BatchShape:
                 p_tokens += q
                 p_ctx += c
                 p_pairs += q * c + (q * (q + 1) >> 1)
+                chunks.append((q, c))
         d_seqs = n - p_seqs
-        return cls(p_tokens, p_seqs, p_ctx, p_pairs, d_seqs, computed - p_ctx + d_seqs, samples, len(out.copy))
+        return cls(p_tokens, p_seqs, p_ctx, p_pairs, d_seqs, computed - p_ctx + d_seqs, samples, len(out.copy),
+                   tuple(chunks))
 
 
 _computed = attrgetter("seq.num_computed_tokens")

@@ -28,6 +28,13 @@ a prefill of its new tokens, unless the profile carries these optional metadata 
   sequence of P new tokens with no prefix (P (P + 1) / 2 pairs); a step whose prefill chunks have
   a different layout (several prompts, a chunk over an earlier-computed prefix) is corrected by
   `prefill_pair_s * (its pairs - P (P + 1) / 2)`.
+- `prefill_schedule` and `prefill_tile_s` (preferred to `prefill_pair_s` when both are present):
+  the prefill kernel's program geometry (sim/latency/prefill_schedule.py) and the seconds per key
+  tile on its critical path; a step's prefill layout is corrected by
+  `prefill_tile_s * (makespan(its chunks) - makespan(one sequence of P tokens))`.  At engine sizes
+  the kernel's time follows how its programs pack onto the SMs, not the pair count: several short
+  prompts save less than their pairs say (the H200 offline benchmark's mixed steps, 3-7 prompts,
+  came out 7% too fast with the pair correction).
 - `decode_graph_sizes`: the engine's CUDA-graph batch sizes; a decode-only step of D sequences runs
   the smallest size >= D (padding rows read no KV), so it is priced at that many decodes with the
   same total context.
@@ -42,6 +49,7 @@ from pathlib import Path
 
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
+from sim.latency.prefill_schedule import PrefillSchedule
 
 COLUMNS = ("kind", "num_prefill_tokens", "num_decode_seqs", "num_context_tokens", "num_blocks", "time_s")
 STEP_FIELDS = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")
@@ -186,6 +194,13 @@ class ProfiledModel(LatencyModel):
             grid.append(plane)
         self._grid = grid
         self.prefill_pair_s = _meta_number(path, self.meta, "prefill_pair_s")
+        self.prefill_tile_s = _meta_number(path, self.meta, "prefill_tile_s")
+        self.prefill_schedule: PrefillSchedule | None = None
+        if "prefill_schedule" in self.meta:
+            try:
+                self.prefill_schedule = PrefillSchedule.parse(self.meta["prefill_schedule"])
+            except ValueError as exc:
+                raise ValueError(f"{path}: metadata {exc}") from None
         self.graph_sizes = _meta_sizes(path, self.meta, "decode_graph_sizes")
         self.swap_axis = sorted(swaps)
         self._swap_times = [statistics.median(swaps[n]) for n in self.swap_axis]
@@ -206,7 +221,10 @@ class ProfiledModel(LatencyModel):
         if p == 0 and self.graph_sizes:
             d = next((s for s in self.graph_sizes if s >= d), d)
         t = self.lookup(p, d, b.num_context_tokens)
-        if p and self.prefill_pair_s:
+        if p and self.prefill_schedule is not None and self.prefill_tile_s and b.prefill_chunks:
+            schedule = self.prefill_schedule
+            t += self.prefill_tile_s * (schedule.makespan(b.prefill_chunks) - schedule.single(p))
+        elif p and self.prefill_pair_s:
             t += self.prefill_pair_s * (b.prefill_attention_pairs - p * (p + 1) // 2)
         return max(t, 0.0)
 
