@@ -62,7 +62,7 @@ def test_fit_recovers_the_seconds_per_tile():
               for p in base for n in (1, 2, 4, 8)]
     points = [(p, n, t + k * H200.single(p)) for p, n, t in points]  # one-sequence rows carry their own cost
     used, slope, se = fit_prefill_tile_s(points, H200)
-    assert used == pytest.approx(k, rel=1e-9) and se < 1e-12
+    assert used == slope == pytest.approx(k, rel=1e-9) and se < 1e-12
     assert fit_prefill_tile_s([(1024, 1, 1.0)], H200) == (0.0, 0.0, math.inf)  # no split rows
     flat = [(p, n, 5e-3 + (1e-4 if n == 2 else -1e-4 if n == 4 else 0.0)) for p in base for n in (1, 2, 4, 8)]
     assert fit_prefill_tile_s(flat, H200)[0] == 0.0  # no significant slope: not used

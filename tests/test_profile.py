@@ -15,10 +15,10 @@ from engine.model_runner import ModelRunner
 from experiments.calibrate import calibrate, calibrate_to_file, profile_points
 from experiments.profile import gpu_slug, profile
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
-from sim.latency.prefill_schedule import PrefillSchedule
 from experiments.profiling.host import host_overheads
 from experiments.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from sim.latency import BatchShape, Hardware, ModelShape, ProfiledModel, RooflineModel
+from sim.latency.prefill_schedule import PrefillSchedule
 from sim.latency.profiled import COLUMNS, read_profile
 
 TINY_GRID = ["profile_grid.prefill_tokens=[0,8]", "profile_grid.decode_seqs=[0,2]",
