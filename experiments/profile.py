@@ -36,7 +36,7 @@ from tqdm import tqdm
 from experiments.cli import run_cli
 from experiments.paths import REPO_ROOT
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
-from experiments.profiling.host import host_overheads
+from experiments.profiling.host import decode_periods, host_overheads
 from experiments.profiling.synthetic import blocks_needed, decode_contexts, swap_mapping, synthetic_step
 from sim.latency.prefill_schedule import PrefillSchedule
 
@@ -91,8 +91,10 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     bs = cfg.block_size
     shapes = grid.step_shapes() + grid.split_shapes()
-    num_gpu_blocks = max(max(blocks_needed(s, bs) for s in shapes), max(grid.swap_blocks),
-                         math.ceil(cfg.max_model_len / bs)) + 1
+    need = max(max(blocks_needed(s, bs) for s in shapes), max(grid.swap_blocks), math.ceil(cfg.max_model_len / bs))
+    # decode_periods runs these batches in an engine: their contexts grow a few tokens, and the
+    # scheduler keeps a watermark (1%) of the blocks free.
+    num_gpu_blocks = math.ceil(need * 1.02) + max(grid.decode_seqs) * (2 + (cfg.warmup + cfg.host_repeats) // bs) + 1
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = cfg.dtype or (model.dtype if device.startswith("cuda") else "float32")
     block_bytes = bs * model.kv_bytes_per_token(getattr(torch, dtype))
@@ -125,24 +127,44 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     """Step rows (forward_s + host_s), swap rows, and the split rows (tokens, sequences, pairs, seconds)."""
     median_time = _timer(runner.device)
     bs, n_gpu = runner.block_size, runner.num_gpu_blocks
-    forward: dict[tuple[int, int, int, int], float] = {}
+    passes: dict[tuple[int, int, int, int], list[float]] = {}
+    host_passes: dict[tuple[int, int], list[float]] = {}
+    period_passes: dict[tuple[int, int], list[float]] = {}
     shapes = grid.step_shapes() + [s for s in grid.split_shapes() if s.num_prefill_seqs > 1]
-    start, done_p = time.perf_counter(), None
-    for shape in tqdm(shapes, desc="steps", unit="shape", disable=not cfg.progress, dynamic_ncols=True):
-        if shape.num_prefill_tokens != done_p and not cfg.progress:  # a line per prefill plane (logs)
-            done_p = shape.num_prefill_tokens
-            print(f"[profile] prefill={done_p}: {len(forward)}/{len(shapes)} shapes done, "
-                  f"{time.perf_counter() - start:.1f}s", flush=True)
-        out = synthetic_step(shape, bs, n_gpu, runner.vocab_size, seed=cfg.seed)
-        key = (shape.num_prefill_tokens, shape.num_prefill_seqs, shape.num_decode_seqs, shape.context_per_decode)
-        forward[key] = median_time(functools.partial(runner.execute, out), cfg.warmup, cfg.repeats)
-    print(f"[profile] {len(shapes)} step shapes in {time.perf_counter() - start:.1f}s", flush=True)
-    host = host_overheads(runner, [(p, d) for p in grid.prefill_tokens for d in grid.decode_seqs if p or d],
-                          cfg.warmup, cfg.host_repeats, cfg.seed)
+    outs = [synthetic_step(shape, bs, n_gpu, runner.vocab_size, seed=cfg.seed) for shape in shapes]
+    pairs = [(p, d) for p in grid.prefill_tokens for d in grid.decode_seqs if p or d]
+    decodes = [(d, c) for d in grid.decode_seqs if d for c in grid.context_per_decode]
+    start = time.perf_counter()
+    # Every shape is timed in each of `passes` sweeps over the grid and the sweeps' median kept: the
+    # host share of a small step moves with the host CPU's speed, which on a shared VM drifts over
+    # seconds (README "Simulator fidelity"), so one burst per shape would sample one moment.
+    for sweep in range(cfg.passes):
+        done_p = None
+        for shape, out in tqdm(list(zip(shapes, outs)), desc=f"steps {sweep + 1}/{cfg.passes}", unit="shape",
+                               disable=not cfg.progress, dynamic_ncols=True):
+            if shape.num_prefill_tokens != done_p and not cfg.progress:  # a line per prefill plane (logs)
+                done_p = shape.num_prefill_tokens
+                print(f"[profile] pass {sweep + 1}/{cfg.passes} prefill={done_p}: "
+                      f"{time.perf_counter() - start:.1f}s", flush=True)
+            key = (shape.num_prefill_tokens, shape.num_prefill_seqs, shape.num_decode_seqs, shape.context_per_decode)
+            passes.setdefault(key, []).append(
+                median_time(functools.partial(runner.execute, out), cfg.warmup, cfg.repeats))
+        for pair, h in host_overheads(runner, pairs, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
+            host_passes.setdefault(pair, []).append(h)
+        for shape, t in decode_periods(runner, decodes, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
+            period_passes.setdefault(shape, []).append(t)
+    print(f"[profile] {len(shapes)} step shapes x {cfg.passes} passes in {time.perf_counter() - start:.1f}s",
+          flush=True)
+    forward = {k: statistics.median(v) for k, v in passes.items()}
+    host = {k: statistics.median(v) for k, v in host_passes.items()}
+    period = {k: statistics.median(v) for k, v in period_passes.items()}
     rows = []
     for s in grid.step_shapes():
         f = forward[(s.num_prefill_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.context_per_decode)]
-        h = host[(s.num_prefill_tokens, s.num_decode_seqs)]
+        if s.num_prefill_tokens == 0:  # decode-only: the engine's own step period (profiling/host.py)
+            h = period[(s.num_decode_seqs, s.context_per_decode)] - f
+        else:
+            h = host[(s.num_prefill_tokens, s.num_decode_seqs)]
         rows.append({"kind": "step", "num_prefill_tokens": s.num_prefill_tokens,
                      "num_decode_seqs": s.num_decode_seqs, "num_context_tokens": s.num_context_tokens,
                      "time_s": f + h, "forward_s": f, "host_s": h})
@@ -174,7 +196,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     """Build the runner, measure the grid, write the CSV; returns (path, metadata)."""
     import torch
     grid = ProfileGrid.from_dict(OmegaConf.to_container(cfg.profile_grid, resolve=True))
-    for key in ("warmup", "repeats", "host_repeats"):
+    for key in ("warmup", "repeats", "host_repeats", "passes"):
         if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < (0 if key == "warmup" else 1):
             raise ValueError(f"{key}={cfg[key]!r} is invalid: must be an integer >= {0 if key == 'warmup' else 1}")
     start = time.perf_counter()
@@ -197,9 +219,11 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "engine": (f"ModelRunner max_num_batched_tokens={cfg.max_num_batched_tokens} max_num_seqs="
                    f"{cfg.max_num_seqs} max_model_len={cfg.max_model_len} enforce_eager={cfg.enforce_eager} "
                    f"decode_kernel={cfg.decode_kernel}"),
-        "timing": (f"execute() wall clock, CUDA-synchronised; {cfg.warmup} warm-up runs, median of "
-                   f"{cfg.repeats}; host_s = LLMEngine.step() minus its execute() re-run warm on this runner "
-                   f"(median of {cfg.host_repeats}), time_s = forward_s + host_s"),
+        "timing": (f"execute() wall clock, CUDA-synchronised; {cfg.warmup} warm-up runs, median of {cfg.repeats}, "
+                   f"in each of {cfg.passes} passes over the grid (the passes' median); decode-only rows: time_s = "
+                   f"median period of {cfg.host_repeats} consecutive LLMEngine.step() calls holding that batch, "
+                   "host_s = time_s - forward_s; rows with prefill: host_s = LLMEngine.step() minus its execute() "
+                   f"re-run warm on this runner (median of {cfg.host_repeats}), time_s = forward_s + host_s"),
         "prefill_layout": ("one sequence per step, no prefix, sampling one token; the 0/0 row repeats "
                            "the smallest prefill row"),
         "prefill_pair_s": f"{pair_s:.6e}",

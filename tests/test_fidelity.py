@@ -150,7 +150,7 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request):
     from experiments.profile import profile
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose(config_name="profile", overrides=[
-            "model=tiny-qwen3", "device=cpu", "warmup=0", "repeats=1", "host_repeats=1", "max_model_len=128",
+            "model=tiny-qwen3", "device=cpu", "warmup=0", "repeats=1", "host_repeats=1", "passes=1", "max_model_len=128",
             "max_num_seqs=8", "progress=false", "calibrate=false", f"out={tmp_path / 'cpu-tiny-qwen3.csv'}",
             "profile_grid.prefill_tokens=[0,8,64]", "profile_grid.decode_seqs=[0,2,7]",
             "profile_grid.context_per_decode=[4,64]", "profile_grid.swap_blocks=[1,4]",

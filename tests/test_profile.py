@@ -15,7 +15,7 @@ from engine.model_runner import ModelRunner
 from experiments.calibrate import calibrate, calibrate_to_file, profile_points
 from experiments.profile import gpu_slug, profile
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
-from experiments.profiling.host import host_overheads
+from experiments.profiling.host import decode_periods, host_overheads
 from experiments.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from sim.latency import BatchShape, Hardware, ModelShape, ProfiledModel, RooflineModel
 from sim.latency.prefill_schedule import PrefillSchedule
@@ -29,7 +29,7 @@ TINY_GRID = ["profile_grid.prefill_tokens=[0,8]", "profile_grid.decode_seqs=[0,2
 def tiny_profile(path, extra=()):
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose(config_name="profile", overrides=[
-            "model=tiny-qwen3", "device=cpu", "warmup=0", "repeats=1", "host_repeats=1", "max_model_len=64",
+            "model=tiny-qwen3", "device=cpu", "warmup=0", "repeats=1", "host_repeats=1", "passes=2", "max_model_len=64",
             "max_num_seqs=4", "progress=false", "calibrate=false", f"out={path}", *TINY_GRID, *extra])
     return profile(cfg, "pytest")
 
@@ -125,6 +125,22 @@ def test_host_overhead_is_measured_for_decode_and_prefill_steps():
     assert set(host) == {(0, 8), (64, 8)} and all(abs(h) < 0.5 for h in host.values())
     with pytest.raises(ValueError, match="over the runner's limits"):
         host_overheads(runner, [(96, 1)], warmup=0, repeats=1)
+
+
+def test_decode_periods_hold_the_batch_in_an_engine():
+    """Each shape's steps run exactly D decodes (else RuntimeError); the runner is left idle."""
+    def tiny_runner(blocks):
+        return ModelRunner(load_model_config("tiny-qwen3"), CacheConfig(block_size=16, num_gpu_blocks=blocks,
+                                                                         swap_space=0),
+                           max_num_batched_tokens=96, max_num_seqs=9, max_model_len=128, device="cpu")
+    runner = tiny_runner(64)
+    periods = decode_periods(runner, [(1, 8), (8, 40)], warmup=1, repeats=3)
+    assert set(periods) == {(1, 8), (8, 40)} and all(0 < t < 0.5 for t in periods.values())
+    assert decode_periods(runner, [(8, 40)], warmup=0, repeats=1)  # the engine was left with nothing in flight
+    with pytest.raises(ValueError, match="over the runner's limits"):
+        decode_periods(runner, [(10, 8)], warmup=0, repeats=1)
+    with pytest.raises(RuntimeError, match="expected 8 decodes only"):  # 480 tokens > 24 blocks of 16
+        decode_periods(tiny_runner(24), [(8, 60)], warmup=0, repeats=1)
 
 
 def test_prefill_pair_fit_recovers_the_slope():
@@ -223,6 +239,7 @@ def test_gpu_slug_uses_the_hardware_names():
     (["profile_grid.decode_seqs=[0,4]"], "max_num_seqs - 1 = 3"),
     (["profile_grid.prefill_tokens=[0,40]", "profile_grid.split_prefill_tokens=[40]", "max_num_batched_tokens=40"],
      "max_num_batched_tokens=40"),
+    (["passes=0"], "passes=0 is invalid: must be an integer >= 1"),
 ])
 def test_profiler_rejects_step_shapes_the_engine_never_runs(tmp_path, extra, match):
     """A decode count that leaves no room for the prefill beside it, or prefill + decodes over the

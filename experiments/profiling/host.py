@@ -14,6 +14,13 @@ State of a measured step: D running decodes (all decoding) plus, for P > 0, one 
 P tokens that the step admits (aborted after it, so D stays D).
 
 `time_s = forward_s + host_s` is then the step period the engine loop pays.
+
+`decode_periods` measures decode-only rows directly as that period: an engine holding D running
+sequences at the row's contexts times its own consecutive steps. On an H200 (2026-11-22, 08:09 UTC)
+the composed estimate fell 5-17% short of the decode steps of real engine runs (the fidelity
+scenarios), growing with D: the runner's host work (step plan, input writes, sampling bookkeeping)
+runs slower between scheduler calls than back to back in a tight loop, a cache effect the
+difference of medians above did not capture.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import torch
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
+from experiments.profiling.synthetic import decode_contexts
 from policies import SamplingParams, TraceRecorder
 
 DECODE_PROMPT_LEN = 16
@@ -70,11 +78,7 @@ def host_overheads(runner: ModelRunner, pairs: Iterable[tuple[int, int]], warmup
     rng = random.Random(seed)
     high = min(10000, runner.vocab_size)
     timed = _TimedRunner(runner)
-    args = EngineArgs(model=runner.model_config, device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-                      max_num_batched_tokens=runner.max_num_batched_tokens, max_num_seqs=runner.max_num_seqs,
-                      max_model_len=runner.max_model_len, block_size=runner.block_size,
-                      num_gpu_blocks=runner.num_gpu_blocks, swap_space=0, detokenize=False, seed=seed)  # fmt: skip
-    engine = LLMEngine(args, TraceRecorder(), runner=timed)
+    engine = _engine(timed, runner, seed)
     out: dict[tuple[int, int], float] = {}
     for p, d in pairs:
         if p + d > runner.max_num_batched_tokens or d + (p > 0) > runner.max_num_seqs:
@@ -109,4 +113,58 @@ def host_overheads(runner: ModelRunner, pairs: Iterable[tuple[int, int]], warmup
             engine.abort_request(f"d{i}")
         engine.step()  # hands out the aborted requests' outputs, so the next reset() finds none in flight
         out[(p, d)] = statistics.median(walls) - warm_s
+    return out
+
+
+def _engine(wrapped, runner: ModelRunner, seed: int) -> LLMEngine:
+    """An engine with the runner's limits driving `wrapped` (the runner or a wrapper of it)."""
+    args = EngineArgs(model=runner.model_config, device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+                      max_num_batched_tokens=runner.max_num_batched_tokens, max_num_seqs=runner.max_num_seqs,
+                      max_model_len=runner.max_model_len, block_size=runner.block_size,
+                      num_gpu_blocks=runner.num_gpu_blocks, swap_space=0, detokenize=False, seed=seed)  # fmt: skip
+    return LLMEngine(args, TraceRecorder(), runner=wrapped)
+
+
+def decode_periods(runner: ModelRunner, shapes: Iterable[tuple[int, int]], warmup: int, repeats: int,
+                   seed: int = 0) -> dict[tuple[int, int], float]:
+    """{(D, C): median wall time of `repeats` consecutive engine steps of D decodes whose contexts
+    spread around C as the grid's synthetic steps do}; the prompts are prefilled first (contexts
+    then grow by one token per step, `warmup + repeats` in all). Requests carry an `output_len`, as
+    workload replays do, so the stop-length path runs too."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} is invalid: must be >= 1")
+    rng = random.Random(seed)
+    high = min(10000, runner.vocab_size)
+    engine = _engine(runner, runner, seed)
+    out: dict[tuple[int, int], float] = {}
+    for d, c in shapes:
+        lens = decode_contexts(d, c)
+        if d > runner.max_num_seqs or max(lens) + warmup + repeats > runner.max_model_len:
+            raise ValueError(f"decode period of {d} sequences at {c} tokens is invalid: over the runner's "
+                             f"limits ({runner.max_num_seqs} sequences, max_model_len={runner.max_model_len})")
+        engine.reset(TraceRecorder())
+        for i, n in enumerate(lens):
+            engine.add_request(f"d{i}", [rng.randrange(high) for _ in range(n - 1)], _PARAMS,
+                               output_len=runner.max_model_len)
+        for _ in range(sum(lens) + d):  # prefill in chunks, then the first decode step of all
+            engine.step()
+            last = engine.recorder.steps[-1]
+            if last["num_prefill_tokens"] == 0 and last["num_decode_seqs"] == d:
+                break
+        walls = []
+        for r in range(warmup + repeats):
+            t0 = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - t0
+            last = engine.recorder.steps[-1]
+            if last["num_prefill_tokens"] or last["num_decode_seqs"] != d:
+                raise RuntimeError(f"decode-period step ran {last['num_decode_seqs']} decodes and "
+                                   f"{last['num_prefill_tokens']} prefill tokens, expected {d} decodes only "
+                                   "(KV cache too small for the shape?)")
+            if r >= warmup:
+                walls.append(wall)
+        for i in range(d):
+            engine.abort_request(f"d{i}")
+        engine.step()  # hands out the aborted requests' outputs, so the next reset() finds none in flight
+        out[(d, c)] = statistics.median(walls)
     return out
