@@ -15,7 +15,7 @@ from engine.model_runner import ModelRunner
 from experiments.calibrate import calibrate, calibrate_to_file, profile_points
 from experiments.profile import gpu_slug, profile
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
-from experiments.profiling.host import decode_periods, host_overheads
+from experiments.profiling.host import decode_periods, host_overheads, prompt_lens
 from experiments.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from sim.latency import BatchShape, Hardware, ModelShape, ProfiledModel, RooflineModel
 from sim.latency.prefill_schedule import PrefillSchedule
@@ -125,6 +125,14 @@ def test_host_overhead_is_measured_for_decode_and_prefill_steps():
     assert set(host) == {(0, 8), (64, 8)} and all(abs(h) < 0.5 for h in host.values())
     with pytest.raises(ValueError, match="over the runner's limits"):
         host_overheads(runner, [(96, 1)], warmup=0, repeats=1)
+
+
+def test_prompt_lens_absorb_the_decodes_during_prefill():
+    assert prompt_lens([50, 60, 70], budget=1000) == [49, 59, 69]  # one prefill step: no growth
+    # budget 64: prompt 0 is prefilled in step 0 of 3 and decodes in the 2 others, prompt 1 in step 1 of 3
+    got = prompt_lens([64, 64, 64], budget=64)
+    assert got[-1] == 63 and got[0] < got[1] < got[2] and min(got) >= 1
+    assert prompt_lens([2, 2], budget=1) == [1, 1]  # never below one token
 
 
 def test_decode_periods_hold_the_batch_in_an_engine():

@@ -125,6 +125,30 @@ def _engine(wrapped, runner: ModelRunner, seed: int) -> LLMEngine:
     return LLMEngine(args, TraceRecorder(), runner=wrapped)
 
 
+def prompt_lens(contexts: list[int], budget: int) -> list[int]:
+    """Prompt lengths whose sequences reach `contexts` (new token included) when the last prompt's
+    prefill ends: a prompt prefilled early keeps decoding, one token per step, while the later ones
+    are prefilled in chunks of the remaining token budget (FCFS), so it starts that much shorter.
+    Found by two rounds of a step-by-step replay of that schedule (short prompts grow little)."""
+    prompts = [n - 1 for n in contexts]
+    for _ in range(2):
+        growth, decoding, left, steps = [0] * len(prompts), [], list(prompts), 0
+        i = 0
+        while i < len(prompts):
+            room = max(1, budget - len(decoding))  # the engine keeps max_num_seqs < budget
+            while i < len(prompts) and room > 0:
+                take = min(room, left[i])
+                left[i] -= take
+                room -= take
+                if left[i] == 0:
+                    decoding.append(i)
+                    growth[i] = -steps - 1  # minus the steps before its first sampled token
+                    i += 1
+            steps += 1
+        prompts = [max(1, n - 1 - (steps + g)) for n, g in zip(contexts, growth)]
+    return prompts
+
+
 def decode_periods(runner: ModelRunner, shapes: Iterable[tuple[int, int]], warmup: int, repeats: int,
                    seed: int = 0) -> dict[tuple[int, int], float]:
     """{(D, C): median wall time of `repeats` consecutive engine steps of D decodes whose contexts
@@ -143,8 +167,8 @@ def decode_periods(runner: ModelRunner, shapes: Iterable[tuple[int, int]], warmu
             raise ValueError(f"decode period of {d} sequences at {c} tokens is invalid: over the runner's "
                              f"limits ({runner.max_num_seqs} sequences, max_model_len={runner.max_model_len})")
         engine.reset(TraceRecorder())
-        for i, n in enumerate(lens):
-            engine.add_request(f"d{i}", [rng.randrange(high) for _ in range(n - 1)], _PARAMS,
+        for i, n in enumerate(prompt_lens(lens, runner.max_num_batched_tokens)):
+            engine.add_request(f"d{i}", [rng.randrange(high) for _ in range(n)], _PARAMS,
                                output_len=runner.max_model_len)
         for _ in range(sum(lens) + d):  # prefill in chunks, then the first decode step of all
             engine.step()
