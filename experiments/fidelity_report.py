@@ -215,6 +215,7 @@ def breakdown_markdown(rows: list[dict[str, Any]]) -> str:
                      f"{r['engine_mean_s'] * 1e3:.2f} / {r['sim_mean_s'] * 1e3:.2f} ms | {err} | "
                      f"{r['engine_total_s']:.2f} / {r['sim_total_s']:.2f} s |")
     lines.append("")
-    lines.append("decode: decode-only steps (CUDA graphs); mixed: steps with prefill tokens (eager); swap: steps "
-                 "that move KV blocks. Engine step = time to the next step (wall clock).")
+    lines.append("decode: decode-only steps (CUDA graphs of batch buckets); mixed: steps with prefill tokens (CUDA "
+                 "graphs of token buckets); swap: steps that move KV blocks. Engine step = time to the next step "
+                 "(wall clock).")
     return "\n".join(lines) + "\n"

@@ -254,3 +254,13 @@ def test_profiler_rejects_step_shapes_the_engine_never_runs(tmp_path, extra, mat
     token budget, would be timed eagerly (off the CUDA graphs) and skew the interpolation."""
     with pytest.raises(ValueError, match=match):
         tiny_profile(tmp_path / "p.csv", extra)
+
+
+def test_step_phases_add_up_on_cpu():
+    from experiments.profiling.step_phases import PHASES, run
+    rows = run("tiny-qwen3", decodes=3, context=20, builds=1, windows=2, steps=3, pause_s=0.0, device="cpu")
+    assert [(r["build"], r["window"]) for r in rows] == [(0, 0), (0, 1)]
+    for r in rows:
+        assert all(r[p] > 0 for p in ("plan", "write+launch", "total")) and r["replay_gpu"] == 0.0
+        # medians of parts need not add up exactly, but none exceeds the whole by much
+        assert max(r[p] for p in PHASES[:-1]) <= 2 * r["total"]

@@ -35,9 +35,10 @@ a prefill of its new tokens, unless the profile carries these optional metadata 
   the kernel's time follows how its programs pack onto the SMs, not the pair count: several short
   prompts save less than their pairs say (the H200 offline benchmark's mixed steps, 3-7 prompts,
   came out 7% too fast with the pair correction).
-- `decode_graph_sizes`: the engine's CUDA-graph batch sizes; a decode-only step of D sequences runs
-  the smallest size >= D (padding rows read no KV), so it is priced at that many decodes with the
-  same total context.
+- `decode_graph_sizes` (optional; `experiments.profile` no longer writes it, its decode rows being
+  engine step periods at real batch sizes): the engine's CUDA-graph batch sizes; a decode-only step
+  of D sequences runs the smallest size >= D (padding rows read no KV), so it is priced at that
+  many decodes with the same total context.
 """
 from __future__ import annotations
 
