@@ -5,15 +5,16 @@ roofline model from it (`conf/hardware/<gpu>-calibrated.yaml`, experiments/calib
 
 What is timed: `ModelRunner.execute(out)` on synthetic `SchedulerOutput`s (fake sequences with
 their own KV blocks, experiments/profiling/synthetic.py): host input preparation, the device
-copies, the forward (a captured CUDA graph for decode-only steps, as in the engine), logits and
-sampling, and the sampled tokens' copy back; CUDA-synchronised wall clock, `warmup` untimed runs
-then the median of `repeats`; decode contexts spread around their mean as a real batch's do
-(profiling/synthetic.py). The rest of the engine's CPU cost per step (`LLMEngine.step` around
-`execute`: schedule, update, outputs) is measured on a real engine driving the same runner
-(profiling/host.py: step wall time minus the same step's execute re-run warm, so it also holds
-execute's own slowdown between scheduler calls) and added: `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N blocks each way.
+copies, the forward (a CUDA graph of the step's bucket, as in the engine), logits and sampling, and
+the sampled tokens' copy back; CUDA-synchronised wall clock, `warmup` untimed runs then the median
+of `repeats`, in each of `passes` sweeps over the grid (the sweeps' median: host speed drifts);
+decode contexts spread around their mean as a real batch's do (profiling/synthetic.py). Decode-only
+rows are then the period of a real `LLMEngine` holding that batch (profiling/host.py
+`decode_periods`), `host_s = time_s - forward_s`; rows with prefill add the engine's CPU cost around
+`execute` (schedule, update, outputs: `host_overheads`, step wall time minus the same step's execute
+re-run warm): `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N blocks each way.
 
-    python -m experiments.profile model=qwen3-0.6b            # the GPU profile (~1 min on an H200)
+    python -m experiments.profile model=qwen3-0.6b            # the GPU profile (~4 min on an H200)
     python -m experiments.profile model=tiny-qwen3 profile_grid=tiny device=cpu out=/tmp/p.csv
 """
 from __future__ import annotations
