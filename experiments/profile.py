@@ -133,7 +133,7 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     period_passes: dict[tuple[int, int], list[float]] = {}
     shapes = grid.step_shapes() + [s for s in grid.split_shapes() if s.num_prefill_seqs > 1]
     outs = [synthetic_step(shape, bs, n_gpu, runner.vocab_size, seed=cfg.seed) for shape in shapes]
-    pairs = [(p, d) for p in grid.prefill_tokens for d in grid.decode_seqs if p or d]
+    pairs = [(p, d) for p in grid.prefill_tokens if p for d in grid.decode_seqs]  # decode-only rows: periods
     decodes = [(d, c) for d in grid.decode_seqs if d for c in grid.context_per_decode]
     start = time.perf_counter()
     # Every shape is timed in each of `passes` sweeps over the grid and the sweeps' median kept: the

@@ -31,13 +31,16 @@ class PrefillConfig:
     pack_gqa: bool = True  # put the query heads of one KV head in the same program
 
 
+def _shared_bytes(config: PrefillConfig, head_dim: int, kv_buffers: int) -> int:
+    """Shared memory of one program: the 16-bit query tile and `kv_buffers` K and V tile pairs."""
+    return (config.block_m + kv_buffers * 2 * config.block_n) * block_dim(head_dim) * 2
+
+
 def default_stages(device: torch.device, config: PrefillConfig, head_dim: int) -> int:
     """K/V buffers + 1: as many as fit in one program's shared memory next to the query tile."""
     if device.type != "cuda":
         return 2
-    tile_bytes = 2 * config.block_n * block_dim(head_dim) * 2  # one K and one V tile, 16-bit
-    q_bytes = config.block_m * block_dim(head_dim) * 2
-    return 3 if q_bytes + 2 * tile_bytes + 4096 <= max_shared_memory(device) else 2
+    return 3 if _shared_bytes(config, head_dim, 2) + 4096 <= max_shared_memory(device) else 2
 
 
 def tokens_per_tile(num_heads: int, num_kv_heads: int, config: PrefillConfig | None = None) -> int:
@@ -54,8 +57,7 @@ def program_geometry(num_heads: int, num_kv_heads: int, head_dim: int, device: t
     config = config or PrefillConfig()
     pack = gqa_pack(num_heads // num_kv_heads, config)
     stages = config.num_stages or default_stages(device, config, head_dim)
-    tile_bytes = 2 * config.block_n * block_dim(head_dim) * 2
-    program_bytes = config.block_m * block_dim(head_dim) * 2 + max(1, stages - 1) * tile_bytes
+    program_bytes = _shared_bytes(config, head_dim, max(1, stages - 1))
     per_sm = max(1, max_shared_memory(device) // program_bytes) if device.type == "cuda" else 1
     return config.block_m // pack, config.block_n, num_heads // pack, per_sm * device_sms(device)
 

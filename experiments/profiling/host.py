@@ -109,9 +109,7 @@ def host_overheads(runner: ModelRunner, pairs: Iterable[tuple[int, int]], warmup
             if warmup <= r < warmup + repeats:
                 walls.append(wall)
         timed.reruns, warm_s = 0, timed.warm_s
-        for i in range(d):
-            engine.abort_request(f"d{i}")
-        engine.step()  # hands out the aborted requests' outputs, so the next reset() finds none in flight
+        _abort_decodes(engine, d)
         out[(p, d)] = statistics.median(walls) - warm_s
     return out
 
@@ -125,6 +123,14 @@ def _engine(wrapped, runner: ModelRunner, seed: int) -> LLMEngine:
     return LLMEngine(args, TraceRecorder(), runner=wrapped)
 
 
+def _abort_decodes(engine: LLMEngine, num: int) -> None:
+    """Abort requests d0..d{num-1}, then step once: that hands out their outputs, so the next
+    reset() finds none in flight."""
+    for i in range(num):
+        engine.abort_request(f"d{i}")
+    engine.step()
+
+
 def prompt_lens(contexts: list[int], budget: int) -> list[int]:
     """Prompt lengths whose sequences reach `contexts` (new token included) when the last prompt's
     prefill ends: a prompt prefilled early keeps decoding, one token per step, while the later ones
@@ -132,20 +138,18 @@ def prompt_lens(contexts: list[int], budget: int) -> list[int]:
     Found by two rounds of a step-by-step replay of that schedule (short prompts grow little)."""
     prompts = [n - 1 for n in contexts]
     for _ in range(2):
-        growth, decoding, left, steps = [0] * len(prompts), [], list(prompts), 0
-        i = 0
-        while i < len(prompts):
-            room = max(1, budget - len(decoding))  # the engine keeps max_num_seqs < budget
-            while i < len(prompts) and room > 0:
+        done_at, left, step = [], list(prompts), 0  # done_at[i]: the step that samples i's first token
+        while len(done_at) < len(prompts):
+            room = max(1, budget - len(done_at))  # decodes come first (the engine keeps max_num_seqs < budget)
+            while len(done_at) < len(prompts) and room > 0:
+                i = len(done_at)
                 take = min(room, left[i])
                 left[i] -= take
                 room -= take
                 if left[i] == 0:
-                    decoding.append(i)
-                    growth[i] = -steps - 1  # minus the steps before its first sampled token
-                    i += 1
-            steps += 1
-        prompts = [max(1, n - 1 - (steps + g)) for n, g in zip(contexts, growth)]
+                    done_at.append(step)
+            step += 1
+        prompts = [max(1, n - 1 - (step - 1 - d)) for n, d in zip(contexts, done_at)]
     return prompts
 
 
@@ -187,8 +191,6 @@ def decode_periods(runner: ModelRunner, shapes: Iterable[tuple[int, int]], warmu
                                    "(KV cache too small for the shape?)")
             if r >= warmup:
                 walls.append(wall)
-        for i in range(d):
-            engine.abort_request(f"d{i}")
-        engine.step()  # hands out the aborted requests' outputs, so the next reset() finds none in flight
+        _abort_decodes(engine, d)
         out[(d, c)] = statistics.median(walls)
     return out
