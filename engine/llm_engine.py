@@ -12,6 +12,7 @@ few ms): text is decoded only at the end of a request, except for requests with 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,10 @@ class LLMEngine:
         self._num_logprob_requests = 0
         self._output_lens: dict[str, int] = {}  # request id -> forced output length (trace replay)
         self.reset(recorder, build_scheduler)
+        # As vLLM does after start-up: the model, tokenizer and graphs' objects move to the permanent
+        # generation, so the cyclic collector's full passes during serving no longer walk them.
+        gc.collect()
+        gc.freeze()
 
     def reset(self, recorder: TraceRecorder | None = None,
               build_scheduler: SchedulerBuilder | None = None) -> None:

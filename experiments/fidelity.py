@@ -12,8 +12,9 @@ Writes into --out (default experiments/results/fidelity): `fidelity.md` (device,
 error table, policy-ranking table), `fidelity.csv`, `ranking.csv`, `meta.json` and one PNG per
 scenario (CDFs, KV usage); full traces go to --runs (default outputs/fidelity/<date>/<time>).
 `--engine-runs DIR` reuses the engine traces of an earlier --runs dir (the simulator runs again).
-`--engine-repeats N` runs each scenario N times on the engine (same requests): the simulator is
-compared with the runs' mean and the table shows their spread, the engine's own run-to-run noise.
+`--engine-repeats N` runs each scenario N times on the engine (same requests), in N rounds over all
+scenarios so that a scenario's repeats are minutes apart: the simulator is compared with the runs'
+mean and the table shows their spread, the engine's own run-to-run noise.
 
     python -m experiments.fidelity                      # on the GPU, after experiments.profile
     python -m experiments.fidelity --engine-runs outputs/fidelity/2026-11-22/10-00-00
@@ -38,18 +39,17 @@ from experiments.ab import paired_table, run_table
 from experiments.cli import run_cli
 from experiments.fidelity_plots import save_scenario_figure
 from experiments.fidelity_report import (
-    breakdown_markdown,
-    error_markdown,
     error_rows,
     error_table,
     metric_values,
-    ranking_markdown,
     ranking_row,
     relative_error,
+    report_markdown,
     step_breakdown_rows,
     target_summary,
 )
 from experiments.paths import REPO_ROOT, resolve_path
+from experiments.profiling.host import cpu_probe_us
 from experiments.run import run
 from experiments.traces import load_run
 
@@ -107,6 +107,8 @@ class Fidelity:
         self.capacity_tok_s: float | None = None
         self.results: dict[str, dict[str, Any]] = {}  # scenario -> {engine/sim: (summary, requests, steps)}
         self.settings: dict[str, dict[str, Any]] = {}
+        self._prepared: dict[str, tuple[list[str], Any]] = {}
+        self._engine: dict[str, list[tuple[dict, pd.DataFrame, pd.DataFrame]]] = {}  # scenario -> engine runs
 
     def profile_path(self) -> str:
         if self.profile:
@@ -137,26 +139,43 @@ class Fidelity:
             self.settings.setdefault(name, {})["rate"] = float(f"{rate:.6g}")
         return overrides
 
-    def engine_run(self, name: str, overrides: list[str], workload) -> list[tuple[dict, pd.DataFrame, pd.DataFrame]]:
-        """The scenario's engine runs, `engine_repeats` of the same requests (or the reused ones, as
-        many as were stored): [(summary, requests, steps)], the first in `engine/`, then `engine_r2/`..."""
+    def prepared(self, name: str) -> tuple[list[str], Any]:
+        """The scenario's overrides and request stream, made once (a load scenario's rate needs the
+        capacity scenario's first engine run)."""
+        if name not in self._prepared:
+            overrides = self.scenario_overrides(name)
+            self._prepared[name] = (overrides, factory.workload(compose_cfg([*overrides, *self.spec["engine"]])))
+        return self._prepared[name]
+
+    def run_engines(self, names: list[str]) -> None:
+        """The engine runs of `names` (the capacity scenario first), in `engine_repeats` rounds: round
+        i runs every scenario once, so one scenario's repeats lie minutes apart and sample the host
+        CPU's speed drift (up to 2.5x on the device VMs) instead of one window of it. Each run stores
+        its trace (`engine/`, then `engine_r2/`...) and the host gauge before it (`cpu_probe_us`)."""
         if self.engine_runs is not None:
-            dirs = sorted(self.engine_runs.glob(f"{name}/engine_r*"), key=lambda d: int(d.name.removeprefix("engine_r")))
-            return [(r.summary, r.requests, r.steps) for r in map(load_run, [self.engine_runs / name / "engine", *dirs])]
-        runs = []
+            for name in names:
+                stored = self.engine_runs / name
+                dirs = sorted(stored.glob("engine_r*"), key=lambda d: int(d.name.removeprefix("engine_r")))
+                self._engine[name] = [(r.summary, r.requests, r.steps) for r in map(load_run, [stored / "engine", *dirs])]
+            return
         for i in range(self.engine_repeats):
-            out = self.runs_dir / name / ("engine" if i == 0 else f"engine_r{i + 1}")
-            label = f"{name} engine" + ("" if i == 0 else f" (repeat {i + 1})")
-            run(compose_cfg([*overrides, *self.spec["engine"]]), out, label, workload.fresh())
-            _free_device()
-            r = load_run(out)
-            runs.append((r.summary, r.requests, r.steps))
-        return runs
+            for name in names:
+                overrides, workload = self.prepared(name)
+                out = self.runs_dir / name / ("engine" if i == 0 else f"engine_r{i + 1}")
+                label = f"{name} engine" + ("" if i == 0 else f" (round {i + 1})")
+                probe = cpu_probe_us()
+                run(compose_cfg([*overrides, *self.spec["engine"]]), out, label, workload.fresh())
+                _free_device()
+                r = load_run(out)
+                self._engine.setdefault(name, []).append((r.summary, r.requests, r.steps))
+                self.settings.setdefault(name, {}).setdefault("host_probe_us", []).append(round(probe, 1))
+                if i == 0 and name == self.spec.get("capacity"):
+                    self.capacity_tok_s = float(r.summary["output_throughput"])
 
     def run_scenario(self, name: str, with_sim: bool = True) -> None:
-        overrides = self.scenario_overrides(name)
-        workload = factory.workload(compose_cfg([*overrides, *self.spec["engine"]]))
-        engine_runs = self.engine_run(name, overrides, workload)
+        """The scenario's simulator run against its engine runs (`run_engines` first)."""
+        overrides, workload = self.prepared(name)
+        engine_runs = self._engine[name]
         engine = engine_runs[0]  # the first run: per-request tables (ranking), steps, plots
         info = engine[0].get("run", {})
         stalls = engine[2]["duration"][engine[2]["duration"] > STALL_S]
@@ -225,21 +244,7 @@ class Fidelity:
                                  {b: (res[b][1], res[b][2]) for b in ("engine", "sim")}, errs)
         meta = {**meta, "scenarios": self.settings, "targets": target_summary(table)}
         (out_dir / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-        settings = "\n".join(f"- `{n}`: {' '.join(s.get('overrides', []))}"
-                             + (f" (rate {s['rate']} req/s)" if "rate" in s else "")
-                             + f"; {s.get('num_requests')} requests, {s.get('num_gpu_blocks')} GPU blocks"
-                             + (f"; engine stalls: {s['engine_stall_steps']} steps > {STALL_S}s, "
-                                f"{s['engine_stall_s']:.2f}s" if s.get("engine_stall_steps") else "")
-                             for n, s in self.settings.items())
-        text = (f"# Simulator fidelity: engine vs sim (profiled latency)\n\n"
-                f"- device: {meta['device']}\n- date: {meta['date']}\n- command: `{meta['command']}`\n"
-                + (f"- engine runs: `{meta['engine_command']}`\n" if meta.get("engine_command") else "") +
-                f"- profile: `{meta['profile']}`\n- versions: {meta['versions']}\n\n"
-                f"## Errors\n\n{error_markdown(table)}\n{meta['targets']}.\n\n"
-                f"## Policy ranking (A/B on the engine vs in the simulator)\n\n{ranking_markdown(ranking)}\n"
-                f"## Where the time goes (per step kind)\n\n{breakdown_markdown(breakdown)}\n"
-                f"## Scenarios\n\n{settings}\n\nPlots: `<scenario>.png` (CDFs of TTFT, TPOT, E2E; KV usage "
-                f"over time). Traces: `{meta['runs_dir']}`.\n")
+        text = report_markdown(meta, table, ranking, breakdown, self.settings, STALL_S)
         (out_dir / "fidelity.md").write_text(text)
         return text
 
@@ -290,6 +295,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
         fid.profile_path()  # fail before any run if the profile is missing
     fid.warmup()
     runs_dir.mkdir(parents=True, exist_ok=True)
+    fid.run_engines(names)
     for name in names:
         fid.run_scenario(name, with_sim=not args.engine_only)
         (runs_dir / "meta.json").write_text(json.dumps({**meta, "scenarios": fid.settings}, indent=2) + "\n")

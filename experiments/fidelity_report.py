@@ -219,3 +219,29 @@ def breakdown_markdown(rows: list[dict[str, Any]]) -> str:
                  "graphs of token buckets); swap: steps that move KV blocks. Engine step = time to the next step "
                  "(wall clock).")
     return "\n".join(lines) + "\n"
+
+
+def report_markdown(meta: Mapping[str, Any], table: pd.DataFrame, ranking: list[dict[str, Any]],
+                    breakdown: list[dict[str, Any]], settings: Mapping[str, Mapping[str, Any]], stall_s: float) -> str:
+    """fidelity.md: run facts, the error table, the ranking table, the per-step-kind breakdown and
+    the scenarios' settings (with the host CPU gauge before each engine run, where recorded)."""
+    lines = []
+    for name, s in settings.items():
+        line = f"- `{name}`: {' '.join(s.get('overrides', []))}"
+        line += f" (rate {s['rate']} req/s)" if "rate" in s else ""
+        line += f"; {s.get('num_requests')} requests, {s.get('num_gpu_blocks')} GPU blocks"
+        if s.get("engine_stall_steps"):
+            line += f"; engine stalls: {s['engine_stall_steps']} steps > {stall_s}s, {s['engine_stall_s']:.2f}s"
+        if s.get("host_probe_us"):
+            line += f"; host CPU gauge before each engine run: {' / '.join(f'{x:.0f}' for x in s['host_probe_us'])} us"
+        lines.append(line)
+    return (f"# Simulator fidelity: engine vs sim (profiled latency)\n\n"
+            f"- device: {meta['device']}\n- date: {meta['date']}\n- command: `{meta['command']}`\n"
+            + (f"- engine runs: `{meta['engine_command']}`\n" if meta.get("engine_command") else "") +
+            f"- profile: `{meta['profile']}`\n- versions: {meta['versions']}\n\n"
+            f"## Errors\n\n{error_markdown(table)}\n{meta['targets']}.\n\n"
+            f"## Policy ranking (A/B on the engine vs in the simulator)\n\n{ranking_markdown(ranking)}\n"
+            f"## Where the time goes (per step kind)\n\n{breakdown_markdown(breakdown)}\n"
+            f"## Scenarios\n\n" + "\n".join(lines) + "\n\nPlots: `<scenario>.png` (CDFs of TTFT, TPOT, E2E; KV "
+            f"usage over time; `cpu_probe_us` in experiments/profiling/host.py is the host CPU gauge). "
+            f"Traces: `{meta['runs_dir']}`.\n")

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from experiments.cli import run_cli
 from experiments.paths import REPO_ROOT
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
-from experiments.profiling.host import decode_periods, host_overheads
+from experiments.profiling.host import cpu_probe_us, decode_periods, host_overheads
 from experiments.profiling.synthetic import blocks_needed, decode_contexts, swap_mapping, synthetic_step
 from sim.latency.prefill_schedule import PrefillSchedule
 
@@ -124,8 +124,9 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
                        decode_kernel=cfg.decode_kernel)
 
 
-def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], list[tuple[int, int, int, float]]]:
-    """Step rows (forward_s + host_s), swap rows, and the split rows (tokens, sequences, pairs, seconds)."""
+def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], list[tuple[int, int, int, float]], list[float]]:
+    """Step rows (forward_s + host_s), swap rows, the split rows (tokens, sequences, pairs, seconds),
+    and the host CPU gauge (`cpu_probe_us`) before each pass and after the last."""
     median_time = _timer(runner.device)
     bs, n_gpu = runner.block_size, runner.num_gpu_blocks
     passes: dict[tuple[int, int, int, int], list[float]] = {}
@@ -139,7 +140,9 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     # Every shape is timed in each of `passes` sweeps over the grid and the sweeps' median kept: the
     # host share of a small step moves with the host CPU's speed, which on a shared VM drifts over
     # seconds (README "Simulator fidelity"), so one burst per shape would sample one moment.
+    probes = []
     for sweep in range(cfg.passes):
+        probes.append(cpu_probe_us())
         done_p = None
         for shape, out in tqdm(list(zip(shapes, outs)), desc=f"steps {sweep + 1}/{cfg.passes}", unit="shape",
                                disable=not cfg.progress, dynamic_ncols=True):
@@ -154,6 +157,7 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
             host_passes.setdefault(pair, []).append(h)
         for shape, t in decode_periods(runner, decodes, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
             period_passes.setdefault(shape, []).append(t)
+    probes.append(cpu_probe_us())
     print(f"[profile] {len(shapes)} step shapes x {cfg.passes} passes in {time.perf_counter() - start:.1f}s",
           flush=True)
     forward = {k: statistics.median(v) for k, v in passes.items()}
@@ -183,7 +187,7 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
         back = {c: g for g, c in mapping.items()}
         for fn in (functools.partial(kv.apply, mapping, {}, []), functools.partial(kv.apply, {}, back, [])):
             rows.append({"kind": "swap", "num_blocks": n, "time_s": median_time(fn, cfg.warmup, cfg.repeats)})
-    return rows, split
+    return rows, split, probes
 
 
 def prefill_schedule(runner) -> PrefillSchedule:
@@ -205,7 +209,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     setup_s = time.perf_counter() - start
     print(f"[profile] runner ready in {setup_s:.1f}s: {runner.num_gpu_blocks} KV blocks on {runner.device}, "
           f"{len(grid.step_shapes())} step shapes to time", flush=True)
-    rows, split = measure(cfg, runner, grid)
+    rows, split, probes = measure(cfg, runner, grid)
     pair_s, slope, se = fit_prefill_pair_s([(p, pairs, t) for p, _, pairs, t in split])
     schedule = prefill_schedule(runner)
     tile_s, tile_slope, tile_se = fit_prefill_tile_s([(p, k, t) for p, k, _, t in split], schedule)
@@ -235,6 +239,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "prefill_tile_fit": (f"slope {tile_slope:.3e} s/key tile, standard error {tile_se:.1e}: "
                              f"{'used' if tile_s else 'not significant, 0 used'}"),
         "prefill_split_rows": "tokens x seqs: s " + " ".join(f"{p}x{k}:{t:.6f}" for p, k, _, t in split),
+        "host_probe_us": " ".join(f"{x:.0f}" for x in probes) + " (cpu_probe_us before each pass and after the last)",
     }
     # No `decode_graph_sizes`: the decode rows are engine step periods at D real sequences (host work
     # per sequence included), and between two rows the padded graph's GPU time is nearly flat at

@@ -141,7 +141,7 @@ def test_ranking_verdicts():
 
 
 @pytest.mark.slow
-def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request):
+def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
     """Profiler on a tiny grid (CPU), then every scenario of conf/fidelity/tiny.yaml through the
     CPU engine and the simulator reading that profile; checks the outputs, not the (CPU-noise) errors."""
     from hydra import compose, initialize_config_module
@@ -176,6 +176,7 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["device"] == "cpu" and "--spec" in meta["command"]
     assert "| offline |" in (out / "fidelity.md").read_text()
+    assert "host CPU gauge before each engine run" in (out / "fidelity.md").read_text()
     assert len(fid.ranking()) == 2
     # The simulator side alone, reusing the engine traces (two stored repeats: identical copies, so
     # no spread): identical engine numbers.
@@ -185,11 +186,19 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request):
     assert again.results["offline"]["engine"][0]["duration_s"] == fid.results["offline"]["engine"][0]["duration_s"]
     assert len(again.results["offline"]["engine_summaries"]) == 2
     assert (again.error_table()["engine_spread"] == 0.0).all()
-    # The GPU stage alone: engine traces and meta.json, no simulator run, no report.
+    # The GPU stage alone: engine traces and meta.json, no simulator run, no report; the repeats run
+    # in rounds over the scenarios (capacity scenario first in each), each after a host CPU gauge.
+    import experiments.fidelity as fidelity_module
+    labels, real_run = [], fidelity_module.run
+    monkeypatch.setattr(fidelity_module, "run", lambda cfg, out, label, *a: labels.append(label) or real_run(cfg, out, label, *a))
     engine_only = tmp_path / "engine_only"
-    _main(["--spec", str(spec), "--runs", str(engine_only), "--engine-only", "--scenarios", "offline",
+    _main(["--spec", str(spec), "--runs", str(engine_only), "--engine-only", "--scenarios", "poisson,offline",
            "--engine-repeats", "2"])
-    assert (engine_only / "offline" / "engine" / "requests.parquet").is_file()
-    assert (engine_only / "offline" / "engine_r2" / "requests.parquet").is_file()
-    assert not (engine_only / "offline" / "sim").exists()
-    assert json.loads((engine_only / "meta.json").read_text())["scenarios"]["offline"]["num_requests"] == 6
+    assert labels == ["offline engine", "poisson engine", "offline engine (round 2)", "poisson engine (round 2)"]
+    for name in ("offline", "poisson"):
+        assert (engine_only / name / "engine" / "requests.parquet").is_file()
+        assert (engine_only / name / "engine_r2" / "requests.parquet").is_file()
+        assert not (engine_only / name / "sim").exists()
+    settings = json.loads((engine_only / "meta.json").read_text())["scenarios"]
+    assert settings["offline"]["num_requests"] == 6 and settings["poisson"]["rate"] > 0
+    assert len(settings["poisson"]["host_probe_us"]) == 2 and min(settings["poisson"]["host_probe_us"]) > 0

@@ -38,6 +38,20 @@ from experiments.profiling.synthetic import decode_contexts
 from policies import SamplingParams, TraceRecorder
 
 DECODE_PROMPT_LEN = 16
+_PROBE_ITEMS = list(range(4000, 0, -1))
+
+
+def cpu_probe_us(repeats: int = 15) -> float:
+    """Median microseconds of a fixed pure-Python workload (dict and list work of the kind the
+    scheduler does): a gauge of the host CPU's current speed, logged next to timings because the
+    device VMs' vCPUs drift by up to 2.5x within a call (README "Simulator fidelity")."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        index = {v: i for i, v in enumerate(_PROBE_ITEMS)}
+        sorted(_PROBE_ITEMS, key=index.__getitem__)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
 _PARAMS = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
 
 
