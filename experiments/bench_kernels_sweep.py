@@ -1,4 +1,9 @@
-"""Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head | --waves] [--out DIR]`.
+"""Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head | --waves |
+--tiles | --streams] [--out DIR]`.
+
+`--streams` (round 8): the per-head kernel on three cache storage layouts (block-major NHD, 4 KB
+HND pages, head-major) with random and sequential block tables.  Head-major storage with
+sequential tables makes each program's K and V one contiguous run, the exact stream SDPA reads.
 
 `--waves` (round 7): batches whose 8 KV heads make whole or partial per-SM program counts (33, 64,
 66, 128, 132 sequences x 4k; 132 SMs): does the per-head kernel's deficit against SDPA come from
@@ -33,7 +38,7 @@ from experiments.bench_timing import copies_for, copy_gbps, graph_ms
 from kernels import decode_packed
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig as P
-from kernels.inputs import random_paged_problem
+from kernels.inputs import kv_cache_storage, random_paged_problem
 
 HQ, HKV, D, BS = 16, 8, 128, 16
 CANDIDATES = [
@@ -176,12 +181,53 @@ def tiles_round(save, copy_bw: float) -> None:
     save(uniform(64, 32768, copy_bw, TILE_GRID))
 
 
+STREAM_LAYOUTS = ("nhd", "hnd", "headmajor")
+
+
+def cache_layout(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """`cache` (logical [num_blocks, block_size, Hkv, D]) over storage "nhd" (as indexed), "hnd" (each
+    block's heads outermost: 4 KB pages) or "headmajor" ([Hkv, num_blocks, block_size, D]: with
+    sequential block tables one program's K or V is one contiguous run, SDPA's own stream)."""
+    if layout == "headmajor":
+        return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    return kv_cache_storage(cache, layout)
+
+
+def streams_round(save, copy_bw: float) -> None:
+    """Round 8: the per-head kernel at B64x4k on each storage layout with random and sequential
+    block tables.  headmajor + sequential reads exactly the bytes SDPA reads, in the same order per
+    (sequence, head): if it still trails SDPA, no cache layout closes the gap and the kernel's
+    instruction stream is the limit."""
+    batch, ctx = 64, 4096
+    kv = 2 * batch * ctx * HKV * D * 2
+    nbytes = kv + 2 * batch * HQ * D * 2
+    sets = [decode_problem(batch, ctx, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv))]
+    configs = [replace(c, num_splits=1) for c in PER_HEAD]
+    save(time_point("B64xL4096-nhd", sets, nbytes, copy_bw, configs))
+    expected = F.scaled_dot_product_attention(sets[0][0].q.unsqueeze(2), sets[0][1], sets[0][2],
+                                              scale=sets[0][0].scale, enable_gqa=True).squeeze(2)
+    tables = [s[0].block_tables for s in sets]
+    for layout in STREAM_LAYOUTS:
+        for s in sets:
+            s[0].k_cache, s[0].v_cache = cache_layout(s[0].k_cache, layout), cache_layout(s[0].v_cache, layout)
+            torch.cuda.empty_cache()
+        if layout != "nhd":
+            save(time_point(f"B64xL4096-{layout}", sets, nbytes, copy_bw, configs, sdpa=False, expected=expected))
+        for s in sets:
+            sequential_tables(s[0])
+        save(time_point(f"B64xL4096-{layout}-seqtab", sets, nbytes, copy_bw, configs, sdpa=False))
+        for s, t in zip(sets, tables):
+            s[0].block_tables = t
+    save(time_point("B64xL4096-end", sets, nbytes, copy_bw, []))  # SDPA again: drift over the round
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
     parser.add_argument("--per-head", action="store_true", help="round 6: the per-head kernel's grid")
     parser.add_argument("--waves", action="store_true", help="round 7: batches of whole and partial waves")
     parser.add_argument("--tiles", action="store_true", help="round 7b: 128-key tiles, 2-warp programs")
+    parser.add_argument("--streams", action="store_true", help="round 8: storage layouts x block-table order")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
@@ -207,6 +253,9 @@ def main() -> None:
         return
     if args.tiles:
         tiles_round(save, copy_bw)
+        return
+    if args.streams:
+        streams_round(save, copy_bw)
         return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),
