@@ -7,15 +7,16 @@ and add `conf/policy/<name>.yaml`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from policies.sequence import Sequence
 
 PREEMPTION_MODES = ("recompute", "swap")
-_REGISTRY: dict[str, type["Policy"]] = {}
+_REGISTRY: dict[str, type[Policy]] = {}
 
 
-def register_policy(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
+def register_policy(name: str) -> Callable[[type[Policy]], type[Policy]]:
     def wrap(cls: type[Policy]) -> type[Policy]:
         _REGISTRY[name] = cls
         cls.name = name
@@ -27,7 +28,7 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_policy(name: str, **kwargs: Any) -> "Policy":
+def make_policy(name: str, **kwargs: Any) -> Policy:
     if name not in _REGISTRY:
         raise ValueError(f"policy={name!r} is unknown: choose one of {available_policies()}")
     return _REGISTRY[name](**kwargs)
