@@ -39,6 +39,7 @@ from experiments.ab import paired_table, run_table
 from experiments.cli import run_cli
 from experiments.fidelity_plots import save_scenario_figure
 from experiments.fidelity_report import (
+    combine_rounds,
     error_rows,
     error_table,
     metric_values,
@@ -153,7 +154,11 @@ class Fidelity:
         CPU's speed drift (up to 2.5x on the device VMs) instead of one window of it. Each run stores
         its trace (`engine/`, then `engine_r2/`...) and the host gauge before it (`cpu_probe_us`)."""
         if self.engine_runs is not None:
+            stored_meta = self.engine_runs / "meta.json"
+            probes = json.loads(stored_meta.read_text()).get("scenarios", {}) if stored_meta.is_file() else {}
             for name in names:
+                if probes.get(name, {}).get("host_probe_us"):
+                    self.settings.setdefault(name, {})["host_probe_us"] = probes[name]["host_probe_us"]
                 stored = self.engine_runs / name
                 dirs = sorted(stored.glob("engine_r*"), key=lambda d: int(d.name.removeprefix("engine_r")))
                 self._engine[name] = [(r.summary, r.requests, r.steps) for r in map(load_run, [stored / "engine", *dirs])]
@@ -199,7 +204,7 @@ class Fidelity:
         out = self.runs_dir / name / "sim"
         summary = run(cfg_s, out, f"{name} sim", workload.fresh())
         r = load_run(out)
-        self.results[name] = {"engine": engine, "sim": (summary, r.requests, r.steps),
+        self.results[name] = {"engine": engine, "sim": (summary, r.requests, r.steps), "engine_runs": engine_runs,
                               "engine_summaries": [run_[0] for run_ in engine_runs]}
         print(f"{line}, sim {summary['duration_s']:.2f}s ({summary['output_throughput']:.0f} tok/s)", flush=True)
 
@@ -210,21 +215,23 @@ class Fidelity:
         return error_table(rows)
 
     def ranking(self) -> list[dict[str, Any]]:
+        """The spec's A/B rows. The engine's difference is taken per round (A and B of one round ran
+        minutes apart at most, under one host speed) and combined by `combine_rounds`."""
         rows = []
         for ab in self.spec.get("ab", []):
             if ab["a"] not in self.results or ab["b"] not in self.results:
                 continue
-            tables = {}
-            for backend in ("engine", "sim"):
-                (sa, ra, _), (sb, rb, _) = self.results[ab["a"]][backend], self.results[ab["b"]][backend]
-                tables[backend] = pd.concat([paired_table(ra, rb), run_table(sa, sb)], ignore_index=True)
+            res_a, res_b = self.results[ab["a"]], self.results[ab["b"]]
+            pairs = {"engine": list(zip(res_a["engine_runs"], res_b["engine_runs"])), "sim": [(res_a["sim"], res_b["sim"])]}
+            tables = {backend: [pd.concat([paired_table(ra, rb), run_table(sa, sb)], ignore_index=True)
+                                for (sa, ra, _), (sb, rb, _) in runs] for backend, runs in pairs.items()}
             for spec in ab["metrics"]:
                 metric, stat, scope = spec.split()
                 picked = {}
-                for backend, t in tables.items():
-                    sel = t[(t["metric"] == metric) & (t["stat"] == stat) & (t["scope"] == scope)]
-                    if len(sel):
-                        picked[backend] = sel.iloc[0].to_dict()
+                for backend, per_round in tables.items():
+                    sel = [t[(t["metric"] == metric) & (t["stat"] == stat) & (t["scope"] == scope)] for t in per_round]
+                    if all(len(x) for x in sel):
+                        picked[backend] = combine_rounds([x.iloc[0].to_dict() for x in sel])
                 if len(picked) == 2:
                     rows.append(ranking_row(ab["name"], f"{metric} {stat} ({scope})", picked["engine"], picked["sim"]))
         return rows

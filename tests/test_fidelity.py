@@ -11,6 +11,7 @@ import yaml
 
 from experiments.fidelity_report import (
     breakdown_markdown,
+    combine_rounds,
     error_markdown,
     error_rows,
     error_table,
@@ -138,6 +139,26 @@ def test_ranking_verdicts():
     assert not wrong["sign_predicted"] and not wrong["engine_significant"]
     md = ranking_markdown([good, off, wrong])
     assert md.count("| x |") == 3 and "NO" in md and "(n.s.)" in md
+
+
+def test_repeated_rounds_decide_whether_an_engine_difference_is_significant():
+    """Per-round A/B differences: means are reported; a difference is significant only when every
+    round's interval excludes 0 and the rounds agree in sign (host drift can flip a small one)."""
+    ab = lambda a, b, lo, hi: {"a": a, "b": b, "diff": b - a, "ci_low": lo, "ci_high": hi}
+    flip = combine_rounds([ab(1.0, 1.03, 0.01, 0.05), ab(1.1, 1.08, -0.04, -0.01)])
+    assert flip["a"] == pytest.approx(1.05) and flip["b"] == pytest.approx(1.055) and flip["diff"] == pytest.approx(0.005)
+    assert flip["significant"] is False and flip["rounds"] == 2
+    steady = combine_rounds([ab(1.0, 0.5, -0.6, -0.4), ab(1.2, 0.6, -0.7, -0.5)])
+    assert steady["significant"] is True and steady["ci_low"] == -0.7 and steady["ci_high"] == -0.4
+    wide = combine_rounds([ab(1.0, 0.9, -0.2, 0.05), ab(1.0, 0.8, -0.3, -0.1)])
+    assert wide["significant"] is False  # one round's interval includes 0
+    assert combine_rounds([ab(1.0, 0.5, -0.6, -0.4)]) == ab(1.0, 0.5, -0.6, -0.4)
+    sim = ab(1.0, 1.01, math.nan, math.nan)
+    rows = [ranking_row("x", "e2e mean (all)", flip, sim), ranking_row("x", "ttft mean (all)", steady, ab(1.0, 0.55, 0, 0))]
+    assert not rows[0]["engine_significant"] and rows[1]["engine_significant"]
+    md = ranking_markdown(rows)
+    assert "(n.s.)" in md and "Sign predicted for 2/2 differences and size for 1/2" in md
+    assert "of the 1 the engine shows significantly: sign 1/1, size 1/1" in md
 
 
 @pytest.mark.slow
