@@ -139,18 +139,21 @@ def _excludes_zero(ab: Mapping[str, float]) -> bool:
 
 def combine_rounds(rounds: Sequence[Mapping[str, float]]) -> dict[str, Any]:
     """One A/B metric ({a, b, diff, ci_low, ci_high}) measured in several rounds, round i's A and B run
-    back to back: the means of a, b and diff, significant only if every round's interval excludes 0
-    and all rounds' differences share a sign. The per-request bootstrap of one round cannot see the
-    host CPU's speed drift between runs (on the H200 VMs a 1-3% difference flipped sign between
-    rounds with each round's interval excluding 0); the rounds can."""
+    back to back: the means of a, b and diff. Significant only if every round's interval excludes 0,
+    all rounds' differences share a sign, and the mean difference exceeds half the range of A's and
+    of B's values over the rounds (the engine's own run-to-run noise). The per-request bootstrap of
+    one round cannot see the host CPU's speed drift between runs: on the H200 VMs a 1-3% difference
+    flipped sign between rounds with each round's interval excluding 0."""
     if len(rounds) == 1:
         return dict(rounds[0])
-    diffs = [r["diff"] for r in rounds]
+    a, b, diffs = ([r[k] for r in rounds] for k in ("a", "b", "diff"))
+    diff = float(np.mean(diffs))
     agree = len({bool(np.sign(d) > 0) for d in diffs}) == 1 and all(diffs)
-    return {"a": float(np.mean([r["a"] for r in rounds])), "b": float(np.mean([r["b"] for r in rounds])),
-            "diff": float(np.mean(diffs)), "ci_low": min(r.get("ci_low", math.nan) for r in rounds),
+    noise = max(max(a) - min(a), max(b) - min(b)) / 2
+    return {"a": float(np.mean(a)), "b": float(np.mean(b)), "diff": diff,
+            "ci_low": min(r.get("ci_low", math.nan) for r in rounds),
             "ci_high": max(r.get("ci_high", math.nan) for r in rounds), "rounds": len(rounds),
-            "significant": agree and all(map(_excludes_zero, rounds))}
+            "significant": agree and abs(diff) > noise and all(map(_excludes_zero, rounds))}
 
 
 def ranking_row(name: str, metric: str, engine_ab: Mapping[str, float], sim_ab: Mapping[str, float]) -> dict[str, Any]:
@@ -185,7 +188,8 @@ def ranking_markdown(rows: list[dict[str, Any]]) -> str:
     lines.append(f"sign: the simulator's B - A has the engine's sign; size: simulator difference / engine "
                  f"difference, ok within +-{SIZE_TOLERANCE:.0%}; (n.s.): the engine's 95% paired-bootstrap "
                  "interval includes 0 or, with repeated engine runs (the mean of the rounds' differences is "
-                 "shown), the rounds disagree in sign or one round's interval includes 0.")
+                 "shown), the rounds disagree in sign, one round's interval includes 0, or the difference is within "
+                 "half the range of either arm's values over the rounds.")
     lines.append("")
     lines.append(ranking_summary(rows) + ".")
     return "\n".join(lines) + "\n"

@@ -143,7 +143,8 @@ def test_ranking_verdicts():
 
 def test_repeated_rounds_decide_whether_an_engine_difference_is_significant():
     """Per-round A/B differences: means are reported; a difference is significant only when every
-    round's interval excludes 0 and the rounds agree in sign (host drift can flip a small one)."""
+    round's interval excludes 0, the rounds agree in sign (host drift can flip a small one) and it
+    exceeds the arms' own run-to-run noise."""
     ab = lambda a, b, lo, hi: {"a": a, "b": b, "diff": b - a, "ci_low": lo, "ci_high": hi}
     flip = combine_rounds([ab(1.0, 1.03, 0.01, 0.05), ab(1.1, 1.08, -0.04, -0.01)])
     assert flip["a"] == pytest.approx(1.05) and flip["b"] == pytest.approx(1.055) and flip["diff"] == pytest.approx(0.005)
@@ -152,6 +153,8 @@ def test_repeated_rounds_decide_whether_an_engine_difference_is_significant():
     assert steady["significant"] is True and steady["ci_low"] == -0.7 and steady["ci_high"] == -0.4
     wide = combine_rounds([ab(1.0, 0.9, -0.2, 0.05), ab(1.0, 0.8, -0.3, -0.1)])
     assert wide["significant"] is False  # one round's interval includes 0
+    noisy = combine_rounds([ab(1.0, 0.97, -0.04, -0.02), ab(1.1, 1.07, -0.04, -0.02)])
+    assert noisy["significant"] is False  # -0.03 each round, but A itself moved 0.1 between rounds
     assert combine_rounds([ab(1.0, 0.5, -0.6, -0.4)]) == ab(1.0, 0.5, -0.6, -0.4)
     sim = ab(1.0, 1.01, math.nan, math.nan)
     rows = [ranking_row("x", "e2e mean (all)", flip, sim), ranking_row("x", "ttft mean (all)", steady, ab(1.0, 0.55, 0, 0))]
