@@ -30,7 +30,7 @@ import torch
 
 from experiments import factory
 from experiments.engine_backend import engine_args, get_engine, release_engine
-from experiments.fidelity import compose_cfg
+from experiments.fidelity_spec import compose_cfg
 from experiments.hf_peers import PeerResult, continuous_batching, hf_model, padded_generate
 from experiments.run import run
 from policies.request import SamplingParams

@@ -16,7 +16,7 @@ import torch
 from experiments import factory
 from experiments.bench_throughput import BASE
 from experiments.engine_backend import engine_args, get_engine
-from experiments.fidelity import compose_cfg
+from experiments.fidelity_spec import compose_cfg
 
 
 def _timed(obj, name: str, acc: dict[str, float]):

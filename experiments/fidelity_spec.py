@@ -1,0 +1,39 @@
+"""The fidelity experiment's scenario file (conf/fidelity/*.yaml) and Hydra composition of run configs."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.paths import REPO_ROOT, resolve_path
+
+DEFAULT_SPEC = REPO_ROOT / "conf" / "fidelity" / "default.yaml"
+
+
+def load_spec(path: str | Path) -> dict[str, Any]:
+    path = resolve_path(path)
+    if not Path(path).is_file():
+        raise ValueError(f"--spec={str(path)!r} is invalid: no such file")
+    spec = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    for key in ("common", "engine", "sim", "scenarios"):
+        if key not in spec:
+            raise ValueError(f"spec {path}: key {key!r} is missing")
+    for name, scn in spec["scenarios"].items():
+        if not isinstance(scn, dict) or not isinstance(scn.get("overrides", []), list):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"spec {path}: scenarios.{name} must be a mapping with an `overrides` list")
+        load = scn.get("load")
+        if load is not None and (not isinstance(load, (int, float)) or load <= 0):
+            raise ValueError(f"spec {path}: scenarios.{name}.load={load!r} is invalid: must be a number > 0")
+        if load is not None and spec.get("capacity") not in spec["scenarios"]:
+            raise ValueError(f"spec {path}: capacity={spec.get('capacity')!r} must name a scenario "
+                             f"(scenarios.{name} has a load)")
+    return spec
+
+
+def compose_cfg(overrides: Sequence[str]) -> DictConfig:
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
