@@ -1,4 +1,5 @@
-"""`python -m experiments.ab a='[OVERRIDES]' b='[OVERRIDES]' [COMMON OVERRIDES] [--out DIR]`
+"""`python -m experiments.ab a='[OVERRIDES]' b='[OVERRIDES]' [COMMON OVERRIDES] [--out DIR]
+[--rounds N]`
 
 Runs two configs that differ by the overrides in `a` and `b` (Hydra overrides, comma-separated
 in brackets, e.g. `a='[policy=fcfs]' b='[policy=priority]'`) on the identical request stream (the
@@ -7,7 +8,10 @@ id and reports B - A for every per-request latency (mean, p50, p90, p99; per pri
 with paired-bootstrap confidence intervals, plus the run-level metrics. Writes `a/` and `b/` run
 dirs (full traces), `ab.csv`, `ab.md` and `ab.png` into the output dir
 (default `outputs/ab/<date>/<time>`) and prints the table. Works with any backend
-(`backend=...` as a common override, or in a/b).
+(`backend=...` as a common override, or in a/b). `--rounds N` runs A, B, A, B, ... N times (run
+dirs `a_r2/`, `b_r2/`, ...): on the GPU a run's host CPU speed drifts by several percent, which the
+per-request bootstrap of one pair cannot see, so a change counts only if it reproduces (see
+`experiments.bootstrap.combine_rounds`).
 
     python -m experiments.ab a='[policy=fcfs]' b='[policy=priority]' workload=priority
     python -m experiments.ab a='[policy.preemption_mode=recompute]' b='[policy.preemption_mode=swap]' \\
@@ -28,7 +32,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import factory
-from experiments.bootstrap import paired_bootstrap
+from experiments.bootstrap import combine_rounds, paired_bootstrap
 from experiments.cli import run_cli
 from experiments.run import run
 
@@ -140,7 +144,11 @@ def markdown(table: pd.DataFrame, label_a: str, label_b: str, confidence: float)
         ci = "-" if np.isnan(r.ci_low) else f"[{f(r.ci_low)}, {f(r.ci_high)}]"
         change = "-" if np.isnan(r.rel_diff) else f"{r.rel_diff:+.1%}" + (" *" if r.significant else "")
         lines.append(f"| {r.metric} | {r.scope} | {r.stat} | {f(r.a)} | {f(r.b)} | {f(r.diff)} | {ci} | {change} |")
-    return "\n".join(lines) + "\n\n`*`: the confidence interval excludes 0 (paired bootstrap over requests).\n"
+    rounds = int(table["rounds"].max()) if "rounds" in table else 1
+    why = ("the confidence interval excludes 0 (paired bootstrap over requests)" if rounds == 1 else
+           f"in each of {rounds} rounds the interval excludes 0, the rounds agree in sign and the mean change "
+           "exceeds half the range of A's and of B's values over the rounds (per-round changes in ab.csv)")
+    return "\n".join(lines) + f"\n\n`*`: {why}.\n"
 
 
 def ab_figure(table: pd.DataFrame, req_a: pd.DataFrame, req_b: pd.DataFrame, label_a: str, label_b: str):
@@ -162,25 +170,53 @@ def ab_figure(table: pd.DataFrame, req_a: pd.DataFrame, req_b: pd.DataFrame, lab
     return fig, cdf
 
 
+def combine_tables(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """The tables of one A/B repeated in rounds, row by row (`combine_rounds`): mean A, B and B - A,
+    the widest interval, `significant` by the rounds' rule, and each round's change in `round_changes`."""
+    key = ["metric", "stat", "scope"]
+    first = tables[0].set_index(key)
+    rows = []
+    for idx in first.index:
+        per_round = [t.set_index(key).loc[idx].to_dict() for t in tables if idx in t.set_index(key).index]
+        if len(per_round) != len(tables):
+            continue  # a class or metric missing in some round
+        row = dict(zip(key, idx)) | combine_rounds(per_round)
+        row["n"] = per_round[0]["n"]
+        row["rel_diff"] = row["diff"] / row["a"] if row["a"] else np.nan
+        row["round_changes"] = " ".join(f"{r['rel_diff']:+.1%}" for r in per_round)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def compare(cfg_a: DictConfig, cfg_b: DictConfig, out_dir: str | Path, label_a: str = "A", label_b: str = "B",
-            resamples: int = 1000, confidence: float = 0.95) -> ABResult:
+            resamples: int = 1000, confidence: float = 0.95, rounds: int = 1) -> ABResult:
+    """A then B on one request stream, `rounds` times (A, B, A, B, ...: on a wall-clock backend each
+    round's pair runs under one host state, and the rounds show whether a difference reproduces)."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r} is invalid: must be an integer >= 1")
     out_dir = Path(out_dir)
     workload = factory.workload(cfg_a)
-    summary_a = run(cfg_a, out_dir / "a", f"A: {label_a}", workload.fresh())
-    summary_b = run(cfg_b, out_dir / "b", f"B: {label_b}", workload.fresh())
-    req_a = pd.read_parquet(out_dir / "a" / "requests.parquet")
-    req_b = pd.read_parquet(out_dir / "b" / "requests.parquet")
-    table = pd.concat([paired_table(req_a, req_b, resamples, confidence, int(cfg_a.seed)),
-                       run_table(summary_a, summary_b)], ignore_index=True)
+    tables, summaries, reqs = [], [], []
+    for i in range(rounds):
+        suffix, note = ("", "") if i == 0 else (f"_r{i + 1}", f" (round {i + 1})")
+        summary_a = run(cfg_a, out_dir / f"a{suffix}", f"A: {label_a}{note}", workload.fresh())
+        summary_b = run(cfg_b, out_dir / f"b{suffix}", f"B: {label_b}{note}", workload.fresh())
+        req_a = pd.read_parquet(out_dir / f"a{suffix}" / "requests.parquet")
+        req_b = pd.read_parquet(out_dir / f"b{suffix}" / "requests.parquet")
+        tables.append(pd.concat([paired_table(req_a, req_b, resamples, confidence, int(cfg_a.seed)),
+                                 run_table(summary_a, summary_b)], ignore_index=True))
+        summaries.append((summary_a, summary_b))
+        reqs.append((req_a, req_b))
+    table = tables[0] if rounds == 1 else combine_tables(tables)
     table.to_csv(out_dir / "ab.csv", index=False)
     (out_dir / "ab.md").write_text(markdown(table, label_a, label_b, confidence))
-    fig, cdf = ab_figure(table, req_a, req_b, label_a, label_b)
+    fig, cdf = ab_figure(table, *reqs[0], label_a, label_b)
     fig.savefig(out_dir / "ab.png", dpi=110)
     cdf.savefig(out_dir / "ab_cdf.png", dpi=110)
     import matplotlib.pyplot as plt
     plt.close(fig)
     plt.close(cdf)
-    return ABResult(table, summary_a, summary_b, out_dir)
+    return ABResult(table, *summaries[0], out_dir)
 
 
 def _main(argv: Sequence[str] | None = None) -> ABResult:
@@ -190,6 +226,9 @@ def _main(argv: Sequence[str] | None = None) -> ABResult:
     parser.add_argument("--out", type=Path, default=None, help="output dir (default outputs/ab/<date>/<time>)")
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run A and B this many times, alternating; a change is significant only if it "
+                             "reproduces in every round beyond the runs' own spread (wall-clock backends)")
     args = parser.parse_args(argv)
     a, b, common = None, None, []
     for item in args.overrides:
@@ -206,7 +245,7 @@ def _main(argv: Sequence[str] | None = None) -> ABResult:
     cfg_a, cfg_b = compose_pair(common, a, b)
     out = args.out or Path("outputs/ab") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
     label_a, label_b = ",".join(a) or "base", ",".join(b) or "base"
-    result = compare(cfg_a, cfg_b, out, label_a, label_b, args.resamples, args.confidence)
+    result = compare(cfg_a, cfg_b, out, label_a, label_b, args.resamples, args.confidence, args.rounds)
     print(f"A = {label_a}\nB = {label_b}\ncommon: {' '.join(common) or '(defaults)'}\n")
     print(markdown(result.table, label_a, label_b, args.confidence))
     print(f"runs, ab.csv, ab.md, ab.png in {out}")

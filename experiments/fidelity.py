@@ -34,10 +34,10 @@ import pandas as pd
 
 from experiments import factory
 from experiments.ab import paired_table, run_table
+from experiments.bootstrap import combine_rounds
 from experiments.cli import run_cli
 from experiments.fidelity_plots import save_scenario_figure
 from experiments.fidelity_report import (
-    combine_rounds,
     error_rows,
     error_table,
     metric_values,

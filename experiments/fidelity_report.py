@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from experiments.bootstrap import excludes_zero
 from experiments.metrics import summarize
 
 # (column, label, summary path, target or None)
@@ -133,34 +134,11 @@ def target_summary(table: pd.DataFrame) -> str:
     return text
 
 
-def _excludes_zero(ab: Mapping[str, float]) -> bool:
-    return not (ab.get("ci_low", math.nan) <= 0 <= ab.get("ci_high", math.nan))
-
-
-def combine_rounds(rounds: Sequence[Mapping[str, float]]) -> dict[str, Any]:
-    """One A/B metric ({a, b, diff, ci_low, ci_high}) measured in several rounds, round i's A and B run
-    back to back: the means of a, b and diff. Significant only if every round's interval excludes 0,
-    all rounds' differences share a sign, and the mean difference exceeds half the range of A's and
-    of B's values over the rounds (the engine's own run-to-run noise). The per-request bootstrap of
-    one round cannot see the host CPU's speed drift between runs: on the H200 VMs a 1-3% difference
-    flipped sign between rounds with each round's interval excluding 0."""
-    if len(rounds) == 1:
-        return dict(rounds[0])
-    a, b, diffs = ([r[k] for r in rounds] for k in ("a", "b", "diff"))
-    diff = float(np.mean(diffs))
-    agree = len({bool(np.sign(d) > 0) for d in diffs}) == 1 and all(diffs)
-    noise = max(max(a) - min(a), max(b) - min(b)) / 2
-    return {"a": float(np.mean(a)), "b": float(np.mean(b)), "diff": diff,
-            "ci_low": min(r.get("ci_low", math.nan) for r in rounds),
-            "ci_high": max(r.get("ci_high", math.nan) for r in rounds), "rounds": len(rounds),
-            "significant": agree and abs(diff) > noise and all(map(_excludes_zero, rounds))}
-
-
 def ranking_row(name: str, metric: str, engine_ab: Mapping[str, float], sim_ab: Mapping[str, float]) -> dict[str, Any]:
     """`engine_ab`/`sim_ab`: {a, b, diff, ci_low, ci_high} of one A/B metric (B - A) on each backend;
     `significant` in `engine_ab` (from `combine_rounds`) overrides the interval test."""
     ed, sd = engine_ab["diff"], sim_ab["diff"]
-    significant = bool(engine_ab.get("significant", _excludes_zero(engine_ab)))
+    significant = bool(engine_ab.get("significant", excludes_zero(engine_ab)))
     sign_ok = bool(np.sign(ed) == np.sign(sd))
     ratio = sd / ed if ed else math.nan
     return {"comparison": name, "metric": metric,

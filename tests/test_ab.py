@@ -3,7 +3,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments.ab import _main, compose_pair, split_overrides
+from experiments.ab import _main, combine_tables, compose_pair, markdown, split_overrides
 from experiments.bootstrap import paired_bootstrap
 
 
@@ -56,3 +56,42 @@ def test_a_and_b_must_share_the_workload():
         compose_pair([], ["workload.rate=1"], ["workload.rate=2"])
     with pytest.raises(ValueError, match="a and b are required"):
         _main(["a=[policy=fcfs]"])
+
+
+def _row(metric, a, b, lo, hi, stat="mean"):
+    return {"metric": metric, "stat": stat, "scope": "all", "n": 10, "a": a, "b": b, "diff": b - a,
+            "ci_low": lo, "ci_high": hi, "rel_diff": (b - a) / a, "significant": bool(lo > 0 or hi < 0)}
+
+
+def test_rounds_keep_only_the_changes_that_reproduce():
+    """Two rounds of an A/B on a wall-clock backend: TTFT -20% in both (significant), e2e +2% then -2%
+    with each round's interval excluding 0 (not significant: host drift), throughput per run."""
+    r1 = pd.DataFrame([_row("ttft", 1.0, 0.8, -0.25, -0.15), _row("e2e", 2.0, 2.04, 0.01, 0.07),
+                       _row("request_throughput", 10.0, 11.0, np.nan, np.nan, "run")])
+    r2 = pd.DataFrame([_row("ttft", 1.1, 0.88, -0.27, -0.17), _row("e2e", 2.1, 2.058, -0.07, -0.01),
+                       _row("request_throughput", 10.2, 11.1, np.nan, np.nan, "run")])
+    t = combine_tables([r1, r2]).set_index("metric")
+    assert t.loc["ttft", "significant"] and t.loc["ttft", "a"] == pytest.approx(1.05)
+    assert t.loc["ttft", "round_changes"] == "-20.0% -20.0%"
+    assert not t.loc["e2e", "significant"] and t.loc["e2e", "rounds"] == 2
+    assert t.loc["request_throughput", "significant"]  # +1.0 and +0.9 against a spread of 0.1
+    md = markdown(t.reset_index(), "fcfs", "priority", 0.95)
+    assert "in each of 2 rounds" in md and md.count(" *") == 2
+
+
+def test_ab_rounds_on_the_simulator(tmp_path):
+    """`--rounds 2` on the (deterministic) simulator: both rounds' run dirs, identical rounds, and the
+    urgent class's TTFT cut stays significant."""
+    common = ["workload=priority", "workload.num_requests=300", "workload.rate=1000", "blocks.num_gpu_blocks=1500",
+              "progress=false", "plots=false"]
+    result = _main(["a=[policy=fcfs]", "b=[policy=priority]", *common, "--out", str(tmp_path), "--resamples", "100",
+                    "--rounds", "2"])
+    for name in ("a", "b", "a_r2", "b_r2"):
+        assert (tmp_path / name / "requests.parquet").is_file(), name
+    t = result.table
+    urgent = t[(t.metric == "ttft") & (t.stat == "mean") & (t.scope == "priority=0")].iloc[0]
+    assert urgent["significant"] and urgent["rounds"] == 2
+    first, second = urgent["round_changes"].split()
+    assert first == second  # the simulator repeats itself exactly
+    with pytest.raises(ValueError, match="rounds=0 is invalid"):
+        _main(["a=[policy=fcfs]", "b=[policy=priority]", *common, "--out", str(tmp_path / "x"), "--rounds", "0"])

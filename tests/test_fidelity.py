@@ -9,9 +9,9 @@ import shutil
 import pytest
 import yaml
 
+from experiments.bootstrap import combine_rounds
 from experiments.fidelity_report import (
     breakdown_markdown,
-    combine_rounds,
     error_markdown,
     error_rows,
     error_table,
