@@ -11,7 +11,8 @@ dirs (full traces), `ab.csv`, `ab.md` and `ab.png` into the output dir
 (`backend=...` as a common override, or in a/b). `--rounds N` runs A, B, A, B, ... N times (run
 dirs `a_r2/`, `b_r2/`, ...): on the GPU a run's host CPU speed drifts by several percent, which the
 per-request bootstrap of one pair cannot see, so a change counts only if it reproduces (see
-`experiments.bootstrap.combine_rounds`).
+`experiments.bootstrap.combine_rounds`). With backend=engine, A runs once unrecorded first
+(`--no-warmup` skips it): the engine's first run compiles kernels for new shapes.
 
     python -m experiments.ab a='[policy=fcfs]' b='[policy=priority]' workload=priority
     python -m experiments.ab a='[policy.preemption_mode=recompute]' b='[policy.preemption_mode=swap]' \\
@@ -189,13 +190,18 @@ def combine_tables(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
 
 
 def compare(cfg_a: DictConfig, cfg_b: DictConfig, out_dir: str | Path, label_a: str = "A", label_b: str = "B",
-            resamples: int = 1000, confidence: float = 0.95, rounds: int = 1) -> ABResult:
+            resamples: int = 1000, confidence: float = 0.95, rounds: int = 1, warmup: bool | None = None) -> ABResult:
     """A then B on one request stream, `rounds` times (A, B, A, B, ...: on a wall-clock backend each
-    round's pair runs under one host state, and the rounds show whether a difference reproduces)."""
+    round's pair runs under one host state, and the rounds show whether a difference reproduces).
+    `warmup` (default: on for backend=engine) runs A once, unrecorded, into `_warmup/` first: the
+    engine's first run compiles Triton and torch.compile variants for new shapes, which on an H200
+    made round 1's A up to 46% slower in TTFT than A in later rounds (2026-11-22)."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds={rounds!r} is invalid: must be an integer >= 1")
     out_dir = Path(out_dir)
     workload = factory.workload(cfg_a)
+    if warmup if warmup is not None else cfg_a.backend.name == "engine":
+        run(cfg_a, out_dir / "_warmup", f"warm-up: {label_a}", workload.fresh())
     tables, summaries, reqs = [], [], []
     for i in range(rounds):
         suffix, note = ("", "") if i == 0 else (f"_r{i + 1}", f" (round {i + 1})")
@@ -226,6 +232,8 @@ def _main(argv: Sequence[str] | None = None) -> ABResult:
     parser.add_argument("--out", type=Path, default=None, help="output dir (default outputs/ab/<date>/<time>)")
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                        help="run A once unrecorded first (default: with backend=engine, whose first run JIT-compiles)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run A and B this many times, alternating; a change is significant only if it "
                              "reproduces in every round beyond the runs' own spread (wall-clock backends)")
@@ -245,7 +253,7 @@ def _main(argv: Sequence[str] | None = None) -> ABResult:
     cfg_a, cfg_b = compose_pair(common, a, b)
     out = args.out or Path("outputs/ab") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
     label_a, label_b = ",".join(a) or "base", ",".join(b) or "base"
-    result = compare(cfg_a, cfg_b, out, label_a, label_b, args.resamples, args.confidence, args.rounds)
+    result = compare(cfg_a, cfg_b, out, label_a, label_b, args.resamples, args.confidence, args.rounds, args.warmup)
     print(f"A = {label_a}\nB = {label_b}\ncommon: {' '.join(common) or '(defaults)'}\n")
     print(markdown(result.table, label_a, label_b, args.confidence))
     print(f"runs, ab.csv, ab.md, ab.png in {out}")

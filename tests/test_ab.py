@@ -88,6 +88,7 @@ def test_ab_rounds_on_the_simulator(tmp_path):
                     "--rounds", "2"])
     for name in ("a", "b", "a_r2", "b_r2"):
         assert (tmp_path / name / "requests.parquet").is_file(), name
+    assert not (tmp_path / "_warmup").exists()  # the simulator needs no warm-up
     t = result.table
     urgent = t[(t.metric == "ttft") & (t.stat == "mean") & (t.scope == "priority=0")].iloc[0]
     assert urgent["significant"] and urgent["rounds"] == 2

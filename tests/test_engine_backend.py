@@ -55,3 +55,4 @@ def test_ab_on_the_engine_backend(tmp_path):
     steps_b = pd.read_parquet(tmp_path / "b" / "steps.parquet")
     assert steps_b.num_preempted_swap.sum() > 0
     assert (tmp_path / "ab.md").is_file()
+    assert (tmp_path / "_warmup" / "requests.parquet").is_file()  # the engine ran A once before the record
