@@ -1,8 +1,5 @@
 """Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head | --waves |
---tiles | --streams | --tma] [--out DIR]`.
-
-`--tma` (round 9): the per-head kernel with each tile (16 tokens of one page's head slice) loaded
-as one TMA box, against its pointer-load defaults, on NHD and HND storage.
+--tiles | --streams] [--out DIR]`.
 
 `--streams` (round 8): the per-head kernel on three cache storage layouts (block-major NHD, 4 KB
 HND pages, head-major) with random and sequential block tables.  Head-major storage with
@@ -224,30 +221,6 @@ def streams_round(save, copy_bw: float) -> None:
     save(time_point("B64xL4096-end", sets, nbytes, copy_bw, []))  # SDPA again: drift over the round
 
 
-TMA_GRID = [DecodeConfig(block_n=16, num_stages=st, num_warps=w, num_splits=1, use_tma=True)
-            for st in (3, 4, 6, 8) for w in (4, 2)]  # fmt: skip
-
-
-def tma_round(save, copy_bw: float) -> None:
-    """Round 9: per-head tiles loaded by TMA (one box per page's head slice, 16 tokens) against the
-    pointer-load defaults, on block-major NHD (the engine's) and HND (each box one 4 KB run)."""
-    configs = [replace(c, num_splits=1) for c in PER_HEAD] + TMA_GRID
-    save(uniform(64, 4096, copy_bw, configs))
-    batch, ctx = 64, 4096
-    kv = 2 * batch * ctx * HKV * D * 2
-    sets = [decode_problem(batch, ctx, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv))]
-    expected = F.scaled_dot_product_attention(sets[0][0].q.unsqueeze(2), sets[0][1], sets[0][2],
-                                              scale=sets[0][0].scale, enable_gqa=True).squeeze(2)
-    for s in sets:
-        s[0].k_cache, s[0].v_cache = cache_layout(s[0].k_cache, "hnd"), cache_layout(s[0].v_cache, "hnd")
-    save(time_point("B64xL4096-hnd", sets, kv + 2 * batch * HQ * D * 2, copy_bw, configs, sdpa=False,
-                    expected=expected))
-    del sets
-    torch.cuda.empty_cache()
-    save(uniform(64, 4096, copy_bw, []))  # SDPA again: drift over the round
-    save(uniform(256, 4096, copy_bw, configs[:2] + TMA_GRID[:4]))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
@@ -255,7 +228,6 @@ def main() -> None:
     parser.add_argument("--waves", action="store_true", help="round 7: batches of whole and partial waves")
     parser.add_argument("--tiles", action="store_true", help="round 7b: 128-key tiles, 2-warp programs")
     parser.add_argument("--streams", action="store_true", help="round 8: storage layouts x block-table order")
-    parser.add_argument("--tma", action="store_true", help="round 9: per-head tiles loaded by TMA")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
@@ -284,9 +256,6 @@ def main() -> None:
         return
     if args.streams:
         streams_round(save, copy_bw)
-        return
-    if args.tma:
-        tma_round(save, copy_bw)
         return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),

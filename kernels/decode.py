@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.common import LOG2E, block_dim, device_sms, dot_precision, upcast_operands
 from kernels.decode_packed import PackedDecodeConfig, attend_tile, paged_decode_packed
@@ -40,7 +39,6 @@ class DecodeConfig:
     min_split_tokens: int = 256  # heuristic never cuts a context finer than this
     heads_fastest: bool = True  # launch the KV heads of one sequence next to each other
     kv_eviction: str = ""  # cache hint for the K/V loads ("evict_first": streamed, keep L2 for the rest)
-    use_tma: bool = False  # TMA box loads of a tile (one page's head slice; block_n <= block_size)
 
 
 @triton.jit
@@ -48,8 +46,6 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    k_desc,
-    v_desc,
     block_tables_ptr,
     context_lens_ptr,
     out_ptr,
@@ -79,7 +75,6 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     KV_EVICTION: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -112,32 +107,20 @@ def _decode_kernel(
     v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
     # Page ids of the next tile are loaded one iteration ahead (a loop-carried register), so the K/V
     # loads do not depend on a load of their own iteration and Triton pipelines them num_stages deep.
-    if USE_TMA:  # a tile lies in one page: one page id per tile
-        page = tl.load(table + start // BLOCK_SIZE, mask=start < end, other=0)
-    else:
-        page = tl.load(table + (start + offs_n) // BLOCK_SIZE, mask=start + offs_n < end, other=0).to(tl.int64)
+    page = tl.load(table + (start + offs_n) // BLOCK_SIZE, mask=start + offs_n < end, other=0).to(tl.int64)
     for tile in range(start, end, BLOCK_N):
-        if USE_TMA:
-            # A short last tile is loaded shifted back (earlier tokens of the page, or TMA's zeros
-            # before it), never stale slots past the context; the rows before the tile are masked.
-            shift = tl.minimum(end - tile, BLOCK_N) - BLOCK_N
-            n_mask = offs_n >= -shift
-            k = k_desc.load([page, tile % BLOCK_SIZE + shift, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
-            v = v_desc.load([page, tile % BLOCK_SIZE + shift, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
-            page = tl.load(table + (tile + BLOCK_N) // BLOCK_SIZE, mask=tile + BLOCK_N < end, other=0)
-        else:
-            tokens = tile + offs_n
-            n_mask = tokens < end
-            slot = tokens % BLOCK_SIZE
-            kv_mask = n_mask[:, None]
-            if BLOCK_D != HEAD_DIM:
-                kv_mask = kv_mask & (offs_d < HEAD_DIM)[None, :]
-            k_rows = (page * stride_kb + slot * stride_kt)[:, None]
-            v_rows = (page * stride_vb + slot * stride_vt)[:, None]
-            k = tl.load(k_base + k_rows, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
-            v = tl.load(v_base + v_rows, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
-            after = tokens + BLOCK_N
-            page = tl.load(table + after // BLOCK_SIZE, mask=after < end, other=0).to(tl.int64)
+        tokens = tile + offs_n
+        n_mask = tokens < end
+        slot = tokens % BLOCK_SIZE
+        kv_mask = n_mask[:, None]
+        if BLOCK_D != HEAD_DIM:
+            kv_mask = kv_mask & (offs_d < HEAD_DIM)[None, :]
+        k_rows = (page * stride_kb + slot * stride_kt)[:, None]
+        v_rows = (page * stride_vb + slot * stride_vt)[:, None]
+        k = tl.load(k_base + k_rows, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
+        v = tl.load(v_base + v_rows, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
+        after = tokens + BLOCK_N
+        page = tl.load(table + after // BLOCK_SIZE, mask=after < end, other=0).to(tl.int64)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -186,15 +169,6 @@ def _decode_reduce_kernel(
         merged.to(out_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
-
-
-def tma_page_ok(cache: torch.Tensor, block_n: int) -> bool:
-    """A per-head tile ([block_n tokens, head_dim] of one page) is one TMA box: tiles inside one
-    block, power-of-two head_dim, 16-byte aligned base and strides (any storage order)."""
-    _, block_size, _, head_dim = cache.shape
-    size = cache.element_size()
-    return (block_size % block_n == 0 and head_dim == block_dim(head_dim) and cache.stride(-1) == 1
-            and cache.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in cache.stride()[:-1]))
 
 
 def choose_num_splits(
@@ -257,18 +231,10 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused
     grid = (num_kv_heads, batch, splits) if config.heads_fastest else (batch, num_kv_heads, splits)
-    use_tma = config.use_tma and tma_page_ok(k_cache, config.block_n) and tma_page_ok(v_cache, config.block_n)
-    k_desc = v_desc = None
-    if use_tma:
-        box = [1, config.block_n, 1, head_dim]
-        k_desc = TensorDescriptor(k_cache, list(k_cache.shape), list(k_cache.stride()), box)
-        v_desc = TensorDescriptor(v_cache, list(v_cache.shape), list(v_cache.stride()), box)
     _decode_kernel[grid](
         q,
         k_cache,
         v_cache,
-        k_desc,
-        v_desc,
         block_tables,
         context_lens,
         out,
@@ -298,7 +264,6 @@ def paged_decode_attention(
         NUM_HEADS=num_heads,
         HEADS_FASTEST=config.heads_fastest,
         KV_EVICTION=config.kv_eviction,
-        USE_TMA=use_tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -6,7 +6,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference
-from kernels.decode import DecodeConfig, paged_decode_attention, tma_page_ok
+from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig, tma_ok
 from kernels.inputs import block_is_dense, kv_cache_storage, random_paged_problem
 
@@ -55,11 +55,10 @@ def _check(context_lens, group, num_kv_heads, head_dim, block_size, dtype, confi
     num_splits=st.sampled_from([None, 1, 2, 3]),
     block_n=st.sampled_from([16, 32]),
     heads_fastest=st.booleans(),
-    use_tma=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_decode_matches_reference(
-    data, group, num_kv_heads, head_dim, block_size, dtype, num_splits, block_n, heads_fastest, use_tma, seed
+    data, group, num_kv_heads, head_dim, block_size, dtype, num_splits, block_n, heads_fastest, seed
 ):
     lens = data.draw(
         st.lists(
@@ -75,7 +74,7 @@ def test_decode_matches_reference(
         head_dim,
         block_size,
         dtype,
-        DecodeConfig(block_n=block_n, num_splits=num_splits, heads_fastest=heads_fastest, use_tma=use_tma),
+        DecodeConfig(block_n=block_n, num_splits=num_splits, heads_fastest=heads_fastest),
         seed,
     )
 
@@ -125,24 +124,6 @@ def test_packed_decode_merges_more_partials_than_one_step():
     """One sequence over 20 programs: the merge takes its partials 16 at a time."""
     config = PackedDecodeConfig(block_n=8, programs_per_sm=5, min_split_tokens=8)
     _check([400, 3], 4, 1, 16, 16, torch.float32, config, seed=11)
-
-
-@pytest.mark.parametrize("layout", ["nhd", "hnd"])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_per_head_tma_tiles(layout, block_size, num_splits):
-    """TMA box loads of one page's head slice per tile: short last tiles (loaded shifted back, at a
-    block start out of the box), splits, 16-token tiles in 32-token blocks, HND storage."""
-    prob = random_paged_problem([1, 17, 40, 33, 64], None, 8, 2, 64, block_size, torch.float32, seed=block_size)
-    _poison_stale_slots(prob)
-    assert tma_page_ok(prob.k_cache, 16)
-    prob.k_cache, prob.v_cache = kv_cache_storage(prob.k_cache, layout), kv_cache_storage(prob.v_cache, layout)
-    out = torch.full_like(prob.q, float("nan"))
-    paged_decode_attention(*prob.decode_args(), config=DecodeConfig(block_n=16, num_splits=num_splits, use_tma=True),
-                           out=out)
-    ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
-    assert not out.isnan().any() and _rel_err(out, ref) < 1e-5
-    assert not tma_page_ok(prob.k_cache, 64)  # a 64-token tile would span pages
 
 
 @pytest.mark.parametrize("lens", [[1], [1, 1, 1], [16, 32, 48], [17, 33, 15]])
