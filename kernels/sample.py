@@ -48,7 +48,7 @@ def _chunk_best_kernel(
     chunk = tl.program_id(1)
     temp = tl.load(temps_ptr + row).to(tl.float32)
     noisy = temp > 0.0
-    inv_t = tl.where(noisy, 1.0 / temp, 1.0)
+    inv_t = 1.0 / tl.where(noisy, temp, 1.0)  # no 1 / 0 evaluated for greedy rows
     QUARTER: tl.constexpr = BLOCK // 4
     lanes = tl.arange(0, QUARTER)
     best_val = tl.full([QUARTER], float("-inf"), dtype=tl.float32)
