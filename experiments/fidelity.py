@@ -38,6 +38,7 @@ from experiments.bootstrap import combine_rounds
 from experiments.cli import run_cli
 from experiments.fidelity_plots import save_scenario_figure
 from experiments.fidelity_report import (
+    decode_step_ratio,
     error_rows,
     error_table,
     metric_values,
@@ -52,6 +53,7 @@ from experiments.paths import REPO_ROOT, resolve_path
 from experiments.profiling.host import cpu_probe_us
 from experiments.run import run
 from experiments.traces import load_run
+from sim.latency.profiled import ProfiledModel
 
 STALL_S = 0.25  # engine steps longer than this are stalls (JIT compiles, GC) no profile predicts
 
@@ -173,6 +175,9 @@ class Fidelity:
         if info.get("num_cpu_blocks") is not None:
             blocks.append(f"blocks.num_cpu_blocks={info['num_cpu_blocks']}")
         cfg_s = compose_cfg([*overrides, *self.spec["sim"], f"latency.path={self.profile_path()}", *blocks])
+        profile = ProfiledModel(self.profile_path(), factory.block_size(cfg_s))
+        self.settings[name]["decode_vs_profile"] = [
+            round(decode_step_ratio(r[2], lambda d, c: profile.lookup(0, d, c)), 3) for r in engine_runs]
         out = self.runs_dir / name / "sim"
         summary = run(cfg_s, out, f"{name} sim", workload.fresh())
         r = load_run(out)

@@ -13,7 +13,7 @@ by the simulator: does the simulator get its sign, and how close is its size.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -235,6 +235,18 @@ def breakdown_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def decode_step_ratio(steps: pd.DataFrame, price: Callable[[int, int], float]) -> float:
+    """Median over a run's decode-only steps (no prefill, no swap) of its duration over
+    `price(num_decode_seqs, kv_tokens)` (the profile's price of that shape): how fast this run's
+    engine stepped against the profile (on the H200 VMs 0.92-1.06 per run: host speed drift)."""
+    d = steps[(steps["num_prefill_tokens"] == 0) & (steps["num_decode_seqs"] > 0)
+              & (steps["num_swap_out_blocks"] == 0) & (steps["num_swap_in_blocks"] == 0)]
+    if d.empty:
+        return math.nan
+    prices = np.array([price(int(n), int(c)) for n, c in zip(d["num_decode_seqs"], d["kv_tokens"])])
+    return float(np.median(d["duration"].to_numpy() / prices))
+
+
 def report_markdown(meta: Mapping[str, Any], table: pd.DataFrame, ranking: list[dict[str, Any]],
                     breakdown: list[dict[str, Any]], settings: Mapping[str, Mapping[str, Any]], stall_s: float) -> str:
     """fidelity.md: run facts, the error table, the ranking table, the per-step-kind breakdown and
@@ -246,6 +258,8 @@ def report_markdown(meta: Mapping[str, Any], table: pd.DataFrame, ranking: list[
         line += f"; {s.get('num_requests')} requests, {s.get('num_gpu_blocks')} GPU blocks"
         if s.get("engine_stall_steps"):
             line += f"; engine stalls: {s['engine_stall_steps']} steps > {stall_s}s, {s['engine_stall_s']:.2f}s"
+        if s.get("decode_vs_profile"):
+            line += f"; decode steps / profile per engine run: {' / '.join(f'{x:.3f}' for x in s['decode_vs_profile'])}"
         if s.get("host_probe_us"):
             line += f"; host CPU gauge before each engine run: {' / '.join(f'{x:.0f}' for x in s['host_probe_us'])} us"
         lines.append(line)

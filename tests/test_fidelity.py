@@ -6,12 +6,14 @@ import json
 import math
 import shutil
 
+import pandas as pd
 import pytest
 import yaml
 
 from experiments.bootstrap import combine_rounds
 from experiments.fidelity_report import (
     breakdown_markdown,
+    decode_step_ratio,
     error_markdown,
     error_rows,
     error_table,
@@ -141,6 +143,17 @@ def test_ranking_verdicts():
     assert md.count("| x |") == 3 and "NO" in md and "(n.s.)" in md
 
 
+def test_decode_step_ratio_compares_a_run_with_the_profile():
+    """Decode-only steps 1.1x the price (prefill and swap steps ignored): ratio 1.1; none: nan."""
+    price = lambda d, c: 1e-3 + 1e-6 * d + 1e-9 * c  # noqa: E731
+    rows = [(0, d, 100 * d, 0, 0, 1.1 * price(d, 100 * d)) for d in (1, 4, 16)]
+    rows += [(64, 2, 200, 0, 0, 9.0), (0, 3, 300, 4, 0, 9.0)]  # a mixed step, a swap step
+    cols = ["num_prefill_tokens", "num_decode_seqs", "kv_tokens", "num_swap_out_blocks", "num_swap_in_blocks", "duration"]
+    steps = pd.DataFrame(rows, columns=cols)
+    assert decode_step_ratio(steps, price) == pytest.approx(1.1)
+    assert math.isnan(decode_step_ratio(steps.iloc[3:], price))
+
+
 def test_repeated_rounds_decide_whether_an_engine_difference_is_significant():
     """Per-round A/B differences: means are reported; a difference is significant only when every
     round's interval excludes 0, the rounds agree in sign (host drift can flip a small one) and it
@@ -201,6 +214,8 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
     assert meta["device"] == "cpu" and "--spec" in meta["command"]
     assert "| offline |" in (out / "fidelity.md").read_text()
     assert "host CPU gauge before each engine run" in (out / "fidelity.md").read_text()
+    assert all(r > 0 for r in fid.settings["offline"]["decode_vs_profile"])
+    assert "decode steps / profile per engine run" in (out / "fidelity.md").read_text()
     assert len(fid.ranking()) == 2
     # The simulator side alone, reusing the engine traces (two stored repeats: identical copies, so
     # no spread): identical engine numbers.
