@@ -11,6 +11,8 @@ kept per process and reused by later runs with the same engine settings (A/B, fi
 from __future__ import annotations
 
 import dataclasses
+import gc
+import sys
 import time
 from collections.abc import Callable
 
@@ -69,6 +71,24 @@ def get_engine(args: EngineArgs) -> LLMEngine:
         _ENGINE.clear()  # one model on the device at a time
         _ENGINE[key] = LLMEngine(args)
     return _ENGINE[key]
+
+
+def free_device() -> None:
+    """Collect garbage and return cached device memory (between runs that build other engines)."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def current_device_name() -> str:
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def kept_runner():
+    """The kept engine's ModelRunner (the last run's), or None."""
+    return next(iter(_ENGINE.values())).runner if _ENGINE else None
 
 
 def release_engine() -> None:

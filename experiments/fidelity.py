@@ -14,7 +14,9 @@ scenario (CDFs, KV usage); full traces go to --runs (default outputs/fidelity/<d
 `--engine-runs DIR` reuses the engine traces of an earlier --runs dir (the simulator runs again).
 `--engine-repeats N` runs each scenario N times on the engine (same requests), in N rounds over all
 scenarios so that a scenario's repeats are minutes apart: the simulator is compared with the runs'
-mean and the table shows their spread, the engine's own run-to-run noise.
+mean and the table shows their spread, the engine's own run-to-run noise. `--window-profile` re-times
+the profile's decode-only rows on the engine each round, and the simulator side reads them
+(experiments/fidelity_window.py; `--standalone-profile` ignores them).
 
     python -m experiments.fidelity                      # on the GPU, after experiments.profile
     python -m experiments.fidelity --engine-runs outputs/fidelity/2026-11-22/10-00-00
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import json
 import sys
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from typing import Any
 
 import pandas as pd
 
-from experiments import factory
+from experiments import engine_backend, factory, fidelity_window
 from experiments.ab import paired_table, run_table
 from experiments.bootstrap import combine_rounds
 from experiments.cli import run_cli
@@ -58,25 +59,16 @@ from sim.latency.profiled import ProfiledModel
 STALL_S = 0.25  # engine steps longer than this are stalls (JIT compiles, GC) no profile predicts
 
 
-def _free_device() -> None:
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def device_name() -> str:
-    import torch
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
 class Fidelity:
     def __init__(self, spec: dict[str, Any], common: list[str], runs_dir: Path, engine_runs: Path | None,
-                 profile: str | None, engine_repeats: int = 1) -> None:
+                 profile: str | None, engine_repeats: int = 1, window: bool = False,
+                 standalone: bool = False) -> None:
         if not isinstance(engine_repeats, int) or isinstance(engine_repeats, bool) or engine_repeats < 1:
             raise ValueError(f"engine_repeats={engine_repeats!r} is invalid: must be an integer >= 1")
         self.spec, self.common, self.runs_dir, self.engine_runs = spec, common, runs_dir, engine_runs
         self.engine_repeats = engine_repeats
+        self.window, self.standalone = window, standalone  # fidelity_window.py
+        self._sim_profile: str | None = None
         self.base = [*spec["common"], *common]
         self.profile = profile
         self.capacity_tok_s: float | None = None
@@ -94,12 +86,21 @@ class Fidelity:
                              "first, or pass --profile")
         return str(path)
 
+    def sim_profile(self) -> str:
+        """The profile the simulator reads: the standalone one, or (unless `standalone`) its window
+        version when the engine runs carry window timings (fidelity_window.py)."""
+        if self._sim_profile is None:
+            runs = self.engine_runs if self.engine_runs is not None else self.runs_dir
+            path = None if self.standalone else fidelity_window.window_profile(self.profile_path(), runs)
+            self._sim_profile = str(path) if path is not None else self.profile_path()
+        return self._sim_profile
+
     def warmup(self) -> None:
         if self.engine_runs is not None or not self.spec.get("warmup"):
             return
         cfg = compose_cfg([*self.base, *self.spec["warmup"], *self.spec["engine"]])
         run(cfg, self.runs_dir / "_warmup", "warm-up")
-        _free_device()
+        engine_backend.free_device()
 
     def scenario_overrides(self, name: str) -> list[str]:
         scn = self.spec["scenarios"][name]
@@ -144,12 +145,15 @@ class Fidelity:
                 label = f"{name} engine" + ("" if i == 0 else f" (round {i + 1})")
                 probe = cpu_probe_us()
                 run(compose_cfg([*overrides, *self.spec["engine"]]), out, label, workload.fresh())
-                _free_device()
+                engine_backend.free_device()
                 r = load_run(out)
                 self._engine.setdefault(name, []).append((r.summary, r.requests, r.steps))
                 self.settings.setdefault(name, {}).setdefault("host_probe_us", []).append(round(probe, 1))
-                if i == 0 and name == self.spec.get("capacity"):
-                    self.capacity_tok_s = float(r.summary["output_throughput"])
+                if name == self.spec.get("capacity"):
+                    if i == 0:
+                        self.capacity_tok_s = float(r.summary["output_throughput"])
+                    if self.window:  # the decode rows re-timed on this engine, mid-round
+                        fidelity_window.measure(engine_backend.kept_runner(), self.profile_path(), i, self.runs_dir)
 
     def run_scenario(self, name: str, with_sim: bool = True) -> None:
         """The scenario's simulator run against its engine runs (`run_engines` first)."""
@@ -174,8 +178,8 @@ class Fidelity:
         blocks = [f"blocks.num_gpu_blocks={info['num_gpu_blocks']}"] if info.get("num_gpu_blocks") else []
         if info.get("num_cpu_blocks") is not None:
             blocks.append(f"blocks.num_cpu_blocks={info['num_cpu_blocks']}")
-        cfg_s = compose_cfg([*overrides, *self.spec["sim"], f"latency.path={self.profile_path()}", *blocks])
-        profile = ProfiledModel(self.profile_path(), factory.block_size(cfg_s))
+        cfg_s = compose_cfg([*overrides, *self.spec["sim"], f"latency.path={self.sim_profile()}", *blocks])
+        profile = ProfiledModel(self.sim_profile(), factory.block_size(cfg_s))
         self.settings[name]["decode_vs_profile"] = [
             round(decode_step_ratio(r[2], lambda d, c: profile.lookup(0, d, c)), 3) for r in engine_runs]
         out = self.runs_dir / name / "sim"
@@ -246,6 +250,11 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     parser.add_argument("--engine-repeats", type=int, default=1,
                         help="engine runs per scenario (same requests): the sim is compared with their mean and "
                              "the report shows their spread, the engine's own run-to-run noise")
+    parser.add_argument("--window-profile", action="store_true",
+                        help="GPU stage: re-time the profile's decode-only rows on the engine each round "
+                             "(experiments/fidelity_window.py); the simulator side then uses them")
+    parser.add_argument("--standalone-profile", action="store_true",
+                        help="simulator side: ignore window timings and read the standalone profile")
     parser.add_argument("--engine-only", action="store_true",
                         help="only the engine runs (on the GPU); the simulator side later with --engine-runs")
     args = parser.parse_args(argv)
@@ -262,12 +271,13 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
         names.remove(cap)
         names.insert(0, cap)
     runs_dir = args.runs or Path("outputs/fidelity") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
-    fid = Fidelity(spec, list(args.overrides), runs_dir, args.engine_runs, args.profile, args.engine_repeats)
+    fid = Fidelity(spec, list(args.overrides), runs_dir, args.engine_runs, args.profile, args.engine_repeats,
+                   args.window_profile, args.standalone_profile)
     old_meta = args.engine_runs / "meta.json" if args.engine_runs else None
     meta: dict[str, Any] = json.loads(old_meta.read_text()) if old_meta and old_meta.is_file() else {}
     if not meta:
         from experiments.profile import versions
-        meta = {"device": device_name(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        meta = {"device": engine_backend.current_device_name(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 "versions": versions()}
     command = "python -m experiments.fidelity " + " ".join(sys.argv[1:] if argv is None else argv)
     if meta.get("command") and args.engine_runs:
@@ -286,7 +296,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     if args.engine_only:
         print(f"[fidelity] engine runs in {runs_dir}: run the simulator side with --engine-runs {runs_dir}")
         return fid
-    meta.update({"profile": fid.profile_path(), "runs_dir": str(runs_dir), "spec": str(args.spec)})
+    meta.update({"profile": fid.sim_profile(), "runs_dir": str(runs_dir), "spec": str(args.spec)})
     print(fid.write(args.out, meta))
     return fid
 

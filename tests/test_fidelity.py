@@ -36,6 +36,7 @@ from policies import (
     make_policy,
 )
 from sim import Simulator
+from sim.latency.profiled import ProfiledModel
 from sim.latency import LatencyModel
 
 
@@ -232,8 +233,20 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
     monkeypatch.setattr(fidelity_module, "run", lambda cfg, out, label, *a: labels.append(label) or real_run(cfg, out, label, *a))
     engine_only = tmp_path / "engine_only"
     _main(["--spec", str(spec), "--runs", str(engine_only), "--engine-only", "--scenarios", "poisson,offline",
-           "--engine-repeats", "2"])
+           "--engine-repeats", "2", "--window-profile", "--profile", str(csv)])
     assert labels == ["offline engine", "poisson engine", "offline engine (round 2)", "poisson engine (round 2)"]
+    # --window-profile: the profile's decode-only rows (2 and 7 sequences x 2 contexts) re-timed on the
+    # capacity scenario's engine each round; the simulator side reads them in place of the standalone rows.
+    periods = pd.read_csv(engine_only / "window_periods.csv")
+    assert sorted(periods["round"].unique()) == [0, 1] and len(periods) == 2 * 4 and (periods["time_s"] > 0).all()
+    sim_side = _main(["--spec", str(spec), "--out", str(tmp_path / "out3"), "--runs", str(tmp_path / "runs3"),
+                      "--profile", str(csv), "--engine-runs", str(engine_only), "--scenarios", "offline"])
+    window = engine_only / "window-profile.csv"
+    assert sim_side.sim_profile() == str(window) and "window_profile: 4 decode-only rows" in window.read_text()
+    standalone, windowed = ProfiledModel(csv, 16), ProfiledModel(window, 16)
+    median = periods[(periods.num_decode_seqs == 7) & (periods.context_per_decode == 64)]["time_s"].median()
+    assert windowed.lookup(0, 7, 7 * 64) == pytest.approx(median) and windowed.lookup(64, 0, 0) == standalone.lookup(64, 0, 0)
+    assert "window-profile.csv" in (tmp_path / "out3" / "fidelity.md").read_text()
     for name in ("offline", "poisson"):
         assert (engine_only / name / "engine" / "requests.parquet").is_file()
         assert (engine_only / name / "engine_r2" / "requests.parquet").is_file()

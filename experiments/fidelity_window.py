@@ -1,0 +1,75 @@
+"""The profile's decode-only rows re-measured inside the fidelity experiment's engine-run window.
+
+A decode-only row is the engine's own step period holding that batch (`profiling/host.py:
+decode_periods`); a quarter of a small step is host CPU work, and the device VMs' host speed drifts
+for minutes. On 2026-11-22 a profile taken minutes before the engine runs priced the same steps 5-12%
+below two others on other H200s (1-sequence row: host share 37 us against 168-240) while the engine
+itself reproduced within 3% on all three: the fidelity then measured the host's drift, not the
+simulator. `--window-profile` makes the GPU stage time those rows again, on the engine it has just
+run (the capacity scenario's, each round), with the profiler's settings; the simulator side then
+reads the standalone profile with its decode-only rows replaced by the median of those rounds
+(`window-profile.csv` in the runs dir; the rows with prefill and the swap rows stay the standalone
+profile's). The simulator never sees the scenario runs' own step times.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.profiling.host import decode_periods
+from sim.latency.profiled import read_profile
+
+WARMUP, REPEATS = 2, 15  # conf/profile.yaml's warmup and host_repeats
+PERIODS_CSV = "window_periods.csv"
+PROFILE_CSV = "window-profile.csv"
+
+
+def decode_shapes(profile: str | Path) -> list[tuple[int, int]]:
+    """(D, context per decode) of the profile's decode-only rows."""
+    _, rows = read_profile(profile)
+    shapes = {(int(r["num_decode_seqs"]), int(r["num_context_tokens"]) // int(r["num_decode_seqs"]))
+              for _, r in rows if r.get("kind") == "step" and r.get("num_prefill_tokens") == "0"
+              and r.get("num_decode_seqs") not in ("0", None)}
+    return sorted(shapes)
+
+
+def measure(runner, profile: str | Path, round_index: int, runs_dir: Path) -> None:
+    """Time the profile's decode shapes on `runner` and append them to runs_dir/window_periods.csv."""
+    periods = decode_periods(runner, decode_shapes(profile), WARMUP, REPEATS, seed=round_index)
+    frame = pd.DataFrame([{"round": round_index, "num_decode_seqs": d, "context_per_decode": c, "time_s": t}
+                          for (d, c), t in periods.items()])
+    path = runs_dir / PERIODS_CSV
+    frame.to_csv(path, mode="a", header=not path.is_file(), index=False)
+
+
+def window_profile(profile: str | Path, runs_dir: Path) -> Path | None:
+    """runs_dir/window-profile.csv: `profile` with its decode-only rows' time_s replaced by the median
+    over rounds of runs_dir/window_periods.csv; None when the runs have no window timings."""
+    periods_path = runs_dir / PERIODS_CSV
+    if not periods_path.is_file():
+        return None
+    periods = pd.read_csv(periods_path)
+    medians = {(int(d), int(c)): statistics.median(g["time_s"])
+               for (d, c), g in periods.groupby(["num_decode_seqs", "context_per_decode"])}
+    lines, replaced = Path(profile).read_text().splitlines(), 0
+    header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    columns = lines[header].split(",")
+    for i in range(header + 1, len(lines)):
+        cells = lines[i].split(",")
+        row = dict(zip(columns, cells))
+        if row.get("kind") != "step" or row.get("num_prefill_tokens") != "0" or row.get("num_decode_seqs") == "0":
+            continue
+        d = int(row["num_decode_seqs"])
+        t = medians.get((d, int(row["num_context_tokens"]) // d))
+        if t is not None:
+            cells[columns.index("time_s")] = f"{t:.9g}"
+            lines[i] = ",".join(cells)
+            replaced += 1
+    rounds = periods["round"].nunique()
+    note = (f"# window_profile: {replaced} decode-only rows re-timed in the engine-run window "
+            f"(median of {rounds} rounds, experiments/fidelity_window.py); standalone profile {profile}")
+    out = runs_dir / PROFILE_CSV
+    out.write_text("\n".join(lines[:header] + [note] + lines[header:]) + "\n")
+    return out
