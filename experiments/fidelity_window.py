@@ -36,11 +36,17 @@ def decode_shapes(profile: str | Path) -> list[tuple[int, int]]:
 
 
 def measure(runner, profile: str | Path, round_index: int, runs_dir: Path) -> None:
-    """Time the profile's decode shapes on `runner` and append them to runs_dir/window_periods.csv."""
+    """Time the profile's decode shapes on `runner` and append them to runs_dir/window_periods.csv
+    (round 0 starts the file afresh)."""
+    if runner is None:
+        raise ValueError("--window-profile is invalid here: no engine was kept after the capacity scenario "
+                         "(the spec's engine runs must use backend=engine)")
     periods = decode_periods(runner, decode_shapes(profile), WARMUP, REPEATS, seed=round_index)
     frame = pd.DataFrame([{"round": round_index, "num_decode_seqs": d, "context_per_decode": c, "time_s": t}
                           for (d, c), t in periods.items()])
     path = runs_dir / PERIODS_CSV
+    if round_index == 0:
+        path.unlink(missing_ok=True)
     frame.to_csv(path, mode="a", header=not path.is_file(), index=False)
 
 

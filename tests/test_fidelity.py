@@ -254,3 +254,10 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
     settings = json.loads((engine_only / "meta.json").read_text())["scenarios"]
     assert settings["offline"]["num_requests"] == 6 and settings["poisson"]["rate"] > 0
     assert len(settings["poisson"]["host_probe_us"]) == 2 and min(settings["poisson"]["host_probe_us"]) > 0
+
+
+def test_window_profile_needs_an_engine(tmp_path):
+    from experiments import fidelity_window
+    with pytest.raises(ValueError, match="--window-profile is invalid here"):
+        fidelity_window.measure(None, tmp_path / "unused.csv", 0, tmp_path)
+    assert fidelity_window.window_profile(tmp_path / "unused.csv", tmp_path) is None  # no window timings
