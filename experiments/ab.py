@@ -189,6 +189,24 @@ def combine_tables(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _warmups(cfg_a: DictConfig, cfg_b: DictConfig, warmup: bool | None, label_a: str,
+             label_b: str) -> list[tuple[str, DictConfig, str]]:
+    """(run dir, config, label) of the unrecorded warm-up runs: A's, and B's too when B runs another
+    engine (its own shapes to compile); by default only configs on backend=engine warm up."""
+    on = [warmup if warmup is not None else cfg.backend.name == "engine" for cfg in (cfg_a, cfg_b)]
+    runs = [("_warmup", cfg_a, label_a)] if on[0] else []
+    if on[1] and not (on[0] and _same_engine(cfg_a, cfg_b)):
+        runs.append(("_warmup_b", cfg_b, label_b))
+    return runs
+
+
+def _same_engine(cfg_a: DictConfig, cfg_b: DictConfig) -> bool:
+    if cfg_a.backend.name != "engine" or cfg_b.backend.name != "engine":
+        return cfg_a.backend.name == cfg_b.backend.name
+    from experiments.engine_backend import engine_args
+    return repr(engine_args(cfg_a)) == repr(engine_args(cfg_b))
+
+
 def compare(cfg_a: DictConfig, cfg_b: DictConfig, out_dir: str | Path, label_a: str = "A", label_b: str = "B",
             resamples: int = 1000, confidence: float = 0.95, rounds: int = 1, warmup: bool | None = None) -> ABResult:
     """A then B on one request stream, `rounds` times (A, B, A, B, ...: on a wall-clock backend each
@@ -200,8 +218,8 @@ def compare(cfg_a: DictConfig, cfg_b: DictConfig, out_dir: str | Path, label_a: 
         raise ValueError(f"rounds={rounds!r} is invalid: must be an integer >= 1")
     out_dir = Path(out_dir)
     workload = factory.workload(cfg_a)
-    if warmup if warmup is not None else cfg_a.backend.name == "engine":
-        run(cfg_a, out_dir / "_warmup", f"warm-up: {label_a}", workload.fresh())
+    for name, cfg, label in _warmups(cfg_a, cfg_b, warmup, label_a, label_b):
+        run(cfg, out_dir / name, f"warm-up: {label}", workload.fresh())
     tables, summaries, reqs = [], [], []
     for i in range(rounds):
         suffix, note = ("", "") if i == 0 else (f"_r{i + 1}", f" (round {i + 1})")

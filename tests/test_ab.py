@@ -3,7 +3,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments.ab import _main, combine_tables, compose_pair, markdown, split_overrides
+from experiments.ab import _main, _warmups, combine_tables, compose_pair, markdown, split_overrides
 from experiments.bootstrap import paired_bootstrap
 
 
@@ -96,3 +96,15 @@ def test_ab_rounds_on_the_simulator(tmp_path):
     assert first == second  # the simulator repeats itself exactly
     with pytest.raises(ValueError, match="rounds=0 is invalid"):
         _main(["a=[policy=fcfs]", "b=[policy=priority]", *common, "--out", str(tmp_path / "x"), "--rounds", "0"])
+
+
+def test_warmups_cover_each_engine_config():
+    """A warms up on the engine; B too only when it runs another engine; the simulator never."""
+    engine = ["backend=engine", "backend.device=cpu", "blocks.num_gpu_blocks=64"]
+    names = lambda a, b, flag=None: [w[0] for w in _warmups(a, b, flag, "a", "b")]
+    assert names(*compose_pair(engine, ["policy=fcfs"], ["policy=priority"])) == ["_warmup"]
+    assert names(*compose_pair(engine, ["backend.decode_kernel=packed"], ["backend.decode_kernel=per-head"])) == \
+        ["_warmup", "_warmup_b"]
+    assert names(*compose_pair([], ["backend=sim"], engine)) == ["_warmup_b"]
+    assert names(*compose_pair([], ["policy=fcfs"], ["policy=priority"])) == []
+    assert names(*compose_pair(engine, ["policy=fcfs"], ["policy=priority"]), False) == []

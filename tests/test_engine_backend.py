@@ -56,3 +56,4 @@ def test_ab_on_the_engine_backend(tmp_path):
     assert steps_b.num_preempted_swap.sum() > 0
     assert (tmp_path / "ab.md").is_file()
     assert (tmp_path / "_warmup" / "requests.parquet").is_file()  # the engine ran A once before the record
+    assert not (tmp_path / "_warmup_b").exists()  # B runs on the same engine: no second warm-up

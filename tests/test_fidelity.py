@@ -36,8 +36,8 @@ from policies import (
     make_policy,
 )
 from sim import Simulator
-from sim.latency.profiled import ProfiledModel
 from sim.latency import LatencyModel
+from sim.latency.profiled import ProfiledModel
 
 
 class Linear(LatencyModel):
@@ -146,7 +146,7 @@ def test_ranking_verdicts():
 
 def test_decode_step_ratio_compares_a_run_with_the_profile():
     """Decode-only steps 1.1x the price (prefill and swap steps ignored): ratio 1.1; none: nan."""
-    price = lambda d, c: 1e-3 + 1e-6 * d + 1e-9 * c  # noqa: E731
+    price = lambda d, c: 1e-3 + 1e-6 * d + 1e-9 * c
     rows = [(0, d, 100 * d, 0, 0, 1.1 * price(d, 100 * d)) for d in (1, 4, 16)]
     rows += [(64, 2, 200, 0, 0, 9.0), (0, 3, 300, 4, 0, 9.0)]  # a mixed step, a swap step
     cols = ["num_prefill_tokens", "num_decode_seqs", "kv_tokens", "num_swap_out_blocks", "num_swap_in_blocks", "duration"]
