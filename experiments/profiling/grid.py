@@ -84,21 +84,12 @@ def fit_prefill_pair_s(points: list[tuple[int, int, float]]) -> tuple[float, flo
     groups: dict[int, list[tuple[int, float]]] = {}
     for p, pairs, t in points:
         groups.setdefault(p, []).append((pairs, t))
-    sxy = sxx = 0.0
     centred = []
     for rows in groups.values():
         mx = sum(x for x, _ in rows) / len(rows)
         my = sum(y for _, y in rows) / len(rows)
-        sxy += sum((x - mx) * (y - my) for x, y in rows)
-        sxx += sum((x - mx) ** 2 for x, _ in rows)
         centred += [(x - mx, y - my) for x, y in rows]
-    if sxx <= 0:
-        return 0.0, 0.0, math.inf
-    slope = sxy / sxx
-    dof = len(centred) - len(groups) - 1
-    sse = sum((y - slope * x) ** 2 for x, y in centred)
-    se = math.sqrt(sse / dof / sxx) if dof > 0 else math.inf
-    return (slope if slope > 0 and slope >= 2 * se else 0.0), slope, se
+    return _slope_through_origin(centred, len(groups))
 
 
 def fit_prefill_tile_s(points: list[tuple[int, int, float]], schedule: PrefillSchedule) -> tuple[float, float, float]:
@@ -107,18 +98,22 @@ def fit_prefill_tile_s(points: list[tuple[int, int, float]], schedule: PrefillSc
     row's time minus its one-sequence row's against the makespan difference; used under the same
     rule as `fit_prefill_pair_s`."""
     single = {p: t for p, k, t in points if k == 1}
-    xs, ys = [], []
-    for p, k, t in points:
-        if k > 1 and p in single:
-            chunks = tuple((q, 0) for q in split_tokens(p, k))
-            xs.append(schedule.makespan(chunks) - schedule.single(p))
-            ys.append(t - single[p])
-    sxx = sum(x * x for x in xs)
+    diffs = [(schedule.makespan(tuple((q, 0) for q in split_tokens(p, k))) - schedule.single(p), t - single[p])
+             for p, k, t in points if k > 1 and p in single]
+    return _slope_through_origin(diffs, 0)
+
+
+def _slope_through_origin(points: list[tuple[float, float]], intercepts: int) -> tuple[float, float, float]:
+    """(slope to use, least-squares slope through the origin of `points`, its standard error), the
+    points' fit having spent `intercepts` more degrees of freedom; the slope is used only when
+    positive and at least twice its standard error, else 0."""
+    sxx = sum(x * x for x, _ in points)
     if sxx <= 0:
         return 0.0, 0.0, math.inf
-    slope = sum(x * y for x, y in zip(xs, ys)) / sxx
-    dof = len(xs) - 1
-    se = math.sqrt(sum((y - slope * x) ** 2 for x, y in zip(xs, ys)) / dof / sxx) if dof > 0 else math.inf
+    slope = sum(x * y for x, y in points) / sxx
+    dof = len(points) - intercepts - 1
+    sse = sum((y - slope * x) ** 2 for x, y in points)
+    se = math.sqrt(sse / dof / sxx) if dof > 0 else math.inf
     return (slope if slope > 0 and slope >= 2 * se else 0.0), slope, se
 
 
