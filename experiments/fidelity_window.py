@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from experiments.profiling.grid import write_profile
 from experiments.profiling.host import decode_periods
 from sim.latency.profiled import read_profile
 
@@ -26,13 +27,17 @@ PERIODS_CSV = "window_periods.csv"
 PROFILE_CSV = "window-profile.csv"
 
 
+def _decode_shape(row: dict[str, str]) -> tuple[int, int] | None:
+    """(D, context per decode) of a decode-only step row of a profile, else None."""
+    d = int(row.get("num_decode_seqs") or 0)
+    if row.get("kind") != "step" or row.get("num_prefill_tokens") != "0" or not d:
+        return None
+    return d, int(row["num_context_tokens"]) // d
+
+
 def decode_shapes(profile: str | Path) -> list[tuple[int, int]]:
     """(D, context per decode) of the profile's decode-only rows."""
-    _, rows = read_profile(profile)
-    shapes = {(int(r["num_decode_seqs"]), int(r["num_context_tokens"]) // int(r["num_decode_seqs"]))
-              for _, r in rows if r.get("kind") == "step" and r.get("num_prefill_tokens") == "0"
-              and r.get("num_decode_seqs") not in ("0", None)}
-    return sorted(shapes)
+    return sorted({shape for _, row in read_profile(profile)[1] if (shape := _decode_shape(row))})
 
 
 def measure(runner, profile: str | Path, round_index: int, runs_dir: Path) -> None:
@@ -59,23 +64,13 @@ def window_profile(profile: str | Path, runs_dir: Path) -> Path | None:
     periods = pd.read_csv(periods_path)
     medians = {(int(d), int(c)): statistics.median(g["time_s"])
                for (d, c), g in periods.groupby(["num_decode_seqs", "context_per_decode"])}
-    lines, replaced = Path(profile).read_text().splitlines(), 0
-    header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
-    columns = lines[header].split(",")
-    for i in range(header + 1, len(lines)):
-        cells = lines[i].split(",")
-        row = dict(zip(columns, cells))
-        if row.get("kind") != "step" or row.get("num_prefill_tokens") != "0" or row.get("num_decode_seqs") == "0":
-            continue
-        d = int(row["num_decode_seqs"])
-        t = medians.get((d, int(row["num_context_tokens"]) // d))
+    meta, rows = read_profile(profile)
+    replaced = 0
+    for _, row in rows:
+        t = medians.get(_decode_shape(row))
         if t is not None:
-            cells[columns.index("time_s")] = f"{t:.9g}"
-            lines[i] = ",".join(cells)
-            replaced += 1
-    rounds = periods["round"].nunique()
-    note = (f"# window_profile: {replaced} decode-only rows re-timed in the engine-run window "
-            f"(median of {rounds} rounds, experiments/fidelity_window.py); standalone profile {profile}")
-    out = runs_dir / PROFILE_CSV
-    out.write_text("\n".join(lines[:header] + [note] + lines[header:]) + "\n")
-    return out
+            row["time_s"], replaced = f"{t:.9g}", replaced + 1
+    meta["window_profile"] = (f"{replaced} decode-only rows re-timed in the engine-run window (median of "
+                              f"{periods['round'].nunique()} rounds, experiments/fidelity_window.py); "
+                              f"standalone profile {profile}")
+    return write_profile(runs_dir / PROFILE_CSV, meta, [row for _, row in rows])
