@@ -38,7 +38,7 @@ from experiments.bench_timing import copies_for, copy_gbps, graph_ms
 from kernels import decode_packed
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig as P
-from kernels.inputs import kv_cache_storage, random_paged_problem
+from kernels.inputs import KV_LAYOUTS, kv_cache_storage, random_paged_problem
 
 HQ, HKV, D, BS = 16, 8, 128, 16
 CANDIDATES = [
@@ -181,18 +181,6 @@ def tiles_round(save, copy_bw: float) -> None:
     save(uniform(64, 32768, copy_bw, TILE_GRID))
 
 
-STREAM_LAYOUTS = ("nhd", "hnd", "headmajor")
-
-
-def cache_layout(cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """`cache` (logical [num_blocks, block_size, Hkv, D]) over storage "nhd" (as indexed), "hnd" (each
-    block's heads outermost: 4 KB pages) or "headmajor" ([Hkv, num_blocks, block_size, D]: with
-    sequential block tables one program's K or V is one contiguous run, SDPA's own stream)."""
-    if layout == "headmajor":
-        return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-    return kv_cache_storage(cache, layout)
-
-
 def streams_round(save, copy_bw: float) -> None:
     """Round 8: the per-head kernel at B64x4k on each storage layout with random and sequential
     block tables.  headmajor + sequential reads exactly the bytes SDPA reads, in the same order per
@@ -207,9 +195,9 @@ def streams_round(save, copy_bw: float) -> None:
     expected = F.scaled_dot_product_attention(sets[0][0].q.unsqueeze(2), sets[0][1], sets[0][2],
                                               scale=sets[0][0].scale, enable_gqa=True).squeeze(2)
     tables = [s[0].block_tables for s in sets]
-    for layout in STREAM_LAYOUTS:
+    for layout in KV_LAYOUTS:
         for s in sets:
-            s[0].k_cache, s[0].v_cache = cache_layout(s[0].k_cache, layout), cache_layout(s[0].v_cache, layout)
+            s[0].k_cache, s[0].v_cache = kv_cache_storage(s[0].k_cache, layout), kv_cache_storage(s[0].v_cache, layout)
             torch.cuda.empty_cache()
         if layout != "nhd":
             save(time_point(f"B64xL4096-{layout}", sets, nbytes, copy_bw, configs, sdpa=False, expected=expected))

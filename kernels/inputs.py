@@ -49,18 +49,22 @@ class PagedProblem:
         )
 
 
-KV_LAYOUTS = ("nhd", "hnd")
+KV_LAYOUTS = ("nhd", "hnd", "headmajor")
 
 
 def kv_cache_storage(cache: torch.Tensor, layout: str) -> torch.Tensor:
     """A copy of `cache` (logical [num_blocks, block_size, num_kv_heads, head_dim]) whose storage
     follows `layout`: "nhd" is contiguous as indexed; "hnd" keeps each block's KV heads outermost,
-    so one (block, head) page is block_size * head_dim contiguous elements.  The result is a view
-    with the same logical shape; every kernel reads the cache through its strides."""
+    so one (block, head) page is block_size * head_dim contiguous elements; "headmajor" stores
+    [num_kv_heads, num_blocks, block_size, head_dim], so with sequential block tables one head's K
+    or V of a sequence is one contiguous run (SDPA's stream; kernels/NOTES.md round 8).  The result
+    is a view with the same logical shape; every kernel reads the cache through its strides."""
     if layout not in KV_LAYOUTS:
         raise ValueError(f"layout={layout!r} is invalid: one of {KV_LAYOUTS}")
     if layout == "nhd":
         return cache.contiguous()
+    if layout == "headmajor":
+        return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
     return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 

@@ -169,12 +169,11 @@ def test_decode_reads_hnd_cache_through_strides(config):
 
 
 def test_decode_per_head_reads_head_major_cache():
-    """Head-major storage ([Hkv, num_blocks, block_size, D] under the logical view; the round-8
-    layout sweep of experiments.bench_kernels_sweep --streams) gives the same answer."""
+    """Head-major storage (kernels.inputs.kv_cache_storage "headmajor", the round-8 layout sweep of
+    experiments.bench_kernels_sweep --streams) gives the same answer."""
     prob = random_paged_problem([9, 40, 33], None, 4, 2, 16, 16, torch.float32, seed=8)
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
-    prob.k_cache, prob.v_cache = (c.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-                                  for c in (prob.k_cache, prob.v_cache))
+    prob.k_cache, prob.v_cache = (kv_cache_storage(c, "headmajor") for c in (prob.k_cache, prob.v_cache))
     assert prob.k_cache.stride(2) == prob.k_cache.shape[0] * 16 * 16
     out = paged_decode_attention(*prob.decode_args(), config=DecodeConfig(block_n=32))
     assert _rel_err(out, ref) < 1e-5
