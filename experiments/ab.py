@@ -135,6 +135,13 @@ def run_table(summary_a: dict[str, Any], summary_b: dict[str, Any]) -> pd.DataFr
     return pd.DataFrame(rows)
 
 
+def ab_table(summary_a: dict[str, Any], req_a: pd.DataFrame, summary_b: dict[str, Any], req_b: pd.DataFrame,
+             resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """One A/B pair's table: the paired per-request rows, then the run-level rows."""
+    return pd.concat([paired_table(req_a, req_b, resamples, confidence, seed), run_table(summary_a, summary_b)],
+                     ignore_index=True)
+
+
 def markdown(table: pd.DataFrame, label_a: str, label_b: str, confidence: float) -> str:
     head = (f"| metric | scope | stat | A: {label_a} | B: {label_b} | B - A | {confidence:.0%} CI | change |\n"
             "|---|---|---|---:|---:|---:|---:|---:|")
@@ -173,7 +180,10 @@ def ab_figure(table: pd.DataFrame, req_a: pd.DataFrame, req_b: pd.DataFrame, lab
 
 def combine_tables(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
     """The tables of one A/B repeated in rounds, row by row (`combine_rounds`): mean A, B and B - A,
-    the widest interval, `significant` by the rounds' rule, and each round's change in `round_changes`."""
+    the widest interval, `significant` by the rounds' rule, and each round's change in `round_changes`;
+    one round's table as it is."""
+    if len(tables) == 1:
+        return tables[0]
     key = ["metric", "stat", "scope"]
     first = tables[0].set_index(key)
     rows = []
@@ -227,11 +237,10 @@ def compare(cfg_a: DictConfig, cfg_b: DictConfig, out_dir: str | Path, label_a: 
         summary_b = run(cfg_b, out_dir / f"b{suffix}", f"B: {label_b}{note}", workload.fresh())
         req_a = pd.read_parquet(out_dir / f"a{suffix}" / "requests.parquet")
         req_b = pd.read_parquet(out_dir / f"b{suffix}" / "requests.parquet")
-        tables.append(pd.concat([paired_table(req_a, req_b, resamples, confidence, int(cfg_a.seed)),
-                                 run_table(summary_a, summary_b)], ignore_index=True))
+        tables.append(ab_table(summary_a, req_a, summary_b, req_b, resamples, confidence, int(cfg_a.seed)))
         summaries.append((summary_a, summary_b))
         reqs.append((req_a, req_b))
-    table = tables[0] if rounds == 1 else combine_tables(tables)
+    table = combine_tables(tables)
     table.to_csv(out_dir / "ab.csv", index=False)
     (out_dir / "ab.md").write_text(markdown(table, label_a, label_b, confidence))
     fig, cdf = ab_figure(table, *reqs[0], label_a, label_b)

@@ -34,8 +34,7 @@ from typing import Any
 import pandas as pd
 
 from experiments import engine_backend, factory, fidelity_window
-from experiments.ab import paired_table, run_table
-from experiments.bootstrap import combine_rounds
+from experiments.ab import ab_table, combine_tables
 from experiments.cli import run_cli
 from experiments.fidelity_plots import save_scenario_figure
 from experiments.fidelity_report import (
@@ -137,6 +136,8 @@ class Fidelity:
                 stored = self.engine_runs / name
                 dirs = sorted(stored.glob("engine_r*"), key=lambda d: int(d.name.removeprefix("engine_r")))
                 self._engine[name] = [(r.summary, r.requests, r.steps) for r in map(load_run, [stored / "engine", *dirs])]
+                if name == self.spec.get("capacity"):
+                    self.capacity_tok_s = float(self._engine[name][0][0]["output_throughput"])
             return
         for i in range(self.engine_repeats):
             for name in names:
@@ -167,7 +168,6 @@ class Fidelity:
              "num_gpu_blocks": info.get("num_gpu_blocks"), "num_cpu_blocks": info.get("num_cpu_blocks"),
              "engine_stall_steps": len(stalls), "engine_stall_s": float(stalls.sum())})
         if name == self.spec.get("capacity"):
-            self.capacity_tok_s = float(engine[0]["output_throughput"])
             self.settings[name]["capacity_output_tok_s"] = self.capacity_tok_s
         tok_s = "/".join(f"{r[0]['output_throughput']:.0f}" for r in engine_runs)
         line = (f"[fidelity] {name}: engine {engine[0]['duration_s']:.2f}s ({tok_s} tok/s, {len(stalls)} steps > "
@@ -197,22 +197,22 @@ class Fidelity:
 
     def ranking(self) -> list[dict[str, Any]]:
         """The spec's A/B rows. The engine's difference is taken per round (A and B of one round ran
-        minutes apart at most, under one host speed) and combined by `combine_rounds`."""
+        minutes apart at most, under one host speed) and combined by `ab.combine_tables`."""
         rows = []
         for ab in self.spec.get("ab", []):
             if ab["a"] not in self.results or ab["b"] not in self.results:
                 continue
             res_a, res_b = self.results[ab["a"]], self.results[ab["b"]]
-            pairs = {"engine": list(zip(res_a["engine_runs"], res_b["engine_runs"])), "sim": [(res_a["sim"], res_b["sim"])]}
-            tables = {backend: [pd.concat([paired_table(ra, rb), run_table(sa, sb)], ignore_index=True)
-                                for (sa, ra, _), (sb, rb, _) in runs] for backend, runs in pairs.items()}
+            tables = {"engine": combine_tables([ab_table(sa, ra, sb, rb) for (sa, ra, _), (sb, rb, _)
+                                                in zip(res_a["engine_runs"], res_b["engine_runs"])]),
+                      "sim": ab_table(*res_a["sim"][:2], *res_b["sim"][:2])}
             for spec in ab["metrics"]:
                 metric, stat, scope = spec.split()
                 picked = {}
-                for backend, per_round in tables.items():
-                    sel = [t[(t["metric"] == metric) & (t["stat"] == stat) & (t["scope"] == scope)] for t in per_round]
-                    if all(len(x) for x in sel):
-                        picked[backend] = combine_rounds([x.iloc[0].to_dict() for x in sel])
+                for backend, t in tables.items():
+                    sel = t[(t["metric"] == metric) & (t["stat"] == stat) & (t["scope"] == scope)]
+                    if len(sel):
+                        picked[backend] = sel.iloc[0].to_dict()
                 if len(picked) == 2:
                     rows.append(ranking_row(ab["name"], f"{metric} {stat} ({scope})", picked["engine"], picked["sim"]))
         return rows
