@@ -81,11 +81,6 @@ def free_device() -> None:
         torch.cuda.empty_cache()
 
 
-def current_device_name() -> str:
-    import torch
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
 def kept_runner():
     """The kept engine's ModelRunner (the last run's), or None."""
     return next(iter(_ENGINE.values())).runner if _ENGINE else None
@@ -121,11 +116,14 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     runner = engine.runner
     return BackendRun(num_steps, engine.now(), "wall", {
         "num_gpu_blocks": runner.num_gpu_blocks, "num_cpu_blocks": runner.num_cpu_blocks,
-        "device": _device_name(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+        "device": device_name(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
         "cuda_graphs": runner.graphs is not None})
 
 
-def _device_name(device) -> str:
+def device_name(device=None) -> str:
+    """The GPU's name (`device`, default the current CUDA device when there is one), or "cpu"."""
     import torch
 
+    if device is None:
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -277,7 +277,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     meta: dict[str, Any] = json.loads(old_meta.read_text()) if old_meta and old_meta.is_file() else {}
     if not meta:
         from experiments.profile import versions
-        meta = {"device": engine_backend.current_device_name(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        meta = {"device": engine_backend.device_name(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 "versions": versions()}
     command = "python -m experiments.fidelity " + " ".join(sys.argv[1:] if argv is None else argv)
     if meta.get("command") and args.engine_runs:
