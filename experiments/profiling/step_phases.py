@@ -41,12 +41,12 @@ def phase_times(runner: ModelRunner, out) -> tuple[float, ...]:
     return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
 
 
-def replay_ms(runner: ModelRunner, decodes: int, steps: int) -> float | None:
-    """Median GPU time of the decode graph that runs `decodes` sequences (None without graphs)."""
-    if runner.graphs is None:
+def replay_ms(runner: ModelRunner, out, steps: int) -> float | None:
+    """Median GPU time of the CUDA graph the engine runs `out` in (None without one)."""
+    shape = runner.graphs.shape_for(runner.batch.plan(out.scheduled)) if runner.graphs is not None else None
+    if shape is None:
         return None
-    size = next(b for b in runner.graphs.sizes if b >= decodes)
-    graph = runner.graphs.graphs[runner.graphs.decode_shapes[size]]
+    graph = runner.graphs.graphs[shape]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(steps):
@@ -75,7 +75,7 @@ def run(model: str, decodes: int, context: int, builds: int, windows: int, steps
             samples = [phase_times(runner, out) for _ in range(steps)]
             row = {"build": b, "window": w}
             row.update({p: statistics.median(c) * 1e6 for p, c in zip(PHASES, zip(*samples))})
-            row["replay_gpu"] = (replay_ms(runner, decodes, steps) or 0.0) * 1e3
+            row["replay_gpu"] = (replay_ms(runner, out, steps) or 0.0) * 1e3
             rows.append(row)
             print(f"build {b} window {w} (us): " + " ".join(f"{k} {row[k]:.0f}" for k in (*PHASES, "replay_gpu")),
                   flush=True)
