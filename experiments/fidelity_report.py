@@ -136,9 +136,11 @@ def target_summary(table: pd.DataFrame) -> str:
 
 def ranking_row(name: str, metric: str, engine_ab: Mapping[str, float], sim_ab: Mapping[str, float]) -> dict[str, Any]:
     """`engine_ab`/`sim_ab`: {a, b, diff, ci_low, ci_high} of one A/B metric (B - A) on each backend;
-    `significant` in `engine_ab` (from `combine_rounds`) overrides the interval test."""
+    a `significant` verdict in `engine_ab` (from `combine_rounds`, or a paired row's) overrides the
+    interval test."""
     ed, sd = engine_ab["diff"], sim_ab["diff"]
-    significant = bool(engine_ab.get("significant", excludes_zero(engine_ab)))
+    verdict = engine_ab.get("significant")  # None on a run-level row of one round: no interval to judge
+    significant = excludes_zero(engine_ab) if verdict is None else bool(verdict)
     sign_ok = bool(np.sign(ed) == np.sign(sd))
     ratio = sd / ed if ed else math.nan
     return {"comparison": name, "metric": metric,

@@ -140,6 +140,10 @@ def test_ranking_verdicts():
     assert off["sign_predicted"] and not off["size_predicted"]
     wrong = ranking_row("x", "e2e mean (all)", ab(1.0, 1.2, -0.1, 0.3), ab(1.0, 0.9, -0.2, 0.0))
     assert not wrong["sign_predicted"] and not wrong["engine_significant"]
+    run_level = ranking_row("x", "request_throughput run (all)",
+                            {"a": 10.0, "b": 11.0, "diff": 1.0, "ci_low": math.nan, "ci_high": math.nan,
+                             "significant": None}, ab(10.0, 10.5, math.nan, math.nan))
+    assert run_level["engine_significant"]  # one run each: no interval, as without the verdict key
     md = ranking_markdown([good, off, wrong])
     assert md.count("| x |") == 3 and "NO" in md and "(n.s.)" in md
 
