@@ -38,6 +38,7 @@ from experiments.profiling.synthetic import decode_contexts
 from policies import SamplingParams, TraceRecorder
 
 DECODE_PROMPT_LEN = 16
+_PARAMS = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
 _PROBE_ITEMS = list(range(4000, 0, -1))
 
 
@@ -52,7 +53,7 @@ def cpu_probe_us(repeats: int = 15) -> float:
         sorted(_PROBE_ITEMS, key=index.__getitem__)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
-_PARAMS = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
+
 
 
 class _TimedRunner:
