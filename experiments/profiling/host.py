@@ -55,7 +55,6 @@ def cpu_probe_us(repeats: int = 15) -> float:
     return statistics.median(times) * 1e6
 
 
-
 class _TimedRunner:
     """Forwards to the runner; with `reruns` > 0 an `execute` is then re-run that many times back to
     back (results dropped) and the re-runs' median kept as `warm_s`."""
