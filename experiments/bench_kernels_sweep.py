@@ -1,8 +1,5 @@
 """Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head | --waves |
---tiles | --streams | --l2] [--out DIR]`.
-
-`--l2` (round 10): the per-head kernel with the L2 prefetch qualifier (64/128/256 B) on its
-cp.async loads, which Triton omits and CUTLASS's sm80 copies use, against none.
+--tiles | --streams] [--out DIR]`.
 
 `--streams` (round 8): the per-head kernel on three cache storage layouts (block-major NHD, 4 KB
 HND pages, head-major) with random and sequential block tables.  Head-major storage with
@@ -65,8 +62,7 @@ def name(cfg) -> str:
     if isinstance(cfg, DecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
         warps = "" if cfg.num_warps == 4 else f"w{cfg.num_warps}"
-        l2 = f"-l2{cfg.l2_prefetch}" if cfg.l2_prefetch else ""
-        return f"head-n{cfg.block_n}s{cfg.num_stages}{warps}{split}{l2}"
+        return f"head-n{cfg.block_n}s{cfg.num_stages}{warps}{split}"
     io = ("tma" if cfg.use_tma else "ptr") + ("" if cfg.pdl else "-nopdl")
     split = "" if cfg.min_split_tokens == P().min_split_tokens else f"-min{cfg.min_split_tokens}"
     return f"packed-n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}pp{cfg.programs_per_sm}-{io}{split}"
@@ -213,18 +209,6 @@ def streams_round(save, copy_bw: float) -> None:
     save(time_point("B64xL4096-end", sets, nbytes, copy_bw, []))  # SDPA again: drift over the round
 
 
-L2_POINTS = [(64, 4096), (256, 4096), (64, 32768), (8, 32768), (256, 1024)]
-
-
-def l2_round(save, copy_bw: float) -> None:
-    """Round 10: the per-head kernel's cp.async with each L2 prefetch size (kernels/ptx_hints.py),
-    as CUTLASS's sm80 copies issue them, against none; B64x4k first, SDPA again at the end."""
-    configs = [replace(c, l2_prefetch=size) for size in ("", "64B", "128B", "256B") for c in PER_HEAD]
-    for batch, ctx in L2_POINTS:
-        save(uniform(batch, ctx, copy_bw, configs))
-    save(uniform(64, 4096, copy_bw, []))  # SDPA again: drift over the round
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
@@ -232,7 +216,6 @@ def main() -> None:
     parser.add_argument("--waves", action="store_true", help="round 7: batches of whole and partial waves")
     parser.add_argument("--tiles", action="store_true", help="round 7b: 128-key tiles, 2-warp programs")
     parser.add_argument("--streams", action="store_true", help="round 8: storage layouts x block-table order")
-    parser.add_argument("--l2", action="store_true", help="round 10: cp.async L2 prefetch sizes")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
@@ -261,9 +244,6 @@ def main() -> None:
         return
     if args.streams:
         streams_round(save, copy_bw)
-        return
-    if args.l2:
-        l2_round(save, copy_bw)
         return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),

@@ -22,10 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import ptx_hints
-from kernels.common import LOG2E, block_dim, device_sms, dot_precision, interpreting, upcast_operands
+from kernels.common import LOG2E, block_dim, device_sms, dot_precision, upcast_operands
 from kernels.decode_packed import PackedDecodeConfig, attend_tile, paged_decode_packed
-from kernels.ptx_hints import mark_l2_prefetch
 from kernels.validate import check_attention_inputs, check_out
 
 
@@ -41,7 +39,6 @@ class DecodeConfig:
     min_split_tokens: int = 256  # heuristic never cuts a context finer than this
     heads_fastest: bool = True  # launch the KV heads of one sequence next to each other
     kv_eviction: str = ""  # cache hint for the K/V loads ("evict_first": streamed, keep L2 for the rest)
-    l2_prefetch: str = ""  # "" or the cp.async L2 prefetch size: "64B", "128B", "256B" (kernels.ptx_hints)
 
 
 @triton.jit
@@ -78,7 +75,6 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     KV_EVICTION: tl.constexpr,
-    L2_PREFETCH: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -87,7 +83,7 @@ def _decode_kernel(
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    length = mark_l2_prefetch(tl.load(context_lens_ptr + b), L2_PREFETCH)
+    length = tl.load(context_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(length, start + chunk)
@@ -225,12 +221,6 @@ def paged_decode_attention(
         return out
     if isinstance(config, PackedDecodeConfig):
         return paged_decode_packed(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
-    if config.l2_prefetch:
-        ptx_hints.check_size(config.l2_prefetch)
-        if interpreting():
-            raise ValueError(f"config.l2_prefetch={config.l2_prefetch!r} is invalid in the Triton interpreter "
-                             "(a PTX hint): use '' on the CPU")
-        ptx_hints.install()
     group = num_heads // num_kv_heads
     bd = block_dim(head_dim)
     splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device, config)
@@ -274,7 +264,6 @@ def paged_decode_attention(
         NUM_HEADS=num_heads,
         HEADS_FASTEST=config.heads_fastest,
         KV_EVICTION=config.kv_eviction,
-        L2_PREFETCH=config.l2_prefetch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -5,7 +5,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from kernels import ptx_hints, reference
+from kernels import reference
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig, tma_ok
 from kernels.inputs import block_is_dense, kv_cache_storage, random_paged_problem
@@ -204,21 +204,3 @@ def test_decode_large_logits_stay_finite():
     out = paged_decode_attention(*prob.decode_args(), config=DecodeConfig(block_n=16, num_splits=2))
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
     assert out.isfinite().all() and _rel_err(out, ref) < 1e-4
-
-
-def test_ptx_hints_rewrite_only_marked_modules():
-    plain = "cp.async.cg.shared.global [ %r1 + 0 ], [ %rd2 + 0 ], 0x10, %r3;\n"
-    assert ptx_hints.rewrite_ptx(plain) == plain
-    marked = "mov.b32 %r9, %r8; // servelab-l2-prefetch:256B\n" + plain * 2
-    out = ptx_hints.rewrite_ptx(marked)
-    assert out.count("cp.async.cg.shared.global.L2::256B [") == 2 and "global [" not in out
-    with pytest.raises(ValueError, match="conflicting"):
-        ptx_hints.rewrite_ptx(marked + "// servelab-l2-prefetch:64B\n")
-
-
-def test_l2_prefetch_config_is_checked():
-    prob = random_paged_problem([5], None, 4, 2, 16, 16, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="l2_prefetch='32B' is invalid"):
-        paged_decode_attention(*prob.decode_args(), config=DecodeConfig(l2_prefetch="32B"))
-    with pytest.raises(ValueError, match="invalid in the Triton interpreter"):
-        paged_decode_attention(*prob.decode_args(), config=DecodeConfig(l2_prefetch="128B"))

@@ -37,8 +37,6 @@ def _lens(n: int, low: int, high: int, seed: int) -> list[int]:
         DecodeConfig(),
         DecodeConfig(num_splits=1),
         DecodeConfig(num_splits=5),
-        DecodeConfig(l2_prefetch="128B"),
-        DecodeConfig(num_splits=3, l2_prefetch="256B"),
         PackedDecodeConfig(),
         PackedDecodeConfig(use_tma=False),
         PackedDecodeConfig(block_n=8, num_stages=4, programs_per_sm=2),
@@ -161,18 +159,3 @@ def test_write_copy_swap_bf16():
         swap_blocks(host, back, swap_pairs.flip(1), method=method)
         torch.cuda.synchronize()
         assert torch.equal(back[swap_pairs[:, 0].cuda()], k_caches[1][swap_pairs[:, 0].cuda()])
-
-
-def test_l2_prefetch_hint_reaches_the_machine_code():
-    """The marked kernel's cp.async carry the prefetch size; the unmarked default's do not."""
-    from kernels.decode import _decode_kernel
-
-    prob = random_paged_problem([300, 17], None, 16, 8, 128, 16, torch.bfloat16, device="cuda", seed=1)
-    paged_decode_attention(*prob.decode_args(), config=DecodeConfig(num_splits=1))
-    paged_decode_attention(*prob.decode_args(), config=DecodeConfig(num_splits=1, l2_prefetch="128B"))
-    ptx = [k.asm["ptx"] for cache in _decode_kernel.device_caches.values() for k in cache[0].values()]
-    marked = [p for p in ptx if "servelab-l2-prefetch:128B" in p]
-    plain = [p for p in ptx if "servelab-l2-prefetch" not in p]
-    assert marked and plain
-    assert all("cp.async.cg.shared.global.L2::128B" in p and "cp.async.cg.shared.global [" not in p for p in marked)
-    assert all("L2::128B" not in p for p in plain)
