@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from policies.blocks.base import BlockManager
+from policies.lookahead import PENDING
 from policies.output_lens import holds_output_len
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.preemption import Preemptor
@@ -109,6 +110,65 @@ class Lifecycle:
                 finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
             elif computed >= stop_len:
                 finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
+
+    # ---- one step ahead (policies/lookahead.py) -----------------------------------------------
+    def look_past(self, out: SchedulerOutput, output_lens: Mapping[str, int] | None,
+                  sampled: list[Sequence]) -> list[tuple[Sequence, SequenceStatus, str]]:
+        """`apply` before the tokens are known: progress advances, each sampling sequence gets a
+        PENDING token (listed in `sampled`); returns the sequences a length rule ends (a forced
+        output length as "stop", as `apply` treats stop_seq_ids)."""
+        mark = self._mark_computed
+        mask = 0 if out.copy else self._block_mask
+        stop_info, ending = self.stop_info, []
+        for seq, num_new, num_samples in out.scheduled:
+            computed = seq.num_computed_tokens + num_new
+            seq.num_computed_tokens = computed
+            if mark is not None and (num_new != 1 or not computed & mask):
+                mark(seq)
+            if not num_samples:
+                continue
+            seq.token_ids.append(PENDING)
+            sampled.append(seq)
+            stop_len, min_len, _, _ = stop_info[seq]
+            if output_lens and holds_output_len(seq, output_lens) and computed >= min_len:
+                ending.append((seq, SequenceStatus.FINISHED_STOPPED, "stop"))
+            elif computed >= stop_len:
+                ending.append((seq, SequenceStatus.FINISHED_LENGTH, "length"))
+        return ending
+
+    def settle(self, sampled: list[Sequence], ending: list[Sequence], new_token_ids: dict[int, list[int]],
+               now: float, stop_seq_ids: Collection[int]) -> None:
+        """The token side of a looked-past step: each PENDING token gets its value and time, stop
+        tokens and `stop_seq_ids` end their sequences (one step late: they sit in the step in
+        flight, so it is marked aborted in flight), and the length-ended requests end."""
+        stop_info, first_token = self.stop_info, self.recorder.first_token
+        for seq in sampled:
+            info = stop_info.get(seq)
+            if info is None or seq.status is SequenceStatus.FINISHED_ABORTED:
+                continue  # its request was aborted since
+            try:
+                (token,) = new_token_ids[seq.seq_id]
+            except (KeyError, TypeError, ValueError):
+                _tokens_for(seq, 1, new_token_ids)  # raises a ValueError naming the sequence
+                raise
+            seq.token_ids[-1] = token
+            _, min_len, stops, times = info
+            if times is not None:
+                if not times:
+                    first_token(seq, now)
+                times.append(now)
+            if (stops is not None and token in stops or stop_seq_ids and seq.seq_id in stop_seq_ids) \
+                    and seq.num_computed_tokens >= min_len:
+                if seq.status is RUNNING:
+                    self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
+                    self.aborted_in_flight = True
+                elif seq.status is SequenceStatus.FINISHED_LENGTH:  # a stop wins over a length limit
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED_STOPPED, "stop"
+        for seq in ending:
+            family = self.families.get(seq.request.request_id)
+            if family is not None and all(s.status >= FINISHED for s in family):
+                seq.request.finish_reason = family[0].finish_reason
+                self._end(seq.request, family, now, aborted=False)
 
     @property
     def has_pending_ends(self) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from operator import attrgetter, itemgetter
 
-from policies import decode_run
+from policies import decode_run, lookahead
 from policies.blocks.base import AllocStatus, BlockManager
 from policies.lifecycle import Lifecycle
 from policies.outputs import ScheduledSeq, SchedulerOutput
@@ -61,6 +61,8 @@ class Scheduler:
         self._stats = StepStats()
         self._stats_out: SchedulerOutput | None = None
         self._decode_run = decode_run.NO_RUN  # what decode_run_limit allowed
+        self._looked_past: lookahead.LookedPast | None = None  # schedule_ahead's step awaiting update
+        self._last_update = 0.0
 
     # ---- queries --------------------------------------------------------------------------
     @property
@@ -74,6 +76,11 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return len(self.queues.swapped)
+
+    @property
+    def may_force(self) -> bool:
+        """Whether the policy may force running sequences out for the waiting queue's head."""
+        return self._may_force
 
     def has_unfinished(self) -> bool:
         return self.queues.has_unfinished()
@@ -140,6 +147,22 @@ class Scheduler:
         self._stats.fill_totals(out)
         out.aborted = self.lifecycle.take_aborted()  # since the last schedule(), too_long ones included
         return out
+
+    def schedule_ahead(self, now: float, output_lens: Mapping[str, int] | None = None) -> SchedulerOutput | None:
+        """The next step, decided while the last one (schedule()'s output) still runs; its update
+        comes after this (policies/lookahead.py). None, changing nothing, when that step cannot be
+        looked past: then update it and call `schedule`. `output_lens` as the backend's forced
+        output lengths (applied here for the step looked past: its update must not get them as
+        stop_seq_ids)."""
+        out, stats = self._stats_out, self._stats
+        if out is None or self._looked_past is not None:
+            raise ValueError("schedule_ahead() needs a step from schedule() or schedule_ahead() whose update "
+                             "has not come, and no looked-past step awaiting its update")
+        if not lookahead.can_look_past(self, out, stats):
+            return None
+        self._looked_past = lookahead.look_past(self, out, stats, max(self._last_update, out.now), output_lens)
+        self._all_decoding = True
+        return self.schedule(now)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> tuple[int, bool]:
         running = self.queues.running
@@ -289,9 +312,15 @@ class Scheduler:
         sampling sequence, `stop_seq_ids` the sequences the backend saw hit a stop string (for a
         prompt sampling n > 1 tokens, `(seq_id, i)` names token i, whose child is forked here). Returns
         the requests that ended since the last update (finished, or aborted from anywhere)."""
+        self._now = now
+        past = self._looked_past
+        if past is not None:
+            if past.out is not out:
+                raise ValueError("update() got an output that is not the step schedule_ahead() looked past")
+            return self._update_looked_past(past, new_token_ids, now, stop_seq_ids)
         if self._stats_out is not out:
             raise ValueError("update() got an output that is not the last one schedule() returned")
-        self._now = now
+        self._last_update = now
         stats, skip_aborted = self._stats, self.lifecycle.aborted_in_flight
         self.queues.kv_tokens += stats.num_prefill_tokens + stats.num_decode_seqs
         self.lifecycle.apply(out, new_token_ids, now, stop_seq_ids)
@@ -304,13 +333,25 @@ class Scheduler:
         self._step += 1
         return ended
 
+    def _update_looked_past(self, past: lookahead.LookedPast, new_token_ids: dict[int, list[int]],
+                            now: float, stop_seq_ids: Collection[int | tuple[int, int]]) -> list[Request]:
+        self._looked_past, self._last_update = None, now
+        self.lifecycle.settle(past.sampled, past.ending, new_token_ids, now, stop_seq_ids)
+        if self.lifecycle.aborted_in_flight:
+            self._all_decoding = False
+        ended = self.lifecycle.take_ended()
+        self.recorder.step(past.stats.row(self._step, past.out, now, self.queues, self.block_manager.usage(),
+                                          past.counts, ended, start=past.start))
+        self._step += 1
+        return ended
+
     # ---- fast-forward (policies/decode_run.py) ----------------------------------------------
     def decode_run_limit(self, max_steps: int, token: int, output_lens: Mapping[str, int] | None = None) -> int:
         """How many of the next steps (<= max_steps) `advance_decodes` may apply at once if every
         sample is `token`, `output_lens` end requests at those output lengths (as stop_seq_ids)
         and nothing arrives or is aborted before the last one starts; 0 if the next is not one."""
         self._decode_run = decode_run.run_limit(self, self._step, max_steps, token, output_lens) \
-            if self._all_decoding else decode_run.NO_RUN
+            if self._all_decoding and self._looked_past is None else decode_run.NO_RUN
         return self._decode_run.limit
 
     def advance_decodes(self, times: list[float], token: int, output_lens: Mapping[str, int] | None = None) -> None:

@@ -54,10 +54,14 @@ class StepStats:
         out.sum_samples = self.num_samples
 
     def row(self, step: int, out: SchedulerOutput, now: float, queues: SchedulerQueues,
-            usage: BlockUsage, preemptions: PreemptionCounts, ended: list[Request]) -> dict:
+            usage: BlockUsage, preemptions: PreemptionCounts, ended: list[Request],
+            start: float | None = None) -> dict:
+        """`start`: when the step began, if not when it was scheduled (`out.now`; a step scheduled
+        ahead begins when the one before it ends)."""
+        start = out.now if start is None else start
         num_aborted = sum(1 for r in ended if r.finish_reason.startswith("abort:")) if ended else 0
         return {
-            "step": step, "time": out.now, "duration": now - out.now,
+            "step": step, "time": start, "duration": now - start,
             "num_batched_tokens": self.num_prefill_tokens + self.num_decode_seqs,
             "num_prefill_tokens": self.num_prefill_tokens, "num_prefill_seqs": self.num_prefill_seqs,
             "num_decode_seqs": self.num_decode_seqs, "num_running": len(queues.running),

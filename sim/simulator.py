@@ -19,6 +19,10 @@ one timeout (an arrival during the last step is in the waiting queue by then, as
 step's update). The clock values are the ones stepping one by one computes (each step's end = its
 start + its duration), so the traces are byte-identical to `fast_forward=False`; steps whose end
 SimPy could not reach exactly from now with one delay (only possible early on) go one by one.
+
+Async scheduling (`scheduler.async_scheduling`): each step is decided when the one before it
+starts (`Scheduler.schedule_ahead`, policies/lookahead.py), so a request arriving during step N
+is admitted in step N + 2 at the earliest; steps go one by one (no fast-forward).
 """
 from __future__ import annotations
 
@@ -57,9 +61,11 @@ class Simulator:
         """scheduler: a `policies.Scheduler`; on_done(n) is called as n requests end (progress)."""
         if type(fast_forward) is not bool:
             raise ValueError(f"fast_forward={fast_forward!r} is invalid: must be True or False")
+        config = getattr(scheduler, "config", None)
+        self.ahead = bool(getattr(config, "async_scheduling", False))
         # Step one by one with a stand-in scheduler without the fast-forward API, or a latency
-        # model that cannot price decode runs.
-        self.fast_forward = (fast_forward and hasattr(scheduler, "decode_run_limit")
+        # model that cannot price decode runs, or when scheduling ahead.
+        self.fast_forward = (fast_forward and not self.ahead and hasattr(scheduler, "decode_run_limit")
                              and type(latency).decode_times is not LatencyModel.decode_times)
         self.scheduler = scheduler
         self.latency = latency
@@ -117,6 +123,8 @@ class Simulator:
         # The last batch and its synthetic tokens: decode steps often repeat the batch exactly.
         batch: list | None = None
         tokens: dict[int, list[int]] = {}
+        ahead = sched.schedule_ahead if self.ahead else None
+        pending = None  # the step scheduled ahead, to run next
         while True:
             if on_done is not None and len(ended_rows) > reported:
                 on_done(len(ended_rows) - reported)
@@ -134,7 +142,7 @@ class Simulator:
                 sched.advance_decodes(times, SIM_TOKEN, stop_lens)
                 self.num_steps += len(times) - 1
                 continue
-            out = schedule(env.now)
+            out, pending = (schedule(env.now), None) if pending is None else (pending, None)
             if not out.scheduled and out.is_empty:
                 # Nothing to run. Record the step if it preempted or aborted something, then
                 # sleep until the next arrival; with none left the scheduler is stuck.
@@ -153,16 +161,21 @@ class Simulator:
                     f"(waiting={sched.num_waiting}, running={sched.num_running}, "
                     f"swapped={sched.num_swapped}) but schedules nothing and no arrival is left")
             idle_rounds = 0
+            # Async scheduling: the next step is decided as this one starts (its forced output
+            # lengths are applied there, so this update gets none).
+            nxt = ahead(env.now, stop_lens) if ahead is not None else None
             yield timeout(total_time(out))
             scheduled = out.scheduled
             if scheduled != batch:
                 batch, tokens = scheduled, self._sampled_tokens(scheduled)
             self.num_steps += 1
-            stops = reaching_output_len(scheduled, stop_lens) if stop_lens else None
+            stops = reaching_output_len(scheduled, stop_lens) if stop_lens and nxt is None else None
             if stops:
                 sched.update(out, tokens, env.now, stops)
             else:
                 sched.update(out, tokens, env.now)
+            if nxt is not None and (nxt.scheduled or not nxt.is_empty):
+                pending = nxt  # an empty one is dropped: the next schedule() replaces it
 
     def _decode_run(self) -> list[float] | None:
         """Times [t_0 = now, ..., t_K] of K >= 1 decode steps `advance_decodes` can apply at once:

@@ -114,6 +114,23 @@ def check_pools(scheduler) -> None:
     assert 0 <= usage.gpu_used <= usage.gpu_total and 0 <= usage.cpu_used <= usage.cpu_total
 
 
+def arrive(scheduler, specs, step, now, added) -> None:
+    for spec in specs:
+        if spec.arrival_step == step:
+            spec.request.arrival_time = now
+            scheduler.add(spec.request, now)
+            added.append(spec.request.request_id)
+
+
+def abort(scheduler, specs, step, now, added, ended_ids, in_flight: bool) -> None:
+    """The specs' aborts due at `step`, before it (`now` given) or while it runs."""
+    for spec in specs:
+        if spec.abort_step == step and spec.abort_in_flight is in_flight:
+            rid = spec.request.request_id
+            assert scheduler.abort(rid, now=now) is (rid in added and rid not in ended_ids)
+            ended_ids.add(rid)
+
+
 def run_workload(policy, blocks, mode, config, specs, seed):
     scheduler = make_scheduler(policy, blocks, preemption_mode=mode, **config)
     backend = KVStoreBackend(config["block_size"])
@@ -122,17 +139,8 @@ def run_workload(policy, blocks, mode, config, specs, seed):
     added, ended_ids = [], set()
     now = 0.0
     for step in range(MAX_STEPS):
-        for spec in specs:
-            if spec.arrival_step == step:
-                spec.request.arrival_time = now
-                scheduler.add(spec.request, now)
-                added.append(spec.request.request_id)
-        for spec in specs:  # aborts before the step
-            if spec.abort_step == step and not spec.abort_in_flight:
-                rid = spec.request.request_id
-                expected = rid in added and rid not in ended_ids
-                assert scheduler.abort(rid, now=now) is expected
-                ended_ids.add(rid)
+        arrive(scheduler, specs, step, now, added)
+        abort(scheduler, specs, step, now, added, ended_ids, in_flight=False)  # aborts before the step
         if not scheduler.has_unfinished():
             if all(spec.arrival_step <= step for spec in specs):
                 break
@@ -144,11 +152,7 @@ def run_workload(policy, blocks, mode, config, specs, seed):
         ended_ids.update(r.request_id for r in out.aborted)
         check_step(scheduler, out, config, waiting_before, swapped_before)
         backend.execute(out)
-        for spec in specs:  # aborts while the step runs
-            if spec.abort_step == step and spec.abort_in_flight:
-                rid = spec.request.request_id
-                assert scheduler.abort(rid) is (rid in added and rid not in ended_ids)
-                ended_ids.add(rid)
+        abort(scheduler, specs, step, None, added, ended_ids, in_flight=True)  # while the step runs
         now += 0.01
         ended = scheduler.update(out, sample_tokens(out, token_fn), now)
         ended_ids.update(r.request_id for r in ended)

@@ -106,3 +106,37 @@ class Stuck:
 def test_a_stuck_scheduler_is_reported_not_spun():
     with pytest.raises(RuntimeError, match="simulation stalled at t=1.000000s"):
         Simulator(Stuck(), Constant(), [request("x", 1.0, 4, 2)]).run()
+
+
+def test_async_scheduling_admits_one_step_later():
+    """With scheduler.async_scheduling each step is decided as the one before it starts."""
+    reqs = [request("early", 2.0, 8, 6), request("mid", 2.015, 8, 2)]
+    runs = {}
+    for ahead in (False, True):
+        sched = scheduler(async_scheduling=ahead)
+        Simulator(sched, Constant(0.01), [Request(r.request_id, r.prompt_token_ids, r.sampling_params,
+                                                  r.arrival_time) for r in reqs]).run()
+        runs[ahead] = {r["request_id"]: r for r in sched.recorder.requests}
+    sync, ahead = runs[False], runs[True]
+    # sync: mid arrives during the decode step 2.01-2.02 and is admitted at 2.02 (first token 2.03);
+    # ahead: the step from 2.02 was decided at 2.01, so mid is admitted at 2.03 (first token 2.04).
+    assert sync["mid"]["first_token_time"] == pytest.approx(2.03)
+    assert ahead["mid"]["first_token_time"] == pytest.approx(2.04)
+    for rid in ("early", "mid"):
+        assert ahead[rid]["output_len"] == sync[rid]["output_len"]
+        assert ahead[rid]["finish_reason"] == sync[rid]["finish_reason"] == "length"
+    assert ahead["early"]["token_times"] == pytest.approx(sync["early"]["token_times"])
+
+
+def test_async_scheduling_with_forced_lengths_and_pressure_ends_every_request():
+    reqs = [request(f"r{i}", 0.002 * i, 20 + (37 * i) % 200, 5 + (11 * i) % 90) for i in range(60)]
+    stop_lens = {f"r{i}": 3 + (7 * i) % 40 for i in range(0, 60, 2)}
+    rows = {}
+    for ahead in (False, True):
+        sched = scheduler(num_gpu_blocks=60, mode="swap", num_cpu_blocks=200, async_scheduling=ahead)
+        Simulator(sched, Constant(0.01, 1e-4), reqs, stop_lens=stop_lens).run()
+        sched.check_invariants()
+        rows[ahead] = {r["request_id"]: (r["output_len"], r["finish_reason"]) for r in sched.recorder.requests}
+        assert sched.block_manager.usage().gpu_used == 0
+        assert sum(s["num_preempted_swap"] for s in sched.recorder.steps) > 0
+    assert rows[True] == rows[False] and len(rows[True]) == 60

@@ -93,6 +93,11 @@ class BlockManager(ABC):
             copies.extend(self.append_slots(seq, 1))
         return copies
 
+    def decode_slots_fit(self, seqs: list[Sequence], ahead: int = 0) -> bool:
+        """Whether `append_decode_slots(seqs)` surely succeeds once each seq has computed `ahead`
+        more tokens (0 or 1; with fewer seqs or more free blocks by then, too): the check at its top."""
+        return self.num_free_gpu_blocks() >= len(seqs)
+
     def decode_run_limit(self, seqs: list[Sequence], max_steps: int) -> int:
         """How many consecutive decode steps of exactly `seqs` (each computes one token per step),
         at most `max_steps`, `append_decode_slots` serves with no copy and no shortage: the steps

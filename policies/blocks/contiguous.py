@@ -101,6 +101,10 @@ class ContiguousBlockManager(BlockManager):
         self._in_flight[seq.seq_id] = [src for src, _ in copies]
         return copies
 
+    def decode_slots_fit(self, seqs: list[Sequence], ahead: int = 0) -> bool:
+        limit = self.block_size
+        return not any(seq.num_computed_tokens + ahead >= len(seq.block_table) * limit for seq in seqs)
+
     def append_decode_slots(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
         bs = self.block_size
         if any(seq.num_computed_tokens >= len(seq.block_table) * bs for seq in seqs):

@@ -1,0 +1,88 @@
+"""Scheduling one step ahead (vLLM v1's async scheduling): the work behind `Scheduler.schedule_ahead`.
+
+The next step is decided while the last one still runs on the device, so the backend's host work
+(scheduling, input preparation, launches) overlaps the device's instead of adding to it:
+
+    out_1 = schedule(t0)
+    out_2 = schedule_ahead(t1)       # while out_1 runs: out_1's progress is applied here
+    update(out_1, tokens_1, t2)      # out_1's tokens, token-based stop rules, trace events
+    out_3 = schedule_ahead(t2)       # while out_2 runs
+    update(out_2, tokens_2, t3) ...
+
+`schedule_ahead` returns None, changing nothing, when the step in flight cannot be looked past;
+the caller then runs the synchronous loop for that step (update, then schedule).
+
+Known before the tokens: every sampling sequence gets one token (a placeholder, PENDING, in its
+`token_ids` until the update writes the sampled value), and the length rules (max_tokens,
+max_model_len, forced output lengths) end sequences at a known step. Such a sequence leaves the
+running queue and frees its blocks when its step is looked past (the device runs the step in
+flight before anything scheduled later, so a reused block is written after it), and is recorded
+as finished at the update, with that step's time. Not known: a stop token or stop string. It ends
+its sequence at the update, one step late: the sequence also sits in the next step, already in
+flight, whose result for it is dropped (as an abort in flight), and that next step is then updated
+synchronously.
+
+A step is looked past only if nothing in the next one could need its tokens or a preemption: no
+parallel-sampling prompt forks in it, no sequence was aborted since it was scheduled, every running
+sequence decodes afterwards (no prefill chunk left), the block manager surely has their slots, and
+the policy cannot force running sequences out for the waiting queue.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from policies.outputs import SchedulerOutput
+from policies.preemption import PreemptionCounts
+from policies.sequence import Sequence, SequenceStatus
+from policies.step_stats import StepStats
+
+if TYPE_CHECKING:
+    from policies.scheduler import Scheduler
+
+PENDING = -1  # the token of a looked-past step until its update
+RUNNING = SequenceStatus.RUNNING
+
+
+@dataclass(slots=True)
+class LookedPast:
+    """A step whose progress `look_past` applied; its update finishes it."""
+
+    out: SchedulerOutput
+    stats: StepStats
+    counts: PreemptionCounts
+    start: float  # when the step began on the device: the previous update's time
+    sampled: list[Sequence] = field(default_factory=list)  # one PENDING token each, in order
+    ending: list[Sequence] = field(default_factory=list)  # finished by a length rule
+
+
+def can_look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats) -> bool:
+    """Whether the next step can be scheduled before `out`'s tokens are known (module docstring),
+    judged from the state before `look_past` (which only shrinks the running queue)."""
+    queues, lifecycle = scheduler.queues, scheduler.lifecycle
+    if not out.scheduled:
+        return False  # nothing runs: the caller waits for work (an arrival) synchronously
+    if lifecycle.aborted_in_flight or stats.num_samples != len(out.scheduled) - stats.num_partial:
+        return False  # an abort in flight, or a prompt sampling n > 1 (it forks)
+    if len(out.scheduled) - stats.num_partial != len(queues.running):
+        return False  # a running sequence would still have tokens to compute (or was not scheduled)
+    if scheduler.may_force and queues.waiting and queues.running:
+        return False
+    return scheduler.block_manager.decode_slots_fit(queues.running, ahead=1)
+
+
+def look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats, start: float,
+              output_lens: Mapping[str, int] | None) -> LookedPast:
+    """Apply `out`'s progress as if it had run (tokens PENDING), and end its sequences that reach a
+    length rule (recorded at the update)."""
+    lifecycle, queues = scheduler.lifecycle, scheduler.queues
+    past = LookedPast(out, stats, scheduler.preemptor.counts, start)
+    ending = lifecycle.look_past(out, output_lens, past.sampled)
+    queues.kv_tokens += stats.num_prefill_tokens + stats.num_decode_seqs
+    for seq, status, reason in ending:
+        queues.remove(seq)
+        scheduler.block_manager.free(seq)
+        seq.status, seq.finish_reason = status, reason
+        past.ending.append(seq)
+    return past

@@ -1,0 +1,168 @@
+"""Scheduling one step ahead (`Scheduler.schedule_ahead`, policies/lookahead.py).
+
+The property test drives random workloads (every policy x block manager x preemption mode, the
+workloads of test_scheduler_properties) through the asynchronous protocol: the next step is
+scheduled before the last one's update, and the fake device (`KVStoreBackend`, which checks every
+attention read) runs a step after the one before it, as a GPU stream does. Sampled tokens are a
+function of (request, sample, output position), so a run without aborts must give every request the
+same tokens and finish reason as the synchronous loop, however the steps were cut.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from scheduler_helpers import KVStoreBackend, make_scheduler, request
+from test_scheduler_properties import COMBOS, MAX_STEPS, abort, arrive, check_end, check_pools, workloads
+
+from policies.lookahead import PENDING
+
+
+def token_of(request_id: str, sample_index: int, position: int) -> int:
+    return random.Random(f"{request_id}/{sample_index}/{position}").randrange(8)  # 0 = EOS, 1 = STOP
+
+
+def run_step(backend: KVStoreBackend, out) -> dict[int, list[int]]:
+    """Execute `out` on the fake device and sample its tokens (from the state it ran on). A sequence
+    that ended after the step was scheduled (a late stop, an abort) is left out: its blocks are
+    freed and the fake reads block tables at run time (a GPU writes its dropped token into the
+    freed blocks, which nothing can reuse before that step has run)."""
+    out = replace(out, scheduled=[e for e in out.scheduled if not e.seq.is_finished])
+    backend.execute(out)
+    tokens = {}
+    for seq, _, num_samples in out.scheduled:
+        if num_samples:
+            assert PENDING not in seq.token_ids, "a step ran on a token not yet known"
+            pos = len(seq.token_ids) - seq.num_prompt_tokens
+            rid = seq.request.request_id
+            first = seq.sample_index
+            tokens[seq.seq_id] = [token_of(rid, first + i, pos) for i in range(num_samples)]
+    return tokens
+
+
+def drive(scheduler, specs, ahead: bool, aborts: bool = True):
+    """Arrivals and aborts by step as test_scheduler_properties.run_workload; with `ahead`, each
+    step is scheduled while the one before it is in flight. Returns (added, number of steps
+    scheduled ahead)."""
+    backend = KVStoreBackend(scheduler.block_manager.block_size)
+    added, ended, now, num_ahead = [], set(), 0.0, 0
+    out = tokens = None
+    for step in range(MAX_STEPS):
+        arrive(scheduler, specs, step, now, added)
+        if aborts:
+            abort(scheduler, specs, step, now, added, ended, in_flight=False)
+        if out is None:
+            if not scheduler.has_unfinished():
+                if all(spec.arrival_step <= step for spec in specs):
+                    break
+                now += 0.01
+                continue
+            out = scheduler.schedule(now)
+            ended.update(r.request_id for r in out.aborted)
+            tokens = run_step(backend, out)
+        nxt = scheduler.schedule_ahead(now) if ahead else None
+        if nxt is not None:
+            num_ahead += 1
+            ended.update(r.request_id for r in nxt.aborted)
+        if aborts:
+            abort(scheduler, specs, step, None, added, ended, in_flight=True)
+        now += 0.01
+        done = scheduler.update(out, tokens, now)
+        ended.update(r.request_id for r in done)
+        assert all(r.finish_reason for r in done)
+        scheduler.check_invariants()
+        check_pools(scheduler)
+        out, tokens = (nxt, run_step(backend, nxt)) if nxt is not None else (None, None)
+    else:
+        pytest.fail(f"no progress after {MAX_STEPS} steps")
+    assert out is None
+    return added, num_ahead
+
+
+def outputs(scheduler) -> dict[str, tuple]:
+    return {r["request_id"]: (r["finish_reason"], r["output_len"]) for r in scheduler.recorder.requests}
+
+
+@pytest.mark.parametrize("policy, blocks, mode", COMBOS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads())
+def test_ahead_keeps_every_invariant_and_the_sync_outputs(policy, blocks, mode, workload):
+    config, specs, _ = workload
+    scheduler = make_scheduler(policy, blocks, preemption_mode=mode, **config)
+    added, _ = drive(scheduler, specs, ahead=True)
+    check_end(scheduler, added, policy)
+    # Without aborts (their moment depends on how steps are cut) the outputs equal the sync loop's.
+    runs = []
+    for ahead in (False, True):
+        for spec in specs:
+            spec.request.finish_reason = None
+        scheduler = make_scheduler(policy, blocks, preemption_mode=mode, **config)
+        added, num_ahead = drive(scheduler, specs, ahead=ahead, aborts=False)
+        assert ahead or not num_ahead
+        check_end(scheduler, added, policy)
+        runs.append(outputs(scheduler))
+    assert runs[0] == runs[1]
+
+
+def test_ahead_overlaps_decodes_and_records_real_times():
+    scheduler = make_scheduler(num_gpu_blocks=32, max_num_seqs=4)
+    for i in range(2):
+        scheduler.add(request(f"r{i}", 5, max_tokens=4, ignore_eos=True), 0.0)
+    backend = KVStoreBackend(4)
+    out = scheduler.schedule(0.0)
+    tokens = run_step(backend, out)
+    times, num_ahead = [0.0], 0
+    while True:
+        nxt = scheduler.schedule_ahead(times[-1])
+        if nxt is not None:
+            num_ahead += 1
+            assert all(seq.token_ids[-1] == PENDING for seq, _, n in out.scheduled if n)
+        times.append(times[-1] + 1.0)
+        scheduler.update(out, tokens, times[-1])
+        if nxt is None or not scheduler.has_unfinished():
+            break
+        out, tokens = nxt, run_step(backend, nxt)
+    # prefill, then decodes 1..3 looked past; looking past decode 3 ends both (length) and leaves
+    # an empty next step, which the caller need not run.
+    assert num_ahead == 4 and nxt is not None and not nxt.scheduled
+    rows = scheduler.recorder.requests
+    assert [r["finish_reason"] for r in rows] == ["length", "length"]
+    assert all(r["finish_time"] == 4.0 and r["first_token_time"] == 1.0 for r in rows)
+    steps = scheduler.recorder.steps
+    assert [(s["time"], s["duration"]) for s in steps] == [(0.0, 1.0), (1.0, 1.0), (2.0, 1.0), (3.0, 1.0)]
+    assert all(tok != PENDING for r in scheduler.lifecycle.families.values() for s in r for tok in s.token_ids)
+
+
+def test_ahead_protocol_errors():
+    scheduler = make_scheduler()
+    with pytest.raises(ValueError, match="schedule_ahead\\(\\) needs a step"):
+        scheduler.schedule_ahead(0.0)
+    scheduler.add(request("r0", 3, max_tokens=5, ignore_eos=True), 0.0)
+    first = scheduler.schedule(0.0)
+    second = scheduler.schedule_ahead(0.0)
+    assert second is not None
+    with pytest.raises(ValueError, match="schedule_ahead\\(\\) needs a step"):
+        scheduler.schedule_ahead(0.0)
+    with pytest.raises(ValueError, match="not the step schedule_ahead\\(\\) looked past"):
+        scheduler.update(second, {}, 1.0)
+    scheduler.update(first, {first.scheduled[0].seq.seq_id: [7]}, 1.0)
+
+
+def test_late_stop_drops_the_step_in_flight():
+    """A stop token is seen at the update, after the next step (holding the sequence) was scheduled:
+    the sequence ends with the stop token as its last, and that next step then runs synchronously."""
+    scheduler = make_scheduler(num_gpu_blocks=32)
+    scheduler.add(request("r0", 3, max_tokens=10, eos=0), 0.0)
+    scheduler.add(request("r1", 3, max_tokens=10, eos=0, first_token=200), 0.0)
+    out = scheduler.schedule(0.0)
+    r0, r1 = (entry.seq for entry in out.scheduled)
+    nxt = scheduler.schedule_ahead(0.0)
+    assert nxt is not None and {e.seq.seq_id for e in nxt.scheduled} == {r0.seq_id, r1.seq_id}
+    ended = scheduler.update(out, {r0.seq_id: [0], r1.seq_id: [5]}, 1.0)  # r0 samples EOS
+    assert [r.request_id for r in ended] == ["r0"] and r0.output_token_ids == [0]
+    assert scheduler.schedule_ahead(1.0) is None  # r0 sits in the step in flight
+    scheduler.update(nxt, {r0.seq_id: [9], r1.seq_id: [6]}, 2.0)  # r0's extra token is dropped
+    assert r0.output_token_ids == [0] and r1.output_token_ids == [5, 6]
+    scheduler.check_invariants()
