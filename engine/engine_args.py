@@ -27,6 +27,9 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    # Schedule and launch each step while the one before it runs (vLLM v1's async scheduling;
+    # SchedulerConfig.async_scheduling, policies/lookahead.py).
+    async_scheduling: bool = False
     watermark: float = 0.01
     # KV cache.
     block_size: int = 16

@@ -21,10 +21,13 @@ from engine.detokenizer import DecodeState, Detokenizer, find_stop_string
 from engine.engine_args import EngineArgs
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.token_feedback import Launched
 from engine.tokenizer import encode_prompt, load_tokenizer
 from engine.weights import resolve_gguf
 from policies.blocks import make_block_manager
+from policies.lookahead import PENDING
 from policies.output_lens import reaching_output_len
+from policies.outputs import SchedulerOutput
 from policies.policy import make_policy
 from policies.request import Request, SamplingParams
 from policies.scheduler import Scheduler, SchedulerConfig
@@ -75,6 +78,7 @@ class LLMEngine:
         self._forking: list[_Live] = []  # requests whose forked samples' stop states await their child
         self._num_logprob_requests = 0
         self._output_lens: dict[str, int] = {}  # request id -> forced output length (trace replay)
+        self._in_flight: tuple[SchedulerOutput, Launched] | None = None  # launched ahead, async scheduling
         self.reset(recorder, build_scheduler)
         # As vLLM does after start-up: the model, tokenizer and graphs' objects move to the permanent
         # generation, so the cyclic collector's full passes during serving no longer walk them.
@@ -88,6 +92,7 @@ class LLMEngine:
         if self._live:
             raise RuntimeError(f"reset() with {len(self._live)} requests in flight: finish or abort "
                                "them first")
+        self._in_flight = None
         gpu, cpu = self.runner.num_gpu_blocks, self.runner.num_cpu_blocks
         if build_scheduler is None:
             self.scheduler = self._build_scheduler(gpu, cpu, recorder)
@@ -100,7 +105,8 @@ class LLMEngine:
         a = self.args
         config = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                  max_num_seqs=a.max_num_seqs, max_model_len=self.max_model_len,
-                                 enable_chunked_prefill=a.enable_chunked_prefill)
+                                 enable_chunked_prefill=a.enable_chunked_prefill,
+                                 async_scheduling=a.async_scheduling)
         blocks = make_block_manager(a.block_manager, a.block_size, num_gpu_blocks, num_cpu_blocks,
                                     a.watermark, self.max_model_len)
         return Scheduler(config, make_policy(a.policy, preemption_mode=a.preemption_mode), blocks, recorder)
@@ -168,14 +174,20 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the outputs of the requests that ended in it."""
-        out = self.scheduler.schedule(self.now())
-        results = self.runner.execute(out)
+        """Run one scheduler step; returns the outputs of the requests that ended in it. With
+        `async_scheduling` the step's successor is scheduled and launched before this one's tokens
+        are waited for (policies/lookahead.py), and runs while the caller handles the outputs."""
+        scheduler = self.scheduler
+        if scheduler.config.async_scheduling:
+            out, results = self._run_ahead()
+        else:
+            out = scheduler.schedule(self.now())
+            results = self.runner.execute(out)
         tokens = {seq_id: r.token_ids for seq_id, r in results.items()}
         stop_seq_ids = self._check_stop_strings(tokens) if self._num_stop_requests else []
-        if self._output_lens:
+        if self._output_lens and scheduler.looked_past is not out:  # else schedule_ahead applied them
             stop_seq_ids += reaching_output_len(out.scheduled, self._output_lens)
-        ended = self.scheduler.update(out, tokens, self.now(), stop_seq_ids)
+        ended = scheduler.update(out, tokens, self.now(), stop_seq_ids)
         if self._forking:
             self._adopt_fork_states()
         if self._num_logprob_requests:
@@ -190,6 +202,22 @@ class LLMEngine:
             released.extend(seq.seq_id for seq in live.seqs)
         self.runner.release(released)
         return outputs
+
+    def _run_ahead(self) -> tuple[SchedulerOutput, dict]:
+        """The step launched last time (or a new one), its successor scheduled and launched while it
+        runs (unless it cannot be looked past, or already finished: full-sampler steps), then its
+        results. The successor is left in flight for the next call."""
+        scheduler, runner = self.scheduler, self.runner
+        if self._in_flight is not None:
+            (out, launched), self._in_flight = self._in_flight, None
+        else:
+            out = scheduler.schedule(self.now())
+            launched = runner.launch(out)
+        if launched.results is None:
+            nxt = scheduler.schedule_ahead(self.now(), self._output_lens or None)
+            if nxt is not None and (nxt.scheduled or not nxt.is_empty):
+                self._in_flight = (nxt, runner.launch(nxt, after=launched))
+        return out, runner.collect(launched)
 
     def _check_stop_strings(self, tokens: dict[int, list[int]]) -> list[int | tuple[int, int]]:
         """Seq ids whose text now contains a stop string (checked once min_tokens are out, as vLLM).
@@ -206,6 +234,10 @@ class LLMEngine:
                 new = tokens.get(seq.seq_id)
                 if new is None or seq.is_finished:
                     continue
+                # Looked past (async scheduling): the token is already in place, as PENDING.
+                ids, num_out = seq.token_ids, seq.num_output_tokens
+                if ids[-1] == PENDING:
+                    ids, num_out = ids[:-1], num_out - 1
                 for i, token in enumerate(new):
                     key = seq.seq_id if i == 0 else (seq.seq_id, i)
                     state = states.get(key)
@@ -213,8 +245,8 @@ class LLMEngine:
                         state = states[key] = detok.new_state(seq.num_prompt_tokens)
                         if i == 1:  # once per forking prompt
                             self._forking.append(live)
-                    added = detok.update(state, seq.token_ids, [token])
-                    if (state.stopped is None and seq.num_output_tokens + 1 >= params.min_tokens
+                    added = detok.update(state, ids, [token])
+                    if (state.stopped is None and num_out + 1 >= params.min_tokens
                             and find_stop_string(state, added, params.stop)):
                         stopped.append(key)
         return stopped

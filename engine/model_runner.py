@@ -26,6 +26,7 @@ from engine.cuda_graph import StepGraphs
 from engine.input_batch import BatchBuilder, StepPlan
 from engine.kv_cache import KVCache, block_bytes, num_cpu_blocks
 from engine.sampler import Sampler, SampleResult, sample_with_temperatures
+from engine.token_feedback import Feedback, Launched, TokenFeedback
 from engine.weights import build_model
 from kernels.prefill import max_tiles, tokens_per_tile
 from policies.outputs import ScheduledSeq, SchedulerOutput
@@ -63,6 +64,7 @@ class ModelRunner:
         capacity = BatchShape(max_num_batched_tokens, max_num_seqs, max_num_seqs, max_num_seqs, width,
                               max_tiles(max_num_batched_tokens, max_num_seqs, tokens))
         self.batch = BatchBuilder(self.block_size, capacity, self.device, tokens)
+        self.feedback = TokenFeedback(max_num_seqs, self.device)
         self.graphs: StepGraphs | None = None
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._profile_num_gpu_blocks()
         self.num_cpu_blocks = num_cpu_blocks(cache_config.swap_space, model_config, self.block_size,
@@ -87,33 +89,52 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> dict[int, SampleResult]:
         """Run one step; returns {seq_id: SampleResult} for every scheduled seq with num_samples > 0."""
+        return self.collect(self.launch(out))
+
+    @torch.no_grad()
+    def launch(self, out: SchedulerOutput, after: Launched | None = None) -> Launched:
+        """Start one step on the device and return without waiting for it (`collect` waits), except
+        for steps that need the full `Sampler`, which finish here. `after`: the step launched before
+        this one, not yet collected, whose sampled tokens are the inputs of this step's rows holding
+        a PENDING token (scheduled ahead, policies/lookahead.py); they go device to device."""
         self.kv_cache.apply(out.swap_out, out.swap_in, out.copy)
         if not out.scheduled:
-            return {}
+            return Launched(StepPlan(), {})
         plan = self.batch.plan(out.scheduled)
         temperatures = self.sampler.fast_temperatures(plan.sampled)
-        logits, inputs = self._forward(plan, temperatures)
+        feedback = self.feedback.sources(plan, after) if after is not None else None
+        logits, inputs = self._forward(plan, temperatures, feedback)
         if not plan.sampled:
-            return {}
+            return Launched(plan, {})
         rows = len(plan.sampled)
         if temperatures is None:
             results = self.sampler(logits[:rows], plan.sampled)
-        else:
-            tokens = sample_with_temperatures(logits[:rows], inputs.temperatures[:rows], temperatures)
-            results = [SampleResult([t]) for t in tokens.tolist()]
-        return {s.seq.seq_id: r for s, r in zip(plan.sampled, results)}
+            return Launched(plan, {s.seq.seq_id: r for s, r in zip(plan.sampled, results)})
+        tokens = sample_with_temperatures(logits[:rows], inputs.temperatures[:rows], temperatures)
+        return Launched(plan, None, tokens, self.feedback.download(tokens))
+
+    def collect(self, launched: Launched) -> dict[int, SampleResult]:
+        """Wait for a launched step's tokens: {seq_id: SampleResult} per sampling sequence."""
+        if launched.results is None:
+            tokens = self.feedback.wait(launched.host_tokens)
+            launched.results = {s.seq.seq_id: SampleResult([t]) for s, t in zip(launched.plan.sampled, tokens)}
+        return launched.results
 
     def release(self, seq_ids) -> None:
         """Forget per-sequence state (seeded generators) of finished sequences."""
         self.sampler.release(seq_ids)
 
-    def _forward(self, plan: StepPlan, temperatures: list[float] | None):
+    def _forward(self, plan: StepPlan, temperatures: list[float] | None, feedback: Feedback | None = None):
         """-> (logits of the sampled rows, padded or not; the step's ModelInput)."""
         shape = self.graphs.shape_for(plan) if self.graphs is not None else None
         if shape is not None:
             self.batch.write(plan, shape, temperatures)
+            if feedback is not None:
+                self.feedback.apply(feedback, self.graphs.inputs[shape].input_ids)
             return self.graphs.run(shape), self.graphs.inputs[shape]
         inputs = self.batch.prepare(plan, plan.shape(), temperatures)
+        if feedback is not None:
+            self.feedback.apply(feedback, inputs.input_ids)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not plan.sampled:
             return None, inputs

@@ -130,7 +130,8 @@ def build_latency(cfg: DictConfig) -> LatencyModel:
             raise ValueError(f"latency.path={str(lat.get('path'))!r} is invalid: no such profile. Run "
                              "`python -m experiments.profile` on that GPU, or try "
                              "latency.path=experiments/profiles/example-synthetic.csv")
-        return ProfiledModel(path, block_size(cfg), model_name=cfg.model.get("name"))
+        return ProfiledModel(path, block_size(cfg), model_name=cfg.model.get("name"),
+                             async_scheduling=bool((cfg.get("scheduler") or {}).get("async_scheduling", False)))
     raise ValueError(f"latency.name={name!r} is unknown: choose one of {list(LATENCY_MODELS)}")
 
 

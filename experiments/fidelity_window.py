@@ -46,7 +46,9 @@ def measure(runner, profile: str | Path, round_index: int, runs_dir: Path) -> No
     if runner is None:
         raise ValueError("--window-profile is invalid here: no engine was kept after the capacity scenario "
                          "(the spec's engine runs must use backend=engine)")
-    periods = decode_periods(runner, decode_shapes(profile), WARMUP, REPEATS, seed=round_index)
+    ahead = read_profile(profile)[0].get("async_scheduling") == "true"  # time them as the profile did
+    periods = decode_periods(runner, decode_shapes(profile), WARMUP, REPEATS, seed=round_index,
+                             async_scheduling=ahead)
     frame = pd.DataFrame([{"round": round_index, "num_decode_seqs": d, "context_per_decode": c, "time_s": t}
                           for (d, c), t in periods.items()])
     path = runs_dir / PERIODS_CSV

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from experiments.cli import run_cli
 from experiments.paths import REPO_ROOT
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
-from experiments.profiling.host import cpu_probe_us, decode_periods, host_overheads
+from experiments.profiling.host import cpu_probe_us, decode_periods, host_overheads, pipelined_period
 from experiments.profiling.synthetic import blocks_needed, decode_contexts, swap_mapping, synthetic_step
 from sim.latency.prefill_schedule import PrefillSchedule
 
@@ -132,6 +132,8 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     passes: dict[tuple[int, int, int, int], list[float]] = {}
     host_passes: dict[tuple[int, int], list[float]] = {}
     period_passes: dict[tuple[int, int], list[float]] = {}
+    piped: dict[tuple[int, int, int, int], list[float]] = {}  # async: steps with prefill, pipelined
+    ahead = bool(cfg.get("async_scheduling", False))
     shapes = grid.step_shapes() + [s for s in grid.split_shapes() if s.num_prefill_seqs > 1]
     outs = [synthetic_step(shape, bs, n_gpu, runner.vocab_size, seed=cfg.seed) for shape in shapes]
     pairs = [(p, d) for p in grid.prefill_tokens if p for d in grid.decode_seqs]  # decode-only rows: periods
@@ -153,9 +155,13 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
             key = (shape.num_prefill_tokens, shape.num_prefill_seqs, shape.num_decode_seqs, shape.context_per_decode)
             passes.setdefault(key, []).append(
                 median_time(functools.partial(runner.execute, out), cfg.warmup, cfg.repeats))
-        for pair, h in host_overheads(runner, pairs, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
-            host_passes.setdefault(pair, []).append(h)
-        for shape, t in decode_periods(runner, decodes, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
+            if ahead and shape.num_prefill_tokens:
+                piped.setdefault(key, []).append(pipelined_period(runner, out, cfg.warmup, cfg.repeats))
+        if not ahead:
+            for pair, h in host_overheads(runner, pairs, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
+                host_passes.setdefault(pair, []).append(h)
+        for shape, t in decode_periods(runner, decodes, cfg.warmup, cfg.host_repeats, cfg.seed + sweep,
+                                       ahead).items():
             period_passes.setdefault(shape, []).append(t)
     probes.append(cpu_probe_us())
     print(f"[profile] {len(shapes)} step shapes x {cfg.passes} passes in {time.perf_counter() - start:.1f}s",
@@ -163,11 +169,15 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     forward = {k: statistics.median(v) for k, v in passes.items()}
     host = {k: statistics.median(v) for k, v in host_passes.items()}
     period = {k: statistics.median(v) for k, v in period_passes.items()}
+    pipelined = {k: statistics.median(v) for k, v in piped.items()}
     rows = []
     for s in grid.step_shapes():
-        f = forward[(s.num_prefill_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.context_per_decode)]
+        key = (s.num_prefill_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.context_per_decode)
+        f = forward[key]
         if s.num_prefill_tokens == 0:  # decode-only: the engine's own step period (profiling/host.py)
             h = period[(s.num_decode_seqs, s.context_per_decode)] - f
+        elif ahead:  # async scheduling: the step's pipelined period (host work overlapped)
+            h = pipelined[key] - f
         else:
             h = host[(s.num_prefill_tokens, s.num_decode_seqs)]
         rows.append({"kind": "step", "num_prefill_tokens": s.num_prefill_tokens,
@@ -210,6 +220,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     print(f"[profile] runner ready in {setup_s:.1f}s: {runner.num_gpu_blocks} KV blocks on {runner.device}, "
           f"{len(grid.step_shapes())} step shapes to time", flush=True)
     rows, split, probes = measure(cfg, runner, grid)
+    ahead = bool(cfg.get("async_scheduling", False))
     pair_s, slope, se = fit_prefill_pair_s([(p, pairs, t) for p, _, pairs, t in split])
     schedule = prefill_schedule(runner)
     tile_s, tile_slope, tile_se = fit_prefill_tile_s([(p, k, t) for p, k, _, t in split], schedule)
@@ -227,8 +238,12 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "timing": (f"execute() wall clock, CUDA-synchronised; {cfg.warmup} warm-up runs, median of {cfg.repeats}, "
                    f"in each of {cfg.passes} passes over the grid (the passes' median); decode-only rows: time_s = "
                    f"median period of {cfg.host_repeats} consecutive LLMEngine.step() calls holding that batch, "
-                   "host_s = time_s - forward_s; rows with prefill: host_s = LLMEngine.step() minus its execute() "
-                   f"re-run warm on this runner (median of {cfg.host_repeats}), time_s = forward_s + host_s"),
+                   "host_s = time_s - forward_s; rows with prefill: "
+                   + (f"time_s = the step launched {cfg.repeats} times back to back without waiting for its tokens, "
+                      "per step (async scheduling's steady state), host_s = time_s - forward_s" if ahead else
+                      f"host_s = LLMEngine.step() minus its execute() re-run warm on this runner (median of "
+                      f"{cfg.host_repeats}), time_s = forward_s + host_s")),
+        "async_scheduling": str(ahead).lower(),
         "prefill_layout": ("one sequence per step, no prefix, sampling one token; the 0/0 row repeats "
                            "the smallest prefill row"),
         "prefill_pair_s": f"{pair_s:.6e}",

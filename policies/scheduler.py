@@ -63,6 +63,7 @@ class Scheduler:
         self._decode_run = decode_run.NO_RUN  # what decode_run_limit allowed
         self._looked_past: lookahead.LookedPast | None = None  # schedule_ahead's step awaiting update
         self._last_update = 0.0
+        self.num_scheduled_ahead = 0  # steps schedule_ahead returned
 
     # ---- queries --------------------------------------------------------------------------
     @property
@@ -76,6 +77,11 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return len(self.queues.swapped)
+
+    @property
+    def looked_past(self) -> SchedulerOutput | None:
+        """The step `schedule_ahead` looked past, until its update."""
+        return None if self._looked_past is None else self._looked_past.out
 
     @property
     def may_force(self) -> bool:
@@ -162,6 +168,7 @@ class Scheduler:
             return None
         self._looked_past = lookahead.look_past(self, out, stats, max(self._last_update, out.now), output_lens)
         self._all_decoding = True
+        self.num_scheduled_ahead += 1
         return self.schedule(now)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> tuple[int, bool]:

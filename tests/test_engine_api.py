@@ -25,9 +25,9 @@ def tiny(tmp_path_factory):
     return str(path), model
 
 
-@pytest.fixture(scope="module")
-def llm(tiny):
-    return LLM(tiny[0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(tiny, request):
+    return LLM(tiny[0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256, async_scheduling=request.param)
 
 
 def test_a_dropped_engine_is_freed_without_the_cyclic_collector(tiny):
@@ -51,8 +51,10 @@ def test_a_dropped_engine_is_freed_without_the_cyclic_collector(tiny):
             gc.enable()
 
 
-def test_add_step_abort(tiny):
-    engine = LLMEngine(EngineArgs(model=tiny[0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256))
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_add_step_abort(tiny, ahead):
+    engine = LLMEngine(EngineArgs(model=tiny[0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256,
+                                  async_scheduling=ahead))
     for i, prompt in enumerate(ragged_prompts(3, seed=2)):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     with pytest.raises(ValueError, match="request_id"):
@@ -76,6 +78,7 @@ def test_add_step_abort(tiny):
         assert out.tpot is not None and out.tpot > 0
     assert engine.recorder.requests[-1]["status"] in ("finished", "aborted")
     assert engine.abort_request("r0") is False  # finished
+    assert (engine.scheduler.num_scheduled_ahead > 0) is ahead
 
 
 def test_generate_text_and_token_ids(llm):
@@ -206,3 +209,22 @@ def test_dummy_model_without_tokenizer():
         llm.generate("text needs a tokenizer", use_tqdm=False)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate([1, 2], SamplingParams(stop=["x"]), use_tqdm=False)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_forced_output_lengths(tiny, ahead):
+    """add_request(output_len=...) ends a sample after that many tokens with "stop"; scheduled ahead,
+    the length is applied when the step is looked past, not one token late."""
+    engine = LLMEngine(EngineArgs(model=tiny[0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256,
+                                  async_scheduling=ahead))
+    lens = [1, 2, 5, 9]
+    for i, (prompt, n) in enumerate(zip(ragged_prompts(4, seed=9), lens)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                           output_len=n)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    by_id = {o.request_id: o.outputs[0] for o in outputs}
+    assert [len(by_id[f"r{i}"].token_ids) for i in range(4)] == lens
+    assert all(c.finish_reason == "stop" for c in by_id.values())
+    assert (engine.scheduler.num_scheduled_ahead > 0) is ahead

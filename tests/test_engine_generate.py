@@ -3,6 +3,8 @@ Llama / Qwen2 / Qwen3 checkpoints (CPU, fp32), also through chunked prefill, pre
 preemption by swap and by recompute; seeded sampling is reproducible; n > 1 shares prompt blocks."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from engine_helpers import hf_greedy, ragged_prompts, save_tiny_model
 
@@ -40,18 +42,24 @@ def _trace_total(llm: LLM, column: str) -> int:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(models, prompts, expected, arch):
-    llm = LLM(models[arch][0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256)
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_greedy_matches_transformers(models, prompts, expected, arch, ahead):
+    llm = LLM(models[arch][0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256, async_scheduling=ahead)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected[arch]
+    if ahead:  # steps were scheduled ahead: the trace's step times tile the run without overlap
+        assert llm.engine.scheduler.num_scheduled_ahead >= MAX_TOKENS - 2
+        steps = llm.engine.recorder.steps
+        assert all(a["time"] + a["duration"] <= b["time"] + 1e-9 for a, b in itertools.pairwise(steps))
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
     assert [o.prompt_token_ids for o in outputs] == prompts
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_matches_transformers(models, prompts, expected, arch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_chunked_prefill_matches_transformers(models, prompts, expected, arch, ahead):
     llm = LLM(models[arch][0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256,
-              max_num_batched_tokens=16, block_size=8)
+              max_num_batched_tokens=16, block_size=8, async_scheduling=ahead)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected[arch]
     # Prompts up to 60 tokens with a 16-token budget: prefills were split over steps and shared
@@ -79,11 +87,12 @@ def test_prefix_cache_hits_match_transformers(models, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_matches_transformers(models, prompts, expected, arch, mode):
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_preemption_matches_transformers(models, prompts, expected, arch, mode, ahead):
     # 8 sequences of up to 84 tokens in blocks of 4 need up to 21 blocks each; 24 blocks hold one
     # max_model_len=96 request, so sequences must be preempted and resumed.
     llm = LLM(models[arch][0], num_gpu_blocks=24, swap_space=0.01, max_model_len=96, block_size=4,
-              preemption_mode=mode)
+              preemption_mode=mode, async_scheduling=ahead)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected[arch]
     if mode == "swap":
@@ -93,6 +102,7 @@ def test_preemption_matches_transformers(models, prompts, expected, arch, mode):
         assert _trace_total(llm, "num_preempted_recompute") > 0
         assert _trace_total(llm, "num_preempted_swap") == 0
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert (llm.engine.scheduler.num_scheduled_ahead > 0) is ahead
 
 
 def test_seeded_sampling_is_reproducible(models, prompts):

@@ -90,3 +90,16 @@ def test_model_mismatch_and_missing_swaps(tmp_path):
         ProfiledModel(write(tmp_path, steps), block_size=16, model_name="other")
     with pytest.raises(ValueError, match=r"no kind=swap rows"):
         ProfiledModel(write(tmp_path, steps, swaps=()), block_size=16)
+
+
+def test_profile_mode_must_match_the_runs_scheduler_mode(tmp_path):
+    steps, swaps = [(0, 0, 0, 1e-3), (0, 1, 16, 2e-3)], [(1, 1e-4)]
+    sync = write_profile(tmp_path / "sync.csv", {"model": "m", "block_size": 16}, steps, swaps)
+    ahead = write_profile(tmp_path / "ahead.csv", {"model": "m", "block_size": 16, "async_scheduling": "true"},
+                          steps, swaps)
+    ProfiledModel(sync, 16, "m", async_scheduling=False)
+    ProfiledModel(ahead, 16, "m", async_scheduling=True)
+    with pytest.raises(ValueError, match="scheduler.async_scheduling=True is invalid with latency profile"):
+        ProfiledModel(sync, 16, "m", async_scheduling=True)
+    with pytest.raises(ValueError, match="measured with async_scheduling=True"):
+        ProfiledModel(ahead, 16, "m", async_scheduling=False)

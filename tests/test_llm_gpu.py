@@ -99,6 +99,36 @@ def test_swap_preemption_on_gpu_completes_and_agrees():
     free()
 
 
+def test_async_scheduling_feeds_tokens_on_the_device():
+    """Scheduled ahead, each decode's input token comes from the step before it on the device. All
+    prompts fit one prefill step, so both loops run the same batches: the tokens must be identical.
+    Then temperature sampling and swap preemption under async scheduling."""
+    prompts = prompts_of(PROMPT_LENS, 3)
+    sync = LLM("qwen3-0.6b", **ARGS)
+    expected = [o.outputs[0].token_ids for o in sync.generate(prompts, greedy(), use_tqdm=False)]
+    del sync
+    free()
+    llm = LLM("qwen3-0.6b", async_scheduling=True, **ARGS)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    assert got == expected
+    assert llm.engine.scheduler.num_scheduled_ahead >= STEPS - 2
+    params = [SamplingParams(temperature=0.8, ignore_eos=True, max_tokens=n) for n in (5, 40, 17, 64, 1, 33)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert all(0 <= t < llm.engine.vocab_size for o in outs for t in o.outputs[0].token_ids)
+    del llm
+    free()
+    small = LLM("qwen3-0.6b", **(ARGS | {"max_model_len": 1024, "num_gpu_blocks": 64}), preemption_mode="swap",
+                async_scheduling=True)
+    outs = small.generate(prompts_of([300] * 12, 2), greedy(64), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
+    steps = small.engine.recorder.steps
+    assert sum(s["num_preempted_swap"] for s in steps) > 0 and small.engine.scheduler.num_scheduled_ahead > 0
+    assert small.engine.scheduler.block_manager.usage().gpu_used == 0
+    del small
+    free()
+
+
 def test_throughput_smoke():
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10_000) for _ in range(rng.randint(100, 512))] for _ in range(64)]

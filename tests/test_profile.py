@@ -144,6 +144,8 @@ def test_decode_periods_hold_the_batch_in_an_engine():
     runner = tiny_runner(64)
     periods = decode_periods(runner, [(1, 8), (8, 40)], warmup=1, repeats=3)
     assert set(periods) == {(1, 8), (8, 40)} and all(0 < t < 0.5 for t in periods.values())
+    ahead = decode_periods(runner, [(1, 8), (8, 40)], warmup=1, repeats=3, async_scheduling=True)
+    assert set(ahead) == {(1, 8), (8, 40)} and all(0 < t < 0.5 for t in ahead.values())
     assert decode_periods(runner, [(8, 40)], warmup=0, repeats=1)  # the engine was left with nothing in flight
     with pytest.raises(ValueError, match="over the runner's limits"):
         decode_periods(runner, [(10, 8)], warmup=0, repeats=1)
@@ -264,3 +266,13 @@ def test_step_phases_add_up_on_cpu():
         assert all(r[p] > 0 for p in ("plan", "write+launch", "total")) and r["replay_gpu"] == 0.0
         # medians of parts need not add up exactly, but none exceeds the whole by much
         assert max(r[p] for p in PHASES[:-1]) <= 2 * r["total"]
+
+
+def test_async_profile_prices_prefill_rows_by_their_pipelined_period(tmp_path):
+    path, _ = tiny_profile(tmp_path / "cpu-tiny-qwen3.csv", ["async_scheduling=true"])
+    file_meta, rows = read_profile(path)
+    assert file_meta["async_scheduling"] == "true" and "back to back without waiting" in file_meta["timing"]
+    steps = [r for _, r in rows if r["kind"] == "step"]
+    assert len(steps) == 6 and all(float(r["time_s"]) > 0 for r in steps)
+    for r in steps:
+        assert float(r["time_s"]) == pytest.approx(float(r["forward_s"]) + float(r["host_s"]), rel=1e-5)

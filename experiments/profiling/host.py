@@ -15,6 +15,9 @@ P tokens that the step admits (aborted after it, so D stays D).
 
 `time_s = forward_s + host_s` is then the step period the engine loop pays.
 
+`pipelined_period` times a step as async scheduling runs it: launched again and again without
+waiting for its tokens, so the host's launch work overlaps the device's.
+
 `decode_periods` measures decode-only rows directly as that period: an engine holding D running
 sequences at the row's contexts times its own consecutive steps. On an H200 (2026-11-22, 08:09 UTC)
 the composed estimate fell 5-17% short of the decode steps of real engine runs (the fidelity
@@ -128,13 +131,28 @@ def host_overheads(runner: ModelRunner, pairs: Iterable[tuple[int, int]], warmup
     return out
 
 
-def _engine(wrapped, runner: ModelRunner, seed: int) -> LLMEngine:
+def _engine(wrapped, runner: ModelRunner, seed: int, async_scheduling: bool = False) -> LLMEngine:
     """An engine with the runner's limits driving `wrapped` (the runner or a wrapper of it)."""
     args = EngineArgs(model=runner.model_config, device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
                       max_num_batched_tokens=runner.max_num_batched_tokens, max_num_seqs=runner.max_num_seqs,
                       max_model_len=runner.max_model_len, block_size=runner.block_size,
-                      num_gpu_blocks=runner.num_gpu_blocks, swap_space=0, detokenize=False, seed=seed)  # fmt: skip
+                      num_gpu_blocks=runner.num_gpu_blocks, swap_space=0, detokenize=False, seed=seed,
+                      async_scheduling=async_scheduling)  # fmt: skip
     return LLMEngine(args, TraceRecorder(), runner=wrapped)
+
+
+def pipelined_period(runner: ModelRunner, out, warmup: int, repeats: int) -> float:
+    """Seconds per step of `out` launched `repeats` times back to back with no wait for its tokens
+    (async scheduling's steady state: the larger of the runner's host work and the device's)."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda *_: None)
+    for _ in range(warmup):
+        runner.launch(out)
+    sync(runner.device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        runner.launch(out)
+    sync(runner.device)
+    return (time.perf_counter() - t0) / repeats
 
 
 def _abort_decodes(engine: LLMEngine, num: int) -> None:
@@ -168,16 +186,17 @@ def prompt_lens(contexts: list[int], budget: int) -> list[int]:
 
 
 def decode_periods(runner: ModelRunner, shapes: Iterable[tuple[int, int]], warmup: int, repeats: int,
-                   seed: int = 0) -> dict[tuple[int, int], float]:
+                   seed: int = 0, async_scheduling: bool = False) -> dict[tuple[int, int], float]:
     """{(D, C): median wall time of `repeats` consecutive engine steps of D decodes whose contexts
     spread around C as the grid's synthetic steps do}; the prompts are prefilled first (contexts
     then grow by one token per step, `warmup + repeats` in all). Requests carry an `output_len`, as
-    workload replays do, so the stop-length path runs too."""
+    workload replays do, so the stop-length path runs too. `async_scheduling`: the engine schedules
+    each step while the one before it runs, so a period is the larger of host and device work."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} is invalid: must be >= 1")
     rng = random.Random(seed)
     high = min(10000, runner.vocab_size)
-    engine = _engine(runner, runner, seed)
+    engine = _engine(runner, runner, seed, async_scheduling)
     out: dict[tuple[int, int], float] = {}
     for d, c in shapes:
         lens = decode_contexts(d, c)

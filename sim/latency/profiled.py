@@ -146,13 +146,21 @@ def _segment(axis: list[float], x: float) -> tuple[int, float]:
 class ProfiledModel(LatencyModel):
     name = "profiled"
 
-    def __init__(self, path: str | Path, block_size: int, model_name: str | None = None) -> None:
+    def __init__(self, path: str | Path, block_size: int, model_name: str | None = None,
+                 async_scheduling: bool | None = None) -> None:
+        """`async_scheduling`: the runs' scheduler mode, checked against the profile's (a profile
+        without the key was taken synchronously)."""
         path = Path(path)
         self.path = path
         self.meta, rows = read_profile(path)
         if model_name is not None and self.meta.get("model") not in (None, model_name):
             raise ValueError(f"latency profile {str(path)!r} was measured for model={self.meta['model']!r}, "
                              f"not model={model_name!r}: profile that model or pick its profile")
+        profiled_ahead = self.meta.get("async_scheduling", "false") == "true"
+        if async_scheduling is not None and async_scheduling != profiled_ahead:
+            raise ValueError(f"scheduler.async_scheduling={async_scheduling} is invalid with latency profile "
+                             f"{str(path)!r}, measured with async_scheduling={profiled_ahead}: profile in the runs' "
+                             "mode (python -m experiments.profile async_scheduling=...)")
         profile_bs = int(self.meta.get("block_size", block_size))
         self._block_scale = block_size / profile_bs
         points: dict[tuple[int, int, float], list[float]] = {}
