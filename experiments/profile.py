@@ -133,6 +133,7 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     host_passes: dict[tuple[int, int], list[float]] = {}
     period_passes: dict[tuple[int, int], list[float]] = {}
     piped: dict[tuple[int, int, int, int], list[float]] = {}  # async: steps with prefill, pipelined
+    ahead_passes: dict[tuple[int, int], list[float]] = {}  # async: decode periods
     ahead = bool(cfg.get("async_scheduling", False))
     shapes = grid.step_shapes() + [s for s in grid.split_shapes() if s.num_prefill_seqs > 1]
     outs = [synthetic_step(shape, bs, n_gpu, runner.vocab_size, seed=cfg.seed) for shape in shapes]
@@ -157,12 +158,14 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
                 median_time(functools.partial(runner.execute, out), cfg.warmup, cfg.repeats))
             if ahead and shape.num_prefill_tokens:
                 piped.setdefault(key, []).append(pipelined_period(runner, out, cfg.warmup, cfg.repeats))
-        if not ahead:
-            for pair, h in host_overheads(runner, pairs, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
-                host_passes.setdefault(pair, []).append(h)
-        for shape, t in decode_periods(runner, decodes, cfg.warmup, cfg.host_repeats, cfg.seed + sweep,
-                                       ahead).items():
+        for pair, h in host_overheads(runner, pairs, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
+            host_passes.setdefault(pair, []).append(h)
+        for shape, t in decode_periods(runner, decodes, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
             period_passes.setdefault(shape, []).append(t)
+        if ahead:  # the same decode batches, each step scheduled while the one before it runs
+            for shape, t in decode_periods(runner, decodes, cfg.warmup, cfg.host_repeats, cfg.seed + sweep,
+                                           async_scheduling=True).items():
+                ahead_passes.setdefault(shape, []).append(t)
     probes.append(cpu_probe_us())
     print(f"[profile] {len(shapes)} step shapes x {cfg.passes} passes in {time.perf_counter() - start:.1f}s",
           flush=True)
@@ -170,25 +173,25 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     host = {k: statistics.median(v) for k, v in host_passes.items()}
     period = {k: statistics.median(v) for k, v in period_passes.items()}
     pipelined = {k: statistics.median(v) for k, v in piped.items()}
+    ahead_period = {k: statistics.median(v) for k, v in ahead_passes.items()}
     rows = []
     for s in grid.step_shapes():
         key = (s.num_prefill_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.context_per_decode)
         f = forward[key]
         if s.num_prefill_tokens == 0:  # decode-only: the engine's own step period (profiling/host.py)
-            h = period[(s.num_decode_seqs, s.context_per_decode)] - f
-        elif ahead:  # async scheduling: the step's pipelined period (host work overlapped)
-            h = pipelined[key] - f
+            sync_t = period[(s.num_decode_seqs, s.context_per_decode)]
+            t = ahead_period[(s.num_decode_seqs, s.context_per_decode)] if ahead else sync_t
         else:
-            h = host[(s.num_prefill_tokens, s.num_decode_seqs)]
+            sync_t = f + host[(s.num_prefill_tokens, s.num_decode_seqs)]
+            t = pipelined[key] if ahead else sync_t  # async: the pipelined period (host work overlapped)
         rows.append({"kind": "step", "num_prefill_tokens": s.num_prefill_tokens,
                      "num_decode_seqs": s.num_decode_seqs, "num_context_tokens": s.num_context_tokens,
-                     "time_s": f + h, "forward_s": f, "host_s": h})
+                     "time_s": t, "forward_s": f, "host_s": t - f} | ({"sync_time_s": sync_t} if ahead else {}))
     # The grid needs a (0 prefill, 0 decode) corner although no step is empty: it repeats the
     # smallest prefill's time, so tiny prefill chunks are priced like it (launch-bound), not less.
     smallest = next((r for r in rows if r["num_decode_seqs"] == 0), None)
     if smallest is not None:
-        rows.insert(0, {"kind": "step", "num_prefill_tokens": 0, "num_decode_seqs": 0, "num_context_tokens": 0,
-                        "time_s": smallest["time_s"], "forward_s": smallest["forward_s"], "host_s": smallest["host_s"]})
+        rows.insert(0, smallest | {"num_prefill_tokens": 0})
     split = [(s.num_prefill_tokens, s.num_prefill_seqs, s.prefill_attention_pairs,
               forward[(s.num_prefill_tokens, s.num_prefill_seqs, 0, 0)]) for s in grid.split_shapes()]
     kv = runner.kv_cache
@@ -240,7 +243,9 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
                    f"median period of {cfg.host_repeats} consecutive LLMEngine.step() calls holding that batch, "
                    "host_s = time_s - forward_s; rows with prefill: "
                    + (f"time_s = the step launched {cfg.repeats} times back to back without waiting for its tokens, "
-                      "per step (async scheduling's steady state), host_s = time_s - forward_s" if ahead else
+                      "per step (async scheduling's steady state), host_s = time_s - forward_s; decode-only rows "
+                      "time_s from an engine scheduling ahead; sync_time_s = each row as the synchronous loop "
+                      "pays it (for steps not scheduled ahead)" if ahead else
                       f"host_s = LLMEngine.step() minus its execute() re-run warm on this runner (median of "
                       f"{cfg.host_repeats}), time_s = forward_s + host_s")),
         "async_scheduling": str(ahead).lower(),
@@ -262,6 +267,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     # graph size (fidelity, 2026-11-22: 27 -> 28 and 24 -> 30 of 32 targets on two device calls).
     if runner.graphs is not None:
         meta["graph_batch_sizes"] = " ".join(str(s) for s in runner.graphs.sizes)  # for the record only
+        meta["token_graph_sizes"] = " ".join(str(s) for s in runner.graphs.token_sizes)  # steps with prefill
     meta["elapsed_s"] = f"{time.perf_counter() - start:.1f} (runner setup {setup_s:.1f})"
     out = Path(cfg.out) if cfg.out else REPO_ROOT / "experiments" / "profiles" / f"{gpu}-{cfg.model.name}.csv"
     path = write_profile(out, meta, rows)

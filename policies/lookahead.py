@@ -25,7 +25,7 @@ synchronously.
 A step is looked past only if nothing in the next one could need its tokens or a preemption: no
 parallel-sampling prompt forks in it, no sequence was aborted since it was scheduled, every running
 sequence decodes afterwards (no prefill chunk left), the block manager surely has their slots, and
-the policy cannot force running sequences out for the waiting queue.
+the policy would not force running sequences out for the waiting queue's head.
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def can_look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats) 
         return False  # an abort in flight, or a prompt sampling n > 1 (it forks)
     if len(out.scheduled) - stats.num_partial != len(queues.running):
         return False  # a running sequence would still have tokens to compute (or was not scheduled)
-    if scheduler.may_force and queues.waiting and queues.running:
+    if scheduler.may_force and queues.waiting and scheduler.preemptor.would_force(
+            queues.waiting[0], scheduler.config.max_num_seqs):
         return False
     return scheduler.block_manager.decode_slots_fit(queues.running, ahead=1)
 

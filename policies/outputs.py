@@ -30,6 +30,7 @@ class SchedulerOutput:
     copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu block, dst gpu block)
     preempted: list[Sequence] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
+    ahead: bool = False  # decided by schedule_ahead while the step before it ran (async scheduling)
     # Sums over `scheduled` of num_new_tokens, of seq.num_computed_tokens (before the step) and of
     # num_samples, kept by the scheduler while it builds the batch so that per-step consumers (the
     # simulator's latency model) need no pass over it; None on an output built by hand.

@@ -90,15 +90,26 @@ class Preemptor:
         queues = self.queues
         if queues.swapped and queues.key(queues.swapped[0]) < queues.key(head):
             return  # the swapped head is served first anyway
-        cost, may_preempt = seq_cost(head), self.policy.may_preempt
+        may_preempt = self.policy.may_preempt
         while queues.running:
-            if (queues.running_cost + cost <= max_num_seqs
-                    and self.block_manager.can_allocate(head) is not AllocStatus.LATER):
+            if self._fits(head, max_num_seqs):
                 return
             allowed = [seq for seq in queues.running if may_preempt(head, seq)]
             if not allowed:
                 return
             self.preempt(self.pick_victim(allowed), out, now)
+
+    def would_force(self, head: Sequence, max_num_seqs: int) -> bool:
+        """Whether `force_for(head)` would preempt a sequence now (nothing is changed)."""
+        queues = self.queues
+        if not queues.running or (queues.swapped and queues.key(queues.swapped[0]) < queues.key(head)):
+            return False
+        may_preempt = self.policy.may_preempt
+        return not self._fits(head, max_num_seqs) and any(may_preempt(head, seq) for seq in queues.running)
+
+    def _fits(self, head: Sequence, max_num_seqs: int) -> bool:
+        return (self.queues.running_cost + seq_cost(head) <= max_num_seqs
+                and self.block_manager.can_allocate(head) is not AllocStatus.LATER)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput, now: float) -> None:
         self.queues.remove(seq)

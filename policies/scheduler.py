@@ -169,7 +169,9 @@ class Scheduler:
         self._looked_past = lookahead.look_past(self, out, stats, max(self._last_update, out.now), output_lens)
         self._all_decoding = True
         self.num_scheduled_ahead += 1
-        return self.schedule(now)
+        out = self.schedule(now)
+        out.ahead = True
+        return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> tuple[int, bool]:
         running = self.queues.running

@@ -103,3 +103,48 @@ def test_profile_mode_must_match_the_runs_scheduler_mode(tmp_path):
         ProfiledModel(sync, 16, "m", async_scheduling=True)
     with pytest.raises(ValueError, match="measured with async_scheduling=True"):
         ProfiledModel(ahead, 16, "m", async_scheduling=False)
+
+
+def _out(p: int, d: int, ahead: bool):
+    from policies import Request, SamplingParams
+    from policies.outputs import ScheduledSeq, SchedulerOutput
+    from policies.sequence import Sequence
+    out = SchedulerOutput(0.0, ahead=ahead)
+    if p:
+        out.scheduled.append(ScheduledSeq(Sequence.from_request(0, Request("p", [1] * p, SamplingParams())), p, 1))
+    for i in range(d):
+        seq = Sequence.from_request(i + 1, Request(f"d{i}", [1] * 16, SamplingParams()))
+        seq.num_computed_tokens = 15
+        out.scheduled.append(ScheduledSeq(seq, 1, 1))
+    return out
+
+
+def test_steps_scheduled_ahead_use_time_s_and_the_others_sync_time_s(tmp_path):
+    from experiments.profiling.grid import write_profile as write_rows
+    rows = [{"kind": "step", "num_prefill_tokens": p, "num_decode_seqs": d, "num_context_tokens": 16 * d,
+             "time_s": 1e-3 * (1 + p / 100 + d), "sync_time_s": 1e-3 * (1.5 + p / 100 + d)}
+            for p in (0, 100) for d in (0, 1, 4)]
+    rows += [{"kind": "swap", "num_blocks": 1, "time_s": 1e-4}]
+    path = write_rows(tmp_path / "p.csv", {"model": "m", "block_size": 16, "async_scheduling": "true"}, rows)
+    model = ProfiledModel(path, 16, "m", async_scheduling=True)
+    assert model.step_time(_out(100, 4, ahead=True)) == pytest.approx(6e-3)
+    assert model.step_time(_out(100, 4, ahead=False)) == pytest.approx(6.5e-3)
+    assert model.step_time(_out(0, 1, ahead=False)) == pytest.approx(2.5e-3)
+
+
+def test_prefill_rows_are_priced_at_the_step_s_own_graph_padding(tmp_path):
+    """A row (P, D) ran the graph of the smallest token size >= P + D; the model takes that padding
+    out and adds the priced step's own, at the per-token cost of the prefill-only rows."""
+    from experiments.profiling.grid import write_profile as write_rows
+    sizes = [64, 128, 256, 512]
+    cost = lambda t: 1e-3 + 2e-6 * next((s for s in sizes if s >= t), t)  # linear in the padded tokens
+    rows = [{"kind": "step", "num_prefill_tokens": p, "num_decode_seqs": d, "num_context_tokens": 16 * d,
+             "time_s": cost(p + d) if p else 1e-3 + 1e-5 * d} for p in (0, 128, 256, 512) for d in (0, 1, 8)]
+    rows += [{"kind": "swap", "num_blocks": 1, "time_s": 1e-4}]
+    meta = {"model": "m", "block_size": 16, "token_graph_sizes": " ".join(map(str, sizes))}
+    model = ProfiledModel(write_rows(tmp_path / "p.csv", meta, rows), 16, "m")
+    assert model.pad_token_s == pytest.approx(2e-6)
+    for p, d in ((128, 1), (200, 8), (300, 1), (250, 6), (512, 0)):
+        assert model.step_time(_out(p, d, ahead=False)) == pytest.approx(cost(p + d)), (p, d)
+    plain = ProfiledModel(write_rows(tmp_path / "q.csv", {"model": "m", "block_size": 16}, rows), 16, "m")
+    assert plain.step_time(_out(250, 6, ahead=False)) != pytest.approx(cost(256))  # without the sizes

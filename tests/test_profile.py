@@ -276,3 +276,5 @@ def test_async_profile_prices_prefill_rows_by_their_pipelined_period(tmp_path):
     assert len(steps) == 6 and all(float(r["time_s"]) > 0 for r in steps)
     for r in steps:
         assert float(r["time_s"]) == pytest.approx(float(r["forward_s"]) + float(r["host_s"]), rel=1e-5)
+        assert float(r["sync_time_s"]) > 0  # steps not scheduled ahead are priced from it
+    ProfiledModel(path, 16, "tiny-qwen3", async_scheduling=True)

@@ -21,7 +21,9 @@ from experiments.profiling.synthetic import StepShape, split_tokens
 from sim.latency.prefill_schedule import PrefillSchedule
 from sim.latency.profiled import COLUMNS
 
-EXTRA_COLUMNS = ("forward_s", "host_s")  # optional: time_s = forward_s + host_s (readers ignore them)
+# Optional: time_s = forward_s + host_s (readers ignore them); sync_time_s (async profiles): the step
+# when scheduled synchronously (sim/latency/profiled.py prices such steps with it).
+EXTRA_COLUMNS = ("forward_s", "host_s", "sync_time_s")
 
 
 def _int_list(d: Mapping[str, Any], key: str, low: int) -> list[int]:

@@ -35,6 +35,12 @@ a prefill of its new tokens, unless the profile carries these optional metadata 
   the kernel's time follows how its programs pack onto the SMs, not the pair count: several short
   prompts save less than their pairs say (the H200 offline benchmark's mixed steps, 3-7 prompts,
   came out 7% too fast with the pair correction).
+- column `sync_time_s` (optional, profiles with `async_scheduling: true`): each step row as the
+  synchronous loop pays it; steps not scheduled ahead (`SchedulerOutput.ahead` false) are priced
+  from it, the others from `time_s` (the period with the host's work overlapped).
+- `token_graph_sizes`: the engine's CUDA-graph token sizes for steps with prefill tokens; each
+  prefill row's padding to them is taken out before interpolating and the priced step's own added
+  (sim/latency/token_padding.py).
 - `decode_graph_sizes` (optional; `experiments.profile` no longer writes it, its decode rows being
   engine step periods at real batch sizes): the engine's CUDA-graph batch sizes; a decode-only step
   of D sequences runs the smallest size >= D (padding rows read no KV), so it is priced at that
@@ -51,6 +57,7 @@ from pathlib import Path
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
 from sim.latency.prefill_schedule import PrefillSchedule
+from sim.latency.token_padding import padded, per_token_cost
 
 COLUMNS = ("kind", "num_prefill_tokens", "num_decode_seqs", "num_context_tokens", "num_blocks", "time_s")
 STEP_FIELDS = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")
@@ -164,6 +171,7 @@ class ProfiledModel(LatencyModel):
         profile_bs = int(self.meta.get("block_size", block_size))
         self._block_scale = block_size / profile_bs
         points: dict[tuple[int, int, float], list[float]] = {}
+        sync_points: dict[tuple[int, int, float], list[float]] = {}
         swaps: dict[int, list[float]] = {}
         for line, row in rows:
             kind = (row.get("kind") or "").strip()
@@ -173,7 +181,10 @@ class ProfiledModel(LatencyModel):
                 if d == 0 and c != 0:
                     raise ValueError(f"{path}:{line}: field num_context_tokens={c} is invalid: "
                                      "must be 0 when num_decode_seqs is 0")
-                points.setdefault((p, d, round(c / d, 6) if d else -1.0), []).append(t)
+                key = (p, d, round(c / d, 6) if d else -1.0)
+                points.setdefault(key, []).append(t)
+                if (row.get("sync_time_s") or "").strip():
+                    sync_points.setdefault(key, []).append(_number(path, line, row, "sync_time_s", integer=False))
             elif kind == "swap":
                 n = int(_number(path, line, row, "num_blocks", integer=True))
                 swaps.setdefault(n, []).append(t)
@@ -186,6 +197,30 @@ class ProfiledModel(LatencyModel):
         self.prefill_axis = sorted({k[0] for k in points})
         self.decode_axis = sorted({k[1] for k in points})
         self.context_axis = sorted({k[2] for k in points if k[1] > 0}) or [0.0]
+        self._grid = self._build_grid(path, points, "time_s")
+        # Async profiles: each row also as the synchronous loop pays it, for steps not scheduled ahead.
+        self._sync_grid = self._build_grid(path, sync_points, "sync_time_s") if sync_points else None
+        self.prefill_pair_s = _meta_number(path, self.meta, "prefill_pair_s")
+        self.prefill_tile_s = _meta_number(path, self.meta, "prefill_tile_s")
+        self.prefill_schedule: PrefillSchedule | None = None
+        if "prefill_schedule" in self.meta:
+            try:
+                self.prefill_schedule = PrefillSchedule.parse(self.meta["prefill_schedule"])
+            except ValueError as exc:
+                raise ValueError(f"{path}: metadata {exc}") from None
+        self.graph_sizes = _meta_sizes(path, self.meta, "decode_graph_sizes")
+        self.token_sizes = _meta_sizes(path, self.meta, "token_graph_sizes")
+        self.pad_token_s = self._unpad(self._grid) if self.token_sizes else 0.0
+        if self._sync_grid is not None and self.token_sizes:
+            self._unpad(self._sync_grid)
+        self.swap_axis = sorted(swaps)
+        self._swap_times = [statistics.median(swaps[n]) for n in self.swap_axis]
+        if len(self.swap_axis) == 1:  # one measurement: proportional through the origin
+            self.swap_axis.insert(0, 0)
+            self._swap_times.insert(0, 0.0)
+
+    def _build_grid(self, path: Path, points: dict[tuple[int, int, float], list[float]],
+                    column: str) -> list[list[list[float]]]:
         grid = []
         for p in self.prefill_axis:
             plane = []
@@ -196,40 +231,46 @@ class ProfiledModel(LatencyModel):
                     if key not in points:
                         raise ValueError(
                             f"latency profile {str(path)!r} lacks the grid point num_prefill_tokens={p}, "
-                            f"num_decode_seqs={d}, num_context_tokens={round(ctx * d)}: step rows must "
+                            f"num_decode_seqs={d}, num_context_tokens={round(ctx * d)} ({column}): step rows must "
                             "cover every combination of the distinct prefill, decode and context-per-decode values")
                     line_.append(statistics.median(points[key]))
                 plane.append(line_)
             grid.append(plane)
-        self._grid = grid
-        self.prefill_pair_s = _meta_number(path, self.meta, "prefill_pair_s")
-        self.prefill_tile_s = _meta_number(path, self.meta, "prefill_tile_s")
-        self.prefill_schedule: PrefillSchedule | None = None
-        if "prefill_schedule" in self.meta:
-            try:
-                self.prefill_schedule = PrefillSchedule.parse(self.meta["prefill_schedule"])
-            except ValueError as exc:
-                raise ValueError(f"{path}: metadata {exc}") from None
-        self.graph_sizes = _meta_sizes(path, self.meta, "decode_graph_sizes")
-        self.swap_axis = sorted(swaps)
-        self._swap_times = [statistics.median(swaps[n]) for n in self.swap_axis]
-        if len(self.swap_axis) == 1:  # one measurement: proportional through the origin
-            self.swap_axis.insert(0, 0)
-            self._swap_times.insert(0, 0.0)
+        return grid
+
+    def _unpad(self, grid: list[list[list[float]]]) -> float:
+        """Take each prefill row's padding cost out of `grid` (token_padding.py); returns the cost
+        per padding row."""
+        sizes = self.token_sizes
+        if self.decode_axis[0] != 0:
+            return 0.0
+        aligned = [(p, grid[i][0][0]) for i, p in enumerate(self.prefill_axis) if p > 0 and p in sizes]
+        cost = per_token_cost(aligned)
+        for i, p in enumerate(self.prefill_axis):
+            for j, d in enumerate(self.decode_axis):
+                if p:
+                    extra = cost * (padded(p + d, sizes) - p - d)
+                    grid[i][j] = [t - extra for t in grid[i][j]]
+        return cost
 
     def step_time(self, out: SchedulerOutput) -> float:
-        return self.shape_time(BatchShape.of(out)) if out.scheduled else 0.0
+        if not out.scheduled:
+            return 0.0
+        return self.shape_time(BatchShape.of(out), sync=self._sync_grid is not None and not out.ahead)
 
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
                      num_steps: int) -> list[float]:
         return shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps)
 
-    def shape_time(self, b: BatchShape) -> float:
-        """Step time of a batch that schedules something."""
+    def shape_time(self, b: BatchShape, sync: bool = False) -> float:
+        """Step time of a batch that schedules something (`sync`: not scheduled ahead, priced from
+        an async profile's sync_time_s)."""
         p, d = b.num_prefill_tokens, b.num_decode_seqs
         if p == 0 and self.graph_sizes:
             d = next((s for s in self.graph_sizes if s >= d), d)
-        t = self.lookup(p, d, b.num_context_tokens)
+        t = self.lookup(p, d, b.num_context_tokens, self._sync_grid if sync else None)
+        if p and self.pad_token_s:
+            t += self.pad_token_s * (padded(p + d, self.token_sizes) - p - d)
         if p and self.prefill_schedule is not None and self.prefill_tile_s and b.prefill_chunks:
             schedule = self.prefill_schedule
             t += self.prefill_tile_s * (schedule.makespan(b.prefill_chunks) - schedule.single(p))
@@ -237,12 +278,13 @@ class ProfiledModel(LatencyModel):
             t += self.prefill_pair_s * (b.prefill_attention_pairs - p * (p + 1) // 2)
         return max(t, 0.0)
 
-    def lookup(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int) -> float:
+    def lookup(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
+               grid: list[list[list[float]]] | None = None) -> float:
         ctx = num_context_tokens / num_decode_seqs if num_decode_seqs else self.context_axis[0]
         ip, wp = _segment(self.prefill_axis, num_prefill_tokens)
         idd, wd = _segment(self.decode_axis, num_decode_seqs)
         ic, wc = _segment(self.context_axis, ctx)
-        g = self._grid
+        g = self._grid if grid is None else grid
         total = 0.0
         for a, fa in ((ip, 1 - wp), (ip + 1, wp)):
             if fa == 0:
