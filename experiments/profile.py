@@ -34,6 +34,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from experiments import profile_suffix
 from experiments.cli import run_cli
 from experiments.paths import REPO_ROOT
 from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
@@ -269,7 +270,8 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         meta["graph_batch_sizes"] = " ".join(str(s) for s in runner.graphs.sizes)  # for the record only
         meta["token_graph_sizes"] = " ".join(str(s) for s in runner.graphs.token_sizes)  # steps with prefill
     meta["elapsed_s"] = f"{time.perf_counter() - start:.1f} (runner setup {setup_s:.1f})"
-    out = Path(cfg.out) if cfg.out else REPO_ROOT / "experiments" / "profiles" / f"{gpu}-{cfg.model.name}.csv"
+    suffix = profile_suffix(bool(cfg.get("async_scheduling", False)))
+    out = Path(cfg.out) if cfg.out else REPO_ROOT / "experiments" / "profiles" / f"{gpu}-{cfg.model.name}{suffix}.csv"
     path = write_profile(out, meta, rows)
     meta["gpu"] = gpu
     return path, meta
