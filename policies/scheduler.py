@@ -329,7 +329,7 @@ class Scheduler:
             return self._update_looked_past(past, new_token_ids, now, stop_seq_ids)
         if self._stats_out is not out:
             raise ValueError("update() got an output that is not the last one schedule() returned")
-        self._last_update = now
+        last_update, self._last_update = self._last_update, now
         stats, skip_aborted = self._stats, self.lifecycle.aborted_in_flight
         self.queues.kv_tokens += stats.num_prefill_tokens + stats.num_decode_seqs
         self.lifecycle.apply(out, new_token_ids, now, stop_seq_ids)
@@ -337,8 +337,9 @@ class Scheduler:
         self._all_decoding = (not skip_aborted and
                               len(out.scheduled) - stats.num_partial == stats.num_running)
         ended = self.lifecycle.take_ended()
+        # A step scheduled ahead but updated here began when the one before it ended, not when decided.
         self.recorder.step(stats.row(self._step, out, now, self.queues, self.block_manager.usage(),
-                                     self.preemptor.counts, ended))
+                                     self.preemptor.counts, ended, start=max(out.now, last_update)))
         self._step += 1
         return ended
 

@@ -196,7 +196,7 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
             "max_num_seqs=8", "progress=false", "calibrate=false", f"out={tmp_path / 'cpu-tiny-qwen3.csv'}",
             "profile_grid.prefill_tokens=[0,8,64]", "profile_grid.decode_seqs=[0,2,7]",
             "profile_grid.context_per_decode=[4,64]", "profile_grid.swap_blocks=[1,4]",
-            "profile_grid.split_prefill_tokens=[8]", "profile_grid.split_counts=[1,2]"])
+            "profile_grid.split_prefill_tokens=[8]", "profile_grid.split_counts=[1,2]", "async_scheduling=true"])
     csv, _ = profile(cfg, "pytest")
     spec = request.config.rootpath / "conf/fidelity/tiny.yaml"
     out, runs = tmp_path / "out", tmp_path / "runs"
@@ -212,6 +212,10 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
         engine, sim = fid.results[name]["engine"][0], fid.results[name]["sim"][0]
         assert engine["completed"] == sim["completed"] == 6
         assert engine["run"]["backend"] == "engine" and sim["run"]["latency_model"] == "profiled"
+    # Both sides scheduled ahead (the spec's scheduler.async_scheduling), steps of the sync fallback too.
+    for backend in ("engine", "sim"):
+        steps = pd.read_parquet(runs / "poisson" / backend / "steps.parquet")
+        assert len(steps) > 3 and (steps["time"].diff().dropna() > 0).all()
     assert fid.results["pressure_swap"]["engine"][0]["num_preempted_swap"] > 0
     assert fid.results["pressure_recompute"]["sim"][0]["num_preempted_recompute"] > 0
     assert fid.settings["poisson"]["rate"] > 0
