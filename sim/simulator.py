@@ -161,10 +161,11 @@ class Simulator:
                     f"(waiting={sched.num_waiting}, running={sched.num_running}, "
                     f"swapped={sched.num_swapped}) but schedules nothing and no arrival is left")
             idle_rounds = 0
+            step_s = total_time(out)  # priced before schedule_ahead applies the step's progress
             # Async scheduling: the next step is decided as this one starts (its forced output
             # lengths are applied there, so this update gets none).
             nxt = ahead(env.now, stop_lens) if ahead is not None else None
-            yield timeout(total_time(out))
+            yield timeout(step_s)
             scheduled = out.scheduled
             if scheduled != batch:
                 batch, tokens = scheduled, self._sampled_tokens(scheduled)

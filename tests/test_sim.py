@@ -140,3 +140,25 @@ def test_async_scheduling_with_forced_lengths_and_pressure_ends_every_request():
         assert sched.block_manager.usage().gpu_used == 0
         assert sum(s["num_preempted_swap"] for s in sched.recorder.steps) > 0
     assert rows[True] == rows[False] and len(rows[True]) == 60
+
+
+def test_async_steps_are_priced_before_they_are_looked_past():
+    """schedule_ahead applies a step's progress while it runs; the latency model must see the step
+    as scheduled (a prompt's chunk over no prefix), not as advanced (over a prefix of itself)."""
+    from sim.latency.base import BatchShape
+
+    class Recording(Constant):
+        def __init__(self):
+            super().__init__(0.01)
+            self.chunks = []
+
+        def step_time(self, out):
+            self.chunks += BatchShape.of(out).prefill_chunks
+            return super().step_time(out)
+
+    reqs = [request("a", 0.0, 40, 20), request("b", 0.035, 30, 5), request("c", 0.07, 50, 5)]
+    for ahead in (False, True):
+        sched, latency = scheduler(async_scheduling=ahead), Recording()
+        Simulator(sched, latency, reqs).run()
+        assert sorted(latency.chunks) == [(30, 0), (40, 0), (50, 0)]
+        assert (sched.num_scheduled_ahead > 0) is ahead
