@@ -35,14 +35,13 @@ from typing import TYPE_CHECKING
 
 from policies.outputs import SchedulerOutput
 from policies.preemption import PreemptionCounts
-from policies.sequence import Sequence, SequenceStatus
+from policies.sequence import Sequence
 from policies.step_stats import StepStats
 
 if TYPE_CHECKING:
     from policies.scheduler import Scheduler
 
 PENDING = -1  # the token of a looked-past step until its update
-RUNNING = SequenceStatus.RUNNING
 
 
 @dataclass(slots=True)
