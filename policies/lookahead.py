@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from policies.blocks.base import BlockUsage
 from policies.outputs import SchedulerOutput
 from policies.preemption import PreemptionCounts
 from policies.sequence import Sequence
@@ -54,6 +55,21 @@ class LookedPast:
     start: float  # when the step began on the device: the previous update's time
     sampled: list[Sequence] = field(default_factory=list)  # one PENDING token each, in order
     ending: list[Sequence] = field(default_factory=list)  # finished by a length rule
+    # The step's trace row describes the state its own progress left (as a synchronous update
+    # does), not the next step's admissions and slots, which come before this update.
+    queues: QueueSizes | None = None
+    usage: BlockUsage | None = None
+
+
+@dataclass(slots=True)
+class QueueSizes:
+    """What a step row reads of `SchedulerQueues` (the queues' lengths, as ranges, and kv_tokens),
+    frozen when the step was looked past."""
+
+    running: range
+    waiting: range
+    swapped: range
+    kv_tokens: int
 
 
 def can_look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats) -> bool:
@@ -85,4 +101,7 @@ def look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats, star
         scheduler.block_manager.free(seq)
         seq.status, seq.finish_reason = status, reason
         past.ending.append(seq)
+    past.queues = QueueSizes(range(len(queues.running)), range(len(queues.waiting)), range(len(queues.swapped)),
+                             queues.kv_tokens)
+    past.usage = scheduler.block_manager.usage()
     return past

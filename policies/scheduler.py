@@ -350,19 +350,24 @@ class Scheduler:
         if self.lifecycle.aborted_in_flight:
             self._all_decoding = False
         ended = self.lifecycle.take_ended()
-        self.recorder.step(past.stats.row(self._step, past.out, now, self.queues, self.block_manager.usage(),
-                                          past.counts, ended, start=past.start))
+        self.recorder.step(past.stats.row(self._step, past.out, now, past.queues, past.usage, past.counts, ended,
+                                          start=past.start))
         self._step += 1
         return ended
 
     # ---- fast-forward (policies/decode_run.py) ----------------------------------------------
-    def decode_run_limit(self, max_steps: int, token: int, output_lens: Mapping[str, int] | None = None) -> int:
+    def decode_run_limit(self, max_steps: int, token: int, output_lens: Mapping[str, int] | None = None,
+                         quiet: bool = False) -> int:
         """How many of the next steps (<= max_steps) `advance_decodes` may apply at once if every
         sample is `token`, `output_lens` end requests at those output lengths (as stop_seq_ids)
-        and nothing arrives or is aborted before the last one starts; 0 if the next is not one."""
+        and nothing arrives or is aborted before the last one starts; 0 if the next is not one.
+        `quiet`: only steps that finish nothing (a backend scheduling ahead: the next step is decided
+        before such a step's update). The next step may be scheduled already (by schedule_ahead,
+        not looked past): the run then starts with it."""
         self._decode_run = decode_run.run_limit(self, self._step, max_steps, token, output_lens) \
             if self._all_decoding and self._looked_past is None else decode_run.NO_RUN
-        return self._decode_run.limit
+        permit = self._decode_run
+        return min(permit.limit, permit.quiet) if quiet else permit.limit
 
     def advance_decodes(self, times: list[float], token: int, output_lens: Mapping[str, int] | None = None) -> None:
         """Apply len(times) - 1 of them, step s from times[s] to times[s + 1], as schedule(times[s]);
@@ -370,3 +375,4 @@ class Scheduler:
         decode_run.advance(self, self._decode_run, self._step, times, token, output_lens)
         self._step += len(times) - 1
         self._now, self._stats_out, self._decode_run = times[-1], None, decode_run.NO_RUN
+        self._last_update = times[-1]

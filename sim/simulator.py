@@ -22,7 +22,11 @@ SimPy could not reach exactly from now with one delay (only possible early on) g
 
 Async scheduling (`scheduler.async_scheduling`): each step is decided when the one before it
 starts (`Scheduler.schedule_ahead`, policies/lookahead.py), so a request arriving during step N
-is admitted in step N + 2 at the earliest; steps go one by one (no fast-forward).
+is admitted in step N + 2 at the earliest. A fast-forward then starts from a step scheduled ahead
+and keeps to steps that finish nothing and end before the next arrival; the step after it, decided
+when the run ends, is the one scheduling ahead would have decided at the last run step's start
+(nothing arrived or ended in between) and is priced as scheduled ahead. Traces are again identical
+to stepping one by one.
 """
 from __future__ import annotations
 
@@ -64,8 +68,8 @@ class Simulator:
         config = getattr(scheduler, "config", None)
         self.ahead = bool(getattr(config, "async_scheduling", False))
         # Step one by one with a stand-in scheduler without the fast-forward API, or a latency
-        # model that cannot price decode runs, or when scheduling ahead.
-        self.fast_forward = (fast_forward and not self.ahead and hasattr(scheduler, "decode_run_limit")
+        # model that cannot price decode runs.
+        self.fast_forward = (fast_forward and hasattr(scheduler, "decode_run_limit")
                              and type(latency).decode_times is not LatencyModel.decode_times)
         self.scheduler = scheduler
         self.latency = latency
@@ -125,6 +129,7 @@ class Simulator:
         tokens: dict[int, list[int]] = {}
         ahead = sched.schedule_ahead if self.ahead else None
         pending = None  # the step scheduled ahead, to run next
+        resumed = False  # a fast-forward from a step scheduled ahead just ended
         while True:
             if on_done is not None and len(ended_rows) > reported:
                 on_done(len(ended_rows) - reported)
@@ -134,15 +139,23 @@ class Simulator:
                     return
                 yield self._idle()
                 continue
-            # Fast-forward: the next plain decode steps in one timeout.
-            times = self._decode_run() if fast_forward else None
+            # Fast-forward: the next plain decode steps in one timeout (scheduling ahead: from a step
+            # scheduled ahead, which the run starts with).
+            times = self._decode_run() if fast_forward and (ahead is None or pending is not None) else None
             if times is not None:
                 idle_rounds = 0
                 yield timeout(times[-1] - env.now)
                 sched.advance_decodes(times, SIM_TOKEN, stop_lens)
                 self.num_steps += len(times) - 1
+                resumed, pending = pending is not None, None
                 continue
-            out, pending = (schedule(env.now), None) if pending is None else (pending, None)
+            if pending is None:
+                out = schedule(env.now)
+                # After a run the next step is the one scheduling ahead would have decided at the last
+                # run step's start: nothing arrived or ended since (the run's cut), so it is that step.
+                out.ahead, resumed = resumed, False
+            else:
+                out, pending = pending, None
             if not out.scheduled and out.is_empty:
                 # Nothing to run. Record the step if it preempted or aborted something, then
                 # sleep until the next arrival; with none left the scheduler is stuck.
@@ -183,7 +196,9 @@ class Simulator:
         nothing arrives before the last one starts, nor exactly when one ends (which of the two
         SimPy runs first would then depend on its event ids; such a step is stepped normally)."""
         sched, start = self.scheduler, self.env.now
-        limit = sched.decode_run_limit(MAX_RUN_STEPS, SIM_TOKEN, self.stop_lens)
+        # Scheduling ahead, the step after the run is decided at the last run step's start: the run
+        # keeps to steps that finish nothing and end before the next arrival (see the module docstring).
+        limit = sched.decode_run_limit(MAX_RUN_STEPS, SIM_TOKEN, self.stop_lens, quiet=self.ahead)
         if not limit:
             return None
         num_seqs, context = sched.num_running, sched.queues.kv_tokens + sched.num_running
@@ -203,7 +218,7 @@ class Simulator:
             times.extend(islice(accumulate(step_times, initial=times[-1]), 1, None))
             cut = bisect_left(times, until, done)
             if cut < len(times):
-                del times[cut + (times[cut] != until):]
+                del times[cut + (times[cut] != until and not self.ahead):]
                 break
             chunk = 2 * chunk
         self._step_time_guess = times[-1] - times[-2] if len(times) > 1 else self._step_time_guess

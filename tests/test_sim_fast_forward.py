@@ -2,7 +2,7 @@
 
 Property test: random small workloads (arrival ties with step ends, parallel sampling, stop tokens
 equal to the simulator's token, min_tokens, forced output lengths, tiny KV pools that preempt)
-through every policy x block manager x preemption mode, chunked prefill on and off, with the
+through every policy x block manager x preemption mode, chunked prefill and async scheduling on and off, with the
 roofline model, both profiled models and a dyadic model whose step ends often coincide exactly
 with arrivals. Both paths must give equal request rows, step rows, events, clock and final block
 pools. Plus: the fast path does cover most steps, the written trace files are byte-identical, and
@@ -82,7 +82,7 @@ def cases(draw):
         "config": SchedulerConfig(max_num_batched_tokens=draw(st.sampled_from([3, 16, 64]) if chunked
                                                               else st.just(MAX_MODEL_LEN)),
                                   max_num_seqs=draw(st.integers(1, 8)), max_model_len=MAX_MODEL_LEN,
-                                  enable_chunked_prefill=chunked),
+                                  enable_chunked_prefill=chunked, async_scheduling=draw(st.booleans())),
         "latency": draw(st.sampled_from(["roofline", "dyadic", "example-synthetic", "h200-qwen3-0.6b"])),
     }
     shared = list(range(500, 500 + MAX_MODEL_LEN))
@@ -149,6 +149,7 @@ def _run_dir(tmp_path: Path, fast_forward: bool, overrides: list[str]) -> Path:
 
 @pytest.mark.parametrize("overrides", [
     ["workload=poisson", "workload.num_requests=150"],
+    ["workload=poisson", "workload.num_requests=150", "scheduler.async_scheduling=true"],
     ["workload=sharegpt", "workload.num_requests=120", "blocks=prefix", "workload.shared_prefix_len=32",
      "blocks.num_gpu_blocks=300", "policy.preemption_mode=swap"],
 ])
@@ -163,9 +164,11 @@ def test_trace_files_are_byte_identical(tmp_path, overrides):
     assert summaries[0] == summaries[1]
 
 
-def test_fast_forward_covers_most_decode_steps(monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_fast_forward_covers_most_decode_steps(monkeypatch, ahead):
     case = {"policy": "fcfs", "mode": "recompute", "blocks": "paged", "block_size": 16, "num_gpu_blocks": 4000,
-            "num_cpu_blocks": 0, "watermark": 0.01, "config": SchedulerConfig(max_model_len=MAX_MODEL_LEN),
+            "num_cpu_blocks": 0, "watermark": 0.01,
+            "config": SchedulerConfig(max_model_len=MAX_MODEL_LEN, async_scheduling=ahead),
             "latency": "roofline", "stop_lens": {},
             "requests": [(f"r{i}", list(range(10 + i)), {"max_tokens": 100 + 7 * i, "ignore_eos": True},
                           i * 0.05, 0, None) for i in range(20)]}
