@@ -82,10 +82,19 @@ def can_look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats) 
         return False  # an abort in flight, or a prompt sampling n > 1 (it forks)
     if len(out.scheduled) - stats.num_partial != len(queues.running):
         return False  # a running sequence would still have tokens to compute (or was not scheduled)
+    return next_step_safe(scheduler, ahead=1)
+
+
+def next_step_safe(scheduler: Scheduler, ahead: int) -> bool:
+    """With every running sequence decoding: the next step can neither preempt nor need a token it
+    does not have (the running sequences have computed `ahead` tokens fewer than they will have)."""
+    queues = scheduler.queues
+    if scheduler.lifecycle.aborted_in_flight:
+        return False
     if scheduler.may_force and queues.waiting and scheduler.preemptor.would_force(
             queues.waiting[0], scheduler.config.max_num_seqs):
         return False
-    return scheduler.block_manager.decode_slots_fit(queues.running, ahead=1)
+    return scheduler.block_manager.decode_slots_fit(queues.running, ahead=ahead)
 
 
 def look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats, start: float,

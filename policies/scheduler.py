@@ -167,10 +167,15 @@ class Scheduler:
         if not lookahead.can_look_past(self, out, stats):
             return None
         self._looked_past = lookahead.look_past(self, out, stats, max(self._last_update, out.now), output_lens)
-        self._all_decoding = True
+        self._all_decoding = True  # after the step looked past, for the schedule below
         self.num_scheduled_ahead += 1
         out = self.schedule(now)
         out.ahead = True
+        # Until the next look-past: whether this step is a plain decode of every running sequence (a
+        # fast-forward may start with it, `decode_run_limit`); the look-past sets it again.
+        stats = self._stats
+        self._all_decoding = (not (out.copy or out.swap_in or out.swap_out) and stats.num_prefill_seqs == 0
+                              and stats.num_decode_seqs == stats.num_samples == len(self.queues.running))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> tuple[int, bool]:
@@ -368,6 +373,11 @@ class Scheduler:
             if self._all_decoding and self._looked_past is None else decode_run.NO_RUN
         permit = self._decode_run
         return min(permit.limit, permit.quiet) if quiet else permit.limit
+
+    def could_schedule_ahead(self) -> bool:
+        """After `advance_decodes`: whether `schedule_ahead` would have looked past the run's last step,
+        so that the next step stands for one scheduled ahead (the simulator prices it so)."""
+        return self._all_decoding and lookahead.next_step_safe(self, ahead=0)
 
     def advance_decodes(self, times: list[float], token: int, output_lens: Mapping[str, int] | None = None) -> None:
         """Apply len(times) - 1 of them, step s from times[s] to times[s + 1], as schedule(times[s]);

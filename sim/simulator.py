@@ -150,10 +150,11 @@ class Simulator:
                 resumed, pending = pending is not None, None
                 continue
             if pending is None:
-                out = schedule(env.now)
                 # After a run the next step is the one scheduling ahead would have decided at the last
-                # run step's start: nothing arrived or ended since (the run's cut), so it is that step.
-                out.ahead, resumed = resumed, False
+                # run step's start (nothing arrived or ended since: the run's cut), if it could have.
+                was_ahead = resumed and sched.could_schedule_ahead()
+                out, resumed = schedule(env.now), False
+                out.ahead = was_ahead
             else:
                 out, pending = pending, None
             if not out.scheduled and out.is_empty:

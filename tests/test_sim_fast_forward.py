@@ -41,14 +41,20 @@ class Dyadic(LatencyModel):
 
     name = "dyadic"
 
-    def shape_time(self, b: BatchShape) -> float:
-        return (8 + b.num_prefill_tokens // 8 + b.num_decode_seqs + b.num_context_tokens // 64 + b.num_copies) / 1024
+    def __init__(self, ahead: bool = False) -> None:
+        self.ahead = ahead  # scheduling ahead: steps not scheduled ahead cost 1/1024 s more (host work)
+
+    def shape_time(self, b: BatchShape, sync: bool = False) -> float:
+        return (8 + b.num_prefill_tokens // 8 + b.num_decode_seqs + b.num_context_tokens // 64 + b.num_copies
+                + sync) / 1024
 
     def step_time(self, out: SchedulerOutput) -> float:
-        return self.shape_time(BatchShape.of(out)) if out.scheduled or out.copy else 0.0
+        return self.shape_time(BatchShape.of(out), not out.ahead) if out.scheduled or out.copy else 0.0
 
     def decode_times(self, num_seqs, num_context_tokens, num_samples, num_steps):
-        return shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps)
+        # A fast-forwarded run: sync steps, or (scheduling ahead) steps scheduled ahead.
+        price = lambda b: self.shape_time(b, not self.ahead)
+        return shape_decode_times(price, num_seqs, num_context_tokens, num_samples, num_steps)
 
     def swap_time(self, num_blocks: int) -> float:
         return num_blocks / 512
@@ -58,12 +64,14 @@ def _conf(group: str, name: str) -> dict:
     return yaml.safe_load((ROOT / f"conf/{group}/{name}.yaml").read_text())
 
 
-def latency_model(name: str, block_size: int) -> LatencyModel:
+def latency_model(name: str, block_size: int, ahead: bool = False) -> LatencyModel:
     if name == "roofline":
         return RooflineModel(ModelShape.from_dict(_conf("model", "qwen3-0.6b")),
                              Hardware.from_dict(_conf("hardware", "h200")), block_size)
     if name == "dyadic":
-        return Dyadic()
+        return Dyadic(ahead)
+    if name.endswith("-async") and not ahead:
+        name = name.removesuffix("-async")  # a profile is taken in the runs' scheduling mode
     return ProfiledModel(ROOT / f"experiments/profiles/{name}.csv", block_size)
 
 
@@ -83,7 +91,8 @@ def cases(draw):
                                                               else st.just(MAX_MODEL_LEN)),
                                   max_num_seqs=draw(st.integers(1, 8)), max_model_len=MAX_MODEL_LEN,
                                   enable_chunked_prefill=chunked, async_scheduling=draw(st.booleans())),
-        "latency": draw(st.sampled_from(["roofline", "dyadic", "example-synthetic", "h200-qwen3-0.6b"])),
+        "latency": draw(st.sampled_from(["roofline", "dyadic", "dyadic", "example-synthetic", "h200-qwen3-0.6b",
+                                         "h200-qwen3-0.6b-async"])),
     }
     shared = list(range(500, 500 + MAX_MODEL_LEN))
     requests, stop_lens = [], {}
@@ -111,7 +120,8 @@ def simulate(case: dict, fast_forward: bool) -> tuple:
                           TraceRecorder())
     requests = [Request(rid, list(prompt), SamplingParams(**params), arrival_time=arrival, priority=priority,
                         eos_token_id=eos) for rid, prompt, params, arrival, priority, eos in case["requests"]]
-    result = Simulator(scheduler, latency_model(case["latency"], case["block_size"]), requests,
+    result = Simulator(scheduler, latency_model(case["latency"], case["block_size"], case["config"].async_scheduling),
+                       requests,
                        case["stop_lens"], fast_forward=fast_forward).run()
     if case["blocks"] == "contiguous":
         pools = (manager.extents.starts, manager.extents.ends, manager.gpu_refs)
