@@ -278,3 +278,16 @@ def test_async_profile_prices_prefill_rows_by_their_pipelined_period(tmp_path):
         assert float(r["time_s"]) == pytest.approx(float(r["forward_s"]) + float(r["host_s"]), rel=1e-5)
         assert float(r["sync_time_s"]) > 0  # steps not scheduled ahead are priced from it
     ProfiledModel(path, 16, "tiny-qwen3", async_scheduling=True)
+
+
+def test_host_check_times_every_core_and_the_unpinned_process():
+    import os
+
+    from experiments.profiling.host_check import run, system_facts
+    table = run(rounds=2, samples=2)
+    cores = sorted(os.sched_getaffinity(0))
+    assert len(table) == 2 * (len(cores) + 1)
+    assert set(table["core"]) == {*cores, "any"} and (table["median_us"] > 0).all()
+    assert (table["min_us"] <= table["median_us"]).all() and (table["median_us"] <= table["max_us"]).all()
+    assert sorted(os.sched_getaffinity(0)) == cores  # the process is unpinned again
+    assert system_facts()["cpus"] == str(os.cpu_count())
