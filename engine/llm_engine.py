@@ -2,7 +2,7 @@
 
 One step: `scheduler.schedule(now)` -> `runner.execute(out)` (swap out, swap in, copy, forward,
 sampling) -> stop strings of the requests that have any (incremental detokenization) ->
-`scheduler.update(out, tokens, now, stop_seq_ids)` -> outputs of the requests that ended.
+`scheduler.update(out, tokens, now, stop_seq_ids, output_lens)` -> outputs of the requests that ended.
 The engine never decides: the scheduler (policies/) does, and its recorder keeps the trace; `now`
 is the wall clock, `time.perf_counter()` relative to engine start.
 
@@ -26,7 +26,6 @@ from engine.tokenizer import encode_prompt, load_tokenizer
 from engine.weights import resolve_gguf
 from policies.blocks import make_block_manager
 from policies.lookahead import PENDING
-from policies.output_lens import reaching_output_len
 from policies.outputs import SchedulerOutput
 from policies.policy import make_policy
 from policies.request import Request, SamplingParams
@@ -184,10 +183,8 @@ class LLMEngine:
             out = scheduler.schedule(self.now())
             results = self.runner.execute(out)
         tokens = {seq_id: r.token_ids for seq_id, r in results.items()}
-        stop_seq_ids = self._check_stop_strings(tokens) if self._num_stop_requests else []
-        if self._output_lens and scheduler.looked_past is not out:  # else schedule_ahead applied them
-            stop_seq_ids += reaching_output_len(out.scheduled, self._output_lens)
-        ended = scheduler.update(out, tokens, self.now(), stop_seq_ids)
+        stop_seq_ids = self._check_stop_strings(tokens) if self._num_stop_requests else ()
+        ended = scheduler.update(out, tokens, self.now(), stop_seq_ids, self._output_lens or None)
         if self._forking:
             self._adopt_fork_states()
         if self._num_logprob_requests:
@@ -215,7 +212,7 @@ class LLMEngine:
             launched = runner.launch(out)
         if launched.results is None:
             nxt = scheduler.schedule_ahead(self.now(), self._output_lens or None)
-            if nxt is not None and (nxt.scheduled or not nxt.is_empty):
+            if nxt is not None and not nxt.is_empty:
                 self._in_flight = (nxt, runner.launch(nxt, after=launched))
         return out, runner.collect(launched)
 

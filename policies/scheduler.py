@@ -23,6 +23,7 @@ from operator import attrgetter, itemgetter
 from policies import decode_run, lookahead
 from policies.blocks.base import AllocStatus, BlockManager
 from policies.lifecycle import Lifecycle
+from policies.output_lens import reaching_output_len
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.policy.base import Policy
 from policies.preemption import Preemptor, merge_block_map
@@ -77,11 +78,6 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return len(self.queues.swapped)
-
-    @property
-    def looked_past(self) -> SchedulerOutput | None:
-        """The step `schedule_ahead` looked past, until its update."""
-        return None if self._looked_past is None else self._looked_past.out
 
     @property
     def may_force(self) -> bool:
@@ -157,9 +153,9 @@ class Scheduler:
     def schedule_ahead(self, now: float, output_lens: Mapping[str, int] | None = None) -> SchedulerOutput | None:
         """The next step, decided while the last one (schedule()'s output) still runs; its update
         comes after this (policies/lookahead.py). None, changing nothing, when that step cannot be
-        looked past: then update it and call `schedule`. `output_lens` as the backend's forced
-        output lengths (applied here for the step looked past: its update must not get them as
-        stop_seq_ids)."""
+        looked past: then update it and call `schedule`. An empty step (`is_empty`) need not run:
+        the next `schedule` replaces it. `output_lens`: the backend's forced output lengths, applied
+        here to the step looked past."""
         out, stats = self._stats_out, self._stats
         if out is None or self._looked_past is not None:
             raise ValueError("schedule_ahead() needs a step from schedule() or schedule_ahead() whose update "
@@ -321,11 +317,14 @@ class Scheduler:
 
     # ---- update ---------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, new_token_ids: dict[int, list[int]], now: float,
-               stop_seq_ids: Collection[int | tuple[int, int]] = ()) -> list[Request]:
+               stop_seq_ids: Collection[int | tuple[int, int]] = (),
+               output_lens: Mapping[str, int] | None = None) -> list[Request]:
         """Apply the step `out` that just ran: `new_token_ids[seq_id]` holds `num_samples` tokens per
         sampling sequence, `stop_seq_ids` the sequences the backend saw hit a stop string (for a
-        prompt sampling n > 1 tokens, `(seq_id, i)` names token i, whose child is forked here). Returns
-        the requests that ended since the last update (finished, or aborted from anywhere)."""
+        prompt sampling n > 1 tokens, `(seq_id, i)` names token i, whose child is forked here),
+        `output_lens` the backend's forced output lengths (policies/output_lens.py; a step looked
+        past had them applied then). Returns the requests that ended since the last update
+        (finished, or aborted from anywhere)."""
         self._now = now
         past = self._looked_past
         if past is not None:
@@ -334,6 +333,8 @@ class Scheduler:
             return self._update_looked_past(past, new_token_ids, now, stop_seq_ids)
         if self._stats_out is not out:
             raise ValueError("update() got an output that is not the last one schedule() returned")
+        if output_lens:
+            stop_seq_ids = [*stop_seq_ids, *reaching_output_len(out.scheduled, output_lens)]
         last_update, self._last_update = self._last_update, now
         stats, skip_aborted = self._stats, self.lifecycle.aborted_in_flight
         self.queues.kv_tokens += stats.num_prefill_tokens + stats.num_decode_seqs

@@ -7,7 +7,7 @@ Two processes share one `simpy.Environment`:
   runnable it sleeps until the next arrival instead of spinning.
 Generated tokens are `SIM_TOKEN` (requests from workloads carry `ignore_eos` and finish by
 length); a request listed in `stop_lens` is ended at that output length through update's
-`stop_seq_ids`, the same path the engine uses for stop strings. Nothing here is random, so the
+`output_lens`, as the engine does. Nothing here is random, so the
 same requests, scheduler and latency model give the same trace.
 
 Fast-forward (`fast_forward=True`, the default; `backend.fast_forward` in conf/backend/sim.yaml):
@@ -40,7 +40,6 @@ from operator import attrgetter, itemgetter
 
 import simpy
 
-from policies.output_lens import reaching_output_len
 from policies.request import Request
 from sim.latency.base import LatencyModel
 
@@ -176,21 +175,15 @@ class Simulator:
                     f"swapped={sched.num_swapped}) but schedules nothing and no arrival is left")
             idle_rounds = 0
             step_s = total_time(out)  # priced before schedule_ahead applies the step's progress
-            # Async scheduling: the next step is decided as this one starts (its forced output
-            # lengths are applied there, so this update gets none).
+            # Async scheduling: the next step is decided as this one starts.
             nxt = ahead(env.now, stop_lens) if ahead is not None else None
+            pending = None if nxt is None or nxt.is_empty else nxt  # schedule() replaces an empty one
             yield timeout(step_s)
             scheduled = out.scheduled
             if scheduled != batch:
                 batch, tokens = scheduled, self._sampled_tokens(scheduled)
             self.num_steps += 1
-            stops = reaching_output_len(scheduled, stop_lens) if stop_lens and nxt is None else None
-            if stops:
-                sched.update(out, tokens, env.now, stops)
-            else:
-                sched.update(out, tokens, env.now)
-            if nxt is not None and (nxt.scheduled or not nxt.is_empty):
-                pending = nxt  # an empty one is dropped: the next schedule() replaces it
+            sched.update(out, tokens, env.now, (), stop_lens)
 
     def _decode_run(self) -> list[float] | None:
         """Times [t_0 = now, ..., t_K] of K >= 1 decode steps `advance_decodes` can apply at once:
