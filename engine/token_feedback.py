@@ -75,8 +75,9 @@ class TokenFeedback:
         """The rows of `plan` fed by `after`'s samples (None if none is)."""
         seqs = list(map(_SEQ, plan.decodes))
         rows = [i for i, seq in enumerate(seqs) if seq.token_ids[-1] == PENDING]
-        for s in plan.prefills:
-            if PENDING in s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens]:
+        for s in plan.prefills:  # a PENDING token can only be a sequence's last
+            seq = s.seq
+            if seq.token_ids[-1] == PENDING and seq.num_computed_tokens + s.num_new_tokens == len(seq.token_ids):
                 raise RuntimeError(f"seq {s.seq.seq_id}: a prefill chunk holds a PENDING token (scheduled "
                                    "ahead past a step that had not computed it)")
         if not rows:

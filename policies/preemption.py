@@ -88,7 +88,7 @@ class Preemptor:
         """Before anything is scheduled: let the waiting head push out running sequences the policy
         allows it to (`may_preempt`), least urgent first, until it fits (priority scheduling)."""
         queues = self.queues
-        if queues.swapped and queues.key(queues.swapped[0]) < queues.key(head):
+        if self._swapped_first(head):
             return  # the swapped head is served first anyway
         may_preempt = self.policy.may_preempt
         while queues.running:
@@ -101,11 +101,15 @@ class Preemptor:
 
     def would_force(self, head: Sequence, max_num_seqs: int) -> bool:
         """Whether `force_for(head)` would preempt a sequence now (nothing is changed)."""
-        queues = self.queues
-        if not queues.running or (queues.swapped and queues.key(queues.swapped[0]) < queues.key(head)):
+        running = self.queues.running
+        if not running or self._swapped_first(head):
             return False
         may_preempt = self.policy.may_preempt
-        return not self._fits(head, max_num_seqs) and any(may_preempt(head, seq) for seq in queues.running)
+        return not self._fits(head, max_num_seqs) and any(may_preempt(head, seq) for seq in running)
+
+    def _swapped_first(self, head: Sequence) -> bool:
+        queues = self.queues
+        return bool(queues.swapped) and queues.key(queues.swapped[0]) < queues.key(head)
 
     def _fits(self, head: Sequence, max_num_seqs: int) -> bool:
         return (self.queues.running_cost + seq_cost(head) <= max_num_seqs

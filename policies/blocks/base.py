@@ -86,7 +86,7 @@ class BlockManager(ABC):
         """`append_slots(seq, 1)` for every seq of a decode batch, all or nothing: returns the copies,
         or None without changing anything when they might not all fit (then go seq by seq and
         preempt). One call instead of 2 per sequence: use it on the hot path."""
-        if self.num_free_gpu_blocks() < len(seqs):
+        if not self.decode_slots_fit(seqs):
             return None
         copies: list[tuple[int, int]] = []
         for seq in seqs:

@@ -102,12 +102,11 @@ class ContiguousBlockManager(BlockManager):
         return copies
 
     def decode_slots_fit(self, seqs: list[Sequence], ahead: int = 0) -> bool:
-        limit = self.block_size
-        return not any(seq.num_computed_tokens + ahead >= len(seq.block_table) * limit for seq in seqs)
+        bs = self.block_size
+        return not any(seq.num_computed_tokens + ahead >= len(seq.block_table) * bs for seq in seqs)
 
     def append_decode_slots(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
-        bs = self.block_size
-        if any(seq.num_computed_tokens >= len(seq.block_table) * bs for seq in seqs):
+        if not self.decode_slots_fit(seqs):
             return None
         if not self._pending:
             return []

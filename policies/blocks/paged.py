@@ -118,7 +118,7 @@ class PagedBlockManager(BlockManager):
         return copies
 
     def append_decode_slots(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
-        if self.gpu.num_free < len(seqs):
+        if not self.decode_slots_fit(seqs):
             return None
         if self._swapped and any(seq.seq_id in self._swapped for seq in seqs):
             raise ValueError("append_decode_slots got a swapped-out sequence: swap it in first")
