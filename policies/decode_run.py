@@ -79,7 +79,7 @@ def advance(scheduler: Scheduler, permit: Permit, step: int, times: list[float],
     kv_tokens = queues.kv_tokens
     if plain:
         queues.kv_tokens = kv_tokens + num_seqs  # as the first step's update leaves it
-        first = stats.row(step, SchedulerOutput(times[0]), times[1], queues, block_manager.usage(),
+        first = stats.row(step, SchedulerOutput(times[0]), times[1], queues.sizes(), block_manager.usage(),
                           scheduler.preemptor.counts, [])
         # Requests in the waiting queue arrived during the last step (the caller's contract).
         run = DecodeRunSteps(first, times, gpu_used, num_seqs, len(queues.waiting)) if not finishing else \
@@ -88,6 +88,6 @@ def advance(scheduler: Scheduler, permit: Permit, step: int, times: list[float],
     queues.kv_tokens = kv_tokens + num_seqs * num_steps
     if finishing:
         lifecycle.finish_decode_run(list(running), token, times[-1], output_lens)
-        scheduler.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], queues,
+        scheduler.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], queues.sizes(),
                                           block_manager.usage(), scheduler.preemptor.counts,
                                           lifecycle.take_ended()))

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from policies.blocks.base import BlockUsage
 from policies.outputs import SchedulerOutput
 from policies.preemption import PreemptionCounts
+from policies.queues import QueueSizes
 from policies.sequence import Sequence
 from policies.step_stats import StepStats
 
@@ -59,17 +60,6 @@ class LookedPast:
     # does), not the next step's admissions and slots, which come before this update.
     queues: QueueSizes | None = None
     usage: BlockUsage | None = None
-
-
-@dataclass(slots=True)
-class QueueSizes:
-    """What a step row reads of `SchedulerQueues` (the queues' lengths, as ranges, and kv_tokens),
-    frozen when the step was looked past."""
-
-    running: range
-    waiting: range
-    swapped: range
-    kv_tokens: int
 
 
 def can_look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats) -> bool:
@@ -110,7 +100,6 @@ def look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats, star
         scheduler.block_manager.free(seq)
         seq.status, seq.finish_reason = status, reason
         past.ending.append(seq)
-    past.queues = QueueSizes(range(len(queues.running)), range(len(queues.waiting)), range(len(queues.swapped)),
-                             queues.kv_tokens)
+    past.queues = queues.sizes()
     past.usage = scheduler.block_manager.usage()
     return past

@@ -11,6 +11,7 @@ from __future__ import annotations
 from bisect import insort
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from policies.sequence import Sequence, SequenceStatus
 
@@ -29,6 +30,15 @@ def _insert(queue: deque[Sequence] | list[Sequence], seq: Sequence, key: Callabl
         queue.append(seq)
     else:
         insort(queue, seq, key=key)
+
+
+class QueueSizes(NamedTuple):
+    """The queues' lengths and `kv_tokens` at one moment (a step's trace row)."""
+
+    running: int
+    waiting: int
+    swapped: int
+    kv_tokens: int
 
 
 class SchedulerQueues:
@@ -71,6 +81,9 @@ class SchedulerQueues:
             self.swapped.remove(seq)
         else:
             raise ValueError(f"seq {seq.seq_id} has status {status.name}: it is in no queue")
+
+    def sizes(self) -> QueueSizes:
+        return QueueSizes(len(self.running), len(self.waiting), len(self.swapped), self.kv_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

@@ -344,7 +344,7 @@ class Scheduler:
                               len(out.scheduled) - stats.num_partial == stats.num_running)
         ended = self.lifecycle.take_ended()
         # A step scheduled ahead but updated here began when the one before it ended, not when decided.
-        self.recorder.step(stats.row(self._step, out, now, self.queues, self.block_manager.usage(),
+        self.recorder.step(stats.row(self._step, out, now, self.queues.sizes(), self.block_manager.usage(),
                                      self.preemptor.counts, ended, start=max(out.now, last_update)))
         self._step += 1
         return ended

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from policies.blocks.base import BlockUsage
 from policies.outputs import SchedulerOutput
 from policies.preemption import PreemptionCounts
-from policies.queues import SchedulerQueues
+from policies.queues import QueueSizes
 from policies.request import Request
 
 
@@ -53,7 +53,7 @@ class StepStats:
         out.sum_computed_tokens = self.num_computed_tokens
         out.sum_samples = self.num_samples
 
-    def row(self, step: int, out: SchedulerOutput, now: float, queues: SchedulerQueues,
+    def row(self, step: int, out: SchedulerOutput, now: float, queues: QueueSizes,
             usage: BlockUsage, preemptions: PreemptionCounts, ended: list[Request],
             start: float | None = None) -> dict:
         """`start`: when the step began, if not when it was scheduled (`out.now`; a step scheduled
@@ -64,8 +64,8 @@ class StepStats:
             "step": step, "time": start, "duration": now - start,
             "num_batched_tokens": self.num_prefill_tokens + self.num_decode_seqs,
             "num_prefill_tokens": self.num_prefill_tokens, "num_prefill_seqs": self.num_prefill_seqs,
-            "num_decode_seqs": self.num_decode_seqs, "num_running": len(queues.running),
-            "num_waiting": len(queues.waiting), "num_swapped": len(queues.swapped),
+            "num_decode_seqs": self.num_decode_seqs, "num_running": queues.running,
+            "num_waiting": queues.waiting, "num_swapped": queues.swapped,
             "gpu_blocks_used": usage.gpu_used, "gpu_blocks_total": usage.gpu_total,
             "cpu_blocks_used": usage.cpu_used, "cpu_blocks_total": usage.cpu_total,
             "kv_tokens": queues.kv_tokens, "num_swap_out_blocks": len(out.swap_out),
