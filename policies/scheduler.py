@@ -7,9 +7,9 @@ Each step, `schedule(now)`:
      policy's victim among not-yet-scheduled running sequences when KV runs out), then the next
      chunk of running prefills from the remaining token budget;
   2. if step 1 preempted nothing, serves the swapped and waiting queues merged in policy order
-     (swap in / admit) while the budgets and the block manager allow; the first that must wait
-     stops the walk (head-of-line, so no request overtakes an earlier one), one that can never fit
-     is aborted as `too_long`.
+     (swap in / admit, policies/admission.py) while the budgets and the block manager allow; the
+     first that must wait stops the walk (head-of-line, so no request overtakes an earlier one), one
+     that can never fit is aborted as `too_long`.
 Without chunked prefill (vLLM v0 default): a step that can admit waiting prompts (whole, within
 the token budget) is prefill-only; otherwise it runs step 1 and then swaps in.
 `update(out, tokens, now)` advances progress, appends tokens, forks parallel samples, applies the
@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from operator import attrgetter, itemgetter
 
-from policies import decode_run, lookahead
-from policies.blocks.base import AllocStatus, BlockManager
+from policies import admission, decode_run, lookahead
+from policies.blocks.base import BlockManager
 from policies.lifecycle import Lifecycle
 from policies.output_lens import reaching_output_len
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.policy.base import Policy
-from policies.preemption import Preemptor, merge_block_map
+from policies.preemption import Preemptor
 from policies.queues import SchedulerQueues, seq_cost
 from policies.request import Request
 from policies.scheduler_config import SchedulerConfig
@@ -35,7 +35,6 @@ from policies.step_stats import StepStats
 from policies.trace import TraceRecorder
 
 RUNNING = SequenceStatus.RUNNING
-LATER, NEVER = AllocStatus.LATER, AllocStatus.NEVER
 _entry_computed = attrgetter("seq.num_computed_tokens")
 _entry_samples = itemgetter(2)
 
@@ -139,11 +138,11 @@ class Scheduler:
         if self.config.enable_chunked_prefill:
             budget, preempted = self._schedule_running(out, budget, now)
             if not preempted and (queues.waiting or queues.swapped):
-                self._admit(out, budget, now, take_waiting=True, take_swapped=True)
-        elif not self._admit(out, budget, now, take_waiting=True, take_swapped=False)[1]:
+                admission.admit(self, out, budget, now, take_waiting=True, take_swapped=True)
+        elif not admission.admit(self, out, budget, now, take_waiting=True, take_swapped=False)[1]:
             budget, preempted = self._schedule_running(out, budget, now)
             if not preempted:
-                self._admit(out, budget, now, take_waiting=False, take_swapped=True)
+                admission.admit(self, out, budget, now, take_waiting=False, take_swapped=True)
         self.preemptor.end_step()
         self._stats.num_running = len(queues.running)
         self._stats.fill_totals(out)
@@ -240,76 +239,20 @@ class Scheduler:
             if decode:
                 out.scheduled.append(self.lifecycle.decode_entries[seq])
             else:
-                self._push_chunk(out, seq, chunk)
+                self.push_chunk(out, seq, chunk)
             budget -= chunk
         return budget, preempted
 
-    def _admit(self, out: SchedulerOutput, budget: int, now: float, take_waiting: bool,
-               take_swapped: bool) -> tuple[int, bool]:
-        """Swap in / admit from the swapped and waiting queues merged in policy order.
-        Returns the remaining budget and whether anything was scheduled."""
-        queues, block_manager, config = self.queues, self.block_manager, self.config
-        key, victims = queues.key, self.preemptor.victims
-        num_scheduled = len(out.scheduled)
-        swapped_in: list[tuple[Sequence, int]] = []
-        while budget > 0:
-            waiting = queues.waiting[0] if take_waiting and queues.waiting else None
-            swapped = queues.swapped[0] if queues.swapped else None
-            from_swap = swapped is not None and (waiting is None or key(swapped) < key(waiting))
-            if from_swap and not take_swapped:
-                break
-            seq = swapped if from_swap else waiting
-            if seq is None or (victims and seq in victims):
-                break
-            cost = seq_cost(seq)
-            need = len(seq.token_ids) - seq.num_computed_tokens
-            if queues.running_cost + cost > config.max_num_seqs or (
-                    need > budget and not config.enable_chunked_prefill):
-                break
-            status = block_manager.can_swap_in(seq) if from_swap else block_manager.can_allocate(seq)
-            if status is LATER and not queues.running:
-                status = NEVER  # the GPU pool holds no running sequence: waiting cannot help
-            if status is NEVER:
-                self._abort_too_long(seq.request, out, now)
-                continue
-            if status is LATER:
-                break
-            if from_swap:
-                queues.swapped.popleft()
-                merge_block_map(out.swap_in, block_manager.swap_in(seq), "swap_in")
-                queues.add_running(seq)
-                self.recorder.swapped_in(seq, now)
-                # Slots are reserved after all swap-ins: a sibling swapped in later this step can
-                # then share the blocks this one brought back instead of copying them again.
-                swapped_in.append((seq, min(need, budget)))
-                budget -= min(need, budget)
-                continue
-            queues.waiting.popleft()
-            block_manager.allocate(seq)  # may skip prefix-cached tokens
-            queues.add_running(seq)
-            self.recorder.scheduled(seq, now)
-            chunk = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            out.copy.extend(block_manager.append_slots(seq, chunk))
-            self._push_chunk(out, seq, chunk)
-            budget -= chunk
-        for seq, chunk in swapped_in:  # the block table may lack the slot of the next token
-            if seq.status is not RUNNING:
-                continue  # aborted with a too_long sibling
-            if block_manager.can_append_slots(seq, chunk):
-                out.copy.extend(block_manager.append_slots(seq, chunk))
-                self._push_chunk(out, seq, chunk)
-            else:
-                budget += chunk  # stays running; the next step's decode pass handles it
-        return budget, len(out.scheduled) > num_scheduled
-
-    def _push_chunk(self, out: SchedulerOutput, seq: Sequence, chunk: int) -> None:
+    def push_chunk(self, out: SchedulerOutput, seq: Sequence, chunk: int) -> None:
+        """Schedule a chunk of `seq`'s tokens (its slots reserved) and count it in the step."""
         uncomputed = len(seq.token_ids) - seq.num_computed_tokens
         # A chunk that completes the sequence samples: n tokens for an unforked parallel prompt.
         samples = seq_cost(seq) if chunk == uncomputed else 0
         out.scheduled.append(ScheduledSeq(seq, chunk, samples))
         self._stats.add_chunk(seq.num_computed_tokens, uncomputed, chunk, samples)
 
-    def _abort_too_long(self, request: Request, out: SchedulerOutput, now: float) -> None:
+    def abort_too_long(self, request: Request, out: SchedulerOutput, now: float) -> None:
+        """End a request that can never fit, dropping its siblings' entries from this step."""
         self.lifecycle.abort(request, "too_long", now)
         if any(entry.seq.request is request for entry in out.scheduled):  # a sibling ran this step
             out.scheduled[:] = [entry for entry in out.scheduled if entry.seq.request is not request]

@@ -1,0 +1,82 @@
+"""Step 2 of `Scheduler.schedule`: serving the swapped and waiting queues, merged in policy order.
+
+Swapped sequences are swapped in, waiting ones admitted (their blocks allocated, prefix-cached
+tokens skipped), while the token budget, `max_num_seqs` and the block manager allow. The first one
+that must wait stops the walk (head-of-line: no request overtakes an earlier one); one that can
+never fit is aborted as `too_long`; this step's preemption victims are not taken back.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from policies.blocks.base import AllocStatus
+from policies.outputs import SchedulerOutput
+from policies.preemption import merge_block_map
+from policies.queues import seq_cost
+from policies.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from policies.scheduler import Scheduler
+
+RUNNING = SequenceStatus.RUNNING
+LATER, NEVER = AllocStatus.LATER, AllocStatus.NEVER
+
+
+def admit(scheduler: Scheduler, out: SchedulerOutput, budget: int, now: float, take_waiting: bool,
+          take_swapped: bool) -> tuple[int, bool]:
+    """Swap in / admit from the swapped and waiting queues merged in policy order.
+    Returns the remaining budget and whether anything was scheduled."""
+    queues, block_manager, config = scheduler.queues, scheduler.block_manager, scheduler.config
+    key, victims = queues.key, scheduler.preemptor.victims
+    num_scheduled = len(out.scheduled)
+    swapped_in: list[tuple[Sequence, int]] = []
+    while budget > 0:
+        waiting = queues.waiting[0] if take_waiting and queues.waiting else None
+        swapped = queues.swapped[0] if queues.swapped else None
+        from_swap = swapped is not None and (waiting is None or key(swapped) < key(waiting))
+        if from_swap and not take_swapped:
+            break
+        seq = swapped if from_swap else waiting
+        if seq is None or (victims and seq in victims):
+            break
+        cost = seq_cost(seq)
+        need = len(seq.token_ids) - seq.num_computed_tokens
+        if queues.running_cost + cost > config.max_num_seqs or (
+                need > budget and not config.enable_chunked_prefill):
+            break
+        status = block_manager.can_swap_in(seq) if from_swap else block_manager.can_allocate(seq)
+        if status is LATER and not queues.running:
+            status = NEVER  # the GPU pool holds no running sequence: waiting cannot help
+        if status is NEVER:
+            scheduler.abort_too_long(seq.request, out, now)
+            continue
+        if status is LATER:
+            break
+        if from_swap:
+            queues.swapped.popleft()
+            merge_block_map(out.swap_in, block_manager.swap_in(seq), "swap_in")
+            queues.add_running(seq)
+            scheduler.recorder.swapped_in(seq, now)
+            # Slots are reserved after all swap-ins: a sibling swapped in later this step can
+            # then share the blocks this one brought back instead of copying them again.
+            swapped_in.append((seq, min(need, budget)))
+            budget -= min(need, budget)
+            continue
+        queues.waiting.popleft()
+        block_manager.allocate(seq)  # may skip prefix-cached tokens
+        queues.add_running(seq)
+        scheduler.recorder.scheduled(seq, now)
+        chunk = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+        out.copy.extend(block_manager.append_slots(seq, chunk))
+        scheduler.push_chunk(out, seq, chunk)
+        budget -= chunk
+    for seq, chunk in swapped_in:  # the block table may lack the slot of the next token
+        if seq.status is not RUNNING:
+            continue  # aborted with a too_long sibling
+        if block_manager.can_append_slots(seq, chunk):
+            out.copy.extend(block_manager.append_slots(seq, chunk))
+            scheduler.push_chunk(out, seq, chunk)
+        else:
+            budget += chunk  # stays running; the next step's decode pass handles it
+    return budget, len(out.scheduled) > num_scheduled
+
