@@ -35,16 +35,18 @@ class Detokenizer:
                            read_offset=num_prompt_tokens)
 
     def update(self, state: DecodeState, token_ids: list[int], pending: list[int] = (),
-               final: bool = False) -> int:
-        """Decode what follows `state.read_offset` in `token_ids + pending` into state.text (pending:
-        tokens sampled this step, not yet appended to the sequence); returns the chars added.
-        `final`: the sequence ended, so an incomplete trailing character is emitted as U+FFFD."""
-        end = len(token_ids) + len(pending)
+               final: bool = False, num_ids: int | None = None) -> int:
+        """Decode what follows `state.read_offset` in `token_ids[:num_ids] + pending` into state.text
+        (pending: tokens sampled this step, not in the sequence yet; num_ids: None for all of
+        token_ids); returns the chars added. `final`: the sequence ended, so an incomplete trailing
+        character is emitted as U+FFFD."""
+        num_ids = len(token_ids) if num_ids is None else num_ids
+        end = num_ids + len(pending)
         if state.read_offset >= end:
             return 0
         decode = self.tokenizer.decode
         skip = self.skip_special_tokens
-        window = token_ids[state.prefix_offset:]
+        window = token_ids[state.prefix_offset:num_ids]
         if pending:
             window = window + list(pending)
         prefix_text = decode(window[:state.read_offset - state.prefix_offset], skip_special_tokens=skip)

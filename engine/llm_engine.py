@@ -233,8 +233,8 @@ class LLMEngine:
                     continue
                 # Looked past (async scheduling): the token is already in place, as PENDING.
                 ids, num_out = seq.token_ids, seq.num_output_tokens
-                if ids[-1] == PENDING:
-                    ids, num_out = ids[:-1], num_out - 1
+                num_ids = len(ids) - (ids[-1] == PENDING)
+                num_out -= len(ids) - num_ids
                 for i, token in enumerate(new):
                     key = seq.seq_id if i == 0 else (seq.seq_id, i)
                     state = states.get(key)
@@ -242,7 +242,7 @@ class LLMEngine:
                         state = states[key] = detok.new_state(seq.num_prompt_tokens)
                         if i == 1:  # once per forking prompt
                             self._forking.append(live)
-                    added = detok.update(state, ids, [token])
+                    added = detok.update(state, ids, [token], num_ids=num_ids)
                     if (state.stopped is None and num_out + 1 >= params.min_tokens
                             and find_stop_string(state, added, params.stop)):
                         stopped.append(key)

@@ -270,8 +270,8 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         meta["graph_batch_sizes"] = " ".join(str(s) for s in runner.graphs.sizes)  # for the record only
         meta["token_graph_sizes"] = " ".join(str(s) for s in runner.graphs.token_sizes)  # steps with prefill
     meta["elapsed_s"] = f"{time.perf_counter() - start:.1f} (runner setup {setup_s:.1f})"
-    suffix = profile_suffix(bool(cfg.get("async_scheduling", False)))
-    out = Path(cfg.out) if cfg.out else REPO_ROOT / "experiments" / "profiles" / f"{gpu}-{cfg.model.name}{suffix}.csv"
+    name = f"{gpu}-{cfg.model.name}{profile_suffix(ahead)}.csv"
+    out = Path(cfg.out) if cfg.out else REPO_ROOT / "experiments" / "profiles" / name
     path = write_profile(out, meta, rows)
     meta["gpu"] = gpu
     return path, meta
