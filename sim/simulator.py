@@ -126,7 +126,7 @@ class Simulator:
         # The last batch and its synthetic tokens: decode steps often repeat the batch exactly.
         batch: list | None = None
         tokens: dict[int, list[int]] = {}
-        ahead = sched.schedule_ahead if self.ahead else None
+        schedule_ahead = sched.schedule_ahead if self.ahead else None
         pending = None  # the step scheduled ahead, to run next
         resumed = False  # a fast-forward from a step scheduled ahead just ended
         while True:
@@ -140,7 +140,7 @@ class Simulator:
                 continue
             # Fast-forward: the next plain decode steps in one timeout (scheduling ahead: from a step
             # scheduled ahead, which the run starts with).
-            times = self._decode_run() if fast_forward and (ahead is None or pending is not None) else None
+            times = self._decode_run() if fast_forward and (not self.ahead or pending is not None) else None
             if times is not None:
                 idle_rounds = 0
                 yield timeout(times[-1] - env.now)
@@ -176,7 +176,7 @@ class Simulator:
             idle_rounds = 0
             step_s = total_time(out)  # priced before schedule_ahead applies the step's progress
             # Async scheduling: the next step is decided as this one starts.
-            nxt = ahead(env.now, stop_lens) if ahead is not None else None
+            nxt = schedule_ahead(env.now, stop_lens) if schedule_ahead is not None else None
             pending = None if nxt is None or nxt.is_empty else nxt  # schedule() replaces an empty one
             yield timeout(step_s)
             scheduled = out.scheduled
