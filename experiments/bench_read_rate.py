@@ -32,9 +32,11 @@ B, HQ, HKV, L, D, PAGE = 64, 16, 8, 4096, 128, 16
 
 
 @triton.jit
-def _stream_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-                   D: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr, PAGE: tl.constexpr):  # fmt: skip
+def _stream_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, times_ptr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+                   D: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr, PAGE: tl.constexpr, TIMES: tl.constexpr = False):  # fmt: skip
     item = tl.program_id(0)
+    if TIMES:
+        tl.store(times_ptr + item * 3, _globaltimer())
     offs_r = tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, D)
     offs_h = tl.arange(0, 16)
@@ -64,6 +66,106 @@ def _stream_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, ROWS: tl.c
         s = tl.dot(q, tl.trans(k))
         acc = tl.dot(s.to(v.dtype), v, acc)
     tl.store(out_ptr + item * 16 * D + offs_h[:, None] * D + offs_d[None, :], acc)
+    if TIMES:
+        tl.store(times_ptr + item * 3 + 1, _globaltimer())
+        tl.store(times_ptr + item * 3 + 2, _smid())
+
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _smid():
+    return tl.inline_asm_elementwise(
+        "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    ).to(tl.int64)
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, per_program, BLOCK: tl.constexpr):
+    """A plain read: each program sums its contiguous share elementwise (no reduction in the loop)."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    base = x_ptr + pid.to(tl.int64) * per_program
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, per_program, BLOCK):
+        acc += tl.load(base + i + offs).to(tl.float32)
+    tl.store(out_ptr + pid * BLOCK + offs, acc)
+
+
+def ceiling_round(add_bytes) -> None:
+    """The device's read ceiling: plain read kernels (ld.global at stages 1, cp.async above) over
+    1 GiB and 8 GiB with 2-16 programs per SM, beside SDPA on as many bytes (B64 x 4k and x 32k)."""
+    for ctx in (L, 8 * L):
+        flat = _sdpa_then_flat(ctx, add_bytes)
+        _read_variants(flat, ctx, add_bytes)
+        del flat
+        torch.cuda.empty_cache()
+
+
+def _sdpa_then_flat(ctx: int, add_bytes) -> torch.Tensor:
+    k = torch.randn(B, HKV, ctx, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    ms = graph_ms([lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)])
+    add_bytes(f"ceiling-{ctx}-sdpa", ms, k.nbytes + v.nbytes)
+    return torch.cat([k.view(-1), v.view(-1)])
+
+
+def _read_variants(flat: torch.Tensor, ctx: int, add_bytes) -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for per_sm in (2, 4, 8, 16):
+        for block, warps, stages in ((2048, 4, 1), (4096, 8, 1), (8192, 8, 1), (2048, 4, 3), (4096, 4, 3)):
+            programs = sms * per_sm
+            per_program = flat.numel() // programs // block * block
+            out = torch.empty(programs * block, device="cuda", dtype=torch.float32)
+
+            def call(
+                programs=programs, per_program=per_program, out=out, block=block, warps=warps, stages=stages
+            ):
+                _read_kernel[(programs,)](
+                    flat, out, per_program, BLOCK=block, num_warps=warps, num_stages=stages
+                )
+
+            name = f"ceiling-{ctx}-read-pp{per_sm}-b{block}w{warps}s{stages}"
+            add_bytes(name, graph_ms([call]), programs * per_program * 2)
+
+
+def timeline_round(add, out_dir: str, stamp: str) -> None:
+    """Each program's start and end (%globaltimer) and SM in the last of a graph's calls: where the
+    time beyond bytes / rate goes (start spread, ramp, the spread of end times)."""
+    items = B * HKV
+    k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q16 = torch.randn(items, 16, D, device="cuda", dtype=torch.bfloat16)
+    table = torch.arange(items * (L // PAGE), device="cuda", dtype=torch.int32)
+    lens = torch.full((items,), L, device="cuda", dtype=torch.int32)
+    out = torch.empty(items, 16, D, device="cuda", dtype=torch.float32)
+    times = torch.zeros(items, 3, device="cuda", dtype=torch.int64)
+    frames = []
+    for paged, n, st, w in ((1, 32, 3, 4), (1, 32, 4, 4), (0, 64, 2, 4)):
+
+        def call(paged=paged, n=n, st=st, w=w):
+            _stream_kernel[(items,)](q16, k, v, table, lens, out, times, ROWS=L, BLOCK_R=n, D=D, PAGED=paged,
+                                     MASK=paged, PAGE=PAGE, TIMES=True, num_warps=w, num_stages=st)  # fmt: skip
+
+        name = f"timeline-p{paged}m{paged}-n{n}s{st}w{w}"
+        add(name, graph_ms([call]))
+        t = pd.DataFrame(times.cpu().numpy(), columns=["start_ns", "end_ns", "sm"])
+        t0 = t.start_ns.min()
+        t["start_us"], t["end_us"] = (t.start_ns - t0) / 1e3, (t.end_ns - t0) / 1e3
+        t["on_sm"] = t.groupby("sm").sm.transform("size")
+        t["variant"] = name
+        frames.append(t.drop(columns=["start_ns", "end_ns"]))
+        ends = t.end_us.quantile([0.0, 0.1, 0.5, 0.9, 1.0]).round(1).tolist()
+        by_sm = t.groupby("on_sm").end_us.mean().round(1).to_dict()
+        print(f"    starts within {t.start_us.max():.1f} us; ends min/p10/p50/p90/max {ends} us; "
+              f"mean end by programs on the SM {by_sm}", flush=True)  # fmt: skip
+    pd.concat(frames).to_csv(f"{out_dir}/bench_read_rate_timeline_{stamp}.csv", index=False)
 
 
 VARIANTS = [(n, s, w) for n, s, w in ((32, 3, 4), (32, 4, 4), (64, 2, 4), (64, 3, 4), (64, 3, 8), (128, 2, 8),
@@ -96,7 +198,7 @@ def stream_round(add) -> None:
                 name = f"stream-p{paged}m{mask}-n{n}s{s}w{w}"
 
                 def call(n=n, s=s, w=w, paged=paged, mask=mask):
-                    _stream_kernel[(items,)](q16, k, v, table, lens, out, ROWS=L, BLOCK_R=n, D=D, PAGED=paged,
+                    _stream_kernel[(items,)](q16, k, v, table, lens, out, out, ROWS=L, BLOCK_R=n, D=D, PAGED=paged,
                                              MASK=mask, PAGE=PAGE, num_warps=w, num_stages=s)  # fmt: skip
 
                 try:
@@ -113,6 +215,12 @@ def stream_round(add) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
+    parser.add_argument(
+        "--ceiling", action="store_true", help="plain read kernels at 1 and 8 GiB beside SDPA"
+    )
+    parser.add_argument(
+        "--timeline", action="store_true", help="per-program start/end times of the stream kernel"
+    )
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
@@ -124,7 +232,7 @@ def main() -> None:
     rows: list[dict] = []
     nbytes = 2 * B * HKV * L * D * 2
 
-    def add(variant: str, ms: float) -> None:
+    def add(variant: str, ms: float, nbytes: int = nbytes) -> None:
         row = {"device": device, "date": date, "variant": variant, "time_us": ms * 1e3,
                "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_bw}  # fmt: skip
         rows.append(row)
@@ -132,6 +240,12 @@ def main() -> None:
               flush=True)  # fmt: skip
         pd.DataFrame(rows).to_csv(path, index=False)
 
+    if args.ceiling:
+        ceiling_round(add)
+        return
+    if args.timeline:
+        timeline_round(add, args.out, f"{device.replace(' ', '_')}_{date.replace(':', '')}")
+        return
     stream_round(add)
     torch.cuda.empty_cache()
     for r in uniform(
