@@ -36,7 +36,7 @@ import triton
 from experiments.bench_kernels_cases import decode_problem, kernel_report
 from experiments.bench_timing import copies_for, copy_gbps, graph_ms
 from kernels import decode_packed
-from kernels.decode import DecodeConfig, choose_num_splits, paged_decode_attention
+from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig as P
 from kernels.inputs import KV_LAYOUTS, kv_cache_storage, random_paged_problem
 
@@ -62,8 +62,7 @@ def name(cfg) -> str:
     if isinstance(cfg, DecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
         warps = "" if cfg.num_warps == 4 else f"w{cfg.num_warps}"
-        merge = "" if cfg.fused_merge else "-mergekernel"
-        return f"head-n{cfg.block_n}s{cfg.num_stages}{warps}{split}{merge}"
+        return f"head-n{cfg.block_n}s{cfg.num_stages}{warps}{split}"
     io = ("tma" if cfg.use_tma else "ptr") + ("" if cfg.pdl else "-nopdl")
     split = "" if cfg.min_split_tokens == P().min_split_tokens else f"-min{cfg.min_split_tokens}"
     return f"packed-n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}pp{cfg.programs_per_sm}-{io}{split}"
@@ -210,29 +209,6 @@ def streams_round(save, copy_bw: float) -> None:
     save(time_point("B64xL4096-end", sets, nbytes, copy_bw, []))  # SDPA again: drift over the round
 
 
-def merge_round(save, copy_bw: float) -> None:
-    """Round 13: splits merged in the kernel by their last program.  Per-program timestamps showed
-    one wave of 512 programs ending over 30 us (some GPCs stream faster); more programs than slots
-    let the hardware hand the rest to SMs that finished early, and the fused merge drops the
-    second launch that made splits lose in round 6.  B64x4k: splits 1-8, fused or not, stages 3/4;
-    then the old default (separate merge), the new one and 2x/4x its splits at the other points."""
-    grid = [DecodeConfig(num_stages=st, num_splits=sp, fused_merge=f) for st in (3, 4) for sp in (1, 2, 3, 4, 6, 8)
-            for f in (True, False) if sp > 1 or f]  # fmt: skip
-    save(uniform(64, 4096, copy_bw, grid))
-    save(uniform(64, 4096, copy_bw, []))  # SDPA again: the drift over the sweep
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch, ctx in ((64, 32768), (256, 4096), (256, 1024), (8, 32768), (8, 4096), (1, 32768), (1, 4096)):
-        splits = choose_num_splits(batch, HKV, ctx, torch.device("cuda"), DecodeConfig())
-        configs = [DecodeConfig(fused_merge=False), DecodeConfig()] + [
-            DecodeConfig(num_splits=splits * f, num_stages=st) for f in (2, 4) for st in (3, 4)
-            if ctx // (splits * f) >= 256
-        ]  # fmt: skip
-        print(f"B{batch}x{ctx}: heuristic {splits} splits ({sms} SMs)", flush=True)
-        save(uniform(batch, ctx, copy_bw, configs))
-    save(ragged(copy_bw, [DecodeConfig(fused_merge=False), DecodeConfig(), DecodeConfig(num_splits=2),
-                          DecodeConfig(num_splits=4)]))  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
@@ -240,7 +216,6 @@ def main() -> None:
     parser.add_argument("--waves", action="store_true", help="round 7: batches of whole and partial waves")
     parser.add_argument("--tiles", action="store_true", help="round 7b: 128-key tiles, 2-warp programs")
     parser.add_argument("--streams", action="store_true", help="round 8: storage layouts x block-table order")
-    parser.add_argument("--merge", action="store_true", help="round 13: splits with the merge fused in the kernel")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
@@ -269,9 +244,6 @@ def main() -> None:
         return
     if args.streams:
         streams_round(save, copy_bw)
-        return
-    if args.merge:
-        merge_round(save, copy_bw)
         return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),

@@ -1,7 +1,13 @@
-"""Round 12 of kernels/NOTES.md: what read rate can a Triton loop reach at all?  `python -m
-experiments.bench_read_rate [--out DIR]` (CUDA only).
+"""Rounds 12-13 of kernels/NOTES.md: what read rate can a Triton loop reach at all, and where does a
+decode launch's time go?  `python -m experiments.bench_read_rate [--ceiling | --timeline] [--out DIR]`
+(CUDA only).
 
-Same bytes as decode at batch 64 x 4k (Qwen3-0.6B: 8 KV heads, head_dim 128, bf16): K and V as
+`--ceiling`: plain read kernels (no math) over 1 GiB and 8 GiB with 2-16 programs per SM, beside SDPA
+on as many bytes: the device's read ceiling.  `--timeline`: every work unit's start, end (%globaltimer)
+and SM for the paged skeleton below, as whole items, chunks of items, or chunks taken from an atomic
+queue by a fixed grid; writes the units to a second CSV.
+
+Default: same bytes as decode at batch 64 x 4k (Qwen3-0.6B: 8 KV heads, head_dim 128, bf16): K and V as
 512 items of 4096 x 128, item-major, i.e. exactly SDPA's [64, 8, 4096, 128] tensors.  A stream
 kernel runs the decode loop's memory and tensor-core skeleton (QK^T and PV dots on a 16-row tile,
 no softmax: round 11 showed it costs nothing) over them, with three things switchable that the
@@ -32,11 +38,35 @@ B, HQ, HKV, L, D, PAGE = 64, 16, 8, 4096, 128, 16
 
 
 @triton.jit
-def _stream_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, times_ptr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-                   D: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr, PAGE: tl.constexpr, TIMES: tl.constexpr = False):  # fmt: skip
-    item = tl.program_id(0)
+def _stream_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, times_ptr, queue_ptr, ROWS: tl.constexpr,
+                   BLOCK_R: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
+                   PAGE: tl.constexpr, TIMES: tl.constexpr = False, CHUNKS: tl.constexpr = 1,
+                   NUM_ITEMS: tl.constexpr = 1, QUEUE: tl.constexpr = False):  # fmt: skip
+    """One work unit (item, chunk of its rows) per program, or (QUEUE) a fixed grid of programs taking
+    units from an atomic counter until none is left; the last program to leave resets the counters."""
+    if QUEUE:
+        work = tl.atomic_add(queue_ptr, 1)
+        while work < NUM_ITEMS * CHUNKS:
+            _stream_unit(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, times_ptr, work, ROWS, BLOCK_R, D, PAGED,
+                         MASK, PAGE, TIMES, CHUNKS, NUM_ITEMS)  # fmt: skip
+            work = tl.atomic_add(queue_ptr, 1)
+        left = tl.atomic_add(queue_ptr + 1, 1)
+        if left == tl.num_programs(0) - 1:
+            tl.store(queue_ptr, 0)
+            tl.store(queue_ptr + 1, 0)
+    else:
+        _stream_unit(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, times_ptr, tl.program_id(0), ROWS, BLOCK_R, D,
+                     PAGED, MASK, PAGE, TIMES, CHUNKS, NUM_ITEMS)  # fmt: skip
+
+
+@triton.jit
+def _stream_unit(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, times_ptr, work, ROWS: tl.constexpr,
+                 BLOCK_R: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr,
+                 PAGE: tl.constexpr, TIMES: tl.constexpr, CHUNKS: tl.constexpr, NUM_ITEMS: tl.constexpr):  # fmt: skip
     if TIMES:
-        tl.store(times_ptr + item * 3, _globaltimer())
+        tl.store(times_ptr + work * 3, _globaltimer())
+    item = work % NUM_ITEMS
+    first = (work // NUM_ITEMS) * (ROWS // CHUNKS)
     offs_r = tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, D)
     offs_h = tl.arange(0, 16)
@@ -46,8 +76,8 @@ def _stream_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, times_ptr,
     k_base = k_ptr + offs_d[None, :]
     v_base = v_ptr + offs_d[None, :]
     table = table_ptr + item * (ROWS // PAGE)
-    page = tl.load(table + offs_r // PAGE).to(tl.int64)
-    for r in range(0, ROWS, BLOCK_R):  # plain range: tl.range(num_stages=) gave K/V one buffer when paged
+    page = tl.load(table + (first + offs_r) // PAGE).to(tl.int64)
+    for r in range(first, first + ROWS // CHUNKS, BLOCK_R):  # plain range: tl.range(num_stages=) gave K/V one buffer
         rows = r + offs_r
         if PAGED:
             addr = (page * PAGE + rows % PAGE)[:, None] * D
@@ -65,10 +95,10 @@ def _stream_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, times_ptr,
             page = tl.load(table + after // PAGE, mask=after < ROWS, other=0).to(tl.int64)
         s = tl.dot(q, tl.trans(k))
         acc = tl.dot(s.to(v.dtype), v, acc)
-    tl.store(out_ptr + item * 16 * D + offs_h[:, None] * D + offs_d[None, :], acc)
+    tl.store(out_ptr + work * 16 * D + offs_h[:, None] * D + offs_d[None, :], acc)
     if TIMES:
-        tl.store(times_ptr + item * 3 + 1, _globaltimer())
-        tl.store(times_ptr + item * 3 + 2, _smid())
+        tl.store(times_ptr + work * 3 + 1, _globaltimer())
+        tl.store(times_ptr + work * 3 + 2, _smid())
 
 
 @triton.jit
@@ -135,36 +165,48 @@ def _read_variants(flat: torch.Tensor, ctx: int, add_bytes) -> None:
             add_bytes(name, graph_ms([call]), programs * per_program * 2)
 
 
+TIMELINES = [  # (stages, chunks per item, programs per SM of an atomic-queue grid or 0: one program per unit)
+    (3, 1, 0), (4, 1, 0), (4, 2, 0), (4, 4, 0), (3, 4, 0), (4, 2, 4), (4, 4, 4), (4, 8, 4), (3, 4, 5), (3, 8, 5),
+]  # fmt: skip
+
+
 def timeline_round(add, out_dir: str, stamp: str) -> None:
-    """Each program's start and end (%globaltimer) and SM in the last of a graph's calls: where the
-    time beyond bytes / rate goes (start spread, ramp, the spread of end times)."""
+    """Each work unit's start and end (%globaltimer) and SM in the last of a graph's calls (paged,
+    masked n32 skeleton at B64x4k): where the time beyond bytes / rate goes.  Units are whole items
+    or chunks of them, one program each or taken from an atomic queue by a fixed grid; SDPA beside."""
     items = B * HKV
     k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    add("sdpa", graph_ms([lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)]))
     q16 = torch.randn(items, 16, D, device="cuda", dtype=torch.bfloat16)
     table = torch.arange(items * (L // PAGE), device="cuda", dtype=torch.int32)
     lens = torch.full((items,), L, device="cuda", dtype=torch.int32)
-    out = torch.empty(items, 16, D, device="cuda", dtype=torch.float32)
-    times = torch.zeros(items, 3, device="cuda", dtype=torch.int64)
+    out = torch.empty(items * 8, 16, D, device="cuda", dtype=torch.float32)
+    queue = torch.zeros(2, device="cuda", dtype=torch.int32)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     frames = []
-    for paged, n, st, w in ((1, 32, 3, 4), (1, 32, 4, 4), (0, 64, 2, 4)):
+    for stages, chunks, per_sm in TIMELINES:
+        times = torch.zeros(items * chunks, 3, device="cuda", dtype=torch.int64)
+        grid = sms * per_sm if per_sm else items * chunks
 
-        def call(paged=paged, n=n, st=st, w=w):
-            _stream_kernel[(items,)](q16, k, v, table, lens, out, times, ROWS=L, BLOCK_R=n, D=D, PAGED=paged,
-                                     MASK=paged, PAGE=PAGE, TIMES=True, num_warps=w, num_stages=st)  # fmt: skip
+        def call(stages=stages, chunks=chunks, per_sm=per_sm, grid=grid, times=times):
+            _stream_kernel[(grid,)](q16, k, v, table, lens, out, times, queue, ROWS=L, BLOCK_R=32, D=D, PAGED=1,
+                                    MASK=1, PAGE=PAGE, TIMES=True, CHUNKS=chunks, NUM_ITEMS=items, QUEUE=per_sm > 0,
+                                    num_warps=4, num_stages=stages)  # fmt: skip
 
-        name = f"timeline-p{paged}m{paged}-n{n}s{st}w{w}"
+        name = f"timeline-s{stages}-chunks{chunks}-" + (f"queue{per_sm}" if per_sm else "grid")
         add(name, graph_ms([call]))
         t = pd.DataFrame(times.cpu().numpy(), columns=["start_ns", "end_ns", "sm"])
         t0 = t.start_ns.min()
         t["start_us"], t["end_us"] = (t.start_ns - t0) / 1e3, (t.end_ns - t0) / 1e3
-        t["on_sm"] = t.groupby("sm").sm.transform("size")
         t["variant"] = name
         frames.append(t.drop(columns=["start_ns", "end_ns"]))
-        ends = t.end_us.quantile([0.0, 0.1, 0.5, 0.9, 1.0]).round(1).tolist()
-        by_sm = t.groupby("on_sm").end_us.mean().round(1).to_dict()
-        print(f"    starts within {t.start_us.max():.1f} us; ends min/p10/p50/p90/max {ends} us; "
-              f"mean end by programs on the SM {by_sm}", flush=True)  # fmt: skip
+        last = t.groupby("sm").end_us.max()
+        busy = (t.end_us - t.start_us).sum() / (last.max() * sms)
+        units = t.groupby("sm").size()
+        print(f"    span {last.max():.1f} us; SMs' last end min/p10/p50/max {last.quantile([0, .1, .5, 1]).round(1).tolist()}; "
+              f"units per SM {units.min()}..{units.max()}; unit-time / (span x SMs) {busy:.2f}", flush=True)  # fmt: skip
     pd.concat(frames).to_csv(f"{out_dir}/bench_read_rate_timeline_{stamp}.csv", index=False)
 
 
@@ -198,8 +240,8 @@ def stream_round(add) -> None:
                 name = f"stream-p{paged}m{mask}-n{n}s{s}w{w}"
 
                 def call(n=n, s=s, w=w, paged=paged, mask=mask):
-                    _stream_kernel[(items,)](q16, k, v, table, lens, out, out, ROWS=L, BLOCK_R=n, D=D, PAGED=paged,
-                                             MASK=mask, PAGE=PAGE, num_warps=w, num_stages=s)  # fmt: skip
+                    _stream_kernel[(items,)](q16, k, v, table, lens, out, out, out, ROWS=L, BLOCK_R=n, D=D, PAGED=paged,
+                                             MASK=mask, PAGE=PAGE, NUM_ITEMS=items, num_warps=w, num_stages=s)  # fmt: skip
 
                 try:
                     call()

@@ -10,10 +10,10 @@ Per-KV-head kernel, flash-decoding style.  Grid (batch, kv_head, split): a progr
 query head of one KV head (GQA), so each K/V tile is read from the cache once, and runs tl.dot on
 a [BLOCK_H, head_dim] query tile padded to 16 rows (the tensor-core minimum).  Each sequence's
 context is cut into `num_splits` equal chunks (per sequence, so ragged batches stay balanced);
-with several splits every program writes a normalised partial output plus its log-sum-exp, and
-the last program of each sequence and KV head to finish merges them (kernels/decode_merge.py).
-The split count comes from the batch and the block table's width only, never from the context
-lengths' values, so the launch needs no device sync and can be captured in a CUDA graph (the packed kernel's grid is fixed per device, likewise).
+with several splits every program writes a normalised partial output plus its log-sum-exp and a
+second kernel merges them.  The split count comes from the batch and the block table's width
+only, never from the context lengths' values, so the launch needs no device sync and can be
+captured in a CUDA graph (the packed kernel's grid is fixed per device, likewise).
 """
 
 from dataclasses import dataclass
@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from kernels.common import LOG2E, block_dim, device_sms, dot_precision, upcast_operands
-from kernels.decode_merge import arrival_counters, decode_reduce_kernel, merge_if_last
 from kernels.decode_packed import PackedDecodeConfig, attend_tile, paged_decode_packed
 from kernels.validate import check_attention_inputs, check_out
 
@@ -40,7 +39,6 @@ class DecodeConfig:
     min_split_tokens: int = 256  # heuristic never cuts a context finer than this
     heads_fastest: bool = True  # launch the KV heads of one sequence next to each other
     kv_eviction: str = ""  # cache hint for the K/V loads ("evict_first": streamed, keep L2 for the rest)
-    fused_merge: bool = True  # splits merged by their last program, not a 2nd kernel (decode_merge.py)
 
 
 @triton.jit
@@ -53,7 +51,6 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counts_ptr,
     scale_log2,
     stride_qb,
     stride_qh,
@@ -78,7 +75,6 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     KV_EVICTION: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -140,11 +136,39 @@ def _decode_kernel(
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=hd_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=offs_h < GROUP)
-        if FUSED_MERGE:
-            first_row = b * NUM_HEADS + kv_head * GROUP
-            merge_if_last(part_out_ptr, part_lse_ptr, counts_ptr + b * (NUM_HEADS // GROUP) + kv_head,
-                          out_ptr + b * stride_ob + kv_head * GROUP * stride_oh, first_row, stride_oh, offs_h,
-                          offs_d, hd_mask, GROUP, NUM_SPLITS, BLOCK_H, BLOCK_D)  # fmt: skip
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    rows = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    parts = tl.load(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + offs_d,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def choose_num_splits(
@@ -204,9 +228,8 @@ def paged_decode_attention(
     if splits > 1:
         part_out = torch.empty(batch * num_heads * splits, bd, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch * num_heads * splits, dtype=torch.float32, device=q.device)
-        counts = arrival_counters(q.device, batch * num_kv_heads) if config.fused_merge else part_lse
     else:
-        part_out = part_lse = counts = out  # unused
+        part_out = part_lse = out  # unused
     grid = (num_kv_heads, batch, splits) if config.heads_fastest else (batch, num_kv_heads, splits)
     _decode_kernel[grid](
         q,
@@ -217,7 +240,6 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
-        counts,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -242,12 +264,11 @@ def paged_decode_attention(
         NUM_HEADS=num_heads,
         HEADS_FASTEST=config.heads_fastest,
         KV_EVICTION=config.kv_eviction,
-        FUSED_MERGE=config.fused_merge,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if splits > 1 and not config.fused_merge:
-        decode_reduce_kernel[(batch, num_heads)](
+    if splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
             part_out,
             part_lse,
             out,

@@ -5,7 +5,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from kernels import decode_merge, reference
+from kernels import reference
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig, tma_ok
 from kernels.inputs import block_is_dense, kv_cache_storage, random_paged_problem
@@ -55,11 +55,10 @@ def _check(context_lens, group, num_kv_heads, head_dim, block_size, dtype, confi
     num_splits=st.sampled_from([None, 1, 2, 3]),
     block_n=st.sampled_from([16, 32]),
     heads_fastest=st.booleans(),
-    fused=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_decode_matches_reference(
-    data, group, num_kv_heads, head_dim, block_size, dtype, num_splits, block_n, heads_fastest, fused, seed
+    data, group, num_kv_heads, head_dim, block_size, dtype, num_splits, block_n, heads_fastest, seed
 ):
     lens = data.draw(
         st.lists(
@@ -75,7 +74,7 @@ def test_decode_matches_reference(
         head_dim,
         block_size,
         dtype,
-        DecodeConfig(block_n=block_n, num_splits=num_splits, heads_fastest=heads_fastest, fused_merge=fused),
+        DecodeConfig(block_n=block_n, num_splits=num_splits, heads_fastest=heads_fastest),
         seed,
     )
 
@@ -128,24 +127,10 @@ def test_packed_decode_merges_more_partials_than_one_step():
 
 
 @pytest.mark.parametrize("lens", [[1], [1, 1, 1], [16, 32, 48], [17, 33, 15]])
-@pytest.mark.parametrize("num_splits,fused", [(1, True), (4, True), (4, False)])
-def test_decode_edge_lengths(lens, num_splits, fused):
-    """Single token, exact multiples of block_size, one past / one short; more splits than tiles
-    (empty splits), merged by the last split's program or by the second kernel."""
-    config = DecodeConfig(num_splits=num_splits, fused_merge=fused)
-    _check(lens, 4, 2, 64, 16, torch.float16, config, seed=sum(lens))
-
-
-def test_decode_fused_merge_leaves_counters_zero():
-    """The last split of each (sequence, KV head) resets its counter: a second call (as a CUDA-graph
-    replay) starts from zeros and gives the same result, including after a batch with empty contexts."""
-    prob = random_paged_problem([70, 0, 33], None, 4, 2, 64, 16, torch.float32, seed=5)
-    config = DecodeConfig(num_splits=3)
-    first = paged_decode_attention(*prob.decode_args(), config=config)
-    counters = decode_merge.arrival_counters(prob.q.device, 6)
-    assert counters.numel() >= decode_merge.MIN_COUNTERS and not counters.any()
-    assert torch.equal(paged_decode_attention(*prob.decode_args(), config=config), first)
-    assert not counters.any()
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_edge_lengths(lens, num_splits):
+    """Single token, exact multiples of block_size, one past / one short; more splits than tiles."""
+    _check(lens, 4, 2, 64, 16, torch.float16, DecodeConfig(num_splits=num_splits), seed=sum(lens))
 
 
 def test_decode_default_heuristic_and_zero_context():

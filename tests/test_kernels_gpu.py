@@ -7,7 +7,7 @@ Run on the GPU machine with TRITON_INTERPRET=0 (tests/conftest.py sets it to 1 b
 import pytest
 import torch
 
-from kernels import decode_merge, reference
+from kernels import reference
 from kernels.cache_write import write_kv_cache
 from kernels.copy import copy_blocks, swap_blocks
 from kernels.decode import DecodeConfig, paged_decode_attention
@@ -37,7 +37,6 @@ def _lens(n: int, low: int, high: int, seed: int) -> list[int]:
         DecodeConfig(),
         DecodeConfig(num_splits=1),
         DecodeConfig(num_splits=5),
-        DecodeConfig(num_splits=5, fused_merge=False),
         PackedDecodeConfig(),
         PackedDecodeConfig(use_tma=False),
         PackedDecodeConfig(block_n=8, num_stages=4, programs_per_sm=2),
@@ -129,27 +128,6 @@ def test_decode_in_cuda_graph(config):
     graph.replay()
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
     assert _rel_err(out, ref) < BF16_MAX_ERR
-
-
-def test_decode_fused_merge_replays_race_free():
-    """Splits merged by their last program, replayed 300 times in a CUDA graph (programs of one
-    sequence finish in a different order each time): every replay gives the first one's exact bits
-    and leaves the arrival counters zero."""
-    prob = random_paged_problem(_lens(64, 1, 3000, seed=9), None, 16, 8, 128, 16, torch.bfloat16, device="cuda")
-    out = torch.empty_like(prob.q)
-    config = DecodeConfig(num_splits=8)
-    paged_decode_attention(*prob.decode_args(), config=config, out=out)
-    first = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention(*prob.decode_args(), config=config, out=out)
-    for _ in range(300):
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, first)
-    assert not decode_merge.arrival_counters(prob.q.device, 64 * 8).any()
-    ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
-    assert _rel_err(first, ref) < BF16_MAX_ERR
 
 
 def test_write_copy_swap_bf16():
