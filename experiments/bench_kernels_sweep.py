@@ -38,6 +38,7 @@ from experiments.bench_timing import copies_for, copy_gbps, graph_ms
 from kernels import decode_packed
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig as P
+from kernels.decode_tma import TmaDecodeConfig
 from kernels.inputs import KV_LAYOUTS, kv_cache_storage, random_paged_problem
 
 HQ, HKV, D, BS = 16, 8, 128, 16
@@ -59,6 +60,10 @@ PER_HEAD_GRID = [DecodeConfig(block_n=n, num_stages=st, num_splits=sp, num_warps
 
 
 def name(cfg) -> str:
+    if isinstance(cfg, TmaDecodeConfig):
+        split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
+        extra = "" if cfg.fence else "-nofence"
+        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}w{cfg.num_warps}{extra}{split}"
     if isinstance(cfg, DecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
         warps = "" if cfg.num_warps == 4 else f"w{cfg.num_warps}"
@@ -209,6 +214,28 @@ def streams_round(save, copy_bw: float) -> None:
     save(time_point("B64xL4096-end", sets, nbytes, copy_bw, []))  # SDPA again: drift over the round
 
 
+TMA_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, num_splits=sp, num_warps=w, fence=f)
+            for t, n, w, sp, f in ((32, 2, 4, 1, True), (32, 2, 4, 1, False), (32, 2, 2, 1, True), (32, 2, 8, 1, True),
+                                   (16, 2, 4, 1, True), (16, 3, 2, 1, True), (64, 2, 4, 1, True),
+                                   (64, 2, 8, 1, True), (64, 2, 4, 2, True), (32, 3, 2, 1, True))]  # fmt: skip
+
+
+def tma_round(save, rows: list[dict], copy_bw: float) -> None:
+    """Round 14: the Gluon TMA kernel (kernels/decode_tma.py) at B64x4k over tile and ring depth,
+    beside the per-head kernel and SDPA (timed before and after); then the two fastest, with the
+    split heuristic, at the other grid points and the ragged batch."""
+    per_head = [replace(c, num_splits=1) for c in PER_HEAD]
+    save(uniform(64, 4096, copy_bw, per_head + TMA_GRID))
+    save(uniform(64, 4096, copy_bw, []))
+    timed = sorted((r for r in rows if r["variant"].startswith("tma") and "time_us" in r), key=lambda r: r["time_us"])
+    best = [replace(c, num_splits=None) for c in TMA_GRID if name(c) in [r["variant"] for r in timed[:2]]]
+    print("best TMA at B64x4k:", [name(c) for c in best], flush=True)
+    save(uniform(64, 4096, copy_bw, PER_HEAD + best))
+    save(ragged(copy_bw, PER_HEAD[:1] + best + [P()]))
+    for batch, ctx in ((64, 32768), (256, 4096), (256, 1024), (8, 32768), (8, 4096), (1, 32768), (1, 4096), (64, 512)):
+        save(uniform(batch, ctx, copy_bw, PER_HEAD[:1] + best))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
@@ -216,6 +243,7 @@ def main() -> None:
     parser.add_argument("--waves", action="store_true", help="round 7: batches of whole and partial waves")
     parser.add_argument("--tiles", action="store_true", help="round 7b: 128-key tiles, 2-warp programs")
     parser.add_argument("--streams", action="store_true", help="round 8: storage layouts x block-table order")
+    parser.add_argument("--tma", action="store_true", help="round 14: the Gluon TMA kernel")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
@@ -244,6 +272,9 @@ def main() -> None:
         return
     if args.streams:
         streams_round(save, copy_bw)
+        return
+    if args.tma:
+        tma_round(save, rows, copy_bw)
         return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),

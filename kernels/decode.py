@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.common import LOG2E, block_dim, device_sms, dot_precision, upcast_operands
 from kernels.decode_packed import PackedDecodeConfig, attend_tile, paged_decode_packed
+from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma, tma_decode_supported
 from kernels.validate import check_attention_inputs, check_out
 
 
@@ -199,18 +200,22 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     *,
-    config: DecodeConfig | PackedDecodeConfig | None = None,
+    config: DecodeConfig | PackedDecodeConfig | TmaDecodeConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`out` (optional, [B, Hq, D] with contiguous head_dim) receives the result, e.g. a static
     CUDA-graph buffer; `config` picks the kernel (DecodeConfig, the default: per KV head;
-    PackedDecodeConfig: packed) and its tile shapes."""
+    PackedDecodeConfig: packed; TmaDecodeConfig: the Gluon TMA kernel where `tma_decode_supported`,
+    else the per-head kernel) and its tile shapes."""
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q.dtype={q.dtype} is invalid: Triton kernels take float16, bfloat16 or float32")
     config = config or DecodeConfig()
+    if isinstance(config, TmaDecodeConfig) and not tma_decode_supported(q, k_cache, v_cache, config):
+        config = DecodeConfig(num_splits=config.num_splits)
     min_n = 1 if isinstance(config, PackedDecodeConfig) else 16  # packed tiles have block_n x Hkv rows
-    if config.block_n < min_n or config.block_n & (config.block_n - 1):
+    bad_tile = not isinstance(config, TmaDecodeConfig) and (config.block_n < min_n or config.block_n & (config.block_n - 1))
+    if bad_tile:
         raise ValueError(f"config.block_n={config.block_n} is invalid: a power of two >= {min_n}")
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -219,6 +224,8 @@ def paged_decode_attention(
     out = check_out(out, q)
     if batch == 0:
         return out
+    if isinstance(config, TmaDecodeConfig):
+        return _decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
     if isinstance(config, PackedDecodeConfig):
         return paged_decode_packed(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
     group = num_heads // num_kv_heads
@@ -281,4 +288,18 @@ def paged_decode_attention(
             BLOCK_S=triton.next_power_of_2(splits),
             num_warps=4,
         )
+    return out
+
+
+def _decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, config: TmaDecodeConfig):
+    batch, num_heads, head_dim = q.shape
+    split_config = DecodeConfig(num_splits=config.num_splits, programs_per_sm=config.programs_per_sm)
+    splits = choose_num_splits(batch, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device,
+                               split_config)  # fmt: skip
+    parts = paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, splits, config)
+    if parts is not None:
+        _decode_reduce_kernel[(batch, num_heads)](
+            *parts, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=head_dim,
+            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )  # fmt: skip
     return out

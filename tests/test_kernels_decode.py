@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from kernels import reference
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig, tma_ok
+from kernels.decode_tma import TmaDecodeConfig, tma_decode_supported
 from kernels.inputs import block_is_dense, kv_cache_storage, random_paged_problem
 
 # Shrinking re-runs interpreted kernels hundreds of times; the first failing example is reported as is.
@@ -204,3 +205,15 @@ def test_decode_large_logits_stay_finite():
     out = paged_decode_attention(*prob.decode_args(), config=DecodeConfig(block_n=16, num_splits=2))
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
     assert out.isfinite().all() and _rel_err(out, ref) < 1e-4
+
+
+def test_tma_config_falls_back_off_hopper_and_checks_its_fields():
+    """Where the Gluon TMA kernel cannot run (here: the CPU interpreter) a TmaDecodeConfig runs the
+    per-head kernel with the same split count; bad tile or ring sizes name the field."""
+    _check([37, 5, 64], 2, 2, 64, 16, torch.float32, TmaDecodeConfig(num_splits=2), seed=4)
+    prob = random_paged_problem([9], None, 4, 2, 64, 16, torch.float32, seed=1)
+    assert not tma_decode_supported(prob.q, prob.k_cache, prob.v_cache, TmaDecodeConfig())
+    with pytest.raises(ValueError, match="tile_tokens=24"):
+        TmaDecodeConfig(tile_tokens=24)
+    with pytest.raises(ValueError, match="num_bufs=1"):
+        TmaDecodeConfig(num_bufs=1)

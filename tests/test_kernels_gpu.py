@@ -12,7 +12,8 @@ from kernels.cache_write import write_kv_cache
 from kernels.copy import copy_blocks, swap_blocks
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig
-from kernels.inputs import random_paged_problem
+from kernels.decode_tma import TmaDecodeConfig, tma_decode_supported
+from kernels.inputs import kv_cache_storage, random_paged_problem
 from kernels.prefill import paged_prefill_attention
 
 pytestmark = pytest.mark.gpu
@@ -37,6 +38,13 @@ def _lens(n: int, low: int, high: int, seed: int) -> list[int]:
         DecodeConfig(),
         DecodeConfig(num_splits=1),
         DecodeConfig(num_splits=5),
+        TmaDecodeConfig(),
+        TmaDecodeConfig(num_splits=1),
+        TmaDecodeConfig(num_splits=5),
+        TmaDecodeConfig(tile_tokens=16, num_bufs=6),
+        TmaDecodeConfig(tile_tokens=64, num_bufs=2, num_splits=3),
+        TmaDecodeConfig(num_warps=1),
+        TmaDecodeConfig(num_warps=2, num_bufs=3, num_splits=2),
         PackedDecodeConfig(),
         PackedDecodeConfig(use_tma=False),
         PackedDecodeConfig(block_n=8, num_stages=4, programs_per_sm=2),
@@ -102,19 +110,48 @@ def test_packed_decode_long_single_sequence(min_split_tokens):
     assert _rel_err(out, ref) < BF16_MAX_ERR
 
 
+def test_tma_decode_runs_where_supported():
+    """The Gluon kernel is what runs for the engine's shapes (not the per-head fallback): bf16/fp16
+    on this GPU with head_dim 64/128; fp32 and steps of part of a page fall back."""
+    prob = random_paged_problem([5, 40], None, 16, 8, 128, 16, torch.bfloat16, device="cuda")
+    assert tma_decode_supported(prob.q, prob.k_cache, prob.v_cache, TmaDecodeConfig())
+    assert not tma_decode_supported(prob.q.float(), prob.k_cache.float(), prob.v_cache.float(), TmaDecodeConfig())
+    big = random_paged_problem([5, 40], None, 16, 8, 128, 32, torch.bfloat16, device="cuda")
+    assert not tma_decode_supported(big.q, big.k_cache, big.v_cache, TmaDecodeConfig(tile_tokens=16))
+
+
+@pytest.mark.parametrize("config", [TmaDecodeConfig(), TmaDecodeConfig(tile_tokens=64, num_splits=3, num_warps=1)],
+                         ids=repr)  # fmt: skip
+def test_tma_decode_hnd_storage(config):
+    """HND cache storage (each block's KV heads outermost): the TMA kernel reads a page's head as one
+    contiguous box, with stale-slot NaNs past each context."""
+    lens = _lens(12, 1, 2000, seed=3) + [1, 16, 0]
+    prob = random_paged_problem(lens, None, 16, 8, 128, 16, torch.bfloat16, device="cuda", seed=2)
+    prob.k_cache, prob.v_cache = kv_cache_storage(prob.k_cache, "hnd"), kv_cache_storage(prob.v_cache, "hnd")
+    for cache in (prob.k_cache, prob.v_cache):
+        for s, n in enumerate(prob.context_lens.tolist()):
+            if n % 16:
+                cache[prob.block_tables[s, n // 16].long(), n % 16 :] = float("nan")
+    assert tma_decode_supported(prob.q, prob.k_cache, prob.v_cache, config)
+    out = paged_decode_attention(*prob.decode_args(), config=config)
+    ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < BF16_MAX_ERR
+
+
 def test_decode_fp16_and_fp32():
     prob = random_paged_problem(
         _lens(16, 1, 2000, seed=4), None, 16, 8, 128, 16, torch.float16, device="cuda"
     )
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
-    for config in (None, PackedDecodeConfig()):
+    for config in (None, PackedDecodeConfig(), TmaDecodeConfig()):
         assert _rel_err(paged_decode_attention(*prob.decode_args(), config=config), ref) < 2e-3
         assert (
             _rel_err(paged_decode_attention(*prob.to(torch.float32).decode_args(), config=config), ref) < 1e-5
         )
 
 
-@pytest.mark.parametrize("config", [None, PackedDecodeConfig()], ids=["default", "packed"])
+@pytest.mark.parametrize("config", [None, PackedDecodeConfig(), TmaDecodeConfig()], ids=["default", "packed", "tma"])
 def test_decode_in_cuda_graph(config):
     """The decode launch has no host sync: it can be captured and replayed with new inputs."""
     prob = random_paged_problem([700, 30, 2000, 5], None, 16, 8, 128, 16, torch.bfloat16, device="cuda")
