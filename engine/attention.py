@@ -19,7 +19,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
-DECODE_KERNELS = ("per-head", "packed")
+DECODE_KERNELS = ("per-head", "packed", "tma")
 # The engine default: faster than per-head on the ragged batches an engine runs and from ~8k tokens
 # per sequence (kernels/NOTES.md round 5), and its time follows total tokens, not the longest context.
 DEFAULT_DECODE_KERNEL = "packed"
@@ -29,8 +29,9 @@ def attention_ops(backend: str, device: torch.device, decode_kernel: str = DEFAU
     """"auto": the Triton launchers on CUDA (unless `kernels.BACKEND` forces the references), the
     references on CPU; "triton": the Triton launchers whatever the device (interpreted on CPU under
     TRITON_INTERPRET=1); "reference": `kernels.reference`. `decode_kernel` picks the Triton decode
-    kernel: "per-head" (kernels/decode.py) or "packed" (kernels/decode_packed.py, all KV heads of a
-    block per tile, work split evenly over the batch's tokens)."""
+    kernel: "per-head" (kernels/decode.py), "packed" (kernels/decode_packed.py, all KV heads of a
+    block per tile, work split evenly over the batch's tokens) or "tma" (kernels/decode_tma.py, Gluon
+    TMA page loads; Hopper+)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is invalid: one of {ATTENTION_BACKENDS}")
     if decode_kernel not in DECODE_KERNELS:
@@ -43,10 +44,13 @@ def attention_ops(backend: str, device: torch.device, decode_kernel: str = DEFAU
         return importlib.import_module("kernels.reference")
     from kernels import cache_write, copy, decode, prefill
     from kernels.decode_packed import PackedDecodeConfig
+    from kernels.decode_tma import TmaDecodeConfig
 
     decode_fn = decode.paged_decode_attention
     if decode_kernel == "packed":
         decode_fn = functools.partial(decode.paged_decode_attention, config=PackedDecodeConfig())
+    elif decode_kernel == "tma":  # the per-head kernel where the Gluon one cannot run (CPU, fp32)
+        decode_fn = functools.partial(decode.paged_decode_attention, config=TmaDecodeConfig())
     return SimpleNamespace(paged_decode_attention=decode_fn,
                            paged_prefill_attention=prefill.paged_prefill_attention,
                            write_kv_cache=cache_write.write_kv_cache, copy_blocks=copy.copy_blocks,

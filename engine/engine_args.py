@@ -37,7 +37,7 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB of pinned CPU memory
     num_gpu_blocks: int | None = None  # override the profiled count (required on CPU)
     enforce_eager: bool = False  # True: no CUDA graphs
-    decode_kernel: str = DEFAULT_DECODE_KERNEL  # Triton decode attention: "packed" or "per-head" (engine/attention.py)
+    decode_kernel: str = DEFAULT_DECODE_KERNEL  # Triton decode attention: "packed", "per-head" or "tma" (engine/attention.py)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -33,6 +33,7 @@ from experiments.bench_timing import bench_ms, copies_for, copy_gbps, graph_ms, 
 from kernels import reference
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig
+from kernels.decode_tma import TmaDecodeConfig
 from kernels.prefill import PrefillConfig, paged_prefill_attention
 
 HQ, HKV, D, BS = 16, 8, 128, 16
@@ -40,9 +41,10 @@ DECODE_BATCHES = (1, 8, 64, 256)
 DECODE_CONTEXTS = (512, 1024, 4096, 32768)
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)
 REFERENCE_MAX_TOKENS = 64 * 4096  # the per-sequence torch reference is slow and memory-hungry
-# Round 5 (kernels/NOTES.md): every decode point times the default (per-KV-head) kernel and the
-# packed one (PackedDecodeConfig()); these variants run at the points named.
+# Round 5 (kernels/NOTES.md): every decode point times the default (per-KV-head) kernel, the
+# packed one (PackedDecodeConfig()) and (round 14) the Gluon TMA one; these variants run at the points named.
 PACKED = PackedDecodeConfig()
+TMA = TmaDecodeConfig()  # round 14: the Gluon TMA kernel, timed at every point too
 DECODE_SWEEP = {
     (64, 4096): [
         DecodeConfig(num_stages=3), PackedDecodeConfig(pdl=False),
@@ -70,9 +72,11 @@ def _row(kernel, shape, variant, ms, metric, unit, ceiling, sdpa_ms=None, ref_ms
     }  # fmt: skip
 
 
-def _variant_name(cfg: DecodeConfig | PackedDecodeConfig | PrefillConfig) -> str:
+def _variant_name(cfg: DecodeConfig | PackedDecodeConfig | TmaDecodeConfig | PrefillConfig) -> str:
     if cfg in (DecodeConfig(), PrefillConfig()):
         return "default"
+    if isinstance(cfg, TmaDecodeConfig):
+        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}w{cfg.num_warps}sp{cfg.num_splits or 'auto'}"
     if isinstance(cfg, DecodeConfig):
         hint = f"-{cfg.kv_eviction}" if cfg.kv_eviction else ""
         return f"per-head-n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}sp{cfg.num_splits or 'auto'}{hint}"
@@ -143,7 +147,7 @@ def _ragged_decode_point(copy_bw: float) -> list[dict]:
         )
 
     call = lambda p, c: paged_decode_attention(*p.decode_args(), config=c)
-    return _time_variants("decode", shape, [DecodeConfig(), PACKED], call, [prob], expected, row_of)
+    return _time_variants("decode", shape, [DecodeConfig(), PACKED, TMA], call, [prob], expected, row_of)
 
 
 def _prefill_point(new: int, prefix: int, matmul: float, configs: list[PrefillConfig]) -> list[dict]:
@@ -194,7 +198,7 @@ def bench_decode(copy_bw: float, sweep: bool, save: Callable[[list[dict]], None]
         for ctx in DECODE_CONTEXTS:
             if ctx == 1024 and batch != 256:
                 continue  # 256 x 1k: the engine's decode step in bench_throughput
-            configs = [DecodeConfig(), PACKED]
+            configs = [DecodeConfig(), PACKED, TMA]
             if sweep:
                 configs += DECODE_SWEEP.get((batch, ctx), []) + (SMALL_BATCH_SWEEP if batch <= 8 else [])
             try:

@@ -1,5 +1,8 @@
 """Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head | --waves |
---tiles | --streams] [--out DIR]`.
+--tiles | --streams | --tma] [--out DIR]`.
+
+`--tma` (round 14): the Gluon TMA kernel (kernels/decode_tma.py): its tile, ring depth and warps at
+B64x4k, its loads alone against the whole kernel on two storage layouts, its best settings elsewhere.
 
 `--streams` (round 8): the per-head kernel on three cache storage layouts (block-major NHD, 4 KB
 HND pages, head-major) with random and sequential block tables.  Head-major storage with
@@ -38,7 +41,7 @@ from experiments.bench_timing import copies_for, copy_gbps, graph_ms
 from kernels import decode_packed
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig as P
-from kernels.decode_tma import TmaDecodeConfig
+from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma
 from kernels.inputs import KV_LAYOUTS, kv_cache_storage, random_paged_problem
 
 HQ, HKV, D, BS = 16, 8, 128, 16
@@ -215,21 +218,50 @@ def streams_round(save, copy_bw: float) -> None:
 
 
 TMA_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, num_splits=sp, num_warps=w, fence=f)
-            for t, n, w, sp, f in ((32, 2, 4, 1, True), (32, 2, 4, 1, False), (32, 2, 2, 1, True), (32, 2, 8, 1, True),
-                                   (16, 2, 4, 1, True), (16, 3, 2, 1, True), (64, 2, 4, 1, True),
-                                   (64, 2, 8, 1, True), (64, 2, 4, 2, True), (32, 3, 2, 1, True))]  # fmt: skip
+            for t, n, w, sp, f in ((32, 2, 1, 1, True), (32, 2, 4, 1, True), (32, 2, 4, 1, False), (32, 2, 2, 1, True),
+                                   (32, 3, 4, 1, True), (32, 3, 1, 1, True), (16, 3, 4, 1, True), (16, 4, 1, 1, True),
+                                   (16, 6, 4, 1, True), (64, 2, 8, 1, True), (64, 2, 4, 2, True))]  # fmt: skip
+
+
+def loads_only_rows(label: str, sets, configs) -> list[dict]:
+    """The TMA kernel with and without its math (loads, waits and refills only: wrong results,
+    timing only), rotating over the problem copies."""
+    rows = []
+    out = torch.empty_like(sets[0][0].q)
+    for cfg in configs:
+        for math in (True, False):
+            fns = [lambda s=s, c=cfg, m=math: paged_decode_tma(*s[0].decode_args(), out, 1, c, math=m) for s in sets]
+            variant = name(cfg) + ("" if math else "-loadsonly")
+            rows.append({"shape": label, "variant": variant, "time_us": graph_ms(fns) * 1e3})
+            print(f"  {label:<24}{variant:<36}{rows[-1]['time_us']:>9.1f} us", flush=True)
+    return rows
 
 
 def tma_round(save, rows: list[dict], copy_bw: float) -> None:
-    """Round 14: the Gluon TMA kernel (kernels/decode_tma.py) at B64x4k over tile and ring depth,
-    beside the per-head kernel and SDPA (timed before and after); then the two fastest, with the
-    split heuristic, at the other grid points and the ragged batch."""
+    """Round 14: the Gluon TMA kernel (kernels/decode_tma.py) at B64x4k over tile, ring depth and
+    warps beside the per-head kernel and SDPA (timed before and after); its loads alone (no math) on
+    block-major (NHD) and HND storage with random and sequential block tables; then the two fastest,
+    with the split heuristic, at the other grid points and the ragged batch."""
     per_head = [replace(c, num_splits=1) for c in PER_HEAD]
     save(uniform(64, 4096, copy_bw, per_head + TMA_GRID))
     save(uniform(64, 4096, copy_bw, []))
     timed = sorted((r for r in rows if r["variant"].startswith("tma") and "time_us" in r), key=lambda r: r["time_us"])
     best = [replace(c, num_splits=None) for c in TMA_GRID if name(c) in [r["variant"] for r in timed[:2]]]
     print("best TMA at B64x4k:", [name(c) for c in best], flush=True)
+    kv = 2 * 64 * 4096 * HKV * D * 2
+    sets = [decode_problem(64, 4096, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv))]
+    tables = [s[0].block_tables for s in sets]
+    loads = [TmaDecodeConfig(num_splits=1, num_warps=w) for w in (1, 4)]
+    for layout in ("nhd", "hnd"):
+        for s, t in zip(sets, tables):
+            s[0].block_tables = t
+            s[0].k_cache, s[0].v_cache = kv_cache_storage(s[0].k_cache, layout), kv_cache_storage(s[0].v_cache, layout)
+        save(loads_only_rows(f"B64xL4096-{layout}", sets, loads))
+        for s in sets:
+            sequential_tables(s[0])
+        save(loads_only_rows(f"B64xL4096-{layout}-seqtab", sets, loads))
+    del sets
+    torch.cuda.empty_cache()
     save(uniform(64, 4096, copy_bw, PER_HEAD + best))
     save(ragged(copy_bw, PER_HEAD[:1] + best + [P()]))
     for batch, ctx in ((64, 32768), (256, 4096), (256, 1024), (8, 32768), (8, 4096), (1, 32768), (1, 4096), (64, 512)):

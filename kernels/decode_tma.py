@@ -34,10 +34,10 @@ class TmaDecodeConfig:
     """The Gluon TMA kernel; defaults from its H200 sweep at batch 64 x 4k (NOTES.md round 14)."""
 
     tile_tokens: int = 32  # tokens per step (whole pages: a multiple of block_size)
-    num_bufs: int = 3  # steps in the ring (NUM_BUFS - 1 in flight while one is computed)
+    num_bufs: int = 2  # steps in the ring (one computed while the next loads; deeper rings were slower)
     num_splits: int | None = None  # None: the per-head kernel's heuristic
     programs_per_sm: int = 4  # for the split heuristic
-    num_warps: int = 4  # they split the step's tokens (S) and head_dim (O)
+    num_warps: int = 1  # more split the step's tokens (S) and head_dim (O), paying cross-warp reductions
     fence: bool = True  # fence.proxy.async between the operand reads and the buffer's TMA refill
 
     def __post_init__(self):
@@ -50,10 +50,10 @@ class TmaDecodeConfig:
 @gluon.jit
 def _tma_decode_kernel(
     q_ptr, k_desc, v_desc, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
-    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, table_width,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
     NUM_BUFS: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_HEADS: gl.constexpr, WARPS: gl.constexpr,
-    FENCE: gl.constexpr, HND: gl.constexpr,
+    FENCE: gl.constexpr, HND: gl.constexpr, MATH: gl.constexpr = True,
 ):  # fmt: skip
     PAGES: gl.constexpr = TILE // BLOCK_SIZE
     gl.static_assert(PAGES == 1 or PAGES == 2 or PAGES == 4, "a step covers one, two or four pages")
@@ -91,7 +91,11 @@ def _tma_decode_kernel(
         mbarrier.expect(bars.index(i), step_bytes, pred=ok)
         for g in gl.static_range(PAGES):
             page = first + i * PAGES + g
-            pid = gl.load(table + page, mask=ok & (page < last), other=0)
+            if NUM_SPLITS == 1:  # masked by the table's width, not the length: both loads start at once
+                pid = gl.load(table + (i * PAGES + g), mask=i * PAGES + g < table_width, other=0)
+                pid = gl.where(page < last, pid, 0)
+            else:
+                pid = gl.load(table + page, mask=ok & (page < last), other=0)
             _load_page(k_desc, v_desc, pid * row_scale + head_row, column, bars.index(i), k_ring.index(i), v_ring.index(i), g, ok,
                        BLOCK_SIZE)  # fmt: skip
 
@@ -114,8 +118,9 @@ def _tma_decode_kernel(
         buf = j % NUM_BUFS
         ok = j + NUM_BUFS < steps
         mbarrier.wait(bars.index(buf), (j // NUM_BUFS) & 1)
-        k = k_ring.index(buf).permute((1, 0)).load(b_op)
-        v = v_ring.index(buf).load(b_op)
+        if MATH:  # False only in the loads-only timing of experiments/bench_kernels_sweep.py --tma
+            k = k_ring.index(buf).permute((1, 0)).load(b_op)
+            v = v_ring.index(buf).load(b_op)
         _cta_barrier()  # every warp has its operands: the buffer may be overwritten
         if FENCE:
             fence_async_shared()
@@ -132,17 +137,18 @@ def _tma_decode_kernel(
                        BLOCK_SIZE)  # fmt: skip
         id0, id1, id2, id3 = _page_ids(table, first + (j + 1 + NUM_BUFS) * PAGES, last, j + 1 + NUM_BUFS < steps,
                                        PAGES)  # fmt: skip
-        start = (first + j * PAGES) * BLOCK_SIZE
-        keep = (start + s_cols) < end
-        v = gl.where(((start + v_rows) < end)[:, None], v, gl.zeros_like(v))
-        s = mma_v2(q, k, gl.zeros([16, TILE], gl.float32, layout=mma))
-        s = gl.where(keep[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
-        p = gl.exp2(s * scale_log2 - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = mma_v2(gl.convert_layout(p.to(v.dtype), a_op), v, acc * alpha[:, None])
-        m_i = m_new
+        if MATH:
+            start = (first + j * PAGES) * BLOCK_SIZE
+            keep = (start + s_cols) < end
+            v = gl.where(((start + v_rows) < end)[:, None], v, gl.zeros_like(v))
+            s = mma_v2(q, k, gl.zeros([16, TILE], gl.float32, layout=mma))
+            s = gl.where(keep[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
+            p = gl.exp2(s * scale_log2 - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = mma_v2(gl.convert_layout(p.to(v.dtype), a_op), v, acc * alpha[:, None])
+            m_i = m_new
 
     for i in gl.static_range(NUM_BUFS):
         mbarrier.invalidate(bars.index(i))
@@ -217,7 +223,8 @@ def _descriptor(cache: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bs, d], layout)
 
 
-def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, splits, config: TmaDecodeConfig):
+def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, splits, config: TmaDecodeConfig,
+                     math: bool = True):  # fmt: skip
     """Launch on checked inputs (kernels.decode.paged_decode_attention validates them); returns the
     partial buffers when splits > 1 (the caller merges them), else None."""
     from kernels.common import LOG2E
@@ -232,9 +239,9 @@ def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out
     _tma_decode_kernel[(num_kv_heads, batch, splits)](
         q, _descriptor(k_cache), _descriptor(v_cache), block_tables,
         context_lens, out, part_out, part_lse, scale * LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), block_tables.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=config.tile_tokens,
         NUM_BUFS=config.num_bufs, NUM_SPLITS=splits, NUM_HEADS=num_heads, WARPS=config.num_warps,
-        FENCE=config.fence, HND=cache_storage(k_cache) == "hnd", num_warps=config.num_warps,
+        FENCE=config.fence, HND=cache_storage(k_cache) == "hnd", MATH=math, num_warps=config.num_warps,
     )  # fmt: skip
     return parts

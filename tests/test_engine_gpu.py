@@ -62,7 +62,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
 
 
 @pytest.mark.parametrize("compile_model, decode_kernel", [(False, "per-head"), (True, "per-head"),
-                                                          (True, "packed")])
+                                                          (True, "packed"), (True, "tma")])
 @torch.no_grad()
 def test_qwen3_dummy_bf16_close_to_transformers(compile_model, decode_kernel):
     runner = qwen3_runner(enforce_eager=True, compile_model=compile_model, decode_kernel=decode_kernel)

@@ -10,6 +10,7 @@ from engine.cuda_graph import StepGraphs, graph_batch_sizes, graph_token_sizes
 from engine.model_runner import ModelRunner
 from kernels import reference
 from kernels.decode_packed import PackedDecodeConfig
+from kernels.decode_tma import TmaDecodeConfig
 from kernels.inputs import random_paged_problem
 from kernels.prefill import PrefillConfig, max_tiles, paged_prefill_attention, tile_map, tokens_per_tile
 from policies.request import SamplingParams
@@ -54,7 +55,7 @@ def make_runner(padded: bool, decode_kernel: str = "per-head") -> ModelRunner:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("decode_kernel", ["per-head", "packed"])
+@pytest.mark.parametrize("decode_kernel", ["per-head", "packed", "tma"])
 def test_padded_step_shapes_equal_eager_steps(decode_kernel):
     """Chunked prompts of different lengths: steps that prefill only, mix prefill chunks with decodes,
     and decode only (5 of 6 rows: padded), each in its bucket, against the same steps unpadded (the
@@ -66,6 +67,7 @@ def test_padded_step_shapes_equal_eager_steps(decode_kernel):
         runner = make_runner(padded, decode_kernel if padded else "per-head")
         config = getattr(runner.ops.paged_decode_attention, "keywords", {}).get("config")
         assert isinstance(config, PackedDecodeConfig) == (padded and decode_kernel == "packed")
+        assert isinstance(config, TmaDecodeConfig) == (padded and decode_kernel == "tma")
         seqs, alloc = make_seqs(prompts, params), BlockAllocator(BLOCK, runner.num_gpu_blocks)
         steps = []
         for _ in range(9):

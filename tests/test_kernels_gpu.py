@@ -43,7 +43,7 @@ def _lens(n: int, low: int, high: int, seed: int) -> list[int]:
         TmaDecodeConfig(num_splits=5),
         TmaDecodeConfig(tile_tokens=16, num_bufs=6),
         TmaDecodeConfig(tile_tokens=64, num_bufs=2, num_splits=3),
-        TmaDecodeConfig(num_warps=1),
+        TmaDecodeConfig(num_warps=4),
         TmaDecodeConfig(num_warps=2, num_bufs=3, num_splits=2),
         PackedDecodeConfig(),
         PackedDecodeConfig(use_tma=False),
