@@ -65,7 +65,7 @@ PER_HEAD_GRID = [DecodeConfig(block_n=n, num_stages=st, num_splits=sp, num_warps
 def name(cfg) -> str:
     if isinstance(cfg, TmaDecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
-        extra = ("" if cfg.fence else "-nofence") + ("-ws" if cfg.warp_specialize else "")
+        extra = "" if cfg.fence else "-nofence"
         return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}w{cfg.num_warps}{extra}{split}"
     if isinstance(cfg, DecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"

@@ -39,13 +39,10 @@ class TmaDecodeConfig:
     programs_per_sm: int = 4  # for the split heuristic
     num_warps: int = 1  # more split the step's tokens (S) and head_dim (O), paying cross-warp reductions
     fence: bool = True  # fence.proxy.async between the operand reads and the buffer's TMA refill
-    warp_specialize: bool = False  # a 1-warp producer partition issues the loads (64 registers per thread)
 
     def __post_init__(self):
         if self.tile_tokens < 16 or self.tile_tokens & (self.tile_tokens - 1):
             raise ValueError(f"tile_tokens={self.tile_tokens} is invalid: a power of two >= 16 (the MMA's N)")
-        if self.warp_specialize and self.num_warps % 4:
-            raise ValueError(f"num_warps={self.num_warps} is invalid with warp_specialize: a multiple of 4")
         if self.num_bufs < 2:
             raise ValueError(f"num_bufs={self.num_bufs} is invalid: at least 2 (one computed, one loading)")
 
@@ -56,7 +53,7 @@ def _tma_decode_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, table_width,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
     NUM_BUFS: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_HEADS: gl.constexpr, WARPS: gl.constexpr,
-    FENCE: gl.constexpr, HND: gl.constexpr, MATH: gl.constexpr = True, WS: gl.constexpr = False,
+    FENCE: gl.constexpr, HND: gl.constexpr, MATH: gl.constexpr = True,
 ):  # fmt: skip
     PAGES: gl.constexpr = TILE // BLOCK_SIZE
     gl.static_assert(PAGES == 1 or PAGES == 2 or PAGES == 4, "a step covers one, two or four pages")
@@ -89,19 +86,18 @@ def _tma_decode_kernel(
     for i in gl.static_range(NUM_BUFS):
         mbarrier.init(bars.index(i), count=1)
     step_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * 2
-    if not WS:  # warp-specialized: the producer partition issues every load
-        for i in gl.static_range(NUM_BUFS):
-            ok = i < steps
-            mbarrier.expect(bars.index(i), step_bytes, pred=ok)
-            for g in gl.static_range(PAGES):
-                page = first + i * PAGES + g
-                if NUM_SPLITS == 1:  # masked by the table's width, not the length: both loads start at once
-                    pid = gl.load(table + (i * PAGES + g), mask=i * PAGES + g < table_width, other=0)
-                    pid = gl.where(page < last, pid, 0)
-                else:
-                    pid = gl.load(table + page, mask=ok & (page < last), other=0)
-                _load_page(k_desc, v_desc, pid * row_scale + head_row, column, bars.index(i), k_ring.index(i), v_ring.index(i), g, ok,
-                           BLOCK_SIZE)  # fmt: skip
+    for i in gl.static_range(NUM_BUFS):
+        ok = i < steps
+        mbarrier.expect(bars.index(i), step_bytes, pred=ok)
+        for g in gl.static_range(PAGES):
+            page = first + i * PAGES + g
+            if NUM_SPLITS == 1:  # masked by the table's width, not the length: both loads start at once
+                pid = gl.load(table + (i * PAGES + g), mask=i * PAGES + g < table_width, other=0)
+                pid = gl.where(page < last, pid, 0)
+            else:
+                pid = gl.load(table + page, mask=ok & (page < last), other=0)
+            _load_page(k_desc, v_desc, pid * row_scale + head_row, column, bars.index(i), k_ring.index(i), v_ring.index(i), g, ok,
+                       BLOCK_SIZE)  # fmt: skip
 
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, io))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
@@ -112,49 +108,47 @@ def _tma_decode_kernel(
     m_i = gl.full([16], -1.0e30, gl.float32, layout=gl.SliceLayout(1, mma))
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, mma))
     acc = gl.zeros([16, HEAD_DIM], gl.float32, layout=mma)
+    s_cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, mma))
+    v_rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, b_op))
 
-    if WS:
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUFS):
-            mbarrier.init(empty.index(i), count=1)
-        m_i, l_i, acc = gl.warp_specialize([
-            (_ws_consumer, (q, m_i, l_i, acc, bars, empty, k_ring, v_ring, steps, first, end, scale_log2, BLOCK_SIZE,
-                            PAGES, NUM_BUFS, TILE, mma, a_op, b_op)),
-            (_ws_producer, (k_desc, v_desc, table, first, last, steps, head_row, column, bars, empty, k_ring, v_ring,
-                            row_scale, BLOCK_SIZE, PAGES, NUM_BUFS, step_bytes)),
-        ], [1], [40])  # fmt: skip
-        for i in gl.static_range(NUM_BUFS):
-            mbarrier.invalidate(empty.index(i))
-    else:
-        # Page ids of the next refill, loaded a step before they are needed: a load in the same step
-        # would put its latency between the buffer's release and its refill, every step.
-        id0, id1, id2, id3 = _page_ids(table, first + NUM_BUFS * PAGES, last, NUM_BUFS < steps, PAGES)
-        for j in range(steps):
-            buf = j % NUM_BUFS
-            ok = j + NUM_BUFS < steps
-            mbarrier.wait(bars.index(buf), (j // NUM_BUFS) & 1)
-            if MATH:  # False only in the loads-only timing of experiments/bench_kernels_sweep.py --tma
-                k = k_ring.index(buf).permute((1, 0)).load(b_op)
-                v = v_ring.index(buf).load(b_op)
-            _cta_barrier()  # every warp has its operands: the buffer may be overwritten
-            if FENCE:
-                fence_async_shared()
-            mbarrier.expect(bars.index(buf), step_bytes, pred=ok)
-            _load_page(k_desc, v_desc, id0 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 0, ok,
+    # Page ids of the next refill, loaded a step before they are needed: a load in the same step
+    # would put its latency between the buffer's release and its refill, every step.
+    id0, id1, id2, id3 = _page_ids(table, first + NUM_BUFS * PAGES, last, NUM_BUFS < steps, PAGES)
+    for j in range(steps):
+        buf = j % NUM_BUFS
+        ok = j + NUM_BUFS < steps
+        mbarrier.wait(bars.index(buf), (j // NUM_BUFS) & 1)
+        if MATH:  # False only in the loads-only timing of experiments/bench_kernels_sweep.py --tma
+            k = k_ring.index(buf).permute((1, 0)).load(b_op)
+            v = v_ring.index(buf).load(b_op)
+        _cta_barrier()  # every warp has its operands: the buffer may be overwritten
+        if FENCE:
+            fence_async_shared()
+        mbarrier.expect(bars.index(buf), step_bytes, pred=ok)
+        _load_page(k_desc, v_desc, id0 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 0, ok,
+                   BLOCK_SIZE)  # fmt: skip
+        if PAGES >= 2:
+            _load_page(k_desc, v_desc, id1 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 1, ok,
                        BLOCK_SIZE)  # fmt: skip
-            if PAGES >= 2:
-                _load_page(k_desc, v_desc, id1 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 1, ok,
-                           BLOCK_SIZE)  # fmt: skip
-            if PAGES == 4:
-                _load_page(k_desc, v_desc, id2 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 2, ok,
-                           BLOCK_SIZE)  # fmt: skip
-                _load_page(k_desc, v_desc, id3 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 3, ok,
-                           BLOCK_SIZE)  # fmt: skip
-            id0, id1, id2, id3 = _page_ids(table, first + (j + 1 + NUM_BUFS) * PAGES, last, j + 1 + NUM_BUFS < steps,
-                                           PAGES)  # fmt: skip
-            if MATH:
-                start = (first + j * PAGES) * BLOCK_SIZE
-                m_i, l_i, acc = _attend_step(q, k, v, start, end, m_i, l_i, acc, scale_log2, TILE, mma, a_op, b_op)
+        if PAGES == 4:
+            _load_page(k_desc, v_desc, id2 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 2, ok,
+                       BLOCK_SIZE)  # fmt: skip
+            _load_page(k_desc, v_desc, id3 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 3, ok,
+                       BLOCK_SIZE)  # fmt: skip
+        id0, id1, id2, id3 = _page_ids(table, first + (j + 1 + NUM_BUFS) * PAGES, last, j + 1 + NUM_BUFS < steps,
+                                       PAGES)  # fmt: skip
+        if MATH:
+            start = (first + j * PAGES) * BLOCK_SIZE
+            keep = (start + s_cols) < end
+            v = gl.where(((start + v_rows) < end)[:, None], v, gl.zeros_like(v))
+            s = mma_v2(q, k, gl.zeros([16, TILE], gl.float32, layout=mma))
+            s = gl.where(keep[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
+            p = gl.exp2(s * scale_log2 - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = mma_v2(gl.convert_layout(p.to(v.dtype), a_op), v, acc * alpha[:, None])
+            m_i = m_new
 
     for i in gl.static_range(NUM_BUFS):
         mbarrier.invalidate(bars.index(i))
@@ -168,63 +162,6 @@ def _tma_decode_kernel(
         gl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], result, mask=row_ok)
         lse = gl.convert_layout(gl.where(l_i > 0.0, m_i + gl.log2(safe_l), float("-inf")), gl.SliceLayout(1, io))
         gl.store(part_lse_ptr + part, lse, mask=rows < GROUP)
-
-
-@gluon.jit
-def _attend_step(q, k, v, start, end, m_i, l_i, acc, scale_log2, TILE: gl.constexpr, mma: gl.constexpr,
-                 a_op: gl.constexpr, b_op: gl.constexpr):  # fmt: skip
-    """One step's online softmax over tokens [start, start + TILE), those from `end` on masked."""
-    s_cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, mma))
-    v_rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, b_op))
-    v = gl.where(((start + v_rows) < end)[:, None], v, gl.zeros_like(v))
-    s = mma_v2(q, k, gl.zeros([16, TILE], gl.float32, layout=mma))
-    s = gl.where(((start + s_cols) < end)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
-    p = gl.exp2(s * scale_log2 - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = mma_v2(gl.convert_layout(p.to(v.dtype), a_op), v, acc * alpha[:, None])
-    return m_new, l_i, acc
-
-
-@gluon.jit
-def _ws_producer(k_desc, v_desc, table, first, last, steps, head_row, column, ready, empty, k_ring, v_ring,
-                 row_scale: gl.constexpr, BLOCK_SIZE: gl.constexpr, PAGES: gl.constexpr, NUM_BUFS: gl.constexpr,
-                 STEP_BYTES: gl.constexpr):  # fmt: skip
-    """Warp-specialized loads: refill each buffer as soon as the consumer has released it."""
-    id0, id1, id2, id3 = _page_ids(table, first, last, 0 < steps, PAGES)
-    for j in range(steps):
-        buf = j % NUM_BUFS
-        mbarrier.wait(empty.index(buf), ((j // NUM_BUFS) & 1) ^ 1)
-        mbarrier.expect(ready.index(buf), STEP_BYTES)
-        _load_page(k_desc, v_desc, id0 * row_scale + head_row, column, ready.index(buf), k_ring.index(buf),
-                   v_ring.index(buf), 0, True, BLOCK_SIZE)  # fmt: skip
-        if PAGES >= 2:
-            _load_page(k_desc, v_desc, id1 * row_scale + head_row, column, ready.index(buf), k_ring.index(buf),
-                       v_ring.index(buf), 1, True, BLOCK_SIZE)  # fmt: skip
-        if PAGES == 4:
-            _load_page(k_desc, v_desc, id2 * row_scale + head_row, column, ready.index(buf), k_ring.index(buf),
-                       v_ring.index(buf), 2, True, BLOCK_SIZE)  # fmt: skip
-            _load_page(k_desc, v_desc, id3 * row_scale + head_row, column, ready.index(buf), k_ring.index(buf),
-                       v_ring.index(buf), 3, True, BLOCK_SIZE)  # fmt: skip
-        id0, id1, id2, id3 = _page_ids(table, first + (j + 1) * PAGES, last, j + 1 < steps, PAGES)
-
-
-@gluon.jit
-def _ws_consumer(q, m_i, l_i, acc, ready, empty, k_ring, v_ring, steps, first, end, scale_log2,
-                 BLOCK_SIZE: gl.constexpr, PAGES: gl.constexpr, NUM_BUFS: gl.constexpr, TILE: gl.constexpr,
-                 mma: gl.constexpr, a_op: gl.constexpr, b_op: gl.constexpr):  # fmt: skip
-    """Warp-specialized math: take each buffer, release it, then attend to it."""
-    for j in range(steps):
-        buf = j % NUM_BUFS
-        mbarrier.wait(ready.index(buf), (j // NUM_BUFS) & 1)
-        k = k_ring.index(buf).permute((1, 0)).load(b_op)
-        v = v_ring.index(buf).load(b_op)
-        fence_async_shared()
-        mbarrier.arrive(empty.index(buf), count=1)
-        start = (first + j * PAGES) * BLOCK_SIZE
-        m_i, l_i, acc = _attend_step(q, k, v, start, end, m_i, l_i, acc, scale_log2, TILE, mma, a_op, b_op)
-    return m_i, l_i, acc
 
 
 @gluon.jit
@@ -305,7 +242,6 @@ def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out
         out.stride(0), out.stride(1), block_tables.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=config.tile_tokens,
         NUM_BUFS=config.num_bufs, NUM_SPLITS=splits, NUM_HEADS=num_heads, WARPS=config.num_warps,
-        FENCE=config.fence, HND=cache_storage(k_cache) == "hnd", MATH=math, WS=config.warp_specialize,
-        num_warps=config.num_warps, **({"maxnreg": 64} if config.warp_specialize else {}),
+        FENCE=config.fence, HND=cache_storage(k_cache) == "hnd", MATH=math, num_warps=config.num_warps,
     )  # fmt: skip
     return parts

@@ -45,8 +45,6 @@ def _lens(n: int, low: int, high: int, seed: int) -> list[int]:
         TmaDecodeConfig(tile_tokens=64, num_bufs=2, num_splits=3),
         TmaDecodeConfig(num_warps=4),
         TmaDecodeConfig(num_warps=2, num_bufs=3, num_splits=2),
-        TmaDecodeConfig(num_warps=4, warp_specialize=True),
-        TmaDecodeConfig(num_warps=4, num_bufs=3, num_splits=3, warp_specialize=True),
         PackedDecodeConfig(),
         PackedDecodeConfig(use_tma=False),
         PackedDecodeConfig(block_n=8, num_stages=4, programs_per_sm=2),
