@@ -202,18 +202,17 @@ class LLMEngine:
 
     def _run_ahead(self) -> tuple[SchedulerOutput, dict]:
         """The step launched last time (or a new one), its successor scheduled and launched while it
-        runs (unless it cannot be looked past, or already finished: full-sampler steps), then its
-        results. The successor is left in flight for the next call."""
+        runs (unless it cannot be looked past, e.g. after a full-sampler step: policies/sampling_path.py),
+        then its results. The successor is left in flight for the next call."""
         scheduler, runner = self.scheduler, self.runner
         if self._in_flight is not None:
             (out, launched), self._in_flight = self._in_flight, None
         else:
             out = scheduler.schedule(self.now())
             launched = runner.launch(out)
-        if launched.results is None:
-            nxt = scheduler.schedule_ahead(self.now(), self._output_lens or None)
-            if nxt is not None and not nxt.is_empty:
-                self._in_flight = (nxt, runner.launch(nxt, after=launched))
+        nxt = scheduler.schedule_ahead(self.now(), self._output_lens or None)
+        if nxt is not None and not nxt.is_empty:
+            self._in_flight = (nxt, runner.launch(nxt, after=launched))
         return out, runner.collect(launched)
 
     def _check_stop_strings(self, tokens: dict[int, list[int]]) -> list[int | tuple[int, int]]:

@@ -17,13 +17,14 @@ the temperatures from the step's uploaded inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 
 import torch
 
 import kernels
 from policies.outputs import ScheduledSeq
 from policies.request import SamplingParams
+from policies.sampling_path import device_sampling
 
 
 @dataclass(slots=True)
@@ -35,8 +36,6 @@ class SampleResult:
 
 
 _SEQ, _NUM_SAMPLES = itemgetter(0), itemgetter(2)  # ScheduledSeq fields
-_PARAMS, _TEMPERATURE = attrgetter("request.sampling_params"), attrgetter("temperature")
-_DECIDING = attrgetter("logprobs", "top_k", "top_p", "min_p", "seed", "min_tokens", "temperature")
 
 
 def _stop_ids(s: ScheduledSeq, vocab_size: int) -> list[int]:
@@ -92,16 +91,10 @@ class Sampler:
         counts = list(map(_NUM_SAMPLES, sampled))
         if counts.count(1) != len(counts):
             return None
-        params = list(map(_PARAMS, map(_SEQ, sampled)))
-        any_min_tokens = False
-        for logprobs, top_k, top_p, min_p, seed, min_tokens, temperature in set(map(_DECIDING, params)):
-            if (logprobs is not None or top_k > 0 or top_p < 1.0 or min_p > 0
-                    or (seed is not None and temperature > 0)):
-                return None
-            any_min_tokens = any_min_tokens or bool(min_tokens)
-        if any_min_tokens and any(s.seq.num_output_tokens < p.min_tokens for s, p in zip(sampled, params)):
+        seqs = list(map(_SEQ, sampled))
+        if not device_sampling(seqs):
             return None
-        return list(map(_TEMPERATURE, params))
+        return [s.request.sampling_params.temperature for s in seqs]
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[SampleResult]:

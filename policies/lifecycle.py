@@ -21,6 +21,7 @@ from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.preemption import Preemptor
 from policies.queues import SchedulerQueues, seq_cost
 from policies.request import Request
+from policies.sampling_path import may_need_full_sampler
 from policies.sequence import Sequence, SequenceStatus
 from policies.trace import TraceRecorder
 
@@ -44,6 +45,7 @@ class Lifecycle:
         self.stop_info: dict[Sequence, tuple] = {}
         self.decode_entries: dict[Sequence, ScheduledSeq] = {}  # reused by every decode step
         self.aborted_in_flight = False  # a running sequence was aborted after schedule()
+        self.num_full_sampler = 0  # live requests that may need the full sampler (policies/sampling_path.py)
         overridden = type(block_manager).mark_computed is not BlockManager.mark_computed
         self._mark_computed = block_manager.mark_computed if overridden else None
         self._block_mask = block_manager.block_size - 1
@@ -57,6 +59,7 @@ class Lifecycle:
         seq = Sequence.from_request(self._new_seq_id(), request)
         seq.arrival_index = len(self.seen) - 1
         self.families[request.request_id] = [seq]
+        self.num_full_sampler += may_need_full_sampler(request.sampling_params)
         self.recorder.arrived(request, now)
         self._register(seq)
         self.queues.add_waiting(seq)
@@ -275,6 +278,7 @@ class Lifecycle:
 
     def _end(self, request: Request, family: list[Sequence], now: float, aborted: bool) -> None:
         del self.families[request.request_id]
+        self.num_full_sampler -= may_need_full_sampler(request.sampling_params)
         for seq in family:
             self.stop_info.pop(seq, None)
             self.decode_entries.pop(seq, None)

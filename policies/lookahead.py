@@ -24,19 +24,22 @@ synchronously.
 
 A step is looked past only if nothing in the next one could need its tokens or a preemption: no
 parallel-sampling prompt forks in it, no sequence was aborted since it was scheduled, every running
-sequence decodes afterwards (no prefill chunk left), the block manager surely has their slots, and
-the policy would not force running sequences out for the waiting queue's head.
+sequence decodes afterwards (no prefill chunk left) and samples on the device alone (the engine's
+full sampler returns its tokens at once: policies/sampling_path.py), the block manager surely has
+their slots, and the policy would not force running sequences out for the waiting queue's head.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from policies.blocks.base import BlockUsage
 from policies.outputs import SchedulerOutput
 from policies.preemption import PreemptionCounts
 from policies.queues import QueueSizes
+from policies.sampling_path import device_sampling
 from policies.sequence import Sequence
 from policies.step_stats import StepStats
 
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
     from policies.scheduler import Scheduler
 
 PENDING = -1  # the token of a looked-past step until its update
+_SEQ = itemgetter(0)  # ScheduledSeq.seq
 
 
 @dataclass(slots=True)
@@ -72,6 +76,8 @@ def can_look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats) 
         return False  # an abort in flight, or a prompt sampling n > 1 (it forks)
     if len(out.scheduled) - stats.num_partial != len(queues.running):
         return False  # a running sequence would still have tokens to compute (or was not scheduled)
+    if lifecycle.num_full_sampler and not device_sampling(map(_SEQ, out.scheduled)):
+        return False  # the full sampler returns this step's tokens to the host at once
     return next_step_safe(scheduler, ahead=1)
 
 

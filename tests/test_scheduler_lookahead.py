@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +19,8 @@ from scheduler_helpers import KVStoreBackend, make_scheduler, request
 from test_scheduler_properties import COMBOS, MAX_STEPS, abort, arrive, check_end, check_pools, workloads
 
 from policies.lookahead import PENDING
+from policies.request import SamplingParams
+from policies.sampling_path import device_sampling
 
 
 def token_of(request_id: str, sample_index: int, position: int) -> int:
@@ -166,3 +169,47 @@ def test_late_stop_drops_the_step_in_flight():
     scheduler.update(nxt, {r0.seq_id: [9], r1.seq_id: [6]}, 2.0)  # r0's extra token is dropped
     assert r0.output_token_ids == [0] and r1.output_token_ids == [5, 6]
     scheduler.check_invariants()
+
+
+def _steps_ahead(params: dict) -> list[bool]:
+    """For two requests with `params`, prefill then decodes: which steps schedule_ahead looked past."""
+    scheduler = make_scheduler(num_gpu_blocks=32, max_num_seqs=4)
+    for i in range(2):
+        scheduler.add(request(f"r{i}", 5, max_tokens=5, ignore_eos=True, **params), 0.0)
+    backend = KVStoreBackend(4)
+    out, now, looked = scheduler.schedule(0.0), 0.0, []
+    while out is not None and out.scheduled:
+        tokens = run_step(backend, out)
+        nxt = scheduler.schedule_ahead(now)
+        looked.append(nxt is not None)
+        now += 1.0
+        scheduler.update(out, tokens, now)
+        out = nxt if nxt is not None else (scheduler.schedule(now) if scheduler.has_unfinished() else None)
+    return looked
+
+
+@pytest.mark.parametrize("params", [{"logprobs": 2}, {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1},
+                                    {"seed": 3, "temperature": 0.7}], ids=str)
+def test_full_sampler_steps_are_not_looked_past(params):
+    """The engine's full sampler (logprobs, top-k/p, min-p, seeded draws) returns a step's tokens at
+    once, so the scheduler never looks past such a step (policies/sampling_path.py): the simulator
+    then schedules synchronously exactly where the engine does."""
+    assert not any(_steps_ahead(params))
+    assert _steps_ahead({"temperature": 0.7})[:4] == [True] * 4
+    assert _steps_ahead({"seed": 3, "temperature": 0.0})[:4] == [True] * 4  # greedy: the seed is unused
+
+
+def test_min_tokens_blocks_look_ahead_until_reached():
+    """min_tokens masks stop tokens in the full sampler until that many tokens are out: steps that
+    sample output tokens 1 and 2 of min_tokens=2 stay synchronous, the ones after are looked past."""
+    assert _steps_ahead({"min_tokens": 2})[:4] == [False, False, True, True]
+
+
+def test_device_sampling_rule():
+    seq = lambda **p: SimpleNamespace(request=SimpleNamespace(sampling_params=SamplingParams(**p)),
+                                      num_output_tokens=3)  # fmt: skip
+    assert device_sampling([seq(), seq(temperature=0.0), seq(seed=1, temperature=0.0)])
+    for p in ({"logprobs": 0}, {"top_k": 1}, {"top_p": 0.5}, {"min_p": 0.2}, {"seed": 1}):
+        assert not device_sampling([seq(), seq(**p)]), p
+    assert device_sampling([seq(min_tokens=3)]) and not device_sampling([seq(min_tokens=4)])
+    assert device_sampling([])

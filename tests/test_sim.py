@@ -162,3 +162,18 @@ def test_async_steps_are_priced_before_they_are_looked_past():
         Simulator(sched, latency, reqs).run()
         assert sorted(latency.chunks) == [(30, 0), (40, 0), (50, 0)]
         assert (sched.num_scheduled_ahead > 0) is ahead
+
+
+def test_async_scheduling_stays_synchronous_after_full_sampler_steps():
+    """As in the engine, a step with a sequence that needs the full sampler (here top_p < 1) is not
+    looked past: a workload of such requests is simulated step by step, a mixed one in part."""
+    def run(top_ps):
+        reqs = [Request(f"r{i}", list(range(20)), SamplingParams(max_tokens=8, ignore_eos=True, top_p=p),
+                        arrival_time=0.03 * i) for i, p in enumerate(top_ps)]
+        sched = scheduler(async_scheduling=True)
+        Simulator(sched, Constant(0.01), reqs).run()
+        assert all(r["finish_reason"] == "length" for r in sched.recorder.requests)
+        return sched.num_scheduled_ahead
+
+    assert run([0.9, 0.9, 0.9]) == 0
+    assert 0 < run([0.9, 1.0, 1.0]) < run([1.0, 1.0, 1.0])

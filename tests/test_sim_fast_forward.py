@@ -102,6 +102,7 @@ def cases(draw):
         max_tokens = draw(st.integers(1, 60))
         params = {"n": min(draw(st.sampled_from([1, 1, 2, 3])), case["config"].max_num_seqs), "max_tokens": max_tokens,
                   "min_tokens": draw(st.sampled_from([0, 0, max_tokens // 2])),
+                  "top_p": draw(st.sampled_from([1.0, 1.0, 1.0, 0.9])),  # the full sampler: never looked past
                   "ignore_eos": draw(st.booleans()),
                   "stop_token_ids": draw(st.sampled_from([[], [], [SIM_TOKEN]]))}
         prompt = shared[:common] + [2000 + 100 * i + j for j in range(prompt_len - common)]
