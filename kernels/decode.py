@@ -213,10 +213,10 @@ def paged_decode_attention(
     config = config or DecodeConfig()
     if isinstance(config, TmaDecodeConfig) and not tma_decode_supported(q, k_cache, v_cache, config):
         config = DecodeConfig(num_splits=config.num_splits)
-    min_n = 1 if isinstance(config, PackedDecodeConfig) else 16  # packed tiles have block_n x Hkv rows
-    bad_tile = not isinstance(config, TmaDecodeConfig) and (config.block_n < min_n or config.block_n & (config.block_n - 1))
-    if bad_tile:
-        raise ValueError(f"config.block_n={config.block_n} is invalid: a power of two >= {min_n}")
+    if not isinstance(config, TmaDecodeConfig):  # (TmaDecodeConfig checks its own fields)
+        min_n = 1 if isinstance(config, PackedDecodeConfig) else 16  # packed tiles have block_n x Hkv rows
+        if config.block_n < min_n or config.block_n & (config.block_n - 1):
+            raise ValueError(f"config.block_n={config.block_n} is invalid: a power of two >= {min_n}")
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1:
