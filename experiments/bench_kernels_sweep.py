@@ -65,8 +65,7 @@ PER_HEAD_GRID = [DecodeConfig(block_n=n, num_stages=st, num_splits=sp, num_warps
 def name(cfg) -> str:
     if isinstance(cfg, TmaDecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
-        extra = "" if cfg.fence else "-nofence"
-        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}w{cfg.num_warps}{extra}{split}"
+        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}w{cfg.num_warps}{split}"
     if isinstance(cfg, DecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
         warps = "" if cfg.num_warps == 4 else f"w{cfg.num_warps}"
@@ -217,10 +216,9 @@ def streams_round(save, copy_bw: float) -> None:
     save(time_point("B64xL4096-end", sets, nbytes, copy_bw, []))  # SDPA again: drift over the round
 
 
-TMA_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, num_splits=sp, num_warps=w, fence=f)
-            for t, n, w, sp, f in ((32, 2, 1, 1, True), (32, 2, 4, 1, True), (32, 2, 4, 1, False), (32, 2, 2, 1, True),
-                                   (32, 3, 4, 1, True), (32, 3, 1, 1, True), (16, 3, 4, 1, True), (16, 4, 1, 1, True),
-                                   (16, 6, 4, 1, True), (64, 2, 8, 1, True), (64, 2, 4, 2, True))]  # fmt: skip
+TMA_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, num_splits=sp, num_warps=w)
+            for t, n, w, sp in ((32, 2, 1, 1), (32, 2, 4, 1), (32, 2, 2, 1), (32, 3, 4, 1), (32, 3, 1, 1), (16, 3, 4, 1),
+                                (16, 4, 1, 1), (16, 6, 4, 1), (64, 2, 8, 1), (64, 2, 4, 2))]  # fmt: skip
 
 
 def loads_only_rows(label: str, sets, configs) -> list[dict]:

@@ -38,7 +38,6 @@ class TmaDecodeConfig:
     num_splits: int | None = None  # None: the per-head kernel's heuristic
     programs_per_sm: int = 4  # for the split heuristic
     num_warps: int = 1  # more split the step's tokens (S) and head_dim (O), paying cross-warp reductions
-    fence: bool = True  # fence.proxy.async between the operand reads and the buffer's TMA refill
 
     def __post_init__(self):
         if self.tile_tokens < 16 or self.tile_tokens & (self.tile_tokens - 1):
@@ -53,7 +52,7 @@ def _tma_decode_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, table_width,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
     NUM_BUFS: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_HEADS: gl.constexpr, WARPS: gl.constexpr,
-    FENCE: gl.constexpr, HND: gl.constexpr, MATH: gl.constexpr = True,
+    HND: gl.constexpr, MATH: gl.constexpr = True,
 ):  # fmt: skip
     PAGES: gl.constexpr = TILE // BLOCK_SIZE
     gl.static_assert(PAGES == 1 or PAGES == 2 or PAGES == 4, "a step covers one, two or four pages")
@@ -122,19 +121,12 @@ def _tma_decode_kernel(
             k = k_ring.index(buf).permute((1, 0)).load(b_op)
             v = v_ring.index(buf).load(b_op)
         _cta_barrier()  # every warp has its operands: the buffer may be overwritten
-        if FENCE:
-            fence_async_shared()
+        fence_async_shared()  # ... and their reads are ordered before the TMA writes (async proxy)
         mbarrier.expect(bars.index(buf), step_bytes, pred=ok)
-        _load_page(k_desc, v_desc, id0 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 0, ok,
-                   BLOCK_SIZE)  # fmt: skip
-        if PAGES >= 2:
-            _load_page(k_desc, v_desc, id1 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 1, ok,
-                       BLOCK_SIZE)  # fmt: skip
-        if PAGES == 4:
-            _load_page(k_desc, v_desc, id2 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 2, ok,
-                       BLOCK_SIZE)  # fmt: skip
-            _load_page(k_desc, v_desc, id3 * row_scale + head_row, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), 3, ok,
-                       BLOCK_SIZE)  # fmt: skip
+        page_rows = (id0 * row_scale + head_row, id1 * row_scale + head_row, id2 * row_scale + head_row,
+                id3 * row_scale + head_row)  # fmt: skip
+        _load_step(k_desc, v_desc, page_rows, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), ok,
+                   BLOCK_SIZE, PAGES)  # fmt: skip
         id0, id1, id2, id3 = _page_ids(table, first + (j + 1 + NUM_BUFS) * PAGES, last, j + 1 + NUM_BUFS < steps,
                                        PAGES)  # fmt: skip
         if MATH:
@@ -177,6 +169,17 @@ def _page_ids(table, page, last, ok, PAGES: gl.constexpr):
         id2 = gl.load(table + page + 2, mask=ok & (page + 2 < last), other=0)
         id3 = gl.load(table + page + 3, mask=ok & (page + 3 < last), other=0)
     return id0, id1, id2, id3
+
+
+@gluon.jit
+def _load_step(k_desc, v_desc, rows, column, bar, k_buf, v_buf, ok, BLOCK_SIZE: gl.constexpr, PAGES: gl.constexpr):
+    """TMA the PAGES pages of one step (their first rows in `rows`, a 4-tuple) into a step buffer."""
+    _load_page(k_desc, v_desc, rows[0], column, bar, k_buf, v_buf, 0, ok, BLOCK_SIZE)
+    if PAGES >= 2:
+        _load_page(k_desc, v_desc, rows[1], column, bar, k_buf, v_buf, 1, ok, BLOCK_SIZE)
+    if PAGES == 4:
+        _load_page(k_desc, v_desc, rows[2], column, bar, k_buf, v_buf, 2, ok, BLOCK_SIZE)
+        _load_page(k_desc, v_desc, rows[3], column, bar, k_buf, v_buf, 3, ok, BLOCK_SIZE)
 
 
 @gluon.jit
@@ -242,6 +245,6 @@ def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out
         out.stride(0), out.stride(1), block_tables.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=config.tile_tokens,
         NUM_BUFS=config.num_bufs, NUM_SPLITS=splits, NUM_HEADS=num_heads, WARPS=config.num_warps,
-        FENCE=config.fence, HND=cache_storage(k_cache) == "hnd", MATH=math, num_warps=config.num_warps,
+        HND=cache_storage(k_cache) == "hnd", MATH=math, num_warps=config.num_warps,
     )  # fmt: skip
     return parts
