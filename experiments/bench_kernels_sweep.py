@@ -228,7 +228,7 @@ def loads_only_rows(label: str, sets, configs) -> list[dict]:
     out = torch.empty_like(sets[0][0].q)
     for cfg in configs:
         for math in (True, False):
-            fns = [lambda s=s, c=cfg, m=math: paged_decode_tma(*s[0].decode_args(), out, 1, c, math=m) for s in sets]
+            fns = [lambda s=s, c=cfg, m=math: paged_decode_tma(*s[0].decode_args(), out, out, out, 1, c, math=m) for s in sets]
             variant = name(cfg) + ("" if math else "-loadsonly")
             rows.append({"shape": label, "variant": variant, "time_us": graph_ms(fns) * 1e3})
             print(f"  {label:<24}{variant:<36}{rows[-1]['time_us']:>9.1f} us", flush=True)

@@ -232,11 +232,7 @@ def paged_decode_attention(
     bd = block_dim(head_dim)
     splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device, config)
     upcast = upcast_operands(q.dtype)
-    if splits > 1:
-        part_out = torch.empty(batch * num_heads * splits, bd, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch * num_heads * splits, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
+    part_out, part_lse = _split_partials(out, splits, bd)
     grid = (num_kv_heads, batch, splits) if config.heads_fastest else (batch, num_kv_heads, splits)
     _decode_kernel[grid](
         q,
@@ -274,32 +270,36 @@ def paged_decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=bd,
-            NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=4,
-        )
+    _merge_splits(part_out, part_lse, out, splits, bd)
     return out
 
 
 def _decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, config: TmaDecodeConfig):
-    batch, num_heads, head_dim = q.shape
     split_config = DecodeConfig(num_splits=config.num_splits, programs_per_sm=config.programs_per_sm)
-    splits = choose_num_splits(batch, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device,
+    splits = choose_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device,
                                split_config)  # fmt: skip
-    parts = paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, splits, config)
-    if parts is not None:
-        _decode_reduce_kernel[(batch, num_heads)](
-            *parts, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=head_dim,
-            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
-        )  # fmt: skip
+    part_out, part_lse = _split_partials(out, splits, q.shape[2])
+    paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_lse, splits, config)
+    _merge_splits(part_out, part_lse, out, splits, q.shape[2])
     return out
+
+
+def _split_partials(out: torch.Tensor, splits: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (sequence, query head, split) rows: the normalised partial output (`width` wide) and its
+    log-sum-exp; with one split the kernels write `out` directly (the pair is unused)."""
+    if splits == 1:
+        return out, out
+    rows = out.shape[0] * out.shape[1] * splits
+    return (torch.empty(rows, width, dtype=torch.float32, device=out.device),
+            torch.empty(rows, dtype=torch.float32, device=out.device))  # fmt: skip
+
+
+def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, splits: int, width: int) -> None:
+    """Combine the splits' partials into `out` (a second launch); nothing with one split."""
+    if splits == 1:
+        return
+    batch, num_heads, head_dim = out.shape
+    _decode_reduce_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_D=width, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+    )  # fmt: skip

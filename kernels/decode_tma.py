@@ -26,6 +26,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.common import LOG2E
+
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in triton 3.7
 
 
@@ -226,19 +228,12 @@ def _descriptor(cache: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bs, d], layout)
 
 
-def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, splits, config: TmaDecodeConfig,
-                     math: bool = True):  # fmt: skip
-    """Launch on checked inputs (kernels.decode.paged_decode_attention validates them); returns the
-    partial buffers when splits > 1 (the caller merges them), else None."""
-    from kernels.common import LOG2E
-
+def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_lse, splits,
+                     config: TmaDecodeConfig, math: bool = True):  # fmt: skip
+    """Launch on checked inputs (kernels.decode.paged_decode_attention validates them, allocates the
+    split partials and merges them, as for the per-head kernel)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    parts = None
-    if splits > 1:
-        parts = (torch.empty(batch * num_heads * splits, head_dim, dtype=torch.float32, device=q.device),
-                 torch.empty(batch * num_heads * splits, dtype=torch.float32, device=q.device))  # fmt: skip
-    part_out, part_lse = parts if parts else (out, out)
     _tma_decode_kernel[(num_kv_heads, batch, splits)](
         q, _descriptor(k_cache), _descriptor(v_cache), block_tables,
         context_lens, out, part_out, part_lse, scale * LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
@@ -247,4 +242,3 @@ def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out
         NUM_BUFS=config.num_bufs, NUM_SPLITS=splits, NUM_HEADS=num_heads, WARPS=config.num_warps,
         HND=cache_storage(k_cache) == "hnd", MATH=math, num_warps=config.num_warps,
     )  # fmt: skip
-    return parts
