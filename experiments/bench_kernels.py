@@ -13,7 +13,6 @@ experiments/results/), rewritten after every point.
 """
 
 import argparse
-import datetime
 import time
 from collections.abc import Callable
 
@@ -29,7 +28,7 @@ from experiments.bench_kernels_cases import (
     prefill_problem,
     ragged_decode_problem,
 )
-from experiments.bench_timing import bench_ms, copies_for, copy_gbps, graph_ms, matmul_tflops
+from experiments.bench_timing import bench_ms, copies_for, copy_gbps, graph_ms, matmul_tflops, run_stamp
 from kernels import reference
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig
@@ -230,13 +229,12 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
-    device = torch.cuda.get_device_name()
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
+    stamp = run_stamp()
+    device, date = stamp.device, stamp.date
     start = time.time()
     copy_bw, matmul = copy_gbps(), matmul_tflops()
-    print(f"{device} | torch {torch.__version__} | triton {triton.__version__} | {date} UTC")
     print(f"ceilings: copy {copy_bw:.0f} GB/s (read+write), bf16 matmul {matmul:.0f} TFLOP/s")
-    path = f"{args.out}/bench_kernels_{device.replace(' ', '_')}_{date.replace(':', '')}.csv"
+    path = stamp.csv(args.out, "bench_kernels")
     rows: list[dict] = []
 
     def save(new_rows: list[dict]) -> None:

@@ -28,16 +28,14 @@ the kernel's.  Prints one line per row and writes a CSV to --out.
 """
 
 import argparse
-import datetime
 from dataclasses import replace
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
-import triton
 
 from experiments.bench_kernels_cases import decode_problem, kernel_report
-from experiments.bench_timing import copies_for, copy_gbps, graph_ms
+from experiments.bench_timing import copies_for, copy_gbps, graph_ms, run_stamp
 from kernels import decode_packed
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig as P
@@ -275,13 +273,11 @@ def main() -> None:
     parser.add_argument("--streams", action="store_true", help="round 8: storage layouts x block-table order")
     parser.add_argument("--tma", action="store_true", help="round 14: the Gluon TMA kernel")
     args = parser.parse_args()
-    device = torch.cuda.get_device_name()
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
+    stamp = run_stamp()
+    device, date = stamp.device, stamp.date
     copy_bw = copy_gbps()
-    print(
-        f"{device} | torch {torch.__version__} | triton {triton.__version__} | {date} | copy {copy_bw:.0f} GB/s"
-    )
-    path = f"{args.out}/bench_kernels_sweep_{device.replace(' ', '_')}_{date.replace(':', '')}.csv"
+    print(f"copy {copy_bw:.0f} GB/s (read+write)")
+    path = stamp.csv(args.out, "bench_kernels_sweep")
     rows: list[dict] = []
 
     def save(new_rows: list[dict]) -> None:  # after every point: a run cut short keeps its numbers

@@ -23,7 +23,6 @@ pipelined loads are the limit.
 """
 
 import argparse
-import datetime
 
 import pandas as pd
 import torch
@@ -32,7 +31,7 @@ import triton
 import triton.language as tl
 
 from experiments.bench_kernels_sweep import uniform
-from experiments.bench_timing import copy_gbps, graph_ms
+from experiments.bench_timing import copy_gbps, graph_ms, run_stamp
 from kernels.decode import DecodeConfig
 
 B, HQ, HKV, L, D, PAGE = 64, 16, 8, 4096, 128, 16
@@ -267,13 +266,11 @@ def main() -> None:
     parser.add_argument("--tma", action="store_true", help="Gluon TMA read kernels at 1 and 8 GiB beside SDPA")
     parser.add_argument("--tma-1g", action="store_true", help="--tma at 1 GiB only, 128-byte swizzle only")
     args = parser.parse_args()
-    device = torch.cuda.get_device_name()
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M")
+    stamp = run_stamp()
+    device, date = stamp.device, stamp.date
     copy_bw = copy_gbps()
-    print(
-        f"{device} | torch {torch.__version__} | triton {triton.__version__} | {date} | copy {copy_bw:.0f} GB/s"
-    )
-    path = f"{args.out}/bench_read_rate_{device.replace(' ', '_')}_{date.replace(':', '')}.csv"
+    print(f"copy {copy_bw:.0f} GB/s (read+write)")
+    path = stamp.csv(args.out, "bench_read_rate")
     rows: list[dict] = []
     nbytes = 2 * B * HKV * L * D * 2
 
@@ -294,7 +291,7 @@ def main() -> None:
         tma_round(add, small_only=args.tma_1g)
         return
     if args.timeline:
-        timeline_round(add, args.out, f"{device.replace(' ', '_')}_{date.replace(':', '')}")
+        timeline_round(add, args.out, stamp.tag)
         return
     stream_round(add)
     torch.cuda.empty_cache()

@@ -5,14 +5,39 @@ engine captures decode in graphs too).  When one problem's data would fit in L2,
 over several copies of the problem so that every call reads from DRAM.
 """
 
+import datetime
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import triton
 from triton.testing import do_bench
 
 MAX_CALLS_PER_GRAPH = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class RunStamp:
+    """Which device a benchmark ran on and when (UTC, to the minute): its CSVs are named by both."""
+
+    device: str
+    date: str
+
+    @property
+    def tag(self) -> str:
+        return f"{self.device.replace(' ', '_')}_{self.date.replace(':', '')}"
+
+    def csv(self, out_dir: str, name: str) -> str:
+        return f"{out_dir}/{name}_{self.tag}.csv"
+
+
+def run_stamp() -> RunStamp:
+    """The current device and minute; prints them with the torch and triton versions."""
+    stamp = RunStamp(torch.cuda.get_device_name(), datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M"))
+    print(f"{stamp.device} | torch {torch.__version__} | triton {triton.__version__} | {stamp.date} UTC")
+    return stamp
 
 
 def l2_bytes() -> int:
