@@ -1,5 +1,7 @@
 """Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head | --waves |
---tiles | --streams | --tma] [--out DIR]`.
+--tiles | --streams | --tma | --lead] [--out DIR]`.
+
+`--lead` (round 15): the Gluon TMA kernel with a ring deeper than the steps it keeps in flight.
 
 `--tma` (round 14): the Gluon TMA kernel (kernels/decode_tma.py): its tile, ring depth and warps at
 B64x4k, its loads alone against the whole kernel on two storage layouts, its best settings elsewhere.
@@ -63,7 +65,8 @@ PER_HEAD_GRID = [DecodeConfig(block_n=n, num_stages=st, num_splits=sp, num_warps
 def name(cfg) -> str:
     if isinstance(cfg, TmaDecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
-        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}w{cfg.num_warps}{split}"
+        lead = "" if cfg.lead is None else f"l{cfg.lead}"
+        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}{lead}w{cfg.num_warps}{split}"
     if isinstance(cfg, DecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
         warps = "" if cfg.num_warps == 4 else f"w{cfg.num_warps}"
@@ -214,7 +217,7 @@ def streams_round(save, copy_bw: float) -> None:
     save(time_point("B64xL4096-end", sets, nbytes, copy_bw, []))  # SDPA again: drift over the round
 
 
-TMA_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, num_splits=sp, num_warps=w)
+TMA_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, lead=None, num_splits=sp, num_warps=w)
             for t, n, w, sp in ((32, 2, 1, 1), (32, 2, 4, 1), (32, 2, 2, 1), (32, 3, 4, 1), (32, 3, 1, 1), (16, 3, 4, 1),
                                 (16, 4, 1, 1), (16, 6, 4, 1), (64, 2, 8, 1), (64, 2, 4, 2))]  # fmt: skip
 
@@ -247,7 +250,7 @@ def tma_round(save, rows: list[dict], copy_bw: float) -> None:
     kv = 2 * 64 * 4096 * HKV * D * 2
     sets = [decode_problem(64, 4096, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv))]
     tables = [s[0].block_tables for s in sets]
-    loads = [TmaDecodeConfig(num_splits=1, num_warps=w) for w in (1, 4)]
+    loads = [TmaDecodeConfig(num_splits=1, lead=None, num_warps=w) for w in (1, 4)]
     for layout in ("nhd", "hnd"):
         for s, t in zip(sets, tables):
             s[0].block_tables = t
@@ -264,6 +267,33 @@ def tma_round(save, rows: list[dict], copy_bw: float) -> None:
         save(uniform(batch, ctx, copy_bw, PER_HEAD[:1] + best))
 
 
+LEAD_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, lead=ld, num_splits=1, num_warps=w)
+             for t, n, ld, w in ((32, 2, None, 1), (32, 2, 1, 1), (32, 3, 2, 1), (32, 3, 2, 2), (16, 3, 2, 1),
+                                 (16, 4, 3, 1), (16, 4, 2, 1), (32, 3, 1, 1))]  # fmt: skip
+
+
+def lead_round(save, rows: list[dict], copy_bw: float) -> None:
+    """Round 15: the Gluon TMA kernel with fewer steps in flight than buffers (`lead`): the buffer
+    read in the step before is refilled as soon as a step's data arrives, so `lead` steps stay in
+    flight while a step is read and computed, where the 2-buffer ring has one in flight from the
+    data's arrival until the buffer's operands are read.  B64x4k, SDPA timed before and after, each
+    setting with and without its math; then the fastest at the other grid points."""
+    per_head = [replace(c, num_splits=1) for c in PER_HEAD[1:]]
+    save(uniform(64, 4096, copy_bw, per_head + LEAD_GRID))
+    kv = 2 * 64 * 4096 * HKV * D * 2
+    sets = [decode_problem(64, 4096, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv))]
+    save(loads_only_rows("B64xL4096", sets, LEAD_GRID[:3]))
+    del sets
+    torch.cuda.empty_cache()
+    save(uniform(64, 4096, copy_bw, LEAD_GRID[:2]))
+    here = [r for r in rows if r["shape"] == "B64xL4096" and r["variant"].startswith("tma") and "frac_copy" in r]
+    timed = sorted(here, key=lambda r: r["time_us"])
+    best = [replace(c, num_splits=None) for c in LEAD_GRID if name(c) in [r["variant"] for r in timed[:2]]]
+    print("best TMA at B64x4k:", [name(c) for c in best], flush=True)
+    for batch, ctx in ((64, 32768), (256, 4096), (8, 4096), (1, 32768), (64, 512)):
+        save(uniform(batch, ctx, copy_bw, PER_HEAD[:1] + best))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
@@ -272,6 +302,7 @@ def main() -> None:
     parser.add_argument("--tiles", action="store_true", help="round 7b: 128-key tiles, 2-warp programs")
     parser.add_argument("--streams", action="store_true", help="round 8: storage layouts x block-table order")
     parser.add_argument("--tma", action="store_true", help="round 14: the Gluon TMA kernel")
+    parser.add_argument("--lead", action="store_true", help="round 15: TMA kernel, a ring deeper than its lead")
     args = parser.parse_args()
     stamp = run_stamp()
     device, date = stamp.device, stamp.date
@@ -301,6 +332,9 @@ def main() -> None:
         return
     if args.tma:
         tma_round(save, rows, copy_bw)
+        return
+    if args.lead:
+        lead_round(save, rows, copy_bw)
         return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),

@@ -1,20 +1,21 @@
 """Paged decode attention in Gluon (Triton's lower-level language) with TMA page loads: the per-KV-head
-kernel's decomposition (a program per sequence, KV head and split; all query heads of the KV head in
-one 16-row MMA tile), but each program streams its pages through a ring of shared-memory buffers
-that it refills itself, one TMA box per page and head, NUM_BUFS steps deep, instead of Triton's
-cp.async pipeline.  Round 14 of kernels/NOTES.md: Gluon TMA reads stream 1 GiB at 4.58 TB/s where
-SDPA (cuDNN) reads at 4.44 and every cp.async loop we wrote at <= 4.42.
+kernel's decomposition (a program per sequence, KV head and split), but each program streams its
+pages through a ring of shared-memory buffers that it refills itself, one TMA box per page and head,
+instead of Triton's cp.async pipeline.  Round 14 of kernels/NOTES.md: Gluon TMA reads stream 1 GiB at
+4.58 TB/s where SDPA (cuDNN) reads at 4.44 and every cp.async loop we wrote at <= 4.42.
 
 GPU only (Hopper or newer; Gluon has no CPU interpreter): `paged_decode_attention` selects it with a
 `TmaDecodeConfig` where `tma_decode_supported` holds, and the GPU tests check it against the same
 float64 reference as the other kernels.  Splits write partials that the per-head kernel's merge
 kernel combines.
 
-Per step a program waits for one buffer (PAGES pages of K and V, one mbarrier), reads it into the
-MMA's operand registers, lets every warp pass a barrier, refills the buffer with the pages
-NUM_BUFS steps ahead (their page ids were loaded at the top of the step), then does the step's
-math: S = Q K^T, online softmax in log2 units, O += P V.  Slots past the context are masked to
--inf in S and to 0 in V (a stale slot may hold NaN).
+The query heads of the KV head are the MMA's N (8 or 16 columns), the step's tokens and head_dim
+its M (round 15): S^T = K Q^T and O^T += V^T P^T take half the MMAs of a 16-row query tile when the
+GQA group is 8 or less.  Per step a program first refills the buffer it read in the step before
+with the pages `lead` steps ahead (page ids loaded a step earlier), then waits for this step's
+buffer (one mbarrier for its K and V), reads it into operand registers and does the math: online
+softmax in log2 units.  Only a split's last step can hold slots past the context: there they are
+masked to -inf in S and to 0 in V (a stale slot may hold NaN).
 """
 
 from dataclasses import dataclass
@@ -33,10 +34,14 @@ _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # re
 
 @dataclass(slots=True, frozen=True)
 class TmaDecodeConfig:
-    """The Gluon TMA kernel; defaults from its H200 sweep at batch 64 x 4k (NOTES.md round 14)."""
+    """The Gluon TMA kernel; defaults from its H200 sweeps at batch 64 x 4k (NOTES.md rounds 14-15)."""
 
     tile_tokens: int = 32  # tokens per step (whole pages: a multiple of block_size)
-    num_bufs: int = 2  # steps in the ring (one computed while the next loads; deeper rings were slower)
+    num_bufs: int = 2  # steps in the ring (deeper rings were slower)
+    # Steps issued ahead of the one computed.  An int < num_bufs: the buffer read in the step before is
+    # refilled ahead of this step's wait.  None (= num_bufs): a step's buffer is refilled once read into
+    # registers, after its wait; ptxas then schedules the refill's TMAs among the step's math (round 15).
+    lead: int | None = 1
     num_splits: int | None = None  # None: the per-head kernel's heuristic
     programs_per_sm: int = 4  # for the split heuristic
     num_warps: int = 1  # more split the step's tokens (S) and head_dim (O), paying cross-warp reductions
@@ -46,6 +51,12 @@ class TmaDecodeConfig:
             raise ValueError(f"tile_tokens={self.tile_tokens} is invalid: a power of two >= 16 (the MMA's N)")
         if self.num_bufs < 2:
             raise ValueError(f"num_bufs={self.num_bufs} is invalid: at least 2 (one computed, one loading)")
+        if self.lead is not None and not 1 <= self.lead < self.num_bufs:
+            raise ValueError(f"lead={self.lead} is invalid: None or 1..num_bufs-1 (num_bufs={self.num_bufs})")
+
+    @property
+    def steps_ahead(self) -> int:
+        return self.num_bufs if self.lead is None else self.lead
 
 
 @gluon.jit
@@ -54,17 +65,19 @@ def _tma_decode_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, table_width,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
     NUM_BUFS: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_HEADS: gl.constexpr, WARPS: gl.constexpr,
-    HND: gl.constexpr, MATH: gl.constexpr = True,
+    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True,
 ):  # fmt: skip
     PAGES: gl.constexpr = TILE // BLOCK_SIZE
+    EARLY: gl.constexpr = LEAD < NUM_BUFS
     gl.static_assert(PAGES == 1 or PAGES == 2 or PAGES == 4, "a step covers one, two or four pages")
     kv_head = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8])
+    NQ: gl.constexpr = 8 if GROUP <= 8 else 16  # the MMA's N: query heads, padded
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    io: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+    io: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, WARPS], [0, 1])
 
     length = gl.load(context_lens_ptr + b)
     pages = gl.cdiv(length, BLOCK_SIZE)
@@ -86,8 +99,8 @@ def _tma_decode_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFS):
         mbarrier.init(bars.index(i), count=1)
-    step_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * 2
-    for i in gl.static_range(NUM_BUFS):
+    step_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * 2  # K and V, 16-bit
+    for i in gl.static_range(LEAD):
         ok = i < steps
         mbarrier.expect(bars.index(i), step_bytes, pred=ok)
         for g in gl.static_range(PAGES):
@@ -100,62 +113,77 @@ def _tma_decode_kernel(
             _load_page(k_desc, v_desc, pid * row_scale + head_row, column, bars.index(i), k_ring.index(i), v_ring.index(i), g, ok,
                        BLOCK_SIZE)  # fmt: skip
 
-    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, io))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
-    row_ok = (rows < GROUP)[:, None]
-    heads = kv_head * GROUP + rows
-    q = gl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok, other=0.0)
-    q = gl.convert_layout(q, a_op)
-    m_i = gl.full([16], -1.0e30, gl.float32, layout=gl.SliceLayout(1, mma))
-    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, mma))
-    acc = gl.zeros([16, HEAD_DIM], gl.float32, layout=mma)
-    s_cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, mma))
-    v_rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, b_op))
+    cols = gl.arange(0, NQ, layout=gl.SliceLayout(0, io))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, io))
+    col_ok = (cols < GROUP)[None, :]
+    heads = kv_head * GROUP + cols
+    q = gl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + dims[:, None], mask=col_ok, other=0.0)
+    q = gl.convert_layout(q, b_op)  # Q^T: [HEAD_DIM, NQ]
+    m_i = gl.full([NQ], -1.0e30, gl.float32, layout=gl.SliceLayout(0, mma))
+    l_i = gl.zeros([NQ], gl.float32, layout=gl.SliceLayout(0, mma))
+    acc = gl.zeros([HEAD_DIM, NQ], gl.float32, layout=mma)  # O^T
+    s_rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
+    v_cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, a_op))
 
     # Page ids of the next refill, loaded a step before they are needed: a load in the same step
     # would put its latency between the buffer's release and its refill, every step.
-    id0, id1, id2, id3 = _page_ids(table, first + NUM_BUFS * PAGES, last, NUM_BUFS < steps, PAGES)
+    ids = _page_ids(table, first + LEAD * PAGES, last, LEAD < steps, PAGES)
     for j in range(steps):
         buf = j % NUM_BUFS
-        ok = j + NUM_BUFS < steps
+        if EARLY:  # refill the buffer read in the step before, ahead of this step's wait
+            ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
+                          k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes)  # fmt: skip
         mbarrier.wait(bars.index(buf), (j // NUM_BUFS) & 1)
-        if MATH:  # False only in the loads-only timing of experiments/bench_kernels_sweep.py --tma
-            k = k_ring.index(buf).permute((1, 0)).load(b_op)
-            v = v_ring.index(buf).load(b_op)
-        _cta_barrier()  # every warp has its operands: the buffer may be overwritten
-        fence_async_shared()  # ... and their reads are ordered before the TMA writes (async proxy)
-        mbarrier.expect(bars.index(buf), step_bytes, pred=ok)
-        page_rows = (id0 * row_scale + head_row, id1 * row_scale + head_row, id2 * row_scale + head_row,
-                id3 * row_scale + head_row)  # fmt: skip
-        _load_step(k_desc, v_desc, page_rows, column, bars.index(buf), k_ring.index(buf), v_ring.index(buf), ok,
-                   BLOCK_SIZE, PAGES)  # fmt: skip
-        id0, id1, id2, id3 = _page_ids(table, first + (j + 1 + NUM_BUFS) * PAGES, last, j + 1 + NUM_BUFS < steps,
-                                       PAGES)  # fmt: skip
+        if MATH:  # False only in bench_kernels_sweep.py's loads-only timing
+            k = k_ring.index(buf).load(a_op)
+            v = v_ring.index(buf).permute((1, 0)).load(a_op)
+        if not EARLY:  # refill this step's buffer, now in operand registers
+            ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
+                          k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes)  # fmt: skip
         if MATH:
             start = (first + j * PAGES) * BLOCK_SIZE
-            keep = (start + s_cols) < end
-            v = gl.where(((start + v_rows) < end)[:, None], v, gl.zeros_like(v))
-            s = mma_v2(q, k, gl.zeros([16, TILE], gl.float32, layout=mma))
-            s = gl.where(keep[None, :], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
-            p = gl.exp2(s * scale_log2 - m_new[:, None])
+            s = mma_v2(k, q, gl.zeros([TILE, NQ], gl.float32, layout=mma))  # S^T
+            if start + TILE > end:  # only a split's last step has slots past the context (stale: maybe NaN)
+                s = gl.where(((start + s_rows) < end)[:, None], s, float("-inf"))
+                v = gl.where(((start + v_cols) < end)[None, :], v, gl.zeros_like(v))
+            m_new = gl.maximum(m_i, gl.max(s, 0) * scale_log2)
+            p = gl.exp2(s * scale_log2 - m_new[None, :])
             alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            acc = mma_v2(gl.convert_layout(p.to(v.dtype), a_op), v, acc * alpha[:, None])
+            l_i = l_i * alpha + gl.sum(p, 0)
+            acc = mma_v2(v, gl.convert_layout(p.to(v.dtype), b_op), acc * alpha[None, :])
             m_i = m_new
 
     for i in gl.static_range(NUM_BUFS):
         mbarrier.invalidate(bars.index(i))
     safe_l = gl.where(l_i > 0.0, l_i, 1.0)
-    result = gl.convert_layout(acc / safe_l[:, None], io)
+    result = gl.convert_layout(acc / safe_l[None, :], io)
     if NUM_SPLITS == 1:
-        out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-        gl.store(out, result.to(out_ptr.dtype.element_ty), mask=row_ok)
+        out = out_ptr + b * stride_ob + heads[None, :] * stride_oh + dims[:, None]
+        gl.store(out, result.to(out_ptr.dtype.element_ty), mask=col_ok)
     else:
         part = (b * NUM_HEADS + heads) * NUM_SPLITS + split
-        gl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], result, mask=row_ok)
-        lse = gl.convert_layout(gl.where(l_i > 0.0, m_i + gl.log2(safe_l), float("-inf")), gl.SliceLayout(1, io))
-        gl.store(part_lse_ptr + part, lse, mask=rows < GROUP)
+        gl.store(part_out_ptr + part[None, :] * HEAD_DIM + dims[:, None], result, mask=col_ok)
+        lse = gl.convert_layout(gl.where(l_i > 0.0, m_i + gl.log2(safe_l), float("-inf")), gl.SliceLayout(0, io))
+        gl.store(part_lse_ptr + part, lse, mask=cols < GROUP)
+
+
+@gluon.jit
+def _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars, k_ring, v_ring,
+            LEAD: gl.constexpr, NUM_BUFS: gl.constexpr, PAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+            STEP_BYTES: gl.constexpr):  # fmt: skip
+    """Issue step j + LEAD's pages (ids: their page ids) into its ring buffer, last read by step
+    j + LEAD - NUM_BUFS; return the page ids of step j + 1 + LEAD, loaded a step before they are needed
+    (a load in the same step would put its latency between the buffer's release and its refill)."""
+    _cta_barrier()  # every warp has read the buffer to be refilled ...
+    fence_async_shared()  # ... and those reads are ordered before the TMA writes (async proxy)
+    fill = (j + LEAD) % NUM_BUFS
+    ok = j + LEAD < steps
+    mbarrier.expect(bars.index(fill), STEP_BYTES, pred=ok)
+    rows = (ids[0] * row_scale + head_row, ids[1] * row_scale + head_row, ids[2] * row_scale + head_row,
+            ids[3] * row_scale + head_row)  # fmt: skip
+    _load_step(k_desc, v_desc, rows, column, bars.index(fill), k_ring.index(fill), v_ring.index(fill), ok,
+               BLOCK_SIZE, PAGES)  # fmt: skip
+    return _page_ids(table, first + (j + 1 + LEAD) * PAGES, last, j + 1 + LEAD < steps, PAGES)
 
 
 @gluon.jit
@@ -240,5 +268,5 @@ def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out
         out.stride(0), out.stride(1), block_tables.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=config.tile_tokens,
         NUM_BUFS=config.num_bufs, NUM_SPLITS=splits, NUM_HEADS=num_heads, WARPS=config.num_warps,
-        HND=cache_storage(k_cache) == "hnd", MATH=math, num_warps=config.num_warps,
+        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, num_warps=config.num_warps,
     )  # fmt: skip

@@ -217,6 +217,11 @@ def test_tma_config_falls_back_off_hopper_and_checks_its_fields():
         TmaDecodeConfig(tile_tokens=24)
     with pytest.raises(ValueError, match="num_bufs=1"):
         TmaDecodeConfig(num_bufs=1)
+    with pytest.raises(ValueError, match="lead=3 is invalid"):
+        TmaDecodeConfig(num_bufs=3, lead=3)
+    with pytest.raises(ValueError, match="lead=0 is invalid"):
+        TmaDecodeConfig(num_bufs=3, lead=0)
+    assert TmaDecodeConfig(num_bufs=3, lead=2).steps_ahead == 2 and TmaDecodeConfig(num_bufs=3, lead=None).steps_ahead == 3
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
