@@ -43,7 +43,7 @@ REFERENCE_MAX_TOKENS = 64 * 4096  # the per-sequence torch reference is slow and
 # Round 5 (kernels/NOTES.md): every decode point times the default (per-KV-head) kernel, the
 # packed one (PackedDecodeConfig()) and (round 14) the Gluon TMA one; these variants run at the points named.
 PACKED = PackedDecodeConfig()
-TMA = TmaDecodeConfig()  # round 14: the Gluon TMA kernel, timed at every point too
+TMA = TmaDecodeConfig()  # rounds 14-15: the Gluon TMA kernel, timed at every point too
 DECODE_SWEEP = {
     (64, 4096): [
         DecodeConfig(num_stages=3), PackedDecodeConfig(pdl=False),
@@ -75,7 +75,8 @@ def _variant_name(cfg: DecodeConfig | PackedDecodeConfig | TmaDecodeConfig | Pre
     if cfg in (DecodeConfig(), PrefillConfig()):
         return "default"
     if isinstance(cfg, TmaDecodeConfig):
-        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}w{cfg.num_warps}sp{cfg.num_splits or 'auto'}"
+        lead = "" if cfg.lead is None else f"l{cfg.lead}"
+        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}{lead}w{cfg.num_warps}sp{cfg.num_splits or 'auto'}"
     if isinstance(cfg, DecodeConfig):
         hint = f"-{cfg.kv_eviction}" if cfg.kv_eviction else ""
         return f"per-head-n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}sp{cfg.num_splits or 'auto'}{hint}"
