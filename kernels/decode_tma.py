@@ -48,7 +48,7 @@ class TmaDecodeConfig:
 
     def __post_init__(self):
         if self.tile_tokens < 16 or self.tile_tokens & (self.tile_tokens - 1):
-            raise ValueError(f"tile_tokens={self.tile_tokens} is invalid: a power of two >= 16 (the MMA's N)")
+            raise ValueError(f"tile_tokens={self.tile_tokens} is invalid: a power of two >= 16 (the MMA's M)")
         if self.num_bufs < 2:
             raise ValueError(f"num_bufs={self.num_bufs} is invalid: at least 2 (one computed, one loading)")
         if self.lead is not None and not 1 <= self.lead < self.num_bufs:

@@ -144,6 +144,25 @@ def test_tma_decode_hnd_storage(config):
     assert _rel_err(out, ref) < BF16_MAX_ERR
 
 
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 2, 128), (24, 2, 64), (16, 1, 128)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_tma_decode_groups_over_8(num_q_heads, num_kv_heads, head_dim, num_splits):
+    """GQA groups of 9..16 query heads take the MMA's N = 16 path of the Gluon kernel (<= 8 pad to 8)."""
+    lens = _lens(10, 1, 1500, seed=5) + [1, 16, 0, 33]
+    prob = random_paged_problem(lens, None, num_q_heads, num_kv_heads, head_dim, 16, torch.bfloat16,
+                                device="cuda", seed=4)  # fmt: skip
+    for cache in (prob.k_cache, prob.v_cache):
+        for s, n in enumerate(prob.context_lens.tolist()):
+            if n % 16:
+                cache[prob.block_tables[s, n // 16].long(), n % 16 :] = float("nan")
+    config = TmaDecodeConfig(num_splits=num_splits)
+    assert tma_decode_supported(prob.q, prob.k_cache, prob.v_cache, config)
+    out = paged_decode_attention(*prob.decode_args(), config=config)
+    ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < BF16_MAX_ERR
+
+
 def test_decode_fp16_and_fp32():
     prob = random_paged_problem(
         _lens(16, 1, 2000, seed=4), None, 16, 8, 128, 16, torch.float16, device="cuda"
