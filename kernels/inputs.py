@@ -35,6 +35,15 @@ class PagedProblem:
             self.scale,
         )
 
+    def poison_stale_slots(self) -> None:
+        """NaN in every cache slot past a context in its last block: kernels must never use them."""
+        block_size = self.k_cache.shape[1]
+        for s, n in enumerate(self.context_lens.tolist()):
+            if n % block_size:
+                block = self.block_tables[s, n // block_size].long()
+                self.k_cache[block, n % block_size :] = float("nan")
+                self.v_cache[block, n % block_size :] = float("nan")
+
     def to(self, dtype: torch.dtype) -> "PagedProblem":
         """Same problem in another dtype (e.g. float64 for a high-precision reference)."""
         return PagedProblem(

@@ -20,21 +20,11 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def _poison_stale_slots(prob) -> None:
-    """NaN in every cache slot past a context in its last block: kernels must never use them."""
-    block_size = prob.k_cache.shape[1]
-    for s, n in enumerate(prob.context_lens.tolist()):
-        if n % block_size:
-            block = prob.block_tables[s, n // block_size].long()
-            prob.k_cache[block, n % block_size :] = float("nan")
-            prob.v_cache[block, n % block_size :] = float("nan")
-
-
 def _check(context_lens, group, num_kv_heads, head_dim, block_size, dtype, config, seed):
     prob = random_paged_problem(
         context_lens, None, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype, seed=seed
     )
-    _poison_stale_slots(prob)
+    prob.poison_stale_slots()
     out = torch.full_like(prob.q, float("nan"))
     paged_decode_attention(*prob.decode_args(), config=config, out=out)
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())

@@ -71,11 +71,7 @@ def test_decode_bf16(num_q_heads, num_kv_heads, head_dim, block_size, config):
         seed=head_dim,
     )
     out = torch.full_like(prob.q, float("nan"))
-    # Stale slots past each context hold NaN: no kernel may let them into the result.
-    for cache in (prob.k_cache, prob.v_cache):
-        for s, n in enumerate(prob.context_lens.tolist()):
-            if n % block_size:
-                cache[prob.block_tables[s, n // block_size].long(), n % block_size :] = float("nan")
+    prob.poison_stale_slots()  # stale slots past each context: no kernel may let them into the result
     paged_decode_attention(*prob.decode_args(), config=config, out=out)
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
     assert not out.isnan().any()
@@ -133,10 +129,7 @@ def test_tma_decode_hnd_storage(config):
     lens = _lens(12, 1, 2000, seed=3) + [1, 16, 0]
     prob = random_paged_problem(lens, None, 16, 8, 128, 16, torch.bfloat16, device="cuda", seed=2)
     prob.k_cache, prob.v_cache = kv_cache_storage(prob.k_cache, "hnd"), kv_cache_storage(prob.v_cache, "hnd")
-    for cache in (prob.k_cache, prob.v_cache):
-        for s, n in enumerate(prob.context_lens.tolist()):
-            if n % 16:
-                cache[prob.block_tables[s, n // 16].long(), n % 16 :] = float("nan")
+    prob.poison_stale_slots()
     assert tma_decode_supported(prob.q, prob.k_cache, prob.v_cache, config)
     out = paged_decode_attention(*prob.decode_args(), config=config)
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
@@ -151,10 +144,7 @@ def test_tma_decode_groups_over_8(num_q_heads, num_kv_heads, head_dim, num_split
     lens = _lens(10, 1, 1500, seed=5) + [1, 16, 0, 33]
     prob = random_paged_problem(lens, None, num_q_heads, num_kv_heads, head_dim, 16, torch.bfloat16,
                                 device="cuda", seed=4)  # fmt: skip
-    for cache in (prob.k_cache, prob.v_cache):
-        for s, n in enumerate(prob.context_lens.tolist()):
-            if n % 16:
-                cache[prob.block_tables[s, n // 16].long(), n % 16 :] = float("nan")
+    prob.poison_stale_slots()
     config = TmaDecodeConfig(num_splits=num_splits)
     assert tma_decode_supported(prob.q, prob.k_cache, prob.v_cache, config)
     out = paged_decode_attention(*prob.decode_args(), config=config)
