@@ -2,9 +2,9 @@
 --tiles | --streams | --tma | --lead] [--out DIR]`.
 
 `--lead` (round 15): the Gluon TMA kernel (query heads as the MMA's N) over how far ahead it refills.
-
 `--tma` (round 14): the Gluon TMA kernel (kernels/decode_tma.py): its tile, ring depth and warps at
 B64x4k, its loads alone against the whole kernel on two storage layouts, its best settings elsewhere.
+Both rounds live in experiments/bench_kernels_sweep_tma.py.
 
 `--streams` (round 8): the per-head kernel on three cache storage layouts (block-major NHD, 4 KB
 HND pages, head-major) with random and sequential block tables.  Head-major storage with
@@ -41,7 +41,7 @@ from experiments.bench_timing import copies_for, copy_gbps, graph_ms, run_stamp
 from kernels import decode_packed
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig as P
-from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma
+from kernels.decode_tma import TmaDecodeConfig
 from kernels.inputs import KV_LAYOUTS, kv_cache_storage, random_paged_problem
 
 HQ, HKV, D, BS = 16, 8, 128, 16
@@ -217,83 +217,6 @@ def streams_round(save, copy_bw: float) -> None:
     save(time_point("B64xL4096-end", sets, nbytes, copy_bw, []))  # SDPA again: drift over the round
 
 
-TMA_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, lead=None, num_splits=sp, num_warps=w)
-            for t, n, w, sp in ((32, 2, 1, 1), (32, 2, 4, 1), (32, 2, 2, 1), (32, 3, 4, 1), (32, 3, 1, 1), (16, 3, 4, 1),
-                                (16, 4, 1, 1), (16, 6, 4, 1), (64, 2, 8, 1), (64, 2, 4, 2))]  # fmt: skip
-
-
-def loads_only_rows(label: str, sets, configs) -> list[dict]:
-    """The TMA kernel with and without its math (loads, waits and refills only: wrong results,
-    timing only), rotating over the problem copies."""
-    rows = []
-    out = torch.empty_like(sets[0][0].q)
-    for cfg in configs:
-        for math in (True, False):
-            fns = [lambda s=s, c=cfg, m=math: paged_decode_tma(*s[0].decode_args(), out, out, out, 1, c, math=m) for s in sets]
-            variant = name(cfg) + ("" if math else "-loadsonly")
-            rows.append({"shape": label, "variant": variant, "time_us": graph_ms(fns) * 1e3})
-            print(f"  {label:<24}{variant:<36}{rows[-1]['time_us']:>9.1f} us", flush=True)
-    return rows
-
-
-def tma_round(save, rows: list[dict], copy_bw: float) -> None:
-    """Round 14: the Gluon TMA kernel (kernels/decode_tma.py) at B64x4k over tile, ring depth and
-    warps beside the per-head kernel and SDPA (timed before and after); its loads alone (no math) on
-    block-major (NHD) and HND storage with random and sequential block tables; then the two fastest,
-    with the split heuristic, at the other grid points and the ragged batch."""
-    per_head = [replace(c, num_splits=1) for c in PER_HEAD]
-    save(uniform(64, 4096, copy_bw, per_head + TMA_GRID))
-    save(uniform(64, 4096, copy_bw, []))
-    timed = sorted((r for r in rows if r["variant"].startswith("tma") and "time_us" in r), key=lambda r: r["time_us"])
-    best = [replace(c, num_splits=None) for c in TMA_GRID if name(c) in [r["variant"] for r in timed[:2]]]
-    print("best TMA at B64x4k:", [name(c) for c in best], flush=True)
-    kv = 2 * 64 * 4096 * HKV * D * 2
-    sets = [decode_problem(64, 4096, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv))]
-    tables = [s[0].block_tables for s in sets]
-    loads = [TmaDecodeConfig(num_splits=1, lead=None, num_warps=w) for w in (1, 4)]
-    for layout in ("nhd", "hnd"):
-        for s, t in zip(sets, tables):
-            s[0].block_tables = t
-            s[0].k_cache, s[0].v_cache = kv_cache_storage(s[0].k_cache, layout), kv_cache_storage(s[0].v_cache, layout)
-        save(loads_only_rows(f"B64xL4096-{layout}", sets, loads))
-        for s in sets:
-            sequential_tables(s[0])
-        save(loads_only_rows(f"B64xL4096-{layout}-seqtab", sets, loads))
-    del sets
-    torch.cuda.empty_cache()
-    save(uniform(64, 4096, copy_bw, PER_HEAD + best))
-    save(ragged(copy_bw, PER_HEAD[:1] + best + [P()]))
-    for batch, ctx in ((64, 32768), (256, 4096), (256, 1024), (8, 32768), (8, 4096), (1, 32768), (1, 4096), (64, 512)):
-        save(uniform(batch, ctx, copy_bw, PER_HEAD[:1] + best))
-
-
-LEAD_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, lead=ld, num_splits=1, num_warps=w)
-             for t, n, ld, w in ((32, 2, 1, 1), (32, 2, None, 1), (32, 3, 2, 1), (32, 3, 1, 1), (16, 2, 1, 1),
-                                 (16, 3, 2, 1), (32, 2, 1, 2), (32, 2, 1, 4))]  # fmt: skip
-
-
-def lead_round(save, rows: list[dict], copy_bw: float) -> None:
-    """Round 15: the Gluon TMA kernel with query heads as the MMA's N, over how far ahead it refills
-    (`lead`: an int refills the buffer read in the step before ahead of each step's wait; None refills
-    a step's own buffer once read), ring depth, tile and warps at B64x4k, SDPA timed before and after;
-    the first three with and without their math; then the fastest at the other grid points."""
-    per_head = [replace(c, num_splits=1) for c in PER_HEAD[1:]]
-    save(uniform(64, 4096, copy_bw, per_head + LEAD_GRID))
-    kv = 2 * 64 * 4096 * HKV * D * 2
-    sets = [decode_problem(64, 4096, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv))]
-    save(loads_only_rows("B64xL4096", sets, LEAD_GRID[:3]))
-    del sets
-    torch.cuda.empty_cache()
-    save(uniform(64, 4096, copy_bw, LEAD_GRID[:2]))
-    here = [r for r in rows if r["shape"] == "B64xL4096" and r["variant"].startswith("tma") and "frac_copy" in r]
-    timed = sorted(here, key=lambda r: r["time_us"])
-    best = [replace(c, num_splits=None) for c in LEAD_GRID if name(c) in [r["variant"] for r in timed[:2]]]
-    print("best TMA at B64x4k:", [name(c) for c in best], flush=True)
-    save(ragged(copy_bw, PER_HEAD[:1] + best + [P()]))
-    for batch, ctx in ((64, 32768), (256, 4096), (8, 4096), (1, 32768), (64, 512)):
-        save(uniform(batch, ctx, copy_bw, PER_HEAD[:1] + best))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
@@ -330,11 +253,13 @@ def main() -> None:
     if args.streams:
         streams_round(save, copy_bw)
         return
-    if args.tma:
-        tma_round(save, rows, copy_bw)
-        return
-    if args.lead:
-        lead_round(save, rows, copy_bw)
+    if args.tma or args.lead:
+        from experiments.bench_kernels_sweep_tma import (  # it imports this module's helpers
+            lead_round,
+            tma_round,
+        )
+
+        (tma_round if args.tma else lead_round)(save, rows, copy_bw)
         return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),
