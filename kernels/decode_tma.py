@@ -45,6 +45,8 @@ class TmaDecodeConfig:
     num_splits: int | None = None  # None: the per-head kernel's heuristic
     programs_per_sm: int = 4  # for the split heuristic
     num_warps: int = 1  # more split the step's tokens (S) and head_dim (O), paying cross-warp reductions
+    lazy_rescale: bool = False  # P from the running max; rescale only when a step's max passes it by > 2^8
+    split_dot: bool = False  # S as two head_dim halves: four MMA chains of 4 instead of two of 8
 
     def __post_init__(self):
         if self.tile_tokens < 16 or self.tile_tokens & (self.tile_tokens - 1):
@@ -58,6 +60,11 @@ class TmaDecodeConfig:
     def steps_ahead(self) -> int:
         return self.num_bufs if self.lead is None else self.lead
 
+    @property
+    def math_suffix(self) -> str:
+        """The math variants for benchmark names: "" (exact max every step), "-lazy", "-sdot", "-lazy-sdot"."""
+        return ("-lazy" if self.lazy_rescale else "") + ("-sdot" if self.split_dot else "")
+
 
 @gluon.jit
 def _tma_decode_kernel(
@@ -65,7 +72,8 @@ def _tma_decode_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, table_width,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
     NUM_BUFS: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_HEADS: gl.constexpr, WARPS: gl.constexpr,
-    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True,
+    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True, LAZY: gl.constexpr = False,
+    SPLIT_DOT: gl.constexpr = False,
 ):  # fmt: skip
     PAGES: gl.constexpr = TILE // BLOCK_SIZE
     EARLY: gl.constexpr = LEAD < NUM_BUFS
@@ -119,6 +127,12 @@ def _tma_decode_kernel(
     heads = kv_head * GROUP + cols
     q = gl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + dims[:, None], mask=col_ok, other=0.0)
     q = gl.convert_layout(q, b_op)  # Q^T: [HEAD_DIM, NQ]
+    HALF: gl.constexpr = HEAD_DIM // 2
+    if SPLIT_DOT:  # Q^T's two head_dim halves
+        half_dims = gl.arange(0, HALF, layout=gl.SliceLayout(1, io))
+        q_half = q_ptr + b * stride_qb + heads[None, :] * stride_qh + half_dims[:, None]
+        q_lo = gl.convert_layout(gl.load(q_half, mask=col_ok, other=0.0), b_op)
+        q_hi = gl.convert_layout(gl.load(q_half + HALF, mask=col_ok, other=0.0), b_op)
     m_i = gl.full([NQ], -1.0e30, gl.float32, layout=gl.SliceLayout(0, mma))
     l_i = gl.zeros([NQ], gl.float32, layout=gl.SliceLayout(0, mma))
     acc = gl.zeros([HEAD_DIM, NQ], gl.float32, layout=mma)  # O^T
@@ -135,23 +149,47 @@ def _tma_decode_kernel(
                           k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes)  # fmt: skip
         mbarrier.wait(bars.index(buf), (j // NUM_BUFS) & 1)
         if MATH:  # False only in bench_kernels_sweep.py's loads-only timing
-            k = k_ring.index(buf).load(a_op)
+            if SPLIT_DOT:
+                k_lo = k_ring.index(buf).slice(0, HALF, dim=1).load(a_op)
+                k_hi = k_ring.index(buf).slice(HALF, HALF, dim=1).load(a_op)
+            else:
+                k = k_ring.index(buf).load(a_op)
             v = v_ring.index(buf).permute((1, 0)).load(a_op)
         if not EARLY:  # refill this step's buffer, now in operand registers
             ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
                           k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes)  # fmt: skip
         if MATH:
             start = (first + j * PAGES) * BLOCK_SIZE
-            s = mma_v2(k, q, gl.zeros([TILE, NQ], gl.float32, layout=mma))  # S^T
+            zero = gl.zeros([TILE, NQ], gl.float32, layout=mma)
+            if SPLIT_DOT:
+                s = mma_v2(k_lo, q_lo, zero) + mma_v2(k_hi, q_hi, zero)
+            else:
+                s = mma_v2(k, q, zero)  # S^T
             if start + TILE > end:  # only a split's last step has slots past the context (stale: maybe NaN)
                 s = gl.where(((start + s_rows) < end)[:, None], s, float("-inf"))
                 v = gl.where(((start + v_cols) < end)[None, :], v, gl.zeros_like(v))
-            m_new = gl.maximum(m_i, gl.max(s, 0) * scale_log2)
-            p = gl.exp2(s * scale_log2 - m_new[None, :])
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, 0)
-            acc = mma_v2(v, gl.convert_layout(p.to(v.dtype), b_op), acc * alpha[None, :])
-            m_i = m_new
+            if LAZY:
+                s = s * scale_log2
+                p = gl.exp2(s - m_i[None, :])  # from the running max: no cross-lane max on the way to P V
+                acc_new = mma_v2(v, gl.convert_layout(p.to(v.dtype), b_op), acc)
+                l_new = l_i + gl.sum(p, 0)
+                m_step = gl.max(s, 0)
+                if gl.max(m_step - m_i, 0) > 8.0:  # P may pass 2^8 (or overflow: the first step): redo exactly
+                    m_new = gl.maximum(m_i, m_step)
+                    p = gl.exp2(s - m_new[None, :])
+                    alpha = gl.exp2(m_i - m_new)
+                    l_new = l_i * alpha + gl.sum(p, 0)
+                    acc_new = mma_v2(v, gl.convert_layout(p.to(v.dtype), b_op), acc * alpha[None, :])
+                    m_i = m_new
+                acc = acc_new
+                l_i = l_new
+            else:
+                m_new = gl.maximum(m_i, gl.max(s, 0) * scale_log2)
+                p = gl.exp2(s * scale_log2 - m_new[None, :])
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, 0)
+                acc = mma_v2(v, gl.convert_layout(p.to(v.dtype), b_op), acc * alpha[None, :])
+                m_i = m_new
 
     for i in gl.static_range(NUM_BUFS):
         mbarrier.invalidate(bars.index(i))
@@ -268,5 +306,6 @@ def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out
         out.stride(0), out.stride(1), block_tables.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=config.tile_tokens,
         NUM_BUFS=config.num_bufs, NUM_SPLITS=splits, NUM_HEADS=num_heads, WARPS=config.num_warps,
-        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, num_warps=config.num_warps,
+        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, LAZY=config.lazy_rescale,
+        SPLIT_DOT=config.split_dot, num_warps=config.num_warps,
     )  # fmt: skip
