@@ -76,7 +76,7 @@ def _variant_name(cfg: DecodeConfig | PackedDecodeConfig | TmaDecodeConfig | Pre
         return "default"
     if isinstance(cfg, TmaDecodeConfig):
         lead = "" if cfg.lead is None else f"l{cfg.lead}"
-        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}{lead}w{cfg.num_warps}sp{cfg.num_splits or 'auto'}{cfg.math_suffix}"
+        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}{lead}w{cfg.num_warps}sp{cfg.num_splits or 'auto'}"
     if isinstance(cfg, DecodeConfig):
         hint = f"-{cfg.kv_eviction}" if cfg.kv_eviction else ""
         return f"per-head-n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}sp{cfg.num_splits or 'auto'}{hint}"

@@ -1,7 +1,6 @@
 """Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head | --waves |
---tiles | --streams | --tma | --lead | --math] [--out DIR]`.
+--tiles | --streams | --tma | --lead] [--out DIR]`.
 
-`--math` (round 16): the Gluon TMA kernel's step math (lazy rescale, S as two head_dim halves).
 `--lead` (round 15): the Gluon TMA kernel (query heads as the MMA's N) over how far ahead it refills.
 `--tma` (round 14): the Gluon TMA kernel (kernels/decode_tma.py): its tile, ring depth and warps at
 B64x4k, its loads alone against the whole kernel on two storage layouts, its best settings elsewhere.
@@ -67,7 +66,7 @@ def name(cfg) -> str:
     if isinstance(cfg, TmaDecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
         lead = "" if cfg.lead is None else f"l{cfg.lead}"
-        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}{lead}w{cfg.num_warps}{split}{cfg.math_suffix}"
+        return f"tma-t{cfg.tile_tokens}b{cfg.num_bufs}{lead}w{cfg.num_warps}{split}"
     if isinstance(cfg, DecodeConfig):
         split = "" if cfg.num_splits is None else f"sp{cfg.num_splits}"
         warps = "" if cfg.num_warps == 4 else f"w{cfg.num_warps}"
@@ -227,7 +226,6 @@ def main() -> None:
     parser.add_argument("--streams", action="store_true", help="round 8: storage layouts x block-table order")
     parser.add_argument("--tma", action="store_true", help="round 14: the Gluon TMA kernel")
     parser.add_argument("--lead", action="store_true", help="round 15: TMA kernel, a ring deeper than its lead")
-    parser.add_argument("--math", action="store_true", help="round 16: TMA kernel, lazy rescale and split S")
     args = parser.parse_args()
     stamp = run_stamp()
     device, date = stamp.device, stamp.date
@@ -255,14 +253,13 @@ def main() -> None:
     if args.streams:
         streams_round(save, copy_bw)
         return
-    if args.tma or args.lead or args.math:
+    if args.tma or args.lead:
         from experiments.bench_kernels_sweep_tma import (  # it imports this module's helpers
             lead_round,
-            math_round,
             tma_round,
         )
 
-        (tma_round if args.tma else lead_round if args.lead else math_round)(save, rows, copy_bw)
+        (tma_round if args.tma else lead_round)(save, rows, copy_bw)
         return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),

@@ -1,4 +1,4 @@
-"""Rounds 14-16 of kernels/NOTES.md for `python -m experiments.bench_kernels_sweep --tma | --lead | --math`: the
+"""Rounds 14-15 of kernels/NOTES.md for `python -m experiments.bench_kernels_sweep --tma | --lead`: the
 Gluon TMA decode kernel (kernels/decode_tma.py) over tile, ring depth, lead and warps at B64x4k
 beside the per-head kernel and SDPA, its loads alone (math skipped), then its fastest settings at
 the other grid points.  The timing helpers are bench_kernels_sweep's.
@@ -100,25 +100,3 @@ def lead_round(save, rows: list[dict], copy_bw: float) -> None:
     save(ragged(copy_bw, PER_HEAD[:1] + best + [P()]))
     for batch, ctx in ((64, 32768), (256, 4096), (8, 4096), (1, 32768), (64, 512)):
         save(uniform(batch, ctx, copy_bw, PER_HEAD[:1] + best))
-
-
-MATH_GRID = [TmaDecodeConfig(num_splits=1, lazy_rescale=lazy, split_dot=split)
-             for lazy, split in ((False, False), (True, False), (False, True), (True, True))]  # fmt: skip
-
-
-def math_round(save, rows: list[dict], copy_bw: float) -> None:
-    """Round 16: the Gluon TMA kernel's per-step math at B64x4k, four ways (exact max every step or
-    P from the running max with a rare exact redo; S as one MMA chain per 16 tokens or two head_dim
-    halves), three times over with SDPA timed each time; the default's loads alone; then the exact and
-    the lazy split kernel at the other grid points."""
-    for _ in range(3):
-        save(uniform(64, 4096, copy_bw, MATH_GRID))
-    kv = 2 * 64 * 4096 * HKV * D * 2
-    sets = [decode_problem(64, 4096, HQ, HKV, D, BS, seed=i) for i in range(copies_for(kv))]
-    save(loads_only_rows("B64xL4096", sets, MATH_GRID[:1]))
-    del sets
-    torch.cuda.empty_cache()
-    pair = [replace(MATH_GRID[0], num_splits=None), replace(MATH_GRID[3], num_splits=None)]
-    save(ragged(copy_bw, pair))
-    for batch, ctx in ((64, 32768), (256, 4096), (8, 4096), (1, 32768), (1, 4096), (64, 512)):
-        save(uniform(batch, ctx, copy_bw, pair))

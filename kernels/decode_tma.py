@@ -45,8 +45,6 @@ class TmaDecodeConfig:
     num_splits: int | None = None  # None: the per-head kernel's heuristic
     programs_per_sm: int = 4  # for the split heuristic
     num_warps: int = 1  # more split the step's tokens (S) and head_dim (O), paying cross-warp reductions
-    lazy_rescale: bool = False  # P from the running max; rescale only when a step's max passes it by > 2^8
-    split_dot: bool = False  # S as two head_dim halves: four MMA chains of 4 instead of two of 8
 
     def __post_init__(self):
         if self.tile_tokens < 16 or self.tile_tokens & (self.tile_tokens - 1):
@@ -60,11 +58,6 @@ class TmaDecodeConfig:
     def steps_ahead(self) -> int:
         return self.num_bufs if self.lead is None else self.lead
 
-    @property
-    def math_suffix(self) -> str:
-        """The math variants for benchmark names: "" (exact max every step), "-lazy", "-sdot", "-lazy-sdot"."""
-        return ("-lazy" if self.lazy_rescale else "") + ("-sdot" if self.split_dot else "")
-
 
 @gluon.jit
 def _tma_decode_kernel(
@@ -72,8 +65,8 @@ def _tma_decode_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, table_width,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
     NUM_BUFS: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_HEADS: gl.constexpr, WARPS: gl.constexpr,
-    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True, LAZY: gl.constexpr = False,
-    SPLIT_DOT: gl.constexpr = False,
+    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True, ARITH: gl.constexpr = False,
+    AHEAD: gl.constexpr = 1,
 ):  # fmt: skip
     PAGES: gl.constexpr = TILE // BLOCK_SIZE
     EARLY: gl.constexpr = LEAD < NUM_BUFS
@@ -113,7 +106,9 @@ def _tma_decode_kernel(
         mbarrier.expect(bars.index(i), step_bytes, pred=ok)
         for g in gl.static_range(PAGES):
             page = first + i * PAGES + g
-            if NUM_SPLITS == 1:  # masked by the table's width, not the length: both loads start at once
+            if ARITH:
+                pid = gl.where(ok & (page < last), b * table_width + page, 0)
+            elif NUM_SPLITS == 1:  # masked by the table's width, not the length: both loads start at once
                 pid = gl.load(table + (i * PAGES + g), mask=i * PAGES + g < table_width, other=0)
                 pid = gl.where(page < last, pid, 0)
             else:
@@ -127,12 +122,6 @@ def _tma_decode_kernel(
     heads = kv_head * GROUP + cols
     q = gl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + dims[:, None], mask=col_ok, other=0.0)
     q = gl.convert_layout(q, b_op)  # Q^T: [HEAD_DIM, NQ]
-    HALF: gl.constexpr = HEAD_DIM // 2
-    if SPLIT_DOT:  # Q^T's two head_dim halves
-        half_dims = gl.arange(0, HALF, layout=gl.SliceLayout(1, io))
-        q_half = q_ptr + b * stride_qb + heads[None, :] * stride_qh + half_dims[:, None]
-        q_lo = gl.convert_layout(gl.load(q_half, mask=col_ok, other=0.0), b_op)
-        q_hi = gl.convert_layout(gl.load(q_half + HALF, mask=col_ok, other=0.0), b_op)
     m_i = gl.full([NQ], -1.0e30, gl.float32, layout=gl.SliceLayout(0, mma))
     l_i = gl.zeros([NQ], gl.float32, layout=gl.SliceLayout(0, mma))
     acc = gl.zeros([HEAD_DIM, NQ], gl.float32, layout=mma)  # O^T
@@ -141,55 +130,44 @@ def _tma_decode_kernel(
 
     # Page ids of the next refill, loaded a step before they are needed: a load in the same step
     # would put its latency between the buffer's release and its refill, every step.
-    ids = _page_ids(table, first + LEAD * PAGES, last, LEAD < steps, PAGES)
+    base = b * table_width
+    ids = _page_ids(table, first + LEAD * PAGES, last, LEAD < steps, PAGES, ARITH, base)
+    if AHEAD == 4:
+        ids1 = _page_ids(table, first + (LEAD + 1) * PAGES, last, LEAD + 1 < steps, PAGES, ARITH, base)
+        ids2 = _page_ids(table, first + (LEAD + 2) * PAGES, last, LEAD + 2 < steps, PAGES, ARITH, base)
+        ids3 = _page_ids(table, first + (LEAD + 3) * PAGES, last, LEAD + 3 < steps, PAGES, ARITH, base)
     for j in range(steps):
         buf = j % NUM_BUFS
         if EARLY:  # refill the buffer read in the step before, ahead of this step's wait
-            ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
-                          k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes)  # fmt: skip
+            if AHEAD == 4:
+                new_ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
+                                  k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes, ARITH, base, AHEAD)  # fmt: skip
+                ids = ids1
+                ids1 = ids2
+                ids2 = ids3
+                ids3 = new_ids
+            else:
+                ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
+                              k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes, ARITH, base, AHEAD)  # fmt: skip
         mbarrier.wait(bars.index(buf), (j // NUM_BUFS) & 1)
         if MATH:  # False only in bench_kernels_sweep.py's loads-only timing
-            if SPLIT_DOT:
-                k_lo = k_ring.index(buf).slice(0, HALF, dim=1).load(a_op)
-                k_hi = k_ring.index(buf).slice(HALF, HALF, dim=1).load(a_op)
-            else:
-                k = k_ring.index(buf).load(a_op)
+            k = k_ring.index(buf).load(a_op)
             v = v_ring.index(buf).permute((1, 0)).load(a_op)
         if not EARLY:  # refill this step's buffer, now in operand registers
             ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
-                          k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes)  # fmt: skip
+                          k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes, ARITH, base, 1)  # fmt: skip
         if MATH:
             start = (first + j * PAGES) * BLOCK_SIZE
-            zero = gl.zeros([TILE, NQ], gl.float32, layout=mma)
-            if SPLIT_DOT:
-                s = mma_v2(k_lo, q_lo, zero) + mma_v2(k_hi, q_hi, zero)
-            else:
-                s = mma_v2(k, q, zero)  # S^T
+            s = mma_v2(k, q, gl.zeros([TILE, NQ], gl.float32, layout=mma))  # S^T
             if start + TILE > end:  # only a split's last step has slots past the context (stale: maybe NaN)
                 s = gl.where(((start + s_rows) < end)[:, None], s, float("-inf"))
                 v = gl.where(((start + v_cols) < end)[None, :], v, gl.zeros_like(v))
-            if LAZY:
-                s = s * scale_log2
-                p = gl.exp2(s - m_i[None, :])  # from the running max: no cross-lane max on the way to P V
-                acc_new = mma_v2(v, gl.convert_layout(p.to(v.dtype), b_op), acc)
-                l_new = l_i + gl.sum(p, 0)
-                m_step = gl.max(s, 0)
-                if gl.max(m_step - m_i, 0) > 8.0:  # P may pass 2^8 (or overflow: the first step): redo exactly
-                    m_new = gl.maximum(m_i, m_step)
-                    p = gl.exp2(s - m_new[None, :])
-                    alpha = gl.exp2(m_i - m_new)
-                    l_new = l_i * alpha + gl.sum(p, 0)
-                    acc_new = mma_v2(v, gl.convert_layout(p.to(v.dtype), b_op), acc * alpha[None, :])
-                    m_i = m_new
-                acc = acc_new
-                l_i = l_new
-            else:
-                m_new = gl.maximum(m_i, gl.max(s, 0) * scale_log2)
-                p = gl.exp2(s * scale_log2 - m_new[None, :])
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, 0)
-                acc = mma_v2(v, gl.convert_layout(p.to(v.dtype), b_op), acc * alpha[None, :])
-                m_i = m_new
+            m_new = gl.maximum(m_i, gl.max(s, 0) * scale_log2)
+            p = gl.exp2(s * scale_log2 - m_new[None, :])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 0)
+            acc = mma_v2(v, gl.convert_layout(p.to(v.dtype), b_op), acc * alpha[None, :])
+            m_i = m_new
 
     for i in gl.static_range(NUM_BUFS):
         mbarrier.invalidate(bars.index(i))
@@ -208,7 +186,7 @@ def _tma_decode_kernel(
 @gluon.jit
 def _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars, k_ring, v_ring,
             LEAD: gl.constexpr, NUM_BUFS: gl.constexpr, PAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-            STEP_BYTES: gl.constexpr):  # fmt: skip
+            STEP_BYTES: gl.constexpr, ARITH: gl.constexpr, base, AHEAD: gl.constexpr):  # fmt: skip
     """Issue step j + LEAD's pages (ids: their page ids) into its ring buffer, last read by step
     j + LEAD - NUM_BUFS; return the page ids of step j + 1 + LEAD, loaded a step before they are needed
     (a load in the same step would put its latency between the buffer's release and its refill)."""
@@ -221,12 +199,16 @@ def _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_de
             ids[3] * row_scale + head_row)  # fmt: skip
     _load_step(k_desc, v_desc, rows, column, bars.index(fill), k_ring.index(fill), v_ring.index(fill), ok,
                BLOCK_SIZE, PAGES)  # fmt: skip
-    return _page_ids(table, first + (j + 1 + LEAD) * PAGES, last, j + 1 + LEAD < steps, PAGES)
+    nxt = j + LEAD + AHEAD
+    return _page_ids(table, first + nxt * PAGES, last, nxt < steps, PAGES, ARITH, base)
 
 
 @gluon.jit
-def _page_ids(table, page, last, ok, PAGES: gl.constexpr):
+def _page_ids(table, page, last, ok, PAGES: gl.constexpr, ARITH: gl.constexpr, base):
     """The page ids (up to four) of one step starting at `page`; 0 past the split or the table."""
+    if ARITH:  # timing only: sequential ids computed, no table loads
+        return (gl.where(ok & (page < last), base + page, 0), gl.where(ok & (page + 1 < last), base + page + 1, 0),
+                gl.where(ok & (page + 2 < last), base + page + 2, 0), gl.where(ok & (page + 3 < last), base + page + 3, 0))
     id0 = gl.load(table + page, mask=ok & (page < last), other=0)
     id1 = 0
     id2 = 0
@@ -295,7 +277,7 @@ def _descriptor(cache: torch.Tensor) -> TensorDescriptor:
 
 
 def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_lse, splits,
-                     config: TmaDecodeConfig, math: bool = True):  # fmt: skip
+                     config: TmaDecodeConfig, math: bool = True, arith: bool = False, ahead: int = 1):  # fmt: skip
     """Launch on checked inputs (kernels.decode.paged_decode_attention validates them, allocates the
     split partials and merges them, as for the per-head kernel)."""
     batch, num_heads, head_dim = q.shape
@@ -306,6 +288,5 @@ def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out
         out.stride(0), out.stride(1), block_tables.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=config.tile_tokens,
         NUM_BUFS=config.num_bufs, NUM_SPLITS=splits, NUM_HEADS=num_heads, WARPS=config.num_warps,
-        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, LAZY=config.lazy_rescale,
-        SPLIT_DOT=config.split_dot, num_warps=config.num_warps,
+        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, ARITH=arith, AHEAD=ahead, num_warps=config.num_warps,
     )  # fmt: skip
