@@ -265,6 +265,7 @@ def main() -> None:
     )
     parser.add_argument("--tma", action="store_true", help="Gluon TMA read kernels at 1 and 8 GiB beside SDPA")
     parser.add_argument("--tma-1g", action="store_true", help="--tma at 1 GiB only, 128-byte swizzle only")
+    parser.add_argument("--tma-paged", action="store_true", help="TMA reads of the paged cache, then --tma-1g")
     args = parser.parse_args()
     stamp = run_stamp()
     device, date = stamp.device, stamp.date
@@ -285,10 +286,10 @@ def main() -> None:
     if args.ceiling:
         ceiling_round(add)
         return
-    if args.tma or args.tma_1g:
-        from experiments.bench_read_tma import tma_round  # Gluon: its own module
+    if args.tma or args.tma_1g or args.tma_paged:
+        from experiments.bench_read_tma import paged_round, tma_round  # Gluon: its own module
 
-        tma_round(add, small_only=args.tma_1g)
+        paged_round(add) if args.tma_paged else tma_round(add, small_only=args.tma_1g)
         return
     if args.timeline:
         timeline_round(add, args.out, stamp.tag)

@@ -1,10 +1,10 @@
-"""Round 14 of kernels/NOTES.md: Gluon TMA reads against SDPA, run as `python -m
-experiments.bench_read_rate --tma | --tma-1g` (CUDA, Hopper or newer).
+"""Rounds 14 and 16 of kernels/NOTES.md: Gluon TMA reads against SDPA, run as `python -m
+experiments.bench_read_rate --tma | --tma-1g | --tma-paged` (CUDA, Hopper or newer).
 
 Each program keeps NBUF boxes of BR rows (256 bytes each: one head_dim-128 bf16 row) in flight over
 its contiguous share of the same bytes SDPA reads at batch 64 x 4k (and 32k), one thread issuing the
 copies; the data is never looked at.  Swizzle 128 splits each row in two 128-byte boxes, 0 keeps it
-whole.
+whole.  `--tma-paged` reads the decode benchmark's paged cache through its block table instead.
 """
 
 import torch
@@ -68,3 +68,99 @@ def tma_round(add_bytes, small_only: bool = False) -> None:
                     print(f"  {name} ERROR {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         del flat
         torch.cuda.empty_cache()
+
+
+@gluon.jit
+def _tma_paged_read_kernel(k_desc, v_desc, tables, stride_bt, heads, splits, pages_per_program, PER_HEAD: gl.constexpr,
+                           ROWS: gl.constexpr, BR: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
+    """Round 16: a TMA read of a paged K/V cache through its block table, nothing computed.  PER_HEAD:
+    a program per (sequence, KV head) reads that head's 16 rows of every page (the decode kernel's
+    boxes); else a program per (sequence, split) reads whole pages (ROWS rows of 256 B: every head),
+    BR rows per box.  One thread keeps NBUF boxes in flight; a unit's page id is loaded one unit early."""
+    PARTS: gl.constexpr = ROWS // BR
+    pid = gl.program_id(0)
+    if PER_HEAD:
+        b = pid // heads
+        col = (pid % heads) * 128
+        first = 0
+    else:
+        b = pid // splits
+        col = 0
+        first = (pid % splits) * pages_per_program
+    table = tables + b * stride_bt + first
+    units = pages_per_program * 2 * PARTS  # K and V
+    smem = gl.allocate_shared_memory(k_desc.dtype, [NBUF, BR, 128], k_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(NBUF):
+        _issue_unit(k_desc, v_desc, i, gl.load(table + i // (2 * PARTS)), col, bars.index(i), smem.index(i), ROWS, BR)
+    nid = gl.load(table + NBUF // (2 * PARTS))
+    for u in range(NBUF, units):
+        cur = nid
+        nid = gl.load(table + (u + 1) // (2 * PARTS), mask=u + 1 < units, other=0)
+        slot = u % NBUF
+        mbarrier.wait(bars.index(slot), (u // NBUF - 1) & 1)
+        _issue_unit(k_desc, v_desc, u, cur, col, bars.index(slot), smem.index(slot), ROWS, BR)
+    for u in range(units, units + NBUF):
+        mbarrier.wait(bars.index(u % NBUF), (u // NBUF - 1) & 1)
+    for i in gl.static_range(NBUF):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _issue_unit(k_desc, v_desc, u, page_id, col, bar, buf, ROWS: gl.constexpr, BR: gl.constexpr):
+    PARTS: gl.constexpr = ROWS // BR
+    is_v = (u // PARTS) % 2 == 1
+    row = page_id * ROWS + (u % PARTS) * BR
+    mbarrier.expect(bar, k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row, col], bar, buf, pred=not is_v)
+    tma.async_copy_global_to_shared(v_desc, [row, col], bar, buf, pred=is_v)
+
+
+PAGED_VARIANTS = [(True, 16, 4, 128), (True, 16, 8, 128), (True, 16, 4, 0), (True, 16, 8, 0), (False, 64, 2, 0),
+                  (False, 64, 3, 0), (False, 32, 4, 0), (False, 32, 6, 0), (False, 128, 2, 0)]  # fmt: skip
+
+
+def paged_round(add_bytes) -> None:
+    """Round 16: `_paged_reads`, then the contiguous probe at 1 GiB."""
+    _paged_reads(add_bytes)
+    torch.cuda.empty_cache()
+    tma_round(add_bytes, small_only=True)
+
+
+def _paged_reads(add_bytes) -> None:
+    """Round 16: TMA reads of the decode benchmark's paged cache at batch 64 x 4k (random block tables,
+    block-major storage) by KV head (4 KB boxes, the decode kernel's) or by whole pages (32 KB per page
+    and tensor, 8 splits per sequence: 512 programs either way), beside SDPA on the same bytes laid out
+    contiguously and the decode kernel with and without its math."""
+    from experiments.bench_kernels_cases import decode_problem
+    from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma
+
+    prob, k, v = decode_problem(64, L, 16, 8, D, 16)
+    nbytes = k.nbytes + v.nbytes
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(prob.q.unsqueeze(2), k, v, enable_gqa=True)
+    add_bytes("paged-sdpa", graph_ms([sdpa]), nbytes)
+    out = torch.empty_like(prob.q)
+    for math in (True, False):
+        call = lambda m=math: paged_decode_tma(*prob.decode_args(), out, out, out, 1, TmaDecodeConfig(num_splits=1), math=m)
+        add_bytes(f"paged-decode-tma{'' if math else '-loadsonly'}", graph_ms([call]), nbytes)
+    nb, bs, hkv, d = prob.k_cache.shape
+    pages, programs, splits = L // bs, 64 * hkv, 8
+    for per_head, br, nbuf, swizzle in PAGED_VARIANTS:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2)
+        shape = [nb * bs, hkv * d] if per_head else [nb * bs * hkv, d]
+        descs = [TensorDescriptor(c.view(shape), shape, [shape[1], 1], [br, 128], layout) for c in (prob.k_cache, prob.v_cache)]
+
+        def call(descs=descs, per_head=per_head, br=br, nbuf=nbuf):
+            _tma_paged_read_kernel[(programs,)](
+                *descs, prob.block_tables, prob.block_tables.stride(0), hkv, splits,
+                pages if per_head else pages // splits, PER_HEAD=per_head, ROWS=bs if per_head else bs * hkv,
+                BR=br, NBUF=nbuf, num_warps=1)  # fmt: skip
+
+        name = f"paged-{'head' if per_head else 'page'}-br{br}-nbuf{nbuf}-sw{swizzle}"
+        try:
+            add_bytes(name, graph_ms([call]), nbytes)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  {name} ERROR {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    add_bytes("paged-sdpa-end", graph_ms([sdpa]), nbytes)

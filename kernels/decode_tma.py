@@ -65,8 +65,7 @@ def _tma_decode_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, table_width,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
     NUM_BUFS: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_HEADS: gl.constexpr, WARPS: gl.constexpr,
-    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True, ARITH: gl.constexpr = False,
-    AHEAD: gl.constexpr = 1,
+    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True,
 ):  # fmt: skip
     PAGES: gl.constexpr = TILE // BLOCK_SIZE
     EARLY: gl.constexpr = LEAD < NUM_BUFS
@@ -106,9 +105,7 @@ def _tma_decode_kernel(
         mbarrier.expect(bars.index(i), step_bytes, pred=ok)
         for g in gl.static_range(PAGES):
             page = first + i * PAGES + g
-            if ARITH:
-                pid = gl.where(ok & (page < last), b * table_width + page, 0)
-            elif NUM_SPLITS == 1:  # masked by the table's width, not the length: both loads start at once
+            if NUM_SPLITS == 1:  # masked by the table's width, not the length: both loads start at once
                 pid = gl.load(table + (i * PAGES + g), mask=i * PAGES + g < table_width, other=0)
                 pid = gl.where(page < last, pid, 0)
             else:
@@ -130,32 +127,19 @@ def _tma_decode_kernel(
 
     # Page ids of the next refill, loaded a step before they are needed: a load in the same step
     # would put its latency between the buffer's release and its refill, every step.
-    base = b * table_width
-    ids = _page_ids(table, first + LEAD * PAGES, last, LEAD < steps, PAGES, ARITH, base)
-    if AHEAD == 4:
-        ids1 = _page_ids(table, first + (LEAD + 1) * PAGES, last, LEAD + 1 < steps, PAGES, ARITH, base)
-        ids2 = _page_ids(table, first + (LEAD + 2) * PAGES, last, LEAD + 2 < steps, PAGES, ARITH, base)
-        ids3 = _page_ids(table, first + (LEAD + 3) * PAGES, last, LEAD + 3 < steps, PAGES, ARITH, base)
+    ids = _page_ids(table, first + LEAD * PAGES, last, LEAD < steps, PAGES)
     for j in range(steps):
         buf = j % NUM_BUFS
         if EARLY:  # refill the buffer read in the step before, ahead of this step's wait
-            if AHEAD == 4:
-                new_ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
-                                  k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes, ARITH, base, AHEAD)  # fmt: skip
-                ids = ids1
-                ids1 = ids2
-                ids2 = ids3
-                ids3 = new_ids
-            else:
-                ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
-                              k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes, ARITH, base, AHEAD)  # fmt: skip
+            ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
+                          k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes)  # fmt: skip
         mbarrier.wait(bars.index(buf), (j // NUM_BUFS) & 1)
         if MATH:  # False only in bench_kernels_sweep.py's loads-only timing
             k = k_ring.index(buf).load(a_op)
             v = v_ring.index(buf).permute((1, 0)).load(a_op)
         if not EARLY:  # refill this step's buffer, now in operand registers
             ids = _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars,
-                          k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes, ARITH, base, 1)  # fmt: skip
+                          k_ring, v_ring, LEAD, NUM_BUFS, PAGES, BLOCK_SIZE, step_bytes)  # fmt: skip
         if MATH:
             start = (first + j * PAGES) * BLOCK_SIZE
             s = mma_v2(k, q, gl.zeros([TILE, NQ], gl.float32, layout=mma))  # S^T
@@ -186,7 +170,7 @@ def _tma_decode_kernel(
 @gluon.jit
 def _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_desc, v_desc, bars, k_ring, v_ring,
             LEAD: gl.constexpr, NUM_BUFS: gl.constexpr, PAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-            STEP_BYTES: gl.constexpr, ARITH: gl.constexpr, base, AHEAD: gl.constexpr):  # fmt: skip
+            STEP_BYTES: gl.constexpr):  # fmt: skip
     """Issue step j + LEAD's pages (ids: their page ids) into its ring buffer, last read by step
     j + LEAD - NUM_BUFS; return the page ids of step j + 1 + LEAD, loaded a step before they are needed
     (a load in the same step would put its latency between the buffer's release and its refill)."""
@@ -199,16 +183,12 @@ def _refill(j, ids, table, first, last, steps, row_scale, head_row, column, k_de
             ids[3] * row_scale + head_row)  # fmt: skip
     _load_step(k_desc, v_desc, rows, column, bars.index(fill), k_ring.index(fill), v_ring.index(fill), ok,
                BLOCK_SIZE, PAGES)  # fmt: skip
-    nxt = j + LEAD + AHEAD
-    return _page_ids(table, first + nxt * PAGES, last, nxt < steps, PAGES, ARITH, base)
+    return _page_ids(table, first + (j + 1 + LEAD) * PAGES, last, j + 1 + LEAD < steps, PAGES)
 
 
 @gluon.jit
-def _page_ids(table, page, last, ok, PAGES: gl.constexpr, ARITH: gl.constexpr, base):
+def _page_ids(table, page, last, ok, PAGES: gl.constexpr):
     """The page ids (up to four) of one step starting at `page`; 0 past the split or the table."""
-    if ARITH:  # timing only: sequential ids computed, no table loads
-        return (gl.where(ok & (page < last), base + page, 0), gl.where(ok & (page + 1 < last), base + page + 1, 0),
-                gl.where(ok & (page + 2 < last), base + page + 2, 0), gl.where(ok & (page + 3 < last), base + page + 3, 0))
     id0 = gl.load(table + page, mask=ok & (page < last), other=0)
     id1 = 0
     id2 = 0
@@ -277,7 +257,7 @@ def _descriptor(cache: torch.Tensor) -> TensorDescriptor:
 
 
 def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_lse, splits,
-                     config: TmaDecodeConfig, math: bool = True, arith: bool = False, ahead: int = 1):  # fmt: skip
+                     config: TmaDecodeConfig, math: bool = True):  # fmt: skip
     """Launch on checked inputs (kernels.decode.paged_decode_attention validates them, allocates the
     split partials and merges them, as for the per-head kernel)."""
     batch, num_heads, head_dim = q.shape
@@ -288,5 +268,5 @@ def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out
         out.stride(0), out.stride(1), block_tables.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=config.tile_tokens,
         NUM_BUFS=config.num_bufs, NUM_SPLITS=splits, NUM_HEADS=num_heads, WARPS=config.num_warps,
-        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, ARITH=arith, AHEAD=ahead, num_warps=config.num_warps,
+        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, num_warps=config.num_warps,
     )  # fmt: skip
