@@ -22,6 +22,8 @@ ATTENTION_BACKENDS = ("auto", "triton", "reference")
 DECODE_KERNELS = ("per-head", "packed", "tma")
 # The engine default: faster than per-head on the ragged batches an engine runs and from ~8k tokens
 # per sequence (kernels/NOTES.md round 5), and its time follows total tokens, not the longest context.
+# "tma" (launched longest first) is 4.6% faster on nano-vllm, but the simulator's profiles price it
+# less well (25/32 fidelity targets against 32/32: kernels/NOTES.md round 17).
 DEFAULT_DECODE_KERNEL = "packed"
 
 
@@ -64,6 +66,7 @@ class AttentionMetadata:
     num_decode_rows: int  # D
     decode_block_tables: torch.Tensor | None = None  # [D, W] int32
     decode_context_lens: torch.Tensor | None = None  # [D] int32 (0 = idle row)
+    decode_order: torch.Tensor | None = None  # [D] int32: the rows longest context first (launch order)
     # Prefill part (absent in decode-only steps): S sequences, rows from cu_seqlens_q[0] on.
     prefill_block_tables: torch.Tensor | None = None  # [S, W] int32
     prefill_cu_seqlens_q: torch.Tensor | None = None  # [S + 1] int32, batch rows
@@ -81,7 +84,8 @@ class PagedAttention:
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        # The Triton launchers write both parts into one output buffer; the references return theirs.
+        # The Triton launchers write both parts into one output buffer and take a launch order; the
+        # references return theirs.
         self._write_out = "out" in inspect.signature(ops.paged_decode_attention).parameters
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -111,6 +115,8 @@ class PagedAttention:
             meta.prefill_context_lens, self.scale, meta.prefill_max_seqlen_q, **out)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, **out) -> torch.Tensor:
+        if self._write_out:
+            out["order"] = meta.decode_order
         return self.ops.paged_decode_attention(
             q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
             **out)

@@ -30,6 +30,7 @@ class BatchShape:
         return (("input_ids", torch.int64, (t,)), ("positions", torch.int64, (t,)),
                 ("slot_mapping", torch.int64, (t,)), ("sample_rows", torch.int64, (r,)),
                 ("temperatures", torch.float32, (r,)), ("decode_context_lens", torch.int32, (d,)),
+                ("decode_order", torch.int32, (d,)),
                 ("prefill_cu_seqlens_q", torch.int32, (s + 1,)), ("prefill_context_lens", torch.int32, (s,)),
                 ("prefill_tiles", torch.int32, (self.num_tiles, 2)),
                 ("decode_block_tables", torch.int32, (d, w)), ("prefill_block_tables", torch.int32, (s, w)))

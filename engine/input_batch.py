@@ -158,6 +158,8 @@ class BatchBuilder:
             slots[:d] = tables[np.arange(d), p // bs].astype(np.int64) * bs + p % bs
         v["decode_context_lens"][:d] = plan.decode_positions + 1
         v["decode_context_lens"][d:] = 0
+        # Longest first: the decode kernels launch the longest sequences' programs first (kernels/NOTES.md round 17)
+        v["decode_order"][:] = np.argsort(-v["decode_context_lens"], kind="stable")
         cu, ctx, tables = v["prefill_cu_seqlens_q"], v["prefill_context_lens"], v["prefill_block_tables"]
         row = cu[0] = d
         for i, s in enumerate(plan.prefills):
@@ -191,6 +193,7 @@ def _model_input(t: dict[str, torch.Tensor], shape: BatchShape, max_seqlen_q: in
         slot_mapping=t["slot_mapping"], num_decode_rows=d,
         decode_block_tables=t["decode_block_tables"] if d else None,
         decode_context_lens=t["decode_context_lens"] if d else None,
+        decode_order=t["decode_order"] if d else None,
         prefill_block_tables=t["prefill_block_tables"] if has_prefill else None,
         prefill_cu_seqlens_q=t["prefill_cu_seqlens_q"] if has_prefill else None,
         prefill_context_lens=t["prefill_context_lens"] if has_prefill else None,

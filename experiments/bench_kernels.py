@@ -4,7 +4,7 @@ Measures the device's ceilings first (device-to-device copy bandwidth, bf16 matm
 data), then: decode over a batch x context grid (Qwen3-0.6B attention: 16 q heads, 8 KV heads,
 head_dim 128, block_size 16, bf16) against SDPA on the same KV laid out contiguously and against
 the plain-torch paged reference, for both decode kernels (the per-KV-head default and the packed
-one), plus a ragged engine-like batch (256 sequences of 100..2000 tokens); prefill of single
+one), plus a ragged engine-like batch (256 sequences of 100..2000 tokens, longest first); prefill of single
 prompts (causal) against SDPA; KV write, block copy and swap.  A sweep of variants runs at the
 target points (decode 64 x 4k, small batches; prefill 8k); every variant is checked against SDPA
 (or the float64 reference) before it is timed.  Kernels and SDPA are timed from CUDA-graph replays
@@ -135,7 +135,8 @@ def _decode_point(batch: int, ctx: int, copy_bw: float, configs: list) -> list[d
 
 def _ragged_decode_point(copy_bw: float) -> list[dict]:
     """The engine's kind of batch: 256 sequences of 100..2000 tokens (no SDPA: it needs equal
-    lengths); errors are against the float64 reference."""
+    lengths), launched longest first as the engine does (round 17); errors are against the float64
+    reference."""
     prob = ragged_decode_problem(256, 100, 2000, HQ, HKV, D, BS)
     nbytes = 2 * int(prob.context_lens.sum()) * HKV * D * 2 + 2 * 256 * HQ * D * 2
     expected = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
@@ -146,7 +147,8 @@ def _ragged_decode_point(copy_bw: float) -> list[dict]:
             "decode", shape, _variant_name(cfg), ms, nbytes / ms / 1e6, "GB/s", copy_bw, None, None, err
         )
 
-    call = lambda p, c: paged_decode_attention(*p.decode_args(), config=c)
+    order = torch.argsort(prob.context_lens, descending=True).to(torch.int32)
+    call = lambda p, c: paged_decode_attention(*p.decode_args(), config=c, order=order)
     return _time_variants("decode", shape, [DecodeConfig(), PACKED, TMA], call, [prob], expected, row_of)
 
 

@@ -1,6 +1,7 @@
 """Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head | --waves |
---tiles | --streams | --tma | --lead] [--out DIR]`.
+--tiles | --streams | --tma | --lead | --order] [--out DIR]`.
 
+`--order` (round 17): the per-head and Gluon TMA kernels on ragged batches, launched longest first.
 `--lead` (round 15): the Gluon TMA kernel (query heads as the MMA's N) over how far ahead it refills.
 `--tma` (round 14): the Gluon TMA kernel (kernels/decode_tma.py): its tile, ring depth and warps at
 B64x4k, its loads alone against the whole kernel on two storage layouts, its best settings elsewhere.
@@ -226,6 +227,7 @@ def main() -> None:
     parser.add_argument("--streams", action="store_true", help="round 8: storage layouts x block-table order")
     parser.add_argument("--tma", action="store_true", help="round 14: the Gluon TMA kernel")
     parser.add_argument("--lead", action="store_true", help="round 15: TMA kernel, a ring deeper than its lead")
+    parser.add_argument("--order", action="store_true", help="round 17: ragged batches launched longest first")
     args = parser.parse_args()
     stamp = run_stamp()
     device, date = stamp.device, stamp.date
@@ -253,13 +255,14 @@ def main() -> None:
     if args.streams:
         streams_round(save, copy_bw)
         return
-    if args.tma or args.lead:
+    if args.tma or args.lead or args.order:
         from experiments.bench_kernels_sweep_tma import (  # it imports this module's helpers
             lead_round,
+            order_round,
             tma_round,
         )
 
-        (tma_round if args.tma else lead_round)(save, rows, copy_bw)
+        (tma_round if args.tma else lead_round if args.lead else order_round)(save, rows, copy_bw)
         return
     save(uniform(64, 4096, copy_bw, PER_HEAD + CANDIDATES))
     packed = sorted((r for r in rows if r["variant"].startswith("packed") and "time_us" in r),

@@ -1,7 +1,7 @@
 """Rounds 14-15 of kernels/NOTES.md for `python -m experiments.bench_kernels_sweep --tma | --lead`: the
 Gluon TMA decode kernel (kernels/decode_tma.py) over tile, ring depth, lead and warps at B64x4k
 beside the per-head kernel and SDPA, its loads alone (math skipped), then its fastest settings at
-the other grid points.  The timing helpers are bench_kernels_sweep's.
+the other grid points; the launch order of ragged batches.  The timing helpers are bench_kernels_sweep's.
 """
 
 from dataclasses import replace
@@ -22,8 +22,15 @@ from experiments.bench_kernels_sweep import (
     uniform,
 )
 from experiments.bench_timing import copies_for, graph_ms
+from kernels.decode import (
+    DecodeConfig,
+    _merge_splits,
+    _split_partials,
+    choose_num_splits,
+    paged_decode_attention,
+)
 from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma
-from kernels.inputs import kv_cache_storage
+from kernels.inputs import kv_cache_storage, random_paged_problem
 
 TMA_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, lead=None, num_splits=sp, num_warps=w)
             for t, n, w, sp in ((32, 2, 1, 1), (32, 2, 4, 1), (32, 2, 2, 1), (32, 3, 4, 1), (32, 3, 1, 1), (16, 3, 4, 1),
@@ -100,3 +107,58 @@ def lead_round(save, rows: list[dict], copy_bw: float) -> None:
     save(ragged(copy_bw, PER_HEAD[:1] + best + [P()]))
     for batch, ctx in ((64, 32768), (256, 4096), (8, 4096), (1, 32768), (64, 512)):
         save(uniform(batch, ctx, copy_bw, PER_HEAD[:1] + best))
+
+
+ORDER_CASES = [(256, 100, 2000), (64, 100, 2000), (128, 100, 4000), (64, 100, 8000), (32, 500, 8000), (256, 16, 4000)]
+
+
+def order_round(save, rows: list[dict], copy_bw: float) -> None:
+    """Round 17: the launch order of ragged batches (`ORDER_CASES`: batch, shortest, longest context)."""
+    for batch, low, high in ORDER_CASES:
+        save(_order_case(batch, low, high, copy_bw))
+        torch.cuda.empty_cache()
+
+
+def _order_case(batch: int, low: int, high: int, copy_bw: float) -> list[dict]:
+    """The packed kernel; the per-head kernel in batch order and longest first (its launcher drops the
+    order within one wave); the Gluon TMA kernel at 1, 2 and the heuristic's splits, in batch order,
+    longest first forced (launched directly, the one-wave rule bypassed), and longest first with the
+    order sorted on the GPU in every call."""
+    lens = torch.randint(low, high + 1, (batch,), generator=torch.Generator().manual_seed(0)).tolist()
+    kv = 2 * sum(lens) * HKV * D * 2
+    sets = [random_paged_problem(lens, None, HQ, HKV, D, BS, torch.bfloat16, device="cuda", seed=i)
+            for i in range(copies_for(kv))]  # fmt: skip
+    orders = [torch.argsort(s.context_lens, descending=True).to(torch.int32) for s in sets]
+    label = f"B{batch}x{low}..{high}"
+    rows: list[dict] = []
+
+    def add(variant: str, fns) -> None:
+        ms = graph_ms(fns)
+        rows.append({"shape": label, "variant": variant, "time_us": ms * 1e3, "GBps": kv / ms / 1e6,
+                     "frac_copy": kv / ms / 1e6 / copy_bw})  # fmt: skip
+        print(f"  {label:<20}{variant:<36}{ms * 1e3:>9.1f} us", flush=True)
+
+    def public(cfg, ordered: bool):
+        return [lambda s=s, o=o: paged_decode_attention(*s.decode_args(), config=cfg, order=o if ordered else None)
+                for s, o in zip(sets, orders)]  # fmt: skip
+
+    add(name(P()), public(P(), False))
+    add(name(DecodeConfig()), public(DecodeConfig(), False))
+    add(name(DecodeConfig()) + "-longest", public(DecodeConfig(), True))
+    for splits in (1, 2, None):
+        cfg = TmaDecodeConfig(num_splits=splits)
+        n = choose_num_splits(batch, HKV, sets[0].block_tables.shape[1] * BS, sets[0].q.device,
+                              DecodeConfig(num_splits=splits))  # fmt: skip
+        out = torch.empty_like(sets[0].q)
+        parts = _split_partials(out, n, D)
+
+        def direct(s, order, c=cfg, n=n, parts=parts, out=out):
+            paged_decode_tma(*s.decode_args(), out, *parts, n, c, order=order)
+            _merge_splits(*parts, out, n, D)
+
+        tag = f"{name(cfg)}-n{n}"
+        add(tag, [lambda s=s: direct(s, None) for s in sets])
+        add(tag + "-longest", [lambda s=s, o=o: direct(s, o) for s, o in zip(sets, orders)])
+        add(tag + "-longest-sorted", [lambda s=s: direct(s, torch.argsort(s.context_lens, descending=True).int())
+                                      for s in sets])  # fmt: skip
+    return rows

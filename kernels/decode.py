@@ -25,7 +25,7 @@ import triton.language as tl
 from kernels.common import LOG2E, block_dim, device_sms, dot_precision, upcast_operands
 from kernels.decode_packed import PackedDecodeConfig, attend_tile, paged_decode_packed
 from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma, tma_decode_supported
-from kernels.validate import check_attention_inputs, check_out
+from kernels.validate import check_attention_inputs, check_order, check_out
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,6 +76,8 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     KV_EVICTION: tl.constexpr,
+    order_ptr=None,
+    ORDERED: tl.constexpr = False,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -83,6 +85,8 @@ def _decode_kernel(
     else:
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
+    if ORDERED:  # the caller's launch order of the sequences (e.g. longest first)
+        b = tl.load(order_ptr + b)
     split = tl.program_id(2)
     length = tl.load(context_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -192,6 +196,13 @@ def choose_num_splits(
     return best
 
 
+def launch_order(order: torch.Tensor | None, programs: int, slots: int) -> torch.Tensor | None:
+    """The sequence launch order a grid uses: none while its programs fit one wave of the GPU's
+    program slots (all start at once; longest first measured 0.9-2.7% slower there, NOTES.md round
+    17), else `order`."""
+    return order if order is not None and programs > slots else None
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -202,12 +213,18 @@ def paged_decode_attention(
     *,
     config: DecodeConfig | PackedDecodeConfig | TmaDecodeConfig | None = None,
     out: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`out` (optional, [B, Hq, D] with contiguous head_dim) receives the result, e.g. a static
     CUDA-graph buffer; `config` picks the kernel (DecodeConfig, the default: per KV head;
     PackedDecodeConfig: packed; TmaDecodeConfig: the Gluon TMA kernel where `tma_decode_supported`,
-    else the per-head kernel) and its tile shapes."""
+    else the per-head kernel) and its tile shapes.  `order` (optional, [B] int32 on q's device, a
+    permutation of the batch rows, not checked for repeats) is the order in which the per-head and
+    TMA kernels launch the sequences' programs: longest context first starts the longest programs in
+    the first wave (kernels/NOTES.md round 17).  The packed kernel splits the batch's tokens evenly
+    over its programs and has no such order.  Results do not depend on it."""
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check_order(order, q)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q.dtype={q.dtype} is invalid: Triton kernels take float16, bfloat16 or float32")
     config = config or DecodeConfig()
@@ -225,7 +242,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     if isinstance(config, TmaDecodeConfig):
-        return _decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
+        return _decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, config, order)
     if isinstance(config, PackedDecodeConfig):
         return paged_decode_packed(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
     group = num_heads // num_kv_heads
@@ -234,6 +251,7 @@ def paged_decode_attention(
     upcast = upcast_operands(q.dtype)
     part_out, part_lse = _split_partials(out, splits, bd)
     grid = (num_kv_heads, batch, splits) if config.heads_fastest else (batch, num_kv_heads, splits)
+    order = launch_order(order, batch * num_kv_heads * splits, config.programs_per_sm * device_sms(q.device))
     _decode_kernel[grid](
         q,
         k_cache,
@@ -267,6 +285,8 @@ def paged_decode_attention(
         NUM_HEADS=num_heads,
         HEADS_FASTEST=config.heads_fastest,
         KV_EVICTION=config.kv_eviction,
+        order_ptr=order,
+        ORDERED=order is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -274,12 +294,14 @@ def paged_decode_attention(
     return out
 
 
-def _decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, config: TmaDecodeConfig):
+def _decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, config: TmaDecodeConfig, order):
     split_config = DecodeConfig(num_splits=config.num_splits, programs_per_sm=config.programs_per_sm)
     splits = choose_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device,
                                split_config)  # fmt: skip
     part_out, part_lse = _split_partials(out, splits, q.shape[2])
-    paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_lse, splits, config)
+    order = launch_order(order, q.shape[0] * k_cache.shape[2] * splits, config.programs_per_sm * device_sms(q.device))
+    paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_lse, splits, config,
+                     order=order)  # fmt: skip
     _merge_splits(part_out, part_lse, out, splits, q.shape[2])
     return out
 

@@ -65,13 +65,15 @@ def _tma_decode_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, table_width,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
     NUM_BUFS: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_HEADS: gl.constexpr, WARPS: gl.constexpr,
-    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True,
+    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True, order_ptr=None, ORDERED: gl.constexpr = False,
 ):  # fmt: skip
     PAGES: gl.constexpr = TILE // BLOCK_SIZE
     EARLY: gl.constexpr = LEAD < NUM_BUFS
     gl.static_assert(PAGES == 1 or PAGES == 2 or PAGES == 4, "a step covers one, two or four pages")
     kv_head = gl.program_id(0)
     b = gl.program_id(1)
+    if ORDERED:  # the caller's launch order of the sequences (e.g. longest first)
+        b = gl.load(order_ptr + b)
     split = gl.program_id(2)
     NQ: gl.constexpr = 8 if GROUP <= 8 else 16  # the MMA's N: query heads, padded
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
@@ -257,7 +259,7 @@ def _descriptor(cache: torch.Tensor) -> TensorDescriptor:
 
 
 def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_lse, splits,
-                     config: TmaDecodeConfig, math: bool = True):  # fmt: skip
+                     config: TmaDecodeConfig, math: bool = True, order: torch.Tensor | None = None):  # fmt: skip
     """Launch on checked inputs (kernels.decode.paged_decode_attention validates them, allocates the
     split partials and merges them, as for the per-head kernel)."""
     batch, num_heads, head_dim = q.shape
@@ -268,5 +270,5 @@ def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out
         out.stride(0), out.stride(1), block_tables.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=config.tile_tokens,
         NUM_BUFS=config.num_bufs, NUM_SPLITS=splits, NUM_HEADS=num_heads, WARPS=config.num_warps,
-        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, num_warps=config.num_warps,
+        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, order_ptr=order, ORDERED=order is not None, num_warps=config.num_warps,
     )  # fmt: skip

@@ -80,6 +80,13 @@ def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def check_order(order: torch.Tensor | None, q: torch.Tensor) -> None:
+    """A decode launch order: None or [B] int32 on q's device."""
+    if order is not None and (order.shape != q.shape[:1] or order.dtype != torch.int32 or order.device != q.device):
+        _fail("order", (tuple(order.shape), order.dtype, str(order.device)),
+              f"expected ({q.shape[0]},) torch.int32 on {q.device}: a permutation of the batch rows")  # fmt: skip
+
+
 def check_kv_write(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

@@ -74,6 +74,7 @@ def test_padding_rows_are_inert():
     padded = builder.prepare(builder.plan(sched), padded_shape)
     assert padded.meta.slot_mapping.tolist()[2:] == [-1, -1]
     assert padded.meta.decode_context_lens.tolist() == [5, 3, 0, 0]
+    assert padded.meta.decode_order.tolist() == [0, 1, 2, 3]  # longest context first, ties in row order
     assert padded.sample_rows.tolist() == [0, 1, 0, 0]
     out_padded = model(padded.input_ids, padded.positions, padded.meta)
     torch.testing.assert_close(out_padded[:2], out, atol=1e-6, rtol=1e-6)
@@ -83,6 +84,9 @@ def test_padding_rows_are_inert():
             torch.testing.assert_close(after[b, o], before[b, o], atol=1e-6, rtol=1e-6)
             after[b, o] = before[b, o]
         assert torch.equal(after, before)  # the padding rows wrote nothing
+    reordered = builder.prepare(builder.plan(sched[::-1]), padded_shape)  # (the same buffers as `padded`)
+    assert reordered.meta.decode_context_lens.tolist() == [3, 5, 0, 0]
+    assert reordered.meta.decode_order.tolist() == [1, 0, 2, 3]
 
 
 def test_layout_is_aligned_and_disjoint():

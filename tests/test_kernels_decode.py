@@ -20,13 +20,17 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def _check(context_lens, group, num_kv_heads, head_dim, block_size, dtype, config, seed):
+def _check(context_lens, group, num_kv_heads, head_dim, block_size, dtype, config, seed, order=None):
     prob = random_paged_problem(
         context_lens, None, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype, seed=seed
     )
     prob.poison_stale_slots()
     out = torch.full_like(prob.q, float("nan"))
-    paged_decode_attention(*prob.decode_args(), config=config, out=out)
+    if order == "longest_first":
+        order = torch.argsort(prob.context_lens, descending=True, stable=True).to(torch.int32)
+    elif order == "random":
+        order = torch.randperm(len(context_lens), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    paged_decode_attention(*prob.decode_args(), config=config, out=out, order=order)
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
     assert not out.isnan().any(), "output not fully written"
     empty = torch.tensor(context_lens) == 0
@@ -46,10 +50,11 @@ def _check(context_lens, group, num_kv_heads, head_dim, block_size, dtype, confi
     num_splits=st.sampled_from([None, 1, 2, 3]),
     block_n=st.sampled_from([16, 32]),
     heads_fastest=st.booleans(),
+    order=st.sampled_from([None, "longest_first", "random"]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_decode_matches_reference(
-    data, group, num_kv_heads, head_dim, block_size, dtype, num_splits, block_n, heads_fastest, seed
+    data, group, num_kv_heads, head_dim, block_size, dtype, num_splits, block_n, heads_fastest, order, seed
 ):
     lens = data.draw(
         st.lists(
@@ -67,7 +72,34 @@ def test_decode_matches_reference(
         dtype,
         DecodeConfig(block_n=block_n, num_splits=num_splits, heads_fastest=heads_fastest),
         seed,
+        order,
     )
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_launch_order_changes_nothing(num_splits):
+    """Sequences launched longest first or in reverse (24 or 48 programs: more than the CPU stand-in's
+    16 slots, so the order is used): every row bitwise as in batch order."""
+    lens = [5, 70, 0, 33, 16, 1, 40, 17, 2, 64, 9, 31]
+    prob = random_paged_problem(lens, None, 4, 2, 64, 16, torch.float32, seed=3)
+    config = DecodeConfig(num_splits=num_splits)
+    plain = paged_decode_attention(*prob.decode_args(), config=config)
+    for order in (torch.argsort(prob.context_lens, descending=True), torch.arange(len(lens) - 1, -1, -1)):
+        assert torch.equal(paged_decode_attention(*prob.decode_args(), config=config, order=order.to(torch.int32)), plain)
+
+
+def test_launch_order_only_past_one_wave():
+    order = torch.arange(3, dtype=torch.int32)
+    assert decode.launch_order(order, programs=16, slots=16) is None
+    assert decode.launch_order(order, programs=17, slots=16) is order
+    assert decode.launch_order(None, programs=17, slots=16) is None
+
+
+@pytest.mark.parametrize("order", [torch.arange(4, dtype=torch.int32), torch.arange(5), torch.arange(5.0)])
+def test_decode_launch_order_checked(order):
+    prob = random_paged_problem([5, 70, 0, 33, 16], None, 4, 2, 64, 16, torch.float32, seed=3)
+    with pytest.raises(ValueError, match=r"order=.* is invalid: expected \(5,\) torch.int32"):
+        paged_decode_attention(*prob.decode_args(), order=order)
 
 
 @settings(max_examples=30, deadline=None, phases=NO_SHRINK)

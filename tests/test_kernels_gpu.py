@@ -171,6 +171,22 @@ def test_decode_running_max_jumps(config):
     assert _rel_err(out, ref) < BF16_MAX_ERR
 
 
+@pytest.mark.parametrize("config", [DecodeConfig(), DecodeConfig(num_splits=3), TmaDecodeConfig(),
+                                    TmaDecodeConfig(num_splits=3), PackedDecodeConfig()], ids=repr)
+def test_decode_launch_order_changes_nothing(config):
+    """96 sequences x 8 KV heads (more programs than one wave: the order is used): longest first and
+    reversed launch orders give every row bitwise as batch order does."""
+    lens = _lens(96, 1, 3000, seed=7)
+    prob = random_paged_problem(lens, None, 16, 8, 128, 16, torch.bfloat16, device="cuda", seed=7)
+    prob.poison_stale_slots()
+    plain = paged_decode_attention(*prob.decode_args(), config=config)
+    for order in (torch.argsort(prob.context_lens, descending=True), torch.arange(95, -1, -1, device="cuda")):
+        out = paged_decode_attention(*prob.decode_args(), config=config, order=order.to(torch.int32))
+        assert torch.equal(out, plain)
+    ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
+    assert _rel_err(plain, ref) < BF16_MAX_ERR
+
+
 def test_decode_fp16_and_fp32():
     prob = random_paged_problem(
         _lens(16, 1, 2000, seed=4), None, 16, 8, 128, 16, torch.float16, device="cuda"
