@@ -5,7 +5,7 @@ from triton.testing import do_bench
 
 from experiments.bench_timing import wall_ms
 from kernels import copy as block_copy
-from kernels import decode, decode_packed, prefill, reference
+from kernels import decode, decode_packed, decode_splits, prefill, reference
 from kernels.cache_write import write_kv_cache
 from kernels.inputs import random_paged_problem
 
@@ -146,7 +146,7 @@ def kernel_report() -> None:
     """Registers, spills, shared memory and key SASS instruction counts of every compiled kernel."""
     for name, fn in (
         ("decode", decode._decode_kernel),
-        ("decode_reduce", decode._decode_reduce_kernel),
+        ("decode_reduce", decode_splits.decode_reduce_kernel),
         ("decode_packed", decode_packed.decode_packed_kernel),
         ("decode_packed_merge", decode_packed.decode_packed_merge_kernel),
         ("prefill", prefill._prefill_kernel),

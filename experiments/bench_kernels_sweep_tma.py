@@ -22,13 +22,8 @@ from experiments.bench_kernels_sweep import (
     uniform,
 )
 from experiments.bench_timing import copies_for, graph_ms
-from kernels.decode import (
-    DecodeConfig,
-    _merge_splits,
-    _split_partials,
-    choose_num_splits,
-    paged_decode_attention,
-)
+from kernels.decode import DecodeConfig, paged_decode_attention
+from kernels.decode_splits import choose_num_splits, merge_splits, split_partials
 from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma
 from kernels.inputs import kv_cache_storage, random_paged_problem
 
@@ -150,11 +145,11 @@ def _order_case(batch: int, low: int, high: int, copy_bw: float) -> list[dict]:
         n = choose_num_splits(batch, HKV, sets[0].block_tables.shape[1] * BS, sets[0].q.device,
                               DecodeConfig(num_splits=splits))  # fmt: skip
         out = torch.empty_like(sets[0].q)
-        parts = _split_partials(out, n, D)
+        parts = split_partials(out, n, D)
 
         def direct(s, order, c=cfg, n=n, parts=parts, out=out):
             paged_decode_tma(*s.decode_args(), out, *parts, n, c, order=order)
-            _merge_splits(*parts, out, n, D)
+            merge_splits(*parts, out, n, D)
 
         tag = f"{name(cfg)}-n{n}"
         add(tag, [lambda s=s: direct(s, None) for s in sets])

@@ -9,11 +9,12 @@ faster on ragged and long-context batches, slower on short and small ones and at
 Per-KV-head kernel, flash-decoding style.  Grid (batch, kv_head, split): a program takes every
 query head of one KV head (GQA), so each K/V tile is read from the cache once, and runs tl.dot on
 a [BLOCK_H, head_dim] query tile padded to 16 rows (the tensor-core minimum).  Each sequence's
-context is cut into `num_splits` equal chunks (per sequence, so ragged batches stay balanced);
-with several splits every program writes a normalised partial output plus its log-sum-exp and a
-second kernel merges them.  The split count comes from the batch and the block table's width
-only, never from the context lengths' values, so the launch needs no device sync and can be
-captured in a CUDA graph (the packed kernel's grid is fixed per device, likewise).
+context is cut into `num_splits` equal chunks; with several splits every program writes a
+normalised partial output plus its log-sum-exp and a second kernel merges them, and past one wave
+of programs the sequences can be launched in a given order, longest first (kernels/decode_splits.py).
+The split count comes from the batch and the block table's width only, never from the context
+lengths' values, so the launch needs no device sync and can be captured in a CUDA graph (the packed
+kernel's grid is fixed per device, likewise).
 """
 
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import triton.language as tl
 
 from kernels.common import LOG2E, block_dim, device_sms, dot_precision, upcast_operands
 from kernels.decode_packed import PackedDecodeConfig, attend_tile, paged_decode_packed
+from kernels.decode_splits import choose_num_splits, launch_order, merge_splits, split_partials
 from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma, tma_decode_supported
 from kernels.validate import check_attention_inputs, check_order, check_out
 
@@ -143,66 +145,6 @@ def _decode_kernel(
         tl.store(part_lse_ptr + row, lse, mask=offs_h < GROUP)
 
 
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    rows = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
-    lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    parts = tl.load(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + b * stride_ob + h * stride_oh + offs_d,
-        merged.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
-
-
-def choose_num_splits(
-    batch: int, num_kv_heads: int, max_context: int, device: torch.device, config: DecodeConfig
-) -> int:
-    """Split count (a power of 2, to bound compiled variants) whose programs best fill whole waves
-    of the GPU's program slots; more splits only when that is clearly better, never chunks shorter
-    than min_split_tokens.  An explicit config.num_splits may be any count >= 1."""
-    if config.num_splits is not None:
-        return config.num_splits
-    slots = config.programs_per_sm * device_sms(device)
-    cap = max(1, max_context // config.min_split_tokens)
-    best, best_fill, splits = 1, 0.0, 1
-    while splits <= cap:
-        programs = batch * num_kv_heads * splits
-        fill = programs / (slots * triton.cdiv(programs, slots))  # busy fraction of the waves
-        if fill > 1.05 * best_fill:
-            best, best_fill = splits, fill
-        splits *= 2
-    return best
-
-
-def launch_order(order: torch.Tensor | None, programs: int, slots: int) -> torch.Tensor | None:
-    """The sequence launch order a grid uses: none while its programs fit one wave of the GPU's
-    program slots (all start at once; longest first measured 0.9-2.7% slower there, NOTES.md round
-    17), else `order`."""
-    return order if order is not None and programs > slots else None
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -249,7 +191,7 @@ def paged_decode_attention(
     bd = block_dim(head_dim)
     splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device, config)
     upcast = upcast_operands(q.dtype)
-    part_out, part_lse = _split_partials(out, splits, bd)
+    part_out, part_lse = split_partials(out, splits, bd)
     grid = (num_kv_heads, batch, splits) if config.heads_fastest else (batch, num_kv_heads, splits)
     order = launch_order(order, batch * num_kv_heads * splits, config.programs_per_sm * device_sms(q.device))
     _decode_kernel[grid](
@@ -290,7 +232,7 @@ def paged_decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    _merge_splits(part_out, part_lse, out, splits, bd)
+    merge_splits(part_out, part_lse, out, splits, bd)
     return out
 
 
@@ -298,30 +240,9 @@ def _decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, con
     split_config = DecodeConfig(num_splits=config.num_splits, programs_per_sm=config.programs_per_sm)
     splits = choose_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device,
                                split_config)  # fmt: skip
-    part_out, part_lse = _split_partials(out, splits, q.shape[2])
+    part_out, part_lse = split_partials(out, splits, q.shape[2])
     order = launch_order(order, q.shape[0] * k_cache.shape[2] * splits, config.programs_per_sm * device_sms(q.device))
     paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_lse, splits, config,
                      order=order)  # fmt: skip
-    _merge_splits(part_out, part_lse, out, splits, q.shape[2])
+    merge_splits(part_out, part_lse, out, splits, q.shape[2])
     return out
-
-
-def _split_partials(out: torch.Tensor, splits: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (sequence, query head, split) rows: the normalised partial output (`width` wide) and its
-    log-sum-exp; with one split the kernels write `out` directly (the pair is unused)."""
-    if splits == 1:
-        return out, out
-    rows = out.shape[0] * out.shape[1] * splits
-    return (torch.empty(rows, width, dtype=torch.float32, device=out.device),
-            torch.empty(rows, dtype=torch.float32, device=out.device))  # fmt: skip
-
-
-def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, splits: int, width: int) -> None:
-    """Combine the splits' partials into `out` (a second launch); nothing with one split."""
-    if splits == 1:
-        return
-    batch, num_heads, head_dim = out.shape
-    _decode_reduce_kernel[(batch, num_heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_D=width, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
-    )  # fmt: skip

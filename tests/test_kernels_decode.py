@@ -5,7 +5,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from kernels import decode, decode_tma, reference
+from kernels import decode, decode_splits, decode_tma, reference
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig, tma_ok
 from kernels.decode_tma import TmaDecodeConfig, tma_decode_supported
@@ -90,9 +90,9 @@ def test_decode_launch_order_changes_nothing(num_splits):
 
 def test_launch_order_only_past_one_wave():
     order = torch.arange(3, dtype=torch.int32)
-    assert decode.launch_order(order, programs=16, slots=16) is None
-    assert decode.launch_order(order, programs=17, slots=16) is order
-    assert decode.launch_order(None, programs=17, slots=16) is None
+    assert decode_splits.launch_order(order, programs=16, slots=16) is None
+    assert decode_splits.launch_order(order, programs=17, slots=16) is order
+    assert decode_splits.launch_order(None, programs=17, slots=16) is None
 
 
 @pytest.mark.parametrize("order", [torch.arange(4, dtype=torch.int32), torch.arange(5), torch.arange(5.0)])
