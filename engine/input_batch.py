@@ -158,7 +158,8 @@ class BatchBuilder:
             slots[:d] = tables[np.arange(d), p // bs].astype(np.int64) * bs + p % bs
         v["decode_context_lens"][:d] = plan.decode_positions + 1
         v["decode_context_lens"][d:] = 0
-        # Longest first: the decode kernels launch the longest sequences' programs first (kernels/NOTES.md round 17)
+        # Longest first: the per-head and TMA decode kernels launch the longest sequences' programs
+        # first once their grid exceeds one wave (kernels/decode_splits.py, NOTES.md round 17)
         v["decode_order"][:] = np.argsort(-v["decode_context_lens"], kind="stable")
         cu, ctx, tables = v["prefill_cu_seqlens_q"], v["prefill_context_lens"], v["prefill_block_tables"]
         row = cu[0] = d

@@ -15,7 +15,8 @@ GQA group is 8 or less.  Per step a program first refills the buffer it read in 
 with the pages `lead` steps ahead (page ids loaded a step earlier), then waits for this step's
 buffer (one mbarrier for its K and V), reads it into operand registers and does the math: online
 softmax in log2 units.  Only a split's last step can hold slots past the context: there they are
-masked to -inf in S and to 0 in V (a stale slot may hold NaN).
+masked to -inf in S and to 0 in V (a stale slot may hold NaN).  With an `order` the grid's
+sequence index goes through it (longest first past one wave, kernels/decode_splits.py).
 """
 
 from dataclasses import dataclass
@@ -65,7 +66,8 @@ def _tma_decode_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, table_width,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
     NUM_BUFS: gl.constexpr, NUM_SPLITS: gl.constexpr, NUM_HEADS: gl.constexpr, WARPS: gl.constexpr,
-    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True, order_ptr=None, ORDERED: gl.constexpr = False,
+    HND: gl.constexpr, LEAD: gl.constexpr, MATH: gl.constexpr = True, order_ptr=None,
+    ORDERED: gl.constexpr = False,
 ):  # fmt: skip
     PAGES: gl.constexpr = TILE // BLOCK_SIZE
     EARLY: gl.constexpr = LEAD < NUM_BUFS
@@ -270,5 +272,6 @@ def paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out
         out.stride(0), out.stride(1), block_tables.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=config.tile_tokens,
         NUM_BUFS=config.num_bufs, NUM_SPLITS=splits, NUM_HEADS=num_heads, WARPS=config.num_warps,
-        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, order_ptr=order, ORDERED=order is not None, num_warps=config.num_warps,
+        HND=cache_storage(k_cache) == "hnd", LEAD=config.steps_ahead, MATH=math, order_ptr=order,
+        ORDERED=order is not None, num_warps=config.num_warps,
     )  # fmt: skip
