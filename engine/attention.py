@@ -85,8 +85,10 @@ class PagedAttention:
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         # The Triton launchers write both parts into one output buffer and take a launch order; the
-        # references return theirs.
-        self._write_out = "out" in inspect.signature(ops.paged_decode_attention).parameters
+        # references return theirs and launch nothing.
+        params = inspect.signature(ops.paged_decode_attention).parameters
+        self._write_out = "out" in params
+        self._takes_order = "order" in params
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -115,7 +117,7 @@ class PagedAttention:
             meta.prefill_context_lens, self.scale, meta.prefill_max_seqlen_q, **out)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, **out) -> torch.Tensor:
-        if self._write_out:
+        if self._takes_order:
             out["order"] = meta.decode_order
         return self.ops.paged_decode_attention(
             q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,

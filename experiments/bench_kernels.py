@@ -3,9 +3,9 @@
 Measures the device's ceilings first (device-to-device copy bandwidth, bf16 matmul rate on random
 data), then: decode over a batch x context grid (Qwen3-0.6B attention: 16 q heads, 8 KV heads,
 head_dim 128, block_size 16, bf16) against SDPA on the same KV laid out contiguously and against
-the plain-torch paged reference, for both decode kernels (the per-KV-head default and the packed
-one), plus a ragged engine-like batch (256 sequences of 100..2000 tokens, longest first); prefill of single
-prompts (causal) against SDPA; KV write, block copy and swap.  A sweep of variants runs at the
+the plain-torch paged reference, for the three decode kernels (the per-KV-head default, the packed
+one and the Gluon TMA one), plus a ragged engine-like batch (256 sequences of 100..2000 tokens,
+launched longest first); prefill of single prompts (causal) against SDPA; KV write, block copy and swap.  A sweep of variants runs at the
 target points (decode 64 x 4k, small batches; prefill 8k); every variant is checked against SDPA
 (or the float64 reference) before it is timed.  Kernels and SDPA are timed from CUDA-graph replays
 (bench_timing.py).  Prints one table and writes it as CSV with device and date to --out (default
@@ -43,7 +43,7 @@ REFERENCE_MAX_TOKENS = 64 * 4096  # the per-sequence torch reference is slow and
 # Round 5 (kernels/NOTES.md): every decode point times the default (per-KV-head) kernel, the
 # packed one (PackedDecodeConfig()) and (round 14) the Gluon TMA one; these variants run at the points named.
 PACKED = PackedDecodeConfig()
-TMA = TmaDecodeConfig()  # rounds 14-15: the Gluon TMA kernel, timed at every point too
+TMA = TmaDecodeConfig()  # rounds 14-17: the Gluon TMA kernel, timed at every point too
 DECODE_SWEEP = {
     (64, 4096): [
         DecodeConfig(num_stages=3), PackedDecodeConfig(pdl=False),

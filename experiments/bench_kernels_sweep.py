@@ -5,7 +5,7 @@
 `--lead` (round 15): the Gluon TMA kernel (query heads as the MMA's N) over how far ahead it refills.
 `--tma` (round 14): the Gluon TMA kernel (kernels/decode_tma.py): its tile, ring depth and warps at
 B64x4k, its loads alone against the whole kernel on two storage layouts, its best settings elsewhere.
-Both rounds live in experiments/bench_kernels_sweep_tma.py.
+These three rounds live in experiments/bench_kernels_sweep_tma.py.
 
 `--streams` (round 8): the per-head kernel on three cache storage layouts (block-major NHD, 4 KB
 HND pages, head-major) with random and sequential block tables.  Head-major storage with

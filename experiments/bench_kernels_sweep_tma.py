@@ -1,4 +1,5 @@
-"""Rounds 14-15 of kernels/NOTES.md for `python -m experiments.bench_kernels_sweep --tma | --lead`: the
+"""Rounds 14, 15 and 17 of kernels/NOTES.md for `python -m experiments.bench_kernels_sweep --tma | --lead |
+--order`: the
 Gluon TMA decode kernel (kernels/decode_tma.py) over tile, ring depth, lead and warps at B64x4k
 beside the per-head kernel and SDPA, its loads alone (math skipped), then its fastest settings at
 the other grid points; the launch order of ragged batches.  The timing helpers are bench_kernels_sweep's.
@@ -142,8 +143,7 @@ def _order_case(batch: int, low: int, high: int, copy_bw: float) -> list[dict]:
     add(name(DecodeConfig()) + "-longest", public(DecodeConfig(), True))
     for splits in (1, 2, None):
         cfg = TmaDecodeConfig(num_splits=splits)
-        n = choose_num_splits(batch, HKV, sets[0].block_tables.shape[1] * BS, sets[0].q.device,
-                              DecodeConfig(num_splits=splits))  # fmt: skip
+        n = choose_num_splits(batch, HKV, sets[0].block_tables.shape[1] * BS, sets[0].q.device, cfg)
         out = torch.empty_like(sets[0].q)
         parts = split_partials(out, n, D)
 

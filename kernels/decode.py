@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, block_dim, device_sms, dot_precision, upcast_operands
+from kernels.common import LOG2E, block_dim, dot_precision, upcast_operands
 from kernels.decode_packed import PackedDecodeConfig, attend_tile, paged_decode_packed
-from kernels.decode_splits import choose_num_splits, launch_order, merge_splits, split_partials
+from kernels.decode_splits import merge_splits, split_grid, split_partials
 from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma, tma_decode_supported
 from kernels.validate import check_attention_inputs, check_order, check_out
 
@@ -189,11 +189,10 @@ def paged_decode_attention(
         return paged_decode_packed(q, k_cache, v_cache, block_tables, context_lens, scale, out, config)
     group = num_heads // num_kv_heads
     bd = block_dim(head_dim)
-    splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device, config)
+    splits, order = split_grid(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device, config, order)
     upcast = upcast_operands(q.dtype)
     part_out, part_lse = split_partials(out, splits, bd)
     grid = (num_kv_heads, batch, splits) if config.heads_fastest else (batch, num_kv_heads, splits)
-    order = launch_order(order, batch * num_kv_heads * splits, config.programs_per_sm * device_sms(q.device))
     _decode_kernel[grid](
         q,
         k_cache,
@@ -237,11 +236,9 @@ def paged_decode_attention(
 
 
 def _decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, config: TmaDecodeConfig, order):
-    split_config = DecodeConfig(num_splits=config.num_splits, programs_per_sm=config.programs_per_sm)
-    splits = choose_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device,
-                               split_config)  # fmt: skip
+    splits, order = split_grid(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device,
+                               config, order)  # fmt: skip
     part_out, part_lse = split_partials(out, splits, q.shape[2])
-    order = launch_order(order, q.shape[0] * k_cache.shape[2] * splits, config.programs_per_sm * device_sms(q.device))
     paged_decode_tma(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_lse, splits, config,
                      order=order)  # fmt: skip
     merge_splits(part_out, part_lse, out, splits, q.shape[2])

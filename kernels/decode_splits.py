@@ -6,7 +6,7 @@ With several splits every program writes a normalised partial output plus its lo
 and `merge_splits` combines each (sequence, query head)'s partials in a second launch.
 """
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -14,8 +14,13 @@ import triton.language as tl
 
 from kernels.common import device_sms
 
-if TYPE_CHECKING:
-    from kernels.decode import DecodeConfig
+
+class SplitConfig(Protocol):
+    """The fields of a kernel config (DecodeConfig, TmaDecodeConfig) that size its split-KV grid."""
+
+    num_splits: int | None  # None: choose_num_splits' heuristic
+    programs_per_sm: int  # how many of the kernel's programs run at once on one SM
+    min_split_tokens: int  # the heuristic never cuts a context finer than this
 
 
 @triton.jit
@@ -51,15 +56,18 @@ def decode_reduce_kernel(
     )
 
 
-def choose_num_splits(
-    batch: int, num_kv_heads: int, max_context: int, device: torch.device, config: "DecodeConfig"
-) -> int:
+def program_slots(config: SplitConfig, device: torch.device) -> int:
+    """How many of the kernel's programs run at once on the device: one wave."""
+    return config.programs_per_sm * device_sms(device)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device, config: SplitConfig) -> int:
     """Split count (a power of 2, to bound compiled variants) whose programs best fill whole waves
     of the GPU's program slots; more splits only when that is clearly better, never chunks shorter
     than min_split_tokens.  An explicit config.num_splits may be any count >= 1."""
     if config.num_splits is not None:
         return config.num_splits
-    slots = config.programs_per_sm * device_sms(device)
+    slots = program_slots(config, device)
     cap = max(1, max_context // config.min_split_tokens)
     best, best_fill, splits = 1, 0.0, 1
     while splits <= cap:
@@ -76,6 +84,13 @@ def launch_order(order: torch.Tensor | None, programs: int, slots: int) -> torch
     program slots (all start at once; longest first measured 0.9-2.7% slower there, NOTES.md round
     17), else `order`."""
     return order if order is not None and programs > slots else None
+
+
+def split_grid(batch: int, num_kv_heads: int, max_context: int, device: torch.device, config: SplitConfig,
+               order: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+    """The split count and the launch order of a grid with a program per (sequence, KV head, split)."""
+    splits = choose_num_splits(batch, num_kv_heads, max_context, device, config)
+    return splits, launch_order(order, batch * num_kv_heads * splits, program_slots(config, device))
 
 
 def split_partials(out: torch.Tensor, splits: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

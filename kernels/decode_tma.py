@@ -43,8 +43,9 @@ class TmaDecodeConfig:
     # refilled ahead of this step's wait.  None (= num_bufs): a step's buffer is refilled once read into
     # registers, after its wait; ptxas then schedules the refill's TMAs among the step's math (round 15).
     lead: int | None = 1
-    num_splits: int | None = None  # None: the per-head kernel's heuristic
-    programs_per_sm: int = 4  # for the split heuristic
+    num_splits: int | None = None  # None: the per-head kernel's heuristic (kernels/decode_splits.py)
+    programs_per_sm: int = 4  # for the split heuristic and the launch order
+    min_split_tokens: int = 256  # the split heuristic never cuts a context finer than this
     num_warps: int = 1  # more split the step's tokens (S) and head_dim (O), paying cross-warp reductions
 
     def __post_init__(self):
