@@ -11,7 +11,7 @@ dirs (full traces), `ab.csv`, `ab.md` and `ab.png` into the output dir
 (`backend=...` as a common override, or in a/b). `--rounds N` runs A, B, A, B, ... N times (run
 dirs `a_r2/`, `b_r2/`, ...): on the GPU a run's host CPU speed drifts by several percent, which the
 per-request bootstrap of one pair cannot see, so a change counts only if it reproduces (see
-`experiments.bootstrap.combine_rounds`). With backend=engine, A runs once unrecorded first
+`experiments.lib.bootstrap.combine_rounds`). With backend=engine, A runs once unrecorded first
 (`--no-warmup` skips it): the engine's first run compiles kernels for new shapes.
 
     python -m experiments.ab a='[policy=fcfs]' b='[policy=priority]' workload=priority
@@ -32,9 +32,9 @@ import pandas as pd
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import factory
-from experiments.bootstrap import combine_rounds, paired_bootstrap
-from experiments.cli import run_cli
+from experiments.lib import factory
+from experiments.lib.bootstrap import combine_rounds, paired_bootstrap
+from experiments.lib.cli import run_cli
 from experiments.run import run
 
 LATENCY_METRICS = ("ttft", "tpot", "e2e", "queueing_time")
@@ -162,7 +162,7 @@ def markdown(table: pd.DataFrame, label_a: str, label_b: str, confidence: float)
 def ab_figure(table: pd.DataFrame, req_a: pd.DataFrame, req_b: pd.DataFrame, label_a: str, label_b: str):
     import matplotlib.pyplot as plt
 
-    from experiments.plots import latency_cdf_figure
+    from experiments.lib.plots import latency_cdf_figure
     lat = table[(table["metric"].isin(LATENCY_METRICS)) & (table["stat"] != "run")].reset_index(drop=True)
     fig, ax = plt.subplots(figsize=(8, 0.28 * len(lat) + 1.2))
     y = np.arange(len(lat))[::-1]
@@ -213,7 +213,7 @@ def _warmups(cfg_a: DictConfig, cfg_b: DictConfig, warmup: bool | None, label_a:
 def _same_engine(cfg_a: DictConfig, cfg_b: DictConfig) -> bool:
     if cfg_a.backend.name != "engine" or cfg_b.backend.name != "engine":
         return cfg_a.backend.name == cfg_b.backend.name
-    from experiments.engine_backend import engine_args
+    from experiments.lib.engine_backend import engine_args
     return repr(engine_args(cfg_a)) == repr(engine_args(cfg_b))
 
 

@@ -8,7 +8,7 @@ one and the Gluon TMA one), plus a ragged engine-like batch (256 sequences of 10
 launched longest first); prefill of single prompts (causal) against SDPA; KV write, block copy and swap.  A sweep of variants runs at the
 target points (decode 64 x 4k, small batches; prefill 8k); every variant is checked against SDPA
 (or the float64 reference) before it is timed.  Kernels and SDPA are timed from CUDA-graph replays
-(bench_timing.py).  Prints one table and writes it as CSV with device and date to --out (default
+(experiments/lib/kernel_timing.py).  Prints one table and writes it as CSV with device and date to --out (default
 experiments/results/), rewritten after every point.
 """
 
@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from experiments.bench_kernels_cases import (
+from experiments.lib.kernel_cases import (
     block_ops_rows,
     decode_problem,
     kernel_report,
     prefill_problem,
     ragged_decode_problem,
 )
-from experiments.bench_timing import bench_ms, copies_for, copy_gbps, graph_ms, matmul_tflops, run_stamp
+from experiments.lib.kernel_timing import bench_ms, copies_for, copy_gbps, graph_ms, matmul_tflops, run_stamp
 from kernels import reference
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig

@@ -27,9 +27,9 @@ import time
 
 from hydra import compose, initialize_config_module
 
-from experiments import factory
-from experiments.backends import run_backend
-from experiments.traces import write_traces
+from experiments.lib import factory
+from experiments.lib.backends import run_backend
+from experiments.lib.traces import write_traces
 from policies.trace import TraceRecorder
 
 NUM_REQUESTS = 10_000

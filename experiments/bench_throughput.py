@@ -28,10 +28,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments import factory
-from experiments.engine_backend import engine_args, get_engine, release_engine
-from experiments.fidelity_spec import compose_cfg
-from experiments.hf_peers import PeerResult, continuous_batching, hf_model, padded_generate
+from experiments.lib import factory
+from experiments.lib.engine_backend import engine_args, get_engine, release_engine
+from experiments.lib.fidelity_spec import compose_cfg
+from experiments.lib.hf_peers import PeerResult, continuous_batching, hf_model, padded_generate
 from experiments.run import run
 from policies.request import SamplingParams
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from experiments.paths import REPO_ROOT
+from experiments.lib.paths import REPO_ROOT
 from sim.latency import BatchShape, Hardware, ModelShape, RooflineModel
 from sim.latency.profiled import read_profile
 

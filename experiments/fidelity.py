@@ -16,7 +16,7 @@ scenario (CDFs, KV usage); full traces go to --runs (default outputs/fidelity/<d
 scenarios so that a scenario's repeats are minutes apart: the simulator is compared with the runs'
 mean and the table shows their spread, the engine's own run-to-run noise. `--window-profile` re-times
 the profile's decode-only rows on the engine each round, and the simulator side reads them
-(experiments/fidelity_window.py; `--standalone-profile` ignores them).
+(experiments/lib/fidelity_window.py; `--standalone-profile` ignores them).
 
     python -m experiments.fidelity                      # on the GPU, after experiments.profile
     python -m experiments.fidelity --engine-runs outputs/fidelity/2026-11-22/10-00-00
@@ -33,11 +33,11 @@ from typing import Any
 
 import pandas as pd
 
-from experiments import engine_backend, factory, fidelity_window
 from experiments.ab import ab_table, combine_tables
-from experiments.cli import run_cli
-from experiments.fidelity_plots import save_scenario_figure
-from experiments.fidelity_report import (
+from experiments.lib import engine_backend, factory, fidelity_window
+from experiments.lib.cli import run_cli
+from experiments.lib.fidelity_plots import save_scenario_figure
+from experiments.lib.fidelity_report import (
     decode_step_ratio,
     error_rows,
     error_table,
@@ -48,11 +48,11 @@ from experiments.fidelity_report import (
     step_breakdown_rows,
     target_summary,
 )
-from experiments.fidelity_spec import DEFAULT_SPEC, compose_cfg, load_spec
-from experiments.paths import REPO_ROOT, resolve_path
-from experiments.profiling.host import cpu_probe_us
+from experiments.lib.fidelity_spec import DEFAULT_SPEC, compose_cfg, load_spec
+from experiments.lib.paths import REPO_ROOT, resolve_path
+from experiments.lib.profiling.host import cpu_probe_us
+from experiments.lib.traces import load_run
 from experiments.run import run
-from experiments.traces import load_run
 from sim.latency.profiled import ProfiledModel
 
 STALL_S = 0.25  # engine steps longer than this are stalls (JIT compiles, GC) no profile predicts
@@ -252,7 +252,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
                              "the report shows their spread, the engine's own run-to-run noise")
     parser.add_argument("--window-profile", action="store_true",
                         help="GPU stage: re-time the profile's decode-only rows on the engine each round "
-                             "(experiments/fidelity_window.py); the simulator side then uses them")
+                             "(experiments/lib/fidelity_window.py); the simulator side then uses them")
     parser.add_argument("--standalone-profile", action="store_true",
                         help="simulator side: ignore window timings and read the standalone profile")
     parser.add_argument("--engine-only", action="store_true",

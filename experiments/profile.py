@@ -4,7 +4,7 @@ this machine and write the latency profile the simulator's `profiled` model read
 roofline model from it (`conf/hardware/<gpu>-calibrated.yaml`, experiments/calibrate.py).
 
 What is timed: `ModelRunner.execute(out)` on synthetic `SchedulerOutput`s (fake sequences with
-their own KV blocks, experiments/profiling/synthetic.py): host input preparation, the device
+their own KV blocks, experiments/lib/profiling/synthetic.py): host input preparation, the device
 copies, the forward (a CUDA graph of the step's bucket, as in the engine), logits and sampling, and
 the sampled tokens' copy back; CUDA-synchronised wall clock, `warmup` untimed runs then the median
 of `repeats`, in each of `passes` sweeps over the grid (the sweeps' median: host speed drifts);
@@ -35,11 +35,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments import profile_suffix
-from experiments.cli import run_cli
-from experiments.paths import REPO_ROOT
-from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
-from experiments.profiling.host import cpu_probe_us, decode_periods, host_overheads, pipelined_period
-from experiments.profiling.synthetic import blocks_needed, decode_contexts, swap_mapping, synthetic_step
+from experiments.lib.cli import run_cli
+from experiments.lib.paths import REPO_ROOT
+from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
+from experiments.lib.profiling.host import cpu_probe_us, decode_periods, host_overheads, pipelined_period
+from experiments.lib.profiling.synthetic import blocks_needed, decode_contexts, swap_mapping, synthetic_step
 from sim.latency.prefill_schedule import PrefillSchedule
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"

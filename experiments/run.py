@@ -19,12 +19,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments import factory
-from experiments.backends import run_backend
-from experiments.cli import config_errors, run_cli
-from experiments.metrics import summarize, summary_table
-from experiments.traces import write_summary, write_traces
-from experiments.workloads import Workload
+from experiments.lib import factory
+from experiments.lib.backends import run_backend
+from experiments.lib.cli import config_errors, run_cli
+from experiments.lib.metrics import summarize, summary_table
+from experiments.lib.traces import write_summary, write_traces
+from experiments.lib.workloads import Workload
 from policies.trace import TraceRecorder
 
 
@@ -53,7 +53,7 @@ def run(cfg: DictConfig, out_dir: str | Path, label: str | None = None,
     summary["config"] = OmegaConf.to_container(cfg, resolve=True)
     write_summary(summary, out_dir)
     if cfg.get("plots", True):
-        from experiments.plots import save_run_plots
+        from experiments.lib.plots import save_run_plots
         save_run_plots(requests, steps, events, bs, out_dir)
     return summary
 

@@ -21,8 +21,8 @@ from typing import Any
 from hydra import compose, initialize_config_module
 
 from experiments.ab import compare
-from experiments.cli import run_cli
-from experiments.paths import REPO_ROOT
+from experiments.lib.cli import run_cli
+from experiments.lib.paths import REPO_ROOT
 from experiments.run import run
 
 RESULT = REPO_ROOT / "experiments/results/showcase.md"

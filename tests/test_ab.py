@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from experiments.ab import _main, _warmups, combine_tables, compose_pair, markdown, split_overrides
-from experiments.bootstrap import paired_bootstrap
+from experiments.lib.bootstrap import paired_bootstrap
 
 
 def test_split_overrides():

@@ -8,9 +8,9 @@ import json
 import pandas as pd
 import pytest
 
-from experiments import factory
 from experiments.ab import _main as ab_main
-from experiments.fidelity_spec import compose_cfg
+from experiments.lib import factory
+from experiments.lib.fidelity_spec import compose_cfg
 from experiments.run import run
 
 ENGINE = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=256", "blocks.swap_space_gib=0.01",

@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from experiments.bootstrap import combine_rounds
-from experiments.fidelity_report import (
+from experiments.lib.bootstrap import combine_rounds
+from experiments.lib.fidelity_report import (
     breakdown_markdown,
     decode_step_ratio,
     error_markdown,
@@ -24,8 +24,8 @@ from experiments.fidelity_report import (
     step_breakdown_rows,
     target_summary,
 )
-from experiments.metrics import summarize
-from experiments.traces import requests_frame, steps_frame
+from experiments.lib.metrics import summarize
+from experiments.lib.traces import requests_frame, steps_frame
 from policies import (
     Request,
     SamplingParams,
@@ -265,7 +265,7 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
 
 
 def test_window_profile_needs_an_engine(tmp_path):
-    from experiments import fidelity_window
+    from experiments.lib import fidelity_window
     with pytest.raises(ValueError, match="--window-profile is invalid here"):
         fidelity_window.measure(None, tmp_path / "unused.csv", 0, tmp_path)
     assert fidelity_window.window_profile(tmp_path / "unused.csv", tmp_path) is None  # no window timings

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from experiments import factory
+from experiments.lib import factory
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("policy", "blocks", "backend", "model", "hardware", "workload", "latency")

@@ -120,7 +120,7 @@ def _out(p: int, d: int, ahead: bool):
 
 
 def test_steps_scheduled_ahead_use_time_s_and_the_others_sync_time_s(tmp_path):
-    from experiments.profiling.grid import write_profile as write_rows
+    from experiments.lib.profiling.grid import write_profile as write_rows
     rows = [{"kind": "step", "num_prefill_tokens": p, "num_decode_seqs": d, "num_context_tokens": 16 * d,
              "time_s": 1e-3 * (1 + p / 100 + d), "sync_time_s": 1e-3 * (1.5 + p / 100 + d)}
             for p in (0, 100) for d in (0, 1, 4)]
@@ -135,7 +135,7 @@ def test_steps_scheduled_ahead_use_time_s_and_the_others_sync_time_s(tmp_path):
 def test_prefill_rows_are_priced_at_the_step_s_own_graph_padding(tmp_path):
     """A row (P, D) ran the graph of the smallest token size >= P + D; the model takes that padding
     out and adds the priced step's own, at the per-token cost of the prefill-only rows."""
-    from experiments.profiling.grid import write_profile as write_rows
+    from experiments.lib.profiling.grid import write_profile as write_rows
     sizes = [64, 128, 256, 512]
     cost = lambda t: 1e-3 + 2e-6 * next((s for s in sizes if s >= t), t)  # linear in the padded tokens
     rows = [{"kind": "step", "num_prefill_tokens": p, "num_decode_seqs": d, "num_context_tokens": 16 * d,

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from experiments.metrics import summarize, summary_table
-from experiments.traces import load_run, requests_frame, steps_frame, write_traces
+from experiments.lib.metrics import summarize, summary_table
+from experiments.lib.traces import load_run, requests_frame, steps_frame, write_traces
 from policies.trace import STEP_COLUMNS
 
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.profiling.grid import fit_prefill_tile_s
-from experiments.profiling.synthetic import StepShape, split_tokens, synthetic_step
+from experiments.lib.profiling.grid import fit_prefill_tile_s
+from experiments.lib.profiling.synthetic import StepShape, split_tokens, synthetic_step
 from sim.latency import ProfiledModel
 from sim.latency.base import BatchShape
 from sim.latency.prefill_schedule import PrefillSchedule

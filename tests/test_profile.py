@@ -13,10 +13,10 @@ from hydra import compose, initialize_config_module
 from engine.config import CacheConfig, load_model_config
 from engine.model_runner import ModelRunner
 from experiments.calibrate import calibrate, calibrate_to_file, profile_points
+from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
+from experiments.lib.profiling.host import decode_periods, host_overheads, prompt_lens
+from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from experiments.profile import gpu_slug, profile
-from experiments.profiling.grid import ProfileGrid, fit_prefill_pair_s, write_profile
-from experiments.profiling.host import decode_periods, host_overheads, prompt_lens
-from experiments.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from sim.latency import BatchShape, Hardware, ModelShape, ProfiledModel, RooflineModel
 from sim.latency.prefill_schedule import PrefillSchedule
 from sim.latency.profiled import COLUMNS, read_profile
@@ -94,7 +94,7 @@ def test_warm_reruns_time_the_same_step_again():
     returned is the first run's."""
     import time
 
-    from experiments.profiling.host import _TimedRunner
+    from experiments.lib.profiling.host import _TimedRunner
 
     class SlowRunner:
         num_gpu_blocks, num_cpu_blocks, vocab_size, device = 1, 0, 8, torch.device("cpu")
@@ -259,7 +259,7 @@ def test_profiler_rejects_step_shapes_the_engine_never_runs(tmp_path, extra, mat
 
 
 def test_step_phases_add_up_on_cpu():
-    from experiments.profiling.step_phases import PHASES, run
+    from experiments.lab.step_phases import PHASES, run
     rows = run("tiny-qwen3", decodes=3, context=20, builds=1, windows=2, steps=3, pause_s=0.0, device="cpu")
     assert [(r["build"], r["window"]) for r in rows] == [(0, 0), (0, 1)]
     for r in rows:
@@ -283,7 +283,7 @@ def test_async_profile_prices_prefill_rows_by_their_pipelined_period(tmp_path):
 def test_host_check_times_every_core_and_the_unpinned_process():
     import os
 
-    from experiments.profiling.host_check import run, system_facts
+    from experiments.lab.host_check import run, system_facts
     table = run(rounds=2, samples=2)
     cores = sorted(os.sched_getaffinity(0))
     assert len(table) == 2 * (len(cores) + 1)

@@ -1,7 +1,7 @@
 """The SimPy backend with the real scheduler: timing, idling, stop lengths, swap cost, determinism."""
 import pytest
 
-from experiments.workloads import build_workload
+from experiments.lib.workloads import build_workload
 from policies import Scheduler, SchedulerConfig, TraceRecorder, make_block_manager, make_policy
 from policies.outputs import SchedulerOutput
 from policies.request import Request, SamplingParams

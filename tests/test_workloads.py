@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments.workloads import build_workload
+from experiments.lib.workloads import build_workload
 
 BASE = {"kind": "synthetic", "name": "t", "num_requests": 200, "arrival": "poisson", "rate": 10.0, "burstiness": 1.0,
             "prompt_len": {"dist": "fixed", "value": 8}, "output_len": {"dist": "fixed", "value": 4},

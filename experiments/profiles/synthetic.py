@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
-from experiments import factory
+from experiments.lib import factory
 from sim.latency.base import BatchShape
 from sim.latency.profiled import write_profile
 from sim.latency.roofline import RooflineModel

@@ -9,7 +9,7 @@ program on its critical path, four 448-token prompts have 4-tile ones, whatever 
 `PrefillSchedule.makespan` packs the programs heaviest first onto `concurrent` slots (list
 scheduling, as the hardware hands a freed SM the next program) and returns the busiest slot's
 load in key tiles.  The profiler fits seconds per key tile from its split rows
-(experiments/profiling/grid.py) and the profiled latency model prices a step's prefill layout by
+(experiments/lib/profiling/grid.py) and the profiled latency model prices a step's prefill layout by
 the difference in makespan from the one-sequence layout its grid measured.
 """
 from __future__ import annotations

@@ -37,7 +37,7 @@ import torch
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from experiments.profiling.synthetic import decode_contexts
+from experiments.lib.profiling.synthetic import decode_contexts
 from policies import SamplingParams, TraceRecorder
 
 DECODE_PROMPT_LEN = 16

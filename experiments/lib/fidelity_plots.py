@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from experiments.fidelity_report import kv_usage
+from experiments.lib.fidelity_report import kv_usage
 
 STYLE = {"engine": {"color": "tab:blue", "lw": 1.6}, "sim": {"color": "tab:orange", "lw": 1.2, "ls": "--"}}
 

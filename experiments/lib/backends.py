@@ -1,7 +1,7 @@
 """Backend dispatch for `experiments.run` / `experiments.ab`: `cfg.backend.name` -> a run function.
 
 A backend is one function `run(cfg, workload, recorder, on_done) -> BackendRun`: it builds its
-scheduler (`experiments.factory.build_scheduler`, handing it `recorder`), feeds it `workload`'s
+scheduler (`experiments.lib.factory.build_scheduler`, handing it `recorder`), feeds it `workload`'s
 requests at their arrival times, executes every step, calls `on_done(n)` as n requests end, and
 returns when all have ended. Adding a backend = one `@register_backend("name")` function here (or
 in a module imported here) plus `conf/backend/<name>.yaml` with `name: <name>`.
@@ -14,8 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from experiments import factory
-from experiments.workloads import Workload
+from experiments.lib import factory
+from experiments.lib.workloads import Workload
 from policies.trace import TraceRecorder
 
 
@@ -62,5 +62,5 @@ def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
 @register_backend("engine")
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
-    from experiments.engine_backend import run_engine as run_on_engine  # imports torch: only when used
+    from experiments.lib.engine_backend import run_engine as run_on_engine  # imports torch: only when used
     return run_on_engine(cfg, workload, recorder, on_done)

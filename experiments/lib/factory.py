@@ -10,8 +10,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.paths import resolve_path
-from experiments.workloads import Workload, build_workload
+from experiments.lib.paths import resolve_path
+from experiments.lib.workloads import Workload, build_workload
 from sim.latency import Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel
 
 LATENCY_MODELS = ("roofline", "profiled")

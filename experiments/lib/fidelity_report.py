@@ -4,7 +4,7 @@ its tests).
 `error_rows(engine, sim)`: for each headline metric the engine value (truth), the simulator's and
 the relative error (sim - engine) / engine, with the issue's targets: <= 5% on request and output
 token throughput and mean TPOT, <= 10% on p90 TTFT (the others are reported without a target).
-Metrics come from `experiments.metrics.summarize` over each run's requests and steps, so both
+Metrics come from `experiments.lib.metrics.summarize` over each run's requests and steps, so both
 sides use vLLM's definitions on the same trace schema.
 
 `ranking_row(...)`: an A/B difference (B - A of one metric) measured on the engine and predicted
@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from experiments.bootstrap import excludes_zero
-from experiments.metrics import summarize
+from experiments.lib.bootstrap import excludes_zero
+from experiments.lib.metrics import summarize
 
 # (column, label, summary path, target or None)
 METRICS = (
@@ -273,5 +273,5 @@ def report_markdown(meta: Mapping[str, Any], table: pd.DataFrame, ranking: list[
             f"## Policy ranking (A/B on the engine vs in the simulator)\n\n{ranking_markdown(ranking)}\n"
             f"## Where the time goes (per step kind)\n\n{breakdown_markdown(breakdown)}\n"
             f"## Scenarios\n\n" + "\n".join(lines) + "\n\nPlots: `<scenario>.png` (CDFs of TTFT, TPOT, E2E; KV "
-            f"usage over time; `cpu_probe_us` in experiments/profiling/host.py is the host CPU gauge). "
+            f"usage over time; `cpu_probe_us` in experiments/lib/profiling/host.py is the host CPU gauge). "
             f"Traces: `{meta['runs_dir']}`.\n")

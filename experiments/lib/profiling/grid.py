@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.profiling.synthetic import StepShape, split_tokens
+from experiments.lib.profiling.synthetic import StepShape, split_tokens
 from sim.latency.prefill_schedule import PrefillSchedule
 from sim.latency.profiled import COLUMNS
 

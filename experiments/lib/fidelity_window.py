@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.profiling.grid import write_profile
-from experiments.profiling.host import decode_periods
+from experiments.lib.profiling.grid import write_profile
+from experiments.lib.profiling.host import decode_periods
 from sim.latency.profiled import read_profile
 
 WARMUP, REPEATS = 2, 15  # conf/profile.yaml's warmup and host_repeats
@@ -73,6 +73,6 @@ def window_profile(profile: str | Path, runs_dir: Path) -> Path | None:
         if t is not None:
             row["time_s"], replaced = f"{t:.9g}", replaced + 1
     meta["window_profile"] = (f"{replaced} decode-only rows re-timed in the engine-run window (median of "
-                              f"{periods['round'].nunique()} rounds, experiments/fidelity_window.py); "
+                              f"{periods['round'].nunique()} rounds, experiments/lib/fidelity_window.py); "
                               f"standalone profile {profile}")
     return write_profile(runs_dir / PROFILE_CSV, meta, [row for _, row in rows])

@@ -14,8 +14,8 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from experiments.workloads import Workload, register_workload
-from experiments.workloads.common import get_int, make_request
+from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.common import get_int, make_request
 
 MAX_TOKEN_ID = 10000  # randint(0, 10000) is inclusive
 

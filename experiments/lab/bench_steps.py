@@ -1,6 +1,6 @@
-"""`python -m experiments.bench_steps [--eager] [--no-compile] [--greedy] [--reps N]`: wall time of
+"""`python -m experiments.lab.bench_steps [--eager] [--no-compile] [--greedy] [--reps N]`: wall time of
 one `ModelRunner.execute` per step shape (prefill-only, decode-only, mixed), CUDA-synchronised,
-median of N after warm-up, on synthetic steps (`experiments.profiling.synthetic`: every sequence
+median of N after warm-up, on synthetic steps (`experiments.lib.profiling.synthetic`: every sequence
 has its own KV blocks) with Qwen3-0.6B shapes and dummy bf16 weights, under nano-vllm's engine
 limits (16384 batched tokens, 512 sequences, max_model_len 4096).
 
@@ -19,7 +19,7 @@ import torch
 
 from engine.config import CacheConfig, load_model_config
 from engine.model_runner import ModelRunner
-from experiments.profiling.synthetic import StepShape, blocks_needed, synthetic_step
+from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from policies.request import SamplingParams
 
 SHAPES = [StepShape(2, 1, 0, 0), StepShape(128, 1, 0, 0), StepShape(512, 1, 0, 0), StepShape(2048, 4, 0, 0),

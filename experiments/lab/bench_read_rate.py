@@ -1,12 +1,12 @@
 """Rounds 12-13 of kernels/NOTES.md: what read rate can a Triton loop reach at all, and where does a
-decode launch's time go?  `python -m experiments.bench_read_rate [--ceiling | --timeline | --tma |
+decode launch's time go?  `python -m experiments.lab.bench_read_rate [--ceiling | --timeline | --tma |
 --tma-1g | --tma-paged] [--out DIR]` (CUDA only).
 
 `--ceiling`: plain read kernels (no math) over 1 GiB and 8 GiB with 2-16 programs per SM, beside SDPA
 on as many bytes: the device's read ceiling.  `--timeline`: every work unit's start, end (%globaltimer)
 and SM for the paged skeleton below, as whole items, chunks of items, or chunks taken from an atomic
 queue by a fixed grid; writes the units to a second CSV.  `--tma` / `--tma-1g`: Gluon TMA reads
-(experiments/bench_read_tma.py, round 14); `--tma-paged`: TMA reads of the decode benchmark's paged
+(experiments/lab/bench_read_tma.py, round 14); `--tma-paged`: TMA reads of the decode benchmark's paged
 cache, by KV head and by whole pages, then `--tma-1g` (round 16).
 
 Default: same bytes as decode at batch 64 x 4k (Qwen3-0.6B: 8 KV heads, head_dim 128, bf16): K and V as
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from experiments.bench_kernels_sweep import uniform
-from experiments.bench_timing import copy_gbps, graph_ms, run_stamp
+from experiments.lab.bench_kernels_sweep import uniform
+from experiments.lib.kernel_timing import copy_gbps, graph_ms, run_stamp
 from kernels.decode import DecodeConfig
 
 B, HQ, HKV, L, D, PAGE = 64, 16, 8, 4096, 128, 16
@@ -288,7 +288,7 @@ def main() -> None:
         ceiling_round(add)
         return
     if args.tma or args.tma_1g or args.tma_paged:
-        from experiments.bench_read_tma import paged_round, tma_round  # Gluon: its own module
+        from experiments.lab.bench_read_tma import paged_round, tma_round  # Gluon: its own module
 
         paged_round(add) if args.tma_paged else tma_round(add, small_only=args.tma_1g)
         return

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments.workloads import Workload, register_workload
-from experiments.workloads.common import get_int, get_positive, is_int, is_num, make_request
+from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.common import get_int, get_positive, is_int, is_num, make_request
 
 ARRIVALS = ("offline", "poisson", "gamma")
 DISTS = ("fixed", "uniform", "lognormal")

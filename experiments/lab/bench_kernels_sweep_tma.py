@@ -1,4 +1,4 @@
-"""Rounds 14, 15 and 17 of kernels/NOTES.md for `python -m experiments.bench_kernels_sweep --tma | --lead |
+"""Rounds 14, 15 and 17 of kernels/NOTES.md for `python -m experiments.lab.bench_kernels_sweep --tma | --lead |
 --order`: the
 Gluon TMA decode kernel (kernels/decode_tma.py) over tile, ring depth, lead and warps at B64x4k
 beside the per-head kernel and SDPA, its loads alone (math skipped), then its fastest settings at
@@ -9,8 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from experiments.bench_kernels_cases import decode_problem
-from experiments.bench_kernels_sweep import (
+from experiments.lab.bench_kernels_sweep import (
     BS,
     HKV,
     HQ,
@@ -22,7 +21,8 @@ from experiments.bench_kernels_sweep import (
     sequential_tables,
     uniform,
 )
-from experiments.bench_timing import copies_for, graph_ms
+from experiments.lib.kernel_cases import decode_problem
+from experiments.lib.kernel_timing import copies_for, graph_ms
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_splits import choose_num_splits, merge_splits, split_partials
 from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma

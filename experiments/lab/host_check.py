@@ -1,5 +1,5 @@
 """Is the host CPU's speed steady, and is a slow spell one core's or the whole machine's?
-`python -m experiments.profiling.host_check [--rounds 8] [--samples 20] [--pause 1] [--out FILE.csv]`.
+`python -m experiments.lab.host_check [--rounds 8] [--samples 20] [--pause 1] [--out FILE.csv]`.
 
 The engine's per-step host work (scheduler, input writes, launches) runs on one Python thread, so
 its speed sets the host share of every step (README "Simulator fidelity": up to 2.5x drift on the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.profiling.host import cpu_probe_us
+from experiments.lib.profiling.host import cpu_probe_us
 
 
 def steal_ticks() -> int | None:

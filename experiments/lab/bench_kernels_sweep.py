@@ -1,11 +1,11 @@
-"""Decode design sweep on a CUDA GPU: `python -m experiments.bench_kernels_sweep [--per-head | --waves |
+"""Decode design sweep on a CUDA GPU: `python -m experiments.lab.bench_kernels_sweep [--per-head | --waves |
 --tiles | --streams | --tma | --lead | --order] [--out DIR]`.
 
 `--order` (round 17): the per-head and Gluon TMA kernels on ragged batches, launched longest first.
 `--lead` (round 15): the Gluon TMA kernel (query heads as the MMA's N) over how far ahead it refills.
 `--tma` (round 14): the Gluon TMA kernel (kernels/decode_tma.py): its tile, ring depth and warps at
 B64x4k, its loads alone against the whole kernel on two storage layouts, its best settings elsewhere.
-These three rounds live in experiments/bench_kernels_sweep_tma.py.
+These three rounds live in experiments/lab/bench_kernels_sweep_tma.py.
 
 `--streams` (round 8): the per-head kernel on three cache storage layouts (block-major NHD, 4 KB
 HND pages, head-major) with random and sequential block tables.  Head-major storage with
@@ -37,8 +37,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from experiments.bench_kernels_cases import decode_problem, kernel_report
-from experiments.bench_timing import copies_for, copy_gbps, graph_ms, run_stamp
+from experiments.lib.kernel_cases import decode_problem, kernel_report
+from experiments.lib.kernel_timing import copies_for, copy_gbps, graph_ms, run_stamp
 from kernels import decode_packed
 from kernels.decode import DecodeConfig, paged_decode_attention
 from kernels.decode_packed import PackedDecodeConfig as P
@@ -256,7 +256,7 @@ def main() -> None:
         streams_round(save, copy_bw)
         return
     if args.tma or args.lead or args.order:
-        from experiments.bench_kernels_sweep_tma import (  # it imports this module's helpers
+        from experiments.lab.bench_kernels_sweep_tma import (  # it imports this module's helpers
             lead_round,
             order_round,
             tma_round,

@@ -1,5 +1,5 @@
 """Where a decode step's wall time goes, window by window:
-`python -m experiments.profiling.step_phases [--model qwen3-0.6b] [--decodes 16] [--builds 2] [--windows 4]`.
+`python -m experiments.lab.step_phases [--model qwen3-0.6b] [--decodes 16] [--builds 2] [--windows 4]`.
 
 For each of `builds` fresh runners (allocations, CUDA-graph capture) it replays one synthetic
 decode step (`--decodes` sequences at `--context` tokens) in `windows` one-second-apart windows and
@@ -20,7 +20,7 @@ import torch
 from engine.config import CacheConfig, load_model_config
 from engine.model_runner import ModelRunner
 from engine.sampler import sample_with_temperatures
-from experiments.profiling.synthetic import StepShape, synthetic_step
+from experiments.lib.profiling.synthetic import StepShape, synthetic_step
 
 PHASES = ("plan", "write+launch", "sample-launch", "wait", "total")
 

@@ -8,7 +8,7 @@ from typing import Any
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.paths import REPO_ROOT, resolve_path
+from experiments.lib.paths import REPO_ROOT, resolve_path
 
 DEFAULT_SPEC = REPO_ROOT / "conf" / "fidelity" / "default.yaml"
 

@@ -1,4 +1,4 @@
-"""`python -m experiments.profile_engine_step [overrides] [--steps N]`: where a decode step's time goes.
+"""`python -m experiments.lab.profile_engine_step [overrides] [--steps N]`: where a decode step's time goes.
 
 Loads bench_throughput's nano-vllm requests into the engine, runs until every request is decoding,
 then times N steps split into scheduler.schedule / runner.execute (forward + sampling, synchronous:
@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from experiments import factory
 from experiments.bench_throughput import BASE
-from experiments.engine_backend import engine_args, get_engine
-from experiments.fidelity_spec import compose_cfg
+from experiments.lib import factory
+from experiments.lib.engine_backend import engine_args, get_engine
+from experiments.lib.fidelity_spec import compose_cfg
 
 
 def _timed(obj, name: str, acc: dict[str, float]):

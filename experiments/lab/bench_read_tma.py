@@ -1,5 +1,5 @@
 """Rounds 14 and 16 of kernels/NOTES.md: Gluon TMA reads against SDPA, run as `python -m
-experiments.bench_read_rate --tma | --tma-1g | --tma-paged` (CUDA, Hopper or newer).
+experiments.lab.bench_read_rate --tma | --tma-1g | --tma-paged` (CUDA, Hopper or newer).
 
 Each program keeps NBUF boxes of BR rows (256 bytes each: one head_dim-128 bf16 row) in flight over
 its contiguous share of the same bytes SDPA reads at batch 64 x 4k (and 32k), one thread issuing the
@@ -13,8 +13,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from experiments.bench_read_rate import D, L, _sdpa_then_flat
-from experiments.bench_timing import graph_ms
+from experiments.lab.bench_read_rate import D, L, _sdpa_then_flat
+from experiments.lib.kernel_timing import graph_ms
 
 
 @gluon.jit
@@ -134,7 +134,7 @@ def _paged_reads(add_bytes) -> None:
     block-major storage) by KV head (4 KB boxes, the decode kernel's) or by whole pages (32 KB per page
     and tensor, 8 splits per sequence: 512 programs either way), beside SDPA on the same bytes laid out
     contiguously and the decode kernel with and without its math."""
-    from experiments.bench_kernels_cases import decode_problem
+    from experiments.lib.kernel_cases import decode_problem
     from kernels.decode_tma import TmaDecodeConfig, paged_decode_tma
 
     prob, k, v = decode_problem(64, L, 16, 8, D, 16)

@@ -22,9 +22,9 @@ from engine.attention import DEFAULT_DECODE_KERNEL
 from engine.config import DTYPES, ModelConfig, check_against_gguf
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
-from experiments import factory
-from experiments.backends import BackendRun
-from experiments.workloads import Workload
+from experiments.lib import factory
+from experiments.lib.backends import BackendRun
+from experiments.lib.workloads import Workload
 from policies.trace import TraceRecorder
 
 _ENGINE: dict[str, LLMEngine] = {}  # at most one: repr(EngineArgs) -> engine

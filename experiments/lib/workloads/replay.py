@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from experiments.paths import resolve_path
-from experiments.workloads import Workload, register_workload
-from experiments.workloads.common import get_int, get_positive, is_int, is_num, make_request
+from experiments.lib.paths import resolve_path
+from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.common import get_int, get_positive, is_int, is_num, make_request
 
 
 def _bad(path: Path, line: int, field: str, value: Any, allowed: str) -> ValueError:

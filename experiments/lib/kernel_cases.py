@@ -3,7 +3,7 @@
 import torch
 from triton.testing import do_bench
 
-from experiments.bench_timing import wall_ms
+from experiments.lib.kernel_timing import wall_ms
 from kernels import copy as block_copy
 from kernels import decode, decode_packed, decode_splits, prefill, reference
 from kernels.cache_write import write_kv_cache
