@@ -2,14 +2,14 @@
 --order`: the
 Gluon TMA decode kernel (kernels/decode_tma.py) over tile, ring depth, lead and warps at B64x4k
 beside the per-head kernel and SDPA, its loads alone (math skipped), then its fastest settings at
-the other grid points; the launch order of ragged batches.  The timing helpers are bench_kernels_sweep's.
+the other grid points; the launch order of ragged batches.  Problem timing: decode_points.py.
 """
 
 from dataclasses import replace
 
 import torch
 
-from experiments.lab.bench_kernels_sweep import (
+from experiments.lab.decode_points import (
     BS,
     HKV,
     HQ,

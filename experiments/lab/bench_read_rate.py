@@ -31,11 +31,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from experiments.lab.bench_kernels_sweep import uniform
+from experiments.lab.decode_points import uniform
+from experiments.lab.read_bytes import HKV, HQ, PAGE, B, D, L, sdpa_then_flat
 from experiments.lib.kernel_timing import copy_gbps, graph_ms, run_stamp
 from kernels.decode import DecodeConfig
-
-B, HQ, HKV, L, D, PAGE = 64, 16, 8, 4096, 128, 16
 
 
 @triton.jit
@@ -132,19 +131,10 @@ def ceiling_round(add_bytes) -> None:
     """The device's read ceiling: plain read kernels (ld.global at stages 1, cp.async above) over
     1 GiB and 8 GiB with 2-16 programs per SM, beside SDPA on as many bytes (B64 x 4k and x 32k)."""
     for ctx in (L, 8 * L):
-        flat = _sdpa_then_flat(ctx, add_bytes)
+        flat = sdpa_then_flat(ctx, add_bytes)
         _read_variants(flat, ctx, add_bytes)
         del flat
         torch.cuda.empty_cache()
-
-
-def _sdpa_then_flat(ctx: int, add_bytes) -> torch.Tensor:
-    k = torch.randn(B, HKV, ctx, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
-    ms = graph_ms([lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)])
-    add_bytes(f"ceiling-{ctx}-sdpa", ms, k.nbytes + v.nbytes)
-    return torch.cat([k.view(-1), v.view(-1)])
 
 
 def _read_variants(flat: torch.Tensor, ctx: int, add_bytes) -> None:

@@ -13,7 +13,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from experiments.lab.bench_read_rate import D, L, _sdpa_then_flat
+from experiments.lab.read_bytes import D, L, sdpa_then_flat
 from experiments.lib.kernel_timing import graph_ms
 
 
@@ -50,7 +50,7 @@ def tma_round(add_bytes, small_only: bool = False) -> None:
     per SM; 128 B swizzle or none) over 1 GiB and 8 GiB, beside SDPA on as many bytes."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for ctx in (L,) if small_only else (L, 8 * L):
-        flat = _sdpa_then_flat(ctx, add_bytes).view(-1, D)
+        flat = sdpa_then_flat(ctx, add_bytes).view(-1, D)
         for br, nbuf, per_sm in TMA_VARIANTS:
             for swizzle in (128,) if small_only else (128, 0):
                 programs = sms * per_sm
