@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from policies.registry import Registry
+
 CONF_MODEL_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -25,6 +26,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{field}={value!r} is not supported: {allowed}")
+
+
+def _architectures() -> Registry[type]:
+    """The registered model architectures (imported here, not at the top: the model code imports
+    this module)."""
+    from engine.models import MODELS
+    return MODELS
 
 
 def reject_unknown_fields(cls: type, d: dict[str, Any], what: str) -> None:
@@ -64,8 +72,7 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise _bad("architecture", self.architecture, f"one of {ARCHITECTURES}")
+        _architectures().get(self.architecture)  # ValueError naming the registered ones
         for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
             v = getattr(self, f)
@@ -147,11 +154,11 @@ class ModelConfig:
         archs = list(getattr(hf, "architectures", None) or [])
         model_type = getattr(hf, "model_type", None)
         arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
-        if arch is None and model_type in ARCHITECTURES and not archs:
+        if arch is None and model_type in _architectures() and not archs:
             arch = model_type
         if arch is None:
             raise _bad("architectures", archs or model_type,
-                       f"one of {sorted(HF_ARCHITECTURES)} (model_type {ARCHITECTURES})")
+                       f"one of {sorted(HF_ARCHITECTURES)} (model_type {_architectures().names()})")
         for moe_field in ("num_experts", "num_local_experts", "n_routed_experts"):
             if getattr(hf, moe_field, None):
                 raise _bad(moe_field, getattr(hf, moe_field), "mixture-of-experts models are not supported")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
+from engine.models import MODELS
 from engine.models.llama import LlamaForCausalLM
 
 # transformers name -> (our fused parameter, shard name); shard offsets come from the config.
@@ -37,7 +38,7 @@ def build_model(cfg: ModelConfig, ops: ModuleType, device: torch.device | str, d
     """The model on `device` in `dtype` (RoPE tables stay float32) with its weights loaded."""
     device = torch.device(device)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, ops, max_positions, compile)
+        model = MODELS.get(cfg.architecture)(cfg, ops, max_positions, compile)
     for p in model.parameters():
         p.data = p.data.to(dtype)
     load_weights(model, cfg.weights, seed)

@@ -18,6 +18,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
 from engine.models.ops import fused_ops, rope_rows
+from engine.models.registry import register_model
 from engine.models.rope import RotaryEmbedding
 
 
@@ -98,6 +99,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+@register_model("llama", "qwen2", "qwen3")
 class LlamaForCausalLM(nn.Module):
     """`ops`: the attention kernels module (`kernels` or `kernels.reference`); `compile`: wrap the
     elementwise pieces in torch.compile (GPU)."""

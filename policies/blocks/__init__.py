@@ -1,25 +1,19 @@
 """KV block managers: `paged` (PagedAttention), `prefix` (paged + automatic prefix caching) and
-`contiguous` (the pre-PagedAttention reservation baseline), built by name with `make_block_manager`."""
+`contiguous` (the pre-PagedAttention reservation baseline), built by name with `make_block_manager`.
+A new one subclasses `BlockManager`, registers with `@register_block_manager("name")` and is
+imported below."""
 from __future__ import annotations
 
-from policies.blocks.base import AllocStatus, BlockManager, BlockUsage
+from policies.blocks.base import BLOCK_MANAGERS, AllocStatus, BlockManager, BlockUsage, register_block_manager
 from policies.blocks.contiguous import ContiguousBlockManager
 from policies.blocks.paged import PagedBlockManager
 from policies.blocks.pool import OutOfBlocksError
 from policies.blocks.prefix import PrefixCachingBlockManager
 
-BLOCK_MANAGERS: dict[str, type[BlockManager]] = {
-    "paged": PagedBlockManager,
-    "prefix": PrefixCachingBlockManager,
-    "contiguous": ContiguousBlockManager,
-}
-
 
 def make_block_manager(kind: str, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
                        watermark: float = 0.01, max_model_len: int | None = None) -> BlockManager:
-    if kind not in BLOCK_MANAGERS:
-        raise ValueError(f"kind={kind!r} is unknown: choose one of {sorted(BLOCK_MANAGERS)}")
-    return BLOCK_MANAGERS[kind](block_size, num_gpu_blocks, num_cpu_blocks, watermark, max_model_len)
+    return BLOCK_MANAGERS.get(kind)(block_size, num_gpu_blocks, num_cpu_blocks, watermark, max_model_len)
 
 
 __all__ = [
@@ -32,4 +26,5 @@ __all__ = [
     "PagedBlockManager",
     "PrefixCachingBlockManager",
     "make_block_manager",
+    "register_block_manager",
 ]

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from policies.registry import Registry
 from policies.sequence import Sequence
 
 
@@ -30,6 +31,11 @@ class BlockUsage:
     cpu_total: int
     prefix_hits: int = 0  # prefix caching: blocks found in cache (cumulative)
     prefix_queries: int = 0  # prefix caching: full blocks looked up (cumulative)
+
+
+# Implementations register with `@register_block_manager("name")`; `make_block_manager` builds by name.
+BLOCK_MANAGERS: Registry[type[BlockManager]] = Registry("block manager", field="kind")
+register_block_manager = BLOCK_MANAGERS.register
 
 
 class BlockManager(ABC):

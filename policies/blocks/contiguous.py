@@ -17,12 +17,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from policies.blocks.base import AllocStatus, BlockManager, BlockUsage
+from policies.blocks.base import AllocStatus, BlockManager, BlockUsage, register_block_manager
 from policies.blocks.extents import ExtentAllocator
 from policies.blocks.pool import BlockPool, OutOfBlocksError
 from policies.sequence import Sequence
 
 
+@register_block_manager("contiguous")
 class ContiguousBlockManager(BlockManager):
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
                  watermark: float = 0.01, max_model_len: int | None = None) -> None:

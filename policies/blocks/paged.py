@@ -17,11 +17,12 @@ from collections import Counter
 from collections.abc import Iterable
 
 from policies.blocks import paged_decode_run
-from policies.blocks.base import AllocStatus, BlockManager, BlockUsage
+from policies.blocks.base import AllocStatus, BlockManager, BlockUsage, register_block_manager
 from policies.blocks.pool import BlockPool, OutOfBlocksError
 from policies.sequence import Sequence
 
 
+@register_block_manager("paged")
 class PagedBlockManager(BlockManager):
     # Whether two requests may hold the same block (prefix caching); forked siblings always may.
     shares_across_requests = False

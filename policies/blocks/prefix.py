@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies.blocks.base import AllocStatus, BlockUsage
+from policies.blocks.base import AllocStatus, BlockUsage, register_block_manager
 from policies.blocks.caching_pool import CachingBlockPool
 from policies.blocks.paged import PagedBlockManager
 from policies.blocks.pool import OutOfBlocksError
@@ -31,6 +31,7 @@ def block_hash(parent_hash: int, token_ids: list[int]) -> int:
     return hash((parent_hash, *token_ids))
 
 
+@register_block_manager("prefix")
 class PrefixCachingBlockManager(PagedBlockManager):
     shares_across_requests = True
     gpu: CachingBlockPool

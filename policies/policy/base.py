@@ -10,28 +10,28 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from policies.registry import Registry
 from policies.sequence import Sequence
 
 PREEMPTION_MODES = ("recompute", "swap")
-_REGISTRY: dict[str, type[Policy]] = {}
+POLICIES: Registry[type[Policy]] = Registry("scheduling policy", field="policy")
 
 
 def register_policy(name: str) -> Callable[[type[Policy]], type[Policy]]:
+    register = POLICIES.register(name)
+
     def wrap(cls: type[Policy]) -> type[Policy]:
-        _REGISTRY[name] = cls
         cls.name = name
-        return cls
+        return register(cls)
     return wrap
 
 
 def available_policies() -> list[str]:
-    return sorted(_REGISTRY)
+    return POLICIES.names()
 
 
 def make_policy(name: str, **kwargs: Any) -> Policy:
-    if name not in _REGISTRY:
-        raise ValueError(f"policy={name!r} is unknown: choose one of {available_policies()}")
-    return _REGISTRY[name](**kwargs)
+    return POLICIES.get(name)(**kwargs)
 
 
 class Policy(ABC):
