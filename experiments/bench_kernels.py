@@ -9,7 +9,7 @@ launched longest first); prefill of single prompts (causal) against SDPA; KV wri
 target points (decode 64 x 4k, small batches; prefill 8k); every variant is checked against SDPA
 (or the float64 reference) before it is timed.  Kernels and SDPA are timed from CUDA-graph replays
 (experiments/lib/kernel_timing.py).  Prints one table and writes it as CSV with device and date to --out (default
-experiments/results/), rewritten after every point.
+outputs/bench_kernels/), rewritten after every point.
 """
 
 import argparse
@@ -226,7 +226,7 @@ def bench_prefill(matmul: float, sweep: bool) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="experiments/results", help="folder for the CSV")
+    parser.add_argument("--out", default="outputs/bench_kernels", help="folder for the CSV")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile-shape sweeps")
     parser.add_argument("--only", choices=["decode", "prefill", "blocks"], help="run one section")
     args = parser.parse_args()

@@ -12,7 +12,7 @@ In the same run:
   transformers continuous batching and padded `generate`;
 - a latency run: Poisson arrivals at three rates through `experiments.run backend=engine`
   (nano-vllm's length distribution), TTFT and TPOT p50/p99.
-Prints one table and writes CSV + markdown (device, date, versions) to experiments/results/.
+Prints one table and writes CSV + markdown (device, date, versions) to --out (default outputs/bench_throughput/).
 Overrides are Hydra overrides of conf/config.yaml (e.g. `model.num_hidden_layers=2` for a smoke run).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from policies.request import SamplingParams
 BASE = ["backend=engine", "model=qwen3-0.6b", "workload=nanovllm",  # nano-vllm's engine limits:
         "scheduler.max_num_batched_tokens=16384", "scheduler.max_num_seqs=512", "scheduler.max_model_len=4096",
         "progress=false", "plots=false"]
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path("outputs/bench_throughput")
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:

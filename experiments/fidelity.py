@@ -8,7 +8,7 @@ builds one request stream and runs it through `backend=engine` and through `back
 `latency=profiled` (the profile of this device and model), the simulator getting the engine's
 KV block counts. `load` scenarios arrive at `load x capacity`, capacity being the engine's output
 token throughput on the spec's `capacity` scenario divided by the scenario's mean output length.
-Writes into --out (default experiments/results/fidelity): `fidelity.md` (device, date, command,
+Writes into --out (default <runs>/report): `fidelity.md` (device, date, command,
 error table, policy-ranking table), `fidelity.csv`, `ranking.csv`, `meta.json` and one PNG per
 scenario (CDFs, KV usage); full traces go to --runs (default outputs/fidelity/<date>/<time>).
 `--engine-runs DIR` reuses the engine traces of an earlier --runs dir (the simulator runs again).
@@ -49,7 +49,7 @@ from experiments.lib.fidelity_report import (
     target_summary,
 )
 from experiments.lib.fidelity_spec import DEFAULT_SPEC, compose_cfg, load_spec
-from experiments.lib.paths import REPO_ROOT, resolve_path
+from experiments.lib.paths import resolve_path
 from experiments.lib.profiling.host import cpu_probe_us
 from experiments.lib.traces import load_run
 from experiments.run import run
@@ -242,7 +242,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides added to every run")
     parser.add_argument("--spec", default=str(DEFAULT_SPEC), help="scenario file (conf/fidelity/*.yaml)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "experiments" / "results" / "fidelity")
+    parser.add_argument("--out", type=Path, default=None, help="report dir (default <runs>/report)")
     parser.add_argument("--runs", type=Path, default=None, help="trace dir (default outputs/fidelity/<date>/<time>)")
     parser.add_argument("--engine-runs", type=Path, default=None, help="reuse the engine runs of this --runs dir")
     parser.add_argument("--profile", default=None, help="latency profile CSV (default: the sim config's latency.path)")
@@ -297,7 +297,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
         print(f"[fidelity] engine runs in {runs_dir}: run the simulator side with --engine-runs {runs_dir}")
         return fid
     meta.update({"profile": fid.sim_profile(), "runs_dir": str(runs_dir), "spec": str(args.spec)})
-    print(fid.write(args.out, meta))
+    print(fid.write(args.out or runs_dir / "report", meta))
     return fid
 
 

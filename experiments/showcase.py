@@ -1,5 +1,6 @@
 """`python -m experiments.showcase [--out DIR]`: the headline comparisons, as a markdown table in
-experiments/results/showcase.md (runs and plots under outputs/showcase/<date>/<time>/).
+<out>/showcase.md, runs and plots beside it (default out: outputs/showcase/<date>/<time>/; the
+result of record is experiments/results/showcase.md).
 
 1. The seed question of PagedAttention: with the same KV memory, `blocks=contiguous` (reserve
    prompt + max_tokens up front) vs `blocks=paged` on a ShareGPT-like offline batch whose requests
@@ -22,10 +23,8 @@ from hydra import compose, initialize_config_module
 
 from experiments.ab import compare
 from experiments.lib.cli import run_cli
-from experiments.lib.paths import REPO_ROOT
 from experiments.run import run
 
-RESULT = REPO_ROOT / "experiments/results/showcase.md"
 BASE = ["progress=false", "model=qwen3-0.6b", "hardware=h200", "latency=roofline", "seed=0"]
 PAGED = ["workload=sharegpt", "workload.arrival=offline", "workload.num_requests=1000", "workload.max_tokens=2048",
          "blocks.kv_cache_gib=4"]
@@ -101,19 +100,20 @@ def _main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(prog="python -m experiments.showcase", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="runs dir (default outputs/showcase/<date>/<time>)")
-    parser.add_argument("--result", type=Path, default=RESULT, help="markdown file to write")
+    parser.add_argument("--result", type=Path, default=None, help="markdown file to write (default <out>/showcase.md)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     logging.getLogger("servelab.scheduler").setLevel(logging.ERROR)  # preemption warnings are expected here
     out = args.out or Path("outputs/showcase") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    result = args.result or out / "showcase.md"
     plots = not args.no_plots
     sections: list[Any] = [paged_vs_contiguous(out, plots), fcfs_vs_priority(out, plots), swap_vs_recompute(out, plots)]
     text = ("## Showcase (simulator, roofline model: qwen3-0.6b on one H200, `python -m experiments.showcase`)\n\n"
             + "\n".join(sections))
-    args.result.parent.mkdir(parents=True, exist_ok=True)
-    args.result.write_text(text)
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.write_text(text)
     print(text)
-    print(f"written to {args.result}; runs in {out}")
+    print(f"written to {result}; runs in {out}")
     return text
 
 

@@ -149,7 +149,7 @@ def streams_round(save, copy_bw: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="experiments/results")
+    parser.add_argument("--out", default="outputs/bench_kernels_sweep")
     parser.add_argument("--per-head", action="store_true", help="round 6: the per-head kernel's grid")
     parser.add_argument("--waves", action="store_true", help="round 7: batches of whole and partial waves")
     parser.add_argument("--tiles", action="store_true", help="round 7b: 128-key tiles, 2-warp programs")

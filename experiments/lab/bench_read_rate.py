@@ -247,7 +247,7 @@ def stream_round(add) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="experiments/results")
+    parser.add_argument("--out", default="outputs/bench_read_rate")
     parser.add_argument(
         "--ceiling", action="store_true", help="plain read kernels at 1 and 8 GiB beside SDPA"
     )
