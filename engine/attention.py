@@ -21,9 +21,9 @@ import torch
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
 DECODE_KERNELS = ("per-head", "packed", "tma")
 # The engine default: faster than per-head on the ragged batches an engine runs and from ~8k tokens
-# per sequence (kernels/NOTES.md round 5), and its time follows total tokens, not the longest context.
+# per sequence (docs/kernels.md), and its time follows total tokens, not the longest context.
 # "tma" (launched longest first) is 4.6% faster on nano-vllm, but the simulator's profiles price it
-# less well (25/32 fidelity targets against 32/32: kernels/NOTES.md round 17).
+# less well (25/32 fidelity targets against 32/32: docs/kernels.md).
 DEFAULT_DECODE_KERNEL = "packed"
 
 

@@ -159,7 +159,7 @@ class BatchBuilder:
         v["decode_context_lens"][:d] = plan.decode_positions + 1
         v["decode_context_lens"][d:] = 0
         # Longest first: the per-head and TMA decode kernels launch the longest sequences' programs
-        # first once their grid exceeds one wave (kernels/decode_splits.py, NOTES.md round 17)
+        # first once their grid exceeds one wave (kernels/decode_splits.py: launch_order)
         v["decode_order"][:] = np.argsort(-v["decode_context_lens"], kind="stable")
         cu, ctx, tables = v["prefill_cu_seqlens_q"], v["prefill_context_lens"], v["prefill_block_tables"]
         row = cu[0] = d

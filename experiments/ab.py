@@ -223,7 +223,7 @@ def compare(cfg_a: DictConfig, cfg_b: DictConfig, out_dir: str | Path, label_a: 
     round's pair runs under one host state, and the rounds show whether a difference reproduces).
     `warmup` (default: on for backend=engine) runs A once, unrecorded, into `_warmup/` first: the
     engine's first run compiles Triton and torch.compile variants for new shapes, which on an H200
-    made round 1's A up to 46% slower in TTFT than A in later rounds (2026-11-22)."""
+    made the first round's A up to 46% slower in TTFT than A in later rounds."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds={rounds!r} is invalid: must be an integer >= 1")
     out_dir = Path(out_dir)

@@ -40,10 +40,10 @@ DECODE_BATCHES = (1, 8, 64, 256)
 DECODE_CONTEXTS = (512, 1024, 4096, 32768)
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)
 REFERENCE_MAX_TOKENS = 64 * 4096  # the per-sequence torch reference is slow and memory-hungry
-# Round 5 (kernels/NOTES.md): every decode point times the default (per-KV-head) kernel, the
-# packed one (PackedDecodeConfig()) and (round 14) the Gluon TMA one; these variants run at the points named.
+# Every decode point times the per-KV-head kernel, the packed one (PackedDecodeConfig()) and the
+# Gluon TMA one (docs/kernels.md); these variants run at the points named.
 PACKED = PackedDecodeConfig()
-TMA = TmaDecodeConfig()  # rounds 14-17: the Gluon TMA kernel, timed at every point too
+TMA = TmaDecodeConfig()  # the Gluon TMA kernel, timed at every point too
 DECODE_SWEEP = {
     (64, 4096): [
         DecodeConfig(num_stages=3), PackedDecodeConfig(pdl=False),
@@ -135,7 +135,7 @@ def _decode_point(batch: int, ctx: int, copy_bw: float, configs: list) -> list[d
 
 def _ragged_decode_point(copy_bw: float) -> list[dict]:
     """The engine's kind of batch: 256 sequences of 100..2000 tokens (no SDPA: it needs equal
-    lengths), launched longest first as the engine does (round 17); errors are against the float64
+    lengths), launched longest first as the engine does; errors are against the float64
     reference."""
     prob = ragged_decode_problem(256, 100, 2000, HQ, HKV, D, BS)
     nbytes = 2 * int(prob.context_lens.sum()) * HKV * D * 2 + 2 * 256 * HQ * D * 2

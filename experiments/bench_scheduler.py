@@ -4,7 +4,7 @@
 measured steps), steady decode: every step schedules 256 one-token decodes and `update` appends 256
 tokens, with trace recording on. The CPU time (`time.thread_time_ns`) of `schedule()` + `update()` is
 taken per step; building the fake sampled tokens (the backend's job) is not counted.
-Target (issue 2): median <= 150 us per step, i.e. < 2% of a ~5-10 ms decode step on an H200.
+Target: median <= 150 us per step, i.e. < 2% of a ~5-10 ms decode step on an H200.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m experiments.bench_throughput [overrides] [options]`: issue 5's throughput benchmark.
+"""`python -m experiments.bench_throughput [overrides] [options]`: offline throughput against nano-vllm's benchmark.
 
 nano-vllm's bench.py on our engine: 256 requests drawn with random.seed(0) (prompts of 100..1024
 token ids in 0..10000, max_tokens 100..1024, temperature 0.6, ignore_eos), Qwen3-0.6B shapes with

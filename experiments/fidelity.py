@@ -19,7 +19,7 @@ the profile's decode-only rows on the engine each round, and the simulator side 
 (experiments/lib/fidelity_window.py; `--standalone-profile` ignores them).
 
     python -m experiments.fidelity                      # on the GPU, after experiments.profile
-    python -m experiments.fidelity --engine-runs outputs/fidelity/2026-11-22/10-00-00
+    python -m experiments.fidelity --engine-runs outputs/fidelity/<date>/<time>
 """
 from __future__ import annotations
 

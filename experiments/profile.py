@@ -143,7 +143,7 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     start = time.perf_counter()
     # Every shape is timed in each of `passes` sweeps over the grid and the sweeps' median kept: the
     # host share of a small step moves with the host CPU's speed, which on a shared VM drifts over
-    # seconds (README "Simulator fidelity"), so one burst per shape would sample one moment.
+    # seconds (docs/history.md), so one burst per shape would sample one moment.
     probes = []
     for sweep in range(cfg.passes):
         probes.append(cpu_probe_us())
@@ -265,7 +265,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     # No `decode_graph_sizes`: the decode rows are engine step periods at D real sequences (host work
     # per sequence included), and between two rows the padded graph's GPU time is nearly flat at
     # small batch, so interpolating in D priced the H200 engine runs better than charging the next
-    # graph size (fidelity, 2026-11-22: 27 -> 28 and 24 -> 30 of 32 targets on two device calls).
+    # graph size (fidelity on an H200: 27 -> 28 and 24 -> 30 of 32 targets in two runs).
     if runner.graphs is not None:
         meta["graph_batch_sizes"] = " ".join(str(s) for s in runner.graphs.sizes)  # for the record only
         meta["token_graph_sizes"] = " ".join(str(s) for s in runner.graphs.token_sizes)  # steps with prefill

@@ -6,7 +6,7 @@ the same (src, dst) block pairs in every layer's K and V cache.  A GPU program m
 host memory directly (CUDA unified addressing), so a swap is a single launch with no staging:
 `swap_blocks(..., method="kernel")`.  `method="torch"` instead gathers into a contiguous pinned
 staging buffer, moves it in one copy and scatters; the default was picked by
-`python -m experiments.bench_kernels` (kernels/NOTES.md).  Caches must be contiguous.
+`python -m experiments.bench_kernels` (docs/kernels.md).  Caches must be contiguous.
 """
 
 import functools

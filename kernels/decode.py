@@ -3,7 +3,7 @@ per-KV-head kernel.
 
 `paged_decode_attention` runs the per-KV-head kernel below unless given a `PackedDecodeConfig`,
 which selects the packed kernel (kernels/decode_packed.py: all KV heads of a block per tile, an
-even split of the batch's tiles over one program per SM).  Round 5 of kernels/NOTES.md: packed is
+even split of the batch's tiles over one program per SM).  Measured on an H200 (docs/kernels.md): packed is
 faster on ragged and long-context batches, slower on short and small ones and at batch 64 x 4k.
 
 Per-KV-head kernel, flash-decoding style.  Grid (batch, kv_head, split): a program takes every
@@ -32,7 +32,7 @@ from kernels.validate import check_attention_inputs, check_order, check_out
 
 @dataclass(slots=True, frozen=True)
 class DecodeConfig:
-    """The per-KV-head kernel; defaults are its H200 sweep's best at batch 64 x 4k (NOTES.md)."""
+    """The per-KV-head kernel; defaults are its H200 sweep's best at batch 64 x 4k (docs/kernels.md)."""
 
     block_n: int = 32  # tokens per K/V tile
     num_warps: int = 4
@@ -163,7 +163,7 @@ def paged_decode_attention(
     else the per-head kernel) and its tile shapes.  `order` (optional, [B] int32 on q's device, a
     permutation of the batch rows, not checked for repeats) is the order in which the per-head and
     TMA kernels launch the sequences' programs: longest context first starts the longest programs in
-    the first wave (kernels/NOTES.md round 17).  The packed kernel splits the batch's tokens evenly
+    the first wave (docs/kernels.md).  The packed kernel splits the batch's tokens evenly
     over its programs and has no such order.  Results do not depend on it."""
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
     check_order(order, q)

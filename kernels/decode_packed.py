@@ -1,6 +1,6 @@
 """Paged decode attention over all KV heads of a sequence at once, on a fixed grid that splits the
 batch's tiles evenly (selected by a `PackedDecodeConfig`; the engine's default, engine/attention.py;
-kernels/NOTES.md round 5 has where it wins).
+docs/kernels.md has where it wins).
 
 Tile: BLOCK_N tokens x every KV head.  In the NHD cache one block is [block_size, num_kv_heads,
 head_dim] contiguous, so a tile inside one block is a single dense chunk (32 KB for Qwen3-0.6B at
@@ -42,7 +42,7 @@ from kernels.common import (
 
 @dataclass(slots=True, frozen=True)
 class PackedDecodeConfig:
-    """Selects the packed kernel; defaults are its best H200 variant (kernels/NOTES.md, round 5)."""
+    """Selects the packed kernel; defaults are its best H200 variant (docs/kernels.md)."""
 
     block_n: int = 16  # tokens per tile (times num_kv_heads rows)
     num_warps: int = 4

@@ -81,8 +81,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
 
 def launch_order(order: torch.Tensor | None, programs: int, slots: int) -> torch.Tensor | None:
     """The sequence launch order a grid uses: none while its programs fit one wave of the GPU's
-    program slots (all start at once; longest first measured 0.9-2.7% slower there, NOTES.md round
-    17), else `order`."""
+    program slots (all start at once; longest first measured 0.9-2.7% slower there on an
+    H200), else `order`."""
     return order if order is not None and programs > slots else None
 
 

@@ -1,7 +1,7 @@
 """Paged decode attention in Gluon (Triton's lower-level language) with TMA page loads: the per-KV-head
 kernel's decomposition (a program per sequence, KV head and split), but each program streams its
 pages through a ring of shared-memory buffers that it refills itself, one TMA box per page and head,
-instead of Triton's cp.async pipeline.  Round 14 of kernels/NOTES.md: Gluon TMA reads stream 1 GiB at
+instead of Triton's cp.async pipeline.  Measured on an H200 (docs/kernels.md): Gluon TMA reads stream 1 GiB at
 4.58 TB/s where SDPA (cuDNN) reads at 4.44 and every cp.async loop we wrote at <= 4.42.
 
 GPU only (Hopper or newer; Gluon has no CPU interpreter): `paged_decode_attention` selects it with a
@@ -10,7 +10,7 @@ float64 reference as the other kernels.  Splits write partials that the per-head
 kernel combines.
 
 The query heads of the KV head are the MMA's N (8 or 16 columns), the step's tokens and head_dim
-its M (round 15): S^T = K Q^T and O^T += V^T P^T take half the MMAs of a 16-row query tile when the
+its M: S^T = K Q^T and O^T += V^T P^T take half the MMAs of a 16-row query tile when the
 GQA group is 8 or less.  Per step a program first refills the buffer it read in the step before
 with the pages `lead` steps ahead (page ids loaded a step earlier), then waits for this step's
 buffer (one mbarrier for its K and V), reads it into operand registers and does the math: online
@@ -35,13 +35,13 @@ _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # re
 
 @dataclass(slots=True, frozen=True)
 class TmaDecodeConfig:
-    """The Gluon TMA kernel; defaults from its H200 sweeps at batch 64 x 4k (NOTES.md rounds 14-15)."""
+    """The Gluon TMA kernel; defaults from its H200 sweeps at batch 64 x 4k (docs/kernels.md)."""
 
     tile_tokens: int = 32  # tokens per step (whole pages: a multiple of block_size)
     num_bufs: int = 2  # steps in the ring (deeper rings were slower)
     # Steps issued ahead of the one computed.  An int < num_bufs: the buffer read in the step before is
     # refilled ahead of this step's wait.  None (= num_bufs): a step's buffer is refilled once read into
-    # registers, after its wait; ptxas then schedules the refill's TMAs among the step's math (round 15).
+    # registers, after its wait; ptxas then schedules the refill's TMAs among the step's math.
     lead: int | None = 1
     num_splits: int | None = None  # None: the per-head kernel's heuristic (kernels/decode_splits.py)
     programs_per_sm: int = 4  # for the split heuristic and the launch order

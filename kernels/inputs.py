@@ -66,7 +66,7 @@ def kv_cache_storage(cache: torch.Tensor, layout: str) -> torch.Tensor:
     follows `layout`: "nhd" is contiguous as indexed; "hnd" keeps each block's KV heads outermost,
     so one (block, head) page is block_size * head_dim contiguous elements; "headmajor" stores
     [num_kv_heads, num_blocks, block_size, head_dim], so with sequential block tables one head's K
-    or V of a sequence is one contiguous run (SDPA's stream; kernels/NOTES.md round 8).  The result
+    or V of a sequence is one contiguous run (SDPA's stream).  The result
     is a view with the same logical shape; every kernel reads the cache through its strides."""
     if layout not in KV_LAYOUTS:
         raise ValueError(f"layout={layout!r} is invalid: one of {KV_LAYOUTS}")

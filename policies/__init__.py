@@ -1,6 +1,6 @@
 """servelab's deciding half: requests and sequences, the Scheduler, policies, KV block managers and
 the trace recorder. Pure Python (stdlib only); the simulator and the GPU engine both drive it through
-the step contract of DESIGN.md: `out = scheduler.schedule(now)`, run `out`, `scheduler.update(...)`.
+the step contract (docs/architecture.md): `out = scheduler.schedule(now)`, run `out`, `scheduler.update(...)`.
 """
 from policies.blocks import make_block_manager
 from policies.outputs import ScheduledSeq, SchedulerOutput

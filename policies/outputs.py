@@ -1,4 +1,4 @@
-"""What `Scheduler.schedule(now)` hands the backend: the step contract of DESIGN.md.
+"""What `Scheduler.schedule(now)` hands the backend: the step contract (docs/architecture.md).
 
 The backend executes, in order: `swap_out`, `swap_in`, `copy`, then the forward over `scheduled`.
 For each `ScheduledSeq` it computes `num_new_tokens` tokens starting at `seq.num_computed_tokens`

@@ -4,7 +4,7 @@ The scheduler fires the events (it never measures time: `now` comes from the bac
 simulator run and an engine run of the same workload leave the same schema. Rows are plain dicts
 (`REQUEST_COLUMNS`, `STEP_COLUMNS`); `experiments/` turns them into parquet files and a summary.
 
-Request metrics follow vLLM's serving benchmark (REFERENCE.md): TTFT = first token - arrival,
+Request metrics follow vLLM's serving benchmark (docs/metrics.md): TTFT = first token - arrival,
 E2E = finish - arrival, TPOT = (E2E - TTFT) / (output tokens of sample 0 - 1) (None for a single
 token), queueing time = first scheduled - arrival, arrival = `request.arrival_time`. `token_times`
 are the output token times of sample 0 (inter-token latencies are their differences); `output_len`

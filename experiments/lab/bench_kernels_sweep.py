@@ -1,27 +1,27 @@
 """Decode design sweep on a CUDA GPU: `python -m experiments.lab.bench_kernels_sweep [--per-head | --waves |
 --tiles | --streams | --tma | --lead | --order] [--out DIR]`.
 
-`--order` (round 17): the per-head and Gluon TMA kernels on ragged batches, launched longest first.
-`--lead` (round 15): the Gluon TMA kernel (query heads as the MMA's N) over how far ahead it refills.
-`--tma` (round 14): the Gluon TMA kernel (kernels/decode_tma.py): its tile, ring depth and warps at
+`--order`: the per-head and Gluon TMA kernels on ragged batches, launched longest first.
+`--lead`: the Gluon TMA kernel (query heads as the MMA's N) over how far ahead it refills.
+`--tma`: the Gluon TMA kernel (kernels/decode_tma.py): its tile, ring depth and warps at
 B64x4k, its loads alone against the whole kernel on two storage layouts, its best settings elsewhere.
-These three rounds live in experiments/lab/bench_kernels_sweep_tma.py.
+These three live in experiments/lab/bench_kernels_sweep_tma.py.
 
-`--streams` (round 8): the per-head kernel on three cache storage layouts (block-major NHD, 4 KB
+`--streams`: the per-head kernel on three cache storage layouts (block-major NHD, 4 KB
 HND pages, head-major) with random and sequential block tables.  Head-major storage with
 sequential tables makes each program's K and V one contiguous run, the exact stream SDPA reads.
 
-`--waves` (round 7): batches whose 8 KV heads make whole or partial per-SM program counts (33, 64,
+`--waves`: batches whose 8 KV heads make whole or partial per-SM program counts (33, 64,
 66, 128, 132 sequences x 4k; 132 SMs): does the per-head kernel's deficit against SDPA come from
 512 programs loading 116 SMs with 4 and 16 with 3 (then it vanishes at 66 and 132), or from its
 streaming rate (then it stays)?
 
-`--per-head` (round 6 of kernels/NOTES.md): the per-KV-head kernel's tile, pipeline depth and
+`--per-head`: the per-KV-head kernel's tile, pipeline depth and
 split count at batch 64 x 4k, SDPA timed before and after; then the three fastest at the other
 grid points and the ragged batch.  ncu showed the point as a wave-balance question: 512 programs
 (64 sequences x 8 KV heads, no split) on 132 SMs leave some SMs a program short at the end.
 
-Round 5 of kernels/NOTES.md: the per-KV-head kernel (kernels/decode.py) against the packed kernel
+No flag: the per-KV-head kernel (kernels/decode.py) against the packed kernel
 (kernels/decode_packed.py: all KV heads of a page per tile, TMA or pointer loads, even split of
 the batch's tiles over a fixed grid) at batch 64 x 4k first, with SDPA on contiguous K/V as the
 bar; then the three fastest packed variants at the other grid points and a ragged engine-like
@@ -103,7 +103,7 @@ def per_head_round(save, rows: list[dict], copy_bw: float) -> None:
 
 
 WAVE_BATCHES = (33, 64, 66, 128, 132)
-# Round 7b: cuDNN's shape (128-key tiles, 2 programs per SM) and narrower programs (2 warps).
+# --tiles: cuDNN's shape (128-key tiles, 2 programs per SM) and narrower programs (2 warps).
 TILE_GRID = [DecodeConfig(block_n=n, num_stages=st, num_warps=w, num_splits=1)
              for n, st, w in ((128, 2, 4), (128, 2, 8), (64, 2, 8), (64, 3, 8), (32, 3, 2), (32, 4, 2), (16, 4, 2),
                               (32, 3, 4))]  # fmt: skip
@@ -120,7 +120,7 @@ def tiles_round(save, copy_bw: float) -> None:
 
 
 def streams_round(save, copy_bw: float) -> None:
-    """Round 8: the per-head kernel at B64x4k on each storage layout with random and sequential
+    """The per-head kernel at B64x4k on each storage layout with random and sequential
     block tables.  headmajor + sequential reads exactly the bytes SDPA reads, in the same order per
     (sequence, head): if it still trails SDPA, no cache layout closes the gap and the kernel's
     instruction stream is the limit."""
@@ -150,13 +150,13 @@ def streams_round(save, copy_bw: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/bench_kernels_sweep")
-    parser.add_argument("--per-head", action="store_true", help="round 6: the per-head kernel's grid")
-    parser.add_argument("--waves", action="store_true", help="round 7: batches of whole and partial waves")
-    parser.add_argument("--tiles", action="store_true", help="round 7b: 128-key tiles, 2-warp programs")
-    parser.add_argument("--streams", action="store_true", help="round 8: storage layouts x block-table order")
-    parser.add_argument("--tma", action="store_true", help="round 14: the Gluon TMA kernel")
-    parser.add_argument("--lead", action="store_true", help="round 15: TMA kernel, a ring deeper than its lead")
-    parser.add_argument("--order", action="store_true", help="round 17: ragged batches launched longest first")
+    parser.add_argument("--per-head", action="store_true", help="the per-head kernel's grid")
+    parser.add_argument("--waves", action="store_true", help="batches of whole and partial waves")
+    parser.add_argument("--tiles", action="store_true", help="128-key tiles, 2-warp programs")
+    parser.add_argument("--streams", action="store_true", help="storage layouts x block-table order")
+    parser.add_argument("--tma", action="store_true", help="the Gluon TMA kernel")
+    parser.add_argument("--lead", action="store_true", help="TMA kernel, a ring deeper than its lead")
+    parser.add_argument("--order", action="store_true", help="ragged batches launched longest first")
     args = parser.parse_args()
     stamp = run_stamp()
     device, date = stamp.device, stamp.date

@@ -1,4 +1,4 @@
-"""Rounds 14, 15 and 17 of kernels/NOTES.md for `python -m experiments.lab.bench_kernels_sweep --tma | --lead |
+"""The Gluon TMA decode kernel's sweeps, `python -m experiments.lab.bench_kernels_sweep --tma | --lead |
 --order`: the
 Gluon TMA decode kernel (kernels/decode_tma.py) over tile, ring depth, lead and warps at B64x4k
 beside the per-head kernel and SDPA, its loads alone (math skipped), then its fastest settings at
@@ -48,7 +48,7 @@ def loads_only_rows(label: str, sets, configs) -> list[dict]:
 
 
 def tma_round(save, rows: list[dict], copy_bw: float) -> None:
-    """Round 14: the Gluon TMA kernel (kernels/decode_tma.py) at B64x4k over tile, ring depth and
+    """`--tma`: the Gluon TMA kernel (kernels/decode_tma.py) at B64x4k over tile, ring depth and
     warps beside the per-head kernel and SDPA (timed before and after); its loads alone (no math) on
     block-major (NHD) and HND storage with random and sequential block tables; then the two fastest,
     with the split heuristic, at the other grid points and the ragged batch."""
@@ -84,7 +84,7 @@ LEAD_GRID = [TmaDecodeConfig(tile_tokens=t, num_bufs=n, lead=ld, num_splits=1, n
 
 
 def lead_round(save, rows: list[dict], copy_bw: float) -> None:
-    """Round 15: the Gluon TMA kernel with query heads as the MMA's N, over how far ahead it refills
+    """`--lead`: the Gluon TMA kernel with query heads as the MMA's N, over how far ahead it refills
     (`lead`: an int refills the buffer read in the step before ahead of each step's wait; None refills
     a step's own buffer once read), ring depth, tile and warps at B64x4k, SDPA timed before and after;
     the first three with and without their math; then the fastest at the other grid points."""
@@ -109,7 +109,7 @@ ORDER_CASES = [(256, 100, 2000), (64, 100, 2000), (128, 100, 4000), (64, 100, 80
 
 
 def order_round(save, rows: list[dict], copy_bw: float) -> None:
-    """Round 17: the launch order of ragged batches (`ORDER_CASES`: batch, shortest, longest context)."""
+    """`--order`: the launch order of ragged batches (`ORDER_CASES`: batch, shortest, longest context)."""
     for batch, low, high in ORDER_CASES:
         save(_order_case(batch, low, high, copy_bw))
         torch.cuda.empty_cache()

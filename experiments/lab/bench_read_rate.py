@@ -1,4 +1,4 @@
-"""Rounds 12-13 of kernels/NOTES.md: what read rate can a Triton loop reach at all, and where does a
+"""What read rate can a Triton loop reach at all, and where does a
 decode launch's time go?  `python -m experiments.lab.bench_read_rate [--ceiling | --timeline | --tma |
 --tma-1g | --tma-paged] [--out DIR]` (CUDA only).
 
@@ -6,13 +6,13 @@ decode launch's time go?  `python -m experiments.lab.bench_read_rate [--ceiling 
 on as many bytes: the device's read ceiling.  `--timeline`: every work unit's start, end (%globaltimer)
 and SM for the paged skeleton below, as whole items, chunks of items, or chunks taken from an atomic
 queue by a fixed grid; writes the units to a second CSV.  `--tma` / `--tma-1g`: Gluon TMA reads
-(experiments/lab/bench_read_tma.py, round 14); `--tma-paged`: TMA reads of the decode benchmark's paged
-cache, by KV head and by whole pages, then `--tma-1g` (round 16).
+(experiments/lab/bench_read_tma.py); `--tma-paged`: TMA reads of the decode benchmark's paged
+cache, by KV head and by whole pages, then `--tma-1g`.
 
 Default: same bytes as decode at batch 64 x 4k (Qwen3-0.6B: 8 KV heads, head_dim 128, bf16): K and V as
 512 items of 4096 x 128, item-major, i.e. exactly SDPA's [64, 8, 4096, 128] tensors.  A stream
 kernel runs the decode loop's memory and tensor-core skeleton (QK^T and PV dots on a 16-row tile,
-no softmax: round 11 showed it costs nothing) over them, with three things switchable that the
+no softmax: it costs nothing measurable) over them, with three things switchable that the
 production kernel has and SDPA's contiguous loop has not:
 - PAGED: row addresses from page ids (block table, pages of 16 rows, sequential), loaded a tile ahead
 - MASK: loads masked with `row < length` (the production kernel masks every tile)

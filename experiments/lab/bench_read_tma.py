@@ -1,4 +1,4 @@
-"""Rounds 14 and 16 of kernels/NOTES.md: Gluon TMA reads against SDPA, run as `python -m
+"""Gluon TMA reads against SDPA, run as `python -m
 experiments.lab.bench_read_rate --tma | --tma-1g | --tma-paged` (CUDA, Hopper or newer).
 
 Each program keeps NBUF boxes of BR rows (256 bytes each: one head_dim-128 bf16 row) in flight over
@@ -73,7 +73,7 @@ def tma_round(add_bytes, small_only: bool = False) -> None:
 @gluon.jit
 def _tma_paged_read_kernel(k_desc, v_desc, tables, stride_bt, heads, splits, pages_per_program, PER_HEAD: gl.constexpr,
                            ROWS: gl.constexpr, BR: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
-    """Round 16: a TMA read of a paged K/V cache through its block table, nothing computed.  PER_HEAD:
+    """A TMA read of a paged K/V cache through its block table, nothing computed.  PER_HEAD:
     a program per (sequence, KV head) reads that head's 16 rows of every page (the decode kernel's
     boxes); else a program per (sequence, split) reads whole pages (ROWS rows of 256 B: every head),
     BR rows per box.  One thread keeps NBUF boxes in flight; a unit's page id is loaded one unit early."""
@@ -123,14 +123,14 @@ PAGED_VARIANTS = [(True, 16, 4, 128), (True, 16, 8, 128), (True, 16, 4, 0), (Tru
 
 
 def paged_round(add_bytes) -> None:
-    """Round 16: `_paged_reads`, then the contiguous probe at 1 GiB."""
+    """`--tma-paged`: `_paged_reads`, then the contiguous probe at 1 GiB."""
     _paged_reads(add_bytes)
     torch.cuda.empty_cache()
     tma_round(add_bytes, small_only=True)
 
 
 def _paged_reads(add_bytes) -> None:
-    """Round 16: TMA reads of the decode benchmark's paged cache at batch 64 x 4k (random block tables,
+    """TMA reads of the decode benchmark's paged cache at batch 64 x 4k (random block tables,
     block-major storage) by KV head (4 KB boxes, the decode kernel's) or by whole pages (32 KB per page
     and tensor, 8 splits per sequence: 512 programs either way), beside SDPA on the same bytes laid out
     contiguously and the decode kernel with and without its math."""

@@ -2,7 +2,7 @@
 `python -m experiments.lab.host_check [--rounds 8] [--samples 20] [--pause 1] [--out FILE.csv]`.
 
 The engine's per-step host work (scheduler, input writes, launches) runs on one Python thread, so
-its speed sets the host share of every step (README "Simulator fidelity": up to 2.5x drift on the
+its speed sets the host share of every step (docs/history.md: up to 2.5x drift on the
 device VMs).  Each round pins this process to each allowed core in turn and times
 `cpu_probe_us`'s fixed pure-Python workload there, then unpinned; with the kernel's steal time
 (/proc/stat: time the hypervisor ran other guests on our vCPUs) over the round.  One core slow

@@ -6,8 +6,8 @@ decode step (`--decodes` sequences at `--context` tokens) in `windows` one-secon
 prints the median of each phase: host planning (`BatchBuilder.plan`, temperatures), input writes
 plus graph launch (`ModelRunner._forward`), sampling launch, the wait for the GPU (`tolist`), and
 the total; on a GPU also the CUDA-graph replay's own time from CUDA events. A host phase that
-changes between windows while the replay time does not is host CPU speed (README "Simulator
-fidelity": up to 2.5x on the device VMs).
+changes between windows while the replay time does not is host CPU speed (docs/history.md:
+up to 2.5x on the device VMs).
 """
 from __future__ import annotations
 

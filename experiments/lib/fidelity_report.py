@@ -2,7 +2,7 @@
 its tests).
 
 `error_rows(engine, sim)`: for each headline metric the engine value (truth), the simulator's and
-the relative error (sim - engine) / engine, with the issue's targets: <= 5% on request and output
+the relative error (sim - engine) / engine, with the fidelity targets: <= 5% on request and output
 token throughput and mean TPOT, <= 10% on p90 TTFT (the others are reported without a target).
 Metrics come from `experiments.lib.metrics.summarize` over each run's requests and steps, so both
 sides use vLLM's definitions on the same trace schema.

@@ -2,7 +2,7 @@
 
 A decode-only row is the engine's own step period holding that batch (`profiling/host.py:
 decode_periods`); a quarter of a small step is host CPU work, and the device VMs' host speed drifts
-for minutes. On 2026-11-22 a profile taken minutes before the engine runs priced the same steps 5-12%
+for minutes. On H200 device VMs a profile taken minutes before the engine runs priced the same steps 5-12%
 below two others on other H200s (1-sequence row: host share 37 us against 168-240) while the engine
 itself reproduced within 3% on all three: the fidelity then measured the host's drift, not the
 simulator. `--window-profile` makes the GPU stage time those rows again, on the engine it has just

@@ -1,4 +1,4 @@
-"""Metrics over a run's traces, with vLLM's serving-benchmark definitions (REFERENCE.md).
+"""Metrics over a run's traces, with vLLM's serving-benchmark definitions (docs/metrics.md).
 
 Duration = first arrival -> last request end. Throughputs count completed (not aborted) requests.
 TTFT = first token - arrival; TPOT = (E2E - TTFT) / (output_len - 1); ITL = gaps between

@@ -8,7 +8,7 @@ scheduler updates: same tokens, same slots, so they rewrite identical KV). That 
 outputs, and any difference between `execute` run between those and in a tight loop. On an H200
 the two disagree in sign: a standalone check at 10 decodes found the engine's execute slower than
 warm re-runs (2.12 vs 2.01 ms), while this measurement gave host_s of -36 to -137 us at 1-128
-decodes (2026-11-22; unexplained, README "Simulator fidelity").
+decodes (unexplained).
 
 State of a measured step: D running decodes (all decoding) plus, for P > 0, one waiting prompt of
 P tokens that the step admits (aborted after it, so D stays D).
@@ -19,9 +19,8 @@ P tokens that the step admits (aborted after it, so D stays D).
 waiting for its tokens, so the host's launch work overlaps the device's.
 
 `decode_periods` measures decode-only rows directly as that period: an engine holding D running
-sequences at the row's contexts times its own consecutive steps. On an H200 (2026-11-22, 08:09 UTC)
-the composed estimate fell 5-17% short of the decode steps of real engine runs (the fidelity
-scenarios), growing with D: the runner's host work (step plan, input writes, sampling bookkeeping)
+sequences at the row's contexts times its own consecutive steps. On an H200 the composed estimate
+fell 5-17% short of the decode steps of real engine runs (the fidelity scenarios), growing with D: the runner's host work (step plan, input writes, sampling bookkeeping)
 runs slower between scheduler calls than back to back in a tight loop, a cache effect the
 difference of medians above did not capture.
 """
@@ -48,7 +47,7 @@ _PROBE_ITEMS = list(range(4000, 0, -1))
 def cpu_probe_us(repeats: int = 15) -> float:
     """Median microseconds of a fixed pure-Python workload (dict and list work of the kind the
     scheduler does): a gauge of the host CPU's current speed, logged next to timings because the
-    device VMs' vCPUs drift by up to 2.5x within a call (README "Simulator fidelity")."""
+    device VMs' vCPUs drift by up to 2.5x within a call (docs/history.md)."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
