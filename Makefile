@@ -1,13 +1,14 @@
 # servelab: two commands do all the set-up.
 #   make run   -> creates .venv, installs CPU torch + the project, runs `python -m experiments.run policy=fcfs`
 #   make test  -> creates .venv, installs the project with dev extras, runs the CPU test suite
+#   make soak  -> the property (hypothesis) tests with random seeds and SOAK_FACTOR (20) x the examples
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?= policy=fcfs
 
-.PHONY: venv run test lint bench clean
+.PHONY: venv run test soak lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +30,11 @@ run: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# CI's hypothesis profile is fixed (tests/conftest.py); the soak draws new examples on every run and
+# keeps failures in .hypothesis/. Pin each case it finds with @example in its test.
+soak: $(STAMP)
+	HYPOTHESIS_PROFILE=soak TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m hypothesis $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

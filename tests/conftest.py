@@ -1,13 +1,30 @@
-"""Shared pytest setup: Triton runs interpreted on CPU; `gpu` tests skip without CUDA."""
-import os
+"""Shared pytest setup: Triton runs interpreted on CPU, compiled for a run that selects the `gpu`
+tests on a machine with CUDA; `gpu` tests skip elsewhere; hypothesis runs a fixed profile.
 
-# Must happen before any kernel module imports triton.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+Triton: `TRITON_INTERPRET` is decided once per run, before any test module imports triton. The
+interpreter serves the CPU kernel tests; `pytest -m gpu` on a GPU machine turns it off, so the GPU
+tests need no `TRITON_INTERPRET=0` by hand. An explicit `TRITON_INTERPRET` always wins. A run that
+interprets skips the GPU tests it collects, saying how to run them.
+
+Hypothesis profiles (`HYPOTHESIS_PROFILE=<name>`, default `ci`):
+- `ci`: the same examples on every run (derandomized, no example database), so the suite's verdict
+  never changes by chance. Every case a run has ever found is pinned with `@example` in its test.
+- `soak`: random seeds, the example database kept, and `property_settings.examples(n)` scaled by
+  `SOAK_FACTOR` (default 20): `make soak` runs the property tests this way to look for new cases.
+"""
+import os
+import re
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tiny-model CPU tests are dominated by per-op overhead; one intra-op thread is fastest on 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("soak", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _cuda_available() -> bool:
@@ -16,6 +33,18 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether a `-m` expression asks for the `gpu` tests (`gpu`, `gpu and not slow`; not `not gpu`)."""
+    return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None
+
+
+def pytest_configure(config):
+    # Runs before collection imports any test module (and with it triton).
+    if "TRITON_INTERPRET" not in os.environ:
+        compiled = selects_gpu_tests(config.option.markexpr) and _cuda_available()
+        os.environ["TRITON_INTERPRET"] = "0" if compiled else "1"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,9 +62,13 @@ def one_torch_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    if _cuda_available():
+    if not _cuda_available():
+        reason = "needs a CUDA GPU"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        reason = "Triton is interpreted in this run: select the GPU tests with `pytest -m gpu`"
+    else:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -11,6 +11,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 
 from policies.blocks import AllocStatus, make_block_manager
 from policies.request import Request, SamplingParams
@@ -185,7 +186,7 @@ class Harness:
 
 
 @pytest.mark.parametrize("kind", ["paged", "prefix", "contiguous"])
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(rng=st.randoms(use_true_random=False), num_steps=st.integers(5, 40))
 def test_random_programs_keep_invariants_and_kv_contents(kind, rng, num_steps):
     harness = Harness(kind, rng)

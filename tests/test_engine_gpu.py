@@ -3,8 +3,8 @@ transformers on the same weights, CUDA-graph steps (decode-only, and prefill chu
 decodes) against eager steps, the profiled KV budget, and swaps through pinned memory on the side
 stream.
 
-Run on the GPU machine with TRITON_INTERPRET=0 (tests/conftest.py sets it to 1 by default):
-    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/test_engine_gpu.py
+Run on the GPU machine (tests/conftest.py compiles the kernels for a `-m gpu` run):
+    python -m pytest -q -m gpu tests/test_engine_gpu.py
 """
 import gc
 

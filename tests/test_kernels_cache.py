@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 
 import kernels
 from kernels import reference
@@ -20,7 +21,7 @@ def _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen):
     return torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
 
 
-@settings(max_examples=20, deadline=None, phases=NO_SHRINK)
+@settings(max_examples=examples(20), deadline=None, phases=NO_SHRINK)
 @given(
     num_tokens=st.integers(1, 40),
     num_kv_heads=st.sampled_from([1, 2, 3]),

@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 
 from kernels import decode, decode_splits, decode_tma, reference
 from kernels.decode import DecodeConfig, paged_decode_attention
@@ -39,7 +40,7 @@ def _check(context_lens, group, num_kv_heads, head_dim, block_size, dtype, confi
         assert _rel_err(out, ref) < TOL[dtype]
 
 
-@settings(max_examples=25, deadline=None, phases=NO_SHRINK)
+@settings(max_examples=examples(25), deadline=None, phases=NO_SHRINK)
 @given(
     data=st.data(),
     group=st.sampled_from([1, 2, 4, 8]),
@@ -102,7 +103,7 @@ def test_decode_launch_order_checked(order):
         paged_decode_attention(*prob.decode_args(), order=order)
 
 
-@settings(max_examples=30, deadline=None, phases=NO_SHRINK)
+@settings(max_examples=examples(30), deadline=None, phases=NO_SHRINK)
 @given(
     data=st.data(),
     group=st.sampled_from([1, 2, 4, 8]),

@@ -1,7 +1,7 @@
 """The kernels on a CUDA GPU in bf16 at realistic sizes, against float64 references.
 
-Run on the GPU machine with TRITON_INTERPRET=0 (tests/conftest.py sets it to 1 by default):
-    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/test_kernels_gpu.py
+Run on the GPU machine (tests/conftest.py compiles the kernels for a `-m gpu` run):
+    python -m pytest -q -m gpu tests/test_kernels_gpu.py
 """
 
 import pytest

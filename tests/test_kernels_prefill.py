@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 
 from kernels import reference
 from kernels.decode import paged_decode_attention
@@ -33,7 +34,7 @@ def _check(
     assert _rel_err(out, ref) < TOL[dtype]
 
 
-@settings(max_examples=25, deadline=None, phases=NO_SHRINK)
+@settings(max_examples=examples(25), deadline=None, phases=NO_SHRINK)
 @given(
     data=st.data(),
     group=st.sampled_from([1, 2, 4, 8]),

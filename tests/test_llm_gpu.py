@@ -3,7 +3,7 @@ transformers on the same weights through the whole engine (scheduler, paged KV, 
 CUDA-graph engine against the eager one, swap preemption through the pinned pool, and a short
 throughput smoke over nano-vllm-like requests. Model-level checks are in test_engine_gpu.py.
 
-    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/test_llm_gpu.py
+    python -m pytest -q -m gpu tests/test_llm_gpu.py
 """
 from __future__ import annotations
 

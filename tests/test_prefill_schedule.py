@@ -5,6 +5,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 
 from experiments.lib.profiling.grid import fit_prefill_tile_s
 from experiments.lib.profiling.synthetic import StepShape, split_tokens, synthetic_step
@@ -43,7 +44,7 @@ def test_makespan_by_hand():
     assert tiny.makespan(((5, 0),)) == 8  # 5+3 / 4+2+1 -> 8
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.tuples(st.integers(2, 600), st.integers(0, 3000)), min_size=1, max_size=8),
        st.integers(1, 200))
 def test_makespan_bounds(chunks, concurrent):

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from property_settings import examples
 from scheduler_helpers import KVStoreBackend, make_scheduler, request
 from test_scheduler_properties import COMBOS, MAX_STEPS, abort, arrive, check_end, check_pools, workloads
 
@@ -89,7 +90,7 @@ def outputs(scheduler) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("policy, blocks, mode", COMBOS)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
 def test_ahead_keeps_every_invariant_and_the_sync_outputs(policy, blocks, mode, workload):
     config, specs, _ = workload

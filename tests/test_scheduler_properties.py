@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 from scheduler_helpers import KVStoreBackend, make_scheduler, sample_tokens
 
 from policies import Request, SamplingParams
@@ -181,7 +182,7 @@ def check_end(scheduler, added, policy) -> None:
 
 
 @pytest.mark.parametrize("policy, blocks, mode", COMBOS)
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
 def test_random_workloads_keep_every_invariant(policy, blocks, mode, workload):
     config, specs, seed = workload

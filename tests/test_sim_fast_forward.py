@@ -17,6 +17,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 
 from policies import (
     Request,
@@ -132,7 +133,7 @@ def simulate(case: dict, fast_forward: bool) -> tuple:
     return scheduler.recorder, result, pools + (manager.cpu.free_ids,)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fast_forward_leaves_the_traces_of_stepping_one_by_one(case):
     fast, fast_result, fast_pools = simulate(case, fast_forward=True)
