@@ -8,12 +8,21 @@ is the wall clock, `time.perf_counter()` relative to engine start.
 
 Per-step work in Python is kept to what each step needs (the decode step of a 0.6B model takes a
 few ms): text is decoded only at the end of a request, except for requests with stop strings.
+
+Threads: `add_request` and `abort_request` may be called from another thread than the one calling
+`step()` (an online server's). They validate in the caller's thread and hand the request (or the
+abort) over through an inbox; the stepping thread takes the inbox at the start of each step, or at
+once when no step is running (so a single-threaded caller sees its request in the scheduler
+straight away). Only one thread steps at a time. A duplicate request id is refused in the caller.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +57,27 @@ class _Live:
     logprobs: dict[int, list[dict[int, float]]] | None = None  # seq_id -> per-token logprobs
 
 
+@dataclass(slots=True)
+class _Arrival:
+    """A validated request on its way from `add_request` (any thread) to the scheduler."""
+
+    request: Request
+    prompt: str | None
+    output_len: int | None
+
+
+def _stepping(method):
+    """Run `method` as the one stepping thread, after taking what other threads handed over."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._step_lock:
+            self._take_inbox()
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, recorder: TraceRecorder | None = None,
                  build_scheduler: SchedulerBuilder | None = None, runner: ModelRunner | None = None) -> None:
@@ -78,6 +108,12 @@ class LLMEngine:
         self._num_logprob_requests = 0
         self._output_lens: dict[str, int] = {}  # request id -> forced output length (trace replay)
         self._in_flight: tuple[SchedulerOutput, Launched] | None = None  # launched ahead, async scheduling
+        # Hand-over from add_request / abort_request (any thread) to the stepping thread.
+        self._inbox: deque[_Arrival | str] = deque()  # arrivals and aborted request ids, in call order
+        self._pending: set[str] = set()  # ids of the arrivals in the inbox
+        self._aborting: set[str] = set()  # ids whose abort was asked for and that have not ended yet
+        self._inbox_lock = threading.Lock()  # guards the three above and the scheduler's id check
+        self._step_lock = threading.Lock()  # held by the thread stepping (or taking the inbox)
         self.reset(recorder, build_scheduler)
         # As vLLM does after start-up: the model, tokenizer and graphs' objects move to the permanent
         # generation, so the cyclic collector's full passes during serving no longer walk them.
@@ -88,10 +124,11 @@ class LLMEngine:
               build_scheduler: SchedulerBuilder | None = None) -> None:
         """A fresh scheduler (block manager, queues, trace) over the same model and KV cache, and the
         clock back at 0: experiments reuse one engine across runs. Only with no request in flight."""
-        if self._live:
-            raise RuntimeError(f"reset() with {len(self._live)} requests in flight: finish or abort "
-                               "them first")
+        if self._live or self._pending:
+            raise RuntimeError(f"reset() with {len(self._live) + len(self._pending)} requests in flight: "
+                               "finish or abort them first")
         self._in_flight = None
+        self._aborting.clear()
         gpu, cpu = self.runner.num_gpu_blocks, self.runner.num_cpu_blocks
         if build_scheduler is None:
             self.scheduler = self._build_scheduler(gpu, cpu, recorder)
@@ -121,9 +158,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
                     priority: int = 0, output_len: int | None = None) -> None:
-        """Queue a request; raises ValueError (naming the field) on bad input, adding nothing.
-        `output_len`: end each sample with finish_reason "stop" after that many tokens, as a workload
-        replay's stop rule (the simulator does the same)."""
+        """Queue a request; raises ValueError (naming the field) on bad input or a request id already
+        used, adding nothing. Safe from any thread (module docstring). `output_len`: end each sample
+        with finish_reason "stop" after that many tokens, as a workload replay's stop rule (the
+        simulator does the same)."""
         if output_len is not None and (not isinstance(output_len, int) or output_len < 1):
             raise ValueError(f"output_len={output_len!r} is invalid: None or an integer >= 1")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -148,13 +186,24 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, now if arrival_time is None else arrival_time,
                           priority, eos_token_id=self.eos_token_id)
         request.validate(self.max_model_len, self.vocab_size)
-        self.scheduler.add(request, now)
-        live = _Live(request, text, self.scheduler.sequences(request_id))
+        with self._inbox_lock:
+            if request_id in self._pending:
+                raise ValueError(f"request_id={request_id!r} is invalid: already added to this engine")
+            self.scheduler.check(request)
+            self._pending.add(request_id)
+            self._inbox.append(_Arrival(request, text, output_len))
+        self._take_inbox_if_idle()
+
+    def _admit(self, arrival: _Arrival) -> None:
+        """An arrival into the scheduler (stepping thread, inbox lock held)."""
+        request, params, request_id = arrival.request, arrival.request.sampling_params, arrival.request.request_id
+        self.scheduler.add(request, self.now())
+        live = _Live(request, arrival.prompt, self.scheduler.sequences(request_id))
         if params.stop:
             live.stop_states = {}
             self._num_stop_requests += 1
-        if output_len is not None:
-            self._output_lens[request_id] = output_len
+        if arrival.output_len is not None:
+            self._output_lens[request_id] = arrival.output_len
         if params.logprobs is not None:
             live.logprobs = {}
             self._num_logprob_requests += 1
@@ -162,16 +211,48 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a queued or running request; its final output (finish_reason "abort:user") comes out
-        of the next `step()`. False if the request is unknown or already ended."""
-        return self.scheduler.abort(request_id, "user", self.now())
+        of the next `step()`. False if the request is unknown, already ended or already aborted.
+        Safe from any thread; there, a request that ends in the step running meanwhile ends as it
+        would have, and the abort does nothing."""
+        if not isinstance(request_id, str):
+            return False
+        with self._inbox_lock:
+            if request_id in self._aborting or not (request_id in self._pending or request_id in self._live):
+                return False
+            self._aborting.add(request_id)
+            self._inbox.append(request_id)
+        self._take_inbox_if_idle()
+        return True
+
+    def _take_inbox_if_idle(self) -> None:
+        if self._step_lock.acquire(blocking=False):  # no step running: hand over now
+            try:
+                self._take_inbox()
+            finally:
+                self._step_lock.release()
+
+    def _take_inbox(self) -> None:
+        """Arrivals into the scheduler and aborts applied, in call order (step lock held)."""
+        with self._inbox_lock:
+            while self._inbox:
+                entry = self._inbox.popleft()
+                if isinstance(entry, str):
+                    if not self.scheduler.abort(entry, "user", self.now()):
+                        self._aborting.discard(entry)  # it ended meanwhile
+                    continue
+                self._admit(entry)
+                self._pending.discard(entry.request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live)
+        with self._inbox_lock:
+            return bool(self._live or self._pending)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._live)
+        with self._inbox_lock:
+            return len(self._live) + len(self._pending)
 
     # ---- the step -------------------------------------------------------------------------
+    @_stepping
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of the requests that ended in it. With
         `async_scheduling` the step's successor is scheduled and launched before this one's tokens
@@ -280,6 +361,7 @@ class LLMEngine:
         if live.stop_states is not None:
             self._num_stop_requests -= 1
         self._output_lens.pop(request.request_id, None)
+        self._aborting.discard(request.request_id)
         if live.logprobs is not None:
             self._num_logprob_requests -= 1
         completions = [self._completion(live, seq) for seq in live.seqs]

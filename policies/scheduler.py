@@ -107,6 +107,12 @@ class Scheduler:
     def add(self, request: Request, now: float) -> None:
         """Validate and queue a request (ValueError naming the field on bad input). `now` stamps the
         `arrived` event; ordering and latency metrics use `request.arrival_time`."""
+        self.check(request)
+        self.lifecycle.arrive(request, now)
+
+    def check(self, request: Request) -> None:
+        """`add`'s validation alone (fields, n <= max_num_seqs, a new id): ValueError naming the
+        field, nothing queued. The engine checks here before it hands a request over to be added."""
         request.validate(self.config.max_model_len)
         n = request.sampling_params.n
         if n > self.config.max_num_seqs:
@@ -114,7 +120,6 @@ class Scheduler:
                              f"n <= max_num_seqs={self.config.max_num_seqs}")
         if request.request_id in self.lifecycle.seen:
             raise ValueError(f"request_id={request.request_id!r} is invalid: already added to this scheduler")
-        self.lifecycle.arrive(request, now)
 
     def abort(self, request_id: str, reason: str = "user", now: float | None = None) -> bool:
         """End a live request with finish_reason "abort:<reason>"; False (never an exception) for an
