@@ -282,7 +282,8 @@ def check_against_gguf(cfg: ModelConfig) -> ModelConfig:
 @dataclass(slots=True)
 class CacheConfig:
     """Paged KV cache sizing. On GPU the block count comes from `gpu_memory_utilization` after a
-    profiling forward pass unless `num_gpu_blocks` overrides it; on CPU `num_gpu_blocks` is required."""
+    profiling forward pass unless `num_gpu_blocks` overrides it; on CPU without `num_gpu_blocks`, at
+    most 4 GiB (engine/model_runner.py: CPU_KV_CACHE_GIB)."""
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

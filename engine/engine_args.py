@@ -35,7 +35,7 @@ class EngineArgs:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0  # GiB of pinned CPU memory
-    num_gpu_blocks: int | None = None  # override the profiled count (required on CPU)
+    num_gpu_blocks: int | None = None  # override the profiled count (CPU: default at most 4 GiB)
     enforce_eager: bool = False  # True: no CUDA graphs
     decode_kernel: str = DEFAULT_DECODE_KERNEL  # Triton decode attention: "packed", "per-head" or "tma" (engine/attention.py)
     seed: int = 0

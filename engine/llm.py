@@ -13,21 +13,48 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from policies.request import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, {"prompt": text} or {"prompt_token_ids": ids}
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_ALLOWED = ("a string, a non-empty list of token ids, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
 
 
-def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str) and not (isinstance(p, (list, tuple)) and p
-                                           and all(isinstance(t, int) for t in p)):
-            raise ValueError(f"prompts[{i}]={p!r:.60} is invalid: each prompt must be a string or a "
-                             "non-empty list of token ids")
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+def _is_token_ids(p: object) -> bool:
+    return isinstance(p, (list, tuple)) and bool(p) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[str | list[int]]:
+    """One prompt or a sequence of them -> a list of strings and token-id lists (vLLM's forms:
+    text, token ids, or the dicts `TextPrompt` / `TokensPrompt`). ValueError naming the prompt's
+    index on anything else."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        return [_one_prompt(prompts, "prompts")]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+            f"prompts={prompts!r:.60} is invalid: must be one prompt ({_ALLOWED}) or a list of them")
+    if not prompts:
+        raise ValueError("prompts=[] is invalid: give at least one prompt")
+    return [_one_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+
+
+def _one_prompt(p: object, name: str) -> str | list[int]:
+    if isinstance(p, dict):
+        unknown = sorted(set(p) - set(_PROMPT_KEYS), key=str)
+        if unknown or len(p) != 1:
+            raise ValueError(f"{name}={p!r:.60} is invalid: a dict prompt holds exactly one of the keys "
+                             f"{_PROMPT_KEYS}" + (f" (unknown: {unknown})" if unknown else ""))
+        key, value = next(iter(p.items()))
+        if key == "prompt" and isinstance(value, str):
+            return value
+        if key == "prompt_token_ids" and _is_token_ids(value):
+            return list(value)
+        allowed = "a string" if key == "prompt" else "a non-empty list of token ids"
+        raise ValueError(f"{name}[{key!r}]={value!r:.60} is invalid: must be {allowed}")
+    if isinstance(p, str):
+        return p
+    if _is_token_ids(p):
+        return list(p)
+    raise ValueError(f"{name}={p!r:.60} is invalid: each prompt must be {_ALLOWED}")
 
 
 class LLM:
@@ -49,6 +76,10 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to its end; outputs in input order. A prompt is text, a list of token
+        ids, `{"prompt": text}` or `{"prompt_token_ids": ids}`; one prompt or a list of them. Bad
+        input (a malformed prompt, one over max_model_len, an out-of-vocabulary id, bad sampling
+        parameters) raises ValueError naming the prompt's index, and nothing of the call runs."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(prompt_list)
@@ -60,15 +91,17 @@ class LLM:
                 raise ValueError(f"sampling_params has {len(params)} entries: must be one SamplingParams "
                                  f"or one per prompt ({len(prompt_list)})")
         request_ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
-        try:
-            for request_id, prompt, sp in zip(request_ids, prompt_list, params):
+        for i, (request_id, prompt, sp) in enumerate(zip(request_ids, prompt_list, params)):
+            try:
                 self.engine.add_request(request_id, prompt, sp)
-        except ValueError:
-            for request_id in request_ids:  # a bad prompt: nothing of this call stays queued
-                self.engine.abort_request(request_id)
-            while self.engine.has_unfinished_requests():  # collect the aborted outputs
-                self.engine.step()
-            raise
+            except ValueError as e:
+                # As vLLM: one bad prompt rejects the whole call before any work. The prompts queued
+                # before it are aborted (never scheduled) and their outputs collected here.
+                for queued in request_ids[:i]:
+                    self.engine.abort_request(queued)
+                while self.engine.has_unfinished_requests():
+                    self.engine.step()
+                raise ValueError(f"prompts[{i}]: {e} (no prompt of this call was run)") from None
         return self._run(request_ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

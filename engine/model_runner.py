@@ -2,9 +2,9 @@
 
 Construction: build the model and load its weights; on a GPU, profile a forward pass at
 `max_num_batched_tokens` to size the KV cache from `gpu_memory_utilization` (unless
-`CacheConfig.num_gpu_blocks` is given; on CPU it must be); allocate the KV cache and the swap
-pool; capture CUDA graphs of whole steps unless `enforce_eager` (always eager on CPU; buckets in
-`engine.cuda_graph`). The elementwise ops are torch.compile'd on CUDA unless `enforce_eager`
+`CacheConfig.num_gpu_blocks` is given; on CPU without it, at most CPU_KV_CACHE_GIB = 4 GiB, logged);
+allocate the KV cache and the swap pool; capture CUDA graphs of whole steps unless `enforce_eager`
+(always eager on CPU; buckets in `engine.cuda_graph`). The elementwise ops are torch.compile'd on CUDA unless `enforce_eager`
 (`compile_model` overrides).
 
 `execute(out)`: cache ops (swap out, swap in, copy), then the step's inputs go to the device in one
@@ -15,6 +15,7 @@ device sync of a step is the read of the sampled tokens.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -32,6 +33,12 @@ from kernels.prefill import max_tiles, tokens_per_tile
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.request import Request, SamplingParams
 from policies.sequence import Sequence
+
+logger = logging.getLogger("servelab.engine")
+# KV cache on a CPU when num_gpu_blocks is not given (no device memory to profile): at most this
+# many GiB, and no more than max_num_seqs requests of max_model_len tokens need. vLLM's CPU
+# backend likewise takes a set KV space (VLLM_CPU_KVCACHE_SPACE) instead of profiling.
+CPU_KV_CACHE_GIB = 4.0
 
 
 class ModelRunner:
@@ -74,7 +81,7 @@ class ModelRunner:
                 f"KV cache too small: one max_model_len={max_model_len} request needs {width} blocks "
                 f"of {self.block_size} tokens, but only {self.num_gpu_blocks} fit (gpu_memory_utilization="
                 f"{cache_config.gpu_memory_utilization}, num_gpu_blocks={cache_config.num_gpu_blocks}); "
-                "lower max_model_len or give the cache more memory")
+                "lower max_model_len or give the cache more memory (on CPU: set num_gpu_blocks)")
         self.kv_cache = KVCache(model_config, self.block_size, self.num_gpu_blocks, self.num_cpu_blocks,
                                 self.device, self.dtype, self.ops)
         self.model.bind_kv_cache(self.kv_cache.k_caches, self.kv_cache.v_caches)
@@ -140,13 +147,21 @@ class ModelRunner:
             return None, inputs
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs
 
+    def _default_cpu_blocks(self) -> int:
+        per_block = block_bytes(self.model_config, self.block_size, self.dtype)
+        needed = self.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+        blocks = max(1, min(needed, int(CPU_KV_CACHE_GIB * 2**30) // per_block))
+        logger.warning("KV cache on CPU: num_gpu_blocks not set, so %d blocks of %d tokens (%.2f GiB; "
+                       "the default is at most %.0f GiB); set num_gpu_blocks to choose", blocks,
+                       self.block_size, blocks * per_block / 2**30, CPU_KV_CACHE_GIB)
+        return blocks
+
     @torch.no_grad()
     def _profile_num_gpu_blocks(self) -> int:
         """Blocks that fit in `gpu_memory_utilization` of the GPU after the peak of a forward pass at
         max_num_batched_tokens (plus logits and sampling of max_num_seqs rows)."""
         if self.device.type != "cuda":
-            raise ValueError("num_gpu_blocks=None is invalid on CPU: set CacheConfig.num_gpu_blocks "
-                             "(there is no GPU memory to profile)")
+            return self._default_cpu_blocks()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)

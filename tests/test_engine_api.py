@@ -93,6 +93,19 @@ def test_generate_text_and_token_ids(llm):
     assert text_out[0].outputs[0].text == llm.tokenizer.decode(tokens)
 
 
+def test_generate_vllm_dict_prompts(llm):
+    """vLLM's TextPrompt / TokensPrompt dicts, alone or in a list, are the prompts they hold."""
+    ids, text = [72, 101, 108, 108, 111], "Hello"
+    plain = llm.generate([ids, text], GREEDY, use_tqdm=False)
+    one_ids = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    one_text = llm.generate({"prompt": text}, GREEDY, use_tqdm=False)
+    listed = llm.generate([{"prompt_token_ids": ids}, {"prompt": text}], GREEDY, use_tqdm=False)
+    for got in (one_ids + one_text, listed):
+        assert [o.prompt_token_ids for o in got] == [ids, ids]
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert one_text[0].prompt == text and one_ids[0].prompt is None
+
+
 def test_generate_keeps_input_order(llm):
     prompts = ragged_prompts(5, seed=4)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (9, 1, 5, 3, 7)]
@@ -182,7 +195,7 @@ def test_bad_input_errors(tiny, llm, tmp_path):
         LLM(str(gelu), num_gpu_blocks=16, swap_space=0.01)
     with pytest.raises(ValueError, match=r"needs 16 blocks .* only 4 fit"):
         LLM(tiny[0], num_gpu_blocks=4, swap_space=0.01, max_model_len=256, block_size=16)
-    with pytest.raises(ValueError, match=r"prompt_token_ids=\[256, 999\].*\[0, 256\)"):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt_token_ids=\[256, 999\].*\[0, 256\)"):
         llm.generate([[1, 2], [3, 256, 999]], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()  # the valid first prompt was withdrawn too
     with pytest.raises(ValueError, match="temperature=-1"):

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from engine import model_runner
 from engine.config import CacheConfig, load_model_config
 from engine.model_runner import ModelRunner
 from policies.outputs import ScheduledSeq, SchedulerOutput
@@ -131,11 +132,21 @@ def test_logprobs_returned_through_runner():
     assert res[0].token_ids[0] in lp and len(lp) == 2 and max(lp.values()) == lp[res[0].token_ids[0]]
 
 
+def test_cpu_kv_cache_has_a_stated_default(caplog, monkeypatch):
+    """Without num_gpu_blocks a CPU runner takes what max_num_seqs full-length requests need, at
+    most CPU_KV_CACHE_GIB, and says so."""
+    with caplog.at_level("WARNING", logger="servelab.engine"):
+        runner = make_runner(num_gpu_blocks=None)
+    assert runner.num_gpu_blocks == 16 * 128 // BLOCK  # max_num_seqs requests of max_model_len tokens
+    assert "num_gpu_blocks not set" in caplog.text and "at most 4 GiB" in caplog.text
+    per_block = BLOCK * runner.model_config.kv_bytes_per_token(runner.dtype)
+    monkeypatch.setattr(model_runner, "CPU_KV_CACHE_GIB", 200 * per_block / 2**30)
+    assert make_runner(num_gpu_blocks=None).num_gpu_blocks == 200  # the cap
+
+
 def test_bad_sizes_raise_clear_errors():
     with pytest.raises(ValueError, match=r"needs 32 blocks of 4 tokens, but only 10 fit"):
         make_runner(num_gpu_blocks=10)
-    with pytest.raises(ValueError, match="num_gpu_blocks=None is invalid on CPU"):
-        make_runner(num_gpu_blocks=None)
     cfg = load_model_config("tiny-llama")
     with pytest.raises(ValueError, match="max_model_len=4096"):
         ModelRunner(cfg, CacheConfig(num_gpu_blocks=8), max_num_batched_tokens=8, max_num_seqs=2,
