@@ -2,8 +2,8 @@
 
 Text is decoded from a window of a few earlier tokens so that byte-level merges and sentencepiece
 leading spaces come out right, and nothing is emitted while the window ends in an incomplete UTF-8
-character. The engine only detokenizes step by step for requests with stop strings; everything
-else is decoded once, when the request finishes.
+character. The engine detokenizes step by step only for requests with stop strings or that stream
+their outputs (output_kind cumulative or delta); everything else is decoded once, when it ends.
 """
 from __future__ import annotations
 
@@ -23,16 +23,17 @@ class DecodeState:
     read_offset: int
     text: str = ""
     stopped: str | None = None  # the stop string that ended the text, once found
+    skip_special_tokens: bool = True
+    flushed: bool = False  # the sequence ended and its text is complete
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
 
-    def new_state(self, num_prompt_tokens: int) -> DecodeState:
+    def new_state(self, num_prompt_tokens: int, skip_special_tokens: bool = True) -> DecodeState:
         return DecodeState(prefix_offset=max(num_prompt_tokens - _CONTEXT_TOKENS, 0),
-                           read_offset=num_prompt_tokens)
+                           read_offset=num_prompt_tokens, skip_special_tokens=skip_special_tokens)
 
     def update(self, state: DecodeState, token_ids: list[int], pending: list[int] = (),
                final: bool = False, num_ids: int | None = None) -> int:
@@ -45,7 +46,7 @@ class Detokenizer:
         if state.read_offset >= end:
             return 0
         decode = self.tokenizer.decode
-        skip = self.skip_special_tokens
+        skip = state.skip_special_tokens
         window = token_ids[state.prefix_offset:num_ids]
         if pending:
             window = window + list(pending)
@@ -59,16 +60,18 @@ class Detokenizer:
         state.read_offset = end
         return len(new_text)
 
-    def decode_output(self, token_ids: list[int], num_prompt_tokens: int) -> str:
-        """The whole output text at once (the same decoding, over one window)."""
-        state = self.new_state(num_prompt_tokens)
-        self.update(state, token_ids, final=True)
+    def decode_output(self, token_ids: list[int], num_prompt_tokens: int, skip_special_tokens: bool = True,
+                      num_ids: int | None = None) -> str:
+        """The whole output text of `token_ids[:num_ids]` at once (the same decoding, one window)."""
+        state = self.new_state(num_prompt_tokens, skip_special_tokens)
+        self.update(state, token_ids, final=True, num_ids=num_ids)
         return state.text
 
 
-def find_stop_string(state: DecodeState, new_chars: int, stop: list[str]) -> bool:
+def find_stop_string(state: DecodeState, new_chars: int, stop: list[str], include: bool = False) -> bool:
     """vLLM's check: look for a stop string overlapping the `new_chars` just added; if found,
-    truncate the text right before it, remember which one, and return True."""
+    truncate the text right before it (right after it with `include`, vLLM's
+    include_stop_str_in_output), remember which one, and return True."""
     if new_chars == 0:
         return False
     text = state.text
@@ -76,7 +79,7 @@ def find_stop_string(state: DecodeState, new_chars: int, stop: list[str]) -> boo
         start = max(len(text) - new_chars - len(stop_str) + 1, 0)
         index = text.find(stop_str, start)
         if index != -1:
-            state.text = text[:index]
+            state.text = text[:index + len(stop_str) if include else index]
             state.stopped = stop_str
             return True
     return False

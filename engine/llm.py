@@ -2,6 +2,7 @@
 prompt to an `LLMEngine`, steps it until all are done, and returns the outputs in input order."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -90,6 +91,10 @@ class LLM:
             if len(params) != len(prompt_list):
                 raise ValueError(f"sampling_params has {len(params)} entries: must be one SamplingParams "
                                  f"or one per prompt ({len(prompt_list)})")
+        # As vLLM's LLM: only each request's final output comes out of the engine (no per-step work).
+        final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params
+                 if isinstance(sp, SamplingParams) and sp.output_kind != "final_only"}
+        params = [final.get(id(sp), sp) for sp in params]
         request_ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
         for i, (request_id, prompt, sp) in enumerate(zip(request_ids, prompt_list, params)):
             try:

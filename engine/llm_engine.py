@@ -2,12 +2,14 @@
 
 One step: `scheduler.schedule(now)` -> `runner.execute(out)` (swap out, swap in, copy, forward,
 sampling) -> stop strings of the requests that have any (incremental detokenization) ->
-`scheduler.update(out, tokens, now, stop_seq_ids, output_lens)` -> outputs of the requests that ended.
+`scheduler.update(out, tokens, now, stop_seq_ids, output_lens)` -> outputs of the requests that made
+progress (engine/output_processor.py).
 The engine never decides: the scheduler (policies/) does, and its recorder keeps the trace; `now`
 is the wall clock, `time.perf_counter()` relative to engine start.
 
 Per-step work in Python is kept to what each step needs (the decode step of a 0.6B model takes a
-few ms): text is decoded only at the end of a request, except for requests with stop strings.
+few ms): text is decoded only at the end of a request, except for requests with stop strings or
+that stream, and requests that only want their final output (`LLM.generate`) cost nothing per step.
 
 Threads: `add_request` and `abort_request` may be called from another thread than the one calling
 `step()` (an online server's). They validate in the caller's thread and hand the request (or the
@@ -26,35 +28,22 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.detokenizer import DecodeState, Detokenizer, find_stop_string
+from engine.detokenizer import Detokenizer
 from engine.engine_args import EngineArgs
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.token_feedback import Launched
 from engine.tokenizer import encode_prompt, load_tokenizer
 from engine.weights import resolve_gguf
 from policies.blocks import make_block_manager
-from policies.lookahead import PENDING
 from policies.outputs import SchedulerOutput
 from policies.policy import make_policy
 from policies.request import Request, SamplingParams
 from policies.scheduler import Scheduler, SchedulerConfig
-from policies.sequence import Sequence
 from policies.trace import TraceRecorder
 
 SchedulerBuilder = Callable[[int, int, int], Scheduler]  # (num_gpu_blocks, num_cpu_blocks, max_model_len)
-
-
-@dataclass(slots=True)
-class _Live:
-    """A request the engine has not returned a final output for yet."""
-
-    request: Request
-    prompt: str | None
-    seqs: list[Sequence]  # the scheduler's list of the request's sequences (grows on fork)
-    # seq_id -> decode state (stop strings only); (parent seq_id, i) for a just-forked sample i
-    stop_states: dict[int | tuple[int, int], DecodeState] | None = None
-    logprobs: dict[int, list[dict[int, float]]] | None = None  # seq_id -> per-token logprobs
 
 
 @dataclass(slots=True)
@@ -102,10 +91,8 @@ class LLMEngine:
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self._extra_eos_ids = eos_ids[1:]  # more EOS ids (Llama 3): stop token ids unless ignore_eos
-        self._live: dict[str, _Live] = {}
-        self._num_stop_requests = 0
-        self._forking: list[_Live] = []  # requests whose forked samples' stop states await their child
-        self._num_logprob_requests = 0
+        self.output_processor = OutputProcessor(self.detokenizer, args.detokenize)
+        self._live = self.output_processor.live  # request id -> LiveRequest, until its final output
         self._output_lens: dict[str, int] = {}  # request id -> forced output length (trace replay)
         self._in_flight: tuple[SchedulerOutput, Launched] | None = None  # launched ahead, async scheduling
         # Hand-over from add_request / abort_request (any thread) to the stepping thread.
@@ -196,18 +183,11 @@ class LLMEngine:
 
     def _admit(self, arrival: _Arrival) -> None:
         """An arrival into the scheduler (stepping thread, inbox lock held)."""
-        request, params, request_id = arrival.request, arrival.request.sampling_params, arrival.request.request_id
+        request, request_id = arrival.request, arrival.request.request_id
         self.scheduler.add(request, self.now())
-        live = _Live(request, arrival.prompt, self.scheduler.sequences(request_id))
-        if params.stop:
-            live.stop_states = {}
-            self._num_stop_requests += 1
+        self.output_processor.add(request, arrival.prompt, self.scheduler.sequences(request_id))
         if arrival.output_len is not None:
             self._output_lens[request_id] = arrival.output_len
-        if params.logprobs is not None:
-            live.logprobs = {}
-            self._num_logprob_requests += 1
-        self._live[request_id] = live
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a queued or running request; its final output (finish_reason "abort:user") comes out
@@ -254,31 +234,37 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     @_stepping
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the outputs of the requests that ended in it. With
-        `async_scheduling` the step's successor is scheduled and launched before this one's tokens
-        are waited for (policies/lookahead.py), and runs while the caller handles the outputs."""
-        scheduler = self.scheduler
+        """Run one scheduler step; returns an output for every request that made progress in it (as
+        vLLM: `finished` tells the ones that ended apart, aborted ones included), in the request's
+        `SamplingParams.output_kind` (engine/output_processor.py; "final_only" requests appear only
+        when they end). With `async_scheduling` the step's successor is scheduled and launched before
+        this one's tokens are waited for (policies/lookahead.py), and runs while the caller handles
+        the outputs."""
+        scheduler, processor = self.scheduler, self.output_processor
         if scheduler.config.async_scheduling:
             out, results = self._run_ahead()
         else:
             out = scheduler.schedule(self.now())
             results = self.runner.execute(out)
         tokens = {seq_id: r.token_ids for seq_id, r in results.items()}
-        stop_seq_ids = self._check_stop_strings(tokens) if self._num_stop_requests else ()
+        stop_seq_ids = processor.advance_text(tokens) if processor.text else ()
         ended = scheduler.update(out, tokens, self.now(), stop_seq_ids, self._output_lens or None)
-        if self._forking:
-            self._adopt_fork_states()
-        if self._num_logprob_requests:
-            self._collect_logprobs(out, results)
-        if not ended:
-            return []
-        rows = self.recorder.requests[-len(ended):]
-        outputs, released = [], []
-        for request, row in zip(ended, rows):
-            live = self._live.pop(request.request_id)
-            outputs.append(self._final_output(live, row))
-            released.extend(seq.seq_id for seq in live.seqs)
-        self.runner.release(released)
+        if processor.forking:
+            processor.adopt_forks()
+        if processor.num_logprobs:
+            processor.collect_logprobs(out, results)
+        outputs = []
+        if ended:
+            rows = self.recorder.requests[-len(ended):]
+            released = []
+            for request, row in zip(ended, rows):
+                self._output_lens.pop(request.request_id, None)
+                self._aborting.discard(request.request_id)
+                released.extend(seq.seq_id for seq in self._live[request.request_id].seqs)
+                outputs.append(processor.finish(request, row))
+            self.runner.release(released)
+        if processor.num_streaming:
+            outputs += processor.progress(out, tokens)
         return outputs
 
     def _run_ahead(self) -> tuple[SchedulerOutput, dict]:
@@ -295,103 +281,6 @@ class LLMEngine:
         if nxt is not None and not nxt.is_empty:
             self._in_flight = (nxt, runner.launch(nxt, after=launched))
         return out, runner.collect(launched)
-
-    def _check_stop_strings(self, tokens: dict[int, list[int]]) -> list[int | tuple[int, int]]:
-        """Seq ids whose text now contains a stop string (checked once min_tokens are out, as vLLM).
-        A prompt that samples n tokens: token i > 0 starts the child forked in this step's update,
-        checked on its own state and named `(seq_id, i)`; `_adopt_fork_states` hands that state to
-        the child afterwards."""
-        stopped, detok = [], self.detokenizer
-        for live in self._live.values():
-            states = live.stop_states
-            if states is None:
-                continue
-            params = live.request.sampling_params
-            for seq in live.seqs:
-                new = tokens.get(seq.seq_id)
-                if new is None or seq.is_finished:
-                    continue
-                # Looked past (async scheduling): the token is already in place, as PENDING.
-                ids, num_out = seq.token_ids, seq.num_output_tokens
-                num_ids = len(ids) - (ids[-1] == PENDING)
-                num_out -= len(ids) - num_ids
-                for i, token in enumerate(new):
-                    key = seq.seq_id if i == 0 else (seq.seq_id, i)
-                    state = states.get(key)
-                    if state is None:
-                        state = states[key] = detok.new_state(seq.num_prompt_tokens)
-                        if i == 1:  # once per forking prompt
-                            self._forking.append(live)
-                    added = detok.update(state, ids, [token], num_ids=num_ids)
-                    if (state.stopped is None and num_out + 1 >= params.min_tokens
-                            and find_stop_string(state, added, params.stop)):
-                        stopped.append(key)
-        return stopped
-
-    def _adopt_fork_states(self) -> None:
-        """Move the stop-string states of forked first tokens, keyed (parent seq id, i), to the
-        children the update made (sample i of the family)."""
-        for live in self._forking:
-            by_index = {seq.sample_index: seq.seq_id for seq in live.seqs}
-            states = live.stop_states
-            for key in [k for k in states if isinstance(k, tuple)]:
-                state = states.pop(key)
-                child = by_index.get(key[1])
-                if child is not None:
-                    states[child] = state
-        self._forking.clear()
-
-    def _collect_logprobs(self, out, results) -> None:
-        for entry in out.scheduled:
-            if not entry.num_samples:
-                continue
-            live = self._live.get(entry.seq.request.request_id)
-            result = results.get(entry.seq.seq_id)
-            if live is None or live.logprobs is None or result is None or result.logprobs is None:
-                continue
-            # A prompt that sampled n tokens: token i went to sample i (the scheduler's fork order).
-            for seq, lp in zip(live.seqs if entry.num_samples > 1 else [entry.seq], result.logprobs):
-                live.logprobs.setdefault(seq.seq_id, []).append(lp)
-
-    def _final_output(self, live: _Live, row: dict) -> RequestOutput:
-        request = live.request
-        if row["request_id"] != request.request_id:
-            raise RuntimeError(f"trace row {row['request_id']!r} does not match ended request "
-                               f"{request.request_id!r}: the recorder and the scheduler disagree")
-        if live.stop_states is not None:
-            self._num_stop_requests -= 1
-        self._output_lens.pop(request.request_id, None)
-        self._aborting.discard(request.request_id)
-        if live.logprobs is not None:
-            self._num_logprob_requests -= 1
-        completions = [self._completion(live, seq) for seq in live.seqs]
-        metrics = RequestMetrics(arrival_time=row["arrival_time"],
-                                 first_scheduled_time=row["first_scheduled_time"],
-                                 first_token_time=row["first_token_time"], finished_time=row["finish_time"],
-                                 num_preemptions=row["num_preemptions"])
-        return RequestOutput(request.request_id, live.prompt, request.prompt_token_ids, completions,
-                             finished=True, metrics=metrics)
-
-    def _completion(self, live: _Live, seq: Sequence) -> CompletionOutput:
-        token_ids = seq.token_ids[seq.num_prompt_tokens:]
-        params = live.request.sampling_params
-        stop_reason: str | int | None = None
-        if params.stop:
-            state = live.stop_states.get(seq.seq_id) or self.detokenizer.new_state(seq.num_prompt_tokens)
-            if state.stopped is None:  # tokens not checked yet (a sample forked in its last step)
-                added = self.detokenizer.update(state, seq.token_ids, final=True)
-                if seq.num_output_tokens >= params.min_tokens:
-                    find_stop_string(state, added, params.stop)
-            text, stop_reason = state.text, state.stopped
-        elif self.detokenizer is not None and self.args.detokenize:
-            text = self.detokenizer.decode_output(seq.token_ids, seq.num_prompt_tokens)
-        else:
-            text = ""
-        if (seq.finish_reason == "stop" and stop_reason is None and token_ids
-                and token_ids[-1] in params.stop_token_ids):
-            stop_reason = token_ids[-1]
-        logprobs = live.logprobs.get(seq.seq_id, []) if live.logprobs is not None else None
-        return CompletionOutput(seq.sample_index, text, token_ids, seq.finish_reason, stop_reason, logprobs)
 
 
 def _tokenizer_source(weights: str) -> str | None:

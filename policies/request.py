@@ -5,6 +5,7 @@ value and what is allowed, so bad input never travels into the scheduler.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier one
@@ -19,6 +20,13 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass(slots=True)
@@ -38,6 +46,17 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings; need a tokenizer (engine only)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return with each sampled token
+    # Penalties over the tokens generated so far (presence, frequency: OpenAI's, subtracted from the
+    # logits) and over prompt + generated tokens (repetition: CTRL's, > 1 discourages), as vLLM.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # keep the stop string / stop token's text in the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    # What the engine hands back per step (vLLM's RequestOutputKind): "cumulative" (everything so far,
+    # every step the request makes progress), "delta" (only what is new), "final_only" (one output
+    # when the request ends; LLM.generate uses it).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +88,19 @@ class SamplingParams:
                "must be non-empty strings")
         _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
                "logprobs", self.logprobs, "must be None or an integer >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, value, "must be a number in [-2, 2]")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"),
+               "repetition_penalty", self.repetition_penalty, "must be a number > 0 (1 = no penalty)")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
+        _check(self.output_kind in OUTPUT_KINDS, "output_kind", self.output_kind,
+               f"must be one of {', '.join(OUTPUT_KINDS)}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass(slots=True)

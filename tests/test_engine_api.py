@@ -59,7 +59,9 @@ def test_add_step_abort(tiny, ahead):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request("r0", [1, 2, 3], GREEDY)
-    assert engine.step() == []  # the first step only prefills (8 tokens each: nothing ends)
+    first = engine.step()  # the prefill samples each request's first token: progress, nothing ends
+    assert sorted(o.request_id for o in first) == ["r0", "r1", "r2"]
+    assert all(not o.finished and len(o.outputs[0].token_ids) == 1 for o in first)
     assert engine.abort_request("r1") is True
     assert engine.abort_request("r1") is False  # already aborted
     assert engine.abort_request("nope") is False
