@@ -9,6 +9,7 @@ gap between wall time and GPU time is CPU work the GPU waits for.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -41,7 +42,8 @@ def main() -> None:
     workload = factory.workload(cfg)
     engine = get_engine(engine_args(cfg))
     for r in workload.requests:
-        engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params)
+        engine.add_request(r.request_id, r.prompt_token_ids,
+                           dataclasses.replace(r.sampling_params, output_kind="final_only"))
     while engine.scheduler.num_waiting or any(s.num_new_tokens > 1 for s in _peek(engine)):
         engine.step()
     for _ in range(5):

@@ -96,21 +96,23 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     engine = get_engine(engine_args(cfg))
     engine.reset(build_scheduler=lambda gpu, cpu, _: factory.build_scheduler(cfg, gpu, cpu, recorder))
     requests, stop_lens = workload.requests, workload.stop_lens
+    # Only final outputs are read: the engine then does no per-step output work (as LLM.generate).
+    params = [dataclasses.replace(r.sampling_params, output_kind="final_only") for r in requests]
     num_steps, next_req, done = 0, 0, 0
     while done < len(requests):
         now = engine.now()
         while next_req < len(requests) and requests[next_req].arrival_time <= now:
             r = requests[next_req]
-            engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params,
+            engine.add_request(r.request_id, r.prompt_token_ids, params[next_req],
                                arrival_time=r.arrival_time, priority=r.priority,
                                output_len=stop_lens.get(r.request_id))
             next_req += 1
         if engine.has_unfinished_requests():
-            ended = engine.step()
+            ended = sum(output.finished for output in engine.step())
             num_steps += 1
             if ended:
-                done += len(ended)
-                on_done(len(ended))
+                done += ended
+                on_done(ended)
         elif next_req < len(requests):
             time.sleep(max(requests[next_req].arrival_time - now, 0.0))  # idle until the next arrival
     runner = engine.runner

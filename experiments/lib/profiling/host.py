@@ -40,7 +40,7 @@ from experiments.lib.profiling.synthetic import decode_contexts
 from policies import SamplingParams, TraceRecorder
 
 DECODE_PROMPT_LEN = 16
-_PARAMS = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
+_PARAMS = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True, output_kind="final_only")
 _PROBE_ITEMS = list(range(4000, 0, -1))
 
 

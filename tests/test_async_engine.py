@@ -1,0 +1,236 @@
+"""AsyncLLMEngine on CPU with a tiny model: streams equal to LLM.generate (cumulative and delta, both
+scheduling modes), consumers that leave abort their request and free its blocks, one bad request
+fails alone, a dead loop fails every stream, the waiting cap refuses at once, the loop sleeps when
+idle, and the stats count what ran."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from engine_helpers import ragged_prompts, save_tiny_model
+
+from engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, EngineQueueFullError
+from engine.engine_args import EngineArgs
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from policies.request import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("async") / "qwen3"
+    save_tiny_model(path, "qwen3", seed=5)
+    return str(path)
+
+
+def _args(path: str, ahead: bool = False, **kw) -> EngineArgs:
+    return EngineArgs(model=path, num_gpu_blocks=96, swap_space=0.01, max_model_len=256, block_size=8,
+                      async_scheduling=ahead, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """LLM.generate's greedy outputs of the prompts every test uses."""
+    prompts = ragged_prompts(8, seed=11, max_len=40)
+    return prompts, LLM(tiny, num_gpu_blocks=96, swap_space=0.01, max_model_len=256).generate(
+        prompts, GREEDY, use_tqdm=False)
+
+
+async def _collect(engine: AsyncLLMEngine, prompt, request_id: str, params=GREEDY, **kw) -> list:
+    return [out async for out in engine.generate(prompt, params, request_id, **kw)]
+
+
+def _clean(engine: AsyncLLMEngine) -> None:
+    """No request left, no block leaked, the scheduler's invariants hold."""
+    inner = engine.engine
+    assert not inner.has_unfinished_requests()
+    inner.scheduler.check_invariants()
+    assert inner.scheduler.block_manager.usage().gpu_used == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("kind", ["cumulative", "delta"])
+def test_streams_match_llm_generate(tiny, reference, ahead, kind):
+    prompts, expected = reference
+
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(_args(tiny, ahead)))
+        streams = await asyncio.gather(*(_collect(engine, p, f"r{i}", output_kind=kind)
+                                         for i, p in enumerate(prompts)))
+        _clean(engine)
+        await engine.shutdown()
+        return streams
+
+    for stream, want in zip(asyncio.run(main()), expected):
+        assert [o.finished for o in stream] == [False] * (len(stream) - 1) + [True]
+        assert len(stream) == 12  # one output per step that brought a token
+        if kind == "cumulative":
+            assert [len(o.outputs[0].token_ids) for o in stream] == list(range(1, 13))
+            tokens, text = stream[-1].outputs[0].token_ids, stream[-1].outputs[0].text
+        else:
+            assert all(len(o.outputs[0].token_ids) == 1 for o in stream)
+            tokens = [t for o in stream for t in o.outputs[0].token_ids]
+            text = "".join(o.outputs[0].text for o in stream)
+        assert tokens == want.outputs[0].token_ids
+        assert text == want.outputs[0].text
+        assert stream[-1].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_consumers_that_leave_abort_and_free_their_blocks(tiny, reference, ahead):
+    """A third of 24 concurrent streams stop after a random number of outputs (break, or their task
+    is cancelled): each is aborted within a step or two (the one in flight, and with async scheduling
+    the one launched ahead), every block comes back, the rest are exact."""
+    prompts, expected = reference
+    rng = random.Random(3)
+    plan = [(i % len(prompts), rng.choice(["break", "cancel"]) if i % 3 == 0 else None, rng.randint(1, 6))
+            for i in range(24)]
+
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(_args(tiny, ahead)))
+        got, ended = {}, {}
+        engine.add_finished_observer(lambda r: ended.setdefault(r.request_id, r))
+
+        async def client(i, p, how, after):
+            outs = []
+            async for out in engine.generate(prompts[p], GREEDY, f"c{i}"):
+                outs.append(out)
+                if how == "break" and len(outs) == after:
+                    break
+                if how == "cancel" and len(outs) == after:
+                    asyncio.current_task().cancel()
+                    await asyncio.sleep(0)
+            got[i] = outs
+
+        tasks = [asyncio.create_task(client(i, p, how, after)) for i, (p, how, after) in enumerate(plan)]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(20):  # the aborts reach the scheduler at the next step
+            if not engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.05)
+        _clean(engine)
+        await engine.shutdown()
+        return got, ended
+
+    got, ended = asyncio.run(main())
+    for i, (p, how, after) in enumerate(plan):
+        if how is None:
+            assert ended[f"c{i}"].finish_reason == "length"
+        else:
+            assert ended[f"c{i}"].finish_reason == "abort:user"
+            assert ended[f"c{i}"].num_generation_tokens <= after + 2
+        if how is None:
+            assert got[i][-1].finished and got[i][-1].outputs[0].token_ids == expected[p].outputs[0].token_ids
+        elif how == "break":
+            assert len(got[i]) == after and not got[i][-1].finished
+        else:
+            assert i not in got  # the task was cancelled
+
+
+def test_a_bad_request_fails_alone_and_the_loop_goes_on(tiny, reference):
+    prompts, expected = reference
+
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(_args(tiny)))
+        good = asyncio.create_task(_collect(engine, prompts[0], "good"))
+        with pytest.raises(ValueError, match="prompt_token_ids.*max_model_len=256"):
+            await _collect(engine, [1] * 300, "too-long")
+        with pytest.raises(ValueError, match=r"prompt_token_ids.*\[0, 256\)"):
+            await _collect(engine, [1, 999], "bad-token")
+        with pytest.raises(ValueError, match="request_id"):
+            await _collect(engine, [1, 2], "")
+        with pytest.raises(ValueError, match="prompt="):
+            await _collect(engine, {"text": "x"}, "bad-dict")
+        with pytest.raises(ValueError, match="output_kind"):
+            await _collect(engine, [1, 2], "kind", output_kind="final_only")
+        outs = await good
+        assert outs[-1].outputs[0].token_ids == expected[0].outputs[0].token_ids
+        text = await _collect(engine, {"prompt_token_ids": prompts[1]}, "dict")
+        assert text[-1].outputs[0].token_ids == expected[1].outputs[0].token_ids
+        assert engine.is_running and not engine.errored
+        await engine.check_health()
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_dead_loop_fails_every_stream_and_health(tiny, reference, monkeypatch):
+    prompts, _ = reference
+
+    async def main():
+        inner = LLMEngine(_args(tiny))
+        engine = AsyncLLMEngine(inner)
+        calls = {"n": 0}
+        step = inner.step
+
+        def broken_step():
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("device lost")
+            return step()
+
+        monkeypatch.setattr(inner, "step", broken_step)
+        results = await asyncio.wait_for(asyncio.gather(
+            *(_collect(engine, p, f"r{i}") for i, p in enumerate(prompts[:4])), return_exceptions=True), 30)
+        assert all(isinstance(r, EngineDeadError) and "device lost" in str(r) for r in results)
+        assert engine.errored and not engine.is_running
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+        with pytest.raises(EngineDeadError):
+            await _collect(engine, prompts[0], "after")
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_waiting_cap_refuses_at_once(tiny, reference):
+    prompts, expected = reference
+
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(_args(tiny)), max_waiting_requests=2)
+        first = [engine.generate(p, GREEDY, f"r{i}") for i, p in enumerate(prompts[:2])]
+        firsts = [asyncio.create_task(g.__anext__()) for g in first]
+        await asyncio.sleep(0)  # both queued, none stepped yet
+        with pytest.raises(EngineQueueFullError, match="max_waiting_requests"):
+            await _collect(engine, prompts[2], "refused")
+        await asyncio.gather(*firsts)
+        for g in first:
+            async for _ in g:
+                pass
+        # Served later once the queue drained.
+        outs = await _collect(engine, prompts[2], "later")
+        assert outs[-1].outputs[0].token_ids == expected[2].outputs[0].token_ids
+        await engine.shutdown()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        AsyncLLMEngine(object(), max_waiting_requests=0)
+
+
+def test_idle_loop_sleeps_and_stats_count(tiny, reference):
+    prompts, _ = reference
+
+    async def main():
+        inner = LLMEngine(_args(tiny))
+        engine = AsyncLLMEngine(inner)
+        finished = []
+        engine.add_finished_observer(finished.append)
+        await asyncio.gather(*(_collect(engine, p, f"r{i}") for i, p in enumerate(prompts[:3])))
+        stats = engine.stats()
+        steps = stats.num_steps_total
+        await asyncio.sleep(0.3)  # idle: no step runs
+        assert engine.stats().num_steps_total == steps and engine.is_running
+        assert stats.generation_tokens_total == 3 * 12
+        assert stats.prompt_tokens_total == sum(len(p) for p in prompts[:3])
+        assert stats.num_requests_finished_total == 3 and stats.num_running == stats.num_waiting == 0
+        assert sorted(r.request_id for r in finished) == ["r0", "r1", "r2"]
+        for r in finished:
+            assert r.num_generation_tokens == 12 and r.finish_reason == "length"
+            assert len(r.inter_token_latencies) == 11 and 0 < r.ttft <= r.e2e
+        assert inner.recorder.steps == [] and inner.recorder.requests == []  # no trace kept
+        await engine.shutdown()
+
+    asyncio.run(main())
