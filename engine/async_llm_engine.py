@@ -33,6 +33,7 @@ from typing import Any
 from engine.async_stream import RequestStream
 from engine.engine_args import EngineArgs
 from engine.engine_stats import EngineStats, RequestStats, StatsTracker
+from engine.llm import parse_prompt
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from policies.request import SamplingParams
@@ -164,7 +165,7 @@ class AsyncLLMEngine:
         params.validate()
         if params.output_kind != output_kind:
             params = dataclasses.replace(params, output_kind=output_kind)
-        prompt = _prompt_of(prompt)
+        prompt = parse_prompt(prompt, "prompt")
         self._start()
         cap = self.max_waiting_requests
         if cap is not None and self._tracker.num_waiting + self._admitting + self._new.qsize() >= cap:
@@ -258,22 +259,3 @@ class AsyncLLMEngine:
         for stream in streams.values():
             stream.fail(EngineDeadError("the engine is shut down"))
         await asyncio.to_thread(self._executor.shutdown, True)
-
-
-def _prompt_of(prompt: Prompt) -> str | list[int]:
-    """A text, token ids, or vLLM's dict form ({"prompt": text} or {"prompt_token_ids": ids})."""
-    if isinstance(prompt, dict):
-        keys = set(prompt)
-        if keys == {"prompt"}:
-            prompt = prompt["prompt"]
-        elif keys == {"prompt_token_ids"}:
-            prompt = prompt["prompt_token_ids"]
-        else:
-            raise ValueError(f"prompt={prompt!r:.80} is invalid: a dict holds exactly one of 'prompt' "
-                             "(text) or 'prompt_token_ids'")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, (list, tuple)):
-        return list(prompt)
-    raise ValueError(
-        f"prompt={prompt!r:.80} is invalid: must be a string, a list of token ids, or a dict")

@@ -29,16 +29,17 @@ def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[str | list[int]]:
     text, token ids, or the dicts `TextPrompt` / `TokensPrompt`). ValueError naming the prompt's
     index on anything else."""
     if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
-        return [_one_prompt(prompts, "prompts")]
+        return [parse_prompt(prompts, "prompts")]
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
             f"prompts={prompts!r:.60} is invalid: must be one prompt ({_ALLOWED}) or a list of them")
     if not prompts:
         raise ValueError("prompts=[] is invalid: give at least one prompt")
-    return [_one_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+    return [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
 
-def _one_prompt(p: object, name: str) -> str | list[int]:
+def parse_prompt(p: object, name: str) -> str | list[int]:
+    """One prompt in any of vLLM's forms -> text or token ids; ValueError naming `name` otherwise."""
     if isinstance(p, dict):
         unknown = sorted(set(p) - set(_PROMPT_KEYS), key=str)
         if unknown or len(p) != 1:
