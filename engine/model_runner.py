@@ -171,7 +171,9 @@ class ModelRunner:
         temp = KVCache(self.model_config, self.block_size, temp_blocks, 0, self.device, self.dtype, self.ops)
         temp_bytes = temp_blocks * block_bytes(self.model_config, self.block_size, self.dtype)
         self.model.bind_kv_cache(temp.k_caches, temp.v_caches)
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=5)
+        # The full sampler's worst case: every filter, logprobs and penalties (token count tables).
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=5,
+                                presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
         scheduled, next_block = [], 0
         for i, n in enumerate(lens):
             seq = Sequence.from_request(i, Request(f"profile-{i}", [0] * n, params))

@@ -1,7 +1,8 @@
 """Sampling from the logits of the sampled rows, vectorised over the batch.
 
-Per row: min_tokens (mask the stop ids and EOS while too few tokens were generated), temperature
-(0 = greedy argmax), top_k, top_p, min_p, then one draw by the exponential-race trick
+Per row: min_tokens (mask the stop ids and EOS while too few tokens were generated), penalties
+(vLLM's: repetition over prompt and output tokens, then frequency and presence over output tokens;
+greedy rows are penalized too), temperature (0 = greedy argmax), top_k, top_p, min_p, then one draw by the exponential-race trick
 (argmax of probs / Exp(1) noise), which is an exact categorical sample. A row with `num_samples`
 = n is expanded to n rows (parallel sampling from the prompt's last position). Rows of seeded
 requests draw their noise from a per-sequence `torch.Generator` (seeded from the request seed and
@@ -9,7 +10,7 @@ the sequence's `sample_index`), so their tokens do not depend on the rest of the
 Logprobs are the model's raw log-softmax (before any processing), as vLLM v1 returns them.
 
 Fast path: when every row only needs its temperature (one sample, no top-k/top-p/min-p, no seed,
-no logprobs, no pending min_tokens), `fast_temperatures` returns the per-row temperatures and
+no logprobs, no penalties, no pending min_tokens), `fast_temperatures` returns the per-row temperatures and
 `sample_with_temperatures` draws all rows at once in one pass over the logits (Gumbel-max, the same
 distribution as the general path's exponential race; an all-greedy batch is one argmax), reading
 the temperatures from the step's uploaded inputs.
@@ -104,8 +105,9 @@ class Sampler:
         min_tok = [i for i, s in enumerate(sampled)
                    if s.seq.num_output_tokens < params[i].min_tokens]
         want_logprobs = any(p.logprobs is not None for p in params)
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
         all_greedy = all(p.temperature == 0 for p in params)
-        if all_greedy and not want_logprobs and not min_tok:
+        if all_greedy and not want_logprobs and not min_tok and not penalized:
             tokens = logits.argmax(dim=-1).tolist()
             return [SampleResult([t] * n) for t, n in zip(tokens, counts)]
         logits = logits.float()  # the model's logits may be bf16; log-softmax, top-p etc. run in float32
@@ -115,6 +117,9 @@ class Sampler:
             rows, cols = zip(*masked)
             logits = logits.clone()
             logits[list(rows), list(cols)] = float("-inf")
+        if penalized:
+            logits = apply_penalties(logits, [sampled[i].seq for i in penalized], [params[i] for i in penalized],
+                                     penalized)
         expand = None
         if any(n != 1 for n in counts):
             expand = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(self.device)
@@ -180,6 +185,35 @@ class Sampler:
             d[token_list[i]] = chosen[i]
             out.append(d)
         return out
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] int64: how often each token occurs in each list."""
+    flat = [row * vocab + t for row, tokens in enumerate(token_lists) for t in tokens]
+    index = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+    return torch.bincount(index, minlength=len(token_lists) * vocab).view(len(token_lists), vocab)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list, params: list[SamplingParams], rows: list[int]) -> torch.Tensor:
+    """vLLM's penalties on `logits[rows]` (float32 [R, V]; a new tensor is returned): a token seen in
+    the prompt or the output has its logit divided by repetition_penalty if positive, else multiplied
+    by it; then frequency_penalty * (its count in the output) and presence_penalty * (whether it
+    occurs in the output) are subtracted."""
+    vocab, device = logits.shape[1], logits.device
+    out_counts = _token_counts([seq.token_ids[seq.num_prompt_tokens:] for seq in seqs], vocab, device)
+    penalized = logits[rows]
+    seen = out_counts > 0
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen_any = seen | (_token_counts([seq.token_ids[:seq.num_prompt_tokens] for seq in seqs], vocab, device) > 0)
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32).to(device)[:, None]
+        factor = torch.where(penalized > 0, 1.0 / rep, rep)
+        penalized = torch.where(seen_any, penalized * factor, penalized)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32).to(device)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).to(device)[:, None]
+    penalized = penalized - freq * out_counts - pres * seen
+    logits = logits.clone()
+    logits[rows] = penalized
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

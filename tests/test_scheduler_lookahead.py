@@ -190,11 +190,14 @@ def _steps_ahead(params: dict) -> list[bool]:
 
 
 @pytest.mark.parametrize("params", [{"logprobs": 2}, {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1},
-                                    {"seed": 3, "temperature": 0.7}], ids=str)
+                                    {"seed": 3, "temperature": 0.7}, {"presence_penalty": 0.5},
+                                    {"frequency_penalty": -0.5}, {"repetition_penalty": 1.2},
+                                    {"repetition_penalty": 1.2, "temperature": 0.0}], ids=str)
 def test_full_sampler_steps_are_not_looked_past(params):
-    """The engine's full sampler (logprobs, top-k/p, min-p, seeded draws) returns a step's tokens at
-    once, so the scheduler never looks past such a step (policies/sampling_path.py): the simulator
-    then schedules synchronously exactly where the engine does."""
+    """The engine's full sampler (logprobs, top-k/p, min-p, seeded draws, penalties: greedy ones too)
+    returns a step's tokens at once, so the scheduler never looks past such a step
+    (policies/sampling_path.py): the simulator then schedules synchronously exactly where the engine
+    does."""
     assert not any(_steps_ahead(params))
     assert _steps_ahead({"temperature": 0.7})[:4] == [True] * 4
     assert _steps_ahead({"seed": 3, "temperature": 0.0})[:4] == [True] * 4  # greedy: the seed is unused
@@ -210,7 +213,8 @@ def test_device_sampling_rule():
     seq = lambda **p: SimpleNamespace(request=SimpleNamespace(sampling_params=SamplingParams(**p)),
                                       num_output_tokens=3)  # fmt: skip
     assert device_sampling([seq(), seq(temperature=0.0), seq(seed=1, temperature=0.0)])
-    for p in ({"logprobs": 0}, {"top_k": 1}, {"top_p": 0.5}, {"min_p": 0.2}, {"seed": 1}):
+    for p in ({"logprobs": 0}, {"top_k": 1}, {"top_p": 0.5}, {"min_p": 0.2}, {"seed": 1},
+              {"presence_penalty": 0.1}, {"frequency_penalty": 0.1}, {"repetition_penalty": 0.9}):
         assert not device_sampling([seq(), seq(**p)]), p
     assert device_sampling([seq(min_tokens=3)]) and not device_sampling([seq(min_tokens=4)])
     assert device_sampling([])
