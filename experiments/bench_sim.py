@@ -55,7 +55,7 @@ def bench(workload_name: str, requests: int, repeat: int, overrides: list[str]) 
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             f"workload={workload_name}", f"workload.num_requests={requests}", "latency=roofline",
-            "progress=false", *overrides])
+            "blocks.kv_cache_gib=null", "progress=false", *overrides])
     t0 = time.perf_counter()
     workload = factory.workload(cfg)
     build_s = time.perf_counter() - t0

@@ -37,7 +37,7 @@ from policies.request import SamplingParams
 
 BASE = ["backend=engine", "model=qwen3-0.6b", "workload=nanovllm",  # nano-vllm's engine limits:
         "scheduler.max_num_batched_tokens=16384", "scheduler.max_num_seqs=512", "scheduler.max_model_len=4096",
-        "progress=false", "plots=false"]
+        "progress=false", "plots=false", "blocks.kv_cache_gib=null"]  # KV pool: GPU memory
 RESULTS = Path("outputs/bench_throughput")
 
 

@@ -73,3 +73,20 @@ def test_bad_config_is_one_line_naming_the_key(override, key, monkeypatch, capsy
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
     assert key in err, err
     assert "HYDRA_FULL_ERROR" not in os.environ  # restored for the rest of the process
+
+
+def test_default_run_queues_preempts_and_policies_differ(tmp_path):
+    """The default config (`make run`) loads the KV pool past what it holds: requests wait, some
+    are preempted, and fcfs and priority give the urgent class different first-token times."""
+    from hydra import compose, initialize_config_module
+
+    summaries = {}
+    for policy in ("fcfs", "priority"):
+        with initialize_config_module(config_module="conf", version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[f"policy={policy}", "progress=false", "plots=false"])
+        summaries[policy] = run_module.run(cfg, tmp_path / policy)
+    for s in summaries.values():
+        assert s["completed"] == s["num_requests"] and s["num_preemptions"] > 0
+        assert s["queueing_time"]["p90"] > 0.1  # seconds: requests wait for KV blocks
+    urgent = {p: s["per_priority"]["0"]["ttft"]["mean"] for p, s in summaries.items()}
+    assert urgent["priority"] < 0.5 * urgent["fcfs"]

@@ -42,8 +42,8 @@ def test_option_composes_and_builds(group, option):
     assert len(factory.workload(cfg)) == 7
 
 
-def test_default_kv_pool_is_derived_from_hardware_memory():
-    cfg = compose_with()
+def test_unsized_kv_pool_is_derived_from_hardware_memory():
+    cfg = compose_with("blocks.kv_cache_gib=null")  # the default run sets 3 GiB (conf/config.yaml)
     gpu, cpu = factory.kv_block_counts(cfg)
     block_bytes = 2 * 28 * 8 * 128 * 2 * 16  # qwen3-0.6b, bf16, 16 tokens
     budget = 140.4 * 2**30 * 0.9 - factory.model_shape(cfg).weight_bytes
@@ -51,4 +51,4 @@ def test_default_kv_pool_is_derived_from_hardware_memory():
     assert cpu == 4 * 2**30 // block_bytes
     assert factory.kv_block_counts(compose_with("blocks.kv_cache_gib=1"))[0] == 2**30 // block_bytes
     assert factory.kv_block_counts(compose_with("blocks.num_gpu_blocks=123"))[0] == 123
-    assert factory.kv_block_counts(compose_with("hardware=h100"))[0] < gpu
+    assert factory.kv_block_counts(compose_with("blocks.kv_cache_gib=null", "hardware=h100"))[0] < gpu

@@ -145,6 +145,11 @@ def summary_table(s: Mapping[str, Any]) -> str:
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
         st = s[name]
         rows.append((f"{label} mean / p50 / p99 (ms)", f"{_ms(st['mean'])} / {_ms(st['median'])} / {_ms(st['p99'])}"))
+        if name == "ttft":  # per priority class: where scheduling policies differ most
+            for prio, cls in s.get("per_priority", {}).items():
+                c = cls["ttft"]
+                rows.append((f"  of priority {prio} ({cls['num_requests']} req)",
+                             f"{_ms(c['mean'])} / {_ms(c['median'])} / {_ms(c['p99'])}"))
     rows += [
         ("mean batch size", fmt(s["mean_batch_size"], ".1f")),
         ("preemptions (recompute / swap)",

@@ -11,13 +11,27 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 PREEMPT_MARKERS = {"recompute": ("x", "tab:red"), "swap": ("v", "tab:purple"),
                    "recompute_fallback": ("x", "tab:orange")}
 
 
+THOUSANDS = FuncFormatter(lambda v, _: f"{v:,.0f}" if abs(v) >= 10 or v == int(v) else f"{v:g}")
+
+
 def _end_times(steps: pd.DataFrame) -> np.ndarray:
     return (steps["time"] + steps["duration"]).to_numpy(dtype=float)
+
+
+def _readable(ax, x_ticks: int = 6, y_counts: bool = True) -> None:
+    """At most `x_ticks` x tick labels (long numbers never run into each other), thousands
+    separators, and whole-number y ticks where y counts things."""
+    ax.xaxis.set_major_locator(MaxNLocator(x_ticks))
+    ax.xaxis.set_major_formatter(THOUSANDS)
+    if y_counts:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_formatter(THOUSANDS)
 
 
 def kv_figure(steps: pd.DataFrame, events: pd.DataFrame | None, block_size: int) -> Figure:
@@ -40,10 +54,14 @@ def kv_figure(steps: pd.DataFrame, events: pd.DataFrame | None, block_size: int)
                 y = np.interp(at, t, steps["gpu_blocks_used"].to_numpy(dtype=float)) if len(t) else at * 0
                 ax.scatter(at, y, marker=marker, color=color, s=18, zorder=3, label=f"preempted ({mode})")
     ax.set_ylabel("KV blocks")
-    ax.legend(loc="upper right", fontsize=7)
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower center", fontsize=7, ncol=3)
     ax_cpu.step(t, steps["cpu_blocks_used"], where="post", color="tab:purple", lw=1)
+    ax_cpu.set_ylim(bottom=0, top=max(1.0, float(steps["cpu_blocks_used"].max()) * 1.1) if len(steps) else 1.0)
     ax_cpu.set_ylabel("CPU swap\nblocks")
     ax_cpu.set_xlabel("time (s)")
+    for a in (ax, ax_cpu):
+        _readable(a)
     fig.tight_layout()
     return fig
 
@@ -56,6 +74,8 @@ def queues_figure(steps: pd.DataFrame) -> Figure:
     ax.set_xlabel("time (s)")
     ax.set_ylabel("sequences")
     ax.set_title("Queue lengths over time")
+    ax.set_ylim(bottom=0)
+    _readable(ax)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -68,16 +88,18 @@ def _cdf(ax, values: np.ndarray, label: str) -> None:
 
 
 def latency_cdf_figure(runs: Mapping[str, pd.DataFrame]) -> Figure:
-    """TTFT / TPOT / E2E CDFs; one line per run (label -> requests frame)."""
+    """TTFT / TPOT / E2E CDFs in milliseconds; one line per run (label -> requests frame)."""
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
     for label, req in runs.items():
         done = req[req["status"] == "finished"]
         for ax, col in zip(axes, ("ttft", "tpot", "e2e")):
-            _cdf(ax, done[col].to_numpy(dtype=float), label)
-    for ax, name in zip(axes, ("TTFT (s)", "TPOT (s)", "E2E latency (s)")):
+            _cdf(ax, done[col].to_numpy(dtype=float) * 1e3, label)
+    for ax, name in zip(axes, ("TTFT (ms)", "TPOT (ms)", "E2E latency (ms)")):
         ax.set_xlabel(name)
         ax.set_ylabel("fraction of requests")
+        ax.set_xlim(left=0)
         ax.grid(alpha=0.3)
+        _readable(ax, x_ticks=5, y_counts=False)
     if len(runs) > 1:
         axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -108,10 +130,21 @@ def throughput_figure(runs: Mapping[str, tuple[pd.DataFrame, pd.DataFrame]], win
     ax_tp.set_title("Throughput and inter-token latency over time")
     ax_lat.set_ylabel("mean ITL (ms)")
     ax_lat.set_xlabel("time (s)")
+    for a, counts in ((ax_tp, True), (ax_lat, False)):
+        a.set_ylim(bottom=0)
+        _readable(a, y_counts=counts)
     if len(runs) > 1:
         ax_tp.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _by_priority(requests: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """All requests, then each priority class when there are several (where policies differ most)."""
+    runs = {"all requests": requests}
+    if "priority" in requests and requests["priority"].nunique() > 1:
+        runs |= {f"priority {p}": group for p, group in requests.groupby("priority", sort=True)}
+    return runs
 
 
 def save_run_plots(requests: pd.DataFrame, steps: pd.DataFrame, events: pd.DataFrame | None,
@@ -120,7 +153,7 @@ def save_run_plots(requests: pd.DataFrame, steps: pd.DataFrame, events: pd.DataF
     figures = {
         "kv_blocks.png": kv_figure(steps, events, block_size),
         "queues.png": queues_figure(steps),
-        "latency_cdf.png": latency_cdf_figure({"run": requests}),
+        "latency_cdf.png": latency_cdf_figure(_by_priority(requests)),
         "throughput.png": throughput_figure({"run": (requests, steps)}),
     }
     paths = []
