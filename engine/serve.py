@@ -1,0 +1,88 @@
+"""`python -m engine.serve --model NAME [options] [key=value ...]`: the OpenAI-compatible HTTP server.
+
+NAME is a conf/model name (dummy weights for shapes, or the weights it names), a local HF
+directory, or a .gguf file. Every `EngineArgs` field is an option (`--num-gpu-blocks 512`,
+`--policy priority`) or a Hydra-style override (`num_gpu_blocks=512 policy=priority`). Server
+options: --host (127.0.0.1 by default: loopback only unless asked), --port, --served-model-name,
+--chat-template, --max-waiting-requests (past it new requests get HTTP 503). Examples:
+
+    python -m engine.serve --model qwen3-0.6b
+    python -m engine.serve --model smollm2-135m num_gpu_blocks=256 max_model_len=2048   # on CPU
+    curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "qwen3-0.6b", "prompt": [1, 2, 3], "max_tokens": 8}'
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+import yaml
+
+from engine.engine_args import EngineArgs
+from engine.serving.server import LOOPBACK
+
+SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_waiting_requests", "log_level")
+
+
+def parse_value(text: str) -> Any:
+    """`512` -> 512, `true` -> True, `null` -> None, `fcfs` -> 'fcfs' (YAML scalars, as Hydra reads them)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="conf/model name, HF directory or .gguf file")
+    p.add_argument("--host", default=LOOPBACK, help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: the model's name)")
+    p.add_argument("--chat-template", default=None, help="a Jinja file or string replacing the tokenizer's")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="refuse new requests (HTTP 503) while this many wait (default: no cap)")
+    p.add_argument("--log-level", default="info")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name != "model":
+            p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse_value, default=argparse.SUPPRESS,
+                           help=f"EngineArgs.{f.name} (default {f.default!r})")
+    p.add_argument("overrides", nargs="*", help="EngineArgs overrides as key=value")
+    return p
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    values = {k: v for k, v in vars(ns).items() if k not in (*SERVER_OPTIONS, "overrides")}
+    for item in ns.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is invalid: write key=value (an EngineArgs field)")
+        values[key.lstrip("+").replace("-", "_")] = parse_value(value)
+    return EngineArgs.from_dict(values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    try:
+        args = engine_args_from(ns)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    import uvicorn
+
+    from engine.async_llm_engine import AsyncLLMEngine
+    from engine.serving.app import build_app
+    from engine.serving.server import uvicorn_config
+
+    engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests)
+    app = build_app(engine, ns.served_model_name, ns.chat_template)
+    if ns.host not in (LOOPBACK, "localhost", "::1"):
+        print(f"warning: binding {ns.host}: the server is reachable beyond this machine", file=sys.stderr)
+    print(f"serving {app.state.ctx.model_name!r} at http://{ns.host}:{ns.port}/v1", file=sys.stderr)
+    uvicorn.Server(uvicorn_config(app, ns.host, ns.port, ns.log_level)).run()
+
+
+if __name__ == "__main__":
+    main()

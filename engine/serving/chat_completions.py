@@ -1,0 +1,138 @@
+"""`POST /v1/chat/completions`: messages -> the chat template -> one engine request -> OpenAI chat
+completion, whole or streamed (`chat.completion.chunk`s; a choice's first delta carries the role)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request as HTTPRequest
+
+from engine.serving.completions import SSE_HEADERS
+from engine.serving.errors import APIError
+from engine.serving.generation import (
+    Generation,
+    SubRequest,
+    engine_errors,
+    finish_reason,
+    sampling_params,
+    token_text,
+    usage,
+)
+from engine.serving.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    random_id,
+)
+from engine.serving.sse import DONE, event, frame
+
+
+async def create_chat_completion(ctx: Any, req: ChatCompletionRequest, http: HTTPRequest):
+    """ctx: the app's ServingContext."""
+    ctx.check_model(req.model)
+    ids = ctx.chat.encode([m.for_template() for m in req.messages], req.add_generation_prompt)
+    renames = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        renames["max_tokens"] = "max_completion_tokens"
+    params = sampling_params(req, len(ids), ctx.max_model_len, req.requested_max_tokens, req.num_logprobs,
+                             "messages", renames)
+    base_id = random_id("chatcmpl")
+    gen = Generation(ctx.engine, [SubRequest(base_id, ids, params)], http, req.priority)
+    await gen.start()
+    if req.stream:
+        return StreamingResponse(_stream(ctx, req, gen, base_id), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    return await _whole(ctx, req, gen, base_id)
+
+
+def _logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+              top: int) -> ChatLogprobs | None:
+    if logprobs is None:
+        return None
+    content = []
+    for token_id, lps in zip(token_ids, logprobs):
+        best = sorted(lps.items(), key=lambda kv: -kv[1])[:top]
+        content.append(TokenLogprob(
+            token=token_text(tokenizer, token_id), logprob=lps.get(token_id, float("-inf")),
+            bytes=list(token_text(tokenizer, token_id).encode()),
+            top_logprobs=[TopLogprob(token=token_text(tokenizer, t), logprob=lp,
+                                     bytes=list(token_text(tokenizer, t).encode())) for t, lp in best]))
+    return ChatLogprobs(content=content)
+
+
+async def _whole(ctx: Any, req: ChatCompletionRequest, gen: Generation, base_id: str) -> JSONResponse:
+    texts: dict[int, list[str]] = {}
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, list[dict]] = {}
+    ends: dict[int, tuple[str | None, Any]] = {}
+    try:
+        async for _, out in gen.outputs():
+            for c in out.outputs:
+                texts.setdefault(c.index, []).append(c.text)
+                tokens.setdefault(c.index, []).extend(c.token_ids)
+                if c.logprobs is not None:
+                    logprobs.setdefault(c.index, []).extend(c.logprobs)
+                if c.finish_reason is not None:
+                    ends[c.index] = (finish_reason(c.finish_reason), c.stop_reason)
+    except Exception as exc:  # noqa: BLE001 (engine errors become HTTP errors; others re-raised)
+        raise engine_errors(exc) or exc from None
+    choices = []
+    for index in sorted(tokens):
+        reason, stop_reason = ends.get(index, ("abort", None))
+        choices.append(ChatChoice(
+            index=index, message=AssistantMessage(content="".join(texts[index])),
+            logprobs=_logprobs(ctx.tokenizer, tokens[index], logprobs.get(index) if req.logprobs else None,
+                               req.top_logprobs or 0),
+            finish_reason=reason, stop_reason=stop_reason,
+            token_ids=tokens[index] if req.return_token_ids else None))
+    body = ChatCompletionResponse(
+        id=base_id, model=req.model, choices=choices,
+        usage=usage(gen.num_prompt_tokens, sum(len(t) for t in tokens.values())),
+        prompt_token_ids=gen.subs[0].prompt_token_ids if req.return_token_ids else None)
+    return JSONResponse(body.model_dump(exclude_none=True))
+
+
+async def _stream(ctx: Any, req: ChatCompletionRequest, gen: Generation, base_id: str):
+    created = ctx.created()
+    head = ('{"id":' + json.dumps(base_id) + ',"object":"chat.completion.chunk","created":' + str(created)
+            + ',"model":' + json.dumps(req.model) + ',"choices":')
+    started: set[int] = set()
+    completion_tokens = 0
+    try:
+        async for _, out in gen.outputs():
+            choices = []
+            for c in out.outputs:
+                if not c.token_ids and not c.text and c.finish_reason is None:
+                    continue
+                delta: dict[str, Any] = {"content": c.text}
+                if c.index not in started:
+                    started.add(c.index)
+                    delta = {"role": "assistant", **delta}
+                choice: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": None,
+                                          "finish_reason": finish_reason(c.finish_reason)}
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                if req.logprobs and c.logprobs is not None:
+                    choice["logprobs"] = _logprobs(ctx.tokenizer, c.token_ids, c.logprobs,
+                                                   req.top_logprobs or 0).model_dump()
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                completion_tokens += len(c.token_ids)
+                choices.append(choice)
+            if choices:
+                yield frame(head + json.dumps(choices) + "}")
+    except Exception as exc:  # noqa: BLE001 (the status line is sent: the error goes into the stream)
+        err = engine_errors(exc) or APIError(500, f"generation failed: {exc}")
+        yield event(err.body())
+    else:
+        if req.include_usage:
+            chunk = ChatCompletionChunk(id=base_id, created=created, model=req.model, choices=[],
+                                        usage=usage(gen.num_prompt_tokens, completion_tokens))
+            yield event(chunk.model_dump())
+    yield DONE

@@ -1,0 +1,144 @@
+"""`POST /v1/completions`: prompts (text, token ids, or a list of either) -> OpenAI completion,
+whole or streamed as server-sent events (one chunk per engine output, i.e. per step and request at
+most; `data: [DONE]` last; with `stream_options.include_usage` a usage chunk before it)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request as HTTPRequest
+
+from engine.outputs import CompletionOutput
+from engine.serving.errors import APIError
+from engine.serving.generation import (
+    Generation,
+    SubRequest,
+    engine_errors,
+    finish_reason,
+    sampling_params,
+    token_text,
+    usage,
+)
+from engine.serving.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    random_id,
+)
+from engine.serving.sse import DONE, event, frame
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def create_completion(ctx: Any, req: CompletionRequest, http: HTTPRequest):
+    """ctx: the app's ServingContext."""
+    ctx.check_model(req.model)
+    try:
+        prompts = req.prompts()
+    except ValueError as exc:
+        raise APIError(400, str(exc), "prompt") from None
+    base_id = random_id("cmpl")
+    subs = []
+    for i, prompt in enumerate(prompts):
+        ids = ctx.encode(prompt, "prompt")
+        params = sampling_params(req, len(ids), ctx.max_model_len, req.max_tokens, req.logprobs, "prompt", {})
+        subs.append(SubRequest(f"{base_id}-{i}" if len(prompts) > 1 else base_id, ids, params))
+    gen = Generation(ctx.engine, subs, http, req.priority)
+    await gen.start()
+    if req.stream:
+        return StreamingResponse(_stream(ctx, req, gen, base_id), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    return await _whole(ctx, req, gen, base_id)
+
+
+def _logprobs(tokenizer: Any, c: CompletionOutput, offset: int) -> CompletionLogprobs | None:
+    if c.logprobs is None:
+        return None
+    out = CompletionLogprobs()
+    for token_id, lps in zip(c.token_ids, c.logprobs):
+        text = token_text(tokenizer, token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lps.get(token_id))
+        out.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in lps.items()})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+async def _whole(ctx: Any, req: CompletionRequest, gen: Generation, base_id: str) -> JSONResponse:
+    n = req.n
+    texts: dict[int, list[str]] = {}
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, list[dict]] = {}
+    ends: dict[int, tuple[str | None, Any]] = {}
+    try:
+        async for i, out in gen.outputs():
+            for c in out.outputs:
+                index = i * n + c.index
+                texts.setdefault(index, []).append(c.text)
+                tokens.setdefault(index, []).extend(c.token_ids)
+                if c.logprobs is not None:
+                    logprobs.setdefault(index, []).extend(c.logprobs)
+                if c.finish_reason is not None:
+                    ends[index] = (finish_reason(c.finish_reason), c.stop_reason)
+    except Exception as exc:  # noqa: BLE001 (engine errors become HTTP errors; others re-raised)
+        raise engine_errors(exc) or exc from None
+    choices = []
+    for index in sorted(tokens):
+        reason, stop_reason = ends.get(index, ("abort", None))
+        whole = CompletionOutput(index, "".join(texts[index]), tokens[index], reason, stop_reason,
+                                 logprobs.get(index) if index in logprobs else None)
+        choices.append(CompletionChoice(
+            index=index, text=whole.text, logprobs=_logprobs(ctx.tokenizer, whole, 0), finish_reason=reason,
+            stop_reason=stop_reason, token_ids=whole.token_ids if req.return_token_ids else None,
+            prompt_token_ids=gen.subs[index // n].prompt_token_ids if req.return_token_ids else None))
+    completion_tokens = sum(len(t) for t in tokens.values())
+    body = CompletionResponse(id=base_id, model=req.model, choices=choices,
+                              usage=usage(gen.num_prompt_tokens, completion_tokens))
+    return JSONResponse(body.model_dump(exclude_none=True))
+
+
+async def _stream(ctx: Any, req: CompletionRequest, gen: Generation, base_id: str):
+    n, created = req.n, ctx.created()
+    # Every chunk shares its head: only the choices are serialized per chunk (hot path).
+    head = ('{"id":' + json.dumps(base_id) + ',"object":"text_completion","created":' + str(created)
+            + ',"model":' + json.dumps(req.model) + ',"choices":')
+    offsets: dict[int, int] = {}
+    completion_tokens = 0
+    try:
+        async for i, out in gen.outputs():
+            choices = []
+            for c in out.outputs:
+                if not c.token_ids and not c.text and c.finish_reason is None:
+                    continue
+                index = i * n + c.index
+                choice: dict[str, Any] = {"index": index, "text": c.text, "logprobs": None,
+                                          "finish_reason": finish_reason(c.finish_reason)}
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                if c.logprobs is not None:
+                    lp = _logprobs(ctx.tokenizer, c, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(c.text)
+                    choice["logprobs"] = lp.model_dump()
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                completion_tokens += len(c.token_ids)
+                choices.append(choice)
+            if choices:
+                yield frame(head + json.dumps(choices) + _usage_tail(req, gen, completion_tokens) + "}")
+    except Exception as exc:  # noqa: BLE001 (the status line is sent: the error goes into the stream)
+        err = engine_errors(exc) or APIError(500, f"generation failed: {exc}")
+        yield event(err.body())
+    else:
+        if req.include_usage:
+            yield event(CompletionResponse(id=base_id, created=created, model=req.model, choices=[],
+                                           usage=usage(gen.num_prompt_tokens, completion_tokens)).model_dump())
+    yield DONE
+
+
+def _usage_tail(req: CompletionRequest, gen: Generation, completion_tokens: int) -> str:
+    if req.stream_options is None or not req.stream_options.continuous_usage_stats:
+        return ""
+    return ',"usage":' + usage(gen.num_prompt_tokens, completion_tokens).model_dump_json()

@@ -1,0 +1,77 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every error a route can meet becomes one `APIError` (status, message, the offending field):
+pydantic's validation errors and servelab's ValueErrors (`"<field>=<value> is invalid: ..."`, the
+convention of SamplingParams and Request.validate) give 400 naming the field; an unknown model 404;
+a full queue 503; a dead engine 503.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from engine.serving.protocol import ErrorBody, ErrorResponse
+
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+_FIELD_AT_START = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)=")
+_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+)(?:=|\s)")
+# The request field an engine-side name stands for (Request.validate names the token ids).
+_ENGINE_FIELDS = {"prompt_token_ids": "prompt"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict[str, Any]:
+        err = ErrorBody(message=self.message, type=ERROR_TYPES.get(self.status, "APIError"),
+                        param=self.param, code=self.status)
+        return ErrorResponse(error=err).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_value(exc: ValueError, rename: dict[str, str] | None = None) -> APIError:
+    """A servelab ValueError -> 400 whose `param` is the field its message starts with (renamed to
+    the request's name for it where they differ, e.g. max_tokens for max_completion_tokens)."""
+    message = str(exc)
+    match = _FIELD_AT_START.match(message)
+    param = match.group(1) if match else None
+    names = {**_ENGINE_FIELDS, **(rename or {})}
+    if param in names:
+        message = names[param] + message[len(param):]
+        param = names[param]
+    return APIError(400, message, param)
+
+
+def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
+    """pydantic's errors of a request body -> one 400 naming the first field (all listed)."""
+    parts, first = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # Union members add their type name to the location (prompt.str, prompt.list[int]): drop them.
+        field = ".".join(x for x in loc if not _is_type_tag(x)) or None
+        msg = err.get("msg", "invalid")
+        msg = msg.removeprefix("Value error, ")
+        if field is None:  # a check across fields: its message starts with the field it blames
+            match = _FIELD_IN_MESSAGE.match(msg)
+            field = match.group(1) if match else None
+            if field is not None:
+                parts.append(msg)
+                first = first or field
+                continue
+        first = first or field
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field (not an OpenAI or vLLM parameter this server accepts)"
+        parts.append(f"{field}: {msg}" if field else msg)
+    return APIError(400, "; ".join(dict.fromkeys(parts)) or "invalid request body", first)
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[", "function-"))

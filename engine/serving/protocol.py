@@ -1,0 +1,281 @@
+"""OpenAI's request and response bodies (pydantic), with vLLM's extensions.
+
+Requests reject unknown fields (a misspelt parameter is a 400 naming it, never silently ignored)
+and OpenAI parameters the engine does not implement (`echo`, `suffix`, `best_of` != n, a
+non-empty `logit_bias`). Value checks (ranges, combinations) are `SamplingParams`' own: the routes
+build one from `sampling_kwargs()` and turn its ValueError into a 400 naming the field.
+vLLM's extensions: `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`repetition_penalty`, `include_stop_str_in_output`, `skip_special_tokens`, `priority`,
+`return_token_ids`; chat also `add_generation_prompt`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+
+class SamplingFields(StrictModel):
+    """Fields both endpoints map onto SamplingParams (None: SamplingParams' default)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    priority: int = 0  # vLLM's extension: lower = more urgent (the priority policy)
+    user: str | None = None  # the client's end-user id (kept on the request for per-tenant policies)
+    return_token_ids: bool = False  # vLLM's extension: prompt and output token ids in the response
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> SamplingFields:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server (leave it out or empty)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    def sampling_kwargs(self, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+        """Keyword arguments for SamplingParams: only what the request sets."""
+        out: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_tokens",
+                     "include_stop_str_in_output", "skip_special_tokens", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.stop is not None:
+            out["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if logprobs is not None:
+            out["logprobs"] = logprobs
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # top logprobs per token (0 = the sampled token's only)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _unsupported_completion(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo=true is not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported: only best_of == n")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids (OpenAI's four prompt shapes)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt=[] is invalid: give a string, a list of token ids, or a list of those")
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]
+        return [x if isinstance(x, str) else list(x) for x in p]
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... travel to the template
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        msg = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            msg["content"] = "".join(part.text for part in self.content)
+        return msg
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _logprob_fields(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---- responses ---------------------------------------------------------------------------------
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(ResponseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class DeltaMessage(ResponseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "servelab"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorBody

@@ -1,0 +1,62 @@
+"""Run the app under uvicorn: in the foreground (`python -m engine.serve`) or in a background thread
+(tests and benchmarks that keep the engine in their own process).
+
+`ServerThread(app, port=0)` binds 127.0.0.1 at a free port, starts uvicorn's loop in a daemon
+thread, and returns once the socket accepts connections; `.url` is the base URL (`.../v1` is the
+OpenAI base URL); `stop()` (or leaving the `with` block) shuts it down.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import uvicorn
+
+LOOPBACK = "127.0.0.1"
+
+
+def uvicorn_config(app, host: str = LOOPBACK, port: int = 8000, log_level: str = "warning") -> uvicorn.Config:
+    # One event loop, no reload, no access log per request (a log line per request costs as much
+    # as a decode step's host work at high request rates).
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=5)
+
+
+class ServerThread:
+    def __init__(self, app, host: str = LOOPBACK, port: int = 0, log_level: str = "warning",
+                 start_timeout_s: float = 30.0) -> None:
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
+        self.server.install_signal_handlers = lambda: None  # not the main thread
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self.server.started:
+            if self._error is not None or not self.thread.is_alive():
+                raise RuntimeError(f"the server did not start: {self._error!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not start within {start_timeout_s} s")
+            time.sleep(0.01)
+        sock = self.server.servers[0].sockets[0]
+        self.host, self.port = sock.getsockname()[:2]
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.server.serve())
+        except BaseException as exc:  # noqa: BLE001 (reported to the starting thread)
+            self._error = exc
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+    def __enter__(self) -> ServerThread:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
