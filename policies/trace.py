@@ -45,6 +45,25 @@ EVENTS = ("arrived", "scheduled", "first_token", "preempted", "swapped_out", "sw
 PREEMPTION_EVENT_MODES = ("recompute", "swap", "recompute_fallback")
 
 
+def request_row(request_id: str, arrival: float, priority: int, prompt_len: int, output_len: int, n: int,
+                first_scheduled_time: float | None, first_token_time: float | None, finish_time: float,
+                status: str, finish_reason: str | None, token_times: list[float], seq0_outputs: int,
+                num_preemptions: int = 0, num_swaps: int = 0) -> dict:
+    """One `REQUEST_COLUMNS` row, its latencies derived as the module docstring defines them (the
+    scheduler's recorder and the serving benchmark's client both build rows here)."""
+    ttft = None if first_token_time is None else first_token_time - arrival
+    e2e = finish_time - arrival
+    tpot = (e2e - ttft) / (seq0_outputs - 1) if ttft is not None and seq0_outputs > 1 else None
+    queueing = None if first_scheduled_time is None else first_scheduled_time - arrival
+    return {
+        "request_id": request_id, "arrival_time": arrival, "priority": priority, "prompt_len": prompt_len,
+        "output_len": output_len, "n": n, "first_scheduled_time": first_scheduled_time,
+        "first_token_time": first_token_time, "finish_time": finish_time, "num_preemptions": num_preemptions,
+        "num_swaps": num_swaps, "status": status, "finish_reason": finish_reason, "ttft": ttft, "tpot": tpot,
+        "e2e": e2e, "queueing_time": queueing, "token_times": token_times,
+    }
+
+
 @dataclass(slots=True)
 class _Live:
     """What the recorder keeps about a request until it ends."""
@@ -200,21 +219,11 @@ class TraceRecorder:
         self._event(now, status, request.request_id, None, request.finish_reason or "")
         seqs = list(seqs)
         seq0_outputs = next((s.num_output_tokens for s in seqs if s.sample_index == 0), 0)
-        arrival = request.arrival_time
-        ttft = None if live.first_token_time is None else live.first_token_time - arrival
-        e2e = now - arrival
-        tpot = (e2e - ttft) / (seq0_outputs - 1) if ttft is not None and seq0_outputs > 1 else None
-        queueing = None if live.first_scheduled_time is None else live.first_scheduled_time - arrival
-        row = {
-            "request_id": request.request_id, "arrival_time": arrival, "priority": request.priority,
-            "prompt_len": request.num_prompt_tokens,
-            "output_len": sum(s.num_output_tokens for s in seqs), "n": request.sampling_params.n,
-            "first_scheduled_time": live.first_scheduled_time,
-            "first_token_time": live.first_token_time, "finish_time": now,
-            "num_preemptions": live.num_preemptions, "num_swaps": live.num_swaps, "status": status,
-            "finish_reason": request.finish_reason, "ttft": ttft, "tpot": tpot, "e2e": e2e,
-            "queueing_time": queueing, "token_times": live.token_times,
-        }
+        row = request_row(
+            request.request_id, request.arrival_time, request.priority, request.num_prompt_tokens,
+            sum(s.num_output_tokens for s in seqs), request.sampling_params.n, live.first_scheduled_time,
+            live.first_token_time, now, status, request.finish_reason, live.token_times, seq0_outputs,
+            live.num_preemptions, live.num_swaps)
         self.requests.append(row)
         return row
 

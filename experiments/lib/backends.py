@@ -64,3 +64,21 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
     from experiments.lib.engine_backend import run_engine as run_on_engine  # imports torch: only when used
     return run_on_engine(cfg, workload, recorder, on_done)
+
+
+@register_backend("server")
+def run_server(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
+               on_done: Callable[[int], None]) -> BackendRun:
+    """Any OpenAI-compatible server on the loopback address, timed on the client
+    (experiments/lib/serving_client.py); the run's rows are the client's, there are no step rows."""
+    import asyncio
+
+    from experiments.lib.serving_client import ClientConfig, drive
+    b = factory.section(cfg, "backend")
+    client = ClientConfig(url=b.get("url"), model=b.get("model"),
+                          max_concurrency=b.get("max_concurrency", 1024),
+                          max_request_rate=b.get("max_request_rate", 10000.0), timeout_s=b.get("timeout_s", 3600.0))
+    rows, info = asyncio.run(drive(workload, client, on_done))
+    recorder.requests.extend(rows)
+    elapsed = max((row["finish_time"] for row in rows), default=0.0)
+    return BackendRun(0, elapsed, "wall", info)

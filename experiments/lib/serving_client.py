@@ -1,0 +1,178 @@
+"""A workload sent to an OpenAI-compatible server, timed on the client (vLLM's benchmark_serving).
+
+Each request goes out at its arrival time (bounded: at most `max_concurrency` in flight, at most
+`max_request_rate` sends per second) as a streaming `POST /v1/completions` with the workload's
+token-id prompt, `max_tokens` = its output length, `ignore_eos`, its temperature and priority, and
+`stream_options.include_usage`. Times are `time.perf_counter()` relative to the run's start: arrival
+= when the request was sent, first token = the first chunk that carries a choice, token times = one
+per such chunk (so ITL = gaps between chunks, as vLLM's benchmark defines it), finish = the end of
+the stream; output length = the usage block's completion_tokens (the number of chunks without one).
+Rows are `policies.trace.REQUEST_COLUMNS` rows (the scheduler-only columns, first scheduled time
+and preemptions, stay empty), so `experiments.lib.metrics.summarize` computes every metric.
+Only loopback servers are driven.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from experiments.lib.workloads import Workload
+from policies.trace import request_row
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+@dataclass(slots=True)
+class ClientConfig:
+    url: str  # the server's base URL (http://127.0.0.1:8000; a trailing /v1 is accepted)
+    model: str | None = None  # the `model` to send; None: the first of GET /v1/models
+    max_concurrency: int = 1024
+    max_request_rate: float = 10000.0  # sends per second, at most
+    timeout_s: float = 3600.0  # per request
+
+    def __post_init__(self) -> None:
+        self.url = check_loopback(self.url)
+        if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) \
+                or self.max_concurrency < 1:
+            raise ValueError(f"backend.max_concurrency={self.max_concurrency!r} is invalid: an integer >= 1")
+        if not isinstance(self.max_request_rate, (int, float)) or not self.max_request_rate > 0:
+            raise ValueError(f"backend.max_request_rate={self.max_request_rate!r} is invalid: a number > 0")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"backend.timeout_s={self.timeout_s!r} is invalid: a number > 0 (seconds)")
+
+
+def check_loopback(url: str) -> str:
+    """The base URL without a trailing `/` or `/v1`; ValueError unless it is http(s) on loopback."""
+    parts = urlsplit(str(url))
+    host = parts.hostname or ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host in LOOPBACK_NAMES
+    if parts.scheme not in ("http", "https") or not loopback:
+        raise ValueError(f"backend.url={url!r} is invalid: the benchmark only drives servers on the loopback "
+                         "address (http://127.0.0.1:PORT)")
+    base = f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
+    return base.removesuffix("/v1")
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival: float
+    first_token: float | None = None
+    finish: float | None = None
+    num_chunks: int = 0
+    usage_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+async def _first_model(session: Any, base: str) -> str:
+    async with session.get(f"{base}/v1/models") as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"GET {base}/v1/models answered {resp.status}: {await resp.text()}")
+        data = (await resp.json())["data"]
+        if not data:
+            raise RuntimeError(f"GET {base}/v1/models lists no model")
+        return data[0]["id"]
+
+
+async def _one(session: Any, base: str, body: dict[str, Any], t0: float, timing: _Timing,
+               token_times: list[float]) -> None:
+    perf = time.perf_counter
+    try:
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                timing.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                now = perf() - t0
+                data = json.loads(payload)
+                if "error" in data:
+                    timing.error = str(data["error"].get("message", data["error"]))[:300]
+                    continue
+                choices = data.get("choices")
+                if choices:
+                    timing.num_chunks += 1
+                    token_times.append(now)
+                    if timing.first_token is None:
+                        timing.first_token = now
+                    reason = choices[0].get("finish_reason")
+                    if reason is not None:
+                        timing.finish_reason = reason
+                if data.get("usage"):
+                    timing.usage_tokens = int(data["usage"]["completion_tokens"])
+    except (TimeoutError, OSError, aiohttp.ClientError) as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        timing.finish = perf() - t0
+
+
+async def drive(workload: Workload, cfg: ClientConfig, on_done: Callable[[int], None] = lambda n: None
+                ) -> tuple[list[dict], dict[str, Any]]:
+    """Send every request of `workload`; return its REQUEST_COLUMNS rows (in end order) and run info."""
+    conn = aiohttp.TCPConnector(limit=cfg.max_concurrency, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    rows: list[dict] = []
+    errors: list[str] = []
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        model = cfg.model or await _first_model(session, cfg.url)
+        slots = asyncio.Semaphore(cfg.max_concurrency)
+        gap = 1.0 / cfg.max_request_rate
+        t0 = time.perf_counter()
+        next_send = 0.0
+
+        async def request(i: int, send_at: float) -> None:
+            r, out_len = workload.requests[i], workload.output_lens[i]
+            delay = send_at - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with slots:
+                sp = r.sampling_params
+                body = {"model": model, "prompt": r.prompt_token_ids, "max_tokens": out_len,
+                        "temperature": sp.temperature, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                if r.priority:
+                    body["priority"] = r.priority
+                timing, token_times = _Timing(arrival=time.perf_counter() - t0), []
+                await _one(session, cfg.url, body, t0, timing, token_times)
+            rows.append(_row(r.request_id, r.priority, r.num_prompt_tokens, sp.n, timing, token_times))
+            if timing.error is not None:
+                errors.append(f"request {r.request_id}: {timing.error}")
+            on_done(1)
+
+        tasks = []
+        for i, r in enumerate(workload.requests):
+            next_send = max(r.arrival_time, next_send)
+            tasks.append(asyncio.ensure_future(request(i, next_send)))
+            next_send += gap
+        await asyncio.gather(*tasks)
+    return rows, {"url": cfg.url, "served_model": model, "max_concurrency": cfg.max_concurrency,
+                  "max_request_rate": cfg.max_request_rate,
+                  "failed": sum(1 for row in rows if row["status"] != "finished"), "errors": errors[:5]}
+
+
+def _row(request_id: str, priority: int, prompt_len: int, n: int, t: _Timing, token_times: list[float]) -> dict:
+    output_len = t.usage_tokens if t.usage_tokens is not None else t.num_chunks
+    if t.error is not None:
+        status, reason = "aborted", "abort:client_error"
+    elif t.finish_reason in ("stop", "length"):
+        status, reason = "finished", t.finish_reason
+    else:
+        status, reason = "aborted", f"abort:{t.finish_reason or 'no_finish_reason'}"
+    return request_row(request_id, t.arrival, priority, prompt_len, output_len, n, None, t.first_token,
+                       t.finish, status, reason, token_times, output_len)
