@@ -1,0 +1,180 @@
+"""`python -m experiments.bench_online [--out DIR] [OVERRIDES]`: online serving measured against the
+in-process engine and the simulator, on one GPU, in one process lifetime (one engine throughout).
+
+1. Throughput: nano-vllm's offline workload (256 requests) through `LLM.generate`, then the same
+   requests through the HTTP server (`engine.serve`'s app over the same LLMEngine, uvicorn in a
+   thread of this process) as 256 concurrent streaming clients (`experiments.bench_serving` in a
+   subprocess, so the client does not share this process's interpreter). Output tok/s of each.
+2. TTFT at 0.3x capacity (capacity = step 1's in-process output tok/s / the stream's mean output
+   length, as experiments.fidelity defines it): one Poisson stream through `backend=engine`
+   (in-process) and through the server; TTFT p50 of each.
+3. The simulator predicting served latency: Poisson at 0.35x and 0.9x capacity through the server,
+   and the same streams through `backend=sim latency=profiled` (the engine's KV block counts);
+   relative error of mean TPOT and p90 TTFT.
+Both scheduling paths use the same scheduler config (async scheduling on, as conf/fidelity). Writes
+`online.md` and `online.json` (device, date, command, every number) and each run's traces under
+--out (default outputs/bench_online/<date>/<time>). Overrides are Hydra overrides of
+conf/config.yaml for every run (e.g. `scheduler.async_scheduling=false`).
+
+    python -m experiments.bench_online                         # on the GPU (about 4-6 minutes)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from experiments.lib import factory
+from experiments.lib.engine_backend import device_name, engine_args, get_engine
+from experiments.lib.fidelity_report import relative_error
+from experiments.lib.fidelity_spec import compose_cfg
+from experiments.run import run
+from policies.trace import TraceRecorder
+
+COMMON = ["model=qwen3-0.6b", "hardware=h200", "seed=0", "progress=false", "plots=false",
+          "scheduler.async_scheduling=true"]
+# Poisson streams with nano-vllm's length distribution (conf/fidelity's Poisson scenarios).
+POISSON = ["workload=poisson", "workload.prompt_len.low=100", "workload.prompt_len.high=1024",
+           "workload.output_len.low=100", "workload.output_len.high=1024"]
+LOADS = {"ttft_0.3x": (0.3, 100), "poisson_0.35x": (0.35, 80), "poisson_0.9x": (0.9, 160)}  # load, requests
+
+
+def _server_run(url: str, overrides: list[str], out: Path) -> dict[str, Any]:
+    """experiments.bench_serving against url, in a subprocess; its summary."""
+    cmd = [sys.executable, "-m", "experiments.bench_serving", f"backend.url={url}", *overrides, "--out", str(out)]
+    subprocess.run(cmd, check=True)
+    return json.loads((out / "summary.json").read_text())
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else 1e3 * x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m experiments.bench_online", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/config.yaml for every run")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="multiply every request count (e.g. 0.05 for a smoke run on a small model)")
+    a = ap.parse_args()
+    out = a.out or Path("outputs/bench_online") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    out.mkdir(parents=True, exist_ok=True)
+    common = [*COMMON, *a.overrides]
+    started = time.time()
+
+    # ---- 1. one engine: in-process LLM.generate, then the server over it ----------------------------
+    from engine.async_llm_engine import AsyncLLMEngine
+    from engine.llm import LLM
+    from engine.serving.app import build_app
+    from engine.serving.server import ServerThread
+
+    offline = ["workload=nanovllm", f"workload.num_requests={max(int(256 * a.scale), 2)}"]
+    cfg = compose_cfg([*common, "backend=engine", *offline])
+    workload = factory.workload(cfg)
+    engine = get_engine(engine_args(cfg))
+
+    def fresh_scheduler() -> None:  # the run config's scheduler (policy, limits, async scheduling)
+        engine.reset(build_scheduler=lambda gpu, cpu, _: factory.build_scheduler(
+            cfg, gpu, cpu, TraceRecorder(record_events=False)))
+
+    llm = LLM.from_engine(engine)
+    prompts = [r.prompt_token_ids for r in workload.requests]
+    params = [r.sampling_params for r in workload.requests]
+    fresh_scheduler()
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: kernels compile for this run's shapes
+    fresh_scheduler()
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    in_process_tok_s = sum(o.num_output_tokens for o in outputs) / seconds
+    print(f"in-process LLM.generate: {in_process_tok_s:,.0f} output tok/s ({seconds:.2f} s)", flush=True)
+    mean_out = float(np.mean(workload.output_lens))
+
+    results: dict[str, Any] = {"offline_requests": len(prompts), "in_process_tok_s": in_process_tok_s,
+                               "in_process_s": seconds}
+    served = AsyncLLMEngine(engine)
+    with ServerThread(build_app(served, str(cfg.model.name))) as server:
+        fresh_scheduler()
+        s = _server_run(server.url, [*common, *offline], out / "server_offline")
+        results["server_tok_s"] = s["output_throughput"]
+        results["server_offline_completed"] = s["completed"]
+        results["throughput_ratio"] = s["output_throughput"] / in_process_tok_s
+        print(f"HTTP streaming: {s['output_throughput']:,.0f} output tok/s "
+              f"({results['throughput_ratio']:.3f} of in-process)", flush=True)
+
+        # ---- 2 and 3: Poisson streams at loads of the capacity ----------------------------------------
+        for name, (load, num) in LOADS.items():
+            num = max(int(num * a.scale), 2)
+            stream_cfg = compose_cfg([*common, *POISSON, f"workload.num_requests={num}"])
+            stream_mean_out = float(np.mean(factory.workload(stream_cfg).output_lens))
+            rate = load * in_process_tok_s / stream_mean_out
+            overrides = [*common, *POISSON, f"workload.num_requests={num}", f"workload.rate={rate:.6g}"]
+            fresh_scheduler()
+            srv = _server_run(server.url, overrides, out / f"{name}_server")
+            row: dict[str, Any] = {"load": load, "rate_req_s": rate, "requests": num,
+                                   "server": _latencies(srv)}
+            if name.startswith("ttft"):
+                eng = run(compose_cfg([*overrides, "backend=engine"]), out / f"{name}_engine", f"{name} engine")
+                row["engine"] = _latencies(eng)
+                row["ttft_p50_diff_ms"] = row["server"]["ttft_p50_ms"] - row["engine"]["ttft_p50_ms"]
+            else:
+                gpu, cpu = engine.runner.num_gpu_blocks, engine.runner.num_cpu_blocks
+                sim = run(compose_cfg([*overrides, "backend=sim", "latency=profiled", f"blocks.num_gpu_blocks={gpu}",
+                                       f"blocks.num_cpu_blocks={cpu}"]), out / f"{name}_sim", f"{name} sim")
+                row["sim"] = _latencies(sim)
+                row["tpot_mean_error"] = relative_error(sim["tpot"]["mean"], srv["tpot"]["mean"])
+                row["ttft_p90_error"] = relative_error(sim["ttft"]["p90"], srv["ttft"]["p90"])
+            results[name] = row
+            print(f"{name}: {json.dumps(row)}", flush=True)
+
+    meta = {"device": device_name(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python -m experiments.bench_online " + " ".join(sys.argv[1:]), "overrides": common,
+            "wall_s": time.time() - started, "mean_output_len_offline": mean_out}
+    (out / "online.json").write_text(json.dumps({**meta, **results}, indent=2) + "\n")
+    (out / "online.md").write_text(report(meta, results))
+    print(report(meta, results))
+    print(f"traces in {out}")
+
+
+def _latencies(summary: dict[str, Any]) -> dict[str, Any]:
+    return {"completed": summary["completed"], "output_tok_s": summary["output_throughput"],
+            "ttft_p50_ms": _ms(summary["ttft"]["median"]), "ttft_p90_ms": _ms(summary["ttft"]["p90"]),
+            "tpot_mean_ms": _ms(summary["tpot"]["mean"]), "itl_mean_ms": _ms(summary["itl"]["mean"]),
+            "e2e_mean_ms": _ms(summary["e2e"]["mean"])}
+
+
+def report(meta: dict[str, Any], r: dict[str, Any]) -> str:
+    def pct(x: float) -> str:
+        return f"{100 * x:+.1f}%"
+    t = r["ttft_0.3x"]
+    lines = [
+        "# Online serving vs in-process vs simulator", "",
+        f"Device {meta['device']}, {meta['date']}, `{meta['command']}` ({meta['wall_s']:.0f} s).", "",
+        "| measurement | value | target |", "|---|---|---|",
+        f"| nano-vllm, {r['offline_requests']} requests, in-process LLM.generate | {r['in_process_tok_s']:,.0f} tok/s | |",
+        (f"| same, HTTP streaming ({r['offline_requests']} concurrent clients) | {r['server_tok_s']:,.0f} tok/s "
+        f"({r['throughput_ratio']:.3f}x) | >= 0.90x |"),
+        (f"| TTFT p50 at 0.3x capacity: server / in-process | {t['server']['ttft_p50_ms']:.1f} / "
+        f"{t['engine']['ttft_p50_ms']:.1f} ms ({t['ttft_p50_diff_ms']:+.2f} ms) | <= +2 ms |"),
+    ]
+    for name in ("poisson_0.35x", "poisson_0.9x"):
+        p = r[name]
+        lines += [
+            (f"| {name}: mean TPOT sim vs server | {p['sim']['tpot_mean_ms']:.2f} vs {p['server']['tpot_mean_ms']:.2f} "
+            f"ms ({pct(p['tpot_mean_error'])}) | within 5% |"),
+            (f"| {name}: p90 TTFT sim vs server | {p['sim']['ttft_p90_ms']:.1f} vs {p['server']['ttft_p90_ms']:.1f} "
+            f"ms ({pct(p['ttft_p90_error'])}) | within 10% |"),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
