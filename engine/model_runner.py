@@ -30,6 +30,7 @@ from engine.sampler import Sampler, SampleResult, sample_with_temperatures
 from engine.token_feedback import Feedback, Launched, TokenFeedback
 from engine.weights import build_model
 from kernels.prefill import max_tiles, tokens_per_tile
+from policies.blocks.base import fits_idle_pool
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.request import Request, SamplingParams
 from policies.sequence import Sequence
@@ -76,7 +77,7 @@ class ModelRunner:
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._profile_num_gpu_blocks()
         self.num_cpu_blocks = num_cpu_blocks(cache_config.swap_space, model_config, self.block_size,
                                              self.dtype)
-        if self.num_gpu_blocks < width:
+        if not fits_idle_pool(max_model_len, self.block_size, self.num_gpu_blocks):  # admission's rule
             raise ValueError(
                 f"KV cache too small: one max_model_len={max_model_len} request needs {width} blocks "
                 f"of {self.block_size} tokens, but only {self.num_gpu_blocks} fit (gpu_memory_utilization="

@@ -90,13 +90,15 @@ def test_watermark_gives_later_and_too_long_gives_never():
     mgr = PagedBlockManager(4, num_gpu_blocks=10, watermark=0.1)  # 1 block of headroom
     assert mgr.watermark_blocks == 1
     assert mgr.can_allocate(make_seq(0, 36)) is AllocStatus.OK  # 9 blocks, 1 left
-    assert mgr.can_allocate(make_seq(1, 37, max_tokens=3)) is AllocStatus.LATER  # 10 blocks, 0 left
+    # 10 blocks, 0 left: past the watermark, but an idle pool takes whatever fits it.
+    assert mgr.can_allocate(make_seq(1, 37, max_tokens=3)) is AllocStatus.OK
     assert mgr.can_allocate(make_seq(2, 8, max_tokens=40)) is AllocStatus.NEVER  # 48 tokens: 12 blocks
     capped = PagedBlockManager(4, num_gpu_blocks=10, watermark=0.1, max_model_len=40)
     assert capped.can_allocate(make_seq(2, 8, max_tokens=40)) is AllocStatus.OK  # at most 40 tokens
     mgr.allocate(make_seq(3, 32))
     assert mgr.can_allocate(make_seq(4, 4)) is AllocStatus.OK  # 2 free - 1 >= 1
     assert mgr.can_allocate(make_seq(5, 5)) is AllocStatus.LATER
+    assert mgr.can_allocate(make_seq(6, 37, max_tokens=3)) is AllocStatus.LATER  # not idle now
 
 
 def test_swap_out_and_in_with_shared_blocks():

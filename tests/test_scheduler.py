@@ -178,13 +178,22 @@ def test_request_that_can_never_fit_is_aborted_while_the_others_run():
     assert rows["ok"]["status"] == rows["ok2"]["status"] == "finished"
 
 
-def test_request_blocked_by_the_watermark_on_an_idle_pool_is_aborted_too_long():
-    # 4 blocks, watermark 2: a 3-block prompt is LATER even with the pool empty, i.e. never.
+def test_the_watermark_holds_a_prompt_back_until_the_pool_is_idle():
+    # 4 blocks, watermark 2: a 3-block prompt waits while another request holds a block, and is
+    # admitted once the pool is idle (whether a request can run depends on its length alone).
     s = make_scheduler(num_gpu_blocks=4, watermark=0.5, max_num_batched_tokens=16)
+    s.add(request("short", 2, 2, ignore_eos=True), now=0.0)
     s.add(request("wide", 12, 1), now=0.0)
     out = s.schedule(0.0)
-    assert not out.scheduled and [r.request_id for r in out.aborted] == ["wide"]
-    assert [r.finish_reason for r in s.update(out, {}, 1.0)] == ["abort:too_long"]
+    assert compact(out) == [("short/0", 2, 1)] and not out.aborted
+    ended = s.update(out, {out.scheduled[0].seq.seq_id: [7]}, 1.0)
+    out = s.schedule(1.0)
+    assert compact(out) == [("short/0", 1, 1)]
+    ended = s.update(out, {out.scheduled[0].seq.seq_id: [7]}, 2.0)
+    assert [r.request_id for r in ended] == ["short"]
+    out = s.schedule(2.0)
+    assert compact(out) == [("wide/0", 12, 1)]
+    assert [r.finish_reason for r in s.update(out, {out.scheduled[0].seq.seq_id: [7]}, 3.0)] == ["length"]
 
 
 def test_without_chunked_prefill_a_step_is_prefill_only():

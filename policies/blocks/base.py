@@ -23,6 +23,26 @@ class AllocStatus(enum.Enum):
     NEVER = "never"  # can never fit in the GPU pool: the request is aborted as too_long
 
 
+def admission_status(needed: int, num_free: int, num_gpu_blocks: int, watermark_blocks: int) -> AllocStatus:
+    """The admission rule for a sequence that needs `needed` more GPU blocks to be admitted or
+    swapped in: NEVER past the whole pool; LATER while it would leave fewer than `watermark_blocks`
+    free in a pool that other sequences hold blocks of (headroom for their decodes); else OK.
+    An idle pool takes any sequence that fits it, so whether a request can ever run depends on its
+    length alone (`fits_idle_pool`), never on whether it was preempted or how steps were cut."""
+    if needed > num_gpu_blocks:
+        return AllocStatus.NEVER
+    if num_free - needed < watermark_blocks and num_free < num_gpu_blocks:
+        return AllocStatus.LATER
+    return AllocStatus.OK
+
+
+def fits_idle_pool(num_tokens: int, block_size: int, num_gpu_blocks: int) -> bool:
+    """Whether a sequence of `num_tokens` tokens at its longest can ever run: its blocks fit the pool,
+    so `admission_status` admits it once the pool is idle. Admission aborts a request that fails it as
+    too_long; the engine's start-up size check asks it for one max_model_len request."""
+    return -(-num_tokens // block_size) <= num_gpu_blocks
+
+
 @dataclass(slots=True)
 class BlockUsage:
     gpu_used: int

@@ -17,7 +17,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from policies.blocks.base import AllocStatus, BlockManager, BlockUsage, register_block_manager
+from policies.blocks.base import (
+    AllocStatus,
+    BlockManager,
+    BlockUsage,
+    admission_status,
+    register_block_manager,
+)
 from policies.blocks.extents import ExtentAllocator
 from policies.blocks.pool import BlockPool, OutOfBlocksError
 from policies.sequence import Sequence
@@ -61,12 +67,11 @@ class ContiguousBlockManager(BlockManager):
         self.extents.release_blocks(freed)
 
     def _admit(self, run_blocks: int, runs: int) -> AllocStatus:
-        if run_blocks * runs > self.num_gpu_blocks:
-            return AllocStatus.NEVER
-        if (self.extents.num_free - run_blocks * runs < self.watermark_blocks
-                or self.extents.capacity(run_blocks) < runs):
-            return AllocStatus.LATER
-        return AllocStatus.OK
+        status = admission_status(run_blocks * runs, self.extents.num_free, self.num_gpu_blocks,
+                                  self.watermark_blocks)
+        if status is AllocStatus.OK and self.extents.capacity(run_blocks) < runs:
+            return AllocStatus.LATER  # free blocks, but not in runs that long
+        return status
 
     def _reserve_children(self, seq: Sequence, run_blocks: int, runs: int) -> None:
         if runs > 1:

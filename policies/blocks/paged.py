@@ -1,5 +1,5 @@
 """PagedAttention's block manager (vLLM v0): fixed-size blocks with reference counts, copy-on-write
-after fork, a watermark on admission, and a CPU pool for swap preemption.
+after fork, a watermark on admission (waived in an idle pool: `admission_status`), and a CPU pool for swap preemption.
 
 Swap with shared blocks: `swap_out`/`swap_in` work one sequence at a time. When a block is copied to
 the other device while another sequence still holds it, the pair (gpu block, cpu block) is remembered
@@ -17,7 +17,14 @@ from collections import Counter
 from collections.abc import Iterable
 
 from policies.blocks import paged_decode_run
-from policies.blocks.base import AllocStatus, BlockManager, BlockUsage, register_block_manager
+from policies.blocks.base import (
+    AllocStatus,
+    BlockManager,
+    BlockUsage,
+    admission_status,
+    fits_idle_pool,
+    register_block_manager,
+)
 from policies.blocks.pool import BlockPool, OutOfBlocksError
 from policies.sequence import Sequence
 
@@ -43,14 +50,10 @@ class PagedBlockManager(BlockManager):
 
     # -- admission -------------------------------------------------------------------------------
     def _admit(self, needed: int) -> AllocStatus:
-        if needed > self.num_gpu_blocks:
-            return AllocStatus.NEVER
-        if self.gpu.num_free - needed < self.watermark_blocks:
-            return AllocStatus.LATER
-        return AllocStatus.OK
+        return admission_status(needed, self.gpu.num_free, self.num_gpu_blocks, self.watermark_blocks)
 
     def can_allocate(self, seq: Sequence) -> AllocStatus:
-        if self.blocks_for(self.max_seq_tokens(seq)) > self.num_gpu_blocks:
+        if not fits_idle_pool(self.max_seq_tokens(seq), self.block_size, self.num_gpu_blocks):
             return AllocStatus.NEVER
         return self._admit(self.blocks_for(seq.num_tokens))
 

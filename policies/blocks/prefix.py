@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies.blocks.base import AllocStatus, BlockUsage, register_block_manager
+from policies.blocks.base import AllocStatus, BlockUsage, fits_idle_pool, register_block_manager
 from policies.blocks.caching_pool import CachingBlockPool
 from policies.blocks.paged import PagedBlockManager
 from policies.blocks.pool import OutOfBlocksError
@@ -74,7 +74,7 @@ class PrefixCachingBlockManager(PagedBlockManager):
         return self.blocks_for(seq.num_tokens) - sum(1 for block in hits if refs[block] > 0)
 
     def can_allocate(self, seq: Sequence) -> AllocStatus:
-        if self.blocks_for(self.max_seq_tokens(seq)) > self.num_gpu_blocks:
+        if not fits_idle_pool(self.max_seq_tokens(seq), self.block_size, self.num_gpu_blocks):
             return AllocStatus.NEVER
         _, hits, _ = self._cached_prefix(seq)
         return self._admit(self._blocks_to_take(seq, hits))
