@@ -1,11 +1,7 @@
 """What happens to sequences around the scheduling decisions: arrival, sampled tokens and the stop
 rules, forking parallel samples, finishing and aborting, and the bookkeeping of live requests.
 
-Stop rules, checked per sampled token (vLLM's order: a stop condition wins over a length limit):
-- once the sequence has >= min_tokens outputs: the request's eos_token_id (unless ignore_eos), a
-  token in stop_token_ids, or the backend's `stop_seq_ids` (stop strings; the i-th token of a prompt
-  that samples n as `(seq_id, i)`, its child's id being made in this update) -> FINISHED_STOPPED "stop";
-- max_tokens outputs, or num_tokens >= max_model_len -> FINISHED_LENGTH "length".
+The stop rules, checked per sampled token, are `StopRule`s (policies/stop_rule.py), one per live sequence.
 A request ends when all its sequences have; its finish_reason is then sample 0's ("abort:<why>"
 when aborted). Ended requests are handed out once by `take_ended` (and aborted ones once more by
 `take_aborted`, for `SchedulerOutput.aborted`).
@@ -23,6 +19,7 @@ from policies.queues import SchedulerQueues, seq_cost
 from policies.request import Request
 from policies.sampling_path import may_need_full_sampler
 from policies.sequence import Sequence, SequenceStatus
+from policies.stop_rule import STOPPED, StopRule
 from policies.trace import TraceRecorder
 
 RUNNING, WAITING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED
@@ -39,10 +36,7 @@ class Lifecycle:
         self.max_model_len = max_model_len
         self.families: dict[str, list[Sequence]] = {}  # live request id -> its sequences, sample order
         self.seen: set[str] = set()
-        # Per live sequence: (stop_len, min_len, stop tokens or None, sample 0's token times or None):
-        # a sequence holding num_tokens > stop_len tokens stops for length; a stop token counts once
-        # it holds num_tokens > min_len.
-        self.stop_info: dict[Sequence, tuple] = {}
+        self.stop_rules: dict[Sequence, StopRule] = {}  # per live sequence
         self.decode_entries: dict[Sequence, ScheduledSeq] = {}  # reused by every decode step
         self.aborted_in_flight = False  # a running sequence was aborted after schedule()
         self.num_full_sampler = 0  # live requests that may need the full sampler (policies/sampling_path.py)
@@ -76,7 +70,7 @@ class Lifecycle:
     def apply(self, out: SchedulerOutput, new_token_ids: dict[int, list[int]], now: float,
               stop_seq_ids: Collection[int]) -> None:
         """Advance progress and append the sampled tokens of every scheduled sequence (the hot loop:
-        one decode token per sequence, with `_stop_rules` inlined)."""
+        one decode token per sequence)."""
         scheduled = out.scheduled
         if self.aborted_in_flight:  # sequences aborted between schedule() and update() advance nothing
             self.queues.kv_tokens -= sum(num_new for seq, num_new, _ in scheduled if seq.status is not RUNNING)
@@ -86,7 +80,7 @@ class Lifecycle:
         # mark_computed is due after a prefill chunk, after a decode that fills a block, and after
         # any step that ran block copies (contiguous releases their sources then).
         mask = 0 if out.copy else self._block_mask
-        stop_info, first_token, finish = self.stop_info, self.recorder.first_token, self._finish
+        stop_rules, first_token, finish = self.stop_rules, self.recorder.first_token, self._finish
         for seq, num_new, num_samples in scheduled:
             computed = seq.num_computed_tokens + num_new
             seq.num_computed_tokens = computed
@@ -102,17 +96,19 @@ class Lifecycle:
                 _tokens_for(seq, 1, new_token_ids)  # raises a ValueError naming the sequence
                 raise
             seq.token_ids.append(token)
-            stop_len, min_len, stops, times = stop_info[seq]
+            rule = stop_rules[seq]
+            times = rule.token_times
             if times is not None:
                 if not times:
                     first_token(seq, now)
                 times.append(now)
-            # The sampled token is the first one without KV: num_tokens == computed + 1.
-            if (stops is not None and token in stops or stop_seq_ids and seq.seq_id in stop_seq_ids) \
-                    and computed >= min_len:
-                finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
-            elif computed >= stop_len:
-                finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
+            # The sampled token is the first one without KV: num_tokens == computed + 1. Below its
+            # length limit, only a stop token or the backend's stop can end it (so most skip `ending`).
+            stops = rule.stops
+            if computed >= rule.stop_len or stops is not None and token in stops or stop_seq_ids:
+                ending = rule.ending(token, bool(stop_seq_ids) and seq.seq_id in stop_seq_ids, computed)
+                if ending is not None:
+                    finish(seq, *ending, now)
 
     # ---- one step ahead (policies/lookahead.py) -----------------------------------------------
     def look_past(self, out: SchedulerOutput, output_lens: Mapping[str, int] | None,
@@ -122,7 +118,7 @@ class Lifecycle:
         output length as "stop", as `apply` treats stop_seq_ids)."""
         mark = self._mark_computed
         mask = 0 if out.copy else self._block_mask
-        stop_info, ending = self.stop_info, []
+        stop_rules, ending = self.stop_rules, []
         for seq, num_new, num_samples in out.scheduled:
             computed = seq.num_computed_tokens + num_new
             seq.num_computed_tokens = computed
@@ -132,11 +128,11 @@ class Lifecycle:
                 continue
             seq.token_ids.append(PENDING)
             sampled.append(seq)
-            stop_len, min_len, _, _ = stop_info[seq]
-            if output_lens and holds_output_len(seq, output_lens) and computed >= min_len:
-                ending.append((seq, SequenceStatus.FINISHED_STOPPED, "stop"))
-            elif computed >= stop_len:
-                ending.append((seq, SequenceStatus.FINISHED_LENGTH, "length"))
+            # PENDING is no stop token: only the length rules and a forced output length apply.
+            forced = bool(output_lens) and holds_output_len(seq, output_lens)
+            end = stop_rules[seq].ending(PENDING, forced, computed)
+            if end is not None:
+                ending.append((seq, *end))
         return ending
 
     def settle(self, sampled: list[Sequence], ending: list[Sequence], new_token_ids: dict[int, list[int]],
@@ -144,10 +140,10 @@ class Lifecycle:
         """The token side of a looked-past step: each PENDING token gets its value and time, stop
         tokens and `stop_seq_ids` end their sequences (one step late: they sit in the step in
         flight, so it is marked aborted in flight), and the length-ended requests end."""
-        stop_info, first_token = self.stop_info, self.recorder.first_token
+        stop_rules, first_token = self.stop_rules, self.recorder.first_token
         for seq in sampled:
-            info = stop_info.get(seq)
-            if info is None or seq.status is SequenceStatus.FINISHED_ABORTED:
+            rule = stop_rules.get(seq)
+            if rule is None or seq.status is SequenceStatus.FINISHED_ABORTED:
                 continue  # its request was aborted since
             try:
                 (token,) = new_token_ids[seq.seq_id]
@@ -155,13 +151,14 @@ class Lifecycle:
                 _tokens_for(seq, 1, new_token_ids)  # raises a ValueError naming the sequence
                 raise
             seq.token_ids[-1] = token
-            _, min_len, stops, times = info
+            times = rule.token_times
             if times is not None:
                 if not times:
                     first_token(seq, now)
                 times.append(now)
-            if (stops is not None and token in stops or stop_seq_ids and seq.seq_id in stop_seq_ids) \
-                    and seq.num_computed_tokens >= min_len:
+            # The length rules were applied when the step was looked past; a stop condition now.
+            stopped = bool(stop_seq_ids) and seq.seq_id in stop_seq_ids
+            if rule.ending(token, stopped, seq.num_computed_tokens) is STOPPED:
                 if seq.status is RUNNING:
                     self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
                     self.aborted_in_flight = True
@@ -181,25 +178,21 @@ class Lifecycle:
     def decode_steps_before_stop(self, seqs: list[Sequence], token: int, max_steps: int) -> int:
         """How many decode steps (<= max_steps) of `seqs` sampling `token` everywhere finish none of
         them: the step where one reaches its length limit, or may stop on `token`, is not counted."""
-        limit, stop_info = max_steps, self.stop_info
+        limit, stop_rules = max_steps, self.stop_rules
         for seq in seqs:
-            stop_len, min_len, stops, token_times = stop_info[seq]
-            if token_times is not None and not token_times:
+            rule = stop_rules[seq]
+            if rule.token_times is not None and not rule.token_times:
                 return 0  # its first token is still to come: a first_token event, not in a run
-            # Step s leaves computed + s + 1 computed tokens: it finishes once that reaches stop_len
-            # (or min_len, for a stop token).
-            steps = (min_len if stops is not None and token in stops and min_len < stop_len else stop_len) \
-                - seq.num_computed_tokens - 1
-            limit = min(limit, steps)
+            limit = min(limit, rule.decode_steps_before_end(seq.num_computed_tokens, token))
         return max(limit, 0)
 
     def append_decode_run(self, seqs: list[Sequence], token: int, times: list[float]) -> None:
         """The token side of len(times) - 1 decode steps (step s ends at times[s + 1]) of seqs that
         already have their first token: each gets `token` per step, sample 0s their token times."""
-        tokens, stamps, stop_info = [token] * (len(times) - 1), times[1:], self.stop_info
+        tokens, stamps, stop_rules = [token] * (len(times) - 1), times[1:], self.stop_rules
         for seq in seqs:
             seq.token_ids.extend(tokens)
-            token_times = stop_info[seq][3]
+            token_times = stop_rules[seq].token_times
             if token_times is not None:
                 token_times.extend(stamps)
 
@@ -209,28 +202,24 @@ class Lifecycle:
         `output_lens` as the simulator's stop_seq_ids)."""
         for seq in seqs:
             stopped = bool(output_lens) and holds_output_len(seq, output_lens)
-            self._stop_rules(seq, token, stopped, seq.num_computed_tokens, now)
+            self._end_if_stopped(seq, token, stopped, seq.num_computed_tokens, now)
 
     def _append_token(self, seq: Sequence, token: int, now: float, stop_seq_ids: Collection,
                       stopped: bool = False) -> None:
         """`stopped`: the backend saw this token complete a stop string (besides `stop_seq_ids`)."""
         seq.token_ids.append(token)
-        times = self.stop_info[seq][3]
+        times = self.stop_rules[seq].token_times
         if times is not None:
             if not times:
                 self.recorder.first_token(seq, now)
             times.append(now)
         stopped = stopped or bool(stop_seq_ids) and seq.seq_id in stop_seq_ids
-        self._stop_rules(seq, token, stopped, len(seq.token_ids) - 1, now)
+        self._end_if_stopped(seq, token, stopped, len(seq.token_ids) - 1, now)
 
-    def _stop_rules(self, seq: Sequence, token: int, stopped: bool, computed: int, now: float) -> None:
-        """The module's stop rules for `seq`, which just got `token` and holds `computed` tokens of KV
-        (its token count - 1; `apply` inlines them in its decode loop). `stopped`: the backend's."""
-        stop_len, min_len, stops, _ = self.stop_info[seq]
-        if (stopped or stops is not None and token in stops) and computed >= min_len:
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
-        elif computed >= stop_len:
-            self._finish(seq, SequenceStatus.FINISHED_LENGTH, "length", now)
+    def _end_if_stopped(self, seq: Sequence, token: int, stopped: bool, computed: int, now: float) -> None:
+        ending = self.stop_rules[seq].ending(token, stopped, computed)
+        if ending is not None:
+            self._finish(seq, *ending, now)
 
     def _fork(self, parent: Sequence, tokens: list[int], now: float, stop_seq_ids: Collection[int]) -> None:
         """A parallel-sampling prompt is done: n - 1 children share its blocks (copy-on-write) and
@@ -280,7 +269,7 @@ class Lifecycle:
         del self.families[request.request_id]
         self.num_full_sampler -= may_need_full_sampler(request.sampling_params)
         for seq in family:
-            self.stop_info.pop(seq, None)
+            self.stop_rules.pop(seq, None)
             self.decode_entries.pop(seq, None)
         if aborted:
             self.recorder.aborted(request, family, now)
@@ -295,15 +284,8 @@ class Lifecycle:
         return self._next_seq_id - 1
 
     def _register(self, seq: Sequence) -> None:
-        request, params = seq.request, seq.request.sampling_params
-        # Outputs reach max_tokens, or num_tokens reaches max_model_len.
-        stop_len = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len) - 1
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos and request.eos_token_id is not None:
-            stops.add(request.eos_token_id)
-        times = self.recorder.token_list(request) if seq.sample_index == 0 else None
-        self.stop_info[seq] = (stop_len, seq.num_prompt_tokens + params.min_tokens - 1,
-                               frozenset(stops) or None, times)
+        times = self.recorder.token_list(seq.request) if seq.sample_index == 0 else None
+        self.stop_rules[seq] = StopRule.of(seq, self.max_model_len, times)
         # A decode samples n tokens only for an unforked parallel prompt's last token.
         self.decode_entries[seq] = ScheduledSeq(seq, 1, seq_cost(seq))
 
