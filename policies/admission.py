@@ -7,27 +7,23 @@ never fit is aborted as `too_long`; this step's preemption victims are not taken
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from policies.blocks.base import AllocStatus
-from policies.outputs import SchedulerOutput
+from policies.phase_state import ScheduledStep, SchedulerState
 from policies.preemption import merge_block_map
 from policies.queues import seq_cost
 from policies.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from policies.scheduler import Scheduler
 
 RUNNING = SequenceStatus.RUNNING
 LATER, NEVER = AllocStatus.LATER, AllocStatus.NEVER
 
 
-def admit(scheduler: Scheduler, out: SchedulerOutput, budget: int, now: float, take_waiting: bool,
+def admit(state: SchedulerState, step: ScheduledStep, budget: int, take_waiting: bool,
           take_swapped: bool) -> tuple[int, bool]:
     """Swap in / admit from the swapped and waiting queues merged in policy order.
     Returns the remaining budget and whether anything was scheduled."""
-    queues, block_manager, config = scheduler.queues, scheduler.block_manager, scheduler.config
-    key, victims = queues.key, scheduler.preemptor.victims
+    queues, block_manager, config, recorder = state.queues, state.block_manager, state.config, state.recorder
+    key, victims, out = queues.key, state.preemptor.victims, step.out
+    now = out.now
     num_scheduled = len(out.scheduled)
     swapped_in: list[tuple[Sequence, int]] = []
     while budget > 0:
@@ -47,8 +43,9 @@ def admit(scheduler: Scheduler, out: SchedulerOutput, budget: int, now: float, t
         status = block_manager.can_swap_in(seq) if from_swap else block_manager.can_allocate(seq)
         if status is LATER and not queues.running:
             status = NEVER  # the GPU pool holds no running sequence: waiting cannot help
-        if status is NEVER:
-            scheduler.abort_too_long(seq.request, out, now)
+        if status is NEVER:  # it can never fit: aborted, with its siblings' entries of this step
+            state.lifecycle.abort(seq.request, "too_long", now)
+            step.drop_request(seq.request)
             continue
         if status is LATER:
             break
@@ -56,7 +53,7 @@ def admit(scheduler: Scheduler, out: SchedulerOutput, budget: int, now: float, t
             queues.swapped.popleft()
             merge_block_map(out.swap_in, block_manager.swap_in(seq), "swap_in")
             queues.add_running(seq)
-            scheduler.recorder.swapped_in(seq, now)
+            recorder.swapped_in(seq, now)
             # Slots are reserved after all swap-ins: a sibling swapped in later this step can
             # then share the blocks this one brought back instead of copying them again.
             swapped_in.append((seq, min(need, budget)))
@@ -65,17 +62,17 @@ def admit(scheduler: Scheduler, out: SchedulerOutput, budget: int, now: float, t
         queues.waiting.popleft()
         block_manager.allocate(seq)  # may skip prefix-cached tokens
         queues.add_running(seq)
-        scheduler.recorder.scheduled(seq, now)
+        recorder.scheduled(seq, now)
         chunk = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
         out.copy.extend(block_manager.append_slots(seq, chunk))
-        scheduler.push_chunk(out, seq, chunk)
+        step.push_chunk(seq, chunk)
         budget -= chunk
     for seq, chunk in swapped_in:  # the block table may lack the slot of the next token
         if seq.status is not RUNNING:
             continue  # aborted with a too_long sibling
         if block_manager.can_append_slots(seq, chunk):
             out.copy.extend(block_manager.append_slots(seq, chunk))
-            scheduler.push_chunk(out, seq, chunk)
+            step.push_chunk(seq, chunk)
         else:
             budget += chunk  # stays running; the next step's decode pass handles it
     return budget, len(out.scheduled) > num_scheduled

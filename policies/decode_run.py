@@ -13,15 +13,13 @@ events, ended requests and step rows (kept compact by the recorder, see `DecodeR
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from policies.output_lens import decode_steps_before_output_len
 from policies.outputs import SchedulerOutput
+from policies.phase_state import SchedulerState
 from policies.step_stats import StepStats
 from policies.trace import DecodeRunSteps
-
-if TYPE_CHECKING:
-    from policies.scheduler import Scheduler
 
 
 class Permit(NamedTuple):
@@ -37,17 +35,17 @@ class Permit(NamedTuple):
 NO_RUN = Permit(0, 0, -1, 0)
 
 
-def run_limit(scheduler: Scheduler, step: int, max_steps: int, token: int,
+def run_limit(state: SchedulerState, step: int, max_steps: int, token: int,
               output_lens: Mapping[str, int] | None) -> Permit:
     """`Scheduler.decode_run_limit`, for a scheduler whose running sequences all have one token to
-    compute (its `_all_decoding`): the next steps that schedule the whole running queue as plain
-    decodes, and how many of them finish nothing."""
-    queues, lifecycle = scheduler.queues, scheduler.lifecycle
+    compute: the next steps that schedule the whole running queue as plain decodes, and how many of
+    them finish nothing."""
+    queues, lifecycle = state.queues, state.lifecycle
     running = queues.running
     # Each running sequence samples one token (no unforked parallel prompt: its cost would be n),
     # the whole queue fits the token budget, and nothing waits to be admitted or swapped in.
     if (not running or queues.waiting or queues.swapped or queues.running_cost != len(running)
-            or len(running) > scheduler.config.max_num_batched_tokens or lifecycle.has_pending_ends
+            or len(running) > state.config.max_num_batched_tokens or lifecycle.has_pending_ends
             or max_steps < 1):
         return NO_RUN
     quiet = lifecycle.decode_steps_before_stop(running, token, max_steps - 1)
@@ -55,23 +53,23 @@ def run_limit(scheduler: Scheduler, step: int, max_steps: int, token: int,
         forced = decode_steps_before_output_len(running, output_lens)
         if forced is not None and forced < quiet:
             quiet = forced
-    return Permit(scheduler.block_manager.decode_run_limit(running, quiet + 1), quiet, step, len(lifecycle.seen))
+    return Permit(state.block_manager.decode_run_limit(running, quiet + 1), quiet, step, len(lifecycle.seen))
 
 
-def advance(scheduler: Scheduler, permit: Permit, step: int, times: list[float], token: int,
+def advance(state: SchedulerState, permit: Permit, step: int, times: list[float], token: int,
             output_lens: Mapping[str, int] | None) -> None:
     """`Scheduler.advance_decodes`: steps step, step + 1, ...; past `permit.quiet` of them, the last
     one applies the stop rules. Requests added since the permit arrived during the last step."""
     num_steps = len(times) - 1
-    if not 1 <= num_steps <= permit.limit or permit.step != step or scheduler.lifecycle.has_pending_ends \
-            or len(scheduler.queues.waiting) != len(scheduler.lifecycle.seen) - permit.num_seen:
+    queues, lifecycle, block_manager, preemptor = state.queues, state.lifecycle, state.block_manager, state.preemptor
+    if not 1 <= num_steps <= permit.limit or permit.step != step or lifecycle.has_pending_ends \
+            or len(queues.waiting) != len(lifecycle.seen) - permit.num_seen:
         raise ValueError(f"advance_decodes got {num_steps} steps: decode_run_limit allowed "
                          f"{permit.limit if permit.step == step else 0} since the last step (and no abort)")
     finishing = num_steps > permit.quiet
-    queues, lifecycle, block_manager = scheduler.queues, scheduler.lifecycle, scheduler.block_manager
     running = queues.running
     num_seqs = len(running)
-    scheduler.preemptor.begin_step()  # forgets the counts of a preempting step before the run
+    preemptor.begin_step()  # forgets the counts of a preempting step before the run
     lifecycle.append_decode_run(running, token, times)
     gpu_used = block_manager.append_decode_run(running, num_steps)
     stats = StepStats(num_decode_seqs=num_seqs, num_running=num_seqs, num_samples=num_seqs)
@@ -80,14 +78,14 @@ def advance(scheduler: Scheduler, permit: Permit, step: int, times: list[float],
     if plain:
         queues.kv_tokens = kv_tokens + num_seqs  # as the first step's update leaves it
         first = stats.row(step, SchedulerOutput(times[0]), times[1], queues.sizes(), block_manager.usage(),
-                          scheduler.preemptor.counts, [])
+                          preemptor.counts, [])
         # Requests in the waiting queue arrived during the last step (the caller's contract).
         run = DecodeRunSteps(first, times, gpu_used, num_seqs, len(queues.waiting)) if not finishing else \
             DecodeRunSteps(first, times[:-1], gpu_used[:-1], num_seqs, 0)
-        scheduler.recorder.decode_run(run)
+        state.recorder.decode_run(run)
     queues.kv_tokens = kv_tokens + num_seqs * num_steps
     if finishing:
         lifecycle.finish_decode_run(list(running), token, times[-1], output_lens)
-        scheduler.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], queues.sizes(),
-                                          block_manager.usage(), scheduler.preemptor.counts,
+        state.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], queues.sizes(),
+                                          block_manager.usage(), preemptor.counts,
                                           lifecycle.take_ended()))

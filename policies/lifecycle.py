@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from policies.blocks.base import BlockManager
-from policies.lookahead import PENDING
 from policies.output_lens import holds_output_len
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.preemption import Preemptor
 from policies.queues import SchedulerQueues, seq_cost
 from policies.request import Request
 from policies.sampling_path import may_need_full_sampler
-from policies.sequence import Sequence, SequenceStatus
+from policies.sequence import PENDING, Sequence, SequenceStatus
 from policies.stop_rule import STOPPED, StopRule
 from policies.trace import TraceRecorder
 

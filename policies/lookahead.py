@@ -33,20 +33,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import TYPE_CHECKING
 
 from policies.blocks.base import BlockUsage
 from policies.outputs import SchedulerOutput
+from policies.phase_state import ScheduledStep, SchedulerState
 from policies.preemption import PreemptionCounts
 from policies.queues import QueueSizes
 from policies.sampling_path import device_sampling
-from policies.sequence import Sequence
+from policies.sequence import PENDING, Sequence
 from policies.step_stats import StepStats
 
-if TYPE_CHECKING:
-    from policies.scheduler import Scheduler
-
-PENDING = -1  # the token of a looked-past step until its update
+__all__ = ["PENDING", "LookedPast", "can_look_past", "look_past", "next_step_safe"]  # PENDING: for backends
 _SEQ = itemgetter(0)  # ScheduledSeq.seq
 
 
@@ -66,46 +63,47 @@ class LookedPast:
     usage: BlockUsage | None = None
 
 
-def can_look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats) -> bool:
-    """Whether the next step can be scheduled before `out`'s tokens are known (module docstring),
-    judged from the state before `look_past` (which only shrinks the running queue)."""
-    queues, lifecycle = scheduler.queues, scheduler.lifecycle
+def can_look_past(state: SchedulerState, step: ScheduledStep) -> bool:
+    """Whether the step after `step` can be scheduled before `step`'s tokens are known (module
+    docstring), judged from the state before `look_past` (which only shrinks the running queue)."""
+    out, stats, lifecycle = step.out, step.stats, state.lifecycle
     if not out.scheduled:
         return False  # nothing runs: the caller waits for work (an arrival) synchronously
     if lifecycle.aborted_in_flight or stats.num_samples != len(out.scheduled) - stats.num_partial:
         return False  # an abort in flight, or a prompt sampling n > 1 (it forks)
-    if len(out.scheduled) - stats.num_partial != len(queues.running):
+    if len(out.scheduled) - stats.num_partial != len(state.queues.running):
         return False  # a running sequence would still have tokens to compute (or was not scheduled)
     if lifecycle.num_full_sampler and not device_sampling(map(_SEQ, out.scheduled)):
         return False  # the full sampler returns this step's tokens to the host at once
-    return next_step_safe(scheduler, ahead=1)
+    return next_step_safe(state, ahead=1)
 
 
-def next_step_safe(scheduler: Scheduler, ahead: int) -> bool:
+def next_step_safe(state: SchedulerState, ahead: int) -> bool:
     """With every running sequence decoding: the next step can neither preempt nor need a token it
     does not have (the running sequences have computed `ahead` tokens fewer than they will have)."""
-    queues = scheduler.queues
-    if scheduler.lifecycle.aborted_in_flight:
+    queues = state.queues
+    if state.lifecycle.aborted_in_flight:
         return False
-    if scheduler.may_force and queues.waiting and scheduler.preemptor.would_force(
-            queues.waiting[0], scheduler.config.max_num_seqs):
+    if state.may_force and queues.waiting and state.preemptor.would_force(
+            queues.waiting[0], state.config.max_num_seqs):
         return False
-    return scheduler.block_manager.decode_slots_fit(queues.running, ahead=ahead)
+    return state.block_manager.decode_slots_fit(queues.running, ahead=ahead)
 
 
-def look_past(scheduler: Scheduler, out: SchedulerOutput, stats: StepStats, start: float,
+def look_past(state: SchedulerState, step: ScheduledStep, start: float,
               output_lens: Mapping[str, int] | None) -> LookedPast:
-    """Apply `out`'s progress as if it had run (tokens PENDING), and end its sequences that reach a
+    """Apply `step`'s progress as if it had run (tokens PENDING), and end its sequences that reach a
     length rule (recorded at the update)."""
-    lifecycle, queues = scheduler.lifecycle, scheduler.queues
-    past = LookedPast(out, stats, scheduler.preemptor.counts, start)
+    lifecycle, queues, block_manager = state.lifecycle, state.queues, state.block_manager
+    out, stats = step.out, step.stats
+    past = LookedPast(out, stats, state.preemptor.counts, start)
     ending = lifecycle.look_past(out, output_lens, past.sampled)
     queues.kv_tokens += stats.num_prefill_tokens + stats.num_decode_seqs
     for seq, status, reason in ending:
         queues.remove(seq)
-        scheduler.block_manager.free(seq)
+        block_manager.free(seq)
         seq.status, seq.finish_reason = status, reason
         past.ending.append(seq)
     past.queues = queues.sizes()
-    past.usage = scheduler.block_manager.usage()
+    past.usage = block_manager.usage()
     return past

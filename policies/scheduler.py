@@ -5,7 +5,7 @@ Each step, `schedule(now)`:
      may preempt until it fits;
   1. schedules running sequences in policy order: decodes first (1 token each, preempting the
      policy's victim among not-yet-scheduled running sequences when KV runs out), then the next
-     chunk of running prefills from the remaining token budget;
+     chunk of running prefills from the remaining token budget (policies/running_pass.py);
   2. if step 1 preempted nothing, serves the swapped and waiting queues merged in policy order
      (swap in / admit, policies/admission.py) while the budgets and the block manager allow; the
      first that must wait stops the walk (head-of-line, so no request overtakes an earlier one), one
@@ -13,30 +13,29 @@ Each step, `schedule(now)`:
 Without chunked prefill (vLLM v0 default): a step that can admit waiting prompts (whole, within
 the token budget) is prefill-only; otherwise it runs step 1 and then swaps in.
 `update(out, tokens, now)` advances progress, appends tokens, forks parallel samples, applies the
-stop rules, frees finished sequences and records the step. See preemption.py and queues.py.
+stop rules (policies/stop_rule.py), frees finished sequences and records the step. The phases are
+functions of the state they are handed (`SchedulerState`, `ScheduledStep`: policies/phase_state.py),
+never of the Scheduler. See preemption.py and queues.py (the queues keep the policy order).
 """
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from operator import attrgetter, itemgetter
 
 from policies import admission, decode_run, lookahead
 from policies.blocks.base import BlockManager
 from policies.lifecycle import Lifecycle
 from policies.output_lens import reaching_output_len
-from policies.outputs import ScheduledSeq, SchedulerOutput
+from policies.outputs import SchedulerOutput
+from policies.phase_state import ScheduledStep, SchedulerState
 from policies.policy.base import Policy
 from policies.preemption import Preemptor
-from policies.queues import SchedulerQueues, seq_cost
+from policies.queues import SchedulerQueues
 from policies.request import Request
+from policies.running_pass import RunningPass
 from policies.scheduler_config import SchedulerConfig
-from policies.sequence import Sequence, SequenceStatus
+from policies.sequence import Sequence
 from policies.step_stats import StepStats
 from policies.trace import TraceRecorder
-
-RUNNING = SequenceStatus.RUNNING
-_entry_computed = attrgetter("seq.num_computed_tokens")
-_entry_samples = itemgetter(2)
 
 
 class Scheduler:
@@ -50,16 +49,15 @@ class Scheduler:
         self.preemptor = Preemptor(self.queues, block_manager, policy, self.recorder)
         self.lifecycle = Lifecycle(self.queues, block_manager, self.recorder, self.preemptor,
                                    config.max_model_len)
-        self._may_force = type(policy).may_preempt is not Policy.may_preempt
-        # Decode fast path: every running sequence has exactly one token to compute, and the
-        # entries of the last full decode batch with their total samples (valid while the running
-        # queue is unchanged).
+        # What the phases (running pass, admission, look-past, decode runs) are handed.
+        self.state = SchedulerState(config, self.queues, block_manager, self.preemptor, self.lifecycle,
+                                    self.recorder, type(policy).may_preempt is not Policy.may_preempt)
+        self.running_pass = RunningPass(self.state)
+        # Decode fast path: every running sequence has exactly one token to compute.
         self._all_decoding = False
-        self._batch_entries: tuple[int, list[ScheduledSeq], int] = (-1, [], 0)
         self._now = 0.0
         self._step = 0
-        self._stats = StepStats()
-        self._stats_out: SchedulerOutput | None = None
+        self._last: ScheduledStep | None = None  # the last step scheduled, until a decode run replaces it
         self._decode_run = decode_run.NO_RUN  # what decode_run_limit allowed
         self._looked_past: lookahead.LookedPast | None = None  # schedule_ahead's step awaiting update
         self._last_update = 0.0
@@ -81,7 +79,7 @@ class Scheduler:
     @property
     def may_force(self) -> bool:
         """Whether the policy may force running sequences out for the waiting queue's head."""
-        return self._may_force
+        return self.state.may_force
 
     def has_unfinished(self) -> bool:
         return self.queues.has_unfinished()
@@ -135,22 +133,23 @@ class Scheduler:
         """Decide the next step (module docstring); the backend runs it, then calls `update`."""
         self._now, self._decode_run = now, decode_run.NO_RUN
         out = SchedulerOutput(now)
-        self._stats, self._stats_out = StepStats(), out
+        self._last = step = ScheduledStep(out, StepStats())
+        state, queues, budget = self.state, self.queues, self.config.max_num_batched_tokens
         self.preemptor.begin_step()
-        queues, budget = self.queues, self.config.max_num_batched_tokens
-        if self._may_force and queues.waiting and queues.running:
+        if state.may_force and queues.waiting and queues.running:
             self.preemptor.force_for(queues.waiting[0], out, now, self.config.max_num_seqs)
         if self.config.enable_chunked_prefill:
-            budget, preempted = self._schedule_running(out, budget, now)
+            budget, preempted = self.running_pass.schedule(step, budget, self._all_decoding)
             if not preempted and (queues.waiting or queues.swapped):
-                admission.admit(self, out, budget, now, take_waiting=True, take_swapped=True)
-        elif not admission.admit(self, out, budget, now, take_waiting=True, take_swapped=False)[1]:
-            budget, preempted = self._schedule_running(out, budget, now)
+                admission.admit(state, step, budget, take_waiting=True, take_swapped=True)
+        elif not admission.admit(state, step, budget, take_waiting=True, take_swapped=False)[1]:
+            budget, preempted = self.running_pass.schedule(step, budget, self._all_decoding)
             if not preempted:
-                admission.admit(self, out, budget, now, take_waiting=False, take_swapped=True)
+                admission.admit(state, step, budget, take_waiting=False, take_swapped=True)
         self.preemptor.end_step()
-        self._stats.num_running = len(queues.running)
-        self._stats.fill_totals(out)
+        stats = step.stats  # admission may have recounted it (an abort mid-step)
+        stats.num_running = len(queues.running)
+        stats.fill_totals(out)
         out.aborted = self.lifecycle.take_aborted()  # since the last schedule(), too_long ones included
         return out
 
@@ -160,108 +159,23 @@ class Scheduler:
         looked past: then update it and call `schedule`. An empty step (`is_empty`) need not run:
         the next `schedule` replaces it. `output_lens`: the backend's forced output lengths, applied
         here to the step looked past."""
-        out, stats = self._stats_out, self._stats
-        if out is None or self._looked_past is not None:
+        last = self._last
+        if last is None or self._looked_past is not None:
             raise ValueError("schedule_ahead() needs a step from schedule() or schedule_ahead() whose update "
                              "has not come, and no looked-past step awaiting its update")
-        if not lookahead.can_look_past(self, out, stats):
+        if not lookahead.can_look_past(self.state, last):
             return None
-        self._looked_past = lookahead.look_past(self, out, stats, max(self._last_update, out.now), output_lens)
+        self._looked_past = lookahead.look_past(self.state, last, max(self._last_update, last.out.now), output_lens)
         self._all_decoding = True  # after the step looked past, for the schedule below
         self.num_scheduled_ahead += 1
         out = self.schedule(now)
         out.ahead = True
         # Until the next look-past: whether this step is a plain decode of every running sequence (a
         # fast-forward may start with it, `decode_run_limit`); the look-past sets it again.
-        stats = self._stats
+        stats = self._last.stats
         self._all_decoding = (not (out.copy or out.swap_in or out.swap_out) and stats.num_prefill_seqs == 0
                               and stats.num_decode_seqs == stats.num_samples == len(self.queues.running))
         return out
-
-    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> tuple[int, bool]:
-        running = self.queues.running
-        if not running:
-            return budget, False
-        if self._all_decoding:
-            decodes, prefills = running, []
-        else:
-            decodes = [seq for seq in running if len(seq.token_ids) - seq.num_computed_tokens == 1]
-            prefills = [seq for seq in running if len(seq.token_ids) - seq.num_computed_tokens != 1] \
-                if len(decodes) < len(running) else []
-        if len(decodes) > budget:
-            decodes = decodes[:budget]
-        # Hot path: one block-manager call for the whole decode batch when it surely fits.
-        copies = self.block_manager.append_decode_slots(decodes) if decodes else []
-        preempted = False
-        if copies is not None:
-            out.copy.extend(copies)
-            self._push_decode_batch(out, decodes)
-            budget -= len(decodes)
-        else:
-            budget, preempted = self._schedule_one_by_one(out, list(decodes), budget, now, decode=True)
-            entries = out.scheduled
-            self._stats.add_decodes(len(entries), sum(map(_entry_computed, entries)),
-                                    sum(map(_entry_samples, entries)))
-        if prefills and budget:
-            budget, preempted_prefill = self._schedule_one_by_one(out, prefills, budget, now, decode=False)
-            preempted = preempted or preempted_prefill
-        return budget, preempted
-
-    def _push_decode_batch(self, out: SchedulerOutput, decodes: list[Sequence]) -> None:
-        """Schedule decodes that all got their slots. The batch of the whole running queue is reused
-        while the queue is unchanged, and its computed tokens are the queue's running total."""
-        queues = self.queues
-        whole = decodes is queues.running
-        version, entries, samples = self._batch_entries
-        if not whole or version != queues.running_version:
-            entries = list(map(self.lifecycle.decode_entries.__getitem__, decodes))
-            samples = sum(map(_entry_samples, entries))
-            if whole:
-                self._batch_entries = (queues.running_version, entries, samples)
-        out.scheduled.extend(entries)
-        computed = queues.kv_tokens if whole else sum(map(_entry_computed, entries))
-        self._stats.add_decodes(len(entries), computed, samples)
-
-    def _schedule_one_by_one(self, out: SchedulerOutput, seqs: list[Sequence], budget: int, now: float,
-                             decode: bool) -> tuple[int, bool]:
-        """Reserve slots sequence by sequence, preempting victims when KV runs out."""
-        block_manager, preempted = self.block_manager, False
-        for seq in seqs:
-            if not budget:
-                break
-            if seq.status is not RUNNING:
-                continue  # a victim of this step
-            chunk = len(seq.token_ids) - seq.num_computed_tokens
-            if chunk > budget:
-                if not self.config.enable_chunked_prefill:
-                    continue
-                chunk = budget
-            if not block_manager.can_append_slots(seq, chunk):
-                preempted = True
-                if not self.preemptor.make_room(seq, chunk, out, now):
-                    continue
-            out.copy.extend(block_manager.append_slots(seq, chunk))
-            if decode:
-                out.scheduled.append(self.lifecycle.decode_entries[seq])
-            else:
-                self.push_chunk(out, seq, chunk)
-            budget -= chunk
-        return budget, preempted
-
-    def push_chunk(self, out: SchedulerOutput, seq: Sequence, chunk: int) -> None:
-        """Schedule a chunk of `seq`'s tokens (its slots reserved) and count it in the step."""
-        uncomputed = len(seq.token_ids) - seq.num_computed_tokens
-        # A chunk that completes the sequence samples: n tokens for an unforked parallel prompt.
-        samples = seq_cost(seq) if chunk == uncomputed else 0
-        out.scheduled.append(ScheduledSeq(seq, chunk, samples))
-        self._stats.add_chunk(seq.num_computed_tokens, uncomputed, chunk, samples)
-
-    def abort_too_long(self, request: Request, out: SchedulerOutput, now: float) -> None:
-        """End a request that can never fit, dropping its siblings' entries from this step."""
-        self.lifecycle.abort(request, "too_long", now)
-        if any(entry.seq.request is request for entry in out.scheduled):  # a sibling ran this step
-            out.scheduled[:] = [entry for entry in out.scheduled if entry.seq.request is not request]
-            self._stats = StepStats.of(out, 0)
 
     # ---- update ---------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, new_token_ids: dict[int, list[int]], now: float,
@@ -279,12 +193,13 @@ class Scheduler:
             if past.out is not out:
                 raise ValueError("update() got an output that is not the step schedule_ahead() looked past")
             return self._update_looked_past(past, new_token_ids, now, stop_seq_ids)
-        if self._stats_out is not out:
+        last = self._last
+        if last is None or last.out is not out:
             raise ValueError("update() got an output that is not the last one schedule() returned")
         if output_lens:
             stop_seq_ids = [*stop_seq_ids, *reaching_output_len(out.scheduled, output_lens)]
         last_update, self._last_update = self._last_update, now
-        stats, skip_aborted = self._stats, self.lifecycle.aborted_in_flight
+        stats, skip_aborted = last.stats, self.lifecycle.aborted_in_flight
         self.queues.kv_tokens += stats.num_prefill_tokens + stats.num_decode_seqs
         self.lifecycle.apply(out, new_token_ids, now, stop_seq_ids)
         # Every running sequence sampled this step: each now has exactly one token to compute.
@@ -318,7 +233,7 @@ class Scheduler:
         `quiet`: only steps that finish nothing (a backend scheduling ahead: the next step is decided
         before such a step's update). The next step may be scheduled already (by schedule_ahead,
         not looked past): the run then starts with it."""
-        self._decode_run = decode_run.run_limit(self, self._step, max_steps, token, output_lens) \
+        self._decode_run = decode_run.run_limit(self.state, self._step, max_steps, token, output_lens) \
             if self._all_decoding and self._looked_past is None else decode_run.NO_RUN
         permit = self._decode_run
         return min(permit.limit, permit.quiet) if quiet else permit.limit
@@ -326,12 +241,12 @@ class Scheduler:
     def could_schedule_ahead(self) -> bool:
         """After `advance_decodes`: whether `schedule_ahead` would have looked past the run's last step,
         so that the next step stands for one scheduled ahead (the simulator prices it so)."""
-        return self._all_decoding and lookahead.next_step_safe(self, ahead=0)
+        return self._all_decoding and lookahead.next_step_safe(self.state, ahead=0)
 
     def advance_decodes(self, times: list[float], token: int, output_lens: Mapping[str, int] | None = None) -> None:
         """Apply len(times) - 1 of them, step s from times[s] to times[s + 1], as schedule(times[s]);
         update(out, {seq_id: [token] for each seq}, times[s + 1], stop_seq_ids) would."""
-        decode_run.advance(self, self._decode_run, self._step, times, token, output_lens)
+        decode_run.advance(self.state, self._decode_run, self._step, times, token, output_lens)
         self._step += len(times) - 1
-        self._now, self._stats_out, self._decode_run = times[-1], None, decode_run.NO_RUN
+        self._now, self._last, self._decode_run = times[-1], None, decode_run.NO_RUN
         self._last_update = times[-1]

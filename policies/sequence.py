@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from policies.request import Request
 
+PENDING = -1  # the token of a step scheduled past (policies/lookahead.py) until its update writes it
+
 
 class SequenceStatus(enum.IntEnum):
     WAITING = 0
