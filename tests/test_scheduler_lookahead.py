@@ -14,13 +14,24 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from property_settings import examples
 from scheduler_helpers import KVStoreBackend, make_scheduler, request
-from test_scheduler_properties import COMBOS, MAX_STEPS, abort, arrive, check_end, check_pools, workloads
+from test_scheduler_properties import (
+    COMBOS,
+    EOS,
+    MAX_MODEL_LEN,
+    MAX_STEPS,
+    Spec,
+    abort,
+    arrive,
+    check_end,
+    check_pools,
+    workloads,
+)
 
 from policies.lookahead import PENDING
-from policies.request import SamplingParams
+from policies.request import Request, SamplingParams
 from policies.sampling_path import device_sampling
 
 
@@ -50,6 +61,8 @@ def drive(scheduler, specs, ahead: bool, aborts: bool = True):
     """Arrivals and aborts by step as test_scheduler_properties.run_workload; with `ahead`, each
     step is scheduled while the one before it is in flight. Returns (added, number of steps
     scheduled ahead)."""
+    for spec in specs:  # an @example's requests serve every run
+        spec.request.finish_reason = None
     backend = KVStoreBackend(scheduler.block_manager.block_size)
     added, ended, now, num_ahead = [], set(), 0.0, 0
     out = tokens = None
@@ -89,9 +102,27 @@ def outputs(scheduler) -> dict[str, tuple]:
     return {r["request_id"]: (r["finish_reason"], r["output_len"]) for r in scheduler.recorder.requests}
 
 
+def _workload(config: dict, requests: list[tuple[int, int, int, int]]) -> tuple:
+    """A pinned `workloads()` draw: requests as (arrival step, prompt length, max_tokens, priority)."""
+    specs = [Spec(step, Request(f"r{i}", [2000 + 100 * i + j for j in range(prompt_len)],
+                                SamplingParams(max_tokens=max_tokens), priority=priority, eos_token_id=EOS),
+                  None, False)
+             for i, (step, prompt_len, max_tokens, priority) in enumerate(requests)]
+    return {"num_cpu_blocks": 0, "max_model_len": MAX_MODEL_LEN, **config}, specs, 0
+
+
+# Scheduled ahead, r0 is admitted before r2 arrives, which then forces it out (priority); recomputed
+# with its first output token it needs 31 of 33 blocks, past the watermark's 3: the idle pool must
+# still take it, as the synchronous loop (which admits r2 first) takes its 30-token prompt.
+IDLE_POOL_TAKES_A_PREEMPTED_SEQUENCE = _workload(
+    {"block_size": 1, "num_gpu_blocks": 33, "watermark": 0.1, "max_num_seqs": 1, "max_num_batched_tokens": 48,
+     "chunked": False}, [(0, 30, 2, 1), (0, 1, 1, 0), (1, 1, 1, 0)])
+
+
 @pytest.mark.parametrize("policy, blocks, mode", COMBOS)
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
+@example(workload=IDLE_POOL_TAKES_A_PREEMPTED_SEQUENCE)
 def test_ahead_keeps_every_invariant_and_the_sync_outputs(policy, blocks, mode, workload):
     config, specs, _ = workload
     scheduler = make_scheduler(policy, blocks, preemption_mode=mode, **config)
@@ -100,8 +131,6 @@ def test_ahead_keeps_every_invariant_and_the_sync_outputs(policy, blocks, mode, 
     # Without aborts (their moment depends on how steps are cut) the outputs equal the sync loop's.
     runs = []
     for ahead in (False, True):
-        for spec in specs:
-            spec.request.finish_reason = None
         scheduler = make_scheduler(policy, blocks, preemption_mode=mode, **config)
         added, num_ahead = drive(scheduler, specs, ahead=ahead, aborts=False)
         assert ahead or not num_ahead
