@@ -7,7 +7,7 @@ by name with an error that names the kind, the bad name and the allowed names.
     @BLOCK_MANAGERS.register("paged")
     class PagedBlockManager(BlockManager): ...
 
-    BLOCK_MANAGERS.get("ring")  # ValueError: block manager kind='ring' is unknown: choose one of [...]
+    BLOCK_MANAGERS.get("ring")  # ValueError: kind='ring' is unknown: choose a block manager from [...]
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     def __init__(self, kind: str, field: str) -> None:
         """`kind`: what is registered, in words ("block manager"); `field`: the setting that names
-        one (`kind`, `policy`, `architecture`), as the error message shows it."""
+        one (`kind`, `policy`, `architecture`), first in the error message so that a caller can
+        prefix its config path (`blocks.kind=...`)."""
         self.kind = kind
         self.field = field
         self._entries: dict[str, T] = {}
@@ -34,7 +35,7 @@ class Registry(Generic[T]):
         def wrap(entry: T) -> T:
             for name in names:
                 if self._entries.get(name, entry) is not entry:
-                    raise ValueError(f"{self.kind} {self.field}={name!r} is already registered "
+                    raise ValueError(f"{self.field}={name!r} is already registered as a {self.kind} "
                                      f"(by {self._entries[name]!r})")
                 self._entries[name] = entry
             return entry
@@ -43,7 +44,7 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         entry = self._entries.get(name) if isinstance(name, str) else None
         if entry is None:
-            raise ValueError(f"{self.kind} {self.field}={name!r} is unknown: choose one of {self.names()}")
+            raise ValueError(f"{self.field}={name!r} is unknown: choose a {self.kind} from {self.names()}")
         return entry
 
     def names(self) -> list[str]:

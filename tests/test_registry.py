@@ -12,11 +12,11 @@ from policies.registry import Registry
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: make_policy("lifo"), "scheduling policy policy='lifo' is unknown: choose one of ['fcfs', 'priority'"),
+    (lambda: make_policy("lifo"), "policy='lifo' is unknown: choose a scheduling policy from ['fcfs', 'priority'"),
     (lambda: make_block_manager("ring", 16, 8),
-     "block manager kind='ring' is unknown: choose one of ['contiguous', 'paged', 'prefix']"),
+     "kind='ring' is unknown: choose a block manager from ['contiguous', 'paged', 'prefix']"),
     (lambda: MODELS.get("mistral"),
-     "model architecture architecture='mistral' is unknown: choose one of ['llama', 'qwen2', 'qwen3']"),
+     "architecture='mistral' is unknown: choose a model architecture from ['llama', 'qwen2', 'qwen3']"),
 ])
 def test_unknown_names_say_kind_name_and_choices(build, message):
     with pytest.raises(ValueError) as info:
@@ -36,7 +36,7 @@ def test_model_config_checks_the_architecture_against_the_registry():
               "vocab_size": 32, "max_position_embeddings": 64, "rope_theta": 10000.0, "rope_scaling": None,
               "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "dtype": "float32",
               "weights": "dummy"}
-    with pytest.raises(ValueError, match=r"architecture='gpt2' is unknown: choose one of \['llama'"):
+    with pytest.raises(ValueError, match=r"architecture='gpt2' is unknown: choose a model architecture from \['llama'"):
         ModelConfig(**fields)
     assert ModelConfig(**{**fields, "architecture": "qwen3"}).architecture == "qwen3"
 
@@ -49,10 +49,10 @@ def test_registering_a_taken_name_is_refused():
         pass
 
     registry.register("a")(A)  # the same class again: allowed (a module imported twice)
-    with pytest.raises(ValueError, match="widget widget='a' is already registered"):
+    with pytest.raises(ValueError, match="widget='a' is already registered as a widget"):
         registry.register("a")(type("B", (), {}))
     with pytest.raises(ValueError, match="names=\\(\\) are invalid"):
         registry.register()
     assert list(registry) == ["a", "b"] and len(registry) == 2 and registry.get("b") is A
-    with pytest.raises(ValueError, match="widget widget=3 is unknown: choose one of \\['a', 'b'\\]"):
+    with pytest.raises(ValueError, match="widget=3 is unknown: choose a widget from \\['a', 'b'\\]"):
         registry.get(3)
