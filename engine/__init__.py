@@ -41,7 +41,9 @@ Upper half (the user API, vLLM's names), importable from `engine` directly:
   `RequestOutput`s in input order. `LLM.from_engine(engine)` wraps an existing engine.
 - `LLMEngine(EngineArgs(...), recorder=None, build_scheduler=None)`: `add_request(request_id, prompt,
   sampling_params, arrival_time=None, priority=0, output_len=None)`, `abort_request(id) -> bool`,
-  `step() -> list[RequestOutput]` (only requests that ended in the step, aborted ones included),
+  `step() -> list[RequestOutput]` (every request that made progress in the step, in its
+  `SamplingParams.output_kind`: cumulative, delta, or final_only = only when it ends; `finished`
+  marks the last output, aborted ones included),
   `has_unfinished_requests()`, `reset(...)` (fresh scheduler and clock, same model and KV cache),
   `.scheduler`, `.recorder` (the scheduler's trace), `.runner`, `.tokenizer`, `.now()`.
 - `EngineArgs`: model (conf/model name, HF dir, .gguf, or a `ModelConfig`), dtype, device,
@@ -49,6 +51,11 @@ Upper half (the user API, vLLM's names), importable from `engine` directly:
   gpu_memory_utilization, swap_space, num_gpu_blocks, enforce_eager, seed.
 - `RequestOutput(request_id, prompt, prompt_token_ids, outputs: [CompletionOutput(index, text,
   token_ids, finish_reason, stop_reason, logprobs)], finished, metrics: RequestMetrics)`.
+- `AsyncLLMEngine(engine, max_waiting_requests=None)` / `.from_engine_args(args, ...)`: `async for out
+  in generate(prompt, sampling_params, request_id, priority=0, output_kind="cumulative"|"delta")`,
+  `abort(id)`, `is_running`, `errored`, `check_health()`, `stats() -> EngineStats`,
+  `add_finished_observer(fn)` (`RequestStats` per ended request), `tokenizer`, `model_name`,
+  `max_model_len`, `shutdown()`; `EngineQueueFullError`, `EngineDeadError`.
 - `engine.tokenizer` / `engine.detokenizer`: tokenizer from an HF dir or GGUF file; incremental
   detokenization and vLLM's stop-string rule (text truncated before the stop string).
 """
@@ -58,6 +65,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineArgs": "engine.engine_args",
+            "AsyncLLMEngine": "engine.async_llm_engine",
             "RequestOutput": "engine.outputs", "CompletionOutput": "engine.outputs",
             "RequestMetrics": "engine.outputs", "SamplingParams": "policies.request"}
 
@@ -69,5 +77,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestMetrics", "RequestOutput",
+__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestMetrics", "RequestOutput",
            "SamplingParams"]
