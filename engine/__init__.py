@@ -40,7 +40,8 @@ Upper half (the user API, vLLM's names), importable from `engine` directly:
   strings, token-id lists, or a mix; one `SamplingParams` or one per prompt; returns
   `RequestOutput`s in input order. `LLM.from_engine(engine)` wraps an existing engine.
 - `LLMEngine(EngineArgs(...), recorder=None, build_scheduler=None)`: `add_request(request_id, prompt,
-  sampling_params, arrival_time=None, priority=0, output_len=None)`, `abort_request(id) -> bool`,
+  sampling_params, arrival_time=None, priority=0, output_len=None, abort_too_long=False)`,
+  `abort_request(id) -> bool` (both safe from another thread than the stepping one),
   `step() -> list[RequestOutput]` (every request that made progress in the step, in its
   `SamplingParams.output_kind`: cumulative, delta, or final_only = only when it ends; `finished`
   marks the last output, aborted ones included),

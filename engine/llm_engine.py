@@ -144,11 +144,13 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0, output_len: int | None = None) -> None:
+                    priority: int = 0, output_len: int | None = None, abort_too_long: bool = False) -> None:
         """Queue a request; raises ValueError (naming the field) on bad input or a request id already
         used, adding nothing. Safe from any thread (module docstring). `output_len`: end each sample
         with finish_reason "stop" after that many tokens, as a workload replay's stop rule (the
-        simulator does the same)."""
+        simulator does the same). `abort_too_long`: a prompt longer than max_model_len is not refused
+        but ends at once with finish_reason "abort:too_long" (a workload replay goes on, as the
+        simulator's does)."""
         if output_len is not None and (not isinstance(output_len, int) or output_len < 1):
             raise ValueError(f"output_len={output_len!r} is invalid: None or an integer >= 1")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -172,11 +174,11 @@ class LLMEngine:
         now = self.now()
         request = Request(request_id, token_ids, params, now if arrival_time is None else arrival_time,
                           priority, eos_token_id=self.eos_token_id)
-        request.validate(self.max_model_len, self.vocab_size)
+        request.validate(None if abort_too_long else self.max_model_len, self.vocab_size)
         with self._inbox_lock:
             if request_id in self._pending:
                 raise ValueError(f"request_id={request_id!r} is invalid: already added to this engine")
-            self.scheduler.check(request)
+            self.scheduler.check(request, too_long_ok=abort_too_long)
             self._pending.add(request_id)
             self._inbox.append(_Arrival(request, text, output_len))
         self._take_inbox_if_idle()
@@ -184,8 +186,8 @@ class LLMEngine:
     def _admit(self, arrival: _Arrival) -> None:
         """An arrival into the scheduler (stepping thread, inbox lock held)."""
         request, request_id = arrival.request, arrival.request.request_id
-        self.scheduler.add(request, self.now())
-        self.output_processor.add(request, arrival.prompt, self.scheduler.sequences(request_id))
+        # A prompt over max_model_len (abort_too_long) ends in add; its sequences still get an output.
+        self.output_processor.add(request, arrival.prompt, self.scheduler.add(request, self.now()))
         if arrival.output_len is not None:
             self._output_lens[request_id] = arrival.output_len
 

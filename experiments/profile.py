@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from experiments import profile_suffix
 from experiments.lib.cli import run_cli
+from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
 from experiments.lib.profiling.host import cpu_probe_us, decode_periods, host_overheads, pipelined_period
@@ -214,6 +215,7 @@ def prefill_schedule(runner) -> PrefillSchedule:
 def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     """Build the runner, measure the grid, write the CSV; returns (path, metadata)."""
     import torch
+    check_config(cfg, "profile", *hydra_origin())
     grid = ProfileGrid.from_dict(OmegaConf.to_container(cfg.profile_grid, resolve=True))
     for key in ("warmup", "repeats", "host_repeats", "passes"):
         if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < (0 if key == "warmup" else 1):

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from experiments.lib import factory
 from experiments.lib.backends import run_backend
 from experiments.lib.cli import config_errors, run_cli
+from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.metrics import summarize, summary_table
 from experiments.lib.traces import write_summary, write_traces
 from experiments.lib.workloads import Workload
@@ -31,7 +32,9 @@ from policies.trace import TraceRecorder
 def run(cfg: DictConfig, out_dir: str | Path, label: str | None = None,
         workload: Workload | None = None) -> dict[str, Any]:
     """Run cfg's workload (or the given one) through cfg's backend; write traces, summary and plots
-    into out_dir; return the summary dict."""
+    into out_dir; return the summary dict. An unknown or mistyped config key is a ValueError naming
+    its file and key (experiments/lib/config_schema.py)."""
+    check_config(cfg, "config", *hydra_origin())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     wl = workload if workload is not None else factory.workload(cfg)

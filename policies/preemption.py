@@ -53,6 +53,7 @@ class Preemptor:
         self.recorder = recorder
         self._default_victim = type(policy).pick_victim is Policy.pick_victim
         self.total = 0
+        self.total_fallbacks = 0  # swaps that fell back to recompute
         self.counts = PreemptionCounts()
         self.victims: set[Sequence] = set()  # preempted this step
         self._to_waiting: list[Sequence] = []
@@ -119,12 +120,6 @@ class Preemptor:
         self.queues.remove(seq)
         seq.num_preemptions += 1
         self.total += 1
-        if self.total % WARN_EVERY == 0:
-            logger.warning(
-                "Sequence %d of request %r was preempted by %s (%d preemptions in total): the KV "
-                "cache is too small for this load; raise num_gpu_blocks or lower max_num_seqs / "
-                "max_num_batched_tokens.", seq.seq_id, seq.request.request_id,
-                self.policy.preemption_mode, self.total)
         out.preempted.append(seq)
         self.victims.add(seq)
         mode = self.policy.preemption_mode
@@ -135,15 +130,31 @@ class Preemptor:
                 self.counts.swap += 1
                 self.recorder.preempted(seq, "swap", now)
                 self.recorder.swapped_out(seq, now)
+                self._warn(seq, "swap")
                 return
             mode = "recompute_fallback"
             self.counts.swap_fallbacks += 1
+            self.total_fallbacks += 1
         self.counts.recompute += 1
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self._to_waiting.append(seq)
         self.recorder.preempted(seq, mode, now)
+        self._warn(seq, mode)
+
+    def _warn(self, seq: Sequence, mode: str) -> None:
+        """Every WARN_EVERY preemptions, say how this one was done (a swap that found the CPU pool
+        full fell back to recompute) and how many fell back so far."""
+        if self.total % WARN_EVERY:
+            return
+        how = "recompute (the CPU swap pool could not take its blocks)" if mode == "recompute_fallback" else mode
+        fallbacks = (f", {self.total_fallbacks} of them swaps that fell back to recompute"
+                     if self.total_fallbacks else "")
+        logger.warning(
+            "Sequence %d of request %r was preempted by %s (%d preemptions in total%s): the KV cache "
+            "is too small for this load; raise num_gpu_blocks or lower max_num_seqs / "
+            "max_num_batched_tokens.", seq.seq_id, seq.request.request_id, how, self.total, fallbacks)
 
     def discard(self, seq: Sequence) -> bool:
         """Forget a recompute victim of this step (being aborted before it re-queues); False if

@@ -116,13 +116,14 @@ class Request:
     # Filled in by the scheduler when the request ends; never None after that.
     finish_reason: str | None = None
 
-    def validate(self, max_model_len: int, vocab_size: int | None = None) -> None:
+    def validate(self, max_model_len: int | None, vocab_size: int | None = None) -> None:
+        """ValueError naming the first bad field. `max_model_len` None: any prompt length."""
         _check(isinstance(self.request_id, str) and self.request_id != "", "request_id",
                self.request_id, "must be a non-empty string")
         _check(len(self.prompt_token_ids) > 0, "prompt_token_ids", self.prompt_token_ids,
                "the prompt must hold at least one token")
         n = len(self.prompt_token_ids)
-        _check(n <= max_model_len, "prompt_token_ids", f"<{n} tokens>",
+        _check(max_model_len is None or n <= max_model_len, "prompt_token_ids", f"<{n} tokens>",
                f"the prompt is longer than max_model_len={max_model_len}")
         ids = self.prompt_token_ids
         # Fast path (runs for every request in the simulator): plain ints within range.

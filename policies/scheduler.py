@@ -102,16 +102,24 @@ class Scheduler:
         self.block_manager.check_invariants(live)
 
     # ---- requests -------------------------------------------------------------------------
-    def add(self, request: Request, now: float) -> None:
-        """Validate and queue a request (ValueError naming the field on bad input). `now` stamps the
-        `arrived` event; ordering and latency metrics use `request.arrival_time`."""
-        self.check(request)
+    def add(self, request: Request, now: float) -> list[Sequence]:
+        """Validate and queue a request (ValueError naming the field on bad input). A prompt longer
+        than max_model_len can never run: it arrives and ends at once with abort:too_long, in the
+        next update's result (a workload run goes on without it; `LLMEngine.add_request` refuses
+        it unless asked to abort it). `now` stamps the `arrived` event; ordering and latency
+        metrics use `request.arrival_time`. Returns the request's sequences (`sequences()`)."""
+        self.check(request, too_long_ok=True)
         self.lifecycle.arrive(request, now)
+        seqs = self.lifecycle.families[request.request_id]
+        if request.num_prompt_tokens > self.config.max_model_len:
+            self.lifecycle.abort(request, "too_long", now)
+        return seqs
 
-    def check(self, request: Request) -> None:
-        """`add`'s validation alone (fields, n <= max_num_seqs, a new id): ValueError naming the
-        field, nothing queued. The engine checks here before it hands a request over to be added."""
-        request.validate(self.config.max_model_len)
+    def check(self, request: Request, too_long_ok: bool = False) -> None:
+        """`add`'s validation alone (fields, n <= max_num_seqs, a new id; the prompt within
+        max_model_len unless `too_long_ok`): ValueError naming the field, nothing queued. The
+        engine checks here before it hands a request over to be added."""
+        request.validate(None if too_long_ok else self.config.max_model_len)
         n = request.sampling_params.n
         if n > self.config.max_num_seqs:
             raise ValueError(f"n={n} is invalid: a request's samples must fit in one batch, "

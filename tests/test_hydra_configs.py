@@ -52,3 +52,32 @@ def test_unsized_kv_pool_is_derived_from_hardware_memory():
     assert factory.kv_block_counts(compose_with("blocks.kv_cache_gib=1"))[0] == 2**30 // block_bytes
     assert factory.kv_block_counts(compose_with("blocks.num_gpu_blocks=123"))[0] == 123
     assert factory.kv_block_counts(compose_with("blocks.kv_cache_gib=null", "hardware=h100"))[0] < gpu
+
+
+SCHEMA_FILES = [(g, p.stem) for g in ("profile_grid", "fidelity") for p in sorted((CONF / g).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("group, option", OPTIONS + SCHEMA_FILES)
+def test_every_file_matches_its_group_schema(group, option):
+    """experiments/lib/config_schema.py knows every key of every shipped file (else a run fails)."""
+    import yaml
+
+    from experiments.lib.config_schema import GROUPS as SCHEMAS
+    from experiments.lib.config_schema import _check, _Origin, check_fidelity_spec
+    data = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
+    if group == "fidelity":
+        check_fidelity_spec(data, CONF / group / f"{option}.yaml")
+        return
+    schema = SCHEMAS[group](data)
+    assert schema is not None or group == "policy", f"no schema for {group}={option}"
+    if schema is not None:
+        _check(data, schema, group, _Origin("config", None, (), [CONF]))
+
+
+def test_model_schema_is_the_engine_model_config():
+    import dataclasses
+
+    from engine.config import ModelConfig
+    from experiments.lib.config_schema import Model
+    yaml_fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"bos_token_id", "eos_token_id"}
+    assert {f.name for f in dataclasses.fields(Model)} == yaml_fields

@@ -11,7 +11,6 @@ from policies import Request, SamplingParams, SchedulerConfig, SequenceStatus, m
 
 @pytest.mark.parametrize("make, field", [
     (lambda: Request("r", []), "prompt_token_ids"),
-    (lambda: Request("r", list(range(65))), "prompt_token_ids"),  # max_model_len is 64
     (lambda: Request("r", [1, 2], priority=1.5), "priority"),
     (lambda: Request("r", [1, 2], priority="high"), "priority"),
     (lambda: Request("", [1, 2]), "request_id"),
@@ -23,6 +22,23 @@ def test_add_rejects_bad_requests_naming_the_field(make, field):
     with pytest.raises(ValueError, match=field):
         s.add(make(), now=0.0)
     assert not s.has_unfinished() and s.recorder.num_live == 0
+
+
+def test_a_prompt_over_max_model_len_is_aborted_too_long_and_the_others_run():
+    """It can never run: it ends at once (abort:too_long, in the next update) instead of stopping
+    a workload run; the scheduler's check alone still refuses it (the engine API's default)."""
+    s = make_scheduler()  # max_model_len 64
+    s.add(request("a", 4, 3), now=0.0)
+    with pytest.raises(ValueError, match="longer than max_model_len=64"):
+        s.check(request("long", 65, 2))
+    s.add(request("long", 65, 2), now=0.0)
+    s.add(request("b", 4, 3), now=0.0)
+    outs = run_to_end(s)
+    assert [r.request_id for r in outs[0].aborted] == ["long"]  # ends in the first step
+    rows = {row["request_id"]: row for row in s.recorder.requests}
+    assert {k: r["finish_reason"] for k, r in rows.items()} == {
+        "long": "abort:too_long", "a": "length", "b": "length"}
+    assert rows["long"]["status"] == "aborted" and rows["long"]["first_scheduled_time"] is None
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -32,7 +32,7 @@ def one_line(exc: BaseException) -> str:
         cause = exc.__cause__
         if detail is None and cause is not None and str(cause).strip():
             detail = str(cause).strip().splitlines()[0]
-        if detail:
+        if detail and detail not in msg:  # a re-raised error's cause often repeats it
             msg += f" ({detail})"
     return msg
 

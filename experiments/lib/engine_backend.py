@@ -105,7 +105,7 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
             r = requests[next_req]
             engine.add_request(r.request_id, r.prompt_token_ids, params[next_req],
                                arrival_time=r.arrival_time, priority=r.priority,
-                               output_len=stop_lens.get(r.request_id))
+                               output_len=stop_lens.get(r.request_id), abort_too_long=True)
             next_req += 1
         if engine.has_unfinished_requests():
             ended = sum(output.finished for output in engine.step())

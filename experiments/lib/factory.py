@@ -106,9 +106,10 @@ def build_scheduler(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int, r
         policy = make_policy(name, **pol)
     except TypeError as e:
         raise ValueError(f"policy: {e} (keys of conf/policy/{name}.yaml must match the policy's arguments)") from None
-    except ValueError as e:
+    except ValueError as e:  # "<kind> policy=<value> ..." or "<field>=<value> ...": name the config key
         msg = str(e)
-        raise ValueError("policy.name=" + msg[len("policy="):] if msg.startswith("policy=") else f"policy.{msg}") from None
+        head = f"policy={name!r}"
+        raise ValueError(f"policy.name={name!r}{msg.split(head, 1)[1]}" if head in msg else f"policy.{msg}") from None
     s = section(cfg, "scheduler")
     try:
         sched_cfg = SchedulerConfig(**s)

@@ -8,6 +8,7 @@ from typing import Any
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.lib.config_schema import check_fidelity_spec
 from experiments.lib.paths import REPO_ROOT, resolve_path
 
 DEFAULT_SPEC = REPO_ROOT / "conf" / "fidelity" / "default.yaml"
@@ -18,6 +19,7 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     if not Path(path).is_file():
         raise ValueError(f"--spec={str(path)!r} is invalid: no such file")
     spec = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    check_fidelity_spec(spec, path)
     for key in ("common", "engine", "sim", "scenarios"):
         if key not in spec:
             raise ValueError(f"spec {path}: key {key!r} is missing")

@@ -135,7 +135,8 @@ def summary_table(s: Mapping[str, Any]) -> str:
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
     rows = [
-        ("requests (completed / aborted)", f"{s['completed']} / {s['aborted']}"),
+        ("requests (completed / aborted)", f"{s['completed']} / {s['aborted']}"
+         + "".join(f", {n} {reason}" for reason, n in s.get("abort_reasons", {}).items())),
         ("duration (s)", fmt(s["duration_s"], ".2f")),
         ("request throughput (req/s)", fmt(s["request_throughput"], ".2f")),
         ("output throughput (tok/s)", fmt(s["output_throughput"], ".1f")),
@@ -153,7 +154,8 @@ def summary_table(s: Mapping[str, Any]) -> str:
     rows += [
         ("mean batch size", fmt(s["mean_batch_size"], ".1f")),
         ("preemptions (recompute / swap)",
-         f"{s['num_preempted_recompute']} / {s['num_preempted_swap']}"),
+         f"{s['num_preempted_recompute']} / {s['num_preempted_swap']}"
+         + (f" ({s['num_swap_fallbacks']} swaps fell back to recompute)" if s.get("num_swap_fallbacks") else "")),
         ("KV utilisation / waste", f"{fmt(s['kv_utilization'], '.1%')} / {fmt(s['kv_waste'], '.1%')}"),
     ]
     width = max(len(k) for k, _ in rows)

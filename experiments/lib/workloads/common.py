@@ -26,8 +26,8 @@ def get_int(cfg: Mapping[str, Any], key: str, where: str, low: int = 1) -> int:
 
 def get_positive(cfg: Mapping[str, Any], key: str, where: str) -> float:
     v = cfg.get(key)
-    if not is_num(v) or not v > 0:
-        raise ValueError(f"{where}.{key}={v!r} is invalid: must be a number > 0")
+    if not is_num(v) or not 0 < v < float("inf"):
+        raise ValueError(f"{where}.{key}={v!r} is invalid: must be a finite number > 0")
     return float(v)
 
 

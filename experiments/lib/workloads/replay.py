@@ -1,6 +1,6 @@
 """Replay a recorded trace: CSV or JSONL (by extension), one request per row/line.
 
-Fields: `arrival_time` (seconds >= 0, required), `prompt_token_ids` (JSONL: a list of ints; CSV:
+Fields: `arrival_time` (finite seconds >= 0, required), `prompt_token_ids` (JSONL: a list of ints; CSV:
 space-separated ints) or `prompt_len` (then random token ids, seeded), `output_len` (>= 1,
 required), `priority` (int, default 0), `request_id` (default: the row index), `max_tokens`
 (optional cap >= output_len). Rows are sorted by arrival (stable). Config: `path`, optional
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -98,13 +99,14 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
                 t = float(t)
             except ValueError:
                 pass
-        if not is_num(t) or not t >= 0:
-            raise _bad(path, line, "arrival_time", row.get("arrival_time"), "must be a number >= 0")
+        if not is_num(t) or not 0 <= t < math.inf:
+            raise _bad(path, line, "arrival_time", row.get("arrival_time"), "must be a finite number >= 0")
         prompt = _prompt(path, line, row, vocab_size, rng)
         out = _as_int(path, line, row, "output_len", 1)
         prio = _as_int(path, line, row, "priority", -2**31) if row.get("priority") not in (None, "") else 0
         cap = _as_int(path, line, row, "max_tokens", out) if row.get("max_tokens") not in (None, "") else None
-        rid = str(row.get("request_id") or index)
+        rid = row.get("request_id")
+        rid = str(index) if rid is None or rid == "" else str(rid)  # 0 is an id, not a missing one
         if rid in seen:
             raise _bad(path, line, "request_id", rid, "must be unique in the trace")
         seen.add(rid)

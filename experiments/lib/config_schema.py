@@ -1,0 +1,320 @@
+"""The schema of every config group (conf/<group>/*.yaml) and of the top-level files (conf/config.yaml,
+conf/profile.yaml, a fidelity spec): the keys each may hold and their types, as OmegaConf
+structured configs. Hydra catches a mistyped key on the command line but not in a yaml file, where
+it would be silently ignored; `check_config` refuses it with a ValueError naming the file and the key.
+
+Values are checked for type only; ranges and meanings stay with the code that reads them
+(factory, workloads, backends), whose messages name the key too. Where a group has kinds with
+different keys (workload kinds, backends, latency models) the schema is picked by the kind. The
+policy group has no table here: a policy's keys are its constructor's arguments, which
+`factory.build_scheduler` checks against the policy registry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from experiments.lib.paths import REPO_ROOT
+from experiments.lib.profiling.grid import ProfileGrid
+from policies.scheduler_config import SchedulerConfig
+from sim.latency import Hardware
+
+CONF_DIR = REPO_ROOT / "conf"
+
+
+@dataclass
+class LengthDist:
+    dist: str | None = None  # fixed | uniform | lognormal
+    value: int | None = None  # fixed
+    low: int | None = None  # uniform
+    high: int | None = None
+    mean: float | None = None  # lognormal
+    sigma: float | None = None
+    min: int | None = None
+    max: int | None = None
+
+
+@dataclass
+class PriorityClasses:
+    values: list[int] = field(default_factory=list)
+    weights: list[float] | None = None
+
+
+@dataclass
+class SyntheticWorkload:
+    name: str | None = None
+    kind: str = "synthetic"
+    num_requests: int | None = None
+    arrival: str | None = None
+    rate: float | None = None
+    burstiness: float | None = None
+    prompt_len: LengthDist | None = None
+    output_len: LengthDist | None = None
+    max_tokens: int | None = None
+    priority: PriorityClasses | None = None
+    shared_prefix_len: int | None = None
+    vocab_size: int | None = None
+    seed: int | None = None
+
+
+@dataclass
+class NanovllmWorkload:
+    name: str | None = None
+    kind: str = "nanovllm"
+    num_requests: int | None = None
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+    rate: float | None = None
+    seed: int | None = None
+
+
+@dataclass
+class ReplayWorkload:
+    name: str | None = None
+    kind: str = "replay"
+    path: str | None = None
+    num_requests: int | None = None
+    time_scale: float | None = None
+    rate: float | None = None
+    seed: int | None = None
+
+
+@dataclass
+class Blocks:
+    kind: str | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    kv_cache_gib: float | None = None
+    gpu_memory_utilization: float | None = None
+    num_cpu_blocks: int | None = None
+    swap_space_gib: float | None = None
+    watermark: float | None = None
+
+
+@dataclass
+class SimBackend:
+    name: str = "sim"
+    fast_forward: bool = True
+
+
+@dataclass
+class EngineBackend:
+    name: str = "engine"
+    device: str | None = None
+    dtype: str | None = None
+    weights: str | None = None
+    enforce_eager: bool = False
+    decode_kernel: str | None = None
+
+
+@dataclass
+class RooflineLatency:
+    name: str = "roofline"
+
+
+@dataclass
+class ProfiledLatency:
+    name: str = "profiled"
+    path: str | None = None
+
+
+@dataclass
+class Model:
+    """conf/model/*.yaml: engine.config.ModelConfig's yaml fields (that module imports torch)."""
+
+    name: str | None = None
+    architecture: str | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None
+    max_position_embeddings: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float | None = None
+    tie_word_embeddings: bool | None = None
+    attention_bias: bool | None = None
+    dtype: str | None = None
+    weights: str | None = None
+
+
+@dataclass
+class Slo:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2el_s: float | None = None
+
+
+@dataclass
+class Scenario:
+    overrides: list[str] = field(default_factory=list)
+    load: float | None = None
+
+
+@dataclass
+class FidelitySpec:
+    common: list[str] = field(default_factory=list)
+    engine: list[str] = field(default_factory=list)
+    sim: list[str] = field(default_factory=list)
+    warmup: list[str] = field(default_factory=list)
+    capacity: str | None = None
+    scenarios: dict[str, Scenario] = field(default_factory=dict)
+    ab: list[Any] = field(default_factory=list)
+
+
+def _by(key: str, kinds: Mapping[str, type]) -> Callable[[Mapping], type | None]:
+    """The schema of a group whose kinds differ (None for an unknown kind: its reader says so)."""
+    return lambda section: kinds.get(section.get(key))
+
+
+GROUPS: dict[str, Callable[[Mapping], type | None]] = {
+    "workload": _by("kind", {"synthetic": SyntheticWorkload, "nanovllm": NanovllmWorkload,
+                             "replay": ReplayWorkload}),
+    "blocks": lambda _: Blocks,
+    "backend": _by("name", {"sim": SimBackend, "engine": EngineBackend}),
+    "latency": _by("name", {"roofline": RooflineLatency, "profiled": ProfiledLatency}),
+    "hardware": lambda _: Hardware,
+    "model": lambda _: Model,
+    "policy": lambda _: None,  # the policy's constructor arguments (module docstring)
+    "profile_grid": lambda _: ProfileGrid,
+}
+# The top-level files: their own keys' schemas (None: any value) and the groups they compose.
+RUN_KEYS: dict[str, type | None] = {"seed": int, "scheduler": SchedulerConfig, "slo": Slo, "progress": bool,
+                                    "plots": bool}
+PROFILE_KEYS: dict[str, type | None] = {
+    "device": str | None, "gpu": str | None, "dtype": str | None, "block_size": int,
+    "max_num_batched_tokens": int, "max_num_seqs": int, "max_model_len": int, "enforce_eager": bool,
+    "decode_kernel": str, "async_scheduling": bool, "warmup": int, "repeats": int, "passes": int,
+    "host_repeats": int, "seed": int, "progress": bool, "out": str | None, "calibrate": bool,
+    "calibrated_out": str | None}
+
+
+def check_config(cfg: Mapping[str, Any], top: str = "config", choices: Mapping[str, str] | None = None,
+                 overrides: Sequence[str] = (), search: Sequence[Path] = ()) -> None:
+    """Refuse an unknown or mistyped key anywhere in a composed config (`top`: the file it was
+    composed from, "config" or "profile"). `choices` (Hydra's runtime choices: group -> file name),
+    `overrides` (the command line) and `search` (config directories besides conf/) tell where a key
+    came from; without them the group's files holding the key are named."""
+    data = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
+    own = RUN_KEYS if top == "config" else PROFILE_KEYS
+    origin = _Origin(top, choices, overrides, [*search, CONF_DIR])
+    for key, value in data.items():
+        if key in GROUPS:
+            schema = GROUPS[key](value) if isinstance(value, Mapping) else None
+            if schema is not None:
+                _check(value, schema, key, origin)
+        elif key not in own:
+            raise ValueError(f"{origin.where(None, [key])}: key {key} is unknown: allowed are "
+                             f"{sorted([*own, *(g for g in GROUPS if g in data)])}")
+        elif dataclasses.is_dataclass(own[key]) and isinstance(value, Mapping):
+            _check(value, own[key], key, origin)
+        elif own[key] is not None:
+            _check_value(value, own[key], key, origin)
+
+
+def hydra_origin() -> tuple[dict[str, str] | None, list[str], list[Path]]:
+    """(choices, command-line overrides, config directories) of the running Hydra app, or nothing
+    outside one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None, [], []
+    hc = HydraConfig.get()
+    dirs = [Path(src.path) for src in hc.runtime.config_sources if src.schema == "file"]
+    return {k: str(v) for k, v in hc.runtime.choices.items()}, list(hc.overrides.task), dirs
+
+
+def check_fidelity_spec(spec: Mapping[str, Any], path: Path | str) -> None:
+    _check(spec, FidelitySpec, None, _Origin(None, None, (), [], file=str(path)))
+
+
+@dataclass(slots=True)
+class _Origin:
+    top: str | None
+    choices: Mapping[str, str] | None
+    overrides: Sequence[str]
+    dirs: Sequence[Path]  # config directories, searched in order
+    file: str | None = None
+
+    def where(self, group: str | None, path: list[str]) -> str:
+        """The file (or the command line) a key at `group.path` came from."""
+        if self.file is not None:
+            return self.file
+        dotted = ".".join([*([group] if group else []), *path])
+        typed = [o for o in self.overrides if o.lstrip("+~").split("=")[0] == dotted]
+        if typed:
+            return f"the command line ({typed[0]})"
+        if group is None:
+            return _rel(CONF_DIR / f"{self.top}.yaml")
+        choice = (self.choices or {}).get(group)
+        for d in self.dirs:
+            if (d / group / f"{choice}.yaml").is_file() and _holds(d / group / f"{choice}.yaml", path):
+                return _rel(d / group / f"{choice}.yaml")
+        holding = [p for d in self.dirs for p in sorted((d / group).glob("*.yaml")) if _holds(p, path)]
+        return ", ".join(_rel(p) for p in holding) or f"the {group} config"
+
+
+def _check(section: Mapping[str, Any], schema: type, group: str | None, origin: _Origin,
+           path: tuple[str, ...] = ()) -> None:
+    hints = typing.get_type_hints(schema)
+    for key, value in section.items():
+        at = [*path, str(key)]
+        if key not in hints or key not in {f.name for f in dataclasses.fields(schema)}:
+            dotted = ".".join([*([group] if group else []), *at])
+            names = sorted(f.name for f in dataclasses.fields(schema))
+            raise ValueError(f"{origin.where(group, at)}: key {dotted} is unknown: allowed are {names}")
+        inner = _strip_optional(hints[key])
+        if dataclasses.is_dataclass(inner) and isinstance(value, Mapping):
+            _check(value, inner, group, origin, tuple(at))
+        elif typing.get_origin(inner) is dict and isinstance(value, Mapping):
+            item = typing.get_args(inner)[1]
+            if dataclasses.is_dataclass(item):
+                for name, entry in value.items():
+                    if isinstance(entry, Mapping):
+                        _check(entry, item, group, origin, (*at, str(name)))
+    try:
+        OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(dict(section)))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        dotted = ".".join(p for p in [group, *path, key] if p)
+        raise ValueError(f"{origin.where(group, [*path, *key.split('.')])}: {dotted} is invalid: "
+                         f"{str(e).splitlines()[0]}") from None
+
+
+def _check_value(value: Any, kind: Any, key: str, origin: _Origin) -> None:
+    _check({key: value}, dataclasses.make_dataclass("Value", [(key, kind)]), None, origin)
+
+
+def _strip_optional(annotation: Any) -> Any:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def _holds(path: Path, keys: list[str]) -> bool:
+    node: Any = yaml.safe_load(path.read_text()) or {}
+    for key in keys:
+        if not isinstance(node, Mapping) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
