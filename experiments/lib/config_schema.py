@@ -117,6 +117,16 @@ class EngineBackend:
 
 
 @dataclass
+class ServerBackend:
+    name: str = "server"
+    url: str | None = None
+    model: str | None = None
+    max_concurrency: int | None = None
+    max_request_rate: float | None = None
+    timeout_s: float | None = None
+
+
+@dataclass
 class RooflineLatency:
     name: str = "roofline"
 
@@ -183,7 +193,7 @@ GROUPS: dict[str, Callable[[Mapping], type | None]] = {
     "workload": _by("kind", {"synthetic": SyntheticWorkload, "nanovllm": NanovllmWorkload,
                              "replay": ReplayWorkload}),
     "blocks": lambda _: Blocks,
-    "backend": _by("name", {"sim": SimBackend, "engine": EngineBackend}),
+    "backend": _by("name", {"sim": SimBackend, "engine": EngineBackend, "server": ServerBackend}),
     "latency": _by("name", {"roofline": RooflineLatency, "profiled": ProfiledLatency}),
     "hardware": lambda _: Hardware,
     "model": lambda _: Model,
