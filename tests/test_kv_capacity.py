@@ -6,13 +6,14 @@ import pytest
 from engine_helpers import save_tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 from scheduler_helpers import make_scheduler, request, run_to_end
 
 from engine import EngineArgs, LLMEngine, SamplingParams
 from policies.blocks.base import fits_idle_pool
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(block_size=st.sampled_from([1, 4, 16]), max_model_len=st.integers(8, 300),
        watermark=st.sampled_from([0.0, 0.01, 0.1, 0.3]), extra_blocks=st.integers(-2, 2),
        blocks=st.sampled_from(["paged", "prefix", "contiguous"]))
