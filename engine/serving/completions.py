@@ -27,8 +27,9 @@ from engine.serving.protocol import (
     CompletionResponse,
     random_id,
 )
-from engine.serving.sse import DONE, event, frame
+from engine.serving.sse import DONE, event
 
+_json_str = json.encoder.encode_basestring_ascii  # a str as a JSON string literal (C, as json.dumps)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -102,18 +103,25 @@ async def _whole(ctx: Any, req: CompletionRequest, gen: Generation, base_id: str
 
 async def _stream(ctx: Any, req: CompletionRequest, gen: Generation, base_id: str):
     n, created = req.n, ctx.created()
-    # Every chunk shares its head: only the choices are serialized per chunk (hot path).
-    head = ('{"id":' + json.dumps(base_id) + ',"object":"text_completion","created":' + str(created)
-            + ',"model":' + json.dumps(req.model) + ',"choices":')
+    # Every chunk shares its head: only the choices are serialized per chunk (the hot path: one
+    # chunk per running request per step). A plain text delta is formatted directly.
+    head = ('data: {"id":' + json.dumps(base_id) + ',"object":"text_completion","created":' + str(created)
+            + ',"model":' + json.dumps(req.model) + ',"choices":[')
+    plain = req.logprobs is None and not req.return_token_ids and not _continuous_usage(req)
     offsets: dict[int, int] = {}
     completion_tokens = 0
     try:
         async for i, out in gen.outputs():
-            choices = []
+            parts = []
             for c in out.outputs:
                 if not c.token_ids and not c.text and c.finish_reason is None:
                     continue
+                completion_tokens += len(c.token_ids)
                 index = i * n + c.index
+                if plain and c.finish_reason is None:
+                    parts.append(f'{{"index":{index},"text":{_json_str(c.text)},"logprobs":null,'
+                                 '"finish_reason":null}')
+                    continue
                 choice: dict[str, Any] = {"index": index, "text": c.text, "logprobs": None,
                                           "finish_reason": finish_reason(c.finish_reason)}
                 if c.finish_reason is not None:
@@ -124,10 +132,9 @@ async def _stream(ctx: Any, req: CompletionRequest, gen: Generation, base_id: st
                     choice["logprobs"] = lp.model_dump()
                 if req.return_token_ids:
                     choice["token_ids"] = c.token_ids
-                completion_tokens += len(c.token_ids)
-                choices.append(choice)
-            if choices:
-                yield frame(head + json.dumps(choices) + _usage_tail(req, gen, completion_tokens) + "}")
+                parts.append(json.dumps(choice))
+            if parts:
+                yield head + ",".join(parts) + "]" + _usage_tail(req, gen, completion_tokens) + "}\n\n"
     except Exception as exc:  # noqa: BLE001 (the status line is sent: the error goes into the stream)
         err = engine_errors(exc) or APIError(500, f"generation failed: {exc}")
         yield event(err.body())
@@ -138,7 +145,11 @@ async def _stream(ctx: Any, req: CompletionRequest, gen: Generation, base_id: st
     yield DONE
 
 
+def _continuous_usage(req: CompletionRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.continuous_usage_stats
+
+
 def _usage_tail(req: CompletionRequest, gen: Generation, completion_tokens: int) -> str:
-    if req.stream_options is None or not req.stream_options.continuous_usage_stats:
+    if not _continuous_usage(req):
         return ""
     return ',"usage":' + usage(gen.num_prompt_tokens, completion_tokens).model_dump_json()

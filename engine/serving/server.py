@@ -7,7 +7,6 @@ OpenAI base URL); `stop()` (or leaving the `with` block) shuts it down.
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -26,8 +25,7 @@ def uvicorn_config(app, host: str = LOOPBACK, port: int = 8000, log_level: str =
 class ServerThread:
     def __init__(self, app, host: str = LOOPBACK, port: int = 0, log_level: str = "warning",
                  start_timeout_s: float = 30.0) -> None:
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
-        self.server.install_signal_handlers = lambda: None  # not the main thread
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level))  # no signal handlers off the main thread
         self._error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="uvicorn", daemon=True)
         self.thread.start()
@@ -43,7 +41,7 @@ class ServerThread:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self.server.serve())
+            self.server.run()  # uvicorn's event loop (uvloop when installed)
         except BaseException as exc:  # noqa: BLE001 (reported to the starting thread)
             self._error = exc
 
