@@ -184,7 +184,9 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
             sync_t = period[(s.num_decode_seqs, s.context_per_decode)]
             t = ahead_period[(s.num_decode_seqs, s.context_per_decode)] if ahead else sync_t
         else:
-            sync_t = f + host[(s.num_prefill_tokens, s.num_decode_seqs)]
+            # a measured overhead near zero can come out negative (timing noise): a step is never
+            # faster than its forward pass
+            sync_t = f + max(0.0, host[(s.num_prefill_tokens, s.num_decode_seqs)])
             t = pipelined[key] if ahead else sync_t  # async: the pipelined period (host work overlapped)
         rows.append({"kind": "step", "num_prefill_tokens": s.num_prefill_tokens,
                      "num_decode_seqs": s.num_decode_seqs, "num_context_tokens": s.num_context_tokens,
