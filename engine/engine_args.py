@@ -39,6 +39,10 @@ class EngineArgs:
     enforce_eager: bool = False  # True: no CUDA graphs
     decode_kernel: str = DEFAULT_DECODE_KERNEL  # Triton decode attention: "packed", "per-head" or "tma" (engine/attention.py)
     seed: int = 0
+    # Tensor parallelism (docs/parallelism.md): shard the model over this many GPUs (processes on
+    # CPU), rank 0 in this process and workers spawned by the engine; 1 is the single-process path.
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0  # a worker silent this long in a step is reported hung
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig) and (not isinstance(self.model, str) or not self.model):
@@ -58,6 +62,12 @@ class EngineArgs:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
                                                or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} is invalid: None or an integer >= 2")
+        if (isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int)
+                or self.tensor_parallel_size < 1):
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} is invalid: must be an integer >= 1")
+        if isinstance(self.distributed_timeout_s, bool) or not (isinstance(self.distributed_timeout_s, (int, float))
+                                                                and self.distributed_timeout_s > 0):
+            raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} is invalid: must be a number > 0")
         if self.device is not None and self.device.split(":")[0] not in ("cuda", "cpu"):
             raise ValueError(f"device={self.device!r} is invalid: 'cuda', 'cuda:<i>' or 'cpu'")
 

@@ -136,12 +136,16 @@ class BatchBuilder:
         max_q = max(plan.prefill_lens, default=0)
         if buffers is not self.buffers or not cache:
             return _model_input(buffers.device_views(shape), shape, max_q)
-        key = (shape, max_q)
+        return self.views(shape, max_q)
+
+    def views(self, shape: BatchShape, max_seqlen_q: int) -> ModelInput:
+        """The device views of `shape`'s fields in the buffers, kept per (shape, max_seqlen_q)."""
+        key = (shape, max_seqlen_q)
         views = self._views.get(key)
         if views is None:
             if len(self._views) >= 256:
                 self._views.clear()
-            views = self._views[key] = _model_input(self.buffers.device_views(shape), shape, max_q)
+            views = self._views[key] = _model_input(self.buffers.device_views(shape), shape, max_seqlen_q)
         return views
 
     def fill(self, v: dict[str, np.ndarray], plan: StepPlan, temperatures: list[float] | None) -> None:

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 from engine.detokenizer import Detokenizer
 from engine.engine_args import EngineArgs
@@ -77,11 +78,7 @@ class LLMEngine:
         self.args = args
         self.model_config = args.model_config()
         self.max_model_len = args.resolve_max_model_len(self.model_config)
-        self.runner = runner if runner is not None else ModelRunner(
-            self.model_config, args.cache_config(), max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-            device=args.resolve_device(), dtype=args.dtype, enforce_eager=args.enforce_eager, seed=args.seed,
-            decode_kernel=args.decode_kernel)
+        self.runner = runner if runner is not None else _build_runner(args, self.model_config, self.max_model_len)
         self.vocab_size = self.runner.vocab_size
         self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(self.model_config.weights))
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -225,6 +222,18 @@ class LLMEngine:
                 self._admit(entry)
                 self._pending.discard(entry.request.request_id)
 
+    def close(self) -> None:
+        """Free the model and KV cache, and end the tensor-parallel workers; no step after this."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def has_unfinished_requests(self) -> bool:
         with self._inbox_lock:
             return bool(self._live or self._pending)
@@ -283,6 +292,18 @@ class LLMEngine:
         if nxt is not None and not nxt.is_empty:
             self._in_flight = (nxt, runner.launch(nxt, after=launched))
         return out, runner.collect(launched)
+
+
+def _build_runner(args: EngineArgs, model_config, max_model_len: int) -> ModelRunner:
+    kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+              "max_model_len": max_model_len, "device": args.resolve_device(), "dtype": args.dtype,
+              "enforce_eager": args.enforce_eager, "seed": args.seed, "decode_kernel": args.decode_kernel}
+    if args.tensor_parallel_size == 1:
+        return ModelRunner(model_config, args.cache_config(), **kwargs)
+    from engine.distributed.driver import TPModelRunner
+
+    return TPModelRunner(model_config, args.cache_config(), tensor_parallel_size=args.tensor_parallel_size,
+                         timeout_s=args.distributed_timeout_s, **kwargs)
 
 
 def _tokenizer_source(weights: str) -> str | None:

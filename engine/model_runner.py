@@ -24,8 +24,11 @@ from engine.attention import DEFAULT_DECODE_KERNEL, attention_ops
 from engine.batch_layout import BatchShape
 from engine.config import DTYPES, CacheConfig, ModelConfig
 from engine.cuda_graph import StepGraphs
-from engine.input_batch import BatchBuilder, StepPlan
+from engine.distributed.parallel_state import TPGroup
+from engine.distributed.sharding import TPShard
+from engine.input_batch import BatchBuilder, ModelInput, StepPlan
 from engine.kv_cache import KVCache, block_bytes, num_cpu_blocks
+from engine.models.parallel_layers import TPContext
 from engine.sampler import Sampler, SampleResult, sample_with_temperatures
 from engine.token_feedback import Feedback, Launched, TokenFeedback
 from engine.weights import build_model
@@ -43,12 +46,19 @@ CPU_KV_CACHE_GIB = 4.0
 
 
 class ModelRunner:
+    """`tp`: this process is one rank of a tensor-parallel group; it builds that rank's shard and a
+    KV cache of its heads, with the block count every rank can hold (engine/distributed/)."""
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                  enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
-                 compile_model: bool | None = None, decode_kernel: str = DEFAULT_DECODE_KERNEL) -> None:
+                 compile_model: bool | None = None, decode_kernel: str = DEFAULT_DECODE_KERNEL,
+                 tp: TPGroup | None = None) -> None:
         self.model_config = model_config
+        shard = None if tp is None else TPShard.of(model_config, tp.rank, tp.size)
+        # The model as this process holds it: its heads (the KV cache, its blocks, the kernels' tiles).
+        self.local_config = model_config if shard is None else shard.local_config(model_config)
         self.cache_config = cache_config
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -65,25 +75,29 @@ class ModelRunner:
         if compile_model is None:  # vLLM's convention: enforce_eager turns off compilation too
             compile_model = self.device.type == "cuda" and not enforce_eager
         self.model = build_model(model_config, self.ops, self.device, self.dtype,
-                                 max_positions=max_model_len, seed=seed, compile=compile_model)
+                                 max_positions=max_model_len, seed=seed, compile=compile_model,
+                                 tp=None if tp is None else TPContext(shard, tp))
         self.sampler = Sampler(self.device)
         width = cache_config.blocks_per_seq(max_model_len)
-        tokens = tokens_per_tile(model_config.num_attention_heads, model_config.num_key_value_heads)
+        tokens = tokens_per_tile(self.local_config.num_attention_heads, self.local_config.num_key_value_heads)
         capacity = BatchShape(max_num_batched_tokens, max_num_seqs, max_num_seqs, max_num_seqs, width,
                               max_tiles(max_num_batched_tokens, max_num_seqs, tokens))
         self.batch = BatchBuilder(self.block_size, capacity, self.device, tokens)
         self.feedback = TokenFeedback(max_num_seqs, self.device)
         self.graphs: StepGraphs | None = None
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._profile_num_gpu_blocks()
-        self.num_cpu_blocks = num_cpu_blocks(cache_config.swap_space, model_config, self.block_size,
+        self.num_cpu_blocks = num_cpu_blocks(cache_config.swap_space, self.local_config, self.block_size,
                                              self.dtype)
+        if tp is not None:  # one block table serves every rank
+            self.num_gpu_blocks = tp.min_int(self.num_gpu_blocks)
+            self.num_cpu_blocks = tp.min_int(self.num_cpu_blocks)
         if not fits_idle_pool(max_model_len, self.block_size, self.num_gpu_blocks):  # admission's rule
             raise ValueError(
                 f"KV cache too small: one max_model_len={max_model_len} request needs {width} blocks "
                 f"of {self.block_size} tokens, but only {self.num_gpu_blocks} fit (gpu_memory_utilization="
                 f"{cache_config.gpu_memory_utilization}, num_gpu_blocks={cache_config.num_gpu_blocks}); "
                 "lower max_model_len or give the cache more memory (on CPU: set num_gpu_blocks)")
-        self.kv_cache = KVCache(model_config, self.block_size, self.num_gpu_blocks, self.num_cpu_blocks,
+        self.kv_cache = KVCache(self.local_config, self.block_size, self.num_gpu_blocks, self.num_cpu_blocks,
                                 self.device, self.dtype, self.ops)
         self.model.bind_kv_cache(self.kv_cache.k_caches, self.kv_cache.v_caches)
         if self.device.type == "cuda" and not enforce_eager:
@@ -128,6 +142,12 @@ class ModelRunner:
             launched.results = {s.seq.seq_id: SampleResult([t]) for s, t in zip(launched.plan.sampled, tokens)}
         return launched.results
 
+    def close(self) -> None:
+        """Drop the model, KV cache and graphs (their device memory is freed once unreferenced)."""
+        self.model = self.kv_cache = self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def release(self, seq_ids) -> None:
         """Forget per-sequence state (seeded generators) of finished sequences."""
         self.sampler.release(seq_ids)
@@ -135,21 +155,31 @@ class ModelRunner:
     def _forward(self, plan: StepPlan, temperatures: list[float] | None, feedback: Feedback | None = None):
         """-> (logits of the sampled rows, padded or not; the step's ModelInput)."""
         shape = self.graphs.shape_for(plan) if self.graphs is not None else None
-        if shape is not None:
-            self.batch.write(plan, shape, temperatures)
-            if feedback is not None:
-                self.feedback.apply(feedback, self.graphs.inputs[shape].input_ids)
-            return self.graphs.run(shape), self.graphs.inputs[shape]
-        inputs = self.batch.prepare(plan, plan.shape(), temperatures)
+        inputs = self._write_inputs(plan, shape, temperatures)
         if feedback is not None:
             self.feedback.apply(feedback, inputs.input_ids)
+        return self.forward_inputs(shape, inputs, bool(plan.sampled)), inputs
+
+    def _write_inputs(self, plan: StepPlan, shape: BatchShape | None,
+                      temperatures: list[float] | None) -> ModelInput:
+        """Write the step's inputs, padded to the graph's `shape` (None: eager, exact shape)."""
+        if shape is not None:
+            self.batch.write(plan, shape, temperatures)
+            return self.graphs.inputs[shape]
+        return self.batch.prepare(plan, plan.shape(), temperatures)
+
+    def forward_inputs(self, shape: BatchShape | None, inputs: ModelInput, sampled: bool) -> torch.Tensor | None:
+        """The forward and the logits of the sampled rows (if `sampled`): a replay of `shape`'s
+        graph, or eager."""
+        if shape is not None:
+            return self.graphs.run(shape)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if not plan.sampled:
-            return None, inputs
-        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs
+        if not sampled:
+            return None
+        return self.model.compute_logits(hidden[inputs.sample_rows])
 
     def _default_cpu_blocks(self) -> int:
-        per_block = block_bytes(self.model_config, self.block_size, self.dtype)
+        per_block = block_bytes(self.local_config, self.block_size, self.dtype)
         needed = self.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
         blocks = max(1, min(needed, int(CPU_KV_CACHE_GIB * 2**30) // per_block))
         logger.warning("KV cache on CPU: num_gpu_blocks not set, so %d blocks of %d tokens (%.2f GiB; "
@@ -169,8 +199,8 @@ class ModelRunner:
         num_seqs = max(1, min(self.max_num_seqs, num_tokens))
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         temp_blocks = sum(math.ceil(n / self.block_size) for n in lens)
-        temp = KVCache(self.model_config, self.block_size, temp_blocks, 0, self.device, self.dtype, self.ops)
-        temp_bytes = temp_blocks * block_bytes(self.model_config, self.block_size, self.dtype)
+        temp = KVCache(self.local_config, self.block_size, temp_blocks, 0, self.device, self.dtype, self.ops)
+        temp_bytes = temp_blocks * block_bytes(self.local_config, self.block_size, self.dtype)
         self.model.bind_kv_cache(temp.k_caches, temp.v_caches)
         # The full sampler's worst case: every filter, logprobs and penalties (token count tables).
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=5,
@@ -193,7 +223,7 @@ class ModelRunner:
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         budget = total * self.cache_config.gpu_memory_utilization - non_torch - peak
         torch.cuda.empty_cache()
-        return max(0, int(budget // block_bytes(self.model_config, self.block_size, self.dtype)))
+        return max(0, int(budget // block_bytes(self.local_config, self.block_size, self.dtype)))
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:

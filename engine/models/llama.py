@@ -18,6 +18,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
 from engine.models.ops import fused_ops, rope_rows
+from engine.models.parallel_layers import TPContext, embedding, gather_logits, row_linear
 from engine.models.registry import register_model
 from engine.models.rope import RotaryEmbedding
 
@@ -39,14 +40,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, fns: SimpleNamespace) -> None:
+    """`cfg`: the rank's local config under tensor parallelism (its heads), else the model's."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, fns: SimpleNamespace,
+                 tp: TPContext | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = row_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, tp)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, fns)
@@ -69,10 +73,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fns: SimpleNamespace) -> None:
+    def __init__(self, cfg: ModelConfig, fns: SimpleNamespace, tp: TPContext | None = None) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, False, tp)
         self.fns = fns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,12 +84,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, fns: SimpleNamespace) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, fns: SimpleNamespace,
+                 tp: TPContext | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, fns)
-        self.self_attn = Attention(cfg, layer_idx, ops, fns)
+        self.self_attn = Attention(cfg, layer_idx, ops, fns, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, fns)
-        self.mlp = MLP(cfg, fns)
+        self.mlp = MLP(cfg, fns, tp)
 
     def forward(self, rope: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,21 +107,24 @@ class DecoderLayer(nn.Module):
 @register_model("llama", "qwen2", "qwen3")
 class LlamaForCausalLM(nn.Module):
     """`ops`: the attention kernels module (`kernels` or `kernels.reference`); `compile`: wrap the
-    elementwise pieces in torch.compile (GPU)."""
+    elementwise pieces in torch.compile (GPU); `tp`: the layers of one tensor-parallel rank's shard
+    (built as `ShardedLlamaForCausalLM`, the class's `sharded`)."""
 
     def __init__(self, cfg: ModelConfig, ops: ModuleType, max_positions: int | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, tp: TPContext | None = None) -> None:
         super().__init__()
         self.config = cfg
+        local = cfg if tp is None else tp.shard.local_config(cfg)
         fns = fused_ops(compile, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, fns)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(local, i, ops, fns, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, fns)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            vocab = cfg.vocab_size if tp is None else tp.shard.vocab
+            self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -143,3 +151,20 @@ class LlamaForCausalLM(nn.Module):
         if out is None:
             return F.linear(hidden, self.lm_head_weight)
         return torch.mm(hidden, self.lm_head_weight.t(), out=out)
+
+
+class ShardedLlamaForCausalLM(LlamaForCausalLM):
+    """One tensor-parallel rank's shard: the forward all-reduces inside its row-parallel layers and
+    embedding; `compute_logits` gathers every rank's vocabulary columns (all ranks get them; the
+    sampler runs on rank 0)."""
+
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, max_positions: int | None = None,
+                 compile: bool = False, *, tp: TPContext) -> None:
+        super().__init__(cfg, ops, max_positions, compile, tp)
+        self.tp = tp
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return gather_logits(F.linear(hidden, self.lm_head_weight), self.tp.group, self.config.vocab_size, out)
+
+
+LlamaForCausalLM.sharded = ShardedLlamaForCausalLM  # what `build_model` builds for one tensor-parallel rank

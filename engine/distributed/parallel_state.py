@@ -1,0 +1,95 @@
+"""The tensor-parallel process group of one engine: rank 0 (the engine's process) and workers
+1..N-1, over torch.distributed.
+
+Two groups: the device group (NCCL on GPUs, gloo on CPUs) carries the model's all-reduces and the
+logits gather; the host group (gloo) carries each step's message from rank 0 (its header and the
+packed input bytes, `engine.distributed.step_message`). On CPUs one gloo group serves both.
+
+Ranks meet at a `TCPStore` that rank 0 opens on a free port of 127.0.0.1 (no port guessing). The
+groups are torch.distributed's default group, so one process holds at most one tensor-parallel
+engine at a time (as in vLLM); `destroy` ends them.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# all_gather_into_tensor's new name (torch >= 2.12); the same collective.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(slots=True)
+class TPGroup:
+    rank: int
+    size: int
+    device_group: dist.ProcessGroup
+    host_group: dist.ProcessGroup
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place (on the device's stream: capturable in a CUDA graph)."""
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, C] on each rank -> [R, size * C]: rank r's block in columns [r C, (r + 1) C)."""
+        rows, cols = x.shape
+        out = torch.empty(self.size * rows, cols, dtype=x.dtype, device=x.device)
+        _all_gather(out, x.contiguous(), group=self.device_group)
+        return out.view(self.size, rows, cols).permute(1, 0, 2).reshape(rows, self.size * cols)
+
+    def min_int(self, value: int) -> int:
+        """The smallest `value` over the ranks (each rank's KV block count, for one block table)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.host_group)
+        return int(t.item())
+
+    def set_timeout(self, seconds: float) -> None:
+        """How long a collective waits for a missing rank before it raises."""
+        timeout = datetime.timedelta(seconds=seconds)
+        for group in {id(self.device_group): self.device_group, id(self.host_group): self.host_group}.values():
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def open_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port (its `.port` goes to the workers)."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def init_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> TPGroup:
+    """Join the engine's group (every rank calls this; it returns once all have)."""
+    if dist.is_initialized():
+        raise RuntimeError(f"rank {rank}: this process's torch.distributed default group is already initialized")
+    if device.type == "cuda":
+        # Abort the communicators and raise on a failed or timed-out collective instead of tearing
+        # down the process: rank 0 is the user's process and reports the fault.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
+    device_group = dist.group.WORLD
+    host_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    return TPGroup(rank, size, device_group, host_group)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort(group: TPGroup) -> None:
+    """Abort the device group's pending collectives (a worker died: they would never finish)."""
+    try:
+        dist.distributed_c10d._abort_process_group(group.device_group)
+    except (RuntimeError, AttributeError, ValueError):  # gloo, or a torch without abort: nothing pending to free
+        pass

@@ -1,0 +1,81 @@
+"""A tensor-parallel worker: one process per rank 1..N-1, spawned by rank 0 (`engine.distributed.driver`).
+
+It joins the group, builds its `ModelRunner` (its shard, its KV cache, its CUDA graphs: every rank
+captures the same graphs in the same order, collectives included), reports "ready" (or its error)
+down its pipe, then serves steps until rank 0 says stop or is gone: each step applies the cache
+operations of the header, receives the input bytes and runs the same forward as rank 0 (a graph
+replay or eager), whose all-reduces and logits gather pair with rank 0's. It never samples.
+
+It ends on its own when rank 0's process ends: the pipe reads end of file, and a watchdog thread
+exits the process if rank 0 dies while this one waits inside a collective.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from engine.distributed.parallel_state import destroy, init_group, join_store
+from engine.distributed.step_message import StepHeader, broadcast_inputs
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watchdog", daemon=True).start()
+
+
+def worker_main(rank: int, size: int, port: int, device: str, runner_kwargs: dict[str, Any],
+                startup_s: float, timeout_s: float, conn: Connection) -> None:
+    """`startup_s`: the collectives' deadline while ranks start; `timeout_s`: while serving steps."""
+    _exit_with_parent()
+    from engine.model_runner import ModelRunner
+
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        group = init_group(join_store(port, size, startup_s), rank, size, dev, startup_s)
+        runner = ModelRunner(**runner_kwargs, device=dev, tp=group)
+        group.set_timeout(timeout_s)
+        conn.send(("ready", os.getpid()))
+        serve(runner, group.device_group, conn)
+    except BaseException as e:  # noqa: BLE001 (reported to rank 0, which raises it with context)
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+        except OSError:
+            pass
+        os._exit(1)
+    destroy()
+
+
+@torch.no_grad()
+def serve(runner, device_group, conn: Connection) -> None:
+    while True:
+        try:
+            header = StepHeader.decode(conn.recv_bytes())
+        except EOFError:  # rank 0 is gone
+            return
+        if header.stop:
+            return
+        runner.kv_cache.apply(header.swap_out, header.swap_in, header.copy)
+        shape = header.shape
+        if shape is None:
+            continue
+        if header.graph:
+            inputs = runner.graphs.inputs[shape]
+        else:
+            inputs = runner.batch.views(shape, header.max_seqlen_q)
+        broadcast_inputs(runner.batch.buffers, shape, device_group)
+        runner.forward_inputs(shape if header.graph else None, inputs, shape.num_sample_rows > 0)

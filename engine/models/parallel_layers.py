@@ -1,0 +1,78 @@
+"""Layers of a tensor-parallel model shard (`engine.distributed.sharding` says what each rank holds).
+
+Column-parallel layers are plain `nn.Linear`s of the rank's output columns (q/k/v, gate/up, the
+LM head): nothing to communicate. `RowParallelLinear` (o_proj, down_proj) multiplies the rank's
+input columns and all-reduces the partial sums, adding the bias once after the sum.
+`VocabParallelEmbedding` looks up the rank's vocabulary rows (zero for other ids) and all-reduces.
+`gather_logits` puts the ranks' vocabulary columns side by side and drops the padding.
+
+The factories `row_linear` and `embedding` return the single-GPU modules when `tp` is None, so a
+model built without tensor parallelism is exactly the one it was before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed.parallel_state import TPGroup
+from engine.distributed.sharding import TPShard
+
+
+@dataclass(slots=True, frozen=True)
+class TPContext:
+    """What a model shard needs: which part it holds, and the group it sums and gathers over."""
+
+    shard: TPShard
+    group: TPGroup
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b, with x_r and W_r this rank's input columns."""
+
+    def __init__(self, local_in: int, out_features: int, bias: bool, group: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, local_in))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, shard: TPShard, hidden_size: int, group: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(shard.vocab, hidden_size))
+        self.start, self.end = shard.vocab_start, shard.vocab_start + shard.vocab
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = torch.where(outside, 0, ids - self.start)
+        x = F.embedding(local, self.weight).masked_fill_(outside[:, None], 0)
+        return self.group.all_reduce(x)
+
+
+def row_linear(local_in: int, out_features: int, bias: bool, tp: TPContext | None) -> nn.Module:
+    if tp is None:
+        return nn.Linear(local_in, out_features, bias=bias)
+    return RowParallelLinear(local_in, out_features, bias, tp.group)
+
+
+def embedding(vocab_size: int, hidden_size: int, tp: TPContext | None) -> nn.Module:
+    if tp is None:
+        return nn.Embedding(vocab_size, hidden_size)
+    return VocabParallelEmbedding(tp.shard, hidden_size, tp.group)
+
+
+def gather_logits(local: torch.Tensor, group: TPGroup, vocab_size: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, vocab / N] on each rank -> [R, vocab] (into `out` if given) on every rank."""
+    full = group.all_gather_columns(local)[:, :vocab_size]
+    if out is None:
+        return full.contiguous()
+    return out.copy_(full)

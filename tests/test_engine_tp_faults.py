@@ -1,0 +1,134 @@
+"""Tensor parallelism's edges on CPU (gloo): sharding rules and their errors, the step header, and
+faults: a worker killed or hung gives rank 0 a `WorkerFailure` within a bounded time and leaves no
+process behind; `close()` stops every worker; a start-up error is raised as is."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.batch_layout import BatchShape
+from engine.config import load_model_config
+from engine.distributed.driver import WorkerFailure
+from engine.distributed.sharding import TPShard
+from engine.distributed.step_message import StepHeader
+from engine.engine_args import EngineArgs
+from engine.llm_engine import LLMEngine
+from policies.request import SamplingParams
+
+TIMEOUT_S = 5.0
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+
+def test_shard_sizes_split_and_replicate_heads():
+    cfg = load_model_config("tiny-llama")  # 4 heads, 2 KV heads, intermediate 128, vocab 256
+    two = [TPShard.of(cfg, r, 2) for r in range(2)]
+    assert [(s.num_heads, s.head_start, s.num_kv_heads, s.kv_head_start) for s in two] == [(2, 0, 1, 0), (2, 2, 1, 1)]
+    four = [TPShard.of(cfg, r, 4) for r in range(4)]  # fewer KV heads than ranks: each pair shares one
+    assert [(s.head_start, s.kv_head_start) for s in four] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert four[3].intermediate == 32 and four[3].local_config(cfg).num_key_value_heads == 1
+
+
+def test_shard_vocab_pads_the_last_rank():
+    cfg = load_model_config("tiny-llama")
+    cfg.vocab_size = 250
+    shards = [TPShard.of(cfg, r, 4) for r in range(4)]
+    assert {s.vocab for s in shards} == {63}
+    rows = [s.source_rows(cfg, "embed_tokens.weight", None) for s in shards]
+    assert rows == [(0, 0, 63, 250), (0, 63, 63, 250), (0, 126, 63, 250), (0, 189, 61, 250)]
+
+
+@pytest.mark.parametrize(("field", "value", "size"), [
+    ("num_attention_heads", 6, 4), ("num_key_value_heads", 6, 4), ("intermediate_size", 130, 4)])
+def test_shard_refuses_sizes_that_do_not_divide(field, value, size):
+    cfg = load_model_config("tiny-llama")
+    setattr(cfg, field, value)
+    if field == "num_attention_heads":
+        cfg.num_key_value_heads = 6
+    with pytest.raises(ValueError, match=field):
+        TPShard.of(cfg, 0, size)
+    cfg = load_model_config("tiny-llama")  # 2 KV heads cannot be replicated evenly over 3 ranks
+    cfg.num_attention_heads = 6
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        TPShard.of(cfg, 0, 3)
+
+
+def test_engine_args_refuse_a_bad_size():
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        EngineArgs(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="num_attention_heads=4 .* tensor_parallel_size=8"):
+        LLMEngine(EngineArgs(model="tiny-llama", num_gpu_blocks=16, tensor_parallel_size=8))
+
+
+pairs = st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), max_size=5)
+
+
+@given(shape=st.none() | st.builds(BatchShape, *[st.integers(0, 4096)] * 6), graph=st.booleans(),
+       max_q=st.integers(0, 4096), out=pairs, swap_in=pairs, copy=pairs)
+def test_step_header_round_trips(shape, graph, max_q, out, swap_in, copy):
+    header = StepHeader(shape, graph, max_q, dict(out), dict(swap_in), copy)
+    assert StepHeader.decode(header.encode()) == header
+    assert StepHeader.decode(StepHeader(stop=True).encode()).stop
+
+
+def _engine(**kw) -> LLMEngine:
+    return LLMEngine(EngineArgs(model="tiny-llama", num_gpu_blocks=64, max_model_len=128, swap_space=0.01,
+                                tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S, **kw))
+
+
+def _fail_within(engine: LLMEngine, bound_s: float) -> WorkerFailure:
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure) as info:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < bound_s
+    return info.value
+
+
+def _assert_no_worker_left(engine: LLMEngine) -> None:
+    for proc in engine.runner._procs:
+        assert proc.exitcode is not None
+        with pytest.raises(ProcessLookupError):
+            os.kill(proc.pid, 0)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_failed_worker_is_reported_in_bounded_time(how):
+    engine = _engine()
+    (worker,) = engine.runner._procs
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    engine.step()
+    os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    error = _fail_within(engine, TIMEOUT_S + 15)
+    if how == "killed":
+        assert f"worker 1 (pid {worker.pid}) died" in str(error) and "exit code -9" in str(error)
+    else:
+        assert "did not answer within timeout_s=5.0" in str(error)
+    _assert_no_worker_left(engine)
+    with pytest.raises(WorkerFailure):  # the engine stays failed
+        engine.step()
+
+
+def test_close_stops_the_workers_and_frees_the_group():
+    engine = _engine()
+    procs = list(engine.runner._procs)
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close()
+    assert [p.exitcode for p in procs] == [0]
+    _assert_no_worker_left(engine)
+    engine.close()  # idempotent
+
+
+def test_a_start_up_error_is_raised_as_is_and_leaves_no_process():
+    with pytest.raises(ValueError, match="KV cache too small"):
+        LLMEngine(EngineArgs(model="tiny-llama", num_gpu_blocks=2, max_model_len=128, tensor_parallel_size=2))
+    assert not dist.is_initialized()
+    assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("servelab-tp")]
