@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -58,6 +59,11 @@ def worker_main(rank: int, size: int, port: int, device: str, runner_kwargs: dic
             pass
         os._exit(1)
     destroy()
+    # Skip the interpreter's teardown: the group's C++ threads may still be winding down, and
+    # destroying them there can abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @torch.no_grad()
