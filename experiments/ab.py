@@ -213,8 +213,8 @@ def _warmups(cfg_a: DictConfig, cfg_b: DictConfig, warmup: bool | None, label_a:
 def _same_engine(cfg_a: DictConfig, cfg_b: DictConfig) -> bool:
     if cfg_a.backend.name != "engine" or cfg_b.backend.name != "engine":
         return cfg_a.backend.name == cfg_b.backend.name
-    from experiments.lib.engine_backend import engine_args
-    return repr(engine_args(cfg_a)) == repr(engine_args(cfg_b))
+    from experiments.lib.engine_backend import engine_args, engine_key
+    return engine_key(engine_args(cfg_a)) == engine_key(engine_args(cfg_b))
 
 
 def compare(cfg_a: DictConfig, cfg_b: DictConfig, out_dir: str | Path, label_a: str = "A", label_b: str = "B",

@@ -27,12 +27,14 @@ from experiments.lib.backends import BackendRun
 from experiments.lib.workloads import Workload
 from policies.trace import TraceRecorder
 
-_ENGINE: dict[str, LLMEngine] = {}  # at most one: repr(EngineArgs) -> engine
+_ENGINE: dict[str, LLMEngine] = {}  # at most one: engine_key(args) -> engine
 
 
 def engine_args(cfg: DictConfig) -> EngineArgs:
-    """EngineArgs from a run config: model from `model`, KV sizing from `blocks`, limits from
-    `scheduler`, device settings from `backend` (policy and block manager go to the scheduler)."""
+    """EngineArgs from a run config: model from `model`, KV sizing and block manager from `blocks`,
+    limits and scheduling mode from `scheduler`, policy from `policy`, device settings from `backend`.
+    Every entry point that builds an engine from a config comes through here, so an override reaches
+    the engine whichever command is run (tests/test_engine_args_from_config.py checks every field)."""
     backend, blocks = factory.section(cfg, "backend"), factory.section(cfg, "blocks")
     sched = cfg.scheduler
     model = ModelConfig.from_dict(factory.section(cfg, "model"))
@@ -54,23 +56,43 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         swap_gib = (int(blocks["num_cpu_blocks"]) + 0.5) * block_bytes / 2**30
     else:
         swap_gib = float(blocks.get("swap_space_gib", 4))
-    args = EngineArgs(
-        model=model, dtype=dtype, device=device,
+    policy = factory.section(cfg, "policy")
+    return EngineArgs(
+        model=model, dtype=dtype, device=device, detokenize=False,
+        block_manager=str(blocks.get("kind", "paged")), policy=str(policy["name"]),
+        preemption_mode=str(policy.get("preemption_mode", "recompute")),
         max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
         max_model_len=sched.max_model_len, enable_chunked_prefill=sched.enable_chunked_prefill,
+        async_scheduling=bool(sched.get("async_scheduling", False)),
+        watermark=float(blocks.get("watermark", 0.01)),
         block_size=block_size, gpu_memory_utilization=float(blocks.get("gpu_memory_utilization", 0.9)),
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
-        enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed), detokenize=False,
+        enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed),
         decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)))
-    return args
+
+
+# EngineArgs fields that only shape the scheduler, which `LLMEngine.reset` rebuilds: runs that differ
+# in these alone share one engine (model, KV cache, CUDA graphs).
+SCHEDULER_FIELDS = frozenset({"block_manager", "policy", "preemption_mode", "async_scheduling", "watermark"})
+
+
+def engine_key(args: EngineArgs) -> str:
+    """What identifies an engine's device state: every field but the scheduler's."""
+    return repr([(f.name, getattr(args, f.name)) for f in dataclasses.fields(args)
+                 if f.name not in SCHEDULER_FIELDS])
 
 
 def get_engine(args: EngineArgs) -> LLMEngine:
-    key = repr(args)
+    """The kept engine for `args` (built on first use), its scheduler built from `args`."""
+    key = engine_key(args)
     if key not in _ENGINE:
         _ENGINE.clear()  # one model on the device at a time
         _ENGINE[key] = LLMEngine(args)
-    return _ENGINE[key]
+    engine = _ENGINE[key]
+    if engine.args != args:  # same device state, other scheduler settings
+        engine.args = args
+        engine.reset()
+    return engine
 
 
 def free_device() -> None:
