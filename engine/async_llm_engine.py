@@ -59,7 +59,11 @@ class _NewRequest:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
+                 keep_trace: bool = False) -> None:
+        """`keep_trace`: keep the engine's trace (`engine.recorder`: a row per step and per request,
+        for a study of the served run); by default its rows are dropped once counted, so a server's
+        memory stays bounded."""
         if max_waiting_requests is not None and (not isinstance(max_waiting_requests, int)
                                                  or isinstance(max_waiting_requests, bool)
                                                  or max_waiting_requests < 1):
@@ -74,14 +78,15 @@ class AsyncLLMEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelab-engine")
-        self._tracker = StatsTracker(engine)
+        self._tracker = StatsTracker(engine, keep_trace)
         self._observers: list[Callable[[RequestStats], None]] = []
         self._closed = False
         self._admitting = 0  # requests taken off the queue for the step in progress
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, *, max_waiting_requests: int | None = None) -> AsyncLLMEngine:
-        return cls(LLMEngine(args), max_waiting_requests=max_waiting_requests)
+    def from_engine_args(cls, args: EngineArgs, *, max_waiting_requests: int | None = None,
+                         keep_trace: bool = False) -> AsyncLLMEngine:
+        return cls(LLMEngine(args), max_waiting_requests=max_waiting_requests, keep_trace=keep_trace)
 
     # ---- what a server asks ---------------------------------------------------------------------
     @property

@@ -233,4 +233,10 @@ def test_idle_loop_sleeps_and_stats_count(tiny, reference):
         assert inner.recorder.steps == [] and inner.recorder.requests == []  # no trace kept
         await engine.shutdown()
 
+        kept = AsyncLLMEngine(LLMEngine(_args(tiny)), keep_trace=True)
+        await _collect(kept, prompts[0], "kept")
+        assert [r["request_id"] for r in kept.engine.recorder.requests] == ["kept"]
+        assert len(kept.engine.recorder.steps) == kept.stats().num_steps_total == 12
+        await kept.shutdown()
+
     asyncio.run(main())

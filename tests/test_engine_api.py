@@ -243,3 +243,25 @@ def test_forced_output_lengths(tiny, ahead):
     assert [len(by_id[f"r{i}"].token_ids) for i in range(4)] == lens
     assert all(c.finish_reason == "stop" for c in by_id.values())
     assert (engine.scheduler.num_scheduled_ahead > 0) is ahead
+
+
+def test_detokenizer_fast_decode_equals_the_tokenizers(tiny):
+    """The detokenizer calls a fast tokenizer's Rust backend directly when the tokenizer cleans up
+    nothing (and the tokenizer's own decode otherwise): the text is the same either way."""
+    from engine.detokenizer import Detokenizer
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny[0])
+    ids = ragged_prompts(1, seed=9, min_len=80, max_len=80)[0]
+    texts = {}
+    for clean in (False, True):
+        tokenizer.clean_up_tokenization_spaces = clean
+        detok = Detokenizer(tokenizer)
+        assert (detok._decode == tokenizer._tokenizer.decode) is not clean
+        state = detok.new_state(10)
+        for end in range(11, len(ids) + 1):
+            detok.update(state, ids[:end])
+        detok.update(state, ids, final=True)
+        texts[clean] = state.text
+        assert state.text == detok.decode_output(ids, 10)
+    assert texts[False] == tokenizer.decode(ids[10:]) == texts[True]
