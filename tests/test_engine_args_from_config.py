@@ -41,6 +41,8 @@ MAPPED = {
 NOT_FROM_CONFIG = {
     "tokenizer": "runs feed token ids; the tokenizer comes with the weights",
     "detokenize": "runs read token ids only (always False here)",
+    "tensor_parallel_size": "runs on the engine backend use one GPU (the run config has no parallel group)",
+    "distributed_timeout_s": "only read with tensor_parallel_size > 1",
 }
 
 
