@@ -55,6 +55,7 @@ class _NewRequest:
     prompt: str | list[int]
     params: SamplingParams
     priority: int
+    tenant: str | None
     arrival: float  # time.monotonic() when generate() was called
 
 
@@ -126,11 +127,12 @@ class AsyncLLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0, output_kind: str = "cumulative") -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, output_kind: str = "cumulative",
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs until its final one (`finished`). Raises ValueError for a bad
         request (naming the field), EngineQueueFullError past the waiting cap, EngineDeadError when
         the loop is dead. Leaving the iteration early aborts the request."""
-        stream = self._open(prompt, sampling_params, request_id, priority, output_kind)
+        stream = self._open(prompt, sampling_params, request_id, priority, output_kind, tenant)
         finished = False
         try:
             while True:
@@ -152,7 +154,7 @@ class AsyncLLMEngine:
             self._abort_soon(request_id)
 
     def _open(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int,
-              output_kind: str) -> RequestStream:
+              output_kind: str, tenant: str | None = None) -> RequestStream:
         """Check what can be checked at once, then queue the request for the loop."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
@@ -178,7 +180,7 @@ class AsyncLLMEngine:
                                        "(max_waiting_requests); retry later")
         stream = RequestStream(request_id, delta=output_kind == "delta")
         self._streams[request_id] = stream
-        self._new.put_nowait(_NewRequest(request_id, prompt, params, priority, time.monotonic()))
+        self._new.put_nowait(_NewRequest(request_id, prompt, params, priority, tenant, time.monotonic()))
         self._wake.set()
         return stream
 
@@ -222,7 +224,7 @@ class AsyncLLMEngine:
         engine, errors = self.engine, {}
         for r in new:
             try:
-                engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority)
+                engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority, tenant=r.tenant)
             except ValueError as e:
                 errors[r.request_id] = e
                 continue

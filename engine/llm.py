@@ -77,11 +77,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, tenant: str | None = None) -> list[RequestOutput]:
         """Run every prompt to its end; outputs in input order. A prompt is text, a list of token
         ids, `{"prompt": text}` or `{"prompt_token_ids": ids}`; one prompt or a list of them. Bad
         input (a malformed prompt, one over max_model_len, an out-of-vocabulary id, bad sampling
-        parameters) raises ValueError naming the prompt's index, and nothing of the call runs."""
+        parameters) raises ValueError naming the prompt's index, and nothing of the call runs.
+        `tenant`: the client every prompt of the call is served for (fair-share policies, per-tenant
+        metrics in the engine's trace)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(prompt_list)
@@ -99,7 +101,7 @@ class LLM:
         request_ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
         for i, (request_id, prompt, sp) in enumerate(zip(request_ids, prompt_list, params)):
             try:
-                self.engine.add_request(request_id, prompt, sp)
+                self.engine.add_request(request_id, prompt, sp, tenant=tenant)
             except ValueError as e:
                 # As vLLM: one bad prompt rejects the whole call before any work. The prompts queued
                 # before it are aborted (never scheduled) and their outputs collected here.

@@ -141,13 +141,15 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0, output_len: int | None = None, abort_too_long: bool = False) -> None:
+                    priority: int = 0, output_len: int | None = None, abort_too_long: bool = False,
+                    tenant: str | None = None) -> None:
         """Queue a request; raises ValueError (naming the field) on bad input or a request id already
         used, adding nothing. Safe from any thread (module docstring). `output_len`: end each sample
         with finish_reason "stop" after that many tokens, as a workload replay's stop rule (the
         simulator does the same). `abort_too_long`: a prompt longer than max_model_len is not refused
         but ends at once with finish_reason "abort:too_long" (a workload replay goes on, as the
-        simulator's does)."""
+        simulator's does). `tenant`: the client served (fair-share policies such as vtc, per-tenant
+        metrics); None for none."""
         if output_len is not None and (not isinstance(output_len, int) or output_len < 1):
             raise ValueError(f"output_len={output_len!r} is invalid: None or an integer >= 1")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -170,7 +172,7 @@ class LLMEngine:
                 f"prompt={prompt!r:.80} is invalid: must be a string or a list of token ids")
         now = self.now()
         request = Request(request_id, token_ids, params, now if arrival_time is None else arrival_time,
-                          priority, eos_token_id=self.eos_token_id)
+                          priority, eos_token_id=self.eos_token_id, tenant=tenant)
         request.validate(None if abort_too_long else self.max_model_len, self.vocab_size)
         with self._inbox_lock:
             if request_id in self._pending:

@@ -53,6 +53,10 @@ def run(cfg: DictConfig, out_dir: str | Path, label: str | None = None,
                       "block_size": bs, "model": cfg.model.name, "hardware": cfg.hardware.name,
                       "workload": wl.name, "seed": cfg.seed, "num_steps": result.num_steps,
                       "elapsed_s": result.elapsed_s, "clock": result.clock, "wall_time_s": wall, **result.info}
+    predictor = factory.build_predictor(cfg, wl)
+    if predictor is not None:
+        from experiments.lib.predictors import prediction_error
+        summary["output_len_predictor"] = prediction_error(predictor, wl)
     summary["config"] = OmegaConf.to_container(cfg, resolve=True)
     write_summary(summary, out_dir)
     if cfg.get("plots", True):

@@ -113,6 +113,8 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0  # lower value = more urgent
     eos_token_id: int | None = None
+    # The client the request is served for (fair-share policies, per-tenant metrics); None: no tenant.
+    tenant: str | None = None
     # Filled in by the scheduler when the request ends; never None after that.
     finish_reason: str | None = None
 
@@ -133,6 +135,8 @@ class Request:
             limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
             _check(not bad, "prompt_token_ids", bad[:5], f"token ids must be integers in {limit}")
         _check(_is_int(self.priority), "priority", self.priority, "must be an integer (lower = more urgent)")
+        _check(self.tenant is None or (isinstance(self.tenant, str) and self.tenant != ""), "tenant",
+               self.tenant, "must be None or a non-empty string")
         _check(isinstance(self.arrival_time, (int, float)) and self.arrival_time >= 0,
                "arrival_time", self.arrival_time, "must be a number >= 0")
         self.sampling_params.validate()

@@ -28,7 +28,7 @@ from policies.request import Request
 from policies.sequence import Sequence
 
 REQUEST_COLUMNS = (
-    "request_id", "arrival_time", "priority", "prompt_len", "output_len", "n",
+    "request_id", "tenant", "arrival_time", "priority", "prompt_len", "output_len", "n",
     "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions", "num_swaps",
     "status", "finish_reason", "ttft", "tpot", "e2e", "queueing_time", "token_times",
 )
@@ -48,7 +48,7 @@ PREEMPTION_EVENT_MODES = ("recompute", "swap", "recompute_fallback")
 def request_row(request_id: str, arrival: float, priority: int, prompt_len: int, output_len: int, n: int,
                 first_scheduled_time: float | None, first_token_time: float | None, finish_time: float,
                 status: str, finish_reason: str | None, token_times: list[float], seq0_outputs: int,
-                num_preemptions: int = 0, num_swaps: int = 0) -> dict:
+                num_preemptions: int = 0, num_swaps: int = 0, tenant: str | None = None) -> dict:
     """One `REQUEST_COLUMNS` row, its latencies derived as the module docstring defines them (the
     scheduler's recorder and the serving benchmark's client both build rows here)."""
     ttft = None if first_token_time is None else first_token_time - arrival
@@ -56,7 +56,8 @@ def request_row(request_id: str, arrival: float, priority: int, prompt_len: int,
     tpot = (e2e - ttft) / (seq0_outputs - 1) if ttft is not None and seq0_outputs > 1 else None
     queueing = None if first_scheduled_time is None else first_scheduled_time - arrival
     return {
-        "request_id": request_id, "arrival_time": arrival, "priority": priority, "prompt_len": prompt_len,
+        "request_id": request_id, "tenant": tenant, "arrival_time": arrival, "priority": priority,
+        "prompt_len": prompt_len,
         "output_len": output_len, "n": n, "first_scheduled_time": first_scheduled_time,
         "first_token_time": first_token_time, "finish_time": finish_time, "num_preemptions": num_preemptions,
         "num_swaps": num_swaps, "status": status, "finish_reason": finish_reason, "ttft": ttft, "tpot": tpot,
@@ -223,7 +224,7 @@ class TraceRecorder:
             request.request_id, request.arrival_time, request.priority, request.num_prompt_tokens,
             sum(s.num_output_tokens for s in seqs), request.sampling_params.n, live.first_scheduled_time,
             live.first_token_time, now, status, request.finish_reason, live.token_times, seq0_outputs,
-            live.num_preemptions, live.num_swaps)
+            live.num_preemptions, live.num_swaps, request.tenant)
         self.requests.append(row)
         return row
 

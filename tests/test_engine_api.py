@@ -265,3 +265,17 @@ def test_detokenizer_fast_decode_equals_the_tokenizers(tiny):
         texts[clean] = state.text
         assert state.text == detok.decode_output(ids, 10)
     assert texts[False] == tokenizer.decode(ids[10:]) == texts[True]
+
+
+def test_tenant_reaches_the_trace():
+    """LLM.generate(tenant=) and add_request(tenant=) put the client's id on the request and its trace
+    row; a bad one is refused naming the field."""
+    llm = LLM("tiny-llama", num_gpu_blocks=32, swap_space=0.01, max_model_len=128)
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False, tenant="acme")
+    llm.engine.add_request("solo", [3, 4], SamplingParams(temperature=0.0, max_tokens=2))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    tenants = {row["request_id"]: row["tenant"] for row in llm.engine.recorder.requests}
+    assert tenants == {"llm-0": "acme", "llm-1": "acme", "solo": None}
+    with pytest.raises(ValueError, match="tenant=''"):
+        llm.generate([1, 2], use_tqdm=False, tenant="")

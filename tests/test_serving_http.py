@@ -133,6 +133,22 @@ def test_completion_with_several_prompts_and_n(client, reference):
     assert out.usage.prompt_tokens == sum(len(p) for p in prompts)
 
 
+def test_user_is_the_tenant(server, client, monkeypatch):
+    """The body's `user` (OpenAI's end-user id) is the tenant the engine's requests are added with."""
+    engine, tenants = server.llm_engine, []
+    add = engine.add_request
+
+    def spy(*args, **kwargs):
+        tenants.append(kwargs.get("tenant"))
+        return add(*args, **kwargs)
+    monkeypatch.setattr(engine, "add_request", spy)
+    client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0, user="alice")
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                   temperature=0, user="bob")
+    client.completions.create(model=MODEL, prompt=[4, 5], max_tokens=2, temperature=0)
+    assert tenants == ["alice", "alice", "bob", None]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_equals_llm_generate_on_the_template(client, reference, stream):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]

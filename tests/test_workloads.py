@@ -132,3 +132,53 @@ def test_replay_csv_and_jsonl(tmp_path):
 def test_replay_errors_name_line_and_field(tmp_path, name, text, match):
     with pytest.raises(ValueError, match=match):
         replay(tmp_path, name, text)
+
+
+TENANTS = {"kind": "synthetic", "num_requests": 40, "arrival": "poisson", "rate": 1.0,
+           "prompt_len": {"dist": "uniform", "low": 4, "high": 40},
+           "output_len": {"dist": "lognormal", "mean": 50, "sigma": 1.0, "min": 2, "max": 500},
+           "vocab_size": 1000, "tenants": {"names": ["heavy", "light"], "rates": [9.0, 1.0]}}
+
+
+def test_tenant_streams_are_independent():
+    """Each tenant is its own stream: ids `<tenant>-<k>`, counts split by rate, and the light
+    tenant's requests alone (its solo run) are exactly its requests of the shared run."""
+    both = build_workload(TENANTS, 7, 1000)
+    by_tenant = {}
+    for r, n in zip(both.requests, both.output_lens):
+        by_tenant.setdefault(r.tenant, []).append((r.request_id, r.arrival_time, r.prompt_token_ids, n))
+    assert (len(by_tenant["heavy"]), len(by_tenant["light"])) == (36, 4)
+    assert by_tenant["light"][0][0] == "light-0"
+    assert [r.arrival_time for r in both.requests] == sorted(r.arrival_time for r in both.requests)
+    solo = build_workload({**TENANTS, "tenants": {"names": ["light"], "rates": [1.0], "num_requests": [4]}}, 7, 1000)
+    assert [(r.request_id, r.arrival_time, r.prompt_token_ids, n)
+            for r, n in zip(solo.requests, solo.output_lens)] == by_tenant["light"]
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"names": ["a", "a"], "rates": [1.0, 1.0]}, "workload.tenants.names"),
+    ({"names": ["a"], "rates": [0.0]}, "workload.tenants.rates"),
+    ({"names": ["a"], "rates": [1.0], "num_requests": [0]}, "workload.tenants.num_requests"),
+])
+def test_bad_tenants(change, match):
+    with pytest.raises(ValueError, match=match):
+        build_workload({**TENANTS, "tenants": change}, 0, 1000)
+
+
+def test_length_correlation():
+    cfg = {**TENANTS, "tenants": None, "num_requests": 2000, "length_correlation": 0.8,
+           "prompt_len": {"dist": "lognormal", "mean": 100, "sigma": 1.0, "min": 1, "max": 100000},
+           "output_len": {"dist": "lognormal", "mean": 100, "sigma": 1.0, "min": 1, "max": 100000}}
+    w = build_workload(cfg, 0, 1000)
+    logs = np.log([[r.num_prompt_tokens for r in w.requests], w.output_lens])
+    assert 0.75 < np.corrcoef(logs)[0, 1] < 0.85
+    with pytest.raises(ValueError, match="length_correlation needs lognormal"):
+        build_workload({**TENANTS, "tenants": None, "length_correlation": 0.5}, 0, 1000)
+
+
+def test_replay_tenant_field(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_time": 0, "prompt_len": 3, "output_len": 2, "tenant": "acme"}\n'
+                    '{"arrival_time": 1, "prompt_len": 3, "output_len": 2}\n')
+    w = build_workload({"kind": "replay", "path": str(path)}, 0, 1000)
+    assert [r.tenant for r in w.requests] == ["acme", None]

@@ -43,7 +43,7 @@ async def create_chat_completion(ctx: Any, req: ChatCompletionRequest, http: HTT
     params = sampling_params(req, len(ids), ctx.max_model_len, req.requested_max_tokens, req.num_logprobs,
                              "messages", renames)
     base_id = random_id("chatcmpl")
-    gen = Generation(ctx.engine, [SubRequest(base_id, ids, params)], http, req.priority)
+    gen = Generation(ctx.engine, [SubRequest(base_id, ids, params)], http, req.priority, req.user or None)
     await gen.start()
     if req.stream:
         return StreamingResponse(_stream(ctx, req, gen, base_id), media_type="text/event-stream",

@@ -46,7 +46,7 @@ async def create_completion(ctx: Any, req: CompletionRequest, http: HTTPRequest)
         ids = ctx.encode(prompt, "prompt")
         params = sampling_params(req, len(ids), ctx.max_model_len, req.max_tokens, req.logprobs, "prompt", {})
         subs.append(SubRequest(f"{base_id}-{i}" if len(prompts) > 1 else base_id, ids, params))
-    gen = Generation(ctx.engine, subs, http, req.priority)
+    gen = Generation(ctx.engine, subs, http, req.priority, req.user or None)
     await gen.start()
     if req.stream:
         return StreamingResponse(_stream(ctx, req, gen, base_id), media_type="text/event-stream",

@@ -75,6 +75,7 @@ class Generation:
     subs: list[SubRequest]
     http: HTTPRequest
     priority: int
+    tenant: str | None = None  # the body's `user`: the client the request is served for
     finished: set[str] = field(default_factory=set)
     _gens: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     _first: list[RequestOutput] = field(default_factory=list)
@@ -89,7 +90,7 @@ class Generation:
         the others) if the engine refuses one."""
         self._watcher = asyncio.ensure_future(self._watch_disconnect())
         self._gens = [self.engine.generate(s.prompt_token_ids, s.params, s.request_id, priority=self.priority,
-                                           output_kind="delta") for s in self.subs]
+                                           output_kind="delta", tenant=self.tenant) for s in self.subs]
         firsts = [asyncio.ensure_future(anext(g)) for g in self._gens]
         done = await asyncio.gather(*firsts, return_exceptions=True)
         errors = [r for r in done if isinstance(r, BaseException)]

@@ -51,7 +51,7 @@ def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
             on_done: Callable[[int], None]) -> BackendRun:
     from sim import Simulator
     gpu, cpu = factory.kv_block_counts(cfg)
-    scheduler = factory.build_scheduler(cfg, gpu, cpu, recorder)
+    scheduler = factory.build_scheduler(cfg, gpu, cpu, recorder, workload)
     latency = factory.build_latency(cfg)
     result = Simulator(scheduler, latency, workload.requests, workload.stop_lens, on_done,
                        fast_forward=cfg.backend.get("fast_forward", True)).run()

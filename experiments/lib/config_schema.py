@@ -50,6 +50,13 @@ class PriorityClasses:
 
 
 @dataclass
+class Tenants:
+    names: list[str] = field(default_factory=list)
+    rates: list[float] | None = None
+    num_requests: list[int] | None = None
+
+
+@dataclass
 class SyntheticWorkload:
     name: str | None = None
     kind: str = "synthetic"
@@ -64,6 +71,8 @@ class SyntheticWorkload:
     shared_prefix_len: int | None = None
     vocab_size: int | None = None
     seed: int | None = None
+    length_correlation: float | None = None
+    tenants: Tenants | None = None
 
 
 @dataclass

@@ -116,7 +116,7 @@ def release_engine() -> None:
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
     engine = get_engine(engine_args(cfg))
-    engine.reset(build_scheduler=lambda gpu, cpu, _: factory.build_scheduler(cfg, gpu, cpu, recorder))
+    engine.reset(build_scheduler=lambda gpu, cpu, _: factory.build_scheduler(cfg, gpu, cpu, recorder, workload))
     requests, stop_lens = workload.requests, workload.stop_lens
     # Only final outputs are read: the engine then does no per-step output work (as LLM.generate).
     params = [dataclasses.replace(r.sampling_params, output_kind="final_only") for r in requests]
@@ -126,7 +126,7 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
         while next_req < len(requests) and requests[next_req].arrival_time <= now:
             r = requests[next_req]
             engine.add_request(r.request_id, r.prompt_token_ids, params[next_req],
-                               arrival_time=r.arrival_time, priority=r.priority,
+                               arrival_time=r.arrival_time, priority=r.priority, tenant=r.tenant,
                                output_len=stop_lens.get(r.request_id), abort_too_long=True)
             next_req += 1
         if engine.has_unfinished_requests():

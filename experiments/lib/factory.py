@@ -96,12 +96,26 @@ def build_block_manager(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: in
                               cfg.scheduler.max_model_len)
 
 
-def build_scheduler(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int, recorder=None):
+def build_predictor(cfg: DictConfig, workload: Workload | None):
+    """The policy's output-length predictor (experiments/lib/predictors.py), or None if it has none."""
+    from experiments.lib.predictors import build_predictor as build
+    spec = section(cfg, "policy").get("predictor")
+    if spec is None:
+        return None
+    workload_cfg = section(cfg, "workload") if cfg.get("workload") is not None else None
+    return build(spec, workload, workload_cfg, int(cfg.get("seed") or 0), model_shape(cfg).vocab_size)
+
+
+def build_scheduler(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int, recorder=None,
+                    workload: Workload | None = None):
     """The policies.Scheduler for this config (both backends use it; the engine passes its own
-    measured block counts)."""
+    measured block counts). `workload`: the run's, for a policy whose predictor reads its true
+    output lengths (the oracle)."""
     from policies import Scheduler, SchedulerConfig, make_policy
     pol = section(cfg, "policy")
     name = pol.pop("name", None)
+    if pol.get("predictor") is not None:
+        pol["predictor"] = build_predictor(cfg, workload)
     try:
         policy = make_policy(name, **pol)
     except TypeError as e:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from experiments.lib.tenant_metrics import per_tenant
+
 LATENCIES = ("ttft", "tpot", "itl", "e2e", "queueing_time")
 STATS = ("mean", "median", "std", "p90", "p99")
 
@@ -123,6 +125,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, block_size: int,
     })
     summary.update(kv_metrics(steps, block_size))
     summary["per_priority"] = per_class(done)
+    summary["per_tenant"] = per_tenant(requests, duration, stats)
     return summary
 
 
@@ -151,6 +154,10 @@ def summary_table(s: Mapping[str, Any]) -> str:
                 c = cls["ttft"]
                 rows.append((f"  of priority {prio} ({cls['num_requests']} req)",
                              f"{_ms(c['mean'])} / {_ms(c['median'])} / {_ms(c['p99'])}"))
+            for tenant, cls in (s.get("per_tenant") or {}).get("tenants", {}).items():
+                c = cls["ttft"]
+                rows.append((f"  of tenant {tenant} ({cls['num_requests']} req)",
+                             f"{_ms(c['mean'])} / {_ms(c['median'])} / {_ms(c['p99'])}"))
     rows += [
         ("mean batch size", fmt(s["mean_batch_size"], ".1f")),
         ("preemptions (recompute / swap)",
@@ -158,5 +165,7 @@ def summary_table(s: Mapping[str, Any]) -> str:
          + (f" ({s['num_swap_fallbacks']} swaps fell back to recompute)" if s.get("num_swap_fallbacks") else "")),
         ("KV utilisation / waste", f"{fmt(s['kv_utilization'], '.1%')} / {fmt(s['kv_waste'], '.1%')}"),
     ]
+    if s.get("per_tenant"):
+        rows.append(("max service gap (weighted tokens)", fmt(s["per_tenant"]["service_gap_max"], ".0f")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

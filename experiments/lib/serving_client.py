@@ -148,9 +148,11 @@ async def drive(workload: Workload, cfg: ClientConfig, on_done: Callable[[int], 
                         "stream_options": {"include_usage": True}}
                 if r.priority:
                     body["priority"] = r.priority
+                if r.tenant is not None:
+                    body["user"] = r.tenant  # OpenAI's end-user id: the server's tenant
                 timing, token_times = _Timing(arrival=time.perf_counter() - t0), []
                 await _one(session, cfg.url, body, t0, timing, token_times)
-            rows.append(_row(r.request_id, r.priority, r.num_prompt_tokens, sp.n, timing, token_times))
+            rows.append(_row(r.request_id, r.priority, r.num_prompt_tokens, sp.n, timing, token_times, r.tenant))
             if timing.error is not None:
                 errors.append(f"request {r.request_id}: {timing.error}")
             on_done(1)
@@ -166,7 +168,8 @@ async def drive(workload: Workload, cfg: ClientConfig, on_done: Callable[[int], 
                   "failed": sum(1 for row in rows if row["status"] != "finished"), "errors": errors[:5]}
 
 
-def _row(request_id: str, priority: int, prompt_len: int, n: int, t: _Timing, token_times: list[float]) -> dict:
+def _row(request_id: str, priority: int, prompt_len: int, n: int, t: _Timing, token_times: list[float],
+         tenant: str | None = None) -> dict:
     output_len = t.usage_tokens if t.usage_tokens is not None else t.num_chunks
     if t.error is not None:
         status, reason = "aborted", "abort:client_error"
@@ -175,4 +178,4 @@ def _row(request_id: str, priority: int, prompt_len: int, n: int, t: _Timing, to
     else:
         status, reason = "aborted", f"abort:{t.finish_reason or 'no_finish_reason'}"
     return request_row(request_id, t.arrival, priority, prompt_len, output_len, n, None, t.first_token,
-                       t.finish, status, reason, token_times, output_len)
+                       t.finish, status, reason, token_times, output_len, tenant=tenant)

@@ -45,7 +45,7 @@ class Workload:
     def rows(self) -> list[dict[str, Any]]:
         return [{"request_id": r.request_id, "arrival_time": r.arrival_time,
                  "num_prompt_tokens": r.num_prompt_tokens, "output_len": n,
-                 "max_tokens": r.sampling_params.max_tokens, "priority": r.priority}
+                 "max_tokens": r.sampling_params.max_tokens, "priority": r.priority, "tenant": r.tenant}
                 for r, n in zip(self.requests, self.output_lens)]
 
 

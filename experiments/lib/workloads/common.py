@@ -32,10 +32,11 @@ def get_positive(cfg: Mapping[str, Any], key: str, where: str) -> float:
 
 
 def make_request(request_id: str, prompt: list[int], output_len: int, max_tokens: int | None,
-                 arrival: float, priority: int, temperature: float = SIM_TEMPERATURE) -> Request:
+                 arrival: float, priority: int, temperature: float = SIM_TEMPERATURE,
+                 tenant: str | None = None) -> Request:
     """A request that runs to output_len: max_tokens = output_len, or a larger cap (then the
     backend stops it at output_len); ignore_eos so a real model cannot end it earlier."""
     cap = output_len if max_tokens is None else max(max_tokens, output_len)
     params = SamplingParams(temperature=temperature, max_tokens=cap, ignore_eos=True)
     return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                   arrival_time=arrival, priority=priority)
+                   arrival_time=arrival, priority=priority, tenant=tenant)

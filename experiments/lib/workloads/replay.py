@@ -3,7 +3,7 @@
 Fields: `arrival_time` (finite seconds >= 0, required), `prompt_token_ids` (JSONL: a list of ints; CSV:
 space-separated ints) or `prompt_len` (then random token ids, seeded), `output_len` (>= 1,
 required), `priority` (int, default 0), `request_id` (default: the row index), `max_tokens`
-(optional cap >= output_len). Rows are sorted by arrival (stable). Config: `path`, optional
+(optional cap >= output_len), `tenant` (the client's id, a non-empty string; default none). Rows are sorted by arrival (stable). Config: `path`, optional
 `num_requests` (first N rows), `time_scale` (multiplies arrival times; 0.5 = twice the rate).
 A malformed row raises ValueError naming the file, the line and the field.
 """
@@ -105,11 +105,17 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         out = _as_int(path, line, row, "output_len", 1)
         prio = _as_int(path, line, row, "priority", -2**31) if row.get("priority") not in (None, "") else 0
         cap = _as_int(path, line, row, "max_tokens", out) if row.get("max_tokens") not in (None, "") else None
+        tenant = row.get("tenant")
+        if tenant in (None, ""):
+            tenant = None
+        elif not isinstance(tenant, (str, int)) or isinstance(tenant, bool):
+            raise _bad(path, line, "tenant", tenant, "must be a non-empty string")
         rid = row.get("request_id")
         rid = str(index) if rid is None or rid == "" else str(rid)  # 0 is an id, not a missing one
         if rid in seen:
             raise _bad(path, line, "request_id", rid, "must be unique in the trace")
         seen.add(rid)
-        items.append((float(t) * scale, index, make_request(rid, prompt, out, cap, float(t) * scale, prio), out))
+        items.append((float(t) * scale, index, make_request(rid, prompt, out, cap, float(t) * scale, prio,
+                                                             tenant=None if tenant is None else str(tenant)), out))
     items.sort(key=lambda it: (it[0], it[1]))
     return Workload(str(cfg.get("name", "replay")), [it[2] for it in items], [it[3] for it in items])

@@ -9,10 +9,19 @@ distribution and `sigma` the std of log(length); the result is rounded and clipp
 Priority classes: `priority: {values: [...], weights: [...]}` (each request draws one class).
 `shared_prefix_len`: the first tokens of every prompt are the same (a system prompt), so the
 prefix-caching block manager has something to share.
+`length_correlation`: the correlation of log prompt length and log output length (both lognormal),
+so that a prompt's length says something about its output's (what a length predictor learns from).
+Tenants: `tenants: {names: [a, b], rates: [ra, rb], num_requests: [na, nb]}` makes each tenant its
+own stream (arrivals at its own rate, lengths and prompts from its own seed derived from the run's
+seed and its name) merged by arrival time; request ids are `<tenant>-<k>`. Without
+`num_requests`, `num_requests` is split in proportion to the rates. A tenant's stream does not
+depend on the other tenants, so a run of one tenant alone (its solo run) replays its requests of
+the shared run exactly.
 """
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,29 +84,92 @@ def priorities(spec: Any, n: int, rng: np.random.Generator, where: str) -> np.nd
     return np.asarray(values, dtype=np.int64)[rng.choice(len(values), size=n, p=p)]
 
 
-@register_workload("synthetic")
-def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
-    n = get_int(cfg, "num_requests", where)
-    rng = np.random.default_rng(seed)
+def correlated_lengths(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, where: str
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths; with `length_correlation` rho, both lognormal and their logs
+    correlated by rho (a Gaussian copula on the two draws)."""
+    rho = cfg.get("length_correlation")
+    if not rho:
+        return (lengths(cfg.get("prompt_len"), n, rng, f"{where}.prompt_len"),
+                lengths(cfg.get("output_len"), n, rng, f"{where}.output_len"))
+    if not is_num(rho) or not -1 <= rho <= 1:
+        raise ValueError(f"{where}.length_correlation={rho!r} is invalid: must be a number in [-1, 1]")
+    for key in ("prompt_len", "output_len"):
+        spec = cfg.get(key)
+        if not isinstance(spec, Mapping) or spec.get("dist") != "lognormal":
+            raise ValueError(f"{where}.{key}.dist={spec.get('dist') if isinstance(spec, Mapping) else spec!r} "
+                             "is invalid: length_correlation needs lognormal prompt and output lengths")
+    z = rng.standard_normal((2, n))
+    z[1] = rho * z[0] + math.sqrt(1 - rho * rho) * z[1]
+    out = []
+    for key, zk in (("prompt_len", z[0]), ("output_len", z[1])):
+        spec, w = cfg[key], f"{where}.{key}"
+        mean, sigma = get_positive(spec, "mean", w), spec.get("sigma")
+        if not is_num(sigma) or sigma < 0:
+            raise ValueError(f"{w}.sigma={sigma!r} is invalid: must be a number >= 0")
+        low, high = get_int(spec, "min", w), get_int(spec, "max", w)
+        mu = math.log(mean) - sigma * sigma / 2
+        out.append(np.clip(np.rint(np.exp(mu + sigma * zk)), low, high).astype(np.int64))
+    return out[0], out[1]
+
+
+def tenant_streams(spec: Any, n: int, where: str) -> list[tuple[str, float, int]]:
+    """(name, rate, num_requests) per tenant of a `tenants` spec."""
+    names = spec.get("names") if isinstance(spec, Mapping) else None
+    if not names or not all(isinstance(t, str) and t for t in names) or len(set(names)) != len(names):
+        raise ValueError(f"{where}.names={names!r} is invalid: must be a list of distinct non-empty strings")
+    rates = spec.get("rates")
+    if not isinstance(rates, list) or len(rates) != len(names) or not all(
+            is_num(r) and 0 < r < float("inf") for r in rates):
+        raise ValueError(f"{where}.rates={rates!r} is invalid: need {len(names)} finite numbers > 0 "
+                         "(requests/s per tenant)")
+    counts = spec.get("num_requests")
+    if counts is None:
+        total = sum(rates)
+        counts = [max(1, round(n * r / total)) for r in rates]
+    elif not isinstance(counts, list) or len(counts) != len(names) or not all(is_int(c) and c >= 1 for c in counts):
+        raise ValueError(f"{where}.num_requests={counts!r} is invalid: need {len(names)} integers >= 1")
+    return [(name, float(r), int(c)) for name, r, c in zip(names, rates, counts)]
+
+
+def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: int, where: str,
+         ) -> tuple[list[float], list[list[int]], list[int], list[int]]:
+    """n requests' arrival times, prompts, output lengths (capped by max_tokens) and priorities."""
     arrivals = arrival_times(cfg, n, rng, where)
-    prompt_lens = lengths(cfg.get("prompt_len"), n, rng, f"{where}.prompt_len")
-    output_lens = lengths(cfg.get("output_len"), n, rng, f"{where}.output_len")
+    prompt_lens, output_lens = correlated_lengths(cfg, n, rng, where)
     prios = priorities(cfg.get("priority"), n, rng, f"{where}.priority")
-    max_tokens = cfg.get("max_tokens")
-    if max_tokens is not None:
-        max_tokens = get_int(cfg, "max_tokens", where)
-        output_lens = np.minimum(output_lens, max_tokens)
+    if cfg.get("max_tokens") is not None:
+        output_lens = np.minimum(output_lens, get_int(cfg, "max_tokens", where))
     high = min(get_int(cfg, "vocab_size", where), vocab_size)
     tokens = rng.integers(0, high, size=int(prompt_lens.sum())).tolist()
     prefix_len = get_int(cfg, "shared_prefix_len", where, low=0) if cfg.get("shared_prefix_len") else 0
     prefix = rng.integers(0, high, size=prefix_len).tolist()
-    requests, start = [], 0
-    for i, (t, p, o, pr) in enumerate(zip(arrivals.tolist(), prompt_lens.tolist(),
-                                          output_lens.tolist(), prios.tolist())):
+    prompts, start = [], 0
+    for p in prompt_lens.tolist():
         prompt = tokens[start:start + p]
         start += p
         if prefix_len:
             k = min(prefix_len, p)
             prompt[:k] = prefix[:k]
-        requests.append(make_request(str(i), prompt, o, max_tokens, t, pr))
-    return Workload(str(cfg.get("name", "synthetic")), requests, output_lens.tolist())
+        prompts.append(prompt)
+    return arrivals.tolist(), prompts, output_lens.tolist(), prios.tolist()
+
+
+@register_workload("synthetic")
+def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
+    n = get_int(cfg, "num_requests", where)
+    max_tokens = get_int(cfg, "max_tokens", where) if cfg.get("max_tokens") is not None else None
+    name = str(cfg.get("name", "synthetic"))
+    if cfg.get("tenants") is None:
+        arrivals, prompts, outs, prios = draw(cfg, n, np.random.default_rng(seed), vocab_size, where)
+        requests = [make_request(str(i), prompt, o, max_tokens, t, pr)
+                    for i, (t, prompt, o, pr) in enumerate(zip(arrivals, prompts, outs, prios))]
+        return Workload(name, requests, outs)
+    items = []
+    for index, (tenant, rate, count) in enumerate(tenant_streams(cfg["tenants"], n, f"{where}.tenants")):
+        rng = np.random.default_rng([seed, zlib.crc32(tenant.encode())])
+        arrivals, prompts, outs, prios = draw({**cfg, "rate": rate}, count, rng, vocab_size, where)
+        items += [(t, index, k, make_request(f"{tenant}-{k}", prompt, o, max_tokens, t, pr, tenant=tenant), o)
+                  for k, (t, prompt, o, pr) in enumerate(zip(arrivals, prompts, outs, prios))]
+    items.sort(key=lambda it: it[:3])
+    return Workload(name, [it[3] for it in items], [it[4] for it in items])
