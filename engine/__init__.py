@@ -36,11 +36,11 @@ Lower half (model execution), for `LLMEngine` / `LLM` to build on:
 
 Upper half (the user API, vLLM's names), importable from `engine` directly:
 
-- `LLM(model, **engine_args).generate(prompts, sampling_params=None, use_tqdm=True)`: prompts are
-  strings, token-id lists, or a mix; one `SamplingParams` or one per prompt; returns
+- `LLM(model, **engine_args).generate(prompts, sampling_params=None, use_tqdm=True,
+  tenant=None)`: prompts are strings, token-id lists, or a mix; one `SamplingParams` or one per prompt; returns
   `RequestOutput`s in input order. `LLM.from_engine(engine)` wraps an existing engine.
 - `LLMEngine(EngineArgs(...), recorder=None, build_scheduler=None)`: `add_request(request_id, prompt,
-  sampling_params, arrival_time=None, priority=0, output_len=None, abort_too_long=False)`,
+  sampling_params, arrival_time=None, priority=0, output_len=None, abort_too_long=False, tenant=None)`,
   `abort_request(id) -> bool` (both safe from another thread than the stepping one),
   `step() -> list[RequestOutput]` (every request that made progress in the step, in its
   `SamplingParams.output_kind`: cumulative, delta, or final_only = only when it ends; `finished`
@@ -53,7 +53,7 @@ Upper half (the user API, vLLM's names), importable from `engine` directly:
 - `RequestOutput(request_id, prompt, prompt_token_ids, outputs: [CompletionOutput(index, text,
   token_ids, finish_reason, stop_reason, logprobs)], finished, metrics: RequestMetrics)`.
 - `AsyncLLMEngine(engine, max_waiting_requests=None)` / `.from_engine_args(args, ...)`: `async for out
-  in generate(prompt, sampling_params, request_id, priority=0, output_kind="cumulative"|"delta")`,
+  in generate(prompt, sampling_params, request_id, priority=0, output_kind="cumulative"|"delta", tenant=None)`,
   `abort(id)`, `is_running`, `errored`, `check_health()`, `stats() -> EngineStats`,
   `add_finished_observer(fn)` (`RequestStats` per ended request), `tokenizer`, `model_name`,
   `max_model_len`, `shutdown()`; `EngineQueueFullError`, `EngineDeadError`.
