@@ -3,9 +3,10 @@ point and the words its error must hold (the field; the prompt's index where a c
 and each entry point's runner checks that the other requests of the same call are unharmed.
 
 Entry points here: `SamplingParams`, `LLM(...)`, `LLM.generate`, `LLMEngine.add_request`.
-`experiments.run` (configs, traces) has its rows in test_bad_input_run.py. A new entry point (the
-HTTP server) adds a table and a runner of the same shape: `(id, bad input, match)` rows, a runner
-that submits the bad input among good ones and checks the good ones' outcome.
+`experiments.run` (configs, traces) has its rows in test_bad_input_run.py, the HTTP server in
+test_serving_http.py (`BAD_REQUESTS`: status and the field named, then a good request served). A
+new entry point adds a table and a runner of the same shape: `(id, bad input, match)` rows, a
+runner that submits the bad input among good ones and checks the good ones' outcome.
 """
 from __future__ import annotations
 

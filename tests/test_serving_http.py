@@ -255,6 +255,10 @@ BAD_REQUESTS = [  # (endpoint, body changes, status, field named)
     ("completions", {"prompt": []}, 400, "prompt"),
     ("completions", {"prompt": [1, 300]}, 400, "prompt"),
     ("completions", {"prompt": [1] * (MAX_MODEL_LEN + 1)}, 400, "prompt"),
+    ("completions", {"prompt": 123}, 400, "prompt"),
+    ("completions", {"prompt": None}, 400, "prompt"),
+    ("completions", {"prompt": [[1, 2], [3, 300]]}, 400, "prompt"),  # one bad prompt of several
+    ("completions", {"temperature": "hot"}, 400, "temperature"),
     ("completions", {"temperature_typo": 1}, 400, "temperature_typo"),
     ("completions", {"echo": True}, 400, "echo"),
     ("completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
