@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ from engine.outputs import RequestOutput
 from policies.request import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
+_log = logging.getLogger(__name__)
 
 
 class EngineQueueFullError(RuntimeError):
@@ -191,10 +193,16 @@ class AsyncLLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------------
     def _start(self) -> None:
-        if self._task is not None:
+        """Start the loop on the running event loop, or start it over there if the loop it ran on
+        ended without `shutdown` (e.g. one `asyncio.run` after another): that loop's requests are
+        aborted, since nobody can read their streams any more."""
+        loop, task = asyncio.get_running_loop(), self._task
+        if task is not None and not task.done() and task.get_loop() is loop:
             return
+        self._aborts.update(self._streams)
+        self._streams.clear()
         self._new, self._wake = asyncio.Queue(), asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="servelab-engine-loop")
+        self._task = loop.create_task(self._run(), name="servelab-engine-loop")
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -239,7 +247,10 @@ class AsyncLLMEngine:
         if output.finished:
             record = self._tracker.finished(output)
             for observer in self._observers:
-                observer(record)
+                try:
+                    observer(record)
+                except Exception:  # noqa: BLE001 (a metrics bug must not stop serving: logged with its traceback)
+                    _log.exception("finished-request observer %r failed on %s", observer, record.request_id)
         stream = self._streams.get(output.request_id)
         if stream is not None:
             stream.put(output)

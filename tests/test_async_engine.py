@@ -5,6 +5,7 @@ idle, and the stats count what ran."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -315,3 +316,36 @@ def test_a_slow_reader_gets_the_deltas_merged(deltas, reads):
         assert "".join(c.text for c in pieces) == "".join(d[1] for d in want)
         assert [t for c in pieces for t in c.token_ids] == [t for d in want for t in d[2]]
         assert [lp for c in pieces for lp in c.logprobs] == [{t: -1.0} for d in want for t in d[2]]
+
+
+def test_one_engine_across_event_loops_and_a_failing_observer(tiny, reference):
+    """An event loop that ends with a stream open (asyncio.run returning mid-request) leaves the engine
+    usable from the next loop, which aborts the orphaned request; an observer that raises is logged
+    and serving goes on."""
+    prompts, expected = reference
+    engine = AsyncLLMEngine(LLMEngine(_args(tiny)))
+
+    def broken(record):
+        raise RuntimeError("metrics bug")
+
+    engine.add_finished_observer(broken)
+
+    async def leave_open():
+        gen = engine.generate(prompts[0], dataclasses.replace(GREEDY, max_tokens=200), "orphan")
+        await gen.__anext__()  # the loop ends here with the stream open
+
+    asyncio.run(leave_open())
+
+    async def again():
+        outs = await asyncio.wait_for(_collect(engine, prompts[1], "next"), 60)
+        for _ in range(20):
+            if not engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.05)
+        _clean(engine)
+        await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(again())
+    assert outs[-1].outputs[0].token_ids == expected[1].outputs[0].token_ids
+    assert engine.stats().num_requests_finished_total == 2  # the orphan (aborted) and "next"
