@@ -34,7 +34,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments import profile_suffix
+from experiments import profile_suffix, tp_suffix
 from experiments.lib.cli import run_cli
 from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.paths import REPO_ROOT
@@ -120,10 +120,14 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
                          f"longest decode ({longest} tokens, 7/4 of the mean) must be <= max_model_len="
                          f"{cfg.max_model_len}")
     cache = CacheConfig(block_size=bs, swap_space=swap_gib * 1.001, num_gpu_blocks=num_gpu_blocks)
-    return ModelRunner(model, cache, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                       max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, device=device,
-                       dtype=dtype, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
-                       decode_kernel=cfg.decode_kernel)
+    kwargs = {"max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
+              "max_model_len": cfg.max_model_len, "device": device, "dtype": dtype,
+              "enforce_eager": cfg.enforce_eager, "seed": cfg.seed, "decode_kernel": cfg.decode_kernel}
+    tp = int(cfg.get("tensor_parallel_size", 1))
+    if tp > 1:  # rank 0 of a tensor-parallel group: its steps are the group's
+        from engine.distributed.driver import TPModelRunner
+        return TPModelRunner(model, cache, tensor_parallel_size=tp, **kwargs)
+    return ModelRunner(model, cache, **kwargs)
 
 
 def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], list[tuple[int, int, int, float]], list[float]]:
@@ -254,6 +258,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
                       f"host_s = LLMEngine.step() minus its execute() re-run warm on this runner (median of "
                       f"{cfg.host_repeats}), time_s = forward_s + host_s")),
         "async_scheduling": str(ahead).lower(),
+        "tensor_parallel_size": str(int(cfg.get("tensor_parallel_size", 1))),
         "prefill_layout": ("one sequence per step, no prefix, sampling one token; the 0/0 row repeats "
                            "the smallest prefill row"),
         "prefill_pair_s": f"{pair_s:.6e}",
@@ -274,7 +279,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         meta["graph_batch_sizes"] = " ".join(str(s) for s in runner.graphs.sizes)  # for the record only
         meta["token_graph_sizes"] = " ".join(str(s) for s in runner.graphs.token_sizes)  # steps with prefill
     meta["elapsed_s"] = f"{time.perf_counter() - start:.1f} (runner setup {setup_s:.1f})"
-    name = f"{gpu}-{cfg.model.name}{profile_suffix(ahead)}.csv"
+    name = f"{gpu}-{cfg.model.name}{tp_suffix(cfg.get('tensor_parallel_size', 1))}{profile_suffix(ahead)}.csv"
     out = Path(cfg.out) if cfg.out else REPO_ROOT / "experiments" / "profiles" / name
     path = write_profile(out, meta, rows)
     meta["gpu"] = gpu

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from engine.batch_layout import BatchShape
 from engine.config import load_model_config
-from engine.distributed.driver import WorkerFailure
+from engine.distributed.driver import TPModelRunner, WorkerFailure
 from engine.distributed.sharding import TPShard
 from engine.distributed.step_message import StepHeader
 from engine.engine_args import EngineArgs
@@ -132,3 +132,18 @@ def test_a_start_up_error_is_raised_as_is_and_leaves_no_process():
         LLMEngine(EngineArgs(model="tiny-llama", num_gpu_blocks=2, max_model_len=128, tensor_parallel_size=2))
     assert not dist.is_initialized()
     assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("servelab-tp")]
+
+
+def test_the_tensor_parallel_path_at_one_rank_matches_the_plain_runner():
+    """No worker: rank 0's group, sharded model and step messages alone (the GPU smoke test's path)."""
+    args = EngineArgs(model="tiny-qwen3", num_gpu_blocks=64, max_model_len=128, swap_space=0.01)
+    runner = TPModelRunner(args.model_config(), args.cache_config(), tensor_parallel_size=1,
+                           max_num_batched_tokens=256, max_num_seqs=16, max_model_len=128)
+    outputs = []
+    for engine in (LLMEngine(args, runner=runner), LLMEngine(args)):
+        engine.add_request("a", list(range(1, 30)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            outputs += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+    runner.close()
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+    assert not dist.is_initialized()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from policies.tensor_parallel import TPSplit, tp_split
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,17 +37,14 @@ class TPShard:
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, size: int) -> TPShard:
-        check_divisible(cfg, size)
+        split = check_divisible(cfg, size)
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} is invalid: must be in [0, {size})")
-        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        if kv >= size:
-            num_kv, kv_start = kv // size, rank * (kv // size)
-        else:  # replicated: ranks [i * size / kv, (i + 1) * size / kv) share KV head i
-            num_kv, kv_start = 1, rank * kv // size
-        vocab = -(-cfg.vocab_size // size)
-        return cls(rank, size, heads // size, rank * (heads // size), num_kv, kv_start,
-                   cfg.intermediate_size // size, vocab, cfg.vocab_size)
+        kv = cfg.num_key_value_heads
+        # Replicated KV heads: ranks [i * size / kv, (i + 1) * size / kv) share KV head i.
+        kv_start = rank * split.num_kv_heads if kv >= size else rank * kv // size
+        return cls(rank, size, split.num_heads, rank * split.num_heads, split.num_kv_heads, kv_start,
+                   split.intermediate_size, split.vocab_size, cfg.vocab_size)
 
     @property
     def vocab_start(self) -> int:
@@ -92,20 +90,7 @@ class TPShard:
         return tensor.narrow(dim, start, length), dst.narrow(dim, 0, length)
 
 
-def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """ValueError naming the first field that `size` ranks cannot split."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size={size!r} is invalid: must be an integer >= 1")
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    if heads % size:
-        raise ValueError(f"num_attention_heads={heads} of model {cfg.name!r} is not divisible by "
-                         f"tensor_parallel_size={size}")
-    if kv >= size and kv % size:
-        raise ValueError(f"num_key_value_heads={kv} of model {cfg.name!r} is not divisible by "
-                         f"tensor_parallel_size={size}")
-    if kv < size and size % kv:
-        raise ValueError(f"tensor_parallel_size={size} is not a multiple of num_key_value_heads={kv} of "
-                         f"model {cfg.name!r} (fewer KV heads than ranks are replicated, evenly)")
-    if cfg.intermediate_size % size:
-        raise ValueError(f"intermediate_size={cfg.intermediate_size} of model {cfg.name!r} is not "
-                         f"divisible by tensor_parallel_size={size}")
+def check_divisible(cfg: ModelConfig, size: int) -> TPSplit:
+    """ValueError naming the first field that `size` ranks cannot split (policies/tensor_parallel.py)."""
+    return tp_split(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size,
+                    size, cfg.name)

@@ -170,6 +170,11 @@ class Model:
 
 
 @dataclass
+class Parallel:
+    tensor_parallel_size: int = 1
+
+
+@dataclass
 class Slo:
     ttft_s: float | None = None
     tpot_s: float | None = None
@@ -211,12 +216,14 @@ GROUPS: dict[str, Callable[[Mapping], type | None]] = {
 }
 # The top-level files: their own keys' schemas (None: any value) and the groups they compose.
 RUN_KEYS: dict[str, type | None] = {"seed": int, "scheduler": SchedulerConfig, "slo": Slo, "progress": bool,
+                                    "parallel": Parallel,
                                     "plots": bool}
 PROFILE_KEYS: dict[str, type | None] = {
     "device": str | None, "gpu": str | None, "dtype": str | None, "block_size": int,
     "max_num_batched_tokens": int, "max_num_seqs": int, "max_model_len": int, "enforce_eager": bool,
     "decode_kernel": str, "async_scheduling": bool, "warmup": int, "repeats": int, "passes": int,
     "host_repeats": int, "seed": int, "progress": bool, "out": str | None, "calibrate": bool,
+    "tensor_parallel_size": int,
     "calibrated_out": str | None}
 
 

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from engine.attention import DEFAULT_DECODE_KERNEL
 from engine.config import DTYPES, ModelConfig, check_against_gguf
+from engine.distributed.sharding import TPShard
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from experiments.lib import factory
@@ -45,7 +46,9 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
     block_size = factory.block_size(cfg)
     device = EngineArgs(device=backend.get("device")).resolve_device()
     dtype = backend.get("dtype") or (model.dtype if device.startswith("cuda") else "float32")
-    block_bytes = block_size * model.kv_bytes_per_token(DTYPES[dtype])  # as the runner sizes blocks
+    tp = factory.tensor_parallel_size(cfg)
+    gpu_model = model if tp == 1 else TPShard.of(model, 0, tp).local_config(model)  # one GPU's KV heads
+    block_bytes = block_size * gpu_model.kv_bytes_per_token(DTYPES[dtype])  # as the runner sizes blocks
     num_gpu_blocks = blocks.get("num_gpu_blocks")
     if num_gpu_blocks is None and blocks.get("kv_cache_gib") is not None:
         num_gpu_blocks = int(float(blocks["kv_cache_gib"]) * 2**30 // block_bytes)
@@ -68,7 +71,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         block_size=block_size, gpu_memory_utilization=float(blocks.get("gpu_memory_utilization", 0.9)),
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
         enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed),
-        decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)))
+        decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)), tensor_parallel_size=tp)
 
 
 # EngineArgs fields that only shape the scheduler, which `LLMEngine.reset` rebuilds: runs that differ
@@ -86,7 +89,7 @@ def get_engine(args: EngineArgs) -> LLMEngine:
     """The kept engine for `args` (built on first use), its scheduler built from `args`."""
     key = engine_key(args)
     if key not in _ENGINE:
-        _ENGINE.clear()  # one model on the device at a time
+        release_engine()  # one model on the device at a time
         _ENGINE[key] = LLMEngine(args)
     engine = _ENGINE[key]
     if engine.args != args:  # same device state, other scheduler settings
@@ -109,7 +112,9 @@ def kept_runner():
 
 
 def release_engine() -> None:
-    """Drop the kept engine (frees its device memory once nothing else references it)."""
+    """Close and drop the kept engine (its tensor-parallel workers end; device memory is freed)."""
+    for engine in _ENGINE.values():
+        engine.close()
     _ENGINE.clear()
 
 

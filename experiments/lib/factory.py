@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.lib.paths import resolve_path
 from experiments.lib.workloads import Workload, build_workload
 from sim.latency import Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel
+from sim.latency.tensor_parallel import shard_shape
 
 LATENCY_MODELS = ("roofline", "profiled")
 
@@ -29,6 +30,22 @@ def model_shape(cfg: DictConfig) -> ModelShape:
 
 def hardware(cfg: DictConfig) -> Hardware:
     return Hardware.from_dict(section(cfg, "hardware"))
+
+
+def tensor_parallel_size(cfg: DictConfig) -> int:
+    """`parallel.tensor_parallel_size` (1 when the config has no `parallel` block)."""
+    size = (cfg.get("parallel") or {}).get("tensor_parallel_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"parallel.tensor_parallel_size={size!r} is invalid: must be an integer >= 1")
+    return size
+
+
+def gpu_model_shape(cfg: DictConfig) -> ModelShape:
+    """The model one GPU holds under `parallel.tensor_parallel_size` (the whole model for 1)."""
+    try:
+        return shard_shape(model_shape(cfg), tensor_parallel_size(cfg))
+    except ValueError as e:
+        raise ValueError(f"parallel.{e}" if str(e).startswith("tensor_parallel_size") else f"model.{e}") from None
 
 
 def _int_at_least(b: Mapping[str, Any], key: str, low: int) -> int:
@@ -55,7 +72,7 @@ def block_size(cfg: DictConfig) -> int:
 def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
     """(num_gpu_blocks, num_cpu_blocks) for the simulated GPU, as vLLM sizes its pools."""
     b = section(cfg, "blocks")
-    model, hw = model_shape(cfg), hardware(cfg)
+    model, hw = gpu_model_shape(cfg), hardware(cfg)  # per GPU: each holds its share of weights and KV
     block_bytes = model.kv_bytes_per_token * block_size(cfg)
     if b.get("num_gpu_blocks") is not None:
         gpu = _int_at_least(b, "num_gpu_blocks", 1)
@@ -138,7 +155,11 @@ def build_latency(cfg: DictConfig) -> LatencyModel:
     lat = section(cfg, "latency")
     name = lat.get("name")
     if name == "roofline":
-        return RooflineModel(model_shape(cfg), hardware(cfg), block_size(cfg))
+        gpu_model_shape(cfg)  # the size's errors, named by config key
+        try:
+            return RooflineModel(model_shape(cfg), hardware(cfg), block_size(cfg), tensor_parallel_size(cfg))
+        except ValueError as e:
+            raise ValueError(f"parallel.tensor_parallel_size: {e}") from None
     if name == "profiled":
         path = resolve_path(str(lat.get("path")))
         if not path.is_file():
@@ -146,6 +167,7 @@ def build_latency(cfg: DictConfig) -> LatencyModel:
                              "`python -m experiments.profile` on that GPU, or try "
                              "latency.path=experiments/profiles/example-synthetic.csv")
         return ProfiledModel(path, block_size(cfg), model_name=cfg.model.get("name"),
+                             tensor_parallel_size=tensor_parallel_size(cfg),
                              async_scheduling=bool((cfg.get("scheduler") or {}).get("async_scheduling", False)))
     raise ValueError(f"latency.name={name!r} is unknown: choose one of {list(LATENCY_MODELS)}")
 

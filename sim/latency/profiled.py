@@ -154,12 +154,19 @@ class ProfiledModel(LatencyModel):
     name = "profiled"
 
     def __init__(self, path: str | Path, block_size: int, model_name: str | None = None,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, tensor_parallel_size: int = 1) -> None:
         """`async_scheduling`: the runs' scheduler mode, checked against the profile's (a profile
-        without the key was taken synchronously)."""
+        without the key was taken synchronously); `tensor_parallel_size`: the runs' GPUs per model,
+        checked against the profile's `tensor_parallel_size` (1 when absent): a profile's step
+        times are those of the size it was measured at."""
         path = Path(path)
         self.path = path
         self.meta, rows = read_profile(path)
+        measured_tp = int(self.meta.get("tensor_parallel_size", 1))
+        if measured_tp != tensor_parallel_size:
+            raise ValueError(f"latency profile {str(path)!r} was measured with tensor_parallel_size={measured_tp}, "
+                             f"not parallel.tensor_parallel_size={tensor_parallel_size}: profile at that size "
+                             "(python -m experiments.profile tensor_parallel_size=N) or pick its profile")
         if model_name is not None and self.meta.get("model") not in (None, model_name):
             raise ValueError(f"latency profile {str(path)!r} was measured for model={self.meta['model']!r}, "
                              f"not model={model_name!r}: profile that model or pick its profile")

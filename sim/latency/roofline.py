@@ -11,6 +11,9 @@ with bw = `hbm_bandwidth`, rate = peak FLOP/s for the model dtype, eb = `bandwid
 4. Prefill attention (q > 1): bytes = (sum of c + q) KV entries (the prefix read plus the new
    tokens written and read); flops = 4 L H D * sum(q c + q (q + 1) / 2) (causal).
 Plus copy-on-write copies (read + write a block each) and a fixed `step_overhead_s`.
+With `tensor_parallel_size` N > 1 every byte and FLOP above is one GPU's share (its heads, MLP
+columns and vocabulary: sim/latency/tensor_parallel.py), and the step adds its all-reduces and
+logits gather over `interconnect_bandwidth` / `interconnect_latency_s`.
 Swap: `swap_latency_s + n * (block_bytes / host_link_bandwidth + swap_block_overhead_s)`.
 """
 from __future__ import annotations
@@ -18,14 +21,19 @@ from __future__ import annotations
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel
 from sim.latency.shapes import Hardware, ModelShape
+from sim.latency.tensor_parallel import TPCommCost, shard_shape
 
 
 class RooflineModel(LatencyModel):
     name = "roofline"
 
-    def __init__(self, model: ModelShape, hardware: Hardware, block_size: int) -> None:
+    def __init__(self, model: ModelShape, hardware: Hardware, block_size: int,
+                 tensor_parallel_size: int = 1) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} is invalid: must be an integer >= 1")
+        self.tensor_parallel_size = tensor_parallel_size
+        self.comm = TPCommCost.of(model, hardware, tensor_parallel_size)
+        model = shard_shape(model, tensor_parallel_size)  # one GPU's share
         self.model, self.hardware, self.block_size = model, hardware, block_size
         bw = hardware.hbm_bandwidth * hardware.bandwidth_efficiency
         rate = hardware.flops_for(model.dtype_bytes)
@@ -55,6 +63,8 @@ class RooflineModel(LatencyModel):
         if tokens:
             gemm_compute = tokens * self._gemm_s_per_token + b.num_samples * self._gemm_s_per_sample
             t += max(self._weights_s, gemm_compute) + tokens * self._act_s_per_token
+            if self.tensor_parallel_size > 1:
+                t += self.comm.step_s(tokens, b.num_samples)
         if b.num_decode_seqs:
             ctx = b.num_context_tokens
             t += max(ctx * self._kv_s_per_token, ctx * self._attn_s_per_pair)

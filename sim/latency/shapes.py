@@ -128,15 +128,20 @@ class Hardware:
     step_overhead_s: float  # fixed per step: launch, Python scheduling, sampling
     swap_latency_s: float  # fixed per swap batch (stream sync, launch)
     swap_block_overhead_s: float  # per block moved: one copy per layer and K/V; small blocks pay it more
+    # GPU-to-GPU link (tensor parallelism; optional, needed only for tensor_parallel_size > 1).
+    interconnect_bandwidth: float | None = None  # B/s per GPU, each way
+    interconnect_latency_s: float | None = None  # per collective
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], where: str = "hardware") -> Hardware:
-        values = {f.name: _require(cfg, f.name, where) for f in fields(cls)}
+        optional = ("interconnect_bandwidth", "interconnect_latency_s")
+        values = {f.name: cfg.get(f.name) if f.name in optional else _require(cfg, f.name, where)
+                  for f in fields(cls)}
         for f in fields(cls):
-            if f.name == "name":
+            if f.name == "name" or (f.name in optional and values[f.name] is None):
                 continue
             v = values[f.name]
-            if f.name in ("step_overhead_s", "swap_latency_s", "swap_block_overhead_s"):
+            if f.name in ("step_overhead_s", "swap_latency_s", "swap_block_overhead_s", "interconnect_latency_s"):
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                     raise ValueError(f"{where}.{f.name}={v!r} is invalid: must be a number >= 0")
             elif f.name.endswith("efficiency"):

@@ -1,0 +1,59 @@
+"""What tensor parallelism changes in a step's price (sim/latency/roofline.py).
+
+Each of N GPUs holds 1/N of the heads, the MLP and the vocabulary (`policies.tensor_parallel`):
+`shard_shape` is the model one GPU computes, so its weight and KV bytes and its FLOPs come out
+per GPU. The GPUs then exchange activations: a row-parallel layer's partial sums are all-reduced
+twice per decoder layer (after o_proj and after down_proj) plus once after the vocab-parallel
+embedding, each over the step's [tokens, hidden] activations, and the sampled rows' logits are
+all-gathered once. With a ring over links of bandwidth B (bytes/s each way per GPU) and latency a:
+
+    all_reduce(n bytes) = a + 2 (N - 1) / N * n / B
+    all_gather(n bytes of output) = a + (N - 1) / N * n / B
+
+so a step of T tokens and R sampled rows costs (2 L + 1) * all_reduce(T h b) + all_gather(R V b)
+with L layers, hidden size h, vocabulary V and b bytes per element. N = 1 costs nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from policies.tensor_parallel import tp_split
+from sim.latency.shapes import Hardware, ModelShape
+
+
+def shard_shape(model: ModelShape, size: int) -> ModelShape:
+    """The model one of `size` GPUs computes (its heads, MLP columns and vocabulary rows)."""
+    if size == 1:
+        return model
+    split = tp_split(model.num_heads, model.num_kv_heads, model.intermediate_size, model.vocab_size, size,
+                     model.name)
+    return dataclasses.replace(model, num_heads=split.num_heads, num_kv_heads=split.num_kv_heads,
+                               intermediate_size=split.intermediate_size, vocab_size=split.vocab_size)
+
+
+@dataclass(slots=True, frozen=True)
+class TPCommCost:
+    """Seconds of a step's tensor-parallel communication: `fixed_s + tokens * per_token_s +
+    samples * per_sample_s` (all 0 for one GPU)."""
+
+    fixed_s: float = 0.0
+    per_token_s: float = 0.0
+    per_sample_s: float = 0.0
+
+    @classmethod
+    def of(cls, model: ModelShape, hardware: Hardware, size: int) -> TPCommCost:
+        if size == 1:
+            return cls()
+        bw, latency = hardware.interconnect_bandwidth, hardware.interconnect_latency_s
+        if bw is None or latency is None:
+            raise ValueError(f"hardware.interconnect_bandwidth / interconnect_latency_s of {hardware.name!r} "
+                             f"are missing: tensor_parallel_size={size} needs the GPU-to-GPU link's figures")
+        num_all_reduces = 2 * model.num_layers + 1
+        ring = (size - 1) / size
+        return cls(fixed_s=(num_all_reduces + 1) * latency,
+                   per_token_s=num_all_reduces * 2 * ring * model.hidden_size * model.dtype_bytes / bw,
+                   per_sample_s=ring * model.vocab_size * model.dtype_bytes / bw)
+
+    def step_s(self, tokens: int, samples: int) -> float:
+        return self.fixed_s + tokens * self.per_token_s + samples * self.per_sample_s
