@@ -36,13 +36,13 @@ MAPPED = {
     "enforce_eager": ("backend.enforce_eager=true", lambda a: a.enforce_eager),
     "decode_kernel": ("backend.decode_kernel=per-head", lambda a: a.decode_kernel == "per-head"),
     "seed": ("seed=5", lambda a: a.seed == 5),
+    "tensor_parallel_size": ("parallel.tensor_parallel_size=2", lambda a: a.tensor_parallel_size == 2),
 }
 # Fields a run config does not set, and why.
 NOT_FROM_CONFIG = {
     "tokenizer": "runs feed token ids; the tokenizer comes with the weights",
     "detokenize": "runs read token ids only (always False here)",
-    "tensor_parallel_size": "runs on the engine backend use one GPU (the run config has no parallel group)",
-    "distributed_timeout_s": "only read with tensor_parallel_size > 1",
+    "distributed_timeout_s": "a fault-detection deadline, not an experiment setting (EngineArgs default)",
 }
 
 
