@@ -451,3 +451,29 @@ def test_server_on_the_gpu_equals_llm_generate():
                 return await asyncio.gather(*(one(aclient, p) for p in prompts))
 
         assert asyncio.run(main()) == [w.outputs[0].token_ids for w in want]
+
+
+def test_priority_reaches_the_scheduler(model_dir):
+    """vLLM's `priority` field drives the priority policy: with one running slot busy, a request of
+    priority 0 sent after one of priority 5 is served first."""
+    engine = AsyncLLMEngine(LLMEngine(engine_args(model_dir, max_num_seqs=1, num_gpu_blocks=64, policy="priority")))
+    ended = []
+    engine.add_finished_observer(lambda r: ended.append(r.request_id))
+    with ServerThread(build_app(engine, MODEL)) as srv:
+        async def main():
+            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0) as aclient:
+                def send(prio, max_tokens):
+                    return aclient.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=max_tokens,
+                                                      extra_body={"priority": prio, "ignore_eos": True})
+                first = await aclient.completions.create(model=MODEL, prompt=[4, 5], max_tokens=60, stream=True,
+                                                         extra_body={"ignore_eos": True})
+                await anext(aiter(first))  # the only running slot is taken
+                low = asyncio.ensure_future(send(5, 3))
+                await asyncio.sleep(0.05)
+                high = asyncio.ensure_future(send(0, 3))
+                async for _ in first:
+                    pass
+                return (await low).id, (await high).id
+
+        low_id, high_id = asyncio.run(main())
+    assert ended.index(high_id) < ended.index(low_id)
