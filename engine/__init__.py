@@ -49,7 +49,8 @@ Upper half (the user API, vLLM's names), importable from `engine` directly:
   `.scheduler`, `.recorder` (the scheduler's trace), `.runner`, `.tokenizer`, `.now()`.
 - `EngineArgs`: model (conf/model name, HF dir, .gguf, or a `ModelConfig`), dtype, device,
   tokenizer, detokenize, block_manager, policy, preemption_mode, scheduler limits, block_size,
-  gpu_memory_utilization, swap_space, num_gpu_blocks, enforce_eager, seed.
+  gpu_memory_utilization, swap_space, num_gpu_blocks, enforce_eager, seed, tensor_parallel_size
+  (shard the model over N GPUs: `engine.distributed`, docs/parallelism.md), distributed_timeout_s.
 - `RequestOutput(request_id, prompt, prompt_token_ids, outputs: [CompletionOutput(index, text,
   token_ids, finish_reason, stop_reason, logprobs)], finished, metrics: RequestMetrics)`.
 - `AsyncLLMEngine(engine, max_waiting_requests=None)` / `.from_engine_args(args, ...)`: `async for out

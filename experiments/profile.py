@@ -212,9 +212,9 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
 
 
 def prefill_schedule(runner) -> PrefillSchedule:
-    """The prefill kernel's program geometry on the runner's device and model."""
+    """The prefill kernel's program geometry on the runner's device and model (one rank's heads)."""
     from kernels.prefill import program_geometry
-    m = runner.model_config
+    m = runner.local_config
     return PrefillSchedule(*program_geometry(m.num_attention_heads, m.num_key_value_heads, m.head_dim, runner.device))
 
 
@@ -279,6 +279,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         meta["graph_batch_sizes"] = " ".join(str(s) for s in runner.graphs.sizes)  # for the record only
         meta["token_graph_sizes"] = " ".join(str(s) for s in runner.graphs.token_sizes)  # steps with prefill
     meta["elapsed_s"] = f"{time.perf_counter() - start:.1f} (runner setup {setup_s:.1f})"
+    runner.close()  # frees the device; ends the tensor-parallel workers and group
     name = f"{gpu}-{cfg.model.name}{tp_suffix(cfg.get('tensor_parallel_size', 1))}{profile_suffix(ahead)}.csv"
     out = Path(cfg.out) if cfg.out else REPO_ROOT / "experiments" / "profiles" / name
     path = write_profile(out, meta, rows)

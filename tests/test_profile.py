@@ -291,3 +291,12 @@ def test_host_check_times_every_core_and_the_unpinned_process():
     assert (table["min_us"] <= table["median_us"]).all() and (table["median_us"] <= table["max_us"]).all()
     assert sorted(os.sched_getaffinity(0)) == cores  # the process is unpinned again
     assert system_facts()["cpus"] == str(os.cpu_count())
+
+
+def test_profiler_records_the_tensor_parallel_size_and_the_simulator_checks_it(tmp_path):
+    path, _ = tiny_profile(tmp_path / "cpu-tiny-qwen3-tp2.csv", ["tensor_parallel_size=2"])
+    assert not torch.distributed.is_initialized()  # the profiler closed its workers
+    assert read_profile(path)[0]["tensor_parallel_size"] == "2"
+    assert ProfiledModel(path, 16, tensor_parallel_size=2).meta["model"] == "tiny-qwen3"
+    with pytest.raises(ValueError, match="measured with tensor_parallel_size=2"):
+        ProfiledModel(path, 16)
