@@ -38,8 +38,9 @@ from experiments.lib.fidelity_spec import compose_cfg
 from experiments.run import run
 from policies.trace import TraceRecorder
 
+# conf/fidelity's settings: the KV pool from GPU memory (not the default run's 3 GiB), async scheduling.
 COMMON = ["model=qwen3-0.6b", "hardware=h200", "seed=0", "progress=false", "plots=false",
-          "scheduler.async_scheduling=true"]
+          "scheduler.async_scheduling=true", "blocks.kv_cache_gib=null"]
 # Poisson streams with nano-vllm's length distribution (conf/fidelity's Poisson scenarios).
 POISSON = ["workload=poisson", "workload.prompt_len.low=100", "workload.prompt_len.high=1024",
            "workload.output_len.low=100", "workload.output_len.high=1024"]
