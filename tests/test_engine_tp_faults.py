@@ -3,6 +3,7 @@ faults: a worker killed or hung gives rank 0 a `WorkerFailure` within a bounded 
 process behind; `close()` stops every worker; a start-up error is raised as is."""
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -147,3 +148,12 @@ def test_the_tensor_parallel_path_at_one_rank_matches_the_plain_runner():
     runner.close()
     assert outputs[0] == outputs[1] and len(outputs[0]) == 8
     assert not dist.is_initialized()
+
+
+def test_an_engine_dropped_without_close_stops_its_workers():
+    engine = _engine()
+    procs = list(engine.runner._procs)
+    del engine
+    gc.collect()
+    assert [p.exitcode for p in procs] == [0]
+    assert not dist.is_initialized()  # a new tensor-parallel engine can start

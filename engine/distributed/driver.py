@@ -67,7 +67,9 @@ class TPModelRunner(ModelRunner):
         self._header = StepHeader()
         self.tp: TPGroup | None = None
         # Stops the workers at interpreter exit (or when the runner is collected) if close() was not called.
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._links, JOIN_TIMEOUT_S)
+        self._group_open: list[bool] = []  # [True] while this runner holds the process's group
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._links, JOIN_TIMEOUT_S,
+                                           self._group_open)
         startup_s = max(timeout_s, STARTUP_TIMEOUT_S)
         store = open_store(size, startup_s)
         ctx = multiprocessing.get_context("spawn")
@@ -83,12 +85,14 @@ class TPModelRunner(ModelRunner):
         self._store = store
         with self._guard("start-up"):
             self.tp = init_group(store, 0, size, devices[0], startup_s)
+            self._group_open.append(True)
             super().__init__(model_config, cache_config, device=devices[0], tp=self.tp, **runner_kwargs)
             for rank, link in enumerate(self._links, start=1):
                 self._expect_ready(rank, link, startup_s)
             self.tp.set_timeout(timeout_s)
         self._serving = True
-        self._watchdog = threading.Thread(target=self._watch, name="tp-worker-watchdog", daemon=True)
+        self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), [p.sentinel for p in self._procs]),
+                                          name="tp-worker-watchdog", daemon=True)
         self._watchdog.start()
 
     # ---- steps -------------------------------------------------------------------------------
@@ -171,30 +175,36 @@ class TPModelRunner(ModelRunner):
         if kind != "ready":
             raise RuntimeError(f"worker {rank} failed: {detail}")
 
-    def _watch(self) -> None:
-        """A worker's death aborts the device group, so a step blocked on it on the GPU ends."""
-        sentinels = [p.sentinel for p in self._procs]
-        while not self._closed:
-            if wait(sentinels, timeout=0.5) and not self._closed:
-                if self.tp is not None and self.device.type == "cuda":
-                    abort(self.tp)
-                return
-
     def close(self) -> None:
         """Stop the workers (killed if they do not stop), free rank 0's model and KV cache, end the group."""
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
-        _stop_workers(self._procs, self._links, JOIN_TIMEOUT_S if self._failure is None else 1.0)
-        if self.tp is not None:
-            destroy()
+        _stop_workers(self._procs, self._links, JOIN_TIMEOUT_S if self._failure is None else 1.0,
+                      self._group_open)
         if hasattr(self, "device"):  # ModelRunner got far enough to hold something
             super().close()
 
 
-def _stop_workers(procs: list[multiprocessing.Process], links: list[Connection], grace_s: float) -> None:
-    """Ask every worker to stop, wait `grace_s`, kill the ones still running."""
+def _watch(runner_ref: weakref.ref, sentinels: list) -> None:
+    """A worker's death aborts the device group, so a step blocked on it on the GPU ends. Holds the
+    runner weakly: an engine dropped without close() is still collected (and its workers stopped)."""
+    while True:
+        dead = wait(sentinels, timeout=0.5)
+        runner = runner_ref()
+        if runner is None or runner._closed:
+            return
+        if dead:
+            if runner.tp is not None and runner.device.type == "cuda":
+                abort(runner.tp)
+            return
+        del runner
+
+
+def _stop_workers(procs: list[multiprocessing.Process], links: list[Connection], grace_s: float,
+                  group_open: list[bool]) -> None:
+    """Ask every worker to stop, wait `grace_s`, kill the ones still running; end the group."""
     stop = StepHeader(stop=True).encode()
     for link in links:
         with contextlib.suppress(OSError):
@@ -206,6 +216,9 @@ def _stop_workers(procs: list[multiprocessing.Process], links: list[Connection],
             proc.join(JOIN_TIMEOUT_S)
     for link in links:
         link.close()
+    if group_open:
+        destroy()
+        group_open.clear()
 
 
 def _reported_error(link: Connection) -> str | None:
