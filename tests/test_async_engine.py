@@ -349,3 +349,37 @@ def test_one_engine_across_event_loops_and_a_failing_observer(tiny, reference):
     outs = asyncio.run(again())
     assert outs[-1].outputs[0].token_ids == expected[1].outputs[0].token_ids
     assert engine.stats().num_requests_finished_total == 2  # the orphan (aborted) and "next"
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_parallel_samples_stream_and_abort_ends_the_stream(tiny, reference, ahead):
+    """n=3 seeded samples in delta mode join to the cumulative stream's final samples; abort() ends a
+    running stream with a final "abort:user" output and frees its blocks."""
+    prompts, _ = reference
+    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=10, ignore_eos=True, logprobs=1)
+
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(_args(tiny, ahead)))
+        cumulative = await _collect(engine, prompts[2], "cum", params)
+        deltas = await _collect(engine, prompts[2], "delta", params, output_kind="delta")
+        long = dataclasses.replace(GREEDY, max_tokens=200)
+        outs = []
+        async for out in engine.generate(prompts[3], long, "aborted"):
+            outs.append(out)
+            if len(outs) == 2:
+                await engine.abort("aborted")
+        _clean(engine)
+        await engine.shutdown()
+        return cumulative, deltas, outs
+
+    cumulative, deltas, outs = asyncio.run(main())
+    final = {c.index: c for c in cumulative[-1].outputs}
+    assert sorted(final) == [0, 1, 2] and len({tuple(c.token_ids) for c in final.values()}) > 1
+    for index, c in final.items():
+        pieces = [p for o in deltas for p in o.outputs if p.index == index]
+        assert [t for p in pieces for t in p.token_ids] == c.token_ids
+        assert "".join(p.text for p in pieces) == c.text
+        assert [lp for p in pieces for lp in p.logprobs] == c.logprobs and len(c.logprobs) == 10
+        assert pieces[-1].finish_reason == "length"
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort:user"
+    assert 2 <= len(outs[-1].outputs[0].token_ids) <= 4 and len(outs) <= 4
