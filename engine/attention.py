@@ -19,25 +19,44 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
-DECODE_KERNELS = ("per-head", "packed", "tma")
-# The engine default: faster than per-head on the ragged batches an engine runs and from ~8k tokens
-# per sequence (docs/kernels.md), and its time follows total tokens, not the longest context.
-# "tma" (launched longest first) is 4.6% faster on nano-vllm, but the simulator's profiles price it
-# less well (25/32 fidelity targets against 32/32: docs/kernels.md).
-DEFAULT_DECODE_KERNEL = "packed"
+DECODE_KERNELS = ("auto", "per-head", "packed", "tma")
+# The engine default, resolved when the runner is built (`resolve_decode_kernel`): the Gluon TMA
+# kernel, launched longest first, on Hopper with fp16/bf16 (4.6% more output tokens/s than packed on
+# nano-vllm's benchmark: docs/kernels.md), the packed kernel elsewhere (faster than per-head on the
+# ragged batches an engine runs and from ~8k tokens per sequence).
+DEFAULT_DECODE_KERNEL = "auto"
+# The Gluon kernel's page boxes: a step of 32 tokens covers one, two or four whole blocks.
+_TMA_TILE_TOKENS = 32
 
 
-def attention_ops(backend: str, device: torch.device, decode_kernel: str = DEFAULT_DECODE_KERNEL) -> ModuleType | SimpleNamespace:
+def resolve_decode_kernel(decode_kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                          group: int, block_size: int) -> str:
+    """The decode kernel an engine runs: "auto" -> "tma" on a compute capability 9.x GPU with a
+    float16/bfloat16 model whose shapes the Gluon kernel takes (head_dim 64 or 128, at most 16 query
+    heads per KV head, 32 tokens = 1, 2 or 4 blocks), else "packed"; any other name is kept."""
+    if decode_kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel={decode_kernel!r} is invalid: one of {DECODE_KERNELS}")
+    if decode_kernel != "auto":
+        return decode_kernel
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    fits = (dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128) and group <= 16
+            and _TMA_TILE_TOKENS % block_size == 0 and _TMA_TILE_TOKENS // block_size in (1, 2, 4))
+    return "tma" if hopper and fits else "packed"
+
+
+def attention_ops(backend: str, device: torch.device, decode_kernel: str = "packed") -> ModuleType | SimpleNamespace:
     """"auto": the Triton launchers on CUDA (unless `kernels.BACKEND` forces the references), the
     references on CPU; "triton": the Triton launchers whatever the device (interpreted on CPU under
     TRITON_INTERPRET=1); "reference": `kernels.reference`. `decode_kernel` picks the Triton decode
     kernel: "per-head" (kernels/decode.py), "packed" (kernels/decode_packed.py, all KV heads of a
     block per tile, work split evenly over the batch's tokens) or "tma" (kernels/decode_tma.py, Gluon
-    TMA page loads; Hopper+)."""
+    TMA page loads; Hopper+); "auto" is resolved first (`resolve_decode_kernel`)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is invalid: one of {ATTENTION_BACKENDS}")
-    if decode_kernel not in DECODE_KERNELS:
-        raise ValueError(f"decode_kernel={decode_kernel!r} is invalid: one of {DECODE_KERNELS}")
+    if decode_kernel not in DECODE_KERNELS or decode_kernel == "auto":
+        allowed = tuple(k for k in DECODE_KERNELS if k != "auto")
+        raise ValueError(f"decode_kernel={decode_kernel!r} is invalid here: one of {allowed} (resolve \"auto\" "
+                         "with resolve_decode_kernel)")
     if backend == "auto":
         import kernels  # its BACKEND (env SERVELAB_KERNELS) may force the references
 

@@ -29,7 +29,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     # Schedule and launch each step while the one before it runs (vLLM v1's async scheduling;
     # SchedulerConfig.async_scheduling, policies/lookahead.py).
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     watermark: float = 0.01
     # KV cache.
     block_size: int = 16
@@ -37,7 +37,9 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB of pinned CPU memory
     num_gpu_blocks: int | None = None  # override the profiled count (CPU: default at most 4 GiB)
     enforce_eager: bool = False  # True: no CUDA graphs
-    decode_kernel: str = DEFAULT_DECODE_KERNEL  # Triton decode attention: "packed", "per-head" or "tma" (engine/attention.py)
+    # Triton decode attention: "auto" (Gluon "tma" on Hopper with fp16/bf16, else "packed"), "packed",
+    # "per-head" or "tma" (engine/attention.py).
+    decode_kernel: str = DEFAULT_DECODE_KERNEL
     seed: int = 0
     # Tensor parallelism (docs/parallelism.md): shard the model over this many GPUs (processes on
     # CPU), rank 0 in this process and workers spawned by the engine; 1 is the single-process path.

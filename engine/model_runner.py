@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from engine.attention import DEFAULT_DECODE_KERNEL, attention_ops
+from engine.attention import DEFAULT_DECODE_KERNEL, attention_ops, resolve_decode_kernel
 from engine.batch_layout import BatchShape
 from engine.config import DTYPES, CacheConfig, ModelConfig
 from engine.cuda_graph import StepGraphs
@@ -71,7 +71,11 @@ class ModelRunner:
             raise ValueError(f"max_model_len={max_model_len} is invalid: the model supports at most "
                              f"max_position_embeddings={model_config.max_position_embeddings}")
         self.block_size = cache_config.block_size
-        self.ops = attention_ops(attention_backend, self.device, decode_kernel)
+        # "auto" resolved on this device and dtype; runs and profiles record the name (their metadata).
+        self.decode_kernel = resolve_decode_kernel(
+            decode_kernel, self.device, self.dtype, model_config.head_dim,
+            model_config.num_attention_heads // model_config.num_key_value_heads, self.block_size)
+        self.ops = attention_ops(attention_backend, self.device, self.decode_kernel)
         if compile_model is None:  # vLLM's convention: enforce_eager turns off compilation too
             compile_model = self.device.type == "cuda" and not enforce_eager
         self.model = build_model(model_config, self.ops, self.device, self.dtype,

@@ -58,6 +58,17 @@ from sim.latency.profiled import ProfiledModel
 STALL_S = 0.25  # engine steps longer than this are stalls (JIT compiles, GC) no profile predicts
 
 
+def check_decode_kernel(path: str, meta: dict[str, str], scenario: str, runs: list[dict[str, Any]]) -> None:
+    """Refuse to compare engine runs with a profile of another decode kernel (where both name theirs:
+    `decode_kernel` in a profile's metadata and in a run's summary)."""
+    profiled = meta.get("decode_kernel")
+    ran = {r["decode_kernel"] for r in runs if r.get("decode_kernel")}
+    if profiled and ran and ran != {profiled}:
+        raise ValueError(f"latency profile {path!r} was taken with decode_kernel={profiled}, but the engine runs of "
+                         f"scenario {scenario} ran {sorted(ran)}: profile with the engine's kernel "
+                         f"(python -m experiments.profile decode_kernel=...) or run the spec that names {profiled}")
+
+
 class Fidelity:
     def __init__(self, spec: dict[str, Any], common: list[str], runs_dir: Path, engine_runs: Path | None,
                  profile: str | None, engine_repeats: int = 1, window: bool = False,
@@ -69,7 +80,7 @@ class Fidelity:
         self.window, self.standalone = window, standalone  # fidelity_window.py
         self._sim_profile: str | None = None
         self.base = [*spec["common"], *common]
-        self.profile = profile
+        self.profile = profile or spec.get("profile")
         self.capacity_tok_s: float | None = None
         self.results: dict[str, dict[str, Any]] = {}  # scenario -> {engine/sim: (summary, requests, steps)}
         self.settings: dict[str, dict[str, Any]] = {}
@@ -180,6 +191,7 @@ class Fidelity:
             blocks.append(f"blocks.num_cpu_blocks={info['num_cpu_blocks']}")
         cfg_s = compose_cfg([*overrides, *self.spec["sim"], f"latency.path={self.sim_profile()}", *blocks])
         profile = ProfiledModel(self.sim_profile(), factory.block_size(cfg_s))
+        check_decode_kernel(self.sim_profile(), profile.meta, name, [r[0].get("run", {}) for r in engine_runs])
         self.settings[name]["decode_vs_profile"] = [
             round(decode_step_ratio(r[2], lambda d, c: profile.lookup(0, d, c)), 3) for r in engine_runs]
         out = self.runs_dir / name / "sim"

@@ -247,6 +247,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "engine": (f"ModelRunner max_num_batched_tokens={cfg.max_num_batched_tokens} max_num_seqs="
                    f"{cfg.max_num_seqs} max_model_len={cfg.max_model_len} enforce_eager={cfg.enforce_eager} "
                    f"decode_kernel={cfg.decode_kernel}"),
+        "decode_kernel": runner.decode_kernel,  # what `decode_kernel` resolved to on this device
         "timing": (f"execute() wall clock, CUDA-synchronised; {cfg.warmup} warm-up runs, median of {cfg.repeats}, "
                    f"in each of {cfg.passes} passes over the grid (the passes' median); decode-only rows: time_s = "
                    f"median period of {cfg.host_repeats} consecutive LLMEngine.step() calls holding that batch, "

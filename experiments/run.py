@@ -78,7 +78,8 @@ def _main(cfg: DictConfig) -> None:
     summary = run(cfg, out_dir, label)
     r = summary["run"]
     print(f"{label}: {r['policy']}/{r['preemption_mode']}, blocks={r['blocks']}, workload={r['workload']}, "
-          f"backend={r['backend']} ({r['num_steps']} steps, {r['wall_time_s']:.2f}s wall)")
+          f"backend={r['backend']}{' (' + r['decode_kernel'] + ' decode kernel)' if 'decode_kernel' in r else ''} "
+          f"({r['num_steps']} steps, {r['wall_time_s']:.2f}s wall)")
     print(summary_table(summary))
     print(f"  traces and plots in {out_dir}")
 

@@ -12,6 +12,11 @@ ARCH_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config
 VOCAB = 256  # one token per byte
 
 
+def scheduling(ahead: bool) -> dict[str, bool]:
+    """LLM / EngineArgs keywords: the default configuration (async scheduling) or synchronous steps."""
+    return {} if ahead else {"async_scheduling": False}
+
+
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """GPT-2's byte-to-unicode map with no merges: token id == byte value, no special tokens."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from engine_helpers import ragged_prompts, save_tiny_model
+from engine_helpers import ragged_prompts, save_tiny_model, scheduling
 
 from engine.engine_args import EngineArgs
 from engine.llm import LLM
@@ -25,9 +25,9 @@ def tiny(tmp_path_factory):
     return str(path), model
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "default"])
 def llm(tiny, request):
-    return LLM(tiny[0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256, async_scheduling=request.param)
+    return LLM(tiny[0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256, **scheduling(request.param))
 
 
 def test_a_dropped_engine_is_freed_without_the_cyclic_collector(tiny):
@@ -51,10 +51,10 @@ def test_a_dropped_engine_is_freed_without_the_cyclic_collector(tiny):
             gc.enable()
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "default"])
 def test_add_step_abort(tiny, ahead):
     engine = LLMEngine(EngineArgs(model=tiny[0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256,
-                                  async_scheduling=ahead))
+                                  **scheduling(ahead)))
     for i, prompt in enumerate(ragged_prompts(3, seed=2)):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     with pytest.raises(ValueError, match="request_id"):
@@ -226,12 +226,12 @@ def test_dummy_model_without_tokenizer():
         llm.generate([1, 2], SamplingParams(stop=["x"]), use_tqdm=False)
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "default"])
 def test_forced_output_lengths(tiny, ahead):
     """add_request(output_len=...) ends a sample after that many tokens with "stop"; scheduled ahead,
     the length is applied when the step is looked past, not one token late."""
     engine = LLMEngine(EngineArgs(model=tiny[0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256,
-                                  async_scheduling=ahead))
+                                  **scheduling(ahead)))
     lens = [1, 2, 5, 9]
     for i, (prompt, n) in enumerate(zip(ragged_prompts(4, seed=9), lens)):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),

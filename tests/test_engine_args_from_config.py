@@ -27,14 +27,14 @@ MAPPED = {
     "max_num_seqs": ("scheduler.max_num_seqs=7", lambda a: a.max_num_seqs == 7),
     "max_model_len": ("scheduler.max_model_len=300", lambda a: a.max_model_len == 300),
     "enable_chunked_prefill": ("scheduler.enable_chunked_prefill=false", lambda a: not a.enable_chunked_prefill),
-    "async_scheduling": ("scheduler.async_scheduling=true", lambda a: a.async_scheduling),
+    "async_scheduling": ("scheduler.async_scheduling=false", lambda a: not a.async_scheduling),
     "watermark": ("blocks.watermark=0.05", lambda a: a.watermark == 0.05),
     "block_size": ("blocks.block_size=32", lambda a: a.block_size == 32),
     "gpu_memory_utilization": ("blocks.gpu_memory_utilization=0.5", lambda a: a.gpu_memory_utilization == 0.5),
     "swap_space": ("blocks.swap_space_gib=1", lambda a: a.swap_space == 1.0),
     "num_gpu_blocks": ("blocks.num_gpu_blocks=99", lambda a: a.num_gpu_blocks == 99),
     "enforce_eager": ("backend.enforce_eager=true", lambda a: a.enforce_eager),
-    "decode_kernel": ("backend.decode_kernel=per-head", lambda a: a.decode_kernel == "per-head"),
+    "decode_kernel": ("backend.decode_kernel=packed", lambda a: a.decode_kernel == "packed"),
     "seed": ("seed=5", lambda a: a.seed == 5),
     "tensor_parallel_size": ("parallel.tensor_parallel_size=2", lambda a: a.tensor_parallel_size == 2),
 }
@@ -69,9 +69,8 @@ def test_an_override_reaches_its_engine_args_field(field, monkeypatch):
 def test_runs_that_differ_in_scheduler_settings_share_one_engine_with_their_own_scheduler():
     from experiments.lib.engine_backend import get_engine, release_engine
 
-    sync = engine_args(compose_cfg([*BASE, "scheduler.max_model_len=128"]))
-    ahead = engine_args(compose_cfg([*BASE, "scheduler.max_model_len=128", "scheduler.async_scheduling=true",
-                                     "policy=priority"]))
+    sync = engine_args(compose_cfg([*BASE, "scheduler.max_model_len=128", "scheduler.async_scheduling=false"]))
+    ahead = engine_args(compose_cfg([*BASE, "scheduler.max_model_len=128", "policy=priority"]))
     try:
         first = get_engine(sync)
         assert not first.scheduler.config.async_scheduling

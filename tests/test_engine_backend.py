@@ -30,6 +30,8 @@ def test_engine_backend_writes_sim_traces_on_the_wall_clock(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["run"]["clock"] == "wall"
     assert summary["completed"] == 12 and summary["run"]["backend"] == "engine"
     assert summary["run"]["num_gpu_blocks"] == 256
+    assert summary["run"]["decode_kernel"] == "packed"  # "auto" on the CPU
+    assert summary["config"]["scheduler"]["async_scheduling"]  # the default configuration
     req = pd.read_parquet(tmp_path / "requests.parquet").set_index("request_id")
     for r, out_len in zip(workload.requests, workload.output_lens):
         row = req.loc[r.request_id]

@@ -6,8 +6,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from engine_helpers import hf_greedy, ragged_prompts, save_tiny_model
+from engine_helpers import hf_greedy, ragged_prompts, save_tiny_model, scheduling
 
+from engine import model_runner
 from engine.llm import LLM
 from policies.request import SamplingParams
 
@@ -42,9 +43,9 @@ def _trace_total(llm: LLM, column: str) -> int:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "default"])
 def test_greedy_matches_transformers(models, prompts, expected, arch, ahead):
-    llm = LLM(models[arch][0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256, async_scheduling=ahead)
+    llm = LLM(models[arch][0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256, **scheduling(ahead))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected[arch]
     if ahead:  # steps were scheduled ahead: the trace's step times tile the run without overlap
@@ -55,11 +56,26 @@ def test_greedy_matches_transformers(models, prompts, expected, arch, ahead):
     assert [o.prompt_token_ids for o in outputs] == prompts
 
 
+@pytest.mark.parametrize("kernel", ["auto", "tma"])
+def test_default_engine_with_interpreted_kernels_matches_transformers(models, prompts, expected, kernel, monkeypatch):
+    """The default configuration (async scheduling, decode_kernel "auto") with the Triton kernels
+    interpreted on the CPU instead of the references: "auto" resolves to the packed kernel here, and
+    "tma" runs the per-head kernel (Gluon has no interpreter; kernels/decode.py)."""
+    real = model_runner.attention_ops
+    monkeypatch.setattr(model_runner, "attention_ops", lambda backend, device, name: real("triton", device, name))
+    llm = LLM(models["qwen3"][0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256, decode_kernel=kernel)
+    assert llm.engine.args.async_scheduling
+    assert llm.engine.runner.decode_kernel == ("packed" if kernel == "auto" else "tma")
+    few = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(prompts[:4], few, use_tqdm=False)
+    assert _tokens(outputs) == [e[:8] for e in expected["qwen3"][:4]]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "default"])
 def test_chunked_prefill_matches_transformers(models, prompts, expected, arch, ahead):
     llm = LLM(models[arch][0], num_gpu_blocks=128, swap_space=0.01, max_model_len=256,
-              max_num_batched_tokens=16, block_size=8, async_scheduling=ahead)
+              max_num_batched_tokens=16, block_size=8, **scheduling(ahead))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected[arch]
     # Prompts up to 60 tokens with a 16-token budget: prefills were split over steps and shared
@@ -87,12 +103,12 @@ def test_prefix_cache_hits_match_transformers(models, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "default"])
 def test_preemption_matches_transformers(models, prompts, expected, arch, mode, ahead):
     # 8 sequences of up to 84 tokens in blocks of 4 need up to 21 blocks each; 24 blocks hold one
     # max_model_len=96 request, so sequences must be preempted and resumed.
     llm = LLM(models[arch][0], num_gpu_blocks=24, swap_space=0.01, max_model_len=96, block_size=4,
-              preemption_mode=mode, async_scheduling=ahead)
+              preemption_mode=mode, **scheduling(ahead))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected[arch]
     if mode == "swap":

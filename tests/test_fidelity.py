@@ -269,3 +269,29 @@ def test_window_profile_needs_an_engine(tmp_path):
     with pytest.raises(ValueError, match="--window-profile is invalid here"):
         fidelity_window.measure(None, tmp_path / "unused.csv", 0, tmp_path)
     assert fidelity_window.window_profile(tmp_path / "unused.csv", tmp_path) is None  # no window timings
+
+
+def test_a_spec_extends_another_and_names_its_profile_and_kernel(request, tmp_path):
+    """conf/fidelity/packed.yaml is the default spec with the run of record's kernel and profile."""
+    from experiments.lib.fidelity_spec import load_spec
+
+    root = request.config.rootpath / "conf/fidelity"
+    default, packed = load_spec(root / "default.yaml"), load_spec(root / "packed.yaml")
+    assert "backend.decode_kernel=auto" in default["engine"] and default.get("profile") is None
+    assert packed["engine"] == ["backend=engine", "backend.decode_kernel=packed"]
+    assert packed["scenarios"] == default["scenarios"] and packed["common"] == default["common"]
+    assert (request.config.rootpath / packed["profile"]).is_file()
+    (tmp_path / "bad.yaml").write_text("extends: missing.yaml\n")
+    with pytest.raises(ValueError, match="extends='missing.yaml' is invalid"):
+        load_spec(tmp_path / "bad.yaml")
+
+
+def test_engine_runs_of_another_decode_kernel_than_the_profile_are_refused():
+    from experiments.fidelity import check_decode_kernel
+
+    check_decode_kernel("p.csv", {"decode_kernel": "tma"}, "offline", [{"decode_kernel": "tma"}])
+    check_decode_kernel("p.csv", {}, "offline", [{"decode_kernel": "tma"}])  # an older profile: not named
+    check_decode_kernel("p.csv", {"decode_kernel": "tma"}, "offline", [{}])  # older traces: not named
+    with pytest.raises(ValueError, match="taken with decode_kernel=packed, but the engine runs of scenario "
+                                         r"offline ran \['tma'\]"):
+        check_decode_kernel("p.csv", {"decode_kernel": "packed"}, "offline", [{"decode_kernel": "tma"}])

@@ -43,6 +43,7 @@ def test_profiler_on_cpu_writes_a_profile_the_simulator_loads(tmp_path):
     # tiny-qwen3's prefill kernel geometry on the CPU stand-in (4 "SMs", one program each)
     assert PrefillSchedule.parse(file_meta["prefill_schedule"]).concurrent == 4
     assert file_meta["model"] == "tiny-qwen3" and file_meta["device"] == "cpu"
+    assert file_meta["decode_kernel"] == "packed"  # what the default "auto" resolves to on the CPU
     assert "torch" in file_meta["versions"] and "transformers" in file_meta["versions"]
     header = path.read_text().splitlines()[len(file_meta)]
     assert header.split(",")[:len(COLUMNS)] == list(COLUMNS)

@@ -71,12 +71,13 @@ def test_greedy_chat_matches_transformers(question, smol_llm):
     assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "default"])
 def smol(request, smol_llm):
-    """The model loaded once; the async-scheduling engine shares its runner (weights, KV cache)."""
+    """The model loaded once in the default configuration (async scheduling); the synchronous engine
+    shares its runner (weights, KV cache)."""
     llm = smol_llm
-    if request.param:
-        args = dataclasses.replace(llm.engine.args, async_scheduling=True)
+    if not request.param:
+        args = dataclasses.replace(llm.engine.args, async_scheduling=False)
         llm = LLM.from_engine(LLMEngine(args, runner=llm.engine.runner))
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              tokenize=False, add_generation_prompt=True)

@@ -189,6 +189,8 @@ class Scenario:
 
 @dataclass
 class FidelitySpec:
+    extends: str | None = None  # a spec (path relative to this file) whose keys this one replaces
+    profile: str | None = None  # the simulator's profile unless --profile (None: the sim config's latency.path)
     common: list[str] = field(default_factory=list)
     engine: list[str] = field(default_factory=list)
     sim: list[str] = field(default_factory=list)

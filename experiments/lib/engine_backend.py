@@ -146,7 +146,7 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     return BackendRun(num_steps, engine.now(), "wall", {
         "num_gpu_blocks": runner.num_gpu_blocks, "num_cpu_blocks": runner.num_cpu_blocks,
         "device": device_name(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
-        "cuda_graphs": runner.graphs is not None})
+        "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel})
 
 
 def device_name(device=None) -> str:

@@ -15,11 +15,18 @@ DEFAULT_SPEC = REPO_ROOT / "conf" / "fidelity" / "default.yaml"
 
 
 def load_spec(path: str | Path) -> dict[str, Any]:
+    """The spec at `path`; one with `extends: other.yaml` is that spec (a path relative to this
+    one's folder) with this one's keys replacing its own."""
     path = resolve_path(path)
     if not Path(path).is_file():
         raise ValueError(f"--spec={str(path)!r} is invalid: no such file")
     spec = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     check_fidelity_spec(spec, path)
+    if spec.get("extends"):
+        base_path = Path(path).parent / spec["extends"]
+        if not base_path.is_file():
+            raise ValueError(f"spec {path}: extends={spec['extends']!r} is invalid: no such file {base_path}")
+        spec = {**load_spec(base_path), **{k: v for k, v in spec.items() if k != "extends"}}
     for key in ("common", "engine", "sim", "scenarios"):
         if key not in spec:
             raise ValueError(f"spec {path}: key {key!r} is missing")

@@ -36,7 +36,8 @@ def synthetic_profile(cfg, path: Path) -> Path:
     swaps = [(n, roofline.swap_time(n)) for n in SWAP_BLOCKS]
     meta = {"servelab latency profile": "v1", "device": f"synthetic (roofline model of {cfg.hardware.name})",
             "model": model.name, "dtype": cfg.model.dtype, "block_size": bs,
-            "command": "python -m experiments.profiles.synthetic"}
+            "command": "python -m experiments.profiles.synthetic",
+            "async_scheduling": "any"}  # computed, not measured: it stands for either scheduling mode
     return write_profile(path, meta, steps, swaps)
 
 

@@ -35,6 +35,8 @@ a prefill of its new tokens, unless the profile carries these optional metadata 
   the kernel's time follows how its programs pack onto the SMs, not the pair count: several short
   prompts save less than their pairs say (the H200 offline benchmark's mixed steps, 3-7 prompts,
   came out 7% too fast with the pair correction).
+- `async_scheduling`: `true` or `false` (absent: false), the scheduling mode the rows were measured
+  in, which the runs must share; `any` for a profile computed rather than measured.
 - column `sync_time_s` (optional, profiles with `async_scheduling: true`): each step row as the
   synchronous loop pays it; steps not scheduled ahead (`SchedulerOutput.ahead` false) are priced
   from it, the others from `time_s` (the period with the host's work overlapped).
@@ -170,8 +172,9 @@ class ProfiledModel(LatencyModel):
         if model_name is not None and self.meta.get("model") not in (None, model_name):
             raise ValueError(f"latency profile {str(path)!r} was measured for model={self.meta['model']!r}, "
                              f"not model={model_name!r}: profile that model or pick its profile")
-        profiled_ahead = self.meta.get("async_scheduling", "false") == "true"
-        if async_scheduling is not None and async_scheduling != profiled_ahead:
+        mode = self.meta.get("async_scheduling", "false")  # "any": computed, not measured in one mode
+        profiled_ahead = mode == "true"
+        if async_scheduling is not None and mode != "any" and async_scheduling != profiled_ahead:
             raise ValueError(f"scheduler.async_scheduling={async_scheduling} is invalid with latency profile "
                              f"{str(path)!r}, measured with async_scheduling={profiled_ahead}: profile in the runs' "
                              "mode (python -m experiments.profile async_scheduling=...)")
