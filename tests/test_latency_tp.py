@@ -93,5 +93,5 @@ def test_run_config_sizes_kv_per_gpu_and_names_profiles():
     with pytest.raises(ValueError, match="num_attention_heads=64 .* tensor_parallel_size=3"):
         factory.kv_block_counts(_cfg("parallel.tensor_parallel_size=3"))
     path = _cfg("latency=profiled", "parallel.tensor_parallel_size=8").latency.path
-    assert path.endswith("h200-llama-3.1-70b-tp8.csv")
-    assert _cfg("latency=profiled").latency.path.endswith("h200-llama-3.1-70b.csv")
+    assert path.endswith("h200-llama-3.1-70b-tp8-async.csv")  # async scheduling: the default
+    assert _cfg("latency=profiled").latency.path.endswith("h200-llama-3.1-70b-async.csv")
