@@ -31,6 +31,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from engine.async_stream import RequestStream
 from engine.engine_args import EngineArgs
 from engine.engine_stats import EngineStats, RequestStats, StatsTracker
@@ -80,7 +82,9 @@ class AsyncLLMEngine:
         self._aborts: set[str] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelab-engine")
+        device = getattr(engine.runner, "device", None)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelab-engine",
+                                            initializer=_use_device, initargs=(device,))
         self._tracker = StatsTracker(engine, keep_trace)
         self._observers: list[Callable[[RequestStats], None]] = []
         self._closed = False
@@ -277,3 +281,10 @@ class AsyncLLMEngine:
         for stream in streams.values():
             stream.fail(EngineDeadError("the engine is shut down"))
         await asyncio.to_thread(self._executor.shutdown, True)
+
+
+def _use_device(device) -> None:
+    """The worker thread's current CUDA device is the engine's (a thread starts on device 0, and
+    graph replays and streams follow the current device)."""
+    if isinstance(device, torch.device) and device.type == "cuda":
+        torch.cuda.set_device(device)

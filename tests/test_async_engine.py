@@ -383,3 +383,38 @@ def test_parallel_samples_stream_and_abort_ends_the_stream(tiny, reference, ahea
         assert pieces[-1].finish_reason == "length"
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort:user"
     assert 2 <= len(outs[-1].outputs[0].token_ids) <= 4 and len(outs) <= 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_streams_on_the_gpu_match_llm_generate(tiny, ahead):
+    """On CUDA with graphs: 64 delta streams (a third leaving early) from the worker thread give
+    LLM.generate's tokens on the same engine, and every block comes back.
+        python -m pytest -q -m gpu tests/test_async_engine.py"""
+    prompts = ragged_prompts(64, seed=13, max_len=60)
+    inner = LLMEngine(EngineArgs(model=tiny, device="cuda", dtype="float32", num_gpu_blocks=512,
+                                 max_model_len=256, block_size=16, async_scheduling=ahead))
+    expected = [o.outputs[0].token_ids for o in LLM.from_engine(inner).generate(prompts, GREEDY, use_tqdm=False)]
+
+    async def main():
+        engine = AsyncLLMEngine(inner)
+
+        async def client(i):
+            tokens = []
+            async for out in engine.generate(prompts[i], GREEDY, f"g{i}", output_kind="delta"):
+                tokens += out.outputs[0].token_ids if out.outputs else []
+                if i % 3 == 0 and len(tokens) >= 3:
+                    break
+            return tokens
+
+        got = await asyncio.gather(*(client(i) for i in range(64)))
+        for _ in range(40):
+            if not inner.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.05)
+        _clean(engine)
+        await engine.shutdown()
+        return got
+
+    for i, tokens in enumerate(asyncio.run(main())):
+        assert tokens == (expected[i][:len(tokens)] if i % 3 == 0 else expected[i])
