@@ -159,6 +159,12 @@ def test_stop_token_ids_and_min_tokens(llm):
                            use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == full[:full.index(stop_id) + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+    # vLLM: the stop token's text is left out of the text, unless include_stop_str_in_output.
+    assert stopped.text == llm.tokenizer.decode(stopped.token_ids[:-1])
+    kept = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_id],
+                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == stopped.token_ids and kept.text == llm.tokenizer.decode(kept.token_ids)
+    assert kept.text != stopped.text
     held = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, min_tokens=6,
                                                stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert len(held.token_ids) >= 6 and stop_id not in held.token_ids[:6]
