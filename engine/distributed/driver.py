@@ -41,6 +41,10 @@ class WorkerFailure(RuntimeError):
 
 
 class TPModelRunner(ModelRunner):
+    """Rank 0 of `tensor_parallel_size` ranks on `device` (GPUs `cuda:i` .. `cuda:i+N-1`, or the
+    CPU); `timeout_s`: how long a step's collectives wait for a worker before `WorkerFailure`; the
+    other arguments are `ModelRunner`'s, given to every rank."""
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, *, tensor_parallel_size: int,
                  device: str | torch.device = "cpu", timeout_s: float = 300.0, **runner_kwargs: Any) -> None:
         check_divisible(model_config, tensor_parallel_size)
