@@ -5,8 +5,9 @@ on the CPU (gloo, 2 processes), the engine's way against pickling the step's Pyt
   of the step's packed input bytes (`engine.batch_layout`, decode rows with full-width block tables);
 - pickled: `torch.distributed.broadcast_object_list` of per-sequence (token, position, block table)
   tuples, what a worker would need to rebuild the same inputs itself.
-Prints microseconds per step for decode batches of a few sizes (rank 0's wall clock, a barrier
-every step so the worker has received it; the barrier's own time, measured alone, subtracted).
+Prints the median microseconds per step for decode batches of a few sizes (rank 0's wall clock, a
+barrier every step so the worker has received it; the barrier's own median, measured alone,
+subtracted).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _steps(batch: int):
 
 
 def _run(rank: int, store: dist.Store, conn, iters: int) -> dict[tuple[int, str], float]:
-    """Microseconds per step by (batch, method)."""
+    """Median microseconds per step by (batch, method)."""
     torch.set_num_threads(1)
     group = init_group(store, rank, 2, torch.device("cpu"), 60)
     results = {}
@@ -44,8 +45,9 @@ def _run(rank: int, store: dist.Store, conn, iters: int) -> dict[tuple[int, str]
         header = StepHeader(shape).encode()
         for method in ("barrier", "packed", "pickled"):
             dist.barrier()
-            start = time.perf_counter()
+            times = []
             for _ in range(iters):
+                start = time.perf_counter()
                 if method == "barrier":
                     pass
                 elif method == "packed":
@@ -58,7 +60,8 @@ def _run(rank: int, store: dist.Store, conn, iters: int) -> dict[tuple[int, str]
                     box = [objects if rank == 0 else None]
                     dist.broadcast_object_list(box, src=0, group=group.host_group)
                 dist.barrier()
-            results[(batch, method)] = (time.perf_counter() - start) / iters * 1e6
+                times.append(time.perf_counter() - start)
+            results[(batch, method)] = float(np.median(times)) * 1e6
     dist.destroy_process_group()
     return results
 
