@@ -157,3 +157,47 @@ def test_an_engine_dropped_without_close_stops_its_workers():
     gc.collect()
     assert [p.exitcode for p in procs] == [0]
     assert not dist.is_initialized()  # a new tensor-parallel engine can start
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("weights", ["checkpoint", "dummy"])
+def test_shards_take_their_part_of_the_full_weights(size, weights):
+    """The loader every source goes through (HF dir, GGUF, dummy): rank shards put back together are
+    the single-GPU model, with q/k/v bias, a replicated o_proj bias, tied vocab-parallel embeddings
+    and a vocabulary (250) that does not divide (zero padding)."""
+    import dataclasses
+
+    import torch
+
+    from engine.attention import attention_ops
+    from engine.models.llama import LlamaForCausalLM, ShardedLlamaForCausalLM
+    from engine.models.parallel_layers import TPContext
+    from engine.weights import dummy_hf_items, init_dummy, load_hf_state_dict, to_hf_state_dict
+
+    cfg = dataclasses.replace(load_model_config("tiny-llama"), vocab_size=250, tie_word_embeddings=True,
+                              attention_bias=True)
+    ops = attention_ops("reference", torch.device("cpu"))
+    full = LlamaForCausalLM(cfg, ops)
+    init_dummy(full, seed=3)
+    ranks = []
+    for rank in range(size):
+        shard = TPShard.of(cfg, rank, size)
+        model = ShardedLlamaForCausalLM(cfg, ops, tp=TPContext(shard, None))
+        items = to_hf_state_dict(full).items() if weights == "checkpoint" else dummy_hf_items(model, seed=3)
+        load_hf_state_dict(model, items, shard)
+        ranks.append(model)
+    d, q_local = cfg.head_dim, cfg.num_attention_heads // size * cfg.head_dim
+    for i in range(cfg.num_hidden_layers):
+        want, got = full.layers[i], [m.layers[i] for m in ranks]
+        q = torch.cat([g.self_attn.qkv_proj.weight[:q_local] for g in got])
+        assert torch.equal(q, want.self_attn.qkv_proj.weight[:cfg.num_attention_heads * d])
+        k_full = want.self_attn.qkv_proj.weight[cfg.num_attention_heads * d:][:cfg.num_key_value_heads * d]
+        for rank, g in enumerate(got):
+            kv_head = rank * cfg.num_key_value_heads // size if size > cfg.num_key_value_heads else rank
+            k = g.self_attn.qkv_proj.weight[q_local:q_local + d * max(1, cfg.num_key_value_heads // size)]
+            assert torch.equal(k, k_full[kv_head * d:kv_head * d + len(k)])
+            assert torch.equal(g.self_attn.o_proj.bias, want.self_attn.o_proj.bias)  # added once, after the sum
+        assert torch.equal(torch.cat([g.self_attn.o_proj.weight for g in got], 1), want.self_attn.o_proj.weight)
+        assert torch.equal(torch.cat([g.mlp.down_proj.weight for g in got], 1), want.mlp.down_proj.weight)
+    embed = torch.cat([m.embed_tokens.weight for m in ranks])
+    assert torch.equal(embed[:250], full.embed_tokens.weight) and not embed[250:].any()
