@@ -5,6 +5,9 @@ measured steps), steady decode: every step schedules 256 one-token decodes and `
 tokens, with trace recording on. The CPU time (`time.thread_time_ns`) of `schedule()` + `update()` is
 taken per step; building the fake sampled tokens (the backend's job) is not counted.
 Target: median <= 150 us per step, i.e. < 2% of a ~5-10 ms decode step on an H200.
+`--policy` measures another policy (requests carry one of four tenants, for vtc; sjf and srpt
+predict from max_tokens); `--waiting N` adds N requests that wait behind the full running queue
+(max_num_seqs), so that every step also reads the waiting queue's order.
 """
 from __future__ import annotations
 
@@ -20,18 +23,19 @@ import time
 from policies import Request, SamplingParams, Scheduler, SchedulerConfig, make_block_manager, make_policy
 
 
-def build(kind: str, num_seqs: int, block_size: int, seed: int) -> Scheduler:
+def build(kind: str, num_seqs: int, block_size: int, seed: int, policy: str = "fcfs",
+          num_waiting: int = 0) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=num_seqs, max_model_len=4096)
-    blocks = make_block_manager(kind, block_size, num_gpu_blocks=num_seqs * 4096 // block_size,
+    blocks = make_block_manager(kind, block_size, num_gpu_blocks=(num_seqs + num_waiting) * 4096 // block_size,
                                 num_cpu_blocks=0, watermark=0.01, max_model_len=4096)
-    scheduler = Scheduler(config, make_policy("fcfs"), blocks)
+    scheduler = Scheduler(config, make_policy(policy), blocks)
     rng = random.Random(seed)
-    for i in range(num_seqs):
+    for i in range(num_seqs + num_waiting):
         prompt = [rng.randint(0, 10_000) for _ in range(rng.randint(768, 1024))]
-        params = SamplingParams(max_tokens=3000, ignore_eos=True)
-        scheduler.add(Request(f"r{i}", prompt, params, arrival_time=0.0), now=0.0)
+        params = SamplingParams(max_tokens=rng.randint(2000, 3000), ignore_eos=True)
+        scheduler.add(Request(f"r{i}", prompt, params, arrival_time=i * 1e-3, tenant=f"t{i % 4}"), now=0.0)
     now = 0.0
-    while scheduler.num_waiting or any(s.is_prefill for s in scheduler.queues.running):
+    while scheduler.num_waiting > num_waiting or any(s.is_prefill for s in scheduler.queues.running):
         out = scheduler.schedule(now)
         now += 0.01
         scheduler.update(out, fake_tokens(out, rng), now)
@@ -70,16 +74,19 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3, help="fresh schedulers per kind; all steps pooled")
+    parser.add_argument("--policy", default="fcfs", help="a registered policy (default fcfs)")
+    parser.add_argument("--waiting", type=int, default=0, help="requests waiting behind the running queue")
     parser.add_argument("--profile", action="store_true", help="cProfile one run per kind instead")
     args = parser.parse_args()
     print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, load average "
           f"{os.getloadavg()[0]:.1f}; {args.num_seqs} running seqs, block_size {args.block_size}, "
-          f"{args.steps} decode steps x {args.repeats}; CPU time of schedule() + update() per step")
+          f"{args.steps} decode steps x {args.repeats}, policy {args.policy}, {args.waiting} waiting; CPU time of "
+          "schedule() + update() per step")
     print(f"{'blocks':<10} {'median_us':>10} {'p99_us':>8} {'mean_us':>8} {'us/seq':>7} "
           f"{'schedule_med':>12} {'update_med':>10}")
     for kind in args.kinds:
         if args.profile:
-            scheduler = build(kind, args.num_seqs, args.block_size, seed=0)
+            scheduler = build(kind, args.num_seqs, args.block_size, 0, args.policy, args.waiting)
             profiler = cProfile.Profile()
             profiler.runcall(measure, scheduler, args.steps, 0)
             pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
@@ -87,7 +94,7 @@ def main() -> None:
         schedule_us: list[float] = []
         update_us: list[float] = []
         for repeat in range(args.repeats):
-            scheduler = build(kind, args.num_seqs, args.block_size, seed=repeat)
+            scheduler = build(kind, args.num_seqs, args.block_size, repeat, args.policy, args.waiting)
             s_us, u_us = measure(scheduler, args.steps, seed=repeat)
             schedule_us += s_us
             update_us += u_us

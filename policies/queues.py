@@ -1,7 +1,8 @@
 """The scheduler's three queues, each kept in policy order (`policy.key`, smallest first).
 
 Insertions use bisect (a new arrival or admission usually lands at the tail in O(1)); nothing is
-ever re-sorted. The running queue also carries two running totals the scheduler needs every step
+re-sorted, except the queues a policy with keys that change over time names in `Policy.reorders`,
+which the scheduler re-sorts (`reorder`) when their order may have changed. The running queue also carries two running totals the scheduler needs every step
 without looping over sequences: `running_cost` (sequence slots held against `max_num_seqs`; a
 parallel-sampling request holds `n` from admission, before its prompt forks) and `kv_tokens`
 (sum of `num_computed_tokens` over running sequences).
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from itertools import islice
+from operator import gt
 from typing import NamedTuple
 
 from policies.sequence import Sequence, SequenceStatus
@@ -42,8 +45,11 @@ class QueueSizes(NamedTuple):
 
 
 class SchedulerQueues:
-    def __init__(self, key: Callable[[Sequence], tuple]) -> None:
+    def __init__(self, key: Callable[[Sequence], tuple], reorders: Collection[str] = ()) -> None:
+        """`reorders`: the queues whose keys may change while sequences sit in them (`check` then
+        leaves their order to `reorder`)."""
         self.key = key
+        self.reorders = frozenset(reorders)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -82,6 +88,32 @@ class SchedulerQueues:
         else:
             raise ValueError(f"seq {seq.seq_id} has status {status.name}: it is in no queue")
 
+    def reorder(self, names: Collection[str]) -> None:
+        """Re-sort the named queues by the keys as they are now (stable: equal keys keep their order).
+        The keys are computed once per sequence; an already ordered queue is left as it is."""
+        for name in names:
+            queue = getattr(self, name)
+            if len(queue) < 2:
+                continue
+            keys = list(map(self.key, queue))
+            if not any(map(gt, keys, islice(keys, 1, None))):
+                continue
+            order = sorted(range(len(queue)), key=keys.__getitem__)
+            seqs = [queue[i] for i in order]
+            queue.clear()
+            queue.extend(seqs)
+            if name == "running":
+                self.running_version += 1
+
+    def out_of_order(self, names: Collection[str] = ("waiting", "running", "swapped")) -> list[str]:
+        """The named queues that are not in key order now."""
+        bad = []
+        for name in names:
+            keys = list(map(self.key, getattr(self, name)))
+            if any(map(gt, keys, islice(keys, 1, None))):
+                bad.append(name)
+        return bad
+
     def sizes(self) -> QueueSizes:
         return QueueSizes(len(self.running), len(self.waiting), len(self.swapped), self.kv_tokens)
 
@@ -89,13 +121,13 @@ class SchedulerQueues:
         return bool(self.waiting or self.running or self.swapped)
 
     def check(self) -> None:
-        """Assert the queues are ordered, disjoint, statuses match, and the totals are exact."""
-        key = self.key
+        """Assert the queues are ordered (those not in `reorders`: the others are re-sorted when a
+        step begins), disjoint, statuses match, and the totals are exact."""
+        bad = self.out_of_order([name for name in ("waiting", "running", "swapped") if name not in self.reorders])
+        assert not bad, f"{bad[0]} queue is out of policy order (a key that changes must be in Policy.reorders)"
         for name, queue, status in (("waiting", self.waiting, SequenceStatus.WAITING),
                                     ("running", self.running, RUNNING),
                                     ("swapped", self.swapped, SequenceStatus.SWAPPED)):
-            keys = [key(s) for s in queue]
-            assert keys == sorted(keys), f"{name} queue is out of policy order"
             assert all(s.status is status for s in queue), f"{name} queue holds a sequence of another status"
         ids = [id(s) for q in (self.waiting, self.running, self.swapped) for s in q]
         assert len(ids) == len(set(ids)), "a sequence is in two queues (or twice in one)"

@@ -16,6 +16,10 @@ the token budget) is prefill-only; otherwise it runs step 1 and then swaps in.
 stop rules (policies/stop_rule.py), frees finished sequences and records the step. The phases are
 functions of the state they are handed (`SchedulerState`, `ScheduledStep`: policies/phase_state.py),
 never of the Scheduler. See preemption.py and queues.py (the queues keep the policy order).
+A policy whose keys change over time (`Policy.reorders`: remaining work, a queue level, a tenant's
+service) has its queues re-sorted at the start of each step, before anything reads their order; the
+running queue only when its order decides something (something waits or is swapped, a sequence
+still prefills, or the decodes may not all fit): otherwise every running sequence is scheduled.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from policies.lifecycle import Lifecycle
 from policies.output_lens import reaching_output_len
 from policies.outputs import SchedulerOutput
 from policies.phase_state import ScheduledStep, SchedulerState
-from policies.policy.base import Policy
+from policies.policy.base import QUEUE_NAMES, OrderHint, Policy
 from policies.preemption import Preemptor
 from policies.queues import SchedulerQueues
 from policies.request import Request
@@ -45,7 +49,11 @@ class Scheduler:
         self.policy = policy
         self.block_manager = block_manager
         self.recorder = TraceRecorder() if recorder is None else recorder
-        self.queues = SchedulerQueues(policy.key)
+        bad = set(policy.reorders) - set(QUEUE_NAMES)
+        if bad:
+            raise ValueError(f"policy {policy.name!r} reorders={sorted(policy.reorders)} is invalid: "
+                             f"queue names are {list(QUEUE_NAMES)}")
+        self.queues = SchedulerQueues(policy.key, policy.reorders)
         self.preemptor = Preemptor(self.queues, block_manager, policy, self.recorder)
         self.lifecycle = Lifecycle(self.queues, block_manager, self.recorder, self.preemptor,
                                    config.max_model_len)
@@ -62,6 +70,11 @@ class Scheduler:
         self._looked_past: lookahead.LookedPast | None = None  # schedule_ahead's step awaiting update
         self._last_update = 0.0
         self.num_scheduled_ahead = 0  # steps schedule_ahead returned
+        cls = type(policy)
+        self._observes = cls.observe is not Policy.observe
+        self._observes_runs = cls.observe_decode_run is not Policy.observe_decode_run
+        self._decided_version = -1  # the running queue's version when the last step was decided
+        self._running_unsorted = False  # a re-sort of the running queue was left for a step that needs it
 
     # ---- queries --------------------------------------------------------------------------
     @property
@@ -143,6 +156,8 @@ class Scheduler:
         out = SchedulerOutput(now)
         self._last = step = ScheduledStep(out, StepStats())
         state, queues, budget = self.state, self.queues, self.config.max_num_batched_tokens
+        if queues.reorders:
+            self._reorder(now, budget)
         self.preemptor.begin_step()
         if state.may_force and queues.waiting and queues.running:
             self.preemptor.force_for(queues.waiting[0], out, now, self.config.max_num_seqs)
@@ -159,7 +174,25 @@ class Scheduler:
         stats.num_running = len(queues.running)
         stats.fill_totals(out)
         out.aborted = self.lifecycle.take_aborted()  # since the last schedule(), too_long ones included
+        self._decided_version = queues.running_version
+        if self._observes:
+            self.policy.observe(out)
         return out
+
+    def _reorder(self, now: float, budget: int) -> None:
+        """Re-sort the queues whose order the policy's keys may have changed (module docstring)."""
+        queues = self.queues
+        uniform = self._all_decoding and queues.running_version == self._decided_version
+        names = set(self.policy.refresh(queues, OrderHint(now, uniform))) & queues.reorders
+        if self._running_unsorted:
+            names.add("running")
+        self._running_unsorted = False
+        if "running" in names and self._all_decoding and not queues.waiting and not queues.swapped \
+                and len(queues.running) <= budget and self.block_manager.decode_slots_fit(queues.running):
+            names.discard("running")  # every running sequence decodes this step: no decision reads the order
+            self._running_unsorted = True
+        if names:
+            queues.reorder(names)
 
     def schedule_ahead(self, now: float, output_lens: Mapping[str, int] | None = None) -> SchedulerOutput | None:
         """The next step, decided while the last one (schedule()'s output) still runs; its update
@@ -171,6 +204,8 @@ class Scheduler:
         if last is None or self._looked_past is not None:
             raise ValueError("schedule_ahead() needs a step from schedule() or schedule_ahead() whose update "
                              "has not come, and no looked-past step awaiting its update")
+        if self.queues.reorders and self.state.may_force and self.queues.waiting:
+            return None  # the step looked past changes keys: whether the head may force is known only then
         if not lookahead.can_look_past(self.state, last):
             return None
         self._looked_past = lookahead.look_past(self.state, last, max(self._last_update, last.out.now), output_lens)
@@ -254,7 +289,10 @@ class Scheduler:
     def advance_decodes(self, times: list[float], token: int, output_lens: Mapping[str, int] | None = None) -> None:
         """Apply len(times) - 1 of them, step s from times[s] to times[s + 1], as schedule(times[s]);
         update(out, {seq_id: [token] for each seq}, times[s + 1], stop_seq_ids) would."""
+        running = list(self.queues.running) if self._observes_runs else None
         decode_run.advance(self.state, self._decode_run, self._step, times, token, output_lens)
+        if running is not None:
+            self.policy.observe_decode_run(running, len(times) - 1)
         self._step += len(times) - 1
         self._now, self._last, self._decode_run = times[-1], None, decode_run.NO_RUN
         self._last_update = times[-1]

@@ -11,6 +11,12 @@ sequence scheduled twice, no block written by two sequences in one step, no sequ
 waiting or swapped queue ahead of one that precedes it in policy order. At the end: no block in use
 and every request ended (finished or aborted) with a reason, exactly once. FCFS never starves an
 earlier request: under fcfs, first admissions follow arrival order.
+
+Every registered policy runs, with keys that change over time too: before every step, each queue
+the policy does not declare in `reorders` must be in key order by the keys as they are then (a key
+that changes undeclared is caught here), and after the step is decided every queue is in key order
+but for the running queue of a step that scheduled every running sequence as a decode with nothing
+waiting or swapped (no decision read its order). Requests carry a tenant (none, "a" or "b").
 """
 from __future__ import annotations
 
@@ -24,11 +30,12 @@ from property_settings import examples
 from scheduler_helpers import KVStoreBackend, make_scheduler, sample_tokens
 
 from policies import Request, SamplingParams
+from policies.policy import available_policies
 
 MAX_MODEL_LEN = 48
 EOS, STOP = 0, 1
 MAX_STEPS = 3000
-COMBOS = [(policy, blocks, mode) for policy in ("fcfs", "priority")
+COMBOS = [(policy, blocks, mode) for policy in available_policies()
           for blocks in ("paged", "prefix", "contiguous") for mode in ("recompute", "swap")]
 
 
@@ -65,7 +72,7 @@ def workloads(draw):
                                 ignore_eos=draw(st.booleans()),
                                 stop_token_ids=[STOP] if draw(st.booleans()) else [])
         request = Request(f"r{i}", prompt, params, arrival_time=0.0, priority=draw(st.integers(0, 3)),
-                          eos_token_id=EOS)
+                          eos_token_id=EOS, tenant=draw(st.sampled_from([None, "a", "b"])))
         abort_step = draw(st.none() | st.integers(0, 40))
         specs.append(Spec(draw(st.integers(0, 20)), request, abort_step, draw(st.booleans())))
     return config, specs, draw(st.integers(0, 2**32 - 1))
@@ -109,6 +116,20 @@ def check_step(scheduler, out, config, waiting_before: set[int], swapped_before:
         assert all(admitted), "a prefill step of the non-chunked mode also runs decodes"
 
 
+def check_order(scheduler, out, before: bool) -> None:
+    """Queues in key order (module docstring): before a step, those the policy does not declare;
+    after it is decided, all but an order-free running queue."""
+    queues = scheduler.queues
+    if before:
+        names = [name for name in ("waiting", "running", "swapped") if name not in scheduler.policy.reorders]
+    else:
+        order_free = (not queues.waiting and not queues.swapped and not out.preempted
+                      and len(out.scheduled) == len(queues.running) == out.sum_new_tokens)
+        names = ["waiting", "swapped"] + ([] if order_free else ["running"])
+    bad = queues.out_of_order(names)
+    assert not bad, f"{bad} out of key order {'before' if before else 'after'} the step"
+
+
 def check_pools(scheduler) -> None:
     usage = scheduler.block_manager.usage()
     assert usage.gpu_used + scheduler.block_manager.num_free_gpu_blocks() == usage.gpu_total
@@ -149,7 +170,9 @@ def run_workload(policy, blocks, mode, config, specs, seed):
             continue
         waiting_before = {id(seq) for seq in scheduler.queues.waiting}
         swapped_before = {id(seq) for seq in scheduler.queues.swapped}
+        check_order(scheduler, None, before=True)
         out = scheduler.schedule(now)
+        check_order(scheduler, out, before=False)
         ended_ids.update(r.request_id for r in out.aborted)
         check_step(scheduler, out, config, waiting_before, swapped_before)
         backend.execute(out)

@@ -3,17 +3,33 @@
 A new policy is one small file: subclass `Policy`, override the keys (and `may_preempt` if a
 waiting request may force out a running one), register it with `@register_policy("name")`,
 and add `conf/policy/<name>.yaml`.
+
+Keys that change over time. The queues are kept in key order by insertion (bisection) and are
+never re-sorted unless the policy says so: a key that reads something that changes while a sequence
+sits in a queue (its generated tokens, the clock, its tenant's service) must be declared in
+`reorders`, the names of the queues whose order it can change. The scheduler then, at the start of
+every step, calls `refresh` (where the policy updates what its keys read and may narrow the
+queues to re-sort) and re-sorts those queues before any decision reads them. A static key pays
+nothing. A key that changes but is not declared is caught by the property tests
+(tests/test_scheduler_properties.py checks every queue's order against the keys before every step,
+for every registered policy).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from policies.registry import Registry
 from policies.sequence import Sequence
 
+if TYPE_CHECKING:
+    from policies.outputs import SchedulerOutput
+    from policies.queues import SchedulerQueues
+
 PREEMPTION_MODES = ("recompute", "swap")
+QUEUE_NAMES = ("waiting", "running", "swapped")
 POLICIES: Registry[type[Policy]] = Registry("scheduling policy", field="policy")
 
 
@@ -34,8 +50,22 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
     return POLICIES.get(name)(**kwargs)
 
 
+@dataclass(slots=True, frozen=True)
+class OrderHint:
+    """What `refresh` is told about the time since the last refresh."""
+
+    now: float
+    # The running queue is the same set of sequences as when the last step was decided, and each of
+    # them gained the same number of tokens since (steady decode): a key that falls by the same
+    # amount per generated token (remaining work) keeps the running queue's order.
+    uniform_progress: bool
+
+
 class Policy(ABC):
     name: str = "base"
+    # The queues (QUEUE_NAMES) whose order the key can change while sequences sit in them (module
+    # docstring). Empty: the key of a queued sequence never changes.
+    reorders: frozenset[str] = frozenset()
 
     def __init__(self, preemption_mode: str = "recompute") -> None:
         if preemption_mode not in PREEMPTION_MODES:
@@ -53,3 +83,18 @@ class Policy(ABC):
     def may_preempt(self, waiting: Sequence, running: Sequence) -> bool:
         """Whether `waiting` may force `running` out to get admitted (default: never)."""
         return False
+
+    def refresh(self, queues: SchedulerQueues, hint: OrderHint) -> Collection[str]:
+        """For a policy with `reorders`, at the start of every step before anything is decided:
+        bring what the keys read up to date (the clock, counters) and return the queues whose order
+        may have changed since the last refresh (default: all of `reorders`); the scheduler
+        re-sorts them. `queues` is for reading only."""
+        return self.reorders
+
+    def observe(self, out: SchedulerOutput) -> None:
+        """Called with every step once it is decided (for policies that count service). A key must
+        not change here: apply what was observed in the next `refresh`."""
+
+    def observe_decode_run(self, running: list[Sequence], num_steps: int) -> None:
+        """Called when a decode run (the simulator's fast-forward) gives every running sequence
+        `num_steps` more tokens without a `schedule` per step; as `observe`."""

@@ -1,0 +1,67 @@
+"""FastServe's skip-join multi-level feedback queue (Wu et al., 2023), in tokens.
+
+Level i (0 = most urgent) has a quantum of `base_quantum * growth**i` output tokens. A request
+*skip-joins*: it enters at the most urgent level whose quantum covers its prefill, counting each
+prompt token as `prompt_token_cost` output tokens (a long prompt skips the top levels, where its
+prefill alone would use up the quantum). A sequence that generates a level's quantum of tokens is
+demoted to the next level (the last level keeps it). Within a level, first come first served.
+
+The level falls as a running sequence generates tokens, so the running queue is declared in
+`reorders`. With `preempt_running` (default) the waiting head forces out running sequences of a
+less urgent level when it cannot be admitted: preemption at token granularity, as FastServe's
+iteration-level preemption. FastServe's starvation guard (promoting long-waiting jobs) is left out:
+demotion bounds what a long job can take from short ones, not the other way round.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from itertools import accumulate
+
+from policies.policy.base import Policy, register_policy
+from policies.sequence import Sequence
+
+
+def _positive(name: str, value: float, integer: bool = False) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float)) and 0 < value < float("inf")
+    if not ok:
+        kind = "an integer >= 1" if integer else "a finite number > 0"
+        raise ValueError(f"{name}={value!r} is invalid: must be {kind}")
+
+
+@register_policy("mlfq")
+class SkipJoinMLFQPolicy(Policy):
+    reorders = frozenset({"running"})
+
+    def __init__(self, preemption_mode: str = "recompute", num_levels: int = 6, base_quantum: int = 32,
+                 growth: float = 2.0, prompt_token_cost: float = 0.0625, preempt_running: bool = True) -> None:
+        super().__init__(preemption_mode)
+        _positive("num_levels", num_levels, integer=True)
+        _positive("base_quantum", base_quantum, integer=True)
+        _positive("growth", growth)
+        if growth < 1:
+            raise ValueError(f"growth={growth!r} is invalid: must be >= 1 (quanta grow with the level)")
+        if isinstance(prompt_token_cost, bool) or not isinstance(prompt_token_cost, (int, float)) \
+                or not 0 <= prompt_token_cost < float("inf"):
+            raise ValueError(f"prompt_token_cost={prompt_token_cost!r} is invalid: must be a finite number >= 0")
+        if type(preempt_running) is not bool:
+            raise ValueError(f"preempt_running={preempt_running!r} is invalid: must be True or False")
+        self.quanta = [base_quantum * growth ** i for i in range(num_levels)]
+        self.prompt_token_cost = float(prompt_token_cost)
+        self.preempt_running = preempt_running
+        # Per entry level: generated-token counts at which the sequence is demoted again.
+        self._demotions = [list(accumulate(self.quanta[start:-1])) for start in range(num_levels)]
+
+    def entry_level(self, seq: Sequence) -> int:
+        """Skip-join: the most urgent level whose quantum covers the prefill."""
+        cost = seq.num_prompt_tokens * self.prompt_token_cost
+        return min(bisect_right(self.quanta, cost) if cost > self.quanta[0] else 0, len(self.quanta) - 1)
+
+    def level(self, seq: Sequence) -> int:
+        start = self.entry_level(seq)
+        return start + bisect_right(self._demotions[start], len(seq.token_ids) - seq.num_prompt_tokens)
+
+    def key(self, seq: Sequence) -> tuple:
+        return (self.level(seq), seq.request.arrival_time, seq.arrival_index, seq.seq_id)
+
+    def may_preempt(self, waiting: Sequence, running: Sequence) -> bool:
+        return self.preempt_running and self.level(waiting) < self.level(running)

@@ -1,0 +1,40 @@
+"""Shortest job first: the request predicted to generate the fewest tokens first.
+
+The job size is an output-length prediction (policies/length_predictor.py: `max_tokens` by default,
+the workload's true lengths with `oracle`, a learned `bucket` estimate). `aging` (tokens per second
+of waiting) lowers a request's key as it waits, so no long request starves: the key is
+`predicted - aging * (now - arrival)`, which orders requests exactly as `predicted + aging * arrival`
+does (every waiting request ages at the same rate), so the key never changes while a sequence is
+queued and the queues need no re-sorting. Non-preemptive: a running request is never forced out
+for a shorter one (see srpt for the preemptive variant).
+"""
+from __future__ import annotations
+
+from policies.length_predictor import OutputLengthPredictor, make_predictor
+from policies.policy.base import Policy, register_policy
+from policies.sequence import Sequence
+
+
+def as_predictor(predictor: OutputLengthPredictor | str) -> OutputLengthPredictor:
+    """A predictor, or the name of one that needs no arguments (`max_tokens`)."""
+    return make_predictor(predictor) if isinstance(predictor, str) else predictor
+
+
+def check_aging(aging: float) -> float:
+    if isinstance(aging, bool) or not isinstance(aging, (int, float)) or not 0 <= aging < float("inf"):
+        raise ValueError(f"aging={aging!r} is invalid: must be a finite number >= 0 (tokens per second waited)")
+    return float(aging)
+
+
+@register_policy("sjf")
+class ShortestJobFirstPolicy(Policy):
+    def __init__(self, preemption_mode: str = "recompute", predictor: OutputLengthPredictor | str = "max_tokens",
+                 aging: float = 0.0) -> None:
+        super().__init__(preemption_mode)
+        self.predictor = as_predictor(predictor)
+        self.aging = check_aging(aging)
+
+    def key(self, seq: Sequence) -> tuple:
+        request = seq.request
+        size = self.predictor.predict(request) + self.aging * request.arrival_time
+        return (size, request.arrival_time, seq.arrival_index, seq.seq_id)
