@@ -247,11 +247,13 @@ def test_idle_loop_sleeps_and_stats_count(tiny, reference):
 
 @pytest.mark.parametrize(("policy", "block_manager", "preemption_mode", "ahead"), [
     ("fcfs", "paged", "recompute", False), ("priority", "prefix", "swap", True),
-    ("fcfs", "contiguous", "recompute", True), ("priority", "paged", "swap", False)])
+    ("fcfs", "contiguous", "recompute", True), ("priority", "paged", "swap", False),
+    ("srpt", "paged", "recompute", True), ("mlfq", "prefix", "swap", False), ("vtc", "paged", "recompute", True),
+    ("sjf", "contiguous", "swap", True)])
 def test_every_policy_and_block_manager_under_preemption(tiny, reference, policy, block_manager,
                                                          preemption_mode, ahead):
-    """24 streams with mixed priorities over a KV pool that holds a few of them (preemptions), a
-    third of the clients leaving early: the others get LLM.generate's tokens, no block leaks."""
+    """24 streams with mixed priorities and three tenants over a KV pool that holds a few of them
+    (preemptions), a third of the clients leaving early: the others get LLM.generate's tokens, no block leaks."""
     prompts, expected = reference
     rng = random.Random(policy + block_manager)
 
@@ -262,7 +264,8 @@ def test_every_policy_and_block_manager_under_preemption(tiny, reference, policy
 
         async def client(i):
             outs = []
-            async for out in engine.generate(prompts[i % len(prompts)], GREEDY, f"c{i}", priority=rng.randint(0, 3)):
+            async for out in engine.generate(prompts[i % len(prompts)], GREEDY, f"c{i}", priority=rng.randint(0, 3),
+                                             tenant=f"t{i % 3}"):
                 outs.append(out)
                 if i % 3 == 0 and len(outs) == 1 + i % 5:
                     break
