@@ -8,13 +8,15 @@ their own KV blocks, experiments/lib/profiling/synthetic.py): host input prepara
 copies, the forward (a CUDA graph of the step's bucket, as in the engine), logits and sampling, and
 the sampled tokens' copy back; CUDA-synchronised wall clock, `warmup` untimed runs then the median
 of `repeats`, in each of `passes` sweeps over the grid (the sweeps' median: host speed drifts);
-decode contexts spread around their mean as a real batch's do (profiling/synthetic.py). Decode-only
+decode contexts spread around their mean as a real batch's do (profiling/synthetic.py), and with
+`profile_grid.context_ratios` decode-only rows are also measured per ratio of the longest context to
+the mean (the batch-shape axis, column `context_ratio`). Decode-only
 rows are then the period of a real `LLMEngine` holding that batch (profiling/host.py
 `decode_periods`), `host_s = time_s - forward_s`; rows with prefill add the engine's CPU cost around
 `execute` (schedule, update, outputs: `host_overheads`, step wall time minus the same step's execute
 re-run warm): `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N blocks each way.
 
-    python -m experiments.profile model=qwen3-0.6b            # the GPU profile (~4 min on an H200)
+    python -m experiments.profile model=qwen3-0.6b            # the GPU profile (minutes: `elapsed_s` in its metadata)
     python -m experiments.profile model=tiny-qwen3 profile_grid=tiny device=cpu out=/tmp/p.csv
 """
 from __future__ import annotations
@@ -40,8 +42,9 @@ from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
 from experiments.lib.profiling.host import cpu_probe_us, decode_periods, host_overheads, pipelined_period
-from experiments.lib.profiling.synthetic import blocks_needed, decode_contexts, swap_mapping, synthetic_step
+from experiments.lib.profiling.synthetic import StepShape, blocks_needed, decode_contexts, swap_mapping, synthetic_step
 from sim.latency.prefill_schedule import PrefillSchedule
+from sim.latency.profiled import RATIO_COLUMN
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
 
@@ -114,11 +117,12 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     if prefill and max(grid.decode_seqs) + 1 > cfg.max_num_seqs:
         raise ValueError(f"profile_grid.decode_seqs max {max(grid.decode_seqs)} is invalid beside a prefill: "
                          f"must be <= max_num_seqs - 1 = {cfg.max_num_seqs - 1}")
-    longest = max(decode_contexts(max(grid.decode_seqs), max(grid.context_per_decode)), default=0)
+    longest = max((max(decode_contexts(s.num_decode_seqs, s.context_per_decode, s.context_ratio), default=0)
+                   for s in grid.step_shapes()), default=0)
     if longest > cfg.max_model_len:
         raise ValueError(f"profile_grid.context_per_decode max {max(grid.context_per_decode)} is invalid: its "
-                         f"longest decode ({longest} tokens, 7/4 of the mean) must be <= max_model_len="
-                         f"{cfg.max_model_len}")
+                         f"longest decode ({longest} tokens, 7/4 of the mean or the largest context_ratios "
+                         f"times it) must be <= max_model_len={cfg.max_model_len}")
     cache = CacheConfig(block_size=bs, swap_space=swap_gib * 1.001, num_gpu_blocks=num_gpu_blocks)
     kwargs = {"max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
               "max_model_len": cfg.max_model_len, "device": device, "dtype": dtype,
@@ -135,16 +139,17 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     and the host CPU gauge (`cpu_probe_us`) before each pass and after the last."""
     median_time = _timer(runner.device)
     bs, n_gpu = runner.block_size, runner.num_gpu_blocks
-    passes: dict[tuple[int, int, int, int], list[float]] = {}
+    passes: dict[tuple, list[float]] = {}  # (P, prefill seqs, D, C, ratio) -> execute times
     host_passes: dict[tuple[int, int], list[float]] = {}
-    period_passes: dict[tuple[int, int], list[float]] = {}
-    piped: dict[tuple[int, int, int, int], list[float]] = {}  # async: steps with prefill, pipelined
-    ahead_passes: dict[tuple[int, int], list[float]] = {}  # async: decode periods
+    period_passes: dict[tuple, list[float]] = {}  # (D, C, ratio) -> decode periods
+    piped: dict[tuple, list[float]] = {}  # async: steps with prefill, pipelined
+    ahead_passes: dict[tuple, list[float]] = {}  # async: decode periods
     ahead = bool(cfg.get("async_scheduling", False))
     shapes = grid.step_shapes() + [s for s in grid.split_shapes() if s.num_prefill_seqs > 1]
     outs = [synthetic_step(shape, bs, n_gpu, runner.vocab_size, seed=cfg.seed) for shape in shapes]
     pairs = [(p, d) for p in grid.prefill_tokens if p for d in grid.decode_seqs]  # decode-only rows: periods
-    decodes = [(d, c) for d in grid.decode_seqs if d for c in grid.context_per_decode]
+    decodes = [(s.num_decode_seqs, s.context_per_decode, s.context_ratio) for s in grid.step_shapes()
+               if s.num_prefill_tokens == 0]
     start = time.perf_counter()
     # Every shape is timed in each of `passes` sweeps over the grid and the sweeps' median kept: the
     # host share of a small step moves with the host CPU's speed, which on a shared VM drifts over
@@ -159,7 +164,7 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
                 done_p = shape.num_prefill_tokens
                 print(f"[profile] pass {sweep + 1}/{cfg.passes} prefill={done_p}: "
                       f"{time.perf_counter() - start:.1f}s", flush=True)
-            key = (shape.num_prefill_tokens, shape.num_prefill_seqs, shape.num_decode_seqs, shape.context_per_decode)
+            key = _key(shape)
             passes.setdefault(key, []).append(
                 median_time(functools.partial(runner.execute, out), cfg.warmup, cfg.repeats))
             if ahead and shape.num_prefill_tokens:
@@ -182,11 +187,10 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
     ahead_period = {k: statistics.median(v) for k, v in ahead_passes.items()}
     rows = []
     for s in grid.step_shapes():
-        key = (s.num_prefill_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.context_per_decode)
-        f = forward[key]
+        f = forward[_key(s)]
         if s.num_prefill_tokens == 0:  # decode-only: the engine's own step period (profiling/host.py)
-            sync_t = period[(s.num_decode_seqs, s.context_per_decode)]
-            t = ahead_period[(s.num_decode_seqs, s.context_per_decode)] if ahead else sync_t
+            sync_t = period[_key(s)[2:]]
+            t = ahead_period[_key(s)[2:]] if ahead else sync_t
         else:
             # a measured overhead near zero can come out negative (timing noise): a step is never
             # faster than its forward pass
@@ -194,14 +198,15 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
             t = pipelined[key] if ahead else sync_t  # async: the pipelined period (host work overlapped)
         rows.append({"kind": "step", "num_prefill_tokens": s.num_prefill_tokens,
                      "num_decode_seqs": s.num_decode_seqs, "num_context_tokens": s.num_context_tokens,
-                     "time_s": t, "forward_s": f, "host_s": t - f} | ({"sync_time_s": sync_t} if ahead else {}))
+                     RATIO_COLUMN: s.context_ratio, "time_s": t, "forward_s": f, "host_s": t - f}
+                    | ({"sync_time_s": sync_t} if ahead else {}))
     # The grid needs a (0 prefill, 0 decode) corner although no step is empty: it repeats the
     # smallest prefill's time, so tiny prefill chunks are priced like it (launch-bound), not less.
     smallest = next((r for r in rows if r["num_decode_seqs"] == 0), None)
     if smallest is not None:
         rows.insert(0, smallest | {"num_prefill_tokens": 0})
-    split = [(s.num_prefill_tokens, s.num_prefill_seqs, s.prefill_attention_pairs,
-              forward[(s.num_prefill_tokens, s.num_prefill_seqs, 0, 0)]) for s in grid.split_shapes()]
+    split = [(s.num_prefill_tokens, s.num_prefill_seqs, s.prefill_attention_pairs, forward[_key(s)])
+             for s in grid.split_shapes()]
     kv = runner.kv_cache
     for n in grid.swap_blocks:
         mapping = swap_mapping(n, n_gpu, runner.num_cpu_blocks)
@@ -209,6 +214,11 @@ def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], lis
         for fn in (functools.partial(kv.apply, mapping, {}, []), functools.partial(kv.apply, {}, back, [])):
             rows.append({"kind": "swap", "num_blocks": n, "time_s": median_time(fn, cfg.warmup, cfg.repeats)})
     return rows, split, probes
+
+
+def _key(s: StepShape) -> tuple[int, int, int, int, float | None]:
+    """A shape's timing key; [2:] is its decode part (D, C, ratio), the key of a decode period."""
+    return s.num_prefill_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.context_per_decode, s.context_ratio
 
 
 def prefill_schedule(runner) -> PrefillSchedule:

@@ -196,6 +196,9 @@ class Simulator:
         if not limit:
             return None
         num_seqs, context = sched.num_running, sched.queues.kv_tokens + sched.num_running
+        longest = {}  # the longest decode's context (one token more each step), for models that price it
+        if getattr(self.latency, "uses_longest_context", False):
+            longest["max_context_tokens"] = max(s.num_computed_tokens for s in sched.queues.running) + 1
         times, until = [start], self._next_arrival_at
         # Price about as many steps as fit before the arrival, judged by the last run's step time.
         guess = self._step_time_guess
@@ -204,8 +207,9 @@ class Simulator:
         # up to the first one at or after the next arrival.
         while len(times) <= limit:
             num_steps = min(chunk, limit + 1 - len(times))
+            grown = {k: v + len(times) - 1 for k, v in longest.items()}
             step_times = self.latency.decode_times(num_seqs, context + (len(times) - 1) * num_seqs,
-                                                   num_seqs, num_steps)
+                                                   num_seqs, num_steps, **grown)
             if step_times is None:
                 return None
             done = len(times)

@@ -196,7 +196,8 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
             "max_num_seqs=8", "progress=false", "calibrate=false", f"out={tmp_path / 'cpu-tiny-qwen3.csv'}",
             "profile_grid.prefill_tokens=[0,8,64]", "profile_grid.decode_seqs=[0,2,7]",
             "profile_grid.context_per_decode=[4,64]", "profile_grid.swap_blocks=[1,4]",
-            "profile_grid.split_prefill_tokens=[8]", "profile_grid.split_counts=[1,2]", "async_scheduling=true"])
+            "profile_grid.split_prefill_tokens=[8]", "profile_grid.split_counts=[1,2]",
+            "profile_grid.context_ratios=[1,1.5]"])  # the batch-shape axis, priced by the simulator
     csv, _ = profile(cfg, "pytest")
     spec = request.config.rootpath / "conf/fidelity/tiny.yaml"
     out, runs = tmp_path / "out", tmp_path / "runs"
@@ -243,17 +244,19 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
     _main(["--spec", str(spec), "--runs", str(engine_only), "--engine-only", "--scenarios", "poisson,offline",
            "--engine-repeats", "2", "--window-profile", "--profile", str(csv)])
     assert labels == ["offline engine", "poisson engine", "offline engine (round 2)", "poisson engine (round 2)"]
-    # --window-profile: the profile's decode-only rows (2 and 7 sequences x 2 contexts) re-timed on the
-    # capacity scenario's engine each round; the simulator side reads them in place of the standalone rows.
+    # --window-profile: the profile's decode-only rows (2 and 7 sequences x 2 contexts x 2 ratios) re-timed
+    # on the capacity scenario's engine each round; the simulator side reads them in place of the standalone rows.
     periods = pd.read_csv(engine_only / "window_periods.csv")
-    assert sorted(periods["round"].unique()) == [0, 1] and len(periods) == 2 * 4 and (periods["time_s"] > 0).all()
+    assert sorted(periods["round"].unique()) == [0, 1] and len(periods) == 2 * 8 and (periods["time_s"] > 0).all()
     sim_side = _main(["--spec", str(spec), "--out", str(tmp_path / "out3"), "--runs", str(tmp_path / "runs3"),
                       "--profile", str(csv), "--engine-runs", str(engine_only), "--scenarios", "offline"])
     window = engine_only / "window-profile.csv"
-    assert sim_side.sim_profile() == str(window) and "window_profile: 4 decode-only rows" in window.read_text()
+    assert sim_side.sim_profile() == str(window) and "window_profile: 8 decode-only rows" in window.read_text()
     standalone, windowed = ProfiledModel(csv, 16), ProfiledModel(window, 16)
-    median = periods[(periods.num_decode_seqs == 7) & (periods.context_per_decode == 64)]["time_s"].median()
-    assert windowed.lookup(0, 7, 7 * 64) == pytest.approx(median) and windowed.lookup(64, 0, 0) == standalone.lookup(64, 0, 0)
+    median = periods[(periods.num_decode_seqs == 7) & (periods.context_per_decode == 64)
+                     & (periods.context_ratio == 1.5)]["time_s"].median()
+    assert windowed.lookup(0, 7, 7 * 64, max_context_tokens=96) == pytest.approx(median)
+    assert windowed.lookup(64, 0, 0) == standalone.lookup(64, 0, 0)
     assert "window-profile.csv" in (tmp_path / "out3" / "fidelity.md").read_text()
     for name in ("offline", "poisson"):
         assert (engine_only / name / "engine" / "requests.parquet").is_file()

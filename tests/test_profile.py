@@ -23,7 +23,8 @@ from sim.latency.profiled import COLUMNS, read_profile
 
 TINY_GRID = ["profile_grid.prefill_tokens=[0,8]", "profile_grid.decode_seqs=[0,2]",
              "profile_grid.context_per_decode=[4,16]", "profile_grid.swap_blocks=[1,2]",
-             "profile_grid.split_prefill_tokens=[8]", "profile_grid.split_counts=[1,2]"]
+             "profile_grid.split_prefill_tokens=[8]", "profile_grid.split_counts=[1,2]",
+             "profile_grid.context_ratios=[]"]
 
 
 def tiny_profile(path, extra=()):
@@ -301,3 +302,19 @@ def test_profiler_records_the_tensor_parallel_size_and_the_simulator_checks_it(t
     assert ProfiledModel(path, 16, tensor_parallel_size=2).meta["model"] == "tiny-qwen3"
     with pytest.raises(ValueError, match="measured with tensor_parallel_size=2"):
         ProfiledModel(path, 16)
+
+
+def test_profiler_measures_the_batch_shape_axis_on_decode_only_rows(tmp_path):
+    """With profile_grid.context_ratios the decode-only rows of 2+ sequences are measured once per
+    ratio (their longest decode that many times the mean) and written in the context_ratio column;
+    the simulator then prices a step from its longest context."""
+    path, _ = tiny_profile(tmp_path / "cpu-tiny-qwen3.csv", ["profile_grid.context_ratios=[1,3]"])
+    _, rows = read_profile(path)
+    steps = [r for _, r in rows if r["kind"] == "step"]
+    ratios = {(r["num_prefill_tokens"], r["num_decode_seqs"], r["num_context_tokens"], r["context_ratio"])
+              for r in steps}
+    decode_rows = {x for x in ratios if x[0] == "0" and x[1] == "2"}
+    assert {(c, float(r)) for _, _, c, r in decode_rows} == {("8", 1.0), ("8", 3.0), ("32", 1.0), ("32", 3.0)}
+    assert all(r == "" for p, d, _, r in ratios if p != "0" or d != "2")  # they stand for every ratio
+    model = ProfiledModel(path, 16, "tiny-qwen3", async_scheduling=True)
+    assert model.uses_longest_context and model.ratio_axis == [1.0, 3.0]

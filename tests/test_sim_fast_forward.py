@@ -10,7 +10,9 @@ the scheduler refuses a fast-forward it did not allow.
 """
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,7 +67,27 @@ def _conf(group: str, name: str) -> dict:
     return yaml.safe_load((ROOT / f"conf/{group}/{name}.yaml").read_text())
 
 
+@functools.cache
+def batch_shape_profile() -> Path:
+    """example-synthetic.csv with the batch-shape axis: each decode-only row of 2+ sequences at context
+    ratio 1 as it is and at ratio 3 1.3x slower, so steps are priced from their longest context."""
+    src = (ROOT / "experiments/profiles/example-synthetic.csv").read_text().splitlines()
+    header = next(i for i, line in enumerate(src) if line.startswith("kind,"))
+    lines = [*src[:header], src[header] + ",context_ratio"]
+    for line in src[header + 1:]:
+        kind, p, d, c, n, t = line.split(",")
+        if kind == "step" and p == "0" and int(d) >= 2:
+            lines += [f"{line},1", f"{kind},{p},{d},{c},{n},{float(t) * 1.3!r},3"]
+        else:
+            lines.append(line + ",")
+    path = Path(tempfile.mkdtemp()) / "batch-shape.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def latency_model(name: str, block_size: int, ahead: bool = False) -> LatencyModel:
+    if name == "batch-shape":
+        return ProfiledModel(batch_shape_profile(), block_size)
     if name == "roofline":
         return RooflineModel(ModelShape.from_dict(_conf("model", "qwen3-0.6b")),
                              Hardware.from_dict(_conf("hardware", "h200")), block_size)
@@ -93,7 +115,7 @@ def cases(draw):
                                   max_num_seqs=draw(st.integers(1, 8)), max_model_len=MAX_MODEL_LEN,
                                   enable_chunked_prefill=chunked, async_scheduling=draw(st.booleans())),
         "latency": draw(st.sampled_from(["roofline", "dyadic", "dyadic", "example-synthetic", "h200-qwen3-0.6b",
-                                         "h200-qwen3-0.6b-async"])),
+                                         "h200-qwen3-0.6b-async", "batch-shape"])),
     }
     shared = list(range(500, 500 + MAX_MODEL_LEN))
     requests, stop_lens = [], {}

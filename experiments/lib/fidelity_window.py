@@ -20,23 +20,25 @@ import pandas as pd
 
 from experiments.lib.profiling.grid import write_profile
 from experiments.lib.profiling.host import decode_periods
-from sim.latency.profiled import read_profile
+from sim.latency.profiled import RATIO_COLUMN, read_profile
 
 WARMUP, REPEATS = 2, 15  # conf/profile.yaml's warmup and host_repeats
 PERIODS_CSV = "window_periods.csv"
 PROFILE_CSV = "window-profile.csv"
 
 
-def _decode_shape(row: dict[str, str]) -> tuple[int, int] | None:
-    """(D, context per decode) of a decode-only step row of a profile, else None."""
+def _decode_shape(row: dict[str, str]) -> tuple[int, int, float] | None:
+    """(D, context per decode, context ratio or -1 when the row has none) of a decode-only step row
+    of a profile, else None."""
     d = int(row.get("num_decode_seqs") or 0)
     if row.get("kind") != "step" or row.get("num_prefill_tokens") != "0" or not d:
         return None
-    return d, int(row["num_context_tokens"]) // d
+    ratio = (row.get(RATIO_COLUMN) or "").strip()
+    return d, int(row["num_context_tokens"]) // d, float(ratio) if ratio else -1.0
 
 
-def decode_shapes(profile: str | Path) -> list[tuple[int, int]]:
-    """(D, context per decode) of the profile's decode-only rows."""
+def decode_shapes(profile: str | Path) -> list[tuple[int, int, float]]:
+    """(D, context per decode, context ratio or -1) of the profile's decode-only rows."""
     return sorted({shape for _, row in read_profile(profile)[1] if (shape := _decode_shape(row))})
 
 
@@ -47,10 +49,10 @@ def measure(runner, profile: str | Path, round_index: int, runs_dir: Path) -> No
         raise ValueError("--window-profile is invalid here: no engine was kept after the capacity scenario "
                          "(the spec's engine runs must use backend=engine)")
     ahead = read_profile(profile)[0].get("async_scheduling") == "true"  # time them as the profile did
-    periods = decode_periods(runner, decode_shapes(profile), WARMUP, REPEATS, seed=round_index,
-                             async_scheduling=ahead)
-    frame = pd.DataFrame([{"round": round_index, "num_decode_seqs": d, "context_per_decode": c, "time_s": t}
-                          for (d, c), t in periods.items()])
+    shapes = [(d, c, None if r < 0 else r) for d, c, r in decode_shapes(profile)]
+    periods = decode_periods(runner, shapes, WARMUP, REPEATS, seed=round_index, async_scheduling=ahead)
+    frame = pd.DataFrame([{"round": round_index, "num_decode_seqs": d, "context_per_decode": c,
+                           RATIO_COLUMN: -1.0 if r is None else r, "time_s": t} for (d, c, r), t in periods.items()])
     path = runs_dir / PERIODS_CSV
     if round_index == 0:
         path.unlink(missing_ok=True)
@@ -64,8 +66,10 @@ def window_profile(profile: str | Path, runs_dir: Path) -> Path | None:
     if not periods_path.is_file():
         return None
     periods = pd.read_csv(periods_path)
-    medians = {(int(d), int(c)): statistics.median(g["time_s"])
-               for (d, c), g in periods.groupby(["num_decode_seqs", "context_per_decode"])}
+    if RATIO_COLUMN not in periods:  # timings written before the batch-shape axis
+        periods[RATIO_COLUMN] = -1.0
+    medians = {(int(d), int(c), float(r)): statistics.median(g["time_s"])
+               for (d, c, r), g in periods.groupby(["num_decode_seqs", "context_per_decode", RATIO_COLUMN])}
     meta, rows = read_profile(profile)
     replaced = 0
     for _, row in rows:

@@ -30,9 +30,13 @@ class BatchShape:
     num_samples: int = 0  # tokens sampled (LM head rows)
     num_copies: int = 0  # copy-on-write block copies
     prefill_chunks: tuple[tuple[int, int], ...] = ()  # (q, c) of each prefill chunk
+    # c + 1 of the longest decode (0: not computed): a program-per-sequence decode kernel's time on a
+    # small batch follows it rather than num_context_tokens.
+    max_context_tokens: int = 0
 
     @classmethod
-    def of(cls, out: SchedulerOutput) -> BatchShape:
+    def of(cls, out: SchedulerOutput, longest: bool = False) -> BatchShape:
+        """`longest`: also find the longest decode context (one more pass over a decode-only batch)."""
         scheduled = out.scheduled
         n = len(scheduled)
         # This runs every simulated step: the totals come from the scheduler (or run in C, with map
@@ -43,20 +47,23 @@ class BatchShape:
             computed = sum(map(_computed, scheduled))
             samples = sum(map(_num_samples, scheduled))
         if new == n:  # every entry computes one token: all decodes
-            return cls(0, 0, 0, 0, n, computed + n, samples, len(out.copy))
-        p_tokens = p_ctx = p_pairs = p_seqs = 0
+            longest_c = max(map(_computed, scheduled)) + 1 if longest and n else 0
+            return cls(0, 0, 0, 0, n, computed + n, samples, len(out.copy), (), longest_c)
+        p_tokens = p_ctx = p_pairs = p_seqs = longest_c = 0
         chunks = []
         for seq, q, _ in scheduled:
+            c = seq.num_computed_tokens
             if q > 1:
-                c = seq.num_computed_tokens
                 p_seqs += 1
                 p_tokens += q
                 p_ctx += c
                 p_pairs += q * c + (q * (q + 1) >> 1)
                 chunks.append((q, c))
+            elif c >= longest_c:
+                longest_c = c + 1
         d_seqs = n - p_seqs
         return cls(p_tokens, p_seqs, p_ctx, p_pairs, d_seqs, computed - p_ctx + d_seqs, samples, len(out.copy),
-                   tuple(chunks))
+                   tuple(chunks), longest_c)
 
 
 _computed = attrgetter("seq.num_computed_tokens")
@@ -75,12 +82,17 @@ class LatencyModel(ABC):
     def swap_time(self, num_blocks: int) -> float:
         """Seconds to move `num_blocks` KV blocks between GPU and CPU (0 for 0 blocks)."""
 
+    # Whether step prices follow the longest decode context (`BatchShape.max_context_tokens`): the
+    # simulator then passes it to `decode_times`.
+    uses_longest_context: bool = False
+
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
-                     num_steps: int) -> list[float] | None:
+                     num_steps: int, max_context_tokens: int = 0) -> list[float] | None:
         """Step times of `num_steps` consecutive decode-only steps of one batch, each equal to
         `step_time` of that step's output: step s runs `num_seqs` decodes (no copies) reading
-        `num_context_tokens + s * num_seqs` KV entries and sampling `num_samples` tokens. None (the
-        default) when the model cannot tell without the outputs: the simulator then steps one by one."""
+        `num_context_tokens + s * num_seqs` KV entries, the longest `max_context_tokens + s` (0: not
+        given), and sampling `num_samples` tokens. None (the default) when the model cannot tell
+        without the outputs: the simulator then steps one by one."""
         return None
 
     def total_time(self, out: SchedulerOutput) -> float:
@@ -94,8 +106,9 @@ class LatencyModel(ABC):
 
 
 def shape_decode_times(shape_time: Callable[[BatchShape], float], num_seqs: int, num_context_tokens: int,
-                       num_samples: int, num_steps: int) -> list[float]:
+                       num_samples: int, num_steps: int, max_context_tokens: int = 0) -> list[float]:
     """`LatencyModel.decode_times` for a model that prices a `BatchShape` (`shape_time`)."""
     end = num_context_tokens + num_steps * num_seqs
-    return [shape_time(BatchShape(0, 0, 0, 0, num_seqs, context, num_samples, 0))
-            for context in range(num_context_tokens, end, num_seqs)]
+    grow = 1 if max_context_tokens else 0
+    return [shape_time(BatchShape(0, 0, 0, 0, num_seqs, context, num_samples, 0, (), max_context_tokens + s * grow))
+            for s, context in enumerate(range(num_context_tokens, end, num_seqs))]

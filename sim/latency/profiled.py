@@ -43,6 +43,14 @@ a prefill of its new tokens, unless the profile carries these optional metadata 
 - `token_graph_sizes`: the engine's CUDA-graph token sizes for steps with prefill tokens; each
   prefill row's padding to them is taken out before interpolating and the priced step's own added
   (sim/latency/token_padding.py).
+- column `context_ratio` (optional; the batch-shape axis): a decode-only row's longest decode context
+  over its mean (1: equal contexts). A program-per-sequence decode kernel (the Gluon `tma` one) on a
+  batch of one wave of programs runs as long as its longest sequence, not its total. Rows that
+  carry it form a fourth grid axis; a row without it (empty, or one decode) stands for every ratio
+  of its (prefill, decodes, context) point, as rows with 0 decodes stand for every context. A step
+  is priced at its own ratio (`BatchShape.max_context_tokens`; a step whose longest context is not
+  given at UNKNOWN_RATIO, the spread of the profiler's batches without the axis). A profile without
+  the column prices every step as before the axis.
 - `decode_graph_sizes` (optional; `experiments.profile` no longer writes it, its decode rows being
   engine step periods at real batch sizes): the engine's CUDA-graph batch sizes; a decode-only step
   of D sequences runs the smallest size >= D (padding rows read no KV), so it is priced at that
@@ -63,6 +71,11 @@ from sim.latency.token_padding import padded, per_token_cost
 
 COLUMNS = ("kind", "num_prefill_tokens", "num_decode_seqs", "num_context_tokens", "num_blocks", "time_s")
 STEP_FIELDS = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")
+RATIO_COLUMN = "context_ratio"  # optional: longest decode context / mean (the batch-shape axis)
+ANY_RATIO = -1.0  # a row that stands for every ratio
+# The ratio a step is priced at when its longest context is not given: the profiler's batches
+# without the axis spread from 1/4 to 7/4 of the mean (experiments/lib/profiling/synthetic.py).
+UNKNOWN_RATIO = 1.75
 
 
 def read_profile(path: str | Path) -> tuple[dict[str, str], list[tuple[int, dict[str, str]]]]:
@@ -180,8 +193,8 @@ class ProfiledModel(LatencyModel):
                              "mode (python -m experiments.profile async_scheduling=...)")
         profile_bs = int(self.meta.get("block_size", block_size))
         self._block_scale = block_size / profile_bs
-        points: dict[tuple[int, int, float], list[float]] = {}
-        sync_points: dict[tuple[int, int, float], list[float]] = {}
+        points: dict[tuple[int, int, float, float], list[float]] = {}
+        sync_points: dict[tuple[int, int, float, float], list[float]] = {}
         swaps: dict[int, list[float]] = {}
         for line, row in rows:
             kind = (row.get("kind") or "").strip()
@@ -191,7 +204,13 @@ class ProfiledModel(LatencyModel):
                 if d == 0 and c != 0:
                     raise ValueError(f"{path}:{line}: field num_context_tokens={c} is invalid: "
                                      "must be 0 when num_decode_seqs is 0")
-                key = (p, d, round(c / d, 6) if d else -1.0)
+                ratio = ANY_RATIO
+                if d > 1 and (row.get(RATIO_COLUMN) or "").strip():
+                    ratio = round(_number(path, line, row, RATIO_COLUMN, integer=False), 6)
+                    if ratio < 1:
+                        raise ValueError(f"{path}:{line}: field {RATIO_COLUMN}={ratio} is invalid: must be >= 1 "
+                                         "(the longest decode context over the mean)")
+                key = (p, d, round(c / d, 6) if d else -1.0, ratio)
                 points.setdefault(key, []).append(t)
                 if (row.get("sync_time_s") or "").strip():
                     sync_points.setdefault(key, []).append(_number(path, line, row, "sync_time_s", integer=False))
@@ -207,6 +226,8 @@ class ProfiledModel(LatencyModel):
         self.prefill_axis = sorted({k[0] for k in points})
         self.decode_axis = sorted({k[1] for k in points})
         self.context_axis = sorted({k[2] for k in points if k[1] > 0}) or [0.0]
+        self.ratio_axis = sorted({k[3] for k in points if k[3] != ANY_RATIO}) or [ANY_RATIO]
+        self.uses_longest_context = self.ratio_axis != [ANY_RATIO]
         self._grid = self._build_grid(path, points, "time_s")
         # Async profiles: each row also as the synchronous loop pays it, for steps not scheduled ahead.
         self._sync_grid = self._build_grid(path, sync_points, "sync_time_s") if sync_points else None
@@ -229,48 +250,57 @@ class ProfiledModel(LatencyModel):
             self.swap_axis.insert(0, 0)
             self._swap_times.insert(0, 0.0)
 
-    def _build_grid(self, path: Path, points: dict[tuple[int, int, float], list[float]],
-                    column: str) -> list[list[list[float]]]:
+    def _build_grid(self, path: Path, points: dict[tuple[int, int, float, float], list[float]],
+                    column: str) -> list[list[list[list[float]]]]:
+        """grid[prefill][decodes][context][ratio] (a row standing for every ratio fills its line)."""
         grid = []
         for p in self.prefill_axis:
             plane = []
             for d in self.decode_axis:
                 line_ = []
                 for ctx in self.context_axis:
-                    key = (p, d, ctx if d else -1.0)
-                    if key not in points:
-                        raise ValueError(
-                            f"latency profile {str(path)!r} lacks the grid point num_prefill_tokens={p}, "
-                            f"num_decode_seqs={d}, num_context_tokens={round(ctx * d)} ({column}): step rows must "
-                            "cover every combination of the distinct prefill, decode and context-per-decode values")
-                    line_.append(statistics.median(points[key]))
+                    ratios = []
+                    for ratio in self.ratio_axis:
+                        key = (p, d, ctx if d else -1.0, ratio)
+                        key = key if key in points else (*key[:3], ANY_RATIO)
+                        if key not in points:
+                            shown = "" if ratio == ANY_RATIO else f", {RATIO_COLUMN}={ratio}"
+                            raise ValueError(
+                                f"latency profile {str(path)!r} lacks the grid point num_prefill_tokens={p}, "
+                                f"num_decode_seqs={d}, num_context_tokens={round(ctx * d)}{shown} ({column}): step "
+                                "rows must cover every combination of the distinct prefill, decode, "
+                                "context-per-decode (and context-ratio) values")
+                        ratios.append(statistics.median(points[key]))
+                    line_.append(ratios)
                 plane.append(line_)
             grid.append(plane)
         return grid
 
-    def _unpad(self, grid: list[list[list[float]]]) -> float:
+    def _unpad(self, grid: list[list[list[list[float]]]]) -> float:
         """Take each prefill row's padding cost out of `grid` (token_padding.py); returns the cost
         per padding row."""
         sizes = self.token_sizes
         if self.decode_axis[0] != 0:
             return 0.0
-        aligned = [(p, grid[i][0][0]) for i, p in enumerate(self.prefill_axis) if p > 0 and p in sizes]
+        aligned = [(p, grid[i][0][0][0]) for i, p in enumerate(self.prefill_axis) if p > 0 and p in sizes]
         cost = per_token_cost(aligned)
         for i, p in enumerate(self.prefill_axis):
             for j, d in enumerate(self.decode_axis):
                 if p:
                     extra = cost * (padded(p + d, sizes) - p - d)
-                    grid[i][j] = [t - extra for t in grid[i][j]]
+                    grid[i][j] = [[t - extra for t in ratios] for ratios in grid[i][j]]
         return cost
 
     def step_time(self, out: SchedulerOutput) -> float:
         if not out.scheduled:
             return 0.0
-        return self.shape_time(BatchShape.of(out), sync=self._sync_grid is not None and not out.ahead)
+        return self.shape_time(BatchShape.of(out, longest=self.uses_longest_context),
+                               sync=self._sync_grid is not None and not out.ahead)
 
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
-                     num_steps: int) -> list[float]:
-        return shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps)
+                     num_steps: int, max_context_tokens: int = 0) -> list[float]:
+        return shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps,
+                                  max_context_tokens)
 
     def shape_time(self, b: BatchShape, sync: bool = False) -> float:
         """Step time of a batch that schedules something (`sync`: not scheduled ahead, priced from
@@ -278,7 +308,7 @@ class ProfiledModel(LatencyModel):
         p, d = b.num_prefill_tokens, b.num_decode_seqs
         if p == 0 and self.graph_sizes:
             d = next((s for s in self.graph_sizes if s >= d), d)
-        t = self.lookup(p, d, b.num_context_tokens, self._sync_grid if sync else None)
+        t = self.lookup(p, d, b.num_context_tokens, self._sync_grid if sync else None, b.max_context_tokens)
         if p and self.pad_token_s:
             t += self.pad_token_s * (padded(p + d, self.token_sizes) - p - d)
         if p and self.prefill_schedule is not None and self.prefill_tile_s and b.prefill_chunks:
@@ -289,11 +319,17 @@ class ProfiledModel(LatencyModel):
         return max(t, 0.0)
 
     def lookup(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
-               grid: list[list[list[float]]] | None = None) -> float:
+               grid: list[list[list[list[float]]]] | None = None, max_context_tokens: int = 0) -> float:
+        """Multilinear in (prefill tokens, decodes, context per decode, longest context / mean);
+        `max_context_tokens` 0: the longest context is not known (UNKNOWN_RATIO)."""
         ctx = num_context_tokens / num_decode_seqs if num_decode_seqs else self.context_axis[0]
         ip, wp = _segment(self.prefill_axis, num_prefill_tokens)
         idd, wd = _segment(self.decode_axis, num_decode_seqs)
         ic, wc = _segment(self.context_axis, ctx)
+        ratio = UNKNOWN_RATIO
+        if max_context_tokens and num_context_tokens:
+            ratio = max_context_tokens * num_decode_seqs / num_context_tokens
+        ir, wr = _segment(self.ratio_axis, ratio)
         g = self._grid if grid is None else grid
         total = 0.0
         for a, fa in ((ip, 1 - wp), (ip + 1, wp)):
@@ -303,8 +339,12 @@ class ProfiledModel(LatencyModel):
                 if fb == 0:
                     continue
                 for c, fc in ((ic, 1 - wc), (ic + 1, wc)):
-                    if fc != 0:
-                        total += fa * fb * fc * g[a][b][c]
+                    if fc == 0:
+                        continue
+                    line_ = g[a][b][c]
+                    for r, fr in ((ir, 1 - wr), (ir + 1, wr)):
+                        if fr != 0:
+                            total += fa * fb * fc * fr * line_[r]
         return max(total, 0.0)
 
     def swap_time(self, num_blocks: int) -> float:

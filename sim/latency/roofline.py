@@ -74,7 +74,7 @@ class RooflineModel(LatencyModel):
         return t
 
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
-                     num_steps: int) -> list[float]:
+                     num_steps: int, max_context_tokens: int = 0) -> list[float]:
         # shape_time of a decode-only batch with its context-independent part computed once, in the
         # same order, so that every step time is bit-identical to step_time's. For ctx >= 0,
         # max(ctx * kv, ctx * attn) == ctx * max(kv, attn) exactly: rounding is monotone.

@@ -2,6 +2,10 @@
 
 Step rows cover the full grid prefill tokens x decode sequences x context per decode that
 `sim/latency/profiled.py` interpolates over (rows with 0 decodes stand for every context value).
+With `context_ratios` (optional), the decode-only rows of two or more sequences are measured once
+per ratio of the longest decode context to the mean (the batch-shape axis: a program-per-sequence
+decode kernel's time on a one-wave batch follows the longest); the other rows keep the C/4..7C/4
+spread and stand for every ratio.
 Each prefill is one sequence with no prefix; the `split` rows (the same prefill tokens over more
 sequences) measure what another layout (several prompts, chunks over a prefix) saves, written as
 the metadata the profiled model prices such layouts with: `prefill_tile_s`, seconds per key tile on
@@ -19,11 +23,12 @@ from typing import Any
 
 from experiments.lib.profiling.synthetic import StepShape, split_tokens
 from sim.latency.prefill_schedule import PrefillSchedule
-from sim.latency.profiled import COLUMNS
+from sim.latency.profiled import COLUMNS, RATIO_COLUMN
 
-# Optional: time_s = forward_s + host_s (readers ignore them); sync_time_s (async profiles): the step
-# when scheduled synchronously (sim/latency/profiled.py prices such steps with it).
-EXTRA_COLUMNS = ("forward_s", "host_s", "sync_time_s")
+# Optional: the row's context ratio (the batch-shape axis; empty: every ratio); time_s = forward_s +
+# host_s (readers ignore them); sync_time_s (async profiles): the step when scheduled synchronously
+# (sim/latency/profiled.py prices such steps with it).
+EXTRA_COLUMNS = (RATIO_COLUMN, "forward_s", "host_s", "sync_time_s")
 
 
 def _int_list(d: Mapping[str, Any], key: str, low: int) -> list[int]:
@@ -44,12 +49,20 @@ class ProfileGrid:
     swap_blocks: list[int]
     split_prefill_tokens: list[int]
     split_counts: list[int]
+    context_ratios: list[float]  # [] : no batch-shape axis
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ProfileGrid:
+        ratios = d.get("context_ratios") or []
+        if not isinstance(ratios, (list, tuple)) or any(
+                isinstance(r, bool) or not isinstance(r, (int, float)) or r < 1 for r in ratios) \
+                or len(set(ratios)) != len(ratios):
+            raise ValueError(f"profile_grid.context_ratios={ratios!r} is invalid: a list of distinct numbers >= 1 "
+                             "(the longest decode context over the mean), or empty")
         grid = cls(_int_list(d, "prefill_tokens", 0), _int_list(d, "decode_seqs", 0),
                    _int_list(d, "context_per_decode", 2), _int_list(d, "swap_blocks", 1),
-                   _int_list(d, "split_prefill_tokens", 2), _int_list(d, "split_counts", 1))
+                   _int_list(d, "split_prefill_tokens", 2), _int_list(d, "split_counts", 1),
+                   sorted(float(r) for r in ratios))
         if grid.prefill_tokens == [0] and grid.decode_seqs == [0]:
             raise ValueError("profile_grid: prefill_tokens and decode_seqs are both [0]: no step to measure")
         if 1 in grid.prefill_tokens:
@@ -68,8 +81,9 @@ class ProfileGrid:
         for p in self.prefill_tokens:
             for d in self.decode_seqs:
                 for c in (self.context_per_decode if d else [0]):
+                    ratios = self.context_ratios if p == 0 and d >= 2 and self.context_ratios else [None]
                     if p or d:
-                        shapes.append(StepShape(p, 1 if p else 0, d, c))
+                        shapes += [StepShape(p, 1 if p else 0, d, c, r) for r in ratios]
         return shapes
 
     def split_shapes(self) -> list[StepShape]:

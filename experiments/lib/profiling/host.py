@@ -184,10 +184,11 @@ def prompt_lens(contexts: list[int], budget: int) -> list[int]:
     return prompts
 
 
-def decode_periods(runner: ModelRunner, shapes: Iterable[tuple[int, int]], warmup: int, repeats: int,
-                   seed: int = 0, async_scheduling: bool = False) -> dict[tuple[int, int], float]:
-    """{(D, C): median wall time of `repeats` consecutive engine steps of D decodes whose contexts
-    spread around C as the grid's synthetic steps do}; the prompts are prefilled first (contexts
+def decode_periods(runner: ModelRunner, shapes: Iterable[tuple], warmup: int, repeats: int,
+                   seed: int = 0, async_scheduling: bool = False) -> dict[tuple, float]:
+    """{(D, C) or (D, C, ratio): median wall time of `repeats` consecutive engine steps of D decodes
+    whose contexts spread around C as the grid's synthetic steps of that context ratio do (None or
+    no ratio: the C/4..7C/4 spread)}; the prompts are prefilled first (contexts
     then grow by one token per step, `warmup + repeats` in all). Requests carry an `output_len`, as
     workload replays do, so the stop-length path runs too. `async_scheduling`: the engine schedules
     each step while the one before it runs, so a period is the larger of host and device work."""
@@ -197,8 +198,9 @@ def decode_periods(runner: ModelRunner, shapes: Iterable[tuple[int, int]], warmu
     high = min(10000, runner.vocab_size)
     engine = _engine(runner, runner, seed, async_scheduling)
     out: dict[tuple[int, int], float] = {}
-    for d, c in shapes:
-        lens = decode_contexts(d, c)
+    for shape in shapes:
+        d, c, ratio = (*shape, None)[:3]
+        lens = decode_contexts(d, c, ratio)
         if d > runner.max_num_seqs or max(lens) + warmup + repeats > runner.max_model_len:
             raise ValueError(f"decode period of {d} sequences at {c} tokens is invalid: over the runner's "
                              f"limits ({runner.max_num_seqs} sequences, max_model_len={runner.max_model_len})")
@@ -224,5 +226,5 @@ def decode_periods(runner: ModelRunner, shapes: Iterable[tuple[int, int]], warmu
             if r >= warmup:
                 walls.append(wall)
         _abort_decodes(engine, d)
-        out[(d, c)] = statistics.median(walls)
+        out[tuple(shape)] = statistics.median(walls)
     return out

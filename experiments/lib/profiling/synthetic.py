@@ -5,7 +5,9 @@ sequences start at position 0 (no prefix) and sample one token, as a prompt's la
 the D decodes read D * C KV entries in all, spread as a real batch's are: sequence i of D holds
 `decode_contexts(D, C)[i]` tokens, evenly from C / 4 to 7 C / 4 (mean C, the spread of contexts
 uniform in [100, 2048]: the decode kernel's programs then finish unevenly, as in the engine), the
-new token included, and samples one token. Every sequence gets its own physical blocks, so the attention kernels read as
+new token included, and samples one token. A shape with a context ratio R (the profile's batch-shape
+axis) instead gives its longest decode exactly R C tokens and spreads the others around the rest's
+mean, none longer than it. Every sequence gets its own physical blocks, so the attention kernels read as
 many distinct KV bytes as a real batch of that shape (shared blocks would be served from L2).
 `ModelRunner.execute` does not modify sequences, so one synthetic step can be executed repeatedly.
 """
@@ -30,6 +32,7 @@ class StepShape:
     num_prefill_seqs: int
     num_decode_seqs: int
     context_per_decode: int  # C: KV entries each decode reads (its new token included)
+    context_ratio: float | None = None  # R: longest decode context / C (None: the C/4..7C/4 spread)
 
     @property
     def num_context_tokens(self) -> int:
@@ -49,19 +52,36 @@ def split_tokens(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-def decode_contexts(num_decode_seqs: int, context_per_decode: int) -> list[int]:
-    """Contexts from C / 4 to 7 C / 4 (each >= 2) summing to exactly D * C."""
+def decode_contexts(num_decode_seqs: int, context_per_decode: int, ratio: float | None = None) -> list[int]:
+    """Contexts summing to exactly D * C (each >= 2): from C / 4 to 7 C / 4, or with `ratio` R, the
+    last one round(R C) tokens (at most what D sequences of C can hold: D C - 2 (D - 1)) and the
+    others spread evenly by up to +-3/4 of their mean m, none above the longest nor below 2."""
     d, c = num_decode_seqs, context_per_decode
     if d == 0:
         return []
-    lens = [max(2, round(c * (0.25 + 1.5 * (i + 0.5) / d))) for i in range(d)]
-    lens[-1] += d * c - sum(lens)
-    return lens
+    if ratio is None:
+        lens = [max(2, round(c * (0.25 + 1.5 * (i + 0.5) / d))) for i in range(d)]
+        lens[-1] += d * c - sum(lens)
+        return lens
+    if ratio < 1:
+        raise ValueError(f"context_ratio={ratio} is invalid: must be >= 1 (the longest context over the mean)")
+    if d == 1:
+        return [c]
+    longest = min(max(round(ratio * c), c), d * c - 2 * (d - 1))
+    rest = d * c - longest
+    m = rest / (d - 1)
+    a = max(0.0, min(0.75, longest / m - 1, 1 - 2 / m))
+    ideal = [m * (1 - a + 2 * a * (i + 0.5) / (d - 1)) for i in range(d - 1)]
+    lens = [math.floor(x) for x in ideal]  # largest remainders round up, so the sum is exact
+    for i in sorted(range(d - 1), key=lambda i: lens[i] - ideal[i])[:rest - sum(lens)]:
+        lens[i] += 1
+    return [*lens, longest]
 
 
 def blocks_needed(shape: StepShape, block_size: int) -> int:
     pre = sum(math.ceil(q / block_size) for q in split_tokens(shape.num_prefill_tokens, shape.num_prefill_seqs))
-    return pre + sum(math.ceil(n / block_size) for n in decode_contexts(shape.num_decode_seqs, shape.context_per_decode))
+    return pre + sum(math.ceil(n / block_size) for n in decode_contexts(shape.num_decode_seqs, shape.context_per_decode,
+                                                                        shape.context_ratio))
 
 
 def _sequence(seq_id: int, num_prompt: int, num_output: int, num_computed: int, first_block: int,
@@ -92,7 +112,7 @@ def synthetic_step(shape: StepShape, block_size: int, num_gpu_blocks: int, vocab
         scheduled.append(ScheduledSeq(seq, q, 1))
         next_block += len(seq.block_table)
         seq_id += 1
-    for n in decode_contexts(shape.num_decode_seqs, shape.context_per_decode):
+    for n in decode_contexts(shape.num_decode_seqs, shape.context_per_decode, shape.context_ratio):
         seq = _sequence(seq_id, n - 1, 1, n - 1, next_block, block_size, rng, high)
         scheduled.append(ScheduledSeq(seq, 1, 1))
         next_block += len(seq.block_table)
