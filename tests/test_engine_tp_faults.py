@@ -201,3 +201,23 @@ def test_shards_take_their_part_of_the_full_weights(size, weights):
         assert torch.equal(torch.cat([g.mlp.down_proj.weight for g in got], 1), want.mlp.down_proj.weight)
     embed = torch.cat([m.embed_tokens.weight for m in ranks])
     assert torch.equal(embed[:250], full.embed_tokens.weight) and not embed[250:].any()
+
+
+@given(kv=st.sampled_from([1, 2, 4, 8]), group=st.sampled_from([1, 2, 4]), size=st.sampled_from([1, 2, 4, 8]))
+def test_every_q_head_is_on_one_rank_with_the_kv_head_it_reads(kv, group, size):
+    """For every split the rule allows: the ranks' q heads partition all heads, and each rank holds
+    the KV heads its q heads read (GQA groups never straddle a replicated KV head)."""
+    import dataclasses
+
+    heads = kv * group
+    cfg = dataclasses.replace(load_model_config("tiny-llama"), num_attention_heads=heads, num_key_value_heads=kv)
+    try:
+        shards = [TPShard.of(cfg, r, size) for r in range(size)]
+    except ValueError:
+        assert heads % size or (kv < size and size % kv) or (kv >= size and kv % size)
+        return
+    owned = [h for s in shards for h in range(s.head_start, s.head_start + s.num_heads)]
+    assert owned == list(range(heads))
+    for s in shards:
+        read = {h // group for h in range(s.head_start, s.head_start + s.num_heads)}
+        assert read <= set(range(s.kv_head_start, s.kv_head_start + s.num_kv_heads))
