@@ -20,6 +20,12 @@ between steps, as vLLM's do.
   scheduler's waiting queue or on their way to it) is refused at once with `EngineQueueFullError`.
 - `stats()` is a typed snapshot for metrics; `add_finished_observer(fn)` gets one `RequestStats`
   (TTFT, inter-token latencies, e2e) per request that ends, on the event loop.
+
+`from_engine_args(args, engine_process=True)` runs the engine in a child process instead
+(engine/engine_core.py): the loop then only sends each step's new requests and aborts to it, and a
+reader thread hands its outputs to the streams, so the front end's per-chunk work no longer shares
+the interpreter lock with the thread that steps the model. Every guarantee above holds there too;
+the core process dying is the loop dying. `engine` (the LLMEngine) is None in that mode.
 """
 from __future__ import annotations
 
@@ -35,10 +41,12 @@ import torch
 
 from engine.async_stream import RequestStream
 from engine.engine_args import EngineArgs
+from engine.engine_core import CoreStep, EngineCoreClient, unpack
 from engine.engine_stats import EngineStats, RequestStats, StatsTracker
 from engine.llm import parse_prompt
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, _tokenizer_source
 from engine.outputs import RequestOutput
+from engine.tokenizer import load_tokenizer
 from policies.request import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -64,17 +72,20 @@ class _NewRequest:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
+    def __init__(self, engine: LLMEngine | EngineCoreClient, *, max_waiting_requests: int | None = None,
                  keep_trace: bool = False) -> None:
-        """`keep_trace`: keep the engine's trace (`engine.recorder`: a row per step and per request,
-        for a study of the served run); by default its rows are dropped once counted, so a server's
-        memory stays bounded."""
+        """`engine`: an LLMEngine stepped in a worker thread of this process, or an EngineCoreClient
+        (a core process; `from_engine_args(..., engine_process=True)` makes one). `keep_trace`: keep
+        the engine's trace (`engine.recorder`: a row per step and per request, for a study of the
+        served run); by default its rows are dropped once counted, so a server's memory stays
+        bounded."""
         if max_waiting_requests is not None and (not isinstance(max_waiting_requests, int)
                                                  or isinstance(max_waiting_requests, bool)
                                                  or max_waiting_requests < 1):
             raise ValueError(f"max_waiting_requests={max_waiting_requests!r} is invalid: None (no cap) "
                              "or an integer >= 1")
-        self.engine = engine
+        self._core = engine if isinstance(engine, EngineCoreClient) else None
+        self.engine: LLMEngine | None = None if self._core is not None else engine
         self.max_waiting_requests = max_waiting_requests
         self.dead_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -82,32 +93,51 @@ class AsyncLLMEngine:
         self._aborts: set[str] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        device = getattr(engine.runner, "device", None)
+        device = getattr(engine.runner, "device", None) if self._core is None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelab-engine",
                                             initializer=_use_device, initargs=(device,))
-        self._tracker = StatsTracker(engine, keep_trace)
+        self._tracker = StatsTracker(engine, keep_trace) if self._core is None else None
+        self._core_stats = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0)  # the core's, as of its last message
+        self._sent = 0  # requests sent to the core process and not yet taken by it
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # the core sends each prompt once
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tokenizer = None
+        if self._core is not None:
+            args = self._core.args
+            self._tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))
+            self._core.start_reader(self._from_core)
         self._observers: list[Callable[[RequestStats], None]] = []
         self._closed = False
         self._admitting = 0  # requests taken off the queue for the step in progress
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, max_waiting_requests: int | None = None,
-                         keep_trace: bool = False) -> AsyncLLMEngine:
-        return cls(LLMEngine(args), max_waiting_requests=max_waiting_requests, keep_trace=keep_trace)
+                         keep_trace: bool = False, engine_process: bool = False) -> AsyncLLMEngine:
+        """`engine_process=True`: the engine in a child process (returns once it is built)."""
+        engine = EngineCoreClient(args, keep_trace) if engine_process else LLMEngine(args)
+        return cls(engine, max_waiting_requests=max_waiting_requests, keep_trace=keep_trace)
 
     # ---- what a server asks ---------------------------------------------------------------------
     @property
+    def engine_process(self) -> bool:
+        return self._core is not None
+
+    @property
     def tokenizer(self):
         """The model's tokenizer, or None (dummy weights: token-id prompts only)."""
-        return self.engine.tokenizer
+        return self._tokenizer if self._core is not None else self.engine.tokenizer
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_config.name
+        return self._core.info.model_name if self._core is not None else self.engine.model_config.name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._core.info.max_model_len if self._core is not None else self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._core.info.vocab_size if self._core is not None else self.engine.vocab_size
 
     @property
     def is_running(self) -> bool:
@@ -121,11 +151,21 @@ class AsyncLLMEngine:
     async def check_health(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop died: {self.dead_error!r}") from self.dead_error
+        if self._core is not None and not self._core.alive:
+            raise EngineDeadError(f"the engine process exited (exit code {self._core.process.exitcode})")
 
     def stats(self) -> EngineStats:
         """Counts as of the last step (engine/engine_stats.py)."""
         pending = self._admitting + (self._new.qsize() if self._new is not None else 0)
+        if self._core is not None:
+            s = self._core_stats
+            return dataclasses.replace(s, num_waiting=s.num_waiting + self._sent + pending)
         return self._tracker.snapshot(num_pending=pending)
+
+    def _num_waiting(self) -> int:
+        if self._core is not None:
+            return self._core_stats.num_waiting + self._sent
+        return self._tracker.num_waiting
 
     def add_finished_observer(self, observer: Callable[[RequestStats], None]) -> None:
         """Call `observer(RequestStats)` on the event loop for every request that ends."""
@@ -181,7 +221,7 @@ class AsyncLLMEngine:
         prompt = parse_prompt(prompt, "prompt")
         self._start()
         cap = self.max_waiting_requests
-        if cap is not None and self._tracker.num_waiting + self._admitting + self._new.qsize() >= cap:
+        if cap is not None and self._num_waiting() + self._admitting + self._new.qsize() >= cap:
             raise EngineQueueFullError(f"the server is at capacity: {cap} requests are waiting "
                                        "(max_waiting_requests); retry later")
         stream = RequestStream(request_id, delta=output_kind == "delta")
@@ -206,7 +246,9 @@ class AsyncLLMEngine:
         self._aborts.update(self._streams)
         self._streams.clear()
         self._new, self._wake = asyncio.Queue(), asyncio.Event()
-        self._task = loop.create_task(self._run(), name="servelab-engine-loop")
+        self._loop = loop
+        run = self._run if self._core is None else self._run_core
+        self._task = loop.create_task(run(), name="servelab-engine-loop")
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -247,9 +289,57 @@ class AsyncLLMEngine:
         self._tracker.stepped(outputs)
         return errors, outputs
 
-    def _deliver(self, output: RequestOutput) -> None:
+    async def _run_core(self) -> None:
+        """Process mode: send what came in to the core process; its outputs arrive via `_from_core`."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if self._new.empty() and not self._aborts:
+                    self._wake.clear()
+                    await self._wake.wait()
+                new = [self._new.get_nowait() for _ in range(self._new.qsize())]
+                aborts, self._aborts = self._aborts, set()
+                self._sent += len(new)
+                await loop.run_in_executor(self._executor, self._core.send, new, aborts)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 (a core that cannot be reached is dead)
+            self._die(e)
+
+    def _from_core(self, message: CoreStep | BaseException) -> None:
+        """On the reader thread: hand the message to the event loop the engine serves."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._on_core, message)
+        except RuntimeError:  # that loop closed meanwhile: nobody reads its streams
+            pass
+
+    def _on_core(self, message: CoreStep | BaseException) -> None:
+        if isinstance(message, BaseException):
+            if not self._closed:
+                self._die(message)
+            return
+        self._sent -= message.num_taken
+        self._core_stats = message.stats
+        for request_id, error in message.errors.items():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.fail(error)
+        records = {r.request_id: r for r in message.finished}
+        prompts = self._prompts
+        for packed in message.outputs:
+            request_id, finished, prompt, prompt_ids = packed[:4]
+            if prompt_ids is not None:
+                prompts[request_id] = (prompt, prompt_ids)
+            prompt, prompt_ids = prompts.pop(request_id) if finished else prompts.get(request_id, (None, []))
+            self._deliver(unpack(packed, prompt, prompt_ids), records.get(request_id))
+
+    def _deliver(self, output: RequestOutput, record: RequestStats | None = None) -> None:
         if output.finished:
-            record = self._tracker.finished(output)
+            if record is None:
+                record = self._tracker.finished(output)
             for observer in self._observers:
                 try:
                     observer(record)
@@ -268,7 +358,7 @@ class AsyncLLMEngine:
             stream.fail(dead)
 
     async def shutdown(self) -> None:
-        """Stop the loop (open streams get EngineDeadError) and the worker thread."""
+        """Stop the loop (open streams get EngineDeadError), the worker thread and the core process."""
         self._closed = True
         task, self._task = self._task, None
         if task is not None:
@@ -281,6 +371,8 @@ class AsyncLLMEngine:
         for stream in streams.values():
             stream.fail(EngineDeadError("the engine is shut down"))
         await asyncio.to_thread(self._executor.shutdown, True)
+        if self._core is not None:
+            await asyncio.to_thread(self._core.shutdown)
 
 
 def _use_device(device) -> None:

@@ -4,7 +4,8 @@ NAME is a conf/model name (dummy weights for shapes, or the weights it names), a
 directory, or a .gguf file. Every `EngineArgs` field is an option (`--num-gpu-blocks 512`,
 `--policy priority`) or a Hydra-style override (`num_gpu_blocks=512 policy=priority`). Server
 options: --host (127.0.0.1 by default: loopback only unless asked), --port, --served-model-name,
---chat-template, --max-waiting-requests (past it new requests get HTTP 503). Examples:
+--chat-template, --max-waiting-requests (past it new requests get HTTP 503), --[no-]engine-process
+(the engine in its own process, the default, or in a thread of the server's). Examples:
 
     python -m engine.serve --model qwen3-0.6b
     python -m engine.serve --model smollm2-135m num_gpu_blocks=256 max_model_len=2048   # on CPU
@@ -23,7 +24,8 @@ import yaml
 from engine.engine_args import EngineArgs
 from engine.serving.server import LOOPBACK
 
-SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_waiting_requests", "log_level")
+SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_waiting_requests", "log_level",
+                  "engine_process")
 
 
 def parse_value(text: str) -> Any:
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="refuse new requests (HTTP 503) while this many wait (default: no cap)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process, apart from the HTTP front end (default); "
+                        "--no-engine-process steps it in a thread of the server's process")
     for f in dataclasses.fields(EngineArgs):
         if f.name != "model":
             p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse_value, default=argparse.SUPPRESS,
@@ -76,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     from engine.serving.app import build_app
     from engine.serving.server import uvicorn_config
 
-    engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests)
+    engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,
+                                             engine_process=ns.engine_process)
     app = build_app(engine, ns.served_model_name, ns.chat_template)
     if ns.host not in (LOOPBACK, "localhost", "::1"):
         print(f"warning: binding {ns.host}: the server is reachable beyond this machine", file=sys.stderr)

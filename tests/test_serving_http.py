@@ -194,6 +194,26 @@ def test_concurrent_streams_with_disconnects(server, reference):
     want = greedy(reference, prompts, max_tokens)
     quitters = set(rng.sample(range(64), 64 // 3))
 
+    results = asyncio.run(streams_with_disconnects(server.url, prompts, max_tokens, quitters))
+    for i, _, ids in results:
+        if i not in quitters:
+            assert ids == want[i].outputs[0].token_ids, i
+    # The server notices each hang-up within a step or so; wait for the engine to go idle.
+    assert asyncio.run(_wait_idle(server)), "requests still unfinished on the server"
+    for i, request_id, _ in results:
+        ended = server.ended[request_id]
+        if i in quitters:
+            assert ended.finish_reason.startswith("abort"), (i, ended)
+            assert ended.num_generation_tokens < max_tokens
+        else:
+            assert ended.finish_reason == "length" and ended.num_generation_tokens == max_tokens
+    assert_idle(server)
+
+
+async def streams_with_disconnects(url: str, prompts: list[list[int]], max_tokens: int,
+                                   quitters: set[int]) -> list[tuple[int, str, list[int] | None]]:
+    """Every prompt as a greedy stream at once; prompt i of `quitters` hangs up after 2 + i % 5
+    tokens. (index, request id, token ids or None for a quitter) per prompt."""
     async def one(aclient, i):
         stream = await aclient.completions.create(
             model=MODEL, prompt=prompts[i], max_tokens=max_tokens, temperature=0, stream=True,
@@ -208,25 +228,8 @@ def test_concurrent_streams_with_disconnects(server, reference):
                 return i, request_id, None
         return i, request_id, ids
 
-    async def main():
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        async with aclient:
-            return await asyncio.gather(*(one(aclient, i) for i in range(64)))
-
-    results = asyncio.run(main())
-    for i, _, ids in results:
-        if i not in quitters:
-            assert ids == want[i].outputs[0].token_ids, i
-    # The server notices each hang-up within a step or so; wait for the engine to go idle.
-    assert asyncio.run(_wait_idle(server)), "requests still unfinished on the server"
-    for i, request_id, _ in results:
-        ended = server.ended[request_id]
-        if i in quitters:
-            assert ended.finish_reason.startswith("abort"), (i, ended)
-            assert ended.num_generation_tokens < max_tokens
-        else:
-            assert ended.finish_reason == "length" and ended.num_generation_tokens == max_tokens
-    assert_idle(server)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as aclient:
+        return await asyncio.gather(*(one(aclient, i) for i in range(len(prompts))))
 
 
 async def _wait_idle(server, timeout_s: float = 30.0) -> bool:

@@ -67,12 +67,11 @@ class ServingContext:
 
 
 def build_app(engine: Any, served_model_name: str | None = None, chat_template: str | None = None) -> FastAPI:
-    """The app over a running AsyncLLMEngine (`engine.engine` is its LLMEngine)."""
-    llm = engine.engine
-    name = served_model_name or llm.model_config.name
-    ctx = ServingContext(engine=engine, model_name=name, max_model_len=llm.max_model_len,
-                         vocab_size=llm.vocab_size, tokenizer=llm.tokenizer,
-                         chat=ChatTemplate(llm.tokenizer, load_chat_template(chat_template)),
+    """The app over an AsyncLLMEngine (its engine in a worker thread or in a core process)."""
+    name = served_model_name or engine.model_name
+    ctx = ServingContext(engine=engine, model_name=name, max_model_len=engine.max_model_len,
+                         vocab_size=engine.vocab_size, tokenizer=engine.tokenizer,
+                         chat=ChatTemplate(engine.tokenizer, load_chat_template(chat_template)),
                          metrics=ServingMetrics(engine.stats, name))
     engine.add_finished_observer(ctx.metrics.observe)
 
@@ -113,7 +112,7 @@ def build_app(engine: Any, served_model_name: str | None = None, chat_template: 
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=ctx.model_name, created=ctx.started, root=llm.model_config.name,
+        card = ModelCard(id=ctx.model_name, created=ctx.started, root=engine.model_name,
                          max_model_len=ctx.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 

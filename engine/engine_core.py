@@ -1,0 +1,241 @@
+"""The engine core in its own process (vLLM v1's EngineCore): `AsyncLLMEngine(engine_process=True)`.
+
+An online server's front end (HTTP parsing, one coroutine per stream, JSON, SSE) is Python work per
+request per step; in the engine's process it shares the interpreter lock with the thread that
+schedules and launches steps, so steps get slower as clients get more. Here the engine runs in a
+child process (multiprocessing `spawn`) as a busy loop: take the new requests and aborts the front
+end sent, `step()`, send the step's outputs back; with no work it blocks on its inbox (no spin).
+
+Messages (two one-way pipes, pickled):
+- front end -> core: `(new requests, abort ids)` batches, or None to stop.
+- core -> front end: `CoreInfo` once (or `CoreFailed` if the engine could not be built), then one
+  `CoreStep` per step that produced anything: per-request errors, how many arrivals were taken,
+  the outputs in a compact form (`pack`: no prompt tokens after the first, no objects), the
+  `RequestStats` of the requests that ended, and the engine's counters; `CoreFailed` if the loop
+  dies. Text is decoded in the core, where stop strings must be matched before the next step.
+
+The core exits when its inbox closes (the front end ended, even killed) or its outbox breaks, and it
+ignores SIGINT (a Ctrl-C reaches the whole process group; the front end stops it in order). The
+client kills it if the front end drops it without `shutdown` (a finalizer), so no core outlives it.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import threading
+import traceback
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.engine_args import EngineArgs
+from engine.engine_stats import EngineStats, RequestStats, StatsTracker
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+# (request_id, finished, prompt text or None, prompt token ids or None (sent once), samples, metrics);
+# a sample is (index, text, token_ids, finish_reason, stop_reason, logprobs).
+PackedOutput = tuple
+
+
+@dataclass(slots=True, frozen=True)
+class CoreInfo:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+
+@dataclass(slots=True, frozen=True)
+class CoreFailed:
+    error: str  # the exception and its traceback, as text (any exception pickles this way)
+
+
+@dataclass(slots=True)
+class CoreStep:
+    errors: dict[str, ValueError]  # request id -> why add_request refused it
+    num_taken: int  # arrivals taken off the inbox (admitted or refused)
+    outputs: list[PackedOutput]
+    finished: list[RequestStats]
+    stats: EngineStats
+
+
+def pack(output: RequestOutput, with_prompt: bool) -> PackedOutput:
+    m = output.metrics
+    samples = [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in output.outputs]
+    return (output.request_id, output.finished, output.prompt if with_prompt else None,
+            output.prompt_token_ids if with_prompt else None, samples,
+            (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions))
+
+
+def unpack(packed: PackedOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+    request_id, finished, _, _, samples, metrics = packed
+    return RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(*s) for s in samples],
+                         finished, RequestMetrics(*metrics))
+
+
+def _failure(exc: BaseException) -> CoreFailed:
+    return CoreFailed("".join(traceback.format_exception(exc)).strip())
+
+
+def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
+    """The child process's main: build the engine, then serve the front end's batches until told to
+    stop or until either pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(args)
+    except BaseException as exc:  # noqa: BLE001 (reported to the front end, which raises it)
+        outbox.send(_failure(exc))
+        return
+    runner = engine.runner
+    outbox.send(CoreInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size,
+                         runner.num_gpu_blocks, runner.num_cpu_blocks))
+    tracker = StatsTracker(engine, keep_trace)
+    seen: set[str] = set()  # requests whose prompt went out with a first output
+    try:
+        while True:
+            batches = [] if engine.has_unfinished_requests() else [inbox.recv()]  # idle: block
+            while inbox.poll():
+                batches.append(inbox.recv())
+            errors, taken = {}, 0
+            for batch in batches:
+                if batch is None:
+                    return
+                new, aborts = batch
+                for r in new:
+                    taken += 1
+                    try:
+                        engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority, tenant=r.tenant)
+                    except ValueError as exc:
+                        errors[r.request_id] = ValueError(str(exc))
+                        continue
+                    tracker.arrived(r.request_id, r.arrival, r.params.output_kind == "delta")
+                for request_id in aborts:
+                    engine.abort_request(request_id)
+            outputs = engine.step() if engine.has_unfinished_requests() else []
+            tracker.stepped(outputs)
+            if not (outputs or errors or taken or batches):
+                continue
+            packed = []
+            for o in outputs:
+                first = o.request_id not in seen
+                if o.finished:
+                    seen.discard(o.request_id)
+                elif first:
+                    seen.add(o.request_id)
+                packed.append(pack(o, first))
+            finished = [tracker.finished(o) for o in outputs if o.finished]
+            outbox.send(CoreStep(errors, taken, packed, finished, _stats(engine, tracker)))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the front end is gone
+    except BaseException as exc:
+        try:
+            outbox.send(_failure(exc))
+        except OSError:
+            pass
+        raise SystemExit(1) from exc
+
+
+def _stats(engine, tracker: StatsTracker) -> EngineStats:
+    """The tracker's counters, with KV usage read off the block manager now (it stays true after an
+    abort that needed no step)."""
+    s = tracker.snapshot(num_pending=0)
+    usage = engine.scheduler.block_manager.usage()
+    total = engine.runner.num_gpu_blocks
+    return EngineStats(s.num_running, s.num_waiting, s.num_swapped, usage.gpu_used / total if total else 0.0,
+                       s.num_preemptions_total, s.prompt_tokens_total, s.generation_tokens_total,
+                       s.num_requests_finished_total, s.num_steps_total)
+
+
+class EngineCoreClient:
+    """The front end's handle on the core process: start it (blocks until the engine is built),
+    send batches, read its messages on a reader thread, stop it."""
+
+    def __init__(self, args: EngineArgs, keep_trace: bool = False, start_timeout_s: float = 900.0) -> None:
+        self.args = args
+        ctx = multiprocessing.get_context("spawn")
+        inbox_r, self._inbox = ctx.Pipe(duplex=False)
+        self._outbox, outbox_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=run_core, args=(args, keep_trace, inbox_r, outbox_w),
+                                   name="servelab-engine-core", daemon=True)
+        self.process.start()
+        inbox_r.close()
+        outbox_w.close()
+        self._finalizer = weakref.finalize(self, _stop, self.process, self._inbox, 0.0)
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        if not self._outbox.poll(start_timeout_s):
+            self._finalizer()
+            raise TimeoutError(f"the engine process did not start within {start_timeout_s} s")
+        try:
+            first = self._outbox.recv()
+        except EOFError:
+            self._finalizer()
+            raise RuntimeError(f"the engine process exited while starting (exit code {self.process.exitcode})") from None
+        if isinstance(first, CoreFailed):
+            self._finalizer()
+            raise RuntimeError(f"the engine process could not build the engine:\n{first.error}")  # noqa: TRY004
+        self.info: CoreInfo = first
+
+    def start_reader(self, deliver: Callable[[CoreStep | BaseException], None]) -> None:
+        """Call `deliver(message)` (a bound method, held weakly: its owner may be dropped) on a
+        daemon thread for each CoreStep; at the end `deliver(error)` once (the core's failure, or
+        its exit)."""
+        self._reader = threading.Thread(target=_read, args=(self._outbox, self.process, weakref.WeakMethod(deliver)),
+                                        name="servelab-core-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, new: list, aborts: set[str]) -> None:
+        """One batch to the core (blocks while the pipe is full; from a worker thread)."""
+        with self._send_lock:
+            self._inbox.send((new, aborts))
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the core to stop and wait for it; terminate, then kill, what does not."""
+        self._finalizer.detach()
+        _stop(self.process, self._inbox, timeout_s)
+        if self._reader is not None:
+            self._reader.join(timeout_s)
+        self._outbox.close()
+
+
+def _read(outbox, process, deliver: weakref.WeakMethod) -> None:
+    """The reader thread (holds no strong reference to the client, so a dropped one is collected)."""
+    failure = None
+    while True:
+        try:
+            message = outbox.recv()
+        except (EOFError, OSError):
+            break
+        if isinstance(message, CoreFailed):
+            failure = message.error
+            break
+        target = deliver()
+        if target is not None:
+            target(message)
+        del target
+    process.join(5.0)
+    target = deliver()
+    if target is not None:
+        target(RuntimeError(failure or f"the engine process exited (exit code {process.exitcode})"))
+
+
+def _stop(process, inbox, timeout_s: float) -> None:
+    try:
+        inbox.send(None)
+        inbox.close()
+    except OSError:
+        pass
+    process.join(timeout_s)
+    if process.is_alive():
+        process.terminate()
+        process.join(5.0)
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)
