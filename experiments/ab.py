@@ -4,7 +4,8 @@
 Runs two configs that differ by the overrides in `a` and `b` (Hydra overrides, comma-separated
 in brackets, e.g. `a='[policy=fcfs]' b='[policy=priority]'`) on the identical request stream (the
 workload is built once from the common config; a and b may not change it), pairs the requests by
-id and reports B - A for every per-request latency (mean, p50, p90, p99; per priority class too)
+id and reports B - A for every per-request latency (mean, p50, p90, p99; per priority class and per
+tenant too)
 with paired-bootstrap confidence intervals, plus the run-level metrics. Writes `a/` and `b/` run
 dirs (full traces), `ab.csv`, `ab.md` and `ab.png` into the output dir
 (default `outputs/ab/<date>/<time>`) and prints the table. Works with any backend
@@ -91,6 +92,8 @@ def compose_pair(common: Sequence[str], a: Sequence[str], b: Sequence[str]) -> t
 
 def _paired(req_a: pd.DataFrame, req_b: pd.DataFrame) -> pd.DataFrame:
     cols = ["request_id", "priority", "status", *LATENCY_METRICS]
+    if "tenant" in req_a and "tenant" in req_b:
+        cols.insert(2, "tenant")
     both = req_a[cols].merge(req_b[cols], on="request_id", suffixes=("_a", "_b"), validate="one_to_one")
     if len(both) != len(req_a) or len(both) != len(req_b):
         raise ValueError(f"A and B ended different request sets ({len(req_a)} vs {len(req_b)} rows, "
@@ -105,6 +108,8 @@ def paired_table(req_a: pd.DataFrame, req_b: pd.DataFrame, resamples: int = 1000
     groups = [("all", both)]
     if both["priority_a"].nunique() > 1:
         groups += [(f"priority={p}", g) for p, g in both.groupby("priority_a", sort=True)]
+    if "tenant_a" in both and both["tenant_a"].nunique() > 1:
+        groups += [(f"tenant={t}", g) for t, g in both.groupby("tenant_a", sort=True)]
     rows = []
     for scope, g in groups:
         for metric in LATENCY_METRICS:

@@ -1,4 +1,4 @@
-"""`python -m experiments.showcase [--out DIR]`: the headline comparisons, as a markdown table in
+"""`python -m experiments.showcase [--out DIR] [--sections 1,2,3,4,5]`: the headline comparisons, as a markdown table in
 <out>/showcase.md, runs and plots beside it (default out: outputs/showcase/<date>/<time>/; the
 result of record is experiments/results/showcase.md).
 
@@ -8,6 +8,9 @@ result of record is experiments/results/showcase.md).
    KV utilisation.
 2. FCFS vs priority when requests queue: TTFT of the urgent class (paired bootstrap CIs).
 3. Swap vs recompute preemption under memory pressure, at block sizes 16 and 64.
+4. Length-aware scheduling (sjf, srpt, mlfq) under heavy-tailed output lengths, over load, with the
+   oracle's and a learned predictor's lengths (experiments/showcase_policies.py).
+5. VTC fair share between a heavy and a light tenant, over the heavy tenant's rate.
 All on the simulator with the roofline model (qwen3-0.6b on an H200, KV memory capped).
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ from hydra import compose, initialize_config_module
 from experiments.ab import compare
 from experiments.lib.cli import run_cli
 from experiments.run import run
+from experiments.showcase_policies import fair_share, length_aware
 
 BASE = ["progress=false", "model=qwen3-0.6b", "hardware=h200", "latency=roofline", "seed=0"]
 PAGED = ["workload=sharegpt", "workload.arrival=offline", "workload.num_requests=1000", "workload.max_tokens=2048",
@@ -102,12 +106,21 @@ def _main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--out", type=Path, default=None, help="runs dir (default outputs/showcase/<date>/<time>)")
     parser.add_argument("--result", type=Path, default=None, help="markdown file to write (default <out>/showcase.md)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--sections", default="1,2,3,4,5", help="comma-separated section numbers (default all)")
     args = parser.parse_args(argv)
     logging.getLogger("servelab.scheduler").setLevel(logging.ERROR)  # preemption warnings are expected here
     out = args.out or Path("outputs/showcase") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
     result = args.result or out / "showcase.md"
     plots = not args.no_plots
-    sections: list[Any] = [paged_vs_contiguous(out, plots), fcfs_vs_priority(out, plots), swap_vs_recompute(out, plots)]
+    run_one = lambda overrides, path, label: run(config([*overrides, f"plots={plots}"]), path, label)
+    every = {"1": lambda: paged_vs_contiguous(out, plots), "2": lambda: fcfs_vs_priority(out, plots),
+             "3": lambda: swap_vs_recompute(out, plots), "4": lambda: length_aware(run_one, out),
+             "5": lambda: fair_share(run_one, out)}
+    chosen = [k.strip() for k in args.sections.split(",") if k.strip()]
+    bad = [k for k in chosen if k not in every]
+    if bad:
+        raise ValueError(f"--sections={args.sections!r} is invalid: choose from {sorted(every)}")
+    sections: list[Any] = [every[k]() for k in chosen]
     text = ("## Showcase (simulator, roofline model: qwen3-0.6b on one H200, `python -m experiments.showcase`)\n\n"
             + "\n".join(sections))
     result.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,10 @@ paper's; an output token costs more GPU time than a prompt token). A request's p
 its first token (the prefill ends there), each output token at its time (`token_times`, sample 0;
 with n > 1 samples each time counts `output_len / len(token_times)` tokens).
 
-A tenant is backlogged while it has a request that arrived and has not ended. The fairness measure
+A tenant is backlogged while it has a request that arrived and waits to be admitted (VTC's
+definition: it has requests in the waiting queue), i.e. in [arrival, first_scheduled_time) of one of
+its requests (the first token's time where a trace has no admission time, as the serving client's;
+a request never admitted waits until it ends). The fairness measure
 `service_gap_max` is the largest difference in service received by two tenants over any interval
 in which both were backlogged the whole time: max over pairs and over such intervals [t1, t2] of
 |(S_a(t2) - S_a(t1)) - (S_b(t2) - S_b(t1))|, with S the cumulative service. A fair scheduler keeps it
@@ -43,8 +46,10 @@ def service_events(requests: pd.DataFrame, input_weight: float = INPUT_WEIGHT,
 
 
 def backlog_intervals(requests: pd.DataFrame) -> list[tuple[float, float]]:
-    """The union of [arrival, finish] over `requests`: when the tenant was backlogged."""
-    spans = sorted(zip(requests["arrival_time"].astype(float), requests["finish_time"].astype(float)))
+    """The union of [arrival, admission] over `requests`: when the tenant was backlogged."""
+    admitted = requests["first_scheduled_time"].astype(float)
+    admitted = admitted.fillna(requests["first_token_time"].astype(float)).fillna(requests["finish_time"].astype(float))
+    spans = sorted(zip(requests["arrival_time"].astype(float), admitted))
     merged: list[tuple[float, float]] = []
     for start, end in spans:
         if merged and start <= merged[-1][1]:
