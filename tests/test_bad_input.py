@@ -91,7 +91,7 @@ CONSTRUCTOR = (
     ("unknown-argument", ("tiny-llama", {"no_such_arg": 1}), r"\['no_such_arg'\] are unknown"),
     ("block_manager", ("tiny-llama", {"block_manager": "lru"}), r"block_manager='lru' is invalid"),
     ("preemption_mode", ("tiny-llama", {"preemption_mode": "drop"}), r"preemption_mode='drop' is invalid"),
-    ("policy", ("tiny-llama", {"policy": "sjf"}), r"sjf"),
+    ("policy", ("tiny-llama", {"policy": "lottery"}), r"lottery"),
     ("max_num_seqs", ("tiny-llama", {"max_num_seqs": 0}), r"max_num_seqs=0 is invalid"),
     ("max_num_batched_tokens", ("tiny-llama", {"max_num_batched_tokens": -5}),
      r"max_num_batched_tokens=-5 is invalid"),
