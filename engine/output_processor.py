@@ -20,7 +20,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from policies.lookahead import PENDING
 from policies.outputs import SchedulerOutput
 from policies.request import Request
-from policies.sequence import Sequence
+from policies.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -84,11 +84,16 @@ class OutputProcessor:
             keep_stop = params.include_stop_str_in_output
             for seq in live.seqs:
                 new = tokens.get(seq.seq_id)
-                if new is None or seq.is_finished:
+                if new is None:
                     continue
-                # Looked past (async scheduling): the token is already in place, as PENDING.
+                # Looked past (async scheduling): the token is already in place, as PENDING. A length
+                # rule may have ended the sequence then; its last token can still complete a stop
+                # string, which wins (the scheduler turns "length" into "stop").
                 ids, num_out = seq.token_ids, seq.num_output_tokens
-                num_ids = len(ids) - (ids[-1] == PENDING)
+                pending = ids[-1] == PENDING
+                if seq.is_finished and not (pending and seq.status is SequenceStatus.FINISHED_LENGTH):
+                    continue
+                num_ids = len(ids) - pending
                 num_out -= len(ids) - num_ids
                 may_stop = num_out + 1 >= params.min_tokens
                 for i, token in enumerate(new):
