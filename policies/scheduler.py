@@ -75,6 +75,7 @@ class Scheduler:
         self._observes_runs = cls.observe_decode_run is not Policy.observe_decode_run
         self._decided_version = -1  # the running queue's version when the last step was decided
         self._running_unsorted = False  # a re-sort of the running queue was left for a step that needs it
+        self._last_updated = False  # the last step schedule() decided has had its update
 
     # ---- queries --------------------------------------------------------------------------
     @property
@@ -155,6 +156,7 @@ class Scheduler:
         self._now, self._decode_run = now, decode_run.NO_RUN
         out = SchedulerOutput(now)
         self._last = step = ScheduledStep(out, StepStats())
+        self._last_updated = False
         state, queues, budget = self.state, self.queues, self.config.max_num_batched_tokens
         if queues.reorders:
             self._reorder(now, budget)
@@ -242,6 +244,7 @@ class Scheduler:
         if output_lens:
             stop_seq_ids = [*stop_seq_ids, *reaching_output_len(out.scheduled, output_lens)]
         last_update, self._last_update = self._last_update, now
+        self._last_updated = True
         stats, skip_aborted = last.stats, self.lifecycle.aborted_in_flight
         self.queues.kv_tokens += stats.num_prefill_tokens + stats.num_decode_seqs
         self.lifecycle.apply(out, new_token_ids, now, stop_seq_ids)
@@ -290,9 +293,11 @@ class Scheduler:
         """Apply len(times) - 1 of them, step s from times[s] to times[s + 1], as schedule(times[s]);
         update(out, {seq_id: [token] for each seq}, times[s + 1], stop_seq_ids) would."""
         running = list(self.queues.running) if self._observes_runs else None
+        # A run may start with the step scheduled ahead (not updated yet): the policy observed it then.
+        observed = self._last is not None and not self._last_updated
         decode_run.advance(self.state, self._decode_run, self._step, times, token, output_lens)
-        if running is not None:
-            self.policy.observe_decode_run(running, len(times) - 1)
+        if running is not None and len(times) - 1 - observed:
+            self.policy.observe_decode_run(running, len(times) - 1 - observed)
         self._step += len(times) - 1
         self._now, self._last, self._decode_run = times[-1], None, decode_run.NO_RUN
         self._last_update = times[-1]

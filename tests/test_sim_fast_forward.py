@@ -2,7 +2,7 @@
 
 Property test: random small workloads (arrival ties with step ends, parallel sampling, stop tokens
 equal to the simulator's token, min_tokens, forced output lengths, tiny KV pools that preempt)
-through every policy x block manager x preemption mode, chunked prefill and async scheduling on and off, with the
+through every registered policy (requests with tenants) x block manager x preemption mode, chunked prefill and async scheduling on and off, with the
 roofline model, both profiled models and a dyadic model whose step ends often coincide exactly
 with arrivals. Both paths must give equal request rows, step rows, events, clock and final block
 pools. Plus: the fast path does cover most steps, the written trace files are byte-identical, and
@@ -30,6 +30,7 @@ from policies import (
     make_block_manager,
     make_policy,
 )
+from policies.policy import available_policies
 from policies.outputs import SchedulerOutput
 from policies.trace import STEP_COLUMNS
 from sim import SIM_TOKEN, Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel, Simulator
@@ -103,7 +104,7 @@ def cases(draw):
     chunked = draw(st.booleans())
     block_size = draw(st.sampled_from([1, 4, 16]))
     case = {
-        "policy": draw(st.sampled_from(["fcfs", "priority"])),
+        "policy": draw(st.sampled_from(available_policies())),
         "mode": draw(st.sampled_from(["recompute", "swap"])),
         "blocks": draw(st.sampled_from(["paged", "prefix", "contiguous"])),
         "block_size": block_size,
@@ -130,7 +131,8 @@ def cases(draw):
                   "stop_token_ids": draw(st.sampled_from([[], [], [SIM_TOKEN]]))}
         prompt = shared[:common] + [2000 + 100 * i + j for j in range(prompt_len - common)]
         requests.append((f"r{i}", prompt, params, draw(st.integers(0, 300)) / 1024,
-                         draw(st.integers(0, 2)), draw(st.sampled_from([None, SIM_TOKEN, 7]))))
+                         draw(st.integers(0, 2)), draw(st.sampled_from([None, SIM_TOKEN, 7])),
+                         draw(st.sampled_from([None, "a", "b"]))))
         if draw(st.integers(0, 3)) == 0:
             stop_lens[f"r{i}"] = draw(st.integers(1, max_tokens))
     case["requests"], case["stop_lens"] = requests, stop_lens
@@ -143,7 +145,8 @@ def simulate(case: dict, fast_forward: bool) -> tuple:
     scheduler = Scheduler(case["config"], make_policy(case["policy"], preemption_mode=case["mode"]), manager,
                           TraceRecorder())
     requests = [Request(rid, list(prompt), SamplingParams(**params), arrival_time=arrival, priority=priority,
-                        eos_token_id=eos) for rid, prompt, params, arrival, priority, eos in case["requests"]]
+                        eos_token_id=eos, tenant=tenant)
+                for rid, prompt, params, arrival, priority, eos, tenant in case["requests"]]
     result = Simulator(scheduler, latency_model(case["latency"], case["block_size"], case["config"].async_scheduling),
                        requests,
                        case["stop_lens"], fast_forward=fast_forward).run()
@@ -152,7 +155,9 @@ def simulate(case: dict, fast_forward: bool) -> tuple:
     else:
         pools = (manager.gpu.free_ids, manager.gpu.ref_counts, list(getattr(manager.gpu, "evictor", [])),
                  getattr(manager.gpu, "hash_to_block", None))
-    return scheduler.recorder, result, pools + (manager.cpu.free_ids,)
+    service = getattr(scheduler.policy, "service", None)  # vtc: what it counted per tenant
+    counted = {t: service(t) for t in (None, "a", "b")} if service else None
+    return scheduler.recorder, result, pools + (manager.cpu.free_ids, counted)
 
 
 @settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -205,7 +210,7 @@ def test_fast_forward_covers_most_decode_steps(monkeypatch, ahead):
             "config": SchedulerConfig(max_model_len=MAX_MODEL_LEN, async_scheduling=ahead),
             "latency": "roofline", "stop_lens": {},
             "requests": [(f"r{i}", list(range(10 + i)), {"max_tokens": 100 + 7 * i, "ignore_eos": True},
-                          i * 0.05, 0, None) for i in range(20)]}
+                          i * 0.05, 0, None, None) for i in range(20)]}
     advanced = []
     original = Scheduler.advance_decodes
     monkeypatch.setattr(Scheduler, "advance_decodes",
@@ -235,11 +240,11 @@ def test_arrivals_exactly_at_step_ends():
     base = {"policy": "fcfs", "mode": "recompute", "blocks": "paged", "block_size": 4, "num_gpu_blocks": 400,
             "num_cpu_blocks": 0, "watermark": 0.0, "config": SchedulerConfig(max_model_len=MAX_MODEL_LEN),
             "latency": "dyadic", "stop_lens": {},
-            "requests": [("a", list(range(8)), {"max_tokens": 60, "ignore_eos": True}, 0.0, 0, None)]}
+            "requests": [("a", list(range(8)), {"max_tokens": 60, "ignore_eos": True}, 0.0, 0, None, None)]}
     recorder, _, _ = simulate(base, fast_forward=False)
     ends = [row["time"] + row["duration"] for row in recorder.steps]
     case = dict(base, requests=base["requests"] + [
-        (f"b{i}", list(range(5)), {"max_tokens": 9, "ignore_eos": True}, ends[k], 0, None)
+        (f"b{i}", list(range(5)), {"max_tokens": 9, "ignore_eos": True}, ends[k], 0, None, None)
         for i, k in enumerate((3, 20, 21, 40))])
     fast, fast_result, _ = simulate(case, fast_forward=True)
     plain, plain_result, _ = simulate(case, fast_forward=False)
