@@ -30,8 +30,8 @@ from policies import (
     make_block_manager,
     make_policy,
 )
-from policies.policy import available_policies
 from policies.outputs import SchedulerOutput
+from policies.policy import available_policies
 from policies.trace import STEP_COLUMNS
 from sim import SIM_TOKEN, Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel, Simulator
 from sim.latency.base import BatchShape, shape_decode_times
