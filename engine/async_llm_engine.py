@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -106,6 +107,8 @@ class AsyncLLMEngine:
             args = self._core.args
             self._tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))
             self._core.start_reader(self._from_core)
+            gc.collect()  # as LLMEngine does in its process: what start-up made is never walked again
+            gc.freeze()
         self._observers: list[Callable[[RequestStats], None]] = []
         self._closed = False
         self._admitting = 0  # requests taken off the queue for the step in progress

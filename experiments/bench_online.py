@@ -2,15 +2,21 @@
 in-process engine and the simulator, on one GPU, in one process lifetime (one engine throughout).
 
 1. Throughput: nano-vllm's offline workload (256 requests) through `LLM.generate`, then the same
-   requests through the HTTP server (`engine.serve`'s app over the same LLMEngine, uvicorn in a
-   thread of this process) as 256 concurrent streaming clients (`experiments.bench_serving` in a
-   subprocess, so the client does not share this process's interpreter). Output tok/s of each.
+   requests through the HTTP server (`engine.serve`'s app, uvicorn in a thread of this process) as
+   256 concurrent streaming clients (`experiments.bench_serving` in a subprocess, so the client
+   does not share this process's interpreter). Output tok/s of each. `--frontend process` (the
+   default, as `engine.serve`): the server's engine runs in its own process (built after the
+   in-process runs release theirs, with the same KV block count, and warmed up with the same
+   workload); `--frontend thread`: the server steps the in-process runs' engine in a thread.
 2. TTFT at 0.3x capacity (capacity = step 1's in-process output tok/s / the stream's mean output
    length, as experiments.fidelity defines it): one Poisson stream through `backend=engine`
-   (in-process) and through the server; TTFT p50 of each.
+   (in-process) and through the server; TTFT p50 of each. This load point also measures the
+   serving overhead (server minus in-process: TTFT p50, mean TPOT; 0 where negative).
 3. The simulator predicting served latency: Poisson at 0.35x and 0.9x capacity through the server,
-   and the same streams through `backend=sim latency=profiled` (the engine's KV block counts);
-   relative error of mean TPOT and p90 TTFT.
+   and the same streams through `backend=sim latency=profiled` (the engine's KV block counts),
+   once plain and once with step 2's serving overhead (`serving.ttft_overhead_s`,
+   `serving.itl_overhead_s`: measured at 0.3x, never at the loads it predicts); relative error of
+   mean TPOT and p90 TTFT.
 Both scheduling paths use the same scheduler config (async scheduling on, as conf/fidelity). Writes
 `online.md` and `online.json` (device, date, command, every number) and each run's traces under
 --out (default outputs/bench_online/<date>/<time>). Overrides are Hydra overrides of
@@ -21,6 +27,7 @@ conf/config.yaml for every run (e.g. `scheduler.async_scheduling=false`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import subprocess
@@ -32,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from experiments.lib import factory
-from experiments.lib.engine_backend import device_name, engine_args, get_engine
+from experiments.lib.engine_backend import device_name, engine_args, free_device, get_engine, release_engine
 from experiments.lib.fidelity_report import relative_error
 from experiments.lib.fidelity_spec import compose_cfg
 from experiments.run import run
@@ -63,6 +70,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/config.yaml for every run")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--frontend", choices=("process", "thread"), default="process",
+                    help="the server's engine in its own process (default) or in a thread of this one")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="multiply every request count (e.g. 0.05 for a smoke run on a small model)")
     a = ap.parse_args()
@@ -100,10 +109,33 @@ def main() -> None:
     mean_out = float(np.mean(workload.output_lens))
 
     results: dict[str, Any] = {"offline_requests": len(prompts), "in_process_tok_s": in_process_tok_s,
-                               "in_process_s": seconds}
-    served = AsyncLLMEngine(engine)
+                               "in_process_s": seconds, "frontend": a.frontend}
+
+    def stream_overrides(load: float, num: int) -> list[str]:
+        num = max(int(num * a.scale), 2)
+        stream_cfg = compose_cfg([*common, *POISSON, f"workload.num_requests={num}"])
+        rate = load * in_process_tok_s / float(np.mean(factory.workload(stream_cfg).output_lens))
+        return [*common, *POISSON, f"workload.num_requests={num}", f"workload.rate={rate:.6g}"]
+
+    # ---- 2 (in-process half): the 0.3x stream through backend=engine ---------------------------------
+    load, num = LOADS["ttft_0.3x"]
+    eng = run(compose_cfg([*stream_overrides(load, num), "backend=engine"]), out / "ttft_0.3x_engine",
+              "ttft_0.3x engine")
+    gpu, cpu = engine.runner.num_gpu_blocks, engine.runner.num_cpu_blocks
+    if a.frontend == "process":  # the server's engine gets the device to itself, with the same KV pool
+        del llm, engine
+        release_engine()
+        free_device()
+        args = dataclasses.replace(engine_args(cfg), num_gpu_blocks=gpu)
+        served = AsyncLLMEngine.from_engine_args(args, engine_process=True)
+    else:
+        served = AsyncLLMEngine(engine)
+
     with ServerThread(build_app(served, str(cfg.model.name))) as server:
-        fresh_scheduler()
+        if a.frontend == "process":
+            _server_run(server.url, [*common, *offline], out / "server_warmup")  # kernels compile in the core
+        else:
+            fresh_scheduler()
         s = _server_run(server.url, [*common, *offline], out / "server_offline")
         results["server_tok_s"] = s["output_throughput"]
         results["server_offline_completed"] = s["completed"]
@@ -112,29 +144,35 @@ def main() -> None:
               f"({results['throughput_ratio']:.3f} of in-process)", flush=True)
 
         # ---- 2 and 3: Poisson streams at loads of the capacity ----------------------------------------
+        overhead: list[str] = []
         for name, (load, num) in LOADS.items():
-            num = max(int(num * a.scale), 2)
-            stream_cfg = compose_cfg([*common, *POISSON, f"workload.num_requests={num}"])
-            stream_mean_out = float(np.mean(factory.workload(stream_cfg).output_lens))
-            rate = load * in_process_tok_s / stream_mean_out
-            overrides = [*common, *POISSON, f"workload.num_requests={num}", f"workload.rate={rate:.6g}"]
-            fresh_scheduler()
+            overrides = stream_overrides(load, num)
+            if a.frontend == "thread":
+                fresh_scheduler()
             srv = _server_run(server.url, overrides, out / f"{name}_server")
-            row: dict[str, Any] = {"load": load, "rate_req_s": rate, "requests": num,
-                                   "server": _latencies(srv)}
+            row: dict[str, Any] = {"load": load, "rate_req_s": float(overrides[-1].split("=")[1]),
+                                   "requests": int(overrides[-2].split("=")[1]), "server": _latencies(srv)}
             if name.startswith("ttft"):
-                eng = run(compose_cfg([*overrides, "backend=engine"]), out / f"{name}_engine", f"{name} engine")
                 row["engine"] = _latencies(eng)
                 row["ttft_p50_diff_ms"] = row["server"]["ttft_p50_ms"] - row["engine"]["ttft_p50_ms"]
+                row["serving_overhead"] = {
+                    "ttft_overhead_s": max(srv["ttft"]["median"] - eng["ttft"]["median"], 0.0),
+                    "itl_overhead_s": max(srv["tpot"]["mean"] - eng["tpot"]["mean"], 0.0)}
+                overhead = [f"serving.{k}={v:.6g}" for k, v in row["serving_overhead"].items()]
             else:
-                gpu, cpu = engine.runner.num_gpu_blocks, engine.runner.num_cpu_blocks
-                sim = run(compose_cfg([*overrides, "backend=sim", "latency=profiled", f"blocks.num_gpu_blocks={gpu}",
-                                       f"blocks.num_cpu_blocks={cpu}"]), out / f"{name}_sim", f"{name} sim")
-                row["sim"] = _latencies(sim)
-                row["tpot_mean_error"] = relative_error(sim["tpot"]["mean"], srv["tpot"]["mean"])
-                row["ttft_p90_error"] = relative_error(sim["ttft"]["p90"], srv["ttft"]["p90"])
+                sim_cfg = [*overrides, "backend=sim", "latency=profiled", f"blocks.num_gpu_blocks={gpu}",
+                           f"blocks.num_cpu_blocks={cpu}"]
+                for key, extra in (("sim", []), ("sim_overhead", overhead)):
+                    sim = run(compose_cfg([*sim_cfg, *extra]), out / f"{name}_{key}", f"{name} {key}")
+                    row[key] = _latencies(sim)
+                    row[key]["tpot_mean_error"] = relative_error(sim["tpot"]["mean"], srv["tpot"]["mean"])
+                    row[key]["ttft_p90_error"] = relative_error(sim["ttft"]["p90"], srv["ttft"]["p90"])
+                row["tpot_mean_error"] = row["sim_overhead"]["tpot_mean_error"]
+                row["ttft_p90_error"] = row["sim_overhead"]["ttft_p90_error"]
             results[name] = row
             print(f"{name}: {json.dumps(row)}", flush=True)
+    if a.frontend == "process":
+        free_device()
 
     meta = {"device": device_name(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "python -m experiments.bench_online " + " ".join(sys.argv[1:]), "overrides": common,
@@ -161,18 +199,25 @@ def report(meta: dict[str, Any], r: dict[str, Any]) -> str:
         f"Device {meta['device']}, {meta['date']}, `{meta['command']}` ({meta['wall_s']:.0f} s).", "",
         "| measurement | value | target |", "|---|---|---|",
         f"| nano-vllm, {r['offline_requests']} requests, in-process LLM.generate | {r['in_process_tok_s']:,.0f} tok/s | |",
-        (f"| same, HTTP streaming ({r['offline_requests']} concurrent clients) | {r['server_tok_s']:,.0f} tok/s "
+        (f"| same, HTTP streaming ({r['offline_requests']} concurrent clients, engine in a {r['frontend']}) | "
+         f"{r['server_tok_s']:,.0f} tok/s "
         f"({r['throughput_ratio']:.3f}x) | >= 0.90x |"),
         (f"| TTFT p50 at 0.3x capacity: server / in-process | {t['server']['ttft_p50_ms']:.1f} / "
         f"{t['engine']['ttft_p50_ms']:.1f} ms ({t['ttft_p50_diff_ms']:+.2f} ms) | <= +2 ms |"),
     ]
+    o = t["serving_overhead"]
+    lines.append(f"| serving overhead measured at 0.3x (server - in-process): TTFT p50, mean TPOT | "
+                 f"{1e3 * o['ttft_overhead_s']:.2f} ms, {1e3 * o['itl_overhead_s']:.3f} ms | |")
     for name in ("poisson_0.35x", "poisson_0.9x"):
         p = r[name]
+        sim, plain = p["sim_overhead"], p["sim"]
         lines += [
-            (f"| {name}: mean TPOT sim vs server | {p['sim']['tpot_mean_ms']:.2f} vs {p['server']['tpot_mean_ms']:.2f} "
-            f"ms ({pct(p['tpot_mean_error'])}) | within 5% |"),
-            (f"| {name}: p90 TTFT sim vs server | {p['sim']['ttft_p90_ms']:.1f} vs {p['server']['ttft_p90_ms']:.1f} "
-            f"ms ({pct(p['ttft_p90_error'])}) | within 10% |"),
+            (f"| {name}: mean TPOT sim (+overhead) vs server | {sim['tpot_mean_ms']:.2f} vs "
+             f"{p['server']['tpot_mean_ms']:.2f} ms ({pct(sim['tpot_mean_error'])}; plain sim "
+             f"{pct(plain['tpot_mean_error'])}) | within 5% |"),
+            (f"| {name}: p90 TTFT sim (+overhead) vs server | {sim['ttft_p90_ms']:.1f} vs "
+             f"{p['server']['ttft_p90_ms']:.1f} ms ({pct(sim['ttft_p90_error'])}; plain sim "
+             f"{pct(plain['ttft_p90_error'])}) | within 10% |"),
         ]
     return "\n".join(lines) + "\n"
 

@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from experiments.lib import factory
+from experiments.lib.serving_overhead import ServingOverhead
 from experiments.lib.workloads import Workload
 from policies.trace import TraceRecorder
 
@@ -53,10 +54,14 @@ def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     gpu, cpu = factory.kv_block_counts(cfg)
     scheduler = factory.build_scheduler(cfg, gpu, cpu, recorder, workload)
     latency = factory.build_latency(cfg)
+    overhead = ServingOverhead.from_cfg(cfg)  # checked before the run, not after it
     result = Simulator(scheduler, latency, workload.requests, workload.stop_lens, on_done,
                        fast_forward=cfg.backend.get("fast_forward", True)).run()
-    return BackendRun(result.num_steps, result.sim_time_s, "simulated",
-                      {"num_gpu_blocks": gpu, "num_cpu_blocks": cpu, "latency_model": latency.name})
+    overhead.apply(recorder.requests)
+    info = {"num_gpu_blocks": gpu, "num_cpu_blocks": cpu, "latency_model": latency.name}
+    if not overhead.is_zero:
+        info["serving_overhead"] = {"ttft_overhead_s": overhead.ttft_s, "itl_overhead_s": overhead.itl_s}
+    return BackendRun(result.num_steps, result.sim_time_s, "simulated", info)
 
 
 @register_backend("engine")

@@ -182,6 +182,12 @@ class Slo:
 
 
 @dataclass
+class Serving:
+    ttft_overhead_s: float = 0.0
+    itl_overhead_s: float = 0.0
+
+
+@dataclass
 class Scenario:
     overrides: list[str] = field(default_factory=list)
     load: float | None = None
@@ -218,7 +224,7 @@ GROUPS: dict[str, Callable[[Mapping], type | None]] = {
 }
 # The top-level files: their own keys' schemas (None: any value) and the groups they compose.
 RUN_KEYS: dict[str, type | None] = {"seed": int, "scheduler": SchedulerConfig, "slo": Slo, "progress": bool,
-                                    "parallel": Parallel,
+                                    "parallel": Parallel, "serving": Serving,
                                     "plots": bool}
 PROFILE_KEYS: dict[str, type | None] = {
     "device": str | None, "gpu": str | None, "dtype": str | None, "block_size": int,
