@@ -10,6 +10,7 @@ import pytest
 from engine_helpers import byte_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -62,7 +63,7 @@ def engine(tmp_path_factory, request):
 TEXT = st.text(st.sampled_from("ab c.\né€🙂"), min_size=1, max_size=12)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(text=TEXT, data=st.data(), min_tokens=st.integers(0, 6), include=st.booleans(), n=st.integers(1, 3))
 def test_streamed_outputs_agree_with_the_final_output(engine, text, data, min_tokens, include, n):
     """Stop strings are pieces of the text (or not in it at all), the stop token one of its bytes."""
