@@ -53,11 +53,12 @@ Upper half (the user API, vLLM's names), importable from `engine` directly:
   (shard the model over N GPUs: `engine.distributed`, docs/parallelism.md), distributed_timeout_s.
 - `RequestOutput(request_id, prompt, prompt_token_ids, outputs: [CompletionOutput(index, text,
   token_ids, finish_reason, stop_reason, logprobs)], finished, metrics: RequestMetrics)`.
-- `AsyncLLMEngine(engine, max_waiting_requests=None)` / `.from_engine_args(args, ...)`: `async for out
+- `AsyncLLMEngine(engine, max_waiting_requests=None)` / `.from_engine_args(args, ...,
+  engine_process=False)` (True: the engine in its own process, engine/engine_core.py): `async for out
   in generate(prompt, sampling_params, request_id, priority=0, output_kind="cumulative"|"delta", tenant=None)`,
   `abort(id)`, `is_running`, `errored`, `check_health()`, `stats() -> EngineStats`,
   `add_finished_observer(fn)` (`RequestStats` per ended request), `tokenizer`, `model_name`,
-  `max_model_len`, `shutdown()`; `EngineQueueFullError`, `EngineDeadError`.
+  `max_model_len`, `vocab_size`, `engine_process`, `shutdown()`; `EngineQueueFullError`, `EngineDeadError`.
 - `engine.tokenizer` / `engine.detokenizer`: tokenizer from an HF dir or GGUF file; incremental
   detokenization and vLLM's stop-string rule (text truncated before the stop string).
 """

@@ -82,6 +82,9 @@ def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
     """The child process's main: build the engine, then serve the front end's batches until told to
     stop or until either pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Started as a daemon (the front end's exit ends it), it may still start the tensor-parallel
+    # workers of its engine, which are daemons of its own: a daemon process may not have children.
+    multiprocessing.current_process().daemon = False
     from engine.llm_engine import LLMEngine
 
     try:

@@ -232,6 +232,22 @@ async def streams_with_disconnects(url: str, prompts: list[list[int]], max_token
         return await asyncio.gather(*(one(aclient, i) for i in range(len(prompts))))
 
 
+async def greedy_streams(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Every prompt as a greedy stream at once; the token ids each got."""
+    async def one(aclient, prompt):
+        ids = []
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                  stream=True, extra_body={"return_token_ids": True,
+                                                                           "ignore_eos": True})
+        async for chunk in stream:
+            for c in chunk.choices:
+                ids += c.token_ids
+        return ids
+
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as aclient:
+        return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+
 async def _wait_idle(server, timeout_s: float = 30.0) -> bool:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
@@ -439,21 +455,7 @@ def test_server_on_the_gpu_equals_llm_generate():
     want = LLM("tiny-llama", num_gpu_blocks=512, max_model_len=256, device="cuda").generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     with ServerThread(build_app(AsyncLLMEngine(LLMEngine(args)), MODEL)) as srv:
-        async def one(aclient, prompt):
-            ids = []
-            stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
-                                                      stream=True, extra_body={"return_token_ids": True,
-                                                                               "ignore_eos": True})
-            async for chunk in stream:
-                for c in chunk.choices:
-                    ids += c.token_ids
-            return ids
-
-        async def main():
-            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0) as aclient:
-                return await asyncio.gather(*(one(aclient, p) for p in prompts))
-
-        assert asyncio.run(main()) == [w.outputs[0].token_ids for w in want]
+        assert asyncio.run(greedy_streams(srv.url, prompts, 20)) == [w.outputs[0].token_ids for w in want]
 
 
 def test_priority_reaches_the_scheduler(model_dir):

@@ -20,6 +20,7 @@ from test_serving_http import (  # noqa: F401 (its module-scoped fixtures, share
     TEMPLATE,
     engine_args,
     greedy,
+    greedy_streams,
     model_dir,
     reference,
     streams_with_disconnects,
@@ -221,3 +222,32 @@ def test_a_killed_server_leaves_no_core_process():
     while not all(_gone(pid) for pid in children):
         assert time.monotonic() < deadline, f"core process(es) left running: {children}"
         time.sleep(0.1)
+
+
+@pytest.mark.gpu
+def test_process_server_on_the_gpu_equals_llm_generate():
+    """The core process on CUDA (Triton kernels, CUDA graphs): 32 concurrent greedy streams equal
+    LLM.generate, and the core stops with the server."""
+    from engine.engine_args import EngineArgs
+    from engine.llm import LLM
+    from policies.request import SamplingParams
+
+    args = EngineArgs(model="tiny-llama", num_gpu_blocks=512, max_model_len=256, device="cuda")
+    prompts = [[(7 * i + j) % 256 for j in range(5 + 3 * i)] for i in range(32)]
+    want = LLM("tiny-llama", num_gpu_blocks=512, max_model_len=256, device="cuda").generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    engine = AsyncLLMEngine.from_engine_args(args, engine_process=True)
+    with ServerThread(build_app(engine, MODEL)) as srv:
+        assert asyncio.run(greedy_streams(srv.url, prompts, 20)) == [w.outputs[0].token_ids for w in want]
+    assert not engine._core.alive
+
+
+def test_a_tensor_parallel_core(model_dir, reference):  # noqa: F811 (the imported fixtures)
+    """A core process whose engine spawns its own tensor-parallel worker (gloo on CPU): greedy
+    streams equal LLM.generate's, and the core and its worker stop with the engine."""
+    prompts = ragged_prompts(4, seed=14, max_len=20)
+    want = greedy(reference, prompts, 8)
+    engine = process_engine(model_dir, tensor_parallel_size=2)
+    with ServerThread(build_app(engine, MODEL)) as srv:
+        assert asyncio.run(greedy_streams(srv.url, prompts, 8)) == [w.outputs[0].token_ids for w in want]
+    assert not engine._core.alive
