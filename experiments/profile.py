@@ -42,7 +42,13 @@ from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
 from experiments.lib.profiling.host import cpu_probe_us, decode_periods, host_overheads, pipelined_period
-from experiments.lib.profiling.synthetic import StepShape, blocks_needed, decode_contexts, swap_mapping, synthetic_step
+from experiments.lib.profiling.synthetic import (
+    StepShape,
+    blocks_needed,
+    decode_contexts,
+    swap_mapping,
+    synthetic_step,
+)
 from sim.latency.prefill_schedule import PrefillSchedule
 from sim.latency.profiled import RATIO_COLUMN
 

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.gpu
 ARGS = {"max_model_len": 2048, "max_num_seqs": 64, "max_num_batched_tokens": 4096, "num_gpu_blocks": 4096,
         "swap_space": 1.0}
 PROMPT_LENS = [37, 200, 5, 513, 64, 129]
+# What decode_kernel "auto" resolves to here: the Gluon TMA kernel on Hopper (compute capability 9.x).
+HOPPER_KERNEL = "tma" if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 else "packed"
 STEPS = 24
 
 
@@ -48,8 +50,9 @@ def free() -> None:
 def test_llm_greedy_agrees_with_transformers():
     from transformers import AutoModelForCausalLM
 
-    llm = LLM("qwen3-0.6b", **ARGS)
+    llm = LLM("qwen3-0.6b", **ARGS)  # the default configuration: async scheduling, decode_kernel "auto"
     assert llm.engine.runner.graphs is not None and llm.engine.runner.dtype == torch.bfloat16
+    assert llm.engine.args.async_scheduling and llm.engine.runner.decode_kernel == HOPPER_KERNEL
     prompts = prompts_of(PROMPT_LENS, 0)
     outs = llm.generate(prompts, greedy(logprobs=3), use_tqdm=False)
     ours = [o.outputs[0].token_ids for o in outs]
@@ -104,11 +107,11 @@ def test_async_scheduling_feeds_tokens_on_the_device():
     prompts fit one prefill step, so both loops run the same batches: the tokens must be identical.
     Then temperature sampling and swap preemption under async scheduling."""
     prompts = prompts_of(PROMPT_LENS, 3)
-    sync = LLM("qwen3-0.6b", **ARGS)
+    sync = LLM("qwen3-0.6b", async_scheduling=False, **ARGS)
     expected = [o.outputs[0].token_ids for o in sync.generate(prompts, greedy(), use_tqdm=False)]
     del sync
     free()
-    llm = LLM("qwen3-0.6b", async_scheduling=True, **ARGS)
+    llm = LLM("qwen3-0.6b", **ARGS)  # async scheduling: the default
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
     assert got == expected
     assert llm.engine.scheduler.num_scheduled_ahead >= STEPS - 2
@@ -126,6 +129,23 @@ def test_async_scheduling_feeds_tokens_on_the_device():
     assert sum(s["num_preempted_swap"] for s in steps) > 0 and small.engine.scheduler.num_scheduled_ahead > 0
     assert small.engine.scheduler.block_manager.usage().gpu_used == 0
     del small
+    free()
+
+
+def test_default_engine_agrees_with_the_old_defaults():
+    """The default engine (async scheduling, the Gluon TMA kernel on Hopper) against the old defaults
+    (synchronous, packed kernel): the same greedy tokens up to bf16 near-ties."""
+    prompts = prompts_of(PROMPT_LENS + [3, 90, 700], 4)
+    old = LLM("qwen3-0.6b", async_scheduling=False, decode_kernel="packed", **ARGS)
+    expected = [o.outputs[0].token_ids for o in old.generate(prompts, greedy(), use_tqdm=False)]
+    del old
+    free()
+    new = LLM("qwen3-0.6b", **ARGS)
+    assert new.engine.runner.decode_kernel == HOPPER_KERNEL
+    got = [o.outputs[0].token_ids for o in new.generate(prompts, greedy(), use_tqdm=False)]
+    assert all(g[0] == e[0] for g, e in zip(got, expected))  # prefill: the same kernel
+    assert agreement(got, expected) >= 0.9
+    del new
     free()
 
 
