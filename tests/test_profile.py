@@ -27,6 +27,13 @@ TINY_GRID = ["profile_grid.prefill_tokens=[0,8]", "profile_grid.decode_seqs=[0,2
              "profile_grid.context_ratios=[]"]
 
 
+def assert_sum_of_parts(row) -> None:
+    """time_s = forward_s + host_s up to the file's 7 significant digits of each (a slow forward on a
+    busy CPU gives a host_s of nearly its size with the opposite sign)."""
+    f, h = float(row["forward_s"]), float(row["host_s"])
+    assert float(row["time_s"]) == pytest.approx(f + h, rel=1e-5, abs=1e-6 * max(abs(f), abs(h)))
+
+
 def tiny_profile(path, extra=()):
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose(config_name="profile", overrides=[
@@ -54,7 +61,7 @@ def test_profiler_on_cpu_writes_a_profile_the_simulator_loads(tmp_path):
     assert len(steps) == 6 and len(swaps) == 4
     assert steps[0]["time_s"] == next(r["time_s"] for r in steps[1:] if r["num_decode_seqs"] == "0")
     for r in steps:
-        assert float(r["time_s"]) == pytest.approx(float(r["forward_s"]) + float(r["host_s"]), rel=1e-5)
+        assert_sum_of_parts(r)
         # host_s is a difference of two medians, noise-dominated on a busy CPU: only bounded here
         assert float(r["forward_s"]) > 0 and float(r["time_s"]) > 0 and abs(float(r["host_s"])) < 0.5
     model = ProfiledModel(path, block_size=16, model_name="tiny-qwen3")
@@ -277,7 +284,7 @@ def test_async_profile_prices_prefill_rows_by_their_pipelined_period(tmp_path):
     steps = [r for _, r in rows if r["kind"] == "step"]
     assert len(steps) == 6 and all(float(r["time_s"]) > 0 for r in steps)
     for r in steps:
-        assert float(r["time_s"]) == pytest.approx(float(r["forward_s"]) + float(r["host_s"]), rel=1e-5)
+        assert_sum_of_parts(r)
         assert float(r["sync_time_s"]) > 0  # steps not scheduled ahead are priced from it
     ProfiledModel(path, 16, "tiny-qwen3", async_scheduling=True)
 
