@@ -42,12 +42,11 @@ import torch
 
 from engine.async_stream import RequestStream
 from engine.engine_args import EngineArgs
-from engine.engine_core import CoreStep, EngineCoreClient, unpack
+from engine.engine_core import CoreStep, EngineCoreClient
 from engine.engine_stats import EngineStats, RequestStats, StatsTracker
 from engine.llm import parse_prompt
-from engine.llm_engine import LLMEngine, _tokenizer_source
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.tokenizer import load_tokenizer
 from policies.request import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -100,12 +99,8 @@ class AsyncLLMEngine:
         self._tracker = StatsTracker(engine, keep_trace) if self._core is None else None
         self._core_stats = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0)  # the core's, as of its last message
         self._sent = 0  # requests sent to the core process and not yet taken by it
-        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # the core sends each prompt once
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tokenizer = None
         if self._core is not None:
-            args = self._core.args
-            self._tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))
             self._core.start_reader(self._from_core)
             gc.collect()  # as LLMEngine does in its process: what start-up made is never walked again
             gc.freeze()
@@ -128,7 +123,7 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self):
         """The model's tokenizer, or None (dummy weights: token-id prompts only)."""
-        return self._tokenizer if self._core is not None else self.engine.tokenizer
+        return self._core.tokenizer if self._core is not None else self.engine.tokenizer
 
     @property
     def model_name(self) -> str:
@@ -330,14 +325,8 @@ class AsyncLLMEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.fail(error)
-        records = {r.request_id: r for r in message.finished}
-        prompts = self._prompts
-        for packed in message.outputs:
-            request_id, finished, prompt, prompt_ids = packed[:4]
-            if prompt_ids is not None:
-                prompts[request_id] = (prompt, prompt_ids)
-            prompt, prompt_ids = prompts.pop(request_id) if finished else prompts.get(request_id, (None, []))
-            self._deliver(unpack(packed, prompt, prompt_ids), records.get(request_id))
+        for output, record in self._core.outputs(message):
+            self._deliver(output, record)
 
     def _deliver(self, output: RequestOutput, record: RequestStats | None = None) -> None:
         if output.finished:

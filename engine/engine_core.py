@@ -25,12 +25,14 @@ import signal
 import threading
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from engine.engine_args import EngineArgs
 from engine.engine_stats import EngineStats, RequestStats, StatsTracker
+from engine.llm_engine import _tokenizer_source
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.tokenizer import load_tokenizer
 
 # (request_id, finished, prompt text or None, prompt token ids or None (sent once), samples, metrics);
 # a sample is (index, text, token_ids, finish_reason, stop_reason, logprobs).
@@ -181,6 +183,20 @@ class EngineCoreClient:
             self._finalizer()
             raise RuntimeError(f"the engine process could not build the engine:\n{first.error}")  # noqa: TRY004
         self.info: CoreInfo = first
+        self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # the core sends each prompt once
+
+    def outputs(self, step: CoreStep) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
+        """The step's outputs as RequestOutputs (with their prompts), each with its RequestStats if
+        it ended."""
+        records = {r.request_id: r for r in step.finished}
+        prompts = self._prompts
+        for packed in step.outputs:
+            request_id, finished, prompt, prompt_ids = packed[:4]
+            if prompt_ids is not None:
+                prompts[request_id] = (prompt, prompt_ids)
+            prompt, prompt_ids = prompts.pop(request_id) if finished else prompts.get(request_id, (None, []))
+            yield unpack(packed, prompt, prompt_ids), records.get(request_id)
 
     def start_reader(self, deliver: Callable[[CoreStep | BaseException], None]) -> None:
         """Call `deliver(message)` (a bound method, held weakly: its owner may be dropped) on a
