@@ -126,6 +126,12 @@ def main() -> None:
         del llm, engine
         release_engine()
         free_device()
+        import torch
+
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            print(f"device memory free for the core process: {free / 2**30:.1f} of {total / 2**30:.1f} GiB",
+                  flush=True)
         args = dataclasses.replace(engine_args(cfg), num_gpu_blocks=gpu)
         served = AsyncLLMEngine.from_engine_args(args, engine_process=True)
     else:
