@@ -93,6 +93,24 @@ def test_completions_and_chat_equal_llm_generate(client, reference):  # noqa: F8
     assert chat.usage.completion_tokens == 4 and chat.choices[0].message.role == "assistant"
 
 
+def test_metrics_come_from_the_core(server, client):
+    """/metrics in process mode: the counters the core sends and the histograms of the RequestStats
+    it computes for each ended request."""
+    def value(text, name):
+        return float(next(ln for ln in text.splitlines() if ln.startswith(name)).split()[-1])
+
+    before = httpx.get(server.url + "/metrics").text
+    client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert asyncio.run(wait_idle(server.engine))
+    after = httpx.get(server.url + "/metrics").text
+    for name, grew in (("vllm:generation_tokens_total", 6), ("vllm:prompt_tokens_total", 3),
+                       ("vllm:e2e_request_latency_seconds_count", 1), ("vllm:time_to_first_token_seconds_count", 1),
+                       ("vllm:inter_token_latency_seconds_count", 5)):
+        assert value(after, name) - value(before, name) == grew, name
+    assert value(after, "vllm:num_requests_running") == 0 and value(after, "vllm:kv_cache_usage_perc") == 0
+
+
 def test_concurrent_streams_with_disconnects(server, reference):  # noqa: F811 (the imported fixture)
     """64 streams, a random third hang up: aborted in the core, blocks freed, the rest exact."""
     rng = random.Random(1)
