@@ -289,6 +289,17 @@ class Scheduler:
         so that the next step stands for one scheduled ahead (the simulator prices it so)."""
         return self._all_decoding and lookahead.next_step_safe(self.state, ahead=0)
 
+    def _observe_decode_run(self, running: list[Sequence], num_steps: int) -> None:
+        """The policy's per-step refreshes and observes of a run's steps not decided yet. What they
+        re-sort is what stepping's `_reorder` would: the running queue when a step next needs it,
+        the waiting and swapped queues (requests that arrived during the run's last step) now."""
+        queues = self.queues
+        names = set(self.policy.observe_decode_run(running, num_steps)) & queues.reorders
+        if "running" in names:
+            self._running_unsorted = True
+        if names - {"running"}:
+            queues.reorder(names - {"running"})
+
     def advance_decodes(self, times: list[float], token: int, output_lens: Mapping[str, int] | None = None) -> None:
         """Apply len(times) - 1 of them, step s from times[s] to times[s + 1], as schedule(times[s]);
         update(out, {seq_id: [token] for each seq}, times[s + 1], stop_seq_ids) would."""
@@ -297,7 +308,7 @@ class Scheduler:
         observed = self._last is not None and not self._last_updated
         decode_run.advance(self.state, self._decode_run, self._step, times, token, output_lens)
         if running is not None and len(times) - 1 - observed:
-            self.policy.observe_decode_run(running, len(times) - 1 - observed)
+            self._observe_decode_run(running, len(times) - 1 - observed)
         self._step += len(times) - 1
         self._now, self._last, self._decode_run = times[-1], None, decode_run.NO_RUN
         self._last_update = times[-1]

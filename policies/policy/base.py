@@ -95,6 +95,9 @@ class Policy(ABC):
         """Called with every step once it is decided (for policies that count service). A key must
         not change here: apply what was observed in the next `refresh`."""
 
-    def observe_decode_run(self, running: list[Sequence], num_steps: int) -> None:
+    def observe_decode_run(self, running: list[Sequence], num_steps: int) -> Collection[str]:
         """Called when a decode run (the simulator's fast-forward) gives every running sequence
-        `num_steps` more tokens without a `schedule` per step; as `observe`."""
+        `num_steps` more tokens without a `schedule` per step: as `refresh` (with nothing waiting or
+        swapped) then `observe`, once per step. Returns the queues whose order may have changed, as
+        `refresh` (default: none)."""
+        return ()

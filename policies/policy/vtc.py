@@ -12,9 +12,11 @@ competes from where the others are, not from where it left.
 
 Service is counted for every step once it is decided (`observe`) and added to the counters when
 the next step begins (`refresh`), so keys change only there; the queues are re-sorted only when the
-tenants' order by counter changed. A step admits in the order the step began with: one tenant may
-be admitted several times in one step before its counter catches up (the paper re-picks the tenant
-after every admission), which widens the service bound by at most one step's token budget.
+tenants' order by counter changed. A fast-forwarded decode run (`observe_decode_run`) replays both
+for each of its steps, with nothing waiting, so it leaves the counters that stepping would. A step
+admits in the order the step began with: one tenant may be admitted several times in one step
+before its counter catches up (the paper re-picks the tenant after every admission), which widens
+the service bound by at most one step's token budget.
 """
 from __future__ import annotations
 
@@ -88,33 +90,58 @@ class VirtualTokenCounterPolicy(Policy):
             prompt = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens) - seq.num_computed_tokens
             self._charge(seq.request.tenant, w_in * max(prompt, 0) + w_out * num_samples)
 
-    def observe_decode_run(self, running: list[Sequence], num_steps: int) -> None:
+    def observe_decode_run(self, running: list[Sequence], num_steps: int) -> Collection[str]:
+        """Each step of the run begins as `refresh` with nothing waiting (a decode run has no waiting
+        or swapped sequence), then charges one output token per running sequence: the counters, the
+        tenants seen waiting and the ranking end as stepping leaves them. The ranking is taken at
+        every step until one changes the order, and at the last (where stepping leaves it)."""
         counts: dict[str | None, int] = {}
         for seq in running:
             counts[seq.request.tenant] = counts.get(seq.request.tenant, 0) + 1
-        for tenant, count in counts.items():
-            self._charge(tenant, self.output_weight * count * num_steps)
+        charges = [(tenant, self.output_weight * count) for tenant, count in counts.items()]
+        self._waiting_tenants = set()  # no tenant returns during the run: nothing is lifted
+        changed: Collection[str] = ()
+        for step in range(num_steps):
+            self._fold()
+            if not changed or step == num_steps - 1:
+                changed = self._rank() or changed
+            for tenant, tokens in charges:
+                self._charge(tenant, tokens)
+        return changed
 
     # ---- at each step -----------------------------------------------------------------------------
     def refresh(self, queues: SchedulerQueues, hint: OrderHint) -> Collection[str]:
         self._queues = queues
+        return self._begin_step({seq.request.tenant for seq in queues.waiting}, self._running_tenants())
+
+    def _begin_step(self, waiting: set[str | None], running: Collection[str | None]) -> Collection[str]:
+        """`refresh`, given the tenants waiting and running: add the observed service to the
+        counters, lift the returning tenants, and say which queues' order may have changed."""
+        self._fold()
         counters = self.counters
-        for tenant, tokens in self._pending.items():
-            counters[tenant] = counters.get(tenant, 0.0) + tokens / self.weights.get(tenant, 1.0)
-        self._pending.clear()
-        waiting = {seq.request.tenant for seq in queues.waiting}
         returning = waiting - self._waiting_tenants
         if returning:
-            stayed = (self._waiting_tenants & waiting) or set(self._running_tenants())
+            stayed = (self._waiting_tenants & waiting) or set(running)
             stayed -= returning
             if stayed:
                 floor = min(counters.get(t, 0.0) for t in stayed)
                 for tenant in returning:
                     counters[tenant] = max(counters.get(tenant, 0.0), floor)
         self._waiting_tenants = waiting
+        return self._rank()
+
+    def _fold(self) -> None:
+        """Add the service observed since the last step began to the counters."""
+        counters = self.counters
+        for tenant, tokens in self._pending.items():
+            counters[tenant] = counters.get(tenant, 0.0) + tokens / self.weights.get(tenant, 1.0)
+        self._pending.clear()
+
+    def _rank(self) -> Collection[str]:
+        """The queues whose order may have changed since the last ranking."""
         # The queues' order changes only when the tenants' order by counter does; counters that tie
         # order requests by arrival across tenants, which the next change of counters may undo.
-        ranking = sorted(counters.items(), key=lambda item: (item[1], str(item[0])))
+        ranking = sorted(self.counters.items(), key=lambda item: (item[1], str(item[0])))
         values = {value for _, value in ranking}
         order = (tuple(tenant for tenant, _ in ranking), len(values) != len(ranking))
         if order == self._ranking and not order[1]:
