@@ -280,7 +280,8 @@ def test_a_spec_extends_another_and_names_its_profile_and_kernel(request, tmp_pa
 
     root = request.config.rootpath / "conf/fidelity"
     default, packed = load_spec(root / "default.yaml"), load_spec(root / "packed.yaml")
-    assert "backend.decode_kernel=auto" in default["engine"] and default.get("profile") is None
+    assert "backend.decode_kernel=auto" in default["engine"]
+    assert (request.config.rootpath / default["profile"]).is_file()  # the default engine's own profile
     assert packed["engine"] == ["backend=engine", "backend.decode_kernel=packed"]
     assert packed["scenarios"] == default["scenarios"] and packed["common"] == default["common"]
     assert (request.config.rootpath / packed["profile"]).is_file()
