@@ -67,33 +67,17 @@ def _logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, flo
 
 
 async def _whole(ctx: Any, req: ChatCompletionRequest, gen: Generation, base_id: str) -> JSONResponse:
-    texts: dict[int, list[str]] = {}
-    tokens: dict[int, list[int]] = {}
-    logprobs: dict[int, list[dict]] = {}
-    ends: dict[int, tuple[str | None, Any]] = {}
-    try:
-        async for _, out in gen.outputs():
-            for c in out.outputs:
-                texts.setdefault(c.index, []).append(c.text)
-                tokens.setdefault(c.index, []).extend(c.token_ids)
-                if c.logprobs is not None:
-                    logprobs.setdefault(c.index, []).extend(c.logprobs)
-                if c.finish_reason is not None:
-                    ends[c.index] = (finish_reason(c.finish_reason), c.stop_reason)
-    except Exception as exc:  # noqa: BLE001 (engine errors become HTTP errors; others re-raised)
-        raise engine_errors(exc) or exc from None
-    choices = []
-    for index in sorted(tokens):
-        reason, stop_reason = ends.get(index, ("abort", None))
-        choices.append(ChatChoice(
-            index=index, message=AssistantMessage(content="".join(texts[index])),
-            logprobs=_logprobs(ctx.tokenizer, tokens[index], logprobs.get(index) if req.logprobs else None,
-                               req.top_logprobs or 0),
-            finish_reason=reason, stop_reason=stop_reason,
-            token_ids=tokens[index] if req.return_token_ids else None))
+    outputs = await gen.collect(req.n)
+    choices = [ChatChoice(
+        index=index, message=AssistantMessage(content=whole.text),
+        logprobs=_logprobs(ctx.tokenizer, whole.token_ids, whole.logprobs if req.logprobs else None,
+                           req.top_logprobs or 0),
+        finish_reason=whole.finish_reason, stop_reason=whole.stop_reason,
+        token_ids=whole.token_ids if req.return_token_ids else None)
+        for index, whole in outputs.items()]
     body = ChatCompletionResponse(
         id=base_id, model=req.model, choices=choices,
-        usage=usage(gen.num_prompt_tokens, sum(len(t) for t in tokens.values())),
+        usage=usage(gen.num_prompt_tokens, sum(len(whole.token_ids) for whole in outputs.values())),
         prompt_token_ids=gen.subs[0].prompt_token_ids if req.return_token_ids else None)
     return JSONResponse(body.model_dump(exclude_none=True))
 

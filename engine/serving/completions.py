@@ -70,32 +70,14 @@ def _logprobs(tokenizer: Any, c: CompletionOutput, offset: int) -> CompletionLog
 
 async def _whole(ctx: Any, req: CompletionRequest, gen: Generation, base_id: str) -> JSONResponse:
     n = req.n
-    texts: dict[int, list[str]] = {}
-    tokens: dict[int, list[int]] = {}
-    logprobs: dict[int, list[dict]] = {}
-    ends: dict[int, tuple[str | None, Any]] = {}
-    try:
-        async for i, out in gen.outputs():
-            for c in out.outputs:
-                index = i * n + c.index
-                texts.setdefault(index, []).append(c.text)
-                tokens.setdefault(index, []).extend(c.token_ids)
-                if c.logprobs is not None:
-                    logprobs.setdefault(index, []).extend(c.logprobs)
-                if c.finish_reason is not None:
-                    ends[index] = (finish_reason(c.finish_reason), c.stop_reason)
-    except Exception as exc:  # noqa: BLE001 (engine errors become HTTP errors; others re-raised)
-        raise engine_errors(exc) or exc from None
-    choices = []
-    for index in sorted(tokens):
-        reason, stop_reason = ends.get(index, ("abort", None))
-        whole = CompletionOutput(index, "".join(texts[index]), tokens[index], reason, stop_reason,
-                                 logprobs.get(index) if index in logprobs else None)
-        choices.append(CompletionChoice(
-            index=index, text=whole.text, logprobs=_logprobs(ctx.tokenizer, whole, 0), finish_reason=reason,
-            stop_reason=stop_reason, token_ids=whole.token_ids if req.return_token_ids else None,
-            prompt_token_ids=gen.subs[index // n].prompt_token_ids if req.return_token_ids else None))
-    completion_tokens = sum(len(t) for t in tokens.values())
+    outputs = await gen.collect(n)
+    choices = [CompletionChoice(
+        index=index, text=whole.text, logprobs=_logprobs(ctx.tokenizer, whole, 0),
+        finish_reason=whole.finish_reason, stop_reason=whole.stop_reason,
+        token_ids=whole.token_ids if req.return_token_ids else None,
+        prompt_token_ids=gen.subs[index // n].prompt_token_ids if req.return_token_ids else None)
+        for index, whole in outputs.items()]
+    completion_tokens = sum(len(whole.token_ids) for whole in outputs.values())
     body = CompletionResponse(id=base_id, model=req.model, choices=choices,
                               usage=usage(gen.num_prompt_tokens, completion_tokens))
     return JSONResponse(body.model_dump(exclude_none=True))

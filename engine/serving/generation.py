@@ -17,7 +17,7 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 
 from engine.async_llm_engine import EngineDeadError, EngineQueueFullError
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.serving.errors import APIError, bad_value
 from engine.serving.protocol import SamplingFields, UsageInfo
 from policies.request import SamplingParams
@@ -120,6 +120,30 @@ class Generation:
                     yield item
         finally:
             await self.close()
+
+    async def collect(self, samples_per_prompt: int) -> dict[int, CompletionOutput]:
+        """Every choice's whole output (choice index = prompt index * n + sample index), read to the
+        end of the stream; a choice the engine ended without a reason counts as "abort". Engine errors
+        become HTTP errors."""
+        texts: dict[int, list[str]] = {}
+        tokens: dict[int, list[int]] = {}
+        logprobs: dict[int, list[dict]] = {}
+        ends: dict[int, tuple[str | None, Any]] = {}
+        try:
+            async for i, out in self.outputs():
+                for c in out.outputs:
+                    index = i * samples_per_prompt + c.index
+                    texts.setdefault(index, []).append(c.text)
+                    tokens.setdefault(index, []).extend(c.token_ids)
+                    if c.logprobs is not None:
+                        logprobs.setdefault(index, []).extend(c.logprobs)
+                    if c.finish_reason is not None:
+                        ends[index] = (finish_reason(c.finish_reason), c.stop_reason)
+        except Exception as exc:  # noqa: BLE001 (engine errors become HTTP errors; others re-raised)
+            raise engine_errors(exc) or exc from None
+        return {index: CompletionOutput(index, "".join(texts[index]), tokens[index],
+                                        *ends.get(index, ("abort", None)), logprobs.get(index))
+                for index in sorted(tokens)}
 
     def _seen(self, out: RequestOutput) -> RequestOutput:
         if out.finished:
