@@ -318,6 +318,11 @@ def test_full_queue_answers_503_then_serves(model_dir):
     refused at once with 503; the admitted ones finish, and a later request is served."""
     engine = AsyncLLMEngine(LLMEngine(engine_args(model_dir, max_num_seqs=2, num_gpu_blocks=64)),
                             max_waiting_requests=2)
+    check_full_queue_answers_503_then_serves(engine)
+
+
+def check_full_queue_answers_503_then_serves(engine: AsyncLLMEngine) -> None:
+    """8 requests at once against 2 running + 2 waiting slots: 200s and 503s only, then a good request."""
     with ServerThread(build_app(engine, MODEL)) as srv:
         async def main():
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:

@@ -18,6 +18,7 @@ from test_serving_http import (  # noqa: F401 (its module-scoped fixtures, share
     MAX_MODEL_LEN,
     MODEL,
     TEMPLATE,
+    check_full_queue_answers_503_then_serves,
     engine_args,
     greedy,
     greedy_streams,
@@ -145,16 +146,7 @@ def test_bad_request_then_a_good_one(server, client, change, field):
 
 def test_full_queue_answers_503_then_serves(model_dir):  # noqa: F811 (the imported fixture)
     engine = process_engine(model_dir, max_num_seqs=2, num_gpu_blocks=64, max_waiting_requests=2)
-    with ServerThread(build_app(engine, MODEL)) as srv:
-        async def main():
-            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
-                body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True}
-                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(8)))
-
-        statuses = sorted(r.status_code for r in asyncio.run(main()))
-        assert statuses.count(200) >= 2 and 503 in statuses and set(statuses) <= {200, 503}
-        resp = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": [4], "max_tokens": 2})
-        assert resp.status_code == 200
+    check_full_queue_answers_503_then_serves(engine)
 
 
 def test_a_killed_core_fails_open_streams_and_health(model_dir):  # noqa: F811 (the imported fixture)
