@@ -21,6 +21,7 @@ import argparse
 import datetime as dt
 import gc
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -85,7 +86,12 @@ def main() -> None:
     ap.add_argument("--rates", default="0.3,0.6,0.9", help="latency-run arrival rates, x our req/s capacity")
     ap.add_argument("--latency-requests", type=int, default=150)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs of the benchmark on one engine; the median is reported")
+    ap.add_argument("--skip-peers", action="store_true", help="do not run the transformers peers")
     a = ap.parse_args()
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats} is invalid: at least 1")
     wl = [f"workload.num_requests={a.num_requests}", f"workload.max_input_len={a.max_input_len}",
           f"workload.max_output_len={a.max_output_len}"]
     cfg = compose_cfg([*BASE, *wl, *a.overrides])
@@ -103,15 +109,20 @@ def main() -> None:
     model_cfg, dtype = engine.model_config, engine.runner.dtype
     warm = [p[:37 + 61 * i] for i, p in enumerate(prompts[:16])]  # varied shapes: kernels compile here
     llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    engine.reset()
-    _sync(device)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(device)
-    seconds = time.perf_counter() - start
-    ours = PeerResult("servelab LLM.generate", len(prompts), sum(max_tokens),
-                      sum(o.num_output_tokens for o in outputs), seconds,
-                      f"block_size {args.block_size}, CUDA graphs {engine.runner.graphs is not None}")
+    runs = []
+    for _ in range(a.repeats):
+        engine.reset()
+        _sync(device)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(device)
+        runs.append(time.perf_counter() - start)
+    seconds = statistics.median(runs)
+    num_output = sum(o.num_output_tokens for o in outputs)
+    note = f"block_size {args.block_size}, CUDA graphs {engine.runner.graphs is not None}"
+    if a.repeats > 1:
+        note += "; median of " + " / ".join(f"{num_output / t:,.0f}" for t in runs) + " tok/s"
+    ours = PeerResult("servelab LLM.generate", len(prompts), sum(max_tokens), num_output, seconds, note)
     floor = floor_bytes([len(p) for p in prompts], max_tokens,
                         weight_bytes_per_step(engine.runner.model, model_cfg.tie_word_embeddings),
                         model_cfg.kv_bytes_per_token(dtype))
@@ -119,14 +130,16 @@ def main() -> None:
     print(f"ours: {ours.tok_s:,.0f} output tok/s ({ours.output_tokens} tokens in {seconds:.2f} s); floor "
           f"{ours.output_tokens / floor_s:,.0f} tok/s at {bandwidth / 1e12:.2f} TB/s", flush=True)
     capacity_req_s = len(prompts) / seconds
+    rates = [float(x) * capacity_req_s for x in a.rates.split(",") if x.strip()]
     try:
-        latency_rows = latency_runs(a.overrides, [float(x) * capacity_req_s for x in a.rates.split(",")],
-                                    a.latency_requests)
+        latency_rows = latency_runs(a.overrides, rates, a.latency_requests) if rates else []
     except Exception as e:  # noqa: BLE001 (report the rest of the benchmark anyway)
         print(f"latency runs failed: {type(e).__name__}: {e}", flush=True)
         latency_rows = [{"error": f"{type(e).__name__}: {e}"[:300]}]
 
     report(a, device, bandwidth, floor, floor_s, ours, [], latency_rows)  # kept if the peers never end
+    if a.skip_peers:
+        return
     del llm, engine, outputs
     release_engine()
     gc.collect()

@@ -4,17 +4,23 @@ Loads bench_throughput's nano-vllm requests into the engine, runs until every re
 then times N steps split into scheduler.schedule / runner.execute (forward + sampling, synchronous:
 it returns host tokens) / scheduler.update / the rest of LLMEngine.step, and profiles a few steps
 with torch.profiler: the CUDA kernels by total time and the GPU-busy share of the wall time. The
-gap between wall time and GPU time is CPU work the GPU waits for.
+gap between wall time and GPU time is CPU work the GPU waits for. `--advance N` decodes N more steps
+first (longer contexts); `--out DIR` writes the per-part breakdown (`kernel_breakdown`: time, least
+bytes, achieved bandwidth against the measured copy bandwidth) as markdown and CSV.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import time
+from pathlib import Path
 
+import pandas as pd
 import torch
 
-from experiments.bench_throughput import BASE
+from experiments.bench_throughput import BASE, copy_bandwidth
+from experiments.lab.kernel_breakdown import DecodeShape, Kernel, breakdown_rows
 from experiments.lib import factory
 from experiments.lib.engine_backend import engine_args, get_engine
 from experiments.lib.fidelity_spec import compose_cfg
@@ -37,16 +43,20 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--advance", type=int, default=0, help="decode steps to run before measuring")
+    ap.add_argument("--out", type=Path, default=None, help="write the per-part breakdown here")
     a = ap.parse_args()
     cfg = compose_cfg([*BASE, *a.overrides])
     workload = factory.workload(cfg)
-    engine = get_engine(engine_args(cfg))
+    args = engine_args(cfg)
+    bandwidth = copy_bandwidth(torch.device(args.resolve_device())) if torch.cuda.is_available() else 0.0
+    engine = get_engine(args)
     for r in workload.requests:
         engine.add_request(r.request_id, r.prompt_token_ids,
                            dataclasses.replace(r.sampling_params, output_kind="final_only"))
     while engine.scheduler.num_waiting or any(s.num_new_tokens > 1 for s in _peek(engine)):
         engine.step()
-    for _ in range(5):
+    for _ in range(5 + a.advance):
         engine.step()
     acc: dict[str, float] = {}
     _timed(engine.scheduler, "schedule", acc)
@@ -82,6 +92,43 @@ def main() -> None:
         print(f"profiled: wall {wall * 1e3:.2f} ms/step, GPU kernels {gpu:.2f} ms/step "
               f"({100 * gpu / (wall * 1e3):.0f}% busy)")
         print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+        if a.out is not None:
+            seqs = _peek(engine)
+            shape = DecodeShape(len(seqs), sum(s.seq.num_computed_tokens + 1 for s in seqs))
+            write_breakdown(a.out, _kernels(prof), a.profile_steps, engine, shape, bandwidth, wall)
+
+
+def _kernels(prof) -> list[Kernel]:
+    """The profiled CUDA kernels (not copies or memsets), by start time."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        if e.device_type() != DeviceType.CUDA or name.startswith(("Memcpy", "Memset")):
+            continue
+        out.append(Kernel(name, e.start_ns() / 1e3, e.duration_ns() / 1e3))
+    return sorted(out, key=lambda k: k.start_us)
+
+
+def write_breakdown(out: Path, kernels: list[Kernel], steps: int, engine, shape: DecodeShape,
+                    bandwidth: float, wall_s: float) -> None:
+    rows = pd.DataFrame(breakdown_rows(kernels, steps, engine.model_config, shape, bandwidth))
+    device = torch.cuda.get_device_name()
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"step_kernels_{engine.runner.decode_kernel}_{dt.datetime.now(dt.UTC):%Y-%m-%dT%H%M}"
+    rows.to_csv(f"{stem}.csv", index=False)
+    head = (f"# Decode step kernels ({device}, {now})\n\n{shape.rows} sequences decoding, {shape.context_tokens} "
+            f"context tokens (mean {shape.context_tokens / max(shape.rows, 1):.0f}); decode kernel "
+            f"`{engine.runner.decode_kernel}`; wall {wall_s * 1e3:.2f} ms per profiled step; copy bandwidth "
+            f"{bandwidth / 1e12:.2f} TB/s. Least bytes: weights once, activations in and out once, K/V of "
+            "every context token once.\n\n")
+    cols = list(rows.columns)
+    table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    table += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows.itertuples(index=False)]
+    Path(f"{stem}.md").write_text(head + "\n".join(table) + "\n")
+    print(head + "\n".join(table))
 
 
 def _gpu_spans(runner) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
