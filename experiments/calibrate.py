@@ -24,7 +24,7 @@ import yaml
 
 from experiments.lib.paths import REPO_ROOT
 from sim.latency import BatchShape, Hardware, ModelShape, RooflineModel
-from sim.latency.profiled import read_profile
+from sim.latency.profile_io import read_profile
 
 FITTED = ("bandwidth_efficiency", "gemm_efficiency", "attention_efficiency", "step_overhead_s",
           "swap_latency_s", "swap_block_overhead_s")

@@ -1,6 +1,6 @@
 """`python -m experiments.profile model=qwen3-0.6b [overrides]`: measure the engine's step times on
 this machine and write the latency profile the simulator's `profiled` model reads
-(`experiments/profiles/<gpu>-<model>.csv`, schema in sim/latency/profiled.py), then calibrate the
+(`experiments/profiles/<gpu>-<model>.csv`, schema in sim/latency/profile_io.py), then calibrate the
 roofline model from it (`conf/hardware/<gpu>-calibrated.yaml`, experiments/calibrate.py).
 
 What is timed: `ModelRunner.execute(out)` on synthetic `SchedulerOutput`s (fake sequences with
@@ -14,7 +14,9 @@ the mean (the batch-shape axis, column `context_ratio`). Decode-only
 rows are then the period of a real `LLMEngine` holding that batch (profiling/host.py
 `decode_periods`), `host_s = time_s - forward_s`; rows with prefill add the engine's CPU cost around
 `execute` (schedule, update, outputs: `host_overheads`, step wall time minus the same step's execute
-re-run warm): `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` moving N blocks each way.
+re-run warm): `time_s = forward_s + host_s`, or with async scheduling the step launched back to back
+(`time_s`, the synchronous price kept as `sync_time_s`). Swap rows time `KVCache.apply` moving N
+blocks each way. The timing itself: experiments/lib/profiling/measure.py.
 
     python -m experiments.profile model=qwen3-0.6b            # the GPU profile (minutes: `elapsed_s` in its metadata)
     python -m experiments.profile model=tiny-qwen3 profile_grid=tiny device=cpu out=/tmp/p.csv
@@ -22,35 +24,24 @@ re-run warm): `time_s = forward_s + host_s`. Swap rows time `KVCache.apply` movi
 from __future__ import annotations
 
 import datetime
-import functools
 import math
 import re
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from experiments import profile_suffix, tp_suffix
 from experiments.lib.cli import run_cli
 from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
-from experiments.lib.profiling.host import cpu_probe_us, decode_periods, host_overheads, pipelined_period
-from experiments.lib.profiling.synthetic import (
-    StepShape,
-    blocks_needed,
-    decode_contexts,
-    swap_mapping,
-    synthetic_step,
-)
+from experiments.lib.profiling.measure import measure
+from experiments.lib.profiling.synthetic import blocks_needed, decode_contexts
 from sim.latency.prefill_schedule import PrefillSchedule
-from sim.latency.profiled import RATIO_COLUMN
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
 
@@ -74,24 +65,6 @@ def versions() -> str:
     except ImportError:
         tri = "none"
     return f"torch {torch.__version__}, triton {tri}, transformers {transformers.__version__}"
-
-
-def _timer(device) -> Callable[[Callable[[], Any], int, int], float]:
-    import torch
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def median_time(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-        for _ in range(warmup):
-            fn()
-        sync()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    return median_time
 
 
 def build_runner(cfg: DictConfig, grid: ProfileGrid):
@@ -138,93 +111,6 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
         from engine.distributed.driver import TPModelRunner
         return TPModelRunner(model, cache, tensor_parallel_size=tp, **kwargs)
     return ModelRunner(model, cache, **kwargs)
-
-
-def measure(cfg: DictConfig, runner, grid: ProfileGrid) -> tuple[list[dict], list[tuple[int, int, int, float]], list[float]]:
-    """Step rows (forward_s + host_s), swap rows, the split rows (tokens, sequences, pairs, seconds),
-    and the host CPU gauge (`cpu_probe_us`) before each pass and after the last."""
-    median_time = _timer(runner.device)
-    bs, n_gpu = runner.block_size, runner.num_gpu_blocks
-    passes: dict[tuple, list[float]] = {}  # (P, prefill seqs, D, C, ratio) -> execute times
-    host_passes: dict[tuple[int, int], list[float]] = {}
-    period_passes: dict[tuple, list[float]] = {}  # (D, C, ratio) -> decode periods
-    piped: dict[tuple, list[float]] = {}  # async: steps with prefill, pipelined
-    ahead_passes: dict[tuple, list[float]] = {}  # async: decode periods
-    ahead = bool(cfg.get("async_scheduling", False))
-    shapes = grid.step_shapes() + [s for s in grid.split_shapes() if s.num_prefill_seqs > 1]
-    outs = [synthetic_step(shape, bs, n_gpu, runner.vocab_size, seed=cfg.seed) for shape in shapes]
-    pairs = [(p, d) for p in grid.prefill_tokens if p for d in grid.decode_seqs]  # decode-only rows: periods
-    decodes = [(s.num_decode_seqs, s.context_per_decode, s.context_ratio) for s in grid.step_shapes()
-               if s.num_prefill_tokens == 0]
-    start = time.perf_counter()
-    # Every shape is timed in each of `passes` sweeps over the grid and the sweeps' median kept: the
-    # host share of a small step moves with the host CPU's speed, which on a shared VM drifts over
-    # seconds (docs/history.md), so one burst per shape would sample one moment.
-    probes = []
-    for sweep in range(cfg.passes):
-        probes.append(cpu_probe_us())
-        done_p = None
-        for shape, out in tqdm(list(zip(shapes, outs)), desc=f"steps {sweep + 1}/{cfg.passes}", unit="shape",
-                               disable=not cfg.progress, dynamic_ncols=True):
-            if shape.num_prefill_tokens != done_p and not cfg.progress:  # a line per prefill plane (logs)
-                done_p = shape.num_prefill_tokens
-                print(f"[profile] pass {sweep + 1}/{cfg.passes} prefill={done_p}: "
-                      f"{time.perf_counter() - start:.1f}s", flush=True)
-            key = _key(shape)
-            passes.setdefault(key, []).append(
-                median_time(functools.partial(runner.execute, out), cfg.warmup, cfg.repeats))
-            if ahead and shape.num_prefill_tokens:
-                piped.setdefault(key, []).append(pipelined_period(runner, out, cfg.warmup, cfg.repeats))
-        for pair, h in host_overheads(runner, pairs, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
-            host_passes.setdefault(pair, []).append(h)
-        for shape, t in decode_periods(runner, decodes, cfg.warmup, cfg.host_repeats, cfg.seed + sweep).items():
-            period_passes.setdefault(shape, []).append(t)
-        if ahead:  # the same decode batches, each step scheduled while the one before it runs
-            for shape, t in decode_periods(runner, decodes, cfg.warmup, cfg.host_repeats, cfg.seed + sweep,
-                                           async_scheduling=True).items():
-                ahead_passes.setdefault(shape, []).append(t)
-    probes.append(cpu_probe_us())
-    print(f"[profile] {len(shapes)} step shapes x {cfg.passes} passes in {time.perf_counter() - start:.1f}s",
-          flush=True)
-    forward = {k: statistics.median(v) for k, v in passes.items()}
-    host = {k: statistics.median(v) for k, v in host_passes.items()}
-    period = {k: statistics.median(v) for k, v in period_passes.items()}
-    pipelined = {k: statistics.median(v) for k, v in piped.items()}
-    ahead_period = {k: statistics.median(v) for k, v in ahead_passes.items()}
-    rows = []
-    for s in grid.step_shapes():
-        f = forward[_key(s)]
-        if s.num_prefill_tokens == 0:  # decode-only: the engine's own step period (profiling/host.py)
-            sync_t = period[_key(s)[2:]]
-            t = ahead_period[_key(s)[2:]] if ahead else sync_t
-        else:
-            # a measured overhead near zero can come out negative (timing noise): a step is never
-            # faster than its forward pass
-            sync_t = f + max(0.0, host[(s.num_prefill_tokens, s.num_decode_seqs)])
-            t = pipelined[key] if ahead else sync_t  # async: the pipelined period (host work overlapped)
-        rows.append({"kind": "step", "num_prefill_tokens": s.num_prefill_tokens,
-                     "num_decode_seqs": s.num_decode_seqs, "num_context_tokens": s.num_context_tokens,
-                     RATIO_COLUMN: s.context_ratio, "time_s": t, "forward_s": f, "host_s": t - f}
-                    | ({"sync_time_s": sync_t} if ahead else {}))
-    # The grid needs a (0 prefill, 0 decode) corner although no step is empty: it repeats the
-    # smallest prefill's time, so tiny prefill chunks are priced like it (launch-bound), not less.
-    smallest = next((r for r in rows if r["num_decode_seqs"] == 0), None)
-    if smallest is not None:
-        rows.insert(0, smallest | {"num_prefill_tokens": 0})
-    split = [(s.num_prefill_tokens, s.num_prefill_seqs, s.prefill_attention_pairs, forward[_key(s)])
-             for s in grid.split_shapes()]
-    kv = runner.kv_cache
-    for n in grid.swap_blocks:
-        mapping = swap_mapping(n, n_gpu, runner.num_cpu_blocks)
-        back = {c: g for g, c in mapping.items()}
-        for fn in (functools.partial(kv.apply, mapping, {}, []), functools.partial(kv.apply, {}, back, [])):
-            rows.append({"kind": "swap", "num_blocks": n, "time_s": median_time(fn, cfg.warmup, cfg.repeats)})
-    return rows, split, probes
-
-
-def _key(s: StepShape) -> tuple[int, int, int, int, float | None]:
-    """A shape's timing key; [2:] is its decode part (D, C, ratio), the key of a decode period."""
-    return s.num_prefill_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.context_per_decode, s.context_ratio
 
 
 def prefill_schedule(runner) -> PrefillSchedule:

@@ -51,7 +51,7 @@ def test_committed_profiles_without_the_axis_price_as_before(name):
     longest = [dataclasses.replace(s, max_context_tokens=5000) for s in SHAPES]
     for shapes in (SHAPES, longest):  # a known longest context changes nothing without the axis
         got = [m.shape_time(s) for s in shapes]
-        if m._sync_grid is not None:
+        if m.sync_grid is not None:
             got += [m.shape_time(s, sync=True) for s in shapes]
         got += m.decode_times(64, 64 * 800, 64, 3) + [m.swap_time(5), m.swap_time(700)]
         assert [float(x).hex() for x in got] == GOLDEN[name]
@@ -96,7 +96,7 @@ def _decodes(contexts: list[int]) -> SchedulerOutput:
 
 def test_a_step_whose_longest_context_dominates_is_priced_from_the_ratio_rows(tmp_path):
     m = ProfiledModel(_profile(tmp_path / "p.csv", slow=3.0), 16)
-    assert m.uses_longest_context and m.ratio_axis == [1.0, 4.0]
+    assert m.uses_longest_context and m.axes.ratio == [1.0, 4.0]
     even = m.step_time(_decodes([1024] * 8))  # ratio 1
     ragged = m.step_time(_decodes([4096] + [585] * 6 + [586]))  # same total (8192), longest 4 x the mean
     assert even == pytest.approx(1e-3 + 8 * 1024 * 1e-8)

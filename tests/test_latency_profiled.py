@@ -7,7 +7,7 @@ import yaml
 
 from sim.latency import Hardware, ModelShape, ProfiledModel, RooflineModel
 from sim.latency.base import BatchShape
-from sim.latency.profiled import read_profile, write_profile
+from sim.latency.profile_io import read_profile, write_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "experiments/profiles/example-synthetic.csv"

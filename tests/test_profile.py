@@ -19,7 +19,7 @@ from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthe
 from experiments.profile import gpu_slug, profile
 from sim.latency import BatchShape, Hardware, ModelShape, ProfiledModel, RooflineModel
 from sim.latency.prefill_schedule import PrefillSchedule
-from sim.latency.profiled import COLUMNS, read_profile
+from sim.latency.profile_io import COLUMNS, read_profile
 
 TINY_GRID = ["profile_grid.prefill_tokens=[0,8]", "profile_grid.decode_seqs=[0,2]",
              "profile_grid.context_per_decode=[4,16]", "profile_grid.swap_blocks=[1,2]",
@@ -277,18 +277,6 @@ def test_step_phases_add_up_on_cpu():
         assert max(r[p] for p in PHASES[:-1]) <= 2 * r["total"]
 
 
-def test_async_profile_prices_prefill_rows_by_their_pipelined_period(tmp_path):
-    path, _ = tiny_profile(tmp_path / "cpu-tiny-qwen3.csv", ["async_scheduling=true"])
-    file_meta, rows = read_profile(path)
-    assert file_meta["async_scheduling"] == "true" and "back to back without waiting" in file_meta["timing"]
-    steps = [r for _, r in rows if r["kind"] == "step"]
-    assert len(steps) == 6 and all(float(r["time_s"]) > 0 for r in steps)
-    for r in steps:
-        assert_sum_of_parts(r)
-        assert float(r["sync_time_s"]) > 0  # steps not scheduled ahead are priced from it
-    ProfiledModel(path, 16, "tiny-qwen3", async_scheduling=True)
-
-
 def test_host_check_times_every_core_and_the_unpinned_process():
     import os
 
@@ -324,4 +312,4 @@ def test_profiler_measures_the_batch_shape_axis_on_decode_only_rows(tmp_path):
     assert {(c, float(r)) for _, _, c, r in decode_rows} == {("8", 1.0), ("8", 3.0), ("32", 1.0), ("32", 3.0)}
     assert all(r == "" for p, d, _, r in ratios if p != "0" or d != "2")  # they stand for every ratio
     model = ProfiledModel(path, 16, "tiny-qwen3", async_scheduling=True)
-    assert model.uses_longest_context and model.ratio_axis == [1.0, 3.0]
+    assert model.uses_longest_context and model.axes.ratio == [1.0, 3.0]

@@ -20,7 +20,7 @@ import pandas as pd
 
 from experiments.lib.profiling.grid import write_profile
 from experiments.lib.profiling.host import decode_periods
-from sim.latency.profiled import RATIO_COLUMN, read_profile
+from sim.latency.profile_io import RATIO_COLUMN, read_profile
 
 WARMUP, REPEATS = 2, 15  # conf/profile.yaml's warmup and host_repeats
 PERIODS_CSV = "window_periods.csv"

@@ -1,2 +1,2 @@
-"""Latency profiles (`<gpu>-<model>.csv`, schema in sim/latency/profiled.py) and a generator of
+"""Latency profiles (`<gpu>-<model>.csv`, schema in sim/latency/profile_io.py) and a generator of
 synthetic ones."""

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_module
 
 from experiments.lib import factory
 from sim.latency.base import BatchShape
-from sim.latency.profiled import write_profile
+from sim.latency.profile_io import write_profile
 from sim.latency.roofline import RooflineModel
 
 PREFILL_TOKENS = (0, 64, 256, 1024, 2048)

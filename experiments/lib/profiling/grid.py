@@ -1,7 +1,7 @@
 """The profile grid (config group `profile_grid`) and the CSV file the profiler writes.
 
 Step rows cover the full grid prefill tokens x decode sequences x context per decode that
-`sim/latency/profiled.py` interpolates over (rows with 0 decodes stand for every context value).
+`sim/latency/step_grid.py` interpolates over (rows with 0 decodes stand for every context value).
 With `context_ratios` (optional), the decode-only rows of two or more sequences are measured once
 per ratio of the longest decode context to the mean (the batch-shape axis: a program-per-sequence
 decode kernel's time on a one-wave batch follows the longest); the other rows keep the C/4..7C/4
@@ -23,7 +23,7 @@ from typing import Any
 
 from experiments.lib.profiling.synthetic import StepShape, split_tokens
 from sim.latency.prefill_schedule import PrefillSchedule
-from sim.latency.profiled import COLUMNS, RATIO_COLUMN
+from sim.latency.profile_io import COLUMNS, RATIO_COLUMN
 
 # Optional: the row's context ratio (the batch-shape axis; empty: every ratio); time_s = forward_s +
 # host_s (readers ignore them); sync_time_s (async profiles): the step when scheduled synchronously
