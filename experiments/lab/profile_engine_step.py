@@ -61,7 +61,8 @@ def main() -> None:
     acc: dict[str, float] = {}
     _timed(engine.scheduler, "schedule", acc)
     _timed(engine.scheduler, "update", acc)
-    _timed(engine.runner, "execute", acc)
+    for name in ("execute", "launch", "collect"):  # execute: synchronous scheduling; launch/collect: async
+        _timed(engine.runner, name, acc)
     spans = _gpu_spans(engine.runner) if torch.cuda.is_available() else None
     ctx = sum(s.seq.num_computed_tokens for s in _peek(engine))
     running = engine.scheduler.num_running
@@ -70,10 +71,10 @@ def main() -> None:
         engine.step()
     wall = (time.perf_counter() - start) / a.steps
     print(f"decode steps: {running} running seqs, mean context {ctx / max(running, 1):.0f} tokens")
-    print(f"per step: wall {wall * 1e3:.2f} ms = schedule {acc['schedule'] / a.steps * 1e3:.3f} + execute "
-          f"{acc['execute'] / a.steps * 1e3:.3f} + update {acc['update'] / a.steps * 1e3:.3f} + engine rest "
+    phases = " + ".join(f"{name} {t / a.steps * 1e3:.3f}" for name, t in acc.items())
+    print(f"per step: wall {wall * 1e3:.2f} ms = {phases} + engine rest "
           f"{(wall - sum(acc.values()) / a.steps) * 1e3:.3f} ms")
-    if spans is not None:
+    if spans:  # synchronous scheduling only (execute returns host tokens)
         span = sum(s.elapsed_time(e) for s, e in spans) / len(spans)  # ms
         print(f"GPU span per step (first input copy to last kernel, CUDA events): {span:.3f} ms; "
               f"GPU idle between steps: {wall * 1e3 - span:.3f} ms ({100 * (1 - span / (wall * 1e3)):.0f}% of wall)")
