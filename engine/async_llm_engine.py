@@ -4,12 +4,13 @@
     async for output in engine.generate("Hello", SamplingParams(max_tokens=32), "req-1"):
         print(output.outputs[0].text)          # cumulative; output_kind="delta" streams the new part
 
-One background task (started by the first request, on the caller's event loop) owns the engine:
-while work exists it takes the new requests and aborts that came in since the last step, and runs
-`add_request` / `abort_request` / `step()` in one worker thread (so the event loop stays free to
-stream), then hands each output to its request's stream; with no work it waits on an event (no
-busy spin). The engine is only ever touched from that thread, so new requests join the scheduler
-between steps, as vLLM's do.
+One background task (started by the first request, on the caller's event loop) feeds the engine:
+while work exists it hands the new requests and aborts that came in since the last step to the
+engine's backend (engine/async_backend.py), which hands each step's outputs back to their requests'
+streams; with no work it waits on an event (no busy spin). The backend is an `LLMEngine` stepped in
+one worker thread (engine/thread_backend.py: the event loop stays free to stream, and new requests
+join the scheduler between steps, as vLLM's do) or the engine in its own process
+(engine/core_backend.py). Streams, aborts, errors and backpressure are the same for both.
 
 - A consumer that stops iterating (`break`, `aclose()`, cancellation: a client that went away)
   aborts its request; the abort reaches the scheduler before the next step, which frees its blocks.
@@ -22,31 +23,31 @@ between steps, as vLLM's do.
   (TTFT, inter-token latencies, e2e) per request that ends, on the event loop.
 
 `from_engine_args(args, engine_process=True)` runs the engine in a child process instead
-(engine/engine_core.py): the loop then only sends each step's new requests and aborts to it, and a
-reader thread hands its outputs to the streams, so the front end's per-chunk work no longer shares
-the interpreter lock with the thread that steps the model. Every guarantee above holds there too;
-the core process dying is the loop dying. `engine` (the LLMEngine) is None in that mode.
+(engine/engine_core.py), so the front end's per-chunk work no longer shares the interpreter lock
+with the thread that steps the model. Every guarantee above holds there too; the core process dying
+is the loop dying. `engine` (the LLMEngine) is None in that mode. `shutdown()` stops what the
+engine started: the worker thread, the core process, and an engine built by `from_engine_args`
+(its tensor-parallel workers included).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
+from engine.async_backend import EngineBackend, NewRequest, StepResult
 from engine.async_stream import RequestStream
+from engine.core_backend import CoreBackend
 from engine.engine_args import EngineArgs
-from engine.engine_core import CoreStep, EngineCoreClient
-from engine.engine_stats import EngineStats, RequestStats, StatsTracker
+from engine.engine_core import EngineCoreClient
+from engine.engine_stats import EngineStats, RequestStats
 from engine.llm import parse_prompt
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.thread_backend import ThreadBackend
 from policies.request import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -61,21 +62,12 @@ class EngineDeadError(RuntimeError):
     """The engine's loop died; the engine serves nothing more (its cause is `__cause__`)."""
 
 
-@dataclasses.dataclass(slots=True)
-class _NewRequest:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    tenant: str | None
-    arrival: float  # time.monotonic() when generate() was called
-
-
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine | EngineCoreClient, *, max_waiting_requests: int | None = None,
-                 keep_trace: bool = False) -> None:
-        """`engine`: an LLMEngine stepped in a worker thread of this process, or an EngineCoreClient
-        (a core process; `from_engine_args(..., engine_process=True)` makes one). `keep_trace`: keep
+    def __init__(self, engine: LLMEngine | EngineCoreClient | EngineBackend, *,
+                 max_waiting_requests: int | None = None, keep_trace: bool = False) -> None:
+        """`engine`: an LLMEngine stepped in a worker thread of this process (the caller keeps it:
+        `shutdown` leaves it open), an EngineCoreClient (a core process;
+        `from_engine_args(..., engine_process=True)` makes one), or a backend. `keep_trace`: keep
         the engine's trace (`engine.recorder`: a row per step and per request, for a study of the
         served run); by default its rows are dropped once counted, so a server's memory stays
         bounded."""
@@ -84,36 +76,31 @@ class AsyncLLMEngine:
                                                  or max_waiting_requests < 1):
             raise ValueError(f"max_waiting_requests={max_waiting_requests!r} is invalid: None (no cap) "
                              "or an integer >= 1")
-        self._core = engine if isinstance(engine, EngineCoreClient) else None
-        self.engine: LLMEngine | None = None if self._core is not None else engine
+        if isinstance(engine, EngineCoreClient):
+            engine = CoreBackend(engine)
+        elif not isinstance(engine, EngineBackend):
+            engine = ThreadBackend(engine, keep_trace)
+        self._backend = engine
+        self.engine: LLMEngine | None = engine.engine if isinstance(engine, ThreadBackend) else None
+        self._core: EngineCoreClient | None = engine.client if isinstance(engine, CoreBackend) else None
         self.max_waiting_requests = max_waiting_requests
         self.dead_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._new: asyncio.Queue[_NewRequest] | None = None  # made on the loop that runs the engine
+        self._new: asyncio.Queue[NewRequest] | None = None  # made on the loop that runs the engine
         self._aborts: set[str] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        device = getattr(engine.runner, "device", None) if self._core is None else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelab-engine",
-                                            initializer=_use_device, initargs=(device,))
-        self._tracker = StatsTracker(engine, keep_trace) if self._core is None else None
-        self._core_stats = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0)  # the core's, as of its last message
-        self._sent = 0  # requests sent to the core process and not yet taken by it
-        self._loop: asyncio.AbstractEventLoop | None = None
-        if self._core is not None:
-            self._core.start_reader(self._from_core)
-            gc.collect()  # as LLMEngine does in its process: what start-up made is never walked again
-            gc.freeze()
         self._observers: list[Callable[[RequestStats], None]] = []
         self._closed = False
-        self._admitting = 0  # requests taken off the queue for the step in progress
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, max_waiting_requests: int | None = None,
                          keep_trace: bool = False, engine_process: bool = False) -> AsyncLLMEngine:
-        """`engine_process=True`: the engine in a child process (returns once it is built)."""
-        engine = EngineCoreClient(args, keep_trace) if engine_process else LLMEngine(args)
-        return cls(engine, max_waiting_requests=max_waiting_requests, keep_trace=keep_trace)
+        """`engine_process=True`: the engine in a child process (returns once it is built). Either
+        way the engine is this AsyncLLMEngine's: `shutdown` closes it."""
+        backend = CoreBackend(EngineCoreClient(args, keep_trace)) if engine_process else \
+            ThreadBackend(LLMEngine(args), keep_trace, close_engine=True)
+        return cls(backend, max_waiting_requests=max_waiting_requests, keep_trace=keep_trace)
 
     # ---- what a server asks ---------------------------------------------------------------------
     @property
@@ -123,19 +110,19 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self):
         """The model's tokenizer, or None (dummy weights: token-id prompts only)."""
-        return self._core.tokenizer if self._core is not None else self.engine.tokenizer
+        return self._backend.info.tokenizer
 
     @property
     def model_name(self) -> str:
-        return self._core.info.model_name if self._core is not None else self.engine.model_config.name
+        return self._backend.info.model_name
 
     @property
     def max_model_len(self) -> int:
-        return self._core.info.max_model_len if self._core is not None else self.engine.max_model_len
+        return self._backend.info.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self._core.info.vocab_size if self._core is not None else self.engine.vocab_size
+        return self._backend.info.vocab_size
 
     @property
     def is_running(self) -> bool:
@@ -149,21 +136,13 @@ class AsyncLLMEngine:
     async def check_health(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop died: {self.dead_error!r}") from self.dead_error
-        if self._core is not None and not self._core.alive:
-            raise EngineDeadError(f"the engine process exited (exit code {self._core.process.exitcode})")
+        problem = self._backend.health_problem()
+        if problem is not None:
+            raise EngineDeadError(problem)
 
     def stats(self) -> EngineStats:
         """Counts as of the last step (engine/engine_stats.py)."""
-        pending = self._admitting + (self._new.qsize() if self._new is not None else 0)
-        if self._core is not None:
-            s = self._core_stats
-            return dataclasses.replace(s, num_waiting=s.num_waiting + self._sent + pending)
-        return self._tracker.snapshot(num_pending=pending)
-
-    def _num_waiting(self) -> int:
-        if self._core is not None:
-            return self._core_stats.num_waiting + self._sent
-        return self._tracker.num_waiting
+        return self._backend.stats(num_pending=self._new.qsize() if self._new is not None else 0)
 
     def add_finished_observer(self, observer: Callable[[RequestStats], None]) -> None:
         """Call `observer(RequestStats)` on the event loop for every request that ends."""
@@ -219,12 +198,12 @@ class AsyncLLMEngine:
         prompt = parse_prompt(prompt, "prompt")
         self._start()
         cap = self.max_waiting_requests
-        if cap is not None and self._num_waiting() + self._admitting + self._new.qsize() >= cap:
+        if cap is not None and self._backend.num_waiting() + self._new.qsize() >= cap:
             raise EngineQueueFullError(f"the server is at capacity: {cap} requests are waiting "
                                        "(max_waiting_requests); retry later")
         stream = RequestStream(request_id, delta=output_kind == "delta")
         self._streams[request_id] = stream
-        self._new.put_nowait(_NewRequest(request_id, prompt, params, priority, tenant, time.monotonic()))
+        self._new.put_nowait(NewRequest(request_id, prompt, params, priority, tenant, time.monotonic()))
         self._wake.set()
         return stream
 
@@ -244,94 +223,38 @@ class AsyncLLMEngine:
         self._aborts.update(self._streams)
         self._streams.clear()
         self._new, self._wake = asyncio.Queue(), asyncio.Event()
-        self._loop = loop
-        run = self._run if self._core is None else self._run_core
-        self._task = loop.create_task(run(), name="servelab-engine-loop")
+        self._backend.bind(loop, self._on_result)
+        self._task = loop.create_task(self._run(), name="servelab-engine-loop")
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        backend = self._backend
         try:
             while True:
-                if self._new.empty() and not self._aborts and not self.engine.has_unfinished_requests():
+                if self._new.empty() and not self._aborts and not backend.has_work():
                     self._wake.clear()
                     await self._wake.wait()
                 new = [self._new.get_nowait() for _ in range(self._new.qsize())]
                 aborts, self._aborts = self._aborts, set()
-                self._admitting = len(new)
-                errors, outputs = await loop.run_in_executor(self._executor, self._step, new, aborts)
-                self._admitting = 0
-                for request_id, error in errors.items():
-                    stream = self._streams.pop(request_id, None)
-                    if stream is not None:
-                        stream.fail(error)
-                for output in outputs:
-                    self._deliver(output)
+                await backend.submit(new, aborts)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 (any death must reach every stream)
             self._die(e)
 
-    def _step(self, new: list[_NewRequest], aborts: set[str]) -> tuple[dict[str, ValueError], list[RequestOutput]]:
-        """In the worker thread: admit, abort, step once."""
-        engine, errors = self.engine, {}
-        for r in new:
-            try:
-                engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority, tenant=r.tenant)
-            except ValueError as e:
-                errors[r.request_id] = e
-                continue
-            self._tracker.arrived(r.request_id, r.arrival, r.params.output_kind == "delta")
-        for request_id in aborts:
-            engine.abort_request(request_id)
-        outputs = engine.step() if engine.has_unfinished_requests() else []
-        self._tracker.stepped(outputs)
-        return errors, outputs
-
-    async def _run_core(self) -> None:
-        """Process mode: send what came in to the core process; its outputs arrive via `_from_core`."""
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                if self._new.empty() and not self._aborts:
-                    self._wake.clear()
-                    await self._wake.wait()
-                new = [self._new.get_nowait() for _ in range(self._new.qsize())]
-                aborts, self._aborts = self._aborts, set()
-                self._sent += len(new)
-                await loop.run_in_executor(self._executor, self._core.send, new, aborts)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 (a core that cannot be reached is dead)
-            self._die(e)
-
-    def _from_core(self, message: CoreStep | BaseException) -> None:
-        """On the reader thread: hand the message to the event loop the engine serves."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
+    def _on_result(self, result: StepResult | BaseException) -> None:
+        """The backend's results, on the event loop: each output to its stream, or the engine's death."""
+        if isinstance(result, BaseException):
+            self._die(result)
             return
-        try:
-            loop.call_soon_threadsafe(self._on_core, message)
-        except RuntimeError:  # that loop closed meanwhile: nobody reads its streams
-            pass
-
-    def _on_core(self, message: CoreStep | BaseException) -> None:
-        if isinstance(message, BaseException):
-            if not self._closed:
-                self._die(message)
-            return
-        self._sent -= message.num_taken
-        self._core_stats = message.stats
-        for request_id, error in message.errors.items():
+        for request_id, error in result.errors.items():
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.fail(error)
-        for output, record in self._core.outputs(message):
+        for output, record in result.outputs:
             self._deliver(output, record)
 
-    def _deliver(self, output: RequestOutput, record: RequestStats | None = None) -> None:
-        if output.finished:
-            if record is None:
-                record = self._tracker.finished(output)
+    def _deliver(self, output: RequestOutput, record: RequestStats | None) -> None:
+        if record is not None:
             for observer in self._observers:
                 try:
                     observer(record)
@@ -350,7 +273,8 @@ class AsyncLLMEngine:
             stream.fail(dead)
 
     async def shutdown(self) -> None:
-        """Stop the loop (open streams get EngineDeadError), the worker thread and the core process."""
+        """Stop the loop (open streams get EngineDeadError) and what the engine started: the worker
+        thread, the core process, an engine built by `from_engine_args`."""
         self._closed = True
         task, self._task = self._task, None
         if task is not None:
@@ -362,13 +286,4 @@ class AsyncLLMEngine:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.fail(EngineDeadError("the engine is shut down"))
-        await asyncio.to_thread(self._executor.shutdown, True)
-        if self._core is not None:
-            await asyncio.to_thread(self._core.shutdown)
-
-
-def _use_device(device) -> None:
-    """The worker thread's current CUDA device is the engine's (a thread starts on device 0, and
-    graph replays and streams follow the current device)."""
-    if isinstance(device, torch.device) and device.type == "cuda":
-        torch.cuda.set_device(device)
+        await self._backend.shutdown()

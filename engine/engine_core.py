@@ -7,7 +7,8 @@ child process (multiprocessing `spawn`) as a busy loop: take the new requests an
 end sent, `step()`, send the step's outputs back; with no work it blocks on its inbox (no spin).
 
 Messages (two one-way pipes, pickled):
-- front end -> core: `(new requests, abort ids)` batches, or None to stop.
+- front end -> core: `(new requests, abort ids)` batches (`engine.async_backend.NewRequest`s), or
+  None to stop.
 - core -> front end: `CoreInfo` once (or `CoreFailed` if the engine could not be built), then one
   `CoreStep` per step that produced anything: per-request errors, how many arrivals were taken,
   the outputs in a compact form (`pack`: no prompt tokens after the first, no objects), the
@@ -28,6 +29,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from engine.async_backend import hand_over
 from engine.engine_args import EngineArgs
 from engine.engine_stats import EngineStats, RequestStats, StatsTracker
 from engine.llm_engine import _tokenizer_source
@@ -97,6 +99,14 @@ def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
     runner = engine.runner
     outbox.send(CoreInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size,
                          runner.num_gpu_blocks, runner.num_cpu_blocks))
+    try:
+        _serve(engine, keep_trace, inbox, outbox)
+    finally:
+        engine.close()  # its tensor-parallel workers stop with the core
+
+
+def _serve(engine, keep_trace: bool, inbox, outbox) -> None:
+    """The core's loop: take the batches, step, send what the step gave."""
     tracker = StatsTracker(engine, keep_trace)
     seen: set[str] = set()  # requests whose prompt went out with a first output
     try:
@@ -109,16 +119,8 @@ def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
                 if batch is None:
                     return
                 new, aborts = batch
-                for r in new:
-                    taken += 1
-                    try:
-                        engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority, tenant=r.tenant)
-                    except ValueError as exc:
-                        errors[r.request_id] = ValueError(str(exc))
-                        continue
-                    tracker.arrived(r.request_id, r.arrival, r.params.output_kind == "delta")
-                for request_id in aborts:
-                    engine.abort_request(request_id)
+                taken += len(new)
+                hand_over(engine, tracker, new, aborts, errors)
             outputs = engine.step() if engine.has_unfinished_requests() else []
             tracker.stepped(outputs)
             if not (outputs or errors or taken or batches):

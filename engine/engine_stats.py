@@ -104,7 +104,7 @@ class StatsTracker:
             recorder.events.clear()
 
     def finished(self, output: RequestOutput) -> RequestStats:
-        """On the event loop, for a final output (after `stepped` saw it)."""
+        """For a final output, after `stepped` saw it (in the thread that steps)."""
         timing = self._timings.pop(output.request_id, None)
         now = time.monotonic()
         if timing is None:
