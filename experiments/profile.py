@@ -39,7 +39,7 @@ from experiments.lib.cli import run_cli
 from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
-from experiments.lib.profiling.measure import measure
+from experiments.lib.profiling.measure import PIPELINED_SLACK, measure, slower_pipelined
 from experiments.lib.profiling.synthetic import blocks_needed, decode_contexts
 from sim.latency.prefill_schedule import PrefillSchedule
 
@@ -174,6 +174,13 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "prefill_split_rows": "tokens x seqs: s " + " ".join(f"{p}x{k}:{t:.6f}" for p, k, _, t in split),
         "host_probe_us": " ".join(f"{x:.0f}" for x in probes) + " (cpu_probe_us before each pass and after the last)",
     }
+    if ahead:  # a row timed for another shape, or disturbed, shows as slower pipelined than synchronous
+        slow = slower_pipelined(rows)
+        meta["pipelined_check"] = (f"{len(slow)} rows with time_s > {PIPELINED_SLACK} x sync_time_s"
+                                   + "".join(f"; P={r['num_prefill_tokens']} D={r['num_decode_seqs']} "
+                                             f"C={r['num_context_tokens']}" for r in slow[:5]))
+        if slow:
+            print(f"[profile] warning: {meta['pipelined_check']}", flush=True)
     # No `decode_graph_sizes`: the decode rows are engine step periods at D real sequences (host work
     # per sequence included), and between two rows the padded graph's GPU time is nearly flat at
     # small batch, so interpolating in D priced the H200 engine runs better than charging the next

@@ -148,3 +148,35 @@ def test_prefill_rows_are_priced_at_the_step_s_own_graph_padding(tmp_path):
         assert model.step_time(_out(p, d, ahead=False)) == pytest.approx(cost(p + d)), (p, d)
     plain = ProfiledModel(write_rows(tmp_path / "q.csv", {"model": "m", "block_size": 16}, rows), 16, "m")
     assert plain.step_time(_out(250, 6, ahead=False)) != pytest.approx(cost(256))  # without the sizes
+
+
+@pytest.mark.parametrize("p, d, context", [(82, 15, 15 * 900), (20, 8, 8 * 300), (100, 16, 16 * 1500)])
+def test_a_small_mixed_step_is_priced_from_its_bracketing_rows(p, d, context):
+    """A step with a few prefill tokens beside at most 16 decodes (the priority scenarios' mixed
+    steps) on the packed profile: the multilinear mean of the 8 rows around it, each with its own
+    CUDA-graph padding taken out, plus the step's own padding; so within those rows' range."""
+    from sim.latency.token_padding import padded
+    path = ROOT / "experiments/profiles/h200-qwen3-0.6b-async-packed.csv"
+    pm = ProfiledModel(path, 16, "qwen3-0.6b", async_scheduling=True)
+    meta, rows = read_profile(path)
+    sizes = [int(s) for s in meta["token_graph_sizes"].split()]
+    table = {(int(r["num_prefill_tokens"]), int(r["num_decode_seqs"]), int(r["num_context_tokens"])):
+             float(r["time_s"]) for _, r in rows if r["kind"] == "step"}
+
+    def around(x, axis):
+        lo = max(v for v in axis if v <= x)
+        hi = min(v for v in axis if v > x)
+        return ((lo, (hi - x) / (hi - lo)), (hi, (x - lo) / (hi - lo)))
+
+    ctx_axis = sorted({c // k for k_p, k, c in table if k_p == 2 and k == 8})
+    expected, corners = 0.0, []
+    for (pp, wp), (dd, wd), (cc, wc) in itertools.product(
+            around(p, sorted({k[0] for k in table})), around(d, sorted({k[1] for k in table})),
+            around(context / d, ctx_axis)):
+        t = table[(pp, dd, dd * cc)]
+        corners.append(t)
+        expected += wp * wd * wc * (t - pm.pad_token_s * (padded(pp + dd, sizes) - pp - dd))
+    expected += pm.pad_token_s * (padded(p + d, sizes) - p - d)
+    shape = BatchShape(p, 1, 0, p * (p + 1) // 2, d, context, d + 1, 0, ((p, 0),))
+    assert pm.shape_time(shape) == pytest.approx(expected, rel=1e-9)
+    assert min(corners) * 0.95 <= pm.shape_time(shape) <= max(corners) * 1.05

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from engine.config import ModelConfig
 
-GEMM = re.compile(r"gemm|gemv|nvjet|sm90_|cutlass|xmma|ampere_", re.I)
-GEMM_TAIL = re.compile(r"splitKreduce|splitk_reduce", re.I)  # a split-K GEMM's second kernel
-KV_WRITE = re.compile(r"write_kv", re.I)
-ATTENTION = re.compile(r"decode|attn|attention|prefill", re.I)
+GEMM = re.compile(r"gemm|gemv|nvjet|sm90_|cutlass|xmma|ampere_", re.IGNORECASE)
+GEMM_TAIL = re.compile(r"splitKreduce|splitk_reduce", re.IGNORECASE)  # a split-K GEMM's second kernel
+KV_WRITE = re.compile(r"write_kv", re.IGNORECASE)
+ATTENTION = re.compile(r"decode|attn|attention|prefill", re.IGNORECASE)
 # The part an elementwise kernel belongs to, by the GEMM launched before it.
 AFTER_GEMM = {None: "add + RMSNorm (input)", "down": "add + RMSNorm (input)", "qkv": "q/k norm + rope",
               "o_proj": "add + RMSNorm (post-attention)", "gate_up": "SiLU * mul",

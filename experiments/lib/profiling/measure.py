@@ -136,3 +136,18 @@ def step_rows(shapes: list[StepShape], ahead: bool, forward: dict, host: dict, p
     if smallest is not None:
         rows.insert(0, smallest | {"num_prefill_tokens": 0})
     return rows
+
+
+# Overlapping the host's work with the device's can only shorten a step: an async row whose
+# pipelined period exceeds its synchronous price by more than this (the two are timed minutes apart,
+# the host's speed drifting) was timed for another shape or under a disturbance.
+PIPELINED_SLACK = 1.15
+
+
+def slower_pipelined(rows: list[dict]) -> list[dict]:
+    """The pipelined step rows of an async profile (those with prefill and the 0/0 corner that
+    repeats one; float rows of `measure` or string rows of a read profile) whose `time_s` exceeds
+    PIPELINED_SLACK x their `sync_time_s`."""
+    return [r for r in rows if r.get("kind") == "step" and str(r.get("sync_time_s") or "").strip()
+            and (int(r["num_prefill_tokens"]) > 0 or int(r["num_decode_seqs"]) == 0)
+            and float(r["time_s"]) > PIPELINED_SLACK * float(r["sync_time_s"])]
