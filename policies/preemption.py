@@ -52,6 +52,7 @@ class Preemptor:
         self.policy = policy
         self.recorder = recorder
         self._default_victim = type(policy).pick_victim is Policy.pick_victim
+        self._tail_victim = self._default_victim and policy.may_preempt_suffix  # force_for's victim
         self.total = 0
         self.total_fallbacks = 0  # swaps that fell back to recompute
         self.counts = PreemptionCounts()
@@ -95,10 +96,15 @@ class Preemptor:
         while queues.running:
             if self._fits(head, max_num_seqs):
                 return
-            allowed = [seq for seq in queues.running if may_preempt(head, seq)]
-            if not allowed:
+            if self._tail_victim:  # the allowed ones are a suffix, and the victim the last of them
+                tail = queues.running[-1]
+                victim = tail if may_preempt(head, tail) else None
+            else:
+                allowed = [seq for seq in queues.running if may_preempt(head, seq)]
+                victim = self.pick_victim(allowed) if allowed else None
+            if victim is None:
                 return
-            self.preempt(self.pick_victim(allowed), out, now)
+            self.preempt(victim, out, now)
 
     def would_force(self, head: Sequence, max_num_seqs: int) -> bool:
         """Whether `force_for(head)` would preempt a sequence now (nothing is changed)."""

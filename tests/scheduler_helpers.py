@@ -20,16 +20,18 @@ from policies import (
     make_block_manager,
     make_policy,
 )
+from policies.policy.base import Policy
 
 
-def make_scheduler(policy: str = "fcfs", blocks: str = "paged", *, block_size: int = 4,
+def make_scheduler(policy: str | type[Policy] = "fcfs", blocks: str = "paged", *, block_size: int = 4,
                    num_gpu_blocks: int = 16, num_cpu_blocks: int = 0, watermark: float = 0.0,
                    max_num_batched_tokens: int = 64, max_num_seqs: int = 8, max_model_len: int = 64,
                    chunked: bool = True, **policy_kwargs) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, enable_chunked_prefill=chunked)
     manager = make_block_manager(blocks, block_size, num_gpu_blocks, num_cpu_blocks, watermark, max_model_len)
-    return Scheduler(config, make_policy(policy, **policy_kwargs), manager)
+    made = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy(**policy_kwargs)
+    return Scheduler(config, made, manager)
 
 
 def request(request_id: str, prompt_len: int, max_tokens: int = 4, *, arrival: float = 0.0,

@@ -16,7 +16,9 @@ Every registered policy runs, with keys that change over time too: before every 
 the policy does not declare in `reorders` must be in key order by the keys as they are then (a key
 that changes undeclared is caught here), and after the step is decided every queue is in key order
 but for the running queue of a step that scheduled every running sequence as a decode with nothing
-waiting or swapped (no decision read its order). Requests carry a tenant (none, "a" or "b").
+waiting or swapped (no decision read its order). A policy that declares `may_preempt_suffix` is
+checked for it whenever its running queue is in order. Requests carry a tenant (none, "a" or "b").
+mlfq runs with quanta of a few tokens, so that its sequences change level within these workloads.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from policies.policy import available_policies
 MAX_MODEL_LEN = 48
 EOS, STOP = 0, 1
 MAX_STEPS = 3000
+# Policy arguments under which the keys change within the workloads' few tokens.
+POLICY_ARGS = {"mlfq": {"base_quantum": 1, "growth": 2.0, "prompt_token_cost": 0.25}}
 COMBOS = [(policy, blocks, mode) for policy in available_policies()
           for blocks in ("paged", "prefix", "contiguous") for mode in ("recompute", "swap")]
 
@@ -128,6 +132,11 @@ def check_order(scheduler, out, before: bool) -> None:
         names = ["waiting", "swapped"] + ([] if order_free else ["running"])
     bad = queues.out_of_order(names)
     assert not bad, f"{bad} out of key order {'before' if before else 'after'} the step"
+    policy = scheduler.policy
+    if policy.may_preempt_suffix and "running" not in queues.out_of_order(["running"]):
+        for seq in queues.waiting:
+            allowed = [policy.may_preempt(seq, running) for running in queues.running]
+            assert allowed == sorted(allowed), "may_preempt_suffix is declared, but the victims are no suffix"
 
 
 def check_pools(scheduler) -> None:
@@ -154,7 +163,9 @@ def abort(scheduler, specs, step, now, added, ended_ids, in_flight: bool) -> Non
 
 
 def run_workload(policy, blocks, mode, config, specs, seed):
-    scheduler = make_scheduler(policy, blocks, preemption_mode=mode, **config)
+    """`policy`: a registered name, or a Policy class (with that name's POLICY_ARGS)."""
+    args = POLICY_ARGS.get(policy if isinstance(policy, str) else policy.name, {})
+    scheduler = make_scheduler(policy, blocks, preemption_mode=mode, **args, **config)
     backend = KVStoreBackend(config["block_size"])
     rng = random.Random(seed)
     token_fn = lambda: rng.randrange(8)

@@ -15,10 +15,15 @@ demotion bounds what a long job can take from short ones, not the other way roun
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Collection
 from itertools import accumulate
 
-from policies.policy.base import Policy, register_policy
+from policies.policy.base import OrderHint, Policy, register_policy
+from policies.queues import SchedulerQueues
 from policies.sequence import Sequence
+
+INF = float("inf")
+PRUNE_MIN = 1024  # kept keys before the first pruning
 
 
 def _positive(name: str, value: float, integer: bool = False) -> None:
@@ -31,6 +36,7 @@ def _positive(name: str, value: float, integer: bool = False) -> None:
 @register_policy("mlfq")
 class SkipJoinMLFQPolicy(Policy):
     reorders = frozenset({"running"})
+    may_preempt_suffix = True
 
     def __init__(self, preemption_mode: str = "recompute", num_levels: int = 6, base_quantum: int = 32,
                  growth: float = 2.0, prompt_token_cost: float = 0.0625, preempt_running: bool = True) -> None:
@@ -50,6 +56,11 @@ class SkipJoinMLFQPolicy(Policy):
         self.preempt_running = preempt_running
         # Per entry level: generated-token counts at which the sequence is demoted again.
         self._demotions = [list(accumulate(self.quanta[start:-1])) for start in range(num_levels)]
+        # The key is read for every running sequence each step but changes only at a demotion: each
+        # sequence's key is kept with the token count at which its level next changes. Entries of
+        # sequences that left the queues are dropped by `refresh` once they outnumber the live ones.
+        self._keys: dict[Sequence, tuple[float, tuple]] = {}
+        self._prune_at = PRUNE_MIN
 
     def entry_level(self, seq: Sequence) -> int:
         """Skip-join: the most urgent level whose quantum covers the prefill."""
@@ -57,11 +68,27 @@ class SkipJoinMLFQPolicy(Policy):
         return min(bisect_right(self.quanta, cost) if cost > self.quanta[0] else 0, len(self.quanta) - 1)
 
     def level(self, seq: Sequence) -> int:
-        start = self.entry_level(seq)
-        return start + bisect_right(self._demotions[start], len(seq.token_ids) - seq.num_prompt_tokens)
+        return self.key(seq)[0]
 
     def key(self, seq: Sequence) -> tuple:
-        return (self.level(seq), seq.request.arrival_time, seq.arrival_index, seq.seq_id)
+        kept = self._keys.get(seq)
+        if kept is not None and len(seq.token_ids) < kept[0]:
+            return kept[1]
+        num_prompt = seq.num_prompt_tokens
+        start = self.entry_level(seq)
+        demotions = self._demotions[start]
+        passed = bisect_right(demotions, len(seq.token_ids) - num_prompt)
+        key = (start + passed, seq.request.arrival_time, seq.arrival_index, seq.seq_id)
+        self._keys[seq] = (num_prompt + demotions[passed] if passed < len(demotions) else INF, key)
+        return key
+
+    def refresh(self, queues: SchedulerQueues, hint: OrderHint) -> Collection[str]:
+        if len(self._keys) > self._prune_at:
+            live = [seq for queue in (queues.waiting, queues.running, queues.swapped) for seq in queue]
+            keys = self._keys
+            self._keys = {seq: keys[seq] for seq in live if seq in keys}
+            self._prune_at = max(PRUNE_MIN, 2 * len(live))
+        return self.reorders
 
     def may_preempt(self, waiting: Sequence, running: Sequence) -> bool:
-        return self.preempt_running and self.level(waiting) < self.level(running)
+        return self.preempt_running and self.key(waiting)[0] < self.key(running)[0]

@@ -11,6 +11,8 @@ from policies.sequence import Sequence
 
 @register_policy("priority")
 class PriorityPolicy(Policy):
+    may_preempt_suffix = True
+
     def __init__(self, preemption_mode: str = "recompute", preempt_running: bool = True) -> None:
         super().__init__(preemption_mode)
         if type(preempt_running) is not bool:

@@ -24,6 +24,7 @@ RUNNING_ONLY = frozenset({"running"})
 @register_policy("srpt")
 class ShortestRemainingTimePolicy(Policy):
     reorders = RUNNING_ONLY
+    may_preempt_suffix = True
 
     def __init__(self, preemption_mode: str = "recompute", predictor: OutputLengthPredictor | str = "max_tokens",
                  aging: float = 0.0, preempt_running: bool = True) -> None:
