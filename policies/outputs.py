@@ -37,6 +37,10 @@ class SchedulerOutput:
     sum_new_tokens: int | None = None
     sum_computed_tokens: int | None = None
     sum_samples: int | None = None
+    # Every entry decodes one token of a sequence that has sampled before, so that no entry computes
+    # a prompt token (a one-token prompt, or a prompt's last token, looks like a decode otherwise);
+    # False where the scheduler does not know it.
+    decode_only: bool = False
 
     @property
     def is_empty(self) -> bool:

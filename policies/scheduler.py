@@ -158,23 +158,25 @@ class Scheduler:
         self._last = step = ScheduledStep(out, StepStats())
         self._last_updated = False
         state, queues, budget = self.state, self.queues, self.config.max_num_batched_tokens
+        all_decoding = self._all_decoding  # every running sequence has sampled and decodes next
         if queues.reorders:
             self._reorder(now, budget)
         self.preemptor.begin_step()
         if state.may_force and queues.waiting and queues.running:
             self.preemptor.force_for(queues.waiting[0], out, now, self.config.max_num_seqs)
         if self.config.enable_chunked_prefill:
-            budget, preempted = self.running_pass.schedule(step, budget, self._all_decoding)
+            budget, preempted = self.running_pass.schedule(step, budget, all_decoding)
             if not preempted and (queues.waiting or queues.swapped):
                 admission.admit(state, step, budget, take_waiting=True, take_swapped=True)
         elif not admission.admit(state, step, budget, take_waiting=True, take_swapped=False)[1]:
-            budget, preempted = self.running_pass.schedule(step, budget, self._all_decoding)
+            budget, preempted = self.running_pass.schedule(step, budget, all_decoding)
             if not preempted:
                 admission.admit(state, step, budget, take_waiting=False, take_swapped=True)
         self.preemptor.end_step()
         stats = step.stats  # admission may have recounted it (an abort mid-step)
         stats.num_running = len(queues.running)
         stats.fill_totals(out)
+        out.decode_only = all_decoding and not stats.num_chunks  # the running decodes alone
         out.aborted = self.lifecycle.take_aborted()  # since the last schedule(), too_long ones included
         self._decided_version = queues.running_version
         if self._observes:

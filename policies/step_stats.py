@@ -20,6 +20,7 @@ class StepStats:
     num_prefill_seqs: int = 0
     num_decode_seqs: int = 0
     num_partial: int = 0  # prefill chunks that do not finish their sequence (sample nothing)
+    num_chunks: int = 0  # entries counted by add_chunk (admissions, swap-ins, prefills), not add_decodes
     num_running: int = 0  # running sequences when schedule() returned
     num_computed_tokens: int = 0  # over the scheduled sequences, before the step
     num_samples: int = 0
@@ -28,6 +29,7 @@ class StepStats:
         self.num_computed_tokens += num_computed
         self.num_samples += num_samples
         self.num_partial += not num_samples
+        self.num_chunks += 1
         if uncomputed > 1:
             self.num_prefill_tokens += num_new
             self.num_prefill_seqs += 1

@@ -2,8 +2,13 @@
 Models", OSDI 2024).
 
 Each tenant (`Request.tenant`; requests without one share the tenant None) has a counter of the
-service it received: `input_weight` per prompt token computed and `output_weight` per output token,
-divided by the tenant's share `weights[tenant]` (default 1). The waiting queue is served from the
+service it received: `input_weight` per prompt token computed and `output_weight` per output token
+generated, divided by the tenant's share `weights[tenant]` (default 1), as the paper's service
+function. Each step is charged the tokens it computes: a one-token prompt or a prompt's last token
+is input (and its sample output) though it is scheduled like a decode; a recompute preemption
+computes the prompt again and is charged again (the paper has no preemption; charging the work
+done keeps the counters a measure of GPU time spent), prompt tokens read from the prefix cache are
+not computed and not charged. The waiting queue is served from the
 backlogged tenant with the smallest counter, its requests in arrival order; the same key orders the
 running and swapped queues (the victim of a preemption is the latest request of the most-served
 tenant). A tenant that returns (it had nothing waiting) has its counter lifted to at least the
@@ -81,8 +86,8 @@ class VirtualTokenCounterPolicy(Policy):
 
     def observe(self, out: SchedulerOutput) -> None:
         queues, scheduled = self._queues, out.scheduled
-        if (queues is not None and len(scheduled) == len(queues.running) == out.sum_new_tokens == out.sum_samples):
-            for tenant, count in self._running_tenants().items():  # steady decode: one token each
+        if out.decode_only and queues is not None and len(scheduled) == len(queues.running) == out.sum_samples:
+            for tenant, count in self._running_tenants().items():  # steady decode: one output token each
                 self._charge(tenant, self.output_weight * count)
             return
         w_in, w_out = self.input_weight, self.output_weight
