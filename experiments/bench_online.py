@@ -10,13 +10,15 @@ in-process engine and the simulator, on one GPU, in one process lifetime (one en
    workload); `--frontend thread`: the server steps the in-process runs' engine in a thread.
 2. TTFT at 0.3x capacity (capacity = step 1's in-process output tok/s / the stream's mean output
    length, as experiments.fidelity defines it): one Poisson stream through `backend=engine`
-   (in-process) and through the server; TTFT p50 of each. This load point also measures the
-   serving overhead (server minus in-process: TTFT p50, mean TPOT; 0 where negative).
-3. The simulator predicting served latency: Poisson at 0.35x and 0.9x capacity through the server,
-   and the same streams through `backend=sim latency=profiled` (the engine's KV block counts),
-   once plain and once with step 2's serving overhead (`serving.ttft_overhead_s`,
-   `serving.itl_overhead_s`: measured at 0.3x, never at the loads it predicts); relative error of
-   mean TPOT and p90 TTFT.
+   (in-process) and through the server; TTFT p50 of each.
+3. The serving path calibrated (experiments/lib/serving_calibration.py) from the 0.3x stream and a
+   0.6x one through the server, never from the loads it predicts: each served request's client TTFT
+   against the server's own (its `RequestStats`) gives the front end's delay per stream open and its
+   jitter; client minus in-process TTFT at 0.3x gives the rest; mean TPOT there the ITL term.
+4. The simulator predicting served latency: Poisson at 0.35x and 0.9x capacity through the server,
+   and the same streams through `backend=sim latency=profiled` (the engine's KV block counts):
+   plain, with a constant (step 2's TTFT p50 difference), and with the calibrated serving path
+   (experiments/lib/serving_overhead.py); relative error of mean TPOT and p90 TTFT of each.
 Both scheduling paths use the same scheduler config (async scheduling on, as conf/fidelity). Writes
 `online.md` and `online.json` (device, date, command, every number) and each run's traces under
 --out (default outputs/bench_online/<date>/<time>). Overrides are Hydra overrides of
@@ -42,6 +44,8 @@ from experiments.lib import factory
 from experiments.lib.engine_backend import device_name, engine_args, free_device, get_engine, release_engine
 from experiments.lib.fidelity_report import relative_error
 from experiments.lib.fidelity_spec import compose_cfg
+from experiments.lib.serving_calibration import calibrate
+from experiments.lib.traces import load_run
 from experiments.run import run
 from policies.trace import TraceRecorder
 
@@ -51,7 +55,9 @@ COMMON = ["model=qwen3-0.6b", "hardware=h200", "seed=0", "progress=false", "plot
 # Poisson streams with nano-vllm's length distribution (conf/fidelity's Poisson scenarios).
 POISSON = ["workload=poisson", "workload.prompt_len.low=100", "workload.prompt_len.high=1024",
            "workload.output_len.low=100", "workload.output_len.high=1024"]
-LOADS = {"ttft_0.3x": (0.3, 100), "poisson_0.35x": (0.35, 80), "poisson_0.9x": (0.9, 160)}  # load, requests
+# load, requests; the first two calibrate the serving path, the last two are predicted.
+LOADS = {"ttft_0.3x": (0.3, 100), "calib_0.6x": (0.6, 120), "poisson_0.35x": (0.35, 80), "poisson_0.9x": (0.9, 160)}
+CALIBRATION = ("ttft_0.3x", "calib_0.6x")
 
 
 def _server_run(url: str, overrides: list[str], out: Path) -> dict[str, Any]:
@@ -136,6 +142,8 @@ def main() -> None:
         served = AsyncLLMEngine.from_engine_args(args, engine_process=True)
     else:
         served = AsyncLLMEngine(engine)
+    server_stats: list = []  # the server's RequestStats of each ended request, for the calibration
+    served.add_finished_observer(server_stats.append)
 
     with ServerThread(build_app(served, str(cfg.model.name))) as server:
         if a.frontend == "process":
@@ -149,32 +157,40 @@ def main() -> None:
         print(f"HTTP streaming: {s['output_throughput']:,.0f} output tok/s "
               f"({results['throughput_ratio']:.3f} of in-process)", flush=True)
 
-        # ---- 2 and 3: Poisson streams at loads of the capacity ----------------------------------------
-        overhead: list[str] = []
+        # ---- 2-4: Poisson streams at loads of the capacity ----------------------------------------------
+        variants: dict[str, list[str]] = {"sim": []}  # the simulator's runs of each predicted stream
+        served_points: dict[str, tuple] = {}
         for name, (load, num) in LOADS.items():
             overrides = stream_overrides(load, num)
             if a.frontend == "thread":
                 fresh_scheduler()
+            server_stats.clear()
             srv = _server_run(server.url, overrides, out / f"{name}_server")
             row: dict[str, Any] = {"load": load, "rate_req_s": float(overrides[-1].split("=")[1]),
                                    "requests": int(overrides[-2].split("=")[1]), "server": _latencies(srv)}
-            if name.startswith("ttft"):
+            if name in CALIBRATION:
+                served_points[name] = (load_run(out / f"{name}_server").requests, list(server_stats))
+            if name == CALIBRATION[0]:
                 row["engine"] = _latencies(eng)
                 row["ttft_p50_diff_ms"] = row["server"]["ttft_p50_ms"] - row["engine"]["ttft_p50_ms"]
-                row["serving_overhead"] = {
-                    "ttft_overhead_s": max(srv["ttft"]["median"] - eng["ttft"]["median"], 0.0),
-                    "itl_overhead_s": max(srv["tpot"]["mean"] - eng["tpot"]["mean"], 0.0)}
-                overhead = [f"serving.{k}={v:.6g}" for k, v in row["serving_overhead"].items()]
-            else:
+                itl = srv["tpot"]["mean"] - eng["tpot"]["mean"]
+                variants["sim_constant"] = [f"serving.ttft_overhead_s={max(row['ttft_p50_diff_ms'] / 1e3, 0.0):.6g}",
+                                            f"serving.itl_overhead_s={max(itl, 0.0):.6g}"]
+            if name == CALIBRATION[-1]:
+                calib = calibrate(served_points, CALIBRATION[0], load_run(out / f"{CALIBRATION[0]}_engine").requests, itl)
+                results["serving_path"] = dataclasses.asdict(calib)
+                variants["sim_serving"] = calib.overrides()
+                print(f"serving path: {json.dumps(results['serving_path'])}", flush=True)
+            if name not in CALIBRATION:
                 sim_cfg = [*overrides, "backend=sim", "latency=profiled", f"blocks.num_gpu_blocks={gpu}",
                            f"blocks.num_cpu_blocks={cpu}"]
-                for key, extra in (("sim", []), ("sim_overhead", overhead)):
+                for key, extra in variants.items():
                     sim = run(compose_cfg([*sim_cfg, *extra]), out / f"{name}_{key}", f"{name} {key}")
                     row[key] = _latencies(sim)
                     row[key]["tpot_mean_error"] = relative_error(sim["tpot"]["mean"], srv["tpot"]["mean"])
                     row[key]["ttft_p90_error"] = relative_error(sim["ttft"]["p90"], srv["ttft"]["p90"])
-                row["tpot_mean_error"] = row["sim_overhead"]["tpot_mean_error"]
-                row["ttft_p90_error"] = row["sim_overhead"]["ttft_p90_error"]
+                row["tpot_mean_error"] = row["sim_serving"]["tpot_mean_error"]
+                row["ttft_p90_error"] = row["sim_serving"]["ttft_p90_error"]
             results[name] = row
             print(f"{name}: {json.dumps(row)}", flush=True)
     if a.frontend == "process":
@@ -211,20 +227,22 @@ def report(meta: dict[str, Any], r: dict[str, Any]) -> str:
         (f"| TTFT p50 at 0.3x capacity: server / in-process | {t['server']['ttft_p50_ms']:.1f} / "
         f"{t['engine']['ttft_p50_ms']:.1f} ms ({t['ttft_p50_diff_ms']:+.2f} ms) | <= +2 ms |"),
     ]
-    o = t["serving_overhead"]
-    lines.append(f"| serving overhead measured at 0.3x (server - in-process): TTFT p50, mean TPOT | "
-                 f"{1e3 * o['ttft_overhead_s']:.2f} ms, {1e3 * o['itl_overhead_s']:.3f} ms | |")
+    c = r["serving_path"]
+    jitter = c["ttft_jitter_s"]
+    p10, p90 = np.interp([0.1, 0.9], (np.arange(len(jitter)) + 0.5) / len(jitter), jitter)
+    lines.append(
+        f"| serving path from {c['num_samples']} served requests at 0.3x and 0.6x (mean streams "
+        f"{', '.join(f'{v:.1f}' for v in c['mean_streams'].values())}) | TTFT + {1e3 * c['ttft_overhead_s']:.2f} ms "
+        f"+ {1e6 * c['ttft_per_stream_s']:.1f} us per open stream + jitter (p10 {1e3 * p10:+.2f}, p90 "
+        f"{1e3 * p90:+.2f} ms); ITL + {1e3 * c['itl_overhead_s']:.3f} ms | |")
     for name in ("poisson_0.35x", "poisson_0.9x"):
         p = r[name]
-        sim, plain = p["sim_overhead"], p["sim"]
-        lines += [
-            (f"| {name}: mean TPOT sim (+overhead) vs server | {sim['tpot_mean_ms']:.2f} vs "
-             f"{p['server']['tpot_mean_ms']:.2f} ms ({pct(sim['tpot_mean_error'])}; plain sim "
-             f"{pct(plain['tpot_mean_error'])}) | within 5% |"),
-            (f"| {name}: p90 TTFT sim (+overhead) vs server | {sim['ttft_p90_ms']:.1f} vs "
-             f"{p['server']['ttft_p90_ms']:.1f} ms ({pct(sim['ttft_p90_error'])}; plain sim "
-             f"{pct(plain['ttft_p90_error'])}) | within 10% |"),
-        ]
+        model, const, plain = p["sim_serving"], p["sim_constant"], p["sim"]
+        for metric, label, unit, target in (("tpot_mean", "mean TPOT", ".2f", "5%"), ("ttft_p90", "p90 TTFT", ".1f", "10%")):
+            lines.append(
+                f"| {name}: {label} sim (serving path) vs server | {model[metric + '_ms']:{unit}} vs "
+                f"{p['server'][metric + '_ms']:{unit}} ms ({pct(model[metric + '_error'])}; constant "
+                f"{pct(const[metric + '_error'])}, plain sim {pct(plain[metric + '_error'])}) | within {target} |")
     return "\n".join(lines) + "\n"
 
 

@@ -60,7 +60,7 @@ def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     overhead.apply(recorder.requests)
     info = {"num_gpu_blocks": gpu, "num_cpu_blocks": cpu, "latency_model": latency.name}
     if not overhead.is_zero:
-        info["serving_overhead"] = {"ttft_overhead_s": overhead.ttft_s, "itl_overhead_s": overhead.itl_s}
+        info["serving_overhead"] = overhead.describe()
     return BackendRun(result.num_steps, result.sim_time_s, "simulated", info)
 
 

@@ -184,6 +184,8 @@ class Slo:
 @dataclass
 class Serving:
     ttft_overhead_s: float = 0.0
+    ttft_per_stream_s: float = 0.0
+    ttft_jitter_s: list[float] = field(default_factory=list)
     itl_overhead_s: float = 0.0
 
 
