@@ -63,7 +63,7 @@ def attention_ops(backend: str, device: torch.device, decode_kernel: str = "pack
         backend = "triton" if device.type == "cuda" and kernels.BACKEND != "reference" else "reference"
     if backend == "reference":
         return importlib.import_module("kernels.reference")
-    from kernels import cache_write, copy, decode, prefill
+    from kernels import cache_write, copy, decode, prefill, qk_rope_cache
     from kernels.decode_packed import PackedDecodeConfig
     from kernels.decode_tma import TmaDecodeConfig
 
@@ -74,7 +74,8 @@ def attention_ops(backend: str, device: torch.device, decode_kernel: str = "pack
         decode_fn = functools.partial(decode.paged_decode_attention, config=TmaDecodeConfig())
     return SimpleNamespace(paged_decode_attention=decode_fn,
                            paged_prefill_attention=prefill.paged_prefill_attention,
-                           write_kv_cache=cache_write.write_kv_cache, copy_blocks=copy.copy_blocks,
+                           write_kv_cache=cache_write.write_kv_cache,
+                           qk_norm_rope_write=qk_rope_cache.qk_norm_rope_write, copy_blocks=copy.copy_blocks,
                            swap_blocks=copy.swap_blocks, swap_layers=copy.swap_layers)
 
 
@@ -111,10 +112,16 @@ class PagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]: writes k/v to the cache, then `attend`."""
         if self.k_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (call bind_kv_cache first)")
         self.ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D] -> [T, Hq, D], over K/V already in the cache (this step's included)."""
+        if self.k_cache is None:
+            raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (call bind_kv_cache first)")
         d = meta.num_decode_rows
         if meta.prefill_cu_seqlens_q is None:
             return self._decode(q, meta)

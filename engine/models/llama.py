@@ -56,11 +56,22 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, fns)
             self.k_norm = RMSNorm(self.head_dim, fns)
         self.fns = fns
+        self.eps = cfg.rms_norm_eps
         self.attn = PagedAttention(ops, layer_idx, scale=self.head_dim ** -0.5)
+        # The Triton ops' q/k norm + rope + KV write in one kernel (kernels/qk_rope_cache.py, head_dim a
+        # power of two); the references have none: then the elementwise ops below and the cache write.
+        pow2 = self.head_dim & (self.head_dim - 1) == 0
+        self.fused_qk_rope_write = getattr(ops, "qk_norm_rope_write", None) if pow2 else None
 
     def forward(self, rope: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """rope: the step's cos/sin rows [T, 2, head_dim] (`ops.rope_rows`)."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.fused_qk_rope_write is not None:
+            weights = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            q = self.fused_qk_rope_write(qkv, self.num_heads, *weights, self.eps, rope, self.attn.k_cache,
+                                         self.attn.v_cache, meta.slot_mapping)
+            return self.o_proj(self.attn.attend(q, meta).reshape(-1, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
