@@ -95,3 +95,21 @@ def test_engine_steps_with_the_fused_kernel_equal_the_reference_path(model):
             for a, b in zip(fused[seq_id].logprobs, plain[seq_id].logprobs):
                 assert a.keys() == b.keys()
                 assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [True, False])
+def test_bf16_on_the_gpu_matches_float32(norm):
+    """Qwen3-0.6B's heads in bf16 on the GPU (the interpreter cannot check bf16) against the float32
+    composition: within bf16 rounding of the outputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    qkv, rope, slots, cache, weights = _case(300, 16, 8, 128, 16, torch.bfloat16, 1)
+    want_q, want_k, want_v = _expected(qkv, rope, slots, cache, weights, 16, 8, 128, norm)
+    qkv, rope, slots, cache = qkv.cuda(), rope.cuda(), slots.cuda(), cache.cuda()
+    weights = tuple(w.cuda() for w in weights) if norm else (None, None)
+    k_cache, v_cache = cache[0].clone(), cache[1].clone()
+    q = qk_norm_rope_write(qkv, 16, *weights, 1e-6, rope, k_cache, v_cache, slots)
+    torch.testing.assert_close(q.float().cpu(), want_q, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(k_cache.float().cpu(), want_k, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(v_cache.float().cpu(), want_v, atol=0, rtol=0)
