@@ -299,3 +299,16 @@ def test_engine_runs_of_another_decode_kernel_than_the_profile_are_refused():
     with pytest.raises(ValueError, match="taken with decode_kernel=packed, but the engine runs of scenario "
                                          r"offline ran \['tma'\]"):
         check_decode_kernel("p.csv", {"decode_kernel": "packed"}, "offline", [{"decode_kernel": "tma"}])
+
+
+def test_the_mlfq_spec_runs_one_stream_under_fcfs_and_mlfq(request):
+    """conf/fidelity/mlfq.yaml: the engine A/B of fcfs -> mlfq as two scenarios differing in the policy alone."""
+    from experiments.lib import factory
+    from experiments.lib.fidelity_spec import compose_cfg, load_spec
+
+    spec = load_spec(request.config.rootpath / "conf/fidelity/mlfq.yaml")
+    fcfs, mlfq = (spec["scenarios"][name]["overrides"] for name in ("heavy_tail_fcfs", "heavy_tail_mlfq"))
+    assert [o for o in fcfs if o != "policy=fcfs"] == [o for o in mlfq if o != "policy=mlfq"]
+    assert [(ab["a"], ab["b"]) for ab in spec["ab"]] == [("heavy_tail_fcfs", "heavy_tail_mlfq")]
+    cfg = compose_cfg([*spec["common"], *mlfq, *spec["sim"]])
+    assert (cfg.policy.name, cfg.blocks.kv_cache_gib, len(factory.workload(cfg))) == ("mlfq", 4, 600)
