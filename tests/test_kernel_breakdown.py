@@ -32,3 +32,12 @@ def test_bytes_and_bandwidth() -> None:
     assert rows["decode attention"]["min_MB"] == round(2 * 2 * (100 * 2 * 32 + 2 * 4 * 64) / 1e6, 2)
     assert rows["down GEMM"]["kernels"] == 4 and rows["down GEMM"]["us"] == 4.0
     assert rows["total"]["us"] == len(LAYER) * 2 + len(TAIL)
+
+
+def test_the_fused_rope_and_kv_write_kernel_is_one_part() -> None:
+    layer = [n for n in LAYER if n not in ("triton_per_fused_rope", "_write_kv_kernel")]
+    layer.insert(2, "_qk_norm_rope_write_kernel")
+    labels = classify(_kernels(layer + TAIL))
+    assert labels[:6] == ["add + RMSNorm (input)", "qkv GEMM", "q/k norm + rope + KV write", "decode attention",
+                          "o_proj GEMM", "add + RMSNorm (post-attention)"]
+    assert labels[-3] == "LM head GEMM"

@@ -17,7 +17,7 @@ from engine.config import ModelConfig
 
 GEMM = re.compile(r"gemm|gemv|nvjet|sm90_|cutlass|xmma|ampere_", re.IGNORECASE)
 GEMM_TAIL = re.compile(r"splitKreduce|splitk_reduce", re.IGNORECASE)  # a split-K GEMM's second kernel
-KV_WRITE = re.compile(r"write_kv", re.IGNORECASE)
+KV_WRITE = re.compile(r"write_kv|rope_write", re.IGNORECASE)  # the KV write, alone or fused with q/k norm + rope
 ATTENTION = re.compile(r"decode|attn|attention|prefill", re.IGNORECASE)
 # The part an elementwise kernel belongs to, by the GEMM launched before it.
 AFTER_GEMM = {None: "add + RMSNorm (input)", "down": "add + RMSNorm (input)", "qkv": "q/k norm + rope",
@@ -25,7 +25,8 @@ AFTER_GEMM = {None: "add + RMSNorm (input)", "down": "add + RMSNorm (input)", "q
               "lm_head": "sampler + next step's inputs"}
 GEMM_PART = {"qkv": "qkv GEMM", "o_proj": "o_proj GEMM", "gate_up": "gate_up GEMM", "down": "down GEMM",
              "lm_head": "LM head GEMM"}
-PARTS = ("qkv GEMM", "KV-cache write", "decode attention", "o_proj GEMM", "gate_up GEMM", "down GEMM",
+FUSED_WRITE = "q/k norm + rope + KV write"
+PARTS = ("qkv GEMM", FUSED_WRITE, "KV-cache write", "decode attention", "o_proj GEMM", "gate_up GEMM", "down GEMM",
          "LM head GEMM", "add + RMSNorm (input)", "q/k norm + rope", "add + RMSNorm (post-attention)",
          "SiLU * mul", "sampler + next step's inputs", "other")
 
@@ -54,7 +55,7 @@ def classify(kernels: list[Kernel]) -> list[str]:
     post_attention = 0  # GEMMs left in the layer after its KV write (o_proj, gate_up, down)
     for i, kind in enumerate(kinds):
         if kind == "kv":
-            labels.append("KV-cache write")
+            labels.append(FUSED_WRITE if "rope_write" in kernels[i].name else "KV-cache write")
             last_gemm, post_attention = "qkv", 3
         elif kind == "attn":
             labels.append("decode attention")
@@ -102,6 +103,7 @@ def min_bytes(part: str, cfg: ModelConfig, shape: DecodeShape) -> int:
         "add + RMSNorm (post-attention)": e * b * h * 4,
         "SiLU * mul": e * b * 3 * inter,
     }
+    per_layer[FUSED_WRITE] = per_layer["q/k norm + rope"] + per_layer["KV-cache write"]
     if part in per_layer:
         return layers * per_layer[part]
     if part == "LM head GEMM":
