@@ -18,15 +18,11 @@ BLOCK = 1024
 
 
 @triton.jit
-def _consider(row_ptr, cols, vocab, u, inv_t, noisy, best_val, best_idx, LOG2: tl.constexpr):
-    """Fold columns `cols` (with uniforms `u`) into the running per-lane best (score, index).
-    LOG2: the Gumbel noise from base-2 logarithms (-ln(-ln u) = -LN2 log2(-LN2 log2 u))."""
+def _consider(row_ptr, cols, vocab, u, inv_t, noisy, best_val, best_idx):
+    """Fold columns `cols` (with uniforms `u`) into the running per-lane best (score, index)."""
     mask = cols < vocab
     x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    if LOG2:
-        gumbel = -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(tl.maximum(u, 1e-30)))
-    else:
-        gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-30)))
+    gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-30)))
     x = tl.where(noisy, x * inv_t + gumbel, x)
     better = (x > best_val) & mask
     return tl.where(better, x, best_val), tl.where(better, cols, best_idx)
@@ -44,7 +40,6 @@ def _chunk_best_kernel(
     num_chunks,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    LOG2: tl.constexpr = False,
 ):
     """Philox yields four uniforms per call: one call serves four BLOCK/4-column quarters of a tile
     (one uniform per call made sampling Philox-bound, 4x the integer work). Counters are unique per
@@ -64,10 +59,10 @@ def _chunk_best_kernel(
     for off in range(start, start + CHUNK, BLOCK):
         u0, u1, u2, u3 = tl.rand4x(seed, counter_base + off // 4 + lanes)
         cols = off + lanes
-        best_val, best_idx = _consider(row_ptr, cols, vocab, u0, inv_t, noisy, best_val, best_idx, LOG2)
-        best_val, best_idx = _consider(row_ptr, cols + QUARTER, vocab, u1, inv_t, noisy, best_val, best_idx, LOG2)
-        best_val, best_idx = _consider(row_ptr, cols + 2 * QUARTER, vocab, u2, inv_t, noisy, best_val, best_idx, LOG2)
-        best_val, best_idx = _consider(row_ptr, cols + 3 * QUARTER, vocab, u3, inv_t, noisy, best_val, best_idx, LOG2)
+        best_val, best_idx = _consider(row_ptr, cols, vocab, u0, inv_t, noisy, best_val, best_idx)
+        best_val, best_idx = _consider(row_ptr, cols + QUARTER, vocab, u1, inv_t, noisy, best_val, best_idx)
+        best_val, best_idx = _consider(row_ptr, cols + 2 * QUARTER, vocab, u2, inv_t, noisy, best_val, best_idx)
+        best_val, best_idx = _consider(row_ptr, cols + 3 * QUARTER, vocab, u3, inv_t, noisy, best_val, best_idx)
     top = tl.max(best_val, 0)
     idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
     tl.store(best_val_ptr + row * num_chunks + chunk, top)

@@ -69,21 +69,19 @@ def sampler_rows(batch: int) -> list[dict]:
     logits = torch.randn(batch, VOCAB, device="cuda").to(torch.bfloat16)
     temps = torch.full((batch,), 0.6, device="cuda")
     out = torch.empty(batch, dtype=torch.int64, device="cuda")
-    for chunk, block, warps, log2 in ((8192, 1024, 4, False), (8192, 1024, 4, True), (8192, 2048, 4, True),
-                                      (8192, 2048, 8, True)):
+    for chunk, block, warps in ((8192, 1024, 4), (8192, 2048, 4), (8192, 2048, 8), (16384, 4096, 8), (4096, 1024, 4)):
         num_chunks = triton.cdiv(VOCAB, chunk)
         best_val = torch.empty(batch, num_chunks, device="cuda")
         best_idx = torch.empty(batch, num_chunks, dtype=torch.int32, device="cuda")
 
-        def fn(chunk=chunk, block=block, warps=warps, log2=log2, num_chunks=num_chunks, best_val=best_val,
-               best_idx=best_idx):
+        def fn(chunk=chunk, block=block, warps=warps, num_chunks=num_chunks, best_val=best_val, best_idx=best_idx):
             _chunk_best_kernel[(batch, num_chunks)](logits, logits.stride(0), temps, best_val, best_idx, 1234, VOCAB,
-                                                    num_chunks, CHUNK=chunk, BLOCK=block, LOG2=log2, num_warps=warps)
+                                                    num_chunks, CHUNK=chunk, BLOCK=block, num_warps=warps)
             _row_best_kernel[(batch,)](best_val, best_idx, out, num_chunks,
                                        BLOCK_C=triton.next_power_of_2(num_chunks))
         ms = graph_ms([fn])
         rows.append({"part": "gumbel sampler", "shape": f"{batch} x {VOCAB} bf16",
-                     "variant": f"chunk={chunk} block={block} warps={warps} log2={log2}", "us": round(ms * 1e3, 1),
+                     "variant": f"chunk={chunk} block={block} warps={warps}", "us": round(ms * 1e3, 1),
                      "TB_s": round(batch * VOCAB * 2 / ms / 1e9, 2)})
     return rows
 
