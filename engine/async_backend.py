@@ -3,9 +3,9 @@
 `AsyncLLMEngine` owns the requests' streams, the waiting cap, aborts and the death of the loop; a
 backend owns where the engine runs and how requests reach it:
 - `ThreadBackend` (engine/thread_backend.py): an `LLMEngine` stepped in a worker thread of this
-  process, one `submit` per step;
+  process by a task on the event loop, which takes what was handed over between steps;
 - `CoreBackend` (engine/core_backend.py): the engine in a child process that steps by itself
-  (engine/engine_core.py); `submit` only sends.
+  (engine/engine_core.py); each request and abort is sent to it at once.
 Both hand every step's results to the same sink on the event loop, as `StepResult`s, and the loop's
 death (or the core process's) as the exception that caused it.
 """
@@ -77,26 +77,29 @@ class EngineBackend(ABC):
 
     @abstractmethod
     def bind(self, loop: asyncio.AbstractEventLoop, sink: ResultSink) -> None:
-        """From now on, hand results to `sink` on `loop` (called again when the engine moves to
-        another event loop)."""
+        """From now on, serve on `loop` and hand results to `sink` there (called again when the
+        engine moves to another event loop)."""
+
+    @property
+    @abstractmethod
+    def is_running(self) -> bool:
+        """Bound to a loop and able to take requests."""
 
     @abstractmethod
-    def has_work(self) -> bool:
-        """True while `submit` must be called again even with nothing new (an engine stepped by the
-        caller with requests unfinished); False for an engine that steps by itself."""
+    def add(self, request: NewRequest) -> None:
+        """Hand a checked request over (it reaches the scheduler before the engine's next step)."""
 
     @abstractmethod
-    async def submit(self, new: list[NewRequest], aborts: set[str]) -> None:
-        """Hand over the requests and aborts that came in since the last call (and, for an engine
-        stepped by the caller, run one step). Raising means the engine is dead."""
+    def abort(self, request_id: str) -> None:
+        """Abort a request handed over (its final output comes with the next step)."""
 
     @abstractmethod
     def num_waiting(self) -> int:
         """Requests handed over and not yet running: the waiting cap counts these."""
 
     @abstractmethod
-    def stats(self, num_pending: int) -> EngineStats:
-        """Counts as of the last step; `num_pending` requests not yet handed over count as waiting."""
+    def stats(self) -> EngineStats:
+        """Counts as of the last step; requests handed over and not yet admitted count as waiting."""
 
     @abstractmethod
     def health_problem(self) -> str | None:

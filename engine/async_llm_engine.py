@@ -4,13 +4,13 @@
     async for output in engine.generate("Hello", SamplingParams(max_tokens=32), "req-1"):
         print(output.outputs[0].text)          # cumulative; output_kind="delta" streams the new part
 
-One background task (started by the first request, on the caller's event loop) feeds the engine:
-while work exists it hands the new requests and aborts that came in since the last step to the
-engine's backend (engine/async_backend.py), which hands each step's outputs back to their requests'
-streams; with no work it waits on an event (no busy spin). The backend is an `LLMEngine` stepped in
-one worker thread (engine/thread_backend.py: the event loop stays free to stream, and new requests
-join the scheduler between steps, as vLLM's do) or the engine in its own process
-(engine/core_backend.py). Streams, aborts, errors and backpressure are the same for both.
+From the first request on, the engine serves the caller's event loop: `generate` checks a request
+and hands it to the engine's backend (engine/async_backend.py), which hands each step's outputs
+back to their requests' streams. The backend is an `LLMEngine` stepped in one worker thread by a
+task that sleeps when idle (engine/thread_backend.py: the event loop stays free to stream, and new
+requests join the scheduler between steps, as vLLM's do), or the engine in its own process, sent
+each request at once (engine/core_backend.py). Streams, aborts, errors and backpressure are one
+code path for both.
 
 - A consumer that stops iterating (`break`, `aclose()`, cancellation: a client that went away)
   aborts its request; the abort reaches the scheduler before the next step, which frees its blocks.
@@ -86,10 +86,7 @@ class AsyncLLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self.dead_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._new: asyncio.Queue[NewRequest] | None = None  # made on the loop that runs the engine
-        self._aborts: set[str] = set()
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop the engine serves
         self._observers: list[Callable[[RequestStats], None]] = []
         self._closed = False
 
@@ -126,8 +123,8 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        """The background loop is alive (it starts with the first request)."""
-        return self._task is not None and not self._task.done()
+        """The engine serves an event loop (from the first request on) and has not died."""
+        return self._loop is not None and self.dead_error is None and self._backend.is_running
 
     @property
     def errored(self) -> bool:
@@ -142,7 +139,7 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         """Counts as of the last step (engine/engine_stats.py)."""
-        return self._backend.stats(num_pending=self._new.qsize() if self._new is not None else 0)
+        return self._backend.stats()
 
     def add_finished_observer(self, observer: Callable[[RequestStats], None]) -> None:
         """Call `observer(RequestStats)` on the event loop for every request that ends."""
@@ -198,48 +195,32 @@ class AsyncLLMEngine:
         prompt = parse_prompt(prompt, "prompt")
         self._start()
         cap = self.max_waiting_requests
-        if cap is not None and self._backend.num_waiting() + self._new.qsize() >= cap:
+        if cap is not None and self._backend.num_waiting() >= cap:
             raise EngineQueueFullError(f"the server is at capacity: {cap} requests are waiting "
                                        "(max_waiting_requests); retry later")
         stream = RequestStream(request_id, delta=output_kind == "delta")
         self._streams[request_id] = stream
-        self._new.put_nowait(NewRequest(request_id, prompt, params, priority, tenant, time.monotonic()))
-        self._wake.set()
+        self._backend.add(NewRequest(request_id, prompt, params, priority, tenant, time.monotonic()))
         return stream
 
     def _abort_soon(self, request_id: str) -> None:
-        self._aborts.add(request_id)
-        if self._wake is not None:
-            self._wake.set()
+        if self.dead_error is None and not self._closed:
+            self._backend.abort(request_id)
 
     # ---- the loop -------------------------------------------------------------------------------
     def _start(self) -> None:
-        """Start the loop on the running event loop, or start it over there if the loop it ran on
-        ended without `shutdown` (e.g. one `asyncio.run` after another): that loop's requests are
-        aborted, since nobody can read their streams any more."""
-        loop, task = asyncio.get_running_loop(), self._task
-        if task is not None and not task.done() and task.get_loop() is loop:
+        """Serve the running event loop, or move there if the loop served before ended without
+        `shutdown` (e.g. one `asyncio.run` after another): that loop's requests are aborted, since
+        nobody can read their streams any more."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop and self._backend.is_running:
             return
-        self._aborts.update(self._streams)
+        orphans = list(self._streams)
         self._streams.clear()
-        self._new, self._wake = asyncio.Queue(), asyncio.Event()
+        self._loop = loop
         self._backend.bind(loop, self._on_result)
-        self._task = loop.create_task(self._run(), name="servelab-engine-loop")
-
-    async def _run(self) -> None:
-        backend = self._backend
-        try:
-            while True:
-                if self._new.empty() and not self._aborts and not backend.has_work():
-                    self._wake.clear()
-                    await self._wake.wait()
-                new = [self._new.get_nowait() for _ in range(self._new.qsize())]
-                aborts, self._aborts = self._aborts, set()
-                await backend.submit(new, aborts)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 (any death must reach every stream)
-            self._die(e)
+        for request_id in orphans:
+            self._backend.abort(request_id)
 
     def _on_result(self, result: StepResult | BaseException) -> None:
         """The backend's results, on the event loop: each output to its stream, or the engine's death."""
@@ -273,16 +254,9 @@ class AsyncLLMEngine:
             stream.fail(dead)
 
     async def shutdown(self) -> None:
-        """Stop the loop (open streams get EngineDeadError) and what the engine started: the worker
+        """Stop serving (open streams get EngineDeadError) and what the engine started: the worker
         thread, the core process, an engine built by `from_engine_args`."""
         self._closed = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.fail(EngineDeadError("the engine is shut down"))

@@ -1,18 +1,19 @@
 """`CoreBackend`: the engine in a child process (engine/engine_core.py) that steps by itself.
 
-`submit` only sends each batch of new requests and aborts to the core; a reader thread takes the
-core's messages off its pipe and hands them to the event loop, where they become `StepResult`s for
-the sink. The core process dying (or failing) is the loop dying.
+Each request and abort goes to the core the moment it is handed over, written to its pipe from the
+event loop (engine/core_channel.py: never blocking it); the core's messages are read on the event
+loop when its pipe turns readable and become `StepResult`s for the sink. No thread stands in
+between, so neither direction waits for another thread to be scheduled or to get the interpreter
+lock. The core process failing or exiting is the engine dying.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import gc
-from concurrent.futures import ThreadPoolExecutor
 
 from engine.async_backend import EngineBackend, ModelInfo, NewRequest, ResultSink, StepResult
-from engine.engine_core import CoreStep, EngineCoreClient
+from engine.engine_core import CoreFailed, CoreStep, EngineCoreClient
 from engine.engine_stats import EngineStats
 
 
@@ -21,51 +22,65 @@ class CoreBackend(EngineBackend):
         self.client = client
         i = client.info
         self.info = ModelInfo(i.model_name, i.max_model_len, i.vocab_size, client.tokenizer)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelab-core-send")
         self._core_stats = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0)  # the core's, as of its last message
         self._sent = 0  # requests sent to the core and not yet taken by it
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._sink: ResultSink | None = None
-        self._closed = False
-        client.start_reader(self._from_core)
+        self._failure: str | None = None  # the core's own account of its failure
+        self._ended = False  # the core's end is reported (or this backend shut down)
+        self._exit_report: asyncio.Future | None = None
         gc.collect()  # as LLMEngine does in its process: what start-up made is never walked again
         gc.freeze()
 
     def bind(self, loop: asyncio.AbstractEventLoop, sink: ResultSink) -> None:
-        self._loop, self._sink = loop, sink
+        self._sink = sink
+        self.client.channel.attach(loop, self._on_message, self._on_closed)
 
-    def has_work(self) -> bool:
-        return False  # the core steps by itself
+    @property
+    def is_running(self) -> bool:
+        return self._sink is not None and not self._ended
 
-    async def submit(self, new: list[NewRequest], aborts: set[str]) -> None:
-        self._sent += len(new)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.client.send, new, aborts)
+    def add(self, request: NewRequest) -> None:
+        self._sent += 1
+        self._send(([request], ()))
 
-    def _from_core(self, message: CoreStep | BaseException) -> None:
-        """On the reader thread: hand the message to the event loop the engine serves."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
+    def abort(self, request_id: str) -> None:
+        self._send(([], (request_id,)))
+
+    def _send(self, batch: tuple) -> None:
         try:
-            loop.call_soon_threadsafe(self._on_core, message)
-        except RuntimeError:  # that loop closed meanwhile: nobody reads its streams
-            pass
+            self.client.channel.send(batch)
+        except OSError as exc:  # the core's end closed: it is gone
+            self._end(exc)
 
-    def _on_core(self, message: CoreStep | BaseException) -> None:
-        if isinstance(message, BaseException):
-            if not self._closed:
-                self._sink(message)
+    def _on_message(self, message: CoreStep | CoreFailed) -> None:
+        if isinstance(message, CoreFailed):
+            self._failure = message.error
             return
         self._sent -= message.num_taken
         self._core_stats = message.stats
         self._sink(StepResult(message.errors, list(self.client.outputs(message))))
 
+    def _on_closed(self) -> None:
+        """The core's pipe ended: report how the core ended once it has (its exit code)."""
+        if not self._ended:
+            self._exit_report = asyncio.ensure_future(self._report_exit())
+
+    async def _report_exit(self) -> None:
+        process = self.client.process
+        await asyncio.to_thread(process.join, 5.0)
+        self._end(RuntimeError(self._failure or f"the engine process exited (exit code {process.exitcode})"))
+
+    def _end(self, error: BaseException) -> None:
+        if not self._ended:
+            self._ended = True
+            self._sink(error)
+
     def num_waiting(self) -> int:
         return self._core_stats.num_waiting + self._sent
 
-    def stats(self, num_pending: int) -> EngineStats:
+    def stats(self) -> EngineStats:
         s = self._core_stats
-        return dataclasses.replace(s, num_waiting=s.num_waiting + self._sent + num_pending)
+        return dataclasses.replace(s, num_waiting=s.num_waiting + self._sent)
 
     def health_problem(self) -> str | None:
         if self.client.alive:
@@ -73,6 +88,5 @@ class CoreBackend(EngineBackend):
         return f"the engine process exited (exit code {self.client.process.exitcode})"
 
     async def shutdown(self) -> None:
-        self._closed = True
-        await asyncio.to_thread(self._executor.shutdown, True)
+        self._ended = True
         await asyncio.to_thread(self.client.shutdown)

@@ -6,7 +6,8 @@ schedules and launches steps, so steps get slower as clients get more. Here the 
 child process (multiprocessing `spawn`) as a busy loop: take the new requests and aborts the front
 end sent, `step()`, send the step's outputs back; with no work it blocks on its inbox (no spin).
 
-Messages (two one-way pipes, pickled):
+Messages (two one-way pipes, pickled and framed by engine/core_channel.py; the core blocks on its
+ends, the front end reads and writes its ends from its event loop):
 - front end -> core: `(new requests, abort ids)` batches (`engine.async_backend.NewRequest`s), or
   None to stop.
 - core -> front end: `CoreInfo` once (or `CoreFailed` if the engine could not be built), then one
@@ -23,13 +24,13 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
-import threading
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine.async_backend import hand_over
+from engine.core_channel import LoopChannel, read_message, readable, write_message
 from engine.engine_args import EngineArgs
 from engine.engine_stats import EngineStats, RequestStats, StatsTracker
 from engine.llm_engine import _tokenizer_source
@@ -91,29 +92,30 @@ def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
     multiprocessing.current_process().daemon = False
     from engine.llm_engine import LLMEngine
 
+    out = outbox.fileno()
     try:
         engine = LLMEngine(args)
     except BaseException as exc:  # noqa: BLE001 (reported to the front end, which raises it)
-        outbox.send(_failure(exc))
+        write_message(out, _failure(exc))
         return
     runner = engine.runner
-    outbox.send(CoreInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size,
-                         runner.num_gpu_blocks, runner.num_cpu_blocks))
+    write_message(out, CoreInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size,
+                                runner.num_gpu_blocks, runner.num_cpu_blocks))
     try:
-        _serve(engine, keep_trace, inbox, outbox)
+        _serve(engine, keep_trace, inbox.fileno(), out)
     finally:
         engine.close()  # its tensor-parallel workers stop with the core
 
 
-def _serve(engine, keep_trace: bool, inbox, outbox) -> None:
+def _serve(engine, keep_trace: bool, inbox: int, outbox: int) -> None:
     """The core's loop: take the batches, step, send what the step gave."""
     tracker = StatsTracker(engine, keep_trace)
     seen: set[str] = set()  # requests whose prompt went out with a first output
     try:
         while True:
-            batches = [] if engine.has_unfinished_requests() else [inbox.recv()]  # idle: block
-            while inbox.poll():
-                batches.append(inbox.recv())
+            batches = [] if engine.has_unfinished_requests() else [read_message(inbox)]  # idle: block
+            while readable(inbox):
+                batches.append(read_message(inbox))
             errors, taken = {}, 0
             for batch in batches:
                 if batch is None:
@@ -134,12 +136,12 @@ def _serve(engine, keep_trace: bool, inbox, outbox) -> None:
                     seen.add(o.request_id)
                 packed.append(pack(o, first))
             finished = [tracker.finished(o) for o in outputs if o.finished]
-            outbox.send(CoreStep(errors, taken, packed, finished, _stats(engine, tracker)))
+            write_message(outbox, CoreStep(errors, taken, packed, finished, _stats(engine, tracker)))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the front end is gone
     except BaseException as exc:
         try:
-            outbox.send(_failure(exc))
+            write_message(outbox, _failure(exc))
         except OSError:
             pass
         raise SystemExit(1) from exc
@@ -158,7 +160,7 @@ def _stats(engine, tracker: StatsTracker) -> EngineStats:
 
 class EngineCoreClient:
     """The front end's handle on the core process: start it (blocks until the engine is built),
-    send batches, read its messages on a reader thread, stop it."""
+    its pipes as a `LoopChannel` for the front end's event loop, stop it."""
 
     def __init__(self, args: EngineArgs, keep_trace: bool = False, start_timeout_s: float = 900.0) -> None:
         self.args = args
@@ -171,13 +173,11 @@ class EngineCoreClient:
         inbox_r.close()
         outbox_w.close()
         self._finalizer = weakref.finalize(self, _stop, self.process, self._inbox, 0.0)
-        self._send_lock = threading.Lock()
-        self._reader: threading.Thread | None = None
-        if not self._outbox.poll(start_timeout_s):
-            self._finalizer()
-            raise TimeoutError(f"the engine process did not start within {start_timeout_s} s")
         try:
-            first = self._outbox.recv()
+            first = read_message(self._outbox.fileno(), start_timeout_s)
+        except TimeoutError:
+            self._finalizer()
+            raise TimeoutError(f"the engine process did not start within {start_timeout_s} s") from None
         except EOFError:
             self._finalizer()
             raise RuntimeError(f"the engine process exited while starting (exit code {self.process.exitcode})") from None
@@ -185,6 +185,7 @@ class EngineCoreClient:
             self._finalizer()
             raise RuntimeError(f"the engine process could not build the engine:\n{first.error}")  # noqa: TRY004
         self.info: CoreInfo = first
+        self.channel = LoopChannel(self._inbox.fileno(), self._outbox.fileno())
         self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # the core sends each prompt once
 
@@ -200,19 +201,6 @@ class EngineCoreClient:
             prompt, prompt_ids = prompts.pop(request_id) if finished else prompts.get(request_id, (None, []))
             yield unpack(packed, prompt, prompt_ids), records.get(request_id)
 
-    def start_reader(self, deliver: Callable[[CoreStep | BaseException], None]) -> None:
-        """Call `deliver(message)` (a bound method, held weakly: its owner may be dropped) on a
-        daemon thread for each CoreStep; at the end `deliver(error)` once (the core's failure, or
-        its exit)."""
-        self._reader = threading.Thread(target=_read, args=(self._outbox, self.process, weakref.WeakMethod(deliver)),
-                                        name="servelab-core-reader", daemon=True)
-        self._reader.start()
-
-    def send(self, new: list, aborts: set[str]) -> None:
-        """One batch to the core (blocks while the pipe is full; from a worker thread)."""
-        with self._send_lock:
-            self._inbox.send((new, aborts))
-
     @property
     def alive(self) -> bool:
         return self.process.is_alive()
@@ -220,39 +208,22 @@ class EngineCoreClient:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop and wait for it; terminate, then kill, what does not."""
         self._finalizer.detach()
-        _stop(self.process, self._inbox, timeout_s)
-        if self._reader is not None:
-            self._reader.join(timeout_s)
+        self.channel.detach(close=True)
+        if self.channel.pending:  # a message half written: a stop message would not parse
+            _stop(self.process, None, 0.0)
+        else:
+            _stop(self.process, self._inbox, timeout_s)
+        self._inbox.close()
         self._outbox.close()
 
 
-def _read(outbox, process, deliver: weakref.WeakMethod) -> None:
-    """The reader thread (holds no strong reference to the client, so a dropped one is collected)."""
-    failure = None
-    while True:
-        try:
-            message = outbox.recv()
-        except (EOFError, OSError):
-            break
-        if isinstance(message, CoreFailed):
-            failure = message.error
-            break
-        target = deliver()
-        if target is not None:
-            target(message)
-        del target
-    process.join(5.0)
-    target = deliver()
-    if target is not None:
-        target(RuntimeError(failure or f"the engine process exited (exit code {process.exitcode})"))
-
-
 def _stop(process, inbox, timeout_s: float) -> None:
-    try:
-        inbox.send(None)
-        inbox.close()
-    except OSError:
-        pass
+    """Send the stop message (unless `inbox` is None), wait `timeout_s`, then terminate and kill."""
+    if inbox is not None:
+        try:
+            write_message(inbox.fileno(), None)
+        except OSError:  # closed, broken, or full (a core that reads nothing more is terminated below)
+            pass
     process.join(timeout_s)
     if process.is_alive():
         process.terminate()

@@ -1,8 +1,10 @@
 """`ThreadBackend`: an `LLMEngine` stepped in one worker thread of the server's process.
 
-Each `submit` runs `add_request` / `abort_request` / `step()` in the worker thread (so the event loop
-stays free to stream) and hands the step's outputs to the sink. The engine is only ever touched
-from that thread, so new requests join the scheduler between steps, as vLLM's do.
+A task on the event loop steps the engine while it has work: it takes the requests and aborts
+handed over since the last step, runs `add_request` / `abort_request` / `step()` in the worker
+thread (so the event loop stays free to stream), and hands the step's outputs to the sink; with
+no work it waits on an event (no busy spin). The engine is only ever touched from that thread, so
+new requests join the scheduler between steps, as vLLM's do.
 """
 from __future__ import annotations
 
@@ -27,21 +29,46 @@ class ThreadBackend(EngineBackend):
                                             initializer=_use_device, initargs=(getattr(engine.runner, "device", None),))
         self._tracker = StatsTracker(engine, keep_trace)
         self._sink: ResultSink | None = None
+        self._new: list[NewRequest] = []  # handed over, for the next step
+        self._aborts: set[str] = set()
         self._admitting = 0  # requests handed to the step in progress
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop, sink: ResultSink) -> None:
-        self._sink = sink
+        self._sink, self._wake = sink, asyncio.Event()
+        self._task = loop.create_task(self._run(), name="servelab-engine-loop")
 
-    def has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
 
-    async def submit(self, new: list[NewRequest], aborts: set[str]) -> None:
-        self._admitting = len(new)
+    def add(self, request: NewRequest) -> None:
+        self._new.append(request)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.add(request_id)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        loop, engine = asyncio.get_running_loop(), self.engine
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self._executor, self._step, new, aborts)
-        finally:
-            self._admitting = 0
-        self._sink(result)
+            while True:
+                if not self._new and not self._aborts and not engine.has_unfinished_requests():
+                    self._wake.clear()
+                    await self._wake.wait()
+                (new, self._new), (aborts, self._aborts) = (self._new, []), (self._aborts, set())
+                self._admitting = len(new)
+                try:
+                    result = await loop.run_in_executor(self._executor, self._step, new, aborts)
+                finally:
+                    self._admitting = 0
+                self._sink(result)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 (any death must reach every stream)
+            self._sink(e)
 
     def _step(self, new: list[NewRequest], aborts: set[str]) -> StepResult:
         """In the worker thread: admit, abort, step once."""
@@ -52,15 +79,22 @@ class ThreadBackend(EngineBackend):
         return StepResult(errors, [(o, tracker.finished(o) if o.finished else None) for o in outputs])
 
     def num_waiting(self) -> int:
-        return self._tracker.num_waiting + self._admitting
+        return self._tracker.num_waiting + self._admitting + len(self._new)
 
-    def stats(self, num_pending: int) -> EngineStats:
-        return self._tracker.snapshot(num_pending=num_pending + self._admitting)
+    def stats(self) -> EngineStats:
+        return self._tracker.snapshot(num_pending=self._admitting + len(self._new))
 
     def health_problem(self) -> str | None:
         return None
 
     async def shutdown(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
         await asyncio.to_thread(self._executor.shutdown, True)
         if self.close_engine:
             self.engine.close()

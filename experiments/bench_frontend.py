@@ -1,5 +1,6 @@
 """`python -m experiments.bench_frontend [--clients 64 256] [--modes thread process]`: what the HTTP front
-end costs the engine, with the engine in a thread of the server's process or in its own process.
+end costs the engine, with the engine in a thread of the server's process or in its own process;
+`--latency [--baseline REF]`: what it adds to the time to the first token, layer by layer.
 
 For each mode and client count: the engine alone (`in-process`: LLMEngine stepped with the same
 requests, no server), or the server (`build_app` over `AsyncLLMEngine`, uvicorn in a thread of
@@ -9,12 +10,19 @@ over the client's active window) and the clients' output tok/s are reported. The
 tiny-llama on CPU, a proxy where each step's model work is small next to the host work of 64-256
 streams (on a GPU, `experiments.bench_online` measures the real thing). Scratch output under --out
 (default outputs/bench_frontend/<date>/<time>).
+
+`--latency` times single requests on an idle server through each layer (experiments/lib/
+frontend_latency.py: the engine alone, AsyncLLMEngine in a thread and with its own process, HTTP
+from a raw-socket client and from aiohttp, uvicorn on plain asyncio + h11, the engine in the
+server's thread) and prints each layer's TTFT and what it adds over the engine's; `--baseline REF`
+measures the tree of commit REF in the same run, rounds alternating (before / after a change).
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import time
@@ -80,6 +88,69 @@ def one_run(args: EngineArgs, mode: str, clients: int, output_len: int, out: Pat
             "active_s": active_s, "wall_s": seconds}
 
 
+def latency(out: Path, baseline: str | None, rounds: int, requests: int, background: int) -> None:
+    """Each tree (REF's, extracted with `git archive`, and this one) `rounds` times, alternating."""
+    import shutil
+    import tempfile
+
+    from experiments.lib import frontend_latency
+
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="frontend_latency_"))
+    probe = work / "frontend_latency.py"  # a copy outside any package (see its docstring)
+    shutil.copy(frontend_latency.__file__, probe)
+    root = Path(__file__).resolve().parent.parent
+    trees = {"this tree": root}
+    if baseline is not None:
+        tree = work / "baseline"
+        tree.mkdir()
+        archive = subprocess.run(["git", "-C", str(root), "archive", baseline], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        trees = {f"baseline {baseline}": tree, **trees}
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+    chunk_cost: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+    for r in range(rounds):
+        for name, tree in trees.items():
+            path = out / f"latency_{name.split()[-1].replace(' ', '_')}_{r}.json"
+            env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            subprocess.run([sys.executable, str(probe), "--out", str(path), "--requests", str(requests),
+                            "--background", str(background)], check=True, env=env, cwd=work)
+            for key, value in json.loads(path.read_text()).items():
+                if key == "frontend_us_per_chunk":
+                    for k, v in value.items():
+                        chunk_cost[name].setdefault(k, []).append(v)
+                else:
+                    samples[name].setdefault(key, []).extend(value)
+            print(f"round {r} {name}: done", flush=True)
+    shutil.rmtree(work)
+    print(latency_table(samples, chunk_cost))
+    (out / "latency.json").write_text(json.dumps({"samples": samples, "frontend_us_per_chunk": chunk_cost}) + "\n")
+
+
+def latency_table(samples: dict[str, dict[str, list[float]]], chunk_cost: dict[str, dict[str, list[float]]]) -> str:
+    import numpy as np
+
+    names = list(samples)
+    lines = ["| path | " + " | ".join(f"{n}: TTFT p50 (p10) ms, added over engine p50" for n in names) + " |",
+             "|---" * (len(names) + 1) + "|"]
+    for path in samples[names[-1]]:
+        cells = []
+        for n in names:
+            got = samples[n].get(path)
+            if not got:
+                cells.append("-")
+                continue
+            p50, p10 = np.percentile(got, 50), np.percentile(got, 10)
+            added = p50 - np.percentile(samples[n]["engine"], 50)
+            cells.append(f"{1e3 * p50:.3f} ({1e3 * p10:.3f}), {1e3 * added:+.3f}")
+        lines.append(f"| {path} | " + " | ".join(cells) + " |")
+    for path in chunk_cost[names[-1]]:
+        cells = [f"{np.median(chunk_cost[n][path]):.1f} us" if chunk_cost[n].get(path) else "-" for n in names]
+        lines.append(f"| front end CPU per streamed chunk, {path} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench_frontend", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -91,8 +162,17 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="runs per mode and client count (modes alternate)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--latency", action="store_true", help="TTFT added per layer (see above) instead")
+    ap.add_argument("--baseline", default=None, help="with --latency: also measure this commit's tree")
+    ap.add_argument("--rounds", type=int, default=3, help="with --latency: runs per tree (trees alternate)")
+    ap.add_argument("--requests", type=int, default=200, help="with --latency: requests per path and run")
+    ap.add_argument("--background", type=int, default=16,
+                    help="with --latency: streams for the front end's CPU per chunk (0: skip)")
     a = ap.parse_args()
     out = a.out or Path("outputs/bench_frontend") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    if a.latency:
+        latency(out, a.baseline, a.rounds, a.requests, a.background)
+        return
     args = EngineArgs(model=a.model, device=a.device, num_gpu_blocks=4096, max_model_len=512, max_num_seqs=256)
     rows = []
     for clients in a.clients:

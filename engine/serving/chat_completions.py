@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
-from engine.serving.completions import SSE_HEADERS
 from engine.serving.errors import APIError
 from engine.serving.generation import (
     Generation,
@@ -30,7 +29,7 @@ from engine.serving.protocol import (
     TopLogprob,
     random_id,
 )
-from engine.serving.sse import DONE, event, frame
+from engine.serving.sse import DONE, SSEResponse, event, frame
 
 
 async def create_chat_completion(ctx: Any, req: ChatCompletionRequest, http: HTTPRequest):
@@ -46,8 +45,7 @@ async def create_chat_completion(ctx: Any, req: ChatCompletionRequest, http: HTT
     gen = Generation(ctx.engine, [SubRequest(base_id, ids, params)], http, req.priority, req.user or None)
     await gen.start()
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, gen, base_id), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return SSEResponse(_stream(ctx, req, gen, base_id))
     return await _whole(ctx, req, gen, base_id)
 
 

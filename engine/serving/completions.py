@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
 from engine.outputs import CompletionOutput
@@ -27,10 +27,9 @@ from engine.serving.protocol import (
     CompletionResponse,
     random_id,
 )
-from engine.serving.sse import DONE, event
+from engine.serving.sse import DONE, SSEResponse, event
 
 _json_str = json.encoder.encode_basestring_ascii  # a str as a JSON string literal (C, as json.dumps)
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def create_completion(ctx: Any, req: CompletionRequest, http: HTTPRequest):
@@ -49,8 +48,7 @@ async def create_completion(ctx: Any, req: CompletionRequest, http: HTTPRequest)
     gen = Generation(ctx.engine, subs, http, req.priority, req.user or None)
     await gen.start()
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, gen, base_id), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return SSEResponse(_stream(ctx, req, gen, base_id))
     return await _whole(ctx, req, gen, base_id)
 
 

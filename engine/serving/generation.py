@@ -91,8 +91,14 @@ class Generation:
         self._watcher = asyncio.ensure_future(self._watch_disconnect())
         self._gens = [self.engine.generate(s.prompt_token_ids, s.params, s.request_id, priority=self.priority,
                                            output_kind="delta", tenant=self.tenant) for s in self.subs]
-        firsts = [asyncio.ensure_future(anext(g)) for g in self._gens]
-        done = await asyncio.gather(*firsts, return_exceptions=True)
+        if len(self._gens) == 1:  # awaited here: no task and no extra loop iteration before the first token
+            try:
+                done = [await anext(self._gens[0])]
+            except Exception as exc:  # noqa: BLE001 (handled below, as gather's results)
+                done = [exc]
+        else:
+            firsts = [asyncio.ensure_future(anext(g)) for g in self._gens]
+            done = await asyncio.gather(*firsts, return_exceptions=True)
         errors = [r for r in done if isinstance(r, BaseException)]
         if errors:
             await self.close()

@@ -1,0 +1,160 @@
+"""Messages between the front end and the engine core process over two one-way pipes.
+
+A message is a pickle behind its length (8 bytes, little-endian). The core reads and writes its
+ends blocking (`read_message`, `write_message`, `readable`); the front end drives its ends from its
+event loop (`LoopChannel`): a write never blocks the loop (what the pipe cannot take at once waits
+in a buffer until the loop reports the pipe writable), and messages are read when the loop reports
+the pipe readable. No thread stands between the pipe and the event loop, so a message reaches the
+streams in the loop iteration that sees it, without a hand-off to another thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import select
+import struct
+from collections.abc import Callable
+from typing import Any
+
+_HEADER = struct.Struct("<Q")
+_READ_SIZE = 1 << 20
+
+
+def frame(message: Any) -> bytes:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(data)) + data
+
+
+def write_message(fd: int, message: Any) -> None:
+    """Blocking write of one message (the core's side)."""
+    view = memoryview(frame(message))
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, _READ_SIZE))
+        if not chunk:
+            raise EOFError("the pipe closed")
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def read_message(fd: int, timeout_s: float | None = None) -> Any:
+    """Blocking read of one message; TimeoutError if none starts within `timeout_s`, EOFError when
+    the other end closed."""
+    if timeout_s is not None and not readable(fd, timeout_s):
+        raise TimeoutError(f"no message within {timeout_s} s")
+    (n,) = _HEADER.unpack(_read_exactly(fd, _HEADER.size))
+    return pickle.loads(_read_exactly(fd, n))
+
+
+def readable(fd: int, timeout_s: float = 0.0) -> bool:
+    """A message (or the end of the pipe) is there to read."""
+    return bool(select.select([fd], [], [], timeout_s)[0])
+
+
+class LoopChannel:
+    """The front end's two pipe ends, driven by one event loop at a time (`attach`)."""
+
+    def __init__(self, send_fd: int, recv_fd: int) -> None:
+        self.send_fd, self.recv_fd = send_fd, recv_fd
+        os.set_blocking(send_fd, False)
+        os.set_blocking(recv_fd, False)
+        self._out = bytearray()  # framed messages the pipe has not taken yet
+        self._in = bytearray()  # bytes read and not yet a whole message
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_message: Callable[[Any], None] | None = None
+        self._on_closed: Callable[[], None] | None = None
+        self.closed = False  # the core's end closed (EOF), or `detach(close=True)`
+
+    def attach(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[Any], None],
+               on_closed: Callable[[], None]) -> None:
+        """Read on `loop` from now on: `on_message(message)` for each message, `on_closed()` once at
+        the end of the pipe."""
+        self.detach()
+        self._loop, self._on_message, self._on_closed = loop, on_message, on_closed
+        if not self.closed:
+            loop.add_reader(self.recv_fd, self._readable)
+            if self._out:
+                loop.add_writer(self.send_fd, self._writable)
+
+    def detach(self, close: bool = False) -> None:
+        """Stop reading and writing on the loop; `close`: for good, after a last try to write what
+        waits (`pending` tells whether some of it is still there)."""
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self.recv_fd)
+            loop.remove_writer(self.send_fd)
+        if close:
+            self.closed = True
+            if self._out:
+                self._writable()
+
+    @property
+    def pending(self) -> bool:
+        """Bytes wait to be written (the pipe is not at a message boundary)."""
+        return bool(self._out)
+
+    def send(self, message: Any) -> None:
+        """Queue one message; it leaves now if the pipe takes it. Raises BrokenPipeError when the
+        core's end is closed."""
+        data = frame(message)
+        if self._out:
+            self._out += data
+            return
+        try:
+            sent = os.write(self.send_fd, data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            self._out += data[sent:]
+            if self._loop is not None:
+                self._loop.add_writer(self.send_fd, self._writable)
+
+    def _writable(self) -> None:
+        try:
+            sent = os.write(self.send_fd, self._out)
+        except BlockingIOError:
+            return
+        except OSError:  # the core is gone: its end of the other pipe closes too, which reports it
+            self._out.clear()
+            sent = 0
+        del self._out[:sent]
+        if not self._out and self._loop is not None:
+            self._loop.remove_writer(self.send_fd)
+
+    def _readable(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.recv_fd, _READ_SIZE)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._loop.remove_reader(self.recv_fd)
+                self.closed = True
+                self._deliver()
+                self._on_closed()
+                return
+            self._in += chunk
+            if len(chunk) < _READ_SIZE:
+                break
+        self._deliver()
+
+    def _deliver(self) -> None:
+        buf, size, start = self._in, _HEADER.size, 0
+        while len(buf) - start >= size:
+            (n,) = _HEADER.unpack_from(buf, start)
+            if len(buf) - start - size < n:
+                break
+            with memoryview(buf) as view:
+                message = pickle.loads(view[start + size:start + size + n])
+            start += size + n
+            self._on_message(message)
+        del buf[:start]

@@ -1,0 +1,214 @@
+"""Where the time to the first token goes between an HTTP client and the engine, layer by layer.
+
+`python frontend_latency.py --out FILE [--requests N]` (a copy of this file outside any package, run
+with PYTHONPATH at the tree to measure: `experiments.bench_frontend --latency` runs it for this tree
+and for a baseline commit, so it imports nothing but the engine's public API) times one request at a time, each
+sent when the last one ended (an idle server, as TTFT at low load sees it), through every layer:
+
+    engine          LLMEngine.add_request -> the step that returns its first token (in-process TTFT)
+    async_thread    AsyncLLMEngine.generate -> first output, engine in a worker thread
+    async_process   the same, engine in its own process (engine.serve's default)
+    http_raw        POST /v1/completions (stream) -> first SSE chunk with a choice, from a raw-socket
+                    client (keep-alive), engine in its own process
+    http_aiohttp    the same from aiohttp (experiments.bench_serving's client)
+    http_h11        http_raw with uvicorn on plain asyncio + h11 (what uvicorn falls back to where
+                    uvloop and httptools are not installed)
+    http_thread     http_raw with the engine in a worker thread of the server
+
+and, with `--background K`, the front end's CPU time per streamed chunk while K clients stream
+(µs of the server process per chunk: the work a busy front end queues a new request behind).
+Writes {path: [seconds, ...], "frontend_us_per_chunk": {...}} as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import subprocess
+import sys
+import time
+
+PROMPT = list(range(1, 33))
+BODY = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True}}
+
+
+# ---- clients (run in a subprocess: `--client KIND --port P`) ---------------------------------------
+async def raw_client(port: int, n: int) -> list[float]:
+    """HTTP/1.1 keep-alive over a bare socket: the least a client can add."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(BODY).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+    times = []
+    for _ in range(n):
+        t0, first = time.perf_counter(), None
+        writer.write(request)
+        await reader.readuntil(b"\r\n\r\n")  # status line and headers (chunked body follows)
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            if first is None and b'"choices":[{' in chunk:
+                first = time.perf_counter() - t0
+        times.append(first)
+    writer.close()
+    return times
+
+
+async def aiohttp_client(port: int, n: int) -> list[float]:
+    import aiohttp
+
+    times = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(n):
+            t0, first = time.perf_counter(), None
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=BODY) as resp:
+                async for line in resp.content:
+                    if first is None and line.startswith(b"data: {") and b'"choices":[{' in line:
+                        first = time.perf_counter() - t0
+            times.append(first)
+    return times
+
+
+async def background_client(port: int, k: int, seconds: float) -> int:
+    """k streams of 150 tokens each, one after another, for `seconds`; the chunks received."""
+    import aiohttp
+
+    body = {**BODY, "max_tokens": 150}
+    body.pop("stream_options")
+    loop = asyncio.get_running_loop()
+    end, chunks = loop.time() + seconds, 0
+    async with aiohttp.ClientSession() as session:
+        async def stream() -> None:
+            nonlocal chunks
+            while loop.time() < end:
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                    async for line in resp.content:
+                        chunks += line.startswith(b"data: {")
+        await asyncio.gather(*(stream() for _ in range(k)))
+    return chunks
+
+
+def run_client(kind: str, port: int, n: int) -> list[float]:
+    out = subprocess.run([sys.executable, __file__, "--client", kind, "--port", str(port), "--requests", str(n)],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+# ---- the paths --------------------------------------------------------------------------------------
+def engine_args():
+    from engine.engine_args import EngineArgs
+
+    return EngineArgs(model="tiny-llama", device="cpu", num_gpu_blocks=1024, max_model_len=256)
+
+
+def in_process(n: int) -> list[float]:
+    from engine.llm_engine import LLMEngine
+    from policies.request import SamplingParams
+
+    engine, params, times = LLMEngine(engine_args()), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), []
+    for i in range(n):
+        t0 = time.perf_counter()
+        engine.add_request(f"r{i}", PROMPT, params)
+        while not any(o.outputs and o.outputs[0].token_ids for o in engine.step()):
+            pass
+        times.append(time.perf_counter() - t0)
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.close()
+    return times
+
+
+def through_async(engine, n: int) -> list[float]:
+    from policies.request import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    async def main() -> list[float]:
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            stream = engine.generate(PROMPT, params, f"a{i}")
+            await anext(stream)
+            times.append(time.perf_counter() - t0)
+            async for _ in stream:
+                pass
+        await engine.shutdown()
+        return times
+
+    return asyncio.run(main())
+
+
+def through_http(engine, clients: list[str], n: int, plain_asyncio: bool = False,
+                 background: int = 0) -> dict[str, list[float] | float]:
+    import uvicorn
+
+    from engine.serving.app import build_app
+    from engine.serving.server import ServerThread
+
+    if plain_asyncio:  # uvicorn without uvloop and httptools
+        init = uvicorn.Config.__init__
+        uvicorn.Config.__init__ = lambda self, *a, **kw: init(self, *a, **{**kw, "loop": "asyncio", "http": "h11"})
+    try:
+        with ServerThread(build_app(engine, "tiny-llama")) as server:
+            result: dict[str, list[float] | float] = {kind: run_client(kind, server.port, n) for kind in clients}
+            if background:
+                cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+                out = subprocess.run([sys.executable, __file__, "--client", "background", "--port", str(server.port),
+                                      "--requests", str(background)], capture_output=True, text=True, check=True)
+                cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+                cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+                result["us_per_chunk"] = 1e6 * cpu / max(json.loads(out.stdout), 1)
+    finally:
+        if plain_asyncio:
+            uvicorn.Config.__init__ = init
+    return result
+
+
+def measure(n: int, background: int) -> dict:
+    from engine.async_llm_engine import AsyncLLMEngine
+    from engine.llm_engine import LLMEngine
+
+    def process_engine():
+        return AsyncLLMEngine.from_engine_args(engine_args(), engine_process=True)
+
+    warm = 10  # dropped: first requests of each path (allocator, caches)
+    out: dict = {"engine": in_process(n + warm)[warm:]}
+    out["async_thread"] = through_async(AsyncLLMEngine(LLMEngine(engine_args())), n + warm)[warm:]
+    out["async_process"] = through_async(process_engine(), n + warm)[warm:]
+    chunk_cost = {}
+    for name, engine, asyncio_h11 in (("http", process_engine(), False), ("http_h11", process_engine(), True),
+                                      ("http_thread", AsyncLLMEngine(LLMEngine(engine_args())), False)):
+        clients = ["raw", "aiohttp"] if name == "http" else ["raw"]
+        got = through_http(engine, clients, n + warm, asyncio_h11, background)
+        for kind in clients:
+            out[f"{name}_{kind}" if name == "http" else name] = got[kind][warm:]
+        if background and name != "http_thread":  # there the process steps the engine too
+            chunk_cost[name] = got["us_per_chunk"]
+    if chunk_cost:
+        out["frontend_us_per_chunk"] = chunk_cost
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="frontend_latency.json")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--background", type=int, default=0, help="streams for the per-chunk cost (0: skip)")
+    ap.add_argument("--client", choices=["raw", "aiohttp", "background"], default=None)
+    ap.add_argument("--port", type=int, default=None)
+    a = ap.parse_args()
+    if a.client == "background":
+        print(json.dumps(asyncio.run(background_client(a.port, a.requests, 5.0))))
+    elif a.client is not None:
+        print(json.dumps(asyncio.run((raw_client if a.client == "raw" else aiohttp_client)(a.port, a.requests))))
+    else:
+        with open(a.out, "w") as f:
+            json.dump(measure(a.requests, a.background), f)
+
+
+if __name__ == "__main__":
+    main()
