@@ -119,13 +119,16 @@ def main() -> None:
         runs.append(time.perf_counter() - start)
     seconds = statistics.median(runs)
     num_output = sum(o.num_output_tokens for o in outputs)
-    note = f"block_size {args.block_size}, CUDA graphs {engine.runner.graphs is not None}"
+    note = (f"block_size {args.block_size}, CUDA graphs {engine.runner.graphs is not None}, "
+            f"tensor_parallel_size {args.tensor_parallel_size}")
     if a.repeats > 1:
         note += "; median of " + " / ".join(f"{num_output / t:,.0f}" for t in runs) + " tok/s"
     ours = PeerResult("servelab LLM.generate", len(prompts), sum(max_tokens), num_output, seconds, note)
+    # Per GPU: under tensor parallelism every rank reads its shard and its KV heads at once, so the
+    # floor is rank 0's bytes over one GPU's bandwidth.
     floor = floor_bytes([len(p) for p in prompts], max_tokens,
                         weight_bytes_per_step(engine.runner.model, model_cfg.tie_word_embeddings),
-                        model_cfg.kv_bytes_per_token(dtype))
+                        engine.runner.local_config.kv_bytes_per_token(dtype))
     floor_s = floor / bandwidth
     print(f"ours: {ours.tok_s:,.0f} output tok/s ({ours.output_tokens} tokens in {seconds:.2f} s); floor "
           f"{ours.output_tokens / floor_s:,.0f} tok/s at {bandwidth / 1e12:.2f} TB/s", flush=True)
