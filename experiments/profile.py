@@ -39,6 +39,7 @@ from experiments.lib.cli import run_cli
 from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
+from experiments.lib.profiling.host import admission_time
 from experiments.lib.profiling.measure import PIPELINED_SLACK, measure, slower_pipelined
 from experiments.lib.profiling.synthetic import blocks_needed, decode_contexts
 from sim.latency.prefill_schedule import PrefillSchedule
@@ -134,6 +135,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     print(f"[profile] runner ready in {setup_s:.1f}s: {runner.num_gpu_blocks} KV blocks on {runner.device}, "
           f"{len(grid.step_shapes())} step shapes to time", flush=True)
     rows, split, probes = measure(cfg, runner, grid)
+    admission_s = admission_time(runner, cfg.host_repeats, cfg.seed)
     ahead = bool(cfg.get("async_scheduling", False))
     pair_s, slope, se = fit_prefill_pair_s([(p, pairs, t) for p, _, pairs, t in split])
     schedule = prefill_schedule(runner)
@@ -172,6 +174,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
         "prefill_tile_fit": (f"slope {tile_slope:.3e} s/key tile, standard error {tile_se:.1e}: "
                              f"{'used' if tile_s else 'not significant, 0 used'}"),
         "prefill_split_rows": "tokens x seqs: s " + " ".join(f"{p}x{k}:{t:.6f}" for p, k, _, t in split),
+        "admission_s": f"{admission_s:.6e}",
         "host_probe_us": " ".join(f"{x:.0f}" for x in probes) + " (cpu_probe_us before each pass and after the last)",
     }
     if ahead:  # a row timed for another shape, or disturbed, shows as slower pipelined than synchronous

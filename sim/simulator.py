@@ -1,7 +1,10 @@
 """The discrete-event backend: SimPy time, a scheduler, and a latency model.
 
 Two processes share one `simpy.Environment`:
-- arrivals: waits until each request's `arrival_time` and hands it to `scheduler.add`;
+- arrivals: waits until each request's `arrival_time` and hands it to `scheduler.add`; with a
+  latency model's `admission_s` (the engine's host cost of one `add_request`), the requests that have
+  arrived are handed over together once the host has admitted them all, one after another (a burst of
+  N at t = 0 starts its first step at N x admission_s, as the engine's serving loop does);
 - engine: `out = scheduler.schedule(now)`; `yield timeout(latency.total_time(out))` (forward +
   swap transfers); `scheduler.update(out, tokens, now)` with synthetic tokens. When nothing is
   runnable it sleeps until the next arrival instead of spinning.
@@ -73,6 +76,7 @@ class Simulator:
         self.scheduler = scheduler
         self.latency = latency
         self.requests = sorted(requests, key=lambda r: r.arrival_time)
+        self.admission_s = float(getattr(latency, "admission_s", 0.0))  # host seconds per admitted request
         self.stop_lens = dict(stop_lens or {})
         self.on_done = on_done
         self.env = simpy.Environment()
@@ -99,14 +103,27 @@ class Simulator:
         return SimResult(len(self.requests), self.num_steps, self.env.now)
 
     def _arrivals(self):
-        env, add = self.env, self.scheduler.add
-        for req in self.requests:
+        env, add, requests = self.env, self.scheduler.add, self.requests
+        admission_s = self.admission_s
+        i = 0
+        while i < len(requests):
+            req = requests[i]
             if req.arrival_time > env.now:
                 delay = req.arrival_time - env.now
                 self._next_arrival_at = env.now + delay  # the time SimPy computes for the timeout
                 yield env.timeout(delay)
-            add(req, env.now)
-            self._arrived += 1
+            j = i + 1
+            if admission_s:
+                # The host admits what has arrived, one request after another, before the scheduler
+                # sees any of it (the engine's serving loop: every add_request, then the next step).
+                while j < len(requests) and requests[j].arrival_time <= env.now:
+                    j += 1
+                self._next_arrival_at = env.now + (j - i) * admission_s
+                yield env.timeout((j - i) * admission_s)
+            for req in requests[i:j]:
+                add(req, env.now)
+            self._arrived += j - i
+            i = j
             if self._wake is not None and not self._wake.triggered:
                 self._wake.succeed()
         self._next_arrival_at = inf

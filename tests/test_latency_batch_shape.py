@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -125,3 +126,15 @@ def test_grid_measures_every_ratio_on_decode_only_rows_only():
         ProfileGrid.from_dict({"prefill_tokens": [0], "decode_seqs": [1], "context_per_decode": [8],
                                "swap_blocks": [1], "split_prefill_tokens": [8], "split_counts": [1],
                                "context_ratios": [0.5]})
+
+
+def test_default_grid_measures_both_sides_of_the_tma_kernels_first_split_change():
+    """On 132 SMs (4 programs each) with 8 KV heads, the Gluon TMA kernel's split count drops at the
+    first batch whose 4-split programs overflow one wave; the step time jumps there, so the default
+    grid has a decode count on each side of it (interpolating across it priced 17-24 sequences ~5% low)."""
+    from kernels.decode_splits import splits_for
+    grid = ProfileGrid.from_dict(yaml.safe_load((ROOT / "conf" / "profile_grid" / "default.yaml").read_text()))
+    longest = round(max(grid.context_per_decode) / 2 * max(grid.context_ratios))  # a mid-grid longest context
+    edge = next(d for d in range(1, 64) if splits_for((d + 1) * 8, longest, 4 * 132, 256, True)
+                < splits_for(d * 8, longest, 4 * 132, 256, True))
+    assert edge in grid.decode_seqs and edge + 1 in grid.decode_seqs

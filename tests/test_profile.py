@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ def test_profiler_on_cpu_writes_a_profile_the_simulator_loads(tmp_path):
     path, _ = tiny_profile(tmp_path / "cpu-tiny-qwen3.csv")
     file_meta, rows = read_profile(path)
     for key in ("model", "block_size", "device", "dtype", "versions", "date", "command", "prefill_pair_s",
-                "prefill_schedule", "prefill_tile_s", "prefill_split_rows"):
+                "prefill_schedule", "prefill_tile_s", "prefill_split_rows", "admission_s"):
         assert key in file_meta, key
     # tiny-qwen3's prefill kernel geometry on the CPU stand-in (4 "SMs", one program each)
     assert PrefillSchedule.parse(file_meta["prefill_schedule"]).concurrent == 4
@@ -70,6 +71,17 @@ def test_profiler_on_cpu_writes_a_profile_the_simulator_loads(tmp_path):
         assert model.lookup(p, d, c) == pytest.approx(float(r["time_s"]), rel=1e-5)
     with pytest.raises(ValueError, match="model='tiny-qwen3'"):
         ProfiledModel(path, block_size=16, model_name="qwen3-0.6b")
+    # the engine's add_request, timed: the simulator's arrivals pay it (tests/test_sim.py)
+    assert model.admission_s == float(file_meta["admission_s"]) > 0
+
+
+def test_admission_cost_must_be_a_number(tmp_path):
+    path, _ = tiny_profile(tmp_path / "p.csv")
+    text = path.read_text()
+    bad = tmp_path / "bad.csv"
+    bad.write_text(re.sub(r"# admission_s: .*", "# admission_s: -1", text))
+    with pytest.raises(ValueError, match=r"admission_s='-1' is invalid"):
+        ProfiledModel(bad, block_size=16)
 
 
 def test_synthetic_steps_have_the_requested_shape_and_distinct_blocks():

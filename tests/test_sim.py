@@ -177,3 +177,34 @@ def test_async_scheduling_stays_synchronous_after_full_sampler_steps():
 
     assert run([0.9, 0.9, 0.9]) == 0
     assert 0 < run([0.9, 1.0, 1.0]) < run([1.0, 1.0, 1.0])
+
+
+class Admitting(Constant):
+    """`Constant` with a host cost per admitted request (the engine's add_request)."""
+
+    def __init__(self, step: float, admission_s: float) -> None:
+        super().__init__(step)
+        self.admission_s = admission_s
+
+
+@pytest.mark.parametrize("fast_forward", [False, True])
+def test_a_burst_is_admitted_one_request_after_another_before_the_first_step(fast_forward):
+    """The engine's serving loop adds every arrived request before its next step: a burst of 5 at
+    t = 0 starts at 5 x admission_s, and a later arrival is seen admission_s after it arrives."""
+    sched = scheduler()
+    reqs = [request(f"b{i}", 0.0, 8, 2) for i in range(5)] + [request("late", 1.0, 8, 2)]
+    Simulator(sched, Admitting(0.01, 0.002), reqs, fast_forward=fast_forward).run()
+    steps = sched.recorder.steps
+    assert steps[0]["time"] == pytest.approx(0.010) and steps[0]["num_prefill_seqs"] == 5
+    rows = {r["request_id"]: r for r in sched.recorder.requests}
+    # queued during the admission, prefilled 0.010-0.020, decoded 0.020-0.030
+    assert rows["b0"]["ttft"] == pytest.approx(0.020) and rows["b0"]["finish_time"] == pytest.approx(0.030)
+    assert rows["late"]["ttft"] == pytest.approx(0.002 + 0.01)  # TTFT still counts from the arrival
+    arrived = [e[0] for e in sched.recorder.events if e[1] == "arrived"]  # (time, event, ...)
+    assert [round(t, 6) for t in arrived] == [0.01] * 5 + [1.002]
+
+
+def test_no_admission_cost_leaves_arrivals_as_they_come():
+    sched = scheduler()
+    Simulator(sched, Admitting(0.01, 0.0), [request(f"b{i}", 0.0, 8, 2) for i in range(3)]).run()
+    assert sched.recorder.steps[0]["time"] == 0.0

@@ -85,6 +85,9 @@ class LatencyModel(ABC):
     # Whether step prices follow the longest decode context (`BatchShape.max_context_tokens`): the
     # simulator then passes it to `decode_times`.
     uses_longest_context: bool = False
+    # Host seconds the engine spends admitting one request (`LLMEngine.add_request`), paid one request
+    # after another before the scheduler sees them (sim/simulator.py); 0: not modelled.
+    admission_s: float = 0.0
 
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
                      num_steps: int, max_context_tokens: int = 0) -> list[float] | None:

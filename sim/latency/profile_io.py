@@ -41,6 +41,9 @@ a prefill of its new tokens, unless the profile carries these optional metadata 
 - column `sync_time_s` (optional, profiles with `async_scheduling: true`): each step row as the
   synchronous loop pays it; steps not scheduled ahead (`SchedulerOutput.ahead` false) are priced
   from it, the others from `time_s` (the period with the host's work overlapped).
+- `admission_s` (optional, >= 0): seconds of host work per request the engine admits
+  (`LLMEngine.add_request`); the serving loop admits every arrived request before its next step, so
+  a burst of N requests delays that step by N x admission_s (the simulator's arrivals pay it).
 - `token_graph_sizes`: the engine's CUDA-graph token sizes for steps with prefill tokens; each
   prefill row's padding to them is taken out before interpolating and the priced step's own added
   (sim/latency/token_padding.py).

@@ -6,7 +6,8 @@ context per decode and, where measured, longest context / mean), then corrected 
 rows do not vary: the CUDA-graph token padding of a step with prefill (token_padding.py), and a
 prefill layout other than one sequence with no prefix (prefill_schedule.py's makespan times
 `prefill_tile_s`, else the causal-attention pair count times `prefill_pair_s`). An async profile's
-`sync_time_s` grid prices the steps not scheduled ahead. Swaps are piecewise linear in the block
+`sync_time_s` grid prices the steps not scheduled ahead; `admission_s`, the engine's host cost of admitting
+a request, delays arrivals (sim/simulator.py). Swaps are piecewise linear in the block
 count, scaled by block_size / the profile's block_size.
 """
 from __future__ import annotations
@@ -59,6 +60,7 @@ class ProfiledModel(LatencyModel):
                           if rows_by_point.sync_steps else None)
         self.prefill_pair_s = meta_number(path, self.meta, "prefill_pair_s")
         self.prefill_tile_s = meta_number(path, self.meta, "prefill_tile_s")
+        self.admission_s = meta_number(path, self.meta, "admission_s")
         self.prefill_schedule: PrefillSchedule | None = None
         if "prefill_schedule" in self.meta:
             try:

@@ -18,6 +18,9 @@ P tokens that the step admits (aborted after it, so D stays D).
 `pipelined_period` times a step as async scheduling runs it: launched again and again without
 waiting for its tokens, so the host's launch work overlaps the device's.
 
+`admission_time` times `LLMEngine.add_request` itself: the host work per arriving request, which the
+serving loop pays before its next step (a burst of N requests at once: N of them).
+
 `decode_periods` measures decode-only rows directly as that period: an engine holding D running
 sequences at the row's contexts times its own consecutive steps. On an H200 the composed estimate
 fell 5-17% short of the decode steps of real engine runs (the fidelity scenarios), growing with D: the runner's host work (step plan, input writes, sampling bookkeeping)
@@ -152,6 +155,31 @@ def pipelined_period(runner: ModelRunner, out, warmup: int, repeats: int) -> flo
         runner.launch(out)
     sync(runner.device)
     return (time.perf_counter() - t0) / repeats
+
+
+def admission_time(runner: ModelRunner, repeats: int, seed: int = 0, num_requests: int = 64,
+                   prompt_len: int = 512) -> float:
+    """Seconds of host work per request `LLMEngine.add_request` takes on an idle engine (the median
+    over `repeats` rounds of each round's mean over `num_requests` adds), with the arguments a workload
+    replay passes (experiments/lib/engine_backend.py); the prompts are built before the clock starts."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} is invalid: must be >= 1")
+    rng = random.Random(seed)
+    high = min(10000, runner.vocab_size)
+    engine = _engine(runner, runner, seed)
+    prompt_len = min(prompt_len, runner.max_model_len - 1)
+    per_request = []
+    for r in range(repeats):
+        engine.reset(TraceRecorder())
+        prompts = [[rng.randrange(high) for _ in range(prompt_len)] for _ in range(num_requests)]
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"a{r}-{i}", prompt, _PARAMS, arrival_time=0.0, output_len=16, abort_too_long=True)
+        per_request.append((time.perf_counter() - t0) / num_requests)
+        for i in range(num_requests):
+            engine.abort_request(f"a{r}-{i}")
+        engine.step()  # hands out the aborted requests' outputs
+    return statistics.median(per_request)
 
 
 def _abort_decodes(engine: LLMEngine, num: int) -> None:
