@@ -117,6 +117,7 @@ def cases(draw):
                                   enable_chunked_prefill=chunked, async_scheduling=draw(st.booleans())),
         "latency": draw(st.sampled_from(["roofline", "dyadic", "dyadic", "example-synthetic", "h200-qwen3-0.6b",
                                          "h200-qwen3-0.6b-async", "batch-shape"])),
+        "admission_s": draw(st.sampled_from([0.0, 0.0, 3 / 1024])),  # the host's cost per admitted request
     }
     shared = list(range(500, 500 + MAX_MODEL_LEN))
     requests, stop_lens = [], {}
@@ -147,9 +148,9 @@ def simulate(case: dict, fast_forward: bool) -> tuple:
     requests = [Request(rid, list(prompt), SamplingParams(**params), arrival_time=arrival, priority=priority,
                         eos_token_id=eos, tenant=tenant)
                 for rid, prompt, params, arrival, priority, eos, tenant in case["requests"]]
-    result = Simulator(scheduler, latency_model(case["latency"], case["block_size"], case["config"].async_scheduling),
-                       requests,
-                       case["stop_lens"], fast_forward=fast_forward).run()
+    latency = latency_model(case["latency"], case["block_size"], case["config"].async_scheduling)
+    latency.admission_s = case.get("admission_s", 0.0)
+    result = Simulator(scheduler, latency, requests, case["stop_lens"], fast_forward=fast_forward).run()
     if case["blocks"] == "contiguous":
         pools = (manager.extents.starts, manager.extents.ends, manager.gpu_refs)
     else:
