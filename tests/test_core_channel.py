@@ -10,6 +10,7 @@ import threading
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 
 from engine.core_channel import LoopChannel, frame, read_message, write_message
 
@@ -41,7 +42,7 @@ def test_a_send_larger_than_the_pipe_never_blocks_the_loop():
         os.close(fd)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.lists(st.one_of(st.integers(), st.binary(max_size=3000), st.text(max_size=50)), max_size=20),
        st.lists(st.integers(1, 5000), min_size=1, max_size=30))
 def test_whole_messages_in_order_however_the_bytes_arrive(messages, cuts):
