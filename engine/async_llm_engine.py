@@ -231,8 +231,17 @@ class AsyncLLMEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.fail(error)
-        for output, record in result.outputs:
-            self._deliver(output, record)
+        # First outputs go first: their consumers (clients waiting for a first token) then run
+        # before those of the streams already going, in the loop iteration that follows.
+        later = []
+        for item in result.outputs:
+            stream = self._streams.get(item[0].request_id)
+            if stream is not None and stream.started:
+                later.append(item)
+            else:
+                self._deliver(*item)
+        for item in later:
+            self._deliver(*item)
 
     def _deliver(self, output: RequestOutput, record: RequestStats | None) -> None:
         if record is not None:

@@ -12,7 +12,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 
 
 class RequestStream:
-    __slots__ = ("_error", "_pending", "_ready", "delta", "request_id")
+    __slots__ = ("_error", "_pending", "_ready", "delta", "request_id", "started")
 
     def __init__(self, request_id: str, delta: bool) -> None:
         self.request_id = request_id
@@ -20,8 +20,10 @@ class RequestStream:
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
+        self.started = False  # an output was put
 
     def put(self, output: RequestOutput) -> None:
+        self.started = True
         pending = self._pending
         self._pending = output if pending is None or not self.delta else _merge_deltas(pending, output)
         self._ready.set()

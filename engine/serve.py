@@ -79,13 +79,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine.async_llm_engine import AsyncLLMEngine
     from engine.serving.app import build_app
-    from engine.serving.server import uvicorn_config
+    from engine.serving.server import slow_io_warning, uvicorn_config
 
     engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,
                                              engine_process=ns.engine_process)
     app = build_app(engine, ns.served_model_name, ns.chat_template)
     if ns.host not in (LOOPBACK, "localhost", "::1"):
         print(f"warning: binding {ns.host}: the server is reachable beyond this machine", file=sys.stderr)
+    warning = slow_io_warning()
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"serving {app.state.ctx.model_name!r} at http://{ns.host}:{ns.port}/v1", file=sys.stderr)
     uvicorn.Server(uvicorn_config(app, ns.host, ns.port, ns.log_level)).run()
 

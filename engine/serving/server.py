@@ -7,6 +7,7 @@ OpenAI base URL); `stop()` (or leaving the `with` block) shuts it down.
 """
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 
@@ -17,9 +18,18 @@ LOOPBACK = "127.0.0.1"
 
 def uvicorn_config(app, host: str = LOOPBACK, port: int = 8000, log_level: str = "warning") -> uvicorn.Config:
     # One event loop, no reload, no access log per request (a log line per request costs as much
-    # as a decode step's host work at high request rates).
+    # as a decode step's host work at high request rates); uvloop and httptools where installed.
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-                          timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=5, loop="auto", http="auto")
+
+
+def slow_io_warning() -> str | None:
+    """What uvicorn falls back to when uvloop or httptools is missing, or None."""
+    missing = [name for name in ("uvloop", "httptools") if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"{' and '.join(missing)} not installed: uvicorn serves on plain asyncio / h11, which costs the "
+            "front end 15-20% more CPU per streamed chunk (pip install uvloop httptools)")
 
 
 class ServerThread:

@@ -15,8 +15,12 @@ sent when the last one ended (an idle server, as TTFT at low load sees it), thro
                     uvloop and httptools are not installed)
     http_thread     http_raw with the engine in a worker thread of the server
 
-and, with `--background K`, the front end's CPU time per streamed chunk while K clients stream
-(µs of the server process per chunk: the work a busy front end queues a new request behind).
+and, with `--background K`, while K other clients stream (150 tokens each, one after another):
+`http_loaded` and `http_h11_loaded`, http_raw's requests among them, and the front end's CPU time
+per streamed chunk (µs of the server process: the work a busy front end queues a request behind).
+`<path>_own` beside an HTTP path: the server's own TTFT of the same requests (its `RequestStats`:
+from `generate()` to the token in the engine), so the client's TTFT minus it is the request's way
+in before `generate()` plus the first output's way back (SSE, socket, client).
 Writes {path: [seconds, ...], "frontend_us_per_chunk": {...}} as JSON.
 """
 from __future__ import annotations
@@ -152,16 +156,29 @@ def through_http(engine, clients: list[str], n: int, plain_asyncio: bool = False
     if plain_asyncio:  # uvicorn without uvloop and httptools
         init = uvicorn.Config.__init__
         uvicorn.Config.__init__ = lambda self, *a, **kw: init(self, *a, **{**kw, "loop": "asyncio", "http": "h11"})
+    own: list[float] = []  # the server's own TTFT of each single request (generate() -> token in the engine)
+    app = build_app(engine, "tiny-llama")
+    engine.add_finished_observer(lambda r: own.append(r.ttft) if r.num_generation_tokens == BODY["max_tokens"] else None)
     try:
-        with ServerThread(build_app(engine, "tiny-llama")) as server:
-            result: dict[str, list[float] | float] = {kind: run_client(kind, server.port, n) for kind in clients}
-            if background:
+        with ServerThread(app) as server:
+            result: dict[str, list[float] | float] = {}
+            for kind in clients:
+                own.clear()
+                result[kind] = run_client(kind, server.port, n)
+                result[f"{kind}_own"] = list(own)
+            if background:  # K streams for 6 s; single requests among them from the second on
                 cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-                out = subprocess.run([sys.executable, __file__, "--client", "background", "--port", str(server.port),
-                                      "--requests", str(background)], capture_output=True, text=True, check=True)
+                streams = subprocess.Popen([sys.executable, __file__, "--client", "background", "--port",
+                                            str(server.port), "--requests", str(background)],
+                                           stdout=subprocess.PIPE, text=True)
+                time.sleep(1.0)
+                own.clear()
+                result["loaded"] = run_client("raw", server.port, n)
+                result["loaded_own"] = list(own)
+                chunks = json.loads(streams.communicate()[0])
                 cpu1 = resource.getrusage(resource.RUSAGE_SELF)
                 cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
-                result["us_per_chunk"] = 1e6 * cpu / max(json.loads(out.stdout), 1)
+                result["us_per_chunk"] = 1e6 * cpu / max(chunks, 1)
     finally:
         if plain_asyncio:
             uvicorn.Config.__init__ = init
@@ -185,9 +202,14 @@ def measure(n: int, background: int) -> dict:
         clients = ["raw", "aiohttp"] if name == "http" else ["raw"]
         got = through_http(engine, clients, n + warm, asyncio_h11, background)
         for kind in clients:
-            out[f"{name}_{kind}" if name == "http" else name] = got[kind][warm:]
+            key = f"{name}_{kind}" if name == "http" else name
+            out[key] = got[kind][warm:]
+            if kind == "raw":
+                out[f"{key}_own"] = got[f"{kind}_own"][warm:]
         if background and name != "http_thread":  # there the process steps the engine too
             chunk_cost[name] = got["us_per_chunk"]
+            out[f"{name}_loaded"] = got["loaded"][warm:]
+            out[f"{name}_loaded_own"] = got["loaded_own"][warm:]
     if chunk_cost:
         out["frontend_us_per_chunk"] = chunk_cost
     return out
@@ -202,7 +224,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=None)
     a = ap.parse_args()
     if a.client == "background":
-        print(json.dumps(asyncio.run(background_client(a.port, a.requests, 5.0))))
+        print(json.dumps(asyncio.run(background_client(a.port, a.requests, 6.0))))
     elif a.client is not None:
         print(json.dumps(asyncio.run((raw_client if a.client == "raw" else aiohttp_client)(a.port, a.requests))))
     else:

@@ -1,0 +1,21 @@
+"""uvicorn's I/O for the server: uvloop and httptools where installed (the `serve` extra), and a
+warning naming what is missing otherwise."""
+from __future__ import annotations
+
+import importlib.util
+
+from engine.serving.server import slow_io_warning, uvicorn_config
+
+
+def test_uvicorn_takes_uvloop_and_httptools_when_installed():
+    config = uvicorn_config(app=None)
+    assert (config.loop, config.http, config.access_log) == ("auto", "auto", False)
+
+
+def test_a_missing_fast_loop_or_parser_is_named(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "httptools" else find_spec(name))
+    warning = slow_io_warning()
+    assert warning is not None and warning.startswith("httptools not installed") and "h11" in warning
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert (slow_io_warning() is None) == all(find_spec(n) is not None for n in ("uvloop", "httptools"))
