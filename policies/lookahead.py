@@ -30,7 +30,7 @@ their slots, and the policy would not force running sequences out for the waitin
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 
@@ -43,7 +43,7 @@ from policies.sampling_path import device_sampling
 from policies.sequence import PENDING, Sequence
 from policies.step_stats import StepStats
 
-__all__ = ["PENDING", "LookedPast", "can_look_past", "look_past", "next_step_safe"]  # PENDING: for backends
+__all__ = ["PENDING", "LookedPast", "can_look_past", "look_past", "next_step_safe", "samples_on_device"]  # PENDING: for backends
 _SEQ = itemgetter(0)  # ScheduledSeq.seq
 
 
@@ -73,9 +73,15 @@ def can_look_past(state: SchedulerState, step: ScheduledStep) -> bool:
         return False  # an abort in flight, or a prompt sampling n > 1 (it forks)
     if len(out.scheduled) - stats.num_partial != len(state.queues.running):
         return False  # a running sequence would still have tokens to compute (or was not scheduled)
-    if lifecycle.num_full_sampler and not device_sampling(map(_SEQ, out.scheduled)):
+    if not samples_on_device(state, map(_SEQ, out.scheduled)):
         return False  # the full sampler returns this step's tokens to the host at once
     return next_step_safe(state, ahead=1)
+
+
+def samples_on_device(state: SchedulerState, seqs: Iterable[Sequence]) -> bool:
+    """Whether a step of `seqs` keeps its tokens on the device, so the step after it can be decided
+    while it runs (policies/sampling_path.py; no live request may need the full sampler: no check)."""
+    return not state.lifecycle.num_full_sampler or device_sampling(seqs)
 
 
 def next_step_safe(state: SchedulerState, ahead: int) -> bool:

@@ -37,8 +37,8 @@ def may_need_full_sampler(params: SamplingParams) -> bool:
 def device_sampling(seqs: Iterable[Sequence]) -> bool:
     """Whether every sequence samples its next token on the device alone (asked before the step's
     tokens are applied).  Each distinct combination of the deciding fields is checked once.  A
-    simulator decode run needs no check of its own: it starts from a step scheduled ahead, its
-    sequences' fields do not change and their output counts only grow."""
+    simulator decode run scheduling ahead is checked once, at its first step: its sequences'
+    fields do not change and their output counts only grow."""
     seqs = list(seqs)
     params = list(map(_PARAMS, seqs))
     any_min_tokens = False

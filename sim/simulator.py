@@ -26,10 +26,10 @@ SimPy could not reach exactly from now with one delay (only possible early on) g
 Async scheduling (`scheduler.async_scheduling`): each step is decided when the one before it
 starts (`Scheduler.schedule_ahead`, policies/lookahead.py), so a request arriving during step N
 is admitted in step N + 2 at the earliest. A fast-forward then starts from a step scheduled ahead
-and keeps to steps that finish nothing and end before the next arrival; the step after it, decided
-when the run ends, is the one scheduling ahead would have decided at the last run step's start
-(nothing arrived or ended in between) and is priced as scheduled ahead. Traces are again identical
-to stepping one by one.
+whose sequences all sample on the device (others are not looked past) and keeps to steps that
+finish nothing and end before the next arrival; the step after it, decided when the run ends, is
+the one scheduling ahead would have decided at the last run step's start (nothing arrived or ended
+in between) and is priced as scheduled ahead. Traces are again identical to stepping one by one.
 """
 from __future__ import annotations
 

@@ -190,11 +190,23 @@ VTC_WEIGHTED_RUN_SUMS_AS_STEPPING = {
                      [([2000, 2001], 37, 0.0, "a"), ([2100], 23, 0.0, "b"), ([2200], 5, 0.5, "a"),
                       ([2300], 5, 0.5, "b")])]}
 
+# srpt, async scheduling, swap, one running slot: r1 arrives, swaps r0 out, and ends; r0 (top_p < 1:
+# the full sampler) is swapped back in by a step scheduled ahead. That step cannot be looked past,
+# so stepping decides the next one synchronously; a run from it priced that one as scheduled ahead.
+FULL_SAMPLER_AFTER_A_STEP_AHEAD = {
+    "policy": "srpt", "mode": "swap", "blocks": "prefix", "block_size": 1, "num_gpu_blocks": 40,
+    "num_cpu_blocks": 64, "watermark": 0.0, "latency": "dyadic", "stop_lens": {},
+    "config": SchedulerConfig(max_num_batched_tokens=MAX_MODEL_LEN, max_num_seqs=1, max_model_len=MAX_MODEL_LEN,
+                              enable_chunked_prefill=False, async_scheduling=True),
+    "requests": [("r0", [2000], dict(_one_token(3), top_p=0.9), 0.0, 0, None, None),
+                 ("r1", [2100], _one_token(1), 1 / 1024, 0, None, None)]}
+
 
 @settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 @example(case=VTC_RUN_SEES_NOTHING_WAITING)
 @example(case=VTC_WEIGHTED_RUN_SUMS_AS_STEPPING)
+@example(case=FULL_SAMPLER_AFTER_A_STEP_AHEAD)
 def test_fast_forward_leaves_the_traces_of_stepping_one_by_one(case):
     fast, fast_result, fast_pools = simulate(case, fast_forward=True)
     plain, plain_result, plain_pools = simulate(case, fast_forward=False)
