@@ -175,7 +175,7 @@ class AsyncLLMEngine:
 
     def _open(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int,
               output_kind: str, tenant: str | None = None) -> RequestStream:
-        """Check what can be checked at once, then queue the request for the loop."""
+        """Check what can be checked at once, then hand the request to the backend."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         if self.dead_error is not None:
@@ -207,7 +207,7 @@ class AsyncLLMEngine:
         if self.dead_error is None and not self._closed:
             self._backend.abort(request_id)
 
-    # ---- the loop -------------------------------------------------------------------------------
+    # ---- serving an event loop -----------------------------------------------------------------
     def _start(self) -> None:
         """Serve the running event loop, or move there if the loop served before ended without
         `shutdown` (e.g. one `asyncio.run` after another): that loop's requests are aborted, since

@@ -89,4 +89,5 @@ class CoreBackend(EngineBackend):
 
     async def shutdown(self) -> None:
         self._ended = True
+        self.client.channel.detach(close=True)  # here, on the loop that reads it
         await asyncio.to_thread(self.client.shutdown)
