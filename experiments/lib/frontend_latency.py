@@ -2,15 +2,16 @@
 
 `python frontend_latency.py --out FILE [--requests N]` (a copy of this file outside any package, run
 with PYTHONPATH at the tree to measure: `experiments.bench_frontend --latency` runs it for this tree
-and for a baseline commit, so it imports nothing but the engine's public API) times one request at a time, each
-sent when the last one ended (an idle server, as TTFT at low load sees it), through every layer:
+and for a baseline commit, so it imports only the engine's public API and the benchmark client)
+times one request at a time, each sent when the last one ended (an idle server, as TTFT at low
+load sees it), through every layer:
 
     engine          LLMEngine.add_request -> the step that returns its first token (in-process TTFT)
     async_thread    AsyncLLMEngine.generate -> first output, engine in a worker thread
     async_process   the same, engine in its own process (engine.serve's default)
     http_raw        POST /v1/completions (stream) -> first SSE chunk with a choice, from a raw-socket
                     client (keep-alive), engine in its own process
-    http_aiohttp    the same from aiohttp (experiments.bench_serving's client)
+    http_aiohttp    the same from experiments.bench_serving's client (aiohttp), the tree's own
     http_h11        http_raw with uvicorn on plain asyncio + h11 (what uvicorn falls back to where
                     uvloop and httptools are not installed)
     http_thread     http_raw with the engine in a worker thread of the server
@@ -63,17 +64,17 @@ async def raw_client(port: int, n: int) -> list[float]:
 
 
 async def aiohttp_client(port: int, n: int) -> list[float]:
+    """The tree's own benchmark client (experiments.bench_serving's request, timed as it times it)."""
     import aiohttp
+
+    from experiments.lib.serving_client import _one, _Timing
 
     times = []
     async with aiohttp.ClientSession() as session:
         for _ in range(n):
-            t0, first = time.perf_counter(), None
-            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=BODY) as resp:
-                async for line in resp.content:
-                    if first is None and line.startswith(b"data: {") and b'"choices":[{' in line:
-                        first = time.perf_counter() - t0
-            times.append(first)
+            timing = _Timing(arrival=0.0)
+            await _one(session, f"http://127.0.0.1:{port}", BODY, time.perf_counter(), timing, [])
+            times.append(timing.first_token)
     return times
 
 
