@@ -78,6 +78,6 @@ def test_model_schema_is_the_engine_model_config():
     import dataclasses
 
     from engine.config import ModelConfig
-    from experiments.lib.config_schema import Model
+    from experiments.lib.config_groups import Model
     yaml_fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"bos_token_id", "eos_token_id"}
     assert {f.name for f in dataclasses.fields(Model)} == yaml_fields

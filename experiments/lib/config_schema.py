@@ -1,6 +1,6 @@
-"""The schema of every config group (conf/<group>/*.yaml) and of the top-level files (conf/config.yaml,
-conf/profile.yaml, a fidelity spec): the keys each may hold and their types, as OmegaConf
-structured configs. Hydra catches a mistyped key on the command line but not in a yaml file, where
+"""Checks every config group (conf/<group>/*.yaml) and the top-level files (conf/config.yaml,
+conf/profile.yaml, a fidelity spec) against their schemas (experiments/lib/config_groups.py: the
+keys each may hold and their types, as OmegaConf structured configs). Hydra catches a mistyped key on the command line but not in a yaml file, where
 it would be silently ignored; `check_config` refuses it with a ValueError naming the file and the key.
 
 Values are checked for type only; ranges and meanings stay with the code that reads them
@@ -15,7 +15,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,22 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from experiments.lib.config_groups import (
+    Blocks,
+    EngineBackend,
+    FidelitySpec,
+    Model,
+    NanovllmWorkload,
+    Parallel,
+    ProfiledLatency,
+    ReplayWorkload,
+    RooflineLatency,
+    ServerBackend,
+    Serving,
+    SimBackend,
+    Slo,
+    SyntheticWorkload,
+)
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid
 from policies.scheduler_config import SchedulerConfig
@@ -30,182 +46,6 @@ from sim.latency import Hardware
 
 CONF_DIR = REPO_ROOT / "conf"
 
-
-@dataclass
-class LengthDist:
-    dist: str | None = None  # fixed | uniform | lognormal
-    value: int | None = None  # fixed
-    low: int | None = None  # uniform
-    high: int | None = None
-    mean: float | None = None  # lognormal
-    sigma: float | None = None
-    min: int | None = None
-    max: int | None = None
-
-
-@dataclass
-class PriorityClasses:
-    values: list[int] = field(default_factory=list)
-    weights: list[float] | None = None
-
-
-@dataclass
-class Tenants:
-    names: list[str] = field(default_factory=list)
-    rates: list[float] | None = None
-    num_requests: list[int] | None = None
-
-
-@dataclass
-class SyntheticWorkload:
-    name: str | None = None
-    kind: str = "synthetic"
-    num_requests: int | None = None
-    arrival: str | None = None
-    rate: float | None = None
-    burstiness: float | None = None
-    prompt_len: LengthDist | None = None
-    output_len: LengthDist | None = None
-    max_tokens: int | None = None
-    priority: PriorityClasses | None = None
-    shared_prefix_len: int | None = None
-    vocab_size: int | None = None
-    seed: int | None = None
-    length_correlation: float | None = None
-    tenants: Tenants | None = None
-
-
-@dataclass
-class NanovllmWorkload:
-    name: str | None = None
-    kind: str = "nanovllm"
-    num_requests: int | None = None
-    max_input_len: int | None = None
-    max_output_len: int | None = None
-    rate: float | None = None
-    seed: int | None = None
-
-
-@dataclass
-class ReplayWorkload:
-    name: str | None = None
-    kind: str = "replay"
-    path: str | None = None
-    num_requests: int | None = None
-    time_scale: float | None = None
-    rate: float | None = None
-    seed: int | None = None
-
-
-@dataclass
-class Blocks:
-    kind: str | None = None
-    block_size: int | None = None
-    num_gpu_blocks: int | None = None
-    kv_cache_gib: float | None = None
-    gpu_memory_utilization: float | None = None
-    num_cpu_blocks: int | None = None
-    swap_space_gib: float | None = None
-    watermark: float | None = None
-
-
-@dataclass
-class SimBackend:
-    name: str = "sim"
-    fast_forward: bool = True
-
-
-@dataclass
-class EngineBackend:
-    name: str = "engine"
-    device: str | None = None
-    dtype: str | None = None
-    weights: str | None = None
-    enforce_eager: bool = False
-    decode_kernel: str | None = None
-
-
-@dataclass
-class ServerBackend:
-    name: str = "server"
-    url: str | None = None
-    model: str | None = None
-    max_concurrency: int | None = None
-    max_request_rate: float | None = None
-    timeout_s: float | None = None
-
-
-@dataclass
-class RooflineLatency:
-    name: str = "roofline"
-
-
-@dataclass
-class ProfiledLatency:
-    name: str = "profiled"
-    path: str | None = None
-
-
-@dataclass
-class Model:
-    """conf/model/*.yaml: engine.config.ModelConfig's yaml fields (that module imports torch)."""
-
-    name: str | None = None
-    architecture: str | None = None
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_hidden_layers: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    vocab_size: int | None = None
-    max_position_embeddings: int | None = None
-    rope_theta: float | None = None
-    rope_scaling: dict[str, Any] | None = None
-    rms_norm_eps: float | None = None
-    tie_word_embeddings: bool | None = None
-    attention_bias: bool | None = None
-    dtype: str | None = None
-    weights: str | None = None
-
-
-@dataclass
-class Parallel:
-    tensor_parallel_size: int = 1
-
-
-@dataclass
-class Slo:
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    e2el_s: float | None = None
-
-
-@dataclass
-class Serving:
-    ttft_overhead_s: float = 0.0
-    ttft_per_stream_s: float = 0.0
-    ttft_jitter_s: list[float] = field(default_factory=list)
-    itl_overhead_s: float = 0.0
-
-
-@dataclass
-class Scenario:
-    overrides: list[str] = field(default_factory=list)
-    load: float | None = None
-
-
-@dataclass
-class FidelitySpec:
-    extends: str | None = None  # a spec (path relative to this file) whose keys this one replaces
-    profile: str | None = None  # the simulator's profile unless --profile (None: the sim config's latency.path)
-    common: list[str] = field(default_factory=list)
-    engine: list[str] = field(default_factory=list)
-    sim: list[str] = field(default_factory=list)
-    warmup: list[str] = field(default_factory=list)
-    capacity: str | None = None
-    scenarios: dict[str, Scenario] = field(default_factory=dict)
-    ab: list[Any] = field(default_factory=list)
 
 
 def _by(key: str, kinds: Mapping[str, type]) -> Callable[[Mapping], type | None]:
