@@ -14,8 +14,12 @@ def test_uvicorn_takes_uvloop_and_httptools_when_installed():
 
 def test_a_missing_fast_loop_or_parser_is_named(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "httptools" else find_spec(name))
+    present = {"uvloop": True, "httptools": False}  # whatever this environment has installed
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: (object() if present[name] else None) if name in present else find_spec(name))
     warning = slow_io_warning()
     assert warning is not None and warning.startswith("httptools not installed") and "h11" in warning
+    present["uvloop"] = False
+    assert slow_io_warning().startswith("uvloop and httptools not installed")
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     assert (slow_io_warning() is None) == all(find_spec(n) is not None for n in ("uvloop", "httptools"))
