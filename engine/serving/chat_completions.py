@@ -8,15 +8,14 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
-from engine.serving.errors import APIError
 from engine.serving.generation import (
     Generation,
     SubRequest,
-    engine_errors,
+    error_event,
     finish_reason,
+    has_news,
     sampling_params,
     token_text,
-    usage,
 )
 from engine.serving.protocol import (
     AssistantMessage,
@@ -75,7 +74,7 @@ async def _whole(ctx: Any, req: ChatCompletionRequest, gen: Generation, base_id:
         for index, whole in outputs.items()]
     body = ChatCompletionResponse(
         id=base_id, model=req.model, choices=choices,
-        usage=usage(gen.num_prompt_tokens, sum(len(whole.token_ids) for whole in outputs.values())),
+        usage=gen.token_usage(),
         prompt_token_ids=gen.subs[0].prompt_token_ids if req.return_token_ids else None)
     return JSONResponse(body.model_dump(exclude_none=True))
 
@@ -85,12 +84,11 @@ async def _stream(ctx: Any, req: ChatCompletionRequest, gen: Generation, base_id
     head = ('{"id":' + json.dumps(base_id) + ',"object":"chat.completion.chunk","created":' + str(created)
             + ',"model":' + json.dumps(req.model) + ',"choices":')
     started: set[int] = set()
-    completion_tokens = 0
     try:
         async for _, out in gen.outputs():
             choices = []
             for c in out.outputs:
-                if not c.token_ids and not c.text and c.finish_reason is None:
+                if not has_news(c):
                     continue
                 delta: dict[str, Any] = {"content": c.text}
                 if c.index not in started:
@@ -105,16 +103,14 @@ async def _stream(ctx: Any, req: ChatCompletionRequest, gen: Generation, base_id
                                                    req.top_logprobs or 0).model_dump()
                 if req.return_token_ids:
                     choice["token_ids"] = c.token_ids
-                completion_tokens += len(c.token_ids)
                 choices.append(choice)
             if choices:
                 yield frame(head + json.dumps(choices) + "}")
     except Exception as exc:  # noqa: BLE001 (the status line is sent: the error goes into the stream)
-        err = engine_errors(exc) or APIError(500, f"generation failed: {exc}")
-        yield event(err.body())
+        yield error_event(exc)
     else:
         if req.include_usage:
             chunk = ChatCompletionChunk(id=base_id, created=created, model=req.model, choices=[],
-                                        usage=usage(gen.num_prompt_tokens, completion_tokens))
+                                        usage=gen.token_usage())
             yield event(chunk.model_dump())
     yield DONE

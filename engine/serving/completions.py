@@ -14,11 +14,11 @@ from engine.serving.errors import APIError
 from engine.serving.generation import (
     Generation,
     SubRequest,
-    engine_errors,
+    error_event,
     finish_reason,
+    has_news,
     sampling_params,
     token_text,
-    usage,
 )
 from engine.serving.protocol import (
     CompletionChoice,
@@ -75,9 +75,7 @@ async def _whole(ctx: Any, req: CompletionRequest, gen: Generation, base_id: str
         token_ids=whole.token_ids if req.return_token_ids else None,
         prompt_token_ids=gen.subs[index // n].prompt_token_ids if req.return_token_ids else None)
         for index, whole in outputs.items()]
-    completion_tokens = sum(len(whole.token_ids) for whole in outputs.values())
-    body = CompletionResponse(id=base_id, model=req.model, choices=choices,
-                              usage=usage(gen.num_prompt_tokens, completion_tokens))
+    body = CompletionResponse(id=base_id, model=req.model, choices=choices, usage=gen.token_usage())
     return JSONResponse(body.model_dump(exclude_none=True))
 
 
@@ -89,14 +87,12 @@ async def _stream(ctx: Any, req: CompletionRequest, gen: Generation, base_id: st
             + ',"model":' + json.dumps(req.model) + ',"choices":[')
     plain = req.logprobs is None and not req.return_token_ids and not _continuous_usage(req)
     offsets: dict[int, int] = {}
-    completion_tokens = 0
     try:
         async for i, out in gen.outputs():
             parts = []
             for c in out.outputs:
-                if not c.token_ids and not c.text and c.finish_reason is None:
+                if not has_news(c):
                     continue
-                completion_tokens += len(c.token_ids)
                 index = i * n + c.index
                 if plain and c.finish_reason is None:
                     parts.append(f'{{"index":{index},"text":{_json_str(c.text)},"logprobs":null,'
@@ -114,14 +110,13 @@ async def _stream(ctx: Any, req: CompletionRequest, gen: Generation, base_id: st
                     choice["token_ids"] = c.token_ids
                 parts.append(json.dumps(choice))
             if parts:
-                yield head + ",".join(parts) + "]" + _usage_tail(req, gen, completion_tokens) + "}\n\n"
+                yield head + ",".join(parts) + "]" + _usage_tail(req, gen) + "}\n\n"
     except Exception as exc:  # noqa: BLE001 (the status line is sent: the error goes into the stream)
-        err = engine_errors(exc) or APIError(500, f"generation failed: {exc}")
-        yield event(err.body())
+        yield error_event(exc)
     else:
         if req.include_usage:
             yield event(CompletionResponse(id=base_id, created=created, model=req.model, choices=[],
-                                           usage=usage(gen.num_prompt_tokens, completion_tokens)).model_dump())
+                                           usage=gen.token_usage()).model_dump())
     yield DONE
 
 
@@ -129,7 +124,7 @@ def _continuous_usage(req: CompletionRequest) -> bool:
     return req.stream_options is not None and req.stream_options.continuous_usage_stats
 
 
-def _usage_tail(req: CompletionRequest, gen: Generation, completion_tokens: int) -> str:
+def _usage_tail(req: CompletionRequest, gen: Generation) -> str:
     if not _continuous_usage(req):
         return ""
-    return ',"usage":' + usage(gen.num_prompt_tokens, completion_tokens).model_dump_json()
+    return ',"usage":' + gen.token_usage().model_dump_json()

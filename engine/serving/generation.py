@@ -20,6 +20,7 @@ from engine.async_llm_engine import EngineDeadError, EngineQueueFullError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.serving.errors import APIError, bad_value
 from engine.serving.protocol import SamplingFields, UsageInfo
+from engine.serving.sse import event
 from policies.request import SamplingParams
 
 
@@ -62,6 +63,17 @@ def engine_errors(exc: BaseException) -> APIError | None:
     return None
 
 
+def error_event(exc: Exception) -> str:
+    """A streamed response's error (its status line is sent already) as an SSE event."""
+    err = engine_errors(exc) or APIError(500, f"generation failed: {exc}")
+    return event(err.body())
+
+
+def has_news(c: CompletionOutput) -> bool:
+    """A delta output worth a chunk: tokens, text or its end."""
+    return bool(c.token_ids or c.text or c.finish_reason is not None)
+
+
 def finish_reason(reason: str | None) -> str | None:
     """The engine's "abort:<why>" is vLLM's "abort"; "stop" and "length" stay."""
     if reason is not None and reason.startswith("abort"):
@@ -77,6 +89,7 @@ class Generation:
     priority: int
     tenant: str | None = None  # the body's `user`: the client the request is served for
     finished: set[str] = field(default_factory=set)
+    num_completion_tokens: int = 0  # over the outputs `outputs()` has yielded so far
     _gens: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     _first: list[RequestOutput] = field(default_factory=list)
     _watcher: asyncio.Task | None = None
@@ -122,8 +135,8 @@ class Generation:
                     async for out in self._gens[0]:
                         yield 0, self._seen(out)
             else:
-                async for item in self._merged():
-                    yield item
+                async for i, out in self._merged():
+                    yield i, self._seen(out)
         finally:
             await self.close()
 
@@ -151,7 +164,12 @@ class Generation:
                                         *ends.get(index, ("abort", None)), logprobs.get(index))
                 for index in sorted(tokens)}
 
+    def token_usage(self) -> UsageInfo:
+        """Prompt and completion tokens so far (the whole response's once `outputs()` is done)."""
+        return usage(self.num_prompt_tokens, self.num_completion_tokens)
+
     def _seen(self, out: RequestOutput) -> RequestOutput:
+        self.num_completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         if out.finished:
             self.finished.add(out.request_id)
         return out
