@@ -225,13 +225,14 @@ def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float
     pd.concat(sections, ignore_index=True).to_csv(f"{stem}.csv", index=False)
     md = "\n".join([f"# Throughput benchmark ({device_name})", "",
                     *[f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()], "",
-                    _markdown(table), "", floor_line, "",
-                    "Latency (Poisson arrivals through backend=engine):", "", _markdown(lat), ""])
+                    markdown_table(table), "", floor_line, "",
+                    "Latency (Poisson arrivals through backend=engine):", "", markdown_table(lat), ""])
     Path(f"{stem}.md").write_text(md)
     print(f"wrote {stem}.csv and {stem}.md")
 
 
-def _markdown(df: pd.DataFrame) -> str:
+def markdown_table(df: pd.DataFrame) -> str:
+    """A DataFrame as a markdown table (no tabulate dependency)."""
     lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(map(str, row)) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)

@@ -76,7 +76,6 @@ class Simulator:
         self.scheduler = scheduler
         self.latency = latency
         self.requests = sorted(requests, key=lambda r: r.arrival_time)
-        self.admission_s = float(getattr(latency, "admission_s", 0.0))  # host seconds per admitted request
         self.stop_lens = dict(stop_lens or {})
         self.on_done = on_done
         self.env = simpy.Environment()
@@ -104,7 +103,7 @@ class Simulator:
 
     def _arrivals(self):
         env, add, requests = self.env, self.scheduler.add, self.requests
-        admission_s = self.admission_s
+        admission_s = self.latency.admission_s  # host seconds per admitted request
         i = 0
         while i < len(requests):
             req = requests[i]
@@ -214,7 +213,7 @@ class Simulator:
             return None
         num_seqs, context = sched.num_running, sched.queues.kv_tokens + sched.num_running
         longest = {}  # the longest decode's context (one token more each step), for models that price it
-        if getattr(self.latency, "uses_longest_context", False):
+        if self.latency.uses_longest_context:
             longest["max_context_tokens"] = max(s.num_computed_tokens for s in sched.queues.running) + 1
         times, until = [start], self._next_arrival_at
         # Price about as many steps as fit before the arrival, judged by the last run's step time.

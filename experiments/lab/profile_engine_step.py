@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.bench_throughput import BASE, copy_bandwidth
+from experiments.bench_throughput import BASE, copy_bandwidth, markdown_table
 from experiments.lab.kernel_breakdown import DecodeShape, Kernel, breakdown_rows
 from experiments.lib import factory
 from experiments.lib.engine_backend import engine_args, get_engine
@@ -125,11 +125,9 @@ def write_breakdown(out: Path, kernels: list[Kernel], steps: int, engine, shape:
             f"`{engine.runner.decode_kernel}`; wall {wall_s * 1e3:.2f} ms per profiled step; copy bandwidth "
             f"{bandwidth / 1e12:.2f} TB/s. Least bytes: weights once, activations in and out once, K/V of "
             "every context token once.\n\n")
-    cols = list(rows.columns)
-    table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    table += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows.itertuples(index=False)]
-    Path(f"{stem}.md").write_text(head + "\n".join(table) + "\n")
-    print(head + "\n".join(table))
+    table = markdown_table(rows)
+    Path(f"{stem}.md").write_text(head + table + "\n")
+    print(head + table)
 
 
 def _gpu_spans(runner) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
