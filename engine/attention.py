@@ -113,15 +113,18 @@ class PagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]: writes k/v to the cache, then `attend`."""
-        if self.k_cache is None:
-            raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (call bind_kv_cache first)")
-        self.ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        self.ops.write_kv_cache(k, v, *self.caches(), meta.slot_mapping)
         return self.attend(q, meta)
 
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D] -> [T, Hq, D], over K/V already in the cache (this step's included)."""
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K and V caches (bound once the KV cache exists)."""
         if self.k_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (call bind_kv_cache first)")
+        return self.k_cache, self.v_cache
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D] -> [T, Hq, D], over K/V already in the cache (this step's included: written
+        through `caches()`)."""
         d = meta.num_decode_rows
         if meta.prefill_cu_seqlens_q is None:
             return self._decode(q, meta)

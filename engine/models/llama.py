@@ -68,8 +68,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.fused_qk_rope_write is not None:
             weights = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-            q = self.fused_qk_rope_write(qkv, self.num_heads, *weights, self.eps, rope, self.attn.k_cache,
-                                         self.attn.v_cache, meta.slot_mapping)
+            q = self.fused_qk_rope_write(qkv, self.num_heads, *weights, self.eps, rope, *self.attn.caches(),
+                                         meta.slot_mapping)
             return self.o_proj(self.attn.attend(q, meta).reshape(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
