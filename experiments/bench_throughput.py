@@ -214,7 +214,8 @@ def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float
     print(" | ".join(f"{k}: {v}" for k, v in env.items()))
     print(table.to_string(index=False))
     print(floor_line)
-    print(lat.to_string(index=False))
+    if latency_rows:
+        print(lat.to_string(index=False))
     a.out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
     stem = a.out / f"bench_throughput_{slug}_{now.strftime('%Y-%m-%d')}"
@@ -225,8 +226,9 @@ def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float
     pd.concat(sections, ignore_index=True).to_csv(f"{stem}.csv", index=False)
     md = "\n".join([f"# Throughput benchmark ({device_name})", "",
                     *[f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()], "",
-                    markdown_table(table), "", floor_line, "",
-                    "Latency (Poisson arrivals through backend=engine):", "", markdown_table(lat), ""])
+                    markdown_table(table), "", floor_line, ""])
+    if latency_rows:
+        md += "\n".join(["", "Latency (Poisson arrivals through backend=engine):", "", markdown_table(lat), ""])
     Path(f"{stem}.md").write_text(md)
     print(f"wrote {stem}.csv and {stem}.md")
 

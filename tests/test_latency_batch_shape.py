@@ -36,7 +36,6 @@ GOLDEN = {
                         '0x1.0c9b191b7f778p-6', '0x1.286f4f1369f29p-5', '0x1.cebfdb7848083p-9',
                         '0x1.cefcdb33906b2p-9', '0x1.cf39daeed8ce2p-9', '0x1.e537c736297c4p-12',
                         '0x1.a5ce7386f1878p-6'],
-    "h200-qwen3-0.6b-async": ASYNC,
     "h200-qwen3-0.6b-async-packed": ASYNC,
     "example-synthetic": ['0x1.c3fbed5ba8dcap-10', '0x1.f07360e371a4ap-11', '0x1.d28e8b5214b99p-10',
                           '0x1.e1d1700b15cc2p-7', '0x1.440d3cb05a21cp-5', '0x1.51e826ff2016ap-9',

@@ -277,6 +277,8 @@ BAD_REQUESTS = [  # (endpoint, body changes, status, field named)
     ("completions", {"prompt": 123}, 400, "prompt"),
     ("completions", {"prompt": None}, 400, "prompt"),
     ("completions", {"prompt": [[1, 2], [3, 300]]}, 400, "prompt"),  # one bad prompt of several
+    ("completions", {"prompt": [True, 2]}, 400, "prompt"),  # token ids are JSON integers, not booleans
+    ("completions", {"prompt": [1.5, 2]}, 400, "prompt"),
     ("completions", {"temperature": "hot"}, 400, "temperature"),
     ("completions", {"temperature_typo": 1}, 400, "temperature_typo"),
     ("completions", {"echo": True}, 400, "echo"),

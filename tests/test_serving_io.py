@@ -1,8 +1,10 @@
-"""uvicorn's I/O for the server: uvloop and httptools where installed (the `serve` extra), and a
-warning naming what is missing otherwise."""
+"""The server's way in: uvicorn's I/O (uvloop and httptools where installed, the `serve` extra, and a
+warning naming what is missing otherwise) and the request body's prompt shapes."""
 from __future__ import annotations
 
 import importlib.util
+
+import pytest
 
 from engine.serving.server import slow_io_warning, uvicorn_config
 
@@ -23,3 +25,15 @@ def test_a_missing_fast_loop_or_parser_is_named(monkeypatch):
     assert slow_io_warning().startswith("uvloop and httptools not installed")
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     assert (slow_io_warning() is None) == all(find_spec(n) is not None for n in ("uvloop", "httptools"))
+
+
+@pytest.mark.parametrize("prompt,prompts", [
+    ("hi", ["hi"]),
+    ([5, 6], [[5, 6]]),
+    (["1", "2"], ["1", "2"]),  # two text prompts: digits in strings are never token ids
+    ([[5], [6, 7]], [[5], [6, 7]]),
+])
+def test_prompt_shapes_keep_their_kind(prompt, prompts):
+    from engine.serving.protocol import CompletionRequest
+
+    assert CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompts() == prompts

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -89,7 +89,11 @@ class SamplingFields(StrictModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+# Left to right: a token-id prompt validates as list[int] in one pass. Pydantic's default (smart)
+# mode validates it against every member to pick the best match, 7x the time for a 1,000-token
+# prompt (65 us against 9 us), paid on every request before it reaches the engine.
+# Strict ints first, so ["1", "2"] stays two text prompts rather than coercing to token ids.
+Prompt = Annotated[str | list[StrictInt] | list[str] | list[list[int]], Field(union_mode="left_to_right")]
 
 
 class CompletionRequest(SamplingFields):
