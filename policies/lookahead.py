@@ -24,9 +24,12 @@ synchronously.
 
 A step is looked past only if nothing in the next one could need its tokens or a preemption: no
 parallel-sampling prompt forks in it, no sequence was aborted since it was scheduled, every running
-sequence decodes afterwards (no prefill chunk left) and samples on the device alone (the engine's
-full sampler returns its tokens at once: policies/sampling_path.py), the block manager surely has
-their slots, and the policy would not force running sequences out for the waiting queue's head.
+sequence is in it and samples on the device alone (the engine's full sampler returns its tokens at
+once: policies/sampling_path.py), the block manager surely has the next step's slots (a decode for
+each sampling sequence, the next chunk for each prompt not finished by its chunk here), and the
+policy would not force running sequences out for the waiting queue's head. A prompt's next chunk
+needs no token of this step (its tokens are the prompt's), so a chunked prefill is scheduled ahead
+too, as vLLM v1 does: its host work overlaps the device's instead of adding to every chunk's step.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ from policies.sampling_path import device_sampling
 from policies.sequence import PENDING, Sequence
 from policies.step_stats import StepStats
 
-__all__ = ["PENDING", "LookedPast", "can_look_past", "look_past", "next_step_safe", "samples_on_device"]  # PENDING: for backends
+__all__ = ["PENDING", "LookedPast", "can_look_past", "look_past", "next_chunks_fit", "next_step_safe",
+           "samples_on_device"]  # PENDING: for backends
 _SEQ = itemgetter(0)  # ScheduledSeq.seq
 
 
@@ -71,11 +75,28 @@ def can_look_past(state: SchedulerState, step: ScheduledStep) -> bool:
         return False  # nothing runs: the caller waits for work (an arrival) synchronously
     if lifecycle.aborted_in_flight or stats.num_samples != len(out.scheduled) - stats.num_partial:
         return False  # an abort in flight, or a prompt sampling n > 1 (it forks)
-    if len(out.scheduled) - stats.num_partial != len(state.queues.running):
-        return False  # a running sequence would still have tokens to compute (or was not scheduled)
+    if len(out.scheduled) != len(state.queues.running):
+        return False  # a running sequence is not in the step (its turn, or a preemption, may come next)
     if not samples_on_device(state, map(_SEQ, out.scheduled)):
         return False  # the full sampler returns this step's tokens to the host at once
+    if stats.num_partial and not next_chunks_fit(state, out):
+        return False
     return next_step_safe(state, ahead=1)
+
+
+def next_chunks_fit(state: SchedulerState, out: SchedulerOutput) -> bool:
+    """With prompts that this step's chunks do not finish: whether the next step surely has the GPU
+    blocks for every running sequence's decode slot and each such prompt's next chunk (at most the
+    token budget), plus one block per chunk for a partly filled or shared last block, so that it
+    preempts nothing. A bound from the free count alone: a block manager that reserves ahead
+    (contiguous) may be refused a look-past it could have had, never granted one it cannot serve."""
+    block_size, budget = state.block_manager.block_size, state.config.max_num_batched_tokens
+    need = len(state.queues.running)
+    for seq, num_new, num_samples in out.scheduled:
+        if not num_samples:
+            left = len(seq.token_ids) - seq.num_computed_tokens - num_new
+            need += -(-min(left, budget) // block_size) + 1
+    return state.block_manager.num_free_gpu_blocks() >= need
 
 
 def samples_on_device(state: SchedulerState, seqs: Iterable[Sequence]) -> bool:

@@ -213,7 +213,8 @@ class Scheduler:
         if not lookahead.can_look_past(self.state, last):
             return None
         self._looked_past = lookahead.look_past(self.state, last, max(self._last_update, last.out.now), output_lens)
-        self._all_decoding = True  # after the step looked past, for the schedule below
+        # After the step looked past every running sequence decodes next, but a prompt it chunked.
+        self._all_decoding = not last.stats.num_partial
         self.num_scheduled_ahead += 1
         out = self.schedule(now)
         out.ahead = True

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from property_settings import examples
-from scheduler_helpers import KVStoreBackend, make_scheduler, request
+from scheduler_helpers import KVStoreBackend, compact, make_scheduler, request
 from test_scheduler_properties import (
     COMBOS,
     EOS,
@@ -247,3 +247,36 @@ def test_device_sampling_rule():
         assert not device_sampling([seq(), seq(**p)]), p
     assert device_sampling([seq(min_tokens=3)]) and not device_sampling([seq(min_tokens=4)])
     assert device_sampling([])
+
+
+
+def test_a_chunked_prompt_is_scheduled_ahead_chunk_after_chunk():
+    """A 20-token prompt in chunks of 8: its next chunk needs none of the step's tokens, so it is
+    decided while the chunk before it runs, and so is its first decode."""
+    scheduler = make_scheduler(num_gpu_blocks=32, max_num_batched_tokens=8)
+    scheduler.add(request("r0", 20, max_tokens=3, ignore_eos=True), 0.0)
+    backend = KVStoreBackend(4)
+    out, now, ahead = scheduler.schedule(0.0), 0.0, []
+    tokens = run_step(backend, out)
+    while out is not None:
+        nxt = scheduler.schedule_ahead(now)
+        assert nxt is not None  # nothing here needs a step's tokens or a preemption
+        ahead += compact(nxt)
+        now += 1.0
+        scheduler.update(out, tokens, now)
+        scheduler.check_invariants()
+        out, tokens = (nxt, run_step(backend, nxt)) if nxt.scheduled else (None, None)
+    assert compact(scheduler.schedule(now)) == []
+    assert ahead == [("r0/0", 8, 0), ("r0/0", 4, 1), ("r0/0", 1, 1), ("r0/0", 1, 1)]
+    assert [(r["finish_reason"], r["output_len"]) for r in scheduler.recorder.requests] == [("length", 3)]
+
+
+@pytest.mark.parametrize("num_gpu_blocks, looked_past", [(9, True), (8, False)])
+def test_a_chunk_is_looked_past_only_when_the_next_one_surely_fits(num_gpu_blocks, looked_past):
+    """After the first chunk of 8 tokens (the paged manager took the prompt's 5 blocks of 4 tokens at
+    admission) the bound asks, from the free count alone, one block for the running sequence's slot,
+    two for the next 8 tokens and one for a partly filled block: 4 of the 4 or 3 left."""
+    scheduler = make_scheduler(num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=8, max_model_len=24)
+    scheduler.add(request("r0", 20, max_tokens=1, ignore_eos=True), 0.0)
+    assert compact(scheduler.schedule(0.0)) == [("r0/0", 8, 0)]
+    assert (scheduler.schedule_ahead(0.0) is not None) == looked_past
