@@ -88,7 +88,8 @@ def one_run(args: EngineArgs, mode: str, clients: int, output_len: int, out: Pat
             "active_s": active_s, "wall_s": seconds}
 
 
-def latency(out: Path, baseline: str | None, rounds: int, requests: int, background: int) -> None:
+def latency(out: Path, baseline: str | None, rounds: int, requests: int, background: int,
+            prompt_len: int = 32) -> None:
     """Each tree (REF's, extracted with `git archive`, and this one) `rounds` times, alternating."""
     import shutil
     import tempfile
@@ -115,7 +116,8 @@ def latency(out: Path, baseline: str | None, rounds: int, requests: int, backgro
             path = out / f"latency_{name.split()[-1].replace(' ', '_')}_{r}.json"
             env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             subprocess.run([sys.executable, str(probe), "--out", str(path), "--requests", str(requests),
-                            "--background", str(background)], check=True, env=env, cwd=work)
+                            "--background", str(background), "--prompt-len", str(prompt_len)],
+                           check=True, env=env, cwd=work)
             for key, value in json.loads(path.read_text()).items():
                 if key == "frontend_us_per_chunk":
                     for k, v in value.items():
@@ -145,6 +147,15 @@ def latency_table(samples: dict[str, dict[str, list[float]]], chunk_cost: dict[s
             added = p50 - np.percentile(samples[n]["engine"], 50)
             cells.append(f"{1e3 * p50:.3f} ({1e3 * p10:.3f}), {1e3 * added:+.3f}")
         lines.append(f"| {path} | " + " | ".join(cells) + " |")
+    # Client minus the server's own TTFT of the same request (the way in before generate() and the
+    # first output's way back), free of the engine's step time, which dominates with long prompts.
+    for path in [p for p in samples[names[-1]] if f"{p}_own" in samples[names[-1]]]:
+        cells = []
+        for n in names:
+            client, own = samples[n].get(path, []), samples[n].get(f"{path}_own", [])
+            paired = len(client) == len(own) and client
+            cells.append(f"{1e3 * np.median(np.subtract(client, own)):.3f}" if paired else "-")
+        lines.append(f"| {path} minus the server's own, paired median (ms) | " + " | ".join(cells) + " |")
     for path in chunk_cost[names[-1]]:
         cells = [f"{np.median(chunk_cost[n][path]):.1f} us" if chunk_cost[n].get(path) else "-" for n in names]
         lines.append(f"| front end CPU per streamed chunk, {path} | " + " | ".join(cells) + " |")
@@ -168,10 +179,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200, help="with --latency: requests per path and run")
     ap.add_argument("--background", type=int, default=16,
                     help="with --latency: streams for the front end's CPU per chunk (0: skip)")
+    ap.add_argument("--prompt-len", type=int, default=32,
+                    help="with --latency: token ids per prompt (the path's cost grows with it; up to 1,800)")
     a = ap.parse_args()
     out = a.out or Path("outputs/bench_frontend") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
     if a.latency:
-        latency(out, a.baseline, a.rounds, a.requests, a.background)
+        latency(out, a.baseline, a.rounds, a.requests, a.background, a.prompt_len)
         return
     args = EngineArgs(model=a.model, device=a.device, num_gpu_blocks=4096, max_model_len=512, max_num_seqs=256)
     rows = []

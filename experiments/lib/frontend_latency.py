@@ -34,7 +34,13 @@ import subprocess
 import sys
 import time
 
-PROMPT = list(range(1, 33))
+PROMPT = list(range(1, 33))  # token ids 1..n (`--prompt-len n`, cycling below tiny-llama's vocabulary)
+
+
+def set_prompt_len(n: int) -> None:
+    """Every path's prompt (BODY shares the list) becomes n token ids."""
+    PROMPT[:] = [1 + i % 250 for i in range(n)]
+
 BODY = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True}}
 
@@ -98,8 +104,8 @@ async def background_client(port: int, k: int, seconds: float) -> int:
 
 
 def run_client(kind: str, port: int, n: int) -> list[float]:
-    out = subprocess.run([sys.executable, __file__, "--client", kind, "--port", str(port), "--requests", str(n)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, __file__, "--client", kind, "--port", str(port), "--requests", str(n),
+                          "--prompt-len", str(len(PROMPT))], capture_output=True, text=True, check=True).stdout
     return json.loads(out)
 
 
@@ -107,7 +113,7 @@ def run_client(kind: str, port: int, n: int) -> list[float]:
 def engine_args():
     from engine.engine_args import EngineArgs
 
-    return EngineArgs(model="tiny-llama", device="cpu", num_gpu_blocks=1024, max_model_len=256)
+    return EngineArgs(model="tiny-llama", device="cpu", num_gpu_blocks=1024, max_model_len=max(256, len(PROMPT) + 200))
 
 
 def in_process(n: int) -> list[float]:
@@ -170,7 +176,8 @@ def through_http(engine, clients: list[str], n: int, plain_asyncio: bool = False
             if background:  # K streams for 6 s; single requests among them from the second on
                 cpu0 = resource.getrusage(resource.RUSAGE_SELF)
                 streams = subprocess.Popen([sys.executable, __file__, "--client", "background", "--port",
-                                            str(server.port), "--requests", str(background)],
+                                            str(server.port), "--requests", str(background),
+                                            "--prompt-len", str(len(PROMPT))],
                                            stdout=subprocess.PIPE, text=True)
                 time.sleep(1.0)
                 own.clear()
@@ -223,7 +230,9 @@ def main() -> None:
     ap.add_argument("--background", type=int, default=0, help="streams for the per-chunk cost (0: skip)")
     ap.add_argument("--client", choices=["raw", "aiohttp", "background"], default=None)
     ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=32, help="token ids per prompt (tiny-llama: up to 1,800)")
     a = ap.parse_args()
+    set_prompt_len(a.prompt_len)
     if a.client == "background":
         print(json.dumps(asyncio.run(background_client(a.port, a.requests, 6.0))))
     elif a.client is not None:
