@@ -121,7 +121,7 @@ class CompletionRequest(SamplingFields):
             return [p]
         if not p:
             raise ValueError("prompt=[] is invalid: give a string, a list of token ids, or a list of those")
-        if all(isinstance(t, int) for t in p):
+        if isinstance(p[0], int):  # the union's members are homogeneous: one look tells which it is
             return [list(p)]
         return [x if isinstance(x, str) else list(x) for x in p]
 
