@@ -12,14 +12,17 @@ death (or the core process's) as the exception that caused it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.engine_stats import EngineStats, RequestStats, StatsTracker
-from engine.outputs import RequestOutput
+from engine.outputs import RequestFailedError, RequestOutput, short_error
 from policies.request import SamplingParams
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -38,19 +41,25 @@ class NewRequest:
 class StepResult:
     """What one step (or one batch of the core's) gave back."""
 
-    errors: dict[str, ValueError]  # request id -> why the engine refused it (it fails alone)
+    errors: dict[str, Exception]  # request id -> why the engine refused it (it fails alone)
     outputs: list[tuple[RequestOutput, RequestStats | None]]  # each with its RequestStats if it ended
 
 
 def hand_over(engine: Any, tracker: StatsTracker, new: list[NewRequest], aborts: set[str],
-              errors: dict[str, ValueError]) -> None:
+              errors: dict[str, Exception]) -> None:
     """Add `new` to the LLMEngine and abort `aborts`, in the thread that steps it; a request the
-    engine refuses goes into `errors` (a plain ValueError, which pickles) and fails alone."""
+    engine refuses goes into `errors` and fails alone: a plain ValueError (bad input, naming the
+    field), or a RequestFailedError with a short message for any other exception (logged with
+    its traceback). Both pickle."""
     for r in new:
         try:
             engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority, tenant=r.tenant)
         except ValueError as exc:
             errors[r.request_id] = ValueError(str(exc))
+            continue
+        except Exception as exc:  # noqa: BLE001 (one request's failure: it alone is refused)
+            _log.error("request %s could not be added", r.request_id, exc_info=exc)
+            errors[r.request_id] = RequestFailedError(short_error(exc))
             continue
         tracker.arrived(r.request_id, r.arrival, r.params.output_kind == "delta")
     for request_id in aborts:
@@ -68,6 +77,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     tokenizer: Any  # the model's tokenizer, or None (dummy weights: token-id prompts only)
+    max_logprobs: int  # the most top logprobs a request may ask for
 
 
 class EngineBackend(ABC):

@@ -46,7 +46,7 @@ from engine.engine_core import EngineCoreClient
 from engine.engine_stats import EngineStats, RequestStats
 from engine.llm import parse_prompt
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestFailedError, RequestOutput, short_error
 from engine.thread_backend import ThreadBackend
 from policies.request import SamplingParams
 
@@ -122,6 +122,11 @@ class AsyncLLMEngine:
         return self._backend.info.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        """The most top logprobs a request may ask for (EngineArgs.max_logprobs, capped at the vocabulary)."""
+        return self._backend.info.max_logprobs
+
+    @property
     def is_running(self) -> bool:
         """The engine serves an event loop (from the first request on) and has not died."""
         return self._loop is not None and self.dead_error is None and self._backend.is_running
@@ -132,7 +137,7 @@ class AsyncLLMEngine:
 
     async def check_health(self) -> None:
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine loop died: {self.dead_error!r}") from self.dead_error
+            raise EngineDeadError(f"the engine loop died: {short_error(self.dead_error)}") from self.dead_error
         problem = self._backend.health_problem()
         if problem is not None:
             raise EngineDeadError(problem)
@@ -179,7 +184,7 @@ class AsyncLLMEngine:
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine loop died: {self.dead_error!r}") from self.dead_error
+            raise EngineDeadError(f"the engine loop died: {short_error(self.dead_error)}") from self.dead_error
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string")
         if request_id in self._streams:
@@ -250,13 +255,19 @@ class AsyncLLMEngine:
                     observer(record)
                 except Exception:  # noqa: BLE001 (a metrics bug must not stop serving: logged with its traceback)
                     _log.exception("finished-request observer %r failed on %s", observer, record.request_id)
+        if output.error is not None:  # the engine failed this request alone: its stream raises why
+            stream = self._streams.pop(output.request_id, None)
+            if stream is not None:
+                stream.fail(RequestFailedError(f"the engine failed on this request: {output.error}"))
+            return
         stream = self._streams.get(output.request_id)
         if stream is not None:
             stream.put(output)
 
     def _die(self, error: BaseException) -> None:
         self.dead_error = error
-        dead = EngineDeadError(f"the engine loop died: {error!r}")
+        _log.error("the engine loop died", exc_info=error)
+        dead = EngineDeadError(f"the engine loop died: {short_error(error)}")
         dead.__cause__ = error
         streams, self._streams = self._streams, {}
         for stream in streams.values():

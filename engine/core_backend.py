@@ -11,17 +11,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import logging
 
 from engine.async_backend import EngineBackend, ModelInfo, NewRequest, ResultSink, StepResult
 from engine.engine_core import CoreFailed, CoreStep, EngineCoreClient
 from engine.engine_stats import EngineStats
+
+_log = logging.getLogger(__name__)
 
 
 class CoreBackend(EngineBackend):
     def __init__(self, client: EngineCoreClient) -> None:
         self.client = client
         i = client.info
-        self.info = ModelInfo(i.model_name, i.max_model_len, i.vocab_size, client.tokenizer)
+        self.info = ModelInfo(i.model_name, i.max_model_len, i.vocab_size, client.tokenizer, i.max_logprobs)
         self._core_stats = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0)  # the core's, as of its last message
         self._sent = 0  # requests sent to the core and not yet taken by it
         self._sink: ResultSink | None = None
@@ -54,6 +57,7 @@ class CoreBackend(EngineBackend):
 
     def _on_message(self, message: CoreStep | CoreFailed) -> None:
         if isinstance(message, CoreFailed):
+            _log.error("the engine process failed:\n%s", message.traceback)
             self._failure = message.error
             return
         self._sent -= message.num_taken

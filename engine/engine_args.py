@@ -41,6 +41,8 @@ class EngineArgs:
     # "per-head" or "tma" (engine/attention.py).
     decode_kernel: str = DEFAULT_DECODE_KERNEL
     seed: int = 0
+    # The most top logprobs a request may ask for (vLLM's max_logprobs; -1: up to the vocabulary).
+    max_logprobs: int = 20
     # Tensor parallelism (docs/parallelism.md): shard the model over this many GPUs (processes on
     # CPU), rank 0 in this process and workers spawned by the engine; 1 is the single-process path.
     tensor_parallel_size: int = 1
@@ -57,6 +59,9 @@ class EngineArgs:
                              f"choose one of {PREEMPTION_MODES}")
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel={self.decode_kernel!r} is invalid: choose one of {DECODE_KERNELS}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} is invalid: an integer >= 0, or -1 (no cap "
+                             "below the vocabulary size)")
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -77,6 +82,12 @@ class EngineArgs:
     def from_dict(cls, d: dict[str, Any]) -> EngineArgs:
         reject_unknown_fields(cls, d, "engine arguments")
         return cls(**d)
+
+    def check(self) -> None:
+        """Build the configs that need no weights (model shapes, KV cache sizing, max_model_len), so a
+        bad value is a ValueError naming it before anything loads."""
+        self.cache_config()
+        self.resolve_max_model_len(self.model_config())
 
     def resolve_device(self) -> str:
         import torch

@@ -34,11 +34,11 @@ from engine.core_channel import LoopChannel, read_message, readable, write_messa
 from engine.engine_args import EngineArgs
 from engine.engine_stats import EngineStats, RequestStats, StatsTracker
 from engine.llm_engine import _tokenizer_source
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, short_error
 from engine.tokenizer import load_tokenizer
 
-# (request_id, finished, prompt text or None, prompt token ids or None (sent once), samples, metrics);
-# a sample is (index, text, token_ids, finish_reason, stop_reason, logprobs).
+# (request_id, finished, prompt text or None, prompt token ids or None (sent once), samples, metrics,
+# num_cached_tokens, error); a sample is (index, text, token_ids, finish_reason, stop_reason, logprobs).
 PackedOutput = tuple
 
 
@@ -49,16 +49,21 @@ class CoreInfo:
     vocab_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    max_logprobs: int
 
 
 @dataclass(slots=True, frozen=True)
 class CoreFailed:
-    error: str  # the exception and its traceback, as text (any exception pickles this way)
+    """The core's failure as text (any exception pickles this way)."""
+
+    error: str  # `Type: message`, short: what a client may be told
+    traceback: str  # the whole traceback, for the server's log
+    bad_input: bool = False  # a ValueError: the engine arguments (or the model they name) are wrong
 
 
 @dataclass(slots=True)
 class CoreStep:
-    errors: dict[str, ValueError]  # request id -> why add_request refused it
+    errors: dict[str, Exception]  # request id -> why add_request refused it (async_backend.hand_over)
     num_taken: int  # arrivals taken off the inbox (admitted or refused)
     outputs: list[PackedOutput]
     finished: list[RequestStats]
@@ -70,17 +75,19 @@ def pack(output: RequestOutput, with_prompt: bool) -> PackedOutput:
     samples = [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in output.outputs]
     return (output.request_id, output.finished, output.prompt if with_prompt else None,
             output.prompt_token_ids if with_prompt else None, samples,
-            (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions))
+            (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions),
+            output.num_cached_tokens, output.error)
 
 
 def unpack(packed: PackedOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
-    request_id, finished, _, _, samples, metrics = packed
+    request_id, finished, _, _, samples, metrics, num_cached, error = packed
     return RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(*s) for s in samples],
-                         finished, RequestMetrics(*metrics))
+                         finished, RequestMetrics(*metrics), num_cached, error)
 
 
 def _failure(exc: BaseException) -> CoreFailed:
-    return CoreFailed("".join(traceback.format_exception(exc)).strip())
+    return CoreFailed(short_error(exc), "".join(traceback.format_exception(exc)).strip(),
+                      isinstance(exc, ValueError))
 
 
 def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
@@ -100,7 +107,7 @@ def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
         return
     runner = engine.runner
     write_message(out, CoreInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size,
-                                runner.num_gpu_blocks, runner.num_cpu_blocks))
+                                runner.num_gpu_blocks, runner.num_cpu_blocks, engine.max_logprobs))
     try:
         _serve(engine, keep_trace, inbox.fileno(), out)
     finally:
@@ -183,7 +190,9 @@ class EngineCoreClient:
             raise RuntimeError(f"the engine process exited while starting (exit code {self.process.exitcode})") from None
         if isinstance(first, CoreFailed):
             self._finalizer()
-            raise RuntimeError(f"the engine process could not build the engine:\n{first.error}")  # noqa: TRY004
+            if first.bad_input:  # the arguments are wrong: a ValueError naming the value, as in-process
+                raise ValueError(first.error.removeprefix("ValueError: "))
+            raise RuntimeError(f"the engine process could not build the engine:\n{first.traceback}")  # noqa: TRY004
         self.info: CoreInfo = first
         self.channel = LoopChannel(self._inbox.fileno(), self._outbox.fileno())
         self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))

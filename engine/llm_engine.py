@@ -3,7 +3,9 @@
 One step: `scheduler.schedule(now)` -> `runner.execute(out)` (swap out, swap in, copy, forward,
 sampling) -> stop strings of the requests that have any (incremental detokenization) ->
 `scheduler.update(out, tokens, now, stop_seq_ids, output_lens)` -> outputs of the requests that made
-progress (engine/output_processor.py).
+progress (engine/output_processor.py). A request whose own handling raises (its text, stop strings,
+logprobs, output) is aborted alone with finish_reason "abort:error" and its final output carries
+the error; the step and the other requests go on.
 The engine never decides: the scheduler (policies/) does, and its recorder keeps the trace; `now`
 is the wall clock, `time.perf_counter()` relative to engine start.
 
@@ -80,6 +82,7 @@ class LLMEngine:
         self.max_model_len = args.resolve_max_model_len(self.model_config)
         self.runner = runner if runner is not None else _build_runner(args, self.model_config, self.max_model_len)
         self.vocab_size = self.runner.vocab_size
+        self.max_logprobs = self.vocab_size if args.max_logprobs == -1 else min(args.max_logprobs, self.vocab_size)
         self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(self.model_config.weights))
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         eos = self.model_config.eos_token_id
@@ -157,6 +160,9 @@ class LLMEngine:
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
                 f"sampling_params={params!r:.80} is invalid: must be a SamplingParams")
         params.validate()
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} is invalid: at most max_logprobs={self.max_logprobs} "
+                             "top logprobs per token (an engine argument)")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} is invalid: stop strings need a tokenizer and model "
                              f"{self.model_config.name!r} has none (dummy weights); use stop_token_ids")
@@ -278,7 +284,17 @@ class LLMEngine:
             self.runner.release(released)
         if processor.num_streaming:
             outputs += processor.progress(out, tokens)
+        if processor.to_abort:
+            self._abort_failed()
         return outputs
+
+    def _abort_failed(self) -> None:
+        """End the requests whose handling raised in this step (finish_reason "abort:error"; their
+        final output, with the error, comes out of the next step)."""
+        with self._inbox_lock:
+            for request_id in self.output_processor.to_abort:
+                self.scheduler.abort(request_id, "error", self.now())
+        self.output_processor.to_abort.clear()
 
     def _run_ahead(self) -> tuple[SchedulerOutput, dict]:
         """The step launched last time (or a new one), its successor scheduled and launched while it

@@ -10,17 +10,25 @@ and the text after it are cut (kept with `include_stop_str_in_output`), the text
 that ended a sample (EOS or one of `stop_token_ids`) is dropped (kept with the same flag), and
 while a request with stop strings is unfinished the last `max(len(stop)) - 1` characters are held
 back, so a stop string is never streamed before it is recognised.
+
+One request's data never stops the others: an exception while handling one request (its text, stop
+strings, logprobs, its output) is logged with its traceback and recorded in `failed`; the engine
+aborts that request (finish_reason "abort:error"), its final output carries the short error, and
+every other request goes on.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from engine.detokenizer import DecodeState, Detokenizer, find_stop_string
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, short_error
 from policies.lookahead import PENDING
 from policies.outputs import SchedulerOutput
 from policies.request import Request
 from policies.sequence import Sequence, SequenceStatus
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -50,6 +58,8 @@ class OutputProcessor:
     num_streaming: int = 0
     num_logprobs: int = 0
     forking: list[LiveRequest] = field(default_factory=list)  # forked first tokens' states to move
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> short error, until it ends
+    to_abort: list[str] = field(default_factory=list)  # failed since the engine last took them
 
     def add(self, request: Request, prompt: str | None, seqs: list[Sequence]) -> None:
         params = request.sampling_params
@@ -77,38 +87,56 @@ class OutputProcessor:
         n tokens: token i > 0 starts the child forked in this step's update, checked on its own state
         and named `(seq_id, i)`; `adopt_forks` hands that state to the child afterwards. A token that
         will end its sample (a stop token) adds no text unless include_stop_str_in_output."""
-        stopped, detok = [], self.detokenizer
+        stopped, failed = [], self.failed
         for live in self.text.values():
-            states = live.text_states
-            params = live.request.sampling_params
-            keep_stop = params.include_stop_str_in_output
-            for seq in live.seqs:
-                new = tokens.get(seq.seq_id)
-                if new is None:
-                    continue
-                # Looked past (async scheduling): the token is already in place, as PENDING. A length
-                # rule may have ended the sequence then; its last token can still complete a stop
-                # string, which wins (the scheduler turns "length" into "stop").
-                ids, num_out = seq.token_ids, seq.num_output_tokens
-                pending = ids[-1] == PENDING
-                if seq.is_finished and not (pending and seq.status is SequenceStatus.FINISHED_LENGTH):
-                    continue
-                num_ids = len(ids) - pending
-                num_out -= len(ids) - num_ids
-                may_stop = num_out + 1 >= params.min_tokens
-                for i, token in enumerate(new):
-                    key = seq.seq_id if i == 0 else (seq.seq_id, i)
-                    state = states.get(key)
-                    if state is None:
-                        state = states[key] = detok.new_state(seq.num_prompt_tokens, params.skip_special_tokens)
-                        if i == 1:  # once per forking prompt
-                            self.forking.append(live)
-                    if state.stopped is not None or (may_stop and token in live.stop_ids and not keep_stop):
-                        continue
-                    added = detok.update(state, ids, [token], num_ids=num_ids)
-                    if may_stop and params.stop and find_stop_string(state, added, params.stop, keep_stop):
-                        stopped.append(key)
+            if failed and live.request.request_id in failed:
+                continue
+            try:
+                self._advance_text(live, tokens, stopped)
+            except Exception as exc:  # noqa: BLE001 (one request's failure: it alone is aborted)
+                self._fail(live, exc)
         return stopped
+
+    def _advance_text(self, live: LiveRequest, tokens: dict[int, list[int]],
+                      stopped: list[int | tuple[int, int]]) -> None:
+        detok, states = self.detokenizer, live.text_states
+        params = live.request.sampling_params
+        keep_stop = params.include_stop_str_in_output
+        for seq in live.seqs:
+            new = tokens.get(seq.seq_id)
+            if new is None:
+                continue
+            # Looked past (async scheduling): the token is already in place, as PENDING. A length
+            # rule may have ended the sequence then; its last token can still complete a stop
+            # string, which wins (the scheduler turns "length" into "stop").
+            ids, num_out = seq.token_ids, seq.num_output_tokens
+            pending = ids[-1] == PENDING
+            if seq.is_finished and not (pending and seq.status is SequenceStatus.FINISHED_LENGTH):
+                continue
+            num_ids = len(ids) - pending
+            num_out -= len(ids) - num_ids
+            may_stop = num_out + 1 >= params.min_tokens
+            for i, token in enumerate(new):
+                key = seq.seq_id if i == 0 else (seq.seq_id, i)
+                state = states.get(key)
+                if state is None:
+                    state = states[key] = detok.new_state(seq.num_prompt_tokens, params.skip_special_tokens)
+                    if i == 1:  # once per forking prompt
+                        self.forking.append(live)
+                if state.stopped is not None or (may_stop and token in live.stop_ids and not keep_stop):
+                    continue
+                added = detok.update(state, ids, [token], num_ids=num_ids)
+                if may_stop and params.stop and find_stop_string(state, added, params.stop, keep_stop):
+                    stopped.append(key)
+
+    def _fail(self, live: LiveRequest, exc: Exception) -> None:
+        """Record a request whose handling raised (the engine aborts it) and log its traceback."""
+        request_id = live.request.request_id
+        if request_id not in self.failed:
+            _log.error("request %s failed in the engine and is aborted (the others go on)", request_id,
+                       exc_info=exc)
+            self.failed[request_id] = short_error(exc)
+            self.to_abort.append(request_id)
 
     # ---- after the update ----------------------------------------------------------------------
     def adopt_forks(self) -> None:
@@ -133,8 +161,11 @@ class OutputProcessor:
             if live is None or live.logprobs is None or result is None or result.logprobs is None:
                 continue
             # A prompt that sampled n tokens: token i went to sample i (the scheduler's fork order).
-            for seq, lp in zip(live.seqs if entry.num_samples > 1 else [entry.seq], result.logprobs):
-                live.logprobs.setdefault(seq.seq_id, []).append(lp)
+            try:
+                for seq, lp in zip(live.seqs if entry.num_samples > 1 else [entry.seq], result.logprobs):
+                    live.logprobs.setdefault(seq.seq_id, []).append(lp)
+            except Exception as exc:  # noqa: BLE001 (one request's failure: it alone is aborted)
+                self._fail(live, exc)
 
     def progress(self, out: SchedulerOutput, tokens: dict[int, list[int]]) -> list[RequestOutput]:
         """Outputs of the streaming requests (not ended) that got tokens in the step."""
@@ -145,10 +176,14 @@ class OutputProcessor:
                 continue
             request_id = entry.seq.request.request_id
             live = live_requests.get(request_id)
-            if live is None or not live.streams or request_id in seen:
+            if live is None or not live.streams or request_id in seen or request_id in self.failed:
                 continue
             seen.add(request_id)
-            output = self.output(live, RequestMetrics(live.request.arrival_time), finished=False)
+            try:
+                output = self.output(live, RequestMetrics(live.request.arrival_time), finished=False)
+            except Exception as exc:  # noqa: BLE001 (one request's failure: it alone is aborted)
+                self._fail(live, exc)
+                continue
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -166,7 +201,15 @@ class OutputProcessor:
                                  first_scheduled_time=row["first_scheduled_time"],
                                  first_token_time=row["first_token_time"], finished_time=row["finish_time"],
                                  num_preemptions=row["num_preemptions"])
-        return self.output(live, metrics, finished=True)
+        try:
+            output = self.output(live, metrics, finished=True)
+        except Exception as exc:  # noqa: BLE001 (one request's failure: it alone ends with an error)
+            self._fail(live, exc)
+            output = RequestOutput(request.request_id, live.prompt, request.prompt_token_ids,
+                                   [CompletionOutput(seq.sample_index, "", [], seq.finish_reason or "abort:error")
+                                    for seq in live.seqs], finished=True, metrics=metrics)
+        output.error = self.failed.pop(request.request_id, None)
+        return output
 
     # ---- one output ----------------------------------------------------------------------------
     def output(self, live: LiveRequest, metrics: RequestMetrics, finished: bool) -> RequestOutput | None:
@@ -180,7 +223,8 @@ class OutputProcessor:
             return None
         request = live.request
         return RequestOutput(request.request_id, live.prompt, request.prompt_token_ids, completions,
-                             finished=finished, metrics=metrics)
+                             finished=finished, metrics=metrics,
+                             num_cached_tokens=live.seqs[0].num_cached_tokens or 0)
 
     def _completion(self, live: LiveRequest, seq: Sequence) -> CompletionOutput | None:
         np_, ids = seq.num_prompt_tokens, seq.token_ids

@@ -7,6 +7,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_ERROR_CHARS = 300  # a short error's length at most (the traceback belongs in the log)
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not serve one request (an exception while handling its data): that request
+    ends with this error, the others go on."""
+
+
+def short_error(exc: BaseException) -> str:
+    """`Type: first line of the message`, at most MAX_ERROR_CHARS: what a client may be told about
+    an exception (no traceback, no file paths)."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 3] + "..."
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -62,6 +77,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (block_manager=prefix)
+    error: str | None = None  # why the engine failed the request (finish_reason "abort:error"), short
 
     @property
     def tpot(self) -> float | None:

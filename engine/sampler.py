@@ -172,7 +172,7 @@ class Sampler:
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor,
                   params: list[SamplingParams]) -> list[dict[int, float] | None]:
-        k = max(p.logprobs or 0 for p in params)
+        k = min(max(p.logprobs or 0 for p in params), raw.shape[-1])  # never past the vocabulary
         chosen = raw.gather(1, tokens[:, None])[:, 0].tolist()
         top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], tokens[:, None][:, :0])
         top_lp, top_ids, token_list = top_lp.tolist(), top_ids.tolist(), tokens.tolist()

@@ -24,7 +24,8 @@ class ThreadBackend(EngineBackend):
         workers), for an engine the caller does not keep."""
         self.engine = engine
         self.close_engine = close_engine
-        self.info = ModelInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size, engine.tokenizer)
+        self.info = ModelInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size, engine.tokenizer,
+                              engine.max_logprobs)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelab-engine",
                                             initializer=_use_device, initargs=(getattr(engine.runner, "device", None),))
         self._tracker = StatsTracker(engine, keep_trace)

@@ -46,6 +46,9 @@ class Sequence:
     # Order in which the scheduler accepted the request (ties between equal arrival times).
     arrival_index: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort:<why>"
+    # Prompt tokens found in the prefix cache at the first allocation (a caching block manager sets
+    # it; None: not allocated yet, or no prefix cache). Served as usage's cached_tokens.
+    num_cached_tokens: int | None = None
 
     @classmethod
     def from_request(cls, seq_id: int, request: Request) -> Sequence:

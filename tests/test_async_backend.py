@@ -16,7 +16,7 @@ class ScriptedBackend(EngineBackend):
     """Takes requests and lets the test hand back whatever step results it wants."""
 
     def __init__(self) -> None:
-        self.info = ModelInfo("scripted", 64, 100, None)
+        self.info = ModelInfo("scripted", 64, 100, None, 20)
         self.added: list[str] = []
         self.sink: ResultSink | None = None
 

@@ -34,12 +34,12 @@ from engine.serving.sse import DONE, SSEResponse, event, frame
 async def create_chat_completion(ctx: Any, req: ChatCompletionRequest, http: HTTPRequest):
     """ctx: the app's ServingContext."""
     ctx.check_model(req.model)
-    ids = ctx.chat.encode([m.for_template() for m in req.messages], req.add_generation_prompt)
+    ids = await ctx.encode_chat([m.for_template() for m in req.messages], req.add_generation_prompt)
     renames = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
         renames["max_tokens"] = "max_completion_tokens"
     params = sampling_params(req, len(ids), ctx.max_model_len, req.requested_max_tokens, req.num_logprobs,
-                             "messages", renames)
+                             "messages", renames, ctx.max_logprobs)
     base_id = random_id("chatcmpl")
     gen = Generation(ctx.engine, [SubRequest(base_id, ids, params)], http, req.priority, req.user or None)
     await gen.start()

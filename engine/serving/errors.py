@@ -3,7 +3,8 @@
 Every error a route can meet becomes one `APIError` (status, message, the offending field):
 pydantic's validation errors and servelab's ValueErrors (`"<field>=<value> is invalid: ..."`, the
 convention of SamplingParams and Request.validate) give 400 naming the field; an unknown model 404;
-a full queue 503; a dead engine 503.
+a full queue 503; a dead engine 503; a missing or wrong API key 401; a body over the size cap 413.
+Bodies carry short messages only: tracebacks and exception details go to the server's log.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from fastapi.responses import JSONResponse
 
 from engine.serving.protocol import ErrorBody, ErrorResponse
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
 _FIELD_AT_START = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)=")
 _FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+)(?:=|\s)")
 # The request field an engine-side name stands for (Request.validate names the token ids).

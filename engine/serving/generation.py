@@ -10,6 +10,7 @@ stream that has already said 200.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,11 +18,13 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 
 from engine.async_llm_engine import EngineDeadError, EngineQueueFullError
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestFailedError, RequestOutput
 from engine.serving.errors import APIError, bad_value
-from engine.serving.protocol import SamplingFields, UsageInfo
+from engine.serving.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from engine.serving.sse import event
 from policies.request import SamplingParams
+
+_log = logging.getLogger("engine.serving")
 
 
 @dataclass(slots=True)
@@ -32,9 +35,15 @@ class SubRequest:
 
 
 def sampling_params(fields: SamplingFields, prompt_len: int, max_model_len: int, max_tokens: int | None,
-                    logprobs: int | None, prompt_field: str, renames: dict[str, str]) -> SamplingParams:
+                    logprobs: int | None, prompt_field: str, renames: dict[str, str],
+                    max_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams for one prompt; 400 naming the field when the prompt or a value is out of range.
-    max_tokens None: up to max_model_len. `renames`: SamplingParams' field -> the request's name."""
+    max_tokens None: up to max_model_len. `renames`: SamplingParams' field -> the request's name.
+    `max_logprobs`: the most top logprobs a request may ask for (the engine's)."""
+    if max_logprobs is not None and isinstance(logprobs, int) and logprobs > max_logprobs:
+        name = renames.get("logprobs", "logprobs")
+        raise APIError(400, f"{name}={logprobs} is invalid: this server returns at most {max_logprobs} "
+                       "top logprobs per token (max_logprobs)", name)
     if prompt_len > max_model_len:
         raise APIError(400, f"{prompt_field} is {prompt_len} tokens long: more than this model's "
                        f"max_model_len={max_model_len}", prompt_field)
@@ -57,15 +66,21 @@ def engine_errors(exc: BaseException) -> APIError | None:
     if isinstance(exc, EngineQueueFullError):
         return APIError(503, str(exc) or "the server's request queue is full: retry later")
     if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the engine has stopped: {exc}")
+        return APIError(503, str(exc))
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc))
     if isinstance(exc, ValueError):
         return bad_value(exc)
     return None
 
 
 def error_event(exc: Exception) -> str:
-    """A streamed response's error (its status line is sent already) as an SSE event."""
-    err = engine_errors(exc) or APIError(500, f"generation failed: {exc}")
+    """A streamed response's error (its status line is sent already) as an SSE event; an unexpected
+    exception is logged with its traceback and named only by a short message."""
+    err = engine_errors(exc)
+    if err is None:
+        _log.error("a stream failed", exc_info=exc)
+        err = APIError(500, "generation failed: internal server error (the server's log has the details)")
     return event(err.body())
 
 
@@ -90,6 +105,7 @@ class Generation:
     tenant: str | None = None  # the body's `user`: the client the request is served for
     finished: set[str] = field(default_factory=set)
     num_completion_tokens: int = 0  # over the outputs `outputs()` has yielded so far
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens from the prefix cache
     _gens: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     _first: list[RequestOutput] = field(default_factory=list)
     _watcher: asyncio.Task | None = None
@@ -166,10 +182,12 @@ class Generation:
 
     def token_usage(self) -> UsageInfo:
         """Prompt and completion tokens so far (the whole response's once `outputs()` is done)."""
-        return usage(self.num_prompt_tokens, self.num_completion_tokens)
+        return usage(self.num_prompt_tokens, self.num_completion_tokens, sum(self.cached_tokens.values()))
 
     def _seen(self, out: RequestOutput) -> RequestOutput:
         self.num_completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if out.num_cached_tokens:
+            self.cached_tokens[out.request_id] = out.num_cached_tokens
         if out.finished:
             self.finished.add(out.request_id)
         return out
@@ -227,9 +245,10 @@ class Generation:
                     pass
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

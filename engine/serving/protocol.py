@@ -2,7 +2,10 @@
 
 Requests reject unknown fields (a misspelt parameter is a 400 naming it, never silently ignored)
 and OpenAI parameters the engine does not implement (`echo`, `suffix`, `best_of` != n, a
-non-empty `logit_bias`). Value checks (ranges, combinations) are `SamplingParams`' own: the routes
+non-empty `logit_bias`, `response_format` other than text, `tools`, `tool_choice` other than
+"none", `parallel_tool_calls`, vLLM's `chat_template_kwargs`: "not supported by this server");
+`store` and `metadata` are accepted and ignored (nothing is stored). Text must be valid Unicode: a
+lone surrogate (JSON's "\ud800", which no tokenizer can encode) is a 400 naming the field. Value checks (ranges, combinations) are `SamplingParams`' own: the routes
 build one from `sampling_kwargs()` and turn its ValueError into a 400 naming the field.
 vLLM's extensions: `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
 `repetition_penalty`, `include_stop_str_in_output`, `skip_special_tokens`, `priority`,
@@ -27,6 +30,25 @@ class StrictModel(BaseModel):
 
 class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why `text` is not valid Unicode (a lone surrogate), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"holds a lone surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}): "
+                "text must be valid Unicode")
+    return None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def unsupported(field: str, value: Any, allowed: str = "") -> ValueError:
+    return ValueError(f"{field}={value!r:.80} is not supported by this server{allowed}")
 
 
 class StreamOptions(StrictModel):
@@ -60,11 +82,14 @@ class SamplingFields(StrictModel):
     priority: int = 0  # vLLM's extension: lower = more urgent (the priority policy)
     user: str | None = None  # the client's end-user id (kept on the request for per-tenant policies)
     return_token_ids: bool = False  # vLLM's extension: prompt and output token ids in the response
+    response_format: ResponseFormat | None = None  # only {"type": "text"} (no structured output)
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingFields:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server (leave it out or empty)")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise unsupported("response_format", self.response_format.model_dump(), ' (only {"type": "text"})')
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -106,6 +131,10 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_completion(self) -> CompletionRequest:
+        texts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        for i, text in enumerate(texts):
+            if isinstance(text, str) and (problem := unicode_problem(text)):
+                raise ValueError(f"prompt {problem}" + (f" (prompt {i} of the list)" if texts is self.prompt else ""))
         if self.echo:
             raise ValueError("echo=true is not supported by this server")
         if self.suffix:
@@ -137,6 +166,17 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
 
+    @model_validator(mode="after")
+    def _valid_text(self) -> ChatMessage:
+        parts = self.content if isinstance(self.content, list) else [self.content]
+        texts = {"role": self.role, **(self.model_extra or {})}
+        texts.update((f"content[{i}]" if len(parts) > 1 else "content", p.text if isinstance(p, TextPart) else p)
+                     for i, p in enumerate(parts))
+        for name, text in texts.items():  # every string reaches the template, then the tokenizer
+            if isinstance(text, str) and (problem := unicode_problem(text)):
+                raise ValueError(f"{name} {problem}")
+        return self
+
     def for_template(self) -> dict[str, Any]:
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
@@ -150,11 +190,25 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    store: bool | None = None  # accepted; nothing is stored
+    metadata: dict[str, str] | None = None  # accepted with store; ignored
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _logprob_fields(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.tools:
+            raise unsupported("tools", self.tools, " (no tool calling)")
+        if self.tool_choice not in (None, "none"):
+            raise unsupported("tool_choice", self.tool_choice, ' (only "none")')
+        if self.parallel_tool_calls is not None:
+            raise unsupported("parallel_tool_calls", self.parallel_tool_calls, " (no tool calling)")
+        if self.chat_template_kwargs:
+            raise unsupported("chat_template_kwargs", self.chat_template_kwargs)
         return self
 
     @property
@@ -167,10 +221,15 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # ---- responses ---------------------------------------------------------------------------------
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(ResponseModel):
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # chat: the templated prompt (role markers and special tokens included)
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(ResponseModel):

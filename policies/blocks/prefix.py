@@ -90,6 +90,8 @@ class PrefixCachingBlockManager(PagedBlockManager):
         seq.block_table.extend(hits)
         seq.block_table.extend(self.gpu.allocate_many(self.blocks_for(seq.num_tokens) - len(hits)))
         seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_cached_tokens is None:  # the first allocation counts (a preempted one recomputes)
+            seq.num_cached_tokens = seq.num_computed_tokens
         self._seq_hashes[seq.seq_id] = hashes
         self.prefix_queries += eligible
         self.prefix_hits += len(hits)
