@@ -273,11 +273,19 @@ class AsyncLLMEngine:
         for stream in streams.values():
             stream.fail(dead)
 
+    def end_streams(self, reason: str = "the engine is shut down") -> None:
+        """Refuse new requests, end every open stream with EngineDeadError(reason) and abort its
+        request: a server going away (SIGTERM, Ctrl-C) ends its responses cleanly and at once."""
+        self._closed = True
+        streams, self._streams = self._streams, {}
+        alive = self.dead_error is None and self._backend.is_running
+        for request_id, stream in streams.items():
+            stream.fail(EngineDeadError(reason))
+            if alive:
+                self._backend.abort(request_id)
+
     async def shutdown(self) -> None:
         """Stop serving (open streams get EngineDeadError) and what the engine started: the worker
         thread, the core process, an engine built by `from_engine_args`."""
-        self._closed = True
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.fail(EngineDeadError("the engine is shut down"))
+        self.end_streams()
         await self._backend.shutdown()

@@ -96,7 +96,8 @@ class LLMEngine:
         self._output_lens: dict[str, int] = {}  # request id -> forced output length (trace replay)
         self._in_flight: tuple[SchedulerOutput, Launched] | None = None  # launched ahead, async scheduling
         # Hand-over from add_request / abort_request (any thread) to the stepping thread.
-        self._inbox: deque[_Arrival | str] = deque()  # arrivals and aborted request ids, in call order
+        # Arrivals and aborts (a request id: the user's; (id, reason): the engine's own), in call order.
+        self._inbox: deque[_Arrival | str | tuple[str, str]] = deque()
         self._pending: set[str] = set()  # ids of the arrivals in the inbox
         self._aborting: set[str] = set()  # ids whose abort was asked for and that have not ended yet
         self._inbox_lock = threading.Lock()  # guards the three above and the scheduler's id check
@@ -223,9 +224,10 @@ class LLMEngine:
         with self._inbox_lock:
             while self._inbox:
                 entry = self._inbox.popleft()
-                if isinstance(entry, str):
-                    if not self.scheduler.abort(entry, "user", self.now()):
-                        self._aborting.discard(entry)  # it ended meanwhile
+                if isinstance(entry, (str, tuple)):
+                    request_id, reason = (entry, "user") if isinstance(entry, str) else entry
+                    if not self.scheduler.abort(request_id, reason, self.now()):
+                        self._aborting.discard(request_id)  # it ended meanwhile
                     continue
                 self._admit(entry)
                 self._pending.discard(entry.request.request_id)
@@ -289,11 +291,14 @@ class LLMEngine:
         return outputs
 
     def _abort_failed(self) -> None:
-        """End the requests whose handling raised in this step (finish_reason "abort:error"; their
-        final output, with the error, comes out of the next step)."""
+        """Abort the requests whose handling raised in this step, as a user's abort is: through the
+        inbox, at the start of the next step (finish_reason "abort:error"; their final output, with
+        the error, comes out of that step)."""
         with self._inbox_lock:
             for request_id in self.output_processor.to_abort:
-                self.scheduler.abort(request_id, "error", self.now())
+                if request_id not in self._aborting:
+                    self._aborting.add(request_id)
+                    self._inbox.append((request_id, "error"))
         self.output_processor.to_abort.clear()
 
     def _run_ahead(self) -> tuple[SchedulerOutput, dict]:

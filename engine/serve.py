@@ -3,9 +3,13 @@
 NAME is a conf/model name (dummy weights for shapes, or the weights it names), a local HF
 directory, or a .gguf file. Every `EngineArgs` field is an option (`--num-gpu-blocks 512`,
 `--policy priority`) or a Hydra-style override (`num_gpu_blocks=512 policy=priority`). Server
-options: --host (127.0.0.1 by default: loopback only unless asked), --port, --served-model-name,
---chat-template, --max-waiting-requests (past it new requests get HTTP 503), --[no-]engine-process
-(the engine in its own process, the default, or in a thread of the server's). Examples:
+options: --host (127.0.0.1 by default: loopback only unless asked), --port, --served-model-name
+(one or more names clients may send as `model`), --chat-template, --max-waiting-requests (past it
+new requests get HTTP 503), --api-key (or SERVELAB_API_KEY: bearer keys for /v1/*),
+--max-request-body-bytes (413 past it), --[no-]engine-process (the engine in its own process, the
+default, or in a thread of the server's). A bad value is one line `error: ...` and exit code 2.
+SIGTERM or Ctrl-C end every open stream with an error event and `data: [DONE]`, then stop.
+Examples:
 
     python -m engine.serve --model qwen3-0.6b
     python -m engine.serve --model smollm2-135m num_gpu_blocks=256 max_model_len=2048   # on CPU
@@ -22,10 +26,11 @@ from typing import Any
 import yaml
 
 from engine.engine_args import EngineArgs
+from engine.serving.guards import API_KEY_ENV, BYTES_PER_TOKEN, api_keys_from
 from engine.serving.server import LOOPBACK
 
 SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_waiting_requests", "log_level",
-                  "engine_process")
+                  "engine_process", "api_key", "max_request_body_bytes")
 
 
 def parse_value(text: str) -> Any:
@@ -42,10 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="conf/model name, HF directory or .gguf file")
     p.add_argument("--host", default=LOOPBACK, help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: the model's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the `model` names clients may send; the first is the one reported "
+                        "(default: the model's name). E.g. the tokenizer's HF id, for benchmark clients")
     p.add_argument("--chat-template", default=None, help="a Jinja file or string replacing the tokenizer's")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="refuse new requests (HTTP 503) while this many wait (default: no cap)")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set, "
+                        "else no authentication; /health and /metrics stay open)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="refuse larger request bodies with HTTP 413 (default: room for a prompt of "
+                        f"max_model_len tokens, {BYTES_PER_TOKEN} bytes each, at least 1 MiB)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, apart from the HTTP front end (default); "
@@ -68,29 +81,43 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs.from_dict(values)
 
 
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     try:
         args = engine_args_from(ns)
+        args.check()  # shapes, KV sizing, max_model_len: before any weight loads
+        api_keys = api_keys_from(ns.api_key)
+        if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    import uvicorn
-
+        _fail(str(exc))
     from engine.async_llm_engine import AsyncLLMEngine
     from engine.serving.app import build_app
-    from engine.serving.server import slow_io_warning, uvicorn_config
+    from engine.serving.server import Server, slow_io_warning, uvicorn_config
 
-    engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,
-                                             engine_process=ns.engine_process)
-    app = build_app(engine, ns.served_model_name, ns.chat_template)
+    try:
+        engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,
+                                                 engine_process=ns.engine_process)
+        app = build_app(engine, ns.served_model_name, ns.chat_template, api_keys=api_keys,
+                        max_request_body_bytes=ns.max_request_body_bytes)
+    except ValueError as exc:  # the weights or the tokenizer the arguments name are wrong
+        _fail(str(exc))
     if ns.host not in (LOOPBACK, "localhost", "::1"):
         print(f"warning: binding {ns.host}: the server is reachable beyond this machine", file=sys.stderr)
     warning = slow_io_warning()
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
-    print(f"serving {app.state.ctx.model_name!r} at http://{ns.host}:{ns.port}/v1", file=sys.stderr)
-    uvicorn.Server(uvicorn_config(app, ns.host, ns.port, ns.log_level)).run()
+    auth = f", API key required ({len(api_keys)} accepted)" if api_keys else ""
+    print(f"serving {app.state.ctx.model_name!r} at http://{ns.host}:{ns.port}/v1{auth}", file=sys.stderr)
+    try:
+        Server(uvicorn_config(app, ns.host, ns.port, ns.log_level)).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the shutdown is done, quietly
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,9 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] | None = None,
 
     app = FastAPI(title="servelab", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.ctx = ctx
+    # Called by the server as it starts to shut down: open streams end with an error event and
+    # [DONE] at once, so connections close and nothing waits for the graceful-shutdown timeout.
+    app.state.end_streams = lambda: engine.end_streams("the server is shutting down")
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

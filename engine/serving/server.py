@@ -4,10 +4,16 @@
 `ServerThread(app, port=0)` binds 127.0.0.1 at a free port, starts uvicorn's loop in a daemon
 thread, and returns once the socket accepts connections; `.url` is the base URL (`.../v1` is the
 OpenAI base URL); `stop()` (or leaving the `with` block) shuts it down.
+
+`Server` is uvicorn's server that, when it starts to shut down (SIGTERM, Ctrl-C, `stop()`), first
+calls the app's `state.end_streams()`: every open stream ends with an error event and
+`data: [DONE]`, its connection closes, and the shutdown completes in a moment instead of waiting
+for uvicorn's graceful timeout and cancelling the responses.
 """
 from __future__ import annotations
 
 import importlib.util
+import socket
 import threading
 import time
 
@@ -23,6 +29,14 @@ def uvicorn_config(app, host: str = LOOPBACK, port: int = 8000, log_level: str =
                           timeout_graceful_shutdown=5, loop="auto", http="auto")
 
 
+class Server(uvicorn.Server):
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        end_streams = getattr(getattr(self.config.app, "state", None), "end_streams", None)
+        if end_streams is not None:
+            end_streams()
+        await super().shutdown(sockets)
+
+
 def slow_io_warning() -> str | None:
     """What uvicorn falls back to when uvloop or httptools is missing, or None."""
     missing = [name for name in ("uvloop", "httptools") if importlib.util.find_spec(name) is None]
@@ -35,7 +49,7 @@ def slow_io_warning() -> str | None:
 class ServerThread:
     def __init__(self, app, host: str = LOOPBACK, port: int = 0, log_level: str = "warning",
                  start_timeout_s: float = 30.0) -> None:
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level))  # no signal handlers off the main thread
+        self.server = Server(uvicorn_config(app, host, port, log_level))  # no signal handlers off the main thread
         self._error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="uvicorn", daemon=True)
         self.thread.start()
