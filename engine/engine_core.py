@@ -56,7 +56,7 @@ class CoreInfo:
 class CoreFailed:
     """The core's failure as text (any exception pickles this way)."""
 
-    error: str  # `Type: message`, short: what a client may be told
+    error: str  # `Type: message`, short: what a client may be told (a ValueError: its whole message)
     traceback: str  # the whole traceback, for the server's log
     bad_input: bool = False  # a ValueError: the engine arguments (or the model they name) are wrong
 
@@ -86,8 +86,9 @@ def unpack(packed: PackedOutput, prompt: str | None, prompt_token_ids: list[int]
 
 
 def _failure(exc: BaseException) -> CoreFailed:
-    return CoreFailed(short_error(exc), "".join(traceback.format_exception(exc)).strip(),
-                      isinstance(exc, ValueError))
+    bad_input = isinstance(exc, ValueError)
+    return CoreFailed(str(exc) if bad_input else short_error(exc), "".join(traceback.format_exception(exc)).strip(),
+                      bad_input)
 
 
 def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
@@ -191,7 +192,7 @@ class EngineCoreClient:
         if isinstance(first, CoreFailed):
             self._finalizer()
             if first.bad_input:  # the arguments are wrong: a ValueError naming the value, as in-process
-                raise ValueError(first.error.removeprefix("ValueError: "))
+                raise ValueError(first.error)
             raise RuntimeError(f"the engine process could not build the engine:\n{first.traceback}")  # noqa: TRY004
         self.info: CoreInfo = first
         self.channel = LoopChannel(self._inbox.fileno(), self._outbox.fileno())

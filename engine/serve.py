@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, help="a Jinja file or string replacing the tokenizer's")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="refuse new requests (HTTP 503) while this many wait (default: no cap)")
-    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+    p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set, "
                         "else no authentication; /health and /metrics stay open)")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
@@ -69,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"EngineArgs.{f.name} (default {f.default!r})")
     p.add_argument("overrides", nargs="*", help="EngineArgs overrides as key=value")
     return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; `key=value` words after --served-model-name are overrides, not names (a
+    model name has no `=`), so `--served-model-name a b num_gpu_blocks=64` reads as meant."""
+    ns = build_parser().parse_args(argv)
+    if ns.served_model_name:
+        names = [n for n in ns.served_model_name if "=" not in n]
+        ns.overrides = [*ns.overrides, *(n for n in ns.served_model_name if "=" in n)]
+        ns.served_model_name = names or None
+    return ns
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -87,11 +98,11 @@ def _fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = build_parser().parse_args(argv)
+    ns = parse_args(argv)
     try:
         args = engine_args_from(ns)
         args.check()  # shapes, KV sizing, max_model_len: before any weight loads
-        api_keys = api_keys_from(ns.api_key)
+        api_keys = api_keys_from(None if ns.api_key is None else [ns.api_key])
         if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
     except ValueError as exc:
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     warning = slow_io_warning()
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
-    auth = f", API key required ({len(api_keys)} accepted)" if api_keys else ""
+    auth = ", API key required" if api_keys else ""
     print(f"serving {app.state.ctx.model_name!r} at http://{ns.host}:{ns.port}/v1{auth}", file=sys.stderr)
     try:
         Server(uvicorn_config(app, ns.host, ns.port, ns.log_level)).run()

@@ -4,7 +4,8 @@ and each entry point's runner checks that the other requests of the same call ar
 
 Entry points here: `SamplingParams`, `LLM(...)`, `LLM.generate`, `LLMEngine.add_request`.
 `experiments.run` (configs, traces) has its rows in test_bad_input_run.py, the HTTP server in
-test_serving_http.py (`BAD_REQUESTS`: status and the field named, then a good request served). A
+test_serving_http.py (`BAD_REQUESTS`: status and the field named, then a good request served), the
+server's command line in test_serving_faults.py (`CLI_ERRORS`: one line, exit code 2). A
 new entry point adds a table and a runner of the same shape: `(id, bad input, match)` rows, a
 runner that submits the bad input among good ones and checks the good ones' outcome.
 """
@@ -106,6 +107,9 @@ CONSTRUCTOR = (
     ("kv-cache-too-small", ("tiny-llama", {"num_gpu_blocks": 4, "max_model_len": 256}),
      r"needs 16 blocks .* only 4 fit"),
     ("decode_kernel", ("tiny-llama", {"decode_kernel": "flash"}), r"decode_kernel='flash' is invalid"),
+    ("max_logprobs", ("tiny-llama", {"max_logprobs": -2}), r"max_logprobs=-2 is invalid"),
+    ("num_gpu_blocks-negative", ("tiny-llama", {"num_gpu_blocks": -3}), r"num_gpu_blocks=-3 is invalid"),
+    ("model-not-a-model", ("/etc/passwd", {}), r"model='/etc/passwd' is unknown"),
     ("missing-safetensors", (_no_weights, {}), r"missing file .*model\.safetensors"),
     ("truncated-safetensors", (_truncated_weights, {}), r"weights file '.*model\.safetensors' is invalid"),
 )
@@ -201,6 +205,10 @@ ADD_REQUEST = (  # keyword arguments of add_request that replace the good reques
     ("sampling_params-type", {"sampling_params": {"temperature": 0}}, r"sampling_params=.* is invalid"),
     ("n-over-max_num_seqs", {"sampling_params": SamplingParams(n=5)}, r"n=5 is invalid.*max_num_seqs=4"),
     ("stop-without-tokenizer", {"sampling_params": SamplingParams(stop=["x"])}, r"stop=\['x'\] is invalid"),
+    ("logprobs-over-max_logprobs", {"sampling_params": SamplingParams(logprobs=21)},
+     r"logprobs=21 is invalid: at most max_logprobs=20"),
+    ("logprobs-over-vocabulary", {"sampling_params": SamplingParams(logprobs=VOCAB + 1)},
+     r"logprobs=257 is invalid"),
     ("priority", {"priority": "high"}, r"priority='high' is invalid"),
     ("arrival_time", {"arrival_time": -1.0}, r"arrival_time=-1.0 is invalid"),
     ("output_len", {"output_len": 0}, r"output_len=0 is invalid"),

@@ -233,9 +233,12 @@ def test_serve_bad_values_are_one_line_and_exit_2(argv, named, capsys):
 
 
 def test_served_model_names_parse():
-    ns = serve.build_parser().parse_args(["--model", "smollm2-135m", "--served-model-name",
-                                          "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"])
+    """vLLM's form (names after the flag); overrides that follow stay overrides."""
+    ns = serve.parse_args(["--model", "smollm2-135m", "--served-model-name", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                           "smollm2-135m", "num_gpu_blocks=64", "--api-key", "k=="])
     assert ns.served_model_name == ["HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"]
+    assert ns.overrides == ["num_gpu_blocks=64"] and ns.api_key == "k=="
+    assert serve.engine_args_from(ns).num_gpu_blocks == 64
 
 
 def _start_server(port: int) -> subprocess.Popen:

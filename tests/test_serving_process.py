@@ -183,7 +183,8 @@ def test_a_dropped_engine_leaves_no_core_process(model_dir):  # noqa: F811 (the 
 def test_a_core_that_cannot_start_is_one_clear_error(tmp_path):
     from engine.engine_args import EngineArgs
 
-    with pytest.raises(RuntimeError, match="could not build the engine"):
+    """A bad argument is the ValueError naming it, as with the engine in this process."""
+    with pytest.raises(ValueError, match=r"^model='.*missing' is unknown"):
         AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tmp_path / "missing"), num_gpu_blocks=16),
                                         engine_process=True)
 
