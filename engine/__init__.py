@@ -49,10 +49,11 @@ Upper half (the user API, vLLM's names), importable from `engine` directly:
   `.scheduler`, `.recorder` (the scheduler's trace), `.runner`, `.tokenizer`, `.now()`.
 - `EngineArgs`: model (conf/model name, HF dir, .gguf, or a `ModelConfig`), dtype, device,
   tokenizer, detokenize, block_manager, policy, preemption_mode, scheduler limits, block_size,
-  gpu_memory_utilization, swap_space, num_gpu_blocks, enforce_eager, seed, tensor_parallel_size
+  gpu_memory_utilization, swap_space, num_gpu_blocks, enforce_eager, seed, max_logprobs, tensor_parallel_size
   (shard the model over N GPUs: `engine.distributed`, docs/parallelism.md), distributed_timeout_s.
 - `RequestOutput(request_id, prompt, prompt_token_ids, outputs: [CompletionOutput(index, text,
-  token_ids, finish_reason, stop_reason, logprobs)], finished, metrics: RequestMetrics)`.
+  token_ids, finish_reason, stop_reason, logprobs)], finished, metrics: RequestMetrics,
+  num_cached_tokens, error)`; `error` is set when the engine failed that request alone ("abort:error").
 - `AsyncLLMEngine(engine, max_waiting_requests=None)` / `.from_engine_args(args, ...,
   engine_process=False)` (True: the engine in its own process, engine/engine_core.py): `async for out
   in generate(prompt, sampling_params, request_id, priority=0, output_kind="cumulative"|"delta", tenant=None)`,

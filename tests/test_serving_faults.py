@@ -321,3 +321,14 @@ def test_core_messages_carry_cached_tokens_and_errors():
     back = unpack(pack(out, True), None, [1, 2])
     assert (back.num_cached_tokens, back.error, back.outputs[0].finish_reason) == (16, "RuntimeError: boom",
                                                                                    "abort:error")
+
+
+def test_a_core_failure_is_short_for_clients_and_whole_for_the_log():
+    from engine.engine_core import _failure
+
+    try:
+        raise RuntimeError("device lost\nsecond line")
+    except RuntimeError as exc:
+        failed = _failure(exc)
+    assert failed.error == "RuntimeError: device lost" and not failed.bad_input
+    assert failed.traceback.startswith("Traceback") and "second line" in failed.traceback
