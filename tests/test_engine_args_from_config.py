@@ -43,6 +43,7 @@ NOT_FROM_CONFIG = {
     "tokenizer": "runs feed token ids; the tokenizer comes with the weights",
     "detokenize": "runs read token ids only (always False here)",
     "distributed_timeout_s": "a fault-detection deadline, not an experiment setting (EngineArgs default)",
+    "max_logprobs": "a serving limit on what requests may ask for; runs ask for no logprobs",
 }
 
 

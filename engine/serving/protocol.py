@@ -5,8 +5,9 @@ and OpenAI parameters the engine does not implement (`echo`, `suffix`, `best_of`
 non-empty `logit_bias`, `response_format` other than text, `tools`, `tool_choice` other than
 "none", `parallel_tool_calls`, vLLM's `chat_template_kwargs`: "not supported by this server");
 `store` and `metadata` are accepted and ignored (nothing is stored). Text must be valid Unicode: a
-lone surrogate (JSON's "\ud800", which no tokenizer can encode) is a 400 naming the field. Value checks (ranges, combinations) are `SamplingParams`' own: the routes
-build one from `sampling_kwargs()` and turn its ValueError into a 400 naming the field.
+lone surrogate (JSON's "\\ud800", which no tokenizer can encode) is a 400 naming the field. Value
+checks (ranges, combinations) are `SamplingParams`' own: the routes build one from
+`sampling_kwargs()` and turn its ValueError into a 400 naming the field.
 vLLM's extensions: `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
 `repetition_penalty`, `include_stop_str_in_output`, `skip_special_tokens`, `priority`,
 `return_token_ids`; chat also `add_generation_prompt`.
@@ -131,10 +132,14 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_completion(self) -> CompletionRequest:
-        texts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
-        for i, text in enumerate(texts):
-            if isinstance(text, str) and (problem := unicode_problem(text)):
-                raise ValueError(f"prompt {problem}" + (f" (prompt {i} of the list)" if texts is self.prompt else ""))
+        p = self.prompt
+        if isinstance(p, str):
+            if problem := unicode_problem(p):
+                raise ValueError(f"prompt {problem}")
+        elif p and isinstance(p[0], str):  # a list of texts (a token-id list is not walked: hot path)
+            for i, text in enumerate(p):
+                if problem := unicode_problem(text):
+                    raise ValueError(f"prompt {problem} (prompt {i} of the list)")
         if self.echo:
             raise ValueError("echo=true is not supported by this server")
         if self.suffix:
