@@ -94,7 +94,7 @@ def latency(out: Path, baseline: str | None, rounds: int, requests: int, backgro
     import shutil
     import tempfile
 
-    from experiments.lib import frontend_latency
+    from experiments.lib import baseline_tree, frontend_latency
 
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -104,10 +104,7 @@ def latency(out: Path, baseline: str | None, rounds: int, requests: int, backgro
     root = Path(__file__).resolve().parent.parent
     trees = {"this tree": root}
     if baseline is not None:
-        tree = work / "baseline"
-        tree.mkdir()
-        archive = subprocess.run(["git", "-C", str(root), "archive", baseline], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        tree = baseline_tree.extract(baseline, work / "baseline")
         trees = {f"baseline {baseline}": tree, **trees}
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
     chunk_cost: dict[str, dict[str, list[float]]] = {name: {} for name in trees}

@@ -13,17 +13,27 @@ is mostly per request (admission, finishing, ~2 decode runs) and per output toke
 >= 5,000 simulated requests/s. Process CPU time is reported too: on a shared machine it is what an
 idle core would give, and the load average before and after shows how shared it was. `--profile`
 prints the top functions (cProfile) of one extra run of the first workload.
+
+`--baseline REF` measures REF's tree (`git archive`) and this one paired instead: for each workload
+and repetition one run of each, alternating, each in a fresh process (experiments/lib/sim_bench_probe.py),
+and prints the median CPU-time req/s of both, their ratio, and whether the two trees wrote the same
+trace files (requests, steps and events; SHA-256 of each run's files).
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import platform
 import pstats
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
@@ -77,6 +87,38 @@ def bench(workload_name: str, requests: int, repeat: int, overrides: list[str]) 
             "batch": tokens / max(result.num_steps, 1)}
 
 
+def paired(baseline: str, workloads: list[str], requests: int, repeat: int, overrides: list[str]) -> None:
+    """REF's tree and this one, one run each per repetition, alternating (module docstring)."""
+    from experiments.lib import baseline_tree, sim_bench_probe
+
+    work = Path(tempfile.mkdtemp(prefix="bench_sim_"))
+    try:
+        probe = work / "sim_bench_probe.py"  # a copy outside any package (see its docstring)
+        shutil.copy(sim_bench_probe.__file__, probe)
+        trees = {f"baseline {baseline}": baseline_tree.extract(baseline, work / "baseline"),
+                 "this tree": baseline_tree.ROOT}
+        print(f"{'workload':10s} {'tree':24s} {'cpu s runs':30s} {'req/s(cpu)':>10s} {'ratio':>6s} traces")
+        for name in workloads:
+            runs: dict[str, list[dict]] = {tree: [] for tree in trees}
+            for r in range(repeat):
+                order = list(trees) if r % 2 == 0 else list(reversed(trees))
+                for tree in order:
+                    env = {**os.environ, "PYTHONPATH": str(trees[tree])}
+                    done = subprocess.run([sys.executable, str(probe), name, str(requests), *overrides],
+                                          check=True, env=env, cwd=trees[tree], capture_output=True, text=True)
+                    runs[tree].append(json.loads(done.stdout.splitlines()[-1]))
+            rates = {tree: requests / statistics.median(run["cpu_s"] for run in rs) for tree, rs in runs.items()}
+            digests = {run["digest"] for rs in runs.values() for run in rs}
+            for tree, rs in runs.items():
+                ratio = rates[tree] / rates[f"baseline {baseline}"]
+                cpu = ", ".join(f"{run['cpu_s']:.2f}" for run in rs)
+                print(f"{name:10s} {tree:24s} {cpu:30s} {rates[tree]:10,.0f} {ratio:6.2f} "
+                      f"{'identical' if len(digests) == 1 else 'DIFFER'}")
+    finally:
+        shutil.rmtree(work)
+    print(f"load average at the end: {_load()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (conf/), applied to every workload")
@@ -85,10 +127,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=NUM_REQUESTS)
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--baseline", default=None, metavar="REF",
+                        help="measure REF's tree and this one paired (module docstring)")
     args = parser.parse_args()
     print(f"bench_sim: {args.requests:,} requests per workload, Poisson arrivals, roofline, "
           f"machine {platform.machine()} ({_cpu_name()}), python {platform.python_version()}, "
           f"load average {_load()}")
+    if args.baseline is not None:
+        paired(args.baseline, args.workloads.split(","), args.requests, args.repeat, args.overrides)
+        return
     print(f"{'workload':10s} {'rate':>6s} {'prompt/req':>10s} {'out tok/req':>11s} {'steps':>8s} {'tok/step':>8s} "
           f"{'wall s':>7s} {'req/s':>8s} {'ns/token':>9s} {'cpu s':>7s} {'req/s(cpu)':>10s} target")
     first = None
