@@ -127,11 +127,14 @@ class Lifecycle:
                 continue
             seq.token_ids.append(PENDING)
             sampled.append(seq)
-            # PENDING is no stop token: only the length rules and a forced output length apply.
+            # PENDING is no stop token: only the length rules and a forced output length apply
+            # (most sequences are below their length limit with no stop token: `ending` is skipped).
             forced = bool(output_lens) and holds_output_len(seq, output_lens)
-            end = stop_rules[seq].ending(PENDING, forced, computed)
-            if end is not None:
-                ending.append((seq, *end))
+            rule = stop_rules[seq]
+            if forced or computed >= rule.stop_len or rule.stops is not None:
+                end = rule.ending(PENDING, forced, computed)
+                if end is not None:
+                    ending.append((seq, *end))
         return ending
 
     def settle(self, sampled: list[Sequence], ending: list[Sequence], new_token_ids: dict[int, list[int]],
@@ -155,9 +158,11 @@ class Lifecycle:
                 if not times:
                     first_token(seq, now)
                 times.append(now)
-            # The length rules were applied when the step was looked past; a stop condition now.
+            # The length rules were applied when the step was looked past; a stop condition now
+            # (a stop token or the backend's stop, else `ending` is skipped).
             stopped = bool(stop_seq_ids) and seq.seq_id in stop_seq_ids
-            if rule.ending(token, stopped, seq.num_computed_tokens) is STOPPED:
+            if (stopped or rule.stops is not None and token in rule.stops) \
+                    and rule.ending(token, stopped, seq.num_computed_tokens) is STOPPED:
                 if seq.status is RUNNING:
                     self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
                     self.aborted_in_flight = True

@@ -60,6 +60,20 @@ class SimResult:
     sim_time_s: float  # simulated clock when the last request ended
 
 
+class _OneTokenEach(dict):
+    """`update`'s new_token_ids for steps whose sampling entries all sample one token: `tokens` for
+    every sequence (looked up as a missing key, so nothing is built per step)."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__()
+        self.tokens = tokens
+
+    def __missing__(self, seq_id: int) -> list[int]:
+        return self.tokens
+
+
 class Simulator:
     def __init__(self, scheduler, latency: LatencyModel, requests: Iterable[Request],
                  stop_lens: Mapping[str, int] | None = None,
@@ -85,6 +99,10 @@ class Simulator:
         self._next_arrival_at = 0.0  # SimPy time of the pending arrival (inf: none left)
         self._step_time_guess = inf  # the last fast-forwarded step's duration
         self._one = [SIM_TOKEN]  # shared by the entries of a step (update only reads it)
+        # Without parallel sampling every sampling entry of every step samples one token: one
+        # mapping that answers `[SIM_TOKEN]` for any sequence serves every step.
+        self._one_each = _OneTokenEach(self._one) \
+            if all(r.sampling_params.n == 1 for r in self.requests) else None
 
     def run(self) -> SimResult:
         self.env.process(self._arrivals())
@@ -143,6 +161,7 @@ class Simulator:
         batch: list | None = None
         tokens: dict[int, list[int]] = {}
         schedule_ahead = sched.schedule_ahead if self.ahead else None
+        one_each = self._one_each
         pending = None  # the step scheduled ahead, to run next
         resumed = False  # a fast-forward from a step scheduled ahead just ended
         while True:
@@ -196,7 +215,9 @@ class Simulator:
             pending = None if nxt is None or nxt.is_empty else nxt  # schedule() replaces an empty one
             yield timeout(step_s)
             scheduled = out.scheduled
-            if scheduled != batch:
+            if one_each is not None:
+                tokens = one_each
+            elif scheduled != batch:
                 batch, tokens = scheduled, self._sampled_tokens(scheduled)
             self.num_steps += 1
             sched.update(out, tokens, env.now, (), stop_lens)
