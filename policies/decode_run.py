@@ -12,7 +12,7 @@ events, ended requests and step rows (kept compact by the recorder, see `DecodeR
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from policies.output_lens import decode_steps_before_output_len
@@ -57,9 +57,12 @@ def run_limit(state: SchedulerState, step: int, max_steps: int, token: int,
 
 
 def advance(state: SchedulerState, permit: Permit, step: int, times: list[float], token: int,
-            output_lens: Mapping[str, int] | None) -> None:
+            output_lens: Mapping[str, int] | None, decide_next: Callable[[], None] | None = None) -> None:
     """`Scheduler.advance_decodes`: steps step, step + 1, ...; past `permit.quiet` of them, the last
-    one applies the stop rules. Requests added since the permit arrived during the last step."""
+    one applies the stop rules. Requests added since the permit arrived during the last step, or,
+    with `decide_next` (scheduling ahead; every step quiet), during the one before it: then the next
+    step is decided (`decide_next`) after the last step's progress and before its row, which shows
+    the queues and blocks as that progress left them (a look-past's) and what the decision ended."""
     num_steps = len(times) - 1
     queues, lifecycle, block_manager, preemptor = state.queues, state.lifecycle, state.block_manager, state.preemptor
     if not 1 <= num_steps <= permit.limit or permit.step != step or lifecycle.has_pending_ends \
@@ -67,23 +70,29 @@ def advance(state: SchedulerState, permit: Permit, step: int, times: list[float]
         raise ValueError(f"advance_decodes got {num_steps} steps: decode_run_limit allowed "
                          f"{permit.limit if permit.step == step else 0} since the last step (and no abort)")
     finishing = num_steps > permit.quiet
+    separate = finishing or decide_next is not None  # the last step's row is built on its own
     running = queues.running
     num_seqs = len(running)
     preemptor.begin_step()  # forgets the counts of a preempting step before the run
     lifecycle.append_decode_run(running, token, times)
     gpu_used = block_manager.append_decode_run(running, num_steps)
     stats = StepStats(num_decode_seqs=num_seqs, num_running=num_seqs, num_samples=num_seqs)
-    plain = num_steps - 1 if finishing else num_steps  # steps before the one with the stop rules
+    plain = num_steps - 1 if separate else num_steps  # steps before the one with its own row
     kv_tokens = queues.kv_tokens
     if plain:
         queues.kv_tokens = kv_tokens + num_seqs  # as the first step's update leaves it
         first = stats.row(step, SchedulerOutput(times[0]), times[1], queues.sizes(), block_manager.usage(),
                           preemptor.counts, [])
         # Requests in the waiting queue arrived during the last step (the caller's contract).
-        run = DecodeRunSteps(first, times, gpu_used, num_seqs, len(queues.waiting)) if not finishing else \
+        run = DecodeRunSteps(first, times, gpu_used, num_seqs, len(queues.waiting)) if not separate else \
             DecodeRunSteps(first, times[:-1], gpu_used[:-1], num_seqs, 0)
         state.recorder.decode_run(run)
     queues.kv_tokens = kv_tokens + num_seqs * num_steps
+    if decide_next is not None:
+        sizes, usage, counts = queues.sizes(), block_manager.usage(), preemptor.counts
+        decide_next()
+        state.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], sizes, usage, counts,
+                                      lifecycle.take_ended()))
     if finishing:
         lifecycle.finish_decode_run(list(running), token, times[-1], output_lens)
         state.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], queues.sizes(),

@@ -216,6 +216,10 @@ class Scheduler:
         # After the step looked past every running sequence decodes next, but a prompt it chunked.
         self._all_decoding = not last.stats.num_partial
         self.num_scheduled_ahead += 1
+        return self._schedule_ahead_of_update(now)
+
+    def _schedule_ahead_of_update(self, now: float) -> SchedulerOutput:
+        """`schedule(now)` for a step decided before the last one's update."""
         out = self.schedule(now)
         out.ahead = True
         # Until the next look-past: whether this step is a plain decode of every running sequence (a
@@ -293,7 +297,11 @@ class Scheduler:
 
     def could_schedule_ahead(self) -> bool:
         """After `advance_decodes`: whether `schedule_ahead` would have looked past the run's last step,
-        so that the next step stands for one scheduled ahead (the simulator prices it so)."""
+        so that the next step stands for one scheduled ahead (the simulator prices it so). Requests
+        may wait by then (they arrived during the run's second-to-last step, after that step decided
+        the last one)."""
+        if self.queues.reorders and self.state.may_force and self.queues.waiting:
+            return False  # as schedule_ahead: whether the head may force is known only after the step
         return self._all_decoding and lookahead.next_step_safe(self.state, ahead=0)
 
     def _observe_decode_run(self, running: list[Sequence], num_steps: int) -> None:
@@ -307,15 +315,42 @@ class Scheduler:
         if names - {"running"}:
             queues.reorder(names - {"running"})
 
-    def advance_decodes(self, times: list[float], token: int, output_lens: Mapping[str, int] | None = None) -> None:
+    def advance_decodes(self, times: list[float], token: int, output_lens: Mapping[str, int] | None = None,
+                        decide_at: float | None = None) -> SchedulerOutput | None:
         """Apply len(times) - 1 of them, step s from times[s] to times[s + 1], as schedule(times[s]);
-        update(out, {seq_id: [token] for each seq}, times[s + 1], stop_seq_ids) would."""
+        update(out, {seq_id: [token] for each seq}, times[s + 1], stop_seq_ids) would.
+        `decide_at` (scheduling ahead, a run of 2+ steps that finish nothing, requests arrived during
+        its second-to-last step): the next step is decided at the last step's start, `decide_at`,
+        before that step's update, as `schedule_ahead` would (None, changing nothing, where it would
+        not: then call `schedule`); its output is returned."""
         running = list(self.queues.running) if self._observes_runs else None
         # A run may start with the step scheduled ahead (not updated yet): the policy observed it then.
         observed = self._last is not None and not self._last_updated
-        decode_run.advance(self.state, self._decode_run, self._step, times, token, output_lens)
-        if running is not None and len(times) - 1 - observed:
-            self._observe_decode_run(running, len(times) - 1 - observed)
-        self._step += len(times) - 1
-        self._now, self._last, self._decode_run = times[-1], None, decode_run.NO_RUN
+        num_steps = len(times) - 1
+        nxt = None
+
+        def observe() -> None:
+            if running is not None and num_steps - observed:
+                self._observe_decode_run(running, num_steps - observed)
+
+        def decide_next() -> None:
+            nonlocal nxt
+            observe()
+            if self.could_schedule_ahead():
+                self.num_scheduled_ahead += 1
+                nxt = self._schedule_ahead_of_update(decide_at)
+
+        if decide_at is not None and (num_steps < 2 or num_steps > self._decode_run.quiet):
+            raise ValueError(f"advance_decodes got decide_at with {num_steps} steps: a decision ahead of "
+                             f"the last step's update needs 2+ steps that finish nothing "
+                             f"(decode_run_limit allowed {self._decode_run.quiet})")
+        decode_run.advance(self.state, self._decode_run, self._step, times, token, output_lens,
+                           decide_next if decide_at is not None else None)
+        if decide_at is None:
+            observe()
+        self._step += num_steps
+        self._now, self._decode_run = times[-1], decode_run.NO_RUN
+        if nxt is None:
+            self._last = None
         self._last_update = times[-1]
+        return nxt

@@ -97,6 +97,8 @@ class Simulator:
         self._arrived = 0
         self._wake: simpy.Event | None = None
         self._next_arrival_at = 0.0  # SimPy time of the pending arrival (inf: none left)
+        self._next_index = 0  # the pending arrival's index in self.requests
+        self._decided_at: float | None = None  # when the step after the last decode run was decided
         self._step_time_guess = inf  # the last fast-forwarded step's duration
         self._one = [SIM_TOKEN]  # shared by the entries of a step (update only reads it)
         # Without parallel sampling every sampling entry of every step samples one token: one
@@ -128,6 +130,7 @@ class Simulator:
             if req.arrival_time > env.now:
                 delay = req.arrival_time - env.now
                 self._next_arrival_at = env.now + delay  # the time SimPy computes for the timeout
+                self._next_index = i
                 yield env.timeout(delay)
             j = i + 1
             if admission_s:
@@ -178,10 +181,14 @@ class Simulator:
             times = self._decode_run() if fast_forward and (not self.ahead or pending is not None) else None
             if times is not None:
                 idle_rounds = 0
+                decided_at, self._decided_at = self._decided_at, None
                 yield timeout(times[-1] - env.now)
-                sched.advance_decodes(times, SIM_TOKEN, stop_lens)
+                # A run past an arrival: the step after it was decided at its last step's start.
+                nxt = sched.advance_decodes(times, SIM_TOKEN, stop_lens, decided_at)
                 self.num_steps += len(times) - 1
-                resumed, pending = pending is not None, None
+                resumed, pending = pending is not None and decided_at is None, None
+                if nxt is not None and not nxt.is_empty:
+                    pending = nxt
                 continue
             if pending is None:
                 # After a run the next step is the one scheduling ahead would have decided at the last
@@ -241,7 +248,9 @@ class Simulator:
         guess = self._step_time_guess
         chunk = int((until - start) / guess) + 2 if until < inf and guess > 0 else FIRST_CHUNK_STEPS
         # Step ends as SimPy's timeouts compute them (start + duration, one step after the other),
-        # up to the first one at or after the next arrival.
+        # up to the first one at or after the next arrival (scheduling ahead: and one more, in case
+        # the run may keep the arrival's step and the next, `_decides_past_arrival`).
+        lo, past_arrival = 1, False
         while len(times) <= limit:
             num_steps = min(chunk, limit + 1 - len(times))
             grown = {k: v + len(times) - 1 for k, v in longest.items()}
@@ -249,17 +258,41 @@ class Simulator:
                                                    num_seqs, num_steps, **grown)
             if step_times is None:
                 return None
-            done = len(times)
             times.extend(islice(accumulate(step_times, initial=times[-1]), 1, None))
-            cut = bisect_left(times, until, done)
-            if cut < len(times):
-                del times[cut + (times[cut] != until and not self.ahead):]
+            cut = bisect_left(times, until, lo)
+            if cut == len(times):
+                lo = cut
+            elif not self.ahead:
+                del times[cut + (times[cut] != until):]
+                break
+            elif cut + 1 < len(times) or len(times) > limit:
+                past_arrival = self._decides_past_arrival(times, cut)
+                del times[cut + 2 * past_arrival:]
                 break
             chunk = 2 * chunk
         self._step_time_guess = times[-1] - times[-2] if len(times) > 1 else self._step_time_guess
         if len(times) < 2 or start + (times[-1] - start) != times[-1]:
             return None
+        self._decided_at = times[-2] if past_arrival else None
         return times
+
+    def _decides_past_arrival(self, times: list[float], cut: int) -> bool:
+        """Scheduling ahead, with the pending arrival strictly inside step `cut - 1` of a run (from
+        times[cut - 1] to times[cut]): whether the run may keep that step and the next one. That
+        next step was decided at the arrival step's start, before the arrival, so it is a plain decode
+        too; the step after it is decided at its start, times[cut], with what arrived, and nothing
+        may arrive from then until the next step's end. Without admission costs only (the arrivals
+        are then handed over as they come)."""
+        if self.latency.admission_s or cut + 1 >= len(times) or times[cut] == self._next_arrival_at:
+            return False
+        requests, at = self.requests, self._next_arrival_at
+        for k in range(self._next_index + 1, len(requests)):
+            arrival = requests[k].arrival_time
+            if arrival > at:
+                at += arrival - at  # the time SimPy computes for that arrival's timeout
+                if at >= times[cut]:
+                    return at > times[cut + 1]
+        return True
 
     def _sampled_tokens(self, scheduled) -> dict[int, list[int]]:
         """`SIM_TOKEN` for every sample of the step (`update`'s `new_token_ids`)."""
