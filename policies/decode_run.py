@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+from policies import lookahead
 from policies.output_lens import decode_steps_before_output_len
 from policies.outputs import SchedulerOutput
 from policies.phase_state import SchedulerState
@@ -49,6 +50,8 @@ def run_limit(state: SchedulerState, step: int, max_steps: int, token: int,
             or max_steps < 1):
         return NO_RUN
     quiet = lifecycle.decode_steps_before_stop(running, token, max_steps - 1)
+    if quiet is None:
+        return NO_RUN
     if quiet and output_lens:
         forced = decode_steps_before_output_len(running, output_lens)
         if forced is not None and forced < quiet:
@@ -56,13 +59,25 @@ def run_limit(state: SchedulerState, step: int, max_steps: int, token: int,
     return Permit(state.block_manager.decode_run_limit(running, quiet + 1), quiet, step, len(lifecycle.seen))
 
 
+class AheadDecision(NamedTuple):
+    """How a run hands over to the step after it when the backend schedules ahead (that step is
+    decided at the run's last step's start, before that step's update)."""
+
+    possible: Callable[[], bool]  # whether scheduling ahead would have looked past the last step
+    decide: Callable[[], None]  # decide the next step
+
+
 def advance(state: SchedulerState, permit: Permit, step: int, times: list[float], token: int,
-            output_lens: Mapping[str, int] | None, decide_next: Callable[[], None] | None = None) -> None:
+            output_lens: Mapping[str, int] | None, ahead: AheadDecision | None = None) -> bool:
     """`Scheduler.advance_decodes`: steps step, step + 1, ...; past `permit.quiet` of them, the last
     one applies the stop rules. Requests added since the permit arrived during the last step, or,
-    with `decide_next` (scheduling ahead; every step quiet), during the one before it: then the next
-    step is decided (`decide_next`) after the last step's progress and before its row, which shows
-    the queues and blocks as that progress left them (a look-past's) and what the decision ended."""
+    with `ahead` (scheduling ahead), before its start. Returns whether the next step was decided.
+
+    With `ahead` and `ahead.possible()` (judged when the last step's progress is in, before its
+    endings): the last step is looked past as `schedule_ahead` would at its start (the sequences a
+    length rule ends leave the queue and free their blocks: `permit.quiet` counted no step where a
+    sequence may stop on `token`), the next step is decided, and then the last step's update ends
+    those requests and records its row (the queues and blocks as its look-past left them)."""
     num_steps = len(times) - 1
     queues, lifecycle, block_manager, preemptor = state.queues, state.lifecycle, state.block_manager, state.preemptor
     if not 1 <= num_steps <= permit.limit or permit.step != step or lifecycle.has_pending_ends \
@@ -70,31 +85,34 @@ def advance(state: SchedulerState, permit: Permit, step: int, times: list[float]
         raise ValueError(f"advance_decodes got {num_steps} steps: decode_run_limit allowed "
                          f"{permit.limit if permit.step == step else 0} since the last step (and no abort)")
     finishing = num_steps > permit.quiet
-    separate = finishing or decide_next is not None  # the last step's row is built on its own
     running = queues.running
     num_seqs = len(running)
     preemptor.begin_step()  # forgets the counts of a preempting step before the run
     lifecycle.append_decode_run(running, token, times)
     gpu_used = block_manager.append_decode_run(running, num_steps)
     stats = StepStats(num_decode_seqs=num_seqs, num_running=num_seqs, num_samples=num_seqs)
-    plain = num_steps - 1 if separate else num_steps  # steps before the one with its own row
     kv_tokens = queues.kv_tokens
+    queues.kv_tokens = kv_tokens + num_seqs * num_steps
+    decides = ahead is not None and ahead.possible()
+    plain = num_steps - 1 if finishing or decides else num_steps  # steps before one with its own row
     if plain:
         queues.kv_tokens = kv_tokens + num_seqs  # as the first step's update leaves it
         first = stats.row(step, SchedulerOutput(times[0]), times[1], queues.sizes(), block_manager.usage(),
                           preemptor.counts, [])
+        queues.kv_tokens = kv_tokens + num_seqs * num_steps
         # Requests in the waiting queue arrived during the last step (the caller's contract).
-        run = DecodeRunSteps(first, times, gpu_used, num_seqs, len(queues.waiting)) if not separate else \
+        run = DecodeRunSteps(first, times, gpu_used, num_seqs, len(queues.waiting)) if plain == num_steps else \
             DecodeRunSteps(first, times[:-1], gpu_used[:-1], num_seqs, 0)
         state.recorder.decode_run(run)
-    queues.kv_tokens = kv_tokens + num_seqs * num_steps
-    if decide_next is not None:
+    if decides:
+        retired = lookahead.retire(state, lifecycle.length_endings(running, output_lens)) if finishing else []
         sizes, usage, counts = queues.sizes(), block_manager.usage(), preemptor.counts
-        decide_next()
+        ahead.decide()
+        lifecycle.end_retired(retired, times[-1])
         state.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], sizes, usage, counts,
                                       lifecycle.take_ended()))
-    if finishing:
+    elif finishing:
         lifecycle.finish_decode_run(list(running), token, times[-1], output_lens)
         state.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], queues.sizes(),
-                                          block_manager.usage(), preemptor.counts,
-                                          lifecycle.take_ended()))
+                                      block_manager.usage(), preemptor.counts, lifecycle.take_ended()))
+    return decides

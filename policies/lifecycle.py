@@ -168,7 +168,12 @@ class Lifecycle:
                     self.aborted_in_flight = True
                 elif seq.status is SequenceStatus.FINISHED_LENGTH:  # a stop wins over a length limit
                     seq.status, seq.finish_reason = SequenceStatus.FINISHED_STOPPED, "stop"
-        for seq in ending:
+        self.end_retired(ending, now)
+
+    def end_retired(self, retired: list[Sequence], now: float) -> None:
+        """The requests of sequences a looked-past step ended (policies/lookahead.py: `retire`) end
+        at its update, once all their sequences have."""
+        for seq in retired:
             family = self.families.get(seq.request.request_id)
             if family is not None and all(s.status >= FINISHED for s in family):
                 seq.request.finish_reason = family[0].finish_reason
@@ -179,16 +184,39 @@ class Lifecycle:
         """Requests ended since the last update, or sequences aborted in flight."""
         return bool(self._ended or self._aborted or self.aborted_in_flight)
 
-    def decode_steps_before_stop(self, seqs: list[Sequence], token: int, max_steps: int) -> int:
+    def decode_steps_before_stop(self, seqs: list[Sequence], token: int, max_steps: int) -> int | None:
         """How many decode steps (<= max_steps) of `seqs` sampling `token` everywhere finish none of
-        them: the step where one reaches its length limit, or may stop on `token`, is not counted."""
+        them: the step where one reaches its length limit, or may stop on `token`, is not counted.
+        None when one's first token is still to come (a first_token event: no step is a run's)."""
         limit, stop_rules = max_steps, self.stop_rules
         for seq in seqs:
             rule = stop_rules[seq]
             if rule.token_times is not None and not rule.token_times:
-                return 0  # its first token is still to come: a first_token event, not in a run
+                return None
             limit = min(limit, rule.decode_steps_before_end(seq.num_computed_tokens, token))
         return max(limit, 0)
+
+    def stops_known_ahead(self, seqs: list[Sequence], token: int) -> bool:
+        """Whether no sequence of `seqs` may stop on `token` (nor on PENDING): a step of them sampling
+        `token` ends only sequences a length rule ends, which its look-past knows."""
+        stop_rules = self.stop_rules
+        for seq in seqs:
+            stops = stop_rules[seq].stops
+            if stops is not None and (token in stops or PENDING in stops):
+                return False
+        return True
+
+    def length_endings(self, seqs: list[Sequence], output_lens: Mapping[str, int] | None,
+                       ) -> list[tuple[Sequence, SequenceStatus, str]]:
+        """The sequences of a decode step whose progress is in that the step's look-past ends (as
+        `look_past` finds them: length rules and forced output lengths)."""
+        ending, stop_rules = [], self.stop_rules
+        for seq in seqs:
+            forced = bool(output_lens) and holds_output_len(seq, output_lens)
+            end = stop_rules[seq].ending(PENDING, forced, seq.num_computed_tokens)
+            if end is not None:
+                ending.append((seq, *end))
+        return ending
 
     def append_decode_run(self, seqs: list[Sequence], token: int, times: list[float]) -> None:
         """The token side of len(times) - 1 decode steps (step s ends at times[s + 1]) of seqs that

@@ -43,10 +43,10 @@ from policies.phase_state import ScheduledStep, SchedulerState
 from policies.preemption import PreemptionCounts
 from policies.queues import QueueSizes
 from policies.sampling_path import device_sampling
-from policies.sequence import PENDING, Sequence
+from policies.sequence import PENDING, Sequence, SequenceStatus
 from policies.step_stats import StepStats
 
-__all__ = ["PENDING", "LookedPast", "can_look_past", "look_past", "next_chunks_fit", "next_step_safe",
+__all__ = ["PENDING", "LookedPast", "can_look_past", "look_past", "next_chunks_fit", "next_step_safe", "retire",
            "samples_on_device"]  # PENDING: for backends
 _SEQ = itemgetter(0)  # ScheduledSeq.seq
 
@@ -126,11 +126,19 @@ def look_past(state: SchedulerState, step: ScheduledStep, start: float,
     past = LookedPast(out, stats, state.preemptor.counts, start)
     ending = lifecycle.look_past(out, output_lens, past.sampled)
     queues.kv_tokens += stats.num_prefill_tokens + stats.num_decode_seqs
-    for seq, status, reason in ending:
-        queues.remove(seq)
-        block_manager.free(seq)
-        seq.status, seq.finish_reason = status, reason
-        past.ending.append(seq)
+    past.ending = retire(state, ending)
     past.queues = queues.sizes()
     past.usage = block_manager.usage()
     return past
+
+
+def retire(state: SchedulerState, ending: list[tuple[Sequence, SequenceStatus, str]]) -> list[Sequence]:
+    """Sequences a length rule ends in a step looked past: they leave the running queue and free their
+    blocks now, with their final status; their requests end at the step's update (`Lifecycle.end_retired`)."""
+    retired = []
+    for seq, status, reason in ending:
+        state.queues.remove(seq)
+        state.block_manager.free(seq)
+        seq.status, seq.finish_reason = status, reason
+        retired.append(seq)
+    return retired

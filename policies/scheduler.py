@@ -283,8 +283,9 @@ class Scheduler:
         """How many of the next steps (<= max_steps) `advance_decodes` may apply at once if every
         sample is `token`, `output_lens` end requests at those output lengths (as stop_seq_ids)
         and nothing arrives or is aborted before the last one starts; 0 if the next is not one.
-        `quiet`: only steps that finish nothing (a backend scheduling ahead: the next step is decided
-        before such a step's update). The next step may be scheduled already (by schedule_ahead,
+        `quiet` (a backend scheduling ahead: the next step is decided before such a step's update):
+        steps that finish nothing, and a last one that finishes sequences only by length rules
+        (known when it is looked past), unless a running sequence may stop on `token`. The next step may be scheduled already (by schedule_ahead,
         not looked past): the run then starts with it. Its sequences may differ from those of the
         step looked past (a swap-in, a preemption), so whether the steps after it are decided ahead
         too, which needs them to sample on the device, is asked here."""
@@ -293,13 +294,21 @@ class Scheduler:
         self._decode_run = decode_run.run_limit(self.state, self._step, max_steps, token, output_lens) \
             if runs else decode_run.NO_RUN
         permit = self._decode_run
-        return min(permit.limit, permit.quiet) if quiet else permit.limit
+        if quiet and permit.limit > permit.quiet \
+                and not self.lifecycle.stops_known_ahead(self.queues.running, token):
+            return permit.quiet
+        return permit.limit
+
+    @property
+    def decode_run_quiet(self) -> int:
+        """Of the steps the last `decode_run_limit` allowed, how many finish nothing."""
+        return self._decode_run.quiet
 
     def could_schedule_ahead(self) -> bool:
-        """After `advance_decodes`: whether `schedule_ahead` would have looked past the run's last step,
-        so that the next step stands for one scheduled ahead (the simulator prices it so). Requests
-        may wait by then (they arrived during the run's second-to-last step, after that step decided
-        the last one)."""
+        """In `advance_decodes`, once the run's progress is in (before its last step's endings): whether
+        `schedule_ahead` would have looked past the run's last step, so that the next step is decided
+        at that step's start. Requests may wait by then (they arrived during the run's second-to-last
+        step, after it decided the last one)."""
         if self.queues.reorders and self.state.may_force and self.queues.waiting:
             return False  # as schedule_ahead: whether the head may force is known only after the step
         return self._all_decoding and lookahead.next_step_safe(self.state, ahead=0)
@@ -319,10 +328,10 @@ class Scheduler:
                         decide_at: float | None = None) -> SchedulerOutput | None:
         """Apply len(times) - 1 of them, step s from times[s] to times[s + 1], as schedule(times[s]);
         update(out, {seq_id: [token] for each seq}, times[s + 1], stop_seq_ids) would.
-        `decide_at` (scheduling ahead, a run of 2+ steps that finish nothing, requests arrived during
-        its second-to-last step): the next step is decided at the last step's start, `decide_at`,
-        before that step's update, as `schedule_ahead` would (None, changing nothing, where it would
-        not: then call `schedule`); its output is returned."""
+        `decide_at` (a backend scheduling ahead: the last step's start, times[-2]): the step after the
+        run is decided then, before the last step's update, as `schedule_ahead` would, and returned
+        (requests that wait arrived before decide_at); None, deciding nothing, where it would not
+        have looked past the last step: then call `schedule` (policies/decode_run.py: `advance`)."""
         running = list(self.queues.running) if self._observes_runs else None
         # A run may start with the step scheduled ahead (not updated yet): the policy observed it then.
         observed = self._last is not None and not self._last_updated
@@ -333,20 +342,14 @@ class Scheduler:
             if running is not None and num_steps - observed:
                 self._observe_decode_run(running, num_steps - observed)
 
-        def decide_next() -> None:
+        def decide() -> None:
             nonlocal nxt
-            observe()
-            if self.could_schedule_ahead():
-                self.num_scheduled_ahead += 1
-                nxt = self._schedule_ahead_of_update(decide_at)
+            observe()  # the run's steps were decided (and observed) before the next one
+            self.num_scheduled_ahead += 1
+            nxt = self._schedule_ahead_of_update(decide_at)
 
-        if decide_at is not None and (num_steps < 2 or num_steps > self._decode_run.quiet):
-            raise ValueError(f"advance_decodes got decide_at with {num_steps} steps: a decision ahead of "
-                             f"the last step's update needs 2+ steps that finish nothing "
-                             f"(decode_run_limit allowed {self._decode_run.quiet})")
-        decode_run.advance(self.state, self._decode_run, self._step, times, token, output_lens,
-                           decide_next if decide_at is not None else None)
-        if decide_at is None:
+        ahead = None if decide_at is None else decode_run.AheadDecision(self.could_schedule_ahead, decide)
+        if not decode_run.advance(self.state, self._decode_run, self._step, times, token, output_lens, ahead):
             observe()
         self._step += num_steps
         self._now, self._decode_run = times[-1], decode_run.NO_RUN

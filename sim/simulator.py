@@ -98,7 +98,6 @@ class Simulator:
         self._wake: simpy.Event | None = None
         self._next_arrival_at = 0.0  # SimPy time of the pending arrival (inf: none left)
         self._next_index = 0  # the pending arrival's index in self.requests
-        self._decided_at: float | None = None  # when the step after the last decode run was decided
         self._step_time_guess = inf  # the last fast-forwarded step's duration
         self._one = [SIM_TOKEN]  # shared by the entries of a step (update only reads it)
         # Without parallel sampling every sampling entry of every step samples one token: one
@@ -166,7 +165,6 @@ class Simulator:
         schedule_ahead = sched.schedule_ahead if self.ahead else None
         one_each = self._one_each
         pending = None  # the step scheduled ahead, to run next
-        resumed = False  # a fast-forward from a step scheduled ahead just ended
         while True:
             if on_done is not None and len(ended_rows) > reported:
                 on_done(len(ended_rows) - reported)
@@ -181,21 +179,15 @@ class Simulator:
             times = self._decode_run() if fast_forward and (not self.ahead or pending is not None) else None
             if times is not None:
                 idle_rounds = 0
-                decided_at, self._decided_at = self._decided_at, None
                 yield timeout(times[-1] - env.now)
-                # A run past an arrival: the step after it was decided at its last step's start.
-                nxt = sched.advance_decodes(times, SIM_TOKEN, stop_lens, decided_at)
+                # Scheduling ahead, the step after the run is decided at its last step's start (None
+                # where scheduling ahead would not have looked past that step: decided now).
+                nxt = sched.advance_decodes(times, SIM_TOKEN, stop_lens, times[-2] if self.ahead else None)
                 self.num_steps += len(times) - 1
-                resumed, pending = pending is not None and decided_at is None, None
-                if nxt is not None and not nxt.is_empty:
-                    pending = nxt
+                pending = None if nxt is None or nxt.is_empty else nxt
                 continue
             if pending is None:
-                # After a run the next step is the one scheduling ahead would have decided at the last
-                # run step's start (nothing arrived or ended since: the run's cut), if it could have.
-                was_ahead = resumed and sched.could_schedule_ahead()
-                out, resumed = schedule(env.now), False
-                out.ahead = was_ahead
+                out = schedule(env.now)
             else:
                 out, pending = pending, None
             if not out.scheduled and out.is_empty:
@@ -250,7 +242,7 @@ class Simulator:
         # Step ends as SimPy's timeouts compute them (start + duration, one step after the other),
         # up to the first one at or after the next arrival (scheduling ahead: and one more, in case
         # the run may keep the arrival's step and the next, `_decides_past_arrival`).
-        lo, past_arrival = 1, False
+        lo, quiet = 1, sched.decode_run_quiet
         while len(times) <= limit:
             num_steps = min(chunk, limit + 1 - len(times))
             grown = {k: v + len(times) - 1 for k, v in longest.items()}
@@ -266,14 +258,12 @@ class Simulator:
                 del times[cut + (times[cut] != until):]
                 break
             elif cut + 1 < len(times) or len(times) > limit:
-                past_arrival = self._decides_past_arrival(times, cut)
-                del times[cut + 2 * past_arrival:]
+                del times[cut + 2 * (cut + 1 <= quiet and self._decides_past_arrival(times, cut)):]
                 break
             chunk = 2 * chunk
         self._step_time_guess = times[-1] - times[-2] if len(times) > 1 else self._step_time_guess
         if len(times) < 2 or start + (times[-1] - start) != times[-1]:
             return None
-        self._decided_at = times[-2] if past_arrival else None
         return times
 
     def _decides_past_arrival(self, times: list[float], cut: int) -> bool:

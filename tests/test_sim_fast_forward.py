@@ -202,11 +202,25 @@ FULL_SAMPLER_AFTER_A_STEP_AHEAD = {
                  ("r1", [2100], _one_token(1), 1 / 1024, 0, None, None)]}
 
 
+# fcfs, async scheduling: r2 arrives during step 1 of a run and can never fit the pool. The run
+# keeps that step and the next (decided before the arrival); the step after them, decided at the
+# next one's start, aborts r2, which stepping records in the next step's row (its update comes after).
+ABORT_DECIDED_PAST_AN_ARRIVAL = {
+    "policy": "fcfs", "mode": "recompute", "blocks": "paged", "block_size": 1, "num_gpu_blocks": 40,
+    "num_cpu_blocks": 0, "watermark": 0.0, "latency": "dyadic", "admission_s": 0.0, "stop_lens": {},
+    "config": SchedulerConfig(max_num_batched_tokens=MAX_MODEL_LEN, max_num_seqs=2, max_model_len=MAX_MODEL_LEN,
+                              enable_chunked_prefill=False, async_scheduling=True),
+    "requests": [("r0", [2000], _one_token(4), 0.0, 0, None, None),
+                 ("r1", [2100], _one_token(1), 0.0, 0, None, None),
+                 ("r2", [2200], _one_token(40), 12 / 1024, 0, None, None)]}
+
+
 @settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 @example(case=VTC_RUN_SEES_NOTHING_WAITING)
 @example(case=VTC_WEIGHTED_RUN_SUMS_AS_STEPPING)
 @example(case=FULL_SAMPLER_AFTER_A_STEP_AHEAD)
+@example(case=ABORT_DECIDED_PAST_AN_ARRIVAL)
 def test_fast_forward_leaves_the_traces_of_stepping_one_by_one(case):
     fast, fast_result, fast_pools = simulate(case, fast_forward=True)
     plain, plain_result, plain_pools = simulate(case, fast_forward=False)
