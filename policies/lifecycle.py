@@ -191,9 +191,13 @@ class Lifecycle:
         limit, stop_rules = max_steps, self.stop_rules
         for seq in seqs:
             rule = stop_rules[seq]
-            if rule.token_times is not None and not rule.token_times:
+            times = rule.token_times
+            if times is not None and not times:
                 return None
-            limit = min(limit, rule.decode_steps_before_end(seq.num_computed_tokens, token))
+            # Without stop tokens the length limit alone (StopRule.decode_steps_before_end).
+            steps = rule.stop_len - seq.num_computed_tokens - 1 if rule.stops is None \
+                else rule.decode_steps_before_end(seq.num_computed_tokens, token)
+            limit = min(limit, steps)
         return max(limit, 0)
 
     def stops_known_ahead(self, seqs: list[Sequence], token: int) -> bool:
