@@ -26,10 +26,14 @@ SimPy could not reach exactly from now with one delay (only possible early on) g
 Async scheduling (`scheduler.async_scheduling`): each step is decided when the one before it
 starts (`Scheduler.schedule_ahead`, policies/lookahead.py), so a request arriving during step N
 is admitted in step N + 2 at the earliest. A fast-forward then starts from a step scheduled ahead
-whose sequences all sample on the device (others are not looked past) and keeps to steps that
-finish nothing and end before the next arrival; the step after it, decided when the run ends, is
-the one scheduling ahead would have decided at the last run step's start (nothing arrived or ended
-in between) and is priced as scheduled ahead. Traces are again identical to stepping one by one.
+whose sequences all sample on the device (others are not looked past); its steps finish nothing
+but the last, which may end sequences by length (`decode_run_limit(quiet=True)`), and end before
+the next arrival, or, when that arrival falls strictly inside step N of the run and nothing else
+arrives until step N + 1 ends, the run keeps N and N + 1 (decided at N's start, before the
+arrival; `_decides_past_arrival`). `advance_decodes` is told the last step's start: the step after
+the run is decided then, as scheduling ahead would have (None where it would not have looked past
+the last step: decided synchronously), and a run may start from it at once. Traces are again
+identical to stepping one by one.
 """
 from __future__ import annotations
 
