@@ -285,10 +285,11 @@ class Scheduler:
         and nothing arrives or is aborted before the last one starts; 0 if the next is not one.
         `quiet` (a backend scheduling ahead: the next step is decided before such a step's update):
         steps that finish nothing, and a last one that finishes sequences only by length rules
-        (known when it is looked past), unless a running sequence may stop on `token`. The next step may be scheduled already (by schedule_ahead,
-        not looked past): the run then starts with it. Its sequences may differ from those of the
-        step looked past (a swap-in, a preemption), so whether the steps after it are decided ahead
-        too, which needs them to sample on the device, is asked here."""
+        (known when it is looked past), unless a running sequence may stop on `token`. The next
+        step may be scheduled already (by schedule_ahead, not looked past): the run then starts
+        with it. Its sequences may differ from those of the step looked past (a swap-in, a
+        preemption), so whether the steps after it are decided ahead too, which needs them to
+        sample on the device, is asked here."""
         runs = self._all_decoding and self._looked_past is None and (
             not quiet or lookahead.samples_on_device(self.state, self.queues.running))
         self._decode_run = decode_run.run_limit(self.state, self._step, max_steps, token, output_lens) \
