@@ -20,6 +20,15 @@ blocks each way. The timing itself: experiments/lib/profiling/measure.py.
 
     python -m experiments.profile model=qwen3-0.6b            # the GPU profile (minutes: `elapsed_s` in its metadata)
     python -m experiments.profile model=tiny-qwen3 profile_grid=tiny device=cpu out=/tmp/p.csv
+
+`mode=operators` times the engine's operators instead, for every model at once (GEMMs, attention,
+elementwise ops, sampler, block copies, graph launch; all-reduce / all-gather over the machine's
+GPUs): experiments/lib/profiling/operators.py, file format in sim/latency/operator_profile.py,
+docs/operator_profiles.md.
+
+    python -m experiments.profile mode=operators                               # one GPU, ~4 minutes
+    python -m experiments.profile mode=operators operator_parts=[collectives]  # N = 2, 4, 8 GPUs
+    python -m experiments.profile mode=operators operator_grid=tiny device=cpu operators_dir=/tmp/ops
 """
 from __future__ import annotations
 
@@ -65,7 +74,59 @@ def versions() -> str:
         tri = triton.__version__
     except ImportError:
         tri = "none"
-    return f"torch {torch.__version__}, triton {tri}, transformers {transformers.__version__}"
+    return (f"torch {torch.__version__}, triton {tri}, transformers {transformers.__version__}, "
+            f"CUDA {torch.version.cuda or 'none'}")
+
+
+OPERATOR_PARTS = ("compute", "collectives")
+
+
+def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
+    """Time the operators of `operator_grid` and write one file per part; returns the paths."""
+    import json
+
+    import torch
+
+    from experiments.lib.profiling.collectives import collective_rows
+    from experiments.lib.profiling.operator_grid import OperatorGrid
+    from experiments.lib.profiling.operators import compute_rows
+    from sim.latency.operator_profile import read_operator_file, write_operator_file
+    check_config(cfg, "profile", *hydra_origin())
+    grid = OperatorGrid.from_dict(OmegaConf.to_container(cfg.operator_grid, resolve=True))
+    parts = list(cfg.operator_parts)
+    if not parts or any(p not in OPERATOR_PARTS for p in parts):
+        raise ValueError(f"operator_parts={parts!r} is invalid: a non-empty list from {list(OPERATOR_PARTS)}")
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype_name = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu = cfg.gpu or gpu_slug(device_name)
+    out_dir = Path(cfg.operators_dir) if cfg.operators_dir else REPO_ROOT / "experiments" / "profiles" / "operators"
+    meta = {"gpu": gpu, "device": device_name, "dtype": dtype_name, "versions": versions(),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
+            "grid": json.dumps(grid.as_dict(), separators=(",", ":"))}
+    log = (lambda msg: print(f"[operators] {msg}", flush=True)) if cfg.progress else (lambda msg: None)
+    paths = []
+    if "compute" in parts:
+        from engine.attention import resolve_decode_kernel
+        # The decode kernel "auto" picks for a typical shape (head_dim 128, 4 query heads per KV head);
+        # the CPU runs the torch references.
+        kernels = (resolve_decode_kernel(cfg.decode_kernel, device, dtype, 128, 4, grid.block_size)
+                   if device.type == "cuda" else "reference")
+        start = time.perf_counter()
+        rows = compute_rows(grid, device, dtype, cfg.decode_kernel, log)
+        meta_c = {**meta, "kernels": kernels, "elapsed_s": f"{time.perf_counter() - start:.1f}"}
+        paths.append(write_operator_file(out_dir / f"{gpu}-{dtype_name}-{kernels}.csv", meta_c, rows))
+    if "collectives" in parts:
+        start = time.perf_counter()
+        rows = collective_rows(grid.world_sizes, grid.collective_bytes, dtype, device.type == "cuda", log)
+        if rows:
+            sizes = "-".join(str(w) for w in sorted({int(r["world_size"]) for r in rows}))
+            meta_n = {**meta, "kernels": "collectives", "elapsed_s": f"{time.perf_counter() - start:.1f}"}
+            paths.append(write_operator_file(out_dir / f"{gpu}-{dtype_name}-collectives-n{sizes}.csv", meta_n, rows))
+    for path in paths:
+        read_operator_file(path)  # the schema check, before anyone relies on the file
+    return paths
 
 
 def build_runner(cfg: DictConfig, grid: ProfileGrid):
@@ -203,6 +264,12 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
 @hydra.main(config_path="../conf", config_name="profile", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     command = "python -m experiments.profile " + " ".join(sys.argv[1:])
+    if cfg.mode == "operators":
+        for path in profile_operators(cfg, command.strip()):
+            print(f"operator profile -> {path}")
+        return
+    if cfg.mode != "steps":
+        raise ValueError(f"mode={cfg.mode!r} is invalid: 'steps' (a model's step profile) or 'operators'")
     path, meta = profile(cfg, command.strip())
     steps = sum(1 for line in path.read_text().splitlines() if line.startswith("step,"))
     print(f"profile of {meta['model']} on {meta['device']}: {steps} step rows, prefill_tile_s="

@@ -124,6 +124,17 @@ class ProfiledLatency:
 
 
 @dataclass
+class OperatorsLatency:
+    name: str = "operators"
+    dir: str | None = None
+    gpu: str | None = None
+    dtype: str | None = None
+    kernels: str = "auto"
+    host_step_s: float = 0.0
+    admission_s: float = 0.0
+
+
+@dataclass
 class Model:
     """conf/model/*.yaml: engine.config.ModelConfig's yaml fields (that module imports torch)."""
 

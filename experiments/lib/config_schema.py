@@ -29,6 +29,7 @@ from experiments.lib.config_groups import (
     FidelitySpec,
     Model,
     NanovllmWorkload,
+    OperatorsLatency,
     Parallel,
     ProfiledLatency,
     ReplayWorkload,
@@ -41,6 +42,7 @@ from experiments.lib.config_groups import (
 )
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid
+from experiments.lib.profiling.operator_grid import OperatorGrid
 from policies.scheduler_config import SchedulerConfig
 from sim.latency import Hardware
 
@@ -58,11 +60,13 @@ GROUPS: dict[str, Callable[[Mapping], type | None]] = {
                              "replay": ReplayWorkload}),
     "blocks": lambda _: Blocks,
     "backend": _by("name", {"sim": SimBackend, "engine": EngineBackend, "server": ServerBackend}),
-    "latency": _by("name", {"roofline": RooflineLatency, "profiled": ProfiledLatency}),
+    "latency": _by("name", {"roofline": RooflineLatency, "profiled": ProfiledLatency,
+                             "operators": OperatorsLatency}),
     "hardware": lambda _: Hardware,
     "model": lambda _: Model,
     "policy": lambda _: None,  # the policy's constructor arguments (module docstring)
     "profile_grid": lambda _: ProfileGrid,
+    "operator_grid": lambda _: OperatorGrid,
 }
 # The top-level files: their own keys' schemas (None: any value) and the groups they compose.
 RUN_KEYS: dict[str, type | None] = {"seed": int, "scheduler": SchedulerConfig, "slo": Slo, "progress": bool,
@@ -74,7 +78,7 @@ PROFILE_KEYS: dict[str, type | None] = {
     "decode_kernel": str, "async_scheduling": bool, "warmup": int, "repeats": int, "passes": int,
     "host_repeats": int, "seed": int, "progress": bool, "out": str | None, "calibrate": bool,
     "tensor_parallel_size": int,
-    "calibrated_out": str | None}
+    "calibrated_out": str | None, "mode": str, "operator_parts": list, "operators_dir": str | None}
 
 
 def check_config(cfg: Mapping[str, Any], top: str = "config", choices: Mapping[str, str] | None = None,

@@ -15,7 +15,7 @@ from experiments.lib.workloads import Workload, build_workload
 from sim.latency import Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel
 from sim.latency.tensor_parallel import shard_shape
 
-LATENCY_MODELS = ("roofline", "profiled")
+LATENCY_MODELS = ("roofline", "profiled", "operators")
 
 
 def section(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -169,7 +169,23 @@ def build_latency(cfg: DictConfig) -> LatencyModel:
         return ProfiledModel(path, block_size(cfg), model_name=cfg.model.get("name"),
                              tensor_parallel_size=tensor_parallel_size(cfg),
                              async_scheduling=bool((cfg.get("scheduler") or {}).get("async_scheduling", False)))
+    if name == "operators":
+        return build_operator_model(cfg, lat)
     raise ValueError(f"latency.name={name!r} is unknown: choose one of {list(LATENCY_MODELS)}")
+
+
+def build_operator_model(cfg: DictConfig, lat: Mapping[str, Any]) -> LatencyModel:
+    """`latency=operators` (sim/latency/operators.py) from the operator files of `latency.gpu` and
+    `latency.dtype` in `latency.dir`."""
+    from sim.latency.operator_profile import OperatorProfile, find_operator_files
+    from sim.latency.operators import OperatorModel
+    directory = resolve_path(str(lat.get("dir")))
+    if not directory.is_dir():
+        raise ValueError(f"latency.dir={str(lat.get('dir'))!r} is invalid: no such directory of operator profiles")
+    files = find_operator_files(directory, str(lat.get("gpu")), str(lat.get("dtype")), str(lat.get("kernels", "auto")))
+    gpu_model_shape(cfg)  # the size's errors, named by config key
+    return OperatorModel(OperatorProfile.load(files), model_shape(cfg), block_size(cfg), tensor_parallel_size(cfg),
+                         host_step_s=lat.get("host_step_s", 0.0), admission_s=lat.get("admission_s", 0.0))
 
 
 def workload(cfg: DictConfig) -> Workload:

@@ -1,0 +1,141 @@
+"""Latency model composed from operator timings (`experiments/profiles/operators/`, schema in
+sim/latency/operator_profile.py): any model's step on a GPU whose operators were profiled, at any
+tensor-parallel size whose collectives were.
+
+One GPU's share of the model (`shard_shape`: its heads, MLP columns, vocabulary rows) runs, for
+a step of T tokens (prefill + decodes), R sampled rows, B decodes reading C KV entries in all:
+
+    launch                                  graph_launch (m = 1): launch and wait
+    + embedding(T, h) + add_rms_norm(T, h)  once (the final norm)
+    + L x [ gemm(T, h, (Hq + 2 Hkv) D) + gemm(T, Hq D, h) + gemm(T, h, 2 I) + gemm(T, I, h)
+            + 2 add_rms_norm(T, h) + qk_rope_write(T) + silu_and_mul(T, I)
+            + decode_attention(B, C / B) + sum over prefill chunks of prefill_attention(q, c) ]
+    + gemm(R, h, V) + sampler(R, V_full)    the LM head on the sampled rows, then sampling
+    + (2 L + 1) all_reduce(T h b) + all_gather(R V_full b)   at N > 1 GPUs
+    + copy_blocks(copies x block bytes) + host_step_s
+
+Prefill chunks run in one kernel launch: their times add above the smallest prefill time (the
+launch-bound floor), which is paid once. Everything that depends only on T is summed once at
+construction on the union of the grids' token points (`token_curve`), so a step costs a few
+interpolations. Swaps: the mean of swap_out and swap_in at n x block bytes.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from policies.outputs import SchedulerOutput
+from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
+from sim.latency.log_grid import Axis, LogGrid
+from sim.latency.operator_profile import OperatorProfile
+from sim.latency.shapes import ModelShape
+from sim.latency.tensor_parallel import shard_shape
+
+REQUIRED = ("gemm", "decode_attention", "prefill_attention", "qk_rope_write", "add_rms_norm", "silu_and_mul",
+            "embedding", "sampler", "graph_launch")
+
+
+def summed(axis_name: str, points: list[float], parts: list[tuple[float, LogGrid]]) -> LogGrid:
+    """sum(weight x grid(x)) of one-axis grids, as one grid on `points`."""
+    values = [sum(w * g(x) for w, g in parts) for x in points]
+    return LogGrid((Axis(axis_name, tuple(points)),), np.log(np.array(values)))
+
+
+class OperatorModel(LatencyModel):
+    name = "operators"
+
+    def __init__(self, profile: OperatorProfile, model: ModelShape, block_size: int,
+                 tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0) -> None:
+        missing = [op for op in REQUIRED if not profile.has(op)]
+        if missing:
+            raise ValueError(f"operator profile {[str(p) for p in profile.paths]} lacks op {missing}: take the "
+                             "compute part (python -m experiments.profile mode=operators operator_parts=[compute])")
+        tp = tensor_parallel_size
+        if tp > 1:
+            for op in ("all_reduce", "all_gather"):
+                if not profile.has(op, tp):
+                    raise ValueError(
+                        f"parallel.tensor_parallel_size={tp} has no {op} data in the operator profile "
+                        f"{[str(p) for p in profile.paths]}: measured at world sizes {profile.world_sizes(op) or 'none'}; "
+                        f"take them on a {tp}-GPU machine (python -m experiments.profile mode=operators "
+                        "operator_parts=[collectives])")
+        for name, value in (("host_step_s", host_step_s), ("admission_s", admission_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"latency.{name}={value!r} is invalid: must be a number >= 0 (seconds)")
+        self.profile, self.tensor_parallel_size = profile, tp
+        self.host_step_s, self.admission_s = float(host_step_s), float(admission_s)
+        full, m = model, shard_shape(model, tp)
+        self.model = m
+        h, d, b = m.hidden_size, m.head_dim, m.dtype_bytes
+        group = m.num_heads / m.num_kv_heads
+        gemm = profile.grid("gemm")
+        layer_gemms = [(h, (m.num_heads + 2 * m.num_kv_heads) * d), (m.num_heads * d, h),
+                       (h, 2 * m.intermediate_size), (m.intermediate_size, h)]
+        width = {"head_dim": d, "num_kv_heads": m.num_kv_heads, "group": group}
+        L = m.num_layers
+        parts = [(float(L), gemm.fixed(k=k, n=n)) for k, n in layer_gemms]
+        parts += [(2.0 * L + 1, profile.grid("add_rms_norm").fix("n", h)),
+                  (float(L), profile.grid("silu_and_mul").fix("n", m.intermediate_size)),
+                  (float(L), profile.grid("qk_rope_write").fixed(**width)),
+                  (1.0, profile.grid("embedding").fix("n", h))]
+        points = sorted({p for _, g in parts for p in g.axes[0].points})
+        self.token_curve = summed("m", points, parts)
+        vocab_full = full.vocab_size
+        sample_parts = [(1.0, gemm.fixed(k=h, n=m.vocab_size)), (1.0, profile.grid("sampler").fix("n", vocab_full))]
+        self.sample_curve = summed("m", sorted({p for _, g in sample_parts for p in g.axes[0].points}), sample_parts)
+        self.decode = profile.grid("decode_attention").fixed(**width)
+        self.prefill = profile.grid("prefill_attention").fixed(**width)
+        self.prefill_floor = math.exp(float(self.prefill.log_times.min()))
+        self.launch_s = profile.grid("graph_launch")(1)
+        self.all_reduce = profile.grid("all_reduce", tp) if tp > 1 else None
+        self.all_gather = profile.grid("all_gather", tp) if tp > 1 else None
+        self.token_bytes, self.logit_bytes = h * b, vocab_full * b
+        self.block_bytes = m.kv_bytes_per_token * block_size
+        self.copy = profile.grid("copy_blocks") if profile.has("copy_blocks") else None
+        self.swaps = [profile.grid(op) for op in ("swap_out", "swap_in") if profile.has(op)]
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        return self.shape_time(BatchShape.of(out))
+
+    def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
+                     num_steps: int, max_context_tokens: int = 0) -> list[float]:
+        return shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps,
+                                  max_context_tokens)
+
+    def shape_time(self, s: BatchShape) -> float:
+        tokens = s.num_prefill_tokens + s.num_decode_seqs
+        if tokens == 0 and s.num_copies == 0:
+            return 0.0
+        t = self.launch_s + self.host_step_s
+        if s.num_copies:
+            if self.copy is None:
+                raise ValueError(f"operator profile {[str(p) for p in self.profile.paths]} lacks op copy_blocks: "
+                                 "a step with copy-on-write copies needs it")
+            t += self.copy(s.num_copies * self.block_bytes)
+        if tokens == 0:
+            return t
+        t += self.token_curve(tokens)
+        if s.num_samples:
+            t += self.sample_curve(s.num_samples)
+        L = self.model.num_layers
+        if s.num_decode_seqs:
+            t += L * self.decode(s.num_decode_seqs, max(s.num_context_tokens / s.num_decode_seqs, 1.0))
+        if s.num_prefill_tokens:
+            chunks = s.prefill_chunks or ((s.num_prefill_tokens, s.prefill_context_tokens),)
+            attn = self.prefill_floor + sum(self.prefill(q, c) - self.prefill_floor for q, c in chunks)
+            t += L * max(attn, self.prefill_floor)
+        if self.all_reduce is not None:
+            t += (2 * L + 1) * self.all_reduce(tokens * self.token_bytes)
+            if s.num_samples:
+                t += self.all_gather(s.num_samples * self.logit_bytes)
+        return t
+
+    def swap_time(self, num_blocks: int) -> float:
+        if num_blocks <= 0:
+            return 0.0
+        if not self.swaps:
+            raise ValueError(f"operator profile {[str(p) for p in self.profile.paths]} lacks ops swap_out/swap_in: "
+                             "a run that swaps needs them")
+        nbytes = num_blocks * self.block_bytes
+        return sum(g(nbytes) for g in self.swaps) / len(self.swaps)
