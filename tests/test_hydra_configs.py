@@ -29,6 +29,8 @@ def test_option_composes_and_builds(group, option):
     overrides = [f"{group}={option}", "workload.num_requests=7"]
     if option == "profiled":
         overrides.append(PROFILE)
+    if option == "operators":  # the committed CPU operator profile (GPU ones are named by hardware)
+        overrides += ["latency.gpu=cpu", "latency.dtype=float32"]
     if group == "model":  # tiny models would get millions of blocks from 140 GiB (tested below)
         overrides.append("blocks.kv_cache_gib=1")
     cfg = compose_with(*overrides)

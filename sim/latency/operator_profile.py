@@ -272,7 +272,8 @@ def find_operator_files(directory: str | Path, gpu: str, dtype: str, kernels: st
     mine = [p for p in everything if p.name.startswith(prefix)]
     compute = [p for p in mine if "-collectives-" not in p.stem]
     if not compute:
-        field_ = "latency.gpu" if not any(p.name.startswith(f"{gpu}-") for p in everything) else "latency.dtype"
+        gpus = {a.rsplit("-", 1)[0] for a in available}  # <gpu>-<dtype>: a dtype has no dash
+        field_ = "latency.gpu" if gpu not in gpus else "latency.dtype"
         value = gpu if field_ == "latency.gpu" else dtype
         raise ValueError(f"{field_}={value!r} is invalid: no operator profile {prefix}*.csv in {directory}; profiled "
                          f"<gpu>-<dtype>: {available or 'none'} (take one: python -m experiments.profile "
