@@ -8,6 +8,10 @@ In the same run:
   each running sequence; with all requests decoding together (fewest weight passes) that is
   `(max_out - 1) * weight_bytes + kv_bytes_per_token * sum_i sum_{j<out_i} (prompt_i + j)` bytes,
   over the device-to-device copy bandwidth measured here; we report our fraction of it;
+- the compute-aware floor: each step floored at max(bytes / copy bandwidth, FLOPs / matmul peak
+  measured here), the decode steps as above (every running sequence's GEMMs and attention) plus
+  the prefills (all prompt tokens' GEMMs and causal attention, one LM-head row per prompt): a run
+  whose prefills are seconds of matmul (an 8B model) reads against what it could reach;
 - the peers on the same requests (a subset for the slow ones, reported on that subset):
   transformers continuous batching and padded `generate`;
 - a latency run: Poisson arrivals at three rates through `experiments.run backend=engine`
@@ -24,6 +28,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -65,6 +70,53 @@ def floor_bytes(prompt_lens: list[int], output_lens: list[int], weight_bytes: in
     return decode_steps * weight_bytes + kv_tokens * kv_bytes_per_token
 
 
+def matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 8192, iters: int = 10) -> float:
+    """FLOP/s of a square matrix product in `dtype` (8192^3 on a GPU, 1024^3 on the CPU)."""
+    size = size if device.type == "cuda" else 1024
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    _sync(device)
+    seconds = time.perf_counter() - start
+    del a, b
+    return 2 * size**3 * iters / seconds
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """Per-step bytes and FLOPs of one GPU's share of the model."""
+
+    weight_bytes: int  # read once per step (every parameter but an untied input embedding)
+    kv_bytes_per_token: int
+    lm_head_params: int
+    linear_params: int  # every other matmul parameter a token runs through (decoder layers)
+    attention_flops_per_pair: int  # 4 L H D: QK^T and PV of one (query, key) pair over all layers
+
+
+def compute_aware_floor_s(prompt_lens: list[int], output_lens: list[int], costs: StepCosts,
+                          bandwidth: float, flops: float) -> float:
+    """Seconds: every decode step (all requests decoding together, as `floor_bytes`) at
+    max(its bytes / bandwidth, its FLOPs / flops), plus the prefills at max(one weight pass and
+    the prompts' KV written / bandwidth, their FLOPs / flops) -- a lower bound whichever way the
+    engine chunks them."""
+    c = costs
+    prompt_tokens = sum(prompt_lens)
+    prefill_flops = (2 * prompt_tokens * c.linear_params + 2 * len(prompt_lens) * c.lm_head_params
+                     + c.attention_flops_per_pair * sum(p * (p + 1) // 2 for p in prompt_lens))
+    total = max((c.weight_bytes + prompt_tokens * c.kv_bytes_per_token) / bandwidth, prefill_flops / flops)
+    for j in range(1, max(output_lens)):  # decode step j: the requests with more than j tokens
+        running = [p for p, out in zip(prompt_lens, output_lens) if out > j]
+        context = sum(running) + j * len(running)
+        step_bytes = c.weight_bytes + context * c.kv_bytes_per_token
+        step_flops = 2 * len(running) * (c.linear_params + c.lm_head_params) + c.attention_flops_per_pair * context
+        total += max(step_bytes / bandwidth, step_flops / flops)
+    return total
+
+
 def weight_bytes_per_step(model: torch.nn.Module, tied: bool) -> int:
     """Every parameter is read once per step, except an untied input embedding (rows gathered)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -102,6 +154,7 @@ def main() -> None:
     args = engine_args(cfg)
     device = torch.device(args.resolve_device())
     bandwidth = copy_bandwidth(device)  # before the KV cache takes the memory
+    peak = matmul_flops(device, getattr(torch, args.dtype or cfg.model.dtype))
 
     from engine.llm import LLM  # the engine is shared with the latency runs below
     engine = get_engine(args)
@@ -130,8 +183,13 @@ def main() -> None:
                         weight_bytes_per_step(engine.runner.model, model_cfg.tie_word_embeddings),
                         engine.runner.local_config.kv_bytes_per_token(dtype))
     floor_s = floor / bandwidth
+    compute_floor_s = compute_aware_floor_s([len(p) for p in prompts], max_tokens,
+                                            step_costs(engine, model_cfg, dtype), bandwidth, peak)
+    floors = Floors(bandwidth, peak, floor, floor_s, compute_floor_s)
     print(f"ours: {ours.tok_s:,.0f} output tok/s ({ours.output_tokens} tokens in {seconds:.2f} s); floor "
-          f"{ours.output_tokens / floor_s:,.0f} tok/s at {bandwidth / 1e12:.2f} TB/s", flush=True)
+          f"{ours.output_tokens / floor_s:,.0f} tok/s at {bandwidth / 1e12:.2f} TB/s (bytes only), "
+          f"{ours.output_tokens / compute_floor_s:,.0f} tok/s with {peak / 1e12:.0f} TFLOP/s (compute-aware)",
+          flush=True)
     capacity_req_s = len(prompts) / seconds
     rates = [float(x) * capacity_req_s for x in a.rates.split(",") if x.strip()]
     try:
@@ -140,7 +198,7 @@ def main() -> None:
         print(f"latency runs failed: {type(e).__name__}: {e}", flush=True)
         latency_rows = [{"error": f"{type(e).__name__}: {e}"[:300]}]
 
-    report(a, device, bandwidth, floor, floor_s, ours, [], latency_rows)  # kept if the peers never end
+    report(a, device, floors, ours, [], latency_rows)  # kept if the peers never end
     if a.skip_peers:
         return
     del llm, engine, outputs
@@ -154,7 +212,7 @@ def main() -> None:
                       lambda: continuous_batching(hf, prompts[:n_cb], max_tokens[:n_cb], 0.6)),
              _guarded("transformers generate (padded)", n_pad, max_tokens[:n_pad], lambda: padded_generate(
                  hf, prompts[:n_pad], max_tokens[:n_pad], 0.6, a.padded_batch))]
-    report(a, device, bandwidth, floor, floor_s, ours, peers, latency_rows)
+    report(a, device, floors, ours, peers, latency_rows)
 
 
 def _guarded(name: str, num_requests: int, max_tokens: list[int], fn) -> PeerResult:
@@ -187,7 +245,27 @@ def latency_runs(user_overrides: list[str], rates: list[float], num_requests: in
     return rows
 
 
-def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float, ours: PeerResult,
+@dataclass(frozen=True, slots=True)
+class Floors:
+    bandwidth: float  # B/s, device copy
+    matmul_flops: float  # FLOP/s, measured matmul
+    floor_bytes: int
+    floor_s: float  # bytes only
+    compute_floor_s: float  # each step at max(bytes, FLOPs)
+
+
+def step_costs(engine, model_cfg, dtype: torch.dtype) -> StepCosts:
+    """Rank 0's share of the model (under tensor parallelism every rank runs its shard at once)."""
+    local, model = engine.runner.local_config, engine.runner.model
+    weight_bytes = weight_bytes_per_step(model, model_cfg.tie_word_embeddings)
+    head = model.lm_head_weight.numel()
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n
+                 and "lm_head" not in n)
+    return StepCosts(weight_bytes, local.kv_bytes_per_token(dtype), head, matmul,
+                     4 * local.num_hidden_layers * local.num_attention_heads * local.head_dim)
+
+
+def report(a, device: torch.device, floors: Floors, ours: PeerResult,
            peers: list[PeerResult], latency_rows: list[dict]) -> None:
     import transformers
     import triton
@@ -198,7 +276,9 @@ def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float
     env = {"device": device_name, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "torch": torch.__version__,
            "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
            "command": "python -m experiments.bench_throughput " + " ".join(sys.argv[1:])}
+    bandwidth, floor, floor_s = floors.bandwidth, floors.floor_bytes, floors.floor_s
     floor_tok_s = ours.output_tokens / floor_s
+    compute_tok_s = ours.output_tokens / floors.compute_floor_s
     rows = []
     for r in [ours, *peers]:
         rows.append({"system": r.name, "requests": r.num_requests, "output_tokens": r.output_tokens,
@@ -209,7 +289,10 @@ def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float
     floor_line = (f"bandwidth floor: {floor / 1e12:.2f} TB read at {bandwidth / 1e12:.2f} TB/s "
                   f"(device copy, measured) = "
                   f"{floor_s:.2f} s -> {floor_tok_s:,.0f} output tok/s; ours = {ours.tok_s:,.0f} tok/s = "
-                  f"{100 * ours.tok_s / floor_tok_s:.1f}% of the floor")
+                  f"{100 * ours.tok_s / floor_tok_s:.1f}% of the floor\n"
+                  f"compute-aware floor: each step at max(bytes / {bandwidth / 1e12:.2f} TB/s, FLOPs / "
+                  f"{floors.matmul_flops / 1e12:.0f} TFLOP/s matmul, measured) = {floors.compute_floor_s:.2f} s -> "
+                  f"{compute_tok_s:,.0f} output tok/s; ours = {100 * ours.tok_s / compute_tok_s:.1f}% of it")
     lat = pd.DataFrame(latency_rows).round(2)
     print(" | ".join(f"{k}: {v}" for k, v in env.items()))
     print(table.to_string(index=False))
@@ -220,7 +303,10 @@ def report(a, device: torch.device, bandwidth: float, floor: int, floor_s: float
     slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
     stem = a.out / f"bench_throughput_{slug}_{now.strftime('%Y-%m-%d')}"
     meta = {**env, "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "floor_s": round(floor_s, 3),
-            "floor_tok_s": round(floor_tok_s, 1), "fraction_of_floor": round(ours.tok_s / floor_tok_s, 4)}
+            "floor_tok_s": round(floor_tok_s, 1), "fraction_of_floor": round(ours.tok_s / floor_tok_s, 4),
+            "matmul_tflops": round(floors.matmul_flops / 1e12, 1),
+            "compute_floor_s": round(floors.compute_floor_s, 3), "compute_floor_tok_s": round(compute_tok_s, 1),
+            "fraction_of_compute_floor": round(ours.tok_s / compute_tok_s, 4)}
     sections = [table.assign(section="throughput"), lat.assign(section="latency"),
                 pd.DataFrame([meta]).assign(section="meta")]
     pd.concat(sections, ignore_index=True).to_csv(f"{stem}.csv", index=False)
