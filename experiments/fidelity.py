@@ -12,6 +12,9 @@ Writes into --out (default <runs>/report): `fidelity.md` (device, date, command,
 error table, policy-ranking table), `fidelity.csv`, `ranking.csv`, `meta.json` and one PNG per
 scenario (CDFs, KV usage); full traces go to --runs (default outputs/fidelity/<date>/<time>).
 `--engine-runs DIR` reuses the engine traces of an earlier --runs dir (the simulator runs again).
+`--sim OVERRIDE` (repeatable) adds Hydra overrides to the simulator side only, after the spec's
+`sim` list: `--sim latency=operators` predicts from operator profiles instead of the per-model one
+(no profile needed; docs/operator_profiles.md).
 `--engine-repeats N` runs each scenario N times on the engine (same requests), in N rounds over all
 scenarios so that a scenario's repeats are minutes apart: the simulator is compared with the runs'
 mean and the table shows their spread, the engine's own run-to-run noise. `--window-profile` re-times
@@ -20,6 +23,7 @@ the profile's decode-only rows on the engine each round, and the simulator side 
 
     python -m experiments.fidelity                      # on the GPU, after experiments.profile
     python -m experiments.fidelity --engine-runs outputs/fidelity/<date>/<time>
+    python -m experiments.fidelity --engine-runs outputs/fidelity/<date>/<time> --sim latency=operators
 """
 from __future__ import annotations
 
@@ -86,6 +90,11 @@ class Fidelity:
         self.settings: dict[str, dict[str, Any]] = {}
         self._prepared: dict[str, tuple[list[str], Any]] = {}
         self._engine: dict[str, list[tuple[dict, pd.DataFrame, pd.DataFrame]]] = {}  # scenario -> engine runs
+
+    @property
+    def profiled(self) -> bool:
+        """Whether the simulator side reads a per-model latency profile (`latency=profiled`)."""
+        return compose_cfg([*self.base, *self.spec["sim"]]).latency.name == "profiled"
 
     def profile_path(self) -> str:
         if self.profile:
@@ -189,11 +198,14 @@ class Fidelity:
         blocks = [f"blocks.num_gpu_blocks={info['num_gpu_blocks']}"] if info.get("num_gpu_blocks") else []
         if info.get("num_cpu_blocks") is not None:
             blocks.append(f"blocks.num_cpu_blocks={info['num_cpu_blocks']}")
-        cfg_s = compose_cfg([*overrides, *self.spec["sim"], f"latency.path={self.sim_profile()}", *blocks])
-        profile = ProfiledModel(self.sim_profile(), factory.block_size(cfg_s))
-        check_decode_kernel(self.sim_profile(), profile.meta, name, [r[0].get("run", {}) for r in engine_runs])
-        self.settings[name]["decode_vs_profile"] = [
-            round(decode_step_ratio(r[2], lambda d, c: profile.lookup(0, d, c)), 3) for r in engine_runs]
+        if self.profiled:
+            cfg_s = compose_cfg([*overrides, *self.spec["sim"], f"latency.path={self.sim_profile()}", *blocks])
+            profile = ProfiledModel(self.sim_profile(), factory.block_size(cfg_s))
+            check_decode_kernel(self.sim_profile(), profile.meta, name, [r[0].get("run", {}) for r in engine_runs])
+            self.settings[name]["decode_vs_profile"] = [
+                round(decode_step_ratio(r[2], lambda d, c: profile.lookup(0, d, c)), 3) for r in engine_runs]
+        else:
+            cfg_s = compose_cfg([*overrides, *self.spec["sim"], *blocks])
         out = self.runs_dir / name / "sim"
         summary = run(cfg_s, out, f"{name} sim", workload.fresh())
         r = load_run(out)
@@ -258,6 +270,8 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     parser.add_argument("--runs", type=Path, default=None, help="trace dir (default outputs/fidelity/<date>/<time>)")
     parser.add_argument("--engine-runs", type=Path, default=None, help="reuse the engine runs of this --runs dir")
     parser.add_argument("--profile", default=None, help="latency profile CSV (default: the sim config's latency.path)")
+    parser.add_argument("--sim", action="append", default=[], metavar="OVERRIDE",
+                        help="Hydra override for the simulator side only (after the spec's sim list), repeatable")
     parser.add_argument("--scenarios", default=None, help="comma-separated subset of the spec's scenarios")
     parser.add_argument("--engine-repeats", type=int, default=1,
                         help="engine runs per scenario (same requests): the sim is compared with their mean and "
@@ -271,6 +285,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
                         help="only the engine runs (on the GPU); the simulator side later with --engine-runs")
     args = parser.parse_args(argv)
     spec = load_spec(args.spec)
+    spec["sim"] = [*spec["sim"], *args.sim]
     names = list(spec["scenarios"])
     if args.scenarios:
         wanted = args.scenarios.split(",")
@@ -297,7 +312,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     meta["command"] = command
     if args.engine_only and args.engine_runs:
         raise ValueError("--engine-only with --engine-runs is invalid: there would be nothing to run")
-    if not args.engine_only:
+    if not args.engine_only and fid.profiled:
         fid.profile_path()  # fail before any run if the profile is missing
     fid.warmup()
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -308,7 +323,8 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     if args.engine_only:
         print(f"[fidelity] engine runs in {runs_dir}: run the simulator side with --engine-runs {runs_dir}")
         return fid
-    meta.update({"profile": fid.sim_profile(), "runs_dir": str(runs_dir), "spec": str(args.spec)})
+    latency = fid.sim_profile() if fid.profiled else f"latency={compose_cfg([*fid.base, *spec['sim']]).latency.name}"
+    meta.update({"profile": latency, "runs_dir": str(runs_dir), "spec": str(args.spec)})
     print(fid.write(args.out or runs_dir / "report", meta))
     return fid
 

@@ -235,6 +235,13 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
     assert again.results["offline"]["engine"][0]["duration_s"] == fid.results["offline"]["engine"][0]["duration_s"]
     assert len(again.results["offline"]["engine_summaries"]) == 2
     assert (again.error_table()["engine_spread"] == 0.0).all()
+    # The same engine runs against latency=operators (the committed CPU operator profile): no per-model profile.
+    ops = _main(["--spec", str(spec), "--out", str(tmp_path / "out_ops"), "--runs", str(tmp_path / "runs_ops"),
+                 "--engine-runs", str(runs), "--scenarios", "offline", "--sim", "latency=operators",
+                 "--sim", "latency.gpu=cpu", "--sim", "latency.dtype=float32"])
+    assert ops.results["offline"]["sim"][0]["run"]["latency_model"] == "operators"
+    assert "decode_vs_profile" not in ops.settings["offline"]
+    assert json.loads((tmp_path / "out_ops" / "meta.json").read_text())["profile"] == "latency=operators"
     # The GPU stage alone: engine traces and meta.json, no simulator run, no report; the repeats run
     # in rounds over the scenarios (capacity scenario first in each), each after a host CPU gauge.
     import experiments.fidelity as fidelity_module
