@@ -56,7 +56,7 @@ def test_unsized_kv_pool_is_derived_from_hardware_memory():
     assert factory.kv_block_counts(compose_with("blocks.kv_cache_gib=null", "hardware=h100"))[0] < gpu
 
 
-SCHEMA_FILES = [(g, p.stem) for g in ("profile_grid", "fidelity") for p in sorted((CONF / g).glob("*.yaml"))]
+SCHEMA_FILES = [(g, p.stem) for g in ("profile_grid", "operator_grid", "fidelity") for p in sorted((CONF / g).glob("*.yaml"))]
 
 
 @pytest.mark.parametrize("group, option", OPTIONS + SCHEMA_FILES)
