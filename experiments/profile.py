@@ -114,7 +114,7 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
         kernels = (resolve_decode_kernel(cfg.decode_kernel, device, dtype, 128, 4, grid.block_size)
                    if device.type == "cuda" else "reference")
         start = time.perf_counter()
-        rows = compute_rows(grid, device, dtype, cfg.decode_kernel, log)
+        rows = compute_rows(grid, device, dtype, cfg.decode_kernel, cfg.max_model_len, log)
         meta_c = {**meta, "kernels": kernels, "elapsed_s": f"{time.perf_counter() - start:.1f}"}
         paths.append(write_operator_file(out_dir / f"{gpu}-{dtype_name}-{kernels}.csv", meta_c, rows))
     if "collectives" in parts:

@@ -216,3 +216,38 @@ def test_experiments_run_with_operators_end_to_end(synthetic, tmp_path):
     bad = cli("latency=operators", f"latency.dir={synthetic}", "hardware=h200", "workload.num_requests=5",
               "progress=false", f"hydra.run.dir={tmp_path}/bad", cwd=tmp_path)
     assert bad.returncode != 0 and "latency.gpu='h200' is invalid" in bad.stderr
+
+
+def test_the_default_grid_covers_every_model_at_every_tensor_parallel_size():
+    """Without being taken from them: every per-GPU GEMM, width, head shape and vocabulary of the
+    real models in conf/model at TP 1/2/4/8 (where the heads divide) lies inside the grid's ranges."""
+    import yaml
+
+    from experiments.lib.profiling.operator_grid import OperatorGrid
+    from sim.latency.shapes import ModelShape
+    from sim.latency.tensor_parallel import shard_shape
+    grid = OperatorGrid.from_dict(yaml.safe_load((ROOT / "conf/operator_grid/default.yaml").read_text()))
+    OperatorGrid.from_dict(yaml.safe_load((ROOT / "conf/operator_grid/tiny.yaml").read_text()))
+
+    def inside(x, axis):
+        return min(axis) <= x <= max(axis)
+    checked = 0
+    for path in sorted((ROOT / "conf/model").glob("*.yaml")):
+        if path.stem.startswith("tiny-"):
+            continue
+        full = ModelShape.from_dict(yaml.safe_load(path.read_text()))
+        for tp in (1, 2, 4, 8):
+            try:
+                m = shard_shape(full, tp)
+            except ValueError:
+                continue  # heads that do not divide: the engine refuses that size too
+            q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+            for k, n in ((m.hidden_size, q + 2 * kv), (q, m.hidden_size), (m.hidden_size, 2 * m.intermediate_size),
+                         (m.intermediate_size, m.hidden_size), (m.hidden_size, m.vocab_size)):
+                assert inside(k, grid.gemm_k) and inside(n, grid.gemm_n), (path.stem, tp, k, n)
+            assert m.head_dim in grid.head_dims and inside(m.num_kv_heads, grid.kv_heads), (path.stem, tp)
+            assert inside(m.num_heads / m.num_kv_heads, grid.groups), (path.stem, tp)
+            assert inside(m.hidden_size, grid.widths) and inside(m.intermediate_size, grid.widths), (path.stem, tp)
+            assert inside(full.vocab_size, grid.vocab), (path.stem, tp)
+            checked += 1
+    assert checked >= 15

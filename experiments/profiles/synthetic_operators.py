@@ -68,8 +68,7 @@ def roofline_rows(hw: Hardware, dtype_bytes: int = 2) -> list[dict]:
             rows += [{"op": "add_rms_norm", "m": m, "n": n, "time_s": 4 * m * n * b / bw},
                      {"op": "rms_norm", "m": m, "n": n, "time_s": 4 * m * n * b / bw},
                      {"op": "silu_and_mul", "m": m, "n": n, "time_s": 5 * m * n * b / bw},
-                     {"op": "embedding", "m": m, "n": n, "time_s": TINY_S * m * n},
-                     {"op": "kv_write", "m": m, "n": n, "time_s": 4 * m * n * b / bw}]
+                     {"op": "embedding", "m": m, "n": n, "time_s": TINY_S * m * n}]
     rows += [{"op": "sampler", "m": m, "n": n, "time_s": TINY_S * m * n} for n in g["vocab"] for m in g["m"]]
     for nbytes in g["bytes"]:
         rows += [{"op": "copy_blocks", "bytes": nbytes, "time_s": 2 * nbytes / bw},

@@ -14,13 +14,13 @@ Rows, by `op` (its axes in brackets; unused columns empty; sizes are integers >=
 `context`, >= 0; `time_s` is seconds, > 0):
 - `gemm` [m, k, n]: x[m, k] @ W[k, n] in the engine's dtype (torch.nn.functional.linear).
 - `decode_attention` [head_dim, num_kv_heads, group, m, context]: the paged decode kernel over m
-  sequences of `context` tokens each, `group` = num_heads / num_kv_heads query heads per KV head.
+  sequences of `context` tokens each (block tables as wide as the engine's graphs hold them), `group` = num_heads / num_kv_heads query heads per KV head.
 - `prefill_attention` [same axes]: the paged prefill kernel, one sequence of m new tokens after a
   prefix of `context` cached tokens.
 - `qk_rope_write` [head_dim, num_kv_heads, group, m]: q/k RMSNorm + RoPE + KV cache write of m tokens.
 - `rms_norm`, `add_rms_norm`, `embedding` [m, n]: m tokens of width n (the hidden size);
-  `silu_and_mul` [m, n]: n = its output width (the MLP's intermediate size); `kv_write` [m, n]:
-  n = num_kv_heads * head_dim; `sampler` [m, n]: m rows over a vocabulary of n.
+  `silu_and_mul` [m, n]: n = its output width (the MLP's intermediate size); `sampler` [m, n]:
+  m rows over a vocabulary of n.
 - `copy_blocks`, `swap_out`, `swap_in` [bytes]: KV blocks copied on the GPU / to / from pinned
   host memory, `bytes` moved one way.
 - `graph_launch` [m]: wall time of launching a CUDA graph of m kernels and waiting for it.
@@ -53,7 +53,6 @@ OP_AXES: dict[str, tuple[str, ...]] = {
     "decode_attention": ATTENTION_AXES,
     "prefill_attention": ATTENTION_AXES,
     "qk_rope_write": ("head_dim", "num_kv_heads", "group", "m"),
-    "kv_write": ("m", "n"),
     "rms_norm": ("m", "n"),
     "add_rms_norm": ("m", "n"),
     "silu_and_mul": ("m", "n"),

@@ -79,7 +79,18 @@ def gemm_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype) -> Iterator[
             del weights
 
 
-def attention_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype, decode_kernel: str) -> Iterator[Row]:
+def _widen(tables: torch.Tensor, width: int) -> torch.Tensor:
+    """Block tables padded to `width` columns (block 0: never read past a context), as the engine's
+    CUDA graphs hold them at max_model_len / block_size columns; the decode kernels size their
+    split-KV grid from the width."""
+    if tables.shape[1] >= width:
+        return tables
+    pad = torch.zeros(tables.shape[0], width - tables.shape[1], dtype=tables.dtype, device=tables.device)
+    return torch.cat([tables, pad], dim=1)
+
+
+def attention_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype, decode_kernel: str,
+                   max_model_len: int) -> Iterator[Row]:
     from engine.attention import attention_ops, resolve_decode_kernel
     from kernels.inputs import random_paged_problem
     dev, bs = timer.device, grid.block_size
@@ -93,6 +104,7 @@ def attention_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype, decode_
                 for b in grid.decode_seqs:
                     for c in grid.decode_context:
                         p = random_paged_problem([c] * b, None, hq, kv, d, bs, dtype, device=dev)
+                        p.block_tables = _widen(p.block_tables, -(-max_model_len // bs))
                         t = timer.kernel([lambda p=p, ops=ops: ops.paged_decode_attention(*p.decode_args())])
                         yield {"op": "decode_attention", "m": b, "context": c, **common, "time_s": t}
                 for q in grid.prefill_tokens:
@@ -143,15 +155,10 @@ def elementwise_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype) -> It
             x, r = torch.randn(m, n, device=dev, dtype=dtype), torch.randn(m, n, device=dev, dtype=dtype)
             gate_up = torch.randn(m, 2 * n, device=dev, dtype=dtype)
             ids = torch.randint(0, 4096, (m,), device=dev)
-            slots = torch.arange(m, device=dev, dtype=torch.int64)
-            kv_cache = torch.zeros(m, 1, 1, n, device=dev, dtype=dtype)
-            v_cache = torch.zeros_like(kv_cache)
-            rows3 = x.view(m, 1, n)
             calls = {"rms_norm": lambda x=x, w=weight: fns.rms_norm(x, w),
                      "add_rms_norm": lambda x=x, r=r, w=weight: fns.add_rms_norm(x, r, w),
                      "silu_and_mul": lambda g=gate_up: fns.silu_and_mul(g),
-                     "embedding": lambda ids=ids, t=table: F.embedding(ids, t),
-                     "kv_write": lambda x=rows3, c=kv_cache, v=v_cache, s=slots: kernels.write_kv_cache(x, x, c, v, s)}
+                     "embedding": lambda ids=ids, t=table: F.embedding(ids, t)}
             for op, call in calls.items():
                 yield {"op": op, "m": m, "n": n, "time_s": timer.kernel([call])}
     for n in grid.vocab:
@@ -206,13 +213,13 @@ def launch_rows(grid: OperatorGrid, timer: Timer) -> Iterator[Row]:
 
 
 def compute_rows(grid: OperatorGrid, device: torch.device, dtype: torch.dtype, decode_kernel: str,
-                 log: Callable[[str], None]) -> list[Row]:
+                 max_model_len: int, log: Callable[[str], None]) -> list[Row]:
     """Every compute operator's rows; `log` hears each family's count and seconds."""
     torch.manual_seed(0)
     timer = Timer(device, grid.target_ms)
     rows: list[Row] = []
     families = (("gemm", lambda: gemm_rows(grid, timer, dtype)),
-                ("attention", lambda: attention_rows(grid, timer, dtype, decode_kernel)),
+                ("attention", lambda: attention_rows(grid, timer, dtype, decode_kernel, max_model_len)),
                 ("elementwise", lambda: elementwise_rows(grid, timer, dtype)),
                 ("blocks", lambda: block_rows(grid, timer, dtype)),
                 ("launch", lambda: launch_rows(grid, timer)))
