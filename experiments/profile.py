@@ -115,7 +115,8 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
                    if device.type == "cuda" else "reference")
         start = time.perf_counter()
         rows = compute_rows(grid, device, dtype, cfg.decode_kernel, cfg.max_model_len, log)
-        meta_c = {**meta, "kernels": kernels, "elapsed_s": f"{time.perf_counter() - start:.1f}"}
+        meta_c = {**meta, "kernels": kernels, "decode_block_table_tokens": cfg.max_model_len,
+                  "elapsed_s": f"{time.perf_counter() - start:.1f}"}
         paths.append(write_operator_file(out_dir / f"{gpu}-{dtype_name}-{kernels}.csv", meta_c, rows))
     if "collectives" in parts:
         start = time.perf_counter()

@@ -251,3 +251,18 @@ def test_the_default_grid_covers_every_model_at_every_tensor_parallel_size():
             assert inside(full.vocab_size, grid.vocab), (path.stem, tp)
             checked += 1
     assert checked >= 15
+
+
+def test_steps_are_priced_at_their_cuda_graph_size(synthetic_profile):
+    cfg = config("hardware=h200", "model=qwen3-8b")
+    plain = OperatorModel(synthetic_profile, factory.model_shape(cfg), 16)
+    graphs = OperatorModel(synthetic_profile, factory.model_shape(cfg), 16, token_sizes=[1024, 1536, 2048],
+                           batch_sizes=[16, 32])
+    mixed = shape([(1020, 0)], 5, 500)  # 1025 tokens run the 1536-token graph
+    assert graphs.shape_time(mixed) > plain.shape_time(mixed) + 0.9 * (
+        plain.shape_time(shape([(1531, 0)], 5, 500)) - plain.shape_time(mixed))
+    decode = shape([], 17, 500)  # 17 sequences run the 32-row graph: memory-bound, a little dearer
+    assert plain.shape_time(decode) < graphs.shape_time(decode) < 1.05 * plain.shape_time(decode)
+    built = factory.build_latency(config("hardware=h200", "latency=operators", "latency.gpu=cpu",
+                                         "latency.dtype=float32", "model=tiny-qwen3"))
+    assert built.token_sizes[0] == 16 and built.batch_sizes[:3] == [1, 2, 4]

@@ -130,6 +130,7 @@ class OperatorsLatency:
     gpu: str | None = None
     dtype: str | None = None
     kernels: str = "auto"
+    cuda_graphs: bool = True
     host_step_s: float = 0.0
     admission_s: float = 0.0
 

@@ -184,8 +184,14 @@ def build_operator_model(cfg: DictConfig, lat: Mapping[str, Any]) -> LatencyMode
         raise ValueError(f"latency.dir={str(lat.get('dir'))!r} is invalid: no such directory of operator profiles")
     files = find_operator_files(directory, str(lat.get("gpu")), str(lat.get("dtype")), str(lat.get("kernels", "auto")))
     gpu_model_shape(cfg)  # the size's errors, named by config key
+    batch_sizes = token_sizes = None
+    if lat.get("cuda_graphs", True):  # the engine's graph buckets: steps run padded to them
+        from engine.cuda_graph import graph_batch_sizes, graph_token_sizes
+        batch_sizes = graph_batch_sizes(cfg.scheduler.max_num_seqs)
+        token_sizes = graph_token_sizes(cfg.scheduler.max_num_batched_tokens)
     return OperatorModel(OperatorProfile.load(files), model_shape(cfg), block_size(cfg), tensor_parallel_size(cfg),
-                         host_step_s=lat.get("host_step_s", 0.0), admission_s=lat.get("admission_s", 0.0))
+                         host_step_s=lat.get("host_step_s", 0.0), admission_s=lat.get("admission_s", 0.0),
+                         batch_sizes=batch_sizes, token_sizes=token_sizes)
 
 
 def workload(cfg: DictConfig) -> Workload:

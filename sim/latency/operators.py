@@ -14,6 +14,9 @@ a step of T tokens (prefill + decodes), R sampled rows, B decodes reading C KV e
     + (2 L + 1) all_reduce(T h b) + all_gather(R V_full b)   at N > 1 GPUs
     + copy_blocks(copies x block bytes) + host_step_s
 
+With the engine's CUDA-graph sizes given (`batch_sizes` for decode-only steps, `token_sizes` for
+steps with prefill: engine/cuda_graph.py), T is padded to the graph a step runs, as the engine's
+linear layers, norms and all-reduces compute the padding rows (attention and sampling skip them).
 Prefill chunks run in one kernel launch: their times add above the smallest prefill time (the
 launch-bound floor), which is paid once. Everything that depends only on T is summed once at
 construction on the union of the grids' token points (`token_curve`), so a step costs a few
@@ -31,6 +34,7 @@ from sim.latency.log_grid import Axis, LogGrid
 from sim.latency.operator_profile import OperatorProfile
 from sim.latency.shapes import ModelShape
 from sim.latency.tensor_parallel import shard_shape
+from sim.latency.token_padding import padded
 
 REQUIRED = ("gemm", "decode_attention", "prefill_attention", "qk_rope_write", "add_rms_norm", "silu_and_mul",
             "embedding", "sampler", "graph_launch")
@@ -46,7 +50,8 @@ class OperatorModel(LatencyModel):
     name = "operators"
 
     def __init__(self, profile: OperatorProfile, model: ModelShape, block_size: int,
-                 tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0) -> None:
+                 tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0,
+                 batch_sizes: list[int] | None = None, token_sizes: list[int] | None = None) -> None:
         missing = [op for op in REQUIRED if not profile.has(op)]
         if missing:
             raise ValueError(f"operator profile {[str(p) for p in profile.paths]} lacks op {missing}: take the "
@@ -64,6 +69,7 @@ class OperatorModel(LatencyModel):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"latency.{name}={value!r} is invalid: must be a number >= 0 (seconds)")
         self.profile, self.tensor_parallel_size = profile, tp
+        self.batch_sizes, self.token_sizes = list(batch_sizes or []), list(token_sizes or [])
         self.host_step_s, self.admission_s = float(host_step_s), float(admission_s)
         full, m = model, shard_shape(model, tp)
         self.model = m
@@ -115,7 +121,8 @@ class OperatorModel(LatencyModel):
             t += self.copy(s.num_copies * self.block_bytes)
         if tokens == 0:
             return t
-        t += self.token_curve(tokens)
+        rows = padded(tokens, self.token_sizes if s.num_prefill_tokens else self.batch_sizes)
+        t += self.token_curve(rows)
         if s.num_samples:
             t += self.sample_curve(s.num_samples)
         L = self.model.num_layers
@@ -126,7 +133,7 @@ class OperatorModel(LatencyModel):
             attn = self.prefill_floor + sum(self.prefill(q, c) - self.prefill_floor for q, c in chunks)
             t += L * max(attn, self.prefill_floor)
         if self.all_reduce is not None:
-            t += (2 * L + 1) * self.all_reduce(tokens * self.token_bytes)
+            t += (2 * L + 1) * self.all_reduce(rows * self.token_bytes)
             if s.num_samples:
                 t += self.all_gather(s.num_samples * self.logit_bytes)
         return t
