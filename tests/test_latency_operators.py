@@ -54,7 +54,7 @@ def test_every_committed_operator_profile_passes_the_schema(path):
     profile = OperatorProfile.load([path])  # full grids, medians
     for op, world_size in profile.points:
         grid = profile.grid(op, world_size)
-        assert all(math.isfinite(v) for v in grid.log_times.ravel()), op
+        assert math.isfinite(float(grid.values.max())) and grid.min_time > 0, op
 
 
 def test_the_committed_profiles_include_a_compute_file_with_every_required_op():

@@ -1,5 +1,5 @@
 """Operator profile files (`experiments/profiles/operators/<gpu>-<dtype>-<part>.csv`): schema,
-reading with validation, writing, and each operator's time as a `LogGrid`.
+reading with validation, writing, and each operator's time as an `OpGrid`.
 
 Format (v1): leading `# key: value` lines (metadata), then a CSV header and one row per timing:
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.latency.log_grid import Axis, LogGrid
+from sim.latency.op_grid import Axis, OpGrid
 
 FORMAT = "servelab operator profile v1"
 COLUMNS = ("op", "m", "k", "n", "num_heads", "num_kv_heads", "head_dim", "context", "bytes", "world_size", "time_s")
@@ -67,7 +67,12 @@ OP_AXES: dict[str, tuple[str, ...]] = {
 }
 COLLECTIVES = ("all_reduce", "all_gather")
 REQUIRED_META = ("format", "gpu", "device", "dtype", "kernels", "versions", "date", "time_unit", "grid")
-ZERO_ALLOWED = ("context",)  # axes whose size may be 0 (interpolated as log(1 + x))
+ZERO_ALLOWED = ("context",)  # axes whose size may be 0
+# Operators interpolated in log space (sizes and times: a power law between points), the others
+# multilinearly in the sizes (sim/latency/op_grid.py): prefill attention grows with its tokens
+# squared and its tokens times its prefix.
+LOG_OPS = ("prefill_attention",)
+LOG_AXES = ("m", "context")
 MAX_TIME_S = 60.0  # one operator call; anything longer is a unit mistake (ms written as s)
 
 # An operator's grid: (op, world_size); world_size is 1 except for collectives.
@@ -214,22 +219,24 @@ class OperatorProfile:
                 raise ValueError(f"operator profile {[str(p) for p in self.paths]}: op={op}{where} lacks the grid "
                                  f"point {shown}: its rows must cover every combination of {list(axes)}")
 
-    def grid(self, op: str, world_size: int = 1) -> LogGrid:
-        """The operator's times as a LogGrid over OP_AXES[op]."""
+    def grid(self, op: str, world_size: int = 1) -> OpGrid:
+        """The operator's times as an OpGrid over OP_AXES[op]."""
         key = (op, world_size)
         if key not in self.points:
             raise KeyError(key)
         axes_names = OP_AXES[op]
         pts = {k: statistics.median(v) for k, v in self.points[key].items()}
         values = [sorted({p[i] for p in pts}) for i in range(len(axes_names))]
-        axes = tuple(Axis(a, tuple(v), 1.0 if a in ZERO_ALLOWED else 0.0) for a, v in zip(axes_names, values))
+        log = op in LOG_OPS
+        axes = tuple(Axis(a, tuple(v), log and a in LOG_AXES, 1.0 if a in ZERO_ALLOWED else 0.0)
+                     for a, v in zip(axes_names, values, strict=True))
         shape = tuple(len(v) for v in values)
         if op == "gemm":
             pts = _fill_gemm(pts, values)
-        log_times = np.empty(shape)
+        times = np.empty(shape)
         for idx in product(*(range(n) for n in shape)):
-            log_times[idx] = math.log(pts[tuple(values[i][j] for i, j in enumerate(idx))])
-        return LogGrid(axes, log_times)
+            times[idx] = pts[tuple(values[i][j] for i, j in enumerate(idx))]
+        return OpGrid.of_times(axes, times, log_values=log)
 
 
 def gemm_features(m: float, k: float, n: float) -> list[float]:

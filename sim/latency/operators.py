@@ -24,13 +24,11 @@ interpolations. Swaps: the mean of swap_out and swap_in at n x block bytes.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
-from sim.latency.log_grid import Axis, LogGrid
+from sim.latency.op_grid import Axis, OpGrid
 from sim.latency.operator_profile import OperatorProfile
 from sim.latency.shapes import ModelShape
 from sim.latency.tensor_parallel import shard_shape
@@ -40,10 +38,10 @@ REQUIRED = ("gemm", "decode_attention", "prefill_attention", "qk_rope_write", "a
             "embedding", "sampler", "graph_launch")
 
 
-def summed(axis_name: str, points: list[float], parts: list[tuple[float, LogGrid]]) -> LogGrid:
+def summed(axis_name: str, points: list[float], parts: list[tuple[float, OpGrid]]) -> OpGrid:
     """sum(weight x grid(x)) of one-axis grids, as one grid on `points`."""
     values = [sum(w * g(x) for w, g in parts) for x in points]
-    return LogGrid((Axis(axis_name, tuple(points)),), np.log(np.array(values)))
+    return OpGrid((Axis(axis_name, tuple(points)),), np.array(values))
 
 
 class OperatorModel(LatencyModel):
@@ -92,7 +90,7 @@ class OperatorModel(LatencyModel):
         self.sample_curve = summed("m", sorted({p for _, g in sample_parts for p in g.axes[0].points}), sample_parts)
         self.decode = profile.grid("decode_attention").fixed(**width)
         self.prefill = profile.grid("prefill_attention").fixed(**width)
-        self.prefill_floor = math.exp(float(self.prefill.log_times.min()))
+        self.prefill_floor = self.prefill.min_time
         self.launch_s = profile.grid("graph_launch")(1)
         self.all_reduce = profile.grid("all_reduce", tp) if tp > 1 else None
         self.all_gather = profile.grid("all_gather", tp) if tp > 1 else None
