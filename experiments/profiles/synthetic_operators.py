@@ -19,9 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
-from hydra import compose, initialize_config_module
-
 from experiments.lib import factory
+from experiments.lib.fidelity_spec import compose_cfg
 from sim.latency.operator_profile import write_operator_file
 from sim.latency.shapes import Hardware
 
@@ -100,8 +99,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--out", type=Path, required=True, help="directory for the file")
     args = parser.parse_args()
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=args.overrides)
+    cfg = compose_cfg(args.overrides)
     print(f"wrote {synthetic_operator_profile(factory.hardware(cfg), args.out, cfg.model.dtype)}")
 
 
