@@ -8,8 +8,8 @@ the fused q/k norm + RoPE + KV write kernel, `kernels.sample_gumbel`, and the bl
 swaps of `kernels`.
 
 On CUDA a call is timed by replaying a CUDA graph of many calls (experiments/lib/kernel_timing.py:
-back to back as in the engine's graphs; GEMM weights rotate over copies 3x the L2 so that each
-call reads them from DRAM); swaps and graph launches, which involve the host, by wall clock
+back to back as in the engine's graphs; GEMM weights and attention problems rotate over copies
+3x the L2 so that each call reads them from DRAM, as each of the engine's layers reads its own); swaps and graph launches, which involve the host, by wall clock
 around a device sync. On the CPU every call is timed by wall clock (median).
 """
 from __future__ import annotations
@@ -55,11 +55,13 @@ class Timer:
         return statistics.median(times)
 
 
-def _copies(device: torch.device, nbytes: int) -> int:
+def _copies(device: torch.device, nbytes: int, most: int = 64) -> int:
+    """Copies of a problem to rotate over so that each call reads from DRAM, as the engine's
+    layers each read their own weights and KV (1 on the CPU)."""
     if device.type != "cuda":
         return 1
     from experiments.lib.kernel_timing import copies_for
-    return copies_for(nbytes, max_copies=16)
+    return copies_for(nbytes, max_copies=most)
 
 
 def gemm_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype) -> Iterator[Row]:
@@ -103,14 +105,19 @@ def attention_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype, decode_
                 common = {"num_heads": hq, "num_kv_heads": kv, "head_dim": d}
                 for b in grid.decode_seqs:
                     for c in grid.decode_context:
-                        p = random_paged_problem([c] * b, None, hq, kv, d, bs, dtype, device=dev)
-                        p.block_tables = _widen(p.block_tables, -(-max_model_len // bs))
-                        t = timer.kernel([lambda p=p, ops=ops: ops.paged_decode_attention(*p.decode_args())])
+                        problems = [random_paged_problem([c] * b, None, hq, kv, d, bs, dtype, device=dev, seed=i)
+                                    for i in range(_copies(dev, 4 * b * c * kv * d * dtype.itemsize, 8))]
+                        for p in problems:
+                            p.block_tables = _widen(p.block_tables, -(-max_model_len // bs))
+                        t = timer.kernel([lambda p=p, ops=ops: ops.paged_decode_attention(*p.decode_args())
+                                          for p in problems])
                         yield {"op": "decode_attention", "m": b, "context": c, **common, "time_s": t}
                 for q in grid.prefill_tokens:
                     for c in grid.prefill_context:
-                        p = random_paged_problem([c + q], [q], hq, kv, d, bs, dtype, device=dev)
-                        t = timer.kernel([lambda p=p, q=q, ops=ops: ops.paged_prefill_attention(*p.prefill_args(), q)])
+                        problems = [random_paged_problem([c + q], [q], hq, kv, d, bs, dtype, device=dev, seed=i)
+                                    for i in range(_copies(dev, 4 * (c + q) * kv * d * dtype.itemsize, 8))]
+                        t = timer.kernel([lambda p=p, q=q, ops=ops: ops.paged_prefill_attention(*p.prefill_args(), q)
+                                          for p in problems])
                         yield {"op": "prefill_attention", "m": q, "context": c, **common, "time_s": t}
                 yield from _qk_rope_rows(grid, timer, dtype, ops, hq, kv, d)
 
