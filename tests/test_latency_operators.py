@@ -266,3 +266,21 @@ def test_steps_are_priced_at_their_cuda_graph_size(synthetic_profile):
     built = factory.build_latency(config("hardware=h200", "latency=operators", "latency.gpu=cpu",
                                          "latency.dtype=float32", "model=tiny-qwen3"))
     assert built.token_sizes[0] == 16 and built.batch_sizes[:3] == [1, 2, 4]
+
+
+def test_a_step_not_scheduled_ahead_waits_for_the_host(synthetic_profile):
+    from types import SimpleNamespace
+
+    from policies.outputs import ScheduledSeq, SchedulerOutput
+    shape_ = factory.model_shape(config("model=qwen3-0.6b"))
+    seqs = [ScheduledSeq(SimpleNamespace(num_computed_tokens=300 + i), 1, 1) for i in range(8)]
+    ahead, waited = SchedulerOutput(0.0, list(seqs), ahead=True), SchedulerOutput(0.0, list(seqs))
+    overlapped = OperatorModel(synthetic_profile, shape_, 16, sync_host_s=4e-4, sync_host_per_seq_s=1e-5)
+    assert overlapped.step_time(waited) == pytest.approx(overlapped.step_time(ahead) + 4e-4 + 8 * 1e-5)
+    assert overlapped.decode_times(8, 2436, 8, 3)[0] == pytest.approx(overlapped.step_time(ahead))
+    sync = OperatorModel(synthetic_profile, shape_, 16, sync_host_s=4e-4, sync_host_per_seq_s=1e-5,
+                         async_scheduling=False)
+    assert sync.step_time(ahead) == sync.step_time(waited) == pytest.approx(overlapped.step_time(waited))
+    assert sync.decode_times(8, 2436, 8, 3)[0] == pytest.approx(sync.step_time(waited))
+    with pytest.raises(ValueError, match=r"latency.sync_host_s=-1 is invalid"):
+        OperatorModel(synthetic_profile, shape_, 16, sync_host_s=-1)

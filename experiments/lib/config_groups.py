@@ -132,6 +132,8 @@ class OperatorsLatency:
     kernels: str = "auto"
     cuda_graphs: bool = True
     host_step_s: float = 0.0
+    sync_host_s: float = 0.0
+    sync_host_per_seq_s: float = 0.0
     admission_s: float = 0.0
 
 

@@ -191,7 +191,9 @@ def build_operator_model(cfg: DictConfig, lat: Mapping[str, Any]) -> LatencyMode
         token_sizes = graph_token_sizes(cfg.scheduler.max_num_batched_tokens)
     return OperatorModel(OperatorProfile.load(files), model_shape(cfg), block_size(cfg), tensor_parallel_size(cfg),
                          host_step_s=lat.get("host_step_s", 0.0), admission_s=lat.get("admission_s", 0.0),
-                         batch_sizes=batch_sizes, token_sizes=token_sizes)
+                         batch_sizes=batch_sizes, token_sizes=token_sizes, sync_host_s=lat.get("sync_host_s", 0.0),
+                         sync_host_per_seq_s=lat.get("sync_host_per_seq_s", 0.0),
+                         async_scheduling=bool((cfg.get("scheduler") or {}).get("async_scheduling", False)))
 
 
 def workload(cfg: DictConfig) -> Workload:

@@ -13,6 +13,12 @@ a step of T tokens (prefill + decodes), R sampled rows, B decodes reading C KV e
     + gemm(R, h, V) + sampler(R, V_full)    the LM head on the sampled rows, then sampling
     + (2 L + 1) all_reduce(T h b) + all_gather(R V_full b)   at N > 1 GPUs
     + copy_blocks(copies x block bytes) + host_step_s
+    + sync_host_s + sync_host_per_seq_s x sequences   (a step not scheduled ahead)
+
+The host's per-step work (scheduling, input preparation, output processing) overlaps the GPU's in
+a step scheduled ahead (async scheduling); a step that was not (`SchedulerOutput.ahead` false, or
+every step with `async_scheduling` off) waits for it: `sync_host_s` plus `sync_host_per_seq_s` per
+scheduled sequence, host costs that do not depend on the model.
 
 With the engine's CUDA-graph sizes given (`batch_sizes` for decode-only steps, `token_sizes` for
 steps with prefill: engine/cuda_graph.py), T is padded to the graph a step runs, as the engine's
@@ -49,7 +55,8 @@ class OperatorModel(LatencyModel):
 
     def __init__(self, profile: OperatorProfile, model: ModelShape, block_size: int,
                  tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0,
-                 batch_sizes: list[int] | None = None, token_sizes: list[int] | None = None) -> None:
+                 batch_sizes: list[int] | None = None, token_sizes: list[int] | None = None,
+                 sync_host_s: float = 0.0, sync_host_per_seq_s: float = 0.0, async_scheduling: bool = True) -> None:
         missing = [op for op in REQUIRED if not profile.has(op)]
         if missing:
             raise ValueError(f"operator profile {[str(p) for p in profile.paths]} lacks op {missing}: take the "
@@ -63,12 +70,15 @@ class OperatorModel(LatencyModel):
                         f"{[str(p) for p in profile.paths]}: measured at world sizes {profile.world_sizes(op) or 'none'}; "
                         f"take them on a {tp}-GPU machine (python -m experiments.profile mode=operators "
                         "operator_parts=[collectives])")
-        for name, value in (("host_step_s", host_step_s), ("admission_s", admission_s)):
+        for name, value in (("host_step_s", host_step_s), ("admission_s", admission_s), ("sync_host_s", sync_host_s),
+                            ("sync_host_per_seq_s", sync_host_per_seq_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"latency.{name}={value!r} is invalid: must be a number >= 0 (seconds)")
         self.profile, self.tensor_parallel_size = profile, tp
         self.batch_sizes, self.token_sizes = list(batch_sizes or []), list(token_sizes or [])
         self.host_step_s, self.admission_s = float(host_step_s), float(admission_s)
+        self.sync_host_s, self.sync_host_per_seq_s = float(sync_host_s), float(sync_host_per_seq_s)
+        self.async_scheduling = async_scheduling
         full, m = model, shard_shape(model, tp)
         self.model = m
         h, d, b = m.hidden_size, m.head_dim, m.dtype_bytes
@@ -100,12 +110,25 @@ class OperatorModel(LatencyModel):
         self.swaps = [profile.grid(op) for op in ("swap_out", "swap_in") if profile.has(op)]
 
     def step_time(self, out: SchedulerOutput) -> float:
-        return self.shape_time(BatchShape.of(out))
+        if not out.scheduled:
+            return self.shape_time(BatchShape.of(out))
+        waits = not (self.async_scheduling and out.ahead)
+        return self.shape_time(BatchShape.of(out)) + (self.sync_host(len(out.scheduled)) if waits else 0.0)
+
+    def sync_host(self, num_seqs: int) -> float:
+        """Host seconds of a step of `num_seqs` sequences that was not scheduled ahead."""
+        return self.sync_host_s + self.sync_host_per_seq_s * num_seqs
 
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
                      num_steps: int, max_context_tokens: int = 0) -> list[float]:
-        return shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps,
-                                  max_context_tokens)
+        """A fast-forward runs from a step scheduled ahead (async scheduling), else every step waits
+        for the host (sim/simulator.py)."""
+        times = shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps,
+                                   max_context_tokens)
+        if self.async_scheduling:
+            return times
+        host = self.sync_host(num_seqs)
+        return [t + host for t in times]
 
     def shape_time(self, s: BatchShape) -> float:
         tokens = s.num_prefill_tokens + s.num_decode_seqs
