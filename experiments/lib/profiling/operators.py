@@ -14,6 +14,7 @@ around a device sync. On the CPU every call is timed by wall clock (median).
 """
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 import time
@@ -109,8 +110,12 @@ def attention_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype, decode_
                                     for i in range(_copies(dev, 4 * b * c * kv * d * dtype.itemsize, 8))]
                         for p in problems:
                             p.block_tables = _widen(p.block_tables, -(-max_model_len // bs))
-                        t = timer.kernel([lambda p=p, ops=ops: ops.paged_decode_attention(*p.decode_args())
-                                          for p in problems])
+                        # The engine launches its decodes longest first (`decode_order`), which the
+                        # split heuristic takes into account: here every context is equal.
+                        order = ({"order": torch.arange(b, dtype=torch.int32, device=dev)}
+                                 if "order" in inspect.signature(ops.paged_decode_attention).parameters else {})
+                        t = timer.kernel([lambda p=p, ops=ops, order=order: ops.paged_decode_attention(
+                            *p.decode_args(), **order) for p in problems])
                         yield {"op": "decode_attention", "m": b, "context": c, **common, "time_s": t}
                 for q in grid.prefill_tokens:
                     for c in grid.prefill_context:
