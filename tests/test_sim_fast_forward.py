@@ -94,6 +94,13 @@ def latency_model(name: str, block_size: int, ahead: bool = False) -> LatencyMod
                              Hardware.from_dict(_conf("hardware", "h200")), block_size)
     if name == "dyadic":
         return Dyadic(ahead)
+    if name == "operators":  # the committed CPU operator profile, host costs on the steps not ahead
+        from sim.latency.operator_profile import OperatorProfile, find_operator_files
+        from sim.latency.operators import OperatorModel
+        profile = OperatorProfile.load(find_operator_files(ROOT / "experiments/profiles/operators", "cpu", "float32"))
+        return OperatorModel(profile, ModelShape.from_dict(_conf("model", "tiny-qwen3")), block_size,
+                             batch_sizes=[1, 2, 4, 8], token_sizes=[16, 32, 64], sync_host_s=1e-4,
+                             sync_host_per_seq_s=3e-6, async_scheduling=ahead)
     if name.endswith("-async") and not ahead:
         name = name.removesuffix("-async")  # a profile is taken in the runs' scheduling mode
     return ProfiledModel(ROOT / f"experiments/profiles/{name}.csv", block_size)
@@ -116,7 +123,7 @@ def cases(draw):
                                   max_num_seqs=draw(st.integers(1, 8)), max_model_len=MAX_MODEL_LEN,
                                   enable_chunked_prefill=chunked, async_scheduling=draw(st.booleans())),
         "latency": draw(st.sampled_from(["roofline", "dyadic", "dyadic", "example-synthetic", "h200-qwen3-0.6b",
-                                         "h200-qwen3-0.6b-async", "batch-shape"])),
+                                         "h200-qwen3-0.6b-async", "batch-shape", "operators"])),
         "admission_s": draw(st.sampled_from([0.0, 0.0, 3 / 1024])),  # the host's cost per admitted request
     }
     shared = list(range(500, 500 + MAX_MODEL_LEN))
@@ -221,6 +228,8 @@ ABORT_DECIDED_PAST_AN_ARRIVAL = {
 @example(case=VTC_WEIGHTED_RUN_SUMS_AS_STEPPING)
 @example(case=FULL_SAMPLER_AFTER_A_STEP_AHEAD)
 @example(case=ABORT_DECIDED_PAST_AN_ARRIVAL)
+@example(case={**VTC_WEIGHTED_RUN_SUMS_AS_STEPPING, "latency": "operators"})  # synchronous: host costs in runs
+@example(case={**FULL_SAMPLER_AFTER_A_STEP_AHEAD, "latency": "operators"})
 def test_fast_forward_leaves_the_traces_of_stepping_one_by_one(case):
     fast, fast_result, fast_pools = simulate(case, fast_forward=True)
     plain, plain_result, plain_pools = simulate(case, fast_forward=False)
