@@ -104,7 +104,7 @@ class Lifecycle:
             # The sampled token is the first one without KV: num_tokens == computed + 1. Below its
             # length limit, only a stop token or the backend's stop can end it (so most skip `ending`).
             stops = rule.stops
-            if computed >= rule.stop_len or stops is not None and token in stops or stop_seq_ids:
+            if computed >= rule.stop_len or (stops is not None and token in stops) or stop_seq_ids:
                 ending = rule.ending(token, bool(stop_seq_ids) and seq.seq_id in stop_seq_ids, computed)
                 if ending is not None:
                     finish(seq, *ending, now)
@@ -249,7 +249,7 @@ class Lifecycle:
             if not times:
                 self.recorder.first_token(seq, now)
             times.append(now)
-        stopped = stopped or bool(stop_seq_ids) and seq.seq_id in stop_seq_ids
+        stopped = stopped or (bool(stop_seq_ids) and seq.seq_id in stop_seq_ids)
         self._end_if_stopped(seq, token, stopped, len(seq.token_ids) - 1, now)
 
     def _end_if_stopped(self, seq: Sequence, token: int, stopped: bool, computed: int, now: float) -> None:

@@ -38,7 +38,7 @@ class StopRule:
     def ending(self, token: int, stopped: bool, computed: int) -> tuple[SequenceStatus, str] | None:
         """(status, finish reason) if sampling `token` with `computed` tokens of KV ends the sequence.
         `stopped`: the backend's stop (a stop string, a forced output length)."""
-        if (stopped or self.stops is not None and token in self.stops) and computed >= self.min_len:
+        if (stopped or (self.stops is not None and token in self.stops)) and computed >= self.min_len:
             return STOPPED
         if computed >= self.stop_len:
             return LENGTH

@@ -75,7 +75,7 @@ def test_a_one_token_prompt_is_charged_as_input_and_output():
 @given(workload=workloads())
 def test_every_step_is_charged_its_prompt_and_output_tokens(blocks, mode, workload):
     config, specs, seed = copy.deepcopy(workload)
-    scheduler, added = run_workload(AuditedVTC, blocks, mode, config, specs, seed)
+    scheduler, _ = run_workload(AuditedVTC, blocks, mode, config, specs, seed)
     check_charges(scheduler.policy)
     events = scheduler.recorder.events
     if blocks == "paged" and not any(e[1] in ("preempted", "aborted") and e[-1] != "swap" for e in events):

@@ -39,7 +39,7 @@ def decode_rows(batches: list[int], copy_bw: float) -> list[dict]:
         for splits in (None, 1, 2, 4, 8):
             cfg = TmaDecodeConfig(num_splits=splits)
 
-            def fn(cfg=cfg):
+            def fn(cfg=cfg, prob=prob, tables=tables, out=out, order=order):
                 paged_decode_attention(prob.q, prob.k_cache, prob.v_cache, tables, prob.context_lens, D ** -0.5,
                                        config=cfg, out=out, order=order)
             ms = graph_ms([fn])

@@ -70,6 +70,6 @@ def build_workload(cfg: Mapping[str, Any], seed: int, vocab_size: int) -> Worklo
     return _BUILDERS[kind](cfg, seed, vocab_size)
 
 
-from experiments.lib.workloads import nanovllm, replay, synthetic  # noqa: F401  (registration)
+from experiments.lib.workloads import nanovllm, replay, synthetic  # noqa: E402, F401  (registration)
 
 __all__ = ["Workload", "build_workload", "register_workload"]
