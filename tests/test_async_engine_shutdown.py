@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from test_serving_process import _gone
+from process_helpers import gone as _gone
 
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.engine_args import EngineArgs

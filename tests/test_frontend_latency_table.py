@@ -2,6 +2,10 @@
 the prompt length reaches every path's body, and the paired client-minus-server row is per request."""
 from __future__ import annotations
 
+from optional_deps import require_serving
+
+require_serving()
+
 from experiments.bench_frontend import latency_table
 from experiments.lib import frontend_latency
 

@@ -4,8 +4,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
-from nbclient import NotebookClient
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
+pytest.importorskip("ipykernel")  # the kernel the notebook runs on
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "experiments/notebooks/analysis.ipynb"

@@ -9,10 +9,13 @@ import asyncio
 import json
 import random
 
-import httpx2 as httpx
-import openai
 import pytest
 from engine_helpers import ragged_prompts, save_tiny_model
+from optional_deps import require_serving
+
+httpx = pytest.importorskip("httpx2")
+openai = pytest.importorskip("openai")
+require_serving()
 
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.engine_args import EngineArgs

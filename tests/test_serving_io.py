@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from optional_deps import require_serving
+
+require_serving()
 
 from engine.serving.server import slow_io_warning, uvicorn_config
 

