@@ -115,6 +115,15 @@ class StepGraphs:
         tiles = sum(-(-n // tokens) for n in plan.prefill_lens)
         return shape if plan.shape().fits_in(shape) and tiles <= shape.num_tiles else None
 
+    def release(self) -> None:
+        """Free the captured graphs once their last replay is done. Tensor parallelism: before the
+        communicator their all-reduces use is ended (a graph holds on to the communicator's work)."""
+        if self.graphs:
+            torch.cuda.synchronize(self.logits.device)
+            for graph in self.graphs.values():
+                graph.reset()
+            self.graphs.clear()
+
     def run(self, shape: BatchShape) -> torch.Tensor:
         """Replay `shape`'s graph on the inputs already uploaded -> logits [shape rows, vocab]."""
         if self._capture:

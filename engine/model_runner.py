@@ -147,7 +147,9 @@ class ModelRunner:
         return launched.results
 
     def close(self) -> None:
-        """Drop the model, KV cache and graphs (their device memory is freed once unreferenced)."""
+        """Free the graphs, drop the model and KV cache (their device memory is freed once unreferenced)."""
+        if self.graphs is not None:
+            self.graphs.release()
         self.model = self.kv_cache = self.graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

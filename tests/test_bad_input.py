@@ -2,7 +2,8 @@
 point and the words its error must hold (the field; the prompt's index where a call takes several),
 and each entry point's runner checks that the other requests of the same call are unharmed.
 
-Entry points here: `SamplingParams`, `LLM(...)`, `LLM.generate`, `LLMEngine.add_request`.
+Entry points here: `SamplingParams`, `LLM(...)`, `LLM.generate`, `LLMEngine.add_request`, and a
+user's script run as `python script.py` (a mistake in how it starts an engine).
 `experiments.run` (configs, traces) has its rows in test_bad_input_run.py, the HTTP server in
 test_serving_http.py (`BAD_REQUESTS`: status and the field named, then a good request served), the
 server's command line in test_serving_faults.py (`CLI_ERRORS`: one line, exit code 2). A
@@ -12,9 +13,15 @@ runner that submits the bad input among good ones and checks the good ones' outc
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from engine_helpers import save_tiny_model
+from process_helpers import gone
 
 from engine.engine_args import EngineArgs
 from engine.llm import LLM
@@ -236,3 +243,30 @@ def test_abort_of_unknown_ids_is_false(engine):
     assert engine.abort_request("nope") is False
     assert engine.abort_request(None) is False
     assert not engine.has_unfinished_requests()
+
+
+# ---- a user's script: python script.py ---------------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT_BOUND_S = 120  # two interpreters import torch on a busy machine; the fault itself is seen in < 1 s
+TP_ENGINE = ("from engine.engine_args import EngineArgs\nfrom engine.llm_engine import LLMEngine\n\n"
+             "engine = LLMEngine(EngineArgs(model='tiny-llama', num_gpu_blocks=64, max_model_len=128, "
+             "tensor_parallel_size=2))\nprint('started')\n")
+SCRIPTS = (  # the script's text -> words of the error it must end with, within SCRIPT_BOUND_S
+    ("tensor-parallel-without-main-guard", TP_ENGINE,
+     r"WorkerFailure: tensor-parallel worker 1 \(pid \d+\) exited during start-up with exit code 87: .*"
+     r"under `if __name__ == \"__main__\":`"),
+)
+
+
+@rows(*SCRIPTS)
+def test_script(bad, match, tmp_path):
+    """The script fails fast with the fix in its last line, and leaves no worker behind."""
+    script = tmp_path / "script.py"
+    script.write_text(bad)
+    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=SCRIPT_BOUND_S, check=False,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert res.returncode != 0 and "started" not in res.stdout
+    last = res.stderr.strip().splitlines()[-1]
+    assert re.search(match, last), res.stderr[-3000:]
+    assert all(gone(int(pid)) for pid in re.findall(r"pid (\d+)", last))

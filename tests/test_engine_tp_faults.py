@@ -1,11 +1,15 @@
 """Tensor parallelism's edges on CPU (gloo): sharding rules and their errors, the step header, and
 faults: a worker killed or hung gives rank 0 a `WorkerFailure` within a bounded time and leaves no
-process behind; `close()` stops every worker; a start-up error is raised as is."""
+process behind, and so does a worker that fails while starting; `close()` stops every worker and
+ends within its bound when a worker or the group's teardown never answers; a start-up error of
+rank 0 is raised as is."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -14,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.batch_layout import BatchShape
-from engine.config import load_model_config
-from engine.distributed.driver import TPModelRunner, WorkerFailure
+from engine.config import ModelConfig, load_model_config
+from engine.distributed.driver import JOIN_TIMEOUT_S, TPModelRunner, WorkerFailure
 from engine.distributed.sharding import TPShard
 from engine.distributed.step_message import StepHeader
 from engine.engine_args import EngineArgs
@@ -133,6 +137,72 @@ def test_a_start_up_error_is_raised_as_is_and_leaves_no_process():
         LLMEngine(EngineArgs(model="tiny-llama", num_gpu_blocks=2, max_model_len=128, tensor_parallel_size=2))
     assert not dist.is_initialized()
     assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("servelab-tp")]
+
+
+def _raise_in_worker():
+    raise RuntimeError("injected start-up failure")
+
+
+def _missing_weights(values: dict) -> ModelConfig:
+    return ModelConfig(**{**values, "weights": "/nonexistent/servelab-weights"})
+
+
+class _FailsInWorker(ModelConfig):
+    """Rank 0's model config; the copy a worker unpickles fails there: while it starts (before it
+    reports anything) or once it joined the group (its weights are missing)."""
+
+    __slots__ = ("when",)
+
+    def __reduce__(self):
+        if self.when == "before-joining":
+            return _raise_in_worker, ()
+        return _missing_weights, ({f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)},)
+
+
+@pytest.mark.parametrize("when", ["before-joining", "after-joining"])
+def test_a_worker_that_fails_while_starting_is_reported_within_seconds(when):
+    """Not at the start-up deadline (STARTUP_TIMEOUT_S, 15 minutes): the error names the rank, its
+    exit code and, when it could report one, its error."""
+    base = load_model_config("tiny-llama")
+    config = _FailsInWorker(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)})
+    config.when = when
+    args = EngineArgs(model="tiny-llama", num_gpu_blocks=64, max_model_len=128, swap_space=0.01)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure) as info:
+        TPModelRunner(config, args.cache_config(), tensor_parallel_size=2, timeout_s=TIMEOUT_S,
+                      max_num_batched_tokens=256, max_num_seqs=16, max_model_len=128)
+    assert time.monotonic() - start < 90  # spawn and import torch on a busy machine; not 900 s
+    assert "worker 1 (pid" in str(info.value) and "exit code 1" in str(info.value)
+    if when == "after-joining":
+        assert "/nonexistent/servelab-weights" in str(info.value)
+    assert not dist.is_initialized()
+    assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("servelab-tp")]
+
+
+def test_close_is_bounded_when_a_worker_never_answers():
+    engine = _engine()
+    (worker,) = engine.runner._procs
+    os.kill(worker.pid, signal.SIGSTOP)  # never reads the stop message nor ends its side of the group
+    start = time.monotonic()
+    engine.close()
+    assert time.monotonic() - start < JOIN_TIMEOUT_S + 2
+    assert worker.exitcode == -signal.SIGKILL
+    _assert_no_worker_left(engine)
+
+
+def test_close_is_bounded_when_the_group_teardown_hangs(monkeypatch):
+    """NCCL's destroy may wait for a rank that is gone: close aborts the group instead, in time."""
+    release = threading.Event()
+    destroy = dist.destroy_process_group
+    engine = _engine()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait() and dist.is_initialized() and destroy())
+    closing = threading.Thread(target=engine.close, daemon=True)
+    closing.start()
+    closing.join(JOIN_TIMEOUT_S + 2)
+    release.set()
+    assert not closing.is_alive(), "close() did not return within its bound"
+    assert not dist.is_initialized()  # aborted
+    _assert_no_worker_left(engine)
 
 
 def test_the_tensor_parallel_path_at_one_rank_matches_the_plain_runner():

@@ -1,13 +1,20 @@
 """Tensor parallelism on GPUs (NCCL). The N = 1 smoke test runs rank 0's tensor-parallel path (NCCL
 group, sharded model, all-reduces captured in CUDA graphs) on one GPU; the N = 2 tests need two
 GPUs and are skipped otherwise: bf16 greedy agreement with one GPU, preemption by swap, CUDA
-graphs on and off."""
+graphs on and off, and closing in bounded time (close(), and a script's interpreter exit)."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from engine.distributed.driver import TPModelRunner
+from engine.distributed.driver import JOIN_TIMEOUT_S, TPModelRunner
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from policies.request import SamplingParams
@@ -80,3 +87,53 @@ def test_tp2_preemption_keeps_tokens(mode):
         preempted = sum(row[f"num_preempted_{mode}"] for row in engine.recorder.steps)
     assert preempted > 0
     assert _agree(tokens, free, f"N=2 with {preempted} preemptions by {mode} vs N=2 unsqueezed") >= 5 / 6
+
+
+@two_gpus
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_tp2_close_ends_in_bounded_time(eager):
+    """The workers leave by themselves (exit code 0, not killed) and the group is gone, within the bound."""
+    engine = LLMEngine(EngineArgs(**ARGS, enforce_eager=eager, tensor_parallel_size=2))
+    procs = list(engine.runner._procs)
+    _generate(engine, PROMPTS[:2])
+    start = time.monotonic()
+    engine.close()
+    took = time.monotonic() - start
+    print(f"\n[close] N=2 {'eager' if eager else 'CUDA graphs'}: {took:.2f} s, worker exit codes "
+          f"{[p.exitcode for p in procs]}")
+    assert took < JOIN_TIMEOUT_S + 2
+    assert [p.exitcode for p in procs] == [0]
+    assert not dist.is_initialized()
+
+
+SCRIPT = """
+import time
+from engine.engine_args import EngineArgs
+from engine.llm_engine import LLMEngine
+from policies.request import SamplingParams
+
+if __name__ == "__main__":
+    engine = LLMEngine(EngineArgs(**{args!r}, tensor_parallel_size=2))
+    engine.add_request("a", list(range(1, 40)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    print("done at", time.time(), flush=True)
+    # no close(): the finalizer at interpreter exit ends the workers and the group
+"""
+
+
+@two_gpus
+def test_tp2_script_exits_without_close():
+    """bench_throughput wrote its result and never exited: a script's exit must end within the bound
+    after its last step (start-up, compiling and capturing, is not the point)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        res = subprocess.run([sys.executable, "-c", SCRIPT.format(args=ARGS)], cwd=root, capture_output=True,
+                             text=True, timeout=300, check=False, env={**os.environ, "PYTHONPATH": str(root)})
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the script did not exit within 300 s; its output: {e.stdout!r} {e.stderr!r}"[-3000:])
+    exited = time.time()
+    done = [float(line.split()[-1]) for line in res.stdout.splitlines() if line.startswith("done at")]
+    assert res.returncode == 0 and done, res.stderr[-3000:]
+    print(f"\n[exit] N=2 script: exited {exited - done[0]:.2f} s after its last step")
+    assert exited - done[0] < JOIN_TIMEOUT_S + 20  # the finalizer's bound and the interpreter's own exit

@@ -2,43 +2,55 @@
 sampler, async scheduling's token feedback) that spawns workers 1..N-1 (`engine.distributed.worker`)
 and sends them each step before running its own part of it (`engine.distributed.step_message`).
 
-Lifetime: the workers are daemon processes started with `spawn`; `close()` (also run at interpreter
-exit) tells them to stop, waits `JOIN_TIMEOUT_S`, kills any that remain and frees rank 0's model
-and caches. A worker that dies or hangs makes the next step (or the one running) raise
-`WorkerFailure` within `timeout_s` (the collectives' deadline): the error names the rank, its pid,
-its exit code and the worker's own error if it reported one; the engine is then closed.
+Start-up: every wait of rank 0 on its workers watches their processes
+(`engine.distributed.worker_faults`): a worker that dies while starting (an import error, a bad
+device, a script without `if __name__ == "__main__":`) raises `WorkerFailure` within seconds, not
+at the start-up deadline (`STARTUP_TIMEOUT_S`, for ranks that are alive but slow: building,
+loading, compiling, capturing).
+
+Lifetime: the workers are daemon processes started with `spawn`; `close()` (also run when the
+runner is collected and at interpreter exit) stops them and ends the group within
+`JOIN_TIMEOUT_S`, in a safe order (`engine.distributed.shutdown`). A worker that dies or hangs
+makes the next step (or the one running) raise `WorkerFailure` within `timeout_s` (the
+collectives' deadline): the error names the rank, its pid, its exit code and the worker's own
+error if it reported one; the engine is then closed.
 """
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
 import threading
-import time
 import weakref
 from collections.abc import Iterator
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from engine.config import CacheConfig, ModelConfig
-from engine.distributed.parallel_state import TPGroup, abort, destroy, init_group, open_store
+from engine.distributed.parallel_state import TPGroup, abort, init_group, open_store
 from engine.distributed.sharding import check_divisible
+from engine.distributed.shutdown import WorkerShutdown
 from engine.distributed.step_message import StepHeader, broadcast_inputs
+from engine.distributed.worker_faults import (
+    WorkerFailure,
+    await_workers,
+    first_death,
+    refuse_in_spawn_bootstrap,
+    run_watched,
+)
 from engine.input_batch import StepPlan
 from engine.model_runner import ModelRunner
 from engine.token_feedback import Feedback, Launched
 from policies.outputs import SchedulerOutput
 
+__all__ = ["JOIN_TIMEOUT_S", "STARTUP_TIMEOUT_S", "TPModelRunner", "WorkerFailure"]
+
+# A close (or the finalizer) ends within this; after a failure, within a fraction of it.
 JOIN_TIMEOUT_S = 10.0
 # Start-up collectives wait this long at least: ranks build, load, compile and capture at their own pace.
 STARTUP_TIMEOUT_S = 900.0
-
-
-class WorkerFailure(RuntimeError):
-    """A tensor-parallel worker died, hung or failed to start; the engine is closed."""
-
 
 class TPModelRunner(ModelRunner):
     """Rank 0 of `tensor_parallel_size` ranks on `device` (GPUs `cuda:i` .. `cuda:i+N-1`, or the
@@ -47,6 +59,7 @@ class TPModelRunner(ModelRunner):
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, *, tensor_parallel_size: int,
                  device: str | torch.device = "cpu", timeout_s: float = 300.0, **runner_kwargs: Any) -> None:
+        refuse_in_spawn_bootstrap()
         check_divisible(model_config, tensor_parallel_size)
         if dist.is_initialized():
             raise RuntimeError("tensor_parallel_size > 1 needs this process's torch.distributed default "
@@ -63,41 +76,46 @@ class TPModelRunner(ModelRunner):
         else:
             devices = [base] * size
         self.timeout_s = timeout_s
-        self._links: list[Connection] = []
-        self._procs: list[multiprocessing.Process] = []
+        self._shutdown = WorkerShutdown()
+        self._procs, self._links = self._shutdown.procs, self._shutdown.links
         self._failure: WorkerFailure | None = None
         self._closed = False
         self._serving = False  # False during start-up: every rank profiles and captures by itself
         self._header = StepHeader()
+        self._rank0_device = devices[0]
         self.tp: TPGroup | None = None
-        # Stops the workers at interpreter exit (or when the runner is collected) if close() was not called.
-        self._group_open: list[bool] = []  # [True] while this runner holds the process's group
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._links, JOIN_TIMEOUT_S,
-                                           self._group_open)
+        # Ends the workers and the group when the runner is collected or at interpreter exit, if
+        # close() was not called (bounded like close()).
+        self._finalizer = weakref.finalize(self, self._shutdown.run, JOIN_TIMEOUT_S)
         startup_s = max(timeout_s, STARTUP_TIMEOUT_S)
         store = open_store(size, startup_s)
         ctx = multiprocessing.get_context("spawn")
         kwargs = {"model_config": model_config, "cache_config": cache_config, **runner_kwargs}
-        for rank in range(1, size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_entry, name=f"servelab-tp{rank}", daemon=True,
-                               args=(rank, size, store.port, str(devices[rank]), kwargs, startup_s, timeout_s, theirs))
-            proc.start()
-            theirs.close()
-            self._links.append(ours)
-            self._procs.append(proc)
-        self._store = store
         with self._guard("start-up"):
-            self.tp = init_group(store, 0, size, devices[0], startup_s)
-            self._group_open.append(True)
+            for rank in range(1, size):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_worker_entry, name=f"servelab-tp{rank}", daemon=True,
+                                   args=(rank, size, store.port, str(devices[rank]), kwargs, startup_s, timeout_s,
+                                         theirs))
+                proc.start()
+                theirs.close()
+                self._links.append(ours)
+                self._procs.append(proc)
+            self._store = store
+            # A death from here on aborts the device group, so rank 0 leaves a collective it waits in.
+            self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), [p.sentinel for p in self._procs]),
+                                              name="tp-worker-watchdog", daemon=True)
+            self._watchdog.start()
+            # Every worker is up and about to join (or has died: its error, at once).
+            await_workers(self._procs, self._links, "joining", startup_s, "start-up")
+            self.tp = run_watched(lambda: init_group(store, 0, size, devices[0], startup_s), self._procs, self._links,
+                                  startup_s, "start-up (joining the group)")
+            self._shutdown.group_open = True
             super().__init__(model_config, cache_config, device=devices[0], tp=self.tp, **runner_kwargs)
-            for rank, link in enumerate(self._links, start=1):
-                self._expect_ready(rank, link, startup_s)
+            self._shutdown.graphs = self.graphs
+            await_workers(self._procs, self._links, "ready", startup_s, "start-up")
             self.tp.set_timeout(timeout_s)
         self._serving = True
-        self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), [p.sentinel for p in self._procs]),
-                                          name="tp-worker-watchdog", daemon=True)
-        self._watchdog.start()
 
     # ---- steps -------------------------------------------------------------------------------
     def launch(self, out: SchedulerOutput, after: Launched | None = None) -> Launched:
@@ -137,7 +155,9 @@ class TPModelRunner(ModelRunner):
     def _guard(self, what: str) -> Iterator[None]:
         try:
             yield
-        except WorkerFailure:
+        except WorkerFailure as e:
+            self._failure = self._failure or e
+            self.close()
             raise
         except ValueError:  # rank 0's own check (a bad block id, too small a cache): raised as is
             if not self._serving:
@@ -154,84 +174,38 @@ class TPModelRunner(ModelRunner):
         if self._closed:
             raise RuntimeError("the tensor-parallel engine is closed")
 
-    def _any_dead(self) -> bool:
-        return any(p.exitcode is not None for p in self._procs)
-
     def _diagnose(self, what: str, error: BaseException) -> WorkerFailure:
         """Which worker failed and how: dead (exit code and its reported error) or not answering."""
-        deadline = time.monotonic() + 2.0  # a failing worker may still be on its way out
-        while not self._any_dead() and time.monotonic() < deadline:
-            wait([p.sentinel for p in self._procs], timeout=0.05)
-        for rank, (proc, link) in enumerate(zip(self._procs, self._links), start=1):
-            if proc.exitcode is not None:
-                reported = _reported_error(link)
-                detail = f": {reported}" if reported else ""
-                return WorkerFailure(f"tensor-parallel worker {rank} (pid {proc.pid}) died during {what} with "
-                                     f"exit code {proc.exitcode}{detail}")
-        return WorkerFailure(f"tensor-parallel workers did not answer within timeout_s={self.timeout_s} during "
-                             f"{what} (a worker hung or the group failed): {error}")
-
-    @staticmethod
-    def _expect_ready(rank: int, link: Connection, timeout_s: float) -> None:
-        if not link.poll(timeout_s):
-            raise TimeoutError(f"worker {rank} not ready after {timeout_s} s")
-        kind, detail = link.recv()
-        if kind != "ready":
-            raise RuntimeError(f"worker {rank} failed: {detail}")
+        failure = first_death(self._procs, self._links, what, grace_s=2.0)  # it may be on its way out
+        return failure or WorkerFailure(f"tensor-parallel workers did not answer within timeout_s={self.timeout_s} "
+                                        f"during {what} (a worker hung or the group failed): {error}")
 
     def close(self) -> None:
-        """Stop the workers (killed if they do not stop), free rank 0's model and KV cache, end the group."""
+        """Stop the workers (killed if they do not stop), end the group, free rank 0's model and KV
+        cache: within `JOIN_TIMEOUT_S` (`engine.distributed.shutdown`)."""
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
-        _stop_workers(self._procs, self._links, JOIN_TIMEOUT_S if self._failure is None else 1.0,
-                      self._group_open)
+        self._shutdown.run(JOIN_TIMEOUT_S, failed=self._failure is not None)
         if hasattr(self, "device"):  # ModelRunner got far enough to hold something
             super().close()
 
 
 def _watch(runner_ref: weakref.ref, sentinels: list) -> None:
-    """A worker's death aborts the device group, so a step blocked on it on the GPU ends. Holds the
-    runner weakly: an engine dropped without close() is still collected (and its workers stopped)."""
+    """A worker's death aborts the device group, so a step (or a start-up collective) blocked on it
+    on the GPU ends. Holds the runner weakly: an engine dropped without close() is still collected
+    (and its workers stopped)."""
     while True:
         dead = wait(sentinels, timeout=0.5)
         runner = runner_ref()
         if runner is None or runner._closed:
             return
         if dead:
-            if runner.tp is not None and runner.device.type == "cuda":
+            if runner.tp is not None and runner._rank0_device.type == "cuda":
                 abort(runner.tp)
             return
         del runner
-
-
-def _stop_workers(procs: list[multiprocessing.Process], links: list[Connection], grace_s: float,
-                  group_open: list[bool]) -> None:
-    """Ask every worker to stop, wait `grace_s`, kill the ones still running; end the group."""
-    stop = StepHeader(stop=True).encode()
-    for link in links:
-        with contextlib.suppress(OSError):
-            link.send_bytes(stop)
-    for proc in procs:
-        proc.join(grace_s)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join(JOIN_TIMEOUT_S)
-    for link in links:
-        link.close()
-    if group_open:
-        destroy()
-        group_open.clear()
-
-
-def _reported_error(link: Connection) -> str | None:
-    with contextlib.suppress(OSError, EOFError):
-        while link.poll(0.2):
-            kind, detail = link.recv()
-            if kind == "error":
-                return str(detail).strip()
-    return None
 
 
 def _worker_entry(*args: Any) -> None:

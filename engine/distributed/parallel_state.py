@@ -7,12 +7,14 @@ packed input bytes, `engine.distributed.step_message`). On CPUs one gloo group s
 
 Ranks meet at a `TCPStore` that rank 0 opens on a free port of 127.0.0.1 (no port guessing). The
 groups are torch.distributed's default group, so one process holds at most one tensor-parallel
-engine at a time (as in vLLM); `destroy` ends them.
+engine at a time (as in vLLM); `end_group` ends them, in bounded time.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,9 +84,32 @@ def init_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
     return TPGroup(rank, size, device_group, host_group)
 
 
-def destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def end_group(destroy_s: float, abort_s: float) -> bool:
+    """End this process's group in bounded time: destroy it (every rank does so at a normal close;
+    NCCL's teardown may wait for the other ranks, up to the group's own timeout), and if that has
+    not returned within `destroy_s` (0: skip it, a rank is known to be gone), abort it, which waits
+    for no one, within `abort_s`. False if neither returned in time (its helper thread is left)."""
+    if not dist.is_initialized():
+        return True
+    if destroy_s > 0 and bounded(dist.destroy_process_group, destroy_s) and not dist.is_initialized():
+        return True
+    return bounded(dist.distributed_c10d._abort_process_group, abort_s) and not dist.is_initialized()
+
+
+def bounded(fn: Callable[[], object], timeout_s: float) -> bool:
+    """`fn()` on a daemon thread, waited for `timeout_s`: True if it returned (or raised a teardown
+    error) in time. For teardown calls that may block in native code: the thread is left behind."""
+    helper = threading.Thread(target=_quietly, args=(fn,), name="tp-teardown", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    return not helper.is_alive()
+
+
+def _quietly(fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except (RuntimeError, ValueError):  # already ended (an abort raced it), or a backend's teardown error
+        pass
 
 
 def abort(group: TPGroup) -> None:

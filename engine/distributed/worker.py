@@ -1,13 +1,16 @@
 """A tensor-parallel worker: one process per rank 1..N-1, spawned by rank 0 (`engine.distributed.driver`).
 
-It joins the group, builds its `ModelRunner` (its shard, its KV cache, its CUDA graphs: every rank
-captures the same graphs in the same order, collectives included), reports "ready" (or its error)
-down its pipe, then serves steps until rank 0 says stop or is gone: each step applies the cache
-operations of the header, receives the input bytes and runs the same forward as rank 0 (a graph
-replay or eager), whose all-reduces and logits gather pair with rank 0's. It never samples.
+It reports "joining" down its pipe, joins the group, builds its `ModelRunner` (its shard, its KV
+cache, its CUDA graphs: every rank captures the same graphs in the same order, collectives
+included), reports "ready" (or, at any point, its error), then serves steps until rank 0 says stop
+or is gone: each step applies the cache operations of the header, receives the input bytes and
+runs the same forward as rank 0 (a graph replay or eager), whose all-reduces and logits gather
+pair with rank 0's. It never samples.
 
-It ends on its own when rank 0's process ends: the pipe reads end of file, and a watchdog thread
-exits the process if rank 0 dies while this one waits inside a collective.
+On stop it frees its CUDA graphs, ends its side of the group within the bounds rank 0 uses
+(`engine.distributed.shutdown`) and leaves with `os._exit`. It ends on its own when rank 0's
+process ends: the pipe reads end of file, and a watchdog thread exits the process if rank 0 dies
+while this one waits inside a collective.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from typing import Any
 
 import torch
 
-from engine.distributed.parallel_state import destroy, init_group, join_store
+from engine.distributed.parallel_state import end_group, init_group, join_store
+from engine.distributed.shutdown import ABORT_S, DESTROY_S
 from engine.distributed.step_message import StepHeader, broadcast_inputs
 
 
@@ -47,20 +51,22 @@ def worker_main(rank: int, size: int, port: int, device: str, runner_kwargs: dic
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+        conn.send(("joining", os.getpid()))
         group = init_group(join_store(port, size, startup_s), rank, size, dev, startup_s)
         runner = ModelRunner(**runner_kwargs, device=dev, tp=group)
         group.set_timeout(timeout_s)
         conn.send(("ready", os.getpid()))
         serve(runner, group.device_group, conn)
+        runner.close()  # the CUDA graphs before the communicator their all-reduces use
     except BaseException as e:  # noqa: BLE001 (reported to rank 0, which raises it with context)
         try:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
         except OSError:
             pass
         os._exit(1)
-    destroy()
-    # Skip the interpreter's teardown: the group's C++ threads may still be winding down, and
-    # destroying them there can abort the process ("terminate called without an active exception").
+    end_group(DESTROY_S, ABORT_S)
+    # Skip the interpreter's teardown: the group's C++ threads may still be winding down (or a
+    # teardown helper be stuck in NCCL), and destroying them there can block or abort the process.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
