@@ -2,6 +2,8 @@
 #   make run   -> creates .venv, installs CPU torch + the project, runs `python -m experiments.run policy=fcfs`
 #   make test  -> creates .venv, installs the project with dev extras, runs the CPU test suite
 #   make soak  -> the property (hypothesis) tests with random seeds and SOAK_FACTOR (20) x the examples
+#   make lint  -> ruff with the rules in pyproject.toml (CI runs it before the tests)
+#   make bench -> the CPU benchmarks, briefly (simulator speed, scheduler cost per step)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -38,6 +40,11 @@ soak: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# A quick look, not a figure of record: those run the benchmarks' defaults (docs/results.md).
+bench: $(STAMP)
+	$(BIN)/python -m experiments.bench_sim --workloads sharegpt,poisson --requests 2000 --repeat 1
+	$(BIN)/python -m experiments.bench_scheduler --kinds paged --steps 200 --repeats 1
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache
