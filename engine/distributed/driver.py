@@ -108,9 +108,9 @@ class TPModelRunner(ModelRunner):
             self._watchdog.start()
             # Every worker is up and about to join (or has died: its error, at once).
             await_workers(self._procs, self._links, "joining", startup_s, "start-up")
+            self._shutdown.group_open = True  # from here on any group of this process is this engine's
             self.tp = run_watched(lambda: init_group(store, 0, size, devices[0], startup_s), self._procs, self._links,
                                   startup_s, "start-up (joining the group)")
-            self._shutdown.group_open = True
             super().__init__(model_config, cache_config, device=devices[0], tp=self.tp, **runner_kwargs)
             self._shutdown.graphs = self.graphs
             await_workers(self._procs, self._links, "ready", startup_s, "start-up")
@@ -189,6 +189,9 @@ class TPModelRunner(ModelRunner):
         self._finalizer.detach()
         self._shutdown.run(JOIN_TIMEOUT_S, failed=self._failure is not None)
         if hasattr(self, "device"):  # ModelRunner got far enough to hold something
+            # The graphs were the shutdown's to free (or, after a failure, to leave: releasing them
+            # waits for the device, where a collective of a dead rank may never finish).
+            self.graphs = None
             super().close()
 
 
