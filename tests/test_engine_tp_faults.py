@@ -205,6 +205,37 @@ def test_close_is_bounded_when_the_group_teardown_hangs(monkeypatch):
     _assert_no_worker_left(engine)
 
 
+@pytest.mark.parametrize("failed", [False, True], ids=["close", "close-after-a-failure"])
+def test_the_shutdown_frees_the_graphs_before_the_teardown_waits_for_them(failed, monkeypatch):
+    """NCCL's destroy and abort do not return while a CUDA graph that captured a collective still
+    holds the communicator (simulated here on a one-rank gloo group): the shutdown frees rank 0's
+    graphs first (after a failure: starts the abort, then frees them), so it ends at once."""
+    from engine.distributed import shutdown
+    from engine.distributed.parallel_state import init_group, open_store
+
+    released = threading.Event()
+
+    class Graphs:
+        def release(self):
+            released.set()
+
+    def waits_for_the_graphs(teardown):
+        def fn(*args, **kwargs):
+            released.wait()
+            teardown(*args, **kwargs)
+        return fn
+
+    if failed:
+        monkeypatch.setattr(shutdown, "abort_group", waits_for_the_graphs(shutdown.abort_group))
+    else:
+        monkeypatch.setattr(dist, "destroy_process_group", waits_for_the_graphs(dist.destroy_process_group))
+    init_group(open_store(1, 10), 0, 1, __import__("torch").device("cpu"), 10)
+    start = time.monotonic()
+    shutdown.WorkerShutdown(graphs=Graphs(), group_open=True).run(JOIN_TIMEOUT_S, failed=failed)
+    assert time.monotonic() - start < 1.0  # not the destroy's or the abort's bound
+    assert not dist.is_initialized()
+
+
 def test_the_tensor_parallel_path_at_one_rank_matches_the_plain_runner():
     """No worker: rank 0's group, sharded model and step messages alone (the GPU smoke test's path)."""
     args = EngineArgs(model="tiny-qwen3", num_gpu_blocks=64, max_model_len=128, swap_space=0.01)

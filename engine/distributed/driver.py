@@ -189,9 +189,7 @@ class TPModelRunner(ModelRunner):
         self._finalizer.detach()
         self._shutdown.run(JOIN_TIMEOUT_S, failed=self._failure is not None)
         if hasattr(self, "device"):  # ModelRunner got far enough to hold something
-            # The graphs were the shutdown's to free (or, after a failure, to leave: releasing them
-            # waits for the device, where a collective of a dead rank may never finish).
-            self.graphs = None
+            self.graphs = None  # the shutdown's to free, in bounded time (ModelRunner.close waits for the device)
             super().close()
 
 

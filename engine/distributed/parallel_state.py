@@ -85,22 +85,36 @@ def init_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
 
 
 def end_group(destroy_s: float, abort_s: float) -> bool:
-    """End this process's group in bounded time: destroy it (every rank does so at a normal close;
-    NCCL's teardown may wait for the other ranks, up to the group's own timeout), and if that has
-    not returned within `destroy_s` (0: skip it, a rank is known to be gone), abort it, which waits
-    for no one, within `abort_s`. False if neither returned in time (its helper thread is left)."""
+    """End this process's group in bounded time (every rank does so at a normal close): destroy it
+    (NCCL's teardown may wait for the other ranks, up to the group's own timeout), and if that has
+    not returned within `destroy_s`, abort it within `abort_s`. False if neither returned in time
+    (its helper thread is left). Free the CUDA graphs that captured collectives first: NCCL's
+    teardown, abort included, waits until no graph holds the communicator."""
     if not dist.is_initialized():
         return True
-    if destroy_s > 0 and bounded(dist.destroy_process_group, destroy_s) and not dist.is_initialized():
+    if bounded(dist.destroy_process_group, destroy_s) and not dist.is_initialized():
         return True
-    return bounded(dist.distributed_c10d._abort_process_group, abort_s) and not dist.is_initialized()
+    return bounded(abort_group, abort_s) and not dist.is_initialized()
+
+
+def abort_group() -> None:
+    """Abort every group of this process: in-flight collectives end without waiting for the other
+    ranks (one is gone), then the communicators are freed once no CUDA graph holds them."""
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+
+
+def in_background(fn: Callable[[], object]) -> threading.Thread:
+    """`fn()` on a started daemon thread; teardown errors (the group already ended) are dropped."""
+    helper = threading.Thread(target=_quietly, args=(fn,), name="tp-teardown", daemon=True)
+    helper.start()
+    return helper
 
 
 def bounded(fn: Callable[[], object], timeout_s: float) -> bool:
     """`fn()` on a daemon thread, waited for `timeout_s`: True if it returned (or raised a teardown
     error) in time. For teardown calls that may block in native code: the thread is left behind."""
-    helper = threading.Thread(target=_quietly, args=(fn,), name="tp-teardown", daemon=True)
-    helper.start()
+    helper = in_background(fn)
     helper.join(timeout_s)
     return not helper.is_alive()
 

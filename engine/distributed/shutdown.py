@@ -4,10 +4,11 @@
 `WorkerShutdown.run`, which ends within `timeout_s` whatever the workers or NCCL do:
 1. tell every worker to stop (a worker then frees its CUDA graphs, ends its side of the group with
    the same bounds as here, and leaves with `os._exit`, skipping the interpreter's teardown);
-2. free rank 0's CUDA graphs: a graph holds on to the collectives captured in it, so it goes
-   before the communicator (skipped after a failure: a graph may still wait on a dead rank);
+2. free rank 0's CUDA graphs: a graph that captured collectives holds the communicator, and NCCL's
+   teardown (abort included) waits until no graph does;
 3. end the group: destroy it while the workers destroy theirs, or abort it if that does not return
-   in time (after a failure at once: a dead rank never joins the teardown);
+   in time. After a failure a dead rank never joins a destroy: the abort starts at once, before
+   step 2, so that a graph still waiting on the dead rank is let go before it is freed;
 4. wait for the workers until the deadline, then kill the ones left.
 Steps 2 and 3 run on helper threads that are left behind if they do not return; nothing here waits
 without a bound, so an engine's close, its finalizer and the interpreter's exit always end.
@@ -21,7 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from engine.distributed.parallel_state import bounded, end_group
+from engine.distributed.parallel_state import abort_group, bounded, end_group, in_background
 from engine.distributed.step_message import StepHeader
 
 # Of a close's bound: the graphs' release, the group's destroy, then its abort; a killed worker's reaping.
@@ -48,12 +49,15 @@ class WorkerShutdown:
         for link in self.links:
             with contextlib.suppress(OSError):
                 link.send_bytes(stop)
+        aborting = in_background(abort_group) if failed and self.group_open else None
         graphs, self.graphs = self.graphs, None
-        if graphs is not None and not failed:
+        if graphs is not None:
             bounded(graphs.release, GRAPHS_S)
-        if self.group_open:
-            end_group(0.0 if failed else DESTROY_S, ABORT_S)
-            self.group_open = False
+        if aborting is not None:
+            aborting.join(ABORT_S)
+        elif self.group_open:
+            end_group(DESTROY_S, ABORT_S)
+        self.group_open = False
         for proc in self.procs:
             proc.join(max(0.0, deadline - REAP_S - time.monotonic()))
         for proc in self.procs:
