@@ -100,8 +100,9 @@ def end_group(destroy_s: float, abort_s: float) -> bool:
 def abort_group() -> None:
     """Abort every group of this process: in-flight collectives end without waiting for the other
     ranks (one is gone), then the communicators are freed once no CUDA graph holds them."""
-    if dist.is_initialized():
-        dist.distributed_c10d._abort_process_group()
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private; in torch >= 2.4
+    if abort is not None and dist.is_initialized():
+        abort()
 
 
 def in_background(fn: Callable[[], object]) -> threading.Thread:
