@@ -161,7 +161,7 @@ class Lifecycle:
             # The length rules were applied when the step was looked past; a stop condition now
             # (a stop token or the backend's stop, else `ending` is skipped).
             stopped = bool(stop_seq_ids) and seq.seq_id in stop_seq_ids
-            if (stopped or rule.stops is not None and token in rule.stops) \
+            if (stopped or (rule.stops is not None and token in rule.stops)) \
                     and rule.ending(token, stopped, seq.num_computed_tokens) is STOPPED:
                 if seq.status is RUNNING:
                     self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)

@@ -23,9 +23,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx2 as httpx
-import openai
 import pytest
+
+httpx = pytest.importorskip("httpx2")
+openai = pytest.importorskip("openai")
+
 from test_serving_http import (  # noqa: F401 (its module-scoped fixture, shared)
     MODEL,
     TEMPLATE,
