@@ -119,7 +119,7 @@ def read_operator_file(path: str | Path) -> tuple[dict[str, str], list[tuple[str
     meta: dict[str, str] = {}
     lines = path.read_text().splitlines()
     body_start = 0
-    for body_start, text in enumerate(lines):
+    for body_start, text in enumerate(lines):  # noqa: B007 (read after the loop)
         if not text.startswith("#"):
             break
         key, sep, value = text[1:].partition(":")
