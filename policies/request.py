@@ -115,6 +115,9 @@ class Request:
     eos_token_id: int | None = None
     # The client the request is served for (fair-share policies, per-tenant metrics); None: no tenant.
     tenant: str | None = None
+    # The conversation the request continues (multi-turn workloads); a router may keep a session on
+    # one replica, whose prefix cache then holds its earlier turns. None: no session.
+    session_id: str | None = None
     # Filled in by the scheduler when the request ends; never None after that.
     finish_reason: str | None = None
 
@@ -137,6 +140,8 @@ class Request:
         _check(_is_int(self.priority), "priority", self.priority, "must be an integer (lower = more urgent)")
         _check(self.tenant is None or (isinstance(self.tenant, str) and self.tenant != ""), "tenant",
                self.tenant, "must be None or a non-empty string")
+        _check(self.session_id is None or (isinstance(self.session_id, str) and self.session_id != ""),
+               "session_id", self.session_id, "must be None or a non-empty string")
         _check(isinstance(self.arrival_time, (int, float)) and self.arrival_time >= 0,
                "arrival_time", self.arrival_time, "must be a number >= 0")
         self.sampling_params.validate()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from policies.registry import Registry
@@ -194,3 +195,8 @@ class BlockManager(ABC):
 
     @abstractmethod
     def usage(self) -> BlockUsage: ...
+
+    def cached_block_hashes(self) -> AbstractSet[int]:
+        """The chained hashes (policies/blocks/prefix.py:block_hash) of the full blocks a request's
+        prompt could be served from, a live view; empty without prefix caching. Routers read it."""
+        return frozenset()

@@ -17,6 +17,7 @@ are fresh private copies and are not published again.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 from policies.blocks.base import AllocStatus, BlockUsage, fits_idle_pool, register_block_manager
 from policies.blocks.caching_pool import CachingBlockPool
@@ -128,6 +129,9 @@ class PrefixCachingBlockManager(PagedBlockManager):
     def free(self, seq: Sequence) -> None:
         super().free(seq)
         self._seq_hashes.pop(seq.seq_id, None)
+
+    def cached_block_hashes(self) -> AbstractSet[int]:
+        return self.gpu.hash_to_block.keys()
 
     def usage(self) -> BlockUsage:
         usage = super().usage()
