@@ -23,8 +23,9 @@ from experiments.lib import factory
 from experiments.lib.backends import run_backend
 from experiments.lib.cli import config_errors, run_cli
 from experiments.lib.config_schema import check_config, hydra_origin
+from experiments.lib.fleet_metrics import fleet_summary
 from experiments.lib.metrics import summarize, summary_table
-from experiments.lib.traces import write_summary, write_traces
+from experiments.lib.traces import write_fleet_traces, write_summary, write_traces
 from experiments.lib.workloads import Workload
 from policies.trace import TraceRecorder
 
@@ -44,10 +45,15 @@ def run(cfg: DictConfig, out_dir: str | Path, label: str | None = None,
               leave=False, dynamic_ncols=True) as bar:
         result = run_backend(cfg, wl, recorder, bar.update)
     wall = time.perf_counter() - wall
-    requests, steps, events = write_traces(recorder, out_dir)
     bs = factory.block_size(cfg)
+    slo = OmegaConf.to_container(cfg.slo, resolve=True)
     summary: dict[str, Any] = {"label": label or "run"}
-    summary.update(summarize(requests, steps, bs, OmegaConf.to_container(cfg.slo, resolve=True)))
+    if result.replica_recorders is None:
+        requests, steps, events = write_traces(recorder, out_dir)
+        summary.update(summarize(requests, steps, bs, slo))
+    else:  # a fleet (docs/fleet.md): traces with a replica column, per-replica metrics
+        requests, steps, events = write_fleet_traces(result.replica_recorders, out_dir)
+        summary.update(fleet_summary(requests, steps, bs, len(result.replica_recorders), slo))
     summary["run"] = {"backend": cfg.backend.name, "policy": cfg.policy.name,
                       "preemption_mode": cfg.policy.preemption_mode, "blocks": cfg.blocks.kind,
                       "block_size": bs, "model": cfg.model.name, "hardware": cfg.hardware.name,

@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_module
 from experiments.lib import factory
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("policy", "blocks", "backend", "model", "hardware", "workload", "latency")
+GROUPS = ("policy", "blocks", "backend", "model", "hardware", "workload", "latency", "cluster", "router")
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 PROFILE = "latency.path=experiments/profiles/example-synthetic.csv"
 

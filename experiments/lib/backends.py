@@ -26,6 +26,8 @@ class BackendRun:
     elapsed_s: float  # from t = 0 to the end of the last request, on the backend's clock
     clock: str  # "simulated" or "wall"
     info: dict[str, Any] = field(default_factory=dict)  # extras for summary.json
+    # A fleet's runs: each replica's traces (the recorder handed to the backend stays empty).
+    replica_recorders: list[TraceRecorder] | None = None
 
 
 BackendFn = Callable[[DictConfig, Workload, TraceRecorder, Callable[[int], None]], BackendRun]
@@ -44,6 +46,10 @@ def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     name = cfg.backend.get("name")
     if name not in BACKENDS:
         raise ValueError(f"backend.name={name!r} is unknown: choose one of {sorted(BACKENDS)}")
+    replicas = (cfg.get("cluster") or {}).get("replicas", 1)
+    if replicas != 1 and name != "sim":
+        raise ValueError(f"cluster.replicas={replicas!r} is invalid with backend={name}: only backend=sim "
+                         "runs a fleet (docs/fleet.md)")
     return BACKENDS[name](cfg, workload, recorder, on_done)
 
 
@@ -51,6 +57,9 @@ def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
 def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
             on_done: Callable[[int], None]) -> BackendRun:
     from sim import Simulator
+    if cfg.get("cluster") is not None and cfg.cluster.get("replicas", 1) != 1:
+        from experiments.lib.fleet_backend import run_fleet
+        return run_fleet(cfg, workload, on_done)
     gpu, cpu = factory.kv_block_counts(cfg)
     scheduler = factory.build_scheduler(cfg, gpu, cpu, recorder, workload)
     latency = factory.build_latency(cfg)

@@ -161,6 +161,13 @@ class Model:
 
 
 @dataclass
+class Cluster:
+    replicas: int = 1
+    hardware: list[str] | None = None
+    refresh_s: float = 0.0
+
+
+@dataclass
 class Parallel:
     tensor_parallel_size: int = 1
 

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from experiments.lib.config_groups import (
     Blocks,
+    Cluster,
     EngineBackend,
     FidelitySpec,
     Model,
@@ -43,6 +44,7 @@ from experiments.lib.config_groups import (
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid
 from experiments.lib.profiling.operator_grid import OperatorGrid
+from policies.routing import ROUTERS
 from policies.scheduler_config import SchedulerConfig
 from sim.latency import Hardware
 
@@ -67,6 +69,9 @@ GROUPS: dict[str, Callable[[Mapping], type | None]] = {
     "policy": lambda _: None,  # the policy's constructor arguments (module docstring)
     "profile_grid": lambda _: ProfileGrid,
     "operator_grid": lambda _: OperatorGrid,
+    "cluster": lambda _: Cluster,
+    # Each router declares its own typed config (policies/routing/base.py).
+    "router": lambda section: ROUTERS.get(section["name"]).config_type if section.get("name") in ROUTERS else None,
 }
 # The top-level files: their own keys' schemas (None: any value) and the groups they compose.
 RUN_KEYS: dict[str, type | None] = {"seed": int, "scheduler": SchedulerConfig, "slo": Slo, "progress": bool,

@@ -149,13 +149,18 @@ def _by_priority(requests: pd.DataFrame) -> dict[str, pd.DataFrame]:
 
 def save_run_plots(requests: pd.DataFrame, steps: pd.DataFrame, events: pd.DataFrame | None,
                    block_size: int, out_dir: str | Path) -> list[Path]:
+    """A fleet's traces (a `replica` column) get the KV and queue figures once per replica."""
     out_dir = Path(out_dir)
-    figures = {
-        "kv_blocks.png": kv_figure(steps, events, block_size),
-        "queues.png": queues_figure(steps),
-        "latency_cdf.png": latency_cdf_figure(_by_priority(requests)),
-        "throughput.png": throughput_figure({"run": (requests, steps)}),
-    }
+    if "replica" in steps.columns:
+        figures = {}
+        for replica, own in steps.groupby("replica", sort=True):
+            own_events = None if events is None else events[events["replica"] == replica]
+            figures[f"kv_blocks_replica{replica}.png"] = kv_figure(own, own_events, block_size)
+            figures[f"queues_replica{replica}.png"] = queues_figure(own)
+    else:
+        figures = {"kv_blocks.png": kv_figure(steps, events, block_size), "queues.png": queues_figure(steps)}
+    figures["latency_cdf.png"] = latency_cdf_figure(_by_priority(requests))
+    figures["throughput.png"] = throughput_figure({"run": (requests, steps)})
     paths = []
     for name, fig in figures.items():
         fig.savefig(out_dir / name, dpi=110)

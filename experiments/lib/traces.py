@@ -65,6 +65,32 @@ def write_traces(recorder: TraceRecorder, out_dir: str | Path
     return requests, steps, events
 
 
+def write_fleet_traces(recorders: list[TraceRecorder], out_dir: str | Path
+                       ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame | None]:
+    """A fleet's traces: each replica's rows with a leading `replica` column (its index), requests in
+    end order, steps and events in time order (ties: by replica, then each replica's own order)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frames: list[tuple[pd.DataFrame, str]] = [
+        (_merged([requests_frame(r) for r in recorders], "finish_time"), REQUESTS_FILE),
+        (_merged([steps_frame(r) for r in recorders], "time"), STEPS_FILE)]
+    if all(r.record_events for r in recorders):
+        frames.append((_merged([events_frame(r) for r in recorders], "time"), EVENTS_FILE))
+    for df, name in frames:
+        _write(df, out_dir / name)
+    return frames[0][0], frames[1][0], frames[2][0] if len(frames) > 2 else None
+
+
+def _merged(frames: list[pd.DataFrame], time_column: str) -> pd.DataFrame:
+    for replica, df in enumerate(frames):
+        df.insert(0, "replica", np.full(len(df), replica, dtype=np.int64))
+    merged = pd.concat(frames, ignore_index=True)
+    if merged.empty:  # keep the replicas' column types
+        return frames[0]
+    order = np.lexsort((np.arange(len(merged)), merged["replica"].to_numpy(), merged[time_column].to_numpy()))
+    return merged.iloc[order].reset_index(drop=True)
+
+
 def write_summary(summary: dict[str, Any], out_dir: str | Path) -> None:
     Path(out_dir, SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=False, default=str) + "\n")
 

@@ -1,0 +1,99 @@
+"""backend=sim with `cluster.replicas` > 1: the simulated fleet (sim/fleet/) built from the config.
+
+Each replica gets the run's scheduler, block manager and latency model, built by `factory` from the
+run's config with its own `hardware` (`cluster.hardware`: one conf/hardware name per replica) and
+its own trace recorder; the `router` group builds the router (policies/routing/), seeded by the
+run's seed. Returns a `BackendRun` whose `replica_recorders` hold each replica's traces (written
+with a `replica` column by experiments/lib/traces.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from math import inf
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.lib import factory
+from experiments.lib.paths import REPO_ROOT
+from experiments.lib.serving_overhead import ServingOverhead
+from experiments.lib.workloads import Workload
+from policies.trace import TraceRecorder
+
+HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterConfig:
+    replicas: int = 1
+    hardware: tuple[str, ...] | None = None  # per replica; None: the run's hardware for all
+    refresh_s: float = 0.0  # router snapshot refresh period (0: exact)
+
+
+def cluster_config(cfg: DictConfig) -> ClusterConfig:
+    """`cfg.cluster`, checked (a config without the group is a one-replica run)."""
+    if cfg.get("cluster") is None:
+        return ClusterConfig()
+    c = factory.section(cfg, "cluster")
+    n = c.get("replicas", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"cluster.replicas={n!r} is invalid: must be an integer >= 1")
+    refresh = c.get("refresh_s", 0.0)
+    if isinstance(refresh, bool) or not isinstance(refresh, (int, float)) or not 0 <= refresh < inf:
+        raise ValueError(f"cluster.refresh_s={refresh!r} is invalid: must be a finite number >= 0 (0: exact)")
+    hardware = c.get("hardware")
+    if hardware is not None:
+        known = sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+        if not isinstance(hardware, list) or len(hardware) != n:
+            raise ValueError(f"cluster.hardware={hardware!r} is invalid: give one conf/hardware name per "
+                             f"replica ({n}), from {known}, or null")
+        for i, name in enumerate(hardware):
+            if name not in known:
+                raise ValueError(f"cluster.hardware[{i}]={name!r} is unknown: choose one of {known}")
+        hardware = tuple(hardware)
+    return ClusterConfig(n, hardware, float(refresh))
+
+
+def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:
+    """The run's config with one replica's hardware."""
+    if hardware is None:
+        return cfg
+    out = cfg.copy()
+    OmegaConf.set_struct(out, False)
+    out.hardware = OmegaConf.load(HARDWARE_DIR / f"{hardware}.yaml")
+    return out
+
+
+def build_router(cfg: DictConfig):
+    from policies.routing import make_router
+    try:
+        return make_router(factory.section(cfg, "router"), int(cfg.get("seed") or 0))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"router.{e}") from None
+
+
+def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None]):
+    from experiments.lib.backends import BackendRun
+    from sim.fleet import FleetSimulator, ReplicaSpec
+    cluster = cluster_config(cfg)
+    router = build_router(cfg)
+    overhead = ServingOverhead.from_cfg(cfg)
+    specs, recorders, info = [], [], []
+    for i in range(cluster.replicas):
+        rcfg = replica_config(cfg, cluster.hardware[i] if cluster.hardware else None)
+        gpu, cpu = factory.kv_block_counts(rcfg)
+        recorder = TraceRecorder()
+        scheduler = factory.build_scheduler(rcfg, gpu, cpu, recorder, workload)
+        specs.append(ReplicaSpec(scheduler, factory.build_latency(rcfg)))
+        recorders.append(recorder)
+        info.append({"replica": i, "hardware": rcfg.hardware.name, "num_gpu_blocks": gpu, "num_cpu_blocks": cpu})
+    result = FleetSimulator(specs, router, workload.requests, cluster.refresh_s, workload.stop_lens, on_done,
+                            fast_forward=cfg.backend.get("fast_forward", True)).run()
+    for recorder, row, routed, steps in zip(recorders, info, result.num_routed, result.replica_steps):
+        overhead.apply(recorder.requests)
+        row.update(num_routed=routed, num_steps=steps)
+    run_info = {"replicas": cluster.replicas, "router": router.name, "refresh_s": cluster.refresh_s,
+                "latency_model": specs[0].latency.name, "replica_info": info}
+    if not overhead.is_zero:
+        run_info["serving_overhead"] = overhead.describe()
+    return BackendRun(result.num_steps, result.sim_time_s, "simulated", run_info, recorders)

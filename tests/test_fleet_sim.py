@@ -1,0 +1,113 @@
+"""The simulated fleet (sim/fleet/, experiments/lib/fleet_backend.py): one replica is the
+single-replica run; runs are deterministic and fast-forward leaves the traces of stepping one by
+one; stale snapshots and mixed hardware do what they say."""
+import json
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_module
+
+from experiments.lib import factory
+from experiments.lib.backends import run_sim
+from experiments.lib.fleet_backend import run_fleet
+from experiments.lib.traces import events_frame, requests_frame, steps_frame, write_fleet_traces
+from experiments.run import run
+from policies.routing import make_router
+from policies.trace import TraceRecorder
+from sim.fleet import FleetSimulator, ReplicaSpec
+
+SMALL = ["workload.num_requests=40", "progress=false", "plots=false", "seed=5"]
+FILES = ("requests.parquet", "steps.parquet", "events.parquet")
+
+
+def _cfg(*overrides):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose(config_name="config", overrides=[*SMALL, *overrides])
+
+
+def _frames(recorder):
+    return requests_frame(recorder), steps_frame(recorder), events_frame(recorder)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # the default run: priority workload, async scheduling, fcfs, paged
+    ["scheduler.async_scheduling=false", "blocks=prefix", "workload.shared_prefix_len=64", "router=prefix_aware"],
+    ["workload=offline", "router=least_kv", "policy=priority", "blocks.num_gpu_blocks=300"],
+    ["backend.fast_forward=false", "router=session", "workload=gamma"],
+    # the host's admission cost (profiled): a burst at one instant is admitted together
+    ["latency=profiled", "workload=offline"],
+    ["latency=profiled", "workload=gamma", "workload.rate=2000", "router=least_requests"],
+])
+def test_one_replica_fleet_gives_the_single_run_traces(tmp_path, overrides):
+    cfg = _cfg(*overrides)
+    single = TraceRecorder()
+    run_sim(cfg, factory.workload(cfg), single, lambda n: None)
+    fleet = run_fleet(cfg, factory.workload(cfg), lambda n: None)
+    assert len(fleet.replica_recorders) == 1
+    merged = write_fleet_traces(fleet.replica_recorders, tmp_path)
+    for want, got in zip(_frames(single), merged):
+        assert (got["replica"] == 0).all()
+        pd.testing.assert_frame_equal(got.drop(columns="replica"), want)
+
+
+def test_fleet_runs_are_byte_identical_and_carry_a_replica_column(tmp_path):
+    overrides = ["cluster.replicas=3", "router=prefix_aware", "blocks=prefix", "workload.shared_prefix_len=48"]
+    first = run(_cfg(*overrides), tmp_path / "a", "a")
+    run(_cfg(*overrides), tmp_path / "b", "b")
+    for name in FILES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    requests = pd.read_parquet(tmp_path / "a" / "requests.parquet")
+    assert requests.columns[0] == "replica" and len(requests) == 40 and requests["request_id"].is_unique
+    assert sorted(requests["replica"].unique()) == [0, 1, 2]
+    assert first["routing"]["requests_per_replica"] == [int((requests["replica"] == r).sum()) for r in range(3)]
+    assert set(first["per_replica"]) == {"0", "1", "2"}
+    assert first["run"]["replicas"] == 3 and first["run"]["router"] == "prefix_aware"
+    assert sum(first["per_replica"][r]["completed"] for r in "012") == first["completed"] == 40
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["routing"] == first["routing"]
+
+
+@pytest.mark.parametrize("router", ["least_kv", "least_tokens", "prefix_aware"])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_fast_forward_leaves_the_fleet_traces_of_stepping_one_by_one(tmp_path, router, async_scheduling):
+    """Routers reading KV state see at each arrival what stepping one by one shows."""
+    base = ["cluster.replicas=2", f"router={router}", f"scheduler.async_scheduling={async_scheduling}",
+            "blocks=prefix", "workload.shared_prefix_len=32", "workload=poisson", "workload.rate=200"]
+    ff = run_fleet(_cfg(*base), factory.workload(_cfg(*base)), lambda n: None)
+    slow_cfg = _cfg(*base, "backend.fast_forward=false")
+    slow = run_fleet(slow_cfg, factory.workload(slow_cfg), lambda n: None)
+    assert ff.num_steps == slow.num_steps
+    for a, b in zip(ff.replica_recorders, slow.replica_recorders):
+        for fa, fb in zip(_frames(a), _frames(b)):
+            pd.testing.assert_frame_equal(fa, fb)
+
+
+def _fleet(cfg, router, refresh_s, replicas=2):
+    wl = factory.workload(cfg)
+    specs = []
+    for _ in range(replicas):
+        gpu, cpu = factory.kv_block_counts(cfg)
+        specs.append(ReplicaSpec(factory.build_scheduler(cfg, gpu, cpu, TraceRecorder(), wl), factory.build_latency(cfg)))
+    return FleetSimulator(specs, router, wl.requests, refresh_s, wl.stop_lens)
+
+
+def test_stale_snapshots_herd_a_router_blind_to_its_own_routing():
+    """A burst between two refreshes: blind least_requests sends all of it to one replica; counting
+    its own routing, it alternates."""
+    cfg = _cfg("workload=offline", "workload.num_requests=10")
+    blind = _fleet(cfg, make_router({"name": "least_requests", "count_routed": False}), refresh_s=1.0).run()
+    counting = _fleet(cfg, make_router({"name": "least_requests"}), refresh_s=1.0).run()
+    exact = _fleet(cfg, make_router({"name": "least_requests", "count_routed": False}), refresh_s=0.0).run()
+    assert blind.num_routed == [10, 0]
+    assert counting.num_routed == [5, 5] and exact.num_routed == [5, 5]
+
+
+def test_mixed_hardware_replicas_each_get_their_own_pool_and_speed(tmp_path):
+    summary = run(_cfg("cluster.replicas=2", "cluster.hardware=[h200,a100]", "blocks.kv_cache_gib=null",
+                       "workload=offline", "router=round_robin"), tmp_path, "mixed")
+    info = summary["run"]["replica_info"]
+    assert [r["hardware"] for r in info] == ["h200", "a100"]
+    assert info[0]["num_gpu_blocks"] > info[1]["num_gpu_blocks"]  # 141 GB vs 80 GB
+    assert [r["num_routed"] for r in info] == [20, 20]
+    per = summary["per_replica"]
+    assert per["0"]["tpot"]["mean"] < per["1"]["tpot"]["mean"]  # the H200 decodes faster
