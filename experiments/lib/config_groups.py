@@ -34,6 +34,13 @@ class Tenants:
 
 
 @dataclass
+class SystemPromptsSpec:
+    num: int | None = None
+    len: int | None = None
+    zipf: float | None = None
+
+
+@dataclass
 class SyntheticWorkload:
     name: str | None = None
     kind: str = "synthetic"
@@ -50,6 +57,48 @@ class SyntheticWorkload:
     seed: int | None = None
     length_correlation: float | None = None
     tenants: Tenants | None = None
+    system_prompts: SystemPromptsSpec | None = None
+
+
+@dataclass
+class SessionsWorkload:
+    name: str | None = None
+    kind: str = "sessions"
+    num_sessions: int | None = None
+    rate: float | None = None
+    turns: LengthDist | None = None
+    think_time_s: float | None = None
+    prompt_len: LengthDist | None = None
+    output_len: LengthDist | None = None
+    max_prompt_len: int | None = None
+    max_tokens: int | None = None
+    system_prompts: SystemPromptsSpec | None = None
+    vocab_size: int | None = None
+    seed: int | None = None
+
+
+@dataclass
+class AzureWorkload:
+    name: str | None = None
+    kind: str = "azure"
+    path: str | None = None
+    num_requests: int | None = None
+    time_scale: float | None = None
+    drop_empty: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class BurstgptWorkload(AzureWorkload):
+    kind: str = "burstgpt"
+    model: str | None = None
+    log_type: str | None = None
+
+
+@dataclass
+class MooncakeWorkload(AzureWorkload):
+    kind: str = "mooncake"
+    block_tokens: int | None = None
 
 
 @dataclass

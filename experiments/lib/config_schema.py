@@ -24,11 +24,14 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.lib.config_groups import (
+    AzureWorkload,
     Blocks,
+    BurstgptWorkload,
     Cluster,
     EngineBackend,
     FidelitySpec,
     Model,
+    MooncakeWorkload,
     NanovllmWorkload,
     OperatorsLatency,
     Parallel,
@@ -37,6 +40,7 @@ from experiments.lib.config_groups import (
     RooflineLatency,
     ServerBackend,
     Serving,
+    SessionsWorkload,
     SimBackend,
     Slo,
     SyntheticWorkload,
@@ -59,7 +63,8 @@ def _by(key: str, kinds: Mapping[str, type]) -> Callable[[Mapping], type | None]
 
 GROUPS: dict[str, Callable[[Mapping], type | None]] = {
     "workload": _by("kind", {"synthetic": SyntheticWorkload, "nanovllm": NanovllmWorkload,
-                             "replay": ReplayWorkload}),
+                             "replay": ReplayWorkload, "sessions": SessionsWorkload, "azure": AzureWorkload,
+                             "burstgpt": BurstgptWorkload, "mooncake": MooncakeWorkload}),
     "blocks": lambda _: Blocks,
     "backend": _by("name", {"sim": SimBackend, "engine": EngineBackend, "server": ServerBackend}),
     "latency": _by("name", {"roofline": RooflineLatency, "profiled": ProfiledLatency,

@@ -2,7 +2,9 @@
 
 `build_workload(cfg, seed, vocab_size)` dispatches on `cfg["kind"]`:
 `synthetic` (offline / Poisson / Gamma arrivals x fixed / uniform / lognormal lengths, priority
-classes, shared prefix), `nanovllm` (nano-vllm's bench.py draw) and `replay` (a CSV/JSONL trace).
+classes, shared prefix, shared system prompts), `sessions` (multi-turn conversations), `nanovllm`
+(nano-vllm's bench.py draw), `replay` (a CSV/JSONL trace) and the public trace formats `azure`,
+`burstgpt` and `mooncake` (docs/fleet.md).
 Every request carries `max_tokens` and `ignore_eos=True`; its natural output length is
 `output_lens[i]` (== max_tokens unless the workload sets a larger `max_tokens` cap, in which case
 the backend ends it at output_len: the simulator emits a stop token there).
@@ -70,6 +72,14 @@ def build_workload(cfg: Mapping[str, Any], seed: int, vocab_size: int) -> Worklo
     return _BUILDERS[kind](cfg, seed, vocab_size)
 
 
-from experiments.lib.workloads import nanovllm, replay, synthetic  # noqa: E402, F401  (registration)
+from experiments.lib.workloads import (  # noqa: E402, F401  (registration)
+    azure,
+    burstgpt,
+    mooncake,
+    nanovllm,
+    replay,
+    sessions,
+    synthetic,
+)
 
 __all__ = ["Workload", "build_workload", "register_workload"]

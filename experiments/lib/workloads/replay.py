@@ -23,11 +23,11 @@ from experiments.lib.workloads import Workload, register_workload
 from experiments.lib.workloads.common import get_int, get_positive, is_int, is_num, make_request
 
 
-def _bad(path: Path, line: int, field: str, value: Any, allowed: str) -> ValueError:
+def bad_field(path: Path, line: int, field: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{path}:{line}: field {field}={value!r} is invalid: {allowed}")
 
 
-def _as_int(path: Path, line: int, row: Mapping[str, Any], field: str, low: int) -> int:
+def as_int(path: Path, line: int, row: Mapping[str, Any], field: str, low: int) -> int:
     v = row.get(field)
     if isinstance(v, str):
         try:
@@ -35,7 +35,7 @@ def _as_int(path: Path, line: int, row: Mapping[str, Any], field: str, low: int)
         except ValueError:
             pass
     if not is_int(v) or v < low:
-        raise _bad(path, line, field, row.get(field), f"must be an integer >= {low}")
+        raise bad_field(path, line, field, row.get(field), f"must be an integer >= {low}")
     return v
 
 
@@ -64,23 +64,25 @@ def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int,
             rng: np.random.Generator) -> list[int]:
     ids = row.get("prompt_token_ids")
     if ids in (None, ""):
-        n = _as_int(path, line, row, "prompt_len", 1)
+        n = as_int(path, line, row, "prompt_len", 1)
         return rng.integers(0, vocab_size, size=n).tolist()
     if isinstance(ids, str):
         try:
             ids = [int(t) for t in ids.split()]
         except ValueError:
-            raise _bad(path, line, "prompt_token_ids", row["prompt_token_ids"],
+            raise bad_field(path, line, "prompt_token_ids", row["prompt_token_ids"],
                        "must be space-separated integers") from None
     if not isinstance(ids, list) or not ids or not all(is_int(t) and 0 <= t < vocab_size for t in ids):
-        raise _bad(path, line, "prompt_token_ids", ids, f"must be a non-empty list of integers in [0, {vocab_size})")
+        raise bad_field(path, line, "prompt_token_ids", ids, f"must be a non-empty list of integers in [0, {vocab_size})")
     return ids
 
 
-@register_workload("replay")
-def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
+def trace_rows(cfg: Mapping[str, Any], where: str, kind: str = ".csv or .jsonl"
+               ) -> tuple[Path, list[tuple[int, dict[str, Any]]], float]:
+    """(file, its first `num_requests` rows with their line numbers, `time_scale`) of a trace
+    workload's config (`path`, `num_requests`, `time_scale`), each checked."""
     if not cfg.get("path"):
-        raise ValueError(f"{where}.path={cfg.get('path')!r} is invalid: give a .csv or .jsonl trace file")
+        raise ValueError(f"{where}.path={cfg.get('path')!r} is invalid: give a {kind} trace file")
     path = resolve_path(cfg["path"])
     if not path.is_file():
         raise ValueError(f"{where}.path={str(cfg['path'])!r} is invalid: no such file")
@@ -90,6 +92,12 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         rows = rows[:get_int(cfg, "num_requests", where)]
     if not rows:
         raise ValueError(f"{where}.path={str(path)!r} holds no requests")
+    return path, rows, scale
+
+
+@register_workload("replay")
+def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
+    path, rows, scale = trace_rows(cfg, where)
     rng = np.random.default_rng(seed)
     items, seen = [], set()
     for index, (line, row) in enumerate(rows):
@@ -100,20 +108,20 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
             except ValueError:
                 pass
         if not is_num(t) or not 0 <= t < math.inf:
-            raise _bad(path, line, "arrival_time", row.get("arrival_time"), "must be a finite number >= 0")
+            raise bad_field(path, line, "arrival_time", row.get("arrival_time"), "must be a finite number >= 0")
         prompt = _prompt(path, line, row, vocab_size, rng)
-        out = _as_int(path, line, row, "output_len", 1)
-        prio = _as_int(path, line, row, "priority", -2**31) if row.get("priority") not in (None, "") else 0
-        cap = _as_int(path, line, row, "max_tokens", out) if row.get("max_tokens") not in (None, "") else None
+        out = as_int(path, line, row, "output_len", 1)
+        prio = as_int(path, line, row, "priority", -2**31) if row.get("priority") not in (None, "") else 0
+        cap = as_int(path, line, row, "max_tokens", out) if row.get("max_tokens") not in (None, "") else None
         tenant = row.get("tenant")
         if tenant in (None, ""):
             tenant = None
         elif not isinstance(tenant, (str, int)) or isinstance(tenant, bool):
-            raise _bad(path, line, "tenant", tenant, "must be a non-empty string")
+            raise bad_field(path, line, "tenant", tenant, "must be a non-empty string")
         rid = row.get("request_id")
         rid = str(index) if rid is None or rid == "" else str(rid)  # 0 is an id, not a missing one
         if rid in seen:
-            raise _bad(path, line, "request_id", rid, "must be unique in the trace")
+            raise bad_field(path, line, "request_id", rid, "must be unique in the trace")
         seen.add(rid)
         items.append((float(t) * scale, index, make_request(rid, prompt, out, cap, float(t) * scale, prio,
                                                              tenant=None if tenant is None else str(tenant)), out))

@@ -8,7 +8,9 @@ Lengths (`prompt_len`, `output_len`): `{dist: fixed, value}`, `{dist: uniform, l
 distribution and `sigma` the std of log(length); the result is rounded and clipped to [min, max].
 Priority classes: `priority: {values: [...], weights: [...]}` (each request draws one class).
 `shared_prefix_len`: the first tokens of every prompt are the same (a system prompt), so the
-prefix-caching block manager has something to share.
+prefix-caching block manager has something to share. `system_prompts: {num, len, zipf}`: each
+prompt is preceded by one of `num` shared system prompts of `len` tokens, drawn Zipf-skewed
+(prefixes.py); prompt lengths then count the system prompt too.
 `length_correlation`: the correlation of log prompt length and log output length (both lognormal),
 so that a prompt's length says something about its output's (what a length predictor learns from).
 Tenants: `tenants: {names: [a, b], rates: [ra, rb], num_requests: [na, nb]}` makes each tenant its
@@ -29,6 +31,7 @@ import numpy as np
 
 from experiments.lib.workloads import Workload, register_workload
 from experiments.lib.workloads.common import get_int, get_positive, is_int, is_num, make_request
+from experiments.lib.workloads.prefixes import SystemPrompts
 
 ARRIVALS = ("offline", "poisson", "gamma")
 DISTS = ("fixed", "uniform", "lognormal")
@@ -152,6 +155,9 @@ def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: i
             k = min(prefix_len, p)
             prompt[:k] = prefix[:k]
         prompts.append(prompt)
+    system = SystemPrompts.from_spec(cfg.get("system_prompts"), rng, high, f"{where}.system_prompts")
+    if system is not None:
+        prompts = [system.prompts[k] + prompt for k, prompt in zip(system.draw(n, rng), prompts)]
     return arrivals.tolist(), prompts, output_lens.tolist(), prios.tolist()
 
 

@@ -1,0 +1,72 @@
+"""What the public-trace importers (azure.py, burstgpt.py, mooncake.py) share: reading their length
+fields, rows with no prompt or output tokens, and the workload they make.
+
+Public traces record lengths, not text: prompts are drawn token ids (seeded), except where a format
+records which blocks requests share (Mooncake's hash ids). Every request replays its recorded
+output length (`max_tokens` = the length, `ignore_eos`). A row with 0 prompt or output tokens (a
+failed request in BurstGPT) cannot be replayed: it is an error naming file, line and field, unless
+`drop_empty: true` leaves such rows out (with a warning giving their number).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from experiments.lib.workloads import Workload
+from experiments.lib.workloads.common import is_num, make_request
+from experiments.lib.workloads.replay import as_int, bad_field
+
+
+def number(path: Path, line: int, row: Mapping[str, Any], field: str) -> float:
+    """A finite number >= 0 (CSV text or JSON number)."""
+    v = row.get(field)
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            pass
+    if not is_num(v) or not 0 <= v < math.inf:
+        raise bad_field(path, line, field, row.get(field), "must be a finite number >= 0")
+    return float(v)
+
+
+def lengths(path: Path, line: int, row: Mapping[str, Any], prompt_field: str, output_field: str,
+            drop_empty: bool) -> tuple[int, int] | None:
+    """(prompt tokens, output tokens) of a row, or None for an empty row left out."""
+    prompt, output = as_int(path, line, row, prompt_field, 0), as_int(path, line, row, output_field, 0)
+    if prompt and output:
+        return prompt, output
+    if drop_empty:
+        return None
+    field = prompt_field if not prompt else output_field
+    raise bad_field(path, line, field, row.get(field), "must be an integer >= 1 (set drop_empty: true to "
+               "leave out rows with no prompt or output tokens)")
+
+
+def drop_empty(cfg: Mapping[str, Any], where: str) -> bool:
+    v = cfg.get("drop_empty", False)
+    if type(v) is not bool:
+        raise ValueError(f"{where}.drop_empty={v!r} is invalid: must be true or false")
+    return v
+
+
+def workload(name: str, path: Path, items: list[tuple[float, list[int], int]], scale: float,
+             num_dropped: int) -> Workload:
+    """A workload of (arrival seconds from the trace's first request, prompt, output length) items
+    in file order: arrival times scaled and shifted to start at 0, sorted (stable), ids = row index."""
+    if num_dropped:
+        warnings.warn(f"{path}: left out {num_dropped} rows with no prompt or output tokens (drop_empty)",
+                      stacklevel=2)
+    if not items:
+        raise ValueError(f"{path}: no request left to replay")
+    start = min(t for t, _, _ in items)
+    order = sorted(range(len(items)), key=lambda k: (items[k][0], k))
+    requests, outs = [], []
+    for k in order:
+        t, prompt, out = items[k]
+        requests.append(make_request(str(k), prompt, out, None, (t - start) * scale, 0))
+        outs.append(out)
+    return Workload(name, requests, outs)

@@ -1,0 +1,54 @@
+"""Mooncake traces (github.com/kvcache-ai/Mooncake, FAST'25), JSONL, one request a line:
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48, ...]}
+
+`timestamp` (milliseconds) -> arrival time, relative to the trace's first request; `output_length`
+-> output length; `hash_ids`: the ids of the prompt's consecutive blocks of `block_tokens` tokens
+(512 in the published traces). Equal ids are equal token blocks, so requests with a common run of
+leading ids share that prefix (and a prefix cache can serve it): block id h holds token ids drawn
+from a generator seeded by (the run's seed, h). The prompt is the first `input_length` tokens of
+its blocks, so `input_length` must be at most len(hash_ids) x block_tokens.
+Config: `path`, `num_requests` (first N lines), `time_scale`, `block_tokens`, `drop_empty` (imported.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.common import get_int, is_int
+from experiments.lib.workloads.imported import drop_empty, lengths, number, workload
+from experiments.lib.workloads.replay import bad_field, trace_rows
+
+
+@register_workload("mooncake")
+def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
+    path, rows, scale = trace_rows(cfg, where, "Mooncake .jsonl")
+    if path.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{where}.path={str(cfg['path'])!r} is invalid: a Mooncake trace is .jsonl")
+    drop = drop_empty(cfg, where)
+    size = get_int(cfg, "block_tokens", where) if cfg.get("block_tokens") is not None else 512
+    blocks: dict[int, list[int]] = {}
+    items, dropped = [], 0
+    for line, row in rows:
+        t = number(path, line, row, "timestamp") / 1000.0
+        lens = lengths(path, line, row, "input_length", "output_length", drop)
+        ids = row.get("hash_ids")
+        if not isinstance(ids, list) or not ids or not all(is_int(h) and h >= 0 for h in ids):
+            raise bad_field(path, line, "hash_ids", ids, "must be a non-empty list of integers >= 0")
+        if lens is None:
+            dropped += 1
+            continue
+        if lens[0] > len(ids) * size:
+            raise bad_field(path, line, "input_length", lens[0], f"must be at most len(hash_ids) x block_tokens = "
+                       f"{len(ids)} x {size}")
+        prompt: list[int] = []
+        for h in ids[:-(-lens[0] // size)]:
+            block = blocks.get(h)
+            if block is None:
+                block = blocks[h] = np.random.default_rng([seed, h]).integers(0, vocab_size, size=size).tolist()
+            prompt += block
+        items.append((t, prompt[:lens[0]], lens[1]))
+    return workload(str(cfg.get("name", "mooncake")), path, items, scale, dropped)

@@ -1,0 +1,40 @@
+"""Shared system prompts: `system_prompts: {num: K, len: L, zipf: s}` makes K prompts of L drawn
+token ids, and each request (or session) starts with one of them: prompt k (k = 1..K) is drawn with
+probability proportional to 1 / k^s, so s = 0 is uniform and larger s skews traffic onto the first
+few (a few popular system prompts and a long tail, where cache-aware routing can overload the
+replica holding the popular one)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from experiments.lib.workloads.common import get_int, is_num
+
+
+@dataclass(slots=True)
+class SystemPrompts:
+    prompts: list[list[int]]
+    probabilities: np.ndarray
+
+    @classmethod
+    def from_spec(cls, spec: Any, rng: np.random.Generator, high: int, where: str) -> SystemPrompts | None:
+        """None for no spec; token ids in [0, high)."""
+        if spec is None:
+            return None
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"{where}={spec!r} is invalid: give {{num, len, zipf}} or null")  # noqa: TRY004
+        num, length = get_int(spec, "num", where), get_int(spec, "len", where)
+        s = spec.get("zipf", 0.0)
+        s = 0.0 if s is None else s
+        if not is_num(s) or not 0 <= s < float("inf"):
+            raise ValueError(f"{where}.zipf={s!r} is invalid: must be a finite number >= 0 (0: uniform)")
+        weights = 1.0 / np.arange(1, num + 1, dtype=float) ** float(s)
+        prompts = rng.integers(0, high, size=(num, length)).tolist()
+        return cls(prompts, weights / weights.sum())
+
+    def draw(self, n: int, rng: np.random.Generator) -> list[int]:
+        """The system prompt index of each of n requests."""
+        return rng.choice(len(self.prompts), size=n, p=self.probabilities).tolist()

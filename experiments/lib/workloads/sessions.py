@@ -1,0 +1,64 @@
+"""Multi-turn sessions (`kind: sessions`): conversations whose every turn resends the conversation.
+
+Sessions start as a Poisson stream at `rate` sessions/s; a session has `turns` turns (a length
+distribution, synthetic.py's forms) and its turns arrive `think_time_s` apart on average
+(exponential gaps; open loop: a turn does not wait for the previous answer). Turn j's prompt is the
+session's system prompt (`system_prompts`, prefixes.py; none by default), then every earlier turn's
+user text and answer, then its own user text (`prompt_len` tokens); its output is `output_len`
+tokens. The answer put into the next prompts is drawn token ids of that length, not what a model
+generated (which a workload cannot know), so a prefix cache serves a turn the earlier prompts but
+recomputes the earlier answers. A session ends early before a turn whose prompt would exceed
+`max_prompt_len` (null: no limit). Requests are `s<k>-t<j>` with `session_id` `s<k>`; everything
+is drawn from the run's seed.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.common import get_int, is_num, make_request
+from experiments.lib.workloads.prefixes import SystemPrompts
+from experiments.lib.workloads.synthetic import arrival_times, lengths
+
+
+@register_workload("sessions")
+def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
+    n = get_int(cfg, "num_sessions", where)
+    think = cfg.get("think_time_s", 0.0)
+    if not is_num(think) or not 0 <= think < float("inf"):
+        raise ValueError(f"{where}.think_time_s={think!r} is invalid: must be a finite number >= 0")
+    limit = get_int(cfg, "max_prompt_len", where) if cfg.get("max_prompt_len") is not None else None
+    max_tokens = get_int(cfg, "max_tokens", where) if cfg.get("max_tokens") is not None else None
+    high = min(get_int(cfg, "vocab_size", where), vocab_size)
+    rng = np.random.default_rng(seed)
+    starts = arrival_times({"arrival": "poisson", "rate": cfg.get("rate")}, n, rng, where)
+    turns = lengths(cfg.get("turns"), n, rng, f"{where}.turns")
+    system = SystemPrompts.from_spec(cfg.get("system_prompts"), rng, high, f"{where}.system_prompts")
+    picks = system.draw(n, rng) if system is not None else [None] * n
+    total = int(turns.sum())
+    users = lengths(cfg.get("prompt_len"), total, rng, f"{where}.prompt_len").tolist()
+    answers = lengths(cfg.get("output_len"), total, rng, f"{where}.output_len").tolist()
+    if max_tokens is not None:
+        answers = [min(a, max_tokens) for a in answers]
+    gaps = rng.exponential(think, size=total).tolist() if think > 0 else [0.0] * total
+    items, k = [], 0
+    for s in range(n):
+        context = list(system.prompts[picks[s]]) if system is not None else []
+        t = float(starts[s])
+        for j in range(int(turns[s])):
+            user, answer = users[k + j], answers[k + j]
+            if j:
+                t += gaps[k + j]
+            prompt = context + rng.integers(0, high, size=user).tolist()
+            if limit is not None and len(prompt) > limit:
+                break
+            request = make_request(f"s{s}-t{j}", prompt, answer, max_tokens, t, 0)
+            request.session_id = f"s{s}"
+            items.append((t, s, j, request, answer))
+            context = prompt + rng.integers(0, high, size=answer).tolist()
+        k += int(turns[s])
+    items.sort(key=lambda it: it[:3])
+    return Workload(str(cfg.get("name", "sessions")), [it[3] for it in items], [it[4] for it in items])
