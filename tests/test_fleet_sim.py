@@ -6,13 +6,18 @@ import json
 import pandas as pd
 import pytest
 from hydra import compose, initialize_config_module
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from property_settings import examples
+from test_sim import Constant
 
 from experiments.lib import factory
 from experiments.lib.backends import run_sim
 from experiments.lib.fleet_backend import run_fleet
 from experiments.lib.traces import events_frame, requests_frame, steps_frame, write_fleet_traces
 from experiments.run import run
-from policies.routing import make_router
+from policies import Request, SamplingParams, Scheduler, SchedulerConfig, make_block_manager, make_policy
+from policies.routing import ROUTERS, make_router
 from policies.trace import TraceRecorder
 from sim.fleet import FleetSimulator, ReplicaSpec
 
@@ -111,3 +116,33 @@ def test_mixed_hardware_replicas_each_get_their_own_pool_and_speed(tmp_path):
     assert [r["num_routed"] for r in info] == [20, 20]
     per = summary["per_replica"]
     assert per["0"]["tpot"]["mean"] < per["1"]["tpot"]["mean"]  # the H200 decodes faster
+
+
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(router=st.sampled_from(ROUTERS.names()), replicas=st.integers(1, 4),
+       refresh_s=st.sampled_from([0.0, 0.005, 0.1]), admission_s=st.sampled_from([0.0, 0.001]),
+       arrivals=st.lists(st.tuples(st.sampled_from([0.0, 0.01, 0.013, 0.05]), st.integers(1, 70),
+                                   st.integers(1, 30), st.sampled_from([None, "a", "b"])), min_size=1, max_size=25),
+       blocks=st.integers(6, 40))
+def test_no_request_is_lost_and_each_ends_on_the_replica_it_was_routed_to(router, replicas, refresh_s,
+                                                                           admission_s, arrivals, blocks):
+    """Small pools (preemption, too-long aborts), arrival ties, stale snapshots, admission cost."""
+    specs = []
+    for _ in range(replicas):
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128),
+                          make_policy("fcfs"), make_block_manager("prefix", 4, blocks, 0, 0.0, 128), TraceRecorder())
+        latency = Constant(0.004)
+        latency.admission_s = admission_s
+        specs.append(ReplicaSpec(sched, latency))
+    requests = []
+    for i, (t, prompt_len, out, session) in enumerate(arrivals):
+        r = Request(f"r{i}", [k % 3 for k in range(prompt_len)], SamplingParams(max_tokens=out, ignore_eos=True),
+                    arrival_time=t)
+        r.session_id = session
+        requests.append(r)
+    result = FleetSimulator(specs, make_router({"name": router}, 3), requests, refresh_s).run()
+    ended = [[row["request_id"] for row in spec.scheduler.recorder.requests] for spec in specs]
+    assert sorted(rid for rows in ended for rid in rows) == sorted(r.request_id for r in requests)
+    assert [len(rows) for rows in ended] == result.num_routed
+    for spec in specs:
+        assert not spec.scheduler.has_unfinished()
