@@ -12,6 +12,7 @@ from experiments.lib.workloads import build_workload
 
 FIXTURES = "experiments/lib/workloads/fixtures"
 VOCAB = 32000
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def sessions_cfg(**kw):
@@ -115,7 +116,7 @@ def test_burstgpt_maps_columns_selects_rows_and_drops_failed_requests():
 
 def test_mooncake_hash_ids_become_shared_prefixes():
     wl = build_workload({"kind": "mooncake", "path": f"{FIXTURES}/mooncake.jsonl"}, 3, VOCAB)
-    rows = [json.loads(line) for line in Path(f"{FIXTURES}/mooncake.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (ROOT / FIXTURES / "mooncake.jsonl").read_text().splitlines()]
     assert len(wl) == len(rows) == 32
     by_id = {r.request_id: r for r in wl.requests}
     for k, row in enumerate(rows):
