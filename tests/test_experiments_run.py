@@ -64,8 +64,13 @@ def test_multirun_keeps_jobs_apart(tmp_path):
     ("policy.preemption_mode=later", "policy.preemption_mode='later'"),
 ])
 def test_bad_config_is_one_line_naming_the_key(override, key, monkeypatch, capsys, tmp_path):
+    expect_one_line_error([*override.split(), *SMALL, f"hydra.run.dir={tmp_path}"], key, monkeypatch, capsys)
+
+
+def expect_one_line_error(args, key, monkeypatch, capsys):
+    """`experiments.run args` exits with code 2 and one line on stderr that holds `key`."""
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(sys, "argv", ["run", *override.split(), *SMALL, f"hydra.run.dir={tmp_path}"])
+    monkeypatch.setattr(sys, "argv", ["run", *args])
     with pytest.raises(SystemExit) as exc:
         run_module.main()
     assert exc.value.code == 2

@@ -2,13 +2,11 @@
 column, per-replica metrics and plots, sweeps, one-line config errors; and the qualitative claim of
 cache-aware routing on a shared-prefix workload."""
 import json
-import os
-import sys
 
 import pandas as pd
 import pytest
 from hydra import compose, initialize_config_module
-from test_experiments_run import cli
+from test_experiments_run import cli, expect_one_line_error
 
 from experiments import run as run_module
 
@@ -60,16 +58,8 @@ def test_routers_sweep_with_multirun(tmp_path):
     ("workload=azure +workload.block_tokens=4", "key workload.block_tokens is unknown"),
 ])
 def test_bad_fleet_config_is_one_line_naming_the_key(override, key, monkeypatch, capsys, tmp_path):
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(sys, "argv", ["run", *override.split(), "workload.num_requests=5", *SMALL,
-                                      f"hydra.run.dir={tmp_path}"])
-    with pytest.raises(SystemExit) as exc:
-        run_module.main()
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    assert key in err, err
-    assert "HYDRA_FULL_ERROR" not in os.environ
+    expect_one_line_error([*override.split(), "workload.num_requests=5", *SMALL, f"hydra.run.dir={tmp_path}"],
+                          key, monkeypatch, capsys)
 
 
 def test_prefix_aware_beats_round_robin_on_shared_system_prompts(tmp_path):
