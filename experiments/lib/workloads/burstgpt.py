@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from experiments.lib.workloads import Workload, register_workload
-from experiments.lib.workloads.imported import drop_empty, lengths, number, workload
-from experiments.lib.workloads.replay import trace_rows
+from experiments.lib.workloads.imported import drop_empty, lengths, workload
+from experiments.lib.workloads.replay import number, trace_rows
 
 
 def _selector(cfg: Mapping[str, Any], key: str, where: str) -> str | None:

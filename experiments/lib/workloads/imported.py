@@ -9,28 +9,14 @@ failed request in BurstGPT) cannot be replayed: it is an error naming file, line
 """
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from experiments.lib.workloads import Workload
-from experiments.lib.workloads.common import is_num, make_request
+from experiments.lib.workloads.common import make_request
 from experiments.lib.workloads.replay import as_int, bad_field
-
-
-def number(path: Path, line: int, row: Mapping[str, Any], field: str) -> float:
-    """A finite number >= 0 (CSV text or JSON number)."""
-    v = row.get(field)
-    if isinstance(v, str):
-        try:
-            v = float(v.strip())
-        except ValueError:
-            pass
-    if not is_num(v) or not 0 <= v < math.inf:
-        raise bad_field(path, line, field, row.get(field), "must be a finite number >= 0")
-    return float(v)
 
 
 def lengths(path: Path, line: int, row: Mapping[str, Any], prompt_field: str, output_field: str,

@@ -19,8 +19,8 @@ import numpy as np
 
 from experiments.lib.workloads import Workload, register_workload
 from experiments.lib.workloads.common import get_int, is_int
-from experiments.lib.workloads.imported import drop_empty, lengths, number, workload
-from experiments.lib.workloads.replay import bad_field, trace_rows
+from experiments.lib.workloads.imported import drop_empty, lengths, workload
+from experiments.lib.workloads.replay import bad_field, number, trace_rows
 
 
 @register_workload("mooncake")

@@ -28,14 +28,27 @@ def bad_field(path: Path, line: int, field: str, value: Any, allowed: str) -> Va
 
 
 def as_int(path: Path, line: int, row: Mapping[str, Any], field: str, low: int) -> int:
-    v = row.get(field)
-    if isinstance(v, str):
-        try:
-            v = int(v.strip())
-        except ValueError:
-            pass
+    v = _parsed(row.get(field), int)
     if not is_int(v) or v < low:
         raise bad_field(path, line, field, row.get(field), f"must be an integer >= {low}")
+    return v
+
+
+def number(path: Path, line: int, row: Mapping[str, Any], field: str) -> float:
+    """A finite number >= 0 (CSV text or JSON number)."""
+    v = _parsed(row.get(field), float)
+    if not is_num(v) or not 0 <= v < math.inf:
+        raise bad_field(path, line, field, row.get(field), "must be a finite number >= 0")
+    return float(v)
+
+
+def _parsed(v: Any, kind: type) -> Any:
+    """CSV text as `kind` where it parses; anything else as it is."""
+    if isinstance(v, str):
+        try:
+            return kind(v.strip())
+        except ValueError:
+            pass
     return v
 
 
@@ -101,14 +114,7 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
     rng = np.random.default_rng(seed)
     items, seen = [], set()
     for index, (line, row) in enumerate(rows):
-        t = row.get("arrival_time")
-        if isinstance(t, str):
-            try:
-                t = float(t)
-            except ValueError:
-                pass
-        if not is_num(t) or not 0 <= t < math.inf:
-            raise bad_field(path, line, "arrival_time", row.get("arrival_time"), "must be a finite number >= 0")
+        t = number(path, line, row, "arrival_time")
         prompt = _prompt(path, line, row, vocab_size, rng)
         out = as_int(path, line, row, "output_len", 1)
         prio = as_int(path, line, row, "priority", -2**31) if row.get("priority") not in (None, "") else 0
