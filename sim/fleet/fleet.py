@@ -4,9 +4,9 @@ latency model (replicas may model different GPUs), and a router in front (polici
 One arrival process routes each request at its arrival time: it builds the replicas' snapshots
 (`policies.routing.observe`), asks the router, and hands the request to the chosen replica
 (sim/fleet/replica.py). With `refresh_s` = 0 the snapshots are taken at each decision (exact
-signals); with `refresh_s` > 0 they are taken at t = 0, refresh_s, 2 refresh_s, ... while requests
-remain to be routed, and every decision in between reads the last ones (stale signals). A refresh
-at the same time as an arrival comes first.
+signals); with `refresh_s` > 0 they are taken at t = 0, refresh_s, 2 refresh_s, ... and every decision
+in between reads the last ones (stale signals). A refresh at the same time as an arrival comes
+first; refreshes no decision reads (none arrives before the next one) are skipped.
 
 Nothing is random outside the router's seeded generator, so the same requests, replicas and
 router give the same traces. A fleet of one replica with any router gives the single-replica
@@ -84,6 +84,11 @@ class FleetSimulator:
         while i < len(requests):
             request = requests[i]
             if next_refresh <= request.arrival_time:
+                # Only the last refresh at or before this arrival is read by a decision: skip to it.
+                num_refreshes = max(num_refreshes, int(request.arrival_time // refresh_s))
+                while num_refreshes and num_refreshes * refresh_s > request.arrival_time:
+                    num_refreshes -= 1
+                next_refresh = num_refreshes * refresh_s
                 if next_refresh > env.now:
                     delay = next_refresh - env.now
                     self._expect(env.now + delay)
