@@ -72,12 +72,15 @@ def test_fleet_runs_are_byte_identical_and_carry_a_replica_column(tmp_path):
     assert summary["routing"] == first["routing"]
 
 
-@pytest.mark.parametrize("router", ["least_kv", "least_tokens", "prefix_aware"])
+@pytest.mark.parametrize("router, refresh_s", [("least_kv", 0.0), ("least_tokens", 0.0), ("prefix_aware", 0.0),
+                                               ("least_kv", 0.013), ("prefix_aware", 0.05)])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_fast_forward_leaves_the_fleet_traces_of_stepping_one_by_one(tmp_path, router, async_scheduling):
-    """Routers reading KV state see at each arrival what stepping one by one shows."""
+def test_fast_forward_leaves_the_fleet_traces_of_stepping_one_by_one(tmp_path, router, refresh_s,
+                                                                     async_scheduling):
+    """Routers reading KV state see at each arrival (or refresh) what stepping one by one shows."""
     base = ["cluster.replicas=2", f"router={router}", f"scheduler.async_scheduling={async_scheduling}",
-            "blocks=prefix", "workload.shared_prefix_len=32", "workload=poisson", "workload.rate=200"]
+            "blocks=prefix", "workload.shared_prefix_len=32", "workload=poisson", "workload.rate=200",
+            f"cluster.refresh_s={refresh_s}"]
     ff = run_fleet(_cfg(*base), factory.workload(_cfg(*base)), lambda n: None)
     slow_cfg = _cfg(*base, "backend.fast_forward=false")
     slow = run_fleet(slow_cfg, factory.workload(slow_cfg), lambda n: None)
