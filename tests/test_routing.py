@@ -78,6 +78,18 @@ def test_session_affinity_holds(fleet, requests):
             home.setdefault(session, chosen)
 
 
+def test_session_affinity_by_tenant():
+    router = make_router({"name": "session", "key": "tenant"})
+    fleet = [snap(0), snap(1), snap(2)]
+    picks = {}
+    for i, tenant in enumerate(["a", "b", "a", "c", "b", "a", None]):
+        r = request(i, [1], session=f"s{i}")  # a session id per request: ignored with key=tenant
+        r.tenant = tenant
+        picks.setdefault(tenant, set()).add(router.route(r, fleet))
+    assert all(len(p) == 1 for t, p in picks.items() if t is not None)
+    assert len(set().union(*(p for t, p in picks.items() if t is not None))) == 3
+
+
 def test_a_new_session_goes_to_the_least_loaded_replica():
     router = make_router({"name": "session"})
     assert router.route(request(0, [1], "x"), [snap(0, 5), snap(1, 2), snap(2, 9)]) == 1

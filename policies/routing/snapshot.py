@@ -49,7 +49,8 @@ class ReplicaSnapshot:
 
 def observe(replica: int, scheduler, num_outstanding: int, now: float, copy_index: bool) -> ReplicaSnapshot:
     """A snapshot of `scheduler` (a `policies.Scheduler`) now. `copy_index`: freeze the prefix index
-    (a snapshot kept for later decisions); otherwise it is a live view, exact only at `now`."""
+    (a snapshot kept for later decisions, or sent to another process: a frozenset pickles);
+    otherwise it is a live view of the block manager's table, exact only at `now`."""
     bm = scheduler.block_manager
     usage = bm.usage()
     cached = bm.cached_block_hashes()
