@@ -43,6 +43,12 @@ def test_each_turn_resends_the_conversation_so_far():
     assert build_workload(sessions_cfg(), seed=2, vocab_size=VOCAB).rows() != wl.rows()
 
 
+def test_sessions_keep_the_first_turns_by_arrival():
+    every = build_workload(sessions_cfg(), 1, VOCAB)
+    first = build_workload(sessions_cfg(num_requests=9), 1, VOCAB)
+    assert first.rows() == every.rows()[:9]
+
+
 def test_sessions_end_before_a_prompt_over_the_limit():
     wl = build_workload(sessions_cfg(max_prompt_len=100, turns={"dist": "fixed", "value": 30}), 0, VOCAB)
     assert max(r.num_prompt_tokens for r in wl.requests) <= 100

@@ -65,6 +65,7 @@ class SessionsWorkload:
     name: str | None = None
     kind: str = "sessions"
     num_sessions: int | None = None
+    num_requests: int | None = None
     rate: float | None = None
     turns: LengthDist | None = None
     think_time_s: float | None = None

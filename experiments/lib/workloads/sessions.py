@@ -8,7 +8,8 @@ user text and answer, then its own user text (`prompt_len` tokens); its output i
 tokens. The answer put into the next prompts is drawn token ids of that length, not what a model
 generated (which a workload cannot know), so a prefix cache serves a turn the earlier prompts but
 recomputes the earlier answers. A session ends early before a turn whose prompt would exceed
-`max_prompt_len` (null: no limit). Requests are `s<k>-t<j>` with `session_id` `s<k>`; everything
+`max_prompt_len` (null: no limit); `num_requests` (null: all) keeps the first turns by arrival
+time. Requests are `s<k>-t<j>` with `session_id` `s<k>`; everything
 is drawn from the run's seed.
 """
 from __future__ import annotations
@@ -61,4 +62,6 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
             context = prompt + rng.integers(0, high, size=answer).tolist()
         k += int(turns[s])
     items.sort(key=lambda it: it[:3])
+    if cfg.get("num_requests") is not None:
+        items = items[:get_int(cfg, "num_requests", where)]
     return Workload(str(cfg.get("name", "sessions")), [it[3] for it in items], [it[4] for it in items])
