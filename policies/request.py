@@ -120,23 +120,39 @@ class Request:
     session_id: str | None = None
     # Filled in by the scheduler when the request ends; never None after that.
     finish_reason: str | None = None
+    # What the last `validate` checked: (prompt list, its length, sampling params, vocab_size).
+    _validated: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self, max_model_len: int | None, vocab_size: int | None = None) -> None:
-        """ValueError naming the first bad field. `max_model_len` None: any prompt length."""
+        """ValueError naming the first bad field. `max_model_len` None: any prompt length.
+        The prompt's token ids and the sampling params (the costly part) are checked once: again
+        only if the prompt list, its length, the params object or a vocab_size changes (requests
+        are not meant to change in place once handed over: workloads build them validated)."""
         _check(isinstance(self.request_id, str) and self.request_id != "", "request_id",
                self.request_id, "must be a non-empty string")
-        _check(len(self.prompt_token_ids) > 0, "prompt_token_ids", self.prompt_token_ids,
-               "the prompt must hold at least one token")
-        n = len(self.prompt_token_ids)
+        ids = self.prompt_token_ids
+        n = len(ids)
+        _check(n > 0, "prompt_token_ids", ids, "the prompt must hold at least one token")
         _check(max_model_len is None or n <= max_model_len, "prompt_token_ids", f"<{n} tokens>",
                f"the prompt is longer than max_model_len={max_model_len}")
-        ids = self.prompt_token_ids
-        # Fast path (runs for every request in the simulator): plain ints within range.
+        done = self._validated
+        if done is not None and done[0] is ids and done[1] == n and done[2] is self.sampling_params \
+                and (vocab_size is None or done[3] == vocab_size):
+            self._check_scalars()
+            return
+        # Fast path: plain ints within range.
         if not (set(map(type, ids)) == {int} and min(ids) >= 0
                 and (vocab_size is None or max(ids) < vocab_size)):
             bad = [t for t in ids if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size)]
             limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
             _check(not bad, "prompt_token_ids", bad[:5], f"token ids must be integers in {limit}")
+        self._check_scalars()
+        params = self.sampling_params
+        _check(isinstance(params, SamplingParams), "sampling_params", params, "must be a SamplingParams")
+        params.validate()
+        self._validated = (ids, n, params, vocab_size)
+
+    def _check_scalars(self) -> None:
         _check(_is_int(self.priority), "priority", self.priority, "must be an integer (lower = more urgent)")
         _check(self.tenant is None or (isinstance(self.tenant, str) and self.tenant != ""), "tenant",
                self.tenant, "must be None or a non-empty string")
@@ -144,7 +160,6 @@ class Request:
                "session_id", self.session_id, "must be None or a non-empty string")
         _check(isinstance(self.arrival_time, (int, float)) and self.arrival_time >= 0,
                "arrival_time", self.arrival_time, "must be a number >= 0")
-        self.sampling_params.validate()
 
     @property
     def num_prompt_tokens(self) -> int:

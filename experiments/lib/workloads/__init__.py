@@ -28,6 +28,8 @@ class Workload:
     def __post_init__(self) -> None:
         if len(self.requests) != len(self.output_lens):
             raise ValueError("Workload needs one output length per request")
+        for request in self.requests:  # once here, not again as each run adds them to a scheduler
+            request.validate(None)
 
     def __len__(self) -> int:
         return len(self.requests)
