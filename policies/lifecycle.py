@@ -39,6 +39,7 @@ class Lifecycle:
         self.decode_entries: dict[Sequence, ScheduledSeq] = {}  # reused by every decode step
         self.aborted_in_flight = False  # a running sequence was aborted after schedule()
         self.num_full_sampler = 0  # live requests that may need the full sampler (policies/sampling_path.py)
+        self.num_with_stops = 0  # live sequences with stop tokens (`StopRule.stops`)
         overridden = type(block_manager).mark_computed is not BlockManager.mark_computed
         self._mark_computed = block_manager.mark_computed if overridden else None
         self._block_mask = block_manager.block_size - 1
@@ -203,6 +204,8 @@ class Lifecycle:
     def stops_known_ahead(self, seqs: list[Sequence], token: int) -> bool:
         """Whether no sequence of `seqs` may stop on `token` (nor on PENDING): a step of them sampling
         `token` ends only sequences a length rule ends, which its look-past knows."""
+        if not self.num_with_stops:
+            return True
         stop_rules = self.stop_rules
         for seq in seqs:
             stops = stop_rules[seq].stops
@@ -217,9 +220,12 @@ class Lifecycle:
         ending, stop_rules = [], self.stop_rules
         for seq in seqs:
             forced = bool(output_lens) and holds_output_len(seq, output_lens)
-            end = stop_rules[seq].ending(PENDING, forced, seq.num_computed_tokens)
-            if end is not None:
-                ending.append((seq, *end))
+            rule = stop_rules[seq]
+            # Below its length limit with no stop token and no forced length, `ending` is None.
+            if forced or seq.num_computed_tokens >= rule.stop_len or rule.stops is not None:
+                end = rule.ending(PENDING, forced, seq.num_computed_tokens)
+                if end is not None:
+                    ending.append((seq, *end))
         return ending
 
     def append_decode_run(self, seqs: list[Sequence], token: int, times: list[float]) -> None:
@@ -305,7 +311,9 @@ class Lifecycle:
         del self.families[request.request_id]
         self.num_full_sampler -= may_need_full_sampler(request.sampling_params)
         for seq in family:
-            self.stop_rules.pop(seq, None)
+            rule = self.stop_rules.pop(seq, None)
+            if rule is not None and rule.stops is not None:
+                self.num_with_stops -= 1
             self.decode_entries.pop(seq, None)
         if aborted:
             self.recorder.aborted(request, family, now)
@@ -321,7 +329,8 @@ class Lifecycle:
 
     def _register(self, seq: Sequence) -> None:
         times = self.recorder.token_list(seq.request) if seq.sample_index == 0 else None
-        self.stop_rules[seq] = StopRule.of(seq, self.max_model_len, times)
+        rule = self.stop_rules[seq] = StopRule.of(seq, self.max_model_len, times)
+        self.num_with_stops += rule.stops is not None
         # A decode samples n tokens only for an unforked parallel prompt's last token.
         self.decode_entries[seq] = ScheduledSeq(seq, 1, seq_cost(seq))
 

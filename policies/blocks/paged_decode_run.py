@@ -33,18 +33,20 @@ def decode_run_limit(manager: PagedBlockManager, seqs: list[Sequence], max_steps
     if spare < 0 or max_steps < 1 or manager._gpu_mirror:
         return 0
     shift, refs, limit = manager._shift, manager._refs, max_steps
-    firsts = []
     for seq in seqs:
-        table, computed = seq.block_table, seq.num_computed_tokens
-        current = computed >> shift
+        table = seq.block_table
+        current = seq.num_computed_tokens >> shift
         if current < len(table) and (refs[table[current]] != 1 or current + 1 < len(table)):
+            computed = seq.num_computed_tokens
             for i in range(current, len(table)):  # the blocks it will write into: any shared?
                 if refs[table[i]] != 1:
                     limit = min(limit, max((i << shift) - computed, 0))
                     break
-        firsts.append((len(table) << shift) - computed)
     bs = manager.block_size
-    if limit < 2 or len(seqs) * ((limit - 2) // bs + 1) <= spare or _openings(firsts, limit - 2, bs) <= spare:
+    if limit < 2 or len(seqs) * ((limit - 2) // bs + 1) <= spare:
+        return limit
+    firsts = [(len(seq.block_table) << shift) - seq.num_computed_tokens for seq in seqs]
+    if _openings(firsts, limit - 2, bs) <= spare:
         return limit
     # Step s + 1 is the first short of blocks, where s is the step of the (spare + 1)-th opening.
     low, high = 0, limit - 2  # the smallest last step whose openings exceed spare is in [low, high]
