@@ -22,6 +22,7 @@ from policies.stop_rule import STOPPED, StopRule
 from policies.trace import TraceRecorder
 
 RUNNING, WAITING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED
+ABORTED = SequenceStatus.FINISHED_ABORTED
 FINISHED = SequenceStatus.FINISHED_STOPPED  # statuses >= this are finished
 
 
@@ -144,9 +145,11 @@ class Lifecycle:
         tokens and `stop_seq_ids` end their sequences (one step late: they sit in the step in
         flight, so it is marked aborted in flight), and the length-ended requests end."""
         stop_rules, first_token = self.stop_rules, self.recorder.first_token
+        # Without stop tokens and the backend's stops, no token ends a sequence here.
+        may_stop = bool(stop_seq_ids) or self.num_with_stops > 0
         for seq in sampled:
             rule = stop_rules.get(seq)
-            if rule is None or seq.status is SequenceStatus.FINISHED_ABORTED:
+            if rule is None or seq.status is ABORTED:
                 continue  # its request was aborted since
             try:
                 (token,) = new_token_ids[seq.seq_id]
@@ -159,6 +162,8 @@ class Lifecycle:
                 if not times:
                     first_token(seq, now)
                 times.append(now)
+            if not may_stop:
+                continue
             # The length rules were applied when the step was looked past; a stop condition now
             # (a stop token or the backend's stop, else `ending` is skipped).
             stopped = bool(stop_seq_ids) and seq.seq_id in stop_seq_ids
@@ -198,7 +203,8 @@ class Lifecycle:
             # Without stop tokens the length limit alone (StopRule.decode_steps_before_end).
             steps = rule.stop_len - seq.num_computed_tokens - 1 if rule.stops is None \
                 else rule.decode_steps_before_end(seq.num_computed_tokens, token)
-            limit = min(limit, steps)
+            if steps < limit:
+                limit = steps
         return max(limit, 0)
 
     def stops_known_ahead(self, seqs: list[Sequence], token: int) -> bool:

@@ -63,16 +63,17 @@ def append_decode_run(manager: PagedBlockManager, seqs: list[Sequence], num_step
     """`BlockManager.append_decode_run` for the paged managers, event by event."""
     shift, bs, n = manager._shift, manager.block_size, len(seqs)
     marks = type(manager).mark_computed is not BlockManager.mark_computed
-    starts = [seq.num_computed_tokens for seq in seqs]
+    starts = [seq.num_computed_tokens for seq in seqs] if marks else []
     opens: list[int] = []  # step * n + index in seqs: step order, then batch order
     closes: list[int] = []  # the same for the blocks that fill (mark_computed after the step)
+    end, stride = num_steps * n, bs * n
     for index, seq in enumerate(seqs):
-        table, computed = seq.block_table, seq.num_computed_tokens
-        first = (len(table) << shift) - computed  # the step that writes past the table
+        computed = seq.num_computed_tokens
+        first = (len(seq.block_table) << shift) - computed  # the step that writes past the table
         if first < num_steps:
-            opens.extend(range(first * n + index, num_steps * n, bs * n))
+            opens.extend(range(first * n + index, end, stride))
         if marks:  # after step s the sequence holds computed + s + 1 tokens of KV
-            closes.extend(range(((-computed - 1) % bs) * n + index, num_steps * n, bs * n))
+            closes.extend(range(((-computed - 1) % bs) * n + index, end, stride))
         seq.num_computed_tokens = computed + num_steps
     gpu = manager.gpu
     if closes and len(opens) > len(gpu.free_ids):
