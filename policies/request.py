@@ -5,6 +5,7 @@ value and what is allowed, so bad input never travels into the scheduler.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -151,6 +152,17 @@ class Request:
         _check(isinstance(params, SamplingParams), "sampling_params", params, "must be a SamplingParams")
         params.validate()
         self._validated = (ids, n, params, vocab_size)
+
+    def fresh_copy(self) -> Request:
+        """A copy to run again: finish_reason cleared, its own SamplingParams (checked as it is
+        built), the prompt list shared; validated if this one was, without scanning the prompt again."""
+        params = dataclasses.replace(self.sampling_params)
+        copy = dataclasses.replace(self, sampling_params=params, finish_reason=None)
+        done = self._validated
+        if done is not None and done[0] is self.prompt_token_ids and done[1] == len(done[0]) \
+                and done[2] is self.sampling_params:
+            copy._validated = (done[0], done[1], params, done[3])
+        return copy
 
     def _check_scalars(self) -> None:
         _check(_is_int(self.priority), "priority", self.priority, "must be an integer (lower = more urgent)")

@@ -52,3 +52,31 @@ def test_a_validated_request_is_checked_again_where_it_changed(change, match):
         max_model_len = 3
     with pytest.raises(ValueError, match=match):
         req.validate(max_model_len, vocab)
+
+
+class _CountingList(list):
+    """A prompt that counts the scans of its token ids."""
+
+    scans = 0
+
+    def __iter__(self):
+        _CountingList.scans += 1
+        return super().__iter__()
+
+
+def test_a_workload_run_again_scans_no_prompt_again():
+    from policies.blocks.paged import PagedBlockManager
+    from policies.policy.fcfs import FCFSPolicy
+    from policies.scheduler import Scheduler
+    from policies.scheduler_config import SchedulerConfig
+
+    _CountingList.scans = 0
+    workload = Workload("w", [_request(_CountingList([1, 2, 3]))], [4])
+    built = _CountingList.scans
+    assert built > 0
+    copy = workload.fresh()
+    assert _CountingList.scans == built
+    scheduler = Scheduler(SchedulerConfig(), FCFSPolicy(), PagedBlockManager(16, 64, 0))
+    scheduler.add(copy.requests[0], 0.0)
+    assert _CountingList.scans == built + 1  # the sequence's own copy of the prompt, no check
+    assert copy.requests[0].sampling_params is not workload.requests[0].sampling_params

@@ -11,7 +11,6 @@ the backend ends it at output_len: the simulator emits a stop token there).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +41,7 @@ class Workload:
 
     def fresh(self) -> Workload:
         """An identical stream of new Request objects (runs mutate requests as they finish)."""
-        reqs = [dataclasses.replace(r, sampling_params=dataclasses.replace(r.sampling_params),
-                                    finish_reason=None) for r in self.requests]
+        reqs = [r.fresh_copy() for r in self.requests]
         return Workload(self.name, reqs, list(self.output_lens))
 
     def rows(self) -> list[dict[str, Any]]:
