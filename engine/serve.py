@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
     except ValueError as exc:
         _fail(str(exc))
-    from engine.async_llm_engine import AsyncLLMEngine
+    from engine.online.async_llm_engine import AsyncLLMEngine
     from engine.serving.app import build_app
     from engine.serving.server import Server, slow_io_warning, uvicorn_config
 

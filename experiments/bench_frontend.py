@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from engine.async_llm_engine import AsyncLLMEngine
 from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
+from engine.offline.llm_engine import LLMEngine
+from engine.online.async_llm_engine import AsyncLLMEngine
 from engine.serving.app import build_app
 from engine.serving.server import ServerThread
 
@@ -45,8 +45,8 @@ def workload_overrides(args: EngineArgs, clients: int, output_len: int) -> list[
 def in_process(args: EngineArgs, clients: int, output_len: int) -> dict:
     """The same requests stepped by LLMEngine alone (no server): the steps/s the server's engine
     would make without a front end."""
-    from experiments.bench_serving import compose_server_cfg
     from experiments.lib import factory
+    from experiments.lib.fidelity_spec import compose_server_cfg
 
     workload = factory.workload(compose_server_cfg(workload_overrides(args, clients, output_len)))
     engine = LLMEngine(args)

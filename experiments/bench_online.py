@@ -44,9 +44,9 @@ from experiments.lib import factory
 from experiments.lib.engine_backend import device_name, engine_args, free_device, get_engine, release_engine
 from experiments.lib.fidelity_report import relative_error
 from experiments.lib.fidelity_spec import compose_cfg
+from experiments.lib.run_workload import run
 from experiments.lib.serving_calibration import calibrate
 from experiments.lib.traces import load_run
-from experiments.run import run
 from policies.trace import TraceRecorder
 
 # conf/fidelity's settings: the KV pool from GPU memory (not the default run's 3 GiB), async scheduling.
@@ -87,8 +87,8 @@ def main() -> None:
     started = time.time()
 
     # ---- 1. one engine: in-process LLM.generate, then the server over it ----------------------------
-    from engine.async_llm_engine import AsyncLLMEngine
-    from engine.llm import LLM
+    from engine.offline.llm import LLM
+    from engine.online.async_llm_engine import AsyncLLMEngine
     from engine.serving.app import build_app
     from engine.serving.server import ServerThread
 

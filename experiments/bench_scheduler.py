@@ -21,6 +21,7 @@ import statistics
 import time
 
 from policies import Request, SamplingParams, Scheduler, SchedulerConfig, make_block_manager, make_policy
+from policies.blocks import BLOCK_MANAGERS
 
 
 def build(kind: str, num_seqs: int, block_size: int, seed: int, policy: str = "fcfs",
@@ -68,8 +69,8 @@ def measure(scheduler: Scheduler, num_steps: int, seed: int) -> tuple[list[float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", nargs="+", default=["paged", "prefix"],
-                        choices=["paged", "prefix", "contiguous"])
+    parser.add_argument("--kinds", nargs="+", default=BLOCK_MANAGERS.names(), choices=BLOCK_MANAGERS.names(),
+                        help="block managers to time (default: every registered one)")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=1000)

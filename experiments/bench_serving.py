@@ -22,21 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_module
-from omegaconf import DictConfig
-
 from experiments.lib.cli import run_cli
+from experiments.lib.fidelity_spec import compose_server_cfg
 from experiments.lib.metrics import summary_table
-from experiments.run import run
-
-
-def compose_server_cfg(overrides: Sequence[str]) -> DictConfig:
-    """conf/config.yaml with backend=server unless the overrides pick another backend."""
-    overrides = list(overrides)
-    if not any(o.startswith("backend=") for o in overrides):
-        overrides.insert(0, "backend=server")
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+from experiments.lib.run_workload import run
 
 
 def bench(overrides: Sequence[str], out: Path | None = None, label: str | None = None) -> dict[str, Any]:

@@ -36,31 +36,13 @@ import torch
 
 from experiments.lib import factory
 from experiments.lib.engine_backend import engine_args, get_engine, release_engine
+from experiments.lib.engine_bench import BASE, copy_bandwidth, device_sync, markdown_table
 from experiments.lib.fidelity_spec import compose_cfg
 from experiments.lib.hf_peers import PeerResult, continuous_batching, hf_model, padded_generate
-from experiments.run import run
+from experiments.lib.run_workload import run
 from policies.request import SamplingParams
 
-BASE = ["backend=engine", "model=qwen3-0.6b", "workload=nanovllm",  # nano-vllm's engine limits:
-        "scheduler.max_num_batched_tokens=16384", "scheduler.max_num_seqs=512", "scheduler.max_model_len=4096",
-        "progress=false", "plots=false", "blocks.kv_cache_gib=null"]  # KV pool: GPU memory
 RESULTS = Path("outputs/bench_throughput")
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
-    """Bytes moved (read + write) per second by a device-to-device tensor copy."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    _sync(device)
-    seconds = time.perf_counter() - start
-    del src, dst
-    return 2 * nbytes * iters / seconds
 
 
 def floor_bytes(prompt_lens: list[int], output_lens: list[int], weight_bytes: int,
@@ -76,11 +58,11 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 8192, ite
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     for _ in range(3):
         a @ b
-    _sync(device)
+    device_sync(device)
     start = time.perf_counter()
     for _ in range(iters):
         a @ b
-    _sync(device)
+    device_sync(device)
     seconds = time.perf_counter() - start
     del a, b
     return 2 * size**3 * iters / seconds
@@ -156,7 +138,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)  # before the KV cache takes the memory
     peak = matmul_flops(device, getattr(torch, args.dtype or cfg.model.dtype))
 
-    from engine.llm import LLM  # the engine is shared with the latency runs below
+    from engine.offline.llm import LLM  # the engine is shared with the latency runs below
     engine = get_engine(args)
     llm = LLM.from_engine(engine)
     model_cfg, dtype = engine.model_config, engine.runner.dtype
@@ -165,10 +147,10 @@ def main() -> None:
     runs = []
     for _ in range(a.repeats):
         engine.reset()
-        _sync(device)
+        device_sync(device)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        _sync(device)
+        device_sync(device)
         runs.append(time.perf_counter() - start)
     seconds = statistics.median(runs)
     num_output = sum(o.num_output_tokens for o in outputs)
@@ -181,7 +163,7 @@ def main() -> None:
     # floor is rank 0's bytes over one GPU's bandwidth.
     floor = floor_bytes([len(p) for p in prompts], max_tokens,
                         weight_bytes_per_step(engine.runner.model, model_cfg.tie_word_embeddings),
-                        engine.runner.local_config.kv_bytes_per_token(dtype))
+                        engine.runner.local_config.kv_bytes_per_token_in(dtype.itemsize))
     floor_s = floor / bandwidth
     compute_floor_s = compute_aware_floor_s([len(p) for p in prompts], max_tokens,
                                             step_costs(engine, model_cfg, dtype), bandwidth, peak)
@@ -317,18 +299,6 @@ def report(a, device: torch.device, floors: Floors, ours: PeerResult,
         md += "\n".join(["", "Latency (Poisson arrivals through backend=engine):", "", markdown_table(lat), ""])
     Path(f"{stem}.md").write_text(md)
     print(f"wrote {stem}.csv and {stem}.md")
-
-
-def markdown_table(df: pd.DataFrame) -> str:
-    """A DataFrame as a markdown table (no tabulate dependency)."""
-    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":

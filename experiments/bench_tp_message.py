@@ -2,7 +2,7 @@
 on the CPU (gloo, 2 processes), the engine's way against pickling the step's Python objects.
 
 - packed (engine/distributed/step_message.py): a header of int64s down a pipe, then one broadcast
-  of the step's packed input bytes (`engine.batch_layout`, decode rows with full-width block tables);
+  of the step's packed input bytes (`engine.device.batch_layout`, decode rows with full-width block tables);
 - pickled: `torch.distributed.broadcast_object_list` of per-sequence (token, position, block table)
   tuples, what a worker would need to rebuild the same inputs itself.
 Prints the median microseconds per step for decode batches of a few sizes (rank 0's wall clock, a
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.batch_layout import BatchShape, layout
+from engine.device.batch_layout import BatchShape, layout
 from engine.distributed.parallel_state import init_group, join_store, open_store
 from engine.distributed.step_message import StepHeader
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import pandas as pd
 
-from experiments.ab import ab_table, combine_tables
 from experiments.lib import engine_backend, factory, fidelity_window
+from experiments.lib.ab_compare import ab_table, combine_tables
 from experiments.lib.cli import run_cli
 from experiments.lib.fidelity_plots import save_scenario_figure
 from experiments.lib.fidelity_report import (
@@ -55,8 +55,8 @@ from experiments.lib.fidelity_report import (
 from experiments.lib.fidelity_spec import DEFAULT_SPEC, compose_cfg, load_spec
 from experiments.lib.paths import resolve_path
 from experiments.lib.profiling.host import cpu_probe_us
+from experiments.lib.run_workload import run
 from experiments.lib.traces import load_run
-from experiments.run import run
 from sim.latency.profiled import ProfiledModel
 
 STALL_S = 0.25  # engine steps longer than this are stalls (JIT compiles, GC) no profile predicts
@@ -303,7 +303,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     old_meta = args.engine_runs / "meta.json" if args.engine_runs else None
     meta: dict[str, Any] = json.loads(old_meta.read_text()) if old_meta and old_meta.is_file() else {}
     if not meta:
-        from experiments.profile import versions
+        from experiments.lib.profiling.versions import versions
         meta = {"device": engine_backend.device_name(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 "versions": versions()}
     command = "python -m experiments.fidelity " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -51,6 +51,7 @@ from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_
 from experiments.lib.profiling.host import admission_time
 from experiments.lib.profiling.measure import PIPELINED_SLACK, measure, slower_pipelined
 from experiments.lib.profiling.synthetic import blocks_needed, decode_contexts
+from experiments.lib.profiling.versions import versions
 from sim.latency.prefill_schedule import PrefillSchedule
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
@@ -64,18 +65,6 @@ def gpu_slug(device_name: str) -> str:
         if stem in low:
             return stem
     return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "device"
-
-
-def versions() -> str:
-    import torch
-    import transformers
-    try:
-        import triton
-        tri = triton.__version__
-    except ImportError:
-        tri = "none"
-    return (f"torch {torch.__version__}, triton {tri}, transformers {transformers.__version__}, "
-            f"CUDA {torch.version.cuda or 'none'}")
 
 
 OPERATOR_PARTS = ("compute", "collectives")
@@ -108,7 +97,7 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
     log = (lambda msg: print(f"[operators] {msg}", flush=True)) if cfg.progress else (lambda msg: None)
     paths = []
     if "compute" in parts:
-        from engine.attention import resolve_decode_kernel
+        from engine.device.attention import resolve_decode_kernel
         # The decode kernel "auto" picks for a typical shape (head_dim 128, 4 query heads per KV head);
         # the CPU runs the torch references.
         kernels = (resolve_decode_kernel(cfg.decode_kernel, device, dtype, 128, 4, grid.block_size)
@@ -134,8 +123,8 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     """A ModelRunner whose KV cache holds the largest grid step and whose swap pool the largest swap."""
     import torch
 
-    from engine.config import CacheConfig, ModelConfig
-    from engine.model_runner import ModelRunner
+    from engine.config import CacheConfig, ModelConfig, ParallelConfig, RunnerConfig
+    from engine.device.model_runner import ModelRunner
     model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     bs = cfg.block_size
     shapes = grid.step_shapes() + grid.split_shapes()
@@ -145,7 +134,7 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     num_gpu_blocks = math.ceil(need * 1.02) + max(grid.decode_seqs) * (2 + (cfg.warmup + cfg.host_repeats) // bs) + 1
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = cfg.dtype or (model.dtype if device.startswith("cuda") else "float32")
-    block_bytes = bs * model.kv_bytes_per_token(getattr(torch, dtype))
+    block_bytes = bs * model.kv_bytes_per_token_in(getattr(torch, dtype).itemsize)
     swap_gib = (max(grid.swap_blocks) + 1) * block_bytes / 2**30
     if max(grid.decode_seqs) > cfg.max_num_seqs:
         raise ValueError(f"profile_grid.decode_seqs max {max(grid.decode_seqs)} is invalid: must be <= "
@@ -166,14 +155,14 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
                          f"longest decode ({longest} tokens, 7/4 of the mean or the largest context_ratios "
                          f"times it) must be <= max_model_len={cfg.max_model_len}")
     cache = CacheConfig(block_size=bs, swap_space=swap_gib * 1.001, num_gpu_blocks=num_gpu_blocks)
-    kwargs = {"max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
-              "max_model_len": cfg.max_model_len, "device": device, "dtype": dtype,
-              "enforce_eager": cfg.enforce_eager, "seed": cfg.seed, "decode_kernel": cfg.decode_kernel}
+    config = RunnerConfig(model, cache, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, dtype=dtype,
+                          enforce_eager=cfg.enforce_eager, seed=cfg.seed, decode_kernel=cfg.decode_kernel)
     tp = int(cfg.get("tensor_parallel_size", 1))
     if tp > 1:  # rank 0 of a tensor-parallel group: its steps are the group's
         from engine.distributed.driver import TPModelRunner
-        return TPModelRunner(model, cache, tensor_parallel_size=tp, **kwargs)
-    return ModelRunner(model, cache, **kwargs)
+        return TPModelRunner(config, ParallelConfig(tp), device)
+    return ModelRunner.from_config(config, device)
 
 
 def prefill_schedule(runner) -> PrefillSchedule:
@@ -277,7 +266,7 @@ def _main(cfg: DictConfig) -> None:
           f"{meta['prefill_tile_s']} ({meta['prefill_schedule']}), prefill_pair_s={meta['prefill_pair_s']}, "
           f"{meta['elapsed_s']}s -> {path}")
     if cfg.calibrate:
-        from experiments.calibrate import calibrate_to_file
+        from experiments.lib.profiling.calibration import calibrate_to_file
         hw = HARDWARE_DIR / f"{meta['gpu']}.yaml"
         if not hw.is_file():
             print(f"  no conf/hardware/{meta['gpu']}.yaml to calibrate from: roofline calibration skipped")

@@ -9,7 +9,7 @@ result of record is experiments/results/showcase.md).
 2. FCFS vs priority when requests queue: TTFT of the urgent class (paired bootstrap CIs).
 3. Swap vs recompute preemption under memory pressure, at block sizes 16 and 64.
 4. Length-aware scheduling (sjf, srpt, mlfq) under heavy-tailed output lengths, over load, with the
-   oracle's and a learned predictor's lengths (experiments/showcase_policies.py).
+   oracle's and a learned predictor's lengths (experiments/lib/showcase_policies.py).
 5. VTC fair share between a heavy and a light tenant, over the heavy tenant's rate.
 All on the simulator with the roofline model (qwen3-0.6b on an H200, KV memory capped).
 """
@@ -24,10 +24,10 @@ from typing import Any
 
 from hydra import compose, initialize_config_module
 
-from experiments.ab import compare
+from experiments.lib.ab_compare import compare
 from experiments.lib.cli import run_cli
-from experiments.run import run
-from experiments.showcase_policies import fair_share, length_aware
+from experiments.lib.run_workload import run
+from experiments.lib.showcase_policies import fair_share, length_aware
 
 BASE = ["progress=false", "model=qwen3-0.6b", "hardware=h200", "latency=roofline", "seed=0"]
 # Sections 1-3 schedule synchronously, as their run of record (experiments/results/showcase.md) did

@@ -1,5 +1,5 @@
 """Paged decode attention over all KV heads of a sequence at once, on a fixed grid that splits the
-batch's tiles evenly (selected by a `PackedDecodeConfig`; the engine's default, engine/attention.py;
+batch's tiles evenly (selected by a `PackedDecodeConfig`; the engine's default, engine/device/attention.py;
 docs/kernels.md has where it wins).
 
 Tile: BLOCK_N tokens x every KV head.  In the NHD cache one block is [block_size, num_kv_heads,

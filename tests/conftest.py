@@ -19,6 +19,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tiny-model CPU tests are dominated by per-op overhead; one intra-op thread is fastest on 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import sys
+from pathlib import Path
+
+# Tests are grouped by concern in folders of tests/; their helpers (tests/*_helpers.py) and the test
+# modules they share fixtures with are imported by module name, wherever the importing test lives.
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _folder.is_dir() and _folder.name.isidentifier() and not _folder.name.startswith("_")             and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 import pytest
 from hypothesis import settings
 

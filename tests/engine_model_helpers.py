@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kernels.reference as ref
-from engine.config import load_model_config
-from engine.model_runner import ModelRunner
-from engine.weights import build_model, to_hf_state_dict
+from engine.device.model_runner import ModelRunner
+from engine.device.weights import build_model, to_hf_state_dict
+from engine.model_loader import load_model_config
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.request import Request, SamplingParams
 from policies.sequence import Sequence

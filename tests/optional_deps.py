@@ -1,7 +1,7 @@
 """The suite's optional packages. A test module that needs one imports it through `pytest.importorskip`
 before anything that imports it, so a machine without the dev extras (a GPU box with only torch and
 pytest) collects every module and `pytest -m gpu` runs every test that can run; the guard is
-tests/test_suite_setup.py, which collects the suite with these packages hidden."""
+tests/project/test_suite_setup.py, which collects the suite with these packages hidden."""
 from __future__ import annotations
 
 import pytest

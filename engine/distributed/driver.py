@@ -28,7 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import CacheConfig, ModelConfig
+from engine.config import ParallelConfig, RunnerConfig
+from engine.device.input_batch import StepPlan
+from engine.device.model_runner import ModelRunner
+from engine.device.token_feedback import Feedback, Launched
 from engine.distributed.parallel_state import TPGroup, abort, init_group, open_store
 from engine.distributed.sharding import check_divisible
 from engine.distributed.shutdown import WorkerShutdown
@@ -40,9 +43,6 @@ from engine.distributed.worker_faults import (
     refuse_in_spawn_bootstrap,
     run_watched,
 )
-from engine.input_batch import StepPlan
-from engine.model_runner import ModelRunner
-from engine.token_feedback import Feedback, Launched
 from policies.outputs import SchedulerOutput
 
 __all__ = ["JOIN_TIMEOUT_S", "STARTUP_TIMEOUT_S", "TPModelRunner", "WorkerFailure"]
@@ -53,14 +53,14 @@ JOIN_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = 900.0
 
 class TPModelRunner(ModelRunner):
-    """Rank 0 of `tensor_parallel_size` ranks on `device` (GPUs `cuda:i` .. `cuda:i+N-1`, or the
-    CPU); `timeout_s`: how long a step's collectives wait for a worker before `WorkerFailure`; the
-    other arguments are `ModelRunner`'s, given to every rank."""
+    """Rank 0 of `parallel.tensor_parallel_size` ranks on `device` (GPUs `cuda:i` .. `cuda:i+N-1`, or
+    the CPU); `parallel.timeout_s`: how long a step's collectives wait for a worker before
+    `WorkerFailure`; `config`: every rank's runner (sent to the workers as is)."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, *, tensor_parallel_size: int,
-                 device: str | torch.device = "cpu", timeout_s: float = 300.0, **runner_kwargs: Any) -> None:
+    def __init__(self, config: RunnerConfig, parallel: ParallelConfig, device: str | torch.device = "cpu") -> None:
         refuse_in_spawn_bootstrap()
-        check_divisible(model_config, tensor_parallel_size)
+        tensor_parallel_size, timeout_s = parallel.tensor_parallel_size, parallel.timeout_s
+        check_divisible(config.model_config, tensor_parallel_size)
         if dist.is_initialized():
             raise RuntimeError("tensor_parallel_size > 1 needs this process's torch.distributed default "
                                "group, but one is already initialized (another tensor-parallel engine still "
@@ -90,12 +90,11 @@ class TPModelRunner(ModelRunner):
         startup_s = max(timeout_s, STARTUP_TIMEOUT_S)
         store = open_store(size, startup_s)
         ctx = multiprocessing.get_context("spawn")
-        kwargs = {"model_config": model_config, "cache_config": cache_config, **runner_kwargs}
         with self._guard("start-up"):
             for rank in range(1, size):
                 ours, theirs = ctx.Pipe()
                 proc = ctx.Process(target=_worker_entry, name=f"servelab-tp{rank}", daemon=True,
-                                   args=(rank, size, store.port, str(devices[rank]), kwargs, startup_s, timeout_s,
+                                   args=(rank, size, store.port, str(devices[rank]), config, startup_s, timeout_s,
                                          theirs))
                 proc.start()
                 theirs.close()
@@ -111,7 +110,8 @@ class TPModelRunner(ModelRunner):
             self._shutdown.group_open = True  # from here on any group of this process is this engine's
             self.tp = run_watched(lambda: init_group(store, 0, size, devices[0], startup_s), self._procs, self._links,
                                   startup_s, "start-up (joining the group)")
-            super().__init__(model_config, cache_config, device=devices[0], tp=self.tp, **runner_kwargs)
+            super().__init__(config.model_config, config.cache_config, **config.runner_kwargs(), device=devices[0],
+                             tp=self.tp)
             self._shutdown.graphs = self.graphs
             await_workers(self._procs, self._links, "ready", startup_s, "start-up")
             self.tp.set_timeout(timeout_s)

@@ -6,7 +6,7 @@ A step's message has two parts:
   it replays a CUDA graph and the eager prefill grid's `max_seqlen_q`. A pipe lets an idle worker
   wait for the next step without a deadline (collectives have one: it is how a hung rank is
   found) and tells it at once when rank 0 is gone (end of file);
-- the inputs themselves: the packed bytes of `engine.batch_layout` that rank 0 already uploads to
+- the inputs themselves: the packed bytes of `engine.device.batch_layout` that rank 0 already uploads to
   its device (token ids, positions, slot mapping, block tables, ...), broadcast from rank 0's device
   buffer into each worker's (`broadcast_inputs`: NCCL on GPUs, device to device; gloo on CPUs). Tokens
   sampled by the step before (async scheduling) are in rank 0's buffer by then, so they travel with it.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.distributed as dist
 
-from engine.batch_layout import BatchShape, InputBuffers, layout
+from engine.device.batch_layout import BatchShape, InputBuffers, layout
 
 _STOP, _STEP = 0, 1
 _FIXED = 12  # kind, graph, 6 shape fields, max_seqlen_q, 3 cache-op counts

@@ -20,10 +20,10 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any
 
 import torch
 
+from engine.config import RunnerConfig
 from engine.distributed.parallel_state import end_group, init_group, join_store
 from engine.distributed.shutdown import ABORT_S, DESTROY_S
 from engine.distributed.step_message import StepHeader, broadcast_inputs
@@ -41,11 +41,11 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="tp-parent-watchdog", daemon=True).start()
 
 
-def worker_main(rank: int, size: int, port: int, device: str, runner_kwargs: dict[str, Any],
+def worker_main(rank: int, size: int, port: int, device: str, config: RunnerConfig,
                 startup_s: float, timeout_s: float, conn: Connection) -> None:
     """`startup_s`: the collectives' deadline while ranks start; `timeout_s`: while serving steps."""
     _exit_with_parent()
-    from engine.model_runner import ModelRunner
+    from engine.device.model_runner import ModelRunner
 
     try:
         dev = torch.device(device)
@@ -53,7 +53,7 @@ def worker_main(rank: int, size: int, port: int, device: str, runner_kwargs: dic
             torch.cuda.set_device(dev)
         conn.send(("joining", os.getpid()))
         group = init_group(join_store(port, size, startup_s), rank, size, dev, startup_s)
-        runner = ModelRunner(**runner_kwargs, device=dev, tp=group)
+        runner = ModelRunner.from_config(config, device=dev, tp=group)
         group.set_timeout(timeout_s)
         conn.send(("ready", os.getpid()))
         serve(runner, group.device_group, conn)

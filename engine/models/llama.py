@@ -1,7 +1,7 @@
 """One forward pass for the Llama family: Llama, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each
 q/k head), over a flattened varlen batch whose attention goes through the paged KV cache.
 
-Parameters use a fused layout (q/k/v in `qkv_proj`, gate/up in `gate_up_proj`); `engine/weights.py`
+Parameters use a fused layout (q/k/v in `qkv_proj`, gate/up in `gate_up_proj`); `engine/device/weights.py`
 maps transformers' names onto it. Arithmetic follows transformers' modeling code step by step
 (float32 RMSNorm, cos/sin cast to the activation dtype, residual adds in the activation dtype) so
 that bf16 logits stay close to theirs; the residual add is fused into the next RMSNorm.
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
+from engine.device.attention import AttentionMetadata, PagedAttention
 from engine.models.ops import fused_ops, rope_rows
 from engine.models.parallel_layers import TPContext, embedding, gather_logits, row_linear
 from engine.models.registry import register_model

@@ -25,7 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.outputs import short_error
+from engine.offline.outputs import short_error
+from engine.offline.tokenizer import encode_prompt
 from engine.serving.chat import ChatTemplate, load_chat_template
 from engine.serving.chat_completions import create_chat_completion
 from engine.serving.completions import create_completion
@@ -33,7 +34,6 @@ from engine.serving.errors import APIError, bad_value, validation_error
 from engine.serving.guards import RequestGuard, default_max_body_bytes
 from engine.serving.metrics import CONTENT_TYPE, ServingMetrics
 from engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from engine.tokenizer import encode_prompt
 
 logger = logging.getLogger("engine.serving")
 OFFLOAD_CHARS = 2048  # longer text is tokenized in a worker thread (shorter: at once, no thread hop)

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
-from engine.outputs import CompletionOutput
+from engine.offline.outputs import CompletionOutput
 from engine.serving.errors import APIError
 from engine.serving.generation import (
     Generation,

@@ -17,8 +17,8 @@ from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 
-from engine.async_llm_engine import EngineDeadError, EngineQueueFullError
-from engine.outputs import CompletionOutput, RequestFailedError, RequestOutput
+from engine.offline.outputs import CompletionOutput, RequestFailedError, RequestOutput
+from engine.online.async_llm_engine import EngineDeadError, EngineQueueFullError
 from engine.serving.errors import APIError, bad_value
 from engine.serving.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from engine.serving.sse import event

@@ -73,7 +73,7 @@ class ServingMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
 
     def observe(self, request: Any) -> None:
-        """One ended request's `engine.engine_stats.RequestStats` (AsyncLLMEngine's finished observer)."""
+        """One ended request's `engine.online.engine_stats.RequestStats` (AsyncLLMEngine's finished observer)."""
         name = self.model_name
         if request.ttft is not None:
             self.ttft.labels(name).observe(request.ttft)

@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--batches", default="64,128,176,256")
     ap.add_argument("--out", type=Path, default=Path("outputs/bench_step_parts"))
     a = ap.parse_args()
-    from experiments.bench_throughput import copy_bandwidth
+    from experiments.lib.engine_bench import copy_bandwidth
     copy_bw = copy_bandwidth(torch.device("cuda")) / 1e12
     batches = [int(b) for b in a.batches.split(",") if b]
     rows = (decode_rows(batches, copy_bw) if batches else []) + merge_rows(176, 4) + sampler_rows(176)

@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from engine.config import CacheConfig, load_model_config
-from engine.model_runner import ModelRunner
+from engine.config import CacheConfig
+from engine.device.model_runner import ModelRunner
+from engine.model_loader import load_model_config
 from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from policies.request import SamplingParams
 

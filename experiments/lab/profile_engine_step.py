@@ -19,10 +19,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.bench_throughput import BASE, copy_bandwidth, markdown_table
 from experiments.lab.kernel_breakdown import DecodeShape, Kernel, breakdown_rows
 from experiments.lib import factory
 from experiments.lib.engine_backend import engine_args, get_engine
+from experiments.lib.engine_bench import BASE, copy_bandwidth, markdown_table
 from experiments.lib.fidelity_spec import compose_cfg
 
 

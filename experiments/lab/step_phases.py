@@ -17,9 +17,10 @@ import time
 
 import torch
 
-from engine.config import CacheConfig, load_model_config
-from engine.model_runner import ModelRunner
-from engine.sampler import sample_with_temperatures
+from engine.config import CacheConfig
+from engine.device.model_runner import ModelRunner
+from engine.device.sampler import sample_with_temperatures
+from engine.model_loader import load_model_config
 from experiments.lib.profiling.synthetic import StepShape, synthetic_step
 
 PHASES = ("plan", "write+launch", "sample-launch", "wait", "total")

@@ -3,57 +3,46 @@
 A backend is one function `run(cfg, workload, recorder, on_done) -> BackendRun`: it builds its
 scheduler (`experiments.lib.factory.build_scheduler`, handing it `recorder`), feeds it `workload`'s
 requests at their arrival times, executes every step, calls `on_done(n)` as n requests end, and
-returns when all have ended. Adding a backend = one `@register_backend("name")` function here (or
-in a module imported here) plus `conf/backend/<name>.yaml` with `name: <name>`.
+returns when all have ended. Adding a backend = one function here (or in a module imported here) registered with
+its config dataclass (the keys of its yaml), `@BACKENDS.register("name", config=NameBackend)`, plus
+`conf/backend/<name>.yaml` with `name: <name>`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 from experiments.lib import factory
+from experiments.lib.backend_run import BackendRun
 from experiments.lib.serving_overhead import ServingOverhead
 from experiments.lib.workloads import Workload
+from policies.registry import Registry
 from policies.trace import TraceRecorder
 
-
-@dataclass(slots=True)
-class BackendRun:
-    num_steps: int
-    elapsed_s: float  # from t = 0 to the end of the last request, on the backend's clock
-    clock: str  # "simulated" or "wall"
-    info: dict[str, Any] = field(default_factory=dict)  # extras for summary.json
-    # A fleet's runs: each replica's traces (the recorder handed to the backend stays empty).
-    replica_recorders: list[TraceRecorder] | None = None
-
-
 BackendFn = Callable[[DictConfig, Workload, TraceRecorder, Callable[[int], None]], BackendRun]
-BACKENDS: dict[str, BackendFn] = {}
-
-
-def register_backend(name: str) -> Callable[[BackendFn], BackendFn]:
-    def wrap(fn: BackendFn) -> BackendFn:
-        BACKENDS[name] = fn
-        return fn
-    return wrap
+BACKENDS: Registry[BackendFn] = Registry("backend", field="name", group="backend")
 
 
 def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                 on_done: Callable[[int], None] = lambda n: None) -> BackendRun:
     name = cfg.backend.get("name")
-    if name not in BACKENDS:
-        raise ValueError(f"backend.name={name!r} is unknown: choose one of {sorted(BACKENDS)}")
+    run = BACKENDS.get(name, where="backend")
     replicas = (cfg.get("cluster") or {}).get("replicas", 1)
     if replicas != 1 and name != "sim":
         raise ValueError(f"cluster.replicas={replicas!r} is invalid with backend={name}: only backend=sim "
                          "runs a fleet (docs/fleet.md)")
-    return BACKENDS[name](cfg, workload, recorder, on_done)
+    return run(cfg, workload, recorder, on_done)
 
 
-@register_backend("sim")
+@dataclass(kw_only=True)
+class SimBackendConfig:
+    name: str = "sim"
+    fast_forward: bool = True
+
+
+@BACKENDS.register("sim", config=SimBackendConfig)
 def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
             on_done: Callable[[int], None]) -> BackendRun:
     from sim import Simulator
@@ -73,14 +62,34 @@ def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     return BackendRun(result.num_steps, result.sim_time_s, "simulated", info)
 
 
-@register_backend("engine")
+@dataclass(kw_only=True)
+class EngineBackendConfig:
+    name: str = "engine"
+    device: str | None = None
+    dtype: str | None = None
+    weights: str | None = None
+    enforce_eager: bool = False
+    decode_kernel: str | None = None
+
+
+@BACKENDS.register("engine", config=EngineBackendConfig)
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
     from experiments.lib.engine_backend import run_engine as run_on_engine  # imports torch: only when used
     return run_on_engine(cfg, workload, recorder, on_done)
 
 
-@register_backend("server")
+@dataclass(kw_only=True)
+class ServerBackendConfig:
+    name: str = "server"
+    url: str | None = None
+    model: str | None = None
+    max_concurrency: int | None = None
+    max_request_rate: float | None = None
+    timeout_s: float | None = None
+
+
+@BACKENDS.register("server", config=ServerBackendConfig)
 def run_server(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
     """Any OpenAI-compatible server on the loopback address, timed on the client

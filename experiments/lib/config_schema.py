@@ -1,20 +1,22 @@
 """Checks every config group (conf/<group>/*.yaml) and the top-level files (conf/config.yaml,
-conf/profile.yaml, a fidelity spec) against their schemas (experiments/lib/config_groups.py: the
-keys each may hold and their types, as OmegaConf structured configs). Hydra catches a mistyped key on the command line but not in a yaml file, where
-it would be silently ignored; `check_config` refuses it with a ValueError naming the file and the key.
+conf/profile.yaml, a fidelity spec) against their schemas (the keys each may hold and their types,
+as OmegaConf structured configs). Hydra catches a mistyped key on the command line but not in a
+yaml file, where it would be silently ignored; `check_config` refuses it with a ValueError naming
+the file and the key.
 
+A pluggable group's schema is the config dataclass of the plugin its file names (policies,
+block managers, latency models, backends, workloads: every registry with a `group`,
+policies/registry.py: CONFIG_GROUPS), so a plugin's new knob is checked with no edit here. The
+groups that are no plugin's (model, hardware, profile_grid, operator_grid, cluster) have one schema each.
 Values are checked for type only; ranges and meanings stay with the code that reads them
-(factory, workloads, backends), whose messages name the key too. Where a group has kinds with
-different keys (workload kinds, backends, latency models) the schema is picked by the kind. The
-policy group has no table here: a policy's keys are its constructor's arguments, which
-`factory.build_scheduler` checks against the policy registry.
+(the plugins, factory), whose messages name the key too.
 """
 from __future__ import annotations
 
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,61 +25,39 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments.lib.config_groups import (
-    AzureWorkload,
-    Blocks,
-    BurstgptWorkload,
-    Cluster,
-    EngineBackend,
-    FidelitySpec,
-    Model,
-    MooncakeWorkload,
-    NanovllmWorkload,
-    OperatorsLatency,
-    Parallel,
-    ProfiledLatency,
-    ReplayWorkload,
-    RooflineLatency,
-    ServerBackend,
-    Serving,
-    SessionsWorkload,
-    SimBackend,
-    Slo,
-    SyntheticWorkload,
-)
+import experiments.lib.backends
+import experiments.lib.workloads  # noqa: F401
+import policies.blocks
+import policies.policy
+import policies.routing  # noqa: F401
+import sim.latency  # noqa: F401
+from experiments.lib.config_groups import Cluster, FidelitySpec, Parallel, Serving, Slo
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid
 from experiments.lib.profiling.operator_grid import OperatorGrid
-from policies.routing import ROUTERS
+from policies.model_shape import ModelShape
+from policies.registry import CONFIG_GROUPS
 from policies.scheduler_config import SchedulerConfig
 from sim.latency import Hardware
 
 CONF_DIR = REPO_ROOT / "conf"
+# The groups that are no plugin's: one schema each.
+SINGLE_SCHEMA_GROUPS: dict[str, type] = {"hardware": Hardware, "model": ModelShape, "profile_grid": ProfileGrid,
+                                         "operator_grid": OperatorGrid, "cluster": Cluster}
 
 
+def group_schema(group: str, section: Mapping[str, Any]) -> type | None:
+    """The schema a `group` section follows: its plugin's config, picked by the registry's key
+    (None for an unknown plugin: the builder says so, naming the allowed ones)."""
+    if group in SINGLE_SCHEMA_GROUPS:
+        return SINGLE_SCHEMA_GROUPS[group]
+    registry = CONFIG_GROUPS[group]
+    name = section.get(registry.key)
+    return registry.config_type(name) if name in registry else None
 
-def _by(key: str, kinds: Mapping[str, type]) -> Callable[[Mapping], type | None]:
-    """The schema of a group whose kinds differ (None for an unknown kind: its reader says so)."""
-    return lambda section: kinds.get(section.get(key))
 
-
-GROUPS: dict[str, Callable[[Mapping], type | None]] = {
-    "workload": _by("kind", {"synthetic": SyntheticWorkload, "nanovllm": NanovllmWorkload,
-                             "replay": ReplayWorkload, "sessions": SessionsWorkload, "azure": AzureWorkload,
-                             "burstgpt": BurstgptWorkload, "mooncake": MooncakeWorkload}),
-    "blocks": lambda _: Blocks,
-    "backend": _by("name", {"sim": SimBackend, "engine": EngineBackend, "server": ServerBackend}),
-    "latency": _by("name", {"roofline": RooflineLatency, "profiled": ProfiledLatency,
-                             "operators": OperatorsLatency}),
-    "hardware": lambda _: Hardware,
-    "model": lambda _: Model,
-    "policy": lambda _: None,  # the policy's constructor arguments (module docstring)
-    "profile_grid": lambda _: ProfileGrid,
-    "operator_grid": lambda _: OperatorGrid,
-    "cluster": lambda _: Cluster,
-    # Each router declares its own typed config (policies/routing/base.py).
-    "router": lambda section: ROUTERS.get(section["name"]).config_type if section.get("name") in ROUTERS else None,
-}
+def groups() -> list[str]:
+    return [*CONFIG_GROUPS, *SINGLE_SCHEMA_GROUPS]
 # The top-level files: their own keys' schemas (None: any value) and the groups they compose.
 RUN_KEYS: dict[str, type | None] = {"seed": int, "scheduler": SchedulerConfig, "slo": Slo, "progress": bool,
                                     "parallel": Parallel, "serving": Serving,
@@ -101,13 +81,13 @@ def check_config(cfg: Mapping[str, Any], top: str = "config", choices: Mapping[s
     own = RUN_KEYS if top == "config" else PROFILE_KEYS
     origin = _Origin(top, choices, overrides, [*search, CONF_DIR])
     for key, value in data.items():
-        if key in GROUPS:
-            schema = GROUPS[key](value) if isinstance(value, Mapping) else None
+        if key in groups():
+            schema = group_schema(key, value) if isinstance(value, Mapping) else None
             if schema is not None:
                 _check(value, schema, key, origin)
         elif key not in own:
             raise ValueError(f"{origin.where(None, [key])}: key {key} is unknown: allowed are "
-                             f"{sorted([*own, *(g for g in GROUPS if g in data)])}")
+                             f"{sorted([*own, *(g for g in groups() if g in data)])}")
         elif dataclasses.is_dataclass(own[key]) and isinstance(value, Mapping):
             _check(value, own[key], key, origin)
         elif own[key] is not None:

@@ -18,14 +18,17 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig
 
-from engine.attention import DEFAULT_DECODE_KERNEL
-from engine.config import DTYPES, ModelConfig, check_against_gguf
+from engine.config import DTYPES, ModelConfig
+from engine.device.attention import DEFAULT_DECODE_KERNEL
 from engine.distributed.sharding import TPShard
 from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
+from engine.model_loader import check_against_gguf
+from engine.offline.llm_engine import LLMEngine, SchedulerBuilder
 from experiments.lib import factory
-from experiments.lib.backends import BackendRun
+from experiments.lib.backend_run import BackendRun
 from experiments.lib.workloads import Workload
+from policies.blocks.base import BASE_KNOBS
+from policies.scheduler import Scheduler
 from policies.trace import TraceRecorder
 
 _ENGINE: dict[str, LLMEngine] = {}  # at most one: engine_key(args) -> engine
@@ -35,7 +38,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
     """EngineArgs from a run config: model from `model`, KV sizing and block manager from `blocks`,
     limits and scheduling mode from `scheduler`, policy from `policy`, device settings from `backend`.
     Every entry point that builds an engine from a config comes through here, so an override reaches
-    the engine whichever command is run (tests/test_engine_args_from_config.py checks every field)."""
+    the engine whichever command is run (tests/runs/test_engine_args_from_config.py checks every field)."""
     backend, blocks = factory.section(cfg, "backend"), factory.section(cfg, "blocks")
     sched = cfg.scheduler
     model = ModelConfig.from_dict(factory.section(cfg, "model"))
@@ -48,7 +51,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
     dtype = backend.get("dtype") or (model.dtype if device.startswith("cuda") else "float32")
     tp = factory.tensor_parallel_size(cfg)
     gpu_model = model if tp == 1 else TPShard.of(model, 0, tp).local_config(model)  # one GPU's KV heads
-    block_bytes = block_size * gpu_model.kv_bytes_per_token(DTYPES[dtype])  # as the runner sizes blocks
+    block_bytes = block_size * gpu_model.kv_bytes_per_token_in(DTYPES[dtype].itemsize)  # as the runner sizes blocks
     num_gpu_blocks = blocks.get("num_gpu_blocks")
     if num_gpu_blocks is None and blocks.get("kv_cache_gib") is not None:
         num_gpu_blocks = int(float(blocks["kv_cache_gib"]) * 2**30 // block_bytes)
@@ -63,6 +66,8 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
     return EngineArgs(
         model=model, dtype=dtype, device=device, detokenize=False,
         block_manager=str(blocks.get("kind", "paged")), policy=str(policy["name"]),
+        block_manager_config={k: v for k, v in blocks.items() if k not in BASE_KNOBS},
+        policy_config={k: v for k, v in policy.items() if k not in ("name", "preemption_mode")},
         preemption_mode=str(policy.get("preemption_mode", "recompute")),
         max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
         max_model_len=sched.max_model_len, enable_chunked_prefill=sched.enable_chunked_prefill,
@@ -76,7 +81,8 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
 
 # EngineArgs fields that only shape the scheduler, which `LLMEngine.reset` rebuilds: runs that differ
 # in these alone share one engine (model, KV cache, CUDA graphs).
-SCHEDULER_FIELDS = frozenset({"block_manager", "policy", "preemption_mode", "async_scheduling", "watermark"})
+SCHEDULER_FIELDS = frozenset({"block_manager", "block_manager_config", "policy", "policy_config", "preemption_mode",
+                              "async_scheduling", "watermark"})
 
 
 def engine_key(args: EngineArgs) -> str:
@@ -85,16 +91,17 @@ def engine_key(args: EngineArgs) -> str:
                  if f.name not in SCHEDULER_FIELDS])
 
 
-def get_engine(args: EngineArgs) -> LLMEngine:
-    """The kept engine for `args` (built on first use), its scheduler built from `args`."""
+def get_engine(args: EngineArgs, build_scheduler: SchedulerBuilder | None = None) -> LLMEngine:
+    """The kept engine for `args` (built on first use), its scheduler built from `args` or by
+    `build_scheduler` (a run's, whose policy may read the run's workload)."""
     key = engine_key(args)
     if key not in _ENGINE:
         release_engine()  # one model on the device at a time
-        _ENGINE[key] = LLMEngine(args)
+        _ENGINE[key] = LLMEngine(args, build_scheduler=build_scheduler)
     engine = _ENGINE[key]
     if engine.args != args:  # same device state, other scheduler settings
         engine.args = args
-        engine.reset()
+        engine.reset(build_scheduler=build_scheduler)
     return engine
 
 
@@ -120,8 +127,11 @@ def release_engine() -> None:
 
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
-    engine = get_engine(engine_args(cfg))
-    engine.reset(build_scheduler=lambda gpu, cpu, _: factory.build_scheduler(cfg, gpu, cpu, recorder, workload))
+    def build(gpu: int, cpu: int, _: int) -> Scheduler:
+        return factory.build_scheduler(cfg, gpu, cpu, recorder, workload)
+
+    engine = get_engine(engine_args(cfg), build)
+    engine.reset(build_scheduler=build)
     requests, stop_lens = workload.requests, workload.stop_lens
     # Only final outputs are read: the engine then does no per-step output work (as LLM.generate).
     params = [dataclasses.replace(r.sampling_params, output_kind="final_only") for r in requests]

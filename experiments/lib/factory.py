@@ -12,10 +12,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.paths import resolve_path
 from experiments.lib.workloads import Workload, build_workload
-from sim.latency import Hardware, LatencyModel, ModelShape, ProfiledModel, RooflineModel
+from policies.build import SchedulingConfig, block_manager_config, policy_config, scheduler_config
+from policies.build import build_scheduler as build
+from policies.scheduler import Scheduler
+from sim.latency import (
+    LATENCY_MODELS,
+    Hardware,
+    LatencyConfig,
+    LatencyModel,
+    LatencySetup,
+    ModelShape,
+    build_latency_model,
+)
 from sim.latency.tensor_parallel import shard_shape
-
-LATENCY_MODELS = ("roofline", "profiled", "operators")
 
 
 def section(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -101,18 +110,6 @@ def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
     return gpu, cpu
 
 
-def build_block_manager(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int):
-    from policies.blocks import BLOCK_MANAGERS, make_block_manager
-    kind = cfg.blocks.get("kind")
-    if kind not in BLOCK_MANAGERS:
-        raise ValueError(f"blocks.kind={kind!r} is unknown: choose one of {sorted(BLOCK_MANAGERS)}")
-    watermark = cfg.blocks.get("watermark")
-    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
-        raise ValueError(f"blocks.watermark={watermark!r} is invalid: must be in [0, 1)")
-    return make_block_manager(kind, block_size(cfg), num_gpu_blocks, num_cpu_blocks, float(watermark),
-                              cfg.scheduler.max_model_len)
-
-
 def build_predictor(cfg: DictConfig, workload: Workload | None):
     """The policy's output-length predictor (experiments/lib/predictors.py), or None if it has none."""
     from experiments.lib.predictors import build_predictor as build
@@ -123,77 +120,59 @@ def build_predictor(cfg: DictConfig, workload: Workload | None):
     return build(spec, workload, workload_cfg, int(cfg.get("seed") or 0), model_shape(cfg).vocab_size)
 
 
-def build_scheduler(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int, recorder=None,
-                    workload: Workload | None = None):
-    """The policies.Scheduler for this config (both backends use it; the engine passes its own
-    measured block counts). `workload`: the run's, for a policy whose predictor reads its true
-    output lengths (the oracle)."""
-    from policies import Scheduler, SchedulerConfig, make_policy
+def scheduling_config(cfg: DictConfig, workload: Workload | None = None) -> SchedulingConfig:
+    """The typed description of this config's scheduler (policy, block manager, budgets).
+    `workload`: the run's, for a policy whose predictor reads its true output lengths (the oracle)."""
     pol = section(cfg, "policy")
-    name = pol.pop("name", None)
-    if pol.get("predictor") is not None:
-        pol["predictor"] = build_predictor(cfg, workload)
-    try:
-        policy = make_policy(name, **pol)
-    except TypeError as e:
-        raise ValueError(f"policy: {e} (keys of conf/policy/{name}.yaml must match the policy's arguments)") from None
-    except ValueError as e:  # "<kind> policy=<value> ..." or "<field>=<value> ...": name the config key
-        msg = str(e)
-        head = f"policy={name!r}"
-        raise ValueError(f"policy.name={name!r}{msg.split(head, 1)[1]}" if head in msg else f"policy.{msg}") from None
-    s = section(cfg, "scheduler")
-    try:
-        sched_cfg = SchedulerConfig(**s)
-    except TypeError as e:
-        raise ValueError(f"scheduler: {e}") from None
-    except ValueError as e:
-        raise ValueError(f"scheduler.{e}") from None
-    return Scheduler(sched_cfg, policy, build_block_manager(cfg, num_gpu_blocks, num_cpu_blocks), recorder)
+    policy = policy_config(pol.get("name"), pol)
+    if getattr(policy, "predictor", None) is not None:
+        policy.predictor = build_predictor(cfg, workload)
+    blocks = section(cfg, "blocks")
+    return SchedulingConfig(scheduler_config(section(cfg, "scheduler")), policy,
+                            block_manager_config(blocks.get("kind"), blocks))
+
+
+def build_scheduler(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int, recorder=None,
+                    workload: Workload | None = None) -> Scheduler:
+    """The policies.Scheduler for this config (both backends use it; the engine passes its own
+    measured block counts)."""
+    return build(scheduling_config(cfg, workload), num_gpu_blocks, num_cpu_blocks, recorder)
+
+
+def latency_config(cfg: DictConfig) -> LatencyConfig:
+    """The latency model's typed config; a `path` (a profile) or a `dir` (of operator profiles)
+    resolved against the working directory, then the repository root, and required to exist."""
+    lat = section(cfg, "latency")
+    config = LATENCY_MODELS.config(lat.get("name"), lat, where="latency")
+    if hasattr(config, "path"):
+        path = resolve_path(str(config.path))
+        if not path.is_file():
+            raise ValueError(f"latency.path={str(config.path)!r} is invalid: no such profile. Run "
+                             "`python -m experiments.profile` on that GPU, or try "
+                             "latency.path=experiments/profiles/example-synthetic.csv")
+        config.path = str(path)
+    if hasattr(config, "dir"):
+        directory = resolve_path(str(config.dir))
+        if not directory.is_dir():
+            raise ValueError(f"latency.dir={str(config.dir)!r} is invalid: no such directory of operator profiles")
+        config.dir = str(directory)
+    return config
+
+
+def latency_setup(cfg: DictConfig) -> LatencySetup:
+    gpu_model_shape(cfg)  # the size's errors, named by config key
+    sched = cfg.get("scheduler") or {}
+
+    def graph_sizes() -> tuple[list[int], list[int]]:  # the engine's CUDA-graph buckets for these limits
+        from engine.device.cuda_graph import graph_batch_sizes, graph_token_sizes
+        return graph_batch_sizes(sched.max_num_seqs), graph_token_sizes(sched.max_num_batched_tokens)
+
+    return LatencySetup(model_shape(cfg), hardware(cfg), block_size(cfg), tensor_parallel_size(cfg),
+                        bool(sched.get("async_scheduling", False)), graph_sizes)
 
 
 def build_latency(cfg: DictConfig) -> LatencyModel:
-    lat = section(cfg, "latency")
-    name = lat.get("name")
-    if name == "roofline":
-        gpu_model_shape(cfg)  # the size's errors, named by config key
-        try:
-            return RooflineModel(model_shape(cfg), hardware(cfg), block_size(cfg), tensor_parallel_size(cfg))
-        except ValueError as e:
-            raise ValueError(f"parallel.tensor_parallel_size: {e}") from None
-    if name == "profiled":
-        path = resolve_path(str(lat.get("path")))
-        if not path.is_file():
-            raise ValueError(f"latency.path={str(lat.get('path'))!r} is invalid: no such profile. Run "
-                             "`python -m experiments.profile` on that GPU, or try "
-                             "latency.path=experiments/profiles/example-synthetic.csv")
-        return ProfiledModel(path, block_size(cfg), model_name=cfg.model.get("name"),
-                             tensor_parallel_size=tensor_parallel_size(cfg),
-                             async_scheduling=bool((cfg.get("scheduler") or {}).get("async_scheduling", False)))
-    if name == "operators":
-        return build_operator_model(cfg, lat)
-    raise ValueError(f"latency.name={name!r} is unknown: choose one of {list(LATENCY_MODELS)}")
-
-
-def build_operator_model(cfg: DictConfig, lat: Mapping[str, Any]) -> LatencyModel:
-    """`latency=operators` (sim/latency/operators.py) from the operator files of `latency.gpu` and
-    `latency.dtype` in `latency.dir`."""
-    from sim.latency.operator_profile import OperatorProfile, find_operator_files
-    from sim.latency.operators import OperatorModel
-    directory = resolve_path(str(lat.get("dir")))
-    if not directory.is_dir():
-        raise ValueError(f"latency.dir={str(lat.get('dir'))!r} is invalid: no such directory of operator profiles")
-    files = find_operator_files(directory, str(lat.get("gpu")), str(lat.get("dtype")), str(lat.get("kernels", "auto")))
-    gpu_model_shape(cfg)  # the size's errors, named by config key
-    batch_sizes = token_sizes = None
-    if lat.get("cuda_graphs", True):  # the engine's graph buckets: steps run padded to them
-        from engine.cuda_graph import graph_batch_sizes, graph_token_sizes
-        batch_sizes = graph_batch_sizes(cfg.scheduler.max_num_seqs)
-        token_sizes = graph_token_sizes(cfg.scheduler.max_num_batched_tokens)
-    return OperatorModel(OperatorProfile.load(files), model_shape(cfg), block_size(cfg), tensor_parallel_size(cfg),
-                         host_step_s=lat.get("host_step_s", 0.0), admission_s=lat.get("admission_s", 0.0),
-                         batch_sizes=batch_sizes, token_sizes=token_sizes, sync_host_s=lat.get("sync_host_s", 0.0),
-                         sync_host_per_seq_s=lat.get("sync_host_per_seq_s", 0.0),
-                         async_scheduling=bool((cfg.get("scheduler") or {}).get("async_scheduling", False)))
+    return build_latency_model(latency_config(cfg), latency_setup(cfg))
 
 
 def workload(cfg: DictConfig) -> Workload:

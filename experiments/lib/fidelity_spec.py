@@ -46,3 +46,11 @@ def load_spec(path: str | Path) -> dict[str, Any]:
 def compose_cfg(overrides: Sequence[str]) -> DictConfig:
     with initialize_config_module(config_module="conf", version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
+
+
+def compose_server_cfg(overrides: Sequence[str]) -> DictConfig:
+    """conf/config.yaml with backend=server unless the overrides pick another backend."""
+    overrides = list(overrides)
+    if not any(o.startswith("backend=") for o in overrides):
+        overrides.insert(0, "backend=server")
+    return compose_cfg(overrides)

@@ -73,7 +73,7 @@ def build_router(cfg: DictConfig):
 
 
 def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None]):
-    from experiments.lib.backends import BackendRun
+    from experiments.lib.backend_run import BackendRun
     from sim.fleet import FleetSimulator, ReplicaSpec
     cluster = cluster_config(cfg)
     router = build_router(cfg)

@@ -117,7 +117,7 @@ def engine_args():
 
 
 def in_process(n: int) -> list[float]:
-    from engine.llm_engine import LLMEngine
+    from engine.offline.llm_engine import LLMEngine
     from policies.request import SamplingParams
 
     engine, params, times = LLMEngine(engine_args()), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), []
@@ -194,8 +194,8 @@ def through_http(engine, clients: list[str], n: int, plain_asyncio: bool = False
 
 
 def measure(n: int, background: int) -> dict:
-    from engine.async_llm_engine import AsyncLLMEngine
-    from engine.llm_engine import LLMEngine
+    from engine.offline.llm_engine import LLMEngine
+    from engine.online.async_llm_engine import AsyncLLMEngine
 
     def process_engine():
         return AsyncLLMEngine.from_engine_args(engine_args(), engine_process=True)

@@ -27,7 +27,7 @@ Why all of it is added to the client's times and none delays the arrival the sim
 every request has in common moves the whole simulation in time (the scheduler only sees differences
 of times), so it adds exactly to each TTFT; only the variation between requests could move one into
 another step, and that varies the wait by a fraction of a step either way, as an arrival's position
-within a step already does (tests/test_serving_overhead.py checks the translation).
+within a step already does (tests/runs/test_serving_overhead.py checks the translation).
 
 The simulated schedule is not changed; only each request row's client-side times are: token j at
 its simulated time + delay_i + j * itl, the end with the last token, and TTFT, TPOT and E2E with them.

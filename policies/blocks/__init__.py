@@ -1,10 +1,17 @@
 """KV block managers: `paged` (PagedAttention), `prefix` (paged + automatic prefix caching) and
 `contiguous` (the pre-PagedAttention reservation baseline), built by name with `make_block_manager`.
-A new one subclasses `BlockManager`, registers with `@register_block_manager("name")` and is
-imported below."""
+A new one subclasses `BlockManager`, registers with `@register_block_manager("name", config=...)`
+(its config: `BlockManagerConfig` or a subclass adding its own knobs) and is imported below."""
 from __future__ import annotations
 
-from policies.blocks.base import BLOCK_MANAGERS, AllocStatus, BlockManager, BlockUsage, register_block_manager
+from policies.blocks.base import (
+    BLOCK_MANAGERS,
+    AllocStatus,
+    BlockManager,
+    BlockManagerConfig,
+    BlockUsage,
+    register_block_manager,
+)
 from policies.blocks.contiguous import ContiguousBlockManager
 from policies.blocks.paged import PagedBlockManager
 from policies.blocks.pool import OutOfBlocksError
@@ -20,6 +27,7 @@ __all__ = [
     "BLOCK_MANAGERS",
     "AllocStatus",
     "BlockManager",
+    "BlockManagerConfig",
     "BlockUsage",
     "ContiguousBlockManager",
     "OutOfBlocksError",

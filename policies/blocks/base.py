@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from policies.registry import Registry
+from policies.registry import Registry, check_arguments
 from policies.sequence import Sequence
 
 
@@ -54,9 +54,45 @@ class BlockUsage:
     prefix_queries: int = 0  # prefix caching: full blocks looked up (cumulative)
 
 
-# Implementations register with `@register_block_manager("name")`; `make_block_manager` builds by name.
-BLOCK_MANAGERS: Registry[type[BlockManager]] = Registry("block manager", field="kind")
-register_block_manager = BLOCK_MANAGERS.register
+BLOCK_MANAGERS: Registry[type[BlockManager]] = Registry("block manager", field="kind", group="blocks")
+
+
+@dataclass(kw_only=True)
+class BlockManagerConfig:
+    """conf/blocks/<kind>.yaml: the KV pool's size and admission headroom, which every block manager
+    has. A block manager with knobs of its own subclasses this and takes them as keyword arguments
+    of its constructor (`own_knobs`)."""
+
+    kind: str | None = None  # the registered name
+    block_size: int | None = 16  # tokens per block (power of two)
+    # GPU KV blocks: an explicit count, else kv_cache_gib of KV memory, else as vLLM derives it.
+    num_gpu_blocks: int | None = None
+    kv_cache_gib: float | None = None
+    gpu_memory_utilization: float | None = 0.9
+    # CPU swap pool: an explicit count, else swap_space_gib of pinned host memory.
+    num_cpu_blocks: int | None = None
+    swap_space_gib: float | None = 4.0
+    watermark: float | None = 0.01  # fraction of GPU blocks kept free at admission
+
+
+BASE_KNOBS = frozenset(f.name for f in fields(BlockManagerConfig))
+
+
+def own_knobs(config: BlockManagerConfig) -> dict[str, object]:
+    """The knobs a block manager's config adds to `BlockManagerConfig`, as constructor keywords."""
+    return {f.name: getattr(config, f.name) for f in fields(config) if f.name not in BASE_KNOBS}
+
+
+def register_block_manager(name: str, config: type[BlockManagerConfig] = BlockManagerConfig
+                           ) -> Callable[[type[BlockManager]], type[BlockManager]]:
+    """Register a block manager under `name` with its config dataclass; the config's own knobs
+    (beyond `BlockManagerConfig`'s) must be keyword arguments of its constructor (checked here)."""
+    register = BLOCK_MANAGERS.register(name, config=config)
+
+    def wrap(cls: type[BlockManager]) -> type[BlockManager]:
+        check_arguments(cls, config, exclude=BASE_KNOBS)
+        return register(cls)
+    return wrap
 
 
 class BlockManager(ABC):

@@ -11,7 +11,7 @@ sits in a queue (its generated tokens, the clock, its tenant's service) must be 
 every step, calls `refresh` (where the policy updates what its keys read and may narrow the
 queues to re-sort) and re-sorts those queues before any decision reads them. A static key pays
 nothing. A key that changes but is not declared is caught by the property tests
-(tests/test_scheduler_properties.py checks every queue's order against the keys before every step,
+(tests/scheduling/test_scheduler_properties.py checks every queue's order against the keys before every step,
 for every registered policy).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from policies.registry import Registry
+from policies.registry import Registry, check_arguments
 from policies.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -30,13 +30,25 @@ if TYPE_CHECKING:
 
 PREEMPTION_MODES = ("recompute", "swap")
 QUEUE_NAMES = ("waiting", "running", "swapped")
-POLICIES: Registry[type[Policy]] = Registry("scheduling policy", field="policy")
+POLICIES: Registry[type[Policy]] = Registry("scheduling policy", field="policy", group="policy", key="name")
 
 
-def register_policy(name: str) -> Callable[[type[Policy]], type[Policy]]:
-    register = POLICIES.register(name)
+@dataclass(kw_only=True)
+class PolicyConfig:
+    """The knobs every policy has; a policy with more subclasses this (conf/policy/<name>.yaml holds
+    them). The fields are the policy's constructor arguments, with the same defaults."""
+
+    name: str | None = None  # the registered name (conf/policy yaml's `name`)
+    preemption_mode: str = "recompute"  # recompute | swap
+
+
+def register_policy(name: str, config: type[PolicyConfig] = PolicyConfig) -> Callable[[type[Policy]], type[Policy]]:
+    """Register a policy under `name` with its config dataclass (whose fields, but `name`, are the
+    policy's constructor arguments: checked here)."""
+    register = POLICIES.register(name, config=config)
 
     def wrap(cls: type[Policy]) -> type[Policy]:
+        check_arguments(cls, config, exclude=frozenset({"name"}))
         cls.name = name
         return register(cls)
     return wrap
@@ -47,6 +59,7 @@ def available_policies() -> list[str]:
 
 
 def make_policy(name: str, **kwargs: Any) -> Policy:
+    """A policy by name, its constructor arguments as keywords (`make_policy("srpt", aging=1.0)`)."""
     return POLICIES.get(name)(**kwargs)
 
 

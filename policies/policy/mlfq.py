@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Collection
+from dataclasses import dataclass
 from itertools import accumulate
 
-from policies.policy.base import OrderHint, Policy, register_policy
+from policies.policy.base import OrderHint, Policy, PolicyConfig, register_policy
 from policies.queues import SchedulerQueues
 from policies.sequence import Sequence
 
@@ -33,7 +34,16 @@ def _positive(name: str, value: float, integer: bool = False) -> None:
         raise ValueError(f"{name}={value!r} is invalid: must be {kind}")
 
 
-@register_policy("mlfq")
+@dataclass(kw_only=True)
+class MLFQConfig(PolicyConfig):
+    num_levels: int = 6
+    base_quantum: int = 32  # output tokens at level 0; level i has base_quantum * growth**i
+    growth: float = 2.0
+    prompt_token_cost: float = 0.0625  # a prompt token's cost in output tokens, for the entry level
+    preempt_running: bool = True  # a more urgent waiting head may force out running sequences
+
+
+@register_policy("mlfq", config=MLFQConfig)
 class SkipJoinMLFQPolicy(Policy):
     reorders = frozenset({"running"})
     may_preempt_suffix = True

@@ -5,11 +5,18 @@ sequences of strictly lower priority (larger value), least urgent first.
 """
 from __future__ import annotations
 
-from policies.policy.base import Policy, register_policy
+from dataclasses import dataclass
+
+from policies.policy.base import Policy, PolicyConfig, register_policy
 from policies.sequence import Sequence
 
 
-@register_policy("priority")
+@dataclass(kw_only=True)
+class PriorityConfig(PolicyConfig):
+    preempt_running: bool = True  # a waiting request may force out running ones of lower priority
+
+
+@register_policy("priority", config=PriorityConfig)
 class PriorityPolicy(Policy):
     may_preempt_suffix = True
 

@@ -10,8 +10,11 @@ for a shorter one (see srpt for the preemptive variant).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from policies.length_predictor import OutputLengthPredictor, make_predictor
-from policies.policy.base import Policy, register_policy
+from policies.policy.base import Policy, PolicyConfig, register_policy
 from policies.sequence import Sequence
 
 
@@ -26,7 +29,15 @@ def check_aging(aging: float) -> float:
     return float(aging)
 
 
-@register_policy("sjf")
+@dataclass(kw_only=True)
+class SJFConfig(PolicyConfig):
+    # An OutputLengthPredictor, or its spec: max_tokens | oracle | {kind: noisy-oracle, sigma: 1.0} |
+    # {kind: bucket, trace: null} (experiments/lib/predictors.py turns a spec into a predictor).
+    predictor: Any = "max_tokens"
+    aging: float = 0.0  # output tokens of priority gained per second waited (0: none)
+
+
+@register_policy("sjf", config=SJFConfig)
 class ShortestJobFirstPolicy(Policy):
     def __init__(self, preemption_mode: str = "recompute", predictor: OutputLengthPredictor | str = "max_tokens",
                  aging: float = 0.0) -> None:

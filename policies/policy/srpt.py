@@ -11,17 +11,23 @@ preemptive SRPT, at token granularity.
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 
 from policies.length_predictor import OutputLengthPredictor
 from policies.policy.base import OrderHint, Policy, register_policy
-from policies.policy.sjf import as_predictor, check_aging
+from policies.policy.sjf import SJFConfig, as_predictor, check_aging
 from policies.queues import SchedulerQueues
 from policies.sequence import Sequence
 
 RUNNING_ONLY = frozenset({"running"})
 
 
-@register_policy("srpt")
+@dataclass(kw_only=True)
+class SRPTConfig(SJFConfig):
+    preempt_running: bool = True  # the waiting head may force out running sequences with more work left
+
+
+@register_policy("srpt", config=SRPTConfig)
 class ShortestRemainingTimePolicy(Policy):
     reorders = RUNNING_ONLY
     may_preempt_suffix = True

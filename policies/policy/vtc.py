@@ -26,9 +26,10 @@ the service bound by at most one step's token budget.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from policies.outputs import SchedulerOutput
-from policies.policy.base import QUEUE_NAMES, OrderHint, Policy, register_policy
+from policies.policy.base import QUEUE_NAMES, OrderHint, Policy, PolicyConfig, register_policy
 from policies.queues import SchedulerQueues
 from policies.sequence import Sequence
 
@@ -41,7 +42,14 @@ def _weight(name: str, value: float) -> float:
     return float(value)
 
 
-@register_policy("vtc")
+@dataclass(kw_only=True)
+class VTCConfig(PolicyConfig):
+    input_weight: float = 1.0  # service per prompt token
+    output_weight: float = 2.0  # service per output token
+    weights: dict[str, float] | None = None  # tenant -> share (default 1)
+
+
+@register_policy("vtc", config=VTCConfig)
 class VirtualTokenCounterPolicy(Policy):
     reorders = ALL_QUEUES
 

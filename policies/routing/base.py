@@ -40,7 +40,7 @@ from policies.registry import Registry
 from policies.request import Request
 from policies.routing.snapshot import ReplicaSnapshot
 
-ROUTERS: Registry[type[Router]] = Registry("router", field="name")
+ROUTERS: Registry[type[Router]] = Registry("router", field="name", group="router")
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,11 +60,12 @@ def check(ok: bool, key: str, value: object, allowed: str) -> None:
 
 
 def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
-    register = ROUTERS.register(name)
+    """Register a router under `name` with its config (`config_type`), the registry style of every
+    pluggable kind (policies/registry.py)."""
 
     def wrap(cls: type[Router]) -> type[Router]:
         cls.name = name
-        return register(cls)
+        return ROUTERS.register(name, config=cls.config_type)(cls)
     return wrap
 
 

@@ -21,7 +21,7 @@ every step with `async_scheduling` off) waits for it: `sync_host_s` plus `sync_h
 scheduled sequence, host costs that do not depend on the model.
 
 With the engine's CUDA-graph sizes given (`batch_sizes` for decode-only steps, `token_sizes` for
-steps with prefill: engine/cuda_graph.py), T is padded to the graph a step runs, as the engine's
+steps with prefill: engine/device/cuda_graph.py), T is padded to the graph a step runs, as the engine's
 linear layers, norms and all-reduces compute the padding rows (attention and sampling skip them).
 Prefill chunks run in one kernel launch: their times add above the smallest prefill time (the
 launch-bound floor), which is paid once. Everything that depends only on T is summed once at
@@ -30,12 +30,16 @@ interpolations. Swaps: the mean of swap_out and swap_in at n x block bytes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
+from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
 from sim.latency.op_grid import Axis, OpGrid
-from sim.latency.operator_profile import OperatorProfile
+from sim.latency.operator_profile import OperatorProfile, find_operator_files
 from sim.latency.shapes import ModelShape
 from sim.latency.tensor_parallel import shard_shape
 from sim.latency.token_padding import padded
@@ -50,8 +54,36 @@ def summed(axis_name: str, points: list[float], parts: list[tuple[float, OpGrid]
     return OpGrid((Axis(axis_name, tuple(points)),), np.array(values))
 
 
+@dataclass(kw_only=True)
+class OperatorsConfig(LatencyConfig):
+    """conf/latency/operators.yaml (its comments say what each key means)."""
+
+    dir: str | None = None  # the operator files' directory (a caller resolves a relative one)
+    gpu: str | None = None
+    dtype: str | None = None
+    kernels: str = "auto"
+    cuda_graphs: bool = True
+    host_step_s: float = 0.0
+    sync_host_s: float = 0.0
+    sync_host_per_seq_s: float = 0.0
+    admission_s: float = 0.0
+
+
+@LATENCY_MODELS.register("operators", config=OperatorsConfig)
 class OperatorModel(LatencyModel):
     name = "operators"
+
+    @classmethod
+    def from_config(cls, config: OperatorsConfig, setup: LatencySetup) -> OperatorModel:
+        """The operator files of `config.gpu` and `config.dtype` in `config.dir`; with `cuda_graphs`,
+        steps priced at the engine's graph buckets (`setup.graph_sizes`)."""
+        files = find_operator_files(Path(str(config.dir)), str(config.gpu), str(config.dtype), str(config.kernels))
+        batch_sizes, token_sizes = (setup.graph_sizes() if config.cuda_graphs and setup.graph_sizes is not None
+                                    else (None, None))
+        return cls(OperatorProfile.load(files), setup.model, setup.block_size, setup.tensor_parallel_size,
+                   host_step_s=config.host_step_s, admission_s=config.admission_s, batch_sizes=batch_sizes,
+                   token_sizes=token_sizes, sync_host_s=config.sync_host_s,
+                   sync_host_per_seq_s=config.sync_host_per_seq_s, async_scheduling=setup.async_scheduling)
 
     def __init__(self, profile: OperatorProfile, model: ModelShape, block_size: int,
                  tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0,
@@ -82,12 +114,12 @@ class OperatorModel(LatencyModel):
         full, m = model, shard_shape(model, tp)
         self.model = m
         h, d, b = m.hidden_size, m.head_dim, m.dtype_bytes
-        group = m.num_heads / m.num_kv_heads
+        group = m.num_attention_heads / m.num_key_value_heads
         gemm = profile.grid("gemm")
-        layer_gemms = [(h, (m.num_heads + 2 * m.num_kv_heads) * d), (m.num_heads * d, h),
+        layer_gemms = [(h, (m.num_attention_heads + 2 * m.num_key_value_heads) * d), (m.num_attention_heads * d, h),
                        (h, 2 * m.intermediate_size), (m.intermediate_size, h)]
-        width = {"head_dim": d, "num_kv_heads": m.num_kv_heads, "group": group}
-        L = m.num_layers
+        width = {"head_dim": d, "num_kv_heads": m.num_key_value_heads, "group": group}
+        L = m.num_hidden_layers
         parts = [(float(L), gemm.fixed(k=k, n=n)) for k, n in layer_gemms]
         parts += [(2.0 * L + 1, profile.grid("add_rms_norm").fix("n", h)),
                   (float(L), profile.grid("silu_and_mul").fix("n", m.intermediate_size)),
@@ -146,7 +178,7 @@ class OperatorModel(LatencyModel):
         t += self.token_curve(rows)
         if s.num_samples:
             t += self.sample_curve(s.num_samples)
-        L = self.model.num_layers
+        L = self.model.num_hidden_layers
         if s.num_decode_seqs:
             t += L * self.decode(s.num_decode_seqs, max(s.num_context_tokens / s.num_decode_seqs, 1.0))
         if s.num_prefill_tokens:

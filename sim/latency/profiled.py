@@ -13,18 +13,31 @@ count, scaled by block_size / the profile's block_size.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
+from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
 from sim.latency.prefill_schedule import PrefillSchedule
 from sim.latency.profile_io import ProfileRows, meta_number, meta_sizes, read_profile
 from sim.latency.step_grid import GridAxes, Times, segment
 from sim.latency.token_padding import padded
 
 
+@dataclass(kw_only=True)
+class ProfiledConfig(LatencyConfig):
+    path: str | None = None  # the profile (a caller resolves a relative path before building)
+
+
+@LATENCY_MODELS.register("profiled", config=ProfiledConfig)
 class ProfiledModel(LatencyModel):
     name = "profiled"
+
+    @classmethod
+    def from_config(cls, config: ProfiledConfig, setup: LatencySetup) -> ProfiledModel:
+        return cls(config.path, setup.block_size, model_name=setup.model.name,
+                   tensor_parallel_size=setup.tensor_parallel_size, async_scheduling=setup.async_scheduling)
 
     def __init__(self, path: str | Path, block_size: int, model_name: str | None = None,
                  async_scheduling: bool | None = None, tensor_parallel_size: int = 1) -> None:

@@ -20,12 +20,18 @@ from __future__ import annotations
 
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel
+from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
 from sim.latency.shapes import Hardware, ModelShape
 from sim.latency.tensor_parallel import TPCommCost, shard_shape
 
 
+@LATENCY_MODELS.register("roofline", config=LatencyConfig)
 class RooflineModel(LatencyModel):
     name = "roofline"
+
+    @classmethod
+    def from_config(cls, config: LatencyConfig, setup: LatencySetup) -> RooflineModel:
+        return cls(setup.model, setup.hardware, setup.block_size, setup.tensor_parallel_size)
 
     def __init__(self, model: ModelShape, hardware: Hardware, block_size: int,
                  tensor_parallel_size: int = 1) -> None:

@@ -1,8 +1,5 @@
-"""Model and hardware descriptions the latency models compute with.
-
-`ModelShape.from_dict` accepts a `conf/model/*.yaml` mapping or a transformers config's `to_dict()`
-(same key names); `Hardware.from_dict` a `conf/hardware/*.yaml` mapping. Byte and FLOP counts here
-are per forward step and follow the Llama-family layout (fused or not, the bytes are the same).
+"""Model and hardware descriptions the latency models compute with: the model's is the one shared
+with the engine (policies/model_shape.py); `Hardware.from_dict` reads a `conf/hardware/*.yaml` mapping.
 """
 from __future__ import annotations
 
@@ -10,108 +7,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+from policies.model_shape import DTYPE_BYTES, ModelShape, _require
 
-
-def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise ValueError(f"{where}.{key} is missing: the latency model needs it")
-    return cfg[key]
+__all__ = ["DTYPE_BYTES", "Hardware", "ModelShape"]
 
 
 def _positive(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"{name}={value!r} is invalid: must be a number > 0")
     return value
-
-
-@dataclass(slots=True, frozen=True)
-class ModelShape:
-    name: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    dtype_bytes: int
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any], where: str = "model") -> ModelShape:
-        hidden = _require(cfg, "hidden_size", where)
-        heads = _require(cfg, "num_attention_heads", where)
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").replace("torch.", "")
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"{where}.dtype={dtype!r} is invalid: choose one of {sorted(DTYPE_BYTES)}")
-        shape = cls(
-            name=str(cfg.get("name") or cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
-            hidden_size=hidden,
-            intermediate_size=_require(cfg, "intermediate_size", where),
-            num_layers=_require(cfg, "num_hidden_layers", where),
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            vocab_size=_require(cfg, "vocab_size", where),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            dtype_bytes=DTYPE_BYTES[dtype],
-        )
-        for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "vocab_size"):
-            _positive(getattr(shape, f), f"{where}.{f}")
-        return shape
-
-    @property
-    def linear_params_per_layer(self) -> int:
-        """q, k, v, o projections (+ qkv bias) and the gated MLP (gate, up, down)."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = (q + 2 * kv) if self.attention_bias else 0
-        return h * (q + 2 * kv) + bias + q * h + 3 * h * self.intermediate_size
-
-    @property
-    def linear_params(self) -> int:
-        """Parameters touched by every token's GEMMs (all decoder layers, not the LM head)."""
-        return self.num_layers * self.linear_params_per_layer
-
-    @property
-    def lm_head_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def num_params(self) -> int:
-        """All parameters (norm weights included); the LM head counts once when tied."""
-        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.linear_params + norms + embed
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
-
-    @property
-    def step_weight_bytes(self) -> int:
-        """Weights one forward step streams from HBM: every layer plus the LM head (the embedding
-        table is only gathered row by row, so it is not read whole unless tied to the head)."""
-        return (self.linear_params + self.lm_head_params) * self.dtype_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def activation_bytes_per_token(self) -> int:
-        """HBM traffic of the elementwise kernels per token and layer summed over layers: norms,
-        residual adds, RoPE, SiLU-and-mul and the GEMM inputs/outputs, ~ (8 h + 5 i) elements."""
-        return self.num_layers * (8 * self.hidden_size + 5 * self.intermediate_size) * self.dtype_bytes
-
-    @property
-    def attention_flops_per_pair(self) -> int:
-        """FLOPs of one (query token, key token) pair over all layers: QK^T and PV, 2 per MAC."""
-        return 4 * self.num_layers * self.num_heads * self.head_dim
 
 
 @dataclass(slots=True, frozen=True)

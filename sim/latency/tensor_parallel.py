@@ -26,9 +26,9 @@ def shard_shape(model: ModelShape, size: int) -> ModelShape:
     """The model one of `size` GPUs computes (its heads, MLP columns and vocabulary rows)."""
     if size == 1:
         return model
-    split = tp_split(model.num_heads, model.num_kv_heads, model.intermediate_size, model.vocab_size, size,
+    split = tp_split(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size, model.vocab_size, size,
                      model.name)
-    return dataclasses.replace(model, num_heads=split.num_heads, num_kv_heads=split.num_kv_heads,
+    return dataclasses.replace(model, num_attention_heads=split.num_heads, num_key_value_heads=split.num_kv_heads,
                                intermediate_size=split.intermediate_size, vocab_size=split.vocab_size)
 
 
@@ -49,7 +49,7 @@ class TPCommCost:
         if bw is None or latency is None:
             raise ValueError(f"hardware.interconnect_bandwidth / interconnect_latency_s of {hardware.name!r} "
                              f"are missing: tensor_parallel_size={size} needs the GPU-to-GPU link's figures")
-        num_all_reduces = 2 * model.num_layers + 1
+        num_all_reduces = 2 * model.num_hidden_layers + 1
         ring = (size - 1) / size
         return cls(fixed_s=(num_all_reduces + 1) * latency,
                    per_token_s=num_all_reduces * 2 * ring * model.hidden_size * model.dtype_bytes / bw,

@@ -1,7 +1,7 @@
 """Padding of steps with prefill tokens to the engine's CUDA-graph token sizes (profiled model).
 
 The engine runs a step of T = P prefill + D decode tokens in the graph of the smallest captured
-token count >= T (engine/cuda_graph.py), so its linear layers also compute the padding rows. On an
+token count >= T (engine/device/cuda_graph.py), so its linear layers also compute the padding rows. On an
 H200 (Qwen3-0.6B) 1024 prefill tokens took 4.0 ms alone and 5.0 ms with one decode
 beside them: 1025 tokens ran the 1536-token graph. A profile row measured at (P, D) thus carries
 the padding of P + D, which is not the padding of a step between grid points: interpolating the

@@ -36,9 +36,9 @@ from collections.abc import Iterable
 
 import torch
 
+from engine.device.model_runner import ModelRunner
 from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.offline.llm_engine import LLMEngine
 from experiments.lib.profiling.synthetic import decode_contexts
 from policies import SamplingParams, TraceRecorder
 

@@ -1,7 +1,7 @@
 """Time the engine's operators over an `OperatorGrid` (rows of sim/latency/operator_profile.py).
 
 Every operator is the engine's own code path: GEMMs through `torch.nn.functional.linear` (as the
-model's `nn.Linear`s), attention through `engine.attention.attention_ops` (the Triton launchers
+model's `nn.Linear`s), attention through `engine.device.attention.attention_ops` (the Triton launchers
 with the decode kernel the engine resolves for that shape, or `kernels.reference` on the CPU),
 the elementwise pieces from `engine.models.ops.fused_ops` (torch.compile'd on CUDA, as the engine),
 the fused q/k norm + RoPE + KV write kernel, `kernels.sample_gumbel`, and the block copies and
@@ -94,7 +94,7 @@ def _widen(tables: torch.Tensor, width: int) -> torch.Tensor:
 
 def attention_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype, decode_kernel: str,
                    max_model_len: int) -> Iterator[Row]:
-    from engine.attention import attention_ops, resolve_decode_kernel
+    from engine.device.attention import attention_ops, resolve_decode_kernel
     from kernels.inputs import random_paged_problem
     dev, bs = timer.device, grid.block_size
     for d in grid.head_dims:

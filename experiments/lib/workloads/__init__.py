@@ -11,68 +11,10 @@ the backend ends it at output_len: the simulator emits a stop token there).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-from policies.request import Request
-
-
-@dataclass(slots=True)
-class Workload:
-    name: str
-    requests: list[Request]  # sorted by arrival time
-    output_lens: list[int]
-
-    def __post_init__(self) -> None:
-        if len(self.requests) != len(self.output_lens):
-            raise ValueError("Workload needs one output length per request")
-        for request in self.requests:  # once here, not again as each run adds them to a scheduler
-            request.validate(None)
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    @property
-    def stop_lens(self) -> dict[str, int]:
-        """Requests that must end before max_tokens: request_id -> output length."""
-        return {r.request_id: n for r, n in zip(self.requests, self.output_lens)
-                if n < r.sampling_params.max_tokens}
-
-    def fresh(self) -> Workload:
-        """An identical stream of new Request objects (runs mutate requests as they finish)."""
-        reqs = [r.fresh_copy() for r in self.requests]
-        return Workload(self.name, reqs, list(self.output_lens))
-
-    def rows(self) -> list[dict[str, Any]]:
-        return [{"request_id": r.request_id, "arrival_time": r.arrival_time,
-                 "num_prompt_tokens": r.num_prompt_tokens, "output_len": n,
-                 "max_tokens": r.sampling_params.max_tokens, "priority": r.priority, "tenant": r.tenant}
-                for r, n in zip(self.requests, self.output_lens)]
-
-
-Builder = Callable[[Mapping[str, Any], int, int], Workload]
-_BUILDERS: dict[str, Builder] = {}
-
-
-def register_workload(kind: str) -> Callable[[Builder], Builder]:
-    def wrap(fn: Builder) -> Builder:
-        _BUILDERS[kind] = fn
-        return fn
-    return wrap
-
-
-def build_workload(cfg: Mapping[str, Any], seed: int, vocab_size: int) -> Workload:
-    """cfg: the `workload` config section; seed: used unless cfg['seed'] is set."""
-    kind = cfg.get("kind", "synthetic")
-    if kind not in _BUILDERS:
-        raise ValueError(f"workload.kind={kind!r} is unknown: choose one of {sorted(_BUILDERS)}")
-    if cfg.get("seed") is not None:
-        seed = cfg["seed"]
-    return _BUILDERS[kind](cfg, seed, vocab_size)
-
-
-from experiments.lib.workloads import (  # noqa: E402, F401  (registration)
+from experiments.lib.workloads import (  # noqa: F401  (registration)
     azure,
     burstgpt,
     mooncake,
@@ -81,5 +23,15 @@ from experiments.lib.workloads import (  # noqa: E402, F401  (registration)
     sessions,
     synthetic,
 )
+from experiments.lib.workloads.base import WORKLOADS, Workload
 
-__all__ = ["Workload", "build_workload", "register_workload"]
+
+def build_workload(cfg: Mapping[str, Any], seed: int, vocab_size: int) -> Workload:
+    """cfg: the `workload` config section; seed: used unless cfg['seed'] is set."""
+    build = WORKLOADS.get(cfg.get("kind", "synthetic"), where="workload")
+    if cfg.get("seed") is not None:
+        seed = cfg["seed"]
+    return build(cfg, seed, vocab_size)
+
+
+__all__ = ["WORKLOADS", "Workload", "build_workload"]

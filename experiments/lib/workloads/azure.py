@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
 from experiments.lib.workloads.imported import drop_empty, lengths, workload
 from experiments.lib.workloads.replay import bad_field, trace_rows
 
@@ -30,7 +31,14 @@ def _timestamp(path, line: int, row: Mapping[str, Any]) -> datetime.datetime:
             from None
 
 
-@register_workload("azure")
+@dataclass(kw_only=True)
+class AzureWorkloadConfig(WorkloadConfig):
+    path: str | None = None
+    time_scale: float | None = None
+    drop_empty: bool = False
+
+
+@WORKLOADS.register("azure", config=AzureWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     path, rows, scale = trace_rows(cfg, where, "Azure LLM inference .csv")
     drop = drop_empty(cfg, where)

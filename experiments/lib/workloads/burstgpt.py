@@ -12,11 +12,13 @@ read. Config: `path`, `num_requests` (first N rows, before selection), `time_sca
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.azure import AzureWorkloadConfig
+from experiments.lib.workloads.base import WORKLOADS, Workload
 from experiments.lib.workloads.imported import drop_empty, lengths, workload
 from experiments.lib.workloads.replay import number, trace_rows
 
@@ -28,7 +30,13 @@ def _selector(cfg: Mapping[str, Any], key: str, where: str) -> str | None:
     return v
 
 
-@register_workload("burstgpt")
+@dataclass(kw_only=True)
+class BurstgptWorkloadConfig(AzureWorkloadConfig):
+    model: str | None = None
+    log_type: str | None = None
+
+
+@WORKLOADS.register("burstgpt", config=BurstgptWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     path, rows, scale = trace_rows(cfg, where, "BurstGPT .csv")
     drop = drop_empty(cfg, where)

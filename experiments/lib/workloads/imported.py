@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from experiments.lib.workloads import Workload
+from experiments.lib.workloads.base import Workload
 from experiments.lib.workloads.common import make_request
 from experiments.lib.workloads.replay import as_int, bad_field
 

@@ -13,17 +13,24 @@ Config: `path`, `num_requests` (first N lines), `time_scale`, `block_tokens`, `d
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.azure import AzureWorkloadConfig
+from experiments.lib.workloads.base import WORKLOADS, Workload
 from experiments.lib.workloads.common import get_int, is_int
 from experiments.lib.workloads.imported import drop_empty, lengths, workload
 from experiments.lib.workloads.replay import bad_field, number, trace_rows
 
 
-@register_workload("mooncake")
+@dataclass(kw_only=True)
+class MooncakeWorkloadConfig(AzureWorkloadConfig):
+    block_tokens: int | None = None
+
+
+@WORKLOADS.register("mooncake", config=MooncakeWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     path, rows, scale = trace_rows(cfg, where, "Mooncake .jsonl")
     if path.suffix not in (".jsonl", ".json"):

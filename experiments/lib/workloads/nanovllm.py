@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
 from experiments.lib.workloads.common import get_int, make_request
 
 MAX_TOKEN_ID = 10000  # randint(0, 10000) is inclusive
 
 
-@register_workload("nanovllm")
+@dataclass(kw_only=True)
+class NanovllmWorkloadConfig(WorkloadConfig):
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+
+
+@WORKLOADS.register("nanovllm", config=NanovllmWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     num_seqs = get_int(cfg, "num_requests", where)
     max_input_len = get_int(cfg, "max_input_len", where, low=100)

@@ -14,6 +14,15 @@ import numpy as np
 from experiments.lib.workloads.common import get_int, is_num
 
 
+@dataclass(kw_only=True)
+class SystemPromptsSpec:
+    """The `system_prompts` key of a workload's config."""
+
+    num: int | None = None
+    len: int | None = None
+    zipf: float | None = None
+
+
 @dataclass(slots=True)
 class SystemPrompts:
     prompts: list[list[int]]

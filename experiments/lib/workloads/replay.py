@@ -13,13 +13,14 @@ import csv
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from experiments.lib.paths import resolve_path
-from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
 from experiments.lib.workloads.common import get_int, get_positive, is_int, is_num, make_request
 
 
@@ -108,7 +109,13 @@ def trace_rows(cfg: Mapping[str, Any], where: str, kind: str = ".csv or .jsonl"
     return path, rows, scale
 
 
-@register_workload("replay")
+@dataclass(kw_only=True)
+class ReplayWorkloadConfig(WorkloadConfig):
+    path: str | None = None
+    time_scale: float | None = None
+
+
+@WORKLOADS.register("replay", config=ReplayWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     path, rows, scale = trace_rows(cfg, where)
     rng = np.random.default_rng(seed)

@@ -15,17 +15,31 @@ is drawn from the run's seed.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
 from experiments.lib.workloads.common import get_int, is_num, make_request
-from experiments.lib.workloads.prefixes import SystemPrompts
-from experiments.lib.workloads.synthetic import arrival_times, lengths
+from experiments.lib.workloads.prefixes import SystemPrompts, SystemPromptsSpec
+from experiments.lib.workloads.synthetic import LengthDist, arrival_times, lengths
 
 
-@register_workload("sessions")
+@dataclass(kw_only=True)
+class SessionsWorkloadConfig(WorkloadConfig):
+    num_sessions: int | None = None
+    turns: LengthDist | None = None
+    think_time_s: float | None = None
+    prompt_len: LengthDist | None = None
+    output_len: LengthDist | None = None
+    max_prompt_len: int | None = None
+    max_tokens: int | None = None
+    system_prompts: SystemPromptsSpec | None = None
+    vocab_size: int | None = None
+
+
+@WORKLOADS.register("sessions", config=SessionsWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     n = get_int(cfg, "num_sessions", where)
     think = cfg.get("think_time_s", 0.0)

@@ -25,16 +25,57 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from experiments.lib.workloads import Workload, register_workload
+from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
 from experiments.lib.workloads.common import get_int, get_positive, is_int, is_num, make_request
-from experiments.lib.workloads.prefixes import SystemPrompts
+from experiments.lib.workloads.prefixes import SystemPrompts, SystemPromptsSpec
 
 ARRIVALS = ("offline", "poisson", "gamma")
 DISTS = ("fixed", "uniform", "lognormal")
+
+
+@dataclass(kw_only=True)
+class LengthDist:
+    dist: str | None = None  # fixed | uniform | lognormal
+    value: int | None = None  # fixed
+    low: int | None = None  # uniform
+    high: int | None = None
+    mean: float | None = None  # lognormal
+    sigma: float | None = None
+    min: int | None = None
+    max: int | None = None
+
+
+@dataclass(kw_only=True)
+class PriorityClasses:
+    values: list[int] = field(default_factory=list)
+    weights: list[float] | None = None
+
+
+@dataclass(kw_only=True)
+class Tenants:
+    names: list[str] = field(default_factory=list)
+    rates: list[float] | None = None
+    num_requests: list[int] | None = None
+
+
+@dataclass(kw_only=True)
+class SyntheticWorkloadConfig(WorkloadConfig):
+    arrival: str | None = None
+    burstiness: float | None = None
+    prompt_len: LengthDist | None = None
+    output_len: LengthDist | None = None
+    max_tokens: int | None = None
+    priority: PriorityClasses | None = None
+    shared_prefix_len: int | None = None
+    vocab_size: int | None = None
+    length_correlation: float | None = None
+    tenants: Tenants | None = None
+    system_prompts: SystemPromptsSpec | None = None
 
 
 def arrival_times(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, where: str) -> np.ndarray:
@@ -161,7 +202,7 @@ def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: i
     return arrivals.tolist(), prompts, output_lens.tolist(), prios.tolist()
 
 
-@register_workload("synthetic")
+@WORKLOADS.register("synthetic", config=SyntheticWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     n = get_int(cfg, "num_requests", where)
     max_tokens = get_int(cfg, "max_tokens", where) if cfg.get("max_tokens") is not None else None

@@ -1,0 +1,243 @@
+"""The engine core in its own process (vLLM v1's EngineCore): `AsyncLLMEngine(engine_process=True)`.
+
+An online server's front end (HTTP parsing, one coroutine per stream, JSON, SSE) is Python work per
+request per step; in the engine's process it shares the interpreter lock with the thread that
+schedules and launches steps, so steps get slower as clients get more. Here the engine runs in a
+child process (multiprocessing `spawn`) as a busy loop: take the new requests and aborts the front
+end sent, `step()`, send the step's outputs back; with no work it blocks on its inbox (no spin).
+
+Messages (two one-way pipes, pickled and framed by engine/online/core_channel.py; the core blocks on its
+ends, the front end reads and writes its ends from its event loop):
+- front end -> core: `(new requests, abort ids)` batches (`engine.online.host.NewRequest`s), or
+  None to stop.
+- core -> front end: `CoreInfo` once (or `CoreFailed` if the engine could not be built), then one
+  `CoreStep` per step that produced anything: per-request errors, how many arrivals were taken,
+  the outputs in a compact form (`pack`: no prompt tokens after the first, no objects), the
+  `RequestStats` of the requests that ended, and the engine's counters; `CoreFailed` if the loop
+  dies. Text is decoded in the core, where stop strings must be matched before the next step.
+
+The core exits when its inbox closes (the front end ended, even killed) or its outbox breaks, and it
+ignores SIGINT (a Ctrl-C reaches the whole process group; the front end stops it in order). The
+client kills it if the front end drops it without `shutdown` (a finalizer), so no core outlives it.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import traceback
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from engine.engine_args import EngineArgs
+from engine.offline.llm_engine import _tokenizer_source
+from engine.offline.outputs import CompletionOutput, RequestMetrics, RequestOutput, short_error
+from engine.offline.tokenizer import load_tokenizer
+from engine.online.core_channel import LoopChannel, read_message, readable, write_message
+from engine.online.engine_stats import EngineStats, RequestStats, StatsTracker
+from engine.online.host import hand_over
+
+# (request_id, finished, prompt text or None, prompt token ids or None (sent once), samples, metrics,
+# num_cached_tokens, error); a sample is (index, text, token_ids, finish_reason, stop_reason, logprobs).
+PackedOutput = tuple
+
+
+@dataclass(slots=True, frozen=True)
+class CoreInfo:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    max_logprobs: int
+
+
+@dataclass(slots=True, frozen=True)
+class CoreFailed:
+    """The core's failure as text (any exception pickles this way)."""
+
+    error: str  # `Type: message`, short: what a client may be told (a ValueError: its whole message)
+    traceback: str  # the whole traceback, for the server's log
+    bad_input: bool = False  # a ValueError: the engine arguments (or the model they name) are wrong
+
+
+@dataclass(slots=True)
+class CoreStep:
+    errors: dict[str, Exception]  # request id -> why add_request refused it (host.hand_over)
+    num_taken: int  # arrivals taken off the inbox (admitted or refused)
+    outputs: list[PackedOutput]
+    finished: list[RequestStats]
+    stats: EngineStats
+
+
+def pack(output: RequestOutput, with_prompt: bool) -> PackedOutput:
+    m = output.metrics
+    samples = [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in output.outputs]
+    return (output.request_id, output.finished, output.prompt if with_prompt else None,
+            output.prompt_token_ids if with_prompt else None, samples,
+            (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions),
+            output.num_cached_tokens, output.error)
+
+
+def unpack(packed: PackedOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+    request_id, finished, _, _, samples, metrics, num_cached, error = packed
+    return RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(*s) for s in samples],
+                         finished, RequestMetrics(*metrics), num_cached, error)
+
+
+def _failure(exc: BaseException) -> CoreFailed:
+    bad_input = isinstance(exc, ValueError)
+    return CoreFailed(str(exc) if bad_input else short_error(exc), "".join(traceback.format_exception(exc)).strip(),
+                      bad_input)
+
+
+def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
+    """The child process's main: build the engine, then serve the front end's batches until told to
+    stop or until either pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Started as a daemon (the front end's exit ends it), it may still start the tensor-parallel
+    # workers of its engine, which are daemons of its own: a daemon process may not have children.
+    multiprocessing.current_process().daemon = False
+    from engine.offline.llm_engine import LLMEngine
+
+    out = outbox.fileno()
+    try:
+        engine = LLMEngine(args)
+    except BaseException as exc:  # noqa: BLE001 (reported to the front end, which raises it)
+        write_message(out, _failure(exc))
+        return
+    runner = engine.runner
+    write_message(out, CoreInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size,
+                                runner.num_gpu_blocks, runner.num_cpu_blocks, engine.max_logprobs))
+    try:
+        _serve(engine, keep_trace, inbox.fileno(), out)
+    finally:
+        engine.close()  # its tensor-parallel workers stop with the core
+
+
+def _serve(engine, keep_trace: bool, inbox: int, outbox: int) -> None:
+    """The core's loop: take the batches, step, send what the step gave."""
+    tracker = StatsTracker(engine, keep_trace)
+    seen: set[str] = set()  # requests whose prompt went out with a first output
+    try:
+        while True:
+            batches = [] if engine.has_unfinished_requests() else [read_message(inbox)]  # idle: block
+            while readable(inbox):
+                batches.append(read_message(inbox))
+            errors, taken = {}, 0
+            for batch in batches:
+                if batch is None:
+                    return
+                new, aborts = batch
+                taken += len(new)
+                hand_over(engine, tracker, new, aborts, errors)
+            outputs = engine.step() if engine.has_unfinished_requests() else []
+            tracker.stepped(outputs)
+            if not (outputs or errors or taken or batches):
+                continue
+            packed = []
+            for o in outputs:
+                first = o.request_id not in seen
+                if o.finished:
+                    seen.discard(o.request_id)
+                elif first:
+                    seen.add(o.request_id)
+                packed.append(pack(o, first))
+            finished = [tracker.finished(o) for o in outputs if o.finished]
+            write_message(outbox, CoreStep(errors, taken, packed, finished, _stats(engine, tracker)))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the front end is gone
+    except BaseException as exc:
+        try:
+            write_message(outbox, _failure(exc))
+        except OSError:
+            pass
+        raise SystemExit(1) from exc
+
+
+def _stats(engine, tracker: StatsTracker) -> EngineStats:
+    """The tracker's counters, with KV usage read off the block manager now (it stays true after an
+    abort that needed no step)."""
+    s = tracker.snapshot(num_pending=0)
+    usage = engine.scheduler.block_manager.usage()
+    total = engine.runner.num_gpu_blocks
+    return EngineStats(s.num_running, s.num_waiting, s.num_swapped, usage.gpu_used / total if total else 0.0,
+                       s.num_preemptions_total, s.prompt_tokens_total, s.generation_tokens_total,
+                       s.num_requests_finished_total, s.num_steps_total)
+
+
+class EngineCoreClient:
+    """The front end's handle on the core process: start it (blocks until the engine is built),
+    its pipes as a `LoopChannel` for the front end's event loop, stop it."""
+
+    def __init__(self, args: EngineArgs, keep_trace: bool = False, start_timeout_s: float = 900.0) -> None:
+        self.args = args
+        ctx = multiprocessing.get_context("spawn")
+        inbox_r, self._inbox = ctx.Pipe(duplex=False)
+        self._outbox, outbox_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=run_core, args=(args, keep_trace, inbox_r, outbox_w),
+                                   name="servelab-engine-core", daemon=True)
+        self.process.start()
+        inbox_r.close()
+        outbox_w.close()
+        self._finalizer = weakref.finalize(self, _stop, self.process, self._inbox, 0.0)
+        try:
+            first = read_message(self._outbox.fileno(), start_timeout_s)
+        except TimeoutError:
+            self._finalizer()
+            raise TimeoutError(f"the engine process did not start within {start_timeout_s} s") from None
+        except EOFError:
+            self._finalizer()
+            raise RuntimeError(f"the engine process exited while starting (exit code {self.process.exitcode})") from None
+        if isinstance(first, CoreFailed):
+            self._finalizer()
+            if first.bad_input:  # the arguments are wrong: a ValueError naming the value, as in-process
+                raise ValueError(first.error)
+            raise RuntimeError(f"the engine process could not build the engine:\n{first.traceback}")  # noqa: TRY004
+        self.info: CoreInfo = first
+        self.channel = LoopChannel(self._inbox.fileno(), self._outbox.fileno())
+        self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # the core sends each prompt once
+
+    def outputs(self, step: CoreStep) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
+        """The step's outputs as RequestOutputs (with their prompts), each with its RequestStats if
+        it ended."""
+        records = {r.request_id: r for r in step.finished}
+        prompts = self._prompts
+        for packed in step.outputs:
+            request_id, finished, prompt, prompt_ids = packed[:4]
+            if prompt_ids is not None:
+                prompts[request_id] = (prompt, prompt_ids)
+            prompt, prompt_ids = prompts.pop(request_id) if finished else prompts.get(request_id, (None, []))
+            yield unpack(packed, prompt, prompt_ids), records.get(request_id)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the core to stop and wait for it; terminate, then kill, what does not."""
+        self._finalizer.detach()
+        self.channel.detach(close=True)
+        if self.channel.pending:  # a message half written: a stop message would not parse
+            _stop(self.process, None, 0.0)
+        else:
+            _stop(self.process, self._inbox, timeout_s)
+        self._inbox.close()
+        self._outbox.close()
+
+
+def _stop(process, inbox, timeout_s: float) -> None:
+    """Send the stop message (unless `inbox` is None), wait `timeout_s`, then terminate and kill."""
+    if inbox is not None:
+        try:
+            write_message(inbox.fileno(), None)
+        except OSError:  # closed, broken, or full (a core that reads nothing more is terminated below)
+            pass
+    process.join(timeout_s)
+    if process.is_alive():
+        process.terminate()
+        process.join(5.0)
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)

@@ -1,0 +1,97 @@
+"""`ProcessHost`: the engine in a child process (engine/online/engine_core.py) that steps by itself.
+
+Each request and abort goes to the core the moment it is handed over, written to its pipe from the
+event loop (engine/online/core_channel.py: never blocking it); the core's messages are read on the event
+loop when its pipe turns readable and become `StepResult`s for the sink. No thread stands in
+between, so neither direction waits for another thread to be scheduled or to get the interpreter
+lock. The core process failing or exiting is the engine dying.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import logging
+
+from engine.online.engine_core import CoreFailed, CoreStep, EngineCoreClient
+from engine.online.engine_stats import EngineStats
+from engine.online.host import EngineHost, ModelInfo, NewRequest, ResultSink, StepResult
+
+_log = logging.getLogger(__name__)
+
+
+class ProcessHost(EngineHost):
+    def __init__(self, client: EngineCoreClient) -> None:
+        self.client = client
+        i = client.info
+        self.info = ModelInfo(i.model_name, i.max_model_len, i.vocab_size, client.tokenizer, i.max_logprobs)
+        self._core_stats = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0)  # the core's, as of its last message
+        self._sent = 0  # requests sent to the core and not yet taken by it
+        self._sink: ResultSink | None = None
+        self._failure: str | None = None  # the core's own account of its failure
+        self._ended = False  # the core's end is reported (or this host shut down)
+        self._exit_report: asyncio.Future | None = None
+        gc.collect()  # as LLMEngine does in its process: what start-up made is never walked again
+        gc.freeze()
+
+    def bind(self, loop: asyncio.AbstractEventLoop, sink: ResultSink) -> None:
+        self._sink = sink
+        self.client.channel.attach(loop, self._on_message, self._on_closed)
+
+    @property
+    def is_running(self) -> bool:
+        return self._sink is not None and not self._ended
+
+    def add(self, request: NewRequest) -> None:
+        self._sent += 1
+        self._send(([request], ()))
+
+    def abort(self, request_id: str) -> None:
+        self._send(([], (request_id,)))
+
+    def _send(self, batch: tuple) -> None:
+        try:
+            self.client.channel.send(batch)
+        except OSError as exc:  # the core's end closed: it is gone
+            self._end(exc)
+
+    def _on_message(self, message: CoreStep | CoreFailed) -> None:
+        if isinstance(message, CoreFailed):
+            _log.error("the engine process failed:\n%s", message.traceback)
+            self._failure = message.error
+            return
+        self._sent -= message.num_taken
+        self._core_stats = message.stats
+        self._sink(StepResult(message.errors, list(self.client.outputs(message))))
+
+    def _on_closed(self) -> None:
+        """The core's pipe ended: report how the core ended once it has (its exit code)."""
+        if not self._ended:
+            self._exit_report = asyncio.ensure_future(self._report_exit())
+
+    async def _report_exit(self) -> None:
+        process = self.client.process
+        await asyncio.to_thread(process.join, 5.0)
+        self._end(RuntimeError(self._failure or f"the engine process exited (exit code {process.exitcode})"))
+
+    def _end(self, error: BaseException) -> None:
+        if not self._ended:
+            self._ended = True
+            self._sink(error)
+
+    def num_waiting(self) -> int:
+        return self._core_stats.num_waiting + self._sent
+
+    def stats(self) -> EngineStats:
+        s = self._core_stats
+        return dataclasses.replace(s, num_waiting=s.num_waiting + self._sent)
+
+    def health_problem(self) -> str | None:
+        if self.client.alive:
+            return None
+        return f"the engine process exited (exit code {self.client.process.exitcode})"
+
+    async def shutdown(self) -> None:
+        self._ended = True
+        self.client.channel.detach(close=True)  # here, on the loop that reads it
+        await asyncio.to_thread(self.client.shutdown)

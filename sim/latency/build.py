@@ -1,0 +1,53 @@
+"""Latency models by name, each with its own config (conf/latency/<name>.yaml), and the one
+builder from a typed config to a model. A new model subclasses `LatencyModel`, declares its config
+dataclass (a subclass of `LatencyConfig`), implements `from_config(config, setup)` and registers
+(sim/latency/operators.py does, with `OperatorsConfig`):
+
+    @dataclass(kw_only=True)
+    class OperatorsConfig(LatencyConfig):
+        dir: str | None = None
+        ...
+
+    @LATENCY_MODELS.register("operators", config=OperatorsConfig)
+    class OperatorModel(LatencyModel):
+        @classmethod
+        def from_config(cls, config: OperatorsConfig, setup: LatencySetup) -> OperatorModel: ...
+
+plus an import line in sim/latency/__init__.py and `conf/latency/operators.yaml` with `name: operators`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from policies.registry import Registry
+from sim.latency.shapes import Hardware, ModelShape
+
+LATENCY_MODELS: Registry[type] = Registry("latency model", field="name", group="latency")
+
+
+@dataclass(kw_only=True)
+class LatencyConfig:
+    """The knobs every latency model has (conf/latency/<name>.yaml); a model with more subclasses it."""
+
+    name: str | None = None  # the registered name
+
+
+@dataclass(slots=True, frozen=True)
+class LatencySetup:
+    """What a latency model prices steps for, besides its own config: the whole model (each
+    GPU's share follows from `tensor_parallel_size`), the hardware and the run's scheduling."""
+
+    model: ModelShape
+    hardware: Hardware
+    block_size: int
+    tensor_parallel_size: int = 1
+    async_scheduling: bool = False
+    # The engine's CUDA-graph buckets for the run's limits, (batch sizes, token sizes), computed on
+    # demand by the caller (the simulator does not import the engine); None: not known.
+    graph_sizes: Callable[[], tuple[list[int], list[int]]] | None = None
+
+
+def build_latency_model(config: LatencyConfig, setup: LatencySetup, where: str = "latency"):
+    """The latency model `config` names, set up for `setup`."""
+    return LATENCY_MODELS.get(config.name, where).from_config(config, setup)

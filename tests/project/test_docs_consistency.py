@@ -1,0 +1,57 @@
+"""The README and docs/ say what the tree holds: the README's config-group lists are conf/'s
+options, every profile a page cites exists, every README headline number is in the record
+(docs/results.md), and every `make` target the Makefile declares has a rule."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+PAGES = {p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))]}
+
+
+def _readme_config_groups() -> dict[str, set[str]]:
+    paragraph = README[README.index("Config groups (`conf/`"):].split("\n\n")[0]
+    return {group: {o.strip() for o in options.split(",")}
+            for group, options in re.findall(r"`([a-z_]+)`\s+\(([^)]*)\)", paragraph)}
+
+
+def test_readme_lists_every_option_of_every_run_config_group():
+    listed = _readme_config_groups()
+    defaults = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/config.yaml"))["defaults"]
+    groups = {next(iter(d)) for d in defaults if isinstance(d, dict)}
+    assert set(listed) == groups
+    for group, options in listed.items():
+        present = {p.stem for p in (ROOT / "conf" / group).glob("*.yaml")}
+        patterns = [o for o in options if o.endswith("*")]
+        expanded = (options - set(patterns)) | {p for p in present for o in patterns if p.startswith(o[:-1])}
+        assert expanded == present, f"README's `{group}` list: missing {sorted(present - expanded)}, " \
+                                    f"not in conf/{group}/: {sorted(expanded - present)}"
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_every_profile_a_page_cites_exists(page):
+    cited = set(re.findall(r"experiments/profiles/[\w.-]+\.csv", PAGES[page]))
+    assert not [c for c in cited if not (ROOT / c).exists()]
+
+
+def test_every_readme_headline_number_is_in_the_record():
+    """The README's headline figures are copied from docs/results.md, with their configuration;
+    a figure changed in one place only is caught here."""
+    record = PAGES["docs/results.md"]
+    table = README[README.index("## Headline figures"):]
+    for row in (line for line in table.splitlines() if line.startswith("| ") and "---" not in line):
+        figure, value = [c.strip() for c in row.strip("|").split("|")][:2]
+        missing = [n for n in re.findall(r"\d[\d,.]*\d|\d", value) if n not in record]
+        assert not missing, f"README headline '{figure}': {missing} not in docs/results.md"
+
+
+def test_every_phony_make_target_has_a_rule():
+    makefile = (ROOT / "Makefile").read_text()
+    phony = re.search(r"^\.PHONY:(.*)$", makefile, re.M)[1].split()
+    rules = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    assert not [t for t in phony if t not in rules]
