@@ -82,9 +82,9 @@ def test_tp2_preemption_keeps_tokens(mode):
     with LLMEngine(EngineArgs(**base)) as engine:
         free = _generate(engine)
     # The six requests end holding 50 blocks of 16 tokens and the longest alone 21. 32 blocks (one
-    # max_model_len=512 request, the least the engine accepts) admit every prompt but not every
-    # sequence's growth, so running sequences are preempted (the same squeeze on the CPU engine
-    # preempts 3 times by swap and once by recompute).
+    # max_model_len=512 request, the least the engine accepts) hold the longest request but not the
+    # six together, so running sequences are preempted (the same squeeze on the CPU engine preempts
+    # 3 times by swap and once by recompute).
     squeezed = {**base, "max_model_len": 512, "num_gpu_blocks": 32, "block_size": 16, "preemption_mode": mode}
     with LLMEngine(EngineArgs(**squeezed)) as engine:
         tokens = _generate(engine)
