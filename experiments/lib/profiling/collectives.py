@@ -3,8 +3,12 @@
 The engine's tensor-parallel ranks sum activations with `dist.all_reduce` and gather logits with
 its all-gather (engine/distributed/parallel_state.py); here the same calls run in N
 spawned processes (torch.multiprocessing + torch.distributed over a local TCP rendezvous). Each
-size is called `warmup` times, then `iters` times back to back between CUDA events (wall clock on
-the CPU); a rank's time is the mean per call, a row's the slowest rank's. Every wait is bounded:
+size is called 3 times, then `iters` calls are captured in one CUDA graph, as the engine's steps
+capture them (eager calls would add the host's launch of each, ~25 us, which the engine's graphs
+do not pay), and the graph is replayed after a barrier between CUDA events (wall clock on the CPU).
+A rank's time is the mean per call; a row's is the fastest rank's: the ranks leave the barrier at
+different moments and the earlier ones wait for the last, whose time is the collectives' own.
+Every wait is bounded:
 the process group's timeout and `timeout_s` for the whole world size, after which the workers
 are terminated and the run fails naming the size.
 """
@@ -50,10 +54,10 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], dtype: torch.dty
                 for _ in range(3):
                     call()
                 seconds = _time(call, iters, cuda)
-                slowest = torch.tensor([seconds], device=dev, dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                fastest = torch.tensor([seconds], device=dev, dtype=torch.float64)
+                dist.all_reduce(fastest, op=dist.ReduceOp.MIN)
                 rows.append({"op": op, "bytes": numel * dtype.itemsize, "world_size": world,
-                             "time_s": float(slowest.item())})
+                             "time_s": float(fastest.item())})
         if rank == 0:
             results.put(("ok", rows))
         dist.barrier()
@@ -65,10 +69,16 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], dtype: torch.dty
 def _time(call, iters: int, cuda: bool) -> float:
     if cuda:
         torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                call()
+        graph.replay()  # the first replay sets up the captured collectives
+        torch.cuda.synchronize()
+        dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(iters):
-            call()
+        graph.replay()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / iters

@@ -159,17 +159,22 @@ def elementwise_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype) -> It
     import kernels
     from engine.models.ops import fused_ops
     dev = timer.device
-    fns = fused_ops(dev.type == "cuda", 1e-6)
     for n in grid.widths:
-        weight = torch.ones(n, device=dev, dtype=dtype)
+        # As in the engine: the norm weight is an nn.Parameter, whose shape torch.compile takes as
+        # static (a plain tensor's width would be symbolic, compiling a looped reduction whose time
+        # grows with the width at any row count), and each width compiles afresh (the recompile
+        # limit would otherwise drop the later widths to eager).
+        torch._dynamo.reset()
+        fns = fused_ops(dev.type == "cuda", 1e-6)
+        weight = torch.nn.Parameter(torch.ones(n, device=dev, dtype=dtype), requires_grad=False)
         table = torch.randn(4096, n, device=dev, dtype=dtype)
         for m in grid.tokens:
             x, r = torch.randn(m, n, device=dev, dtype=dtype), torch.randn(m, n, device=dev, dtype=dtype)
             gate_up = torch.randn(m, 2 * n, device=dev, dtype=dtype)
             ids = torch.randint(0, 4096, (m,), device=dev)
-            calls = {"rms_norm": lambda x=x, w=weight: fns.rms_norm(x, w),
-                     "add_rms_norm": lambda x=x, r=r, w=weight: fns.add_rms_norm(x, r, w),
-                     "silu_and_mul": lambda g=gate_up: fns.silu_and_mul(g),
+            calls = {"rms_norm": lambda x=x, w=weight, f=fns: f.rms_norm(x, w),
+                     "add_rms_norm": lambda x=x, r=r, w=weight, f=fns: f.add_rms_norm(x, r, w),
+                     "silu_and_mul": lambda g=gate_up, f=fns: f.silu_and_mul(g),
                      "embedding": lambda ids=ids, t=table: F.embedding(ids, t)}
             for op, call in calls.items():
                 yield {"op": op, "m": m, "n": n, "time_s": timer.kernel([call])}
