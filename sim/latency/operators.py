@@ -20,6 +20,13 @@ a step scheduled ahead (async scheduling); a step that was not (`SchedulerOutput
 every step with `async_scheduling` off) waits for it: `sync_host_s` plus `sync_host_per_seq_s` per
 scheduled sequence, host costs that do not depend on the model.
 
+Decode attention is measured on batches of equal contexts and priced at the step's mean context
+when the batch's programs (one per sequence and KV head, before splits) fill the kernel's wave
+(`decode_wave_programs`: programs that run at once, programs per SM x SMs); a batch that leaves
+part of the wave idle is not bandwidth-bound as a whole, and its longest sequence's programs set
+the kernel's time. Its context is taken between the mean (a full wave) and the longest (an empty
+one), by the idle fraction: C = mean + (1 - B Hkv / wave) (longest - mean). 0 turns this off.
+
 With the engine's CUDA-graph sizes given (`batch_sizes` for decode-only steps, `token_sizes` for
 steps with prefill: engine/device/cuda_graph.py), T is padded to the graph a step runs, as the engine's
 linear layers, norms and all-reduces compute the padding rows (attention and sampling skip them).
@@ -66,6 +73,7 @@ class OperatorsConfig(LatencyConfig):
     host_step_s: float = 0.0
     sync_host_s: float = 0.0
     sync_host_per_seq_s: float = 0.0
+    decode_wave_programs: int = 0
     admission_s: float = 0.0
 
 
@@ -83,12 +91,14 @@ class OperatorModel(LatencyModel):
         return cls(OperatorProfile.load(files), setup.model, setup.block_size, setup.tensor_parallel_size,
                    host_step_s=config.host_step_s, admission_s=config.admission_s, batch_sizes=batch_sizes,
                    token_sizes=token_sizes, sync_host_s=config.sync_host_s,
-                   sync_host_per_seq_s=config.sync_host_per_seq_s, async_scheduling=setup.async_scheduling)
+                   sync_host_per_seq_s=config.sync_host_per_seq_s, async_scheduling=setup.async_scheduling,
+                   decode_wave_programs=config.decode_wave_programs)
 
     def __init__(self, profile: OperatorProfile, model: ModelShape, block_size: int,
                  tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0,
                  batch_sizes: list[int] | None = None, token_sizes: list[int] | None = None,
-                 sync_host_s: float = 0.0, sync_host_per_seq_s: float = 0.0, async_scheduling: bool = True) -> None:
+                 sync_host_s: float = 0.0, sync_host_per_seq_s: float = 0.0, async_scheduling: bool = True,
+                 decode_wave_programs: int = 0) -> None:
         missing = [op for op in REQUIRED if not profile.has(op)]
         if missing:
             raise ValueError(f"operator profile {[str(p) for p in profile.paths]} lacks op {missing}: take the "
@@ -106,6 +116,11 @@ class OperatorModel(LatencyModel):
                             ("sync_host_per_seq_s", sync_host_per_seq_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"latency.{name}={value!r} is invalid: must be a number >= 0 (seconds)")
+        if isinstance(decode_wave_programs, bool) or not isinstance(decode_wave_programs, int) or decode_wave_programs < 0:
+            raise ValueError(f"latency.decode_wave_programs={decode_wave_programs!r} is invalid: must be an integer >= 0 "
+                             "(programs of one wave of the decode kernel; 0: price decodes at the mean context)")
+        self.decode_wave_programs = decode_wave_programs
+        self.uses_longest_context = decode_wave_programs > 0
         self.profile, self.tensor_parallel_size = profile, tp
         self.batch_sizes, self.token_sizes = list(batch_sizes or []), list(token_sizes or [])
         self.host_step_s, self.admission_s = float(host_step_s), float(admission_s)
@@ -143,9 +158,9 @@ class OperatorModel(LatencyModel):
 
     def step_time(self, out: SchedulerOutput) -> float:
         if not out.scheduled:
-            return self.shape_time(BatchShape.of(out))
+            return self.shape_time(BatchShape.of(out, self.uses_longest_context))
         waits = not (self.async_scheduling and out.ahead)
-        return self.shape_time(BatchShape.of(out)) + (self.sync_host(len(out.scheduled)) if waits else 0.0)
+        return self.shape_time(BatchShape.of(out, self.uses_longest_context)) + (self.sync_host(len(out.scheduled)) if waits else 0.0)
 
     def sync_host(self, num_seqs: int) -> float:
         """Host seconds of a step of `num_seqs` sequences that was not scheduled ahead."""
@@ -180,7 +195,7 @@ class OperatorModel(LatencyModel):
             t += self.sample_curve(s.num_samples)
         L = self.model.num_hidden_layers
         if s.num_decode_seqs:
-            t += L * self.decode(s.num_decode_seqs, max(s.num_context_tokens / s.num_decode_seqs, 1.0))
+            t += L * self.decode(s.num_decode_seqs, self.decode_context(s))
         if s.num_prefill_tokens:
             chunks = s.prefill_chunks or ((s.num_prefill_tokens, s.prefill_context_tokens),)
             attn = self.prefill_floor + sum(self.prefill(q, c) - self.prefill_floor for q, c in chunks)
@@ -190,6 +205,15 @@ class OperatorModel(LatencyModel):
             if s.num_samples:
                 t += self.all_gather(s.num_samples * self.logit_bytes)
         return t
+
+    def decode_context(self, s: BatchShape) -> float:
+        """The per-sequence context decode attention is priced at: the mean, moved towards the
+        longest by the idle fraction of the kernel's wave."""
+        mean = max(s.num_context_tokens / s.num_decode_seqs, 1.0)
+        if not self.decode_wave_programs or s.max_context_tokens <= mean:
+            return mean
+        idle = 1.0 - s.num_decode_seqs * self.model.num_key_value_heads / self.decode_wave_programs
+        return mean + idle * (s.max_context_tokens - mean) if idle > 0 else mean
 
     def swap_time(self, num_blocks: int) -> float:
         if num_blocks <= 0:
