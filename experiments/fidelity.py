@@ -324,7 +324,8 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
         print(f"[fidelity] engine runs in {runs_dir}: run the simulator side with --engine-runs {runs_dir}")
         return fid
     latency = fid.sim_profile() if fid.profiled else f"latency={compose_cfg([*fid.base, *spec['sim']]).latency.name}"
-    meta.update({"profile": latency, "runs_dir": str(runs_dir), "spec": str(args.spec)})
+    meta.update({"profile": latency, "latency_model": compose_cfg([*fid.base, *spec["sim"]]).latency.name,
+                 "runs_dir": str(runs_dir), "spec": str(args.spec)})
     print(fid.write(args.out or runs_dir / "report", meta))
     return fid
 

@@ -47,7 +47,7 @@ def scenario_figure(name: str, runs: dict[str, tuple[pd.DataFrame, pd.DataFrame]
     ax.set_ylabel("% of GPU blocks")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(f"{name}: engine vs simulator (profiled latency)", fontsize=11)
+    fig.suptitle(f"{name}: engine vs simulator", fontsize=11)
     fig.tight_layout()
     return fig
 

@@ -265,7 +265,7 @@ def report_markdown(meta: Mapping[str, Any], table: pd.DataFrame, ranking: list[
         if s.get("host_probe_us"):
             line += f"; host CPU gauge before each engine run: {' / '.join(f'{x:.0f}' for x in s['host_probe_us'])} us"
         lines.append(line)
-    return (f"# Simulator fidelity: engine vs sim (profiled latency)\n\n"
+    return (f"# Simulator fidelity: engine vs sim ({meta.get('latency_model', 'profiled')} latency)\n\n"
             f"- device: {meta['device']}\n- date: {meta['date']}\n- command: `{meta['command']}`\n"
             + (f"- engine runs: `{meta['engine_command']}`\n" if meta.get("engine_command") else "") +
             f"- profile: `{meta['profile']}`\n- versions: {meta['versions']}\n\n"

@@ -242,6 +242,8 @@ def test_tiny_cpu_fidelity_run_end_to_end(tmp_path, request, monkeypatch):
     assert ops.results["offline"]["sim"][0]["run"]["latency_model"] == "operators"
     assert "decode_vs_profile" not in ops.settings["offline"]
     assert json.loads((tmp_path / "out_ops" / "meta.json").read_text())["profile"] == "latency=operators"
+    assert (tmp_path / "out_ops" / "fidelity.md").read_text().startswith("# Simulator fidelity: engine vs sim (operators latency)")
+    assert (out / "fidelity.md").read_text().startswith("# Simulator fidelity: engine vs sim (profiled latency)")
     # The GPU stage alone: engine traces and meta.json, no simulator run, no report; the repeats run
     # in rounds over the scenarios (capacity scenario first in each), each after a host CPU gauge.
     import experiments.fidelity as fidelity_module
