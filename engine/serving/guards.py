@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.serving.errors import APIError
 
 API_KEY_ENV = "SERVELAB_API_KEY"
-BYTES_PER_TOKEN = 64  # room for one prompt token in a JSON body: a long token, \uXXXX escapes
+BYTES_PER_TOKEN = 64  # room for one prompt token in a JSON body: a long token, six-byte \u escapes
 MIN_BODY_BYTES = 1 << 20
 
 
