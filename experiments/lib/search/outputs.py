@@ -1,0 +1,94 @@
+"""A search's outputs: the table (csv + parquet), the Pareto front (PNG), the cheapest deployment
+for the target rate (printed and in summary.json)."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig
+
+from experiments.lib.search.pareto import pareto_front, plot_front
+from experiments.lib.workloads import Workload
+
+DEPLOYMENT_COLUMNS = ["gpu", "tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens",
+                      "policy", "router"]
+
+
+@dataclass(slots=True)
+class SearchResult:
+    table: pd.DataFrame  # one row per deployment
+    front: pd.DataFrame  # its Pareto front (cost vs capacity)
+    cheapest: dict[str, Any] | None  # the cheapest deployment for the target rate (None: none sustains it)
+    summary: dict[str, Any]  # summary.json
+
+
+def describe(row: dict[str, Any] | pd.Series) -> str:
+    return (f"{int(row['replicas'])} x {row['gpu']} TP{int(row['tensor_parallel_size'])} "
+            f"(max_num_seqs={int(row['max_num_seqs'])}, max_num_batched_tokens={int(row['max_num_batched_tokens'])}, "
+            f"policy={row['policy']}, router={row['router']})")
+
+
+def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: float, workload: Workload,
+           out_dir: str | Path):
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame(rows)
+    for col in ("capacity_rps", "failed_rps", "ttft_p", "tpot_p", "goodput_fraction", "simulations",
+                "simulated_requests", "missed_at_lowest"):
+        if col not in table:
+            table[col] = np.nan
+    table["capacity_rps"] = table["capacity_rps"].astype(float)
+    tokens_per_hour = table["capacity_rps"] * mean_output * 3600
+    table["cost_per_million_output_tokens"] = np.where(
+        table["capacity_rps"] > 0, table["dollars_per_hour"] / tokens_per_hour.where(tokens_per_hour > 0) * 1e6, np.nan)
+    table.to_csv(out_dir / "table.csv", index=False)
+    table.to_parquet(out_dir / "table.parquet", index=False)
+    ran = table[table["status"] != "pruned"]
+    if not (ran["capacity_rps"] > 0).any():
+        missed = Counter(f for m in ran["missed_at_lowest"] for f in str(m).split(",") if f)
+        field = missed.most_common(1)[0][0] if missed else "ttft_s"
+        lowest = float(ran["failed_rps"].min())
+        raise ValueError(f"search.slo.{field}={getattr(slo, field, None)!r} is met by no deployment: none of "
+                         f"{len(ran)} meets {slo_text(slo)} even at {lowest:.3g} req/s (table in {out_dir / 'table.csv'})")
+    front = pareto_front(table)
+    plot_front(table, front, out_dir / "pareto.png",
+               f"{cfg.model.name}, {workload.name}, {slo_text(slo)}")
+    able = table[table["capacity_rps"] >= s.target_rate].sort_values(
+        ["dollars_per_hour", "capacity_rps"], ascending=[True, False], kind="stable")
+    cheapest = None if able.empty else _plain(able.iloc[0][[*DEPLOYMENT_COLUMNS, "num_gpus", "dollars_per_hour",
+                                                            "capacity_rps", "cost_per_million_output_tokens",
+                                                            "ttft_p", "tpot_p", "goodput_fraction"]].to_dict())
+    counts = table["status"].value_counts().to_dict()
+    summary = {"model": cfg.model.name, "workload": workload.name,
+               "mean_output_tokens": mean_output, "latency": cfg.latency.name, "slo": slo.as_dict(),
+               "slo_text": slo_text(slo),
+               "target_rate": s.target_rate, "deployments": len(table),
+               "simulated": int(counts.get("simulated", 0)), "cached": int(counts.get("cached", 0)),
+               "pruned": int(counts.get("pruned", 0)), "simulations": int(table["simulations"].fillna(0).sum()),
+               "simulated_requests": int(table["simulated_requests"].fillna(0).sum()),
+               "duration_s": s.duration_s,
+               "cheapest": cheapest, "pareto_front": [_plain(r) for r in front[
+                   [*DEPLOYMENT_COLUMNS, "num_gpus", "dollars_per_hour", "capacity_rps",
+                    "cost_per_million_output_tokens"]].to_dict("records")],
+               "files": {"table": "table.csv", "parquet": "table.parquet", "pareto": "pareto.png"}}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return SearchResult(table, front, cheapest, summary)
+
+
+def slo_text(slo) -> str:
+    parts = []
+    if slo.ttft_s is not None:
+        parts.append(f"TTFT p{slo.ttft_percentile:g} <= {slo.ttft_s:g} s")
+    if slo.tpot_s is not None:
+        parts.append(f"TPOT p{slo.tpot_percentile:g} <= {slo.tpot_s * 1e3:g} ms")
+    text = " and ".join(parts)
+    return f"goodput >= {slo.goodput:g} of requests with {text}" if slo.goodput is not None else text
+
+
+def _plain(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in d.items()}

@@ -1,0 +1,51 @@
+"""`python -m experiments.search [overrides]`: the cheapest deployment that meets the SLOs (Hydra app,
+config conf/search.yaml; docs/search.md).
+
+Searches GPU type x tensor-parallel size x replicas x max_num_seqs x max_num_batched_tokens x policy
+x router; for each deployment, the highest request rate it sustains within `search.slo`, its $/h and
+its cost per million output tokens. Writes table.csv / table.parquet, pareto.png and summary.json
+into outputs/search/<date>/<time>/ and prints the cheapest deployment for `search.target_rate`.
+Examples:
+
+    python -m experiments.search model=qwen3-8b workload=sharegpt workload.num_requests=100
+    python -m experiments.search search.n_jobs=2 search.target_rate=20 search.slo.ttft_s=1
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from experiments.lib.cli import config_errors, run_cli
+from experiments.lib.search.outputs import describe
+from experiments.lib.search.runner import run_search
+
+
+@hydra.main(config_path="../conf", config_name="search", version_base="1.3")
+@config_errors
+def _main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    result = run_search(cfg, out_dir)
+    s = result.summary
+    print(f"{s['deployments']} deployments of {s['model']} ({s['simulated']} simulated, {s['cached']} cached, "
+          f"{s['pruned']} pruned), {s['simulations']} simulations ({s['simulated_requests']} requests); SLO: "
+          f"{s['slo_text']}")
+    c = result.cheapest
+    if c is None:
+        print(f"no deployment sustains search.target_rate={s['target_rate']:g} req/s: the largest capacity is "
+              f"{result.table['capacity_rps'].max():.3g} req/s")
+    else:
+        print(f"cheapest for {s['target_rate']:g} req/s: {describe(c)}: {c['num_gpus']} GPUs, "
+              f"${c['dollars_per_hour']:.2f}/h, capacity {c['capacity_rps']:.3g} req/s, "
+              f"${c['cost_per_million_output_tokens']:.3f} per million output tokens")
+    print(f"  Pareto front: {len(result.front)} deployments; table, pareto.png and summary.json in {out_dir}")
+
+
+def main() -> None:
+    run_cli(_main)
+
+
+if __name__ == "__main__":
+    main()
