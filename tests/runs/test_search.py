@@ -67,6 +67,19 @@ def test_a_model_that_does_not_fit_is_pruned_with_its_reason(tmp_path):
                                                       catalogue["h100"]), 10**7, {})
 
 
+def test_a_tensor_parallel_size_without_collective_data_is_pruned(tmp_path):
+    """latency=operators with the CPU profile: collectives measured at 2 ranks only."""
+    cfg = search_cfg(["latency=operators", "latency.gpu=cpu", "latency.dtype=float32"], tmp_path)
+    catalogue = load_catalogue(cfg.catalogue)
+
+    def reason(tp: int) -> str | None:
+        d = Deployment("h100", tp, 1, 64, 2048, "fcfs", "round_robin")
+        return prune_reason(run_config(cfg, d, catalogue["h100"]), None, {})
+
+    assert reason(2) is None
+    assert reason(4).startswith("latency: parallel.tensor_parallel_size=4 has no all_reduce data")
+
+
 def test_a_rerun_simulates_nothing_and_an_interrupted_one_resumes(tmp_path):
     cfg = search_cfg(TINY, tmp_path)
     first = run_search(cfg, tmp_path / "a", progress=False)
