@@ -53,7 +53,9 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
         missed = Counter(f for m in ran["missed_at_lowest"] for f in str(m).split(",") if f)
         field = missed.most_common(1)[0][0] if missed else "ttft_s"
         lowest = float(ran["failed_rps"].min())
-        raise ValueError(f"search.slo.{field}={getattr(slo, field, None)!r} is met by no deployment: none of "
+        named = "search.slo (some requests never finish)" if field == "completed" else \
+            f"search.slo.{field}={getattr(slo, field)!r}"
+        raise ValueError(f"{named} is met by no deployment: none of "
                          f"{len(ran)} meets {slo_text(slo)} even at {lowest:.3g} req/s (table in {out_dir / 'table.csv'})")
     front = pareto_front(table)
     plot_front(table, front, out_dir / "pareto.png",
