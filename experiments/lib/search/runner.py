@@ -145,9 +145,12 @@ def run_search(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> S
             if key not in cache:
                 tasks.append((len(rows), key, resolved))
         rows.append(row)
-    if all(r["status"] == "pruned" and r["reason"].startswith("memory") for r in rows):
-        raise ValueError(f"model.name={cfg.model.name!r} fits no catalogue GPU at search.space.tensor_parallel_size="
-                         f"{sorted({d.tensor_parallel_size for d in space})}: {rows[-1]['reason']}")
+    if all(r["status"] == "pruned" for r in rows):
+        other = [r["reason"] for r in rows if not r["reason"].startswith("memory")]
+        if not other:
+            raise ValueError(f"model.name={cfg.model.name!r} fits no catalogue GPU at search.space.tensor_parallel_size="
+                             f"{sorted({d.tensor_parallel_size for d in space})}: {rows[-1]['reason']}")
+        raise ValueError(f"search.space leaves no deployment to simulate: every one is pruned, e.g. {other[0]}")
     _simulate(tasks, rows, cache, slo, s, progress)
     for row in rows:
         if row["status"] != "pruned":
