@@ -128,6 +128,8 @@ def cli_error(args: list[str], tmp_path, monkeypatch, capsys) -> str:
     (["latency=operators", "search.space.gpu=[h100]"], "search.space.gpu='h100' has no latency data"),
     (["search.space.gpu=[b200]"], "search.space.gpu[0]='b200' is unknown"),
     (["model=llama-3.1-70b", "search.space.gpu=[a100]"], "model.name='llama-3.1-70b' fits no catalogue GPU"),
+    (["latency=operators", "latency.gpu=cpu", "latency.dtype=float32", "search.space.tensor_parallel_size=[4]"],
+     "search.space leaves no deployment to simulate: every one is pruned, e.g. latency: parallel.tensor_parallel_size=4"),
     (["+search.space.pd_split=[0.5]"], "search.space.pd_split is not available"),
     (["search.space.policy=[nope]"], "search.space.policy[0]='nope' is unknown"),
     (["workload=offline"], "workload='offline' is invalid for a search"),
