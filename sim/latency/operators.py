@@ -10,8 +10,8 @@ a step of T tokens (prefill + decodes), R sampled rows, B decodes reading C KV e
     + L x [ gemm(T, h, (Hq + 2 Hkv) D) + gemm(T, Hq D, h) + gemm(T, h, 2 I) + gemm(T, I, h)
             + 2 add_rms_norm(T, h) + qk_rope_write(T) + silu_and_mul(T, I)
             + decode_attention(B, C / B) + sum over prefill chunks of prefill_attention(q, c) ]
-    + gemm(R, h, V) + sampler(R, V_full)    the LM head on the sampled rows, then sampling
-    + (2 L + 1) all_reduce(T h b) + all_gather(R V_full b)   at N > 1 GPUs
+    + gemm(G, h, V) + sampler(R, V_full)    the LM head on the graph's sample rows, then sampling
+    + (2 L + 1) all_reduce(T h b) + all_gather(G V_full b)   at N > 1 GPUs
     + copy_blocks(copies x block bytes) + host_step_s
     + sync_host_s + sync_host_per_seq_s x sequences   (a step not scheduled ahead)
 
@@ -29,7 +29,9 @@ one), by the idle fraction: C = mean + (1 - B Hkv / wave) (longest - mean). 0 tu
 
 With the engine's CUDA-graph sizes given (`batch_sizes` for decode-only steps, `token_sizes` for
 steps with prefill: engine/device/cuda_graph.py), T is padded to the graph a step runs, as the engine's
-linear layers, norms and all-reduces compute the padding rows (attention and sampling skip them).
+linear layers, norms and all-reduces compute the padding rows (attention and sampling skip them),
+and the LM head (with its all-gather) runs on the graph's G sample rows: the batch size of a decode
+graph, min(T, max_num_seqs) of a token graph (G = R in an eager step).
 Prefill chunks run in one kernel launch: their times add above the smallest prefill time (the
 launch-bound floor), which is paid once. Everything that depends only on T is summed once at
 construction on the union of the grids' token points (`token_curve`), so a step costs a few
@@ -143,8 +145,8 @@ class OperatorModel(LatencyModel):
         points = sorted({p for _, g in parts for p in g.axes[0].points})
         self.token_curve = summed("m", points, parts)
         vocab_full = full.vocab_size
-        sample_parts = [(1.0, gemm.fixed(k=h, n=m.vocab_size)), (1.0, profile.grid("sampler").fix("n", vocab_full))]
-        self.sample_curve = summed("m", sorted({p for _, g in sample_parts for p in g.axes[0].points}), sample_parts)
+        self.lm_head = gemm.fixed(k=h, n=m.vocab_size)
+        self.sampler = profile.grid("sampler").fix("n", vocab_full)
         self.decode = profile.grid("decode_attention").fixed(**width)
         self.prefill = profile.grid("prefill_attention").fixed(**width)
         self.prefill_floor = self.prefill.min_time
@@ -191,8 +193,9 @@ class OperatorModel(LatencyModel):
             return t
         rows = padded(tokens, self.token_sizes if s.num_prefill_tokens else self.batch_sizes)
         t += self.token_curve(rows)
+        logit_rows = self.logit_rows(rows, s) if s.num_samples else 0
         if s.num_samples:
-            t += self.sample_curve(s.num_samples)
+            t += self.lm_head(logit_rows) + self.sampler(s.num_samples)
         L = self.model.num_hidden_layers
         if s.num_decode_seqs:
             t += L * self.decode(s.num_decode_seqs, self.decode_context(s))
@@ -203,8 +206,19 @@ class OperatorModel(LatencyModel):
         if self.all_reduce is not None:
             t += (2 * L + 1) * self.all_reduce(rows * self.token_bytes)
             if s.num_samples:
-                t += self.all_gather(s.num_samples * self.logit_bytes)
+                t += self.all_gather(logit_rows * self.logit_bytes)
         return t
+
+    def logit_rows(self, rows: int, s: BatchShape) -> int:
+        """Rows the LM head computes in a step run at `rows` tokens: a CUDA graph computes the
+        logits of all its sample rows (a decode graph's batch size; a token graph's min(tokens,
+        max_num_seqs), engine/device/cuda_graph.py), padding included; an eager step those of the
+        sampled rows only."""
+        if s.num_prefill_tokens:
+            if rows not in self.token_sizes or not self.batch_sizes:
+                return s.num_samples
+            return max(min(rows, self.batch_sizes[-1]), s.num_samples)
+        return rows if rows in self.batch_sizes else s.num_samples
 
     def decode_context(self, s: BatchShape) -> float:
         """The per-sequence context decode attention is priced at: the mean, moved towards the
