@@ -167,8 +167,14 @@ def latency_setup(cfg: DictConfig) -> LatencySetup:
         from engine.device.cuda_graph import graph_batch_sizes, graph_token_sizes
         return graph_batch_sizes(sched.max_num_seqs), graph_token_sizes(sched.max_num_batched_tokens)
 
+    def decode_splits(programs: int, slots: int, table_tokens: int) -> int:  # the engine's split-KV rule
+        from kernels.decode_splits import splits_for
+        from kernels.decode_tma import TmaDecodeConfig
+        return splits_for(programs, table_tokens, slots, TmaDecodeConfig().min_split_tokens, ordered=True)
+
     return LatencySetup(model_shape(cfg), hardware(cfg), block_size(cfg), tensor_parallel_size(cfg),
-                        bool(sched.get("async_scheduling", False)), graph_sizes)
+                        bool(sched.get("async_scheduling", False)), graph_sizes, decode_splits,
+                        sched.get("max_model_len"))
 
 
 def build_latency(cfg: DictConfig) -> LatencyModel:

@@ -46,6 +46,10 @@ class LatencySetup:
     # The engine's CUDA-graph buckets for the run's limits, (batch sizes, token sizes), computed on
     # demand by the caller (the simulator does not import the engine); None: not known.
     graph_sizes: Callable[[], tuple[list[int], list[int]]] | None = None
+    # The engine decode kernel's split-KV count for (programs before splits, programs one wave runs,
+    # block-table tokens) (kernels/decode_splits.py), imported on demand by the caller; None: not known.
+    decode_splits: Callable[[int, int, int], int] | None = None
+    max_model_len: int | None = None  # the engine's block tables hold this many tokens (rounded up to blocks)
 
 
 def build_latency_model(config: LatencyConfig, setup: LatencySetup, where: str = "latency"):

@@ -39,6 +39,7 @@ interpolations. Swaps: the mean of swap_out and swap_in at n x block bytes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,8 @@ from sim.latency.shapes import ModelShape
 from sim.latency.tensor_parallel import shard_shape
 from sim.latency.token_padding import padded
 
+# Decode kernels whose split-KV count follows kernels/decode_splits.py (the packed kernel's grid is fixed).
+SPLIT_KERNELS = ("tma", "per-head")
 REQUIRED = ("gemm", "decode_attention", "prefill_attention", "qk_rope_write", "add_rms_norm", "silu_and_mul",
             "embedding", "sampler", "graph_launch")
 
@@ -94,13 +97,15 @@ class OperatorModel(LatencyModel):
                    host_step_s=config.host_step_s, admission_s=config.admission_s, batch_sizes=batch_sizes,
                    token_sizes=token_sizes, sync_host_s=config.sync_host_s,
                    sync_host_per_seq_s=config.sync_host_per_seq_s, async_scheduling=setup.async_scheduling,
-                   decode_wave_programs=config.decode_wave_programs)
+                   decode_wave_programs=config.decode_wave_programs, decode_splits=setup.decode_splits,
+                   max_model_len=setup.max_model_len)
 
     def __init__(self, profile: OperatorProfile, model: ModelShape, block_size: int,
                  tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0,
                  batch_sizes: list[int] | None = None, token_sizes: list[int] | None = None,
                  sync_host_s: float = 0.0, sync_host_per_seq_s: float = 0.0, async_scheduling: bool = True,
-                 decode_wave_programs: int = 0) -> None:
+                 decode_wave_programs: int = 0, decode_splits: Callable[[int, int, int], int] | None = None,
+                 max_model_len: int | None = None) -> None:
         missing = [op for op in REQUIRED if not profile.has(op)]
         if missing:
             raise ValueError(f"operator profile {[str(p) for p in profile.paths]} lacks op {missing}: take the "
@@ -148,6 +153,18 @@ class OperatorModel(LatencyModel):
         self.lm_head = gemm.fixed(k=h, n=m.vocab_size)
         self.sampler = profile.grid("sampler").fix("n", vocab_full)
         self.decode = profile.grid("decode_attention").fixed(**width)
+        kernels = {meta.get("kernels") for meta in profile.meta} - {None}
+        self.split_rule = (decode_splits if decode_splits is not None and decode_wave_programs
+                           and kernels & set(SPLIT_KERNELS) else None)
+        if self.split_rule is not None:
+            widths = [int(meta["decode_block_table_tokens"]) for meta in profile.meta
+                      if "decode_block_table_tokens" in meta]
+            self.table_tokens = (-(-max_model_len // block_size) * block_size if max_model_len
+                                 else widths[0] if widths else 0)
+            # The profile's one-sequence rows: Hkv programs, split as the kernel splits them.
+            self.lone_splits = self.split_rule(m.num_key_value_heads, decode_wave_programs,
+                                               widths[0] if widths else self.table_tokens)
+            self._launch_splits: dict[int, int] = {}
         self.prefill = profile.grid("prefill_attention").fixed(**width)
         self.prefill_floor = self.prefill.min_time
         self.launch_s = profile.grid("graph_launch")(1)
@@ -198,7 +215,7 @@ class OperatorModel(LatencyModel):
             t += self.lm_head(logit_rows) + self.sampler(s.num_samples)
         L = self.model.num_hidden_layers
         if s.num_decode_seqs:
-            t += L * self.decode(s.num_decode_seqs, self.decode_context(s))
+            t += L * self.decode_attention(s, rows)
         if s.num_prefill_tokens:
             chunks = s.prefill_chunks or ((s.num_prefill_tokens, s.prefill_context_tokens),)
             attn = self.prefill_floor + sum(self.prefill(q, c) - self.prefill_floor for q, c in chunks)
@@ -209,16 +226,39 @@ class OperatorModel(LatencyModel):
                 t += self.all_gather(logit_rows * self.logit_bytes)
         return t
 
-    def logit_rows(self, rows: int, s: BatchShape) -> int:
-        """Rows the LM head computes in a step run at `rows` tokens: a CUDA graph computes the
-        logits of all its sample rows (a decode graph's batch size; a token graph's min(tokens,
-        max_num_seqs), engine/device/cuda_graph.py), padding included; an eager step those of the
-        sampled rows only."""
+    def graph_rows(self, rows: int, s: BatchShape) -> int | None:
+        """The sample and decode rows of the CUDA graph a step of `rows` tokens runs (a decode
+        graph's batch size; a token graph's min(tokens, max_num_seqs), engine/device/cuda_graph.py),
+        padding included; None for an eager step."""
         if s.num_prefill_tokens:
             if rows not in self.token_sizes or not self.batch_sizes:
-                return s.num_samples
-            return max(min(rows, self.batch_sizes[-1]), s.num_samples)
-        return rows if rows in self.batch_sizes else s.num_samples
+                return None
+            return min(rows, self.batch_sizes[-1])
+        return rows if rows in self.batch_sizes else None
+
+    def logit_rows(self, rows: int, s: BatchShape) -> int:
+        """Rows the LM head computes: all of a graph's sample rows, an eager step's sampled rows."""
+        return max(self.graph_rows(rows, s) or 0, s.num_samples)
+
+    def decode_attention(self, s: BatchShape, rows: int) -> float:
+        """One layer's decode attention: the profile's time at the batch and `decode_context`, at
+        least the time of the launch's longest program. The kernel sizes its split-KV grid from the
+        launch's rows (a graph's, padding included: a token graph launches min(tokens,
+        max_num_seqs) decode rows whatever decodes the step holds), so a step whose launch takes
+        fewer splits than its decodes alone would runs each over a longer stretch of context. One
+        program's time over c / s tokens is the one-sequence rows' (Hkv programs of
+        `lone_splits` splits each) at c x lone_splits / s."""
+        n = s.num_decode_seqs
+        t = self.decode(n, self.decode_context(s))
+        if self.split_rule is None:
+            return t
+        launch = self.graph_rows(rows, s) or n
+        splits = self._launch_splits.get(launch)
+        if splits is None:
+            splits = self._launch_splits[launch] = self.split_rule(
+                launch * self.model.num_key_value_heads, self.decode_wave_programs, self.table_tokens)
+        longest = s.max_context_tokens or s.num_context_tokens / n
+        return max(t, self.decode(1, longest * self.lone_splits / splits))
 
     def decode_context(self, s: BatchShape) -> float:
         """The per-sequence context decode attention is priced at: the mean, moved towards the

@@ -1,6 +1,9 @@
-"""The LM head in the `operators` latency model (sim/latency/operators.py) runs on a CUDA graph's
-sample rows, padding included, as the engine's graphs compute it (engine/device/cuda_graph.py)."""
+"""Operators at the shapes the engine's CUDA graphs launch them (engine/device/cuda_graph.py) in the
+`operators` latency model (sim/latency/operators.py): the LM head on a graph's sample rows, padding
+included, and decode attention split as the kernel splits a launch of the graph's decode rows."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -10,6 +13,8 @@ from experiments.profiles.synthetic_operators import synthetic_operator_profile
 from sim.latency import BatchShape
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
 from sim.latency.operators import OperatorModel
+
+OPERATORS = Path(__file__).resolve().parents[2] / "experiments" / "profiles" / "operators"
 
 TOKEN_SIZES = [16, 32, 64, 128, 256, 512, 768, 1024]
 
@@ -62,3 +67,44 @@ def test_an_eager_step_computes_the_logits_of_its_sampled_rows(profile):
     ops = model(profile, "qwen3-0.6b", 256)
     step = mixed(2000, 3, 400)  # past the largest token graph: eager
     assert ops.logit_rows(2003, step) == 4
+
+
+def one_split_from_65_programs(programs: int, slots: int, table_tokens: int) -> int:
+    """A split rule for the tests: 16 splits up to 64 programs, one above."""
+    assert slots == 528 and table_tokens == 4096
+    return 16 if programs <= 64 else 1
+
+
+@pytest.fixture(scope="module")
+def h200() -> OperatorProfile:
+    return OperatorProfile.load(find_operator_files(OPERATORS, "h200", "bfloat16"))
+
+
+def split_model(profile: OperatorProfile, rule=one_split_from_65_programs) -> OperatorModel:
+    shape_ = factory.model_shape(config("model=qwen3-0.6b"))  # 8 KV heads: one sequence is 8 programs
+    return OperatorModel(profile, shape_, 16, batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                         token_sizes=TOKEN_SIZES, decode_wave_programs=528, decode_splits=rule, max_model_len=4096)
+
+
+def test_a_decode_in_a_token_graph_runs_at_the_split_count_of_the_graphs_rows(h200):
+    ops, plain = split_model(h200), split_model(h200, rule=None)
+    assert ops.lone_splits == 16
+    step = mixed(1000, 1, 1500)  # the 1024-token graph launches 256 decode rows: one split
+    assert ops.decode_attention(step, 1024) == pytest.approx(ops.decode(1, 1500 * 16))
+    layers = ops.model.num_hidden_layers
+    assert ops.shape_time(step) - plain.shape_time(step) == pytest.approx(
+        layers * (ops.decode(1, 1500 * 16) - ops.decode(1, 1500)))
+    assert ops.shape_time(step) > 1.1 * plain.shape_time(step)
+
+
+def test_a_decode_graph_split_as_the_profiles_rows_is_priced_as_before(h200):
+    ops, plain = split_model(h200), split_model(h200, rule=None)
+    for n in (1, 4, 8):  # graphs of 8-64 programs: 16 splits, as the one-sequence rows
+        step = BatchShape(0, 0, 0, 0, n, n * 900, n, 0, (), 900)
+        assert ops.shape_time(step) == plain.shape_time(step)
+
+
+def test_the_built_model_takes_the_engines_split_rule():
+    built = factory.build_latency(config("latency=operators", "model=qwen3-0.6b"))
+    assert built.split_rule(8, 528, 4096) == built.lone_splits == 16
+    assert built.split_rule(256 * 8, 528, 4096) == 1 and built.table_tokens == 4096
