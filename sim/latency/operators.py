@@ -26,6 +26,10 @@ when the batch's programs (one per sequence and KV head, before splits) fill the
 part of the wave idle is not bandwidth-bound as a whole, and its longest sequence's programs set
 the kernel's time. Its context is taken between the mean (a full wave) and the longest (an empty
 one), by the idle fraction: C = mean + (1 - B Hkv / wave) (longest - mean). 0 turns this off.
+The kernel sizes its split-KV grid from the launch's rows (a CUDA graph's, padding included;
+`decode_splits`, the engine's rule): a launch that takes fewer splits than the profile's rows of B
+sequences is priced at least at its longest program, from the one-sequence rows
+(`decode_attention`).
 
 With the engine's CUDA-graph sizes given (`batch_sizes` for decode-only steps, `token_sizes` for
 steps with prefill: engine/device/cuda_graph.py), T is padded to the graph a step runs, as the engine's
