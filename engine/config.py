@@ -255,11 +255,53 @@ class RunnerConfig:
                 if f.name not in ("model_config", "cache_config")}
 
 
+# The largest all-reduce the symmetric-memory paths take by default (vLLM's custom all-reduce
+# default), and the most any setting may ask for (the buffer each GPU allocates at start-up).
+CUSTOM_ALL_REDUCE_MAX_BYTES = 8 * 2**20
+CUSTOM_ALL_REDUCE_LIMIT_BYTES = 2**30
+
+
 @dataclass(slots=True, frozen=True)
 class ParallelConfig:
     """Tensor parallelism: the model sharded over `tensor_parallel_size` ranks (GPUs, or processes
-    on CPU); a worker silent for `timeout_s` in a step is reported hung."""
+    on CPU); a worker silent for `timeout_s` in a step is reported hung.
+
+    All-reduces on GPUs (engine/distributed/custom_all_reduce.py, docs/parallelism.md): up to
+    `custom_all_reduce_one_shot_max_bytes` one-shot over symmetric memory (None: by world size,
+    `one_shot_max_bytes`), up to `custom_all_reduce_max_bytes` two-shot, NCCL above;
+    `disable_custom_all_reduce` sends every all-reduce through NCCL."""
 
     tensor_parallel_size: int = 1
     timeout_s: float = 300.0
+    disable_custom_all_reduce: bool = False
+    custom_all_reduce_one_shot_max_bytes: int | None = None
+    custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.disable_custom_all_reduce, bool):
+            raise ValueError(f"disable_custom_all_reduce={self.disable_custom_all_reduce!r} is invalid: "  # noqa: TRY004
+                             "true or false")
+        one_shot, most = self.custom_all_reduce_one_shot_max_bytes, self.custom_all_reduce_max_bytes
+        _check_bytes("custom_all_reduce_max_bytes", most)
+        if one_shot is not None:
+            _check_bytes("custom_all_reduce_one_shot_max_bytes", one_shot)
+            if one_shot > most:
+                raise ValueError(f"custom_all_reduce_one_shot_max_bytes={one_shot} is invalid: must be <= "
+                                 f"custom_all_reduce_max_bytes={most} (two-shot covers the sizes between them)")
+
+    def one_shot_max_bytes(self, world_size: int) -> int:
+        """The largest one-shot all-reduce: the setting, else vLLM's rule for its custom all-reduce
+        (one-shot throughout on 2 GPUs, below 512 KiB on 4, below 256 KiB on more)."""
+        if self.custom_all_reduce_one_shot_max_bytes is not None:
+            return self.custom_all_reduce_one_shot_max_bytes
+        if world_size <= 2:
+            return self.custom_all_reduce_max_bytes
+        return min(self.custom_all_reduce_max_bytes, 512 * 2**10 if world_size <= 4 else 256 * 2**10)
+
+
+def _check_bytes(field: str, value: object) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= CUSTOM_ALL_REDUCE_LIMIT_BYTES
+            or value % 16):
+        raise ValueError(f"{field}={value!r} is invalid: a byte count in [0, {CUSTOM_ALL_REDUCE_LIMIT_BYTES}], "
+                         "a multiple of 16 (0: no message takes that path)")
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import (
+    CUSTOM_ALL_REDUCE_MAX_BYTES,
     CacheConfig,
     ModelConfig,
     ParallelConfig,
@@ -61,6 +62,12 @@ class EngineArgs:
     # CPU), rank 0 in this process and workers spawned by the engine; 1 is the single-process path.
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0  # a worker silent this long in a step is reported hung
+    # All-reduces on GPUs (vLLM's name; engine/distributed/custom_all_reduce.py): one-shot over
+    # symmetric memory up to the first size (None: by world size), two-shot up to the second, NCCL
+    # above; True sends every all-reduce through NCCL.
+    disable_custom_all_reduce: bool = False
+    custom_all_reduce_one_shot_max_bytes: int | None = None
+    custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig) and (not isinstance(self.model, str) or not self.model):
@@ -96,6 +103,7 @@ class EngineArgs:
         if isinstance(self.distributed_timeout_s, bool) or not (isinstance(self.distributed_timeout_s, (int, float))
                                                                 and self.distributed_timeout_s > 0):
             raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} is invalid: must be a number > 0")
+        self.parallel_config()  # the all-reduce settings: a ValueError naming the field
         if self.device is not None and self.device.split(":")[0] not in ("cuda", "cpu"):
             raise ValueError(f"device={self.device!r} is invalid: 'cuda', 'cuda:<i>' or 'cpu'")
 
@@ -138,7 +146,8 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager, seed=self.seed, decode_kernel=self.decode_kernel)
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.distributed_timeout_s)
+        return ParallelConfig(self.tensor_parallel_size, self.distributed_timeout_s, self.disable_custom_all_reduce,
+                              self.custom_all_reduce_one_shot_max_bytes, self.custom_all_reduce_max_bytes)
 
     def scheduling_config(self, max_model_len: int) -> SchedulingConfig:
         """The scheduler these arguments describe, typed (policies/build.py builds it)."""

@@ -55,7 +55,8 @@ STARTUP_TIMEOUT_S = 900.0
 class TPModelRunner(ModelRunner):
     """Rank 0 of `parallel.tensor_parallel_size` ranks on `device` (GPUs `cuda:i` .. `cuda:i+N-1`, or
     the CPU); `parallel.timeout_s`: how long a step's collectives wait for a worker before
-    `WorkerFailure`; `config`: every rank's runner (sent to the workers as is)."""
+    `WorkerFailure`, its all-reduce settings choose the paths; `config`: every rank's runner (sent
+    to the workers as is, with `parallel`)."""
 
     def __init__(self, config: RunnerConfig, parallel: ParallelConfig, device: str | torch.device = "cpu") -> None:
         refuse_in_spawn_bootstrap()
@@ -94,8 +95,8 @@ class TPModelRunner(ModelRunner):
             for rank in range(1, size):
                 ours, theirs = ctx.Pipe()
                 proc = ctx.Process(target=_worker_entry, name=f"servelab-tp{rank}", daemon=True,
-                                   args=(rank, size, store.port, str(devices[rank]), config, startup_s, timeout_s,
-                                         theirs))
+                                   args=(rank, size, store.port, str(devices[rank]), config, parallel, startup_s,
+                                         timeout_s, theirs))
                 proc.start()
                 theirs.close()
                 self._links.append(ours)
@@ -108,7 +109,7 @@ class TPModelRunner(ModelRunner):
             # Every worker is up and about to join (or has died: its error, at once).
             await_workers(self._procs, self._links, "joining", startup_s, "start-up")
             self._shutdown.group_open = True  # from here on any group of this process is this engine's
-            self.tp = run_watched(lambda: init_group(store, 0, size, devices[0], startup_s), self._procs, self._links,
+            self.tp = run_watched(lambda: init_group(store, 0, size, devices[0], startup_s, parallel), self._procs, self._links,
                                   startup_s, "start-up (joining the group)")
             super().__init__(config.model_config, config.cache_config, **config.runner_kwargs(), device=devices[0],
                              tp=self.tp)
@@ -191,6 +192,8 @@ class TPModelRunner(ModelRunner):
         if hasattr(self, "device"):  # ModelRunner got far enough to hold something
             self.graphs = None  # the shutdown's to free, in bounded time (ModelRunner.close waits for the device)
             super().close()
+        if self.tp is not None:  # after the graphs that read it: release the symmetric buffer
+            self.tp.custom = None
 
 
 def _watch(runner_ref: weakref.ref, sentinels: list) -> None:

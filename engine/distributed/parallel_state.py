@@ -2,7 +2,8 @@
 1..N-1, over torch.distributed.
 
 Two groups: the device group (NCCL on GPUs, gloo on CPUs) carries the model's all-reduces and the
-logits gather; the host group (gloo) carries each step's message from rank 0 (its header and the
+logits gather (on GPUs the small all-reduces go over symmetric memory instead when every rank can,
+`engine.distributed.custom_all_reduce`); the host group (gloo) carries each step's message from rank 0 (its header and the
 packed input bytes, `engine.distributed.step_message`). On CPUs one gloo group serves both.
 
 Ranks meet at a `TCPStore` that rank 0 opens on a free port of 127.0.0.1 (no port guessing). The
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.config import ParallelConfig
+from engine.distributed.custom_all_reduce import SymmetricAllReduce, open_symmetric_all_reduce
+
 # all_gather_into_tensor's new name (torch >= 2.12); the same collective.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -30,11 +34,22 @@ class TPGroup:
     size: int
     device_group: dist.ProcessGroup
     host_group: dist.ProcessGroup
+    custom: SymmetricAllReduce | None = None  # the symmetric-memory paths, when every rank has them
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place (on the device's stream: capturable in a CUDA graph)."""
+        """Sum `x` over the ranks (on the device's stream: capturable in a CUDA graph): a new tensor
+        on the symmetric-memory paths, `x` itself summed in place on NCCL's or gloo's."""
+        if self.custom is not None:
+            summed = self.custom.all_reduce(x)
+            if summed is not None:
+                return summed
         dist.all_reduce(x, group=self.device_group)
         return x
+
+    def reduce_input(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where to write an all-reduce's input of `shape` so that it needs no copy in (a view of the
+        symmetric buffer), or None: any tensor will do."""
+        return None if self.custom is None else self.custom.input_buffer(shape, dtype)
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[R, C] on each rank -> [R, size * C]: rank r's block in columns [r C, (r + 1) C)."""
@@ -67,8 +82,10 @@ def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def init_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> TPGroup:
-    """Join the engine's group (every rank calls this; it returns once all have)."""
+def init_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float,
+               parallel: ParallelConfig | None = None) -> TPGroup:
+    """Join the engine's group (every rank calls this; it returns once all have), with the
+    symmetric-memory all-reduce unless `parallel` turns it off or a rank cannot have it."""
     if dist.is_initialized():
         raise RuntimeError(f"rank {rank}: this process's torch.distributed default group is already initialized")
     if device.type == "cuda":
@@ -81,7 +98,10 @@ def init_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
     device_group = dist.group.WORLD
     host_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return TPGroup(rank, size, device_group, host_group)
+    group = TPGroup(rank, size, device_group, host_group)
+    group.custom = open_symmetric_all_reduce(parallel or ParallelConfig(size), device, rank, size,
+                                             device_group.group_name, group.min_int)
+    return group
 
 
 def end_group(destroy_s: float, abort_s: float) -> bool:

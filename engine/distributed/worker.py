@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from engine.config import RunnerConfig
+from engine.config import ParallelConfig, RunnerConfig
 from engine.distributed.parallel_state import end_group, init_group, join_store
 from engine.distributed.shutdown import ABORT_S, DESTROY_S
 from engine.distributed.step_message import StepHeader, broadcast_inputs
@@ -41,7 +41,7 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="tp-parent-watchdog", daemon=True).start()
 
 
-def worker_main(rank: int, size: int, port: int, device: str, config: RunnerConfig,
+def worker_main(rank: int, size: int, port: int, device: str, config: RunnerConfig, parallel: ParallelConfig,
                 startup_s: float, timeout_s: float, conn: Connection) -> None:
     """`startup_s`: the collectives' deadline while ranks start; `timeout_s`: while serving steps."""
     _exit_with_parent()
@@ -52,7 +52,7 @@ def worker_main(rank: int, size: int, port: int, device: str, config: RunnerConf
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         conn.send(("joining", os.getpid()))
-        group = init_group(join_store(port, size, startup_s), rank, size, dev, startup_s)
+        group = init_group(join_store(port, size, startup_s), rank, size, dev, startup_s, parallel)
         runner = ModelRunner.from_config(config, device=dev, tp=group)
         group.set_timeout(timeout_s)
         conn.send(("ready", os.getpid()))

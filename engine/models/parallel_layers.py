@@ -2,7 +2,8 @@
 
 Column-parallel layers are plain `nn.Linear`s of the rank's output columns (q/k/v, gate/up, the
 LM head): nothing to communicate. `RowParallelLinear` (o_proj, down_proj) multiplies the rank's
-input columns and all-reduces the partial sums, adding the bias once after the sum.
+input columns and all-reduces the partial sums (written straight into the symmetric buffer when
+the all-reduce takes it), adding the bias once after the sum.
 `VocabParallelEmbedding` looks up the rank's vocabulary rows (zero for other ids) and all-reduces.
 `gather_logits` puts the ranks' vocabulary columns side by side and drops the padding.
 
@@ -39,7 +40,11 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))
+        # On the symmetric-memory paths the GEMM writes its partial sums straight into the buffer
+        # the all-reduce reads (no copy in).
+        staged = self.group.reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
+        partial = F.linear(x, self.weight) if staged is None else torch.mm(x, self.weight.t(), out=staged)
+        y = self.group.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,199 @@
+"""All-reduce over NVLink peer memory for the small messages of decode steps, through torch's own
+symmetric memory (`torch.distributed._symmetric_memory`); NCCL keeps the large ones.
+
+At decode sizes (tokens x hidden x 2 bytes: a few KB to a few MB) an NCCL all-reduce is bound by
+its latency, not by NVLink's bandwidth. Like vLLM's and SGLang's custom all-reduce, each rank here
+holds one buffer that every other rank of the group maps (symmetric memory, allocated and
+exchanged once at start-up), and a sum is one kernel of peer loads:
+- one-shot (`symm_mem.one_shot_all_reduce_out`): every rank reads every rank's whole buffer and
+  sums it; one barrier. Fewest steps: the smallest messages;
+- two-shot (`symm_mem.two_shot_all_reduce_out`): each rank sums its 1/N slice (a reduce-scatter),
+  then gathers the others' sums; N times fewer bytes read per rank, one barrier more: medium sizes;
+- NCCL above `custom_all_reduce_max_bytes`, for other dtypes (the kernels implement bf16 and
+  float32), other world sizes (2, 4, 8 only), and on CPUs (gloo).
+NVLink multicast (`multimem_*` ops) is never used: it is off on the hosts this runs on.
+
+The thresholds are `ParallelConfig`'s (engine/config.py); `experiments/bench_allreduce.py` measures
+the three paths by size. Every rank picks the same path for a message, since the choice depends only
+on its byte count, dtype and layout, which all ranks share.
+
+CUDA graphs: the kernels read and write only fixed addresses (the buffer, the output, the signal
+pads whose flags reset themselves), so a captured step replays them as is. A row-parallel GEMM
+writes its output straight into the buffer (`input_buffer`), which saves the copy in.
+
+Start-up is collective: every rank checks what it can (`unavailable_reason`), the ranks agree (all
+or none), allocate and exchange the buffer, and agree again; any failure leaves every rank on
+NCCL, with one log line saying why.
+
+Limitation: the kernels' barriers spin without a deadline, so a rank that dies in the middle of a
+step leaves the others' GPUs spinning in it (NCCL's can be aborted); rank 0's wait for that step's
+tokens then does not end. `disable_custom_all_reduce` restores NCCL's behaviour.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from engine.config import ParallelConfig
+
+logger = logging.getLogger("servelab.engine")
+
+ONE_SHOT, TWO_SHOT, NCCL = "one-shot", "two-shot", "nccl"
+# What torch's symmetric-memory all-reduce kernels implement (the out-of-place two-shot kernel is
+# specialized for these world sizes only).
+SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
+SYMMETRIC_WORLD_SIZES = (2, 4, 8)
+REQUIRED_OPS = ("one_shot_all_reduce_out", "two_shot_all_reduce_out")
+
+
+def choose_path(nbytes: int, dtype: torch.dtype, contiguous: bool, one_shot_max: int, two_shot_max: int) -> str:
+    """Which all-reduce carries a message of `nbytes` (every rank decides alike)."""
+    if dtype not in SYMMETRIC_DTYPES or not contiguous or nbytes <= 0 or nbytes % 4:  # the kernels' 4-byte vectors
+        return NCCL
+    if nbytes <= one_shot_max:
+        return ONE_SHOT
+    if nbytes <= two_shot_max:
+        return TWO_SHOT
+    return NCCL
+
+
+def symmetric_memory() -> ModuleType | None:
+    """torch's symmetric-memory module if this torch has it and the ops used here, else None."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return None
+    ops = getattr(torch.ops, "symm_mem", None)
+    if ops is None or not all(hasattr(ops, name) for name in REQUIRED_OPS):
+        return None
+    if not (hasattr(symm_mem, "empty") and hasattr(symm_mem, "rendezvous")):
+        return None
+    return symm_mem
+
+
+def unavailable_reason(parallel: ParallelConfig, device: torch.device, rank: int, world_size: int) -> str | None:
+    """Why this rank cannot take the symmetric-memory paths, or None if it can. Ranks sit on GPUs
+    `device.index - rank` .. `+ world_size - 1` (the engine's layout)."""
+    if parallel.disable_custom_all_reduce:
+        return "disable_custom_all_reduce is set"
+    if world_size == 1:
+        return "one rank: nothing to reduce"
+    if device.type != "cuda":
+        return f"device {device} is not a GPU (gloo carries the all-reduces)"
+    if world_size not in SYMMETRIC_WORLD_SIZES:
+        return f"world size {world_size}: torch's kernels take {SYMMETRIC_WORLD_SIZES}"
+    if parallel.custom_all_reduce_max_bytes == 0:
+        return "custom_all_reduce_max_bytes=0"
+    if symmetric_memory() is None:
+        return (f"torch {torch.__version__} has no torch.distributed._symmetric_memory with the ops "
+                f"{', '.join(REQUIRED_OPS)}")
+    first = device.index - rank
+    no_peer = [first + r for r in range(world_size)
+               if r != rank and not torch.cuda.can_device_access_peer(device.index, first + r)]
+    if no_peer:
+        return f"GPU {device.index} cannot access the memory of GPUs {no_peer} (no peer access)"
+    return None
+
+
+class SymmetricAllReduce:
+    """One rank's side: the symmetric buffer (`max_bytes` bytes, viewed as the message's dtype) and
+    the thresholds. `ops`: the `symm_mem` op namespace (the CPU tests pass a stand-in)."""
+
+    def __init__(self, buffer: torch.Tensor, group_name: str, one_shot_max: int, two_shot_max: int,
+                 handle: Any = None, ops: Any = None) -> None:
+        self.buffer = buffer
+        self.group_name = group_name
+        self.one_shot_max = one_shot_max
+        self.two_shot_max = min(two_shot_max, buffer.numel())
+        self.handle = handle  # the rendezvous: keeps the peers' mappings alive
+        self.ops = ops if ops is not None else torch.ops.symm_mem
+
+    def path_for(self, x: torch.Tensor) -> str:
+        return choose_path(x.numel() * x.element_size(), x.dtype, x.is_contiguous(), self.one_shot_max,
+                           self.two_shot_max)
+
+    def input_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where the producer of an all-reduce's input of `shape` should write it (a view of the
+        buffer), or None if NCCL carries that message."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if choose_path(nbytes, dtype, True, self.one_shot_max, self.two_shot_max) == NCCL:
+            return None
+        return self._staged(nbytes, dtype, shape)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The sum over the ranks as a new tensor, or None if the message is NCCL's to carry."""
+        path = self.path_for(x)
+        if path == NCCL:
+            return None
+        staged = self._staged(x.numel() * x.element_size(), x.dtype, tuple(x.shape))
+        if staged.data_ptr() != x.data_ptr():  # not written in place by its producer
+            staged.copy_(x)
+        return self.reduce(path, staged)
+
+    def reduce(self, path: str, staged: torch.Tensor) -> torch.Tensor:
+        """Sum `staged` (a view of the buffer from its start) by `path`, into a new tensor; the
+        buffer is free again when the kernel ends (its last barrier waits for every reader)."""
+        out = torch.empty_like(staged)
+        if path == ONE_SHOT:
+            self.ops.one_shot_all_reduce_out(staged, "sum", self.group_name, out)
+        elif path == TWO_SHOT:
+            self.ops.two_shot_all_reduce_out(staged, "sum", self.group_name, out)
+        else:
+            raise ValueError(f"path={path!r} is invalid: {ONE_SHOT!r} or {TWO_SHOT!r}")
+        return out
+
+    def _staged(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.buffer[:nbytes].view(dtype).view(shape)
+
+
+def open_symmetric_all_reduce(parallel: ParallelConfig, device: torch.device, rank: int, world_size: int,
+                              group_name: str, agree: Callable[[int], int]) -> SymmetricAllReduce | None:
+    """Every rank calls this at start-up, in the same order as the others; `agree(v)`: the minimum
+    of `v` over the ranks (the host group). Returns None on every rank unless every rank has the
+    symmetric buffer, and logs which all-reduce runs."""
+    reason = unavailable_reason(parallel, device, rank, world_size)
+    if agree(0 if reason else 1) == 0:
+        _log_off(rank, reason or "another rank cannot use symmetric memory")
+        return None
+    symm_mem = symmetric_memory()
+    custom = None
+    try:
+        custom = _allocate(symm_mem, parallel, device, world_size, group_name)
+    except Exception as e:  # noqa: BLE001 (any failure falls back to NCCL on every rank, logged)
+        reason = f"the symmetric buffer could not be set up: {type(e).__name__}: {e}"
+    if agree(0 if custom is None else 1) == 0:
+        _log_off(rank, reason or "another rank could not set up its symmetric buffer")
+        return None
+    if rank == 0:
+        logger.info("all-reduce: one-shot over symmetric memory up to %d bytes, two-shot up to %d, NCCL above "
+                    "(%d GPUs)", custom.one_shot_max, custom.two_shot_max, world_size)
+    return custom
+
+
+def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.device, world_size: int,
+              group_name: str) -> SymmetricAllReduce:
+    # No multicast object (NVLink multicast is off here, and its setup fails where it is not
+    # supported); no implicit memory pool: a buffer freed by a closed engine is released, so a later
+    # engine's buffer is never a reused block still holding the old group's peer mappings.
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("TORCH_SYMMMEM_IMPLICIT_POOL", "0")
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None and not getattr(enable, "__deprecated__", None):  # needed before torch made it a no-op
+        enable(group_name)
+    size = parallel.custom_all_reduce_max_bytes
+    buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buffer, group_name)
+    if handle is None:
+        raise RuntimeError("rendezvous returned no handle (the buffer is not symmetric memory)")
+    return SymmetricAllReduce(buffer, group_name, parallel.one_shot_max_bytes(world_size), size, handle)
+
+
+def _log_off(rank: int, reason: str) -> None:
+    if rank == 0:
+        logger.info("all-reduce: NCCL/gloo for every message (custom all-reduce off: %s)", reason)

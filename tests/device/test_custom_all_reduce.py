@@ -1,0 +1,185 @@
+"""The all-reduce's path choice and its fallbacks, on the CPU: which sizes go one-shot, two-shot or
+NCCL; the settings' errors; every reason the symmetric-memory paths stay off (with the log line);
+the dispatch through a stand-in for torch's `symm_mem` ops (the GPU kernels themselves are
+checked against NCCL in tests/device/test_custom_all_reduce_gpu.py)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine.distributed.custom_all_reduce as car
+from engine.config import CUSTOM_ALL_REDUCE_MAX_BYTES, ParallelConfig
+from engine.distributed.custom_all_reduce import (
+    NCCL,
+    ONE_SHOT,
+    TWO_SHOT,
+    SymmetricAllReduce,
+    choose_path,
+    open_symmetric_all_reduce,
+    unavailable_reason,
+)
+from engine.distributed.parallel_state import TPGroup, init_group, open_store
+from engine.engine_args import EngineArgs
+from engine.models.parallel_layers import RowParallelLinear
+
+KiB, MiB = 2**10, 2**20
+GPU1 = torch.device("cuda", 1)  # a device object only: nothing here touches a GPU
+
+
+@pytest.mark.parametrize(("nbytes", "dtype", "contiguous", "path"), [
+    (16, torch.bfloat16, True, ONE_SHOT),
+    (64 * KiB, torch.bfloat16, True, ONE_SHOT),  # the one-shot bound is inclusive
+    (64 * KiB + 16, torch.bfloat16, True, TWO_SHOT),
+    (MiB, torch.float32, True, TWO_SHOT),  # the two-shot bound is inclusive
+    (MiB + 16, torch.bfloat16, True, NCCL),
+    (1024, torch.float16, True, NCCL),  # the kernels implement bf16 and float32 only
+    (1024, torch.bfloat16, False, NCCL),
+    (6, torch.bfloat16, True, NCCL),  # not a whole number of 4-byte vectors
+    (0, torch.bfloat16, True, NCCL),
+])
+def test_the_path_by_size_dtype_and_layout(nbytes, dtype, contiguous, path):
+    assert choose_path(nbytes, dtype, contiguous, one_shot_max=64 * KiB, two_shot_max=MiB) == path
+
+
+def test_one_shot_bound_defaults_by_world_size():
+    cfg = ParallelConfig()
+    assert cfg.one_shot_max_bytes(2) == CUSTOM_ALL_REDUCE_MAX_BYTES  # one-shot throughout on 2 GPUs
+    assert cfg.one_shot_max_bytes(4) == 512 * KiB
+    assert cfg.one_shot_max_bytes(8) == 256 * KiB
+    assert ParallelConfig(custom_all_reduce_one_shot_max_bytes=4096).one_shot_max_bytes(2) == 4096
+    assert ParallelConfig(custom_all_reduce_max_bytes=128 * KiB).one_shot_max_bytes(4) == 128 * KiB
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"custom_all_reduce_max_bytes": -16}, "custom_all_reduce_max_bytes=-16"),
+    ({"custom_all_reduce_max_bytes": "8MB"}, "custom_all_reduce_max_bytes='8MB'"),
+    ({"custom_all_reduce_max_bytes": True}, "custom_all_reduce_max_bytes=True"),
+    ({"custom_all_reduce_max_bytes": 2**31}, "custom_all_reduce_max_bytes=2147483648"),
+    ({"custom_all_reduce_one_shot_max_bytes": 1000}, "custom_all_reduce_one_shot_max_bytes=1000"),
+    ({"custom_all_reduce_one_shot_max_bytes": 16 * MiB}, "custom_all_reduce_one_shot_max_bytes=16777216"),
+    ({"disable_custom_all_reduce": "yes"}, "disable_custom_all_reduce='yes'"),
+])
+def test_a_bad_setting_is_refused_naming_its_key(kwargs, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        ParallelConfig(**kwargs)
+    with pytest.raises(ValueError, match=named):  # EngineArgs checks them when built
+        EngineArgs(**kwargs)
+
+
+@pytest.mark.parametrize(("parallel", "device", "size", "said"), [
+    (ParallelConfig(disable_custom_all_reduce=True), GPU1, 2, "disable_custom_all_reduce is set"),
+    (ParallelConfig(), GPU1, 1, "one rank"),
+    (ParallelConfig(), torch.device("cpu"), 2, "gloo"),
+    (ParallelConfig(), GPU1, 3, "world size 3"),
+    (ParallelConfig(custom_all_reduce_max_bytes=0), GPU1, 2, "custom_all_reduce_max_bytes=0"),
+])
+def test_why_the_symmetric_paths_stay_off(parallel, device, size, said):
+    assert said in unavailable_reason(parallel, device, 1, size)
+
+
+def test_a_torch_without_symmetric_memory_ops_stays_on_nccl(monkeypatch):
+    monkeypatch.setattr(car, "symmetric_memory", lambda: None)
+    assert "no torch.distributed._symmetric_memory" in unavailable_reason(ParallelConfig(), GPU1, 1, 2)
+
+
+def test_this_torch_has_the_ops_used():
+    assert car.symmetric_memory() is not None, "torch.ops.symm_mem lacks " + ", ".join(car.REQUIRED_OPS)
+
+
+def test_gloo_ranks_stay_on_gloo_with_a_log_line(caplog):
+    with caplog.at_level(logging.INFO, logger="servelab.engine"):
+        assert open_symmetric_all_reduce(ParallelConfig(2), torch.device("cpu"), 0, 2, "g", lambda v: v) is None
+    assert "custom all-reduce off: device cpu is not a GPU (gloo carries the all-reduces)" in caplog.text
+
+
+def test_one_rank_that_cannot_keeps_every_rank_on_nccl(monkeypatch, caplog):
+    monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)  # this rank could
+    with caplog.at_level(logging.INFO, logger="servelab.engine"):
+        assert open_symmetric_all_reduce(ParallelConfig(2), GPU1, 0, 2, "g", lambda v: 0) is None  # another not
+    assert "another rank cannot use symmetric memory" in caplog.text
+
+
+def test_a_failed_buffer_set_up_falls_back_on_every_rank(monkeypatch, caplog):
+    agreed = []
+
+    def agree(v):
+        agreed.append(v)
+        return v
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUDA driver error: invalid argument")
+
+    monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(car, "_allocate", refuse)
+    with caplog.at_level(logging.INFO, logger="servelab.engine"):
+        assert open_symmetric_all_reduce(ParallelConfig(2), GPU1, 0, 2, "g", agree) is None
+    assert agreed == [1, 0]  # the ranks agree before allocating and after
+    assert "could not be set up: RuntimeError: CUDA driver error: invalid argument" in caplog.text
+
+
+def test_a_cpu_group_has_no_symmetric_paths():
+    group = init_group(open_store(1, 10), 0, 1, torch.device("cpu"), 10)
+    try:
+        assert group.custom is None and group.reduce_input((4, 8), torch.float32) is None
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+class FakeSymmOps:
+    """torch.ops.symm_mem's two ops as two ranks holding the same input would see them (sum = 2x);
+    records which op ran on which buffer address."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def one_shot_all_reduce_out(self, staged, op, group, out):
+        self.calls.append((ONE_SHOT, staged.data_ptr()))
+        return out.copy_(staged * 2)
+
+    def two_shot_all_reduce_out(self, staged, op, group, out):
+        self.calls.append((TWO_SHOT, staged.data_ptr()))
+        return out.copy_(staged * 2)
+
+
+def _custom(one_shot_max=1 * KiB, two_shot_max=4 * KiB) -> SymmetricAllReduce:
+    return SymmetricAllReduce(torch.zeros(two_shot_max, dtype=torch.uint8), "g", one_shot_max, two_shot_max,
+                              ops=FakeSymmOps())
+
+
+@pytest.mark.parametrize(("rows", "path"), [(8, ONE_SHOT), (16, TWO_SHOT), (64, NCCL)])
+def test_messages_go_by_size_through_the_buffer(rows, path):
+    custom = _custom()
+    x = torch.randn(rows, 32)  # float32: 128 bytes a row
+    out = custom.all_reduce(x)
+    if path == NCCL:
+        assert out is None and custom.ops.calls == []
+        return
+    assert custom.ops.calls == [(path, custom.buffer.data_ptr())]  # copied into the symmetric buffer
+    torch.testing.assert_close(out, 2 * x)
+    assert out.data_ptr() != custom.buffer.data_ptr()  # the sum outlives the buffer's next use
+
+
+def test_a_row_parallel_gemm_writes_into_the_buffer_and_sums_without_a_copy(monkeypatch):
+    custom = _custom()
+    layer = RowParallelLinear(16, 24, False, TPGroup(0, 2, None, None, custom))
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(4, 16)
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, *a: copies.append(t.data_ptr()) or real_copy(t, src, *a))
+    with torch.no_grad():  # as the engine runs it
+        y = layer(x)
+    torch.testing.assert_close(y, 2 * F.linear(x, layer.weight))
+    assert custom.ops.calls == [(ONE_SHOT, custom.buffer.data_ptr())]
+    assert custom.buffer.data_ptr() not in copies  # nothing copied in: the GEMM wrote there
+
+
+def test_a_message_too_large_for_the_buffer_takes_nccl():
+    custom = _custom(one_shot_max=1 * KiB, two_shot_max=4 * KiB)
+    assert custom.input_buffer((64, 32), torch.float32) is None  # 8 KiB
+    assert custom.input_buffer((8, 32), torch.float32).data_ptr() == custom.buffer.data_ptr()
