@@ -183,3 +183,16 @@ def test_a_message_too_large_for_the_buffer_takes_nccl():
     custom = _custom(one_shot_max=1 * KiB, two_shot_max=4 * KiB)
     assert custom.input_buffer((64, 32), torch.float32) is None  # 8 KiB
     assert custom.input_buffer((8, 32), torch.float32).data_ptr() == custom.buffer.data_ptr()
+
+
+def test_the_benchmark_picks_thresholds_from_graph_timings():
+    from experiments.bench_allreduce import thresholds
+
+    def row(nbytes, nccl, one, two, mode="graph"):
+        return {"bytes": nbytes, "mode": mode, "nccl_us": nccl, "one-shot_us": one, "two-shot_us": two}
+
+    rows = [row(1024, 20, 5, 8), row(2048, 20, 6, 8), row(4096, 20, 9, 8), row(8192, 20, 7, 8),  # two-shot won once
+            row(16384, 20, 25, 19), row(32768, 20, 30, 24), row(65536, 10, 5, 5),  # past the first NCCL win
+            row(1024, 1, 50, 50, mode="eager")]  # eager rows do not count
+    assert thresholds(rows) == (2048, 16384)
+    assert thresholds([row(1024, 5, 6, 7)]) == (0, 0)  # NCCL faster from the start: symmetric paths off

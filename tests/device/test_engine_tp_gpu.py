@@ -1,7 +1,8 @@
 """Tensor parallelism on GPUs (NCCL). The N = 1 smoke test runs rank 0's tensor-parallel path (NCCL
 group, sharded model, all-reduces captured in CUDA graphs) on one GPU; the N = 2 tests need two
-GPUs and are skipped otherwise: bf16 greedy agreement with one GPU, preemption by swap, CUDA
-graphs on and off, and closing in bounded time (close(), and a script's interpreter exit)."""
+GPUs and are skipped otherwise: bf16 greedy agreement with one GPU (small all-reduces over
+symmetric memory, the default, and NCCL only), preemption by swap, CUDA graphs on and off, and
+closing in bounded time (close(), and a script's interpreter exit)."""
 from __future__ import annotations
 
 import os
@@ -72,7 +73,18 @@ def test_tp2_bf16_greedy_agrees_with_one_gpu(eager):
         reference = _generate(engine)
     with LLMEngine(EngineArgs(**ARGS, enforce_eager=eager, tensor_parallel_size=2)) as engine:
         assert engine.runner.num_gpu_blocks > 0
+        assert engine.runner.tp.custom is not None  # the symmetric-memory all-reduce is on by default
         assert _agree(_generate(engine), reference, f"N=2 vs N=1, {'eager' if eager else 'CUDA graphs'}") >= 5 / 6
+
+
+@two_gpus
+def test_tp2_nccl_only_agrees_with_one_gpu():
+    """`disable_custom_all_reduce`: every all-reduce through NCCL, the same tokens."""
+    with LLMEngine(EngineArgs(**ARGS)) as engine:
+        reference = _generate(engine)
+    with LLMEngine(EngineArgs(**ARGS, tensor_parallel_size=2, disable_custom_all_reduce=True)) as engine:
+        assert engine.runner.tp.custom is None
+        assert _agree(_generate(engine), reference, "N=2 NCCL only vs N=1, CUDA graphs") >= 5 / 6
 
 
 @two_gpus
