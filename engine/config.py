@@ -291,7 +291,7 @@ class ParallelConfig:
 
     def one_shot_max_bytes(self, world_size: int) -> int:
         """The largest one-shot all-reduce: the setting, else vLLM's rule for its custom all-reduce
-        (one-shot throughout on 2 GPUs, below 512 KiB on 4, below 256 KiB on more)."""
+        (one-shot throughout on 2 GPUs, up to 512 KiB on 4, up to 256 KiB on more)."""
         if self.custom_all_reduce_one_shot_max_bytes is not None:
             return self.custom_all_reduce_one_shot_max_bytes
         if world_size <= 2:

@@ -156,6 +156,9 @@ def main() -> None:
     num_output = sum(o.num_output_tokens for o in outputs)
     note = (f"block_size {args.block_size}, CUDA graphs {engine.runner.graphs is not None}, "
             f"tensor_parallel_size {args.tensor_parallel_size}")
+    tp_group = getattr(engine.runner, "tp", None)
+    if tp_group is not None:  # which all-reduce ran: symmetric memory for small messages, or NCCL only
+        note += f", custom all-reduce {'on' if tp_group.custom is not None else 'off'}"
     if a.repeats > 1:
         note += "; median of " + " / ".join(f"{num_output / t:,.0f}" for t in runs) + " tok/s"
     ours = PeerResult("servelab LLM.generate", len(prompts), sum(max_tokens), num_output, seconds, note)
