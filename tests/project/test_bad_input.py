@@ -116,6 +116,8 @@ CONSTRUCTOR = (
     ("decode_kernel", ("tiny-llama", {"decode_kernel": "flash"}), r"decode_kernel='flash' is invalid"),
     ("max_logprobs", ("tiny-llama", {"max_logprobs": -2}), r"max_logprobs=-2 is invalid"),
     ("num_gpu_blocks-negative", ("tiny-llama", {"num_gpu_blocks": -3}), r"num_gpu_blocks=-3 is invalid"),
+    ("custom_all_reduce_max_bytes", ("tiny-llama", {"custom_all_reduce_max_bytes": 1000}),
+     r"custom_all_reduce_max_bytes=1000 is invalid"),
     ("model-not-a-model", ("/etc/passwd", {}), r"model='/etc/passwd' is unknown"),
     ("missing-safetensors", (_no_weights, {}), r"missing file .*model\.safetensors"),
     ("truncated-safetensors", (_truncated_weights, {}), r"weights file '.*model\.safetensors' is invalid"),
