@@ -246,7 +246,7 @@ def step_costs(engine, model_cfg, dtype: torch.dtype) -> StepCosts:
     head = model.lm_head_weight.numel()
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n
                  and "lm_head" not in n)
-    return StepCosts(weight_bytes, local.kv_bytes_per_token(dtype), head, matmul,
+    return StepCosts(weight_bytes, local.kv_bytes_per_token_in(dtype.itemsize), head, matmul,
                      4 * local.num_hidden_layers * local.num_attention_heads * local.head_dim)
 
 

@@ -31,3 +31,18 @@ def test_a_large_decode_batch_is_floored_by_its_flops():
     floor_s = compute_aware_floor_s(prompts, outputs, COSTS, 4e12, 1e14)
     decode_flops = 2 * 4096 * (COSTS.linear_params + COSTS.lm_head_params)
     assert floor_s >= 2 * decode_flops / 1e14
+
+
+def test_step_costs_reads_a_real_engine():
+    """The floors' inputs come from the engine's own model (kv bytes per token at the run's dtype)."""
+    import torch
+
+    from engine.engine_args import EngineArgs
+    from engine.offline.llm_engine import LLMEngine
+    from experiments.bench_throughput import step_costs
+
+    engine = LLMEngine(EngineArgs(model="tiny-llama", num_gpu_blocks=16, max_model_len=128))
+    costs = step_costs(engine, engine.runner.local_config, torch.float32)
+    local = engine.runner.local_config
+    assert costs.kv_bytes_per_token == 2 * local.num_hidden_layers * local.num_key_value_heads * local.head_dim * 4
+    assert costs.weight_bytes > 0 and costs.linear_params > 0 and costs.lm_head_params > 0
