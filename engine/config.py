@@ -290,12 +290,14 @@ class ParallelConfig:
                                  f"custom_all_reduce_max_bytes={most} (two-shot covers the sizes between them)")
 
     def one_shot_max_bytes(self, world_size: int) -> int:
-        """The largest one-shot all-reduce: the setting, else vLLM's rule for its custom all-reduce
-        (one-shot throughout on 2 GPUs, up to 512 KiB on 4, up to 256 KiB on more)."""
+        """The largest one-shot all-reduce: the setting, else 1 MiB on 2 GPUs (on 2x H200, replayed
+        from a CUDA graph, one-shot beat two-shot up to 1 MiB and two-shot won from 2 MiB:
+        experiments.bench_allreduce, docs/parallelism.md) and vLLM's rule above (up to 512 KiB on
+        4, up to 256 KiB on more)."""
         if self.custom_all_reduce_one_shot_max_bytes is not None:
             return self.custom_all_reduce_one_shot_max_bytes
         if world_size <= 2:
-            return self.custom_all_reduce_max_bytes
+            return min(self.custom_all_reduce_max_bytes, 2**20)
         return min(self.custom_all_reduce_max_bytes, 512 * 2**10 if world_size <= 4 else 256 * 2**10)
 
 
