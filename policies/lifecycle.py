@@ -148,19 +148,16 @@ class Lifecycle:
         # Without stop tokens and the backend's stops, no token ends a sequence here.
         may_stop = bool(stop_seq_ids) or self.num_with_stops > 0
         # One token for every sequence (SameTokens): read once, not looked up per sequence.
-        same = new_token_ids.tokens[0] if type(new_token_ids) is SameTokens else None
+        same = new_token_ids.tokens if type(new_token_ids) is SameTokens else None
         for seq in sampled:
             rule = stop_rules.get(seq)
             if rule is None or seq.status is ABORTED:
                 continue  # its request was aborted since
-            if same is not None:
-                token = same
-            else:
-                try:
-                    (token,) = new_token_ids[seq.seq_id]
-                except (KeyError, TypeError, ValueError):
-                    _tokens_for(seq, 1, new_token_ids)  # raises a ValueError naming the sequence
-                    raise
+            try:
+                (token,) = same or new_token_ids[seq.seq_id]
+            except (KeyError, TypeError, ValueError):
+                _tokens_for(seq, 1, new_token_ids)  # raises a ValueError naming the sequence
+                raise
             seq.token_ids[-1] = token
             times = rule.token_times
             if times is not None:
