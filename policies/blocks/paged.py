@@ -153,7 +153,7 @@ class PagedBlockManager(BlockManager):
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self._require_no_blocks(child)
         on_cpu = parent.seq_id in self._swapped
-        self.may_share_gpu_blocks = True  # a forked pair swapped in shares GPU blocks again
+        self.may_share_gpu_blocks = True  # siblings share blocks: on the GPU now, or once swapped back in
         pool = self.cpu if on_cpu else self.gpu
         for block in parent.block_table:
             pool.incref(block)
