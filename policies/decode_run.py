@@ -34,6 +34,8 @@ class Permit(NamedTuple):
 
 
 NO_RUN = Permit(0, 0, -1, 0)
+# A run step's output as its trace row reads it (no swaps, no copies); never handed out or changed.
+_PLAIN = SchedulerOutput(0.0)
 
 
 def run_limit(state: SchedulerState, step: int, max_steps: int, token: int,
@@ -97,8 +99,8 @@ def advance(state: SchedulerState, permit: Permit, step: int, times: list[float]
     plain = num_steps - 1 if finishing or decides else num_steps  # steps before one with its own row
     if plain:
         queues.kv_tokens = kv_tokens + num_seqs  # as the first step's update leaves it
-        first = stats.row(step, SchedulerOutput(times[0]), times[1], queues.sizes(), block_manager.usage(),
-                          preemptor.counts, [])
+        first = stats.row(step, _PLAIN, times[1], queues.sizes(), block_manager.usage(), preemptor.counts, [],
+                          start=times[0])
         queues.kv_tokens = kv_tokens + num_seqs * num_steps
         # Requests in the waiting queue arrived during the last step (the caller's contract).
         run = DecodeRunSteps(first, times, gpu_used, num_seqs, len(queues.waiting)) if plain == num_steps else \
@@ -109,10 +111,10 @@ def advance(state: SchedulerState, permit: Permit, step: int, times: list[float]
         sizes, usage, counts = queues.sizes(), block_manager.usage(), preemptor.counts
         ahead.decide()
         lifecycle.end_retired(retired, times[-1])
-        state.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], sizes, usage, counts,
-                                      lifecycle.take_ended()))
+        state.recorder.step(stats.row(step + plain, _PLAIN, times[-1], sizes, usage, counts, lifecycle.take_ended(),
+                                      start=times[-2]))
     elif finishing:
         lifecycle.finish_decode_run(list(running), token, times[-1], output_lens)
-        state.recorder.step(stats.row(step + plain, SchedulerOutput(times[-2]), times[-1], queues.sizes(),
-                                      block_manager.usage(), preemptor.counts, lifecycle.take_ended()))
+        state.recorder.step(stats.row(step + plain, _PLAIN, times[-1], queues.sizes(), block_manager.usage(),
+                                      preemptor.counts, lifecycle.take_ended(), start=times[-2]))
     return decides

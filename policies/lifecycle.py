@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping
 
 from policies.blocks.base import BlockManager
 from policies.output_lens import holds_output_len
-from policies.outputs import ScheduledSeq, SchedulerOutput
+from policies.outputs import SameTokens, ScheduledSeq, SchedulerOutput
 from policies.preemption import Preemptor
 from policies.queues import SchedulerQueues, seq_cost
 from policies.request import Request
@@ -147,12 +147,14 @@ class Lifecycle:
         stop_rules, first_token = self.stop_rules, self.recorder.first_token
         # Without stop tokens and the backend's stops, no token ends a sequence here.
         may_stop = bool(stop_seq_ids) or self.num_with_stops > 0
+        # One token for every sequence (SameTokens): read once, not looked up per sequence.
+        same = new_token_ids.tokens if type(new_token_ids) is SameTokens else None
         for seq in sampled:
             rule = stop_rules.get(seq)
             if rule is None or seq.status is ABORTED:
                 continue  # its request was aborted since
             try:
-                (token,) = new_token_ids[seq.seq_id]
+                (token,) = same or new_token_ids[seq.seq_id]
             except (KeyError, TypeError, ValueError):
                 _tokens_for(seq, 1, new_token_ids)  # raises a ValueError naming the sequence
                 raise

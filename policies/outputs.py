@@ -15,6 +15,23 @@ from policies.request import Request
 from policies.sequence import Sequence
 
 
+class SameTokens(dict):
+    """`Scheduler.update`'s new_token_ids for a step in which every sampling entry sampled one token,
+    the same `tokens` (a one-element list) for every sequence: answered for any seq id as a missing
+    key, so a backend builds nothing per step and the update reads `tokens` once."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__()
+        if not isinstance(tokens, list) or len(tokens) != 1:
+            raise ValueError(f"tokens={tokens!r} is invalid: SameTokens holds a list of exactly one token")
+        self.tokens = tokens
+
+    def __missing__(self, seq_id: int) -> list[int]:
+        return self.tokens
+
+
 class ScheduledSeq(NamedTuple):
     seq: Sequence
     num_new_tokens: int

@@ -47,6 +47,7 @@ from operator import attrgetter, itemgetter
 
 import simpy
 
+from policies.outputs import SameTokens
 from policies.request import Request
 from sim.latency.base import LatencyModel
 
@@ -75,20 +76,6 @@ class SimResult:
     num_requests: int
     num_steps: int
     sim_time_s: float  # simulated clock when the last request ended
-
-
-class _OneTokenEach(dict):
-    """`update`'s new_token_ids for steps whose sampling entries all sample one token: `tokens` for
-    every sequence (looked up as a missing key, so nothing is built per step)."""
-
-    __slots__ = ("tokens",)
-
-    def __init__(self, tokens: list[int]) -> None:
-        super().__init__()
-        self.tokens = tokens
-
-    def __missing__(self, seq_id: int) -> list[int]:
-        return self.tokens
 
 
 class Simulator:
@@ -124,7 +111,7 @@ class Simulator:
         self._one = [SIM_TOKEN]  # shared by the entries of a step (update only reads it)
         # Without parallel sampling every sampling entry of every step samples one token: one
         # mapping that answers `[SIM_TOKEN]` for any sequence serves every step.
-        self._one_each = _OneTokenEach(self._one) \
+        self._one_each = SameTokens(self._one) \
             if all(r.sampling_params.n == 1 for r in self.requests) else None
 
     def run(self) -> SimResult:

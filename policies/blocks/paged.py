@@ -44,6 +44,9 @@ class PagedBlockManager(BlockManager):
         self._swapped: set[int] = set()  # seq ids whose block_table holds CPU block ids
         self._gpu_mirror: dict[int, int] = {}  # gpu block -> cpu block with the same contents
         self._cpu_mirror: dict[int, int] = {}  # the inverse
+        # Whether a GPU block may be held twice (a fork, a resident copy shared at swap-in, or the
+        # prefix cache): until then no decode writes a shared block, and decode runs skip that check.
+        self.may_share_gpu_blocks = self.shares_across_requests
 
     def _make_gpu_pool(self) -> BlockPool:
         return BlockPool(self.num_gpu_blocks, "gpu")
@@ -150,6 +153,7 @@ class PagedBlockManager(BlockManager):
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self._require_no_blocks(child)
         on_cpu = parent.seq_id in self._swapped
+        self.may_share_gpu_blocks = True  # siblings share blocks: on the GPU now, or once swapped back in
         pool = self.cpu if on_cpu else self.gpu
         for block in parent.block_table:
             pool.incref(block)
@@ -215,6 +219,7 @@ class PagedBlockManager(BlockManager):
         return self._cpu_mirror.get(cpu_block)
 
     def _share_resident(self, gpu_block: int) -> None:
+        self.may_share_gpu_blocks = True
         self.gpu.incref(gpu_block)
 
     def _swap_in_plan(self, seq: Sequence) -> tuple[list[int | None], int]:

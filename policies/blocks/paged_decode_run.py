@@ -33,7 +33,7 @@ def decode_run_limit(manager: PagedBlockManager, seqs: list[Sequence], max_steps
     if spare < 0 or max_steps < 1 or manager._gpu_mirror:
         return 0
     shift, refs, limit = manager._shift, manager._refs, max_steps
-    for seq in seqs:
+    for seq in seqs if manager.may_share_gpu_blocks else ():
         table = seq.block_table
         current = seq.num_computed_tokens >> shift
         if current < len(table) and (refs[table[current]] != 1 or current + 1 < len(table)):

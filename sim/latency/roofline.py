@@ -57,6 +57,7 @@ class RooflineModel(LatencyModel):
         self._swap_s_per_block = (self.block_bytes / hardware.host_link_bandwidth
                                   + hardware.swap_block_overhead_s)
         self._swap_latency_s = hardware.swap_latency_s
+        self._decode_fixed_s: dict[tuple[int, int], float] = {}  # decode_times' part per (seqs, samples)
 
     def step_time(self, out: SchedulerOutput) -> float:
         return self.shape_time(BatchShape.of(out))
@@ -84,7 +85,10 @@ class RooflineModel(LatencyModel):
         # shape_time of a decode-only batch with its context-independent part computed once, in the
         # same order, so that every step time is bit-identical to step_time's. For ctx >= 0,
         # max(ctx * kv, ctx * attn) == ctx * max(kv, attn) exactly: rounding is monotone.
-        fixed = self.shape_time(BatchShape(0, 0, 0, 0, num_seqs, 0, num_samples, 0))
+        key = (num_seqs, num_samples)
+        fixed = self._decode_fixed_s.get(key)
+        if fixed is None:
+            fixed = self._decode_fixed_s[key] = self.shape_time(BatchShape(0, 0, 0, 0, num_seqs, 0, num_samples, 0))
         per_token = max(self._kv_s_per_token, self._attn_s_per_pair)
         end = num_context_tokens + num_steps * num_seqs
         return [fixed + ctx * per_token for ctx in range(num_context_tokens, end, num_seqs)]

@@ -31,6 +31,7 @@ from test_scheduler_properties import (
 )
 
 from policies.lookahead import PENDING
+from policies.outputs import SameTokens
 from policies.request import Request, SamplingParams
 from policies.sampling_path import device_sampling
 
@@ -181,6 +182,25 @@ def test_ahead_protocol_errors():
     with pytest.raises(ValueError, match="not the step schedule_ahead\\(\\) looked past"):
         scheduler.update(second, {}, 1.0)
     scheduler.update(first, {first.scheduled[0].seq.seq_id: [7]}, 1.0)
+
+
+def test_same_tokens_update_a_looked_past_step_as_a_dict_of_them_does():
+    """`SameTokens` (one token for every sampled sequence, read once): the same tokens and endings as
+    the per-sequence dict, a stop token included; any other list is refused."""
+    with pytest.raises(ValueError, match="tokens=\\[1, 2\\] is invalid"):
+        SameTokens([1, 2])
+    results = []
+    for same in (True, False):
+        scheduler = make_scheduler(num_gpu_blocks=32)
+        scheduler.add(request("r0", 3, max_tokens=10, eos=0), 0.0)
+        scheduler.add(request("r1", 3, max_tokens=10, eos=5), 0.0)
+        out = scheduler.schedule(0.0)
+        assert scheduler.schedule_ahead(0.0) is not None
+        seqs = [entry.seq for entry in out.scheduled]
+        tokens = SameTokens([0]) if same else {seq.seq_id: [0] for seq in seqs}
+        ended = scheduler.update(out, tokens, 1.0)
+        results.append(([r.request_id for r in ended], [seq.output_token_ids for seq in seqs]))
+    assert results[0] == results[1] == (["r0"], [[0], [0]])
 
 
 def test_late_stop_drops_the_step_in_flight():
