@@ -10,13 +10,14 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.search.pareto import pareto_front, plot_front
 from experiments.lib.workloads import Workload
 
 DEPLOYMENT_COLUMNS = ["gpu", "tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens",
                       "policy", "router"]
+CONFIG_FILE = "config.yaml"
 
 
 @dataclass(slots=True)
@@ -37,6 +38,9 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
            out_dir: str | Path):
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # The composed configuration, interpolations kept: `experiments.search_check` rebuilds each
+    # deployment's run config (and its workload and SLOs) from it.
+    (out_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg))
     table = pd.DataFrame(rows)
     for col in ("capacity_rps", "failed_rps", "ttft_p", "tpot_p", "goodput_fraction", "simulations",
                 "simulated_requests", "missed_at_lowest"):
@@ -77,7 +81,8 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
                "cheapest": cheapest, "pareto_front": [_plain(r) for r in front[
                    [*DEPLOYMENT_COLUMNS, "num_gpus", "dollars_per_hour", "capacity_rps",
                     "cost_per_million_output_tokens"]].to_dict("records")],
-               "files": {"table": "table.csv", "parquet": "table.parquet", "pareto": "pareto.png"}}
+               "files": {"table": "table.csv", "parquet": "table.parquet", "pareto": "pareto.png",
+                         "config": CONFIG_FILE}}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return SearchResult(table, front, cheapest, summary)
 
