@@ -237,3 +237,12 @@ def test_the_fleet_what_if_searches_each_gpu_type_on_the_data_it_has(tmp_path):
     md = (out / "what_if.md").read_text()
     assert "h200-bfloat16-tma.csv" in md and "collectives at N = 2" in md and "conf/hardware/h100.yaml" in md
     assert len(pd.read_csv(out / "fleet.csv")) == len(table) == 6
+
+
+def test_a_prediction_without_a_failing_rate_is_called_a_lower_bound(tmp_path):
+    out = output(ROWS)
+    pick = choose_pick(out, "engine")
+    rows = {"pick": pick.to_dict() | {"failed_rps": math.nan},
+            "neighbour": choose_neighbour(out, pick, "engine").to_dict() | {"failed_rps": 9.0}}
+    write_report(tmp_path, out, rows)
+    assert "no failing rate for the pick (" in (tmp_path / "check.md").read_text()

@@ -117,4 +117,15 @@ def _markdown(search: SearchOutput, rows: dict[str, dict[str, Any]], measured: d
         high = f"{b.high:.3g}" if math.isfinite(b.high) else "not found"
         lines.append(f"| {role} | {label(row)} | {b.predicted:.3g} | {runs} | [{b.low:.3g}, {high}) | {b.verdict()} |")
     lines += ["", f"Rank order of the pick before the neighbour on the measured capacities: **{order}**.", ""]
+    open_ended = [role for role, row in rows.items() if not _finite(row.get("failed_rps"))]
+    if open_ended:
+        lines += [f"The search found no failing rate for the {' and '.join(open_ended)} (search.rate.max_iterations "
+                  "ran out while the SLOs held): its predicted capacity is a lower bound.", ""]
     return "\n".join(lines)
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
