@@ -85,6 +85,8 @@ def bracket(low: float, high: float, predicted: float = 10.0) -> Bracket:
     ((bracket(9, 11), 4.0), (bracket(10, 12), 4.0), "undetermined"),  # the brackets overlap
     ((bracket(9, 11), 4.0), (bracket(30, math.inf), 8.0), "kept"),  # cheaper, both reach the target 5
     ((bracket(3, 4), 4.0), (bracket(9, 11), 8.0), "reversed"),  # the pick misses the target on the engine
+    ((bracket(5, 6), 8.0), (bracket(4, 5), 4.0), "kept"),  # the cheaper one missed the SLOs at the target
+    ((bracket(5, 6), 8.0), (bracket(4, 5.5), 4.0), "undetermined"),  # it may reach the target below 5.5
 ])
 def test_the_rank_order_on_measured_brackets(pick, neighbour, order):
     assert rank_order(pick, neighbour, target=5.0) == order

@@ -107,10 +107,15 @@ def bracket_capacity(probe: Callable[[float], RateProbe], predicted: float, with
 def rank_order(pick: tuple[Bracket, float], neighbour: tuple[Bracket, float], target: float) -> str:
     """Whether the measured capacities keep the search's order of the pick before the neighbour
     (each given with its $/h): "kept" when it holds for every capacity in both brackets,
-    "reversed" when the opposite does, else "undetermined" (the brackets overlap)."""
+    "reversed" when the opposite does, else "undetermined" (the brackets overlap). A bracket is
+    [low, high): a capacity is below a rate that missed the SLOs."""
     (bp, cost_p), (bn, cost_n) = pick, neighbour
-    if rank_key(bp.low, cost_p, target) < rank_key(bn.high, cost_n, target):
+
+    def below(rate: float) -> float:
+        return math.nextafter(rate, 0.0)
+
+    if rank_key(bp.low, cost_p, target) < rank_key(below(bn.high), cost_n, target):
         return "kept"
-    if rank_key(bn.low, cost_n, target) < rank_key(bp.high, cost_p, target):
+    if rank_key(bn.low, cost_n, target) < rank_key(below(bp.high), cost_p, target):
         return "reversed"
     return "undetermined"
