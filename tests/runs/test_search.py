@@ -155,3 +155,21 @@ def test_a_tiny_search_end_to_end(tmp_path, monkeypatch, capsys):
     able = table[table["capacity_rps"] >= 5]
     assert pick["dollars_per_hour"] == able["dollars_per_hour"].min()
     assert pick["cost_per_million_output_tokens"] > 0
+
+
+def test_a_latency_profile_retaken_under_the_same_name_is_simulated_again(tmp_path):
+    """The cache key holds the latency data's contents, not only its path: results simulated on an
+    old operator profile are not reused for a new one."""
+    import shutil
+    profiles = tmp_path / "operators"
+    profiles.mkdir()
+    for f in (REPO_ROOT / "experiments" / "profiles" / "operators").glob("h200-bfloat16-*.csv"):
+        shutil.copy(f, profiles / f.name)
+    cfg = search_cfg([*TINY, "latency=operators", f"latency.dir={profiles}", "search.space.gpu=[h200]",
+                      "search.space.replicas=[1]"], tmp_path)
+    assert run_search(cfg, tmp_path / "a", progress=False).summary["simulated"] == 1
+    assert run_search(cfg, tmp_path / "b", progress=False).summary["cached"] == 1
+    collectives = profiles / "h200-bfloat16-collectives-n2.csv"
+    collectives.write_text(collectives.read_text() + "\n")  # retaken: other bytes under the same name
+    again = run_search(cfg, tmp_path / "c", progress=False)
+    assert again.summary["simulated"] == 1 and again.summary["cached"] == 0

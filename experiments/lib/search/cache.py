@@ -1,5 +1,5 @@
-"""Results of a search by key (a hash of a deployment's run config, the workload in it, the SLOs
-and the bisection's settings), one JSON line each, appended as each finishes: a rerun or an
+"""Results of a search by key (a hash of a deployment's run config, the workload in it, the SLOs,
+the bisection's settings and the contents of the latency model's data files), one JSON line each, appended as each finishes: a rerun or an
 interrupted search reads them back and simulates only what is missing."""
 from __future__ import annotations
 
@@ -9,6 +9,20 @@ from pathlib import Path
 from typing import Any
 
 CACHE_FILE = "results.jsonl"
+_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime) -> sha256 of the file
+
+
+def data_digest(paths: list[Path]) -> str:
+    """A hash of these files' contents: a latency profile retaken under the same name is other data,
+    so results simulated on the old one are not reused."""
+    h = hashlib.sha256()
+    for p in paths:
+        st = p.stat()
+        key = (str(p), st.st_size, st.st_mtime_ns)
+        if key not in _DIGESTS:
+            _DIGESTS[key] = hashlib.sha256(p.read_bytes()).hexdigest()
+        h.update(f"{p.name}:{_DIGESTS[key]};".encode())
+    return h.hexdigest()[:24]
 
 
 def result_key(*parts: Any) -> str:

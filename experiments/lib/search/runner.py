@@ -12,14 +12,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib import factory
 from experiments.lib.config_schema import check_config
-from experiments.lib.search.cache import ResultCache, result_key
+from experiments.lib.search.cache import ResultCache, data_digest, result_key
 from experiments.lib.search.catalogue import GpuType, load_catalogue
 from experiments.lib.search.outputs import SearchResult, finish
 from experiments.lib.search.simulate import arrival_rate, deployment_capacity
 from experiments.lib.search.slo import SearchSlo
 from experiments.lib.search.space import Deployment, deployments, run_config
 
-RESULT_VERSION = 1  # bump when a cached result's meaning changes
+RESULT_VERSION = 2  # bump when a cached result's meaning changes
 
 
 @dataclass(slots=True, frozen=True)
@@ -108,6 +108,18 @@ def prune_reason(cfg: DictConfig, min_kv_tokens: int | None, latency_checked: di
     return latency_checked[key]
 
 
+def latency_files(cfg: DictConfig) -> list[Path]:
+    """The data files the deployment's latency model reads: a profile (`latency.path`), or the
+    operator files of its GPU type and dtype in `latency.dir`; none for the roofline."""
+    config = factory.latency_config(cfg)
+    if getattr(config, "path", None):
+        return [Path(config.path)]
+    if getattr(config, "dir", None):
+        from sim.latency.operator_profile import find_operator_files
+        return find_operator_files(config.dir, str(config.gpu), str(config.dtype), str(config.kernels))
+    return []
+
+
 def run_search(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> SearchResult:
     s = settings(OmegaConf.to_container(cfg.search, resolve=True))  # type: ignore[arg-type]
     catalogue = load_catalogue(OmegaConf.to_container(cfg.catalogue, resolve=True) if cfg.get("catalogue") else None)
@@ -140,7 +152,7 @@ def run_search(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> S
         else:
             resolved = OmegaConf.to_container(cfg_d, resolve=True)
             key = result_key(resolved, slo.as_dict(), s.duration_s, s.start_per_replica, s.growth, s.max_iterations, s.rtol,
-                             RESULT_VERSION)
+                             RESULT_VERSION, data_digest(latency_files(cfg_d)))
             row.update(status="cached" if key in cache else "simulated", reason="", key=key)
             if key not in cache:
                 tasks.append((len(rows), key, resolved))
