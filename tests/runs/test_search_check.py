@@ -166,6 +166,8 @@ def test_the_report_merges_separate_runs_and_ignores_other_deployments(tmp_path)
     assert "**kept**" in md and "NVIDIA H200" in md
     other = {**rows, "neighbour": {**rows["neighbour"], "max_num_seqs": 4}}  # another search's neighbour
     assert write_report(tmp_path, out, other)["verdict"].tolist()[1] == "not measured"
+    other = {**rows, "pick": {**rows["pick"], "key": "another-workload"}}  # the same deployment, another search
+    assert write_report(tmp_path, out, other)["verdict"].tolist()[0] == "not measured"
 
 
 def run_cli(args: list[str], monkeypatch) -> None:

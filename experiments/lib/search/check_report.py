@@ -51,13 +51,15 @@ def save(out_dir: Path, m: Measured) -> None:
 
 def load_measured(out_dir: Path, rows: dict[str, dict[str, Any]]) -> dict[str, Measured]:
     """The measurements in `out_dir` of these rows (role -> the search's row); a file of another
-    deployment (an earlier check into the same folder) is ignored."""
+    deployment or of another search (an earlier check into the same folder: another cache key,
+    which hashes the run config, workload and SLOs) is ignored."""
     found = {}
     for role, row in rows.items():
         path = out_dir / "measured" / f"{role}.json"
         if path.is_file():
             m = Measured.from_json(json.loads(path.read_text()))
-            if all(str(m.row.get(c)) == str(row.get(c)) for c in DEPLOYMENT_COLUMNS):
+            same = all(str(m.row.get(c)) == str(row.get(c)) for c in (*DEPLOYMENT_COLUMNS, "key"))
+            if same:
                 found[role] = m
     return found
 
