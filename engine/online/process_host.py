@@ -62,7 +62,7 @@ class ProcessHost(EngineHost):
             return
         self._sent -= message.num_taken
         self._core_stats = message.stats
-        self._sink(StepResult(message.errors, list(self.client.outputs(message))))
+        self._sink(StepResult(message.errors, list(self.client.outputs(message)), message.report))
 
     def _on_closed(self) -> None:
         """The core's pipe ended: report how the core ended once it has (its exit code)."""
