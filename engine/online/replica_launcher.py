@@ -66,7 +66,7 @@ def launch_replica_set(args: EngineArgs, data_parallel_size: int, router: Router
                        launcher: str = "local", keep_trace: bool = False, gpus: int | None = None) -> ReplicaSet:
     """`data_parallel_size` replicas of `args`, started by `launcher`, behind `router`."""
     n = check_data_parallel_size(data_parallel_size)
-    launch = REPLICA_LAUNCHERS.get(launcher, where="replica_launcher")
+    launch = REPLICA_LAUNCHERS.get(launcher)
     per_replica = [replica_args(args, i, n, gpus) for i in range(n)]
     with ThreadPoolExecutor(n, thread_name_prefix="servelab-replica-start") as pool:
         futures = [pool.submit(launch, i, a, keep_trace, router.reads_prefix_index) for i, a in enumerate(per_replica)]
