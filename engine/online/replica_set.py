@@ -2,15 +2,15 @@
 router of `policies/routing` (the same objects that route the simulated fleet).
 
 A replica is an id, the `EngineHost` that runs its engine (a core process started by a launcher,
-engine/online/replica_launcher.py) and what the front end knows of it: its last `ReplicaReport`
-(mirrored by a `ReplicaView`, policies/routing/replica_report.py), the requests it holds, and why it
-left the rotation if it did. The set is itself an `EngineHost`, so `AsyncLLMEngine` (streams,
+engine/online/replica_launcher.py), its KV pool, the requests it holds, and why it left the rotation
+if it did; its reports (`ReplicaReport`, sent with each step's results) go to the fleet's view of it. The set is itself an `EngineHost`, so `AsyncLLMEngine` (streams,
 aborts, the waiting cap) and the HTTP app are the same for one engine and for N.
 
-- Routing: each request is routed when it is handed over. The router reads one `ReplicaSnapshot`
-  per live replica, built from the replica's newest report and the requests the set routed to it
-  and that have not ended (`num_outstanding`, exact here); with `refresh_s` > 0 the snapshots are
-  rebuilt only at each refresh (`RefreshClock`), as in the simulated fleet.
+- Routing: each request is routed when it is handed over, through a `RemoteFleet`
+  (policies/routing/replica_report.py). The router reads one `ReplicaSnapshot` per live replica,
+  built from the replica's newest report and the requests the set routed to it and that have not
+  ended (`num_outstanding`, exact here); with `refresh_s` > 0 the snapshots are rebuilt only at
+  each refresh (`RefreshClock`), as in the simulated fleet.
 - Aborts go to the replica that holds the request.
 - A replica whose host ends (its process exits or its loop raises) leaves the rotation: each request
   it held fails at once with `ReplicaFailedError` naming the replica and why, the others keep
@@ -31,7 +31,7 @@ from engine.offline.tokenizer import encode_prompt
 from engine.online.engine_stats import EngineStats
 from engine.online.host import EngineHost, NewRequest, ResultSink, StepResult
 from policies.request import Request
-from policies.routing import RefreshClock, ReplicaSnapshot, ReplicaView, Router
+from policies.routing import RemoteFleet, Router
 
 _log = logging.getLogger(__name__)
 
@@ -46,19 +46,12 @@ class Replica:
     host: EngineHost
     block_size: int  # its KV pool, for the router before its first report
     num_gpu_blocks: int
-    view: ReplicaView = field(init=False)
     requests: set[str] = field(default_factory=set)  # handed to it and not ended
     error: str | None = None  # why it left the rotation; None while it serves
-
-    def __post_init__(self) -> None:
-        self.view = ReplicaView(self.replica)
 
     @property
     def alive(self) -> bool:
         return self.error is None
-
-    def snapshot(self, now: float, copy_index: bool) -> ReplicaSnapshot:
-        return self.view.snapshot(len(self.requests), now, copy_index, self.block_size, self.num_gpu_blocks)
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,16 +69,11 @@ class ReplicaSet(EngineHost):
     def __init__(self, replicas: Sequence[Replica], router: Router, refresh_s: float = 0.0) -> None:
         if not replicas:
             raise ValueError("data_parallel_size=0 is invalid: a replica set needs at least one replica")
-        if isinstance(refresh_s, bool) or not isinstance(refresh_s, (int, float)) or not 0 <= refresh_s < float("inf"):
-            raise ValueError(f"refresh_s={refresh_s!r} is invalid: must be a finite number >= 0 (0: exact)")
         self.replicas = list(replicas)
         self.info = self.replicas[0].host.info
         self.router = router
-        self.refresh_s = float(refresh_s)
-        self._clock = RefreshClock(self.refresh_s)
-        self._kept: list[ReplicaSnapshot] = []  # snapshots read until the next refresh (refresh_s > 0)
+        self.fleet = RemoteFleet(router, [(r.block_size, r.num_gpu_blocks) for r in self.replicas], refresh_s)
         self._owner: dict[str, Replica] = {}  # request id -> the replica holding it
-        self._routed = [0] * len(self.replicas)  # requests routed to each replica
         self._sink: ResultSink | None = None
         self._ended = False
         self._start = time.monotonic()
@@ -103,7 +91,6 @@ class ReplicaSet(EngineHost):
 
     def add(self, request: NewRequest) -> None:
         replica = self.replicas[self.route(request)]
-        self._routed[replica.replica] += 1
         self._owner[request.request_id] = replica
         replica.requests.add(request.request_id)
         replica.host.add(request)
@@ -146,19 +133,11 @@ class ReplicaSet(EngineHost):
     # ---- routing --------------------------------------------------------------------------------
     @property
     def num_routed(self) -> list[int]:
-        return list(self._routed)
-
-    def snapshots(self, now: float) -> list[ReplicaSnapshot]:
-        """What the router reads now: one snapshot per live replica (module docstring)."""
-        if not self.refresh_s:
-            return [r.snapshot(now, copy_index=False) for r in self.replicas if r.alive]
-        if self._clock.due(now):
-            self._kept = [r.snapshot(now, copy_index=True) for r in self.replicas if r.alive]
-        return [s for s in self._kept if self.replicas[s.replica].alive]
+        return list(self.fleet.num_routed)
 
     def route(self, request: NewRequest) -> int:
-        """The id of the replica the router picks for `request`."""
-        return self.router.route(self._routed_request(request), self.snapshots(time.monotonic() - self._start))
+        """The id of the replica the router picks for `request` (it counts as outstanding there)."""
+        return self.fleet.route(self._routed_request(request), time.monotonic() - self._start)
 
     def _routed_request(self, r: NewRequest) -> Request:
         """The request as a router reads it (prompt token ids only where the router reads them)."""
@@ -179,7 +158,7 @@ class ReplicaSet(EngineHost):
             self._lose(replica, result)
             return
         if result.report is not None:
-            replica.view.update(result.report)
+            self.fleet.update(replica.replica, result.report)
         for request_id in result.errors:
             self._release(request_id)
         outputs = []
@@ -195,12 +174,14 @@ class ReplicaSet(EngineHost):
         replica = self._owner.pop(request_id, None)
         if replica is not None:
             replica.requests.discard(request_id)
+            self.fleet.ended(replica.replica)
 
     def _lose(self, replica: Replica, error: BaseException) -> None:
         """The replica's host ended: out of rotation, its requests fail, the set ends with the last."""
         if not replica.alive:
             return
         replica.error = short_error(error)
+        self.fleet.lose(replica.replica)
         _log.error("replica %d stopped; it leaves the rotation: %s", replica.replica, replica.error)
         held, replica.requests = replica.requests, set()
         for request_id in held:

@@ -11,13 +11,16 @@ a router decides alike on both sides (tests/serving/test_fleet_routing_parity.py
 Staleness (`RefreshClock`): with `refresh_s` = 0 every decision reads the newest reports; with
 `refresh_s` > 0 the snapshots are rebuilt at the first decision at or after each multiple of
 `refresh_s` and read by every decision until the next, as the simulated fleet's refreshes are.
+`RemoteFleet` puts these together: the router's side of N such replicas.
 """
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from math import floor
+from math import floor, inf
 
+from policies.request import Request
+from policies.routing.base import Router
 from policies.routing.snapshot import ReplicaSnapshot, scheduler_counts
 
 
@@ -90,3 +93,57 @@ class RefreshClock:
             self._taken = k
             return True
         return False
+
+
+class RemoteFleet:
+    """The router's side of replicas that run elsewhere (engine core processes, Ray actors): one
+    `ReplicaView` per replica, the requests routed to each and not ended (`num_outstanding`, exact:
+    counted here), which replicas serve, and the refresh clock. The engine's replica set
+    (engine/online/replica_set.py) and the experiments' engine fleet (experiments/lib/engine_fleet.py)
+    route through it, so both build the snapshots alike."""
+
+    def __init__(self, router: Router, pools: list[tuple[int, int]], refresh_s: float = 0.0) -> None:
+        """`pools`: each replica's (block size, GPU KV blocks), for its snapshots before its first report."""
+        if isinstance(refresh_s, bool) or not isinstance(refresh_s, (int, float)) or not 0 <= refresh_s < inf:
+            raise ValueError(f"refresh_s={refresh_s!r} is invalid: must be a finite number >= 0 (0: exact)")
+        self.router = router
+        self.pools = list(pools)
+        self.refresh_s = float(refresh_s)
+        self.views = [ReplicaView(i) for i in range(len(pools))]
+        self.outstanding = [0] * len(pools)
+        self.num_routed = [0] * len(pools)
+        self.alive = [True] * len(pools)
+        self._clock = RefreshClock(self.refresh_s)
+        self._kept: list[ReplicaSnapshot] = []  # read until the next refresh (refresh_s > 0)
+
+    def snapshot(self, replica: int, now: float, copy_index: bool) -> ReplicaSnapshot:
+        block_size, num_blocks = self.pools[replica]
+        return self.views[replica].snapshot(self.outstanding[replica], now, copy_index, block_size, num_blocks)
+
+    def snapshots(self, now: float) -> list[ReplicaSnapshot]:
+        """What the router reads now: one snapshot per live replica (module docstring)."""
+        live = [i for i, ok in enumerate(self.alive) if ok]
+        if not self.refresh_s:
+            return [self.snapshot(i, now, copy_index=False) for i in live]
+        if self._clock.due(now):
+            self._kept = [self.snapshot(i, now, copy_index=True) for i in live]
+        return [s for s in self._kept if self.alive[s.replica]]
+
+    def route(self, request: Request, now: float) -> int:
+        """The replica the router picks for `request` at `now`; it counts as outstanding there."""
+        chosen = self.router.route(request, self.snapshots(now))
+        self.outstanding[chosen] += 1
+        self.num_routed[chosen] += 1
+        return chosen
+
+    def update(self, replica: int, r: ReplicaReport) -> None:
+        self.views[replica].update(r)
+
+    def ended(self, replica: int, n: int = 1) -> None:
+        """`n` requests routed to `replica` ended."""
+        self.outstanding[replica] -= n
+
+    def lose(self, replica: int) -> None:
+        """The replica stopped: no request is routed to it any more."""
+        self.alive[replica] = False
+        self.outstanding[replica] = 0

@@ -47,11 +47,11 @@ class EngineSideRecorder:
         self.num_indexed = 0  # decisions where some replica's prefix index was not empty
 
     def route(self, request, snapshots):
+        fleet = self.set.fleet
         for snap in snapshots:
-            replica = self.set.replicas[snap.replica]
-            replica.view.update(self.reports[snap.replica])
-            replica.requests = {f"held-{k}" for k in range(snap.num_outstanding)}
-            mirrored = replica.snapshot(snap.taken_at, copy_index=False)
+            fleet.update(snap.replica, self.reports[snap.replica])
+            fleet.outstanding[snap.replica] = snap.num_outstanding  # the engine side counts its own
+            mirrored = fleet.snapshot(snap.replica, snap.taken_at, copy_index=False)
             assert [getattr(mirrored, f) for f in FIELDS] == [getattr(snap, f) for f in FIELDS]
             assert set(mirrored.cached_blocks) == set(snap.cached_blocks)
             self.num_indexed += bool(snap.cached_blocks)
@@ -99,6 +99,6 @@ def test_refresh_clock_rebuilds_once_per_period():
 def test_kept_snapshots_skip_a_replica_that_stopped():
     cfg = {"name": "least_requests"}
     rs = ReplicaSet([Replica(i, IdleHost(), 16, 8) for i in range(2)], make_router(cfg), refresh_s=60.0)
-    assert [s.replica for s in rs.snapshots(0.0)] == [0, 1]
-    rs.replicas[0].error = "gone"
-    assert [s.replica for s in rs.snapshots(1.0)] == [1]
+    assert [s.replica for s in rs.fleet.snapshots(0.0)] == [0, 1]
+    rs.fleet.lose(0)
+    assert [s.replica for s in rs.fleet.snapshots(1.0)] == [1]
