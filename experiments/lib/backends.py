@@ -30,9 +30,9 @@ def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     name = cfg.backend.get("name")
     run = BACKENDS.get(name, where="backend")
     replicas = (cfg.get("cluster") or {}).get("replicas", 1)
-    if replicas != 1 and name != "sim":
-        raise ValueError(f"cluster.replicas={replicas!r} is invalid with backend={name}: only backend=sim "
-                         "runs a fleet (docs/fleet.md)")
+    if replicas != 1 and name not in ("sim", "engine"):
+        raise ValueError(f"cluster.replicas={replicas!r} is invalid with backend={name}: backend=sim and "
+                         "backend=engine run a fleet (docs/fleet.md)")
     return run(cfg, workload, recorder, on_done)
 
 
@@ -75,7 +75,10 @@ class EngineBackendConfig:
 @BACKENDS.register("engine", config=EngineBackendConfig)
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
-    from experiments.lib.engine_backend import run_engine as run_on_engine  # imports torch: only when used
+    if cfg.get("cluster") is not None and cfg.cluster.get("replicas", 1) != 1:
+        from experiments.lib.engine_fleet import run_engine_fleet  # imports torch: only when used
+        return run_engine_fleet(cfg, workload, on_done)
+    from experiments.lib.engine_backend import run_engine as run_on_engine
     return run_on_engine(cfg, workload, recorder, on_done)
 
 
