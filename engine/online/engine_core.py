@@ -109,16 +109,20 @@ def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox, report_index: bo
     except BaseException as exc:  # noqa: BLE001 (reported to the front end, which raises it)
         write_message(out, _failure(exc))
         return
-    runner = engine.runner
-    write_message(out, CoreInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size,
-                                runner.num_gpu_blocks, runner.num_cpu_blocks, engine.max_logprobs))
+    write_message(out, core_info(engine))
     try:
-        _serve(engine, keep_trace, inbox.fileno(), out, set() if report_index else None)
+        serve(engine, keep_trace, inbox.fileno(), out, set() if report_index else None)
     finally:
         engine.close()  # its tensor-parallel workers stop with the core
 
 
-def _serve(engine, keep_trace: bool, inbox: int, outbox: int, sent_index: set[int] | None) -> None:
+def core_info(engine) -> CoreInfo:
+    runner = engine.runner
+    return CoreInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size, runner.num_gpu_blocks,
+                    runner.num_cpu_blocks, engine.max_logprobs)
+
+
+def serve(engine, keep_trace: bool, inbox: int, outbox: int, sent_index: set[int] | None) -> None:
     """The core's loop: take the batches, step, send what the step gave (`sent_index`: the prefix
     index as last reported, or None: not reported)."""
     tracker = StatsTracker(engine, keep_trace)
@@ -206,20 +210,16 @@ class EngineCoreClient:
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # the core sends each prompt once
 
     def outputs(self, step: CoreStep) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
-        """The step's outputs as RequestOutputs (with their prompts), each with its RequestStats if
-        it ended."""
-        records = {r.request_id: r for r in step.finished}
-        prompts = self._prompts
-        for packed in step.outputs:
-            request_id, finished, prompt, prompt_ids = packed[:4]
-            if prompt_ids is not None:
-                prompts[request_id] = (prompt, prompt_ids)
-            prompt, prompt_ids = prompts.pop(request_id) if finished else prompts.get(request_id, (None, []))
-            yield unpack(packed, prompt, prompt_ids), records.get(request_id)
+        return step_outputs(self._prompts, step)
 
     @property
     def alive(self) -> bool:
         return self.process.is_alive()
+
+    def exit_reason(self, wait_s: float) -> str:
+        """How the core ended, once it has (waiting up to `wait_s` for its exit code)."""
+        self.process.join(wait_s)
+        return f"the engine process exited (exit code {self.process.exitcode})"
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop and wait for it; terminate, then kill, what does not."""
@@ -231,6 +231,19 @@ class EngineCoreClient:
             _stop(self.process, self._inbox, timeout_s)
         self._inbox.close()
         self._outbox.close()
+
+
+def step_outputs(prompts: dict[str, tuple[str | None, list[int]]],
+                 step: CoreStep) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
+    """The step's outputs as RequestOutputs (with their prompts), each with its RequestStats if it
+    ended. `prompts`: the prompts the core sent so far (it sends each once), kept by the client."""
+    records = {r.request_id: r for r in step.finished}
+    for packed in step.outputs:
+        request_id, finished, prompt, prompt_ids = packed[:4]
+        if prompt_ids is not None:
+            prompts[request_id] = (prompt, prompt_ids)
+        prompt, prompt_ids = prompts.pop(request_id) if finished else prompts.get(request_id, (None, []))
+        yield unpack(packed, prompt, prompt_ids), records.get(request_id)
 
 
 def _stop(process, inbox, timeout_s: float) -> None:

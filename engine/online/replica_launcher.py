@@ -28,13 +28,15 @@ from engine.online.replica_set import Replica, ReplicaSet
 from policies.registry import Registry
 from policies.routing import Router
 
-# (replica id, its EngineArgs, keep_trace, report_index) -> the started Replica
-Launcher = Callable[[int, EngineArgs, bool, bool], Replica]
+# (replica id, the set's EngineArgs, data_parallel_size, keep_trace, report_index) -> the started Replica
+Launcher = Callable[[int, EngineArgs, int, bool, bool], Replica]
 REPLICA_LAUNCHERS: Registry[Launcher] = Registry("replica launcher", field="replica_launcher")
 
 
 @REPLICA_LAUNCHERS.register("local")
-def launch_local(replica: int, args: EngineArgs, keep_trace: bool, report_index: bool) -> Replica:
+def launch_local(replica: int, args: EngineArgs, data_parallel_size: int, keep_trace: bool,
+                 report_index: bool) -> Replica:
+    args = replica_args(args, replica, data_parallel_size)
     client = EngineCoreClient(args, keep_trace, report_index=report_index)
     return Replica(replica, ProcessHost(client), args.block_size, client.info.num_gpu_blocks)
 
@@ -63,13 +65,14 @@ def check_data_parallel_size(n: object) -> int:
 
 
 def launch_replica_set(args: EngineArgs, data_parallel_size: int, router: Router, refresh_s: float = 0.0,
-                       launcher: str = "local", keep_trace: bool = False, gpus: int | None = None) -> ReplicaSet:
+                       launcher: str = "local", keep_trace: bool = False) -> ReplicaSet:
     """`data_parallel_size` replicas of `args`, started by `launcher`, behind `router`."""
     n = check_data_parallel_size(data_parallel_size)
     launch = REPLICA_LAUNCHERS.get(launcher)
-    per_replica = [replica_args(args, i, n, gpus) for i in range(n)]
+    if launcher == "local":
+        replica_args(args, n - 1, n)  # enough GPUs: checked before any replica starts
     with ThreadPoolExecutor(n, thread_name_prefix="servelab-replica-start") as pool:
-        futures = [pool.submit(launch, i, a, keep_trace, router.reads_prefix_index) for i, a in enumerate(per_replica)]
+        futures = [pool.submit(launch, i, args, n, keep_trace, router.reads_prefix_index) for i in range(n)]
         started, error = [], None
         for future in futures:
             try:
@@ -85,3 +88,6 @@ def launch_replica_set(args: EngineArgs, data_parallel_size: int, router: Router
 
 async def _stop(replicas: list[Replica]) -> None:
     await asyncio.gather(*(r.host.shutdown() for r in replicas), return_exceptions=True)
+
+
+from engine.online import ray_launcher  # noqa: E402, F401 (registers "ray"; imports ray only when it launches)
