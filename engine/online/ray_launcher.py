@@ -29,8 +29,7 @@ from engine.offline.tokenizer import load_tokenizer
 from engine.online.core_channel import read_message, readable, write_message
 from engine.online.engine_core import CoreStep, serve, step_outputs
 from engine.online.process_host import ProcessHost
-from engine.online.replica_launcher import REPLICA_LAUNCHERS
-from engine.online.replica_set import Replica
+from engine.online.replica_set import REPLICA_LAUNCHERS, Replica
 
 POLL_IDLE_S = 0.002  # between polls that brought nothing
 START_TIMEOUT_S = 900.0

@@ -18,19 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.engine_args import EngineArgs
 from engine.online.engine_core import EngineCoreClient
 from engine.online.process_host import ProcessHost
-from engine.online.replica_set import Replica, ReplicaSet
-from policies.registry import Registry
+from engine.online.replica_set import REPLICA_LAUNCHERS, Replica, ReplicaSet
 from policies.routing import Router
-
-# (replica id, the set's EngineArgs, data_parallel_size, keep_trace, report_index) -> the started Replica
-Launcher = Callable[[int, EngineArgs, int, bool, bool], Replica]
-REPLICA_LAUNCHERS: Registry[Launcher] = Registry("replica launcher", field="replica_launcher")
 
 
 @REPLICA_LAUNCHERS.register("local")
@@ -91,3 +85,5 @@ async def _stop(replicas: list[Replica]) -> None:
 
 
 from engine.online import ray_launcher  # noqa: E402, F401 (registers "ray"; imports ray only when it launches)
+
+__all__ = ["REPLICA_LAUNCHERS", "check_data_parallel_size", "launch_local", "launch_replica_set", "replica_args"]

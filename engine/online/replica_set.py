@@ -22,7 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +30,17 @@ from engine.offline.outputs import RequestFailedError, short_error
 from engine.offline.tokenizer import encode_prompt
 from engine.online.engine_stats import EngineStats
 from engine.online.host import EngineHost, NewRequest, ResultSink, StepResult
+from policies.registry import Registry
 from policies.request import Request
 from policies.routing import RemoteFleet, Router
 
 _log = logging.getLogger(__name__)
+
+
+# What starts one replica (engine/online/replica_launcher.py: `local`; ray_launcher.py: `ray`):
+# (replica id, the set's EngineArgs, data_parallel_size, keep_trace, report_index) -> its Replica.
+Launcher = Callable[[int, Any, int, bool, bool], "Replica"]
+REPLICA_LAUNCHERS: Registry[Launcher] = Registry("replica launcher", field="replica_launcher")
 
 
 class ReplicaFailedError(RequestFailedError):

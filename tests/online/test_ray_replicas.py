@@ -41,10 +41,8 @@ def args(model_dir: str) -> EngineArgs:
 
 async def generate(engine: AsyncLLMEngine, prompt: list[int], request_id: str, max_tokens: int) -> list[int]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    out = None
-    async for out in engine.generate(prompt, params, request_id):
-        pass
-    return out.outputs[0].token_ids
+    outputs = [out async for out in engine.generate(prompt, params, request_id)]
+    return outputs[-1].outputs[0].token_ids
 
 
 def test_ray_replicas_serve_and_one_killed_leaves_the_rotation(model_dir, local_ray):
@@ -61,7 +59,9 @@ def test_ray_replicas_serve_and_one_killed_leaves_the_rotation(model_dir, local_
         assert replicas.num_routed == [2, 2]
         # A long request on each replica; replica 1's actor is killed once both are running.
         long = [asyncio.ensure_future(generate(engine, [1, 2, 3], f"long{i}", 100)) for i in range(2)]
-        while not all(r.requests for r in replicas.replicas):
+        for _ in range(int(BOUND_S / 0.01)):
+            if all(r.requests for r in replicas.replicas):
+                break
             await asyncio.sleep(0.01)
         ray.kill(replicas.replicas[1].host.client.actor)
         done = await asyncio.wait_for(asyncio.gather(*long, return_exceptions=True), BOUND_S)
