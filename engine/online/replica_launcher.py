@@ -38,7 +38,7 @@ def launch_local(replica: int, args: EngineArgs, data_parallel_size: int, keep_t
 def replica_args(args: EngineArgs, replica: int, data_parallel_size: int, gpus: int | None = None) -> EngineArgs:
     """Replica `replica`'s arguments: its own GPUs on CUDA (module docstring). `gpus`: the GPUs
     there are (None: count them here)."""
-    device = args.resolve_device()
+    device = args.device or args.resolve_device()
     if not device.startswith("cuda"):
         return args
     first, tp = int(device.partition(":")[2] or 0), args.tensor_parallel_size

@@ -21,6 +21,7 @@ from test_serving_http import (  # noqa: F401 (its module-scoped fixtures, share
     TEMPLATE,
     engine_args,
     greedy,
+    greedy_streams,
     model_dir,
     reference,
     streams_with_disconnects,
@@ -166,3 +167,60 @@ def test_a_killed_replica_fails_its_requests_and_the_other_serves(model_dir):  #
         resp = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": [7], "max_tokens": 2},
                           timeout=BOUND_S)
         assert resp.status_code == 503
+
+
+def test_replicas_get_their_own_gpus():
+    from engine.engine_args import EngineArgs
+    from engine.online.replica_launcher import replica_args
+
+    one = EngineArgs(model="tiny-qwen3", device="cuda")
+    assert [replica_args(one, i, 2, gpus=2).device for i in range(2)] == ["cuda:0", "cuda:1"]
+    tp = EngineArgs(model="tiny-qwen3", device="cuda:1", tensor_parallel_size=2)
+    assert [replica_args(tp, i, 2, gpus=5).device for i in range(2)] == ["cuda:1", "cuda:3"]
+    with pytest.raises(ValueError, match=r"^data_parallel_size=2 is invalid: 2 replicas of 2 GPU\(s\) from cuda:1 "
+                                         r"need 5 GPUs, this machine has 4"):
+        replica_args(tp, 0, 2, gpus=4)
+    assert replica_args(EngineArgs(model="tiny-qwen3", device="cpu"), 1, 2).device == "cpu"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--router-arg", "cach_threshold=2"], "error: router.cach_threshold is unknown for router 'prefix_aware': allowed"),
+    (["--router-arg", "cache_threshold=2"], "error: router.cache_threshold=2 is invalid: must be a number in [0, 1]"),
+    (["--router-arg", "cache_threshold"], "error: --router-arg 'cache_threshold' is invalid: write KEY=VALUE"),
+    (["--data-parallel-size", "0"], "error: data_parallel_size=0 is invalid: must be an integer >= 1"),
+    (["--replica-launcher", "k8s"], "error: replica_launcher='k8s' is unknown: choose a replica launcher from"),
+])
+def test_bad_replica_options_are_one_line(capsys, argv, message):
+    from engine.serve import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "tiny-qwen3", "--device", "cpu", "--num-gpu-blocks", "16", "--data-parallel-size", "2",
+              "--router", "prefix_aware", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and "\n" not in err
+
+
+@pytest.mark.gpu
+def test_two_gpu_replicas_serve_on_their_own_devices():
+    """Two replicas on cuda:0 and cuda:1 (Triton kernels, CUDA graphs): 16 concurrent greedy streams
+    equal LLM.generate on one GPU, whichever replica serves them; both stop with the server."""
+    import torch
+
+    from engine.engine_args import EngineArgs
+    from engine.offline.llm import LLM
+    from policies.request import SamplingParams
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    prompts = [[(7 * i + j) % 256 for j in range(5 + 3 * i)] for i in range(16)]
+    want = LLM("tiny-llama", num_gpu_blocks=512, max_model_len=256, device="cuda").generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    args = EngineArgs(model="tiny-llama", num_gpu_blocks=512, max_model_len=256, device="cuda")
+    replicas = launch_replica_set(args, 2, make_router({"name": "round_robin"}))
+    assert [r.host.client.args.device for r in replicas.replicas] == ["cuda:0", "cuda:1"]
+    engine = AsyncLLMEngine(replicas)
+    with ServerThread(build_app(engine, MODEL)) as srv:
+        assert asyncio.run(greedy_streams(srv.url, prompts, 20)) == [w.outputs[0].token_ids for w in want]
+    assert replicas.num_routed == [8, 8]
+    assert not any(r.host.client.alive for r in replicas.replicas)
