@@ -105,6 +105,7 @@ def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox, report_index: bo
 
     out = outbox.fileno()
     try:
+        pin_device(args.device)
         engine = LLMEngine(args)
     except BaseException as exc:  # noqa: BLE001 (reported to the front end, which raises it)
         write_message(out, _failure(exc))
@@ -114,6 +115,14 @@ def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox, report_index: bo
         serve(engine, keep_trace, inbox.fileno(), out, set() if report_index else None)
     finally:
         engine.close()  # its tensor-parallel workers stop with the core
+
+
+def pin_device(device: str | None) -> None:
+    """Make `cuda:<i>` this process's current device before its engine is built (a data-parallel
+    replica's): streams, CUDA-graph captures and kernel launches follow the current device."""
+    if device is not None and device.startswith("cuda:"):
+        import torch
+        torch.cuda.set_device(torch.device(device))
 
 
 def core_info(engine) -> CoreInfo:

@@ -162,8 +162,10 @@ def run_engine_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int
 def _replica_main(args, conn: Connection) -> None:
     """A replica process: build the engine, then serve runs (`_serve_run`) until told to stop (None)
     or the pipe closes."""
+    from engine.online.engine_core import pin_device
     engine = None
     try:
+        pin_device(args.device)
         engine = engine_backend.LLMEngine(args)
         conn.send(engine_backend.engine_info(engine.runner))
         while (run := conn.recv()) is not None:
