@@ -27,7 +27,8 @@ NCCL, with one log line saying why.
 
 Limitation: the kernels' barriers spin without a deadline, so a rank that dies in the middle of a
 step leaves the others' GPUs spinning in it (NCCL's can be aborted); rank 0's wait for that step's
-tokens then does not end. `disable_custom_all_reduce` restores NCCL's behaviour.
+tokens then does not end. Hence it is opt-in (`disable_custom_all_reduce=False`); the default
+stays NCCL, whose waits are bounded.
 """
 from __future__ import annotations
 

@@ -70,11 +70,11 @@ def test_a_bad_setting_is_refused_naming_its_key(kwargs, named):
 
 
 @pytest.mark.parametrize(("parallel", "device", "size", "said"), [
-    (ParallelConfig(disable_custom_all_reduce=True), GPU1, 2, "disable_custom_all_reduce is set"),
-    (ParallelConfig(), GPU1, 1, "one rank"),
-    (ParallelConfig(), torch.device("cpu"), 2, "gloo"),
-    (ParallelConfig(), GPU1, 3, "world size 3"),
-    (ParallelConfig(custom_all_reduce_max_bytes=0), GPU1, 2, "custom_all_reduce_max_bytes=0"),
+    (ParallelConfig(), GPU1, 2, "disable_custom_all_reduce is set"),
+    (ParallelConfig(disable_custom_all_reduce=False), GPU1, 1, "one rank"),
+    (ParallelConfig(disable_custom_all_reduce=False), torch.device("cpu"), 2, "gloo"),
+    (ParallelConfig(disable_custom_all_reduce=False), GPU1, 3, "world size 3"),
+    (ParallelConfig(custom_all_reduce_max_bytes=0, disable_custom_all_reduce=False), GPU1, 2, "custom_all_reduce_max_bytes=0"),
 ])
 def test_why_the_symmetric_paths_stay_off(parallel, device, size, said):
     assert said in unavailable_reason(parallel, device, 1, size)
@@ -82,7 +82,7 @@ def test_why_the_symmetric_paths_stay_off(parallel, device, size, said):
 
 def test_a_torch_without_symmetric_memory_ops_stays_on_nccl(monkeypatch):
     monkeypatch.setattr(car, "symmetric_memory", lambda: None)
-    assert "no torch.distributed._symmetric_memory" in unavailable_reason(ParallelConfig(), GPU1, 1, 2)
+    assert "no torch.distributed._symmetric_memory" in unavailable_reason(ParallelConfig(disable_custom_all_reduce=False), GPU1, 1, 2)
 
 
 def test_this_torch_has_the_ops_used():
@@ -91,14 +91,14 @@ def test_this_torch_has_the_ops_used():
 
 def test_gloo_ranks_stay_on_gloo_with_a_log_line(caplog):
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        assert open_symmetric_all_reduce(ParallelConfig(2), torch.device("cpu"), 0, 2, "g", lambda v: v) is None
+        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), torch.device("cpu"), 0, 2, "g", lambda v: v) is None
     assert "custom all-reduce off: device cpu is not a GPU (gloo carries the all-reduces)" in caplog.text
 
 
 def test_one_rank_that_cannot_keeps_every_rank_on_nccl(monkeypatch, caplog):
     monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)  # this rank could
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        assert open_symmetric_all_reduce(ParallelConfig(2), GPU1, 0, 2, "g", lambda v: 0) is None  # another not
+        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g", lambda v: 0) is None  # another not
     assert "another rank cannot use symmetric memory" in caplog.text
 
 
@@ -115,7 +115,7 @@ def test_a_failed_buffer_set_up_falls_back_on_every_rank(monkeypatch, caplog):
     monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)
     monkeypatch.setattr(car, "_allocate", refuse)
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        assert open_symmetric_all_reduce(ParallelConfig(2), GPU1, 0, 2, "g", agree) is None
+        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g", agree) is None
     assert agreed == [1, 0]  # the ranks agree before allocating and after
     assert "could not be set up: RuntimeError: CUDA driver error: invalid argument" in caplog.text
 
