@@ -89,6 +89,9 @@ engine_backend.OTHER_DEVICE_HOLDERS.append(release_fleet)  # a single engine's r
 def run_engine_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None]) -> BackendRun:
     from policies.routing import RemoteFleet
     cluster = cluster_config(cfg)
+    if cluster.disaggregated:
+        raise ValueError(f"cluster.roles={[r.value for r in cluster.roles]!r} is invalid with backend=engine: "
+                         "prefill/decode replicas run in the simulator (backend=sim) only (docs/disaggregation.md)")
     if cluster.hardware is not None:
         raise ValueError("cluster.hardware is invalid with backend=engine: the replicas run on this machine's "
                          "GPUs (set it to null)")

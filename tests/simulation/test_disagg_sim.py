@@ -123,3 +123,10 @@ def test_a_link_missing_from_the_hardware_file_names_it():
     cfg = _cfg("cluster.link=infiniband")
     with pytest.raises(ValueError, match=r"cluster.link='infiniband' is not a link of hardware 'h200'.*nvlink"):
         run_fleet(cfg, factory.workload(cfg), lambda n: None)
+
+
+def test_the_engine_fleet_refuses_roles_rather_than_ignore_them():
+    from experiments.lib.engine_fleet import run_engine_fleet
+    cfg = _cfg("backend=engine")
+    with pytest.raises(ValueError, match=r"cluster.roles=\['prefill', 'prefill', 'decode'\] is invalid with backend=engine"):
+        run_engine_fleet(cfg, factory.workload(cfg), lambda n: None)
