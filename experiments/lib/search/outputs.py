@@ -16,7 +16,10 @@ from experiments.lib.search.pareto import pareto_front, plot_front
 from experiments.lib.workloads import Workload
 
 DEPLOYMENT_COLUMNS = ["gpu", "tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens",
-                      "policy", "router", "pd_split"]
+                      "policy", "router"]
+# The prefill/decode split (space.py): in the table, the cheapest pick and the front, kept out of
+# DEPLOYMENT_COLUMNS, which tables written before it lack (the GPU check reads those too).
+SPLIT_COLUMN = "pd_split"
 CONFIG_FILE = "config.yaml"
 
 
@@ -69,7 +72,7 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
                f"{cfg.model.name}, {workload.name}, {slo_text(slo)}")
     able = table[table["capacity_rps"] >= s.target_rate].sort_values(
         ["dollars_per_hour", "capacity_rps"], ascending=[True, False], kind="stable")
-    cheapest = None if able.empty else _plain(able.iloc[0][[*DEPLOYMENT_COLUMNS, "num_gpus", "dollars_per_hour",
+    cheapest = None if able.empty else _plain(able.iloc[0][[*DEPLOYMENT_COLUMNS, SPLIT_COLUMN, "num_gpus", "dollars_per_hour",
                                                             "capacity_rps", "cost_per_million_output_tokens",
                                                             "ttft_p", "tpot_p", "goodput_fraction"]].to_dict())
     counts = table["status"].value_counts().to_dict()
@@ -82,7 +85,7 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
                "simulated_requests": int(table["simulated_requests"].fillna(0).sum()),
                "duration_s": s.duration_s,
                "cheapest": cheapest, "pareto_front": [_plain(r) for r in front[
-                   [*DEPLOYMENT_COLUMNS, "num_gpus", "dollars_per_hour", "capacity_rps",
+                   [*DEPLOYMENT_COLUMNS, SPLIT_COLUMN, "num_gpus", "dollars_per_hour", "capacity_rps",
                     "cost_per_million_output_tokens"]].to_dict("records")],
                "files": {"table": "table.csv", "parquet": "table.parquet", "pareto": "pareto.png",
                          "config": CONFIG_FILE}}
