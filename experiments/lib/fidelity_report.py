@@ -195,12 +195,14 @@ STEP_KINDS = ("decode", "mixed", "swap")
 
 def step_periods(steps: pd.DataFrame, clock: str) -> pd.DataFrame:
     """Each step's kind (decode-only, mixed = with prefill tokens, swap = moving blocks) and period:
-    on the wall clock the time to the next step (the update and loop overhead included), in the
-    simulator its duration."""
+    on the wall clock the time to the same replica's next step (the update and loop overhead
+    included), in the simulator its duration. A fleet's trace interleaves its replicas' steps in
+    time order (a `replica` column): each replica's steps are its own sequence."""
     kind = np.where((steps["num_swap_out_blocks"] > 0) | (steps["num_swap_in_blocks"] > 0), "swap",
                     np.where(steps["num_prefill_tokens"] > 0, "mixed", "decode"))
     if clock == "wall":
-        period = (steps["time"].shift(-1) - steps["time"]).fillna(steps["duration"])
+        start = steps.groupby("replica", sort=False)["time"] if "replica" in steps.columns else steps["time"]
+        period = (start.shift(-1) - steps["time"]).fillna(steps["duration"])
     else:
         period = steps["duration"]
     busy = steps["num_batched_tokens"] > 0
@@ -232,8 +234,8 @@ def breakdown_markdown(rows: list[dict[str, Any]]) -> str:
                      f"{r['engine_total_s']:.2f} / {r['sim_total_s']:.2f} s |")
     lines.append("")
     lines.append("decode: decode-only steps (CUDA graphs of batch buckets); mixed: steps with prefill tokens (CUDA "
-                 "graphs of token buckets); swap: steps that move KV blocks. Engine step = time to the next step "
-                 "(wall clock).")
+                 "graphs of token buckets); swap: steps that move KV blocks. Engine step = time to the replica's "
+                 "next step (wall clock); totals add up every replica's steps.")
     return "\n".join(lines) + "\n"
 
 

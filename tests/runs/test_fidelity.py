@@ -116,6 +116,20 @@ def test_step_breakdown_attributes_the_error_to_step_kinds():
     assert "| known | decode |" in breakdown_markdown(rows)
 
 
+def test_step_breakdown_of_a_fleet_times_each_replica_on_its_own_steps():
+    """A fleet's steps trace interleaves its replicas' steps in time order; a wall-clock step
+    lasts until the same replica's next step, not the next row (another replica's step)."""
+    _, _, steps = traces(1.0)
+    fleet = pd.concat([steps.assign(replica=0), steps.assign(replica=1, time=steps["time"] + 3e-4)])
+    fleet = fleet.sort_values(["time", "replica"], kind="stable").reset_index(drop=True)
+    assert (fleet["replica"].diff().fillna(1) != 0).mean() > 0.5  # the replicas' rows interleave
+    rows = step_breakdown_rows(fleet, fleet, "fleet")
+    for r in rows:
+        assert r["engine_steps"] == r["sim_steps"] > 0
+        assert r["engine_mean_s"] == pytest.approx(r["sim_mean_s"], rel=1e-9)
+        assert r["engine_total_s"] == pytest.approx(r["sim_total_s"], rel=1e-9)
+
+
 def test_identical_traces_have_zero_error_and_preemptions_are_counted():
     engine, req, _ = traces(1.0, num_gpu_blocks=40)  # few blocks: the scheduler must preempt
     assert engine["num_preemptions"] > 0
