@@ -121,6 +121,19 @@ def test_mixed_hardware_replicas_each_get_their_own_pool_and_speed(tmp_path):
     assert per["0"]["tpot"]["mean"] < per["1"]["tpot"]["mean"]  # the H200 decodes faster
 
 
+def test_measured_block_counts_reach_every_replica():
+    """experiments.fidelity hands the simulator the engine's KV block counts as blocks.num_gpu_blocks /
+    num_cpu_blocks (over a kv_cache_gib that would size the pool otherwise): every replica's pool
+    has them, as its steps trace and replica_info show."""
+    cfg = _cfg("cluster.replicas=3", "blocks=prefix", "blocks.kv_cache_gib=2", "blocks.num_gpu_blocks=77",
+               "blocks.num_cpu_blocks=5", "workload=offline")
+    fleet = run_fleet(cfg, factory.workload(cfg), lambda n: None)
+    assert [(r["num_gpu_blocks"], r["num_cpu_blocks"]) for r in fleet.info["replica_info"]] == [(77, 5)] * 3
+    for recorder in fleet.replica_recorders:
+        steps = steps_frame(recorder)
+        assert len(steps) and (steps["gpu_blocks_total"] == 77).all() and (steps["cpu_blocks_total"] == 5).all()
+
+
 @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(router=st.sampled_from(ROUTERS.names()), replicas=st.integers(1, 4),
        refresh_s=st.sampled_from([0.0, 0.005, 0.1]), admission_s=st.sampled_from([0.0, 0.001]),
