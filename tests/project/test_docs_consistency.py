@@ -1,6 +1,7 @@
 """The README and docs/ say what the tree holds: the README's config-group lists are conf/'s
 options, every profile a page cites exists, every README headline number is in the record
-(docs/results.md), and every `make` target the Makefile declares has a rule."""
+(docs/results.md), every `make` target the Makefile declares has a rule, and the README stays a
+front door: about 120 lines, a docs map naming every page of docs/, links that resolve."""
 from __future__ import annotations
 
 import re
@@ -55,3 +56,37 @@ def test_every_phony_make_target_has_a_rule():
     phony = re.search(r"^\.PHONY:(.*)$", makefile, re.M)[1].split()
     rules = set(re.findall(r"^([\w-]+):", makefile, re.M))
     assert not [t for t in phony if t not in rules]
+
+
+README_MAX_LINES = 122  # a front door; details live in docs/, history in git and docs/history.md
+
+
+def test_readme_stays_a_front_door():
+    lines = README.count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): " \
+                                      "move per-feature detail into its docs/ page"
+
+
+def test_readme_docs_map_names_every_docs_page():
+    table = README[README.index("## Documentation"):].split("\n## ")[0]
+    mapped = set(re.findall(r"^\| \[(docs/[\w.-]+\.md)\]", table, re.M))
+    pages = {p for p in PAGES if p.startswith("docs/")}
+    assert mapped == pages, f"README's docs map: missing {sorted(pages - mapped)}, " \
+                            f"not in docs/: {sorted(mapped - pages)}"
+
+
+def _github_anchor(heading: str) -> str:
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def test_every_readme_link_resolves():
+    for target in re.findall(r"\]\(([^)\s]+)\)", README):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        assert (ROOT / path).exists(), f"README links to {path}, which does not exist"
+        if anchor and path.endswith(".md"):
+            headings = re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), re.M)
+            assert anchor in {_github_anchor(h) for h in headings}, \
+                f"README links to {target}: no heading of {path} has the anchor #{anchor}"
