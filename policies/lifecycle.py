@@ -5,6 +5,11 @@ The stop rules, checked per sampled token, are `StopRule`s (policies/stop_rule.p
 A request ends when all its sequences have; its finish_reason is then sample 0's ("abort:<why>"
 when aborted). Ended requests are handed out once by `take_ended` (and aborted ones once more by
 `take_aborted`, for `SchedulerOutput.aborted`).
+
+On a prefill replica of a disaggregated fleet a `PrefillSide` (policies/disagg/) sets `handoff`:
+sequences then end at their first token with reason "handoff" (policies/stop_rule.py), keep their
+blocks, and their request goes to `handoff.hand_off` instead of ending here. `adopt` is the decode
+side's door: sequences built from a hand-off join the running queue as a live request.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from policies.queues import SchedulerQueues, seq_cost
 from policies.request import Request
 from policies.sampling_path import may_need_full_sampler
 from policies.sequence import PENDING, Sequence, SequenceStatus
-from policies.stop_rule import STOPPED, StopRule
+from policies.stop_rule import HANDOFF_REASON, STOPPED, StopRule
 from policies.trace import TraceRecorder
 
 RUNNING, WAITING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED
@@ -47,6 +52,8 @@ class Lifecycle:
         self._ended: list[Request] = []
         self._aborted: list[Request] = []
         self._next_seq_id = 0
+        self.handoff = None  # a policies.disagg.PrefillSide on a prefill replica
+        self.transfer_sides: list = []  # Prefill/DecodeSides holding blocks of sequences outside the queues
 
     def arrive(self, request: Request, now: float) -> None:
         """A validated, new request: its first sequence joins the waiting queue."""
@@ -58,6 +65,29 @@ class Lifecycle:
         self.recorder.arrived(request, now)
         self._register(seq)
         self.queues.add_waiting(seq)
+
+    def adopt(self, request: Request, family: list[Sequence], now: float) -> None:
+        """Sequences built elsewhere (a decode replica receiving a hand-off: blocks allocated,
+        progress and first tokens set) join as a live request, each in the running queue, or
+        finished where its sample already ended."""
+        self.seen.add(request.request_id)
+        self.families[request.request_id] = family
+        self.num_full_sampler += may_need_full_sampler(request.sampling_params)
+        for seq in family:
+            seq.arrival_index = len(self.seen) - 1
+            self._register(seq)
+            if not seq.is_finished:
+                self.queues.add_running(seq)
+
+    def new_seq_id(self) -> int:
+        """A sequence id unused by this scheduler."""
+        return self._new_seq_id()
+
+    def release_blocks(self, seq: Sequence, reason: str) -> None:
+        """Free an ending sequence's blocks, unless it is handed off: the prefill side keeps them
+        until its transfer is done (`PrefillSide.finish_transfer`)."""
+        if reason != HANDOFF_REASON or self.handoff is None:
+            self.block_manager.free(seq)
 
     def take_ended(self) -> list[Request]:
         ended, self._ended = self._ended, []
@@ -175,6 +205,8 @@ class Lifecycle:
                     self._finish(seq, SequenceStatus.FINISHED_STOPPED, "stop", now)
                     self.aborted_in_flight = True
                 elif seq.status is SequenceStatus.FINISHED_LENGTH:  # a stop wins over a length limit
+                    if seq.finish_reason == HANDOFF_REASON and self.handoff is not None:
+                        self.block_manager.free(seq)  # kept for a hand-off that no longer happens
                     seq.status, seq.finish_reason = SequenceStatus.FINISHED_STOPPED, "stop"
         self.end_retired(ending, now)
 
@@ -292,7 +324,7 @@ class Lifecycle:
     # ---- endings ----------------------------------------------------------------------------
     def _finish(self, seq: Sequence, status: SequenceStatus, reason: str, now: float) -> None:
         self.queues.remove(seq)
-        self.block_manager.free(seq)
+        self.release_blocks(seq, reason)
         seq.status, seq.finish_reason = status, reason
         family = self.families[seq.request.request_id]
         if all(s.status >= FINISHED for s in family):
@@ -323,6 +355,10 @@ class Lifecycle:
             if rule is not None and rule.stops is not None:
                 self.num_with_stops -= 1
             self.decode_entries.pop(seq, None)
+        if not aborted and self.handoff is not None and any(s.finish_reason == HANDOFF_REASON for s in family):
+            request.finish_reason = None  # not ended: its decode replica ends it
+            self.handoff.hand_off(request, family, now)
+            return
         if aborted:
             self.recorder.aborted(request, family, now)
             self._aborted.append(request)
@@ -337,7 +373,7 @@ class Lifecycle:
 
     def _register(self, seq: Sequence) -> None:
         times = self.recorder.token_list(seq.request) if seq.sample_index == 0 else None
-        rule = self.stop_rules[seq] = StopRule.of(seq, self.max_model_len, times)
+        rule = self.stop_rules[seq] = StopRule.of(seq, self.max_model_len, times, self.handoff is not None)
         self.num_with_stops += rule.stops is not None
         # A decode samples n tokens only for an unforked parallel prompt's last token.
         self.decode_entries[seq] = ScheduledSeq(seq, 1, seq_cost(seq))

@@ -138,7 +138,7 @@ def retire(state: SchedulerState, ending: list[tuple[Sequence, SequenceStatus, s
     retired = []
     for seq, status, reason in ending:
         state.queues.remove(seq)
-        state.block_manager.free(seq)
+        state.lifecycle.release_blocks(seq, reason)
         seq.status, seq.finish_reason = status, reason
         retired.append(seq)
     return retired

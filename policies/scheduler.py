@@ -114,6 +114,8 @@ class Scheduler(DecodeRunCalls):
         assert all(seq.is_finished or id(seq) in queued for seq in live), "a live sequence is lost"
         assert len(queued) == sum(not seq.is_finished for seq in live), "a queued sequence is not live"
         assert self.queues.running_cost <= self.config.max_num_seqs, "running sequences exceed max_num_seqs"
+        # Sequences whose blocks a hand-off holds: transferring out, or reserved for one coming in.
+        live.extend(seq for side in self.lifecycle.transfer_sides for seq in side.held_sequences())
         self.block_manager.check_invariants(live)
 
     # ---- requests -------------------------------------------------------------------------

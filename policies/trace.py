@@ -41,7 +41,7 @@ STEP_COLUMNS = (
 )
 EVENT_COLUMNS = ("time", "event", "request_id", "seq_id", "detail")
 EVENTS = ("arrived", "scheduled", "first_token", "preempted", "swapped_out", "swapped_in",
-          "finished", "aborted")
+          "finished", "aborted", "handed_off", "received")
 PREEMPTION_EVENT_MODES = ("recompute", "swap", "recompute_fallback")
 
 
@@ -75,6 +75,7 @@ class _Live:
     num_preemptions: int = 0
     num_swaps: int = 0
     token_times: list[float] = field(default_factory=list)
+    extra: dict | None = None  # columns beyond REQUEST_COLUMNS (a handed-off request's split)
 
 
 @dataclass(slots=True)
@@ -188,6 +189,25 @@ class TraceRecorder:
         """The live list of sample 0's output token times, for cheap appends in the hot path."""
         return self._live[request.request_id].token_times
 
+    def live_progress(self, request_id: str) -> tuple[float | None, int]:
+        """A live request's first scheduled time and preemption count so far."""
+        live = self._live[request_id]
+        return live.first_scheduled_time, live.num_preemptions
+
+    def hand_over(self, request: Request, now: float) -> None:
+        """A prefill replica's request moved to a decode replica (its transfer is done): it leaves
+        this recorder without a row (the decode replica's recorder writes it)."""
+        del self._live[request.request_id]
+        self._event(now, "handed_off", request.request_id, None)
+
+    def take_over(self, request: Request, first_scheduled_time: float | None, num_preemptions: int,
+                  extra: dict, now: float) -> None:
+        """A decode replica received a request whose first token reaches the user now: its row will
+        carry the prefill side's queueing and preemptions, its first token time `now`, and `extra`."""
+        self._live[request.request_id] = _Live(request, first_scheduled_time, now, num_preemptions,
+                                               token_times=[now], extra=extra)
+        self._event(now, "received", request.request_id, None)
+
     def preempted(self, seq: Sequence, mode: str, now: float) -> None:
         if mode not in PREEMPTION_EVENT_MODES:
             raise ValueError(f"mode={mode!r} is invalid: choose one of {PREEMPTION_EVENT_MODES}")
@@ -225,6 +245,8 @@ class TraceRecorder:
             sum(s.num_output_tokens for s in seqs), request.sampling_params.n, live.first_scheduled_time,
             live.first_token_time, now, status, request.finish_reason, live.token_times, seq0_outputs,
             live.num_preemptions, live.num_swaps, request.tenant)
+        if live.extra:
+            row.update(live.extra)
         self.requests.append(row)
         return row
 

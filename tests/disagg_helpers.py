@@ -1,0 +1,101 @@
+"""A pure-Python disaggregated pair for tests: one prefill and one decode `Scheduler` stepped in
+turn, with the KV store of tests/scheduler_helpers.py on each side and a copy between them, so a
+wrong block id on either side fails the decode side's read check."""
+from __future__ import annotations
+
+from scheduler_helpers import KVStoreBackend, prefix_fingerprints
+
+from policies import Request, Scheduler
+from policies.disagg import DecodeSide, KVHandoff, PrefillSide
+
+
+def content_token(seq) -> int:
+    """The token a deterministic model samples after `seq`'s tokens (same on every backend)."""
+    return 1000 + prefix_fingerprints(seq.token_ids)[-1] % 1000
+
+
+def sampled(out) -> dict[int, list[int]]:
+    tokens = {}
+    for e in out.scheduled:
+        if e.num_samples:
+            base = content_token(e.seq)
+            tokens[e.seq.seq_id] = [base + i for i in range(e.num_samples)]
+    return tokens
+
+
+class DisaggPair:
+    def __init__(self, prefill: Scheduler, decode: Scheduler, max_queue: int = 64, timeout_s: float = 1e9,
+                 abort_at: dict[str, int] | None = None) -> None:
+        """`abort_at`: request id -> the round (one step each side) it is aborted at."""
+        self.prefill, self.decode = prefill, decode
+        self.pside = PrefillSide(prefill, block_bytes=64, replica=0)
+        self.dside = DecodeSide(decode, max_queue=max_queue, timeout_s=timeout_s, replica=1)
+        bs = prefill.block_manager.block_size
+        self.pkv, self.dkv = KVStoreBackend(bs), KVStoreBackend(bs)
+        self.abort_at = dict(abort_at or {})
+        self.in_flight: list[KVHandoff] = []  # reserved, copied at the end of the round
+        self.ended: dict[str, Request] = {}
+        self.events: list[tuple[str, str]] = []  # (what, request id), in order
+        self.families: dict[str, list] = {}  # request id -> its sequences on the decode side
+        self.now = 0.0
+
+    def _abort(self, rid: str) -> None:
+        if self.decode.abort(rid, "user", self.now):
+            return
+        if self.pside.abort(rid, "user", self.now):
+            handoff = self.pside.transferring.get(rid)
+            if handoff is not None and self.dside.withdraw(handoff):
+                self._end(self.pside.finish_transfer(handoff, self.now))
+
+    def _end(self, request: Request | None) -> None:
+        if request is not None:
+            assert request.request_id not in self.ended, f"{request.request_id} ended twice"
+            self.ended[request.request_id] = request
+
+    def _step(self, sched: Scheduler, kv: KVStoreBackend) -> None:
+        if not sched.has_unfinished():
+            return
+        out = sched.schedule(self.now)
+        kv.execute(out)
+        for request in sched.update(out, sampled(out), self.now + 0.5):
+            self._end(request)
+        sched.check_invariants()
+
+    def run(self, requests: list[Request], max_rounds: int = 5000) -> dict[str, Request]:
+        for r in requests:
+            self.prefill.add(r, self.now)
+        for round_ in range(max_rounds):
+            for rid, at in list(self.abort_at.items()):
+                if at == round_:
+                    self._abort(rid)
+            self._step(self.prefill, self.pkv)
+            for handoff in self.pside.take_handoffs():
+                self.events.append(("handoff", handoff.request_id))
+                if not self.dside.enqueue(handoff, self.now):
+                    self.pside.abort(handoff.request_id, "handoff_queue_full", self.now)
+                    self._end(self.pside.finish_transfer(handoff, self.now))
+            reserved, never = self.dside.reserve_ready(self.now)
+            for handoff in never:
+                self.pside.abort(handoff.request_id, "too_long", self.now)
+                self._end(self.pside.finish_transfer(handoff, self.now))
+            for handoff in reserved:
+                assert len(handoff.dst_block_ids) == handoff.num_blocks
+                self.events.append(("reserved", handoff.request_id))
+                handoff.transfer_start_time = self.now
+            self._step(self.decode, self.dkv)
+            for handoff in self.in_flight:  # the copy of the round before: block by block
+                for src, dst in zip(handoff.block_ids, handoff.dst_block_ids):
+                    self.dkv.gpu[dst] = list(self.pkv._block(self.pkv.gpu, src))
+                self.events.append(("received", handoff.request_id))
+                family = self.dside.receive(handoff, self.now + 0.25)
+                if family is not None:
+                    self.families[handoff.request_id] = family
+                self._end(self.pside.finish_transfer(handoff, self.now + 0.25))
+            self.decode.check_invariants()
+            self.prefill.check_invariants()
+            self.in_flight = reserved
+            self.now += 1.0
+            if not (self.prefill.has_unfinished() or self.decode.has_unfinished() or self.in_flight
+                    or self.dside.queue or self.pside.transferring):
+                return self.ended
+        raise AssertionError("the pair made no progress")
