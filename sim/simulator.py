@@ -103,6 +103,7 @@ class Simulator:
         self.on_done = on_done
         self.env = simpy.Environment()
         self.num_steps = 0
+        self.after_step: Callable[[], None] | None = None  # called after each step's update (a fleet's hook)
         self._arrived = 0
         self._wake: simpy.Event | None = None
         self._next_arrival_at = 0.0  # SimPy time of the pending arrival (inf: none left)
@@ -194,6 +195,8 @@ class Simulator:
                 # sleep until the next arrival; with none left the scheduler is stuck.
                 if out.preempted or out.aborted:
                     sched.update(out, {}, env.now)
+                    if self.after_step is not None:
+                        self.after_step()
                     idle_rounds += 1
                     if idle_rounds < 1000:
                         continue
@@ -219,6 +222,8 @@ class Simulator:
                 batch, tokens = scheduled, self._sampled_tokens(scheduled)
             self.num_steps += 1
             sched.update(out, tokens, env.now, (), stop_lens)
+            if self.after_step is not None:
+                self.after_step()
 
     def _decode_run(self) -> list[float] | None:
         """Times [t_0 = now, ..., t_K] of K >= 1 decode steps `advance_decodes` can apply at once:

@@ -15,6 +15,11 @@ class Cluster:
     replicas: int = 1
     hardware: list[str] | None = None
     refresh_s: float = 0.0
+    roles: list[str] | None = None  # prefill | decode | mixed per replica (docs/disaggregation.md)
+    decode_router: str = "least_kv"
+    link: str = "nvlink"
+    handoff_queue: int = 64
+    handoff_timeout_s: float = 60.0
 
 
 @dataclass

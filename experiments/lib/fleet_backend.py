@@ -18,9 +18,11 @@ from experiments.lib import factory
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.serving_overhead import ServingOverhead
 from experiments.lib.workloads import Workload
+from policies.disagg import ReplicaRole, is_disaggregated, parse_roles
 from policies.trace import TraceRecorder
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
+ROUTER_DIR = REPO_ROOT / "conf" / "router"
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,6 +30,16 @@ class ClusterConfig:
     replicas: int = 1
     hardware: tuple[str, ...] | None = None  # per replica; None: the run's hardware for all
     refresh_s: float = 0.0  # router snapshot refresh period (0: exact)
+    # Prefill/decode disaggregation (docs/disaggregation.md): one role per replica (all mixed by default).
+    roles: tuple[ReplicaRole, ...] = ()
+    decode_router: str = "least_kv"  # a conf/router name: picks the decode replica of each hand-off
+    link: str = "nvlink"  # a conf/hardware `links` name: what a KV transfer crosses
+    handoff_queue: int = 64  # hand-offs waiting for blocks on one decode replica, at most
+    handoff_timeout_s: float = 60.0  # how long one may wait there
+
+    @property
+    def disaggregated(self) -> bool:
+        return is_disaggregated(self.roles)
 
 
 def cluster_config(cfg: DictConfig) -> ClusterConfig:
@@ -51,7 +63,20 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
             if name not in known:
                 raise ValueError(f"cluster.hardware[{i}]={name!r} is unknown: choose one of {known}")
         hardware = tuple(hardware)
-    return ClusterConfig(n, hardware, float(refresh))
+    roles = parse_roles(c.get("roles"), n, "cluster.roles")
+    decode_router = c.get("decode_router", "least_kv")
+    known_routers = sorted(p.stem for p in ROUTER_DIR.glob("*.yaml"))
+    if decode_router not in known_routers:
+        raise ValueError(f"cluster.decode_router={decode_router!r} is unknown: choose one of {known_routers}")
+    link = c.get("link", "nvlink")
+    if not isinstance(link, str) or not link:
+        raise ValueError(f"cluster.link={link!r} is invalid: a link name of conf/hardware (nvlink, network)")
+    queue, timeout = c.get("handoff_queue", 64), c.get("handoff_timeout_s", 60.0)
+    if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
+        raise ValueError(f"cluster.handoff_queue={queue!r} is invalid: must be an integer >= 1")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < inf:
+        raise ValueError(f"cluster.handoff_timeout_s={timeout!r} is invalid: must be a number of seconds > 0")
+    return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout))
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:
@@ -87,13 +112,24 @@ def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None
         specs.append(ReplicaSpec(scheduler, factory.build_latency(rcfg)))
         recorders.append(recorder)
         info.append({"replica": i, "hardware": rcfg.hardware.name, "num_gpu_blocks": gpu, "num_cpu_blocks": cpu})
-    result = FleetSimulator(specs, router, workload.requests, cluster.refresh_s, workload.stop_lens, on_done,
-                            fast_forward=cfg.backend.get("fast_forward", True)).run()
+    fast_forward = cfg.backend.get("fast_forward", True)
+    if cluster.disaggregated:
+        from experiments.lib.disagg_backend import disaggregated_fleet
+        fleet = disaggregated_fleet(cfg, cluster, specs, router, workload, on_done)
+    else:
+        fleet = FleetSimulator(specs, router, workload.requests, cluster.refresh_s, workload.stop_lens, on_done,
+                               fast_forward=fast_forward)
+    result = fleet.run()
     for recorder, row, routed, steps in zip(recorders, info, result.num_routed, result.replica_steps):
         overhead.apply(recorder.requests)
         row.update(num_routed=routed, num_steps=steps)
     run_info = {"replicas": cluster.replicas, "router": router.name, "refresh_s": cluster.refresh_s,
                 "latency_model": specs[0].latency.name, "replica_info": info}
+    if cluster.disaggregated:
+        run_info.update(roles=[role.value for role in cluster.roles], decode_router=cluster.decode_router,
+                        link=cluster.link, handoffs=len(fleet.handoffs))
+        for row, role in zip(info, cluster.roles):
+            row["role"] = role.value
     if not overhead.is_zero:
         run_info["serving_overhead"] = overhead.describe()
     return BackendRun(result.num_steps, result.sim_time_s, "simulated", run_info, recorders)

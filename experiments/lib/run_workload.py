@@ -45,6 +45,9 @@ def run(cfg: DictConfig, out_dir: str | Path, label: str | None = None,
     else:  # a fleet (docs/fleet.md): traces with a replica column, per-replica metrics
         requests, steps, events = write_fleet_traces(result.replica_recorders, out_dir)
         summary.update(fleet_summary(requests, steps, bs, len(result.replica_recorders), slo))
+    num_gpus = len(result.replica_recorders or [recorder]) * factory.tensor_parallel_size(cfg)
+    summary["num_gpus"] = num_gpus
+    summary["goodput_per_gpu"] = summary["goodput"] / num_gpus  # requests meeting every SLO per second per GPU
     summary["run"] = {"backend": cfg.backend.name, "policy": cfg.policy.name,
                       "preemption_mode": cfg.policy.preemption_mode, "blocks": cfg.blocks.kind,
                       "block_size": bs, "model": cfg.model.name, "hardware": cfg.hardware.name,

@@ -16,16 +16,22 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from policies.disagg import HANDOFF_COLUMNS
 from policies.trace import EVENT_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS, TraceRecorder
 
 REQUESTS_FILE, STEPS_FILE, EVENTS_FILE, SUMMARY_FILE = (
     "requests.parquet", "steps.parquet", "events.parquet", "summary.json")
 _FLOAT_REQUEST_COLUMNS = ("first_scheduled_time", "first_token_time", "ttft", "tpot", "queueing_time")
+HANDOFF_FLOAT_COLUMNS = ("prefill_time", "decode_wait", "link_wait", "link_time", "transfer_time")
 
 
 def requests_frame(recorder: TraceRecorder) -> pd.DataFrame:
-    df = pd.DataFrame.from_records(recorder.requests, columns=list(REQUEST_COLUMNS))
-    for col in _FLOAT_REQUEST_COLUMNS:
+    """The request rows; a disaggregated run's decode replicas add the hand-off columns
+    (policies/disagg/handoff.py: HANDOFF_COLUMNS)."""
+    split = any("transfer_time" in row for row in recorder.requests)
+    columns = [*REQUEST_COLUMNS, *(HANDOFF_COLUMNS if split else ())]
+    df = pd.DataFrame.from_records(recorder.requests, columns=columns)
+    for col in _FLOAT_REQUEST_COLUMNS + (HANDOFF_FLOAT_COLUMNS if split else ()):
         df[col] = df[col].astype("float64")
     return df
 

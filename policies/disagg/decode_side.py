@@ -53,10 +53,10 @@ class DecodeSide:
         return len(self._reserved)
 
     def enqueue(self, handoff: KVHandoff, now: float) -> bool:
-        """Queue a hand-off routed here; False (nothing queued) when `max_queue` are waiting."""
+        """Queue a hand-off routed here; False (nothing queued; the caller aborts it) when `max_queue` are waiting."""
+        handoff.decode_replica = self.replica
         if len(self.queue) >= self.max_queue:
             return False
-        handoff.decode_replica = self.replica
         self.queue.append((now, handoff))
         self._families[handoff.request_id] = self._build(handoff)
         return True
@@ -71,9 +71,9 @@ class DecodeSide:
         return False
 
     def expire(self, now: float) -> list[KVHandoff]:
-        """Take out the hand-offs queued for more than `timeout_s` (FIFO: they are at the head)."""
+        """Take out the hand-offs queued for `timeout_s` or more (FIFO: they are at the head)."""
         expired = []
-        while self.queue and now - self.queue[0][0] > self.timeout_s:
+        while self.queue and now - self.queue[0][0] >= self.timeout_s:
             expired.append(self._pop())
         return expired
 

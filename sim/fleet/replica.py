@@ -32,14 +32,15 @@ class ReplicaSimulator(Simulator):
         self.env = env
         self.replica = replica
         self.num_routed = 0
+        self.num_left = 0  # routed here, then ended elsewhere (handed off, or aborted before it arrived)
         self.inbox: list[Request] = []  # routed here, waiting for the host to admit them
         self._admitting = False
         self._expected = 0.0  # the fleet's next routing decision or refresh
 
     @property
     def num_outstanding(self) -> int:
-        """Requests routed here and not ended."""
-        return self.num_routed - len(self.scheduler.recorder.requests)
+        """Requests routed here and neither ended here nor gone elsewhere."""
+        return self.num_routed - len(self.scheduler.recorder.requests) - self.num_left
 
     def process(self) -> simpy.Process:
         return self.env.process(self._engine())
@@ -64,6 +65,17 @@ class ReplicaSimulator(Simulator):
         unless it is still admitting earlier ones (they wait for the next batch)."""
         if self.inbox and not self._admitting:
             self._admit()
+
+    def wake(self) -> None:
+        """Something was added here outside the arrivals (a received hand-off): wake the idle engine."""
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def close(self) -> None:
+        """Nothing more can come here (a decode replica once the prefill side is done): the engine
+        ends when its requests have."""
+        self._arrived = len(self.requests)
+        self.wake()
 
     def skip(self) -> None:
         """A request of the fleet was routed to another replica."""

@@ -9,13 +9,34 @@ from typing import Any
 
 from policies.model_shape import DTYPE_BYTES, ModelShape, _require
 
-__all__ = ["DTYPE_BYTES", "Hardware", "ModelShape"]
+__all__ = ["DTYPE_BYTES", "Hardware", "Link", "ModelShape"]
 
 
 def _positive(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"{name}={value!r} is invalid: must be a number > 0")
     return value
+
+
+@dataclass(slots=True)
+class Link:
+    """A GPU-to-GPU path a KV transfer takes (conf/hardware `links.<name>`), per GPU and each way."""
+
+    bandwidth_gb_s: float  # GB/s (1e9 B/s)
+    latency_s: float  # per transfer
+
+    def transfer_time(self, num_bytes: int) -> float:
+        return self.latency_s + num_bytes / (self.bandwidth_gb_s * 1e9)
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], where: str) -> Link:
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"{where}={cfg!r} is invalid: a mapping with bandwidth_gb_s and latency_s")
+        bw, lat = cfg.get("bandwidth_gb_s"), cfg.get("latency_s")
+        _positive(bw, f"{where}.bandwidth_gb_s")
+        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or lat < 0:
+            raise ValueError(f"{where}.latency_s={lat!r} is invalid: must be a number >= 0 (seconds)")
+        return cls(float(bw), float(lat))
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,14 +56,23 @@ class Hardware:
     # GPU-to-GPU link (tensor parallelism; optional, needed only for tensor_parallel_size > 1).
     interconnect_bandwidth: float | None = None  # B/s per GPU, each way
     interconnect_latency_s: float | None = None  # per collective
+    # KV-transfer paths between replicas (prefill/decode disaggregation): name -> Link, e.g. nvlink
+    # (GPUs of one host) and network (GPUs of different hosts); `cluster.link` picks one.
+    links: dict[str, Link] | None = None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], where: str = "hardware") -> Hardware:
-        optional = ("interconnect_bandwidth", "interconnect_latency_s")
+        optional = ("interconnect_bandwidth", "interconnect_latency_s", "links")
         values = {f.name: cfg.get(f.name) if f.name in optional else _require(cfg, f.name, where)
                   for f in fields(cls)}
         for f in fields(cls):
             if f.name == "name" or (f.name in optional and values[f.name] is None):
+                continue
+            if f.name == "links":
+                if not isinstance(values["links"], Mapping):
+                    raise ValueError(f"{where}.links={values['links']!r} is invalid: a mapping of link name -> "
+                                     "{bandwidth_gb_s, latency_s}")
+                values["links"] = {str(k): Link.from_dict(v, f"{where}.links.{k}") for k, v in values["links"].items()}
                 continue
             v = values[f.name]
             if f.name in ("step_overhead_s", "swap_latency_s", "swap_block_overhead_s", "interconnect_latency_s"):
@@ -54,6 +84,14 @@ class Hardware:
             else:
                 _positive(v, f"{where}.{f.name}")
         return cls(**values)
+
+    def link(self, name: str, key: str = "cluster.link") -> Link:
+        """The named KV-transfer link; ValueError naming `key` when this hardware does not have it."""
+        links = self.links or {}
+        if name not in links:
+            raise ValueError(f"{key}={name!r} is not a link of hardware {self.name!r}: conf/hardware/{self.name}.yaml "
+                             f"has links {sorted(links)} (add links.{name}: {{bandwidth_gb_s, latency_s}})")
+        return links[name]
 
     def flops_for(self, dtype_bytes: int) -> float:
         return self.fp32_flops if dtype_bytes >= 4 else self.bf16_flops

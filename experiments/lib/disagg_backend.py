@@ -1,0 +1,46 @@
+"""backend=sim with `cluster.roles` holding prefill and decode replicas: the disaggregated fleet
+(sim/fleet/disagg.py) built from the config (docs/disaggregation.md).
+
+Each prefill replica sends its KV over `cluster.link` of its own hardware file (`links.<name>`:
+bandwidth and latency), and a block's bytes per tensor-parallel rank come from the model's shape
+(policies/disagg/handoff.py: `kv_block_bytes`). The decode router is the conf/router file
+`cluster.decode_router` names, seeded by the run's seed + 1 (the first router takes the seed).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.lib import factory
+from experiments.lib.fleet_backend import ROUTER_DIR, ClusterConfig, replica_config
+from experiments.lib.workloads import Workload
+from policies.disagg import ReplicaRole, kv_block_bytes
+from sim.fleet.disagg import DisaggFleetSimulator
+
+
+def decode_router(cfg: DictConfig, name: str):
+    from policies.routing import make_router
+    section = OmegaConf.to_container(OmegaConf.load(ROUTER_DIR / f"{name}.yaml"), resolve=True)
+    try:
+        return make_router(section, int(cfg.get("seed") or 0) + 1)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"cluster.decode_router: {e}") from None
+
+
+def disaggregated_fleet(cfg: DictConfig, cluster: ClusterConfig, specs: list, router, workload: Workload,
+                        on_done: Callable[[int], None]) -> DisaggFleetSimulator:
+    links, block_bytes = [], []
+    for i, role in enumerate(cluster.roles):
+        rcfg = replica_config(cfg, cluster.hardware[i] if cluster.hardware else None)
+        if role is ReplicaRole.PREFILL:
+            links.append(factory.hardware(rcfg).link(cluster.link, "cluster.link"))
+            block_bytes.append(kv_block_bytes(factory.model_shape(rcfg), factory.block_size(rcfg),
+                                              factory.tensor_parallel_size(rcfg)))
+        else:
+            links.append(None)
+            block_bytes.append(0)
+    return DisaggFleetSimulator(specs, cluster.roles, router, decode_router(cfg, cluster.decode_router),
+                                workload.requests, links, block_bytes, cluster.handoff_queue,
+                                cluster.handoff_timeout_s, cluster.refresh_s, workload.stop_lens, on_done,
+                                fast_forward=cfg.backend.get("fast_forward", True))
