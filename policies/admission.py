@@ -41,8 +41,8 @@ def admit(state: SchedulerState, step: ScheduledStep, budget: int, take_waiting:
                 need > budget and not config.enable_chunked_prefill):
             break
         status = block_manager.can_swap_in(seq) if from_swap else block_manager.can_allocate(seq)
-        if status is LATER and not queues.running:
-            status = NEVER  # the GPU pool holds no running sequence: waiting cannot help
+        if status is LATER and not queues.running and not state.lifecycle.blocks_in_transfer():
+            status = NEVER  # the GPU pool holds no running sequence nor a transfer's: waiting cannot help
         if status is NEVER:  # it can never fit: aborted, with its siblings' entries of this step
             state.lifecycle.abort(seq.request, "too_long", now)
             step.drop_request(seq.request)

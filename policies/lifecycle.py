@@ -79,6 +79,10 @@ class Lifecycle:
             if not seq.is_finished:
                 self.queues.add_running(seq)
 
+    def blocks_in_transfer(self) -> bool:
+        """Whether a hand-off holds blocks of this pool (they come back when its transfer ends)."""
+        return any(side.holds_blocks for side in self.transfer_sides)
+
     def new_seq_id(self) -> int:
         """A sequence id unused by this scheduler."""
         return self._new_seq_id()
@@ -88,6 +92,8 @@ class Lifecycle:
         until its transfer is done (`PrefillSide.finish_transfer`)."""
         if reason != HANDOFF_REASON or self.handoff is None:
             self.block_manager.free(seq)
+        else:
+            self.handoff.keep(seq)
 
     def take_ended(self) -> list[Request]:
         ended, self._ended = self._ended, []
@@ -206,7 +212,7 @@ class Lifecycle:
                     self.aborted_in_flight = True
                 elif seq.status is SequenceStatus.FINISHED_LENGTH:  # a stop wins over a length limit
                     if seq.finish_reason == HANDOFF_REASON and self.handoff is not None:
-                        self.block_manager.free(seq)  # kept for a hand-off that no longer happens
+                        self.handoff.release(seq)  # kept for a hand-off that no longer happens
                     seq.status, seq.finish_reason = SequenceStatus.FINISHED_STOPPED, "stop"
         self.end_retired(ending, now)
 

@@ -147,6 +147,10 @@ class Simulator:
                 self._wake.succeed()
         self._next_arrival_at = inf
 
+    def _more_may_come(self) -> bool:
+        """Whether something may still make a stuck scheduler runnable (an arrival is left)."""
+        return self._arrived < len(self.requests)
+
     def _idle(self) -> simpy.Event:
         self._wake = self.env.event()
         return self._wake
@@ -200,7 +204,7 @@ class Simulator:
                     idle_rounds += 1
                     if idle_rounds < 1000:
                         continue
-                elif self._arrived < total:
+                elif self._more_may_come():
                     yield self._idle()
                     continue
                 elif len(ended_rows) > reported or not sched.has_unfinished():

@@ -137,6 +137,11 @@ class DecodeSide:
         del self._families[handoff.request_id]
         return handoff
 
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether blocks are reserved here for a hand-off on its way."""
+        return bool(self._reserved)
+
     def held_sequences(self) -> list[Sequence]:
         """Sequences whose blocks are reserved for a hand-off on its way (the block manager's
         invariants count them)."""

@@ -45,6 +45,9 @@ class PrefillSide:
         self.transferring: dict[str, KVHandoff] = {}  # request id -> its hand-off, until finish_transfer
         self._held: dict[str, list[Sequence]] = {}  # request id -> its sequences (holding blocks)
         self._ready: list[KVHandoff] = []  # handed off since the last take_handoffs
+        # Sequences that ended "handoff" while their request has not (a step looked past ended
+        # them; the request is handed off at that step's update): their blocks are kept.
+        self._kept: set[int] = set()
         self.num_handed_off = 0  # transfers finished, aborted ones excluded
 
     # ---- called by the scheduler's Lifecycle -----------------------------------------------------
@@ -61,9 +64,19 @@ class PrefillSide:
             finished_samples={s.sample_index: s.finish_reason for s in family if s.finish_reason != HANDOFF_REASON},
             block_ids=block_ids, num_bytes=len(block_ids) * self.block_bytes, prefill_replica=self.replica,
             prefill_end_time=now, first_scheduled_time=first_scheduled, num_preemptions=num_preemptions)
+        self._kept.difference_update(s.seq_id for s in family)
         self.transferring[request.request_id] = handoff
         self._held[request.request_id] = family
         self._ready.append(handoff)
+
+    def keep(self, seq: Sequence) -> None:
+        """`seq` ended "handoff": its blocks stay until the transfer (its request's hand-off follows)."""
+        self._kept.add(seq.seq_id)
+
+    def release(self, seq: Sequence) -> None:
+        """A kept sequence will not be handed off after all (its token turned out to stop it)."""
+        self._kept.discard(seq.seq_id)
+        self.scheduler.block_manager.free(seq)
 
     # ---- called by the backend -------------------------------------------------------------------
     def take_handoffs(self) -> list[KVHandoff]:
@@ -107,6 +120,11 @@ class PrefillSide:
                 seq.status, seq.finish_reason = seq.status.FINISHED_ABORTED, request.finish_reason
         recorder.aborted(request, family, now)
         return request
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether a transfer holds blocks here (admission waits for them rather than giving up)."""
+        return bool(self._held or self._kept)
 
     def held_sequences(self) -> list[Sequence]:
         """Sequences whose blocks are held for a transfer (the block manager's invariants count them)."""

@@ -135,6 +135,7 @@ class DisaggFleetSimulator(FleetSimulator):
         side, now = self.prefill_sides[handoff.prefill_replica], self.env.now
         side.abort(handoff.request_id, reason, now)
         side.finish_transfer(handoff, now)
+        self.replicas[handoff.prefill_replica].wake()  # its blocks are free again
         self.replicas[handoff.decode_replica].num_left += 1
         self._settled()
 
@@ -147,6 +148,7 @@ class DisaggFleetSimulator(FleetSimulator):
         now, decode = self.env.now, handoff.decode_replica
         received = self.decode_sides[decode].receive(handoff, now)
         self.prefill_sides[handoff.prefill_replica].finish_transfer(handoff, now)
+        self.replicas[handoff.prefill_replica].wake()  # its blocks are free again
         if received is None:
             self.replicas[decode].num_left += 1
         else:

@@ -66,6 +66,11 @@ class ReplicaSimulator(Simulator):
         if self.inbox and not self._admitting:
             self._admit()
 
+    def _more_may_come(self) -> bool:
+        """An arrival is left, or a KV transfer holds blocks of this replica (their end wakes it)."""
+        lifecycle = getattr(self.scheduler, "lifecycle", None)
+        return super()._more_may_come() or (lifecycle is not None and lifecycle.blocks_in_transfer())
+
     def wake(self) -> None:
         """Something was added here outside the arrivals (a received hand-off): wake the idle engine."""
         if self._wake is not None and not self._wake.triggered:

@@ -31,7 +31,8 @@ class Link:
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], where: str) -> Link:
         if not isinstance(cfg, Mapping):
-            raise ValueError(f"{where}={cfg!r} is invalid: a mapping with bandwidth_gb_s and latency_s")
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"{where}={cfg!r} is invalid: a mapping with bandwidth_gb_s and latency_s")
         bw, lat = cfg.get("bandwidth_gb_s"), cfg.get("latency_s")
         _positive(bw, f"{where}.bandwidth_gb_s")
         if isinstance(lat, bool) or not isinstance(lat, (int, float)) or lat < 0:

@@ -1,0 +1,125 @@
+"""The simulated disaggregated fleet (sim/fleet/disagg.py, experiments/lib/disagg_backend.py):
+deterministic, TTFT split into its parts, transfers priced from their bytes and queued per link,
+every request ending once, bad cluster config named by key."""
+from itertools import pairwise
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_module
+from test_sim import Constant
+
+from experiments.lib import factory
+from experiments.lib.fleet_backend import cluster_config, run_fleet
+from experiments.run import run
+from policies import Request, SamplingParams, Scheduler, SchedulerConfig, make_block_manager, make_policy
+from policies.disagg import ReplicaRole, kv_block_bytes
+from policies.routing import make_router
+from policies.trace import TraceRecorder
+from sim.fleet import ReplicaSpec
+from sim.fleet.disagg import DisaggFleetSimulator
+from sim.latency.shapes import Link
+
+SMALL = ["workload.num_requests=40", "progress=false", "plots=false", "seed=5", "cluster.replicas=3",
+         "cluster.roles=[prefill,prefill,decode]"]
+FILES = ("requests.parquet", "steps.parquet", "events.parquet")
+
+
+def _cfg(*overrides):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose(config_name="config", overrides=[*SMALL, *overrides])
+
+
+def test_runs_are_byte_identical_and_ttft_splits_into_its_parts(tmp_path):
+    overrides = ["cluster.link=network", "scheduler.async_scheduling=true"]
+    summary = run(_cfg(*overrides), tmp_path / "a", "a")
+    run(_cfg(*overrides), tmp_path / "b", "b")
+    for name in FILES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    rows = pd.read_parquet(tmp_path / "a" / "requests.parquet")
+    assert len(rows) == 40 and rows["request_id"].is_unique and (rows["status"] == "finished").all()
+    assert (rows["replica"] == 2).all()  # rows are written where requests end: the decode replica
+    parts = rows["queueing_time"] + rows["prefill_time"] + rows["transfer_time"]
+    assert (rows["ttft"] - parts).abs().max() < 1e-9
+    assert ((rows["transfer_time"] - rows["decode_wait"] - rows["link_wait"] - rows["link_time"]).abs() < 1e-9).all()
+    cfg = _cfg(*overrides)
+    link = factory.hardware(cfg).link("network")
+    block = kv_block_bytes(factory.model_shape(cfg), factory.block_size(cfg))
+    blocks = -(-rows["prompt_len"] // factory.block_size(cfg))
+    assert (rows["transfer_bytes"] == blocks * block).all()
+    assert ((rows["link_time"] - rows["transfer_bytes"].map(link.transfer_time)).abs() < 1e-12).all()
+    split = summary["disaggregation"]
+    assert split["handed_off"] == 40 and summary["run"]["roles"] == ["prefill", "prefill", "decode"]
+    assert summary["num_gpus"] == 3 and summary["goodput_per_gpu"] == pytest.approx(summary["goodput"] / 3)
+
+
+def test_transfers_from_one_prefill_replica_queue_at_its_link(tmp_path):
+    cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "hardware.links.nvlink.bandwidth_gb_s=0.5",
+               "workload=offline")
+    run(cfg, tmp_path, "slow")
+    rows = pd.read_parquet(tmp_path / "requests.parquet").sort_values("transfer_time")
+    assert rows["link_wait"].max() > 0
+    start = rows["prefill_time"] + rows["queueing_time"] + rows["arrival_time"] + rows["decode_wait"] + rows["link_wait"]
+    spans = sorted(zip(start, start + rows["link_time"]))
+    assert all(a_end <= b_start + 1e-12 for (_, a_end), (b_start, _) in pairwise(spans))  # one at a time
+
+
+def test_a_small_decode_pool_queues_then_aborts_with_a_reason(tmp_path):
+    cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "cluster.handoff_queue=2",
+               "blocks.num_gpu_blocks=130", "workload=offline")
+    summary = run(cfg, tmp_path, "small")
+    rows = pd.read_parquet(tmp_path / "requests.parquet")
+    assert len(rows) == 40 and rows["request_id"].is_unique
+    aborted = rows[rows["status"] == "aborted"]
+    assert len(aborted) > 0 and set(aborted["finish_reason"]) == {"abort:handoff_queue_full"}
+    assert (aborted["replica"] == 0).all()  # dropped hand-offs end on the prefill replica
+    assert summary["completed"] + summary["aborted"] == 40
+    cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "blocks.num_gpu_blocks=130", "workload=offline")
+    summary = run(cfg, tmp_path / "queued", "queued")
+    rows = pd.read_parquet(tmp_path / "queued" / "requests.parquet")
+    assert summary["completed"] == 40 and rows["decode_wait"].max() > 0  # waited for blocks, then ran
+
+
+def test_mixed_replicas_serve_beside_a_prefill_decode_pair(tmp_path):
+    summary = run(_cfg("cluster.roles=[prefill,decode,mixed]", "backend.fast_forward=false"), tmp_path, "m")
+    rows = pd.read_parquet(tmp_path / "requests.parquet")
+    assert summary["completed"] == 40 and set(rows["replica"]) == {1, 2}
+    assert rows.loc[rows["replica"] == 2, "transfer_time"].isna().all()
+    assert rows.loc[rows["replica"] == 1, "transfer_time"].notna().all()
+
+
+def _scheduler(blocks: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_model_len=256), make_policy("fcfs"),
+                     make_block_manager("paged", 16, blocks, 0, 0.0, 256), TraceRecorder())
+
+
+def test_parallel_samples_cross_the_hand_off_and_decode_preemption_recomputes_there():
+    requests = [Request(f"r{i}", list(range(40 + i)), SamplingParams(n=1 + i % 3, max_tokens=30, ignore_eos=True),
+                        arrival_time=0.001 * i) for i in range(12)]
+    specs = [ReplicaSpec(_scheduler(200), Constant(0.01)), ReplicaSpec(_scheduler(30), Constant(0.005))]
+    fleet = DisaggFleetSimulator(specs, [ReplicaRole.PREFILL, ReplicaRole.DECODE], make_router({"name": "round_robin"}),
+                                 make_router({"name": "least_kv"}), requests, [Link(10.0, 1e-5), None], [4096, 0])
+    fleet.run()
+    prefill, decode = (spec.scheduler for spec in specs)
+    rows = {row["request_id"]: row for row in decode.recorder.requests}
+    assert len(rows) == 12 and prefill.recorder.requests == []
+    assert all(rows[r.request_id]["output_len"] == 30 * r.sampling_params.n for r in requests)
+    assert sum(row["num_preemptions"] for row in rows.values()) > 0  # the small decode pool preempts
+    assert prefill.block_manager.num_free_gpu_blocks() == 200 and decode.block_manager.num_free_gpu_blocks() == 30
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["cluster.roles=[prefill,gpu,decode]"], r"cluster.roles\[1\]='gpu' is not a role"),
+    (["cluster.roles=[prefill,decode]"], "2 roles for 3 replicas"),
+    (["cluster.roles=[prefill,mixed,mixed]"], "0 decode replicas"),
+    (["cluster.decode_router=fastest"], "cluster.decode_router='fastest' is unknown"),
+    (["cluster.handoff_queue=0"], "cluster.handoff_queue=0 is invalid"),
+])
+def test_bad_cluster_config_names_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        cluster_config(_cfg(*overrides))
+
+
+def test_a_link_missing_from_the_hardware_file_names_it():
+    cfg = _cfg("cluster.link=infiniband")
+    with pytest.raises(ValueError, match=r"cluster.link='infiniband' is not a link of hardware 'h200'.*nvlink"):
+        run_fleet(cfg, factory.workload(cfg), lambda n: None)
