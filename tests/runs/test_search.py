@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from hypothesis import given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 from property_settings import examples
 
 from experiments import search as search_module
@@ -130,7 +131,8 @@ def cli_error(args: list[str], tmp_path, monkeypatch, capsys) -> str:
     (["model=llama-3.1-70b", "search.space.gpu=[a100]"], "model.name='llama-3.1-70b' fits no catalogue GPU"),
     (["latency=operators", "latency.gpu=cpu", "latency.dtype=float32", "search.space.tensor_parallel_size=[4]"],
      "search.space leaves no deployment to simulate: every one is pruned, e.g. latency: parallel.tensor_parallel_size=4"),
-    (["+search.space.pd_split=[0.5]"], "search.space.pd_split is not available"),
+    (["search.space.pd_split=[1-1]"], "search.space.pd_split[0]='1-1' is invalid: give 'mixed' or 'P:D'"),
+    (["search.space.pd_split=[mixed,2:2]"], "search.space.pd_split[1]='2:2' needs replicas=4"),
     (["search.space.policy=[nope]"], "search.space.policy[0]='nope' is unknown"),
     (["workload=offline"], "workload='offline' is invalid for a search"),
     (["search.slo.goodput=1.5"], "search.slo.goodput=1.5 is invalid"),
@@ -173,3 +175,17 @@ def test_a_latency_profile_retaken_under_the_same_name_is_simulated_again(tmp_pa
     collectives.write_text(collectives.read_text() + "\n")  # retaken: other bytes under the same name
     again = run_search(cfg, tmp_path / "c", progress=False)
     assert again.summary["simulated"] == 1 and again.summary["cached"] == 0
+
+
+def test_the_prefill_decode_split_is_a_dimension(tmp_path):
+    """"P:D" splits become deployments of P + D replicas with those roles, searched beside mixed ones."""
+    cfg = search_cfg([*TINY, "search.space.gpu=[h100]", "search.space.pd_split=[mixed,1:1]",
+                      "search.slo.goodput=0.9", "search.slo.tpot_s=0.02"], tmp_path)
+    result = run_search(cfg, tmp_path / "out", progress=False)
+    table = result.table.set_index(["replicas", "pd_split"])
+    assert sorted(table.index) == [(1, "mixed"), (2, "1:1"), (2, "mixed")]
+    assert (table["capacity_rps"] > 0).all()
+    assert table.loc[(2, "1:1"), "capacity_per_gpu_rps"] == table.loc[(2, "1:1"), "capacity_rps"] / 2
+    split = Deployment("h100", 1, 4, 8, 512, "fcfs", "round_robin", "1:3")
+    run = run_config(cfg, split, load_catalogue(OmegaConf.to_container(cfg.catalogue))["h100"])
+    assert list(run.cluster.roles) == ["prefill", "decode", "decode", "decode"] and run.cluster.replicas == 4

@@ -16,7 +16,7 @@ from experiments.lib.search.pareto import pareto_front, plot_front
 from experiments.lib.workloads import Workload
 
 DEPLOYMENT_COLUMNS = ["gpu", "tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens",
-                      "policy", "router"]
+                      "policy", "router", "pd_split"]
 CONFIG_FILE = "config.yaml"
 
 
@@ -29,7 +29,9 @@ class SearchResult:
 
 
 def describe(row: dict[str, Any] | pd.Series) -> str:
-    return (f"{int(row['replicas'])} x {row['gpu']} TP{int(row['tensor_parallel_size'])} "
+    split = row.get("pd_split", "mixed")
+    replicas = f"{int(row['replicas'])}" if split == "mixed" else f"{int(row['replicas'])} ({split} prefill:decode)"
+    return (f"{replicas} x {row['gpu']} TP{int(row['tensor_parallel_size'])} "
             f"(max_num_seqs={int(row['max_num_seqs'])}, max_num_batched_tokens={int(row['max_num_batched_tokens'])}, "
             f"policy={row['policy']}, router={row['router']})")
 
@@ -47,6 +49,7 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
         if col not in table:
             table[col] = np.nan
     table["capacity_rps"] = table["capacity_rps"].astype(float)
+    table["capacity_per_gpu_rps"] = table["capacity_rps"] / table["num_gpus"]  # goodput per GPU at the SLOs
     tokens_per_hour = table["capacity_rps"] * mean_output * 3600
     table["cost_per_million_output_tokens"] = np.where(
         table["capacity_rps"] > 0, table["dollars_per_hour"] / tokens_per_hour.where(tokens_per_hour > 0) * 1e6, np.nan)
