@@ -2,7 +2,7 @@
 decode replica chosen by a second router; its KV blocks move over a priced link.
 
 Built on `FleetSimulator` (fleet.py): the first router routes each arrival among the replicas that
-take arrivals (prefill and mixed; decode replicas never get one). The rules of the hand-off are
+take arrivals (`front`: prefill and mixed; decode replicas never get one). The rules of the hand-off are
 policies/disagg/ (`PrefillSide`, `DecodeSide`), run unchanged here as in the engine:
 
 1. A prefill replica's update hands off the requests whose first token it sampled (each replica's
@@ -81,24 +81,6 @@ class DisaggFleetSimulator(FleetSimulator):
         steps = [replica.num_steps for replica in self.replicas]
         return FleetResult(len(self.requests), sum(steps), self.env.now,
                            [replica.num_routed for replica in self.replicas], steps)
-
-    # ---- routing arrivals: front replicas only ------------------------------------------------------
-    def snapshots(self, copy_index: bool):
-        now = self.env.now
-        return [observe(r.replica, r.scheduler, r.num_outstanding, now, copy_index) for r in self.front]
-
-    def _expect(self, at: float) -> None:
-        for replica in self.front:
-            replica.expect(at)
-
-    def _route(self, request: Request) -> None:
-        snapshots = self._snapshots if self.refresh_s else self.snapshots(copy_index=False)
-        chosen = self.router.route(request, snapshots)
-        for replica in self.front:
-            if replica.replica == chosen:
-                replica.deliver(request)
-            else:
-                replica.skip()
 
     # ---- hand-offs ---------------------------------------------------------------------------------
     def _handed_off(self, prefill: int) -> None:

@@ -59,6 +59,7 @@ class FleetSimulator:
         self.requests = sorted(requests, key=lambda r: r.arrival_time)
         self.replicas = [ReplicaSimulator(i, self.env, spec.scheduler, spec.latency, self.requests, stop_lens,
                                           on_done, fast_forward) for i, spec in enumerate(replicas)]
+        self.front = self.replicas  # the replicas the router chooses among (a disaggregated fleet: not decode ones)
         self._snapshots: list[ReplicaSnapshot] = []
 
     def run(self) -> FleetResult:
@@ -71,10 +72,10 @@ class FleetSimulator:
 
     def snapshots(self, copy_index: bool) -> list[ReplicaSnapshot]:
         now = self.env.now
-        return [observe(r.replica, r.scheduler, r.num_outstanding, now, copy_index) for r in self.replicas]
+        return [observe(r.replica, r.scheduler, r.num_outstanding, now, copy_index) for r in self.front]
 
     def _expect(self, at: float) -> None:
-        for replica in self.replicas:
+        for replica in self.front:
             replica.expect(at)
 
     def _arrivals(self):
@@ -104,15 +105,15 @@ class FleetSimulator:
             self._route(request)
             i += 1
             if i == len(requests) or requests[i].arrival_time > env.now:
-                for replica in self.replicas:  # every request of this instant is routed
+                for replica in self.front:  # every request of this instant is routed
                     replica.admit_routed()
-        for replica in self.replicas:
+        for replica in self.front:
             replica.arrivals_done()
 
     def _route(self, request: Request) -> None:
         snapshots = self._snapshots if self.refresh_s else self.snapshots(copy_index=False)
         chosen = self.router.route(request, snapshots)
-        for replica in self.replicas:
+        for replica in self.front:
             if replica.replica == chosen:
                 replica.deliver(request)
             else:
