@@ -13,10 +13,12 @@ from collections.abc import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib import factory
-from experiments.lib.fleet_backend import ROUTER_DIR, ClusterConfig, replica_config
+from experiments.lib.paths import REPO_ROOT
 from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole, kv_block_bytes
 from sim.fleet.disagg import DisaggFleetSimulator
+
+ROUTER_DIR = REPO_ROOT / "conf" / "router"
 
 
 def decode_router(cfg: DictConfig, name: str):
@@ -28,11 +30,12 @@ def decode_router(cfg: DictConfig, name: str):
         raise ValueError(f"cluster.decode_router: {e}") from None
 
 
-def disaggregated_fleet(cfg: DictConfig, cluster: ClusterConfig, specs: list, router, workload: Workload,
-                        on_done: Callable[[int], None]) -> DisaggFleetSimulator:
+def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig], specs: list, router,
+                        workload: Workload, on_done: Callable[[int], None]) -> DisaggFleetSimulator:
+    """`cluster`: the run's checked `ClusterConfig` (fleet_backend.py); `replica_cfgs`: each replica's
+    config (its own hardware)."""
     links, block_bytes = [], []
-    for i, role in enumerate(cluster.roles):
-        rcfg = replica_config(cfg, cluster.hardware[i] if cluster.hardware else None)
+    for role, rcfg in zip(cluster.roles, replica_cfgs):
         if role is ReplicaRole.PREFILL:
             links.append(factory.hardware(rcfg).link(cluster.link, "cluster.link"))
             block_bytes.append(kv_block_bytes(factory.model_shape(rcfg), factory.block_size(rcfg),

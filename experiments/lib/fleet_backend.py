@@ -22,7 +22,6 @@ from policies.disagg import ReplicaRole, is_disaggregated, parse_roles
 from policies.trace import TraceRecorder
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
-ROUTER_DIR = REPO_ROOT / "conf" / "router"
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,7 +64,7 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
         hardware = tuple(hardware)
     roles = parse_roles(c.get("roles"), n, "cluster.roles")
     decode_router = c.get("decode_router", "least_kv")
-    known_routers = sorted(p.stem for p in ROUTER_DIR.glob("*.yaml"))
+    known_routers = sorted(p.stem for p in (REPO_ROOT / "conf" / "router").glob("*.yaml"))
     if decode_router not in known_routers:
         raise ValueError(f"cluster.decode_router={decode_router!r} is unknown: choose one of {known_routers}")
     link = c.get("link", "nvlink")
@@ -103,9 +102,10 @@ def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None
     cluster = cluster_config(cfg)
     router = build_router(cfg)
     overhead = ServingOverhead.from_cfg(cfg)
-    specs, recorders, info = [], [], []
+    specs, recorders, info, replica_cfgs = [], [], [], []
     for i in range(cluster.replicas):
         rcfg = replica_config(cfg, cluster.hardware[i] if cluster.hardware else None)
+        replica_cfgs.append(rcfg)
         gpu, cpu = factory.kv_block_counts(rcfg)
         recorder = TraceRecorder()
         scheduler = factory.build_scheduler(rcfg, gpu, cpu, recorder, workload)
@@ -115,7 +115,7 @@ def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None
     fast_forward = cfg.backend.get("fast_forward", True)
     if cluster.disaggregated:
         from experiments.lib.disagg_backend import disaggregated_fleet
-        fleet = disaggregated_fleet(cfg, cluster, specs, router, workload, on_done)
+        fleet = disaggregated_fleet(cfg, cluster, replica_cfgs, specs, router, workload, on_done)
     else:
         fleet = FleetSimulator(specs, router, workload.requests, cluster.refresh_s, workload.stop_lens, on_done,
                                fast_forward=fast_forward)
