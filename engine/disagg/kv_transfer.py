@@ -107,10 +107,10 @@ class KVLink:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = backend_timeout
-            self._backend = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+            self.backend = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
             self.stream: torch.cuda.Stream | None = torch.cuda.Stream(self.device)
         else:
-            self._backend = dist.ProcessGroupGloo(prefixed, rank, 2, backend_timeout)
+            self.backend = dist.ProcessGroupGloo(prefixed, rank, 2, backend_timeout)
             self.stream = None
         self._queue: collections.deque[Transfer] = collections.deque()  # posted, completion not yet seen
         self._finished: collections.deque[Transfer] = collections.deque()  # done or failed, not yet polled
@@ -134,7 +134,7 @@ class KVLink:
             for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
                 torch.index_select(k, 0, index, out=staging[2 * layer])
                 torch.index_select(v, 0, index, out=staging[2 * layer + 1])
-            return self._post(key, block_ids, staging, lambda: self._backend.send([staging], self.peer, 0))
+            return self._post(key, block_ids, staging, lambda: self.backend.send([staging], self.peer, 0))
 
     def recv(self, key: str, k_caches: Sequence[torch.Tensor], block_ids: list[int]) -> Transfer:
         """Post the receive of `block_ids`' staging buffer (decode side); `scatter` puts it into the
@@ -143,7 +143,7 @@ class KVLink:
         with _on(self.stream):
             staging = torch.empty(staging_shape(k_caches, len(block_ids)), dtype=k_caches[0].dtype,
                                   device=self.device)
-            return self._post(key, block_ids, staging, lambda: self._backend.recv([staging], self.peer, 0))
+            return self._post(key, block_ids, staging, lambda: self.backend.recv([staging], self.peer, 0))
 
     def scatter(self, transfer: Transfer, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
         """Write a completed receive into its blocks (on the compute stream; decode side)."""
@@ -254,7 +254,7 @@ class KVLink:
         """Fail the link: every queued transfer ends with `error`, the backend is aborted."""
         if self._failure is None:
             self._failure = error
-            abort = getattr(self._backend, "abort", None)
+            abort = getattr(self.backend, "abort", None)
             if abort is not None and self.device.type == "cuda":
                 try:
                     abort()
@@ -283,7 +283,7 @@ class KVLink:
                 self._fail_locked(KVTransferError("the KV link was closed with transfers in flight"))
             self._lock.notify_all()
         self._waiter.join(2.0)
-        shutdown = getattr(self._backend, "shutdown", None) if self._failure is None else None
+        shutdown = getattr(self.backend, "shutdown", None) if self._failure is None else None
         if shutdown is not None and self.device.type == "cuda":
             try:
                 shutdown()
