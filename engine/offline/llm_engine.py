@@ -209,6 +209,21 @@ class LLMEngine:
         self._take_inbox_if_idle()
         return True
 
+    def hand_over_request(self, request_id: str) -> None:
+        """A live request that left this engine's scheduler for another engine (a prefill engine's
+        hand-off, engine/disagg/): forgotten here without an output. Stepping thread only."""
+        live = self.output_processor.drop(request_id)
+        self._output_lens.pop(request_id, None)
+        self._aborting.discard(request_id)
+        self.runner.release([seq.seq_id for seq in live.seqs])
+
+    def take_over_request(self, request: Request, prompt: str | None, seqs: list) -> None:
+        """A request whose sequences joined this engine's scheduler from another engine (a decode
+        engine receiving a hand-off, engine/disagg/): its outputs come from this engine from now on.
+        Stepping thread only."""
+        with self._inbox_lock:
+            self.output_processor.add(request, prompt, seqs)
+
     def _take_inbox_if_idle(self) -> None:
         if self._step_lock.acquire(blocking=False):  # no step running: hand over now
             try:

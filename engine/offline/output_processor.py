@@ -80,6 +80,16 @@ class OutputProcessor:
         self.num_streaming += live.streams
         self.live[request.request_id] = live
 
+    def drop(self, request_id: str) -> LiveRequest:
+        """Forget a live request without an output (it moved to another engine: a prefill engine's
+        hand-off, engine/disagg/)."""
+        live = self.live.pop(request_id)
+        self.text.pop(request_id, None)
+        self.num_streaming -= live.streams
+        self.num_logprobs -= live.logprobs is not None
+        self.failed.pop(request_id, None)
+        return live
+
     # ---- before the scheduler's update: text and stop strings ----------------------------------
     def advance_text(self, tokens: dict[int, list[int]]) -> list[int | tuple[int, int]]:
         """Detokenize the step's new tokens of the requests with text states; returns the seq ids whose
