@@ -139,6 +139,16 @@ class LLMEngine:
     def now(self) -> float:
         return time.perf_counter() - self._start
 
+    @property
+    def clock_origin(self) -> float:
+        """The `time.perf_counter()` value at which `now()` is 0."""
+        return self._start
+
+    def align_clock(self, origin: float) -> None:
+        """Count `now()` from `origin` (another engine's `clock_origin`, a process of this host): the
+        two engines of a disaggregated pair stamp their traces on one clock."""
+        self._start = origin
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,

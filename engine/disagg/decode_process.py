@@ -1,0 +1,186 @@
+"""The decode engine of a disaggregated pair, in its own process (spawned by the front,
+engine/disagg/pd_engine.py).
+
+It builds an `LLMEngine` on its device, puts a `DecodeSide` (policies/disagg/) on its scheduler,
+reports `DecodeReady` (its clock's origin becomes the front's, so both engines' times are on one
+clock), joins the pair's `KVLink` as the receiving end, then loops:
+1. take the front's messages: hand-offs into the `DecodeSide`'s queue (refused when it is full),
+   transfer start times, aborts (a queued hand-off is withdrawn, one whose receive is posted runs
+   to its end and is dropped there, a live request is aborted in the engine);
+2. hand-offs queued longer than `queue_timeout_s`, or too long for this KV pool, are refused;
+3. `reserve_ready`: blocks allocated for the hand-offs that fit, a receive posted into them on the
+   link, then `Reserved` to the front (which sends only now: the receiver allocates before the send);
+4. receives that completed are scattered into their blocks and the request joins the running
+   batch (`DecodeSide.receive`, `LLMEngine.take_over_request`);
+5. one engine step, its outputs (and the trace rows of the requests that ended) to the front.
+Waiting: it blocks on the pipe when it has nothing to do, polls every millisecond while a transfer
+or a queued hand-off waits, and does not wait while requests run.
+
+It ends when the front says stop, when the pipe closes (the front ended) or when the front's
+process is gone (a watchdog thread), and on any failure of its engine or link (reported first as
+`DecodeFailed`).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection, wait
+
+from engine.disagg.config import DisaggregationConfig
+from engine.disagg.kv_transfer import RECV_RANK, KVLink, KVTransferError, join_store
+from engine.disagg.messages import (
+    AbortMessage,
+    DecodeFailed,
+    DecodeReady,
+    DecodeStep,
+    HandoffMessage,
+    Refused,
+    Reserved,
+    TransferStarted,
+)
+from engine.engine_args import EngineArgs
+from policies.disagg import DecodeSide, KVHandoff
+
+DECODE_REPLICA = 1
+_IDLE_POLL_S, _BUSY_POLL_S = 1.0, 0.001
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="decode-parent-watchdog", daemon=True).start()
+
+
+def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn: Connection) -> None:
+    _exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front stops this process in order
+    from engine.offline.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(args)
+        side = DecodeSide(engine.scheduler, config.max_queue, config.queue_timeout_s, replica=DECODE_REPLICA)
+        conn.send(DecodeReady(os.getpid(), engine.runner.num_gpu_blocks, engine.clock_origin))
+        link = KVLink(RECV_RANK, join_store(port, config.transfer_timeout_s), engine.runner.device,
+                      config.transfer_timeout_s)
+        DecodeLoop(engine, side, link, conn).run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the front is gone
+    except BaseException as e:  # noqa: BLE001 (reported to the front, which fails the requests)
+        try:
+            conn.send(DecodeFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"))
+        except OSError:
+            pass
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's teardown (the link's threads, the CUDA context)
+
+
+class DecodeLoop:
+    def __init__(self, engine, side: DecodeSide, link: KVLink, conn: Connection) -> None:
+        self.engine, self.side, self.link, self.conn = engine, side, link, conn
+        self.queued: dict[str, KVHandoff] = {}  # request id -> hand-off waiting for blocks
+        self.receiving: dict[str, tuple[KVHandoff, object]] = {}  # request id -> (hand-off, its Transfer)
+        self.prompts: dict[str, str | None] = {}  # request id -> prompt text, until it is taken over
+        self.rows_sent = 0  # trace rows of the engine's recorder already sent
+
+    def run(self) -> None:
+        engine, conn = self.engine, self.conn
+        while True:
+            if engine.has_unfinished_requests():
+                timeout = 0.0
+            elif self.receiving or self.queued:
+                timeout = _BUSY_POLL_S
+            else:
+                timeout = _IDLE_POLL_S
+            while conn.poll(timeout):
+                message = conn.recv()
+                if message is None:
+                    self.link.close()
+                    return
+                self._take(message)
+                timeout = 0.0
+            self._admit()
+            self._receive()
+            outputs = engine.step() if engine.has_unfinished_requests() else []
+            rows = engine.recorder.requests
+            new_rows = rows[self.rows_sent:]
+            self.rows_sent = len(rows)
+            if outputs or new_rows:
+                conn.send(DecodeStep(outputs, [dict(r) for r in new_rows]))
+
+    def _take(self, message) -> None:
+        side, now = self.side, self.engine.now()
+        if isinstance(message, HandoffMessage):
+            handoff = message.handoff
+            if side.enqueue(handoff, now):
+                self.queued[handoff.request_id] = handoff
+                self.prompts[handoff.request_id] = message.prompt
+            else:
+                self.conn.send(Refused(handoff.request_id, f"the decode engine's hand-off queue is full "
+                                                           f"(max_queue={side.max_queue})"))
+        elif isinstance(message, TransferStarted):
+            entry = self.receiving.get(message.request_id)
+            if entry is not None:
+                entry[0].transfer_start_time = message.time
+        elif isinstance(message, AbortMessage):
+            self._abort(message.request_id)
+        else:
+            raise TypeError(f"unexpected message from the front: {type(message).__name__}")
+
+    def _abort(self, request_id: str) -> None:
+        queued = self.queued.pop(request_id, None)
+        if queued is not None and self.side.withdraw(queued):
+            self.prompts.pop(request_id, None)
+            self.conn.send(Refused(request_id, "aborted"))
+            return
+        entry = self.receiving.get(request_id)
+        if entry is not None:  # its receive is posted: the transfer runs to its end, then it is dropped
+            entry[0].abort_reason = "user"
+            return
+        self.engine.abort_request(request_id)  # live here (or ended already: nothing to do)
+
+    def _admit(self) -> None:
+        now = self.engine.now()
+        for handoff in self.side.expire(now):
+            self._refuse(handoff, f"waited longer than queue_timeout_s={self.side.timeout_s} for KV blocks on the "
+                                  "decode engine")
+        reserved, never = self.side.reserve_ready(now)
+        for handoff in never:
+            self._refuse(handoff, f"its {handoff.num_computed_tokens + 1} tokens (n={len(handoff.first_token_ids)}) "
+                                  "never fit the decode engine's KV cache or max_num_seqs")
+        kv = self.engine.runner.kv_cache
+        for handoff in reserved:
+            self.queued.pop(handoff.request_id, None)
+            transfer = self.link.recv(handoff.request_id, kv.k_caches, handoff.dst_block_ids[:handoff.num_blocks])
+            self.receiving[handoff.request_id] = (handoff, transfer)
+            self.conn.send(Reserved(handoff.request_id, list(handoff.dst_block_ids)))
+
+    def _refuse(self, handoff: KVHandoff, reason: str) -> None:
+        self.queued.pop(handoff.request_id, None)
+        self.prompts.pop(handoff.request_id, None)
+        self.conn.send(Refused(handoff.request_id, reason))
+
+    def _receive(self) -> None:
+        kv, engine = self.engine.runner.kv_cache, self.engine
+        for transfer in self.link.poll():
+            handoff, _ = self.receiving.pop(transfer.key)
+            if transfer.error is not None:
+                raise KVTransferError(f"the KV link failed: {transfer.error}")
+            self.link.scatter(transfer, kv.k_caches, kv.v_caches)
+            if handoff.transfer_start_time is None:  # its start message is still on its way
+                handoff.transfer_start_time = handoff.reserved_time
+            prompt = self.prompts.pop(handoff.request_id, None)
+            family = self.side.receive(handoff, engine.now())
+            if family is not None:
+                engine.take_over_request(handoff.request, prompt, family)
