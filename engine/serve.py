@@ -7,12 +7,14 @@ options: --host (127.0.0.1 by default: loopback only unless asked), --port, --se
 (one or more names clients may send as `model`), --chat-template, --max-waiting-requests (past it
 new requests get HTTP 503), --api-key (or SERVELAB_API_KEY: bearer keys for /v1/*),
 --max-request-body-bytes (413 past it), --[no-]engine-process (the engine in its own process, the
-default, or in a thread of the server's). A bad value is one line `error: ...` and exit code 2.
+default, or in a thread of the server's), --disaggregation prefill=1,decode=1 (a prefill engine and
+a decode engine on two GPUs, KV blocks moved between them: docs/disaggregation.md). A bad value is one line `error: ...` and exit code 2.
 SIGTERM or Ctrl-C end every open stream with an error event and `data: [DONE]`, then stop.
 Examples:
 
     python -m engine.serve --model qwen3-0.6b
     python -m engine.serve --model smollm2-135m num_gpu_blocks=256 max_model_len=2048   # on CPU
+    python -m engine.serve --model qwen3-0.6b --disaggregation prefill=1,decode=1      # cuda:0 + cuda:1
     curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "qwen3-0.6b", "prompt": [1, 2, 3], "max_tokens": 8}'
 """
@@ -30,7 +32,7 @@ from engine.serving.guards import API_KEY_ENV, BYTES_PER_TOKEN, api_keys_from
 from engine.serving.server import LOOPBACK
 
 SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_waiting_requests", "log_level",
-                  "engine_process", "api_key", "max_request_body_bytes")
+                  "engine_process", "api_key", "max_request_body_bytes", "disaggregation")
 
 
 def parse_value(text: str) -> Any:
@@ -63,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, apart from the HTTP front end (default); "
                         "--no-engine-process steps it in a thread of the server's process")
+    p.add_argument("--disaggregation", default=None, metavar="SPEC",
+                   help="prefill/decode disaggregation, e.g. prefill=1,decode=1 (more keys: transfer_timeout_s, "
+                        "decode_device, max_queue, queue_timeout_s): the prefill engine in a thread of the "
+                        "server's process, the decode engine in its own (--engine-process does not apply)")
     for f in dataclasses.fields(EngineArgs):
         if f.name != "model":
             p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse_value, default=argparse.SUPPRESS,
@@ -103,6 +109,10 @@ def main(argv: list[str] | None = None) -> None:
         args = engine_args_from(ns)
         args.check()  # shapes, KV sizing, max_model_len: before any weight loads
         api_keys = api_keys_from(None if ns.api_key is None else [ns.api_key])
+        if ns.disaggregation is not None:
+            from engine.disagg.config import DisaggregationConfig
+
+            ns.disaggregation = DisaggregationConfig.parse(ns.disaggregation)
         if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
     except ValueError as exc:
@@ -112,8 +122,15 @@ def main(argv: list[str] | None = None) -> None:
     from engine.serving.server import Server, slow_io_warning, uvicorn_config
 
     try:
-        engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,
-                                                 engine_process=ns.engine_process)
+        if ns.disaggregation is not None:
+            from engine.disagg.pd_engine import DisaggregatedEngine
+            from engine.online.thread_host import ThreadHost
+
+            host = ThreadHost(DisaggregatedEngine(args, ns.disaggregation), close_engine=True)
+            engine = AsyncLLMEngine(host, max_waiting_requests=ns.max_waiting_requests)
+        else:
+            engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,
+                                                     engine_process=ns.engine_process)
         app = build_app(engine, ns.served_model_name, ns.chat_template, api_keys=api_keys,
                         max_request_body_bytes=ns.max_request_body_bytes)
     except ValueError as exc:  # the weights or the tokenizer the arguments name are wrong

@@ -98,6 +98,7 @@ class DisaggregatedEngine:
         self.decode_pid = ready.pid
         self.tokenizer, self.model_config = self.prefill.tokenizer, self.prefill.model_config
         self.max_model_len, self.vocab_size = self.prefill.max_model_len, self.prefill.vocab_size
+        self.max_logprobs = 0  # logprobs are refused (add_request)
         self.args = args
         self._params: dict[str, SamplingParams] = {}  # request id -> the caller's params, while live
         self._prompts: dict[str, str | None] = {}
@@ -116,6 +117,11 @@ class DisaggregatedEngine:
     @property
     def runner(self):
         return self.prefill.runner
+
+    @property
+    def scheduler(self):
+        """The prefill engine's (a server's counters: its queues and steps)."""
+        return self.prefill.scheduler
 
     def now(self) -> float:
         return self.prefill.now()
