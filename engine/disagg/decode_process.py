@@ -67,6 +67,10 @@ def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn:
     from engine.offline.llm_engine import LLMEngine
 
     try:
+        if args.resolve_device().startswith("cuda"):  # streams, graphs and NCCL follow the current device
+            import torch
+
+            torch.cuda.set_device(torch.device(args.resolve_device()))
         engine = LLMEngine(args)
         side = DecodeSide(engine.scheduler, config.max_queue, config.queue_timeout_s, replica=DECODE_REPLICA)
         conn.send(DecodeReady(os.getpid(), engine.runner.num_gpu_blocks, engine.clock_origin))

@@ -151,6 +151,8 @@ class KVLink:
             raise KVTransferError(f"request {transfer.key!r}: its KV transfer did not complete")
         if self.device.type == "cuda":  # the compute stream after the receive (complete already)
             transfer.work.wait()
+            # The staging buffer is the side stream's memory: not reused before the scatter has read it.
+            transfer.staging.record_stream(torch.cuda.current_stream(self.device))
         index = torch.tensor(transfer.block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         staging = transfer.staging
         for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
