@@ -95,7 +95,7 @@ class DecodeLoop:
         self.engine, self.side, self.link, self.conn = engine, side, link, conn
         self.queued: dict[str, KVHandoff] = {}  # request id -> hand-off waiting for blocks
         self.receiving: dict[str, tuple[KVHandoff, object]] = {}  # request id -> (hand-off, its Transfer)
-        self.prompts: dict[str, str | None] = {}  # request id -> prompt text, until it is taken over
+        self.prompts: dict[str, tuple[str | None, int | None]] = {}  # request id -> (prompt text, output_len)
         self.rows_sent = 0  # trace rows of the engine's recorder already sent
 
     def run(self) -> None:
@@ -129,7 +129,7 @@ class DecodeLoop:
             handoff = message.handoff
             if side.enqueue(handoff, now):
                 self.queued[handoff.request_id] = handoff
-                self.prompts[handoff.request_id] = message.prompt
+                self.prompts[handoff.request_id] = (message.prompt, message.output_len)
             else:
                 self.conn.send(Refused(handoff.request_id, f"the decode engine's hand-off queue is full "
                                                            f"(max_queue={side.max_queue})"))
@@ -184,7 +184,7 @@ class DecodeLoop:
             self.link.scatter(transfer, kv.k_caches, kv.v_caches)
             if handoff.transfer_start_time is None:  # its start message is still on its way
                 handoff.transfer_start_time = handoff.reserved_time
-            prompt = self.prompts.pop(handoff.request_id, None)
+            prompt, output_len = self.prompts.pop(handoff.request_id, (None, None))
             family = self.side.receive(handoff, engine.now())
             if family is not None:
-                engine.take_over_request(handoff.request, prompt, family)
+                engine.take_over_request(handoff.request, prompt, family, output_len)

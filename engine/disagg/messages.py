@@ -21,6 +21,7 @@ from policies.disagg import KVHandoff
 class HandoffMessage:
     handoff: KVHandoff  # its request carries the caller's sampling params (output kind included)
     prompt: str | None  # the prompt's text, if it came as text
+    output_len: int | None = None  # a forced output length (a workload replay's stop rule)
 
 
 @dataclass(slots=True, frozen=True)

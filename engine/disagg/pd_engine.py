@@ -52,7 +52,7 @@ from engine.disagg.messages import (
 )
 from engine.distributed.worker_faults import refuse_in_spawn_bootstrap
 from engine.engine_args import EngineArgs
-from engine.offline.llm_engine import LLMEngine
+from engine.offline.llm_engine import LLMEngine, SchedulerBuilder
 from engine.offline.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from policies.disagg import KVHandoff, PrefillSide, kv_block_bytes
 from policies.request import SamplingParams
@@ -63,7 +63,10 @@ _WAIT_S = 0.002  # how long an idle front waits for the decode process before re
 
 
 class DisaggregatedEngine:
-    def __init__(self, args: EngineArgs, config: DisaggregationConfig | str | dict | None = None) -> None:
+    def __init__(self, args: EngineArgs, config: DisaggregationConfig | str | dict | None = None,
+                 build_scheduler: SchedulerBuilder | None = None) -> None:
+        """`build_scheduler`: the prefill engine's scheduler (as `LLMEngine`'s; it must not schedule
+        ahead), e.g. an experiment's; the decode engine's comes from `args` and `decode_args`."""
         refuse_in_spawn_bootstrap()
         config = DisaggregationConfig.parse(config if config is not None else DisaggregationConfig())
         if args.tensor_parallel_size != 1:
@@ -85,7 +88,11 @@ class DisaggregatedEngine:
         theirs.close()
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
         try:  # the two engines build at once
-            self.prefill = LLMEngine(dataclasses.replace(args, async_scheduling=False))
+            self.prefill = LLMEngine(dataclasses.replace(args, async_scheduling=False),
+                                     build_scheduler=build_scheduler)
+            if self.prefill.scheduler.config.async_scheduling:
+                raise ValueError("the prefill engine's scheduler has async_scheduling=True: a hand-off needs "
+                                 "its first token, which a step scheduled ahead does not know yet")
             ready = self._await_ready(config.startup_timeout_s)
             self.prefill.align_clock(ready.clock_origin)
             self.link = KVLink(SEND_RANK, store, self.prefill.runner.device, config.transfer_timeout_s)
@@ -95,13 +102,15 @@ class DisaggregatedEngine:
         runner = self.prefill.runner
         block_bytes = kv_block_bytes(self.prefill.model_config, runner.block_size, 1, runner.dtype.itemsize)
         self.side = PrefillSide(self.prefill.scheduler, block_bytes, replica=PREFILL_REPLICA)
-        self.decode_pid = ready.pid
+        self.decode_pid, self.decode_num_gpu_blocks = ready.pid, ready.num_gpu_blocks
+        self.decode_device = decode_args.device
         self.tokenizer, self.model_config = self.prefill.tokenizer, self.prefill.model_config
         self.max_model_len, self.vocab_size = self.prefill.max_model_len, self.prefill.vocab_size
         self.max_logprobs = 0  # logprobs are refused (add_request)
         self.args = args
         self._params: dict[str, SamplingParams] = {}  # request id -> the caller's params, while live
         self._prompts: dict[str, str | None] = {}
+        self._output_lens: dict[str, int] = {}  # request id -> forced output length, while live
         self._handoffs: dict[str, KVHandoff] = {}  # handed off, prefill blocks held (until the send ends)
         self._sending: set[str] = set()  # of those, the ones whose send is posted
         self._decoding: set[str] = set()  # handed off and not ended (at the decode process)
@@ -145,6 +154,8 @@ class DisaggregatedEngine:
                                  abort_too_long, tenant)
         self._params[request_id] = params
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
+        if output_len is not None:
+            self._output_lens[request_id] = output_len
 
     def abort_request(self, request_id: str) -> bool:
         """As `LLMEngine.abort_request`, wherever the request is (module docstring)."""
@@ -175,6 +186,7 @@ class DisaggregatedEngine:
             for output in self.prefill.step():  # requests that ended on the prefill side
                 self._params.pop(output.request_id, None)
                 self._prompts.pop(output.request_id, None)
+                self._output_lens.pop(output.request_id, None)
                 outputs.append(output)
             for handoff in self.side.take_handoffs():
                 self._hand_off(handoff)
@@ -217,7 +229,8 @@ class DisaggregatedEngine:
             return
         self._decoding.add(request_id)
         request = dataclasses.replace(handoff.request, sampling_params=self._params[request_id])
-        self._send(HandoffMessage(dataclasses.replace(handoff, request=request), self._prompts.get(request_id)))
+        self._send(HandoffMessage(dataclasses.replace(handoff, request=request), self._prompts.get(request_id),
+                                  self._output_lens.pop(request_id, None)))
 
     def _take_messages(self) -> list[RequestOutput]:
         outputs = []
@@ -332,6 +345,7 @@ class DisaggregatedEngine:
         request = handoff.request
         self._params.pop(request.request_id, None)
         prompt = self._prompts.pop(request.request_id, None)
+        self._output_lens.pop(request.request_id, None)
         completions = [CompletionOutput(i, "", [token], reason) for i, token in enumerate(handoff.first_token_ids)]
         return RequestOutput(request.request_id, prompt, request.prompt_token_ids, completions, finished=True,
                              metrics=RequestMetrics(request.arrival_time, handoff.first_scheduled_time,

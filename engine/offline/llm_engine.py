@@ -227,12 +227,14 @@ class LLMEngine:
         self._aborting.discard(request_id)
         self.runner.release([seq.seq_id for seq in live.seqs])
 
-    def take_over_request(self, request: Request, prompt: str | None, seqs: list) -> None:
+    def take_over_request(self, request: Request, prompt: str | None, seqs: list, output_len: int | None = None) -> None:
         """A request whose sequences joined this engine's scheduler from another engine (a decode
-        engine receiving a hand-off, engine/disagg/): its outputs come from this engine from now on.
-        Stepping thread only."""
+        engine receiving a hand-off, engine/disagg/): its outputs come from this engine from now on
+        (`output_len`: its forced output length, as `add_request`'s). Stepping thread only."""
         with self._inbox_lock:
             self.output_processor.add(request, prompt, seqs)
+            if output_len is not None:
+                self._output_lens[request.request_id] = output_len
 
     def _take_inbox_if_idle(self) -> None:
         if self._step_lock.acquire(blocking=False):  # no step running: hand over now

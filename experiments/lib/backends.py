@@ -29,10 +29,12 @@ def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                 on_done: Callable[[int], None] = lambda n: None) -> BackendRun:
     name = cfg.backend.get("name")
     run = BACKENDS.get(name, where="backend")
-    replicas = (cfg.get("cluster") or {}).get("replicas", 1)
-    if replicas != 1 and name != "sim":
+    cluster = cfg.get("cluster") or {}
+    replicas = cluster.get("replicas", 1)
+    engine_pair = name == "engine" and cluster.get("roles") is not None  # a prefill and a decode engine
+    if replicas != 1 and name != "sim" and not engine_pair:
         raise ValueError(f"cluster.replicas={replicas!r} is invalid with backend={name}: only backend=sim "
-                         "runs a fleet (docs/fleet.md)")
+                         "runs a fleet (docs/fleet.md); backend=engine runs cluster.roles=[prefill,decode]")
     return run(cfg, workload, recorder, on_done)
 
 

@@ -131,6 +131,13 @@ def release_engine() -> None:
 
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
+    from experiments.lib.fleet_backend import cluster_config
+    cluster = cluster_config(cfg)
+    if cluster.disaggregated:  # a prefill engine and a decode engine (docs/disaggregation.md)
+        from experiments.lib.engine_disagg import run_engine_pair
+        release_engine()
+        return run_engine_pair(cfg, cluster, engine_args(cfg), workload, recorder, on_done, device_name)
+
     def build(gpu: int, cpu: int, _: int) -> Scheduler:
         return factory.build_scheduler(cfg, gpu, cpu, recorder, workload)
 

@@ -1,0 +1,83 @@
+"""`backend=engine` with `cluster.roles=[prefill,decode]`: the workload through a real engine pair
+(engine/disagg/: a prefill engine on the backend's device in this process, a decode engine on the
+next GPU in its own), on the wall clock, with the traces a simulated disaggregated fleet writes
+(docs/disaggregation.md): `requests.parquet` with the `replica` column (0: prefill, 1: decode) and
+the hand-off columns (TTFT split into queueing, prefill and transfer; the transfer's parts and bytes)
+and `summary.json`'s `disaggregation` section, so one notebook compares the two.
+
+The prefill engine's scheduler is the run's (`factory.build_scheduler`, scheduling synchronously:
+a hand-off needs its first token); the decode engine's is built from the same engine arguments
+(policy, block manager, limits), with `cluster.handoff_queue` and `cluster.handoff_timeout_s`
+bounding its hand-off queue as in the simulator. Steps and events are the prefill engine's (the
+decode engine's stay in its process); request rows come from both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from engine.disagg.config import DisaggregationConfig
+from engine.disagg.pd_engine import DisaggregatedEngine
+from experiments.lib import factory
+from experiments.lib.backend_run import BackendRun
+from experiments.lib.fleet_backend import ClusterConfig
+from experiments.lib.workloads import Workload
+from policies.disagg import ReplicaRole
+from policies.scheduler import Scheduler
+from policies.trace import TraceRecorder
+
+
+def run_engine_pair(cfg: DictConfig, cluster: ClusterConfig, args, workload: Workload, recorder: TraceRecorder,
+                    on_done: Callable[[int], None], device_name: Callable) -> BackendRun:
+    if tuple(cluster.roles) != (ReplicaRole.PREFILL, ReplicaRole.DECODE):
+        raise ValueError(f"cluster.roles={[r.value for r in cluster.roles]} is not supported with backend=engine: "
+                         "the engine runs one prefill and one decode replica ([prefill, decode])")
+    prefill_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    with open_dict(prefill_cfg):
+        prefill_cfg.scheduler.async_scheduling = False
+
+    def build(gpu: int, cpu: int, _: int) -> Scheduler:
+        return factory.build_scheduler(prefill_cfg, gpu, cpu, recorder, workload)
+
+    config = DisaggregationConfig(max_queue=cluster.handoff_queue, queue_timeout_s=cluster.handoff_timeout_s)
+    pair = DisaggregatedEngine(args, config, build)
+    try:
+        num_steps, elapsed = _feed(pair, workload, on_done)
+        decode = TraceRecorder()
+        decode.requests.extend(pair.decode_rows)
+        runner = pair.prefill.runner
+        info = {"replicas": 2, "roles": ["prefill", "decode"], "device": device_name(runner.device),
+                "decode_device": pair.decode_device, "dtype": str(runner.dtype).removeprefix("torch."),
+                "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel,
+                "replica_info": [{"replica": 0, "role": "prefill", "num_gpu_blocks": runner.num_gpu_blocks},
+                                 {"replica": 1, "role": "decode", "num_gpu_blocks": pair.decode_num_gpu_blocks}]}
+    finally:
+        pair.close()
+    return BackendRun(num_steps, elapsed, "wall", info, [recorder, decode])
+
+
+def _feed(pair: DisaggregatedEngine, workload: Workload, on_done: Callable[[int], None]) -> tuple[int, float]:
+    """Each request into the pair at its arrival time (as the single engine's loop does)."""
+    requests, stop_lens = workload.requests, workload.stop_lens
+    params = [dataclasses.replace(r.sampling_params, output_kind="final_only") for r in requests]
+    num_steps, next_req, done = 0, 0, 0
+    while done < len(requests):
+        now = pair.now()
+        while next_req < len(requests) and requests[next_req].arrival_time <= now:
+            r = requests[next_req]
+            pair.add_request(r.request_id, r.prompt_token_ids, params[next_req], arrival_time=r.arrival_time,
+                             priority=r.priority, tenant=r.tenant, output_len=stop_lens.get(r.request_id),
+                             abort_too_long=True)
+            next_req += 1
+        if pair.has_unfinished_requests():
+            ended = sum(output.finished for output in pair.step())
+            num_steps += 1
+            if ended:
+                done += ended
+                on_done(ended)
+        elif next_req < len(requests):
+            time.sleep(max(requests[next_req].arrival_time - now, 0.0))
+    return num_steps, pair.now()
