@@ -33,17 +33,13 @@ and the pair refuses new requests (`RuntimeError`); `close()` ends the decode pr
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-import time
-import weakref
 
 from engine.disagg.config import DisaggregationConfig
-from engine.disagg.decode_process import decode_main
+from engine.disagg.decode_client import JOIN_TIMEOUT_S, DecodeClient, decode_engine_args
 from engine.disagg.kv_transfer import SEND_RANK, KVLink, open_store
 from engine.disagg.messages import (
     AbortMessage,
     DecodeFailed,
-    DecodeReady,
     DecodeStep,
     HandoffMessage,
     Refused,
@@ -57,7 +53,8 @@ from engine.offline.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from policies.disagg import KVHandoff, PrefillSide, kv_block_bytes
 from policies.request import SamplingParams
 
-JOIN_TIMEOUT_S = 10.0
+__all__ = ["JOIN_TIMEOUT_S", "DisaggregatedEngine"]
+
 PREFILL_REPLICA = 0
 _WAIT_S = 0.002  # how long an idle front waits for the decode process before returning
 
@@ -73,27 +70,19 @@ class DisaggregatedEngine:
             raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} is not supported with disaggregation: "
                              "the engine pair runs one GPU per engine")
         self.config = config
-        device = args.resolve_device()
-        decode_args = EngineArgs.from_dict({**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)},
-                                            "device": config.decode_device or _next_device(device),
-                                            **(config.decode_args or {})})
+        decode_args = decode_engine_args(args, config)
         self._failure: str | None = None
         self._closed = False
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, theirs = ctx.Pipe()
         store = open_store(max(10.0, config.transfer_timeout_s))
-        self._proc = ctx.Process(target=decode_main, args=(decode_args, config, store.port, theirs),
-                                 name="servelab-decode", daemon=True)
-        self._proc.start()
-        theirs.close()
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
+        self._decode = DecodeClient(decode_args, config, store.port)
+        self._conn = self._decode.conn
         try:  # the two engines build at once
             self.prefill = LLMEngine(dataclasses.replace(args, async_scheduling=False),
                                      build_scheduler=build_scheduler)
             if self.prefill.scheduler.config.async_scheduling:
                 raise ValueError("the prefill engine's scheduler has async_scheduling=True: a hand-off needs "
                                  "its first token, which a step scheduled ahead does not know yet")
-            ready = self._await_ready(config.startup_timeout_s)
+            ready = self._decode.await_ready(config.startup_timeout_s)
             self.prefill.align_clock(ready.clock_origin)
             self.link = KVLink(SEND_RANK, store, self.prefill.runner.device, config.transfer_timeout_s)
         except BaseException:
@@ -204,8 +193,7 @@ class DisaggregatedEngine:
         if self._closed:
             return
         self._closed = True
-        self._finalizer.detach()
-        _stop(self._proc, self._conn)
+        self._decode.close()
         link = getattr(self, "link", None)
         if link is not None:
             link.close()
@@ -249,7 +237,7 @@ class DisaggregatedEngine:
                 elif isinstance(message, DecodeFailed):
                     self._fail(f"the decode engine failed: {message.error.splitlines()[0]}")
         except (EOFError, OSError):
-            self._fail(f"the decode engine's process ended (exit code {self._proc.exitcode})")
+            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
         return outputs
 
     def _start_transfer(self, message: Reserved) -> None:
@@ -311,34 +299,16 @@ class DisaggregatedEngine:
                 self._done_early.append(self._final(handoff, "abort:error", reason))
 
     def _check_decode_alive(self) -> None:
-        if self._failure is None and not self._proc.is_alive():
+        if self._failure is None and not self._decode.alive:
             self._take_messages()  # its own account first, if it sent one
-            self._fail(f"the decode engine's process ended (exit code {self._proc.exitcode})")
+            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
             self._finish_transfers()
 
     def _send(self, message) -> None:
         try:
             self._conn.send(message)
         except OSError:
-            self._fail(f"the decode engine's process ended (exit code {self._proc.exitcode})")
-
-    def _await_ready(self, timeout_s: float) -> DecodeReady:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._conn.poll(0.1):
-                try:
-                    message = self._conn.recv()
-                except EOFError:
-                    break
-                if isinstance(message, DecodeReady):
-                    return message
-                if isinstance(message, DecodeFailed):
-                    raise RuntimeError(f"the decode engine could not start:\n{message.error}")
-            elif not self._proc.is_alive():
-                break
-        if self._proc.is_alive():
-            raise TimeoutError(f"the decode engine did not start within startup_timeout_s={timeout_s}")
-        raise RuntimeError(f"the decode engine's process exited while starting (exit code {self._proc.exitcode})")
+            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
 
     # ---- outputs made here -------------------------------------------------------------------
     def _final(self, handoff: KVHandoff, reason: str, error: str | None) -> RequestOutput:
@@ -357,27 +327,3 @@ class DisaggregatedEngine:
         return RequestOutput(request_id, prompt, [], [CompletionOutput(0, "", [], "abort:error")], finished=True,
                              error=reason)
 
-
-def _next_device(device: str) -> str:
-    """The decode engine's default device: the GPU after the prefill engine's, or the CPU."""
-    if not device.startswith("cuda"):
-        return device
-    import torch
-
-    first = int(device.partition(":")[2] or torch.cuda.current_device())
-    if first + 1 >= torch.cuda.device_count():
-        raise ValueError(f"disaggregation needs a second GPU for the decode engine (cuda:{first + 1}); this machine "
-                         f"has {torch.cuda.device_count()}: set decode_device")
-    return f"cuda:{first + 1}"
-
-
-def _stop(proc, conn) -> None:
-    try:
-        conn.send(None)
-    except OSError:
-        pass
-    proc.join(JOIN_TIMEOUT_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(1.0)
-    conn.close()
