@@ -77,7 +77,10 @@ class EngineBackendConfig:
 @BACKENDS.register("engine", config=EngineBackendConfig)
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
-    from experiments.lib.engine_backend import run_engine as run_on_engine  # imports torch: only when used
+    if (cfg.get("cluster") or {}).get("roles") is not None:  # prefill/decode disaggregation: an engine pair
+        from experiments.lib.engine_disagg import run_engine_pair  # imports torch: only when used
+        return run_engine_pair(cfg, workload, recorder, on_done)
+    from experiments.lib.engine_backend import run_engine as run_on_engine
     return run_on_engine(cfg, workload, recorder, on_done)
 
 

@@ -131,18 +131,22 @@ def release_engine() -> None:
 
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                on_done: Callable[[int], None]) -> BackendRun:
-    from experiments.lib.fleet_backend import cluster_config
-    cluster = cluster_config(cfg)
-    if cluster.disaggregated:  # a prefill engine and a decode engine (docs/disaggregation.md)
-        from experiments.lib.engine_disagg import run_engine_pair
-        release_engine()
-        return run_engine_pair(cfg, cluster, engine_args(cfg), workload, recorder, on_done, device_name)
-
     def build(gpu: int, cpu: int, _: int) -> Scheduler:
         return factory.build_scheduler(cfg, gpu, cpu, recorder, workload)
 
     engine = get_engine(engine_args(cfg), build)
     engine.reset(build_scheduler=build)
+    num_steps = feed_workload(engine, workload, on_done)
+    runner = engine.runner
+    return BackendRun(num_steps, engine.now(), "wall", {
+        "num_gpu_blocks": runner.num_gpu_blocks, "num_cpu_blocks": runner.num_cpu_blocks,
+        "device": device_name(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+        "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel})
+
+
+def feed_workload(engine, workload: Workload, on_done: Callable[[int], None]) -> int:
+    """Each request into `engine` (an `LLMEngine`, or anything with its interface: the engine pair)
+    when the wall clock passes its arrival time, stepping until every request ended; the steps run."""
     requests, stop_lens = workload.requests, workload.stop_lens
     # Only final outputs are read: the engine then does no per-step output work (as LLM.generate).
     params = [dataclasses.replace(r.sampling_params, output_kind="final_only") for r in requests]
@@ -163,11 +167,7 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                 on_done(ended)
         elif next_req < len(requests):
             time.sleep(max(requests[next_req].arrival_time - now, 0.0))  # idle until the next arrival
-    runner = engine.runner
-    return BackendRun(num_steps, engine.now(), "wall", {
-        "num_gpu_blocks": runner.num_gpu_blocks, "num_cpu_blocks": runner.num_cpu_blocks,
-        "device": device_name(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
-        "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel})
+    return num_steps
 
 
 def device_name(device=None) -> str:

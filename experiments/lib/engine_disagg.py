@@ -13,8 +13,6 @@ decode engine's stay in its process); request rows come from both.
 """
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Callable
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -23,15 +21,17 @@ from engine.disagg.config import DisaggregationConfig
 from engine.disagg.pd_engine import DisaggregatedEngine
 from experiments.lib import factory
 from experiments.lib.backend_run import BackendRun
-from experiments.lib.fleet_backend import ClusterConfig
+from experiments.lib.engine_backend import device_name, engine_args, feed_workload, release_engine
+from experiments.lib.fleet_backend import cluster_config
 from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole
 from policies.scheduler import Scheduler
 from policies.trace import TraceRecorder
 
 
-def run_engine_pair(cfg: DictConfig, cluster: ClusterConfig, args, workload: Workload, recorder: TraceRecorder,
-                    on_done: Callable[[int], None], device_name: Callable) -> BackendRun:
+def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
+                    on_done: Callable[[int], None]) -> BackendRun:
+    cluster = cluster_config(cfg)
     if tuple(cluster.roles) != (ReplicaRole.PREFILL, ReplicaRole.DECODE):
         raise ValueError(f"cluster.roles={[r.value for r in cluster.roles]} is not supported with backend=engine: "
                          "the engine runs one prefill and one decode replica ([prefill, decode])")
@@ -42,10 +42,11 @@ def run_engine_pair(cfg: DictConfig, cluster: ClusterConfig, args, workload: Wor
     def build(gpu: int, cpu: int, _: int) -> Scheduler:
         return factory.build_scheduler(prefill_cfg, gpu, cpu, recorder, workload)
 
+    release_engine()  # one model per device: the kept single engine goes
     config = DisaggregationConfig(max_queue=cluster.handoff_queue, queue_timeout_s=cluster.handoff_timeout_s)
-    pair = DisaggregatedEngine(args, config, build)
+    pair = DisaggregatedEngine(engine_args(cfg), config, build)
     try:
-        num_steps, elapsed = _feed(pair, workload, on_done)
+        num_steps = feed_workload(pair, workload, on_done)
         decode = TraceRecorder()
         decode.requests.extend(pair.decode_rows)
         runner = pair.prefill.runner
@@ -54,30 +55,7 @@ def run_engine_pair(cfg: DictConfig, cluster: ClusterConfig, args, workload: Wor
                 "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel,
                 "replica_info": [{"replica": 0, "role": "prefill", "num_gpu_blocks": runner.num_gpu_blocks},
                                  {"replica": 1, "role": "decode", "num_gpu_blocks": pair.decode_num_gpu_blocks}]}
+        elapsed = pair.now()
     finally:
         pair.close()
     return BackendRun(num_steps, elapsed, "wall", info, [recorder, decode])
-
-
-def _feed(pair: DisaggregatedEngine, workload: Workload, on_done: Callable[[int], None]) -> tuple[int, float]:
-    """Each request into the pair at its arrival time (as the single engine's loop does)."""
-    requests, stop_lens = workload.requests, workload.stop_lens
-    params = [dataclasses.replace(r.sampling_params, output_kind="final_only") for r in requests]
-    num_steps, next_req, done = 0, 0, 0
-    while done < len(requests):
-        now = pair.now()
-        while next_req < len(requests) and requests[next_req].arrival_time <= now:
-            r = requests[next_req]
-            pair.add_request(r.request_id, r.prompt_token_ids, params[next_req], arrival_time=r.arrival_time,
-                             priority=r.priority, tenant=r.tenant, output_len=stop_lens.get(r.request_id),
-                             abort_too_long=True)
-            next_req += 1
-        if pair.has_unfinished_requests():
-            ended = sum(output.finished for output in pair.step())
-            num_steps += 1
-            if ended:
-                done += ended
-                on_done(ended)
-        elif next_req < len(requests):
-            time.sleep(max(requests[next_req].arrival_time - now, 0.0))
-    return num_steps, pair.now()
