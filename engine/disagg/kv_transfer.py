@@ -112,6 +112,9 @@ class KVLink:
         else:
             self.backend = dist.ProcessGroupGloo(prefixed, rank, 2, backend_timeout)
             self.stream = None
+        sequence = getattr(self.backend, "_set_sequence_number_for_group", None)
+        if sequence is not None:  # as torch's own groups are set up (both ends, at once)
+            sequence()
         self._queue: collections.deque[Transfer] = collections.deque()  # posted, completion not yet seen
         self._finished: collections.deque[Transfer] = collections.deque()  # done or failed, not yet polled
         self._lock = threading.Condition()
