@@ -8,8 +8,8 @@ clock), joins the pair's `KVLink` as the receiving end, then loops:
    transfer start times, aborts (a queued hand-off is withdrawn, one whose receive is posted runs
    to its end and is dropped there, a live request is aborted in the engine);
 2. hand-offs queued longer than `queue_timeout_s`, or too long for this KV pool, are refused;
-3. `reserve_ready`: blocks allocated for the hand-offs that fit, a receive posted into them on the
-   link, then `Reserved` to the front (which sends only now: the receiver allocates before the send);
+3. `reserve_ready`: blocks allocated for the hand-offs that fit, `Reserved` to the front (which
+   sends only now: the receiver allocates before the send), and a receive into them posted on the link;
 4. receives that completed are scattered into their blocks and the request joins the running
    batch (`DecodeSide.receive`, `LLMEngine.take_over_request`);
 5. one engine step, its outputs (and the trace rows of the requests that ended) to the front.
@@ -164,11 +164,11 @@ class DecodeLoop:
             self._refuse(handoff, f"its {handoff.num_computed_tokens + 1} tokens (n={len(handoff.first_token_ids)}) "
                                   "never fit the decode engine's KV cache or max_num_seqs")
         kv = self.engine.runner.kv_cache
-        for handoff in reserved:
+        for handoff in reserved:  # blocks allocated: the front may send
             self.queued.pop(handoff.request_id, None)
+            self.conn.send(Reserved(handoff.request_id, list(handoff.dst_block_ids)))
             transfer = self.link.recv(handoff.request_id, kv.k_caches, handoff.dst_block_ids[:handoff.num_blocks])
             self.receiving[handoff.request_id] = (handoff, transfer)
-            self.conn.send(Reserved(handoff.request_id, list(handoff.dst_block_ids)))
 
     def _refuse(self, handoff: KVHandoff, reason: str) -> None:
         self.queued.pop(handoff.request_id, None)

@@ -11,7 +11,7 @@ A transfer moves every layer's K and V of a request's blocks as one message: the
 the blocks into one contiguous staging buffer `[2 x layers, blocks, block_size, kv_heads,
 head_dim]` (K of layer l at 2l, V at 2l + 1) and sends it; the receiver receives into a staging
 buffer of the same shape and scatters it into the blocks its block manager allocated before the
-send (the receiver posts its receive first, so the send never waits for an allocation).
+send (it tells the sender to send only then, so a send never waits for an allocation).
 `experiments/bench_kv_transfer.py` compares this with one message per layer and with the link's
 copy bandwidth.
 
@@ -115,6 +115,7 @@ class KVLink:
         sequence = getattr(self.backend, "_set_sequence_number_for_group", None)
         if sequence is not None:  # as torch's own groups are set up (both ends, at once)
             sequence()
+        self._handshake(timeout_s)
         self._queue: collections.deque[Transfer] = collections.deque()  # posted, completion not yet seen
         self._finished: collections.deque[Transfer] = collections.deque()  # done or failed, not yet polled
         self._lock = threading.Condition()
@@ -122,6 +123,32 @@ class KVLink:
         self._closed = False
         self._waiter = threading.Thread(target=self._wait_loop, name=f"kv-link-{rank}", daemon=True)
         self._waiter.start()
+
+    def _handshake(self, timeout_s: float) -> None:
+        """One small message each way's first use, so NCCL sets its communicator up now (both ends
+        are here), not inside the first transfer (whose receiver would block in the set-up until the
+        sender posts). On a helper thread, waited for `timeout_s`: a set-up that hangs raises."""
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                probe = torch.zeros(1, device=self.device)
+                op = self.backend.send if self.rank == SEND_RANK else self.backend.recv
+                work = op([probe], self.peer, 0)
+                if self.device.type == "cuda":
+                    work.wait()
+                    torch.cuda.synchronize(self.device)
+                else:
+                    work.wait(datetime.timedelta(seconds=timeout_s))
+            except BaseException as e:  # noqa: BLE001 (raised below, in the constructor's thread)
+                errors.append(e)
+
+        helper = threading.Thread(target=run, name=f"kv-link-handshake-{self.rank}", daemon=True)
+        helper.start()
+        helper.join(timeout_s)
+        if helper.is_alive() or errors:
+            why = f"({str(errors[0]).splitlines()[0][:200]})" if errors else f"within timeout_s={timeout_s}"
+            raise KVTransferError(f"the KV link's peer did not answer its first message {why}")
 
     # ---- posting -----------------------------------------------------------------------------
     def send(self, key: str, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
