@@ -22,13 +22,11 @@ process is gone (a watchdog thread), and on any failure of its engine or link (r
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import sys
-import threading
 import traceback
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.kv_transfer import RECV_RANK, KVLink, KVTransferError, join_store
@@ -42,6 +40,7 @@ from engine.disagg.messages import (
     Reserved,
     TransferStarted,
 )
+from engine.distributed.worker import exit_with_parent
 from engine.engine_args import EngineArgs
 from policies.disagg import DecodeSide, KVHandoff
 
@@ -49,20 +48,8 @@ DECODE_REPLICA = 1
 _IDLE_POLL_S, _BUSY_POLL_S = 1.0, 0.001
 
 
-def _exit_with_parent() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="decode-parent-watchdog", daemon=True).start()
-
-
 def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn: Connection) -> None:
-    _exit_with_parent()
+    exit_with_parent("decode-parent-watchdog")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front stops this process in order
     from engine.offline.llm_engine import LLMEngine
 
