@@ -8,8 +8,9 @@ clock), joins the pair's `KVLink` as the receiving end, then loops:
    transfer start times, aborts (a queued hand-off is withdrawn, one whose receive is posted runs
    to its end and is dropped there, a live request is aborted in the engine);
 2. hand-offs queued longer than `queue_timeout_s`, or too long for this KV pool, are refused;
-3. `reserve_ready`: blocks allocated for the hand-offs that fit, `Reserved` to the front (which
-   sends only now: the receiver allocates before the send), and a receive into them posted on the link;
+3. `reserve_ready`: blocks allocated for the hand-offs that fit; then, while fewer than
+   `max_transfers_in_flight` receives are posted (each holds a staging buffer), `Reserved` to the
+   front (which sends only now: the receiver allocates before the send) and a receive posted;
 4. receives that completed are scattered into their blocks and the request joins the running
    batch (`DecodeSide.receive`, `LLMEngine.take_over_request`);
 5. one engine step, its outputs (and the trace rows of the requests that ended) to the front.
@@ -26,6 +27,7 @@ import os
 import signal
 import sys
 import traceback
+from collections import deque
 from multiprocessing.connection import Connection
 
 from engine.disagg.config import DisaggregationConfig
@@ -63,7 +65,7 @@ def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn:
         conn.send(DecodeReady(os.getpid(), engine.runner.num_gpu_blocks, engine.clock_origin))
         link = KVLink(RECV_RANK, join_store(port, config.transfer_timeout_s), engine.runner.device,
                       config.transfer_timeout_s)
-        DecodeLoop(engine, side, link, conn).run()
+        DecodeLoop(engine, side, link, conn, config.max_transfers_in_flight).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the front is gone
     except BaseException as e:  # noqa: BLE001 (reported to the front, which fails the requests)
@@ -78,9 +80,11 @@ def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn:
 
 
 class DecodeLoop:
-    def __init__(self, engine, side: DecodeSide, link: KVLink, conn: Connection) -> None:
+    def __init__(self, engine, side: DecodeSide, link: KVLink, conn: Connection, max_in_flight: int) -> None:
         self.engine, self.side, self.link, self.conn = engine, side, link, conn
+        self.max_in_flight = max_in_flight
         self.queued: dict[str, KVHandoff] = {}  # request id -> hand-off waiting for blocks
+        self.reserved: deque[KVHandoff] = deque()  # blocks allocated, receive not yet posted (in-flight cap)
         self.receiving: dict[str, tuple[KVHandoff, object]] = {}  # request id -> (hand-off, its Transfer)
         self.prompts: dict[str, tuple[str | None, int | None]] = {}  # request id -> (prompt text, output_len)
         self.rows_sent = 0  # trace rows of the engine's recorder already sent
@@ -90,7 +94,7 @@ class DecodeLoop:
         while True:
             if engine.has_unfinished_requests():
                 timeout = 0.0
-            elif self.receiving or self.queued:
+            elif self.receiving or self.reserved or self.queued:
                 timeout = _BUSY_POLL_S
             else:
                 timeout = _IDLE_POLL_S
@@ -139,6 +143,13 @@ class DecodeLoop:
         if entry is not None:  # its receive is posted: the transfer runs to its end, then it is dropped
             entry[0].abort_reason = "user"
             return
+        for handoff in self.reserved:
+            if handoff.request_id == request_id:  # blocks reserved, the front not yet told: dropped here
+                self.reserved.remove(handoff)
+                handoff.abort_reason = "user"
+                self.side.receive(handoff, self.engine.now())  # gives its blocks back
+                self._refuse(handoff, "aborted")
+                return
         self.engine.abort_request(request_id)  # live here (or ended already: nothing to do)
 
     def _admit(self) -> None:
@@ -150,10 +161,13 @@ class DecodeLoop:
         for handoff in never:
             self._refuse(handoff, f"its {handoff.num_computed_tokens + 1} tokens (n={len(handoff.first_token_ids)}) "
                                   "never fit the decode engine's KV cache or max_num_seqs")
-        kv = self.engine.runner.kv_cache
-        for handoff in reserved:  # blocks allocated: the front may send
+        for handoff in reserved:
             self.queued.pop(handoff.request_id, None)
-            self.conn.send(Reserved(handoff.request_id, list(handoff.dst_block_ids)))
+        self.reserved.extend(reserved)
+        kv = self.engine.runner.kv_cache
+        while self.reserved and len(self.receiving) < self.max_in_flight:  # staging memory stays bounded
+            handoff = self.reserved.popleft()
+            self.conn.send(Reserved(handoff.request_id, list(handoff.dst_block_ids)))  # the front may send
             transfer = self.link.recv(handoff.request_id, kv.k_caches, handoff.dst_block_ids[:handoff.num_blocks])
             self.receiving[handoff.request_id] = (handoff, transfer)
 

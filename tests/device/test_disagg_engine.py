@@ -1,7 +1,7 @@
 """A disaggregated engine pair on CPU (gloo): the prefill engine here, the decode engine in its own
 process, KV blocks moved on the link. Greedy tokens equal the co-located engine's in float32
 (chunked prefill, async scheduling on the decode side, n = 2, preemption by swap and by recompute on
-the decode side), requests that end at their first token end on the prefill side, an abort holds
+the decode side, one transfer in flight at a time), requests that end at their first token end on the prefill side, an abort holds
 its meaning before, during and after the hand-off, and a decode process killed mid-transfer ends
 every request past its prefill with an error within the bound."""
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_abort_before_during_and_after_the_hand_off(pair, reference):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_on_the_decode_side_keeps_the_tokens(mode, reference):
-    config = DisaggregationConfig(transfer_timeout_s=TIMEOUT_S,
+    config = DisaggregationConfig(transfer_timeout_s=TIMEOUT_S, max_transfers_in_flight=1,  # reserved ones wait
                                   decode_args={"num_gpu_blocks": 24, "preemption_mode": mode})
     with DisaggregatedEngine(EngineArgs(**ARGS), config) as engine:
         assert _run(engine) == reference["greedy"]
