@@ -15,10 +15,16 @@ from engine.disagg.messages import DecodeFailed, DecodeReady
 from engine.engine_args import EngineArgs
 
 JOIN_TIMEOUT_S = 10.0
+# Fields that shape a KV block: both engines of a pair share them (a transfer moves blocks as they are).
+KV_LAYOUT_FIELDS = ("model", "dtype", "block_size", "tensor_parallel_size")
 
 
 def decode_engine_args(args: EngineArgs, config: DisaggregationConfig) -> EngineArgs:
     """The decode engine's arguments: the pair's, on its own device, with `decode_args` applied."""
+    fixed = sorted(set(config.decode_args or {}) & set(KV_LAYOUT_FIELDS))
+    if fixed:
+        raise ValueError(f"disaggregation.decode_args may not set {fixed}: the decode engine's KV blocks must have "
+                         f"the prefill engine's layout ({', '.join(KV_LAYOUT_FIELDS)})")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     values["device"] = config.decode_device or _next_device(args.resolve_device())
     return EngineArgs.from_dict({**values, **(config.decode_args or {})})

@@ -41,8 +41,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from engine.distributed.parallel_state import bounded
+
 SEND_RANK, RECV_RANK = 0, 1
 _POLL_S = 0.0002  # how often an NCCL transfer's completion is checked
+_TEARDOWN_S = 4.0  # an NCCL abort or shutdown is waited for this long (on a helper thread)
 
 
 class KVTransferError(RuntimeError):
@@ -287,11 +290,8 @@ class KVLink:
         if self._failure is None:
             self._failure = error
             abort = getattr(self.backend, "abort", None)
-            if abort is not None and self.device.type == "cuda":
-                try:
-                    abort()
-                except RuntimeError:
-                    pass
+            if abort is not None and self.device.type == "cuda":  # NCCL: kernels waiting on the peer end
+                bounded(abort, _TEARDOWN_S)
         now = time.monotonic()
         while self._queue:
             transfer = self._queue.popleft()
@@ -317,10 +317,7 @@ class KVLink:
         self._waiter.join(2.0)
         shutdown = getattr(self.backend, "shutdown", None) if self._failure is None else None
         if shutdown is not None and self.device.type == "cuda":
-            try:
-                shutdown()
-            except RuntimeError:
-                pass
+            bounded(shutdown, _TEARDOWN_S)
 
 
 def _on(stream):

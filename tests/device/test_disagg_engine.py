@@ -161,3 +161,9 @@ def test_a_killed_decode_process_ends_the_handed_off_requests_with_an_error():
 def test_bad_disaggregation_settings_name_the_key(spec, message):
     with pytest.raises(ValueError, match=message):
         DisaggregationConfig.parse(spec)
+
+
+def test_decode_args_may_not_change_the_kv_layout():
+    config = DisaggregationConfig(decode_args={"block_size": 8})
+    with pytest.raises(ValueError, match=r"may not set \['block_size'\]"):
+        DisaggregatedEngine(EngineArgs(**ARGS), config)
