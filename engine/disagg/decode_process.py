@@ -106,8 +106,9 @@ class DecodeLoop:
                 self._take(message)
                 timeout = 0.0
             self._admit()
-            self._receive()
-            outputs = engine.step() if engine.has_unfinished_requests() else []
+            outputs = self._receive()  # streams get their first token as it arrives
+            if engine.has_unfinished_requests():
+                outputs += engine.step()
             rows = engine.recorder.requests
             new_rows = rows[self.rows_sent:]
             self.rows_sent = len(rows)
@@ -176,8 +177,10 @@ class DecodeLoop:
         self.prompts.pop(handoff.request_id, None)
         self.conn.send(Refused(handoff.request_id, reason))
 
-    def _receive(self) -> None:
-        kv, engine = self.engine.runner.kv_cache, self.engine
+    def _receive(self) -> list:
+        """Completed receives into their blocks, their requests into the engine; the outputs of
+        those that stream."""
+        kv, engine, outputs = self.engine.runner.kv_cache, self.engine, []
         for transfer in self.link.poll():
             handoff, _ = self.receiving.pop(transfer.key)
             if transfer.error is not None:
@@ -188,4 +191,7 @@ class DecodeLoop:
             prompt, output_len = self.prompts.pop(handoff.request_id, (None, None))
             family = self.side.receive(handoff, engine.now())
             if family is not None:
-                engine.take_over_request(handoff.request, prompt, family, output_len)
+                output = engine.take_over_request(handoff.request, prompt, family, output_len)
+                if output is not None:
+                    outputs.append(output)
+        return outputs

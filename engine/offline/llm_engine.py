@@ -227,14 +227,17 @@ class LLMEngine:
         self._aborting.discard(request_id)
         self.runner.release([seq.seq_id for seq in live.seqs])
 
-    def take_over_request(self, request: Request, prompt: str | None, seqs: list, output_len: int | None = None) -> None:
+    def take_over_request(self, request: Request, prompt: str | None, seqs: list,
+                          output_len: int | None = None) -> RequestOutput | None:
         """A request whose sequences joined this engine's scheduler from another engine (a decode
-        engine receiving a hand-off, engine/disagg/): its outputs come from this engine from now on
-        (`output_len`: its forced output length, as `add_request`'s). Stepping thread only."""
+        engine receiving a hand-off, engine/disagg/), holding the tokens sampled there: its outputs
+        come from this engine from now on (`output_len`: its forced output length, as
+        `add_request`'s). Returns its output now (those tokens) if it streams. Stepping thread only."""
         with self._inbox_lock:
-            self.output_processor.add(request, prompt, seqs)
+            output = self.output_processor.take_over(request, prompt, seqs)
             if output_len is not None:
                 self._output_lens[request.request_id] = output_len
+        return output
 
     def _take_inbox_if_idle(self) -> None:
         if self._step_lock.acquire(blocking=False):  # no step running: hand over now

@@ -167,3 +167,15 @@ def test_decode_args_may_not_change_the_kv_layout():
     config = DisaggregationConfig(decode_args={"block_size": 8})
     with pytest.raises(ValueError, match=r"may not set \['block_size'\]"):
         DisaggregatedEngine(EngineArgs(**ARGS), config)
+
+
+def test_a_stream_gets_its_first_token_as_it_arrives(pair, reference):
+    """A delta stream's first output holds the first token alone (sent when the KV arrived, before the
+    decode engine's first step); the deltas add up to the greedy tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, output_kind="delta")
+    pair.add_request("stream-0", PROMPTS[0], params)
+    deltas, deadline = [], time.monotonic() + BOUND_S
+    while pair.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        deltas += [o.outputs[0].token_ids for o in pair.step() if o.outputs]
+    assert len(deltas[0]) == 1 and [t for d in deltas for t in d] == reference["greedy"][0][0][0]
