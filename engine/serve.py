@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             from engine.disagg.pd_engine import DisaggregatedEngine
             from engine.online.thread_host import ThreadHost
 
-            host = ThreadHost(DisaggregatedEngine(args, ns.disaggregation), close_engine=True)
+            host = ThreadHost(DisaggregatedEngine(args, ns.disaggregation, keep_trace=False), close_engine=True)
             engine = AsyncLLMEngine(host, max_waiting_requests=ns.max_waiting_requests)
         else:
             engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,

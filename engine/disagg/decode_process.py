@@ -87,7 +87,6 @@ class DecodeLoop:
         self.reserved: deque[KVHandoff] = deque()  # blocks allocated, receive not yet posted (in-flight cap)
         self.receiving: dict[str, tuple[KVHandoff, object]] = {}  # request id -> (hand-off, its Transfer)
         self.prompts: dict[str, tuple[str | None, int | None]] = {}  # request id -> (prompt text, output_len)
-        self.rows_sent = 0  # trace rows of the engine's recorder already sent
 
     def run(self) -> None:
         engine, conn = self.engine, self.conn
@@ -109,11 +108,14 @@ class DecodeLoop:
             outputs = self._receive()  # streams get their first token as it arrives
             if engine.has_unfinished_requests():
                 outputs += engine.step()
-            rows = engine.recorder.requests
-            new_rows = rows[self.rows_sent:]
-            self.rows_sent = len(rows)
-            if outputs or new_rows:
-                conn.send(DecodeStep(outputs, [dict(r) for r in new_rows]))
+            recorder = engine.recorder
+            rows = [dict(r) for r in recorder.requests]
+            # The front keeps the rows (or not); nothing grows here in a long-running server.
+            recorder.requests.clear()
+            recorder.steps.clear()
+            recorder.events.clear()
+            if outputs or rows:
+                conn.send(DecodeStep(outputs, rows))
 
     def _take(self, message) -> None:
         side, now = self.side, self.engine.now()

@@ -61,9 +61,10 @@ _WAIT_S = 0.002  # how long an idle front waits for the decode process before re
 
 class DisaggregatedEngine:
     def __init__(self, args: EngineArgs, config: DisaggregationConfig | str | dict | None = None,
-                 build_scheduler: SchedulerBuilder | None = None) -> None:
+                 build_scheduler: SchedulerBuilder | None = None, keep_trace: bool = True) -> None:
         """`build_scheduler`: the prefill engine's scheduler (as `LLMEngine`'s; it must not schedule
-        ahead), e.g. an experiment's; the decode engine's comes from `args` and `decode_args`."""
+        ahead), e.g. an experiment's; the decode engine's comes from `args` and `decode_args`.
+        `keep_trace`: keep the decode engine's request rows in `decode_rows` (False: a server's)."""
         refuse_in_spawn_bootstrap()
         config = DisaggregationConfig.parse(config if config is not None else DisaggregationConfig())
         if args.tensor_parallel_size != 1:
@@ -105,6 +106,7 @@ class DisaggregatedEngine:
         self._decoding: set[str] = set()  # handed off and not ended (at the decode process)
         self._done_early: list[RequestOutput] = []  # final outputs made here, returned by the next step
         self.decode_rows: list[dict] = []  # the decode engine's trace rows (requests that ended there)
+        self._keep_trace = keep_trace
 
     # ---- LLMEngine's interface ----------------------------------------------------------------
     @property
@@ -232,7 +234,8 @@ class DisaggregatedEngine:
                     if handoff is not None and message.request_id not in self._sending:
                         self._fail_handoff(handoff, f"the decode engine refused it: {message.reason}")
                 elif isinstance(message, DecodeStep):
-                    self.decode_rows.extend(message.rows)
+                    if self._keep_trace:
+                        self.decode_rows.extend(message.rows)
                     outputs += self._decode_outputs(message.outputs)
                 elif isinstance(message, DecodeFailed):
                     self._fail(f"the decode engine failed: {message.error.splitlines()[0]}")
