@@ -125,8 +125,8 @@ class DecodeLoop:
                 self.queued[handoff.request_id] = handoff
                 self.prompts[handoff.request_id] = (message.prompt, message.output_len)
             else:
-                self.conn.send(Refused(handoff.request_id, f"the decode engine's hand-off queue is full "
-                                                           f"(max_queue={side.max_queue})"))
+                self.conn.send(Refused(handoff.request_id, "handoff_queue_full", f"the decode engine's hand-off "
+                                                                                 f"queue is full (max_queue={side.max_queue})"))
         elif isinstance(message, TransferStarted):
             entry = self.receiving.get(message.request_id)
             if entry is not None:
@@ -140,7 +140,7 @@ class DecodeLoop:
         queued = self.queued.pop(request_id, None)
         if queued is not None and self.side.withdraw(queued):
             self.prompts.pop(request_id, None)
-            self.conn.send(Refused(request_id, "aborted"))
+            self.conn.send(Refused(request_id, "user", "aborted"))
             return
         entry = self.receiving.get(request_id)
         if entry is not None:  # its receive is posted: the transfer runs to its end, then it is dropped
@@ -151,18 +151,18 @@ class DecodeLoop:
                 self.reserved.remove(handoff)
                 handoff.abort_reason = "user"
                 self.side.receive(handoff, self.engine.now())  # gives its blocks back
-                self._refuse(handoff, "aborted")
+                self._refuse(handoff, "user", "aborted")
                 return
         self.engine.abort_request(request_id)  # live here (or ended already: nothing to do)
 
     def _admit(self) -> None:
         now = self.engine.now()
         for handoff in self.side.expire(now):
-            self._refuse(handoff, f"waited longer than queue_timeout_s={self.side.timeout_s} for KV blocks on the "
+            self._refuse(handoff, "handoff_timeout", f"waited longer than queue_timeout_s={self.side.timeout_s} for KV blocks on the "
                                   "decode engine")
         reserved, never = self.side.reserve_ready(now)
         for handoff in never:
-            self._refuse(handoff, f"its {handoff.num_computed_tokens + 1} tokens (n={len(handoff.first_token_ids)}) "
+            self._refuse(handoff, "too_long", f"its {handoff.num_computed_tokens + 1} tokens (n={len(handoff.first_token_ids)}) "
                                   "never fit the decode engine's KV cache or max_num_seqs")
         for handoff in reserved:
             self.queued.pop(handoff.request_id, None)
@@ -174,10 +174,10 @@ class DecodeLoop:
             transfer = self.link.recv(handoff.request_id, kv.k_caches, handoff.dst_block_ids[:handoff.num_blocks])
             self.receiving[handoff.request_id] = (handoff, transfer)
 
-    def _refuse(self, handoff: KVHandoff, reason: str) -> None:
+    def _refuse(self, handoff: KVHandoff, code: str, reason: str) -> None:
         self.queued.pop(handoff.request_id, None)
         self.prompts.pop(handoff.request_id, None)
-        self.conn.send(Refused(handoff.request_id, reason))
+        self.conn.send(Refused(handoff.request_id, code, reason))
 
     def _receive(self) -> list:
         """Completed receives into their blocks, their requests into the engine; the outputs of

@@ -55,8 +55,12 @@ class Reserved:
 
 @dataclass(slots=True, frozen=True)
 class Refused:
+    """The hand-off will not be decoded there; the request ends with finish_reason `abort:<code>`
+    (the simulator's codes: handoff_queue_full, handoff_timeout, too_long; user: its abort)."""
+
     request_id: str
-    reason: str
+    code: str
+    reason: str  # the error a client is told
 
 
 @dataclass(slots=True)

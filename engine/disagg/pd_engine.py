@@ -215,7 +215,7 @@ class DisaggregatedEngine:
         self.prefill.hand_over_request(request_id)
         self._handoffs[request_id] = handoff
         if self._failure is not None:
-            self._fail_handoff(handoff, self._failure)
+            self._fail_handoff(handoff, "error", self._failure)
             return
         self._decoding.add(request_id)
         request = dataclasses.replace(handoff.request, sampling_params=self._params[request_id])
@@ -232,7 +232,7 @@ class DisaggregatedEngine:
                 elif isinstance(message, Refused):
                     handoff = self._handoffs.get(message.request_id)
                     if handoff is not None and message.request_id not in self._sending:
-                        self._fail_handoff(handoff, f"the decode engine refused it: {message.reason}")
+                        self._fail_handoff(handoff, message.code, f"the decode engine refused it: {message.reason}")
                 elif isinstance(message, DecodeStep):
                     if self._keep_trace:
                         self.decode_rows.extend(message.rows)
@@ -256,10 +256,11 @@ class DisaggregatedEngine:
         for transfer in self.link.poll():
             handoff = self._handoffs.pop(transfer.key)
             self._sending.discard(transfer.key)
+            now = self.now()
             if transfer.error is not None:
                 self._fail(str(transfer.error))
-                handoff.abort_reason = handoff.abort_reason or "error"
-            self.side.finish_transfer(handoff, self.now())
+                self.side.abort(transfer.key, "error", now)
+            self.side.finish_transfer(handoff, now)
 
     def _decode_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         kept = []
@@ -274,15 +275,17 @@ class DisaggregatedEngine:
         return kept
 
     # ---- faults ------------------------------------------------------------------------------
-    def _fail_handoff(self, handoff: KVHandoff, reason: str) -> None:
-        """A hand-off whose transfer will not happen: its prefill blocks freed, its final output an error."""
+    def _fail_handoff(self, handoff: KVHandoff, code: str, reason: str) -> None:
+        """A hand-off whose transfer will not happen: aborted with `code` (unless the user aborted it
+        already), its prefill blocks freed, its final output `abort:<code>` with `reason`."""
         request_id = handoff.request_id
         self._handoffs.pop(request_id, None)
-        handoff.abort_reason = handoff.abort_reason or "error"
-        self.side.finish_transfer(handoff, self.now())
+        now = self.now()
+        self.side.abort(request_id, code, now)  # a hand-off aborted already keeps its reason
+        self.side.finish_transfer(handoff, now)
         if request_id in self._decoding:
             self._decoding.discard(request_id)
-            self._done_early.append(self._final(handoff, "abort:error", reason))
+            self._done_early.append(self._final(handoff, f"abort:{code}", reason))
 
     def _fail(self, reason: str) -> None:
         """The decode engine or the link is gone: every request past its prefill ends with an error."""
@@ -296,7 +299,7 @@ class DisaggregatedEngine:
                 self._decoding.discard(request_id)
                 self._done_early.append(self._error_output(request_id, reason))
             elif request_id not in self._sending:
-                self._fail_handoff(handoff, reason)
+                self._fail_handoff(handoff, "error", reason)
             else:  # its send fails on the link and frees its blocks; its output goes out now
                 self._decoding.discard(request_id)
                 self._done_early.append(self._final(handoff, "abort:error", reason))

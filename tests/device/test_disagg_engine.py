@@ -179,3 +179,23 @@ def test_a_stream_gets_its_first_token_as_it_arrives(pair, reference):
         assert time.monotonic() < deadline
         deltas += [o.outputs[0].token_ids for o in pair.step() if o.outputs]
     assert len(deltas[0]) == 1 and [t for d in deltas for t in d] == reference["greedy"][0][0][0]
+
+
+def test_a_hand_off_left_waiting_for_blocks_ends_as_in_the_simulator(reference):
+    """Hand-offs that wait longer than queue_timeout_s for the decode engine's blocks end with the
+    simulator's finish reason, abort:handoff_timeout, their rows written by the prefill engine; the
+    others decode as usual."""
+    config = DisaggregationConfig(transfer_timeout_s=TIMEOUT_S, queue_timeout_s=0.001,
+                                  decode_args={"num_gpu_blocks": 24})
+    with DisaggregatedEngine(EngineArgs(**ARGS), config) as engine:
+        done = _run(engine)
+        rows = {r["request_id"]: r for r in engine.recorder.requests}
+        free = engine.prefill.scheduler.block_manager.num_free_gpu_blocks()
+        assert free == engine.prefill.runner.num_gpu_blocks
+    timed_out = [i for i, (_, reasons, _) in done.items() if reasons == ["abort:handoff_timeout"]]
+    assert timed_out and len(timed_out) < len(PROMPTS)
+    for i in timed_out:
+        assert "queue_timeout_s" in done[i][2]
+    assert {r["finish_reason"] for r in rows.values()} == {"abort:handoff_timeout"}
+    for i in set(range(len(PROMPTS))) - set(timed_out):
+        assert done[i] == reference["greedy"][i]
