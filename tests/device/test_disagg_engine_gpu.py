@@ -107,7 +107,7 @@ def test_pair_bf16_greedy_agrees_with_one_engine(reference):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_pair_preemption_on_the_decode_side_keeps_tokens(mode, reference):
-    squeeze = {"max_model_len": 512, "num_gpu_blocks": 32, "block_size": 16, "preemption_mode": mode}
+    squeeze = {"max_model_len": 512, "num_gpu_blocks": 32, "preemption_mode": mode}  # blocks of 16 tokens
     config = DisaggregationConfig(transfer_timeout_s=TIMEOUT_S, decode_args=squeeze)
     with DisaggregatedEngine(EngineArgs(**ARGS), config) as pair:
         got = _generate(pair)
