@@ -135,6 +135,8 @@ class KVLink:
 
         def run() -> None:
             try:
+                if self.device.type == "cuda":  # a new thread starts on device 0
+                    torch.cuda.set_device(self.device)
                 probe = torch.zeros(1, device=self.device)
                 op = self.backend.send if self.rank == SEND_RANK else self.backend.recv
                 work = op([probe], self.peer, 0)
