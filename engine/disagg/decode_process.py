@@ -192,7 +192,9 @@ class DecodeLoop:
                 handoff.transfer_start_time = handoff.reserved_time
             prompt, output_len = self.prompts.pop(handoff.request_id, (None, None))
             family = self.side.receive(handoff, engine.now())
-            if family is not None:
+            if family is None:  # aborted while it moved: the front may still wait for its end
+                self.conn.send(Refused(handoff.request_id, "user", "aborted"))
+            else:
                 output = engine.take_over_request(handoff.request, prompt, family, output_len)
                 if output is not None:
                     outputs.append(output)

@@ -230,9 +230,13 @@ class DisaggregatedEngine:
                 if isinstance(message, Reserved):
                     self._start_transfer(message)
                 elif isinstance(message, Refused):
-                    handoff = self._handoffs.get(message.request_id)
-                    if handoff is not None and message.request_id not in self._sending:
+                    request_id = message.request_id
+                    handoff = self._handoffs.get(request_id)
+                    if handoff is not None and request_id not in self._sending:
                         self._fail_handoff(handoff, message.code, f"the decode engine refused it: {message.reason}")
+                    elif handoff is None and request_id in self._decoding:  # aborted as its KV arrived
+                        self._decoding.discard(request_id)
+                        outputs.append(self._error_output(request_id, f"abort:{message.code}", None))
                 elif isinstance(message, DecodeStep):
                     if self._keep_trace:
                         self.decode_rows.extend(message.rows)
@@ -297,7 +301,7 @@ class DisaggregatedEngine:
             handoff = self._handoffs.get(request_id)
             if handoff is None:  # transferred: it was decoding
                 self._decoding.discard(request_id)
-                self._done_early.append(self._error_output(request_id, reason))
+                self._done_early.append(self._error_output(request_id, "abort:error", reason))
             elif request_id not in self._sending:
                 self._fail_handoff(handoff, "error", reason)
             else:  # its send fails on the link and frees its blocks; its output goes out now
@@ -327,9 +331,11 @@ class DisaggregatedEngine:
                              metrics=RequestMetrics(request.arrival_time, handoff.first_scheduled_time,
                                                     finished_time=self.now()), error=error)
 
-    def _error_output(self, request_id: str, reason: str) -> RequestOutput:
+    def _error_output(self, request_id: str, finish_reason: str, error: str | None) -> RequestOutput:
+        """The final output of a request whose hand-off is gone (its tokens are not known here)."""
         self._params.pop(request_id, None)
         prompt = self._prompts.pop(request_id, None)
-        return RequestOutput(request_id, prompt, [], [CompletionOutput(0, "", [], "abort:error")], finished=True,
-                             error=reason)
+        self._output_lens.pop(request_id, None)
+        return RequestOutput(request_id, prompt, [], [CompletionOutput(0, "", [], finish_reason)], finished=True,
+                             error=error)
 
