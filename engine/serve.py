@@ -7,13 +7,20 @@ options: --host (127.0.0.1 by default: loopback only unless asked), --port, --se
 (one or more names clients may send as `model`), --chat-template, --max-waiting-requests (past it
 new requests get HTTP 503), --api-key (or SERVELAB_API_KEY: bearer keys for /v1/*),
 --max-request-body-bytes (413 past it), --[no-]engine-process (the engine in its own process, the
-default, or in a thread of the server's), --disaggregation prefill=1,decode=1 (a prefill engine and
-a decode engine on two GPUs, KV blocks moved between them: docs/disaggregation.md). A bad value is one line `error: ...` and exit code 2.
+default, or in a thread of the server's). Data parallelism (docs/fleet.md): --data-parallel-size N
+replicas, one engine core process each on its own GPU(s), every request routed by --router NAME
+(a `policies/routing` router, round_robin by default) with its keys as --router-arg KEY=VALUE,
+its snapshots refreshed every --router-refresh-s seconds (0: at each request), the replicas
+started by --replica-launcher (local processes, or ray). --disaggregation prefill=1,decode=1: a
+prefill engine and a decode engine on two GPUs, KV blocks moved between them
+(docs/disaggregation-engine.md). A bad value is one line `error: ...` and exit code 2.
 SIGTERM or Ctrl-C end every open stream with an error event and `data: [DONE]`, then stop.
 Examples:
 
     python -m engine.serve --model qwen3-0.6b
     python -m engine.serve --model smollm2-135m num_gpu_blocks=256 max_model_len=2048   # on CPU
+    python -m engine.serve --model qwen3-0.6b --data-parallel-size 2 --router prefix_aware \
+        --router-arg balance_abs_threshold=8 block_manager=prefix        # two GPUs, one router
     python -m engine.serve --model qwen3-0.6b --disaggregation prefill=1,decode=1      # cuda:0 + cuda:1
     curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "qwen3-0.6b", "prompt": [1, 2, 3], "max_tokens": 8}'
@@ -32,7 +39,8 @@ from engine.serving.guards import API_KEY_ENV, BYTES_PER_TOKEN, api_keys_from
 from engine.serving.server import LOOPBACK
 
 SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_waiting_requests", "log_level",
-                  "engine_process", "api_key", "max_request_body_bytes", "disaggregation")
+                  "engine_process", "api_key", "max_request_body_bytes", "data_parallel_size", "router", "router_arg",
+                  "router_refresh_s", "replica_launcher", "disaggregation")
 
 
 def parse_value(text: str) -> Any:
@@ -65,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, apart from the HTTP front end (default); "
                         "--no-engine-process steps it in a thread of the server's process")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="serve N engine replicas, one core process each on its own GPU(s) (default 1)")
+    p.add_argument("--router", default="round_robin", metavar="NAME",
+                   help="the router in front of the replicas (policies/routing; default round_robin)")
+    p.add_argument("--router-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="one of the router's own keys (repeatable), e.g. balance_abs_threshold=8")
+    p.add_argument("--router-refresh-s", type=float, default=0.0, metavar="S",
+                   help="refresh the router's replica snapshots every S seconds (default 0: at each request)")
+    p.add_argument("--replica-launcher", default="local", metavar="NAME",
+                   help="what starts the replicas: local (processes on this machine, default) or ray "
+                        "(actors of the Ray cluster RAY_ADDRESS names, or a local one)")
     p.add_argument("--disaggregation", default=None, metavar="SPEC",
                    help="prefill/decode disaggregation, e.g. prefill=1,decode=1 (more keys: transfer_timeout_s, "
                         "decode_device, max_queue, queue_timeout_s): the prefill engine in a thread of the "
@@ -98,6 +117,61 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs.from_dict(values)
 
 
+def router_from(ns: argparse.Namespace):
+    """The router the command line names, with its keys checked (ValueError naming the key)."""
+    from policies.routing import make_router
+
+    cfg: dict[str, Any] = {"name": ns.router}
+    for item in ns.router_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--router-arg {item!r} is invalid: write KEY=VALUE (a key of router {ns.router!r})")
+        cfg[key.replace("-", "_")] = parse_value(value)
+    try:
+        return make_router(cfg)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"router.{exc}") from None
+
+
+def uses_replicas(ns: argparse.Namespace) -> bool:
+    """A replica set serves (else one engine, as before data parallelism)."""
+    return ns.data_parallel_size != 1 or ns.replica_launcher != "local"
+
+
+def check_replica_options(ns: argparse.Namespace):
+    """The data-parallel options, checked; the router, or None without replicas."""
+    from engine.online.replica_launcher import REPLICA_LAUNCHERS, check_data_parallel_size
+
+    check_data_parallel_size(ns.data_parallel_size)
+    REPLICA_LAUNCHERS.get(ns.replica_launcher)
+    router = router_from(ns)
+    if not 0 <= ns.router_refresh_s < float("inf"):
+        raise ValueError(f"router_refresh_s={ns.router_refresh_s} is invalid: a finite number >= 0 (0: exact)")
+    if not uses_replicas(ns):
+        return None
+    if not ns.engine_process:
+        raise ValueError("--no-engine-process is invalid with --data-parallel-size > 1: each replica is an "
+                         "engine core process")
+    return router
+
+
+def build_engine(ns: argparse.Namespace, args: EngineArgs, router):
+    from engine.online.async_llm_engine import AsyncLLMEngine
+    from engine.online.replica_launcher import launch_replica_set
+
+    if ns.disaggregation is not None:
+        from engine.disagg.pd_engine import DisaggregatedEngine
+        from engine.online.thread_host import ThreadHost
+
+        host = ThreadHost(DisaggregatedEngine(args, ns.disaggregation, keep_trace=False), close_engine=True)
+        return AsyncLLMEngine(host, max_waiting_requests=ns.max_waiting_requests)
+    if router is None:
+        return AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,
+                                               engine_process=ns.engine_process)
+    replicas = launch_replica_set(args, ns.data_parallel_size, router, ns.router_refresh_s, ns.replica_launcher)
+    return AsyncLLMEngine(replicas, max_waiting_requests=ns.max_waiting_requests)
+
+
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -109,28 +183,23 @@ def main(argv: list[str] | None = None) -> None:
         args = engine_args_from(ns)
         args.check()  # shapes, KV sizing, max_model_len: before any weight loads
         api_keys = api_keys_from(None if ns.api_key is None else [ns.api_key])
+        if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
+        router = check_replica_options(ns)
         if ns.disaggregation is not None:
             from engine.disagg.config import DisaggregationConfig
 
             ns.disaggregation = DisaggregationConfig.parse(ns.disaggregation)
-        if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
-            raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
+            if router is not None:
+                raise ValueError("--disaggregation is invalid with --data-parallel-size or --replica-launcher: the "
+                                 "engine pair is one prefill and one decode engine on this machine")
     except ValueError as exc:
         _fail(str(exc))
-    from engine.online.async_llm_engine import AsyncLLMEngine
     from engine.serving.app import build_app
     from engine.serving.server import Server, slow_io_warning, uvicorn_config
 
     try:
-        if ns.disaggregation is not None:
-            from engine.disagg.pd_engine import DisaggregatedEngine
-            from engine.online.thread_host import ThreadHost
-
-            host = ThreadHost(DisaggregatedEngine(args, ns.disaggregation, keep_trace=False), close_engine=True)
-            engine = AsyncLLMEngine(host, max_waiting_requests=ns.max_waiting_requests)
-        else:
-            engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,
-                                                     engine_process=ns.engine_process)
+        engine = build_engine(ns, args, router)
         app = build_app(engine, ns.served_model_name, ns.chat_template, api_keys=api_keys,
                         max_request_body_bytes=ns.max_request_body_bytes)
     except ValueError as exc:  # the weights or the tokenizer the arguments name are wrong
@@ -141,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
     auth = ", API key required" if api_keys else ""
-    print(f"serving {app.state.ctx.model_name!r} at http://{ns.host}:{ns.port}/v1{auth}", file=sys.stderr)
+    fleet = f", {ns.data_parallel_size} replicas behind router {ns.router!r}" if router is not None else ""
+    print(f"serving {app.state.ctx.model_name!r} at http://{ns.host}:{ns.port}/v1{auth}{fleet}", file=sys.stderr)
     try:
         Server(uvicorn_config(app, ns.host, ns.port, ns.log_level)).run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the shutdown is done, quietly

@@ -8,9 +8,10 @@ import pytest
 
 # What `engine.serving` imports at module level (the `serve` extra; starlette comes with fastapi).
 SERVING = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
-# Every package the suite may lack, by import name: the serving stack, its clients, the notebook's runner.
+# Every package the suite may lack, by import name: the serving stack, its clients, the notebook's runner,
+# Ray (the `ray` extra: replicas on a Ray cluster).
 # httpx2 is not here: huggingface_hub (through transformers) needs it, so the suite cannot run without it.
-OPTIONAL = (*SERVING, "openai", "aiohttp", "uvloop", "httptools", "nbformat", "nbclient", "ipykernel")
+OPTIONAL = (*SERVING, "openai", "aiohttp", "uvloop", "httptools", "nbformat", "nbclient", "ipykernel", "ray")
 
 
 def require_serving() -> None:

@@ -112,9 +112,11 @@ class LLMEngine:
         gc.freeze()
 
     def reset(self, recorder: TraceRecorder | None = None,
-              build_scheduler: SchedulerBuilder | None = None) -> None:
+              build_scheduler: SchedulerBuilder | None = None, start: float | None = None) -> None:
         """A fresh scheduler (block manager, queues, trace) over the same model and KV cache, and the
-        clock back at 0: experiments reuse one engine across runs. Only with no request in flight."""
+        clock back at 0: experiments reuse one engine across runs. Only with no request in flight.
+        `start`: the `time.perf_counter()` value the clock counts from (default: now); engines in
+        several processes of one machine given the same value share one clock."""
         if self._live or self._pending:
             raise RuntimeError(f"reset() with {len(self._live) + len(self._pending)} requests in flight: "
                                "finish or abort them first")
@@ -125,7 +127,7 @@ class LLMEngine:
             self.scheduler = self._build_scheduler(gpu, cpu, recorder)
         else:
             self.scheduler = build_scheduler(gpu, cpu, self.max_model_len)
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() if start is None else start
 
     def _build_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int,
                          recorder: TraceRecorder | None) -> Scheduler:

@@ -146,6 +146,14 @@ class AsyncLLMEngine:
         """Counts as of the last step (engine/online/engine_stats.py)."""
         return self._host.stats()
 
+    def replica_status(self) -> list | None:
+        """Each data-parallel replica's state (engine/online/replica_set.py), or None for one engine."""
+        return self._host.replica_status()
+
+    def health_detail(self) -> dict[str, Any] | None:
+        """What /health shows beside its status (each replica's state), or None."""
+        return self._host.health_detail()
+
     def add_finished_observer(self, observer: Callable[[RequestStats], None]) -> None:
         """Call `observer(RequestStats)` on the event loop for every request that ends."""
         self._observers.append(observer)

@@ -36,6 +36,7 @@ from engine.offline.tokenizer import load_tokenizer
 from engine.online.core_channel import LoopChannel, read_message, readable, write_message
 from engine.online.engine_stats import EngineStats, RequestStats, StatsTracker
 from engine.online.host import hand_over
+from policies.routing.replica_report import ReplicaReport, report
 
 # (request_id, finished, prompt text or None, prompt token ids or None (sent once), samples, metrics,
 # num_cached_tokens, error); a sample is (index, text, token_ids, finish_reason, stop_reason, logprobs).
@@ -68,6 +69,7 @@ class CoreStep:
     outputs: list[PackedOutput]
     finished: list[RequestStats]
     stats: EngineStats
+    report: ReplicaReport  # the scheduler's state after the step, for a router in front of replicas
 
 
 def pack(output: RequestOutput, with_prompt: bool) -> PackedOutput:
@@ -91,9 +93,10 @@ def _failure(exc: BaseException) -> CoreFailed:
                       bad_input)
 
 
-def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
+def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox, report_index: bool = False) -> None:
     """The child process's main: build the engine, then serve the front end's batches until told to
-    stop or until either pipe closes."""
+    stop or until either pipe closes. `report_index`: each step's report carries the changes to the
+    prefix index (a router in front reads it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Started as a daemon (the front end's exit ends it), it may still start the tensor-parallel
     # workers of its engine, which are daemons of its own: a daemon process may not have children.
@@ -102,21 +105,35 @@ def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox) -> None:
 
     out = outbox.fileno()
     try:
+        pin_device(args.device)
         engine = LLMEngine(args)
     except BaseException as exc:  # noqa: BLE001 (reported to the front end, which raises it)
         write_message(out, _failure(exc))
         return
-    runner = engine.runner
-    write_message(out, CoreInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size,
-                                runner.num_gpu_blocks, runner.num_cpu_blocks, engine.max_logprobs))
+    write_message(out, core_info(engine))
     try:
-        _serve(engine, keep_trace, inbox.fileno(), out)
+        serve(engine, keep_trace, inbox.fileno(), out, set() if report_index else None)
     finally:
         engine.close()  # its tensor-parallel workers stop with the core
 
 
-def _serve(engine, keep_trace: bool, inbox: int, outbox: int) -> None:
-    """The core's loop: take the batches, step, send what the step gave."""
+def pin_device(device: str | None) -> None:
+    """Make `cuda:<i>` this process's current device before its engine is built (a data-parallel
+    replica's): streams, CUDA-graph captures and kernel launches follow the current device."""
+    if device is not None and device.startswith("cuda:"):
+        import torch
+        torch.cuda.set_device(torch.device(device))
+
+
+def core_info(engine) -> CoreInfo:
+    runner = engine.runner
+    return CoreInfo(engine.model_config.name, engine.max_model_len, engine.vocab_size, runner.num_gpu_blocks,
+                    runner.num_cpu_blocks, engine.max_logprobs)
+
+
+def serve(engine, keep_trace: bool, inbox: int, outbox: int, sent_index: set[int] | None) -> None:
+    """The core's loop: take the batches, step, send what the step gave (`sent_index`: the prefix
+    index as last reported, or None: not reported)."""
     tracker = StatsTracker(engine, keep_trace)
     seen: set[str] = set()  # requests whose prompt went out with a first output
     try:
@@ -144,7 +161,8 @@ def _serve(engine, keep_trace: bool, inbox: int, outbox: int) -> None:
                     seen.add(o.request_id)
                 packed.append(pack(o, first))
             finished = [tracker.finished(o) for o in outputs if o.finished]
-            write_message(outbox, CoreStep(errors, taken, packed, finished, _stats(engine, tracker)))
+            write_message(outbox, CoreStep(errors, taken, packed, finished, _stats(engine, tracker),
+                                           report(engine.scheduler, sent_index)))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the front end is gone
     except BaseException as exc:
@@ -170,12 +188,13 @@ class EngineCoreClient:
     """The front end's handle on the core process: start it (blocks until the engine is built),
     its pipes as a `LoopChannel` for the front end's event loop, stop it."""
 
-    def __init__(self, args: EngineArgs, keep_trace: bool = False, start_timeout_s: float = 900.0) -> None:
+    def __init__(self, args: EngineArgs, keep_trace: bool = False, start_timeout_s: float = 900.0,
+                 report_index: bool = False) -> None:
         self.args = args
         ctx = multiprocessing.get_context("spawn")
         inbox_r, self._inbox = ctx.Pipe(duplex=False)
         self._outbox, outbox_w = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=run_core, args=(args, keep_trace, inbox_r, outbox_w),
+        self.process = ctx.Process(target=run_core, args=(args, keep_trace, inbox_r, outbox_w, report_index),
                                    name="servelab-engine-core", daemon=True)
         self.process.start()
         inbox_r.close()
@@ -200,20 +219,16 @@ class EngineCoreClient:
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # the core sends each prompt once
 
     def outputs(self, step: CoreStep) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
-        """The step's outputs as RequestOutputs (with their prompts), each with its RequestStats if
-        it ended."""
-        records = {r.request_id: r for r in step.finished}
-        prompts = self._prompts
-        for packed in step.outputs:
-            request_id, finished, prompt, prompt_ids = packed[:4]
-            if prompt_ids is not None:
-                prompts[request_id] = (prompt, prompt_ids)
-            prompt, prompt_ids = prompts.pop(request_id) if finished else prompts.get(request_id, (None, []))
-            yield unpack(packed, prompt, prompt_ids), records.get(request_id)
+        return step_outputs(self._prompts, step)
 
     @property
     def alive(self) -> bool:
         return self.process.is_alive()
+
+    def exit_reason(self, wait_s: float) -> str:
+        """How the core ended, once it has (waiting up to `wait_s` for its exit code)."""
+        self.process.join(wait_s)
+        return f"the engine process exited (exit code {self.process.exitcode})"
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop and wait for it; terminate, then kill, what does not."""
@@ -225,6 +240,19 @@ class EngineCoreClient:
             _stop(self.process, self._inbox, timeout_s)
         self._inbox.close()
         self._outbox.close()
+
+
+def step_outputs(prompts: dict[str, tuple[str | None, list[int]]],
+                 step: CoreStep) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
+    """The step's outputs as RequestOutputs (with their prompts), each with its RequestStats if it
+    ended. `prompts`: the prompts the core sent so far (it sends each once), kept by the client."""
+    records = {r.request_id: r for r in step.finished}
+    for packed in step.outputs:
+        request_id, finished, prompt, prompt_ids = packed[:4]
+        if prompt_ids is not None:
+            prompts[request_id] = (prompt, prompt_ids)
+        prompt, prompt_ids = prompts.pop(request_id) if finished else prompts.get(request_id, (None, []))
+        yield unpack(packed, prompt, prompt_ids), records.get(request_id)
 
 
 def _stop(process, inbox, timeout_s: float) -> None:

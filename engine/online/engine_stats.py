@@ -39,6 +39,7 @@ class RequestStats:
     ttft: float | None  # seconds from generate() to the first output token (None: none came)
     inter_token_latencies: list[float]  # seconds between consecutive steps that brought tokens
     e2e: float  # seconds from generate() to the final output
+    replica: int | None = None  # the data-parallel replica that served it (engine/online/replica_set.py)
 
 
 @dataclass(slots=True)

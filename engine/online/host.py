@@ -21,6 +21,7 @@ from typing import Any
 from engine.offline.outputs import RequestFailedError, RequestOutput, short_error
 from engine.online.engine_stats import EngineStats, RequestStats, StatsTracker
 from policies.request import SamplingParams
+from policies.routing.replica_report import ReplicaReport
 
 _log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class StepResult:
 
     errors: dict[str, Exception]  # request id -> why the engine refused it (it fails alone)
     outputs: list[tuple[RequestOutput, RequestStats | None]]  # each with its RequestStats if it ended
+    report: ReplicaReport | None = None  # the scheduler's state after the step (a core process's)
 
 
 def hand_over(engine: Any, tracker: StatsTracker, new: list[NewRequest], aborts: set[str],
@@ -114,6 +116,14 @@ class EngineHost(ABC):
     @abstractmethod
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (its process exited), or None."""
+
+    def replica_status(self) -> list | None:
+        """Per data-parallel replica, its `ReplicaStatus` (engine/online/replica_set.py); None: one engine."""
+        return None
+
+    def health_detail(self) -> dict[str, Any] | None:
+        """What /health shows beside its status (each replica's state), or None."""
+        return None
 
     @abstractmethod
     async def shutdown(self) -> None:

@@ -1,4 +1,5 @@
-"""`ProcessHost`: the engine in a child process (engine/online/engine_core.py) that steps by itself.
+"""`ProcessHost`: the engine in a child process (engine/online/engine_core.py) that steps by itself
+(or in a Ray actor, engine/online/ray_launcher.py: a client with the same face).
 
 Each request and abort goes to the core the moment it is handed over, written to its pipe from the
 event loop (engine/online/core_channel.py: never blocking it); the core's messages are read on the event
@@ -62,7 +63,7 @@ class ProcessHost(EngineHost):
             return
         self._sent -= message.num_taken
         self._core_stats = message.stats
-        self._sink(StepResult(message.errors, list(self.client.outputs(message))))
+        self._sink(StepResult(message.errors, list(self.client.outputs(message)), message.report))
 
     def _on_closed(self) -> None:
         """The core's pipe ended: report how the core ended once it has (its exit code)."""
@@ -70,9 +71,8 @@ class ProcessHost(EngineHost):
             self._exit_report = asyncio.ensure_future(self._report_exit())
 
     async def _report_exit(self) -> None:
-        process = self.client.process
-        await asyncio.to_thread(process.join, 5.0)
-        self._end(RuntimeError(self._failure or f"the engine process exited (exit code {process.exitcode})"))
+        reason = await asyncio.to_thread(self.client.exit_reason, 5.0)
+        self._end(RuntimeError(self._failure or reason))
 
     def _end(self, error: BaseException) -> None:
         if not self._ended:
@@ -89,7 +89,7 @@ class ProcessHost(EngineHost):
     def health_problem(self) -> str | None:
         if self.client.alive:
             return None
-        return f"the engine process exited (exit code {self.client.process.exitcode})"
+        return self.client.exit_reason(0.0)
 
     async def shutdown(self) -> None:
         self._ended = True

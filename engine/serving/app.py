@@ -114,7 +114,7 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] | None = None,
     ctx = ServingContext(engine=engine, model_names=names, max_model_len=engine.max_model_len,
                          vocab_size=engine.vocab_size, max_logprobs=engine.max_logprobs, tokenizer=engine.tokenizer,
                          chat=ChatTemplate(engine.tokenizer, load_chat_template(chat_template)),
-                         metrics=ServingMetrics(engine.stats, names[0]))
+                         metrics=ServingMetrics(engine.stats, names[0], engine.replica_status))
     engine.add_finished_observer(ctx.metrics.observe)
 
     @asynccontextmanager
@@ -154,7 +154,8 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] | None = None,
             await engine.check_health()
         except Exception as exc:  # noqa: BLE001 (any failure means unhealthy)
             return APIError(503, f"the engine is unhealthy: {short_error(exc)}").response()
-        return Response(status_code=200)
+        detail = engine.health_detail()  # data-parallel replicas: each one's state
+        return Response(status_code=200) if detail is None else JSONResponse(detail)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

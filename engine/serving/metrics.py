@@ -8,6 +8,13 @@ Scheduler state and token totals are read from `AsyncLLMEngine.stats()` at scrap
 `vllm:request_success_total` counter take one `RequestStats` per ended request from the engine
 (`AsyncLLMEngine.add_finished_observer`). Every metric carries the `model_name` label, as vLLM's do. Each app has its
 own registry (several servers in one process do not share metrics).
+
+With data-parallel replicas (`replica_status`, engine/online/replica_set.py) every metric has one
+series per replica, labelled `replica="<id>"`, beside the fleet's series under the same name and
+labels as with one engine (no `replica` label): sums over the replicas (KV usage: over their pools
+together; the gauges: over the live ones). `servelab:replica_up{replica}` is 1 while a replica
+serves and 0 once it has stopped. PromQL: `{replica=""}` selects the fleet, `{replica!=""}` the
+replicas.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's bucket edges (seconds).
@@ -41,47 +49,94 @@ ENGINE_METRICS = (
 
 
 class EngineCollector(Collector):
-    """Reads the engine's stats when Prometheus scrapes."""
+    """Reads the engine's stats when Prometheus scrapes (and each replica's, with `replicas`)."""
 
-    def __init__(self, stats: Callable[[], Any], model_name: str) -> None:
-        self.stats, self.model_name = stats, model_name
+    def __init__(self, stats: Callable[[], Any], model_name: str,
+                 replicas: Callable[[], list | None] | None = None) -> None:
+        self.stats, self.model_name, self.replicas = stats, model_name, replicas
 
     def collect(self) -> Iterator[Any]:
         stats = self.stats()
+        replicas = self.replicas() if self.replicas is not None else None
         for name, help_text, attr, kind in ENGINE_METRICS:
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                 name, help_text, labels=["model_name"])
             family.add_metric([self.model_name], float(getattr(stats, attr)))
+            fleet = family.samples[-1]
+            for r in replicas or ():
+                value = float(getattr(r.stats, attr)) if r.alive or kind == "counter" else 0.0
+                family.samples.append(fleet._replace(labels={**fleet.labels, "replica": str(r.replica)}, value=value))
             yield family
+        if replicas is not None:
+            up = GaugeMetricFamily("servelab:replica_up", "1 while the replica serves, 0 once it has stopped.",
+                                   labels=["model_name", "replica"])
+            for r in replicas:
+                up.add_metric([self.model_name, str(r.replica)], 1.0 if r.alive else 0.0)
+            yield up
+
+
+class FleetTotals(Collector):
+    """The request metrics of a replica set: each labelled by replica, plus the fleet's series (the
+    sums over replicas, without the label; `_created`: the earliest)."""
+
+    def __init__(self, metrics: list[Any]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        for metric in self.metrics:
+            for family in metric.collect():
+                totals: dict[tuple, float] = {}
+                for s in family.samples:
+                    labels = tuple((k, v) for k, v in s.labels.items() if k != "replica")
+                    key = (s.name, labels)
+                    if s.name.endswith("_created"):
+                        totals[key] = min(totals.get(key, s.value), s.value)
+                    else:
+                        totals[key] = totals.get(key, 0.0) + s.value
+                family.samples.extend(Sample(name, dict(labels), value) for (name, labels), value in totals.items())
+                yield family
 
 
 class ServingMetrics:
-    def __init__(self, stats: Callable[[], Any], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], Any], model_name: str,
+                 replica_status: Callable[[], list | None] | None = None) -> None:
+        """`replica_status`: each replica's `ReplicaStatus` (a replica set), or None (one engine)."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(stats, model_name))
-        labels = ["model_name"]
+        replicas = replica_status() if replica_status is not None else None
+        self.registry.register(EngineCollector(stats, model_name, replica_status if replicas is not None else None))
+        self._replica_ids = [str(r.replica) for r in replicas] if replicas is not None else None
+        labels = ["model_name"] if replicas is None else ["model_name", "replica"]
+        registry = self.registry if replicas is None else None  # a replica set's: through FleetTotals
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (s).", labels,
-                              registry=self.registry, buckets=TTFT_BUCKETS)
+                              registry=registry, buckets=TTFT_BUCKETS)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens (s).", labels,
-                             registry=self.registry, buckets=ITL_BUCKETS)
+                             registry=registry, buckets=ITL_BUCKETS)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request arrival to end (s).", labels,
-                             registry=self.registry, buckets=E2E_BUCKETS)
-        for histogram in (self.ttft, self.itl, self.e2e):
-            histogram.labels(model_name)  # the series exist (at zero) before the first request
+                             registry=registry, buckets=E2E_BUCKETS)
+        for histogram in (self.ttft, self.itl, self.e2e):  # the series exist (at zero) before the first request
+            for key in self._series_keys():
+                histogram.labels(*key)
         self.finished = Counter("vllm:request_success", "Requests ended, by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
+                                [*labels, "finished_reason"], registry=registry)
+        if replicas is not None:
+            self.registry.register(FleetTotals([self.ttft, self.itl, self.e2e, self.finished]))
+
+    def _series_keys(self) -> list[tuple[str, ...]]:
+        if self._replica_ids is None:
+            return [(self.model_name,)]
+        return [(self.model_name, r) for r in self._replica_ids]
 
     def observe(self, request: Any) -> None:
         """One ended request's `engine.online.engine_stats.RequestStats` (AsyncLLMEngine's finished observer)."""
-        name = self.model_name
+        key = (self.model_name,) if self._replica_ids is None else (self.model_name, str(request.replica))
         if request.ttft is not None:
-            self.ttft.labels(name).observe(request.ttft)
-        itl = self.itl.labels(name)
+            self.ttft.labels(*key).observe(request.ttft)
+        itl = self.itl.labels(*key)
         for gap in request.inter_token_latencies:
             itl.observe(gap)
-        self.e2e.labels(name).observe(request.e2e)
-        self.finished.labels(name, finish_reason_label(request.finish_reason)).inc()
+        self.e2e.labels(*key).observe(request.e2e)
+        self.finished.labels(*key, finish_reason_label(request.finish_reason)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

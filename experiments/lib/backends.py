@@ -29,12 +29,10 @@ def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                 on_done: Callable[[int], None] = lambda n: None) -> BackendRun:
     name = cfg.backend.get("name")
     run = BACKENDS.get(name, where="backend")
-    cluster = cfg.get("cluster") or {}
-    replicas = cluster.get("replicas", 1)
-    engine_pair = name == "engine" and cluster.get("roles") is not None  # a prefill and a decode engine
-    if replicas != 1 and name != "sim" and not engine_pair:
-        raise ValueError(f"cluster.replicas={replicas!r} is invalid with backend={name}: only backend=sim "
-                         "runs a fleet (docs/fleet.md); backend=engine runs cluster.roles=[prefill,decode]")
+    replicas = (cfg.get("cluster") or {}).get("replicas", 1)
+    if replicas != 1 and name not in ("sim", "engine"):
+        raise ValueError(f"cluster.replicas={replicas!r} is invalid with backend={name}: backend=sim and "
+                         "backend=engine run a fleet (docs/fleet.md)")
     return run(cfg, workload, recorder, on_done)
 
 
@@ -48,6 +46,9 @@ class SimBackendConfig:
 def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
             on_done: Callable[[int], None]) -> BackendRun:
     from sim import Simulator
+    if (cfg.get("cluster") or {}).get("roles") is not None:  # prefill/decode disaggregation: an engine pair
+        from experiments.lib.engine_disagg import run_engine_pair  # imports torch: only when used
+        return run_engine_pair(cfg, workload, recorder, on_done)
     if cfg.get("cluster") is not None and cfg.cluster.get("replicas", 1) != 1:
         from experiments.lib.fleet_backend import run_fleet
         return run_fleet(cfg, workload, on_done)
@@ -80,6 +81,9 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     if (cfg.get("cluster") or {}).get("roles") is not None:  # prefill/decode disaggregation: an engine pair
         from experiments.lib.engine_disagg import run_engine_pair  # imports torch: only when used
         return run_engine_pair(cfg, workload, recorder, on_done)
+    if cfg.get("cluster") is not None and cfg.cluster.get("replicas", 1) != 1:
+        from experiments.lib.engine_fleet import run_engine_fleet  # imports torch: only when used
+        return run_engine_fleet(cfg, workload, on_done)
     from experiments.lib.engine_backend import run_engine as run_on_engine
     return run_on_engine(cfg, workload, recorder, on_done)
 

@@ -32,6 +32,8 @@ from policies.scheduler import Scheduler
 from policies.trace import TraceRecorder
 
 _ENGINE: dict[str, LLMEngine] = {}  # at most one: engine_key(args) -> engine
+# What else may hold the devices (the engine fleet's kept replicas): released before an engine is built.
+OTHER_DEVICE_HOLDERS: list[Callable[[], None]] = []
 
 
 def engine_args(cfg: DictConfig) -> EngineArgs:
@@ -101,6 +103,8 @@ def get_engine(args: EngineArgs, build_scheduler: SchedulerBuilder | None = None
     key = engine_key(args)
     if key not in _ENGINE:
         release_engine()  # one model on the device at a time
+        for release in OTHER_DEVICE_HOLDERS:
+            release()
         _ENGINE[key] = LLMEngine(args, build_scheduler=build_scheduler)
     engine = _ENGINE[key]
     if engine.args != args:  # same device state, other scheduler settings
@@ -137,27 +141,18 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     engine = get_engine(engine_args(cfg), build)
     engine.reset(build_scheduler=build)
     num_steps = feed_workload(engine, workload, on_done)
-    runner = engine.runner
-    return BackendRun(num_steps, engine.now(), "wall", {
-        "num_gpu_blocks": runner.num_gpu_blocks, "num_cpu_blocks": runner.num_cpu_blocks,
-        "device": device_name(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
-        "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel})
+    return BackendRun(num_steps, engine.now(), "wall", engine_info(engine.runner))
 
 
 def feed_workload(engine, workload: Workload, on_done: Callable[[int], None]) -> int:
     """Each request into `engine` (an `LLMEngine`, or anything with its interface: the engine pair)
     when the wall clock passes its arrival time, stepping until every request ended; the steps run."""
     requests, stop_lens = workload.requests, workload.stop_lens
-    # Only final outputs are read: the engine then does no per-step output work (as LLM.generate).
-    params = [dataclasses.replace(r.sampling_params, output_kind="final_only") for r in requests]
     num_steps, next_req, done = 0, 0, 0
     while done < len(requests):
         now = engine.now()
         while next_req < len(requests) and requests[next_req].arrival_time <= now:
-            r = requests[next_req]
-            engine.add_request(r.request_id, r.prompt_token_ids, params[next_req],
-                               arrival_time=r.arrival_time, priority=r.priority, tenant=r.tenant,
-                               output_len=stop_lens.get(r.request_id), abort_too_long=True)
+            add_workload_request(engine, requests[next_req], stop_lens.get(requests[next_req].request_id))
             next_req += 1
         if engine.has_unfinished_requests():
             ended = sum(output.finished for output in engine.step())
@@ -168,6 +163,22 @@ def feed_workload(engine, workload: Workload, on_done: Callable[[int], None]) ->
         elif next_req < len(requests):
             time.sleep(max(requests[next_req].arrival_time - now, 0.0))  # idle until the next arrival
     return num_steps
+
+
+def add_workload_request(engine: LLMEngine, r, output_len: int | None) -> None:
+    """A workload's request into the engine at its arrival time, with its stop length; only its
+    final output is read (the engine then does no per-step output work, as LLM.generate)."""
+    engine.add_request(r.request_id, r.prompt_token_ids,
+                       dataclasses.replace(r.sampling_params, output_kind="final_only"),
+                       arrival_time=r.arrival_time, priority=r.priority, tenant=r.tenant, output_len=output_len,
+                       abort_too_long=True)
+
+
+def engine_info(runner) -> dict:
+    """What summary.json's `run` says of an engine's device state."""
+    return {"num_gpu_blocks": runner.num_gpu_blocks, "num_cpu_blocks": runner.num_cpu_blocks,
+            "device": device_name(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+            "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel}
 
 
 def device_name(device=None) -> str:

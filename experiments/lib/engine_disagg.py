@@ -21,7 +21,13 @@ from engine.disagg.config import DisaggregationConfig
 from engine.disagg.pd_engine import DisaggregatedEngine
 from experiments.lib import factory
 from experiments.lib.backend_run import BackendRun
-from experiments.lib.engine_backend import device_name, engine_args, feed_workload, release_engine
+from experiments.lib.engine_backend import (
+    OTHER_DEVICE_HOLDERS,
+    engine_args,
+    engine_info,
+    feed_workload,
+    release_engine,
+)
 from experiments.lib.fleet_backend import cluster_config
 from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole
@@ -42,7 +48,9 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
     def build(gpu: int, cpu: int, _: int) -> Scheduler:
         return factory.build_scheduler(prefill_cfg, gpu, cpu, recorder, workload)
 
-    release_engine()  # one model per device: the kept single engine goes
+    release_engine()  # one model per device: the kept single engine and the engine fleet's replicas go
+    for release in OTHER_DEVICE_HOLDERS:
+        release()
     config = DisaggregationConfig(max_queue=cluster.handoff_queue, queue_timeout_s=cluster.handoff_timeout_s)
     pair = DisaggregatedEngine(engine_args(cfg), config, build)
     try:
@@ -50,9 +58,8 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
         decode = TraceRecorder()
         decode.requests.extend(pair.decode_rows)
         runner = pair.prefill.runner
-        info = {"replicas": 2, "roles": ["prefill", "decode"], "device": device_name(runner.device),
-                "decode_device": pair.decode_device, "dtype": str(runner.dtype).removeprefix("torch."),
-                "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel,
+        info = {**engine_info(runner), "replicas": 2, "roles": ["prefill", "decode"],
+                "decode_device": pair.decode_device,
                 "replica_info": [{"replica": 0, "role": "prefill", "num_gpu_blocks": runner.num_gpu_blocks},
                                  {"replica": 1, "role": "decode", "num_gpu_blocks": pair.decode_num_gpu_blocks}]}
         elapsed = pair.now()

@@ -10,6 +10,7 @@ from policies.routing.least_requests import LeastRequestsRouter
 from policies.routing.least_tokens import LeastTokensRouter
 from policies.routing.prefix_aware import PrefixAwareRouter
 from policies.routing.random_choice import RandomRouter
+from policies.routing.replica_report import RefreshClock, RemoteFleet, ReplicaReport, ReplicaView, report
 from policies.routing.round_robin import RoundRobinRouter
 from policies.routing.session import SessionRouter
 from policies.routing.snapshot import ReplicaSnapshot, observe, prompt_block_hashes
@@ -21,7 +22,11 @@ __all__ = [
     "LeastTokensRouter",
     "PrefixAwareRouter",
     "RandomRouter",
+    "RefreshClock",
+    "RemoteFleet",
+    "ReplicaReport",
     "ReplicaSnapshot",
+    "ReplicaView",
     "RoundRobinRouter",
     "Router",
     "RouterConfig",
@@ -30,4 +35,5 @@ __all__ = [
     "observe",
     "prompt_block_hashes",
     "register_router",
+    "report",
 ]

@@ -72,6 +72,9 @@ def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
 class Router(ABC):
     name: ClassVar[str] = "base"
     config_type: ClassVar[type[RouterConfig]] = RouterConfig
+    # The router reads `ReplicaSnapshot.cached_blocks`: replicas in other processes then report
+    # their prefix index (replica_report.py), which costs them a pass over it per step.
+    reads_prefix_index: ClassVar[bool] = False
 
     def __init__(self, config: RouterConfig | None = None, seed: int = 0) -> None:
         self.config = self.config_type(name=self.name) if config is None else config

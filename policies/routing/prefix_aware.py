@@ -52,6 +52,7 @@ def _is_number(v: object) -> bool:
 class PrefixAwareRouter(Router):
     config_type = PrefixAwareConfig
     config: PrefixAwareConfig
+    reads_prefix_index = True
 
     def __init__(self, config: RouterConfig | None = None, seed: int = 0) -> None:
         super().__init__(config, seed)

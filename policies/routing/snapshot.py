@@ -51,12 +51,19 @@ def observe(replica: int, scheduler, num_outstanding: int, now: float, copy_inde
     """A snapshot of `scheduler` (a `policies.Scheduler`) now. `copy_index`: freeze the prefix index
     (a snapshot kept for later decisions, or sent to another process: a frozenset pickles);
     otherwise it is a live view of the block manager's table, exact only at `now`."""
+    waiting, running, swapped, used, total, kv_tokens, block_size = scheduler_counts(scheduler)
+    cached = scheduler.block_manager.cached_block_hashes()
+    return ReplicaSnapshot(replica, now, waiting, running, swapped, num_outstanding, used, total, kv_tokens,
+                           block_size, frozenset(cached) if copy_index and cached else cached)
+
+
+def scheduler_counts(scheduler) -> tuple[int, int, int, int, int, int, int]:
+    """(waiting, running, swapped, KV blocks used, KV blocks total, KV tokens, block size) of a
+    `policies.Scheduler`: what `observe` and a remote replica's report (replica_report.py) read."""
     bm = scheduler.block_manager
     usage = bm.usage()
-    cached = bm.cached_block_hashes()
-    return ReplicaSnapshot(replica, now, scheduler.num_waiting, scheduler.num_running, scheduler.num_swapped,
-                           num_outstanding, usage.gpu_used, usage.gpu_total, scheduler.queues.kv_tokens,
-                           bm.block_size, frozenset(cached) if copy_index and cached else cached)
+    return (scheduler.num_waiting, scheduler.num_running, scheduler.num_swapped, usage.gpu_used, usage.gpu_total,
+            scheduler.queues.kv_tokens, bm.block_size)
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
