@@ -11,8 +11,9 @@ default, or in a thread of the server's). Data parallelism (docs/fleet.md): --da
 replicas, one engine core process each on its own GPU(s), every request routed by --router NAME
 (a `policies/routing` router, round_robin by default) with its keys as --router-arg KEY=VALUE,
 its snapshots refreshed every --router-refresh-s seconds (0: at each request), the replicas
-started by --replica-launcher (local processes, or ray). A bad value is one line `error: ...` and
-exit code 2.
+started by --replica-launcher (local processes, or ray). --disaggregation prefill=1,decode=1: a
+prefill engine and a decode engine on two GPUs, KV blocks moved between them
+(docs/disaggregation-engine.md). A bad value is one line `error: ...` and exit code 2.
 SIGTERM or Ctrl-C end every open stream with an error event and `data: [DONE]`, then stop.
 Examples:
 
@@ -20,6 +21,7 @@ Examples:
     python -m engine.serve --model smollm2-135m num_gpu_blocks=256 max_model_len=2048   # on CPU
     python -m engine.serve --model qwen3-0.6b --data-parallel-size 2 --router prefix_aware \
         --router-arg balance_abs_threshold=8 block_manager=prefix        # two GPUs, one router
+    python -m engine.serve --model qwen3-0.6b --disaggregation prefill=1,decode=1      # cuda:0 + cuda:1
     curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "qwen3-0.6b", "prompt": [1, 2, 3], "max_tokens": 8}'
 """
@@ -38,7 +40,7 @@ from engine.serving.server import LOOPBACK
 
 SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_waiting_requests", "log_level",
                   "engine_process", "api_key", "max_request_body_bytes", "data_parallel_size", "router", "router_arg",
-                  "router_refresh_s", "replica_launcher")
+                  "router_refresh_s", "replica_launcher", "disaggregation")
 
 
 def parse_value(text: str) -> Any:
@@ -82,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-launcher", default="local", metavar="NAME",
                    help="what starts the replicas: local (processes on this machine, default) or ray "
                         "(actors of the Ray cluster RAY_ADDRESS names, or a local one)")
+    p.add_argument("--disaggregation", default=None, metavar="SPEC",
+                   help="prefill/decode disaggregation, e.g. prefill=1,decode=1 (more keys: transfer_timeout_s, "
+                        "decode_device, max_queue, queue_timeout_s): the prefill engine in a thread of the "
+                        "server's process, the decode engine in its own (--engine-process does not apply)")
     for f in dataclasses.fields(EngineArgs):
         if f.name != "model":
             p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse_value, default=argparse.SUPPRESS,
@@ -153,6 +159,12 @@ def build_engine(ns: argparse.Namespace, args: EngineArgs, router):
     from engine.online.async_llm_engine import AsyncLLMEngine
     from engine.online.replica_launcher import launch_replica_set
 
+    if ns.disaggregation is not None:
+        from engine.disagg.pd_engine import DisaggregatedEngine
+        from engine.online.thread_host import ThreadHost
+
+        host = ThreadHost(DisaggregatedEngine(args, ns.disaggregation, keep_trace=False), close_engine=True)
+        return AsyncLLMEngine(host, max_waiting_requests=ns.max_waiting_requests)
     if router is None:
         return AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,
                                                engine_process=ns.engine_process)
@@ -174,6 +186,13 @@ def main(argv: list[str] | None = None) -> None:
         if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
         router = check_replica_options(ns)
+        if ns.disaggregation is not None:
+            from engine.disagg.config import DisaggregationConfig
+
+            ns.disaggregation = DisaggregationConfig.parse(ns.disaggregation)
+            if router is not None:
+                raise ValueError("--disaggregation is invalid with --data-parallel-size or --replica-launcher: the "
+                                 "engine pair is one prefill and one decode engine on this machine")
     except ValueError as exc:
         _fail(str(exc))
     from engine.serving.app import build_app

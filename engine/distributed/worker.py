@@ -29,7 +29,8 @@ from engine.distributed.shutdown import ABORT_S, DESTROY_S
 from engine.distributed.step_message import StepHeader, broadcast_inputs
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent(name: str = "tp-parent-watchdog") -> None:
+    """End this spawned process at once when its parent's process ends (a watchdog thread)."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -38,13 +39,13 @@ def _exit_with_parent() -> None:
         wait([parent.sentinel])
         os._exit(1)
 
-    threading.Thread(target=watch, name="tp-parent-watchdog", daemon=True).start()
+    threading.Thread(target=watch, name=name, daemon=True).start()
 
 
 def worker_main(rank: int, size: int, port: int, device: str, config: RunnerConfig, parallel: ParallelConfig,
                 startup_s: float, timeout_s: float, conn: Connection) -> None:
     """`startup_s`: the collectives' deadline while ranks start; `timeout_s`: while serving steps."""
-    _exit_with_parent()
+    exit_with_parent()
     from engine.device.model_runner import ModelRunner
 
     try:

@@ -60,8 +60,17 @@ def parse_prompt(p: object, name: str) -> str | list[int]:
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineArgs.from_dict({"model": model, **engine_args}))
+    def __init__(self, model: str, disaggregation: str | dict | None = None, **engine_args: Any) -> None:
+        """`disaggregation`: e.g. "prefill=1,decode=1": a prefill engine here and a decode engine in a
+        process of its own on the next GPU, KV blocks moved between them (engine/disagg/,
+        docs/disaggregation.md); None: one engine."""
+        args = EngineArgs.from_dict({"model": model, **engine_args})
+        if disaggregation is None:
+            self.engine = LLMEngine(args)
+        else:
+            from engine.disagg.pd_engine import DisaggregatedEngine
+
+            self.engine = DisaggregatedEngine(args, disaggregation)
         self._ids = itertools.count()
 
     @classmethod

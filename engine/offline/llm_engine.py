@@ -141,6 +141,16 @@ class LLMEngine:
     def now(self) -> float:
         return time.perf_counter() - self._start
 
+    @property
+    def clock_origin(self) -> float:
+        """The `time.perf_counter()` value at which `now()` is 0."""
+        return self._start
+
+    def align_clock(self, origin: float) -> None:
+        """Count `now()` from `origin` (another engine's `clock_origin`, a process of this host): the
+        two engines of a disaggregated pair stamp their traces on one clock."""
+        self._start = origin
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
@@ -210,6 +220,26 @@ class LLMEngine:
             self._inbox.append(request_id)
         self._take_inbox_if_idle()
         return True
+
+    def hand_over_request(self, request_id: str) -> None:
+        """A live request that left this engine's scheduler for another engine (a prefill engine's
+        hand-off, engine/disagg/): forgotten here without an output. Stepping thread only."""
+        live = self.output_processor.drop(request_id)
+        self._output_lens.pop(request_id, None)
+        self._aborting.discard(request_id)
+        self.runner.release([seq.seq_id for seq in live.seqs])
+
+    def take_over_request(self, request: Request, prompt: str | None, seqs: list,
+                          output_len: int | None = None) -> RequestOutput | None:
+        """A request whose sequences joined this engine's scheduler from another engine (a decode
+        engine receiving a hand-off, engine/disagg/), holding the tokens sampled there: its outputs
+        come from this engine from now on (`output_len`: its forced output length, as
+        `add_request`'s). Returns its output now (those tokens) if it streams. Stepping thread only."""
+        with self._inbox_lock:
+            output = self.output_processor.take_over(request, prompt, seqs)
+            if output_len is not None:
+                self._output_lens[request.request_id] = output_len
+        return output
 
     def _take_inbox_if_idle(self) -> None:
         if self._step_lock.acquire(blocking=False):  # no step running: hand over now

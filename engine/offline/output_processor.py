@@ -80,6 +80,33 @@ class OutputProcessor:
         self.num_streaming += live.streams
         self.live[request.request_id] = live
 
+    def take_over(self, request: Request, prompt: str | None, seqs: list[Sequence]) -> RequestOutput | None:
+        """`add` a request whose sequences already hold output tokens (sampled by another engine: a
+        disaggregated pair's prefill engine), their text decoded as far as it goes; its output now if
+        it streams."""
+        self.add(request, prompt, seqs)
+        live = self.live[request.request_id]
+        if live.text_states is not None:
+            params = request.sampling_params
+            for seq in seqs:
+                state = live.text_states[seq.seq_id] = self.detokenizer.new_state(seq.num_prompt_tokens,
+                                                                                   params.skip_special_tokens)
+                if not seq.is_finished:
+                    self.detokenizer.update(state, seq.token_ids)
+        if not live.streams:
+            return None
+        return self.output(live, RequestMetrics(request.arrival_time), finished=False)
+
+    def drop(self, request_id: str) -> LiveRequest:
+        """Forget a live request without an output (it moved to another engine: a prefill engine's
+        hand-off, engine/disagg/)."""
+        live = self.live.pop(request_id)
+        self.text.pop(request_id, None)
+        self.num_streaming -= live.streams
+        self.num_logprobs -= live.logprobs is not None
+        self.failed.pop(request_id, None)
+        return live
+
     # ---- before the scheduler's update: text and stop strings ----------------------------------
     def advance_text(self, tokens: dict[int, list[int]]) -> list[int | tuple[int, int]]:
         """Detokenize the step's new tokens of the requests with text states; returns the seq ids whose

@@ -140,6 +140,13 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
 
     engine = get_engine(engine_args(cfg), build)
     engine.reset(build_scheduler=build)
+    num_steps = feed_workload(engine, workload, on_done)
+    return BackendRun(num_steps, engine.now(), "wall", engine_info(engine.runner))
+
+
+def feed_workload(engine, workload: Workload, on_done: Callable[[int], None]) -> int:
+    """Each request into `engine` (an `LLMEngine`, or anything with its interface: the engine pair)
+    when the wall clock passes its arrival time, stepping until every request ended; the steps run."""
     requests, stop_lens = workload.requests, workload.stop_lens
     num_steps, next_req, done = 0, 0, 0
     while done < len(requests):
@@ -155,7 +162,7 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                 on_done(ended)
         elif next_req < len(requests):
             time.sleep(max(requests[next_req].arrival_time - now, 0.0))  # idle until the next arrival
-    return BackendRun(num_steps, engine.now(), "wall", engine_info(engine.runner))
+    return num_steps
 
 
 def add_workload_request(engine: LLMEngine, r, output_len: int | None) -> None:

@@ -59,3 +59,22 @@ def test_ab_on_the_engine_backend(tmp_path):
     assert (tmp_path / "ab.md").is_file()
     assert (tmp_path / "_warmup" / "requests.parquet").is_file()  # the engine ran A once before the record
     assert not (tmp_path / "_warmup_b").exists()  # B runs on the same engine: no second warm-up
+
+
+def test_engine_pair_writes_the_disaggregated_fleet_traces(tmp_path):
+    """cluster.roles=[prefill,decode] on backend=engine: a prefill and a decode engine; the traces
+    carry the replica and hand-off columns, with the workload's stop lengths kept across the hand-off."""
+    cfg = compose_cfg([*ENGINE, *WORKLOAD, "cluster.replicas=2", "cluster.roles=[prefill,decode]"])
+    workload = factory.workload(cfg)
+    summary = run(cfg, tmp_path, "pair")
+    assert summary["completed"] == 12 and summary["run"]["roles"] == ["prefill", "decode"]
+    assert summary["num_gpus"] == 2 and summary["disaggregation"]["handed_off"] >= 10
+    req = pd.read_parquet(tmp_path / "requests.parquet").set_index("request_id")
+    for r, out_len in zip(workload.requests, workload.output_lens):
+        row = req.loc[r.request_id]
+        assert row.output_len == out_len and row.finish_reason == ("stop" if out_len < 24 else "length")
+        if row.replica == 1:  # handed off: TTFT = queueing + prefill + transfer
+            assert row.ttft == pytest.approx(row.queueing_time + row.prefill_time + row.transfer_time, abs=1e-6)
+            assert row.transfer_bytes > 0 and row.link_time >= 0
+        else:  # ended at its first token, on the prefill engine
+            assert out_len == 1

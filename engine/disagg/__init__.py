@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation on the engine: KV blocks moved between engine processes."""

@@ -1,0 +1,100 @@
+"""The front's handle on the decode engine's process (engine/disagg/decode_process.py): start it
+with the decode engine's arguments, wait (bounded) for it to be ready, exchange the typed messages
+of engine/disagg/messages.py over one pipe, and stop it within `JOIN_TIMEOUT_S` (also when the
+handle is dropped without `close`)."""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import time
+import weakref
+
+from engine.disagg.config import DisaggregationConfig
+from engine.disagg.decode_process import decode_main
+from engine.disagg.messages import DecodeFailed, DecodeReady
+from engine.engine_args import EngineArgs
+
+JOIN_TIMEOUT_S = 10.0
+# Fields that shape a KV block: both engines of a pair share them (a transfer moves blocks as they are).
+KV_LAYOUT_FIELDS = ("model", "dtype", "block_size", "tensor_parallel_size")
+
+
+def decode_engine_args(args: EngineArgs, config: DisaggregationConfig) -> EngineArgs:
+    """The decode engine's arguments: the pair's, on its own device, with `decode_args` applied."""
+    fixed = sorted(set(config.decode_args or {}) & set(KV_LAYOUT_FIELDS))
+    if fixed:
+        raise ValueError(f"disaggregation.decode_args may not set {fixed}: the decode engine's KV blocks must have "
+                         f"the prefill engine's layout ({', '.join(KV_LAYOUT_FIELDS)})")
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    values["device"] = config.decode_device or _next_device(args.resolve_device())
+    return EngineArgs.from_dict({**values, **(config.decode_args or {})})
+
+
+class DecodeClient:
+    def __init__(self, args: EngineArgs, config: DisaggregationConfig, port: int) -> None:
+        """Start the decode process (it builds its engine meanwhile); `port`: the link's store."""
+        ctx = multiprocessing.get_context("spawn")
+        self.args = args
+        self.conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(target=decode_main, args=(args, config, port, theirs), name="servelab-decode",
+                                   daemon=True)
+        self.process.start()
+        theirs.close()
+        self._finalizer = weakref.finalize(self, _stop, self.process, self.conn)
+
+    def await_ready(self, timeout_s: float) -> DecodeReady:
+        """Its `DecodeReady`; RuntimeError with its own error if it failed to start, TimeoutError past
+        `timeout_s`; a process that died is seen within 0.1 s."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.1):
+                try:
+                    message = self.conn.recv()
+                except EOFError:
+                    break
+                if isinstance(message, DecodeReady):
+                    return message
+                if isinstance(message, DecodeFailed):
+                    raise RuntimeError(f"the decode engine could not start:\n{message.error}")
+            elif not self.process.is_alive():
+                break
+        if self.process.is_alive():
+            raise TimeoutError(f"the decode engine did not start within startup_timeout_s={timeout_s}")
+        raise RuntimeError(f"the decode engine's process exited while starting (exit code {self.process.exitcode})")
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    @property
+    def gone(self) -> str:
+        return f"the decode engine's process ended (exit code {self.process.exitcode})"
+
+    def close(self) -> None:
+        """Ask it to stop; kill it if it has not within JOIN_TIMEOUT_S."""
+        self._finalizer()
+
+
+def _next_device(device: str) -> str:
+    """The decode engine's default device: the GPU after the prefill engine's, or the CPU."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    first = int(device.partition(":")[2] or torch.cuda.current_device())
+    if first + 1 >= torch.cuda.device_count():
+        raise ValueError(f"disaggregation needs a second GPU for the decode engine (cuda:{first + 1}); this machine "
+                         f"has {torch.cuda.device_count()}: set decode_device")
+    return f"cuda:{first + 1}"
+
+
+def _stop(process, conn) -> None:
+    try:
+        conn.send(None)
+    except OSError:
+        pass
+    process.join(JOIN_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+        process.join(1.0)
+    conn.close()

@@ -1,0 +1,201 @@
+"""The decode engine of a disaggregated pair, in its own process (spawned by the front,
+engine/disagg/pd_engine.py).
+
+It builds an `LLMEngine` on its device, puts a `DecodeSide` (policies/disagg/) on its scheduler,
+reports `DecodeReady` (its clock's origin becomes the front's, so both engines' times are on one
+clock), joins the pair's `KVLink` as the receiving end, then loops:
+1. take the front's messages: hand-offs into the `DecodeSide`'s queue (refused when it is full),
+   transfer start times, aborts (a queued hand-off is withdrawn, one whose receive is posted runs
+   to its end and is dropped there, a live request is aborted in the engine);
+2. hand-offs queued longer than `queue_timeout_s`, or too long for this KV pool, are refused;
+3. `reserve_ready`: blocks allocated for the hand-offs that fit; then, while fewer than
+   `max_transfers_in_flight` receives are posted (each holds a staging buffer), `Reserved` to the
+   front (which sends only now: the receiver allocates before the send) and a receive posted;
+4. receives that completed are scattered into their blocks and the request joins the running
+   batch (`DecodeSide.receive`, `LLMEngine.take_over_request`);
+5. one engine step, its outputs (and the trace rows of the requests that ended) to the front.
+Waiting: it blocks on the pipe when it has nothing to do, polls every millisecond while a transfer
+or a queued hand-off waits, and does not wait while requests run.
+
+It ends when the front says stop, when the pipe closes (the front ended) or when the front's
+process is gone (a watchdog thread), and on any failure of its engine or link (reported first as
+`DecodeFailed`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from collections import deque
+from multiprocessing.connection import Connection
+
+from engine.disagg.config import DisaggregationConfig
+from engine.disagg.kv_transfer import RECV_RANK, KVLink, KVTransferError, join_store
+from engine.disagg.messages import (
+    AbortMessage,
+    DecodeFailed,
+    DecodeReady,
+    DecodeStep,
+    HandoffMessage,
+    Refused,
+    Reserved,
+    TransferStarted,
+)
+from engine.distributed.worker import exit_with_parent
+from engine.engine_args import EngineArgs
+from policies.disagg import DecodeSide, KVHandoff
+
+DECODE_REPLICA = 1
+_IDLE_POLL_S, _BUSY_POLL_S = 1.0, 0.001
+
+
+def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn: Connection) -> None:
+    exit_with_parent("decode-parent-watchdog")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front stops this process in order
+    from engine.offline.llm_engine import LLMEngine
+
+    try:
+        if args.resolve_device().startswith("cuda"):  # streams, graphs and NCCL follow the current device
+            import torch
+
+            torch.cuda.set_device(torch.device(args.resolve_device()))
+        engine = LLMEngine(args)
+        side = DecodeSide(engine.scheduler, config.max_queue, config.queue_timeout_s, replica=DECODE_REPLICA)
+        conn.send(DecodeReady(os.getpid(), engine.runner.num_gpu_blocks, engine.clock_origin))
+        link = KVLink(RECV_RANK, join_store(port, config.transfer_timeout_s), engine.runner.device,
+                      config.transfer_timeout_s)
+        DecodeLoop(engine, side, link, conn, config.max_transfers_in_flight).run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the front is gone
+    except BaseException as e:  # noqa: BLE001 (reported to the front, which fails the requests)
+        try:
+            conn.send(DecodeFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"))
+        except OSError:
+            pass
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's teardown (the link's threads, the CUDA context)
+
+
+class DecodeLoop:
+    def __init__(self, engine, side: DecodeSide, link: KVLink, conn: Connection, max_in_flight: int) -> None:
+        self.engine, self.side, self.link, self.conn = engine, side, link, conn
+        self.max_in_flight = max_in_flight
+        self.queued: dict[str, KVHandoff] = {}  # request id -> hand-off waiting for blocks
+        self.reserved: deque[KVHandoff] = deque()  # blocks allocated, receive not yet posted (in-flight cap)
+        self.receiving: dict[str, tuple[KVHandoff, object]] = {}  # request id -> (hand-off, its Transfer)
+        self.prompts: dict[str, tuple[str | None, int | None]] = {}  # request id -> (prompt text, output_len)
+
+    def run(self) -> None:
+        engine, conn = self.engine, self.conn
+        while True:
+            if engine.has_unfinished_requests():
+                timeout = 0.0
+            elif self.receiving or self.reserved or self.queued:
+                timeout = _BUSY_POLL_S
+            else:
+                timeout = _IDLE_POLL_S
+            while conn.poll(timeout):
+                message = conn.recv()
+                if message is None:
+                    self.link.close()
+                    return
+                self._take(message)
+                timeout = 0.0
+            self._admit()
+            outputs = self._receive()  # streams get their first token as it arrives
+            if engine.has_unfinished_requests():
+                outputs += engine.step()
+            recorder = engine.recorder
+            rows = [dict(r) for r in recorder.requests]
+            # The front keeps the rows (or not); nothing grows here in a long-running server.
+            recorder.requests.clear()
+            recorder.steps.clear()
+            recorder.events.clear()
+            if outputs or rows:
+                conn.send(DecodeStep(outputs, rows))
+
+    def _take(self, message) -> None:
+        side, now = self.side, self.engine.now()
+        if isinstance(message, HandoffMessage):
+            handoff = message.handoff
+            if side.enqueue(handoff, now):
+                self.queued[handoff.request_id] = handoff
+                self.prompts[handoff.request_id] = (message.prompt, message.output_len)
+            else:
+                self.conn.send(Refused(handoff.request_id, "handoff_queue_full", f"the decode engine's hand-off "
+                                                                                 f"queue is full (max_queue={side.max_queue})"))
+        elif isinstance(message, TransferStarted):
+            entry = self.receiving.get(message.request_id)
+            if entry is not None:
+                entry[0].transfer_start_time = message.time
+        elif isinstance(message, AbortMessage):
+            self._abort(message.request_id)
+        else:
+            raise TypeError(f"unexpected message from the front: {type(message).__name__}")
+
+    def _abort(self, request_id: str) -> None:
+        queued = self.queued.pop(request_id, None)
+        if queued is not None and self.side.withdraw(queued):
+            self.prompts.pop(request_id, None)
+            self.conn.send(Refused(request_id, "user", "aborted"))
+            return
+        entry = self.receiving.get(request_id)
+        if entry is not None:  # its receive is posted: the transfer runs to its end, then it is dropped
+            entry[0].abort_reason = "user"
+            return
+        for handoff in self.reserved:
+            if handoff.request_id == request_id:  # blocks reserved, the front not yet told: dropped here
+                self.reserved.remove(handoff)
+                handoff.abort_reason = "user"
+                self.side.receive(handoff, self.engine.now())  # gives its blocks back
+                self._refuse(handoff, "user", "aborted")
+                return
+        self.engine.abort_request(request_id)  # live here (or ended already: nothing to do)
+
+    def _admit(self) -> None:
+        now = self.engine.now()
+        for handoff in self.side.expire(now):
+            self._refuse(handoff, "handoff_timeout", f"waited longer than queue_timeout_s={self.side.timeout_s} for KV blocks on the "
+                                  "decode engine")
+        reserved, never = self.side.reserve_ready(now)
+        for handoff in never:
+            self._refuse(handoff, "too_long", f"its {handoff.num_computed_tokens + 1} tokens (n={len(handoff.first_token_ids)}) "
+                                  "never fit the decode engine's KV cache or max_num_seqs")
+        for handoff in reserved:
+            self.queued.pop(handoff.request_id, None)
+        self.reserved.extend(reserved)
+        kv = self.engine.runner.kv_cache
+        while self.reserved and len(self.receiving) < self.max_in_flight:  # staging memory stays bounded
+            handoff = self.reserved.popleft()
+            self.conn.send(Reserved(handoff.request_id, list(handoff.dst_block_ids)))  # the front may send
+            transfer = self.link.recv(handoff.request_id, kv.k_caches, handoff.dst_block_ids[:handoff.num_blocks])
+            self.receiving[handoff.request_id] = (handoff, transfer)
+
+    def _refuse(self, handoff: KVHandoff, code: str, reason: str) -> None:
+        self.queued.pop(handoff.request_id, None)
+        self.prompts.pop(handoff.request_id, None)
+        self.conn.send(Refused(handoff.request_id, code, reason))
+
+    def _receive(self) -> list:
+        """Completed receives into their blocks, their requests into the engine; the outputs of
+        those that stream."""
+        kv, engine, outputs = self.engine.runner.kv_cache, self.engine, []
+        for transfer in self.link.poll():
+            handoff, _ = self.receiving.pop(transfer.key)
+            if transfer.error is not None:
+                raise KVTransferError(f"the KV link failed: {transfer.error}")
+            self.link.scatter(transfer, kv.k_caches, kv.v_caches)
+            if handoff.transfer_start_time is None:  # its start message is still on its way
+                handoff.transfer_start_time = handoff.reserved_time
+            prompt, output_len = self.prompts.pop(handoff.request_id, (None, None))
+            family = self.side.receive(handoff, engine.now())
+            if family is None:  # aborted while it moved: the front may still wait for its end
+                self.conn.send(Refused(handoff.request_id, "user", "aborted"))
+            else:
+                output = engine.take_over_request(handoff.request, prompt, family, output_len)
+                if output is not None:
+                    outputs.append(output)
+        return outputs

@@ -1,0 +1,69 @@
+"""The typed messages between a disaggregated pair's front (the prefill engine's process) and its
+decode engine process, sent pickled down one duplex pipe. The KV bytes never go this way: they
+move on the pair's `KVLink` (engine/disagg/kv_transfer.py).
+
+front -> decode: `HandoffMessage` (a request whose first token was sampled), `TransferStarted`,
+`AbortMessage`, None (stop).
+decode -> front: `DecodeReady` or `DecodeFailed` once, then `Reserved` (blocks allocated and the
+receive posted: the front sends now), `Refused` (the request cannot be decoded there; it ends with
+an error), `DecodeStep` (the decode engine's outputs and the trace rows of the requests that ended),
+`DecodeFailed` if its loop dies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.offline.outputs import RequestOutput
+from policies.disagg import KVHandoff
+
+
+@dataclass(slots=True)
+class HandoffMessage:
+    handoff: KVHandoff  # its request carries the caller's sampling params (output kind included)
+    prompt: str | None  # the prompt's text, if it came as text
+    output_len: int | None = None  # a forced output length (a workload replay's stop rule)
+
+
+@dataclass(slots=True, frozen=True)
+class TransferStarted:
+    request_id: str
+    time: float  # on the pair's shared clock
+
+
+@dataclass(slots=True, frozen=True)
+class AbortMessage:
+    request_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeReady:
+    pid: int
+    num_gpu_blocks: int
+    clock_origin: float  # the decode engine's `time.perf_counter()` at its clock's 0: the front's too
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeFailed:
+    error: str
+
+
+@dataclass(slots=True, frozen=True)
+class Reserved:
+    request_id: str
+    dst_block_ids: list[int]
+
+
+@dataclass(slots=True, frozen=True)
+class Refused:
+    """The hand-off will not be decoded there; the request ends with finish_reason `abort:<code>`
+    (the simulator's codes: handoff_queue_full, handoff_timeout, too_long; user: its abort)."""
+
+    request_id: str
+    code: str
+    reason: str  # the error a client is told
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    outputs: list[RequestOutput]
+    rows: list[dict] = field(default_factory=list)  # trace rows of the requests that ended

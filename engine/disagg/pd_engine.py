@@ -1,0 +1,341 @@
+"""`DisaggregatedEngine`: a prefill engine and a decode engine, each in its own process, behind
+`LLMEngine`'s interface (`add_request`, `abort_request`, `step`, `has_unfinished_requests`,
+`close`), so `LLM(..., disaggregation="prefill=1,decode=1")` and the OpenAI server's thread host
+drive it as they drive one engine.
+
+    engine = DisaggregatedEngine(EngineArgs(model="qwen3-0.6b"), DisaggregationConfig())
+    # prefill on the engine's device (cuda:0) in this process, decode on cuda:1 in a child process
+
+This process (the front) runs the prefill engine; `step()`:
+1. takes the decode process's messages: `Reserved` -> the request's blocks are sent on the link
+   (gathered on a side stream: the next prefill step overlaps the transfer); `Refused` -> the
+   request ends with an error; `DecodeStep` -> the decode engine's outputs, returned;
+2. runs one prefill step (when it has work), whose `PrefillSide` (policies/disagg/) hands off every
+   request whose first token it sampled: the request is forgotten by the prefill engine's outputs
+   and goes to the decode process as a `HandoffMessage`;
+3. frees the prefill blocks of each transfer the link finished (`PrefillSide.finish_transfer`).
+The prefill engine schedules synchronously: a hand-off must carry the first token, which a step
+scheduled ahead does not know yet; prefill steps are long enough that the host's work hides little.
+
+Mid-transfer (docs/disaggregation.md): an abort of a request still prefilling is the prefill
+engine's; of a handed-off request, its final output ("abort:user") comes at once, a hand-off still
+queued on the decode side is withdrawn and its blocks freed, a transfer already posted runs to its
+end (its source blocks are being read) and the decode side drops it; of a decoding request, the
+decode engine's abort. Preemption happens inside each engine as without disaggregation (a request
+is never preempted while transferring: it is in neither scheduler's queues). n > 1: the prompt
+forks on the prefill side, every sample's first token and the prompt's blocks (once) move together.
+
+Faults: the decode process dying or the link failing (a peer dead, or no progress for
+`transfer_timeout_s`) ends every request handed off or decoding with an error within that bound,
+and the pair refuses new requests (`RuntimeError`); `close()` ends the decode process within
+`JOIN_TIMEOUT_S`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from engine.disagg.config import DisaggregationConfig
+from engine.disagg.decode_client import JOIN_TIMEOUT_S, DecodeClient, decode_engine_args
+from engine.disagg.kv_transfer import SEND_RANK, KVLink, open_store
+from engine.disagg.messages import (
+    AbortMessage,
+    DecodeFailed,
+    DecodeStep,
+    HandoffMessage,
+    Refused,
+    Reserved,
+    TransferStarted,
+)
+from engine.distributed.worker_faults import refuse_in_spawn_bootstrap
+from engine.engine_args import EngineArgs
+from engine.offline.llm_engine import LLMEngine, SchedulerBuilder
+from engine.offline.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from policies.disagg import KVHandoff, PrefillSide, kv_block_bytes
+from policies.request import SamplingParams
+
+__all__ = ["JOIN_TIMEOUT_S", "DisaggregatedEngine"]
+
+PREFILL_REPLICA = 0
+_WAIT_S = 0.002  # how long an idle front waits for the decode process before returning
+
+
+class DisaggregatedEngine:
+    def __init__(self, args: EngineArgs, config: DisaggregationConfig | str | dict | None = None,
+                 build_scheduler: SchedulerBuilder | None = None, keep_trace: bool = True) -> None:
+        """`build_scheduler`: the prefill engine's scheduler (as `LLMEngine`'s; it must not schedule
+        ahead), e.g. an experiment's; the decode engine's comes from `args` and `decode_args`.
+        `keep_trace`: keep the decode engine's request rows in `decode_rows` (False: a server's)."""
+        refuse_in_spawn_bootstrap()
+        config = DisaggregationConfig.parse(config if config is not None else DisaggregationConfig())
+        if args.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} is not supported with disaggregation: "
+                             "the engine pair runs one GPU per engine")
+        self.config = config
+        decode_args = decode_engine_args(args, config)
+        self._failure: str | None = None
+        self._closed = False
+        store = open_store(max(10.0, config.transfer_timeout_s))
+        self._decode = DecodeClient(decode_args, config, store.port)
+        self._conn = self._decode.conn
+        try:  # the two engines build at once
+            self.prefill = LLMEngine(dataclasses.replace(args, async_scheduling=False),
+                                     build_scheduler=build_scheduler)
+            if self.prefill.scheduler.config.async_scheduling:
+                raise ValueError("the prefill engine's scheduler has async_scheduling=True: a hand-off needs "
+                                 "its first token, which a step scheduled ahead does not know yet")
+            ready = self._decode.await_ready(config.startup_timeout_s)
+            self.prefill.align_clock(ready.clock_origin)
+            self.link = KVLink(SEND_RANK, store, self.prefill.runner.device, config.transfer_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        runner = self.prefill.runner
+        block_bytes = kv_block_bytes(self.prefill.model_config, runner.block_size, 1, runner.dtype.itemsize)
+        self.side = PrefillSide(self.prefill.scheduler, block_bytes, replica=PREFILL_REPLICA)
+        self.decode_pid, self.decode_num_gpu_blocks = ready.pid, ready.num_gpu_blocks
+        self.decode_device = decode_args.device
+        self.tokenizer, self.model_config = self.prefill.tokenizer, self.prefill.model_config
+        self.max_model_len, self.vocab_size = self.prefill.max_model_len, self.prefill.vocab_size
+        self.max_logprobs = 0  # logprobs are refused (add_request)
+        self.args = args
+        self._params: dict[str, SamplingParams] = {}  # request id -> the caller's params, while live
+        self._prompts: dict[str, str | None] = {}
+        self._output_lens: dict[str, int] = {}  # request id -> forced output length, while live
+        self._handoffs: dict[str, KVHandoff] = {}  # handed off, prefill blocks held (until the send ends)
+        self._sending: set[str] = set()  # of those, the ones whose send is posted
+        self._decoding: set[str] = set()  # handed off and not ended (at the decode process)
+        self._done_early: list[RequestOutput] = []  # final outputs made here, returned by the next step
+        self.decode_rows: list[dict] = []  # the decode engine's trace rows (requests that ended there)
+        self._keep_trace = keep_trace
+
+    # ---- LLMEngine's interface ----------------------------------------------------------------
+    @property
+    def recorder(self):
+        """The prefill engine's trace (requests that ended there); `decode_rows` holds the others."""
+        return self.prefill.recorder
+
+    @property
+    def runner(self):
+        return self.prefill.runner
+
+    @property
+    def scheduler(self):
+        """The prefill engine's (a server's counters: its queues and steps)."""
+        return self.prefill.scheduler
+
+    def now(self) -> float:
+        return self.prefill.now()
+
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0, output_len: int | None = None,
+                    abort_too_long: bool = False, tenant: str | None = None) -> None:
+        """As `LLMEngine.add_request`; `RuntimeError` once the decode engine has failed."""
+        if self._failure is not None:
+            raise RuntimeError(f"the decode engine failed: {self._failure}")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if isinstance(params, SamplingParams) and params.logprobs is not None:
+            raise ValueError(f"logprobs={params.logprobs} is not supported with disaggregation: the first token's "
+                             "logprobs stay on the prefill engine")
+        if request_id in self._params:
+            raise ValueError(f"request_id={request_id!r} is invalid: already added to this engine")
+        prefill_params = params
+        if isinstance(params, SamplingParams) and params.output_kind != "final_only":
+            prefill_params = dataclasses.replace(params, output_kind="final_only")  # decode streams it
+        self.prefill.add_request(request_id, prompt, prefill_params, arrival_time, priority, output_len,
+                                 abort_too_long, tenant)
+        self._params[request_id] = params
+        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
+        if output_len is not None:
+            self._output_lens[request_id] = output_len
+
+    def abort_request(self, request_id: str) -> bool:
+        """As `LLMEngine.abort_request`, wherever the request is (module docstring)."""
+        if request_id in self._handoffs and request_id not in self._decoding:
+            return False  # already aborted while transferring
+        if request_id in self._handoffs:
+            handoff = self._handoffs[request_id]
+            self.side.abort(request_id, "user", self.now())
+            self._decoding.discard(request_id)
+            self._send(AbortMessage(request_id))
+            self._done_early.append(self._final(handoff, "abort:user", None))
+            return True
+        if request_id in self._decoding:
+            self._send(AbortMessage(request_id))
+            return True
+        return self.prefill.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._params or self._handoffs or self._done_early) or self.prefill.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._params)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._done_early = self._done_early, []
+        outputs += self._take_messages()
+        if self.prefill.has_unfinished_requests():
+            for output in self.prefill.step():  # requests that ended on the prefill side
+                self._params.pop(output.request_id, None)
+                self._prompts.pop(output.request_id, None)
+                self._output_lens.pop(output.request_id, None)
+                outputs.append(output)
+            for handoff in self.side.take_handoffs():
+                self._hand_off(handoff)
+        self._finish_transfers()
+        self._check_decode_alive()
+        outputs += self._done_early
+        self._done_early = []
+        if not outputs and not self.prefill.has_unfinished_requests() and self._failure is None:
+            self._conn.poll(_WAIT_S)  # only the decode side is busy: do not spin
+        return outputs
+
+    def close(self) -> None:
+        """Stop the decode process (killed if it does not stop within JOIN_TIMEOUT_S), close the link,
+        free the prefill engine."""
+        if self._closed:
+            return
+        self._closed = True
+        self._decode.close()
+        link = getattr(self, "link", None)
+        if link is not None:
+            link.close()
+        prefill = getattr(self, "prefill", None)
+        if prefill is not None:
+            prefill.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the hand-off ------------------------------------------------------------------------
+    def _hand_off(self, handoff: KVHandoff) -> None:
+        request_id = handoff.request_id
+        self.prefill.hand_over_request(request_id)
+        self._handoffs[request_id] = handoff
+        if self._failure is not None:
+            self._fail_handoff(handoff, "error", self._failure)
+            return
+        self._decoding.add(request_id)
+        request = dataclasses.replace(handoff.request, sampling_params=self._params[request_id])
+        self._send(HandoffMessage(dataclasses.replace(handoff, request=request), self._prompts.get(request_id),
+                                  self._output_lens.pop(request_id, None)))
+
+    def _take_messages(self) -> list[RequestOutput]:
+        outputs = []
+        try:
+            while self._failure is None and self._conn.poll(0):
+                message = self._conn.recv()
+                if isinstance(message, Reserved):
+                    self._start_transfer(message)
+                elif isinstance(message, Refused):
+                    request_id = message.request_id
+                    handoff = self._handoffs.get(request_id)
+                    if handoff is not None and request_id not in self._sending:
+                        self._fail_handoff(handoff, message.code, f"the decode engine refused it: {message.reason}")
+                    elif handoff is None and request_id in self._decoding:  # aborted as its KV arrived
+                        self._decoding.discard(request_id)
+                        outputs.append(self._error_output(request_id, f"abort:{message.code}", None))
+                elif isinstance(message, DecodeStep):
+                    if self._keep_trace:
+                        self.decode_rows.extend(message.rows)
+                    outputs += self._decode_outputs(message.outputs)
+                elif isinstance(message, DecodeFailed):
+                    self._fail(f"the decode engine failed: {message.error.splitlines()[0]}")
+        except (EOFError, OSError):
+            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
+        return outputs
+
+    def _start_transfer(self, message: Reserved) -> None:
+        handoff = self._handoffs[message.request_id]
+        handoff.dst_block_ids = list(message.dst_block_ids)
+        kv = self.prefill.runner.kv_cache
+        handoff.transfer_start_time = self.now()
+        self.link.send(handoff.request_id, kv.k_caches, kv.v_caches, handoff.block_ids)
+        self._sending.add(handoff.request_id)
+        self._send(TransferStarted(handoff.request_id, handoff.transfer_start_time))
+
+    def _finish_transfers(self) -> None:
+        for transfer in self.link.poll():
+            handoff = self._handoffs.pop(transfer.key)
+            self._sending.discard(transfer.key)
+            now = self.now()
+            if transfer.error is not None:
+                self._fail(str(transfer.error))
+                self.side.abort(transfer.key, "error", now)
+            self.side.finish_transfer(handoff, now)
+
+    def _decode_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        kept = []
+        for output in outputs:
+            if output.request_id not in self._decoding:
+                continue  # aborted here while it moved: its final output went out then
+            if output.finished:
+                self._decoding.discard(output.request_id)
+                self._params.pop(output.request_id, None)
+                self._prompts.pop(output.request_id, None)
+            kept.append(output)
+        return kept
+
+    # ---- faults ------------------------------------------------------------------------------
+    def _fail_handoff(self, handoff: KVHandoff, code: str, reason: str) -> None:
+        """A hand-off whose transfer will not happen: aborted with `code` (unless the user aborted it
+        already), its prefill blocks freed, its final output `abort:<code>` with `reason`."""
+        request_id = handoff.request_id
+        self._handoffs.pop(request_id, None)
+        now = self.now()
+        self.side.abort(request_id, code, now)  # a hand-off aborted already keeps its reason
+        self.side.finish_transfer(handoff, now)
+        if request_id in self._decoding:
+            self._decoding.discard(request_id)
+            self._done_early.append(self._final(handoff, f"abort:{code}", reason))
+
+    def _fail(self, reason: str) -> None:
+        """The decode engine or the link is gone: every request past its prefill ends with an error."""
+        if self._failure is not None:
+            return
+        self._failure = reason
+        self.link.fail(reason)
+        for request_id in list(self._decoding):
+            handoff = self._handoffs.get(request_id)
+            if handoff is None:  # transferred: it was decoding
+                self._decoding.discard(request_id)
+                self._done_early.append(self._error_output(request_id, "abort:error", reason))
+            elif request_id not in self._sending:
+                self._fail_handoff(handoff, "error", reason)
+            else:  # its send fails on the link and frees its blocks; its output goes out now
+                self._decoding.discard(request_id)
+                self._done_early.append(self._final(handoff, "abort:error", reason))
+
+    def _check_decode_alive(self) -> None:
+        if self._failure is None and not self._decode.alive:
+            self._take_messages()  # its own account first, if it sent one
+            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
+            self._finish_transfers()
+
+    def _send(self, message) -> None:
+        try:
+            self._conn.send(message)
+        except OSError:
+            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
+
+    # ---- outputs made here -------------------------------------------------------------------
+    def _final(self, handoff: KVHandoff, reason: str, error: str | None) -> RequestOutput:
+        request = handoff.request
+        self._params.pop(request.request_id, None)
+        prompt = self._prompts.pop(request.request_id, None)
+        self._output_lens.pop(request.request_id, None)
+        completions = [CompletionOutput(i, "", [token], reason) for i, token in enumerate(handoff.first_token_ids)]
+        return RequestOutput(request.request_id, prompt, request.prompt_token_ids, completions, finished=True,
+                             metrics=RequestMetrics(request.arrival_time, handoff.first_scheduled_time,
+                                                    finished_time=self.now()), error=error)
+
+    def _error_output(self, request_id: str, finish_reason: str, error: str | None) -> RequestOutput:
+        """The final output of a request whose hand-off is gone (its tokens are not known here)."""
+        self._params.pop(request_id, None)
+        prompt = self._prompts.pop(request_id, None)
+        self._output_lens.pop(request_id, None)
+        return RequestOutput(request_id, prompt, [], [CompletionOutput(0, "", [], finish_reason)], finished=True,
+                             error=error)
+

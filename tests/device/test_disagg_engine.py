@@ -1,0 +1,201 @@
+"""A disaggregated engine pair on CPU (gloo): the prefill engine here, the decode engine in its own
+process, KV blocks moved on the link. Greedy tokens equal the co-located engine's in float32
+(chunked prefill, async scheduling on the decode side, n = 2, preemption by swap and by recompute on
+the decode side, one transfer in flight at a time), requests that end at their first token end on the prefill side, an abort holds
+its meaning before, during and after the hand-off, and a decode process killed mid-transfer ends
+every request past its prefill with an error within the bound."""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+
+import pytest
+from engine_helpers import ragged_prompts
+
+from engine.disagg.config import DisaggregationConfig
+from engine.disagg.pd_engine import JOIN_TIMEOUT_S, DisaggregatedEngine
+from engine.engine_args import EngineArgs
+from engine.offline.llm import LLM
+from engine.offline.llm_engine import LLMEngine
+from policies.request import SamplingParams
+
+ARGS = {"model": "tiny-llama", "num_gpu_blocks": 128, "swap_space": 0.01, "max_model_len": 96, "block_size": 4,
+        "max_num_batched_tokens": 32}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = ragged_prompts(6, seed=1, min_len=3, max_len=60)
+TIMEOUT_S = 5.0
+BOUND_S = 60.0  # a test's requests all end within this
+
+
+_runs = itertools.count()
+
+
+def _run(engine, prompts=PROMPTS, params=GREEDY, on_step=None, tag: str | None = None) -> dict[int, tuple]:
+    """Prompt index -> (token ids per sample, finish reasons, error); request ids `<tag>-<index>`."""
+    tag = tag or f"run{next(_runs)}"
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    done, deadline = {}, time.monotonic() + BOUND_S
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "requests did not end within the bound"
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id.rpartition("-")[2])] = ([c.token_ids for c in out.outputs], [c.finish_reason for c in out.outputs],
+                                        out.error)
+        if on_step is not None:
+            on_step(engine)
+    return done
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLMEngine(EngineArgs(**ARGS)) as engine:
+        yield {"greedy": _run(engine), "fork": _run(engine, PROMPTS[:3], _fork())}
+
+
+def _fork() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
+    yield engine
+    engine.close()
+
+
+def test_greedy_tokens_equal_the_colocated_engine(pair, reference):
+    assert _run(pair) == reference["greedy"]
+    rows = {r["request_id"]: r for r in pair.decode_rows}
+    row = rows[max(rows)]
+    assert row["prefill_replica"] == 0 and row["decode_replica"] == 1 and row["transfer_bytes"] > 0
+    assert row["transfer_time"] >= row["link_time"] >= 0 and row["ttft"] >= row["prefill_time"] > 0
+
+
+def test_parallel_samples_move_together(pair, reference):
+    assert _run(pair, PROMPTS[:3], _fork()) == reference["fork"]
+
+
+def test_a_request_ending_at_its_first_token_ends_on_the_prefill_side(pair):
+    done = _run(pair, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    assert [len(done[i][0][0]) for i in range(2)] == [1, 1]
+    assert all(reason == ["length"] for _, reason, _ in done.values())
+
+
+def test_abort_before_during_and_after_the_hand_off(pair, reference):
+    aborted = {}
+
+    def abort_when(engine) -> None:
+        if 0 not in aborted:  # still prefilling (the first step has not run it to its end)
+            aborted[0] = engine.abort_request("abort-0")
+        if 1 not in aborted and "abort-1" in engine._handoffs:  # handed off, blocks not yet on the decode side
+            aborted[1] = engine.abort_request("abort-1")
+        if 2 not in aborted and "abort-2" in engine._decoding and "abort-2" not in engine._handoffs:  # decoding
+            aborted[2] = engine.abort_request("abort-2")
+
+    done = _run(pair, on_step=abort_when, tag="abort")
+    assert aborted[0] and done[0][1] == ["abort:user"]
+    assert aborted.get(1) or aborted.get(2)
+    for i in (1, 2):
+        if aborted.get(i):
+            assert done[i][1] == ["abort:user"], i
+    for i in range(3, len(PROMPTS)):
+        assert done[i] == reference["greedy"][i]
+    assert pair.prefill.scheduler.block_manager.num_free_gpu_blocks() == pair.prefill.runner.num_gpu_blocks
+    assert not pair.side.transferring
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_on_the_decode_side_keeps_the_tokens(mode, reference):
+    config = DisaggregationConfig(transfer_timeout_s=TIMEOUT_S, max_transfers_in_flight=1,  # reserved ones wait
+                                  decode_args={"num_gpu_blocks": 24, "preemption_mode": mode})
+    with DisaggregatedEngine(EngineArgs(**ARGS), config) as engine:
+        assert _run(engine) == reference["greedy"]
+        assert sum(r["num_preemptions"] for r in engine.decode_rows) > 0
+
+
+def test_offline_llm_runs_the_pair(reference):
+    llm = LLM(disaggregation="prefill=1,decode=1,transfer_timeout_s=5", **ARGS)
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.engine.close()
+    assert [o.outputs[0].token_ids for o in outputs] == [reference["greedy"][i][0][0] for i in range(len(PROMPTS))]
+
+
+def test_a_killed_decode_process_ends_the_handed_off_requests_with_an_error():
+    engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
+    killed = []
+
+    def kill_on_first_hand_off(e) -> None:
+        if not killed and e._decoding:
+            os.kill(e.decode_pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    try:
+        done = _run(engine, on_step=kill_on_first_hand_off)
+        ended = time.monotonic()
+        assert killed and ended - killed[0] < TIMEOUT_S + 2.0
+        errors = [i for i, (_, _, error) in done.items() if error is not None]
+        assert errors and all(done[i][1][0] == "abort:error" for i in errors)
+        assert all("decode engine" in done[i][2] for i in errors)
+        assert len(done) == len(PROMPTS)
+        with pytest.raises(RuntimeError, match="the decode engine failed"):
+            engine.add_request("late", PROMPTS[0], GREEDY)
+        assert engine.prefill.scheduler.block_manager.num_free_gpu_blocks() == engine.prefill.runner.num_gpu_blocks
+    finally:
+        t0 = time.monotonic()
+        engine.close()
+        assert time.monotonic() - t0 < JOIN_TIMEOUT_S + 2.0
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("prefill=2,decode=1", "is not supported"),
+    ("prefill=1,decode", "key=value pairs"),
+    ("prefill=1,decoders=1", r"keys \['decoders'\] are unknown"),
+    ("transfer_timeout_s=0", "transfer_timeout_s=0.0 is invalid"),
+    ("decode_device=tpu", "decode_device='tpu' is invalid"),
+])
+def test_bad_disaggregation_settings_name_the_key(spec, message):
+    with pytest.raises(ValueError, match=message):
+        DisaggregationConfig.parse(spec)
+
+
+def test_decode_args_may_not_change_the_kv_layout():
+    config = DisaggregationConfig(decode_args={"block_size": 8})
+    with pytest.raises(ValueError, match=r"may not set \['block_size'\]"):
+        DisaggregatedEngine(EngineArgs(**ARGS), config)
+
+
+def test_a_stream_gets_its_first_token_as_it_arrives(pair, reference):
+    """A delta stream's first output holds the first token alone (sent when the KV arrived, before the
+    decode engine's first step); the deltas add up to the greedy tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, output_kind="delta")
+    pair.add_request("stream-0", PROMPTS[0], params)
+    deltas, deadline = [], time.monotonic() + BOUND_S
+    while pair.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        deltas += [o.outputs[0].token_ids for o in pair.step() if o.outputs]
+    assert len(deltas[0]) == 1 and [t for d in deltas for t in d] == reference["greedy"][0][0][0]
+
+
+def test_a_hand_off_left_waiting_for_blocks_ends_as_in_the_simulator(reference):
+    """Hand-offs that wait longer than queue_timeout_s for the decode engine's blocks end with the
+    simulator's finish reason, abort:handoff_timeout, their rows written by the prefill engine; the
+    others decode as usual."""
+    config = DisaggregationConfig(transfer_timeout_s=TIMEOUT_S, queue_timeout_s=0.001,
+                                  decode_args={"num_gpu_blocks": 24})
+    with DisaggregatedEngine(EngineArgs(**ARGS), config) as engine:
+        done = _run(engine)
+        rows = {r["request_id"]: r for r in engine.recorder.requests}
+        free = engine.prefill.scheduler.block_manager.num_free_gpu_blocks()
+        assert free == engine.prefill.runner.num_gpu_blocks
+    timed_out = [i for i, (_, reasons, _) in done.items() if reasons == ["abort:handoff_timeout"]]
+    assert timed_out and len(timed_out) < len(PROMPTS)
+    for i in timed_out:
+        assert "queue_timeout_s" in done[i][2]
+    assert {r["finish_reason"] for r in rows.values()} == {"abort:handoff_timeout"}
+    for i in set(range(len(PROMPTS))) - set(timed_out):
+        assert done[i] == reference["greedy"][i]

@@ -1,0 +1,136 @@
+"""Prefill/decode disaggregation on two GPUs (NCCL): the KV link moves blocks from cuda:0 to cuda:1
+exactly; a prefill engine on cuda:0 and a decode engine on cuda:1 give the single engine's greedy
+tokens in bf16 (the agreement count printed with -s, as the tensor-parallel tests do), with CUDA
+graphs and async scheduling on the decode side, and preemption there; a decode process killed
+mid-transfer ends the handed-off requests with an error within the bound."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from engine.disagg.config import DisaggregationConfig
+from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, open_store
+from engine.disagg.pd_engine import JOIN_TIMEOUT_S, DisaggregatedEngine
+from engine.engine_args import EngineArgs
+from engine.offline.llm_engine import LLMEngine
+from policies.request import SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+PROMPTS = [list(range(1, 1 + n)) for n in (5, 40, 130, 300, 17, 64)]
+ARGS = {"model": "qwen3-0.6b", "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 1024,
+        "gpu_memory_utilization": 0.5}
+TIMEOUT_S = 20.0
+
+
+def _generate(engine, prompts=PROMPTS, params=GREEDY, on_step=None) -> list:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done, deadline = {}, time.monotonic() + 300
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "requests did not end within 300 s"
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if on_step is not None:
+            on_step(engine)
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def _agree(a, b, label: str) -> float:
+    a = [o.outputs[0].token_ids for o in a]
+    b = [o.outputs[0].token_ids for o in b]
+    exact = sum(x == y for x, y in zip(a, b))
+    first8 = sum(x[:8] == y[:8] for x, y in zip(a, b))
+    print(f"\n[agreement] {label}: {exact}/{len(a)} sequences identical over {len(a[0])} tokens, "
+          f"{first8}/{len(a)} on their first 8")
+    return first8 / len(a)
+
+
+def _receiver(port: int, blocks: list[int], result) -> None:
+    torch.cuda.set_device(1)
+    k = [torch.zeros(16, 16, 8, 128, dtype=torch.bfloat16, device="cuda:1") for _ in range(4)]
+    v = [torch.zeros_like(x) for x in k]
+    link = KVLink(RECV_RANK, join_store(port, 30.0), "cuda:1", 30.0)
+    transfer = link.recv("a", k, blocks)
+    done = link.wait_all(30.0)
+    assert done and done[0].error is None, done
+    link.scatter(transfer, k, v)
+    torch.cuda.synchronize()
+    result.put([(x.cpu(), y.cpu()) for x, y in zip(k, v)])
+    link.close()
+
+
+def test_link_moves_blocks_between_gpus():
+    ctx = multiprocessing.get_context("spawn")
+    store, result = open_store(30.0), ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(store.port, [9, 2, 5], result), daemon=True)
+    proc.start()
+    g = torch.Generator(device="cuda:0").manual_seed(0)
+    k = [torch.randn(16, 16, 8, 128, generator=g, device="cuda:0").bfloat16() for _ in range(4)]
+    v = [torch.randn(16, 16, 8, 128, generator=g, device="cuda:0").bfloat16() for _ in range(4)]
+    link = KVLink(SEND_RANK, store, "cuda:0", 30.0)
+    link.send("a", k, v, [0, 7, 3])
+    done = link.wait_all(30.0)
+    assert done and done[0].error is None
+    got = result.get(timeout=60)
+    proc.join(10)
+    link.close()
+    for layer, (rk, rv) in enumerate(got):
+        assert torch.equal(rk[[9, 2, 5]], k[layer][[0, 7, 3]].cpu())
+        assert torch.equal(rv[[9, 2, 5]], v[layer][[0, 7, 3]].cpu())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLMEngine(EngineArgs(**ARGS)) as engine:  # closed before the pair sizes its KV cache
+        return _generate(engine)
+
+
+def test_pair_bf16_greedy_agrees_with_one_engine(reference):
+    with DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S)) as pair:
+        got = _generate(pair)
+        rows = pair.decode_rows
+    assert _agree(got, reference, "1P+1D vs one engine") >= 5 / 6
+    for r in rows:
+        print(f"[transfer] {r['request_id']}: prompt {r['prompt_len']} tokens, {r['transfer_bytes']} bytes, "
+              f"link {r['link_time'] * 1e3:.2f} ms, transfer {r['transfer_time'] * 1e3:.2f} ms, "
+              f"TTFT {r['ttft'] * 1e3:.1f} ms")
+    assert all(r["transfer_bytes"] > 0 and r["link_time"] >= 0 for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_pair_preemption_on_the_decode_side_keeps_tokens(mode, reference):
+    squeeze = {"max_model_len": 512, "num_gpu_blocks": 32, "preemption_mode": mode}  # blocks of 16 tokens
+    config = DisaggregationConfig(transfer_timeout_s=TIMEOUT_S, decode_args=squeeze)
+    with DisaggregatedEngine(EngineArgs(**ARGS), config) as pair:
+        got = _generate(pair)
+        preempted = sum(r["num_preemptions"] for r in pair.decode_rows)
+    assert preempted > 0
+    assert _agree(got, reference, f"1P+1D, {preempted} preemptions by {mode} on the decode side") >= 5 / 6
+
+
+def test_pair_killed_decode_process_ends_requests_with_an_error():
+    pair = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
+    killed = []
+
+    def kill(engine) -> None:
+        if not killed and engine._decoding:
+            os.kill(engine.decode_pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    try:
+        outs = _generate(pair, on_step=kill)
+        assert killed and time.monotonic() - killed[0] < TIMEOUT_S + 5
+        errors = [o for o in outs if o.error is not None]
+        assert errors and all(o.outputs[0].finish_reason == "abort:error" for o in errors)
+    finally:
+        start = time.monotonic()
+        pair.close()
+        assert time.monotonic() - start < JOIN_TIMEOUT_S + 5
