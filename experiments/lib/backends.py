@@ -46,9 +46,6 @@ class SimBackendConfig:
 def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
             on_done: Callable[[int], None]) -> BackendRun:
     from sim import Simulator
-    if (cfg.get("cluster") or {}).get("roles") is not None:  # prefill/decode disaggregation: an engine pair
-        from experiments.lib.engine_disagg import run_engine_pair  # imports torch: only when used
-        return run_engine_pair(cfg, workload, recorder, on_done)
     if cfg.get("cluster") is not None and cfg.cluster.get("replicas", 1) != 1:
         from experiments.lib.fleet_backend import run_fleet
         return run_fleet(cfg, workload, on_done)
