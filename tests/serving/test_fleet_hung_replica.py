@@ -7,6 +7,7 @@ whose steps produce no output (`final_only` requests) is heard from; `--replica-
 checked in one line."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -130,7 +131,7 @@ def test_a_core_whose_steps_give_no_output_is_heard_from(model_dir):  # noqa: F8
     core.join(BOUND_S)
     assert not core.is_alive()
     assert times[-1] - times[0] > 3 * HEARTBEAT_S  # long enough to need heartbeats
-    assert max(b - a for a, b in zip(times, times[1:])) < HEARTBEAT_S + 1.0, times
+    assert max(b - a for a, b in itertools.pairwise(times)) < HEARTBEAT_S + 1.0, times
     for fd in (inbox_r, inbox_w, outbox_r, outbox_w):
         os.close(fd)
 
