@@ -11,7 +11,9 @@ default, or in a thread of the server's). Data parallelism (docs/fleet.md): --da
 replicas, one engine core process each on its own GPU(s), every request routed by --router NAME
 (a `policies/routing` router, round_robin by default) with its keys as --router-arg KEY=VALUE,
 its snapshots refreshed every --router-refresh-s seconds (0: at each request), the replicas
-started by --replica-launcher (local processes, or ray). --disaggregation prefill=1,decode=1: a
+started by --replica-launcher (local processes, or ray); a replica holding requests that sends
+nothing for --replica-timeout-s seconds (default 60) is hung: out of rotation, its requests
+failed, its process terminated. --disaggregation prefill=1,decode=1: a
 prefill engine and a decode engine on two GPUs, KV blocks moved between them
 (docs/disaggregation-engine.md). A bad value is one line `error: ...` and exit code 2.
 SIGTERM or Ctrl-C end every open stream with an error event and `data: [DONE]`, then stop.
@@ -40,7 +42,7 @@ from engine.serving.server import LOOPBACK
 
 SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_waiting_requests", "log_level",
                   "engine_process", "api_key", "max_request_body_bytes", "data_parallel_size", "router", "router_arg",
-                  "router_refresh_s", "replica_launcher", "disaggregation")
+                  "router_refresh_s", "replica_launcher", "replica_timeout_s", "disaggregation")
 
 
 def parse_value(text: str) -> Any:
@@ -84,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-launcher", default="local", metavar="NAME",
                    help="what starts the replicas: local (processes on this machine, default) or ray "
                         "(actors of the Ray cluster RAY_ADDRESS names, or a local one)")
+    p.add_argument("--replica-timeout-s", type=float, default=None, metavar="S",
+                   help="a replica holding requests that sends no step result for S seconds is hung: it leaves "
+                        "the rotation, its requests fail, its process is terminated (default 60)")
     p.add_argument("--disaggregation", default=None, metavar="SPEC",
                    help="prefill/decode disaggregation, e.g. prefill=1,decode=1 (more keys: transfer_timeout_s, "
                         "decode_device, max_queue, queue_timeout_s): the prefill engine in a thread of the "
@@ -141,13 +146,19 @@ def uses_replicas(ns: argparse.Namespace) -> bool:
 def check_replica_options(ns: argparse.Namespace):
     """The data-parallel options, checked; the router, or None without replicas."""
     from engine.online.replica_launcher import REPLICA_LAUNCHERS, check_data_parallel_size
+    from engine.online.replica_set import check_replica_timeout
 
     check_data_parallel_size(ns.data_parallel_size)
     REPLICA_LAUNCHERS.get(ns.replica_launcher)
     router = router_from(ns)
     if not 0 <= ns.router_refresh_s < float("inf"):
         raise ValueError(f"router_refresh_s={ns.router_refresh_s} is invalid: a finite number >= 0 (0: exact)")
+    if ns.replica_timeout_s is not None:
+        check_replica_timeout(ns.replica_timeout_s, "--replica-timeout-s")
     if not uses_replicas(ns):
+        if ns.replica_timeout_s is not None:
+            raise ValueError("--replica-timeout-s is invalid without replicas: it applies to --data-parallel-size > 1 "
+                             "or --replica-launcher ray")
         return None
     if not ns.engine_process:
         raise ValueError("--no-engine-process is invalid with --data-parallel-size > 1: each replica is an "
@@ -158,6 +169,7 @@ def check_replica_options(ns: argparse.Namespace):
 def build_engine(ns: argparse.Namespace, args: EngineArgs, router):
     from engine.online.async_llm_engine import AsyncLLMEngine
     from engine.online.replica_launcher import launch_replica_set
+    from engine.online.replica_set import DEFAULT_TIMEOUT_S
 
     if ns.disaggregation is not None:
         from engine.disagg.pd_engine import DisaggregatedEngine
@@ -168,7 +180,9 @@ def build_engine(ns: argparse.Namespace, args: EngineArgs, router):
     if router is None:
         return AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests,
                                                engine_process=ns.engine_process)
-    replicas = launch_replica_set(args, ns.data_parallel_size, router, ns.router_refresh_s, ns.replica_launcher)
+    timeout_s = DEFAULT_TIMEOUT_S if ns.replica_timeout_s is None else ns.replica_timeout_s
+    replicas = launch_replica_set(args, ns.data_parallel_size, router, ns.router_refresh_s, ns.replica_launcher,
+                                  timeout_s=timeout_s)
     return AsyncLLMEngine(replicas, max_waiting_requests=ns.max_waiting_requests)
 
 

@@ -15,6 +15,10 @@ ends, the front end reads and writes its ends from its event loop):
   the outputs in a compact form (`pack`: no prompt tokens after the first, no objects), the
   `RequestStats` of the requests that ended, and the engine's counters; `CoreFailed` if the loop
   dies. Text is decoded in the core, where stop strings must be matched before the next step.
+  While it steps, the core sends a `CoreStep` at least every `HEARTBEAT_S` even when its steps
+  produce nothing (a long prompt's prefill chunks, `final_only` requests), so that a front end
+  hears from a core that works: a replica set takes a core silent for long with requests in hand
+  for hung (engine/online/replica_set.py).
 
 The core exits when its inbox closes (the front end ended, even killed) or its outbox breaks, and it
 ignores SIGINT (a Ctrl-C reaches the whole process group; the front end stops it in order). The
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
+import time
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -41,6 +46,8 @@ from policies.routing.replica_report import ReplicaReport, report
 # (request_id, finished, prompt text or None, prompt token ids or None (sent once), samples, metrics,
 # num_cached_tokens, error); a sample is (index, text, token_ids, finish_reason, stop_reason, logprobs).
 PackedOutput = tuple
+
+HEARTBEAT_S = 1.0  # the longest a stepping core stays silent
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,6 +143,7 @@ def serve(engine, keep_trace: bool, inbox: int, outbox: int, sent_index: set[int
     index as last reported, or None: not reported)."""
     tracker = StatsTracker(engine, keep_trace)
     seen: set[str] = set()  # requests whose prompt went out with a first output
+    last_sent = time.monotonic()
     try:
         while True:
             batches = [] if engine.has_unfinished_requests() else [read_message(inbox)]  # idle: block
@@ -148,10 +156,13 @@ def serve(engine, keep_trace: bool, inbox: int, outbox: int, sent_index: set[int
                 new, aborts = batch
                 taken += len(new)
                 hand_over(engine, tracker, new, aborts, errors)
-            outputs = engine.step() if engine.has_unfinished_requests() else []
+            stepped = engine.has_unfinished_requests()
+            outputs = engine.step() if stepped else []
             tracker.stepped(outputs)
-            if not (outputs or errors or taken or batches):
+            now = time.monotonic()
+            if not (outputs or errors or taken or batches or (stepped and now - last_sent >= HEARTBEAT_S)):
                 continue
+            last_sent = now
             packed = []
             for o in outputs:
                 first = o.request_id not in seen

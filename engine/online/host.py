@@ -128,3 +128,8 @@ class EngineHost(ABC):
     @abstractmethod
     async def shutdown(self) -> None:
         """Stop what this host started (worker thread, core process, the engine's workers)."""
+
+    async def terminate(self) -> None:
+        """Stop an engine that no longer answers, without asking it and waiting on it (a host of a
+        core process overrides this: terminate, then kill it)."""
+        await self.shutdown()

@@ -92,6 +92,13 @@ class ProcessHost(EngineHost):
         return self.client.exit_reason(0.0)
 
     async def shutdown(self) -> None:
+        await self._stop(10.0)
+
+    async def terminate(self) -> None:
+        """No stop message waited on: the core is terminated, then killed (within 10 s)."""
+        await self._stop(0.0)
+
+    async def _stop(self, timeout_s: float) -> None:
         self._ended = True
         self.client.channel.detach(close=True)  # here, on the loop that reads it
-        await asyncio.to_thread(self.client.shutdown)
+        await asyncio.to_thread(self.client.shutdown, timeout_s)

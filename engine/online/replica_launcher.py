@@ -23,7 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from engine.engine_args import EngineArgs
 from engine.online.engine_core import EngineCoreClient
 from engine.online.process_host import ProcessHost
-from engine.online.replica_set import REPLICA_LAUNCHERS, Replica, ReplicaSet
+from engine.online.replica_set import (
+    DEFAULT_TIMEOUT_S,
+    REPLICA_LAUNCHERS,
+    Replica,
+    ReplicaSet,
+    check_replica_timeout,
+)
 from policies.routing import Router
 
 
@@ -59,9 +65,12 @@ def check_data_parallel_size(n: object) -> int:
 
 
 def launch_replica_set(args: EngineArgs, data_parallel_size: int, router: Router, refresh_s: float = 0.0,
-                       launcher: str = "local", keep_trace: bool = False) -> ReplicaSet:
-    """`data_parallel_size` replicas of `args`, started by `launcher`, behind `router`."""
+                       launcher: str = "local", keep_trace: bool = False,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> ReplicaSet:
+    """`data_parallel_size` replicas of `args`, started by `launcher`, behind `router`; a replica
+    with requests that sends nothing for `timeout_s` is hung (engine/online/replica_set.py)."""
     n = check_data_parallel_size(data_parallel_size)
+    check_replica_timeout(timeout_s)
     launch = REPLICA_LAUNCHERS.get(launcher)
     if launcher == "local":
         replica_args(args, n - 1, n)  # enough GPUs: checked before any replica starts
@@ -77,7 +86,7 @@ def launch_replica_set(args: EngineArgs, data_parallel_size: int, router: Router
         if started:
             asyncio.run(_stop(started))
         raise error
-    return ReplicaSet(started, router, refresh_s)
+    return ReplicaSet(started, router, refresh_s, timeout_s)
 
 
 async def _stop(replicas: list[Replica]) -> None:

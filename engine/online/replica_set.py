@@ -15,6 +15,14 @@ aborts, the waiting cap) and the HTTP app are the same for one engine and for N.
 - A replica whose host ends (its process exits or its loop raises) leaves the rotation: each request
   it held fails at once with `ReplicaFailedError` naming the replica and why, the others keep
   serving. Only when no replica is left does the set end (the engine dies, /health says 503).
+- A replica that is alive but hung (stopped, or a step that never returns) leaves the rotation the
+  same way: one with requests outstanding that has sent nothing for `timeout_s` is declared hung
+  by a watchdog on the event loop, and its host is terminated (its process: terminate, then kill).
+  The silence is counted from its last message, or from the request that ended a time with none
+  outstanding: an idle replica is silent by right, and a replica is ready (its engine built, its
+  CUDA graphs captured) before it gets any request. A stepping core sends at least one message a
+  second (engine/online/engine_core.py: `HEARTBEAT_S`), so only a step that lasts `timeout_s`
+  reads as hung.
 """
 from __future__ import annotations
 
@@ -42,6 +50,16 @@ _log = logging.getLogger(__name__)
 Launcher = Callable[[int, Any, int, bool, bool], "Replica"]
 REPLICA_LAUNCHERS: Registry[Launcher] = Registry("replica launcher", field="replica_launcher")
 
+DEFAULT_TIMEOUT_S = 60.0  # longer than any step of a ready engine (a long prefill on a slow GPU)
+
+
+def check_replica_timeout(timeout_s: object, name: str = "replica_timeout_s") -> float:
+    """`timeout_s`, checked: a finite number of seconds > 0 (`name`: the option, for the error)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < float("inf"):
+        raise ValueError(f"{name}={timeout_s!r} is invalid: must be a finite number of seconds > 0 (how long a "
+                         "replica with requests may send nothing before it counts as hung)")
+    return float(timeout_s)
+
 
 class ReplicaFailedError(RequestFailedError):
     """The replica holding the request stopped; the request ended with it (HTTP 500)."""
@@ -55,6 +73,8 @@ class Replica:
     num_gpu_blocks: int
     requests: set[str] = field(default_factory=set)  # handed to it and not ended
     error: str | None = None  # why it left the rotation; None while it serves
+    heard: float = 0.0  # time.monotonic() of its last message, or of its first request after none
+    stopping: asyncio.Task | None = None  # its host's termination, once it was declared hung
 
     @property
     def alive(self) -> bool:
@@ -73,9 +93,11 @@ class ReplicaStatus:
 
 
 class ReplicaSet(EngineHost):
-    def __init__(self, replicas: Sequence[Replica], router: Router, refresh_s: float = 0.0) -> None:
+    def __init__(self, replicas: Sequence[Replica], router: Router, refresh_s: float = 0.0,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if not replicas:
             raise ValueError("data_parallel_size=0 is invalid: a replica set needs at least one replica")
+        self.timeout_s = check_replica_timeout(timeout_s)
         self.replicas = list(replicas)
         self.info = self.replicas[0].host.info
         self.router = router
@@ -84,6 +106,7 @@ class ReplicaSet(EngineHost):
         self._sink: ResultSink | None = None
         self._ended = False
         self._start = time.monotonic()
+        self._watch: asyncio.TimerHandle | None = None  # the next look for hung replicas
 
     # ---- EngineHost ----------------------------------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop, sink: ResultSink) -> None:
@@ -91,6 +114,9 @@ class ReplicaSet(EngineHost):
         for replica in self.replicas:
             if replica.alive:
                 replica.host.bind(loop, lambda result, r=replica: self._on_result(r, result))
+        if self._watch is not None:
+            self._watch.cancel()
+        self._watch = loop.call_later(self._watch_period, self._look_for_hung)
 
     @property
     def is_running(self) -> bool:
@@ -99,6 +125,8 @@ class ReplicaSet(EngineHost):
     def add(self, request: NewRequest) -> None:
         replica = self.replicas[self.route(request)]
         self._owner[request.request_id] = replica
+        if not replica.requests:  # its silence counts from now on
+            replica.heard = time.monotonic()
         replica.requests.add(request.request_id)
         replica.host.add(request)
 
@@ -135,7 +163,9 @@ class ReplicaSet(EngineHost):
 
     async def shutdown(self) -> None:
         self._ended = True
-        await asyncio.gather(*(r.host.shutdown() for r in self.replicas), return_exceptions=True)
+        if self._watch is not None:
+            self._watch.cancel()
+        await asyncio.gather(*(r.stopping or r.host.shutdown() for r in self.replicas), return_exceptions=True)
 
     # ---- routing --------------------------------------------------------------------------------
     @property
@@ -161,9 +191,12 @@ class ReplicaSet(EngineHost):
 
     # ---- results --------------------------------------------------------------------------------
     def _on_result(self, replica: Replica, result: StepResult | BaseException) -> None:
+        if not replica.alive:  # declared hung: what it sends before it is terminated comes too late
+            return
         if isinstance(result, BaseException):
             self._lose(replica, result)
             return
+        replica.heard = time.monotonic()
         if result.report is not None:
             self.fleet.update(replica.replica, result.report)
         for request_id in result.errors:
@@ -182,6 +215,25 @@ class ReplicaSet(EngineHost):
         if replica is not None:
             replica.requests.discard(request_id)
             self.fleet.ended(replica.replica)
+
+    # ---- hung replicas --------------------------------------------------------------------------
+    @property
+    def _watch_period(self) -> float:
+        return min(1.0, self.timeout_s / 4)
+
+    def _look_for_hung(self) -> None:
+        """Each live replica with requests that has been silent for `timeout_s` is hung; look again
+        a period later (so one is found within `timeout_s` plus a period)."""
+        now = time.monotonic()
+        for replica in self.replicas:
+            silent = now - replica.heard
+            if replica.alive and replica.requests and silent >= self.timeout_s:
+                self._lose(replica, TimeoutError(
+                    f"hung: no step result for {silent:.1f} s with {len(replica.requests)} request(s) outstanding "
+                    f"(replica timeout {self.timeout_s:g} s, --replica-timeout-s); its process is terminated"))
+                replica.stopping = asyncio.ensure_future(replica.host.terminate())
+        if not self._ended:
+            self._watch = asyncio.get_running_loop().call_later(self._watch_period, self._look_for_hung)
 
     def _lose(self, replica: Replica, error: BaseException) -> None:
         """The replica's host ended: out of rotation, its requests fail, the set ends with the last."""

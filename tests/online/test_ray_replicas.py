@@ -1,9 +1,15 @@
 """`--replica-launcher ray` on the CPU: two replicas as actors of a local Ray instance bound to
 127.0.0.1 (two CPUs) serve greedy outputs equal to `LLM.generate`, and an actor killed mid-stream
-fails only its own request, within a bound, and leaves the rotation."""
+fails only its own request, within a bound, and leaves the rotation; an actor stopped (SIGSTOP)
+mid-stream is hung after the replica timeout: its request fails naming it, its actor is killed,
+the other replica serves on."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import time
 
 import pytest
 from engine_helpers import save_tiny_model
@@ -75,3 +81,38 @@ def test_ray_replicas_serve_and_one_killed_leaves_the_rotation(model_dir, local_
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_hung_ray_replica_fails_its_request_and_its_actor_is_killed(model_dir, local_ray):
+    replicas = launch_replica_set(args(model_dir), 2, make_router({"name": "round_robin"}), launcher="ray",
+                                  timeout_s=3.0)
+    engine = AsyncLLMEngine(replicas)
+    actor = replicas.replicas[1].host.client.actor
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=BOUND_S)
+
+    async def main():
+        long = [asyncio.ensure_future(generate(engine, [1, 2, 3], f"long{i}", 120)) for i in range(2)]
+        for _ in range(int(BOUND_S / 0.01)):
+            if all(r.host.stats().generation_tokens_total for r in replicas.replicas):
+                break
+            await asyncio.sleep(0.01)
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        done = await asyncio.wait_for(asyncio.gather(*long, return_exceptions=True), BOUND_S)
+        assert len(done[0]) == 120
+        assert isinstance(done[1], ReplicaFailedError), done[1]
+        assert "replica 1 stopped" in str(done[1]) and "hung" in str(done[1]), done[1]
+        assert time.monotonic() - started < BOUND_S
+        assert [r.alive for r in replicas.replicas] == [True, False]
+        await asyncio.wait_for(replicas.replicas[1].stopping, BOUND_S)
+        assert await asyncio.wait_for(generate(engine, [4, 5], "after", 3), BOUND_S)
+        assert replicas.num_routed == [2, 1]
+        await engine.shutdown()
+
+    try:
+        asyncio.run(main())
+        with pytest.raises(ray.exceptions.RayActorError):  # killed: it answers no more
+            ray.get(actor.info.remote(), timeout=BOUND_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # gone once killed
+            os.kill(pid, signal.SIGCONT)
