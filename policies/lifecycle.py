@@ -58,7 +58,7 @@ class Lifecycle:
     def arrive(self, request: Request, now: float) -> None:
         """A validated, new request: its first sequence joins the waiting queue."""
         self.seen.add(request.request_id)
-        seq = Sequence.from_request(self._new_seq_id(), request)
+        seq = Sequence.from_request(self.new_seq_id(), request)
         seq.arrival_index = len(self.seen) - 1
         self.families[request.request_id] = [seq]
         self.num_full_sampler += may_need_full_sampler(request.sampling_params)
@@ -82,10 +82,6 @@ class Lifecycle:
     def blocks_in_transfer(self) -> bool:
         """Whether a hand-off holds blocks of this pool (they come back when its transfer ends)."""
         return any(side.holds_blocks for side in self.transfer_sides)
-
-    def new_seq_id(self) -> int:
-        """A sequence id unused by this scheduler."""
-        return self._new_seq_id()
 
     def release_blocks(self, seq: Sequence, reason: str) -> None:
         """Free an ending sequence's blocks, unless it is handed off: the prefill side keeps them
@@ -315,7 +311,7 @@ class Lifecycle:
         family = self.families[parent.request.request_id]
         children = []
         for sample_index in range(1, len(tokens)):
-            child = parent.fork(self._new_seq_id(), sample_index)
+            child = parent.fork(self.new_seq_id(), sample_index)
             self.block_manager.fork(parent, child)
             family.append(child)
             self._register(child)
@@ -373,7 +369,8 @@ class Lifecycle:
         self._ended.append(request)
 
     # ---- bookkeeping ------------------------------------------------------------------------
-    def _new_seq_id(self) -> int:
+    def new_seq_id(self) -> int:
+        """A sequence id unused by this scheduler (also the decode side's, for adopted sequences)."""
         self._next_seq_id += 1
         return self._next_seq_id - 1
 
