@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection
@@ -44,6 +45,7 @@ from engine.disagg.messages import (
 )
 from engine.distributed.worker import exit_with_parent
 from engine.engine_args import EngineArgs
+from engine.online.engine_core import HEARTBEAT_S
 from policies.disagg import DecodeSide, KVHandoff
 
 DECODE_REPLICA = 1
@@ -87,6 +89,7 @@ class DecodeLoop:
         self.reserved: deque[KVHandoff] = deque()  # blocks allocated, receive not yet posted (in-flight cap)
         self.receiving: dict[str, tuple[KVHandoff, object]] = {}  # request id -> (hand-off, its Transfer)
         self.prompts: dict[str, tuple[str | None, int | None]] = {}  # request id -> (prompt text, output_len)
+        self.last_sent = time.monotonic()  # when the last DecodeStep went to the front
 
     def run(self) -> None:
         engine, conn = self.engine, self.conn
@@ -114,8 +117,12 @@ class DecodeLoop:
             recorder.requests.clear()
             recorder.steps.clear()
             recorder.events.clear()
-            if outputs or rows:
+            now = time.monotonic()
+            # While it works, a step with nothing to say still goes out every HEARTBEAT_S: the front
+            # takes a decode process silent for transfer_timeout_s with requests in hand for hung.
+            if outputs or rows or (engine.has_unfinished_requests() and now - self.last_sent >= HEARTBEAT_S):
                 conn.send(DecodeStep(outputs, rows))
+                self.last_sent = now
 
     def _take(self, message) -> None:
         side, now = self.side, self.engine.now()

@@ -25,14 +25,17 @@ decode engine's abort. Preemption happens inside each engine as without disaggre
 is never preempted while transferring: it is in neither scheduler's queues). n > 1: the prompt
 forks on the prefill side, every sample's first token and the prompt's blocks (once) move together.
 
-Faults: the decode process dying or the link failing (a peer dead, or no progress for
-`transfer_timeout_s`) ends every request handed off or decoding with an error within that bound,
+Faults: the decode process dying, or silent for `transfer_timeout_s` while requests decode there
+(it sends a step at least every HEARTBEAT_S while it works: silence is a hang), or the link failing
+(a peer dead, or no progress for `transfer_timeout_s`) ends every request handed off or decoding
+with an error within that bound,
 and the pair refuses new requests (`RuntimeError`); `close()` ends the decode process within
 `JOIN_TIMEOUT_S`.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.decode_client import JOIN_TIMEOUT_S, DecodeClient, decode_engine_args
@@ -104,6 +107,8 @@ class DisaggregatedEngine:
         self._handoffs: dict[str, KVHandoff] = {}  # handed off, prefill blocks held (until the send ends)
         self._sending: set[str] = set()  # of those, the ones whose send is posted
         self._decoding: set[str] = set()  # handed off and not ended (at the decode process)
+        self._last_heard = time.monotonic()  # when the decode process last sent a message
+        self._silence_s = config.transfer_timeout_s  # silent this long with requests decoding: hung
         self._done_early: list[RequestOutput] = []  # final outputs made here, returned by the next step
         self.decode_rows: list[dict] = []  # the decode engine's trace rows (requests that ended there)
         self._keep_trace = keep_trace
@@ -217,6 +222,8 @@ class DisaggregatedEngine:
         if self._failure is not None:
             self._fail_handoff(handoff, "error", self._failure)
             return
+        if not self._decoding:  # work after a time with none: its silence counts from now
+            self._last_heard = time.monotonic()
         self._decoding.add(request_id)
         request = dataclasses.replace(handoff.request, sampling_params=self._params[request_id])
         self._send(HandoffMessage(dataclasses.replace(handoff, request=request), self._prompts.get(request_id),
@@ -227,6 +234,7 @@ class DisaggregatedEngine:
         try:
             while self._failure is None and self._conn.poll(0):
                 message = self._conn.recv()
+                self._last_heard = time.monotonic()
                 if isinstance(message, Reserved):
                     self._start_transfer(message)
                 elif isinstance(message, Refused):
@@ -313,6 +321,12 @@ class DisaggregatedEngine:
             self._take_messages()  # its own account first, if it sent one
             self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
             self._finish_transfers()
+        elif self._failure is None and self._decoding:
+            silent = time.monotonic() - self._last_heard  # it sends at least every HEARTBEAT_S while it works
+            if silent > self._silence_s:
+                self._fail(f"the decode engine is hung: nothing from it for {silent:.1f} s with "
+                           f"{len(self._decoding)} request(s) decoding (transfer_timeout_s={self._silence_s:g})")
+                self._finish_transfers()
 
     def _send(self, message) -> None:
         try:

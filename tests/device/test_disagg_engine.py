@@ -151,6 +151,28 @@ def test_a_killed_decode_process_ends_the_handed_off_requests_with_an_error():
         assert time.monotonic() - t0 < JOIN_TIMEOUT_S + 2.0
 
 
+def test_a_stopped_decode_process_is_hung_and_its_requests_end_with_an_error():
+    """Alive but silent (SIGSTOP) with requests decoding: ended as hung within transfer_timeout_s."""
+    engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
+    stopped = []
+
+    def stop_on_first_hand_off(e) -> None:
+        if not stopped and e._decoding:
+            os.kill(e.decode_pid, signal.SIGSTOP)
+            stopped.append(time.monotonic())
+
+    try:
+        done = _run(engine, on_step=stop_on_first_hand_off)
+        assert stopped and time.monotonic() - stopped[0] < TIMEOUT_S + 2.0
+        errors = [i for i, (_, _, error) in done.items() if error is not None]
+        assert errors and all("the decode engine is hung" in done[i][2] for i in errors)
+        assert len(done) == len(PROMPTS)
+    finally:
+        t0 = time.monotonic()
+        engine.close()
+        assert time.monotonic() - t0 < JOIN_TIMEOUT_S + 2.0
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("prefill=2,decode=1", "is not supported"),
     ("prefill=1,decode", "key=value pairs"),
@@ -167,6 +189,17 @@ def test_decode_args_may_not_change_the_kv_layout():
     config = DisaggregationConfig(decode_args={"block_size": 8})
     with pytest.raises(ValueError, match=r"may not set \['block_size'\]"):
         DisaggregatedEngine(EngineArgs(**ARGS), config)
+
+
+def test_a_pair_idle_past_its_timeout_is_not_hung(reference):
+    """Silence counts only while requests decode: work after an idle spell longer than
+    transfer_timeout_s still runs."""
+    engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=1.0))
+    try:
+        time.sleep(1.5)
+        assert _run(engine) == reference["greedy"]
+    finally:
+        engine.close()
 
 
 def test_a_stream_gets_its_first_token_as_it_arrives(pair, reference):
