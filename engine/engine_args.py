@@ -61,11 +61,13 @@ class EngineArgs:
     # Tensor parallelism (docs/parallelism.md): shard the model over this many GPUs (processes on
     # CPU), rank 0 in this process and workers spawned by the engine; 1 is the single-process path.
     tensor_parallel_size: int = 1
-    distributed_timeout_s: float = 300.0  # a worker silent this long in a step is reported hung
+    # A step rank 0 waits on this long (a worker silent in it) is reported hung: NCCL's collectives'
+    # timeout, and rank 0's bound on its wait for a step's tokens (engine/distributed/step_wait.py).
+    distributed_timeout_s: float = 300.0
     # All-reduces on GPUs (vLLM's name; engine/distributed/custom_all_reduce.py): one-shot over
     # symmetric memory up to the first size (None: by world size), two-shot up to the second, NCCL
     # above; True sends every all-reduce through NCCL.
-    disable_custom_all_reduce: bool = True
+    disable_custom_all_reduce: bool = False
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
 

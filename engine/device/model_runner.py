@@ -139,6 +139,7 @@ class ModelRunner:
             return Launched(plan, {})
         rows = len(plan.sampled)
         if temperatures is None:
+            self.await_forward()  # the sampler reads its results on the host
             results = self.sampler(logits[:rows], plan.sampled)
             return Launched(plan, {s.seq.seq_id: r for s, r in zip(plan.sampled, results)})
         tokens = sample_with_temperatures(logits[:rows], inputs.temperatures[:rows], temperatures)
@@ -147,9 +148,17 @@ class ModelRunner:
     def collect(self, launched: Launched) -> dict[int, SampleResult]:
         """Wait for a launched step's tokens: {seq_id: SampleResult} per sampling sequence."""
         if launched.results is None:
-            tokens = self.feedback.wait(launched.host_tokens)
+            tokens = self.feedback.wait(launched.host_tokens, self.await_event)
             launched.results = {s.seq.seq_id: SampleResult([t]) for s, t in zip(launched.plan.sampled, tokens)}
         return launched.results
+
+    def await_event(self, event: torch.cuda.Event) -> None:
+        """Wait until the work recorded before `event` is done (a tensor-parallel rank 0 bounds it)."""
+        event.synchronize()
+
+    def await_forward(self) -> None:
+        """Before host reads of the step just launched: here they wait by themselves (a
+        tensor-parallel rank 0 waits for the step first, bounded)."""
 
     def close(self) -> None:
         """Free the graphs, drop the model and KV cache (their device memory is freed once unreferenced)."""

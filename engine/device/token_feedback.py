@@ -12,6 +12,7 @@ gather, one scatter, all stream-ordered).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -64,10 +65,12 @@ class TokenFeedback:
         return host, event
 
     @staticmethod
-    def wait(host_tokens: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[int]:
+    def wait(host_tokens: tuple[torch.Tensor, torch.cuda.Event | None],
+             await_event: Callable[[torch.cuda.Event], None] = torch.cuda.Event.synchronize) -> list[int]:
+        """The tokens, once their copy is done (`await_event` waits for its event)."""
         host, event = host_tokens
         if event is not None:
-            event.synchronize()
+            await_event(event)
         return host.tolist()
 
     @staticmethod

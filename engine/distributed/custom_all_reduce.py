@@ -25,10 +25,12 @@ Start-up is collective: every rank checks what it can (`unavailable_reason`), th
 or none), allocate and exchange the buffer, and agree again; any failure leaves every rank on
 NCCL, with one log line saying why.
 
-Limitation: the kernels' barriers spin without a deadline, so a rank that dies in the middle of a
-step leaves the others' GPUs spinning in it (NCCL's can be aborted); rank 0's wait for that step's
-tokens then does not end. Hence it is opt-in (`disable_custom_all_reduce=False`); the default
-stays NCCL, whose waits are bounded.
+Faults: the kernels' barriers spin without a deadline and cannot be aborted, so a rank that dies
+or hangs in the middle of a step leaves the others' GPUs spinning in it for good. Rank 0 therefore
+never blocks on a step: it polls the step's event, watching the workers' processes and a deadline
+(`engine.distributed.step_wait`), and raises `WorkerFailure` naming the rank; its own GPU is freed
+only when its process exits (`TPModelRunner.device_stuck`). On by default;
+`disable_custom_all_reduce=True` sends every all-reduce through NCCL.
 """
 from __future__ import annotations
 

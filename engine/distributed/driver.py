@@ -14,10 +14,18 @@ runner is collected and at interpreter exit) stops them and ends the group withi
 makes the next step (or the one running) raise `WorkerFailure` within `timeout_s` (the
 collectives' deadline): the error names the rank, its pid, its exit code and the worker's own
 error if it reported one; the engine is then closed.
+
+On GPUs rank 0 never blocks in a device sync while serving: it polls the step's event with a
+deadline and watches the workers' processes (`engine.distributed.step_wait`), since a step's
+symmetric-memory all-reduce spins on the GPU until every rank arrives and cannot be aborted. After
+such a failure rank 0's GPU may still spin in that kernel (`device_stuck`): nothing that would wait
+for the device (freeing memory, the graphs) is waited on, and the process must exit, with
+`os._exit` or a signal, to get its GPU back (the engine-core process does so).
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import threading
 import weakref
@@ -36,6 +44,7 @@ from engine.distributed.parallel_state import TPGroup, abort, init_group, open_s
 from engine.distributed.sharding import check_divisible
 from engine.distributed.shutdown import WorkerShutdown
 from engine.distributed.step_message import StepHeader, broadcast_inputs
+from engine.distributed.step_wait import StepWait
 from engine.distributed.worker_faults import (
     WorkerFailure,
     await_workers,
@@ -45,6 +54,7 @@ from engine.distributed.worker_faults import (
 )
 from policies.outputs import SchedulerOutput
 
+logger = logging.getLogger("servelab.engine")
 __all__ = ["JOIN_TIMEOUT_S", "STARTUP_TIMEOUT_S", "TPModelRunner", "WorkerFailure"]
 
 # A close (or the finalizer) ends within this; after a failure, within a fraction of it.
@@ -80,6 +90,8 @@ class TPModelRunner(ModelRunner):
         self._shutdown = WorkerShutdown()
         self._procs, self._links = self._shutdown.procs, self._shutdown.links
         self._failure: WorkerFailure | None = None
+        self._worker_died = threading.Event()  # set by the watchdog the moment a worker exits
+        self._step_wait = StepWait(timeout_s, self._worker_died, self._death_in_step, self._procs)
         self._closed = False
         self._serving = False  # False during start-up: every rank profiles and captures by itself
         self._header = StepHeader()
@@ -129,7 +141,29 @@ class TPModelRunner(ModelRunner):
 
     def collect(self, launched: Launched):
         with self._guard("a step"):
-            return super().collect(launched)
+            results = super().collect(launched)
+            if self._rank0_device.type == "cuda":  # an aborted collective ends its step with garbage tokens
+                self._step_wait.check()
+            return results
+
+    def await_event(self, event: torch.cuda.Event) -> None:
+        if self._serving:
+            self._step_wait.wait(event)
+        else:  # start-up: every rank syncs its own profiling step
+            event.synchronize()
+
+    def await_forward(self) -> None:
+        if self._serving and self._rank0_device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self.await_event(event)
+            self._step_wait.check()
+
+    @property
+    def device_stuck(self) -> bool:
+        """Whether rank 0's GPU may be spinning for good in a symmetric-memory all-reduce of a step
+        that a failed worker never joined: then only the process's exit frees it."""
+        return self._failure is not None and self.tp is not None and self.tp.custom is not None
 
     def _forward(self, plan: StepPlan, temperatures: list[float] | None, feedback: Feedback | None = None):
         if not self._serving:  # start-up: every rank profiles the same step itself
@@ -175,6 +209,10 @@ class TPModelRunner(ModelRunner):
         if self._closed:
             raise RuntimeError("the tensor-parallel engine is closed")
 
+    def _death_in_step(self) -> WorkerFailure:
+        return (first_death(self._procs, self._links, "a step", grace_s=2.0)
+                or WorkerFailure("a tensor-parallel worker exited during a step"))
+
     def _diagnose(self, what: str, error: BaseException) -> WorkerFailure:
         """Which worker failed and how: dead (exit code and its reported error) or not answering."""
         failure = first_death(self._procs, self._links, what, grace_s=2.0)  # it may be on its way out
@@ -189,6 +227,10 @@ class TPModelRunner(ModelRunner):
         self._closed = True
         self._finalizer.detach()
         self._shutdown.run(JOIN_TIMEOUT_S, failed=self._failure is not None)
+        if self.device_stuck:  # a free would wait for the spinning kernel: everything stays until exit
+            logger.error("tensor-parallel rank 0's GPU %s may be stuck in an all-reduce that a failed worker never "
+                         "joined; it is freed only when this process exits (os._exit or a signal)", self._rank0_device)
+            return
         if hasattr(self, "device"):  # ModelRunner got far enough to hold something
             self.graphs = None  # the shutdown's to free, in bounded time (ModelRunner.close waits for the device)
             super().close()
@@ -206,6 +248,7 @@ def _watch(runner_ref: weakref.ref, sentinels: list) -> None:
         if runner is None or runner._closed:
             return
         if dead:
+            runner._worker_died.set()  # first: the abort may block behind a spinning kernel
             if runner.tp is not None and runner._rank0_device.type == "cuda":
                 abort(runner.tp)
             return

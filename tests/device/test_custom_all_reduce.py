@@ -70,14 +70,24 @@ def test_a_bad_setting_is_refused_naming_its_key(kwargs, named):
 
 
 @pytest.mark.parametrize(("parallel", "device", "size", "said"), [
-    (ParallelConfig(), GPU1, 2, "disable_custom_all_reduce is set"),
+    (ParallelConfig(disable_custom_all_reduce=True), GPU1, 2, "disable_custom_all_reduce is set"),
     (ParallelConfig(disable_custom_all_reduce=False), GPU1, 1, "one rank"),
-    (ParallelConfig(disable_custom_all_reduce=False), torch.device("cpu"), 2, "gloo"),
+    (ParallelConfig(), torch.device("cpu"), 2, "gloo"),  # on by default, never on CPUs
     (ParallelConfig(disable_custom_all_reduce=False), GPU1, 3, "world size 3"),
     (ParallelConfig(custom_all_reduce_max_bytes=0, disable_custom_all_reduce=False), GPU1, 2, "custom_all_reduce_max_bytes=0"),
 ])
 def test_why_the_symmetric_paths_stay_off(parallel, device, size, said):
     assert said in unavailable_reason(parallel, device, 1, size)
+
+
+def test_the_symmetric_paths_are_on_by_default():
+    """Rank 0's wait for a step is bounded (engine/distributed/step_wait.py), so the flag is off by
+    default everywhere it is set: the engine, its arguments and the Hydra group."""
+    from experiments.lib.config_groups import Parallel
+
+    assert ParallelConfig().disable_custom_all_reduce is False
+    assert EngineArgs().parallel_config().disable_custom_all_reduce is False
+    assert Parallel().disable_custom_all_reduce is False
 
 
 def test_a_torch_without_symmetric_memory_ops_stays_on_nccl(monkeypatch):
