@@ -20,16 +20,22 @@ deadline and watches the workers' processes (`engine.distributed.step_wait`), si
 symmetric-memory all-reduce spins on the GPU until every rank arrives and cannot be aborted. After
 such a failure rank 0's GPU may still spin in that kernel (`device_stuck`): nothing that would wait
 for the device (freeing memory, the graphs) is waited on, and the process must exit, with
-`os._exit` or a signal, to get its GPU back (the engine-core process does so).
+`os._exit` or a signal, to get its GPU back: a process holding such an engine (the engine-core
+process included) leaves with `os._exit(1)` at interpreter exit (an `atexit` hook), since the
+interpreter's own teardown may wait for that kernel.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
+from functools import partial
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -91,7 +97,9 @@ class TPModelRunner(ModelRunner):
         self._procs, self._links = self._shutdown.procs, self._shutdown.links
         self._failure: WorkerFailure | None = None
         self._worker_died = threading.Event()  # set by the watchdog the moment a worker exits
-        self._step_wait = StepWait(timeout_s, self._worker_died, self._death_in_step, self._procs)
+        # Holds the workers, not the runner: an engine dropped without close() is still collected.
+        self._step_wait = StepWait(timeout_s, self._worker_died, partial(_death_in_step, self._procs, self._links),
+                                   self._procs)
         self._closed = False
         self._serving = False  # False during start-up: every rank profiles and captures by itself
         self._header = StepHeader()
@@ -209,10 +217,6 @@ class TPModelRunner(ModelRunner):
         if self._closed:
             raise RuntimeError("the tensor-parallel engine is closed")
 
-    def _death_in_step(self) -> WorkerFailure:
-        return (first_death(self._procs, self._links, "a step", grace_s=2.0)
-                or WorkerFailure("a tensor-parallel worker exited during a step"))
-
     def _diagnose(self, what: str, error: BaseException) -> WorkerFailure:
         """Which worker failed and how: dead (exit code and its reported error) or not answering."""
         failure = first_death(self._procs, self._links, what, grace_s=2.0)  # it may be on its way out
@@ -229,13 +233,30 @@ class TPModelRunner(ModelRunner):
         self._shutdown.run(JOIN_TIMEOUT_S, failed=self._failure is not None)
         if self.device_stuck:  # a free would wait for the spinning kernel: everything stays until exit
             logger.error("tensor-parallel rank 0's GPU %s may be stuck in an all-reduce that a failed worker never "
-                         "joined; it is freed only when this process exits (os._exit or a signal)", self._rank0_device)
+                         "joined; it is freed only when this process exits, which it will do with os._exit(1) at "
+                         "interpreter exit", self._rank0_device)
+            atexit.register(_exit_at_once)
             return
         if hasattr(self, "device"):  # ModelRunner got far enough to hold something
             self.graphs = None  # the shutdown's to free, in bounded time (ModelRunner.close waits for the device)
             super().close()
         if self.tp is not None:  # after the graphs that read it: release the symmetric buffer
             self.tp.custom = None
+
+
+def _death_in_step(procs: list, links: list) -> WorkerFailure:
+    return (first_death(procs, links, "a step", grace_s=2.0)
+            or WorkerFailure("a tensor-parallel worker exited during a step"))
+
+
+def _exit_at_once() -> None:
+    """Run first at interpreter exit (registered last): end the process without the rest of the
+    teardown, which may wait for the GPU's spinning kernel (the CUDA context's destruction); the
+    kernel ends with the process. Exit code 1: a tensor-parallel step failed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _watch(runner_ref: weakref.ref, sentinels: list) -> None:

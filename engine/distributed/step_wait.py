@@ -79,7 +79,7 @@ class StepWait:
     def overdue(self, what: str, waited_s: float) -> WorkerFailure:
         workers = ", ".join(f"{rank} (pid {p.pid}{_state_note(p.pid)})" for rank, p in enumerate(self.procs, start=1))
         return WorkerFailure(
-            f"tensor-parallel {what} did not finish on rank 0's GPU within timeout_s={self.timeout_s} "
+            f"tensor-parallel engine: {what} did not finish on rank 0's GPU within timeout_s={self.timeout_s} "
             f"(waited {waited_s:.1f} s; distributed_timeout_s sets it): a worker hung, so rank 0's GPU waits in "
             f"the step's all-reduce for a rank that never arrives; workers {workers or 'none'}")
 

@@ -21,16 +21,13 @@ ends, the front end reads and writes its ends from its event loop):
   for hung (engine/online/replica_set.py).
 
 The core exits when its inbox closes (the front end ended, even killed) or its outbox breaks, and it
-ignores SIGINT; after a tensor-parallel failure that left its GPU in a kernel that never ends
-(`TPModelRunner.device_stuck`) it leaves with `os._exit(1)` once it reported the failure (a Ctrl-C reaches the whole process group; the front end stops it in order). The
+ignores SIGINT (a Ctrl-C reaches the whole process group; the front end stops it in order). The
 client kills it if the front end drops it without `shutdown` (a finalizer), so no core outlives it.
 """
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
-import sys
 import time
 import traceback
 import weakref
@@ -125,12 +122,6 @@ def run_core(args: EngineArgs, keep_trace: bool, inbox, outbox, report_index: bo
         serve(engine, keep_trace, inbox.fileno(), out, set() if report_index else None)
     finally:
         engine.close()  # its tensor-parallel workers stop with the core
-        if getattr(engine.runner, "device_stuck", False):
-            # A GPU kernel that never ends (an all-reduce a dead worker never joined) is let go only
-            # when the process holding its context ends; the interpreter's teardown may wait for it.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
 
 
 def pin_device(device: str | None) -> None:

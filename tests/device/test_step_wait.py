@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
 
 from engine.distributed.step_wait import SPIN_S, StepWait
 from engine.distributed.worker_faults import WorkerFailure
@@ -102,3 +103,29 @@ def test_the_runner_wait_raises_when_its_worker_is_killed():
     finally:
         engine.close()
     assert worker.exitcode is not None
+
+
+def test_after_a_failure_with_symmetric_memory_close_frees_nothing_and_exits_at_once(monkeypatch):
+    """Rank 0's GPU may still spin in the all-reduce (a free would wait for it): close stops the
+    workers, keeps the model, KV cache and symmetric buffer, and registers `os._exit(1)` for the
+    interpreter's exit (stood in for here: on CPU gloo carries the all-reduces)."""
+    from engine.distributed import driver
+
+    registered = []
+    monkeypatch.setattr(driver.atexit, "register", registered.append)
+    engine = LLMEngine(EngineArgs(model="tiny-llama", num_gpu_blocks=64, max_model_len=128, swap_space=0.01,
+                                  tensor_parallel_size=2))
+    runner = engine.runner
+    (worker,) = runner._procs
+    buffer = object()
+    runner.tp.custom = buffer  # as if every rank had opened the symmetric buffer
+    os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(WorkerFailure, match="worker 1"):
+        runner.await_event(Never())
+    runner._failure = WorkerFailure("worker 1 died")  # what the step's guard records before closing
+    assert runner.device_stuck
+    engine.close()
+    assert runner.model is not None and runner.kv_cache is not None and runner.tp.custom is buffer
+    assert registered == [driver._exit_at_once]
+    assert worker.exitcode is not None
+    assert not dist.is_initialized()  # the group ended all the same: a new engine can start
