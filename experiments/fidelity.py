@@ -40,9 +40,12 @@ import pandas as pd
 from experiments.lib import engine_backend, factory, fidelity_window
 from experiments.lib.ab_compare import ab_table, combine_tables
 from experiments.lib.cli import run_cli
+from experiments.lib.fidelity_goodput import GoodputSpec, goodput_markdown, goodput_rows
 from experiments.lib.fidelity_plots import save_scenario_figure
 from experiments.lib.fidelity_report import (
+    TRANSFER_METRICS,
     decode_step_ratio,
+    error_markdown,
     error_rows,
     error_table,
     metric_values,
@@ -219,6 +222,30 @@ class Fidelity:
             rows += error_rows(res["engine"][0], res["sim"][0], name, res["engine_summaries"])
         return error_table(rows)
 
+    @staticmethod
+    def _comparable_steps(res: dict[str, Any]) -> pd.DataFrame:
+        """The simulator's steps that the engine trace has too: an engine pair's steps are its
+        prefill engine's (replica 0; the decode engine's stay in its process)."""
+        steps = res["sim"][2]
+        if res["engine"][0].get("disaggregation") and "replica" in steps.columns:
+            return steps[steps["replica"] == 0]
+        return steps
+
+    def transfer_table(self) -> pd.DataFrame:
+        """The KV hand-off's errors (TRANSFER_METRICS) of the disaggregated scenarios."""
+        rows = []
+        for name, res in self.results.items():
+            if res["engine"][0].get("disaggregation"):
+                rows += error_rows(res["engine"][0], res["sim"][0], name, res["engine_summaries"], TRANSFER_METRICS)
+        return error_table(rows)
+
+    def goodput(self) -> tuple[GoodputSpec | None, list[dict[str, Any]]]:
+        """The spec's goodput comparison (fidelity_goodput.py) over the runs: (its spec, its rows)."""
+        if not self.spec.get("goodput"):
+            return None, []
+        spec = GoodputSpec.parse(self.spec["goodput"], self.spec["scenarios"], "goodput")
+        return spec, goodput_rows(spec, self.results)
+
     def ranking(self) -> list[dict[str, Any]]:
         """The spec's A/B rows. The engine's difference is taken per round (A and B of one round ran
         minutes apart at most, under one host speed) and combined by `ab.combine_tables`."""
@@ -243,20 +270,29 @@ class Fidelity:
 
     def write(self, out_dir: Path, meta: dict[str, Any]) -> str:
         out_dir.mkdir(parents=True, exist_ok=True)
-        table, ranking = self.error_table(), self.ranking()
+        table, ranking, transfer = self.error_table(), self.ranking(), self.transfer_table()
+        goodput_spec, goodput = self.goodput()
         breakdown = [row for name, res in self.results.items()
-                     for row in step_breakdown_rows(res["engine"][2], res["sim"][2], name)]
+                     for row in step_breakdown_rows(res["engine"][2], self._comparable_steps(res), name)]
         table.to_csv(out_dir / "fidelity.csv", index=False)
         pd.DataFrame(ranking).to_csv(out_dir / "ranking.csv", index=False)
         pd.DataFrame(breakdown).to_csv(out_dir / "steps.csv", index=False)
+        sections = ""
+        if len(transfer):
+            transfer.to_csv(out_dir / "transfer.csv", index=False)
+            sections += (f"## KV transfer (disaggregated scenarios)\n\n{error_markdown(transfer, TRANSFER_METRICS)}\n"
+                         f"{target_summary(transfer)}.\n\n")
+        if goodput_spec is not None:
+            pd.DataFrame(goodput).to_csv(out_dir / "goodput.csv", index=False)
+            sections += f"## Goodput per GPU: split against mixed\n\n{goodput_markdown(goodput_spec, goodput)}\n"
         for name, res in self.results.items():
             errs = {m: relative_error(metric_values(res["sim"][0])[m], v)
                     for m, v in metric_values(res["engine"][0]).items()}
             save_scenario_figure(out_dir / f"{name}.png", name,
                                  {b: (res[b][1], res[b][2]) for b in ("engine", "sim")}, errs)
-        meta = {**meta, "scenarios": self.settings, "targets": target_summary(table)}
+        meta = {**meta, "scenarios": self.settings, "targets": target_summary(pd.concat([table, transfer], ignore_index=True))}
         (out_dir / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-        text = report_markdown(meta, table, ranking, breakdown, self.settings, STALL_S)
+        text = report_markdown(meta, table, ranking, breakdown, self.settings, STALL_S, sections)
         (out_dir / "fidelity.md").write_text(text)
         return text
 

@@ -104,6 +104,7 @@ class Simulator:
         self.env = simpy.Environment()
         self.num_steps = 0
         self.after_step: Callable[[], None] | None = None  # called after each step's update (a fleet's hook)
+        self.step_end = 0.0  # when the running step (or decode run) ends: a fleet's host loop acts after it
         self._arrived = 0
         self._wake: simpy.Event | None = None
         self._next_arrival_at = 0.0  # SimPy time of the pending arrival (inf: none left)
@@ -183,6 +184,7 @@ class Simulator:
             times = self._decode_run() if fast_forward and (not self.ahead or pending is not None) else None
             if times is not None:
                 idle_rounds = 0
+                self.step_end = times[-1]
                 yield timeout(times[-1] - env.now)
                 # Scheduling ahead, the step after the run is decided at its last step's start (None
                 # where scheduling ahead would not have looked past that step: decided now).
@@ -218,6 +220,7 @@ class Simulator:
             # Async scheduling: the next step is decided as this one starts.
             nxt = schedule_ahead(env.now, stop_lens) if schedule_ahead is not None else None
             pending = None if nxt is None or nxt.is_empty else nxt  # schedule() replaces an empty one
+            self.step_end = env.now + step_s
             yield timeout(step_s)
             scheduled = out.scheduled
             if one_each is not None:

@@ -20,6 +20,8 @@ class Cluster:
     link: str = "nvlink"
     handoff_queue: int = 64
     handoff_timeout_s: float = 60.0
+    handoff_hop_s: float = 1e-4
+    handoff_step_boundaries: bool = True
 
 
 @dataclass
@@ -54,6 +56,28 @@ class Scenario:
 
 
 @dataclass
+class GoodputSloEntry:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    split_wins: bool | None = None  # the claim checked under this SLO
+
+
+@dataclass
+class GoodputPair:
+    split: str = ""  # a prefill/decode split's scenario
+    mixed: str = ""  # the co-located replicas' scenario on the same GPUs and stream
+
+
+@dataclass
+class Goodput:
+    """A fidelity spec's DistServe comparison (experiments/lib/fidelity_goodput.py)."""
+
+    margin: float = 0.05
+    slos: dict[str, GoodputSloEntry] = field(default_factory=dict)
+    comparisons: dict[str, GoodputPair] = field(default_factory=dict)
+
+
+@dataclass
 class FidelitySpec:
     extends: str | None = None  # a spec (path relative to this file) whose keys this one replaces
     profile: str | None = None  # the simulator's profile unless --profile (None: the sim config's latency.path)
@@ -64,3 +88,4 @@ class FidelitySpec:
     capacity: str | None = None
     scenarios: dict[str, Scenario] = field(default_factory=dict)
     ab: list[Any] = field(default_factory=list)
+    goodput: Goodput | None = None

@@ -16,7 +16,7 @@ from experiments.lib import factory
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole, kv_block_bytes
-from sim.fleet.disagg import DisaggFleetSimulator
+from sim.fleet.disagg import DisaggFleetSimulator, HandoffHost
 
 ROUTER_DIR = REPO_ROOT / "conf" / "router"
 
@@ -46,4 +46,5 @@ def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig]
     return DisaggFleetSimulator(specs, cluster.roles, router, decode_router(cfg, cluster.decode_router),
                                 workload.requests, links, block_bytes, cluster.handoff_queue,
                                 cluster.handoff_timeout_s, cluster.refresh_s, workload.stop_lens, on_done,
-                                fast_forward=cfg.backend.get("fast_forward", True))
+                                fast_forward=cfg.backend.get("fast_forward", True),
+                                host=HandoffHost(cluster.handoff_hop_s, cluster.handoff_step_boundaries))

@@ -32,12 +32,23 @@ METRICS = (
     ("e2e_mean", "mean e2e (s)", ("e2e", "mean"), None),
     ("num_preemptions", "preemptions", ("num_preemptions",), None),
 )
+# A disaggregated run's KV hand-off (summary.json's `disaggregation`: handed-off requests that
+# finished): the transfer time (prefill done -> KV on the decode side) within 10%, its parts shown.
+TRANSFER_METRICS = (
+    ("transfer_mean", "mean transfer (s)", ("disaggregation", "transfer_time", "mean"), 0.10),
+    ("transfer_p90", "p90 transfer (s)", ("disaggregation", "transfer_time", "p90"), 0.10),
+    ("decode_wait_mean", "mean decode wait (s)", ("disaggregation", "decode_wait", "mean"), None),
+    ("link_wait_mean", "mean link wait (s)", ("disaggregation", "link_wait", "mean"), None),
+    ("link_time_mean", "mean link time (s)", ("disaggregation", "link_time", "mean"), None),
+    ("prefill_time_mean", "mean prefill (s)", ("disaggregation", "prefill_time", "mean"), None),
+)
+SECONDS = {"ttft_mean", "ttft_p90", "tpot_mean", "e2e_mean", *(m for m, *_ in TRANSFER_METRICS)}
 SIZE_TOLERANCE = 0.25  # a predicted A/B difference "has the right size" within +-25% of the engine's
 
 
-def metric_values(summary: Mapping[str, Any]) -> dict[str, float]:
+def metric_values(summary: Mapping[str, Any], metrics: Sequence[tuple] = METRICS) -> dict[str, float]:
     out = {}
-    for col, _, path, _ in METRICS:
+    for col, _, path, _ in metrics:
         v: Any = summary
         for key in path:
             v = None if v is None else v.get(key)
@@ -59,17 +70,18 @@ def relative_error(sim: float, engine: float) -> float:
 
 
 def error_rows(engine: Mapping[str, Any], sim: Mapping[str, Any], scenario: str,
-               engine_repeats: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """One row per metric: engine, sim, relative error, target, whether it is met. With
-    `engine_repeats` (summaries of repeated engine runs of the same requests, two or more) the
-    engine value is their mean and `engine_spread` their (max - min) / |mean|: the engine's own
-    run-to-run noise, which no simulator error can be expected to beat."""
-    s = metric_values(sim)
-    repeats = [metric_values(r) for r in engine_repeats or ()]
-    e = metric_values(engine) if len(repeats) < 2 else {
-        col: float(np.mean([r[col] for r in repeats])) for col, *_ in METRICS}
+               engine_repeats: Sequence[Mapping[str, Any]] | None = None,
+               metrics: Sequence[tuple] = METRICS) -> list[dict[str, Any]]:
+    """One row per metric (`METRICS`, or `TRANSFER_METRICS`): engine, sim, relative error, target,
+    whether it is met. With `engine_repeats` (summaries of repeated engine runs of the same
+    requests, two or more) the engine value is their mean and `engine_spread` their (max - min) /
+    |mean|: the engine's own run-to-run noise, which no simulator error can be expected to beat."""
+    s = metric_values(sim, metrics)
+    repeats = [metric_values(r, metrics) for r in engine_repeats or ()]
+    e = metric_values(engine, metrics) if len(repeats) < 2 else {
+        col: float(np.mean([r[col] for r in repeats])) for col, *_ in metrics}
     rows = []
-    for col, label, _, target in METRICS:
+    for col, label, _, target in metrics:
         err = relative_error(s[col], e[col])
         ok = None if target is None or math.isnan(err) else abs(err) <= target
         spread = math.nan
@@ -89,17 +101,17 @@ def error_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
 def _num(v: float, metric: str) -> str:
     if math.isnan(v):
         return "-"
-    if metric in ("ttft_mean", "ttft_p90", "tpot_mean", "e2e_mean"):
+    if metric in SECONDS:
         return f"{v * 1e3:.1f} ms"
     if metric == "num_preemptions":
         return f"{v:.0f}"
     return f"{v:,.2f}"
 
 
-def error_markdown(table: pd.DataFrame) -> str:
+def error_markdown(table: pd.DataFrame, metrics_of: Sequence[tuple] = METRICS) -> str:
     """Scenarios as rows; per metric `engine / sim (error)`; a mark where a target is missed."""
-    metrics = [m for m, *_ in METRICS]
-    labels = {m: lab for m, lab, *_ in METRICS}
+    metrics = [m for m, *_ in metrics_of]
+    labels = {m: lab for m, lab, *_ in metrics_of}
     lines = ["| scenario | " + " | ".join(labels[m] for m in metrics) + " |",
              "|---|" + "---:|" * len(metrics)]
     for scenario, g in table.groupby("scenario", sort=False):
@@ -112,10 +124,11 @@ def error_markdown(table: pd.DataFrame) -> str:
             noise = "" if spread is None or math.isnan(spread) else f" ±{spread / 2:.1%}"
             cells.append(f"{_num(r['engine'], m)}{noise} / {_num(r['sim'], m)} ({err}){miss}")
         lines.append(f"| {scenario} | " + " | ".join(cells) + " |")
+    targets = ", ".join(f"<= {target:.0%} on {label.split(' (')[0]}" for _, label, _, target in metrics_of
+                        if target is not None)
     lines.append("")
-    lines.append("Cells: engine / simulator (relative error of the simulator). Targets: <= 5% on both "
-                 "throughputs and mean TPOT, <= 10% on p90 TTFT; **!** marks a missed target. With repeated "
-                 "engine runs the engine value is their mean, ± half their range.")
+    lines.append(f"Cells: engine / simulator (relative error of the simulator). Targets: {targets}; **!** marks a "
+                 "missed target. With repeated engine runs the engine value is their mean, ± half their range.")
     return "\n".join(lines) + "\n"
 
 
@@ -252,9 +265,11 @@ def decode_step_ratio(steps: pd.DataFrame, price: Callable[[int, int], float]) -
 
 
 def report_markdown(meta: Mapping[str, Any], table: pd.DataFrame, ranking: list[dict[str, Any]],
-                    breakdown: list[dict[str, Any]], settings: Mapping[str, Mapping[str, Any]], stall_s: float) -> str:
-    """fidelity.md: run facts, the error table, the ranking table, the per-step-kind breakdown and
-    the scenarios' settings (with the host CPU gauge before each engine run, where recorded)."""
+                    breakdown: list[dict[str, Any]], settings: Mapping[str, Mapping[str, Any]], stall_s: float,
+                    sections: str = "") -> str:
+    """fidelity.md: run facts, the error table, the ranking table, the per-step-kind breakdown,
+    `sections` (markdown: a disaggregated spec's transfer and goodput tables) and the scenarios'
+    settings (with the host CPU gauge before each engine run, where recorded)."""
     lines = []
     for name, s in settings.items():
         line = f"- `{name}`: {' '.join(s.get('overrides', []))}"
@@ -273,7 +288,7 @@ def report_markdown(meta: Mapping[str, Any], table: pd.DataFrame, ranking: list[
             f"- profile: `{meta['profile']}`\n- versions: {meta['versions']}\n\n"
             f"## Errors\n\n{error_markdown(table)}\n{meta['targets']}.\n\n"
             f"## Policy ranking (A/B on the engine vs in the simulator)\n\n{ranking_markdown(ranking)}\n"
-            f"## Where the time goes (per step kind)\n\n{breakdown_markdown(breakdown)}\n"
+            f"## Where the time goes (per step kind)\n\n{breakdown_markdown(breakdown)}\n{sections}"
             f"## Scenarios\n\n" + "\n".join(lines) + "\n\nPlots: `<scenario>.png` (CDFs of TTFT, TPOT, E2E; KV "
             f"usage over time; `cpu_probe_us` in experiments/lib/profiling/host.py is the host CPU gauge). "
             f"Traces: `{meta['runs_dir']}`.\n")

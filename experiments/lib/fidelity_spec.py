@@ -40,6 +40,9 @@ def load_spec(path: str | Path) -> dict[str, Any]:
         if load is not None and spec.get("capacity") not in spec["scenarios"]:
             raise ValueError(f"spec {path}: capacity={spec.get('capacity')!r} must name a scenario "
                              f"(scenarios.{name} has a load)")
+    if spec.get("goodput") is not None:
+        from experiments.lib.fidelity_goodput import GoodputSpec
+        GoodputSpec.parse(spec["goodput"], spec["scenarios"], str(path))
     return spec
 
 

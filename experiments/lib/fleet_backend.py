@@ -35,6 +35,8 @@ class ClusterConfig:
     link: str = "nvlink"  # a conf/hardware `links` name: what a KV transfer crosses
     handoff_queue: int = 64  # hand-offs waiting for blocks on one decode replica, at most
     handoff_timeout_s: float = 60.0  # how long one may wait there
+    handoff_hop_s: float = 1e-4  # backend=sim: one message between a pair's host loops (sim/fleet/disagg.py)
+    handoff_step_boundaries: bool = True  # backend=sim: each side acts on a hand-off between its steps
 
     @property
     def disaggregated(self) -> bool:
@@ -75,7 +77,10 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
         raise ValueError(f"cluster.handoff_queue={queue!r} is invalid: must be an integer >= 1")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < inf:
         raise ValueError(f"cluster.handoff_timeout_s={timeout!r} is invalid: must be a number of seconds > 0")
-    return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout))
+    from sim.fleet.disagg import HandoffHost
+    host = HandoffHost(c.get("handoff_hop_s", 1e-4), c.get("handoff_step_boundaries", True))  # checks both
+    return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
+                         float(host.hop_s), host.step_boundaries)
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:

@@ -53,6 +53,16 @@ def meets_slo(requests: pd.DataFrame, slo: Mapping[str, Any] | None) -> pd.Serie
     return ok
 
 
+def goodput(requests: pd.DataFrame, duration_s: float, slo: Mapping[str, Any] | None,
+            num_gpus: int = 1) -> float:
+    """Finished requests meeting every SLO that is set, per second (per GPU with `num_gpus`): vLLM's
+    goodput, and DistServe's goodput per GPU."""
+    if not duration_s > 0:
+        return math.nan
+    done = requests[requests["status"] == "finished"]
+    return int(meets_slo(done, slo).sum()) / duration_s / num_gpus
+
+
 def kv_metrics(steps: pd.DataFrame, block_size: int) -> dict[str, float | None]:
     if steps.empty:
         return {"kv_utilization": None, "kv_waste": None, "gpu_blocks_used_mean": None,
@@ -104,7 +114,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, block_size: int,
         "total_token_throughput": rate(out_tokens + prompt_tokens),
         "total_prompt_tokens": prompt_tokens,
         "total_output_tokens": out_tokens,
-        "goodput": rate(int(meets_slo(done, slo).sum())),
+        "goodput": goodput(requests, duration, slo),
         "slo": dict(slo or {}),
     }
     for name in LATENCIES:

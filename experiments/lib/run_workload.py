@@ -15,7 +15,7 @@ from experiments.lib import factory
 from experiments.lib.backends import run_backend
 from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.fleet_metrics import fleet_summary
-from experiments.lib.metrics import summarize
+from experiments.lib.metrics import goodput, summarize
 from experiments.lib.traces import write_fleet_traces, write_summary, write_traces
 from experiments.lib.workloads import Workload
 from policies.trace import TraceRecorder
@@ -47,7 +47,7 @@ def run(cfg: DictConfig, out_dir: str | Path, label: str | None = None,
         summary.update(fleet_summary(requests, steps, bs, len(result.replica_recorders), slo))
     num_gpus = len(result.replica_recorders or [recorder]) * factory.tensor_parallel_size(cfg)
     summary["num_gpus"] = num_gpus
-    summary["goodput_per_gpu"] = summary["goodput"] / num_gpus  # requests meeting every SLO per second per GPU
+    summary["goodput_per_gpu"] = goodput(requests, summary["duration_s"], slo, num_gpus)
     summary["run"] = {"backend": cfg.backend.name, "policy": cfg.policy.name,
                       "preemption_mode": cfg.policy.preemption_mode, "blocks": cfg.blocks.kind,
                       "block_size": bs, "model": cfg.model.name, "hardware": cfg.hardware.name,

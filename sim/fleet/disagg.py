@@ -20,6 +20,15 @@ policies/disagg/ (`PrefillSide`, `DecodeSide`), run unchanged here as in the eng
 4. At the transfer's end the request joins the decode replica's running batch and the prefill
    replica frees its blocks.
 
+The host's share of a hand-off (`HandoffHost`, `cluster.handoff_hop_s` and
+`cluster.handoff_step_boundaries`): the engine pair runs each side in its own process, one host
+loop each, that acts between its engine's steps and talks to the other over a pipe. So a hand-off
+reaches the decode side `hop_s` after the prefill step that made it and is admitted there when the
+decode replica's running step ends (`decode_wait`); its `Reserved` answer reaches the prefill side
+`hop_s` later and the send is posted when the prefill replica's running step ends (`link_wait`);
+the decode side notices the received KV when its running step ends (`link_time`). With
+`step_boundaries=False` and `hop_s=0` each side acts at once (the transfer is the link's alone).
+
 Decode replicas step one by one (no fast-forwarded decode runs: a received request joins at the
 time its transfer ends, which a run decided earlier could not know). Decode replicas end once every
 front replica (prefill, mixed) has ended and no hand-off is left. Nothing is random outside the
@@ -27,7 +36,9 @@ routers' seeded generators: repeated runs give byte-identical traces.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import simpy
 
@@ -39,18 +50,38 @@ from sim.latency.shapes import Link
 from sim.simulator import run_without_gc
 
 
+@dataclass(slots=True, frozen=True)
+class HandoffHost:
+    """What a hand-off costs the two sides' host loops beyond the link (module docstring)."""
+
+    hop_s: float = 1e-4  # one message between the two sides' processes (pickled, over a local pipe)
+    step_boundaries: bool = True  # each side acts on a hand-off when its running step ends
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hop_s, bool) or not isinstance(self.hop_s, (int, float)) \
+                or not 0 <= self.hop_s < math.inf:
+            raise ValueError(f"cluster.handoff_hop_s={self.hop_s!r} is invalid: must be a number of seconds >= 0")
+        if not isinstance(self.step_boundaries, bool):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"cluster.handoff_step_boundaries={self.step_boundaries!r} is invalid: "
+                "must be true or false")
+
+
 class DisaggFleetSimulator(FleetSimulator):
     def __init__(self, replicas: Sequence[ReplicaSpec], roles: Sequence[ReplicaRole], router: Router,
                  decode_router: Router, requests: Iterable[Request], links: Sequence[Link | None],
                  block_bytes: Sequence[int], handoff_queue: int = 64, handoff_timeout_s: float = 60.0,
                  refresh_s: float = 0.0, stop_lens: Mapping[str, int] | None = None,
-                 on_done: Callable[[int], None] | None = None, fast_forward: bool = True) -> None:
+                 on_done: Callable[[int], None] | None = None, fast_forward: bool = True,
+                 host: HandoffHost | None = None) -> None:
         """`links[i]` / `block_bytes[i]`: prefill replica i's outgoing link and KV block bytes per
-        tensor-parallel rank (None / unused for other roles)."""
+        tensor-parallel rank (None / unused for other roles); `host`: the host loops' share of a
+        hand-off (default `HandoffHost()`)."""
         if len(roles) != len(replicas):
             raise ValueError(f"roles={list(roles)!r} has {len(roles)} roles for {len(replicas)} replicas")
         super().__init__(replicas, router, requests, refresh_s, stop_lens, on_done, fast_forward)
         self.roles = tuple(roles)
+        self.host = HandoffHost() if host is None else host
         self.decode_router = decode_router
         self.front = [r for r, role in zip(self.replicas, roles) if role.takes_arrivals]
         self.decode_ids = [i for i, role in enumerate(roles) if role is ReplicaRole.DECODE]
@@ -93,12 +124,29 @@ class DisaggFleetSimulator(FleetSimulator):
                          for i in self.decode_ids]
             target = self.decode_router.route(handoff.request, snapshots)
             self.replicas[target].num_routed += 1
-            side = self.decode_sides[target]
-            if not side.enqueue(handoff, now):
-                self._drop(handoff, "handoff_queue_full")
-                continue
-            self.env.timeout(side.timeout_s).callbacks.append(lambda _, d=target: self._expire(d))
-            self._admit(target)
+            if self.host.hop_s:
+                self.env.timeout(self.host.hop_s).callbacks.append(lambda _, h=handoff, d=target: self._arrive(h, d))
+            else:
+                self._arrive(handoff, target)
+
+    def _arrive(self, handoff: KVHandoff, decode: int) -> None:
+        """The hand-off reaches the decode side: queued, then admitted now if that replica is between
+        steps (else after its running step, `after_step`)."""
+        side = self.decode_sides[decode]
+        if not side.enqueue(handoff, self.env.now):
+            self._drop(handoff, "handoff_queue_full")
+            return
+        self.env.timeout(side.timeout_s).callbacks.append(lambda _, d=decode: self._expire(d))
+        if not self._mid_step(decode):
+            self._admit(decode)
+
+    def _mid_step(self, replica: int) -> bool:
+        """Whether the replica's host loop is inside a step (it acts when the step ends)."""
+        return self.host.step_boundaries and self.env.now < self.replicas[replica].step_end
+
+    def _step_boundary(self, replica: int):
+        """A wait until the replica's running step ends (none between steps)."""
+        return self.env.timeout(self.replicas[replica].step_end - self.env.now if self._mid_step(replica) else 0.0)
 
     def _admit(self, decode: int) -> None:
         """Reserve blocks on a decode replica for the queued hand-offs that fit; start their transfers."""
@@ -122,12 +170,18 @@ class DisaggFleetSimulator(FleetSimulator):
         self._settled()
 
     def _transfer(self, handoff: KVHandoff):
-        link, resource = self.links[handoff.prefill_replica]
+        prefill, decode = handoff.prefill_replica, handoff.decode_replica
+        link, resource = self.links[prefill]
+        if self.host.hop_s or self.host.step_boundaries:  # `Reserved` reaches the prefill side's loop
+            yield self.env.timeout(self.host.hop_s)
+            yield self._step_boundary(prefill)
         with resource.request() as turn:
             yield turn
             handoff.transfer_start_time = self.env.now
             yield self.env.timeout(link.transfer_time(handoff.num_bytes))
-        now, decode = self.env.now, handoff.decode_replica
+        if self.host.step_boundaries:  # the decode side's loop notices the KV after its running step
+            yield self._step_boundary(decode)
+        now = self.env.now
         received = self.decode_sides[decode].receive(handoff, now)
         self.prefill_sides[handoff.prefill_replica].finish_transfer(handoff, now)
         self.replicas[handoff.prefill_replica].wake()  # its blocks are free again

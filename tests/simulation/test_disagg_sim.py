@@ -10,13 +10,14 @@ from test_sim import Constant
 
 from experiments.lib import factory
 from experiments.lib.fleet_backend import cluster_config, run_fleet
+from experiments.lib.traces import steps_frame
 from experiments.run import run
 from policies import Request, SamplingParams, Scheduler, SchedulerConfig, make_block_manager, make_policy
 from policies.disagg import ReplicaRole, kv_block_bytes
 from policies.routing import make_router
 from policies.trace import TraceRecorder
 from sim.fleet import ReplicaSpec
-from sim.fleet.disagg import DisaggFleetSimulator
+from sim.fleet.disagg import DisaggFleetSimulator, HandoffHost
 from sim.latency.shapes import Link
 
 SMALL = ["workload.num_requests=40", "progress=false", "plots=false", "seed=5", "cluster.replicas=3",
@@ -30,7 +31,8 @@ def _cfg(*overrides):
 
 
 def test_runs_are_byte_identical_and_ttft_splits_into_its_parts(tmp_path):
-    overrides = ["cluster.link=network", "scheduler.async_scheduling=true"]
+    # Each side acting at once: the link alone prices link_time (the host loops' share: below).
+    overrides = ["cluster.link=network", "scheduler.async_scheduling=true", "cluster.handoff_step_boundaries=false"]
     summary = run(_cfg(*overrides), tmp_path / "a", "a")
     run(_cfg(*overrides), tmp_path / "b", "b")
     for name in FILES:
@@ -54,7 +56,7 @@ def test_runs_are_byte_identical_and_ttft_splits_into_its_parts(tmp_path):
 
 def test_transfers_from_one_prefill_replica_queue_at_its_link(tmp_path):
     cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "hardware.links.nvlink.bandwidth_gb_s=0.5",
-               "workload=offline")
+               "workload=offline", "cluster.handoff_step_boundaries=false")
     run(cfg, tmp_path, "slow")
     rows = pd.read_parquet(tmp_path / "requests.parquet").sort_values("transfer_time")
     assert rows["link_wait"].max() > 0
@@ -87,6 +89,52 @@ def test_mixed_replicas_serve_beside_a_prefill_decode_pair(tmp_path):
     assert rows.loc[rows["replica"] == 1, "transfer_time"].notna().all()
 
 
+def _host_run(host: HandoffHost):
+    """A 1P + 1D pair on a stream that keeps the decode side busy (prefill steps of 10 ms, one arrival
+    each 12 ms: one hand-off at a time, no link queue; decode steps of 3 ms): its request rows and each
+    replica's step intervals."""
+    requests = [Request(f"r{i}", list(range(30 + 7 * (i % 5))), SamplingParams(max_tokens=12, ignore_eos=True),
+                        arrival_time=0.012 * i) for i in range(30)]
+    specs = [ReplicaSpec(_scheduler(400), Constant(0.01)), ReplicaSpec(_scheduler(400), Constant(0.003))]
+    DisaggFleetSimulator(specs, [ReplicaRole.PREFILL, ReplicaRole.DECODE], make_router({"name": "round_robin"}),
+                         make_router({"name": "least_kv"}), requests, [Link(10.0, 1e-5), None], [4096, 0],
+                         host=host).run()
+    rows = pd.DataFrame(specs[1].scheduler.recorder.requests)
+    steps = [steps_frame(spec.scheduler.recorder) for spec in specs]
+    return rows, [list(zip(s["time"], s["time"] + s["duration"])) for s in steps]
+
+
+def _inside(t: float, spans) -> bool:
+    return any(a + 1e-12 < t < b - 1e-12 for a, b in spans)
+
+
+def test_each_side_acts_on_a_hand_off_between_its_steps_after_a_message_hop():
+    """The engine pair's host loops (sim/fleet/disagg.py, HandoffHost): the hand-off reaches the decode
+    side hop_s after the prefill step and is reserved between decode steps; the send starts hop_s
+    after that, between prefill steps; the KV is noticed between decode steps."""
+    hop = 2e-4
+    rows, (prefill_steps, decode_steps) = _host_run(HandoffHost(hop_s=hop, step_boundaries=True))
+    assert len(rows) == 30
+    prefill_end = rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"]
+    reserved = prefill_end + rows["decode_wait"]
+    start = reserved + rows["link_wait"]
+    end = start + rows["link_time"]
+    assert (rows["decode_wait"] >= hop - 1e-12).all() and (rows["link_wait"] >= hop - 1e-12).all()
+    assert not any(_inside(t, decode_steps) for t in reserved)
+    assert not any(_inside(t, prefill_steps) for t in start)
+    assert not any(_inside(t, decode_steps) for t in end)
+    assert (rows["link_time"] >= 4096 * 2 / 10e9).all()
+    waited = rows["link_time"] - (rows["transfer_bytes"] / 10e9 + 1e-5)
+    assert waited.max() > 1e-4  # some transfers ended mid-step and waited for the decode loop
+    # Off, each side acts at once: reserved the moment the hand-off is made (the decode side is never
+    # full here), the send starts then, and the link alone prices link_time.
+    rows, (_, decode_steps) = _host_run(HandoffHost(hop_s=0.0, step_boundaries=False))
+    assert (rows["decode_wait"] == 0).all() and (rows["link_wait"] == 0).all()
+    assert ((rows["link_time"] - (rows["transfer_bytes"] / 10e9 + 1e-5)).abs() < 1e-12).all()
+    end = rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"] + rows["transfer_time"]
+    assert any(_inside(t, decode_steps) for t in end)  # the same stream: KV lands mid-step when not deferred
+
+
 def _scheduler(blocks: int) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=8, max_model_len=256), make_policy("fcfs"),
                      make_block_manager("paged", 16, blocks, 0, 0.0, 256), TraceRecorder())
@@ -113,6 +161,8 @@ def test_parallel_samples_cross_the_hand_off_and_decode_preemption_recomputes_th
     (["cluster.roles=[prefill,mixed,mixed]"], "0 decode replicas"),
     (["cluster.decode_router=fastest"], "cluster.decode_router='fastest' is unknown"),
     (["cluster.handoff_queue=0"], "cluster.handoff_queue=0 is invalid"),
+    (["cluster.handoff_hop_s=-1"], "cluster.handoff_hop_s=-1 is invalid"),
+    (["cluster.handoff_step_boundaries=sometimes"], "cluster.handoff_step_boundaries='sometimes' is invalid"),
 ])
 def test_bad_cluster_config_names_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
