@@ -269,14 +269,14 @@ class ParallelConfig:
     All-reduces on GPUs (engine/distributed/custom_all_reduce.py, docs/parallelism.md): up to
     `custom_all_reduce_one_shot_max_bytes` one-shot over symmetric memory (None: by world size,
     `one_shot_max_bytes`), up to `custom_all_reduce_max_bytes` two-shot, NCCL above;
-    `disable_custom_all_reduce` (False by default; vLLM's name) True sends every all-reduce through
-    NCCL. The symmetric-memory kernels spin without a deadline, so rank 0 never blocks on a step:
-    it polls the step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes
+    `disable_custom_all_reduce` (True by default, so opt in with False; vLLM's name) True sends every
+    all-reduce through NCCL. The symmetric-memory kernels spin without a deadline, so with them on
+    rank 0 never blocks on a step: it polls the step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes
     (engine/distributed/step_wait.py); its GPU is then freed only when the process exits."""
 
     tensor_parallel_size: int = 1
     timeout_s: float = 300.0
-    disable_custom_all_reduce: bool = False
+    disable_custom_all_reduce: bool = True
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
 

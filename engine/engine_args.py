@@ -66,8 +66,8 @@ class EngineArgs:
     distributed_timeout_s: float = 300.0
     # All-reduces on GPUs (vLLM's name; engine/distributed/custom_all_reduce.py): one-shot over
     # symmetric memory up to the first size (None: by world size), two-shot up to the second, NCCL
-    # above; True sends every all-reduce through NCCL.
-    disable_custom_all_reduce: bool = False
+    # above; True (the default until its GPU fault tests have run) sends every all-reduce through NCCL.
+    disable_custom_all_reduce: bool = True
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
 

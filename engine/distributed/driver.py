@@ -15,7 +15,7 @@ makes the next step (or the one running) raise `WorkerFailure` within `timeout_s
 collectives' deadline): the error names the rank, its pid, its exit code and the worker's own
 error if it reported one; the engine is then closed.
 
-On GPUs rank 0 never blocks in a device sync while serving: it polls the step's event with a
+With the symmetric-memory all-reduce on, rank 0 never blocks in a device sync while serving: it polls the step's event with a
 deadline and watches the workers' processes (`engine.distributed.step_wait`), since a step's
 symmetric-memory all-reduce spins on the GPU until every rank arrives and cannot be aborted. After
 such a failure rank 0's GPU may still spin in that kernel (`device_stuck`): nothing that would wait
@@ -155,9 +155,11 @@ class TPModelRunner(ModelRunner):
             return results
 
     def await_event(self, event: torch.cuda.Event) -> None:
-        if self._serving:
+        # Only the symmetric-memory kernels can spin for good: NCCL's collectives are bounded by the
+        # group's timeout and aborted by the watchdog, so that path keeps the blocking sync.
+        if self._serving and self.tp is not None and self.tp.custom is not None:
             self._step_wait.wait(event)
-        else:  # start-up: every rank syncs its own profiling step
+        else:  # start-up (every rank syncs its own profiling step) or NCCL only
             event.synchronize()
 
     def await_forward(self) -> None:

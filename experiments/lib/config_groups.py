@@ -29,7 +29,7 @@ class Parallel:
     tensor_parallel_size: int = 1
     # The engine's all-reduce paths (EngineArgs' fields of the same names, docs/parallelism.md;
     # None: the engine's default).
-    disable_custom_all_reduce: bool = False
+    disable_custom_all_reduce: bool = True
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int | None = None
 

@@ -82,7 +82,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
         enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed),
         decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)), tensor_parallel_size=tp,
-        disable_custom_all_reduce=bool(parallel.get("disable_custom_all_reduce", False)), **all_reduce)
+        disable_custom_all_reduce=bool(parallel.get("disable_custom_all_reduce", True)), **all_reduce)
 
 
 # EngineArgs fields that only shape the scheduler, which `LLMEngine.reset` rebuilds: runs that differ

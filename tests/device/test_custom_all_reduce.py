@@ -72,7 +72,7 @@ def test_a_bad_setting_is_refused_naming_its_key(kwargs, named):
 @pytest.mark.parametrize(("parallel", "device", "size", "said"), [
     (ParallelConfig(disable_custom_all_reduce=True), GPU1, 2, "disable_custom_all_reduce is set"),
     (ParallelConfig(disable_custom_all_reduce=False), GPU1, 1, "one rank"),
-    (ParallelConfig(), torch.device("cpu"), 2, "gloo"),  # on by default, never on CPUs
+    (ParallelConfig(disable_custom_all_reduce=False), torch.device("cpu"), 2, "gloo"),  # never on CPUs
     (ParallelConfig(disable_custom_all_reduce=False), GPU1, 3, "world size 3"),
     (ParallelConfig(custom_all_reduce_max_bytes=0, disable_custom_all_reduce=False), GPU1, 2, "custom_all_reduce_max_bytes=0"),
 ])
@@ -80,14 +80,18 @@ def test_why_the_symmetric_paths_stay_off(parallel, device, size, said):
     assert said in unavailable_reason(parallel, device, 1, size)
 
 
-def test_the_symmetric_paths_are_on_by_default():
-    """Rank 0's wait for a step is bounded (engine/distributed/step_wait.py), so the flag is off by
-    default everywhere it is set: the engine, its arguments and the Hydra group."""
-    from experiments.lib.config_groups import Parallel
+def test_the_symmetric_paths_are_opt_in_everywhere():
+    """One default everywhere the flag is set (the engine, its arguments, the Hydra group and its
+    YAML): opt-in until the fault tests on GPUs (test_engine_tp_faults_gpu.py) have passed."""
+    from omegaconf import OmegaConf
 
-    assert ParallelConfig().disable_custom_all_reduce is False
-    assert EngineArgs().parallel_config().disable_custom_all_reduce is False
-    assert Parallel().disable_custom_all_reduce is False
+    from experiments.lib.config_groups import Parallel
+    from experiments.lib.paths import REPO_ROOT
+
+    assert ParallelConfig().disable_custom_all_reduce is True
+    assert EngineArgs().parallel_config().disable_custom_all_reduce is True
+    assert Parallel().disable_custom_all_reduce is True
+    assert OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").parallel.disable_custom_all_reduce is True
 
 
 def test_a_torch_without_symmetric_memory_ops_stays_on_nccl(monkeypatch):

@@ -31,7 +31,7 @@ TIMEOUT_S = 10.0
 # one-shot kernel as a replayed graph's.
 ARGS = {"model": "qwen3-0.6b", "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 1024,
         "gpu_memory_utilization": 0.5, "enforce_eager": True, "tensor_parallel_size": 2,
-        "distributed_timeout_s": TIMEOUT_S}
+        "distributed_timeout_s": TIMEOUT_S, "disable_custom_all_reduce": False}
 
 OFFLINE = """
 import json, os, signal, sys, threading, time

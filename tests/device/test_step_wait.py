@@ -93,6 +93,7 @@ def test_the_runner_wait_raises_when_its_worker_is_killed():
                                   tensor_parallel_size=2, distributed_timeout_s=60.0))
     runner = engine.runner
     (worker,) = runner._procs
+    runner.tp.custom = object()  # as if every rank had opened the symmetric buffer: the polled wait
     try:
         threading.Timer(0.2, os.kill, (worker.pid, signal.SIGKILL)).start()
         start = time.monotonic()
@@ -101,6 +102,7 @@ def test_the_runner_wait_raises_when_its_worker_is_killed():
         assert time.monotonic() - start < 10.0  # not the 60 s bound
         assert f"worker 1 (pid {worker.pid}) died during a step with exit code -9" in str(info.value)
     finally:
+        runner.tp.custom = None
         engine.close()
     assert worker.exitcode is not None
 
@@ -129,3 +131,25 @@ def test_after_a_failure_with_symmetric_memory_close_frees_nothing_and_exits_at_
     assert registered == [driver._exit_at_once]
     assert worker.exitcode is not None
     assert not dist.is_initialized()  # the group ended all the same: a new engine can start
+
+
+def test_an_nccl_only_runner_keeps_the_blocking_sync():
+    """Without the symmetric buffer no kernel can spin for good (NCCL's collectives have the
+    group's timeout and the watchdog's abort), so the event is synchronized, not polled."""
+    engine = LLMEngine(EngineArgs(model="tiny-llama", num_gpu_blocks=64, max_model_len=128, swap_space=0.01,
+                                  tensor_parallel_size=2))
+    synced = []
+
+    class Event:
+        def query(self):
+            raise AssertionError("polled")
+
+        def synchronize(self):
+            synced.append(True)
+
+    try:
+        assert engine.runner.tp.custom is None
+        engine.runner.await_event(Event())
+    finally:
+        engine.close()
+    assert synced == [True]
