@@ -92,12 +92,18 @@ class BatchShape:
 def shared_context_tokens(seqs: Iterable[Sequence], block_size: int) -> int:
     """KV entries the sequences' block tables hold in a physical block that an earlier sequence's
     table holds too: the re-reads of a batch that reads every sequence's whole table. Shared blocks
-    are full (a cached prefix, or a forked prompt's blocks), so each counts `block_size` entries."""
-    tables = [seq.block_table for seq in seqs]
+    are full (a cached prefix, or a forked prompt's blocks), so each counts `block_size` entries.
+    A shared run starts at the tables' first block (a prefix hit is a chain from the first block, a
+    fork copies the whole table), so a batch whose first blocks all differ shares nothing and is not
+    walked further: the common case costs one pass over the first blocks."""
+    tables = list(map(_block_table, seqs))  # a decode holds at least the block it writes
+    if len(set(map(_first, tables))) == len(tables):
+        return 0
     return (sum(map(len, tables)) - len(set(chain.from_iterable(tables)))) * block_size
 
 
-_seq = itemgetter(0)
+_seq = _first = itemgetter(0)
+_block_table = attrgetter("block_table")
 _computed = attrgetter("seq.num_computed_tokens")
 _num_new = itemgetter(1)
 _num_samples = itemgetter(2)

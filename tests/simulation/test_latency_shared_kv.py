@@ -47,6 +47,8 @@ def test_shared_entries_are_every_block_an_earlier_table_holds():
     assert shared_context_tokens(seqs, BS) == 2 * 4 * BS  # two tables re-read the 4 prefix blocks
     assert shared_context_tokens(seqs[:1] + seqs[3:], BS) == 0
     assert shared_context_tokens([s.seq for s in _decodes(DISTINCT).scheduled], BS) == 0
+    # Two forks of one prompt (the whole table shared but the last block, copied on write).
+    assert shared_context_tokens([_seq(0, [5, 6, 7], 47), _seq(1, [5, 6, 8], 47)], BS) == 2 * BS
 
 
 def test_batch_shape_counts_shared_entries_of_decodes_only_when_asked():
