@@ -132,11 +132,7 @@ class OperatorModel(LatencyModel):
         if isinstance(decode_wave_programs, bool) or not isinstance(decode_wave_programs, int) or decode_wave_programs < 0:
             raise ValueError(f"latency.decode_wave_programs={decode_wave_programs!r} is invalid: must be an integer >= 0 "
                              "(programs of one wave of the decode kernel; 0: price decodes at the mean context)")
-        if isinstance(kv_reread_cost, bool) or not isinstance(kv_reread_cost, (int, float)) \
-                or not 0 <= kv_reread_cost <= 1:
-            raise ValueError(f"kv_reread_cost={kv_reread_cost!r} is invalid: must be a number in [0, 1]")
-        self.kv_reread_cost = float(kv_reread_cost)
-        self._shared_blocks = block_size if self.prices_shared_reads else 0
+        self.set_reread_cost(kv_reread_cost, block_size)
         self.decode_wave_programs = decode_wave_programs
         self.uses_longest_context = decode_wave_programs > 0
         self.profile, self.tensor_parallel_size = profile, tp

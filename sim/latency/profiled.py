@@ -49,11 +49,7 @@ class ProfiledModel(LatencyModel):
         times are those of the size it was measured at. `kv_reread_cost` (`Hardware.kv_reread_cost`):
         the profile's decodes read distinct KV, so a decode batch's shared KV entries are priced as
         that fraction of a distinct one's."""
-        if isinstance(kv_reread_cost, bool) or not isinstance(kv_reread_cost, (int, float)) \
-                or not 0 <= kv_reread_cost <= 1:
-            raise ValueError(f"kv_reread_cost={kv_reread_cost!r} is invalid: must be a number in [0, 1]")
-        self.kv_reread_cost = float(kv_reread_cost)
-        self._shared_blocks = block_size if self.prices_shared_reads else 0
+        self.set_reread_cost(kv_reread_cost, block_size)
         path = Path(path)
         self.path = path
         self.meta, rows = read_profile(path)

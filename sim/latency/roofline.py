@@ -59,8 +59,7 @@ class RooflineModel(LatencyModel):
                                   + hardware.swap_block_overhead_s)
         self._swap_latency_s = hardware.swap_latency_s
         self._decode_fixed_s: dict[tuple[int, int], float] = {}  # decode_times' part per (seqs, samples)
-        self.kv_reread_cost = hardware.kv_reread_cost
-        self._shared_blocks = block_size if self.prices_shared_reads else 0
+        self.set_reread_cost(hardware.kv_reread_cost, block_size)
 
     def step_time(self, out: SchedulerOutput) -> float:
         return self.shape_time(BatchShape.of(out, block_size=self._shared_blocks))
