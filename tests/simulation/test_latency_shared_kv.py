@@ -105,3 +105,22 @@ def test_bad_l2_bandwidth_is_named(value):
 def test_bad_reread_cost_is_named(value):
     with pytest.raises(ValueError, match="kv_reread_cost"):
         ProfiledModel(PROFILE, BS, kv_reread_cost=value)
+
+
+def test_bench_shares_each_groups_prefix_and_solves_the_reread_cost():
+    torch = pytest.importorskip("torch")
+    from experiments.bench_shared_kv import reread_cost, share_prefix, shared_entries
+    tables = torch.arange(24).view(4, 6)
+    shared = share_prefix(tables, 2, 2)
+    assert shared[:, :2].tolist() == [[0, 1], [6, 7], [0, 1], [6, 7]]
+    assert torch.equal(shared[:, 2:], tables[:, 2:])
+    assert shared_entries(4, 2 * BS, 2) == 2 * 2 * BS
+    # 1 ms fixed + 1 us per entry; the shared entries at 0.4 of a fresh one.
+    per_entry, fixed, batch, ctx, n = 1e-6, 1e-3, 4, 96, 2 * 2 * BS
+    t = lambda entries: fixed + per_entry * entries
+    cost = reread_cost(t(batch * ctx), t(batch * ctx - 0.6 * n), t(batch * (ctx + 32)), batch, 32, n)
+    assert cost == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="groups=5"):
+        share_prefix(tables, 2, 5)
+    with pytest.raises(ValueError, match="no time per KV entry"):
+        reread_cost(1.0, 0.9, 1.0, batch, 32, n)
