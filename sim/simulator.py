@@ -49,7 +49,7 @@ import simpy
 
 from policies.outputs import SameTokens
 from policies.request import Request
-from sim.latency.base import LatencyModel
+from sim.latency.base import LatencyModel, shared_context_tokens
 
 SIM_TOKEN = 1
 MAX_RUN_STEPS = 1 << 16  # steps per fast-forwarded decode run at most
@@ -246,6 +246,10 @@ class Simulator:
         longest = {}  # the longest decode's context (one token more each step), for models that price it
         if self.latency.uses_longest_context:
             longest["max_context_tokens"] = max(s.num_computed_tokens for s in sched.queues.running) + 1
+        shared = {}  # the batch's re-read KV entries (the same every step), for models that price them
+        if self.latency.prices_shared_reads:
+            block_size = sched.block_manager.block_size
+            shared["num_shared_context_tokens"] = shared_context_tokens(sched.queues.running, block_size)
         times, until = [start], self._next_arrival_at
         # Price about as many steps as fit before the arrival, judged by the last run's step time.
         guess = self._step_time_guess
@@ -258,7 +262,7 @@ class Simulator:
             num_steps = min(chunk, limit + 1 - len(times))
             grown = {k: v + len(times) - 1 for k, v in longest.items()}
             step_times = self.latency.decode_times(num_seqs, context + (len(times) - 1) * num_seqs,
-                                                   num_seqs, num_steps, **grown)
+                                                   num_seqs, num_steps, **grown, **shared)
             if step_times is None:
                 return None
             times.extend(islice(accumulate(step_times, initial=times[-1]), 1, None))

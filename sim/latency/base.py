@@ -10,11 +10,13 @@ re-schedules the recomputed tokens as prefill, which `step_time` prices.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter, itemgetter
 
 from policies.outputs import SchedulerOutput
+from policies.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -33,10 +35,31 @@ class BatchShape:
     # c + 1 of the longest decode (0: not computed): a program-per-sequence decode kernel's time on a
     # small batch follows it rather than num_context_tokens.
     max_context_tokens: int = 0
+    # KV entries of the decodes that another decode of the batch reads too (0: not computed): the
+    # entries of every physical block a decode's block table shares with an earlier decode's (a
+    # cached prefix, a forked prompt). The attention kernel reads such a block from HBM once and
+    # the other sequences' reads hit L2 (`Hardware.kv_reread_cost`).
+    num_shared_context_tokens: int = 0
+
+    def kv_read_tokens(self, reread_cost: float) -> float:
+        """The decodes' KV entries as fresh HBM reads: every entry once, the shared re-reads at
+        `reread_cost` of a fresh one."""
+        if not self.num_shared_context_tokens:
+            return self.num_context_tokens
+        return self.num_context_tokens - (1.0 - reread_cost) * self.num_shared_context_tokens
 
     @classmethod
-    def of(cls, out: SchedulerOutput, longest: bool = False) -> BatchShape:
-        """`longest`: also find the longest decode context (one more pass over a decode-only batch)."""
+    def of(cls, out: SchedulerOutput, longest: bool = False, block_size: int = 0) -> BatchShape:
+        """`longest`: also find the longest decode context (one more pass over a decode-only batch);
+        `block_size` > 0: also count the decodes' shared KV entries (`shared_context_tokens`)."""
+        shape = cls._of(out, longest)
+        if block_size and shape.num_decode_seqs > 1:
+            decodes = out.scheduled if not shape.num_prefill_seqs else [s for s in out.scheduled if s[1] == 1]
+            shape.num_shared_context_tokens = shared_context_tokens(map(_seq, decodes), block_size)
+        return shape
+
+    @classmethod
+    def _of(cls, out: SchedulerOutput, longest: bool) -> BatchShape:
         scheduled = out.scheduled
         n = len(scheduled)
         # This runs every simulated step: the totals come from the scheduler (or run in C, with map
@@ -66,6 +89,21 @@ class BatchShape:
                    tuple(chunks), longest_c)
 
 
+def shared_context_tokens(seqs: Iterable[Sequence], block_size: int) -> int:
+    """KV entries the sequences' block tables hold in a physical block that an earlier sequence's
+    table holds too: the re-reads of a batch that reads every sequence's whole table. Shared blocks
+    are full (a cached prefix, or a forked prompt's blocks), so each counts `block_size` entries.
+    A shared run starts at the tables' first block (a prefix hit is a chain from the first block, a
+    fork copies the whole table), so a batch whose first blocks all differ shares nothing and is not
+    walked further: the common case costs one pass over the first blocks."""
+    tables = list(map(_block_table, seqs))  # a decode holds at least the block it writes
+    if len(set(map(_first, tables))) == len(tables):
+        return 0
+    return (sum(map(len, tables)) - len(set(chain.from_iterable(tables)))) * block_size
+
+
+_seq = _first = itemgetter(0)
+_block_table = attrgetter("block_table")
 _computed = attrgetter("seq.num_computed_tokens")
 _num_new = itemgetter(1)
 _num_samples = itemgetter(2)
@@ -89,13 +127,37 @@ class LatencyModel(ABC):
     # after another before the scheduler sees them (sim/simulator.py); 0: not modelled.
     admission_s: float = 0.0
 
+    # The fraction of a fresh KV read's cost that a decode pays to re-read a block another decode of
+    # the batch reads (`BatchShape.num_shared_context_tokens`); 1.0: re-reads priced as fresh reads,
+    # and the simulator does not count shared blocks.
+    kv_reread_cost: float = 1.0
+    _shared_blocks: int = 0
+
+    def set_reread_cost(self, kv_reread_cost: float, block_size: int) -> None:
+        """Price re-reads of shared KV blocks (of `block_size` tokens) at `kv_reread_cost` of a fresh
+        read (`Hardware.kv_reread_cost`); `_shared_blocks` is the block size `BatchShape.of` counts
+        shared entries with, 0 when they cost a fresh read."""
+        if isinstance(kv_reread_cost, bool) or not isinstance(kv_reread_cost, (int, float)) \
+                or not 0 <= kv_reread_cost <= 1:
+            raise ValueError(f"kv_reread_cost={kv_reread_cost!r} is invalid: must be a number in [0, 1]")
+        self.kv_reread_cost = float(kv_reread_cost)
+        self._shared_blocks = block_size if self.prices_shared_reads else 0
+
+    @property
+    def prices_shared_reads(self) -> bool:
+        """Whether step prices depend on the batch's shared KV blocks: the simulator then counts them
+        (`BatchShape.of(block_size=...)`, `decode_times(num_shared_context_tokens=...)`)."""
+        return self.kv_reread_cost < 1.0
+
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
-                     num_steps: int, max_context_tokens: int = 0) -> list[float] | None:
+                     num_steps: int, max_context_tokens: int = 0,
+                     num_shared_context_tokens: int = 0) -> list[float] | None:
         """Step times of `num_steps` consecutive decode-only steps of one batch, each equal to
         `step_time` of that step's output: step s runs `num_seqs` decodes (no copies) reading
         `num_context_tokens + s * num_seqs` KV entries, the longest `max_context_tokens + s` (0: not
-        given), and sampling `num_samples` tokens. None (the default) when the model cannot tell
-        without the outputs: the simulator then steps one by one."""
+        given), `num_shared_context_tokens` of them re-reads of blocks another decode reads (the same
+        every step: new tokens go to private blocks), and sampling `num_samples` tokens. None (the
+        default) when the model cannot tell without the outputs: the simulator then steps one by one."""
         return None
 
     def total_time(self, out: SchedulerOutput) -> float:
@@ -109,9 +171,11 @@ class LatencyModel(ABC):
 
 
 def shape_decode_times(shape_time: Callable[[BatchShape], float], num_seqs: int, num_context_tokens: int,
-                       num_samples: int, num_steps: int, max_context_tokens: int = 0) -> list[float]:
+                       num_samples: int, num_steps: int, max_context_tokens: int = 0,
+                       num_shared_context_tokens: int = 0) -> list[float]:
     """`LatencyModel.decode_times` for a model that prices a `BatchShape` (`shape_time`)."""
     end = num_context_tokens + num_steps * num_seqs
     grow = 1 if max_context_tokens else 0
-    return [shape_time(BatchShape(0, 0, 0, 0, num_seqs, context, num_samples, 0, (), max_context_tokens + s * grow))
+    return [shape_time(BatchShape(0, 0, 0, 0, num_seqs, context, num_samples, 0, (), max_context_tokens + s * grow,
+                                  num_shared_context_tokens))
             for s, context in enumerate(range(num_context_tokens, end, num_seqs))]

@@ -102,14 +102,16 @@ class OperatorModel(LatencyModel):
                    token_sizes=token_sizes, sync_host_s=config.sync_host_s,
                    sync_host_per_seq_s=config.sync_host_per_seq_s, async_scheduling=setup.async_scheduling,
                    decode_wave_programs=config.decode_wave_programs, decode_splits=setup.decode_splits,
-                   max_model_len=setup.max_model_len)
+                   max_model_len=setup.max_model_len, kv_reread_cost=setup.hardware.kv_reread_cost)
 
     def __init__(self, profile: OperatorProfile, model: ModelShape, block_size: int,
                  tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0,
                  batch_sizes: list[int] | None = None, token_sizes: list[int] | None = None,
                  sync_host_s: float = 0.0, sync_host_per_seq_s: float = 0.0, async_scheduling: bool = True,
                  decode_wave_programs: int = 0, decode_splits: Callable[[int, int, int], int] | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, kv_reread_cost: float = 1.0) -> None:
+        """`kv_reread_cost` (`Hardware.kv_reread_cost`): decode attention is profiled on distinct KV,
+        so a batch's shared KV entries count as that fraction of a distinct one's (`decode_context`)."""
         missing = [op for op in REQUIRED if not profile.has(op)]
         if missing:
             raise ValueError(f"operator profile {[str(p) for p in profile.paths]} lacks op {missing}: take the "
@@ -130,6 +132,7 @@ class OperatorModel(LatencyModel):
         if isinstance(decode_wave_programs, bool) or not isinstance(decode_wave_programs, int) or decode_wave_programs < 0:
             raise ValueError(f"latency.decode_wave_programs={decode_wave_programs!r} is invalid: must be an integer >= 0 "
                              "(programs of one wave of the decode kernel; 0: price decodes at the mean context)")
+        self.set_reread_cost(kv_reread_cost, block_size)
         self.decode_wave_programs = decode_wave_programs
         self.uses_longest_context = decode_wave_programs > 0
         self.profile, self.tensor_parallel_size = profile, tp
@@ -180,21 +183,23 @@ class OperatorModel(LatencyModel):
         self.swaps = [profile.grid(op) for op in ("swap_out", "swap_in") if profile.has(op)]
 
     def step_time(self, out: SchedulerOutput) -> float:
+        shape = BatchShape.of(out, self.uses_longest_context, self._shared_blocks)
         if not out.scheduled:
-            return self.shape_time(BatchShape.of(out, self.uses_longest_context))
+            return self.shape_time(shape)
         waits = not (self.async_scheduling and out.ahead)
-        return self.shape_time(BatchShape.of(out, self.uses_longest_context)) + (self.sync_host(len(out.scheduled)) if waits else 0.0)
+        return self.shape_time(shape) + (self.sync_host(len(out.scheduled)) if waits else 0.0)
 
     def sync_host(self, num_seqs: int) -> float:
         """Host seconds of a step of `num_seqs` sequences that was not scheduled ahead."""
         return self.sync_host_s + self.sync_host_per_seq_s * num_seqs
 
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
-                     num_steps: int, max_context_tokens: int = 0) -> list[float]:
+                     num_steps: int, max_context_tokens: int = 0,
+                     num_shared_context_tokens: int = 0) -> list[float]:
         """A fast-forward runs from a step scheduled ahead (async scheduling), else every step waits
         for the host (sim/simulator.py)."""
         times = shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps,
-                                   max_context_tokens)
+                                   max_context_tokens, num_shared_context_tokens)
         if self.async_scheduling:
             return times
         host = self.sync_host(num_seqs)
@@ -265,9 +270,10 @@ class OperatorModel(LatencyModel):
         return max(t, self.decode(1, longest * self.lone_splits / splits))
 
     def decode_context(self, s: BatchShape) -> float:
-        """The per-sequence context decode attention is priced at: the mean, moved towards the
-        longest by the idle fraction of the kernel's wave."""
-        mean = max(s.num_context_tokens / s.num_decode_seqs, 1.0)
+        """The per-sequence context decode attention is priced at: the mean (shared entries at
+        `kv_reread_cost`, `BatchShape.kv_read_tokens`), moved towards the longest by the idle
+        fraction of the kernel's wave."""
+        mean = max(s.kv_read_tokens(self.kv_reread_cost) / s.num_decode_seqs, 1.0)
         if not self.decode_wave_programs or s.max_context_tokens <= mean:
             return mean
         idle = 1.0 - s.num_decode_seqs * self.model.num_key_value_heads / self.decode_wave_programs

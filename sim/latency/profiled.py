@@ -37,14 +37,19 @@ class ProfiledModel(LatencyModel):
     @classmethod
     def from_config(cls, config: ProfiledConfig, setup: LatencySetup) -> ProfiledModel:
         return cls(config.path, setup.block_size, model_name=setup.model.name,
-                   tensor_parallel_size=setup.tensor_parallel_size, async_scheduling=setup.async_scheduling)
+                   tensor_parallel_size=setup.tensor_parallel_size, async_scheduling=setup.async_scheduling,
+                   kv_reread_cost=setup.hardware.kv_reread_cost)
 
     def __init__(self, path: str | Path, block_size: int, model_name: str | None = None,
-                 async_scheduling: bool | None = None, tensor_parallel_size: int = 1) -> None:
+                 async_scheduling: bool | None = None, tensor_parallel_size: int = 1,
+                 kv_reread_cost: float = 1.0) -> None:
         """`async_scheduling`: the runs' scheduler mode, checked against the profile's (a profile
         without the key was taken synchronously); `tensor_parallel_size`: the runs' GPUs per model,
         checked against the profile's `tensor_parallel_size` (1 when absent): a profile's step
-        times are those of the size it was measured at."""
+        times are those of the size it was measured at. `kv_reread_cost` (`Hardware.kv_reread_cost`):
+        the profile's decodes read distinct KV, so a decode batch's shared KV entries are priced as
+        that fraction of a distinct one's."""
+        self.set_reread_cost(kv_reread_cost, block_size)
         path = Path(path)
         self.path = path
         self.meta, rows = read_profile(path)
@@ -95,13 +100,14 @@ class ProfiledModel(LatencyModel):
     def step_time(self, out: SchedulerOutput) -> float:
         if not out.scheduled:
             return 0.0
-        return self.shape_time(BatchShape.of(out, longest=self.uses_longest_context),
+        return self.shape_time(BatchShape.of(out, self.uses_longest_context, self._shared_blocks),
                                sync=self.sync_grid is not None and not out.ahead)
 
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
-                     num_steps: int, max_context_tokens: int = 0) -> list[float]:
+                     num_steps: int, max_context_tokens: int = 0,
+                     num_shared_context_tokens: int = 0) -> list[float]:
         return shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps,
-                                  max_context_tokens)
+                                  max_context_tokens, num_shared_context_tokens)
 
     def shape_time(self, b: BatchShape, sync: bool = False) -> float:
         """Step time of a batch that schedules something (`sync`: not scheduled ahead, priced from
@@ -109,7 +115,8 @@ class ProfiledModel(LatencyModel):
         p, d = b.num_prefill_tokens, b.num_decode_seqs
         if p == 0 and self.graph_sizes:
             d = next((s for s in self.graph_sizes if s >= d), d)
-        t = self.lookup(p, d, b.num_context_tokens, self.sync_grid if sync else None, b.max_context_tokens)
+        context = b.kv_read_tokens(self.kv_reread_cost)
+        t = self.lookup(p, d, context, self.sync_grid if sync else None, b.max_context_tokens)
         if p and self.pad_token_s:
             t += self.pad_token_s * (padded(p + d, self.token_sizes) - p - d)
         if p and self.prefill_schedule is not None and self.prefill_tile_s and b.prefill_chunks:

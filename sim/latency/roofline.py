@@ -6,8 +6,9 @@ with bw = `hbm_bandwidth`, rate = peak FLOP/s for the model dtype, eb = `bandwid
 1. GEMMs: bytes = every layer's weights + the LM head (`ModelShape.step_weight_bytes`);
    flops = 2 * tokens * linear_params + 2 * samples * vocab * hidden; efficiency `gemm_efficiency`.
 2. Elementwise kernels (norms, RoPE, activation, residuals): bytes = tokens * activation bytes/token.
-3. Decode attention (q == 1): bytes = (sum of c + 1) KV entries read; flops = 4 L H D per
-   (query, key) pair; efficiency `attention_efficiency`.
+3. Decode attention (q == 1): bytes = (sum of c + 1) KV entries read, an entry of a block another
+   decode of the batch reads too at `Hardware.kv_reread_cost` of a fresh one (L2, not HBM);
+   flops = 4 L H D per (query, key) pair; efficiency `attention_efficiency`.
 4. Prefill attention (q > 1): bytes = (sum of c + q) KV entries (the prefix read plus the new
    tokens written and read); flops = 4 L H D * sum(q c + q (q + 1) / 2) (causal).
 Plus copy-on-write copies (read + write a block each) and a fixed `step_overhead_s`.
@@ -19,7 +20,7 @@ Swap: `swap_latency_s + n * (block_bytes / host_link_bandwidth + swap_block_over
 from __future__ import annotations
 
 from policies.outputs import SchedulerOutput
-from sim.latency.base import BatchShape, LatencyModel
+from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
 from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
 from sim.latency.shapes import Hardware, ModelShape
 from sim.latency.tensor_parallel import TPCommCost, shard_shape
@@ -58,9 +59,10 @@ class RooflineModel(LatencyModel):
                                   + hardware.swap_block_overhead_s)
         self._swap_latency_s = hardware.swap_latency_s
         self._decode_fixed_s: dict[tuple[int, int], float] = {}  # decode_times' part per (seqs, samples)
+        self.set_reread_cost(hardware.kv_reread_cost, block_size)
 
     def step_time(self, out: SchedulerOutput) -> float:
-        return self.shape_time(BatchShape.of(out))
+        return self.shape_time(BatchShape.of(out, block_size=self._shared_blocks))
 
     def shape_time(self, b: BatchShape) -> float:
         tokens = b.num_prefill_tokens + b.num_decode_seqs
@@ -73,15 +75,19 @@ class RooflineModel(LatencyModel):
             if self.tensor_parallel_size > 1:
                 t += self.comm.step_s(tokens, b.num_samples)
         if b.num_decode_seqs:
-            ctx = b.num_context_tokens
-            t += max(ctx * self._kv_s_per_token, ctx * self._attn_s_per_pair)
+            t += max(b.kv_read_tokens(self.kv_reread_cost) * self._kv_s_per_token,
+                     b.num_context_tokens * self._attn_s_per_pair)
         if b.num_prefill_tokens:
             kv = b.prefill_context_tokens + b.num_prefill_tokens
             t += max(kv * self._kv_s_per_token, b.prefill_attention_pairs * self._attn_s_per_pair)
         return t
 
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
-                     num_steps: int, max_context_tokens: int = 0) -> list[float]:
+                     num_steps: int, max_context_tokens: int = 0,
+                     num_shared_context_tokens: int = 0) -> list[float]:
+        if num_shared_context_tokens and self.prices_shared_reads:
+            return shape_decode_times(self.shape_time, num_seqs, num_context_tokens, num_samples, num_steps,
+                                      max_context_tokens, num_shared_context_tokens)
         # shape_time of a decode-only batch with its context-independent part computed once, in the
         # same order, so that every step time is bit-identical to step_time's. For ctx >= 0,
         # max(ctx * kv, ctx * attn) == ctx * max(kv, attn) exactly: rounding is monotone.

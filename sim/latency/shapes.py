@@ -60,10 +60,21 @@ class Hardware:
     # KV-transfer paths between replicas (prefill/decode disaggregation): name -> Link, e.g. nvlink
     # (GPUs of one host) and network (GPUs of different hosts); `cluster.link` picks one.
     links: dict[str, Link] | None = None
+    # B/s at which decode attention re-reads a KV block that another sequence of the same batch read
+    # from HBM (a shared prefix: served from L2); None: re-reads priced as fresh HBM reads.
+    l2_bandwidth: float | None = None
+
+    @property
+    def kv_reread_cost(self) -> float:
+        """The cost of re-reading a shared KV block as a fraction of a fresh read's: hbm_bandwidth /
+        l2_bandwidth (at most 1), 1.0 without an `l2_bandwidth`."""
+        if self.l2_bandwidth is None:
+            return 1.0
+        return min(1.0, self.hbm_bandwidth / self.l2_bandwidth)
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], where: str = "hardware") -> Hardware:
-        optional = ("interconnect_bandwidth", "interconnect_latency_s", "links")
+        optional = ("interconnect_bandwidth", "interconnect_latency_s", "links", "l2_bandwidth")
         values = {f.name: cfg.get(f.name) if f.name in optional else _require(cfg, f.name, where)
                   for f in fields(cls)}
         for f in fields(cls):

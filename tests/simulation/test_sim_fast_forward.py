@@ -3,7 +3,8 @@
 Property test: random small workloads (arrival ties with step ends, parallel sampling, stop tokens
 equal to the simulator's token, min_tokens, forced output lengths, tiny KV pools that preempt)
 through every registered policy (requests with tenants) x block manager x preemption mode, chunked prefill and async scheduling on and off, with the
-roofline model, both profiled models and a dyadic model whose step ends often coincide exactly
+roofline model (which prices re-reads of shared KV blocks below fresh reads), the profiled models
+(one of them pricing shared re-reads too) and a dyadic model whose step ends often coincide exactly
 with arrivals. Both paths must give equal request rows, step rows, events, clock and final block
 pools. Plus: the fast path does cover most steps, the written trace files are byte-identical, and
 the scheduler refuses a fast-forward it did not allow.
@@ -102,6 +103,8 @@ def latency_model(name: str, block_size: int, ahead: bool = False) -> LatencyMod
         return OperatorModel(profile, ModelShape.from_dict(_conf("model", "tiny-qwen3")), block_size,
                              batch_sizes=[1, 2, 4, 8], token_sizes=[16, 32, 64], sync_host_s=1e-4,
                              sync_host_per_seq_s=3e-6, async_scheduling=ahead)
+    if name == "shared-reads":  # re-reads of a batch's shared KV blocks priced below fresh reads
+        return ProfiledModel(ROOT / "experiments/profiles/h200-qwen3-0.6b.csv", block_size, kv_reread_cost=0.45)
     if name.endswith("-async") and not ahead:
         name = name.removesuffix("-async")  # a profile is taken in the runs' scheduling mode
     return ProfiledModel(ROOT / f"experiments/profiles/{name}.csv", block_size)
@@ -124,7 +127,7 @@ def cases(draw):
                                   max_num_seqs=draw(st.integers(1, 8)), max_model_len=MAX_MODEL_LEN,
                                   enable_chunked_prefill=chunked, async_scheduling=draw(st.booleans())),
         "latency": draw(st.sampled_from(["roofline", "dyadic", "dyadic", "example-synthetic", "h200-qwen3-0.6b",
-                                         "h200-qwen3-0.6b-async", "batch-shape", "operators"])),
+                                         "h200-qwen3-0.6b-async", "batch-shape", "operators", "shared-reads"])),
         "admission_s": draw(st.sampled_from([0.0, 0.0, 3 / 1024])),  # the host's cost per admitted request
     }
     shared = list(range(500, 500 + MAX_MODEL_LEN))
