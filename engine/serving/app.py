@@ -30,7 +30,7 @@ from engine.offline.tokenizer import encode_prompt
 from engine.serving.chat import ChatTemplate, load_chat_template
 from engine.serving.chat_completions import create_chat_completion
 from engine.serving.completions import create_completion
-from engine.serving.errors import APIError, bad_value, validation_error
+from engine.serving.errors import APIError, bad_value, parse_request, validation_error
 from engine.serving.guards import RequestGuard, default_max_body_bytes
 from engine.serving.metrics import CONTENT_TYPE, ServingMetrics
 from engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -169,13 +169,15 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] | None = None,
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
+    # The bodies are parsed here (engine/serving/errors.py: parse_request), not by FastAPI: one pass of
+    # pydantic's JSON validator instead of json.loads, then validation, then FastAPI's dependencies.
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, http: Request):
-        return await create_completion(ctx, req, http)
+    async def completions(http: Request):
+        return await create_completion(ctx, parse_request(await http.body(), CompletionRequest), http)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, http: Request):
-        return await create_chat_completion(ctx, req, http)
+    async def chat_completions(http: Request):
+        return await create_chat_completion(ctx, parse_request(await http.body(), ChatCompletionRequest), http)
 
     cap = default_max_body_bytes(ctx.max_model_len) if max_request_body_bytes is None else max_request_body_bytes
     RequestGuard(app, cap, api_keys)  # the values checked now, not at the first request
