@@ -152,11 +152,11 @@ def front_cpu(out: Path, baseline: str | None, rounds: int, requests: int, promp
     from experiments.lib import frontend_cpu
 
     runs = _probe_trees(frontend_cpu, out, baseline, rounds, ["--requests", str(requests), "--prompt-len", str(prompt_len)])
-    lines = ["| tree | to first chunk p50 (us) | whole request p50 (us) |", "|---|---|---|"]
+    keys = list(next(iter(runs.values()))[0])
+    lines = ["| tree | " + " | ".join(f"{k} p50 (us)" for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name, results in runs.items():
-        first = [x for r in results for x in r["to_first_chunk"]]
-        whole = [x for r in results for x in r["whole"]]
-        lines.append(f"| {name} | {1e6 * np.median(first):.1f} | {1e6 * np.median(whole):.1f} |")
+        cells = [f"{1e6 * np.median([x for r in results for x in r[k]]):.1f}" for k in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     (out / "front_cpu.json").write_text(json.dumps(runs) + "\n")
 

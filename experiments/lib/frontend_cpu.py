@@ -10,7 +10,10 @@ at a time: `to_first_chunk` (the call to the first SSE chunk with a choice: the 
 checked, the request built and handed over, the first output turned into a chunk) and `whole`
 (to the end of the response). What is left is what the server's event loop spends of its own on
 the way to a first token, the part no transport or engine hides, measured with little noise.
-Writes {"to_first_chunk": [seconds, ...], "whole": [...]} as JSON.
+`--wire 10 256`: also, per engine step with that many streams running, the core's packing and framing
+of the step's outputs (`core_<n>`) and the front end's unpickling and rebuilding of them
+(`front_<n>`), the per-step price of the pipe between them (engine/online/output_wire.py).
+Writes {"to_first_chunk": [seconds, ...], "whole": [...], "core_<n>": [...], "front_<n>": [...]} as JSON.
 """
 from __future__ import annotations
 
@@ -121,14 +124,66 @@ async def measure(prompt_len: int, tokens: int, requests: int, warmup: int = 200
     return {"to_first_chunk": first, "whole": whole}
 
 
+def wire(streams: int, steps: int = 300) -> dict[str, list[float]]:
+    """Per step, with `streams` requests running: the core packing their outputs and framing the
+    message (`core`), and the front end unpickling it and rebuilding the outputs (`front`). A tree
+    from before engine/online/output_wire.py is measured as its core and client did it: every
+    output in full."""
+    import pickle
+    from types import SimpleNamespace
+
+    from engine.online.core_channel import frame
+
+    def outputs(step: int) -> list[RequestOutput]:
+        return [RequestOutput(f"cmpl-{i:032x}", None, [1] * 560, [CompletionOutput(0, "", [1000 + step], None)],
+                              False, RequestMetrics(1.0, 1.5, 2.0, None, 0), 0, None) for i in range(streams)]
+
+    try:
+        from engine.online.output_wire import OutputPacker, OutputReader
+
+        packer, reader = OutputPacker(), OutputReader()
+        pack_all = lambda outs: [packer.pack(o) for o in outs]
+        read = lambda packed: list(reader.read(packed, []))
+    except ImportError:
+        from engine.online.engine_core import pack, step_outputs
+
+        seen: set[str] = set()
+        prompts: dict = {}
+
+        def pack_all(outs):
+            packed = [pack(o, o.request_id not in seen) for o in outs]
+            seen.update(o.request_id for o in outs)
+            return packed
+
+        def read(packed):
+            return list(step_outputs(prompts, SimpleNamespace(outputs=packed, finished=[])))
+
+    core, front = [], []
+    for step in range(steps):
+        outs = outputs(step)
+        t0 = time.perf_counter()
+        data = frame(pack_all(outs))
+        t1 = time.perf_counter()
+        read(pickle.loads(data[8:]))
+        t2 = time.perf_counter()
+        if step:  # the first step carries every prompt
+            core.append(t1 - t0)
+            front.append(t2 - t1)
+    return {f"core_{streams}": core, f"front_{streams}": front}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="frontend_cpu.json")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--prompt-len", type=int, default=560, help="token ids per prompt")
     ap.add_argument("--tokens", type=int, default=4, help="output tokens per request (one chunk each)")
+    ap.add_argument("--wire", type=int, nargs="*", default=[10, 256],
+                    help="also time the core's output messages per step with this many streams")
     a = ap.parse_args()
     result = asyncio.run(measure(a.prompt_len, a.tokens, a.requests))
+    for streams in a.wire:
+        result.update(wire(streams))
     with open(a.out, "w") as f:
         json.dump(result, f)
 
