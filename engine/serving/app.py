@@ -169,15 +169,17 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] | None = None,
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
-    # The bodies are parsed here (engine/serving/errors.py: parse_request), not by FastAPI: one pass of
-    # pydantic's JSON validator instead of json.loads, then validation, then FastAPI's dependencies.
-    @app.post("/v1/completions")
-    async def completions(http: Request):
+    # The generation routes are plain starlette routes whose bodies are parsed here
+    # (engine/serving/errors.py: parse_request): one pass of pydantic's JSON validator, instead of
+    # FastAPI's json.loads, validation and dependency solving on every request's way to its first token.
+    async def completions(http: Request) -> Response:
         return await create_completion(ctx, parse_request(await http.body(), CompletionRequest), http)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: Request):
+    async def chat_completions(http: Request) -> Response:
         return await create_chat_completion(ctx, parse_request(await http.body(), ChatCompletionRequest), http)
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     cap = default_max_body_bytes(ctx.max_model_len) if max_request_body_bytes is None else max_request_body_bytes
     RequestGuard(app, cap, api_keys)  # the values checked now, not at the first request
