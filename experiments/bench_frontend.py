@@ -144,14 +144,14 @@ def latency(out: Path, baseline: str | None, rounds: int, requests: int, backgro
     (out / "latency.json").write_text(json.dumps({"samples": samples, "frontend_us_per_chunk": chunk_cost}) + "\n")
 
 
-def front_cpu(out: Path, baseline: str | None, rounds: int, requests: int, prompt_len: int) -> None:
+def front_cpu(out: Path, baseline: str | None, rounds: int, requests: int, prompt_len: int, tokens: int) -> None:
     """The front end's own CPU per request (experiments/lib/frontend_cpu.py), each tree `rounds`
     times, alternating; p50 per tree and the change."""
     import numpy as np
 
     from experiments.lib import frontend_cpu
 
-    runs = _probe_trees(frontend_cpu, out, baseline, rounds, ["--requests", str(requests), "--prompt-len", str(prompt_len)])
+    runs = _probe_trees(frontend_cpu, out, baseline, rounds, ["--requests", str(requests), "--prompt-len", str(prompt_len), "--tokens", str(tokens)])
     keys = list(next(iter(runs.values()))[0])
     lines = ["| tree | " + " | ".join(f"{k} p50 (us)" for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name, results in runs.items():
@@ -201,7 +201,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--modes", nargs="+", default=["in-process", "thread", "process"],
                     choices=["in-process", "thread", "process"])
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=None,
+                    help="output tokens per request (64; --front-cpu: 4, one chunk each)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per mode and client count (modes alternate)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--latency", action="store_true", help="TTFT added per layer (see above) instead")
@@ -220,7 +221,7 @@ def main() -> None:
     a = ap.parse_args()
     out = a.out or Path("outputs/bench_frontend") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
     if a.front_cpu:
-        front_cpu(out, a.baseline, a.rounds, a.requests or 2000, a.prompt_len or 560)
+        front_cpu(out, a.baseline, a.rounds, a.requests or 2000, a.prompt_len or 560, a.output_len or 4)
         return
     if a.latency:
         latency(out, a.baseline, a.rounds, a.requests or 200, a.background, a.prompt_len or 32)
@@ -230,7 +231,7 @@ def main() -> None:
     for clients in a.clients:
         for r in range(a.repeats):
             for mode in a.modes:
-                row = one_run(args, mode, clients, a.output_len, out / f"{mode}_{clients}_{r}")
+                row = one_run(args, mode, clients, a.output_len or 64, out / f"{mode}_{clients}_{r}")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     (out / "frontend.json").write_text(json.dumps(rows, indent=2) + "\n")
