@@ -111,3 +111,36 @@ def test_the_timeline_splits_each_request_at_generate_and_at_its_first_token():
     r = row.iloc[0]
     assert r["way_in"] + r["engine"] + r["way_out"] == pytest.approx(r["server"]) == pytest.approx(written - called)
     assert r["way_in"] == pytest.approx(arrival - called) and r["engine"] == ttft
+
+
+def test_a_requests_gaps_observed_at_once_expose_as_one_by_one():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from engine.serving.metrics import ITL_BUCKETS, observe_all
+
+    gaps = [0.0, -1.0, 1e9, *ITL_BUCKETS[:-1], *(0.0004 * k for k in range(1, 400))]
+
+    def exposition(observe) -> list[str]:
+        registry = CollectorRegistry()
+        child = Histogram("itl", "gaps", ["model_name"], registry=registry, buckets=ITL_BUCKETS).labels("m")
+        observe(child)
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+    def one_by_one(child) -> None:
+        for gap in gaps:
+            child.observe(gap)
+
+    expected = exposition(one_by_one)
+    assert exposition(lambda child: observe_all(child, gaps)) == expected
+    assert exposition(lambda child: observe_all(child, [])) == exposition(lambda child: None)
+
+    class Plain:  # a histogram without prometheus_client's bucket fields: observed one by one
+        def __init__(self) -> None:
+            self.seen: list[float] = []
+
+        def observe(self, value: float) -> None:
+            self.seen.append(value)
+
+    plain = Plain()
+    observe_all(plain, gaps)
+    assert plain.seen == gaps
