@@ -16,6 +16,11 @@ frontend_latency.py: the engine alone, AsyncLLMEngine in a thread and with its o
 from a raw-socket client and from aiohttp, uvicorn on plain asyncio + h11, the engine in the
 server's thread) and prints each layer's TTFT and what it adds over the engine's; `--baseline REF`
 measures the tree of commit REF in the same run, rounds alternating (before / after a change).
+
+`--front-cpu [--baseline REF]` times the front end's own CPU per streamed request: the app called
+as uvicorn calls it, over a host that answers at once (experiments/lib/frontend_cpu.py: no socket,
+no process hop, no model), so what it measures is the event loop's work on the way to the first
+chunk (body parsing and checks, the request handed over, the chunk built), with little noise.
 """
 from __future__ import annotations
 
@@ -88,43 +93,72 @@ def one_run(args: EngineArgs, mode: str, clients: int, output_len: int, out: Pat
             "active_s": active_s, "wall_s": seconds}
 
 
-def latency(out: Path, baseline: str | None, rounds: int, requests: int, background: int,
-            prompt_len: int = 32) -> None:
-    """Each tree (REF's, extracted with `git archive`, and this one) `rounds` times, alternating."""
+def _probe_trees(probe_module, out: Path, baseline: str | None, rounds: int, args: list[str]) -> dict[str, list[dict]]:
+    """Run the probe (a copy of `probe_module`'s file outside any package) `rounds` times for each
+    tree (REF's, extracted with `git archive`, and this one), alternating; each run's JSON per tree."""
     import shutil
     import tempfile
 
-    from experiments.lib import baseline_tree, frontend_latency
+    from experiments.lib import baseline_tree
 
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="frontend_latency_"))
-    probe = work / "frontend_latency.py"  # a copy outside any package (see its docstring)
-    shutil.copy(frontend_latency.__file__, probe)
+    work = Path(tempfile.mkdtemp(prefix="frontend_probe_"))
+    probe = work / Path(probe_module.__file__).name
+    shutil.copy(probe_module.__file__, probe)
     root = Path(__file__).resolve().parent.parent
     trees = {"this tree": root}
     if baseline is not None:
         tree = baseline_tree.extract(baseline, work / "baseline")
         trees = {f"baseline {baseline}": tree, **trees}
-    samples: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
-    chunk_cost: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
     for r in range(rounds):
         for name, tree in trees.items():
-            path = out / f"latency_{name.split()[-1].replace(' ', '_')}_{r}.json"
+            path = out / f"{probe.stem}_{name.split()[-1].replace(' ', '_')}_{r}.json"
             env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-            subprocess.run([sys.executable, str(probe), "--out", str(path), "--requests", str(requests),
-                            "--background", str(background), "--prompt-len", str(prompt_len)],
-                           check=True, env=env, cwd=work)
-            for key, value in json.loads(path.read_text()).items():
+            subprocess.run([sys.executable, str(probe), "--out", str(path), *args], check=True, env=env, cwd=work)
+            runs[name].append(json.loads(path.read_text()))
+            print(f"round {r} {name}: done", flush=True)
+    shutil.rmtree(work)
+    return runs
+
+
+def latency(out: Path, baseline: str | None, rounds: int, requests: int, background: int,
+            prompt_len: int = 32) -> None:
+    """Each tree (REF's and this one) `rounds` times, alternating."""
+    from experiments.lib import frontend_latency
+
+    runs = _probe_trees(frontend_latency, out, baseline, rounds,
+                        ["--requests", str(requests), "--background", str(background), "--prompt-len", str(prompt_len)])
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in runs}
+    chunk_cost: dict[str, dict[str, list[float]]] = {name: {} for name in runs}
+    for name, results in runs.items():
+        for result in results:
+            for key, value in result.items():
                 if key == "frontend_us_per_chunk":
                     for k, v in value.items():
                         chunk_cost[name].setdefault(k, []).append(v)
                 else:
                     samples[name].setdefault(key, []).extend(value)
-            print(f"round {r} {name}: done", flush=True)
-    shutil.rmtree(work)
     print(latency_table(samples, chunk_cost))
     (out / "latency.json").write_text(json.dumps({"samples": samples, "frontend_us_per_chunk": chunk_cost}) + "\n")
+
+
+def front_cpu(out: Path, baseline: str | None, rounds: int, requests: int, prompt_len: int, tokens: int) -> None:
+    """The front end's own CPU per request (experiments/lib/frontend_cpu.py), each tree `rounds`
+    times, alternating; p50 per tree and the change."""
+    import numpy as np
+
+    from experiments.lib import frontend_cpu
+
+    runs = _probe_trees(frontend_cpu, out, baseline, rounds, ["--requests", str(requests), "--prompt-len", str(prompt_len), "--tokens", str(tokens)])
+    keys = list(next(iter(runs.values()))[0])
+    lines = ["| tree | " + " | ".join(f"{k} p50 (us)" for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for name, results in runs.items():
+        cells = [f"{1e6 * np.median([x for r in results for x in r[k]]):.1f}" for k in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    (out / "front_cpu.json").write_text(json.dumps(runs) + "\n")
 
 
 def latency_table(samples: dict[str, dict[str, list[float]]], chunk_cost: dict[str, dict[str, list[float]]]) -> str:
@@ -167,28 +201,37 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--modes", nargs="+", default=["in-process", "thread", "process"],
                     choices=["in-process", "thread", "process"])
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=None,
+                    help="output tokens per request (64; --front-cpu: 4, one chunk each)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per mode and client count (modes alternate)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--latency", action="store_true", help="TTFT added per layer (see above) instead")
-    ap.add_argument("--baseline", default=None, help="with --latency: also measure this commit's tree")
-    ap.add_argument("--rounds", type=int, default=3, help="with --latency: runs per tree (trees alternate)")
-    ap.add_argument("--requests", type=int, default=200, help="with --latency: requests per path and run")
+    ap.add_argument("--front-cpu", action="store_true",
+                    help="the front end's own CPU per request (no sockets, no engine) instead")
+    ap.add_argument("--baseline", default=None, help="with --latency or --front-cpu: also measure this commit's tree")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="with --latency or --front-cpu: runs per tree (trees alternate)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="with --latency: requests per path and run (200); --front-cpu: per run (2000)")
     ap.add_argument("--background", type=int, default=16,
                     help="with --latency: streams for the front end's CPU per chunk (0: skip)")
-    ap.add_argument("--prompt-len", type=int, default=32,
-                    help="with --latency: token ids per prompt (the path's cost grows with it; up to 1,800)")
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="with --latency (32; up to 1,800 on tiny-llama) or --front-cpu (560): token ids per "
+                         "prompt (the path's cost grows with it)")
     a = ap.parse_args()
     out = a.out or Path("outputs/bench_frontend") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    if a.front_cpu:
+        front_cpu(out, a.baseline, a.rounds, a.requests or 2000, a.prompt_len or 560, a.output_len or 4)
+        return
     if a.latency:
-        latency(out, a.baseline, a.rounds, a.requests, a.background, a.prompt_len)
+        latency(out, a.baseline, a.rounds, a.requests or 200, a.background, a.prompt_len or 32)
         return
     args = EngineArgs(model=a.model, device=a.device, num_gpu_blocks=4096, max_model_len=512, max_num_seqs=256)
     rows = []
     for clients in a.clients:
         for r in range(a.repeats):
             for mode in a.modes:
-                row = one_run(args, mode, clients, a.output_len, out / f"{mode}_{clients}_{r}")
+                row = one_run(args, mode, clients, a.output_len or 64, out / f"{mode}_{clients}_{r}")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     (out / "frontend.json").write_text(json.dumps(rows, indent=2) + "\n")

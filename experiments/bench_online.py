@@ -44,6 +44,7 @@ from experiments.lib import factory
 from experiments.lib.engine_backend import device_name, engine_args, free_device, get_engine, release_engine
 from experiments.lib.fidelity_report import relative_error
 from experiments.lib.fidelity_spec import compose_cfg
+from experiments.lib.request_timeline import TimedApp, hops, summary, with_client
 from experiments.lib.run_workload import run
 from experiments.lib.serving_calibration import calibrate
 from experiments.lib.traces import load_run
@@ -145,7 +146,8 @@ def main() -> None:
     server_stats: list = []  # the server's RequestStats of each ended request, for the calibration
     served.add_finished_observer(server_stats.append)
 
-    with ServerThread(build_app(served, str(cfg.model.name))) as server:
+    timed = TimedApp(build_app(served, str(cfg.model.name)))  # each request's hops (request_timeline.py)
+    with ServerThread(timed) as server:
         if a.frontend == "process":
             _server_run(server.url, [*common, *offline], out / "server_warmup")  # kernels compile in the core
         else:
@@ -165,9 +167,12 @@ def main() -> None:
             if a.frontend == "thread":
                 fresh_scheduler()
             server_stats.clear()
+            timed.times.clear()
             srv = _server_run(server.url, overrides, out / f"{name}_server")
             row: dict[str, Any] = {"load": load, "rate_req_s": float(overrides[-1].split("=")[1]),
                                    "requests": int(overrides[-2].split("=")[1]), "server": _latencies(srv)}
+            row["timeline"] = summary(with_client(hops(timed.times, server_stats),
+                                                  load_run(out / f"{name}_server").requests))
             if name in CALIBRATION:
                 served_points[name] = (load_run(out / f"{name}_server").requests, list(server_stats))
             if name == CALIBRATION[0]:
@@ -227,6 +232,12 @@ def report(meta: dict[str, Any], r: dict[str, Any]) -> str:
         (f"| TTFT p50 at 0.3x capacity: server / in-process | {t['server']['ttft_p50_ms']:.1f} / "
         f"{t['engine']['ttft_p50_ms']:.1f} ms ({t['ttft_p50_diff_ms']:+.2f} ms) | <= +2 ms |"),
     ]
+    tl = t.get("timeline")
+    if tl and tl.get("requests"):
+        lines.append(
+            f"| TTFT at 0.3x, hop by hop (p50 of {tl['requests']} requests): HTTP in to generate() / engine / "
+            f"first token to chunk written / client and transport | {tl['way_in']['p50_ms']:.2f} / "
+            f"{tl['engine']['p50_ms']:.2f} / {tl['way_out']['p50_ms']:.2f} / {tl['client_rest']['p50_ms']:.2f} ms | |")
     c = r["serving_path"]
     jitter = c["ttft_jitter_s"]
     p10, p90 = np.interp([0.1, 0.9], (np.arange(len(jitter)) + 0.5) / len(jitter), jitter)

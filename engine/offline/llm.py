@@ -20,8 +20,11 @@ _ALLOWED = ("a string, a non-empty list of token ids, {'prompt': str} or {'promp
 
 
 def _is_token_ids(p: object) -> bool:
-    return isinstance(p, (list, tuple)) and bool(p) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in p)
+    if not isinstance(p, (list, tuple)) or not p:
+        return False
+    # One pass in C over the element types (a server's prompt is hundreds of ids, checked on the
+    # way to its first token); the per-element test only where some id is not a plain int.
+    return set(map(type, p)) == {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[str | list[int]]:

@@ -12,7 +12,8 @@ ends, the front end reads and writes its ends from its event loop):
   None to stop.
 - core -> front end: `CoreInfo` once (or `CoreFailed` if the engine could not be built), then one
   `CoreStep` per step that produced anything: per-request errors, how many arrivals were taken,
-  the outputs in a compact form (`pack`: no prompt tokens after the first, no objects), the
+  the outputs in a compact form (engine/online/output_wire.py: no objects, each prompt once, a
+  running stream's new token as its id, tokens and text), the
   `RequestStats` of the requests that ended, and the engine's counters; `CoreFailed` if the loop
   dies. Text is decoded in the core, where stop strings must be matched before the next step.
   While it steps, the core sends a `CoreStep` at least every `HEARTBEAT_S` even when its steps
@@ -36,16 +37,13 @@ from dataclasses import dataclass
 
 from engine.engine_args import EngineArgs
 from engine.offline.llm_engine import _tokenizer_source
-from engine.offline.outputs import CompletionOutput, RequestMetrics, RequestOutput, short_error
+from engine.offline.outputs import RequestOutput, short_error
 from engine.offline.tokenizer import load_tokenizer
 from engine.online.core_channel import LoopChannel, read_message, readable, write_message
 from engine.online.engine_stats import EngineStats, RequestStats, StatsTracker
 from engine.online.host import hand_over
+from engine.online.output_wire import OutputPacker, OutputReader, PackedOutput
 from policies.routing.replica_report import ReplicaReport, report
-
-# (request_id, finished, prompt text or None, prompt token ids or None (sent once), samples, metrics,
-# num_cached_tokens, error); a sample is (index, text, token_ids, finish_reason, stop_reason, logprobs).
-PackedOutput = tuple
 
 HEARTBEAT_S = 1.0  # the longest a stepping core stays silent
 
@@ -73,25 +71,10 @@ class CoreFailed:
 class CoreStep:
     errors: dict[str, Exception]  # request id -> why add_request refused it (host.hand_over)
     num_taken: int  # arrivals taken off the inbox (admitted or refused)
-    outputs: list[PackedOutput]
+    outputs: list[PackedOutput]  # engine/online/output_wire.py
     finished: list[RequestStats]
     stats: EngineStats
     report: ReplicaReport  # the scheduler's state after the step, for a router in front of replicas
-
-
-def pack(output: RequestOutput, with_prompt: bool) -> PackedOutput:
-    m = output.metrics
-    samples = [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in output.outputs]
-    return (output.request_id, output.finished, output.prompt if with_prompt else None,
-            output.prompt_token_ids if with_prompt else None, samples,
-            (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions),
-            output.num_cached_tokens, output.error)
-
-
-def unpack(packed: PackedOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
-    request_id, finished, _, _, samples, metrics, num_cached, error = packed
-    return RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(*s) for s in samples],
-                         finished, RequestMetrics(*metrics), num_cached, error)
 
 
 def _failure(exc: BaseException) -> CoreFailed:
@@ -142,7 +125,7 @@ def serve(engine, keep_trace: bool, inbox: int, outbox: int, sent_index: set[int
     """The core's loop: take the batches, step, send what the step gave (`sent_index`: the prefix
     index as last reported, or None: not reported)."""
     tracker = StatsTracker(engine, keep_trace)
-    seen: set[str] = set()  # requests whose prompt went out with a first output
+    packer = OutputPacker()
     last_sent = time.monotonic()
     try:
         while True:
@@ -163,14 +146,7 @@ def serve(engine, keep_trace: bool, inbox: int, outbox: int, sent_index: set[int
             if not (outputs or errors or taken or batches or (stepped and now - last_sent >= HEARTBEAT_S)):
                 continue
             last_sent = now
-            packed = []
-            for o in outputs:
-                first = o.request_id not in seen
-                if o.finished:
-                    seen.discard(o.request_id)
-                elif first:
-                    seen.add(o.request_id)
-                packed.append(pack(o, first))
+            packed = [packer.pack(o) for o in outputs]
             finished = [tracker.finished(o) for o in outputs if o.finished]
             write_message(outbox, CoreStep(errors, taken, packed, finished, _stats(engine, tracker),
                                            report(engine.scheduler, sent_index)))
@@ -227,10 +203,10 @@ class EngineCoreClient:
         self.info: CoreInfo = first
         self.channel = LoopChannel(self._inbox.fileno(), self._outbox.fileno())
         self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))
-        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # the core sends each prompt once
+        self._reader = OutputReader()  # what the core sent once per request (its prompt)
 
     def outputs(self, step: CoreStep) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
-        return step_outputs(self._prompts, step)
+        return self._reader.read(step.outputs, step.finished)
 
     @property
     def alive(self) -> bool:
@@ -251,19 +227,6 @@ class EngineCoreClient:
             _stop(self.process, self._inbox, timeout_s)
         self._inbox.close()
         self._outbox.close()
-
-
-def step_outputs(prompts: dict[str, tuple[str | None, list[int]]],
-                 step: CoreStep) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
-    """The step's outputs as RequestOutputs (with their prompts), each with its RequestStats if it
-    ended. `prompts`: the prompts the core sent so far (it sends each once), kept by the client."""
-    records = {r.request_id: r for r in step.finished}
-    for packed in step.outputs:
-        request_id, finished, prompt, prompt_ids = packed[:4]
-        if prompt_ids is not None:
-            prompts[request_id] = (prompt, prompt_ids)
-        prompt, prompt_ids = prompts.pop(request_id) if finished else prompts.get(request_id, (None, []))
-        yield unpack(packed, prompt, prompt_ids), records.get(request_id)
 
 
 def _stop(process, inbox, timeout_s: float) -> None:

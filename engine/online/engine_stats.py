@@ -40,6 +40,7 @@ class RequestStats:
     inter_token_latencies: list[float]  # seconds between consecutive steps that brought tokens
     e2e: float  # seconds from generate() to the final output
     replica: int | None = None  # the data-parallel replica that served it (engine/online/replica_set.py)
+    arrival: float | None = None  # time.monotonic() at generate() (a request's timeline, across processes)
 
 
 @dataclass(slots=True)
@@ -116,7 +117,7 @@ class StatsTracker:
         return RequestStats(output.request_id, output.outputs[0].finish_reason if output.outputs else None,
                             len(output.prompt_token_ids), timing.num_tokens,
                             times[0] - timing.arrival if times else None,
-                            [b - a for a, b in pairwise(times)], end - timing.arrival)
+                            [b - a for a, b in pairwise(times)], end - timing.arrival, arrival=timing.arrival)
 
     def snapshot(self, num_pending: int) -> EngineStats:
         with self._lock:

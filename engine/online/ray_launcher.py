@@ -27,7 +27,8 @@ from engine.engine_args import EngineArgs
 from engine.offline.llm_engine import _tokenizer_source
 from engine.offline.tokenizer import load_tokenizer
 from engine.online.core_channel import read_message, readable, write_message
-from engine.online.engine_core import CoreStep, serve, step_outputs
+from engine.online.engine_core import CoreStep, serve
+from engine.online.output_wire import OutputReader
 from engine.online.process_host import ProcessHost
 from engine.online.replica_set import REPLICA_LAUNCHERS, Replica
 
@@ -151,11 +152,11 @@ class RayCoreClient:
             raise RuntimeError(f"the engine actor could not build the engine: {cause}") from None
         self.channel = RayChannel(self.actor)
         self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))
-        self._prompts: dict[str, tuple[str | None, list[int]]] = {}
+        self._reader = OutputReader()
         self._gone = False
 
     def outputs(self, step: CoreStep):
-        return step_outputs(self._prompts, step)
+        return self._reader.read(step.outputs, step.finished)
 
     @property
     def alive(self) -> bool:

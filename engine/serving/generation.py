@@ -54,7 +54,8 @@ def sampling_params(fields: SamplingFields, prompt_len: int, max_model_len: int,
         raise APIError(400, f"{max_field}={max_tokens} is invalid: the prompt ({prompt_len} tokens) plus "
                        f"{max_field} exceeds max_model_len={max_model_len}", max_field)
     try:
-        return SamplingParams(**fields.sampling_kwargs(max_tokens, logprobs))
+        # Delta outputs, as `Generation` asks for them: built so once, not copied again in generate().
+        return SamplingParams(**fields.sampling_kwargs(max_tokens, logprobs), output_kind="delta")
     except (TypeError, ValueError) as exc:
         raise bad_value(ValueError(str(exc)), renames) from None
 

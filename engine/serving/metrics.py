@@ -18,7 +18,9 @@ replicas.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
+from math import inf
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -132,9 +134,7 @@ class ServingMetrics:
         key = (self.model_name,) if self._replica_ids is None else (self.model_name, str(request.replica))
         if request.ttft is not None:
             self.ttft.labels(*key).observe(request.ttft)
-        itl = self.itl.labels(*key)
-        for gap in request.inter_token_latencies:
-            itl.observe(gap)
+        observe_all(self.itl.labels(*key), request.inter_token_latencies)
         self.e2e.labels(*key).observe(request.e2e)
         self.finished.labels(*key, finish_reason_label(request.finish_reason)).inc()
 
@@ -147,3 +147,24 @@ def finish_reason_label(reason: str | None) -> str:
     if reason is None or reason.startswith("abort"):
         return "abort"
     return reason
+
+
+def observe_all(histogram: Any, values: Sequence[float]) -> None:
+    """`histogram.observe(v)` for every value, with one increment per bucket hit: a request's
+    hundreds of inter-token gaps are observed at its end, on the event loop that streams every
+    response, and prometheus_client's `observe` walks the buckets and takes a lock per value. Falls
+    back to `observe` per value where the histogram's buckets are not where this expects them."""
+    bounds, buckets, total = (getattr(histogram, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets) or bounds[-1] != inf:
+        for value in values:
+            histogram.observe(value)
+        return
+    if not values:
+        return
+    total.inc(sum(values))
+    ordered, below = sorted(values), 0
+    for bound, bucket in zip(bounds, buckets):  # a value counts in the first bucket whose bound it is <=
+        upto = bisect_right(ordered, bound)
+        if upto > below:
+            bucket.inc(upto - below)
+            below = upto

@@ -316,7 +316,7 @@ def test_a_stopped_server_ends_open_streams_cleanly(sig):
 def test_core_messages_carry_cached_tokens_and_errors():
     """A request's error and cached-token count cross the core process's pipe."""
     from engine.offline.outputs import CompletionOutput, RequestOutput
-    from engine.online.engine_core import pack, unpack
+    from engine.online.output_wire import pack, unpack
 
     out = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [], "abort:error")], True,
                         num_cached_tokens=16, error="RuntimeError: boom")

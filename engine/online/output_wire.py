@@ -1,0 +1,94 @@
+"""A step's outputs on their way from the engine core to the front end: what crosses the pipe.
+
+Each step the core sends one output per request that made progress; with many streams open that
+is hundreds per step, pickled by the core and unpickled and turned back into `RequestOutput`s by
+the front end's event loop, the same loop that writes every stream's chunks. Most of them are
+one new token of one running request whose other facts did not change since the core last sent
+them, so `OutputPacker` (the core's side) sends those as `(request_id, token_ids, text)` and the
+rest in full: a request's first output (with its prompt, sent once), its last, and any whose
+samples, logprobs, error, cached-token count or metrics (preemptions) are new. `OutputReader`
+(the front end's side) keeps what was sent in full per request until its last output, and builds
+the same `RequestOutput` from either form (tests/serving/test_output_wire.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from engine.offline.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.online.engine_stats import RequestStats
+
+# In full: (request_id, finished, prompt text or None, prompt token ids or None (sent once), samples,
+# metrics, num_cached_tokens, error); a sample is (index, text, token_ids, finish_reason, stop_reason,
+# logprobs). Compact: (request_id, token_ids, text), sample 0 of a request already known.
+PackedOutput = tuple
+
+
+def _metrics(output: RequestOutput) -> tuple:
+    m = output.metrics
+    return m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions
+
+
+def pack(output: RequestOutput, with_prompt: bool) -> PackedOutput:
+    """An output in full (`with_prompt`: its prompt too)."""
+    samples = [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in output.outputs]
+    return (output.request_id, output.finished, output.prompt if with_prompt else None,
+            output.prompt_token_ids if with_prompt else None, samples, _metrics(output),
+            output.num_cached_tokens, output.error)
+
+
+def unpack(packed: PackedOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+    """An output sent in full, with its request's prompt."""
+    request_id, finished, _, _, samples, metrics, num_cached, error = packed
+    return RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(*s) for s in samples],
+                         finished, RequestMetrics(*metrics), num_cached, error)
+
+
+class OutputPacker:
+    """The core's side: each output in the compact form where the front end can rebuild it."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple] = {}  # request id -> (metrics, num_cached_tokens) as last sent in full
+
+    def pack(self, output: RequestOutput) -> PackedOutput:
+        request_id = output.request_id
+        known = self._sent.get(request_id)
+        if output.finished:
+            self._sent.pop(request_id, None)
+            return pack(output, known is None)
+        state = (_metrics(output), output.num_cached_tokens)
+        if known == state and output.error is None and len(output.outputs) == 1:
+            c = output.outputs[0]
+            if c.index == 0 and c.finish_reason is None and c.logprobs is None:
+                return request_id, c.token_ids, c.text
+        self._sent[request_id] = state
+        return pack(output, known is None)
+
+
+class OutputReader:
+    """The front end's side: `RequestOutput`s from either form, with their prompts."""
+
+    def __init__(self) -> None:
+        # request id -> (prompt, prompt token ids, metrics, num_cached_tokens) as last sent in full
+        self._known: dict[str, tuple] = {}
+
+    def read(self, outputs: list[PackedOutput],
+             finished: list[RequestStats]) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
+        """Each output of a step, with its request's RequestStats if it ended (`finished`)."""
+        known = self._known
+        records = {r.request_id: r for r in finished} if finished else {}
+        for packed in outputs:
+            request_id = packed[0]
+            if len(packed) == 3:
+                prompt, prompt_ids, metrics, num_cached = known[request_id]
+                sample = CompletionOutput(0, packed[2], packed[1], None, None, None)
+                yield (RequestOutput(request_id, prompt, prompt_ids, [sample], False, RequestMetrics(*metrics),
+                                     num_cached), None)
+                continue
+            finished_now, prompt, prompt_ids = packed[1], packed[2], packed[3]
+            if prompt_ids is None:
+                prompt, prompt_ids = known[request_id][:2] if request_id in known else (None, [])
+            if finished_now:
+                known.pop(request_id, None)
+            else:
+                known[request_id] = (prompt, prompt_ids, packed[5], packed[6])
+            yield unpack(packed, prompt, prompt_ids), records.get(request_id)

@@ -1,0 +1,192 @@
+"""The HTTP front end's own CPU per streamed request, without sockets, processes or a model.
+
+`python frontend_cpu.py --out FILE [--prompt-len N] [--requests N]` (a copy of this file outside
+any package, run with PYTHONPATH at the tree to measure: `experiments.bench_frontend --front-cpu`
+runs it for this tree and for a baseline commit, so it imports only the engine's public API)
+calls the app of `build_app` as uvicorn would (one ASGI call per request, the body in one message)
+over an `AsyncLLMEngine` whose host answers at once: each request's outputs come on the next loop
+turns, one token each (`--tokens`, default 4). Times per request, on one event loop, one request
+at a time: `to_first_chunk` (the call to the first SSE chunk with a choice: the body parsed and
+checked, the request built and handed over, the first output turned into a chunk) and `whole`
+(to the end of the response). What is left is what the server's event loop spends of its own on
+the way to a first token, the part no transport or engine hides, measured with little noise.
+`--wire 10 256`: also, per engine step with that many streams running, the core's packing and framing
+of the step's outputs (`core_<n>`) and the front end's unpickling and rebuilding of them
+(`front_<n>`), the per-step price of the pipe between them (engine/online/output_wire.py).
+Writes {"to_first_chunk": [seconds, ...], "whole": [...], "core_<n>": [...], "front_<n>": [...]} as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from engine.offline.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.online.async_llm_engine import AsyncLLMEngine
+from engine.online.engine_stats import EngineStats, RequestStats
+from engine.online.host import EngineHost, ModelInfo, StepResult
+from engine.serving.app import build_app
+
+MODEL = "front-cpu"
+
+
+class InstantHost(EngineHost):
+    """A host whose 'engine' gives one token per loop turn to each request, from the turn after it
+    is handed over (no process, no model)."""
+
+    info = ModelInfo(MODEL, 1 << 16, 32000, None, 20)
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    def bind(self, loop, sink) -> None:
+        self.loop, self.sink = loop, sink
+
+    @property
+    def is_running(self) -> bool:
+        return True
+
+    def add(self, request) -> None:
+        self.loop.call_soon(self._emit, request, 0)
+
+    def _emit(self, request, i: int) -> None:
+        last = i == self.tokens - 1
+        sample = CompletionOutput(0, "", [7], "length" if last else None, None, None)
+        output = RequestOutput(request.request_id, None, request.prompt, [sample], last,
+                               RequestMetrics(0.0, 0.0, 0.0, 0.0 if last else None, 0), 0, None)
+        record = RequestStats(request.request_id, "length", len(request.prompt), self.tokens, 1e-3,
+                              [1e-3] * (self.tokens - 1), 1e-3 * self.tokens) if last else None
+        self.sink(StepResult({}, [(output, record)]))
+        if not last:
+            self.loop.call_soon(self._emit, request, i + 1)
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def num_waiting(self) -> int:
+        return 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0)
+
+    def health_problem(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        pass
+
+
+def scope_for(body: bytes) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+            "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())],
+            "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000)}
+
+
+async def measure(prompt_len: int, tokens: int, requests: int, warmup: int = 200) -> dict[str, list[float]]:
+    app = build_app(AsyncLLMEngine(InstantHost(tokens)), MODEL)
+    body = json.dumps({"model": MODEL, "prompt": [1 + i % 250 for i in range(prompt_len)], "max_tokens": tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    scope = scope_for(body)
+    first: list[float] = []
+    whole: list[float] = []
+
+    async def one() -> None:
+        delivered, t_first = False, None
+        t0 = time.perf_counter()
+
+        async def receive() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # the client stays: cancelled when the response ends
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            nonlocal t_first
+            if t_first is None and message["type"] == "http.response.body" and b'"choices":[{' in message["body"]:
+                t_first = time.perf_counter() - t0
+
+        await app(dict(scope), receive, send)
+        first.append(t_first)
+        whole.append(time.perf_counter() - t0)
+
+    for _ in range(warmup):
+        await one()
+    first.clear()
+    whole.clear()
+    for _ in range(requests):
+        await one()
+    return {"to_first_chunk": first, "whole": whole}
+
+
+def wire(streams: int, steps: int = 300) -> dict[str, list[float]]:
+    """Per step, with `streams` requests running: the core packing their outputs and framing the
+    message (`core`), and the front end unpickling it and rebuilding the outputs (`front`). A tree
+    from before engine/online/output_wire.py is measured as its core and client did it: every
+    output in full."""
+    import pickle
+    from types import SimpleNamespace
+
+    from engine.online.core_channel import frame
+
+    def outputs(step: int) -> list[RequestOutput]:
+        return [RequestOutput(f"cmpl-{i:032x}", None, [1] * 560, [CompletionOutput(0, "", [1000 + step], None)],
+                              False, RequestMetrics(1.0, 1.5, 2.0, None, 0), 0, None) for i in range(streams)]
+
+    try:
+        from engine.online.output_wire import OutputPacker, OutputReader
+
+        packer, reader = OutputPacker(), OutputReader()
+        pack_all = lambda outs: [packer.pack(o) for o in outs]
+        read = lambda packed: list(reader.read(packed, []))
+    except ImportError:
+        from engine.online.engine_core import pack, step_outputs
+
+        seen: set[str] = set()
+        prompts: dict = {}
+
+        def pack_all(outs):
+            packed = [pack(o, o.request_id not in seen) for o in outs]
+            seen.update(o.request_id for o in outs)
+            return packed
+
+        def read(packed):
+            return list(step_outputs(prompts, SimpleNamespace(outputs=packed, finished=[])))
+
+    core, front = [], []
+    for step in range(steps):
+        outs = outputs(step)
+        t0 = time.perf_counter()
+        data = frame(pack_all(outs))
+        t1 = time.perf_counter()
+        read(pickle.loads(data[8:]))
+        t2 = time.perf_counter()
+        if step:  # the first step carries every prompt
+            core.append(t1 - t0)
+            front.append(t2 - t1)
+    return {f"core_{streams}": core, f"front_{streams}": front}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="frontend_cpu.json")
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--prompt-len", type=int, default=560, help="token ids per prompt")
+    ap.add_argument("--tokens", type=int, default=4, help="output tokens per request (one chunk each)")
+    ap.add_argument("--wire", type=int, nargs="*", default=[10, 256],
+                    help="also time the core's output messages per step with this many streams")
+    a = ap.parse_args()
+    result = asyncio.run(measure(a.prompt_len, a.tokens, a.requests))
+    for streams in a.wire:
+        result.update(wire(streams))
+    with open(a.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
