@@ -72,6 +72,16 @@ def by_batch(table: pd.DataFrame) -> pd.DataFrame:
     return g.round(3)
 
 
+def totals(table: pd.DataFrame) -> str:
+    """All decode steps of a `residuals` table: the model's error, the host hiccups' share, and the
+    model's error on the other steps."""
+    calm = table[table.hiccup_s == 0]
+    error = (table.model_s.sum() / table.duration.sum() - 1) * 100
+    calm_error = (calm.model_s.sum() / calm.duration.sum() - 1) * 100
+    return (f"decode steps: {len(table)}, engine {table.duration.sum():.3f} s, model {error:+.1f}%; host hiccups "
+            f"{len(table) - len(calm)} steps, {table.hiccup_s.sum() * 1e3:.0f} ms; the other steps: model {calm_error:+.1f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", required=True, help="one scenario's engine run: a folder with steps/requests.parquet")
@@ -82,7 +92,9 @@ def main() -> None:
         if not (run_dir / name).is_file():
             raise SystemExit(f"--runs={args.runs!r} is invalid: no {name} there (an engine run's folder, "
                              "e.g. R/offline/engine)")
-    print(by_batch(residuals(run_dir, args.overrides)).to_string())
+    table = residuals(run_dir, args.overrides)
+    print(by_batch(table).to_string())
+    print(totals(table))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments.lab.operator_residuals import by_batch, step_contexts
+from experiments.lab.operator_residuals import by_batch, step_contexts, totals
 
 
 def test_each_token_after_the_first_is_charged_to_its_step_at_prompt_plus_k():
@@ -35,3 +35,10 @@ def test_by_batch_gives_the_residual_without_the_host_hiccups_beside_it():
     assert g.hiccups.tolist() == [1]
     assert g.residual_us.iloc[0] == pytest.approx(3500.0)
     assert g.calm_residual_us.iloc[0] == pytest.approx(200.0)
+
+
+def test_totals_give_the_models_error_with_and_without_the_hiccup_steps():
+    table = pd.DataFrame({"duration": [2e-3, 12e-3, 2e-3], "model_s": [1.9e-3, 1.9e-3, 1.9e-3],
+                          "hiccup_s": [0.0, 9.9e-3, 0.0]})
+    line = totals(table)
+    assert "model -64.4%" in line and "host hiccups 1 steps, 10 ms" in line and "the other steps: model -5.0%" in line
