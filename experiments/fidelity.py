@@ -56,6 +56,7 @@ from experiments.lib.fidelity_report import (
     target_summary,
 )
 from experiments.lib.fidelity_spec import DEFAULT_SPEC, compose_cfg, load_spec
+from experiments.lib.host_hiccups import hiccups
 from experiments.lib.paths import resolve_path
 from experiments.lib.profiling.host import cpu_probe_us
 from experiments.lib.run_workload import run
@@ -186,10 +187,13 @@ class Fidelity:
         engine = engine_runs[0]  # the first run: per-request tables (ranking), steps, plots
         info = engine[0].get("run", {})
         stalls = engine[2]["duration"][engine[2]["duration"] > STALL_S]
+        hiccup = hiccups(engine[2])
         self.settings.setdefault(name, {}).update(
             {"overrides": [o for o in overrides if o not in self.base], "num_requests": len(workload),
              "num_gpu_blocks": info.get("num_gpu_blocks"), "num_cpu_blocks": info.get("num_cpu_blocks"),
-             "engine_stall_steps": len(stalls), "engine_stall_s": float(stalls.sum())})
+             "engine_stall_steps": len(stalls), "engine_stall_s": float(stalls.sum()),
+             "engine_hiccup_steps": hiccup.steps, "engine_hiccup_s": hiccup.excess_s,
+             "engine_hiccup_pct": hiccup.percent})
         if name == self.spec.get("capacity"):
             self.settings[name]["capacity_output_tok_s"] = self.capacity_tok_s
         tok_s = "/".join(f"{r[0]['output_throughput']:.0f}" for r in engine_runs)

@@ -7,7 +7,8 @@ batch, summed and longest context, and the engine's step time minus the price, b
 The contexts come from the run's requests: a request's k-th token after its first was emitted by
 the step whose record time it carries, which read prompt + k KV entries (c + 1 of
 sim/latency/base.py). Prints per batch-size bin: steps, mean engine and model step, the model's
-decode attention, the residual (engine - model) and the relative error.
+decode attention, the residual (engine - model), the steps that were host hiccups
+(experiments/lib/host_hiccups.py), the residual of the others and the relative error.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def step_contexts(step_times: np.ndarray, prompts: list[int], token_times: list[
 def residuals(run_dir: Path, overrides: list[str]) -> pd.DataFrame:
     from experiments.lib.factory import build_latency
     from experiments.lib.fidelity_spec import compose_cfg
+    from experiments.lib.host_hiccups import decode_only, hiccup_excess
     from sim.latency.base import BatchShape
     from sim.latency.token_padding import padded
 
@@ -44,7 +46,7 @@ def residuals(run_dir: Path, overrides: list[str]) -> pd.DataFrame:
     model = build_latency(compose_cfg(["backend=sim", "latency=operators", "scheduler.async_scheduling=true",
                                        *overrides]))
     decodes = steps.assign(longest=longest)
-    decodes = decodes[(decodes.num_prefill_tokens == 0) & (decodes.num_decode_seqs > 0)]
+    decodes = decodes[decode_only(decodes)].assign(hiccup_s=hiccup_excess(steps))
     layers = model.model.num_hidden_layers
     priced, attention = [], []
     for n, kv, top in zip(decodes.num_decode_seqs, decodes.kv_tokens, decodes.longest, strict=True):
@@ -56,15 +58,28 @@ def residuals(run_dir: Path, overrides: list[str]) -> pd.DataFrame:
 
 
 def by_batch(table: pd.DataFrame) -> pd.DataFrame:
-    table = table.assign(residual_s=table.duration - table.model_s,
+    """Per batch-size bin of a `residuals` table (its `hiccup_s`: `hiccup_excess` of each step)."""
+    table = table.assign(residual_s=table.duration - table.model_s, hiccup=table.hiccup_s > 0,
+                         calm_residual_s=(table.duration - table.model_s).where(table.hiccup_s == 0),
                          batch=pd.cut(table.num_decode_seqs, list(BINS)))
     g = table.groupby("batch", observed=True).agg(steps=("duration", "size"), engine_ms=("duration", "mean"),
                                                   model_ms=("model_s", "mean"), attention_ms=("attention_s", "mean"),
-                                                  residual_us=("residual_s", "mean"))
+                                                  residual_us=("residual_s", "mean"), hiccups=("hiccup", "sum"),
+                                                  calm_residual_us=("calm_residual_s", "mean"))
     g["error_pct"] = (g.model_ms / g.engine_ms - 1) * 100
     g[["engine_ms", "model_ms", "attention_ms"]] *= 1e3
-    g["residual_us"] *= 1e6
+    g[["residual_us", "calm_residual_us"]] *= 1e6
     return g.round(3)
+
+
+def totals(table: pd.DataFrame) -> str:
+    """All decode steps of a `residuals` table: the model's error, the host hiccups' share, and the
+    model's error on the other steps."""
+    calm = table[table.hiccup_s == 0]
+    error = (table.model_s.sum() / table.duration.sum() - 1) * 100
+    calm_error = (calm.model_s.sum() / calm.duration.sum() - 1) * 100
+    return (f"decode steps: {len(table)}, engine {table.duration.sum():.3f} s, model {error:+.1f}%; host hiccups "
+            f"{len(table) - len(calm)} steps, {table.hiccup_s.sum() * 1e3:.0f} ms; the other steps: model {calm_error:+.1f}%")
 
 
 def main() -> None:
@@ -77,7 +92,9 @@ def main() -> None:
         if not (run_dir / name).is_file():
             raise SystemExit(f"--runs={args.runs!r} is invalid: no {name} there (an engine run's folder, "
                              "e.g. R/offline/engine)")
-    print(by_batch(residuals(run_dir, args.overrides)).to_string())
+    table = residuals(run_dir, args.overrides)
+    print(by_batch(table).to_string())
+    print(totals(table))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from experiments.lib.bootstrap import excludes_zero
+from experiments.lib.host_hiccups import MIN_EXCESS_FRACTION, MIN_EXCESS_S, WINDOW
 from experiments.lib.metrics import summarize
 
 # (column, label, summary path, target or None)
@@ -277,6 +278,9 @@ def report_markdown(meta: Mapping[str, Any], table: pd.DataFrame, ranking: list[
         line += f"; {s.get('num_requests')} requests, {s.get('num_gpu_blocks')} GPU blocks"
         if s.get("engine_stall_steps"):
             line += f"; engine stalls: {s['engine_stall_steps']} steps > {stall_s}s, {s['engine_stall_s']:.2f}s"
+        if s.get("engine_hiccup_steps"):
+            line += (f"; engine host hiccups: {s['engine_hiccup_steps']} decode steps, {s['engine_hiccup_s'] * 1e3:.0f} ms "
+                     f"above their neighbours' median ({s['engine_hiccup_pct']:.1f}% of decode time)")
         if s.get("decode_vs_profile"):
             line += f"; decode steps / profile per engine run: {' / '.join(f'{x:.3f}' for x in s['decode_vs_profile'])}"
         if s.get("host_probe_us"):
@@ -290,5 +294,8 @@ def report_markdown(meta: Mapping[str, Any], table: pd.DataFrame, ranking: list[
             f"## Policy ranking (A/B on the engine vs in the simulator)\n\n{ranking_markdown(ranking)}\n"
             f"## Where the time goes (per step kind)\n\n{breakdown_markdown(breakdown)}\n{sections}"
             f"## Scenarios\n\n" + "\n".join(lines) + "\n\nPlots: `<scenario>.png` (CDFs of TTFT, TPOT, E2E; KV "
-            f"usage over time; `cpu_probe_us` in experiments/lib/profiling/host.py is the host CPU gauge). "
+            f"usage over time; `cpu_probe_us` in experiments/lib/profiling/host.py is the host CPU gauge; "
+            f"host hiccups: decode steps above the median of the {WINDOW} around them by more than "
+            f"{MIN_EXCESS_S * 1e3:g} ms and {MIN_EXCESS_FRACTION:.0%}, "
+            f"experiments/lib/host_hiccups.py). "
             f"Traces: `{meta['runs_dir']}`.\n")

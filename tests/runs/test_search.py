@@ -126,7 +126,7 @@ def cli_error(args: list[str], tmp_path, monkeypatch, capsys) -> str:
 
 @pytest.mark.parametrize("overrides, match", [
     (["search.slo.ttft_s=1e-6"], "search.slo.ttft_s=1e-06 is met by no deployment"),
-    (["latency=operators", "search.space.gpu=[h100]"], "search.space.gpu='h100' has no latency data"),
+    (["latency=operators", "search.space.gpu=[a100]"], "search.space.gpu='a100' has no latency data"),
     (["search.space.gpu=[b200]"], "search.space.gpu[0]='b200' is unknown"),
     (["model=llama-3.1-70b", "search.space.gpu=[a100]"], "model.name='llama-3.1-70b' fits no catalogue GPU"),
     (["latency=operators", "latency.gpu=cpu", "latency.dtype=float32", "search.space.tensor_parallel_size=[4]"],
