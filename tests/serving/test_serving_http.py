@@ -213,13 +213,18 @@ def test_concurrent_streams_with_disconnects(server, reference):
     assert_idle(server)
 
 
+QUITTER_MAX_TOKENS = 96  # far beyond a quitter's 2-6 tokens: its hang-up lands before its last token
+
+
 async def streams_with_disconnects(url: str, prompts: list[list[int]], max_tokens: int,
                                    quitters: set[int]) -> list[tuple[int, str, list[int] | None]]:
-    """Every prompt as a greedy stream at once; prompt i of `quitters` hangs up after 2 + i % 5
-    tokens. (index, request id, token ids or None for a quitter) per prompt."""
+    """Every prompt as a greedy stream at once; prompt i of `quitters` asks for QUITTER_MAX_TOKENS
+    and hangs up after 2 + i % 5 tokens (so a loaded machine cannot finish it before the hang-up
+    reaches the engine). (index, request id, token ids or None for a quitter) per prompt."""
     async def one(aclient, i):
         stream = await aclient.completions.create(
-            model=MODEL, prompt=prompts[i], max_tokens=max_tokens, temperature=0, stream=True,
+            model=MODEL, prompt=prompts[i], max_tokens=QUITTER_MAX_TOKENS if i in quitters else max_tokens,
+            temperature=0, stream=True,
             extra_body={"return_token_ids": True, "ignore_eos": True})
         ids, request_id = [], None
         async for chunk in stream:

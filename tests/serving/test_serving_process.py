@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 from test_serving_http import (  # noqa: F401 (its module-scoped fixtures, shared)
     MAX_MODEL_LEN,
     MODEL,
+    QUITTER_MAX_TOKENS,
     TEMPLATE,
     check_full_queue_answers_503_then_serves,
     engine_args,
@@ -131,7 +132,7 @@ def test_concurrent_streams_with_disconnects(server, reference):  # noqa: F811 (
     for i, request_id, ids in results:
         ended = server.ended[request_id]
         if i in quitters:
-            assert ended.finish_reason.startswith("abort") and ended.num_generation_tokens < 24, (i, ended)
+            assert ended.finish_reason.startswith("abort") and ended.num_generation_tokens < QUITTER_MAX_TOKENS, (i, ended)
         else:
             assert ids == want[i].outputs[0].token_ids, i
             assert ended.finish_reason == "length" and ended.num_generation_tokens == 24
