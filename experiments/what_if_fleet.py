@@ -2,8 +2,10 @@
 capacity search (docs/what-if-70b-fleet.md): Llama-3.1-70B on H100 and H200 by default.
 
 Runs `experiments.search` once per latency model: the roofline over every GPU type of the space, and
-the operator model over the GPU types that have an operator profile (`<latency.dir>/<gpu>-<dtype>-*.csv`;
-a tensor-parallel size without collective data is pruned with its reason). Writes each search's
+the operator model over the GPU types that have an operator profile (`<latency.dir>/<gpu>-<dtype>-*.csv`),
+its collectives measured where the profile has them and priced from the interconnect elsewhere
+(`latency.collectives=measured_else_ring`, labelled per row; `latency.collectives=measured` prunes
+the tensor-parallel sizes without collective data instead). Writes each search's
 outputs into `<out>/<latency>/`, `fleet.csv` (both tables, a `latency` column added) and
 `what_if.md`: per GPU type and latency model the data it rests on, the lowest cost per million
 output tokens, the largest capacity and the cheapest deployment for the target rate. OVERRIDES are
@@ -43,15 +45,32 @@ def operator_files(cfg, gpu_hardware: str) -> list[Path]:
     return sorted(directory.glob(f"{gpu_hardware}-{cfg.model.dtype}-*.csv"))
 
 
-def data_basis(cfg, gpu: str, hardware: str, latency: str) -> str:
+OPERATOR_DEFAULTS = ["latency.collectives=measured_else_ring"]
+
+
+def collectives_label(latency_data: str) -> str:
+    """The collectives' source of a table row's `latency_data`, without the files and figures."""
+    for part in str(latency_data).split("; "):
+        if part.startswith("collectives: "):
+            return part.removeprefix("collectives: ").split(" (", 1)[0]
+    return ""
+
+
+def data_basis(cfg, hardware: str, latency: str, rows: pd.DataFrame) -> str:
+    """What one GPU type's rows rest on; `rows` its deployments (their `latency_data`)."""
     if latency == "roofline":
         return (f"roofline over conf/hardware/{hardware}.yaml (peaks and efficiencies; all-reduce from the "
                 "datasheet NVLink bandwidth and latency)")
     files = operator_files(cfg, hardware)
-    worlds = sorted(f.stem.rsplit("-n", 1)[1] for f in files if "collectives" in f.stem)
     compute = [f.name for f in files if "collectives" not in f.stem]
-    return (f"operators timed on the GPU ({', '.join(compute)}); collectives at N = {', '.join(worlds) or 'none'} "
-            "(other TP sizes pruned)")
+    collective_files = [f.name for f in files if "collectives" in f.stem]
+    per_tp = []
+    for tp, t in rows.groupby("tensor_parallel_size"):
+        label = next((collectives_label(x) for x in t.get("latency_data", pd.Series(dtype=str)).fillna("")
+                      if collectives_label(x)), "")
+        per_tp.append(f"TP {tp}: {label or 'pruned: ' + str(t['reason'].iloc[0])[:60]}")
+    return (f"operators timed on the GPU ({', '.join(compute)}); collective rows: "
+            f"{', '.join(collective_files) or 'none'}; collectives priced as {'; '.join(per_tp)}")
 
 
 def summarise(table: pd.DataFrame, target: float) -> list[dict]:
@@ -89,18 +108,19 @@ def per_tp(table: pd.DataFrame) -> str:
     """One replica per GPU type, latency model and TP size: the max_num_seqs of the lowest cost per
     million output tokens (a fleet of n replicas is about n times the capacity at the same cost)."""
     one = table[(table["replicas"] == 1)]
-    lines = ["| GPU | latency model | TP | $/h | capacity (req/s) | $ per million output tokens | max_num_seqs | "
-             "TTFT / TPOT at capacity (p) |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| GPU | latency model | TP | collectives | $/h | capacity (req/s) | $ per million output tokens | "
+             "max_num_seqs | TTFT / TPOT at capacity (p) |", "|---|---|---:|---|---:|---:|---:|---:|---|"]
     for (latency, gpu, tp), t in one.groupby(["latency", "gpu", "tensor_parallel_size"], sort=False):
         ran = t[t["capacity_rps"] > 0]
         if ran.empty:
             why = str(t["reason"].iloc[0])
             reason = (f"pruned: no collective data at N = {tp}" if why.startswith("latency") else
                       "pruned: does not fit" if why.startswith("memory") else "met the SLOs at no rate")
-            lines.append(f"| {gpu} | {latency} | {tp} | {t['dollars_per_hour'].iloc[0]:.2f} | {reason} | | | |")
+            lines.append(f"| {gpu} | {latency} | {tp} | | {t['dollars_per_hour'].iloc[0]:.2f} | {reason} | | | |")
             continue
         r = ran.loc[ran["cost_per_million_output_tokens"].idxmin()]
-        lines.append(f"| {gpu} | {latency} | {tp} | {r['dollars_per_hour']:.2f} | {r['capacity_rps']:.3g} | "
+        comm = collectives_label(r.get("latency_data", "")) or "ring model, datasheet"
+        lines.append(f"| {gpu} | {latency} | {tp} | {comm} | {r['dollars_per_hour']:.2f} | {r['capacity_rps']:.3g} | "
                      f"{r['cost_per_million_output_tokens']:.3f} | {int(r['max_num_seqs'])} | "
                      f"{r['ttft_p']:.2f} s / {r['tpot_p'] * 1e3:.1f} ms |")
     return "\n".join(lines) + "\n"
@@ -121,17 +141,18 @@ def _main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         base = compose("search", [*DEFAULTS, *args.overrides])
         catalogue = OmegaConf.to_container(base.catalogue.gpus, resolve=True)
         gpus = list(base.search.space.gpu)
-        with_ops = [g for g in gpus if operator_files(compose("search", [*DEFAULTS, *args.overrides, "latency=operators"]),
-                                                      catalogue[g]["hardware"])]
-        for latency, searched in (("roofline", gpus), ("operators", with_ops)):
+        ops = [*DEFAULTS, "latency=operators", *OPERATOR_DEFAULTS, *args.overrides]
+        with_ops = [g for g in gpus if operator_files(compose("search", ops), catalogue[g]["hardware"])]
+        for latency, searched, overrides in (("roofline", gpus, [*DEFAULTS, *args.overrides, "latency=roofline"]),
+                                             ("operators", with_ops, ops)):
             if not searched:
                 print(f"{latency}: no GPU type of {gpus} has data; skipped")
                 continue
-            cfg = compose("search", [*DEFAULTS, *args.overrides, f"latency={latency}",
-                                     f"search.space.gpu=[{','.join(searched)}]"])
+            cfg = compose("search", [*overrides, f"search.space.gpu=[{','.join(searched)}]"])
             result = run_search(cfg, args.out / latency)
             t = result.table.assign(latency=latency)
-            t["basis"] = [data_basis(cfg, g, catalogue[g]["hardware"], latency) for g in t["gpu"]]
+            t["basis"] = t["gpu"].map({g: data_basis(cfg, catalogue[g]["hardware"], latency, rows)
+                                       for g, rows in t.groupby("gpu")})
             tables.append(t)
             print(f"{latency}: {len(t)} deployments; cheapest for {cfg.search.target_rate:g} req/s: "
                   f"{describe(result.cheapest) if result.cheapest else 'none'}")

@@ -57,6 +57,8 @@ def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                        fast_forward=cfg.backend.get("fast_forward", True)).run()
     overhead.apply(recorder.requests)
     info = {"num_gpu_blocks": gpu, "num_cpu_blocks": cpu, "latency_model": latency.name}
+    if latency.data_sources():  # what the prices rest on (measured operators, collectives' source)
+        info["latency_data"] = latency.data_sources()
     if not overhead.is_zero:
         info["serving_overhead"] = overhead.describe()
     return BackendRun(result.num_steps, result.sim_time_s, "simulated", info)

@@ -23,6 +23,7 @@ from experiments.lib import factory
 from experiments.lib.fidelity_spec import compose_cfg
 from sim.latency.operator_profile import write_operator_file
 from sim.latency.shapes import Hardware
+from sim.latency.tensor_parallel import RingLink
 
 TINY_S = 1e-12  # per element: what the roofline does not price
 
@@ -75,12 +76,11 @@ def roofline_rows(hw: Hardware, dtype_bytes: int = 2) -> list[dict]:
                  {"op": "swap_in", "bytes": nbytes, "time_s": hw.swap_latency_s + nbytes / hw.host_link_bandwidth}]
     rows += [{"op": "graph_launch", "m": m, "time_s": hw.step_overhead_s} for m in (1, 2)]
     if hw.interconnect_bandwidth is not None and hw.interconnect_latency_s is not None:
-        link, lat = hw.interconnect_bandwidth, hw.interconnect_latency_s
         for n in g["world_sizes"]:
-            ring = (n - 1) / n
+            link = RingLink.of(hw, n)
             for nbytes in g["bytes"]:
-                rows += [{"op": "all_reduce", "bytes": nbytes, "world_size": n, "time_s": lat + 2 * ring * nbytes / link},
-                         {"op": "all_gather", "bytes": nbytes, "world_size": n, "time_s": lat + ring * nbytes / link}]
+                rows += [{"op": "all_reduce", "bytes": nbytes, "world_size": n, "time_s": link.all_reduce_s(nbytes)},
+                         {"op": "all_gather", "bytes": nbytes, "world_size": n, "time_s": link.all_gather_s(nbytes)}]
     return rows
 
 

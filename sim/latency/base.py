@@ -149,6 +149,11 @@ class LatencyModel(ABC):
         (`BatchShape.of(block_size=...)`, `decode_times(num_shared_context_tokens=...)`)."""
         return self.kv_reread_cost < 1.0
 
+    def data_sources(self) -> dict[str, str]:
+        """What the prices rest on, by part (e.g. "compute", "collectives"), one line each, for a
+        run's summary; empty where the config says it all."""
+        return {}
+
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,
                      num_steps: int, max_context_tokens: int = 0,
                      num_shared_context_tokens: int = 0) -> list[float] | None:

@@ -186,6 +186,7 @@ class OperatorProfile:
     paths: list[Path]
     meta: list[dict[str, str]]
     points: dict[GridKey, dict[tuple[float, ...], list[float]]] = field(default_factory=dict)
+    origins: dict[GridKey, list[str]] = field(default_factory=dict)  # the file names each grid's rows came from
 
     @classmethod
     def load(cls, paths: Iterable[str | Path]) -> OperatorProfile:
@@ -196,6 +197,9 @@ class OperatorProfile:
             profile.meta.append(meta)
             for op, row in rows:
                 key = (op, int(row["world_size"]))
+                names = profile.origins.setdefault(key, [])
+                if Path(path).name not in names:
+                    names.append(Path(path).name)
                 profile.points.setdefault(key, {}).setdefault(_axis_values(row, OP_AXES[op]), []).append(
                     row["time_s"])
         for (op, ws), pts in profile.points.items():
@@ -205,6 +209,10 @@ class OperatorProfile:
 
     def has(self, op: str, world_size: int = 1) -> bool:
         return (op, world_size) in self.points
+
+    def files(self, op: str, world_size: int = 1) -> list[str]:
+        """The names of the files that hold the operator's rows."""
+        return self.origins.get((op, world_size), [])
 
     def world_sizes(self, op: str) -> list[int]:
         return sorted(ws for o, ws in self.points if o == op)

@@ -1,6 +1,7 @@
 """Latency model composed from operator timings (`experiments/profiles/operators/`, schema in
 sim/latency/operator_profile.py): any model's step on a GPU whose operators were profiled, at any
-tensor-parallel size whose collectives were.
+tensor-parallel size whose collectives were (or, with `latency.collectives=measured_else_ring`, at
+any size, the unmeasured ones priced from the interconnect: sim/latency/collective_pricing.py).
 
 One GPU's share of the model (`shard_shape`: its heads, MLP columns, vocabulary rows) runs, for
 a step of T tokens (prefill + decodes), R sampled rows, B decodes reading C KV entries in all:
@@ -52,9 +53,10 @@ import numpy as np
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
 from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
+from sim.latency.collective_pricing import check_mode, price_collectives
 from sim.latency.op_grid import Axis, OpGrid
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
-from sim.latency.shapes import ModelShape
+from sim.latency.shapes import Hardware, ModelShape
 from sim.latency.tensor_parallel import shard_shape
 from sim.latency.token_padding import padded
 
@@ -84,6 +86,7 @@ class OperatorsConfig(LatencyConfig):
     sync_host_per_seq_s: float = 0.0
     decode_wave_programs: int = 0
     admission_s: float = 0.0
+    collectives: str = "measured"  # sim/latency/collective_pricing.py: COLLECTIVE_MODES
 
 
 @LATENCY_MODELS.register("operators", config=OperatorsConfig)
@@ -102,29 +105,27 @@ class OperatorModel(LatencyModel):
                    token_sizes=token_sizes, sync_host_s=config.sync_host_s,
                    sync_host_per_seq_s=config.sync_host_per_seq_s, async_scheduling=setup.async_scheduling,
                    decode_wave_programs=config.decode_wave_programs, decode_splits=setup.decode_splits,
-                   max_model_len=setup.max_model_len, kv_reread_cost=setup.hardware.kv_reread_cost)
+                   max_model_len=setup.max_model_len, kv_reread_cost=setup.hardware.kv_reread_cost,
+                   collectives=config.collectives, hardware=setup.hardware)
 
     def __init__(self, profile: OperatorProfile, model: ModelShape, block_size: int,
                  tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0,
                  batch_sizes: list[int] | None = None, token_sizes: list[int] | None = None,
                  sync_host_s: float = 0.0, sync_host_per_seq_s: float = 0.0, async_scheduling: bool = True,
                  decode_wave_programs: int = 0, decode_splits: Callable[[int, int, int], int] | None = None,
-                 max_model_len: int | None = None, kv_reread_cost: float = 1.0) -> None:
+                 max_model_len: int | None = None, kv_reread_cost: float = 1.0, collectives: str = "measured",
+                 hardware: Hardware | None = None) -> None:
         """`kv_reread_cost` (`Hardware.kv_reread_cost`): decode attention is profiled on distinct KV,
-        so a batch's shared KV entries count as that fraction of a distinct one's (`decode_context`)."""
+        so a batch's shared KV entries count as that fraction of a distinct one's (`decode_context`).
+        `collectives` (COLLECTIVE_MODES) and the run's `hardware`: how collectives at a world size
+        the profile did not measure are priced (sim/latency/collective_pricing.py)."""
         missing = [op for op in REQUIRED if not profile.has(op)]
         if missing:
             raise ValueError(f"operator profile {[str(p) for p in profile.paths]} lacks op {missing}: take the "
                              "compute part (python -m experiments.profile mode=operators operator_parts=[compute])")
         tp = tensor_parallel_size
-        if tp > 1:
-            for op in ("all_reduce", "all_gather"):
-                if not profile.has(op, tp):
-                    raise ValueError(
-                        f"parallel.tensor_parallel_size={tp} has no {op} data in the operator profile "
-                        f"{[str(p) for p in profile.paths]}: measured at world sizes {profile.world_sizes(op) or 'none'}; "
-                        f"take them on a {tp}-GPU machine (python -m experiments.profile mode=operators "
-                        "operator_parts=[collectives])")
+        check_mode(collectives)
+        comm = price_collectives(profile, tp, collectives, hardware) if tp > 1 else None
         for name, value in (("host_step_s", host_step_s), ("admission_s", admission_s), ("sync_host_s", sync_host_s),
                             ("sync_host_per_seq_s", sync_host_per_seq_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -175,12 +176,18 @@ class OperatorModel(LatencyModel):
         self.prefill = profile.grid("prefill_attention").fixed(**width)
         self.prefill_floor = self.prefill.min_time
         self.launch_s = profile.grid("graph_launch")(1)
-        self.all_reduce = profile.grid("all_reduce", tp) if tp > 1 else None
-        self.all_gather = profile.grid("all_gather", tp) if tp > 1 else None
+        self.all_reduce = comm.all_reduce if comm is not None else None
+        self.all_gather = comm.all_gather if comm is not None else None
+        self.sources = {"compute": f"measured ({', '.join(profile.files('gemm'))})"}
+        if comm is not None:
+            self.sources["collectives"] = comm.source
         self.token_bytes, self.logit_bytes = h * b, vocab_full * b
         self.block_bytes = m.kv_bytes_per_token * block_size
         self.copy = profile.grid("copy_blocks") if profile.has("copy_blocks") else None
         self.swaps = [profile.grid(op) for op in ("swap_out", "swap_in") if profile.has(op)]
+
+    def data_sources(self) -> dict[str, str]:
+        return dict(self.sources)
 
     def step_time(self, out: SchedulerOutput) -> float:
         shape = BatchShape.of(out, self.uses_longest_context, self._shared_blocks)

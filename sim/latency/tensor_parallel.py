@@ -33,6 +33,38 @@ def shard_shape(model: ModelShape, size: int) -> ModelShape:
 
 
 @dataclass(slots=True, frozen=True)
+class RingLink:
+    """The ring formulas above for `size` GPUs over links of `bandwidth` B/s each way per GPU and
+    `latency_s` per collective (`hardware.interconnect_bandwidth` / `interconnect_latency_s`)."""
+
+    size: int
+    bandwidth: float
+    latency_s: float
+
+    @classmethod
+    def of(cls, hardware: Hardware, size: int) -> RingLink:
+        bw, latency = hardware.interconnect_bandwidth, hardware.interconnect_latency_s
+        if bw is None or latency is None:
+            raise ValueError(f"hardware.interconnect_bandwidth / interconnect_latency_s of {hardware.name!r} "
+                             f"are missing: tensor_parallel_size={size} needs the GPU-to-GPU link's figures")
+        return cls(size, bw, latency)
+
+    def all_reduce_transfer_s(self, nbytes: float) -> float:
+        """Seconds of an all-reduce of `nbytes` on the links, the latency excluded."""
+        return 2 * ((self.size - 1) / self.size) * nbytes / self.bandwidth
+
+    def all_gather_transfer_s(self, nbytes: float) -> float:
+        """Seconds of an all-gather of `nbytes` of output on the links, the latency excluded."""
+        return ((self.size - 1) / self.size) * nbytes / self.bandwidth
+
+    def all_reduce_s(self, nbytes: float) -> float:
+        return self.latency_s + self.all_reduce_transfer_s(nbytes)
+
+    def all_gather_s(self, nbytes: float) -> float:
+        return self.latency_s + self.all_gather_transfer_s(nbytes)
+
+
+@dataclass(slots=True, frozen=True)
 class TPCommCost:
     """Seconds of a step's tensor-parallel communication: `fixed_s + tokens * per_token_s +
     samples * per_sample_s` (all 0 for one GPU)."""
@@ -45,15 +77,11 @@ class TPCommCost:
     def of(cls, model: ModelShape, hardware: Hardware, size: int) -> TPCommCost:
         if size == 1:
             return cls()
-        bw, latency = hardware.interconnect_bandwidth, hardware.interconnect_latency_s
-        if bw is None or latency is None:
-            raise ValueError(f"hardware.interconnect_bandwidth / interconnect_latency_s of {hardware.name!r} "
-                             f"are missing: tensor_parallel_size={size} needs the GPU-to-GPU link's figures")
+        link = RingLink.of(hardware, size)
         num_all_reduces = 2 * model.num_hidden_layers + 1
-        ring = (size - 1) / size
-        return cls(fixed_s=(num_all_reduces + 1) * latency,
-                   per_token_s=num_all_reduces * 2 * ring * model.hidden_size * model.dtype_bytes / bw,
-                   per_sample_s=ring * model.vocab_size * model.dtype_bytes / bw)
+        return cls(fixed_s=(num_all_reduces + 1) * link.latency_s,
+                   per_token_s=num_all_reduces * link.all_reduce_transfer_s(model.hidden_size * model.dtype_bytes),
+                   per_sample_s=link.all_gather_transfer_s(model.vocab_size * model.dtype_bytes))
 
     def step_s(self, tokens: int, samples: int) -> float:
         return self.fixed_s + tokens * self.per_token_s + samples * self.per_sample_s

@@ -81,6 +81,18 @@ def test_a_tensor_parallel_size_without_collective_data_is_pruned(tmp_path):
     assert reason(4).startswith("latency: parallel.tensor_parallel_size=4 has no all_reduce data")
 
 
+def test_collectives_priced_from_the_interconnect_are_labelled_in_the_table(tmp_path):
+    """latency.collectives=measured_else_ring: TP 4 runs on the ring model, and the table says so."""
+    cfg = search_cfg([*TINY, "latency=operators", "latency.gpu=cpu", "latency.dtype=float32",
+                      "latency.collectives=measured_else_ring", "search.space.gpu=[h100]",
+                      "search.space.tensor_parallel_size=[2,4]", "search.space.replicas=[1]",
+                      "model=tiny-qwen3", "search.rate.max_iterations=1"], tmp_path)
+    table = run_search(cfg, tmp_path / "out", progress=False).table.set_index("tensor_parallel_size")
+    assert (table["status"] == "simulated").all()
+    assert table.loc[2, "latency_data"].endswith("collectives: measured at N=2 (cpu-float32-collectives-n2.csv)")
+    assert "collectives: ring model at N=4 x measured/model at N=2" in table.loc[4, "latency_data"]
+
+
 def test_a_rerun_simulates_nothing_and_an_interrupted_one_resumes(tmp_path):
     cfg = search_cfg(TINY, tmp_path)
     first = run_search(cfg, tmp_path / "a", progress=False)

@@ -228,7 +228,7 @@ def test_bad_input_is_one_line_naming_the_field(tiny_search, tmp_path, monkeypat
 
 def test_the_fleet_what_if_searches_each_gpu_type_on_the_data_it_has(tmp_path):
     """Roofline for every GPU type; the operator model only where an operator profile exists (the
-    H200's, with collectives at N=2), each row saying which data it rests on."""
+    H100's and H200's), each row saying which data it rests on and what priced its collectives."""
     from experiments import what_if_fleet
     out = tmp_path / "fleet"
     table = what_if_fleet._main([
@@ -236,11 +236,11 @@ def test_the_fleet_what_if_searches_each_gpu_type_on_the_data_it_has(tmp_path):
         "workload.output_len={dist: uniform, low: 4, high: 16}", "search.duration_s=2", "search.rate.max_iterations=2",
         "search.space.tensor_parallel_size=[1]", "search.space.replicas=[1,2]", "search.space.max_num_seqs=[8]",
         "search.target_rate=5", f"search.cache_dir={tmp_path / 'cache'}"])
-    assert sorted(set(zip(table["latency"], table["gpu"]))) == [("operators", "h200"), ("roofline", "h100"),
-                                                                 ("roofline", "h200")]
+    assert sorted(set(zip(table["latency"], table["gpu"]))) == [("operators", "h100"), ("operators", "h200"),
+                                                                 ("roofline", "h100"), ("roofline", "h200")]
     md = (out / "what_if.md").read_text()
-    assert "h200-bfloat16-tma.csv" in md and "collectives at N = 2" in md and "conf/hardware/h100.yaml" in md
-    assert len(pd.read_csv(out / "fleet.csv")) == len(table) == 6
+    assert "h200-bfloat16-tma.csv" in md and "h100-bfloat16-tma.csv" in md and "conf/hardware/h100.yaml" in md
+    assert len(pd.read_csv(out / "fleet.csv")) == len(table) == 8
 
 
 def test_a_prediction_without_a_failing_rate_is_called_a_lower_bound(tmp_path):

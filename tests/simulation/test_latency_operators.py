@@ -3,6 +3,7 @@ profile, agreement with the roofline when its operators are priced by the roofli
 decode fast-forward, its errors, the CPU operator profiler and an end-to-end run."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from sim.latency.operator_profile import (
     write_operator_file,
 )
 from sim.latency.operators import OperatorModel
+from sim.latency.tensor_parallel import RingLink
 from tests.property_settings import examples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,6 +151,62 @@ def test_a_tensor_parallel_size_without_collectives_names_the_field_and_what_exi
         OperatorModel(profile, factory.model_shape(cfg), 4, 2)
 
 
+H200_FILES = [p for p in COMMITTED if p.stem.startswith("h200-bfloat16-")]
+H100_COMPUTE = [p for p in COMMITTED if p.stem.startswith("h100-bfloat16-") and "-collectives-" not in p.stem]
+
+
+def operator_model(files: list[Path], hardware: str, tp: int, collectives: str = "measured") -> OperatorModel:
+    return OperatorModel(OperatorProfile.load(files), factory.model_shape(config("model=llama-3.1-70b")), 16, tp,
+                         collectives=collectives, hardware=factory.hardware(config(f"hardware={hardware}")))
+
+
+def test_measured_else_ring_takes_measured_rows_where_they_exist_and_the_ring_model_elsewhere():
+    measured = operator_model(H200_FILES, "h200", 2)
+    fallback = operator_model(H200_FILES, "h200", 2, "measured_else_ring")
+    assert fallback.data_sources()["collectives"] == "measured at N=2 (h200-bfloat16-collectives-n2.csv)"
+    for nbytes in (1024, 3 << 20, 1 << 28):
+        assert fallback.all_reduce(nbytes) == measured.all_reduce(nbytes)
+        assert fallback.all_gather(nbytes) == measured.all_gather(nbytes)
+    # N=8 on the same GPU type: the ring model scaled by measured/model at N=2, size by size.
+    at8 = operator_model(H200_FILES, "h200", 8, "measured_else_ring")
+    assert at8.data_sources()["collectives"].startswith("ring model at N=8 x measured/model at N=2 per message size")
+    hw = factory.hardware(config("hardware=h200"))
+    ring2, ring8 = RingLink.of(hw, 2), RingLink.of(hw, 8)
+    for nbytes in OperatorProfile.load(H200_FILES).grid("all_reduce", 2).axes[0].points:
+        assert at8.all_reduce(nbytes) == pytest.approx(
+            measured.all_reduce(nbytes) * ring8.all_reduce_s(nbytes) / ring2.all_reduce_s(nbytes))
+        assert at8.all_gather(nbytes) == pytest.approx(
+            measured.all_gather(nbytes) * ring8.all_gather_s(nbytes) / ring2.all_gather_s(nbytes))
+    # Large messages keep the bus bandwidth measured at N=2: 2 (N-1)/N of the bytes, 1.75x at N=8.
+    assert at8.all_reduce(1 << 28) / measured.all_reduce(1 << 28) == pytest.approx(1.75, rel=0.01)
+    # A GPU type without collective rows: the ring model on the hardware's datasheet figures.
+    h100 = operator_model(H100_COMPUTE, "h100", 4, "measured_else_ring")
+    assert h100.data_sources()["collectives"].startswith("ring model at N=4 on datasheet figures")
+    link = RingLink.of(factory.hardware(config("hardware=h100")), 4)
+    for nbytes in (1024, 3 << 20, 1 << 28):
+        assert h100.all_reduce(nbytes) == link.all_reduce_s(nbytes)
+        assert h100.all_gather(nbytes) == link.all_gather_s(nbytes)
+    assert h100.data_sources()["compute"] == "measured (h100-bfloat16-tma.csv)"
+
+
+def test_collectives_nobody_measured_are_refused_by_default_naming_the_fallback():
+    with pytest.raises(ValueError, match=r"parallel.tensor_parallel_size=4 has no all_reduce data.*world sizes \[2\].*"
+                                         r"latency.collectives=measured_else_ring"):
+        operator_model(H200_FILES, "h200", 4)
+    assert factory.latency_config(config("latency=operators")).collectives == "measured"
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_a_bad_collectives_value_is_refused_with_the_field(tp):
+    with pytest.raises(ValueError, match=r"latency.collectives='datasheet' is invalid: one of "
+                                         r"\['measured', 'measured_else_ring'\]"):
+        operator_model(H200_FILES, "h200", tp, "datasheet")
+    cfg = config("latency=operators", "hardware=h200", "model=llama-3.1-70b", f"parallel.tensor_parallel_size={tp}",
+                 "latency.collectives=datasheet")
+    with pytest.raises(ValueError, match=r"latency.collectives='datasheet' is invalid"):
+        factory.build_latency(cfg)
+
+
 def test_a_gpu_without_operator_data_names_the_field_and_what_exists(synthetic):
     with pytest.raises(ValueError, match=r"latency.gpu='a100' is invalid.*h200-roofline-bfloat16"):
         find_operator_files(synthetic, "a100", "bfloat16")
@@ -213,6 +271,8 @@ def test_experiments_run_with_operators_end_to_end(synthetic, tmp_path):
               "plots=false", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "output throughput" in res.stdout
+    run = json.loads((tmp_path / "run" / "summary.json").read_text())["run"]
+    assert run["latency_data"]["collectives"].startswith("measured at N=2 (h200-roofline-bfloat16-roofline.csv")
     bad = cli("latency=operators", f"latency.dir={synthetic}", "hardware=h200", "workload.num_requests=5",
               "progress=false", f"hydra.run.dir={tmp_path}/bad", cwd=tmp_path)
     assert bad.returncode != 0 and "latency.gpu='h200' is invalid" in bad.stderr

@@ -98,13 +98,20 @@ def prune_reason(cfg: DictConfig, min_kv_tokens: int | None, latency_checked: di
     if tokens < need:
         return (f"memory: {shard.weight_bytes / 2**30:.1f} GiB of weights per GPU leave a KV pool of {tokens} tokens "
                 f"< {need} (search.min_kv_tokens, null: scheduler.max_model_len)")
+    reason, _ = latency_check(cfg, latency_checked)
+    return reason
+
+
+def latency_check(cfg: DictConfig, latency_checked: dict) -> tuple[str | None, str]:
+    """(why the deployment's latency model refuses it or None, what its prices rest on: the
+    model's `data_sources()` as one line), once per GPU type and tensor-parallel size."""
     key = (cfg.hardware.name, factory.tensor_parallel_size(cfg))
     if key not in latency_checked:
         try:
-            factory.build_latency(cfg)
-            latency_checked[key] = None
+            sources = factory.build_latency(cfg).data_sources()
+            latency_checked[key] = (None, "; ".join(f"{part}: {text}" for part, text in sources.items()))
         except ValueError as e:
-            latency_checked[key] = f"latency: {e}"
+            latency_checked[key] = (f"latency: {e}", "")
     return latency_checked[key]
 
 
@@ -148,12 +155,13 @@ def run_search(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> S
                                "dollars_per_hour": d.num_gpus * gpu.price_per_hour}
         reason = prune_reason(cfg_d, s.min_kv_tokens, latency_checked)
         if reason is not None:
-            row.update(status="pruned", reason=reason)
+            row.update(status="pruned", reason=reason, latency_data="")
         else:
             resolved = OmegaConf.to_container(cfg_d, resolve=True)
             key = result_key(resolved, slo.as_dict(), s.duration_s, s.start_per_replica, s.growth, s.max_iterations, s.rtol,
                              RESULT_VERSION, data_digest(latency_files(cfg_d)))
-            row.update(status="cached" if key in cache else "simulated", reason="", key=key)
+            row.update(status="cached" if key in cache else "simulated", reason="", key=key,
+                       latency_data=latency_check(cfg_d, latency_checked)[1])
             if key not in cache:
                 tasks.append((len(rows), key, resolved))
         rows.append(row)

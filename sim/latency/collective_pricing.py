@@ -1,0 +1,109 @@
+"""How the operator model prices a step's all-reduces and all-gathers at its tensor-parallel size N
+(`latency.collectives`, docs/operator_profiles.md "Collectives at a world size nobody measured"):
+
+- `measured` (the default): the operator profile's rows at world size N; a size without them is
+  refused, naming the world sizes that were measured and this option.
+- `measured_else_ring`: those rows where the profile has them; otherwise the ring formulas of
+  sim/latency/tensor_parallel.py (`RingLink`: latency + 2 (N-1)/N bytes / bandwidth for an
+  all-reduce, latency + (N-1)/N bytes / bandwidth for an all-gather) on the hardware's
+  `interconnect_bandwidth` and `interconnect_latency_s`, calibrated by the same GPU type's rows at
+  a measured world size M when it has any, at each measured message size n:
+
+      t_N(n) = t_M(n) x ring_N(n) / ring_M(n)
+
+  (M: the largest measured size below N, else the smallest above; between and beyond the sizes the
+  rows' interpolation). Where the transfer dominates this holds the bus bandwidth NCCL reaches at
+  each message size (nccl-tests' busbw: algbw x 2 (N-1)/N for an all-reduce, (N-1)/N for an
+  all-gather, defined so that it does not depend on the rank count) at the figure measured at M;
+  on an NVSwitch board every GPU has the same link whatever N. Where the latency dominates
+  (ring_N ~ ring_M ~ latency) it keeps the floor measured at M, which the real floor exceeds at
+  larger N (more ring or tree steps): small messages are priced optimistically. A GPU type without
+  collective rows at any size gets the ring formulas on its datasheet figures alone.
+
+Every priced world size says where its times came from (`PricedCollectives.source`), which runs
+and searches report.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.latency.op_grid import OpGrid
+from sim.latency.operator_profile import COLLECTIVES, OperatorProfile
+from sim.latency.shapes import Hardware
+from sim.latency.tensor_parallel import RingLink
+
+COLLECTIVE_MODES = ("measured", "measured_else_ring")
+# PricedCollectives.kind values.
+MEASURED, RING_CALIBRATED, RING_DATASHEET = "measured", "ring_calibrated", "ring_datasheet"
+
+
+@dataclass(slots=True, frozen=True)
+class PricedCollectives:
+    """Seconds of an all-reduce (bytes of the result) and of an all-gather (bytes of its output)
+    at one world size, and where they come from."""
+
+    all_reduce: Callable[[float], float]
+    all_gather: Callable[[float], float]
+    kind: str  # MEASURED, RING_CALIBRATED or RING_DATASHEET
+    source: str  # one line for a reader: the files, the hardware figures, the calibration
+
+
+def check_mode(mode: object) -> str:
+    if mode not in COLLECTIVE_MODES:
+        raise ValueError(f"latency.collectives={mode!r} is invalid: one of {list(COLLECTIVE_MODES)} (measured: only "
+                         "world sizes the operator profile measured; measured_else_ring: the others from the "
+                         "hardware's interconnect, docs/operator_profiles.md)")
+    return str(mode)
+
+
+def price_collectives(profile: OperatorProfile, size: int, mode: str = "measured",
+                      hardware: Hardware | None = None) -> PricedCollectives:
+    """The collectives of `size` GPUs under `mode` (COLLECTIVE_MODES); raises ValueError naming the
+    field at fault."""
+    mode = check_mode(mode)
+    if all(profile.has(op, size) for op in COLLECTIVES):
+        return PricedCollectives(profile.grid("all_reduce", size), profile.grid("all_gather", size), MEASURED,
+                                 f"measured at N={size} ({', '.join(_files(profile, size))})")
+    missing = next(op for op in COLLECTIVES if not profile.has(op, size))
+    if mode == "measured":
+        raise ValueError(
+            f"parallel.tensor_parallel_size={size} has no {missing} data in the operator profile "
+            f"{[str(p) for p in profile.paths]}: measured at world sizes {profile.world_sizes(missing) or 'none'}; "
+            f"take them on a {size}-GPU machine (python -m experiments.profile mode=operators "
+            "operator_parts=[collectives]), or price them from the hardware's interconnect with "
+            "latency.collectives=measured_else_ring")
+    if hardware is None:
+        raise ValueError(f"latency.collectives={mode!r} needs the run's hardware (its interconnect figures) to price "
+                         f"parallel.tensor_parallel_size={size}")
+    try:
+        link = RingLink.of(hardware, size)
+    except ValueError as e:
+        raise ValueError(f"latency.collectives={mode!r} cannot price parallel.tensor_parallel_size={size}: {e}") from None
+    figures = (f"conf/hardware/{hardware.name}.yaml interconnect {link.bandwidth / 1e9:g} GB/s, "
+               f"{link.latency_s * 1e6:g} us")
+    measured = sorted(set(profile.world_sizes("all_reduce")) & set(profile.world_sizes("all_gather")))
+    if not measured:
+        return PricedCollectives(link.all_reduce_s, link.all_gather_s, RING_DATASHEET,
+                                 f"ring model at N={size} on datasheet figures ({figures}; no collective rows for "
+                                 f"{hardware.name})")
+    below = [m for m in measured if m < size]
+    base = max(below) if below else min(measured)
+    base_link = RingLink.of(hardware, base)
+    all_reduce = _scaled(profile.grid("all_reduce", base), link.all_reduce_s, base_link.all_reduce_s)
+    all_gather = _scaled(profile.grid("all_gather", base), link.all_gather_s, base_link.all_gather_s)
+    return PricedCollectives(all_reduce, all_gather, RING_CALIBRATED,
+                             f"ring model at N={size} x measured/model at N={base} per message size "
+                             f"({', '.join(_files(profile, base))}; {figures})")
+
+
+def _files(profile: OperatorProfile, size: int) -> list[str]:
+    return list(dict.fromkeys(f for op in COLLECTIVES for f in profile.files(op, size)))
+
+
+def _scaled(measured: OpGrid, ring: Callable[[float], float], ring_base: Callable[[float], float]) -> OpGrid:
+    """The measured times at each of their sizes, times ring / ring_base there."""
+    (axis,) = measured.axes
+    return OpGrid.of_times(measured.axes, np.array([measured(n) * ring(n) / ring_base(n) for n in axis.points]))
