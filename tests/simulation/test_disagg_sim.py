@@ -180,3 +180,17 @@ def test_the_engine_fleet_refuses_roles_rather_than_ignore_them():
     cfg = _cfg("backend=engine")
     with pytest.raises(ValueError, match=r"cluster.roles=\['prefill', 'prefill', 'decode'\] is invalid with backend=engine"):
         run_engine_fleet(cfg, factory.workload(cfg), lambda n: None)
+
+
+def test_a_links_overhead_is_paid_once_per_transfer_beside_its_bytes():
+    """`overhead_s` (the engine's fixed software cost per message) adds to every transfer's wire
+    time once, whatever its size; bad or unknown keys name the field."""
+    wire = Link.from_dict({"bandwidth_gb_s": 100.0, "latency_s": 1e-5}, "hardware.links.nvlink")
+    priced = Link.from_dict({"bandwidth_gb_s": 100.0, "latency_s": 1e-5, "overhead_s": 2e-3}, "hardware.links.nvlink")
+    for num_bytes in (1 << 20, 1 << 28):
+        assert priced.transfer_time(num_bytes) - wire.transfer_time(num_bytes) == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match=r"hardware.links.nvlink.overhead_s=-1 is invalid"):
+        Link.from_dict({"bandwidth_gb_s": 100.0, "latency_s": 0.0, "overhead_s": -1}, "hardware.links.nvlink")
+    with pytest.raises(ValueError, match=r"keys \['overhead'\] are unknown"):
+        Link.from_dict({"bandwidth_gb_s": 100.0, "latency_s": 0.0, "overhead": 1e-3}, "hardware.links.nvlink")
+    assert factory.hardware(_cfg("hardware=h200")).link("nvlink").overhead_s > 0  # measured on 2 x H200
