@@ -48,7 +48,7 @@ from engine.disagg.messages import (
 from engine.distributed.worker import exit_with_parent
 from engine.engine_args import EngineArgs
 from engine.online.engine_core import HEARTBEAT_S
-from policies.disagg import DecodeSide, KVHandoff
+from policies.disagg import DecodeSide, KVHandoff, transfer_batches
 
 DECODE_REPLICA = 1
 _IDLE_POLL_S, _BUSY_POLL_S = 1.0, 0.001
@@ -181,11 +181,9 @@ class DecodeLoop:
         self.reserved.extend(reserved)
         kv = self.engine.runner.kv_cache
         while self.reserved and self.in_flight < self.max_in_flight:  # staging memory stays bounded
-            batch = [self.reserved.popleft()]
-            blocks = batch[0].num_blocks
-            while self.reserved and blocks + self.reserved[0].num_blocks <= self.max_blocks:
-                blocks += self.reserved[0].num_blocks
-                batch.append(self.reserved.popleft())
+            batch = transfer_batches(self.reserved, self.max_blocks)[0]
+            for _ in batch:
+                self.reserved.popleft()
             parts = [(h.request_id, list(h.dst_block_ids[:h.num_blocks])) for h in batch]
             transfer = self.link.recv(parts, kv.k_caches)  # posted before the front is told to send
             self.conn.send(Reserved([key for key, _ in parts], [blocks for _, blocks in parts]))

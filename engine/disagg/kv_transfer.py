@@ -7,13 +7,16 @@ to device, over NVLink within a host), gloo on CPUs. The link is a backend objec
 groups are), not torch.distributed's default group, so either engine may also be tensor-parallel
 in its own process group and a process may hold several links.
 
-A transfer moves every layer's K and V of a request's blocks as one message: the sender gathers
-the blocks into one contiguous staging buffer `[2 x layers, blocks, block_size, kv_heads,
-head_dim]` (K of layer l at 2l, V at 2l + 1) and sends it; the receiver receives into a staging
-buffer of the same shape and scatters it into the blocks its block manager allocated before the
-send (it tells the sender to send only then, so a send never waits for an allocation).
-`experiments/bench_kv_transfer.py` compares this with one message per layer and with the link's
-copy bandwidth.
+A transfer moves every layer's K and V of one or more requests' blocks (its `parts`: request id
+and block ids, in order) as one message: the sender gathers the blocks into one contiguous staging
+buffer `[2 x layers, blocks, block_size, kv_heads, head_dim]` (K of layer l at 2l, V at 2l + 1) in
+one launch (`kernels.gather_blocks`) and sends it; the receiver receives into a staging buffer of
+the same shape and scatters it into the blocks its block manager allocated before the send in one
+launch (`kernels.scatter_blocks`; it tells the sender to send only then, so a send never waits for
+an allocation). A transfer's fixed cost (launches, the send/recv call, noticing completion) is paid
+once per message, so the engine pair moves every hand-off reserved together in one.
+`experiments/bench_kv_transfer.py` measures that cost, one message per layer and the link's copy
+bandwidth.
 
 Overlap: on a GPU the gather runs on the link's side stream after the compute stream's work so
 far (the prefill step that wrote the blocks), and NCCL runs the send on its own stream after it;
@@ -45,7 +48,10 @@ import kernels
 from engine.distributed.parallel_state import bounded
 
 SEND_RANK, RECV_RANK = 0, 1
-_POLL_S = 0.0002  # how often an NCCL transfer's completion is checked
+# An NCCL transfer's completion is checked after _POLL_S, then at doubling intervals up to
+# _POLL_MAX_S: a short transfer is seen within ~0.1 ms, a long one wakes the helper (and asks the
+# engine loop's thread for the GIL) at most every millisecond.
+_POLL_S, _POLL_MAX_S = 0.0001, 0.001
 _TEARDOWN_S = 4.0  # an NCCL abort or shutdown is waited for this long (on a helper thread)
 
 
@@ -295,11 +301,13 @@ class KVLink:
         what = f"requests {transfer.keys}: KV transfer of {len(transfer.block_ids)} blocks"
         try:
             if self.device.type == "cuda":
+                pause = _POLL_S
                 while not transfer.work.is_completed():
                     if time.monotonic() > deadline or self._failure is not None:
                         return KVTransferError(f"{what} made no progress within timeout_s={self.timeout_s} "
                                                "(the peer died or hung)")
-                    time.sleep(_POLL_S)
+                    time.sleep(pause)
+                    pause = min(2 * pause, _POLL_MAX_S)
             else:  # gloo: a bounded wait (a dead peer's closed connection raises at once)
                 left = max(0.001, deadline - time.monotonic())
                 transfer.work.wait(datetime.timedelta(seconds=left))
