@@ -220,8 +220,9 @@ class DisaggregatedEngine:
         request_id = handoff.request_id
         self.prefill.hand_over_request(request_id)
         self._handoffs[request_id] = handoff
-        if self._failure is not None:
+        if self._failure is not None:  # prefilled after the decode side failed: it ends here, with the error
             self._fail_handoff(handoff, "error", self._failure)
+            self._done_early.append(self._final(handoff, "abort:error", self._failure))
             return
         if not self._decoding:  # work after a time with none: its silence counts from now
             self._last_heard = time.monotonic()
@@ -321,6 +322,9 @@ class DisaggregatedEngine:
             else:  # its send fails on the link and frees its blocks; its output goes out now
                 self._decoding.discard(request_id)
                 self._done_early.append(self._final(handoff, "abort:error", reason))
+        for request_id, handoff in list(self._handoffs.items()):
+            if request_id not in self._sending:  # aborted by the user (its output went out then), its
+                self._fail_handoff(handoff, "error", reason)  # `Refused` will never come: blocks freed
 
     def _check_decode_alive(self) -> None:
         if self._failure is None and not self._decode.alive:
