@@ -139,7 +139,7 @@ def swap_blocks(
     swap_layers([src], [dst], pairs, method=method)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_ids"])  # one compiled kernel for every transfer size
 def _stage_blocks_kernel(
     cache_table,
     staging_ptr,

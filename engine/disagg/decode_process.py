@@ -69,6 +69,7 @@ def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn:
         conn.send(DecodeReady(os.getpid(), engine.runner.num_gpu_blocks, engine.clock_origin))
         link = KVLink(RECV_RANK, join_store(port, config.transfer_timeout_s), engine.runner.device,
                       config.transfer_timeout_s)
+        link.warm_up(engine.runner.kv_cache.k_caches, engine.runner.kv_cache.v_caches)
         DecodeLoop(engine, side, link, conn, config.max_transfers_in_flight, config.max_blocks_per_transfer).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the front is gone

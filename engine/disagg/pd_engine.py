@@ -90,6 +90,7 @@ class DisaggregatedEngine:
             ready = self._decode.await_ready(config.startup_timeout_s)
             self.prefill.align_clock(ready.clock_origin)
             self.link = KVLink(SEND_RANK, store, self.prefill.runner.device, config.transfer_timeout_s)
+            self.link.warm_up(self.prefill.runner.kv_cache.k_caches, self.prefill.runner.kv_cache.v_caches)
         except BaseException:
             self.close()
             raise
