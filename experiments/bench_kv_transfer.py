@@ -7,17 +7,25 @@ gloo (`--device cpu`: a smoke test, its figures are the loopback's). For each re
 tokens -> blocks -> bytes for the model's shape: layers x 2 x block_size x KV heads x head_dim x
 dtype bytes per block), the median of `--iters` transfers of blocks scattered over the cache:
 
-- staged: the engine's way, every layer's K and V of the blocks gathered into one buffer, one
-  message, scattered into the receiver's blocks: latency from the send's start (gather included)
-  to the end of the receiver's scatter (both clocks are the host's monotonic clock);
+- staged: the engine's way, every layer's K and V of the blocks gathered into one buffer (one
+  launch), one message, scattered into the receiver's blocks (one launch): latency from the send's
+  start (gather included) to the end of the receiver's scatter (both clocks are the host's
+  monotonic clock);
 - per-layer: one message per layer's K and per layer's V (2 x layers messages), each gathered by
   itself and scattered by itself;
 - copy: one device-to-device copy of the same bytes from cuda:0 to cuda:1 in one process (a peer
   copy over NVLink where the GPUs have peer access: the link's physical limit), timed with CUDA
   events; on the CPU a memory copy.
 
-GB/s are bytes / latency (10^9 bytes). The whole run is bounded by `--budget-s`; sizes left when it
-runs out are reported as skipped. Prints a table and, with `--out`, writes it as JSON.
+GB/s are bytes / latency (10^9 bytes). The fixed cost of a transfer is the staged time at the
+smallest size (one block by default) and, with a least-squares line through the staged rows up to
+`--fit-max-tokens`, its intercept (`fixed_ms`) and slope (`fit_gb_s`): what the simulator's link
+prices as `overhead_s` and `bandwidth_gb_s` (conf/hardware `links`). Then `--batch` requests of
+`--batch-tokens` each are moved as one message (the engine's hand-offs of one prefill step) and as
+one message each, all posted at once: milliseconds for the lot and per request.
+
+The whole run is bounded by `--budget-s`; sizes left when it runs out are reported as skipped.
+Prints a table and, with `--out`, writes it as JSON.
 """
 from __future__ import annotations
 
@@ -86,17 +94,18 @@ def _receiver(port: int, conn, model: str, block_size: int, device: str, num_blo
         msg = conn.recv()
         if msg is None:
             break
-        layout, blocks = msg
-        if layout == "staged":
-            transfer = link.recv("bench", k, blocks)
+        layout, plan = msg
+        if layout == "staged":  # plan: transfers, each a list of (key, blocks) parts
+            transfers = [link.recv(parts, k) for parts in plan]
             conn.send("ready")
             done = link.wait_all(LINK_TIMEOUT_S)
-            if not done or done[0].error is not None:
+            if len(done) != len(transfers) or any(t.error is not None for t in done):
                 conn.send(("error", str(done[0].error if done else "timed out")))
                 break
-            link.scatter(transfer, k, v)
+            for transfer in transfers:
+                link.scatter(transfer, k, v)
         else:
-            index = torch.tensor(blocks, device=dev)
+            index = torch.tensor(plan, device=dev)
             conn.send("ready")
             _per_layer_recv(link, k, v, index)
         _sync(dev)
@@ -132,6 +141,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop measuring after this many seconds")
+    ap.add_argument("--fit-max-tokens", type=int, default=2048, help="fit the fixed cost over sizes up to this")
+    ap.add_argument("--batch", type=int, default=16, help="requests moved in one message (0: skip)")
+    ap.add_argument("--batch-tokens", type=int, default=512, help="tokens of each batched request")
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = ap.parse_args()
     started = time.monotonic()
@@ -145,7 +157,8 @@ def main() -> None:
     cfg = load_model_config(args.model)
     dtype = cfg.torch_dtype if args.device == "cuda" else torch.float32
     block_bytes = args.block_size * cfg.kv_bytes_per_token_in(dtype.itemsize)
-    num_blocks = 2 * math.ceil(sizes[-1] / args.block_size)  # the largest request fills half the cache
+    # The largest request (or the batch) fills at most half the cache.
+    num_blocks = 2 * max(math.ceil(sizes[-1] / args.block_size), args.batch * math.ceil(args.batch_tokens / args.block_size))
     if args.device == "cuda":
         torch.cuda.set_device(send_dev)
     k, v = _caches(cfg, num_blocks, args.block_size, send_dev, dtype)
@@ -156,57 +169,101 @@ def main() -> None:
                        args=(store.port, theirs, args.model, args.block_size, str(recv_dev), num_blocks))
     proc.start()
     link = KVLink(SEND_RANK, store, send_dev, LINK_TIMEOUT_S)
-    rows = []
+    rows, batch = [], None
+    timed = _Timer(link, ours, k, v, send_dev, args.iters, started, args.budget_s)
     try:
         for tokens in sizes:
             n = math.ceil(tokens / args.block_size)
             row = {"tokens": tokens, "blocks": n, "bytes": n * block_bytes}
             for layout in ("staged", "per-layer"):
-                lat = []
-                for i in range(args.iters + 2):  # two warm-up transfers
-                    if time.monotonic() - started > args.budget_s:
-                        break
-                    blocks, theirs_blocks = _blocks(n, num_blocks, i), _blocks(n, num_blocks, 1000 + i)
-                    ours.send((layout, theirs_blocks))
-                    if not ours.poll(LINK_TIMEOUT_S) or ours.recv() != "ready":
-                        raise SystemExit("error: the receiver did not answer")
-                    t0 = time.monotonic()
-                    if layout == "staged":
-                        link.send("bench", k, v, blocks)
-                        link.wait_all(LINK_TIMEOUT_S)
-                    else:
-                        _per_layer_send(link, k, v, torch.tensor(blocks, device=send_dev))
-                    if not ours.poll(LINK_TIMEOUT_S):
-                        raise SystemExit("error: the receiver did not finish a transfer")
-                    status, value = ours.recv()
-                    if status != "done":
-                        raise SystemExit(f"error: the transfer failed: {value}")
-                    if i >= 2:
-                        lat.append(value - t0)
-                row[f"{layout}_ms"] = statistics.median(lat) * 1e3 if lat else None
-                row[f"{layout}_gbps"] = row["bytes"] / statistics.median(lat) / 1e9 if lat else None
+                seconds = timed(layout, lambda i, n=n: ([n], num_blocks, i))
+                row[f"{layout}_ms"] = seconds * 1e3 if seconds else None
+                row[f"{layout}_gbps"] = row["bytes"] / seconds / 1e9 if seconds else None
             copy_s = _copy_seconds(row["bytes"], send_dev, recv_dev, args.iters)
             row["copy_ms"], row["copy_gbps"] = copy_s * 1e3, row["bytes"] / copy_s / 1e9
             rows.append(row)
             if time.monotonic() - started > args.budget_s:
                 break
+        per = math.ceil(args.batch_tokens / args.block_size)
+        if args.batch > 0 and time.monotonic() - started <= args.budget_s:
+            one = timed("staged", lambda i: ([per] * args.batch, num_blocks, i))
+            each = timed("staged", lambda i: ([per] * args.batch, num_blocks, i), one_message=False)
+            batch = {"requests": args.batch, "tokens_each": args.batch_tokens, "bytes": args.batch * per * block_bytes,
+                     "one_message_ms": one * 1e3 if one else None, "one_each_ms": each * 1e3 if each else None}
     finally:
         ours.send(None)
         proc.join(10)
         if proc.is_alive():
             proc.kill()
         link.close()
-    _print(rows, sizes, args, cfg, block_bytes, send_dev)
+    fit = _fit([r for r in rows if r["tokens"] <= args.fit_max_tokens and r["staged_ms"] is not None])
+    _print(rows, sizes, args, cfg, block_bytes, send_dev, fit, batch)
     if args.out is not None:
         args.out.write_text(json.dumps({"model": args.model, "device": _device_name(send_dev),
-                                        "block_bytes": block_bytes, "rows": rows}, indent=1))
+                                        "block_bytes": block_bytes, "rows": rows, **(fit or {}), "batch": batch},
+                                       indent=1))
+
+
+class _Timer:
+    """The median latency of `iters` transfers (after two warm-ups) of a plan: `plan(i)` gives the
+    requests' block counts, the pool size and a seed; the receiver posts first, then says ready."""
+
+    def __init__(self, link: KVLink, conn, k, v, dev: torch.device, iters: int, started: float,
+                 budget_s: float) -> None:
+        self.link, self.conn, self.k, self.v, self.dev, self.iters = link, conn, k, v, dev, iters
+        self.started, self.budget_s = started, budget_s
+
+    def __call__(self, layout: str, plan, one_message: bool = True) -> float | None:
+        lat = []
+        for i in range(self.iters + 2):
+            if time.monotonic() - self.started > self.budget_s:
+                break
+            counts, total, seed = plan(i)
+            ours_all, theirs_all = _blocks(sum(counts), total, seed), _blocks(sum(counts), total, 1000 + seed)
+            ours, theirs, at = [], [], 0
+            for r, c in enumerate(counts):
+                ours.append((f"r{r}", ours_all[at:at + c]))
+                theirs.append((f"r{r}", theirs_all[at:at + c]))
+                at += c
+            ours_plan = [ours] if one_message else [[p] for p in ours]
+            theirs_plan = [theirs] if one_message else [[p] for p in theirs]
+            self.conn.send((layout, theirs_plan if layout == "staged" else theirs_all))
+            if not self.conn.poll(LINK_TIMEOUT_S) or self.conn.recv() != "ready":
+                raise SystemExit("error: the receiver did not answer")
+            t0 = time.monotonic()
+            if layout == "staged":
+                for parts in ours_plan:
+                    self.link.send(parts, self.k, self.v)
+                self.link.wait_all(LINK_TIMEOUT_S)
+            else:
+                _per_layer_send(self.link, self.k, self.v, torch.tensor(ours_all, device=self.dev))
+            if not self.conn.poll(LINK_TIMEOUT_S):
+                raise SystemExit("error: the receiver did not finish a transfer")
+            status, value = self.conn.recv()
+            if status != "done":
+                raise SystemExit(f"error: the transfer failed: {value}")
+            if i >= 2:
+                lat.append(value - t0)
+        return statistics.median(lat) if lat else None
+
+
+def _fit(rows: list[dict]) -> dict | None:
+    """Least squares staged seconds = fixed + bytes / bandwidth over `rows` (at least two sizes)."""
+    if len(rows) < 2:
+        return None
+    xs, ys = [r["bytes"] for r in rows], [r["staged_ms"] / 1e3 for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    fixed = my - slope * mx
+    return {"fixed_ms": fixed * 1e3, "fit_gb_s": 1 / slope / 1e9 if slope > 0 else None,
+            "first_row_ms": rows[0]["staged_ms"]}
 
 
 def _device_name(dev: torch.device) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (gloo)"
 
 
-def _print(rows, sizes, args, cfg, block_bytes, dev) -> None:
+def _print(rows, sizes, args, cfg, block_bytes, dev, fit, batch) -> None:
     def f(x, spec):
         return format(x, spec) if x is not None else "-"
 
@@ -219,6 +276,16 @@ def _print(rows, sizes, args, cfg, block_bytes, dev) -> None:
         print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>8.2f} {f(r['staged_ms'], '.3f'):>10} {f(r['staged_gbps'], '.1f'):>7} "
               f"{f(r['per-layer_ms'], '.3f'):>13} {f(r['per-layer_gbps'], '.1f'):>7} {r['copy_ms']:>8.3f} "
               f"{r['copy_gbps']:>7.1f} {f(ratio, '.2f'):>11}")
+    if fit:
+        bw = f"{fit['fit_gb_s']:.1f} GB/s" if fit["fit_gb_s"] else "-"
+        print(f"fixed cost per transfer: {fit['first_row_ms']:.3f} ms at {rows[0]['blocks']} block(s); fit over "
+              f"<= {args.fit_max_tokens} tokens: {fit['fixed_ms']:.3f} ms + bytes / {bw}")
+    if batch:
+        n = batch["requests"]
+        print(f"{n} requests x {batch['tokens_each']} tokens ({batch['bytes'] / 2**20:.0f} MiB): one message "
+              f"{f(batch['one_message_ms'], '.3f')} ms ({f(batch['one_message_ms'] and batch['one_message_ms'] / n, '.3f')}"
+              f" ms/request), one message each {f(batch['one_each_ms'], '.3f')} ms "
+              f"({f(batch['one_each_ms'] and batch['one_each_ms'] / n, '.3f')} ms/request)")
     skipped = [t for t in sizes if t not in {r["tokens"] for r in rows}]
     if skipped:
         print(f"skipped (--budget-s={args.budget_s} spent): {skipped}")

@@ -17,6 +17,8 @@ API (same signatures in `kernels.reference`):
   copy_blocks(k_caches, v_caches, pairs[N,2] int64)      (every layer, block src -> dst)
   swap_blocks(src, dst, pairs[N,2] int64)                 (one cache tensor, GPU <-> pinned CPU)
   swap_layers(srcs, dsts, pairs[N,2] int64)               (swap_blocks for every tensor, one launch)
+  gather_blocks(caches, block_ids[N] int64, staging[len(caches),N,...])   (blocks -> staging, one launch)
+  scatter_blocks(staging, caches, block_ids[N] int64)     (staging -> blocks, one launch)
 
 Dispatch: the names exported here run the Triton kernels when the tensors are on CUDA and the
 references otherwise (the engine's CPU path, fp32).  Set `kernels.BACKEND` (initial value from
@@ -92,6 +94,16 @@ def swap_layers(srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch
     impl(srcs, dsts, pairs)
 
 
+def gather_blocks(caches: list[torch.Tensor], block_ids: torch.Tensor, staging: torch.Tensor) -> None:
+    impl = copy.gather_blocks if _use_triton(*caches) else reference.gather_blocks
+    impl(caches, block_ids, staging)
+
+
+def scatter_blocks(staging: torch.Tensor, caches: list[torch.Tensor], block_ids: torch.Tensor) -> None:
+    impl = copy.scatter_blocks if _use_triton(*caches) else reference.scatter_blocks
+    impl(staging, caches, block_ids)
+
+
 def sample_gumbel(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
     """One categorical draw per row of softmax(logits / T) (greedy where T = 0), from a Philox
     stream fixed by `seed`: the Triton kernel on CUDA, the torch reference on CPU (another stream)."""
@@ -102,10 +114,12 @@ def sample_gumbel(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -
 __all__ = [
     "BACKEND",
     "copy_blocks",
+    "gather_blocks",
     "paged_decode_attention",
     "paged_prefill_attention",
     "reference",
     "sample_gumbel",
+    "scatter_blocks",
     "swap_blocks",
     "swap_layers",
     "write_kv_cache",

@@ -4,7 +4,9 @@ the GPU pool and a pinned CPU pool.
 One kernel does both: it reads base addresses from int64 pointer tables, so one launch copies
 the same (src, dst) block pairs in every layer's K and V cache.  A GPU program may address pinned
 host memory directly (CUDA unified addressing), so a swap is a single launch with no staging:
-`swap_blocks(..., method="kernel")`.  `method="torch"` instead gathers into a contiguous pinned
+`swap_blocks(..., method="kernel")`.  `gather_blocks` / `scatter_blocks` move blocks of every
+layer between the pool and one contiguous staging buffer (a KV transfer's message), also in one
+launch.  `method="torch"` instead gathers into a contiguous pinned
 staging buffer, moves it in one copy and scatters; the default was picked by
 `python -m experiments.bench_kernels` (docs/kernels.md).  Caches must be contiguous.
 """
@@ -15,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.validate import check_layer_caches, check_pairs, check_swap_lists
+from kernels.validate import check_layer_caches, check_pairs, check_stage, check_swap_lists
 
 _RAW_DTYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 CHUNK = 4096  # elements per program
@@ -135,3 +137,60 @@ def swap_blocks(
     """Copy block pairs[i, 0] of src to block pairs[i, 1] of dst (one cache tensor, any devices;
     the CPU side must be pinned for the kernel method): `swap_layers` of one tensor."""
     swap_layers([src], [dst], pairs, method=method)
+
+
+@triton.jit(do_not_specialize=["num_ids"])  # one compiled kernel for every transfer size
+def _stage_blocks_kernel(
+    cache_table,
+    staging_ptr,
+    ids_ptr,
+    num_ids,
+    block_numel,
+    cache_block_stride,
+    GATHER: tl.constexpr,
+    DTYPE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    tensor = tl.program_id(1)
+    offs = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_numel
+    cache = tl.multiple_of(tl.load(cache_table + tensor).to(tl.pointer_type(DTYPE)), 16)
+    staging = staging_ptr.to(tl.pointer_type(DTYPE))
+    block = tl.load(ids_ptr + i)
+    cache_at = cache + block * cache_block_stride + offs
+    staging_at = staging + (tensor.to(tl.int64) * num_ids + i) * block_numel + offs
+    if GATHER:
+        tl.store(staging_at, tl.load(cache_at, mask=mask), mask=mask)
+    else:
+        tl.store(cache_at, tl.load(staging_at, mask=mask), mask=mask)
+
+
+def _stage(caches: list[torch.Tensor], staging: torch.Tensor, block_ids: torch.Tensor, gather: bool) -> None:
+    check_stage(caches, staging, block_ids)
+    first = caches[0]
+    for i, t in enumerate(caches):
+        if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"cache #{i} {tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()} is invalid: all "
+                             f"caches must be contiguous, 16-byte aligned [*, {tuple(first.shape[1:])}] {first.dtype}")
+    num_ids = block_ids.shape[0]
+    if num_ids == 0:
+        return
+    block_numel = first[0].numel()
+    table = _pointer_table(tuple(t.data_ptr() for t in caches), first.device)
+    grid = (num_ids, len(caches), triton.cdiv(block_numel, CHUNK))
+    _stage_blocks_kernel[grid](
+        table, staging, block_ids.to(first.device, non_blocking=True), num_ids, block_numel, first.stride(0),
+        GATHER=gather, DTYPE=_RAW_DTYPES[first.element_size()], CHUNK=CHUNK, num_warps=4,
+    )
+
+
+def gather_blocks(caches: list[torch.Tensor], block_ids: torch.Tensor, staging: torch.Tensor) -> None:
+    """staging[j, i] = caches[j][block_ids[i]] for every tensor j and block i, in one launch (a KV
+    transfer's send buffer: every layer's K and V of a request's blocks, contiguous)."""
+    _stage(caches, staging, block_ids, gather=True)
+
+
+def scatter_blocks(staging: torch.Tensor, caches: list[torch.Tensor], block_ids: torch.Tensor) -> None:
+    """caches[j][block_ids[i]] = staging[j, i], in one launch (a received KV transfer into its blocks)."""
+    _stage(caches, staging, block_ids, gather=False)

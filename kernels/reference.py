@@ -13,6 +13,7 @@ from kernels.validate import (
     check_kv_write,
     check_layer_caches,
     check_pairs,
+    check_stage,
     check_swap_lists,
 )
 
@@ -116,6 +117,20 @@ def swap_layers(srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch
     check_swap_lists(srcs, dsts)
     for src, dst in zip(srcs, dsts):
         swap_blocks(src, dst, pairs)
+
+
+def gather_blocks(caches: list[torch.Tensor], block_ids: torch.Tensor, staging: torch.Tensor) -> None:
+    check_stage(caches, staging, block_ids)
+    index = block_ids.to(caches[0].device)
+    for j, cache in enumerate(caches):
+        torch.index_select(cache, 0, index, out=staging[j])
+
+
+def scatter_blocks(staging: torch.Tensor, caches: list[torch.Tensor], block_ids: torch.Tensor) -> None:
+    check_stage(caches, staging, block_ids)
+    index = block_ids.to(caches[0].device)
+    for j, cache in enumerate(caches):
+        cache.index_copy_(0, index, staging[j])
 
 
 def sample_gumbel(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:

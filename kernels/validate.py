@@ -127,3 +127,18 @@ def check_pairs(pairs: torch.Tensor, same_pool: bool) -> None:
         dst = pairs[:, 1]
         if dst.unique().numel() != dst.numel() or (same_pool and torch.isin(dst, pairs[:, 0]).any()):
             _fail("pairs[:, 1]", dst.tolist(), "destination blocks must be distinct (and not sources)")
+
+
+def check_stage(caches: list[torch.Tensor], staging: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """A staging buffer [len(caches), len(block_ids), *block shape] of the caches' dtype; distinct
+    int64 block ids (checked when they live on the CPU)."""
+    if not caches:
+        _fail("caches", 0, "at least 1 tensor")
+    want = (len(caches), block_ids.shape[0], *caches[0].shape[1:])
+    if tuple(staging.shape) != want or staging.dtype != caches[0].dtype or not staging.is_contiguous():
+        _fail("staging", (tuple(staging.shape), staging.dtype, staging.is_contiguous()),
+              f"contiguous {want} {caches[0].dtype}")
+    if block_ids.dim() != 1 or block_ids.dtype != torch.int64:
+        _fail("block_ids", (tuple(block_ids.shape), block_ids.dtype), "int64 [N]")
+    if block_ids.device.type == "cpu" and block_ids.unique().numel() != block_ids.numel():
+        _fail("block_ids", block_ids.tolist(), "distinct block ids")

@@ -19,6 +19,9 @@ class DisaggregationConfig:
     transfer_timeout_s: float = 30.0
     # Transfers posted at once (each holds a staging buffer of its blocks on both GPUs).
     max_transfers_in_flight: int = 8
+    # One transfer moves every hand-off the decode engine reserved in one turn, up to this many
+    # blocks (a larger request goes alone): its staging buffers' bound.
+    max_blocks_per_transfer: int = 512
     # Hand-offs the decode engine queues while its KV pool is full, and how long one may wait there.
     max_queue: int = 64
     queue_timeout_s: float = 60.0
@@ -28,7 +31,7 @@ class DisaggregationConfig:
     startup_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "max_queue", "max_transfers_in_flight"):
+        for name in ("prefill", "decode", "max_queue", "max_transfers_in_flight", "max_blocks_per_transfer"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"disaggregation.{name}={value!r} is invalid: must be an integer >= 1")

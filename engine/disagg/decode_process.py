@@ -9,10 +9,12 @@ clock), joins the pair's `KVLink` as the receiving end, then loops:
    to its end and is dropped there, a live request is aborted in the engine);
 2. hand-offs queued longer than `queue_timeout_s`, or too long for this KV pool, are refused;
 3. `reserve_ready`: blocks allocated for the hand-offs that fit; then, while fewer than
-   `max_transfers_in_flight` receives are posted (each holds a staging buffer), `Reserved` to the
-   front (which sends only now: the receiver allocates before the send) and a receive posted;
-4. receives that completed are scattered into their blocks and the request joins the running
-   batch (`DecodeSide.receive`, `LLMEngine.take_over_request`);
+   `max_transfers_in_flight` receives are posted (each holds a staging buffer), one receive is
+   posted for every hand-off reserved so far (up to `max_blocks_per_transfer` blocks) and one
+   `Reserved` names them to the front, which sends them as one message (the receiver allocates
+   before the send; the hand-offs of one prefill step share one message, one gather, one scatter);
+4. receives that completed are scattered into their blocks (one launch per message) and their
+   requests join the running batch (`DecodeSide.receive`, `LLMEngine.take_over_request`);
 5. one engine step, its outputs (and the trace rows of the requests that ended) to the front.
 Waiting: it blocks on the pipe when it has nothing to do, polls every millisecond while a transfer
 or a queued hand-off waits, and does not wait while requests run.
@@ -46,7 +48,7 @@ from engine.disagg.messages import (
 from engine.distributed.worker import exit_with_parent
 from engine.engine_args import EngineArgs
 from engine.online.engine_core import HEARTBEAT_S
-from policies.disagg import DecodeSide, KVHandoff
+from policies.disagg import DecodeSide, KVHandoff, transfer_batches
 
 DECODE_REPLICA = 1
 _IDLE_POLL_S, _BUSY_POLL_S = 1.0, 0.001
@@ -67,7 +69,8 @@ def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn:
         conn.send(DecodeReady(os.getpid(), engine.runner.num_gpu_blocks, engine.clock_origin))
         link = KVLink(RECV_RANK, join_store(port, config.transfer_timeout_s), engine.runner.device,
                       config.transfer_timeout_s)
-        DecodeLoop(engine, side, link, conn, config.max_transfers_in_flight).run()
+        link.warm_up(engine.runner.kv_cache.k_caches, engine.runner.kv_cache.v_caches)
+        DecodeLoop(engine, side, link, conn, config.max_transfers_in_flight, config.max_blocks_per_transfer).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the front is gone
     except BaseException as e:  # noqa: BLE001 (reported to the front, which fails the requests)
@@ -82,9 +85,11 @@ def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn:
 
 
 class DecodeLoop:
-    def __init__(self, engine, side: DecodeSide, link: KVLink, conn: Connection, max_in_flight: int) -> None:
+    def __init__(self, engine, side: DecodeSide, link: KVLink, conn: Connection, max_in_flight: int,
+                 max_blocks: int) -> None:
         self.engine, self.side, self.link, self.conn = engine, side, link, conn
-        self.max_in_flight = max_in_flight
+        self.max_in_flight, self.max_blocks = max_in_flight, max_blocks
+        self.in_flight = 0  # receives posted and not yet scattered (each holds a staging buffer)
         self.queued: dict[str, KVHandoff] = {}  # request id -> hand-off waiting for blocks
         self.reserved: deque[KVHandoff] = deque()  # blocks allocated, receive not yet posted (in-flight cap)
         self.receiving: dict[str, tuple[KVHandoff, object]] = {}  # request id -> (hand-off, its Transfer)
@@ -135,9 +140,10 @@ class DecodeLoop:
                 self.conn.send(Refused(handoff.request_id, "handoff_queue_full", f"the decode engine's hand-off "
                                                                                  f"queue is full (max_queue={side.max_queue})"))
         elif isinstance(message, TransferStarted):
-            entry = self.receiving.get(message.request_id)
-            if entry is not None:
-                entry[0].transfer_start_time = message.time
+            for request_id in message.request_ids:
+                entry = self.receiving.get(request_id)
+                if entry is not None:
+                    entry[0].transfer_start_time = message.time
         elif isinstance(message, AbortMessage):
             self._abort(message.request_id)
         else:
@@ -175,11 +181,16 @@ class DecodeLoop:
             self.queued.pop(handoff.request_id, None)
         self.reserved.extend(reserved)
         kv = self.engine.runner.kv_cache
-        while self.reserved and len(self.receiving) < self.max_in_flight:  # staging memory stays bounded
-            handoff = self.reserved.popleft()
-            self.conn.send(Reserved(handoff.request_id, list(handoff.dst_block_ids)))  # the front may send
-            transfer = self.link.recv(handoff.request_id, kv.k_caches, handoff.dst_block_ids[:handoff.num_blocks])
-            self.receiving[handoff.request_id] = (handoff, transfer)
+        while self.reserved and self.in_flight < self.max_in_flight:  # staging memory stays bounded
+            batch = transfer_batches(self.reserved, self.max_blocks)[0]
+            for _ in batch:
+                self.reserved.popleft()
+            parts = [(h.request_id, list(h.dst_block_ids[:h.num_blocks])) for h in batch]
+            transfer = self.link.recv(parts, kv.k_caches)  # posted before the front is told to send
+            self.conn.send(Reserved([key for key, _ in parts], [blocks for _, blocks in parts]))
+            self.in_flight += 1
+            for handoff in batch:
+                self.receiving[handoff.request_id] = (handoff, transfer)
 
     def _refuse(self, handoff: KVHandoff, code: str, reason: str) -> None:
         self.queued.pop(handoff.request_id, None)
@@ -191,18 +202,20 @@ class DecodeLoop:
         those that stream."""
         kv, engine, outputs = self.engine.runner.kv_cache, self.engine, []
         for transfer in self.link.poll():
-            handoff, _ = self.receiving.pop(transfer.key)
             if transfer.error is not None:
                 raise KVTransferError(f"the KV link failed: {transfer.error}")
+            self.in_flight -= 1
             self.link.scatter(transfer, kv.k_caches, kv.v_caches)
-            if handoff.transfer_start_time is None:  # its start message is still on its way
-                handoff.transfer_start_time = handoff.reserved_time
-            prompt, output_len = self.prompts.pop(handoff.request_id, (None, None))
-            family = self.side.receive(handoff, engine.now())
-            if family is None:  # aborted while it moved: the front may still wait for its end
-                self.conn.send(Refused(handoff.request_id, "user", "aborted"))
-            else:
-                output = engine.take_over_request(handoff.request, prompt, family, output_len)
-                if output is not None:
-                    outputs.append(output)
+            for key in transfer.keys:
+                handoff, _ = self.receiving.pop(key)
+                if handoff.transfer_start_time is None:  # its start message is still on its way
+                    handoff.transfer_start_time = handoff.reserved_time
+                prompt, output_len = self.prompts.pop(handoff.request_id, (None, None))
+                family = self.side.receive(handoff, engine.now())
+                if family is None:  # aborted while it moved: the front may still wait for its end
+                    self.conn.send(Refused(handoff.request_id, "user", "aborted"))
+                else:
+                    output = engine.take_over_request(handoff.request, prompt, family, output_len)
+                    if output is not None:
+                        outputs.append(output)
         return outputs

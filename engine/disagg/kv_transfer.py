@@ -7,13 +7,16 @@ to device, over NVLink within a host), gloo on CPUs. The link is a backend objec
 groups are), not torch.distributed's default group, so either engine may also be tensor-parallel
 in its own process group and a process may hold several links.
 
-A transfer moves every layer's K and V of a request's blocks as one message: the sender gathers
-the blocks into one contiguous staging buffer `[2 x layers, blocks, block_size, kv_heads,
-head_dim]` (K of layer l at 2l, V at 2l + 1) and sends it; the receiver receives into a staging
-buffer of the same shape and scatters it into the blocks its block manager allocated before the
-send (it tells the sender to send only then, so a send never waits for an allocation).
-`experiments/bench_kv_transfer.py` compares this with one message per layer and with the link's
-copy bandwidth.
+A transfer moves every layer's K and V of one or more requests' blocks (its `parts`: request id
+and block ids, in order) as one message: the sender gathers the blocks into one contiguous staging
+buffer `[2 x layers, blocks, block_size, kv_heads, head_dim]` (K of layer l at 2l, V at 2l + 1) in
+one launch (`kernels.gather_blocks`) and sends it; the receiver receives into a staging buffer of
+the same shape and scatters it into the blocks its block manager allocated before the send in one
+launch (`kernels.scatter_blocks`; it tells the sender to send only then, so a send never waits for
+an allocation). A transfer's fixed cost (launches, the send/recv call, noticing completion) is paid
+once per message, so the engine pair moves every hand-off reserved together in one.
+`experiments/bench_kv_transfer.py` measures that cost, one message per layer and the link's copy
+bandwidth.
 
 Overlap: on a GPU the gather runs on the link's side stream after the compute stream's work so
 far (the prefill step that wrote the blocks), and NCCL runs the send on its own stream after it;
@@ -41,10 +44,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+import kernels
 from engine.distributed.parallel_state import bounded
 
 SEND_RANK, RECV_RANK = 0, 1
-_POLL_S = 0.0002  # how often an NCCL transfer's completion is checked
+# An NCCL transfer's completion is checked after _POLL_S, then at doubling intervals up to
+# _POLL_MAX_S: a short transfer is seen within ~0.1 ms, a long one wakes the helper (and asks the
+# engine loop's thread for the GIL) at most every millisecond.
+_POLL_S, _POLL_MAX_S = 0.0001, 0.001
 _TEARDOWN_S = 4.0  # an NCCL abort or shutdown is waited for this long (on a helper thread)
 
 
@@ -54,16 +61,23 @@ class KVTransferError(RuntimeError):
 
 @dataclass(slots=True)
 class Transfer:
-    """One request's blocks in flight on a link."""
+    """One message in flight on a link: the blocks of one or more requests, in `parts` order."""
 
-    key: str  # the request's id
-    block_ids: list[int]
+    parts: list[tuple[str, list[int]]]  # (request id, its block ids on this side), in staging order
     staging: torch.Tensor = field(repr=False)
     work: object = field(repr=False)
     posted_at: float  # time.monotonic()
     finished_at: float | None = None
     error: KVTransferError | None = None
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def keys(self) -> list[str]:
+        return [key for key, _ in self.parts]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b for _, blocks in self.parts for b in blocks]
 
     @property
     def num_bytes(self) -> int:
@@ -156,55 +170,79 @@ class KVLink:
             raise KVTransferError(f"the KV link's peer did not answer its first message {why}")
 
     # ---- posting -----------------------------------------------------------------------------
-    def send(self, key: str, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
-             block_ids: list[int]) -> Transfer:
-        """Gather `block_ids` of every layer into one staging buffer and send it (prefill side)."""
-        self._check(SEND_RANK, block_ids, k_caches)
-        index = torch.tensor(block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+    def send(self, parts: Sequence[tuple[str, list[int]]], k_caches: Sequence[torch.Tensor],
+             v_caches: Sequence[torch.Tensor]) -> Transfer:
+        """Gather the blocks of every (request id, block ids) part, every layer, into one staging
+        buffer in one launch and send it as one message (prefill side). On a GPU both run on the
+        link's side stream after the compute stream's work so far: nothing here waits for the GPU."""
+        parts = self._check(SEND_RANK, parts, k_caches)
+        block_ids = [b for _, blocks in parts for b in blocks]
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks' writes are done
         with _on(self.stream):
             staging = torch.empty(staging_shape(k_caches, len(block_ids)), dtype=k_caches[0].dtype,
                                   device=self.device)
-            for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
-                torch.index_select(k, 0, index, out=staging[2 * layer])
-                torch.index_select(v, 0, index, out=staging[2 * layer + 1])
-            return self._post(key, block_ids, staging, lambda: self.backend.send([staging], self.peer, 0))
+            kernels.gather_blocks(_interleaved(k_caches, v_caches), self._index(block_ids), staging)
+            return self._post(parts, staging, lambda: self.backend.send([staging], self.peer, 0))
 
-    def recv(self, key: str, k_caches: Sequence[torch.Tensor], block_ids: list[int]) -> Transfer:
-        """Post the receive of `block_ids`' staging buffer (decode side); `scatter` puts it into the
-        blocks once `poll` returns it done."""
-        self._check(RECV_RANK, block_ids, k_caches)
+    def recv(self, parts: Sequence[tuple[str, list[int]]], k_caches: Sequence[torch.Tensor]) -> Transfer:
+        """Post the receive of the parts' staging buffer (decode side; the sender's parts have the
+        same block counts in the same order); `scatter` puts it into the blocks once `poll`
+        returns it done."""
+        parts = self._check(RECV_RANK, parts, k_caches)
+        num_blocks = sum(len(blocks) for _, blocks in parts)
         with _on(self.stream):
-            staging = torch.empty(staging_shape(k_caches, len(block_ids)), dtype=k_caches[0].dtype,
-                                  device=self.device)
-            return self._post(key, block_ids, staging, lambda: self.backend.recv([staging], self.peer, 0))
+            staging = torch.empty(staging_shape(k_caches, num_blocks), dtype=k_caches[0].dtype, device=self.device)
+            return self._post(parts, staging, lambda: self.backend.recv([staging], self.peer, 0))
 
     def scatter(self, transfer: Transfer, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
-        """Write a completed receive into its blocks (on the compute stream; decode side)."""
+        """Write a completed receive into its blocks in one launch (on the compute stream; decode side)."""
         if transfer.error is not None or not transfer.done.is_set():
-            raise KVTransferError(f"request {transfer.key!r}: its KV transfer did not complete")
+            raise KVTransferError(f"requests {transfer.keys}: their KV transfer did not complete")
         if self.device.type == "cuda":  # the compute stream after the receive (complete already)
             transfer.work.wait()
             # The staging buffer is the side stream's memory: not reused before the scatter has read it.
             transfer.staging.record_stream(torch.cuda.current_stream(self.device))
-        index = torch.tensor(transfer.block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        staging = transfer.staging
-        for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
-            k.index_copy_(0, index, staging[2 * layer])
-            v.index_copy_(0, index, staging[2 * layer + 1])
+        kernels.scatter_blocks(transfer.staging, _interleaved(k_caches, v_caches), self._index(transfer.block_ids))
 
-    def _check(self, rank: int, block_ids: list[int], k_caches: Sequence[torch.Tensor]) -> None:
+    def warm_up(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
+        """Compile the gather and scatter kernels for these caches now, not in the first transfer (a
+        stall of a few hundred ms): block 0 gathered and written back unchanged, then a sync. Call it
+        before the caches hold anything a step reads."""
+        caches = _interleaved(k_caches, v_caches)
+        staging = torch.empty(staging_shape(k_caches, 1), dtype=k_caches[0].dtype, device=self.device)
+        index = self._index([0])
+        kernels.gather_blocks(caches, index, staging)
+        kernels.scatter_blocks(staging, caches, index)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        """The block ids on the device without a host sync: from pinned memory (reused by torch's
+        host allocator only once the copy is done), copied on the current stream."""
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
+
+    def _check(self, rank: int, parts: Sequence[tuple[str, list[int]]],
+               k_caches: Sequence[torch.Tensor]) -> list[tuple[str, list[int]]]:
         if self.rank != rank:
             side = "send" if rank == SEND_RANK else "receive"
             raise RuntimeError(f"this end of the link is rank {self.rank}: it cannot {side}")
-        if not block_ids:
-            raise ValueError("block_ids is empty: a transfer moves at least one block")
+        parts = [(key, list(blocks)) for key, blocks in parts]
+        if not parts or any(not blocks for _, blocks in parts):
+            raise ValueError(f"parts={[(k, len(b)) for k, b in parts][:5]} is invalid: a transfer moves at least one "
+                             "request, each with at least one block")
+        block_ids = [b for _, blocks in parts for b in blocks]
         bad = [b for b in block_ids if not 0 <= b < k_caches[0].shape[0]]
         if bad:
             raise ValueError(f"block ids {bad[:5]} are out of range [0, {k_caches[0].shape[0]})")
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"block ids {block_ids[:10]} are invalid: a transfer moves each block once")
+        return parts
 
-    def _post(self, key: str, block_ids: list[int], staging: torch.Tensor, op) -> Transfer:
+    def _post(self, parts: list[tuple[str, list[int]]], staging: torch.Tensor, op) -> Transfer:
         with self._lock:
             if self._failure is not None:
                 raise self._failure
@@ -215,7 +253,7 @@ class KVLink:
             except RuntimeError as e:  # the peer's connection is gone
                 self._fail_locked(KVTransferError(f"the KV link's peer failed: {e}"))
                 raise self._failure from e
-            transfer = Transfer(key, list(block_ids), staging, work, time.monotonic())
+            transfer = Transfer(parts, staging, work, time.monotonic())
             self._queue.append(transfer)
             self._lock.notify_all()
             return transfer
@@ -272,14 +310,16 @@ class KVLink:
                 self._lock.notify_all()
 
     def _wait_one(self, transfer: Transfer, deadline: float) -> KVTransferError | None:
-        what = f"request {transfer.key!r}: KV transfer of {len(transfer.block_ids)} blocks"
+        what = f"requests {transfer.keys}: KV transfer of {len(transfer.block_ids)} blocks"
         try:
             if self.device.type == "cuda":
+                pause = _POLL_S
                 while not transfer.work.is_completed():
                     if time.monotonic() > deadline or self._failure is not None:
                         return KVTransferError(f"{what} made no progress within timeout_s={self.timeout_s} "
                                                "(the peer died or hung)")
-                    time.sleep(_POLL_S)
+                    time.sleep(pause)
+                    pause = min(2 * pause, _POLL_MAX_S)
             else:  # gloo: a bounded wait (a dead peer's closed connection raises at once)
                 left = max(0.001, deadline - time.monotonic())
                 transfer.work.wait(datetime.timedelta(seconds=left))
@@ -320,6 +360,11 @@ class KVLink:
         shutdown = getattr(self.backend, "shutdown", None) if self._failure is None else None
         if shutdown is not None and self.device.type == "cuda":
             bounded(shutdown, _TEARDOWN_S)
+
+
+def _interleaved(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """K of layer l at 2l, V at 2l + 1: the staging buffer's order."""
+    return [cache for pair in zip(k_caches, v_caches, strict=True) for cache in pair]
 
 
 def _on(stream):

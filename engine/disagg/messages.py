@@ -4,8 +4,8 @@ move on the pair's `KVLink` (engine/disagg/kv_transfer.py).
 
 front -> decode: `HandoffMessage` (a request whose first token was sampled), `TransferStarted`,
 `AbortMessage`, None (stop).
-decode -> front: `DecodeReady` or `DecodeFailed` once, then `Reserved` (blocks allocated and the
-receive posted: the front sends now), `Refused` (the request cannot be decoded there; it ends with
+decode -> front: `DecodeReady` or `DecodeFailed` once, then `Reserved` (blocks allocated for one or
+more requests and one receive posted for all of them: the front sends them now, as one message), `Refused` (the request cannot be decoded there; it ends with
 an error), `DecodeStep` (the decode engine's outputs and the trace rows of the requests that ended),
 `DecodeFailed` if its loop dies.
 """
@@ -26,7 +26,7 @@ class HandoffMessage:
 
 @dataclass(slots=True, frozen=True)
 class TransferStarted:
-    request_id: str
+    request_ids: list[str]  # the requests of one `Reserved`, sent as one message on the link
     time: float  # on the pair's shared clock
 
 
@@ -49,8 +49,11 @@ class DecodeFailed:
 
 @dataclass(slots=True, frozen=True)
 class Reserved:
-    request_id: str
-    dst_block_ids: list[int]
+    """Blocks allocated for these requests and one receive posted for all of them: the front sends
+    their blocks as one message, gathered in this order (each request's blocks in its order)."""
+
+    request_ids: list[str]
+    dst_block_ids: list[list[int]]
 
 
 @dataclass(slots=True, frozen=True)

@@ -7,8 +7,9 @@ drive it as they drive one engine.
     # prefill on the engine's device (cuda:0) in this process, decode on cuda:1 in a child process
 
 This process (the front) runs the prefill engine; `step()`:
-1. takes the decode process's messages: `Reserved` -> the request's blocks are sent on the link
-   (gathered on a side stream: the next prefill step overlaps the transfer); `Refused` -> the
+1. takes the decode process's messages: `Reserved` -> the blocks of the requests it names are
+   sent on the link as one message (gathered in one launch on the link's side stream, which the
+   compute stream never waits for: the next prefill step overlaps the transfer); `Refused` -> the
    request ends with an error; `DecodeStep` -> the decode engine's outputs, returned;
 2. runs one prefill step (when it has work), whose `PrefillSide` (policies/disagg/) hands off every
    request whose first token it sampled: the request is forgotten by the prefill engine's outputs
@@ -89,6 +90,7 @@ class DisaggregatedEngine:
             ready = self._decode.await_ready(config.startup_timeout_s)
             self.prefill.align_clock(ready.clock_origin)
             self.link = KVLink(SEND_RANK, store, self.prefill.runner.device, config.transfer_timeout_s)
+            self.link.warm_up(self.prefill.runner.kv_cache.k_caches, self.prefill.runner.kv_cache.v_caches)
         except BaseException:
             self.close()
             raise
@@ -219,8 +221,9 @@ class DisaggregatedEngine:
         request_id = handoff.request_id
         self.prefill.hand_over_request(request_id)
         self._handoffs[request_id] = handoff
-        if self._failure is not None:
+        if self._failure is not None:  # prefilled after the decode side failed: it ends here, with the error
             self._fail_handoff(handoff, "error", self._failure)
+            self._done_early.append(self._final(handoff, "abort:error", self._failure))
             return
         if not self._decoding:  # work after a time with none: its silence counts from now
             self._last_heard = time.monotonic()
@@ -256,23 +259,28 @@ class DisaggregatedEngine:
         return outputs
 
     def _start_transfer(self, message: Reserved) -> None:
-        handoff = self._handoffs[message.request_id]
-        handoff.dst_block_ids = list(message.dst_block_ids)
+        """One send of every request the decode side reserved together (one gather, one message)."""
+        now = self.now()
+        handoffs = [self._handoffs[request_id] for request_id in message.request_ids]
+        for handoff, dst in zip(handoffs, message.dst_block_ids, strict=True):
+            handoff.dst_block_ids = list(dst)
+            handoff.transfer_start_time = now
         kv = self.prefill.runner.kv_cache
-        handoff.transfer_start_time = self.now()
-        self.link.send(handoff.request_id, kv.k_caches, kv.v_caches, handoff.block_ids)
-        self._sending.add(handoff.request_id)
-        self._send(TransferStarted(handoff.request_id, handoff.transfer_start_time))
+        self.link.send([(h.request_id, h.block_ids) for h in handoffs], kv.k_caches, kv.v_caches)
+        self._sending.update(message.request_ids)
+        self._send(TransferStarted(list(message.request_ids), now))
 
     def _finish_transfers(self) -> None:
         for transfer in self.link.poll():
-            handoff = self._handoffs.pop(transfer.key)
-            self._sending.discard(transfer.key)
             now = self.now()
             if transfer.error is not None:
                 self._fail(str(transfer.error))
-                self.side.abort(transfer.key, "error", now)
-            self.side.finish_transfer(handoff, now)
+            for key in transfer.keys:
+                handoff = self._handoffs.pop(key)
+                self._sending.discard(key)
+                if transfer.error is not None:
+                    self.side.abort(key, "error", now)
+                self.side.finish_transfer(handoff, now)
 
     def _decode_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         kept = []
@@ -315,6 +323,9 @@ class DisaggregatedEngine:
             else:  # its send fails on the link and frees its blocks; its output goes out now
                 self._decoding.discard(request_id)
                 self._done_early.append(self._final(handoff, "abort:error", reason))
+        for request_id, handoff in list(self._handoffs.items()):
+            if request_id not in self._sending:  # aborted by the user (its output went out then), its
+                self._fail_handoff(handoff, "error", reason)  # `Refused` will never come: blocks freed
 
     def _check_decode_alive(self) -> None:
         if self._failure is None and not self._decode.alive:

@@ -22,6 +22,7 @@ class Cluster:
     handoff_timeout_s: float = 60.0
     handoff_hop_s: float = 1e-4
     handoff_step_boundaries: bool = True
+    handoff_batch_blocks: int = 512
 
 
 @dataclass

@@ -51,7 +51,8 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
     release_engine()  # one model per device: the kept single engine and the engine fleet's replicas go
     for release in OTHER_DEVICE_HOLDERS:
         release()
-    config = DisaggregationConfig(max_queue=cluster.handoff_queue, queue_timeout_s=cluster.handoff_timeout_s)
+    config = DisaggregationConfig(max_queue=cluster.handoff_queue, queue_timeout_s=cluster.handoff_timeout_s,
+                                  max_blocks_per_transfer=cluster.handoff_batch_blocks)
     pair = DisaggregatedEngine(engine_args(cfg), config, build)
     try:
         num_steps = feed_workload(pair, workload, on_done)

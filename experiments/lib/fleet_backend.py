@@ -37,6 +37,7 @@ class ClusterConfig:
     handoff_timeout_s: float = 60.0  # how long one may wait there
     handoff_hop_s: float = 1e-4  # backend=sim: one message between a pair's host loops (sim/fleet/disagg.py)
     handoff_step_boundaries: bool = True  # backend=sim: each side acts on a hand-off between its steps
+    handoff_batch_blocks: int = 512  # hand-offs reserved at once move as one KV message, up to this many blocks
 
     @property
     def disaggregated(self) -> bool:
@@ -79,8 +80,11 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
         raise ValueError(f"cluster.handoff_timeout_s={timeout!r} is invalid: must be a number of seconds > 0")
     from sim.fleet.disagg import HandoffHost
     host = HandoffHost(c.get("handoff_hop_s", 1e-4), c.get("handoff_step_boundaries", True))  # checks both
+    batch_blocks = c.get("handoff_batch_blocks", 512)
+    if isinstance(batch_blocks, bool) or not isinstance(batch_blocks, int) or batch_blocks < 1:
+        raise ValueError(f"cluster.handoff_batch_blocks={batch_blocks!r} is invalid: must be an integer >= 1")
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
-                         float(host.hop_s), host.step_boundaries)
+                         float(host.hop_s), host.step_boundaries, batch_blocks)
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:

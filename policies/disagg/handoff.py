@@ -15,6 +15,7 @@ user then, so TTFT = queueing + prefill + transfer).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from policies.model_shape import ModelShape
@@ -82,3 +83,24 @@ class KVHandoff:
                 "decode_wait": reserved - self.prefill_end_time, "link_wait": start - reserved,
                 "link_time": end - start, "transfer_time": end - self.prefill_end_time,
                 "transfer_bytes": self.num_bytes}
+
+
+def transfer_batches(reserved: Sequence[KVHandoff], max_blocks: int) -> list[list[KVHandoff]]:
+    """Hand-offs reserved together on a decode replica (in reservation order), grouped into KV
+    messages: consecutive ones from the same prefill replica share one message up to `max_blocks`
+    blocks (one larger goes alone). Each message pays the link's fixed cost once, as the engine
+    pair's does (one gather, one send, one scatter)."""
+    if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
+        raise ValueError(f"max_blocks={max_blocks!r} is invalid: must be an integer >= 1")
+    batches: list[list[KVHandoff]] = []
+    blocks = 0
+    for handoff in reserved:
+        last = batches[-1] if batches else None
+        if last is not None and last[0].prefill_replica == handoff.prefill_replica \
+                and blocks + handoff.num_blocks <= max_blocks:
+            last.append(handoff)
+            blocks += handoff.num_blocks
+        else:
+            batches.append([handoff])
+            blocks = handoff.num_blocks
+    return batches

@@ -6,19 +6,21 @@ take arrivals (`front`: prefill and mixed; decode replicas never get one). The r
 policies/disagg/ (`PrefillSide`, `DecodeSide`), run unchanged here as in the engine:
 
 1. A prefill replica's update hands off the requests whose first token it sampled (each replica's
-   `after_step` hook picks them up at once, on the same clock).
+   `after_step` hook picks them up at once, on the same clock); they reach the decode side together.
 2. The decode router (any registered router; exact snapshots of the decode replicas) picks a
    decode replica; the hand-off waits in that replica's bounded queue (`handoff_queue`; full:
    abort:handoff_queue_full; older than `handoff_timeout_s`: abort:handoff_timeout) until its
    blocks are allocated there, before any byte moves. Queued hand-offs are retried after each of
    that replica's steps.
-3. The transfer queues at the sending replica's link: one SimPy `Resource` of capacity 1 per prefill
-   replica (its outgoing link; every tensor-parallel rank sends its shard over its own GPU's link at
-   once, so a transfer takes `link.latency_s + bytes per rank / bandwidth`). Transfers from one
-   prefill replica go one after another, in the order their blocks were reserved; different prefill
+3. The hand-offs a decode replica reserves at once move as one message per prefill replica, up to
+   `batch_blocks` blocks (`transfer_batches`, the engine pair's rule). A message queues at the sending
+   replica's link: one SimPy `Resource` of capacity 1 per prefill replica (its outgoing link; every
+   tensor-parallel rank sends its shard over its own GPU's link at once, so a message takes
+   `link.latency_s + link.overhead_s + bytes per rank / bandwidth`). Messages from one prefill
+   replica go one after another, in the order their blocks were reserved; different prefill
    replicas send in parallel (a receiver's incoming link is not modelled as a bottleneck).
-4. At the transfer's end the request joins the decode replica's running batch and the prefill
-   replica frees its blocks.
+4. At the message's end its requests join the decode replica's running batch and the prefill
+   replica frees their blocks.
 
 The host's share of a hand-off (`HandoffHost`, `cluster.handoff_hop_s` and
 `cluster.handoff_step_boundaries`): the engine pair runs each side in its own process, one host
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from policies.disagg import DecodeSide, KVHandoff, PrefillSide, ReplicaRole
+from policies.disagg import DecodeSide, KVHandoff, PrefillSide, ReplicaRole, transfer_batches
 from policies.request import Request
 from policies.routing import Router, observe
 from sim.fleet.fleet import FleetResult, FleetSimulator, ReplicaSpec
@@ -73,15 +75,17 @@ class DisaggFleetSimulator(FleetSimulator):
                  block_bytes: Sequence[int], handoff_queue: int = 64, handoff_timeout_s: float = 60.0,
                  refresh_s: float = 0.0, stop_lens: Mapping[str, int] | None = None,
                  on_done: Callable[[int], None] | None = None, fast_forward: bool = True,
-                 host: HandoffHost | None = None) -> None:
+                 host: HandoffHost | None = None, batch_blocks: int = 512) -> None:
         """`links[i]` / `block_bytes[i]`: prefill replica i's outgoing link and KV block bytes per
         tensor-parallel rank (None / unused for other roles); `host`: the host loops' share of a
-        hand-off (default `HandoffHost()`)."""
+        hand-off (default `HandoffHost()`); `batch_blocks`: blocks of one KV message, at most."""
         if len(roles) != len(replicas):
             raise ValueError(f"roles={list(roles)!r} has {len(roles)} roles for {len(replicas)} replicas")
         super().__init__(replicas, router, requests, refresh_s, stop_lens, on_done, fast_forward)
         self.roles = tuple(roles)
         self.host = HandoffHost() if host is None else host
+        transfer_batches([], batch_blocks)  # checks it
+        self.batch_blocks = batch_blocks
         self.decode_router = decode_router
         self.front = [r for r, role in zip(self.replicas, roles) if role.takes_arrivals]
         self.decode_ids = [i for i, role in enumerate(roles) if role is ReplicaRole.DECODE]
@@ -117,6 +121,7 @@ class DisaggFleetSimulator(FleetSimulator):
     def _handed_off(self, prefill: int) -> None:
         """After a prefill replica's step: route its new hand-offs to decode replicas."""
         now = self.env.now
+        routed: dict[int, list[KVHandoff]] = {}
         for handoff in self.prefill_sides[prefill].take_handoffs():
             self.handoffs.append(handoff)
             self._pending += 1
@@ -124,19 +129,22 @@ class DisaggFleetSimulator(FleetSimulator):
                          for i in self.decode_ids]
             target = self.decode_router.route(handoff.request, snapshots)
             self.replicas[target].num_routed += 1
+            routed.setdefault(target, []).append(handoff)
+        for target, handoffs in routed.items():  # a step's hand-offs arrive together, as the engine's do
             if self.host.hop_s:
-                self.env.timeout(self.host.hop_s).callbacks.append(lambda _, h=handoff, d=target: self._arrive(h, d))
+                self.env.timeout(self.host.hop_s).callbacks.append(lambda _, h=handoffs, d=target: self._arrive(h, d))
             else:
-                self._arrive(handoff, target)
+                self._arrive(handoffs, target)
 
-    def _arrive(self, handoff: KVHandoff, decode: int) -> None:
-        """The hand-off reaches the decode side: queued, then admitted now if that replica is between
+    def _arrive(self, handoffs: list[KVHandoff], decode: int) -> None:
+        """Hand-offs reach the decode side: queued, then admitted now if that replica is between
         steps (else after its running step, `after_step`)."""
         side = self.decode_sides[decode]
-        if not side.enqueue(handoff, self.env.now):
-            self._drop(handoff, "handoff_queue_full")
-            return
-        self.env.timeout(side.timeout_s).callbacks.append(lambda _, d=decode: self._expire(d))
+        for handoff in handoffs:
+            if not side.enqueue(handoff, self.env.now):
+                self._drop(handoff, "handoff_queue_full")
+                continue
+            self.env.timeout(side.timeout_s).callbacks.append(lambda _, d=decode: self._expire(d))
         if not self._mid_step(decode):
             self._admit(decode)
 
@@ -153,8 +161,8 @@ class DisaggFleetSimulator(FleetSimulator):
         reserved, never = self.decode_sides[decode].reserve_ready(self.env.now)
         for handoff in never:
             self._drop(handoff, "too_long")
-        for handoff in reserved:
-            self.env.process(self._transfer(handoff))
+        for batch in transfer_batches(reserved, self.batch_blocks):
+            self.env.process(self._transfer(batch))
 
     def _expire(self, decode: int) -> None:
         for handoff in self.decode_sides[decode].expire(self.env.now):
@@ -169,28 +177,33 @@ class DisaggFleetSimulator(FleetSimulator):
         self.replicas[handoff.decode_replica].num_left += 1
         self._settled()
 
-    def _transfer(self, handoff: KVHandoff):
-        prefill, decode = handoff.prefill_replica, handoff.decode_replica
+    def _transfer(self, batch: list[KVHandoff]):
+        """One KV message: the hand-offs of `batch` (one prefill replica, one decode replica)."""
+        prefill, decode = batch[0].prefill_replica, batch[0].decode_replica
         link, resource = self.links[prefill]
         if self.host.hop_s or self.host.step_boundaries:  # `Reserved` reaches the prefill side's loop
             yield self.env.timeout(self.host.hop_s)
             yield self._step_boundary(prefill)
         with resource.request() as turn:
             yield turn
-            handoff.transfer_start_time = self.env.now
-            yield self.env.timeout(link.transfer_time(handoff.num_bytes))
+            for handoff in batch:
+                handoff.transfer_start_time = self.env.now
+            yield self.env.timeout(link.transfer_time(sum(h.num_bytes for h in batch)))
         if self.host.step_boundaries:  # the decode side's loop notices the KV after its running step
             yield self._step_boundary(decode)
-        now = self.env.now
-        received = self.decode_sides[decode].receive(handoff, now)
-        self.prefill_sides[handoff.prefill_replica].finish_transfer(handoff, now)
-        self.replicas[handoff.prefill_replica].wake()  # its blocks are free again
-        if received is None:
-            self.replicas[decode].num_left += 1
-        else:
-            self.replicas[handoff.prefill_replica].num_left += 1
+        now, joined = self.env.now, False
+        for handoff in batch:
+            received = self.decode_sides[decode].receive(handoff, now)
+            self.prefill_sides[prefill].finish_transfer(handoff, now)
+            if received is None:
+                self.replicas[decode].num_left += 1
+            else:
+                self.replicas[prefill].num_left += 1
+                joined = True
+        self.replicas[prefill].wake()  # their blocks are free again
+        if joined:
             self.replicas[decode].wake()
-        self._settled()
+        self._settled(len(batch))
 
     # ---- ending ------------------------------------------------------------------------------------
     def _close_after(self, front: list[simpy.Process]):

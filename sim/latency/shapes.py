@@ -20,24 +20,32 @@ def _positive(value: Any, name: str) -> float:
 
 @dataclass(slots=True)
 class Link:
-    """A GPU-to-GPU path a KV transfer takes (conf/hardware `links.<name>`), per GPU and each way."""
+    """A GPU-to-GPU path a KV transfer takes (conf/hardware `links.<name>`), per GPU and each way.
+    A transfer costs `latency_s` (the wire's set-up) + `overhead_s` (the sending and receiving
+    software's fixed cost per message: gathering and scattering the blocks, the send/recv calls,
+    noticing completion; measured by experiments/bench_kv_transfer.py) + bytes / bandwidth."""
 
     bandwidth_gb_s: float  # GB/s (1e9 B/s)
     latency_s: float  # per transfer
+    overhead_s: float = 0.0  # per transfer (one message), the engine's fixed cost beside the wire's
 
     def transfer_time(self, num_bytes: int) -> float:
-        return self.latency_s + num_bytes / (self.bandwidth_gb_s * 1e9)
+        return self.latency_s + self.overhead_s + num_bytes / (self.bandwidth_gb_s * 1e9)
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], where: str) -> Link:
         if not isinstance(cfg, Mapping):
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
-                f"{where}={cfg!r} is invalid: a mapping with bandwidth_gb_s and latency_s")
-        bw, lat = cfg.get("bandwidth_gb_s"), cfg.get("latency_s")
+                f"{where}={cfg!r} is invalid: a mapping with bandwidth_gb_s, latency_s (and optional overhead_s)")
+        unknown = sorted(set(cfg) - {"bandwidth_gb_s", "latency_s", "overhead_s"})
+        if unknown:
+            raise ValueError(f"{where} keys {unknown} are unknown: allowed are bandwidth_gb_s, latency_s, overhead_s")
+        bw, lat, over = cfg.get("bandwidth_gb_s"), cfg.get("latency_s"), cfg.get("overhead_s", 0.0)
         _positive(bw, f"{where}.bandwidth_gb_s")
-        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or lat < 0:
-            raise ValueError(f"{where}.latency_s={lat!r} is invalid: must be a number >= 0 (seconds)")
-        return cls(float(bw), float(lat))
+        for name, value in (("latency_s", lat), ("overhead_s", over)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{where}.{name}={value!r} is invalid: must be a number >= 0 (seconds)")
+        return cls(float(bw), float(lat), float(over))
 
 
 @dataclass(slots=True, frozen=True)

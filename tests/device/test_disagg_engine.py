@@ -151,6 +151,24 @@ def test_a_killed_decode_process_ends_the_handed_off_requests_with_an_error():
         assert time.monotonic() - t0 < JOIN_TIMEOUT_S + 2.0
 
 
+def test_requests_prefilled_after_the_decode_process_died_end_with_an_error():
+    """The decode process is gone before the requests are prefilled: each hand-off made after the
+    failure ends at once with abort:error (none is left unfinished), its prefill blocks freed."""
+    engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
+    try:
+        os.kill(engine.decode_pid, signal.SIGKILL)
+        deadline = time.monotonic() + TIMEOUT_S
+        while engine._decode.alive:
+            assert time.monotonic() < deadline, "the killed decode process did not exit"
+            time.sleep(0.01)
+        done = _run(engine)
+        assert len(done) == len(PROMPTS)
+        assert all(reasons == ["abort:error"] and "decode engine" in error for _, reasons, error in done.values())
+        assert engine.prefill.scheduler.block_manager.num_free_gpu_blocks() == engine.prefill.runner.num_gpu_blocks
+    finally:
+        engine.close()
+
+
 def test_a_stopped_decode_process_is_hung_and_its_requests_end_with_an_error():
     """Alive but silent (SIGSTOP) with requests decoding: ended as hung within transfer_timeout_s."""
     engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))

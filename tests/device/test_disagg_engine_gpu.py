@@ -58,7 +58,7 @@ def _receiver(port: int, blocks: list[int], result) -> None:
     k = [torch.zeros(16, 16, 8, 128, dtype=torch.bfloat16, device="cuda:1") for _ in range(4)]
     v = [torch.zeros_like(x) for x in k]
     link = KVLink(RECV_RANK, join_store(port, 30.0), "cuda:1", 30.0)
-    transfer = link.recv("a", k, blocks)
+    transfer = link.recv([("a", blocks[:1]), ("b", blocks[1:])], k)
     done = link.wait_all(30.0)
     assert done and done[0].error is None, done
     link.scatter(transfer, k, v)
@@ -76,7 +76,7 @@ def test_link_moves_blocks_between_gpus():
     k = [torch.randn(16, 16, 8, 128, generator=g, device="cuda:0").bfloat16() for _ in range(4)]
     v = [torch.randn(16, 16, 8, 128, generator=g, device="cuda:0").bfloat16() for _ in range(4)]
     link = KVLink(SEND_RANK, store, "cuda:0", 30.0)
-    link.send("a", k, v, [0, 7, 3])
+    link.send([("a", [0]), ("b", [7, 3])], k, v)
     done = link.wait_all(30.0)
     assert done and done[0].error is None
     got = result.get(timeout=60)

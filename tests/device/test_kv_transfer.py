@@ -1,6 +1,8 @@
 """The KV link between a prefill and a decode process on CPU (gloo): every layer's K and V of the
-sent blocks land in the receiver's blocks (other blocks untouched), several transfers in flight
-match in order, and a peer that dies or never answers fails the transfers within the bound."""
+sent blocks land in the receiver's blocks (other blocks untouched), several requests moved in one
+transfer land in their own blocks, several transfers in flight match in order, a send returns
+before its receive is even posted (a sender's loop is never held by a send in flight), and a peer
+that dies or never answers fails the transfers within the bound."""
 from __future__ import annotations
 
 import multiprocessing
@@ -23,45 +25,36 @@ def _caches(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return k, v
 
 
-def _receiver(port: int, plan: list[list[int]], result, mode: str) -> None:
-    """The decode side: receive each plan's blocks and report the caches (or die, or hang)."""
+def _receiver(port: int, plan: list[list[tuple[str, list[int]]]], result, mode: str, go=None) -> None:
+    """The decode side: receive each planned transfer's parts and report the caches (or die, or
+    hang; with `go`, post the receives only once it is set)."""
     link = KVLink(RECV_RANK, join_store(port, 10.0), "cpu", TIMEOUT_S)
     k, v = [torch.zeros(BLOCKS, *SHAPE) for _ in range(LAYERS)], [torch.zeros(BLOCKS, *SHAPE) for _ in range(LAYERS)]
     if mode == "die":
         os._exit(3)
     if mode == "hang":
         time.sleep(60)
-    transfers = [link.recv(f"r{i}", k, blocks) for i, blocks in enumerate(plan)]
+    if go is not None:
+        assert go.wait(20.0)
+    transfers = [link.recv(parts, k) for parts in plan]
     done = link.wait_all(10.0)
-    assert [t.key for t in done] == [t.key for t in transfers] and all(t.error is None for t in done)
+    assert [t.keys for t in done] == [t.keys for t in transfers] and all(t.error is None for t in done)
     for t in done:
         link.scatter(t, k, v)
     result.put(([x.clone() for x in k], [x.clone() for x in v]))
     link.close()
 
 
-def _start(plan, mode: str = "ok"):
+def _start(plan, mode: str = "ok", go=None):
     ctx = multiprocessing.get_context("spawn")
     store = open_store(10.0)
     result = ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(store.port, plan, result, mode), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(store.port, plan, result, mode, go), daemon=True)
     proc.start()
     return store, proc, result
 
 
-def test_blocks_of_every_layer_land_in_the_allocated_blocks():
-    sent = [[3, 1, 7], [0], [9, 8]]
-    received = [[0, 2, 4], [5], [6, 9]]  # the receiver's own allocation
-    store, proc, result = _start(received)
-    link = KVLink(SEND_RANK, store, "cpu", TIMEOUT_S)
-    k, v = _caches(0)
-    transfers = [link.send(f"r{i}", k, v, blocks) for i, blocks in enumerate(sent)]
-    assert transfers[0].num_bytes == 2 * LAYERS * 3 * 4 * 2 * 8 * 4
-    done = link.wait_all(10.0)
-    assert [t.error for t in done] == [None] * 3 and all(t.seconds >= 0 for t in done)
-    rk, rv = result.get(timeout=20)
-    proc.join(10)
-    link.close()
+def _assert_landed(rk, rv, k, v, sent: list[list[int]], received: list[list[int]]) -> None:
     untouched = set(range(BLOCKS)) - {b for blocks in received for b in blocks}
     for layer in range(LAYERS):
         for src, dst in zip(sent, received):
@@ -70,14 +63,69 @@ def test_blocks_of_every_layer_land_in_the_allocated_blocks():
             assert not rk[layer][b].any() and not rv[layer][b].any()
 
 
+def test_blocks_of_every_layer_land_in_the_allocated_blocks():
+    sent = [[3, 1, 7], [0], [9, 8]]
+    received = [[0, 2, 4], [5], [6, 9]]  # the receiver's own allocation
+    store, proc, result = _start([[(f"r{i}", blocks)] for i, blocks in enumerate(received)])
+    link = KVLink(SEND_RANK, store, "cpu", TIMEOUT_S)
+    k, v = _caches(0)
+    transfers = [link.send([(f"r{i}", blocks)], k, v) for i, blocks in enumerate(sent)]
+    assert transfers[0].num_bytes == 2 * LAYERS * 3 * 4 * 2 * 8 * 4
+    done = link.wait_all(10.0)
+    assert [t.error for t in done] == [None] * 3 and all(t.seconds >= 0 for t in done)
+    rk, rv = result.get(timeout=20)
+    proc.join(10)
+    link.close()
+    _assert_landed(rk, rv, k, v, sent, received)
+
+
+def test_several_requests_in_one_transfer_land_in_their_own_blocks():
+    """One message carries three requests' blocks (a prefill step's hand-offs), a second carries
+    one: each request's blocks land in the blocks the receiver allocated for it."""
+    sent = {"a": [3, 1], "b": [0], "c": [9, 8, 4], "d": [2]}
+    received = {"a": [7, 0], "b": [5], "c": [6, 9, 1], "d": [3]}
+    plan = [[(key, received[key]) for key in "abc"], [("d", received["d"])]]
+    store, proc, result = _start(plan)
+    link = KVLink(SEND_RANK, store, "cpu", TIMEOUT_S)
+    k, v = _caches(4)
+    first = link.send([(key, sent[key]) for key in "abc"], k, v)
+    link.send([("d", sent["d"])], k, v)
+    assert first.keys == ["a", "b", "c"] and first.block_ids == [3, 1, 0, 9, 8, 4]
+    assert first.num_bytes == 2 * LAYERS * 6 * 4 * 2 * 8 * 4
+    done = link.wait_all(10.0)
+    assert [t.keys for t in done] == [["a", "b", "c"], ["d"]] and all(t.error is None for t in done)
+    rk, rv = result.get(timeout=20)
+    proc.join(10)
+    link.close()
+    _assert_landed(rk, rv, k, v, list(sent.values()), list(received.values()))
+
+
+def test_a_send_returns_before_its_receive_is_posted():
+    """The sender's loop is not held by a send in flight: `send` returns (the transfer not done)
+    while the receiver has not even posted its receive; the transfer completes once it has."""
+    go = multiprocessing.get_context("spawn").Event()
+    store, proc, result = _start([[("a", [4, 5])]], go=go)
+    link = KVLink(SEND_RANK, store, "cpu", TIMEOUT_S)
+    k, v = _caches(5)
+    transfer = link.send([("a", [0, 1])], k, v)
+    assert not transfer.done.is_set() and link.num_in_flight == 1
+    go.set()
+    done = link.wait_all(10.0)
+    assert done == [transfer] and transfer.error is None
+    rk, rv = result.get(timeout=20)
+    proc.join(10)
+    link.close()
+    _assert_landed(rk, rv, k, v, [[0, 1]], [[4, 5]])
+
+
 @pytest.mark.parametrize("mode", ["die", "hang"])
 def test_a_dead_or_silent_peer_fails_the_transfer_within_the_bound(mode):
-    store, proc, _ = _start([[0]], mode)
+    store, proc, _ = _start([[("a", [0])]], mode)
     link = KVLink(SEND_RANK, store, "cpu", TIMEOUT_S)
     k, v = _caches(1)
     t0 = time.monotonic()
     try:
-        transfers = [link.send("a", k, v, [1, 2]), link.send("b", k, v, [3])]
+        transfers = [link.send([("a", [1, 2])], k, v), link.send([("b", [3])], k, v)]
     except KVTransferError:  # the peer's connection was already gone when posting
         transfers = []
     done = link.wait_all(TIMEOUT_S + 5.0)
@@ -85,7 +133,7 @@ def test_a_dead_or_silent_peer_fails_the_transfer_within_the_bound(mode):
     assert len(done) == len(transfers) and all(isinstance(t.error, KVTransferError) for t in done)
     assert link.failure is not None
     with pytest.raises(KVTransferError):
-        link.send("c", k, v, [4])
+        link.send([("c", [4])], k, v)
     link.close()
     proc.kill()
     proc.join(5)
@@ -96,11 +144,13 @@ def test_bad_block_ids_and_wrong_side_are_refused():
     link = KVLink(SEND_RANK, store, "cpu", TIMEOUT_S)
     k, v = _caches(2)
     with pytest.raises(ValueError, match=r"block ids \[10\] are out of range"):
-        link.send("a", k, v, [10])
-    with pytest.raises(ValueError, match="block_ids is empty"):
-        link.send("a", k, v, [])
+        link.send([("a", [10])], k, v)
+    with pytest.raises(ValueError, match="at least one block"):
+        link.send([("a", [])], k, v)
+    with pytest.raises(ValueError, match="moves each block once"):
+        link.send([("a", [1]), ("b", [1])], k, v)
     with pytest.raises(RuntimeError, match="cannot receive"):
-        link.recv("a", k, [0])
+        link.recv([("a", [0])], k)
     with pytest.raises(ValueError, match="rank=2 is invalid"):
         KVLink(2, store, "cpu", TIMEOUT_S)
     link.close()

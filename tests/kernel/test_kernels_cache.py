@@ -130,3 +130,34 @@ def test_dispatch_uses_reference_on_cpu_and_triton_when_forced(monkeypatch):
     with pytest.raises(ValueError, match="BACKEND"):
         kernels.paged_decode_attention(*prob.decode_args())
     assert calls == ["ref", "triton"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_then_scatter_blocks_moves_every_tensor_in_one_staging_buffer(dtype):
+    """The KV transfer's staging: blocks of every cache gathered into [tensors, blocks, ...] in
+    one launch equal the reference, and scattering them into other blocks of another pool lands
+    each block where asked (other blocks untouched)."""
+    from kernels.copy import gather_blocks, scatter_blocks
+
+    gen = torch.Generator().manual_seed(3)
+    src = [_cache(9, 16, 2, 24, dtype, gen) for _ in range(4)]
+    dst = [_cache(7, 16, 2, 24, dtype, gen) for _ in range(4)]
+    ids, dst_ids = torch.tensor([5, 0, 8], dtype=torch.int64), torch.tensor([6, 1, 3], dtype=torch.int64)
+    staging = torch.empty(4, 3, 16, 2, 24, dtype=dtype)
+    expected = torch.empty_like(staging)
+    gather_blocks(src, ids, staging)
+    reference.gather_blocks(src, ids, expected)
+    assert torch.equal(staging, expected)
+    before = [d.clone() for d in dst]
+    scatter_blocks(staging, dst, dst_ids)
+    for j in range(4):
+        for i in range(3):
+            assert torch.equal(dst[j][dst_ids[i]], src[j][ids[i]])
+        untouched = [b for b in range(7) if b not in dst_ids.tolist()]
+        assert torch.equal(dst[j][untouched], before[j][untouched])
+
+
+def test_gather_blocks_rejects_a_staging_buffer_of_another_shape():
+    caches = [torch.zeros(4, 16, 2, 8) for _ in range(2)]
+    with pytest.raises(ValueError, match="staging"):
+        kernels.gather_blocks(caches, torch.tensor([1, 2]), torch.empty(2, 3, 16, 2, 8))

@@ -244,3 +244,23 @@ def test_write_copy_swap_bf16():
         swap_blocks(host, back, swap_pairs.flip(1), method=method)
         torch.cuda.synchronize()
         assert torch.equal(back[swap_pairs[:, 0].cuda()], k_caches[1][swap_pairs[:, 0].cuda()])
+
+
+def test_gather_scatter_blocks_bf16_at_a_models_shape():
+    """A KV transfer's staging on the GPU: 28 layers' K and V (56 tensors) of 40 scattered blocks
+    gathered in one launch equal the reference, and scattered into another pool's blocks land there."""
+    from kernels.copy import gather_blocks, scatter_blocks
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    src = [torch.randn(300, 16, 8, 128, generator=g, device="cuda").bfloat16() for _ in range(56)]
+    dst = [torch.zeros(200, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(56)]
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:40]
+    dst_ids = torch.randperm(200, generator=torch.Generator().manual_seed(2))[:40]
+    staging = torch.empty(56, 40, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    expected = torch.empty_like(staging)
+    gather_blocks(src, ids.cuda(), staging)
+    reference.gather_blocks(src, ids.cuda(), expected)
+    assert torch.equal(staging, expected)
+    scatter_blocks(staging, dst, dst_ids.cuda())
+    for j in (0, 27, 55):
+        assert torch.equal(dst[j][dst_ids.cuda()], src[j][ids.cuda()])

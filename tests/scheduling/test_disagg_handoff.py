@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from property_settings import examples
 from scheduler_helpers import KVStoreBackend, make_scheduler, request
 
-from policies.disagg import DecodeSide, PrefillSide, kv_block_bytes, parse_roles
+from policies.disagg import DecodeSide, KVHandoff, PrefillSide, kv_block_bytes, parse_roles, transfer_batches
 from policies.model_shape import ModelShape
+from policies.request import Request
 
 
 def colocated_outputs(requests, **kw) -> dict[str, list[list[int]]]:
@@ -148,3 +149,16 @@ def test_bad_roles_name_the_key(roles, n, match):
 def test_roles_default_to_mixed():
     assert [r.value for r in parse_roles(None, 2)] == ["mixed", "mixed"]
     assert [r.takes_arrivals for r in parse_roles(["prefill", "decode", "mixed"], 3)] == [True, False, True]
+
+
+def _handoff(name: str, blocks: int, prefill: int = 0) -> KVHandoff:
+    return KVHandoff(Request(name, [1] * blocks), blocks, [0], {}, list(range(blocks)), 0, prefill, 0.0)
+
+
+def test_hand_offs_reserved_together_share_messages_per_prefill_replica_up_to_the_block_bound():
+    a, b, c, d, e = _handoff("a", 3), _handoff("b", 4), _handoff("c", 2, prefill=1), _handoff("d", 9), _handoff("e", 1)
+    batches = transfer_batches([a, b, c, d, e], max_blocks=8)
+    assert [[h.request_id for h in batch] for batch in batches] == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert transfer_batches([], 8) == []
+    with pytest.raises(ValueError, match="max_blocks=0 is invalid"):
+        transfer_batches([a], 0)

@@ -56,8 +56,8 @@ def test_runs_are_byte_identical_and_ttft_splits_into_its_parts(tmp_path):
 
 def test_transfers_from_one_prefill_replica_queue_at_its_link(tmp_path):
     cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "hardware.links.nvlink.bandwidth_gb_s=0.5",
-               "workload=offline", "cluster.handoff_step_boundaries=false")
-    run(cfg, tmp_path, "slow")
+               "workload=offline", "cluster.handoff_step_boundaries=false", "cluster.handoff_batch_blocks=1")
+    run(cfg, tmp_path, "slow")  # one request per message (each has more than one block)
     rows = pd.read_parquet(tmp_path / "requests.parquet").sort_values("transfer_time")
     assert rows["link_wait"].max() > 0
     start = rows["prefill_time"] + rows["queueing_time"] + rows["arrival_time"] + rows["decode_wait"] + rows["link_wait"]
@@ -161,6 +161,7 @@ def test_parallel_samples_cross_the_hand_off_and_decode_preemption_recomputes_th
     (["cluster.roles=[prefill,mixed,mixed]"], "0 decode replicas"),
     (["cluster.decode_router=fastest"], "cluster.decode_router='fastest' is unknown"),
     (["cluster.handoff_queue=0"], "cluster.handoff_queue=0 is invalid"),
+    (["cluster.handoff_batch_blocks=0"], "cluster.handoff_batch_blocks=0 is invalid"),
     (["cluster.handoff_hop_s=-1"], "cluster.handoff_hop_s=-1 is invalid"),
     (["cluster.handoff_step_boundaries=sometimes"], "cluster.handoff_step_boundaries='sometimes' is invalid"),
 ])
@@ -180,3 +181,45 @@ def test_the_engine_fleet_refuses_roles_rather_than_ignore_them():
     cfg = _cfg("backend=engine")
     with pytest.raises(ValueError, match=r"cluster.roles=\['prefill', 'prefill', 'decode'\] is invalid with backend=engine"):
         run_engine_fleet(cfg, factory.workload(cfg), lambda n: None)
+
+
+def test_a_links_overhead_is_paid_once_per_transfer_beside_its_bytes():
+    """`overhead_s` (the engine's fixed software cost per message) adds to every transfer's wire
+    time once, whatever its size; bad or unknown keys name the field."""
+    wire = Link.from_dict({"bandwidth_gb_s": 100.0, "latency_s": 1e-5}, "hardware.links.nvlink")
+    priced = Link.from_dict({"bandwidth_gb_s": 100.0, "latency_s": 1e-5, "overhead_s": 2e-3}, "hardware.links.nvlink")
+    for num_bytes in (1 << 20, 1 << 28):
+        assert priced.transfer_time(num_bytes) - wire.transfer_time(num_bytes) == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match=r"hardware.links.nvlink.overhead_s=-1 is invalid"):
+        Link.from_dict({"bandwidth_gb_s": 100.0, "latency_s": 0.0, "overhead_s": -1}, "hardware.links.nvlink")
+    with pytest.raises(ValueError, match=r"keys \['overhead'\] are unknown"):
+        Link.from_dict({"bandwidth_gb_s": 100.0, "latency_s": 0.0, "overhead": 1e-3}, "hardware.links.nvlink")
+    assert factory.hardware(_cfg("hardware=h200")).link("nvlink").overhead_s > 0  # measured on 2 x H200
+
+
+def _batch_run(batch_blocks: int):
+    """A 1P + 1D pair, every request arriving at once (a prefill step hands off several), each side
+    acting at once; a link with a fixed cost per message."""
+    requests = [Request(f"r{i}", list(range(30 + 7 * (i % 5))), SamplingParams(max_tokens=4, ignore_eos=True),
+                        arrival_time=0.0) for i in range(8)]
+    specs = [ReplicaSpec(_scheduler(400), Constant(0.01)), ReplicaSpec(_scheduler(400), Constant(0.003))]
+    DisaggFleetSimulator(specs, [ReplicaRole.PREFILL, ReplicaRole.DECODE], make_router({"name": "round_robin"}),
+                         make_router({"name": "least_kv"}), requests, [Link(10.0, 1e-5, 2e-3), None], [4096, 0],
+                         host=HandoffHost(hop_s=0.0, step_boundaries=False), batch_blocks=batch_blocks).run()
+    return pd.DataFrame(specs[1].scheduler.recorder.requests)
+
+
+def test_hand_offs_reserved_together_move_as_one_message_paying_the_overhead_once():
+    rows = _batch_run(512)
+    assert len(rows) == 8
+    start = (rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"] + rows["link_wait"]).round(12)
+    messages = rows.groupby(start)
+    assert len(messages) < len(rows)  # some requests shared a message
+    for _, message in messages:
+        assert message["link_time"].nunique() == 1  # they end together
+        expected = 1e-5 + 2e-3 + message["transfer_bytes"].sum() / 10e9
+        assert message["link_time"].iloc[0] == pytest.approx(expected)
+    # One block per message at most: every request alone (each has more blocks), each pays the overhead.
+    alone = _batch_run(1)
+    queued = alone["link_time"] - (1e-5 + 2e-3 + alone["transfer_bytes"] / 10e9)
+    assert (alone["link_wait"] + queued).max() > 2e-3 and (queued.abs() < 1e-12).all()
