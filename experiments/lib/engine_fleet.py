@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from experiments.lib import engine_backend
 from experiments.lib.backend_run import BackendRun
 from experiments.lib.fleet_backend import build_router, cluster_config
+from experiments.lib.fleet_feed import FleetFeed
 from experiments.lib.workloads import Workload
 
 START_TIMEOUT_S = 900.0  # a replica builds its engine (weights, KV cache, graphs) within this
@@ -109,50 +110,36 @@ def run_engine_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int
     start = time.perf_counter()
     for conn in fleet.conns:
         conn.send(("run", cfg, workload, start, router.reads_prefix_index))
-    sentinels = {p.sentinel: i for i, p in enumerate(fleet.processes)}
-    by_conn = {c: i for i, c in enumerate(fleet.conns)}
-    next_req, done, ended_sent = 0, 0, False
+    done = 0
     results: dict[int, tuple] = {}  # replica -> (steps, elapsed, recorder), its run's end
-    while done < len(requests):
-        now = time.perf_counter() - start
-        if next_req < len(requests) and requests[next_req].arrival_time <= now:
-            r = requests[next_req]
-            fleet.conns[routing.route(r, now)].send(("add", r, workload.stop_lens.get(r.request_id)))
-            next_req += 1
-            continue
-        if next_req == len(requests) and not ended_sent:
-            for conn in fleet.conns:
-                conn.send(("end",))
-            ended_sent = True
-        timeout = requests[next_req].arrival_time - now if next_req < len(requests) else END_TIMEOUT_S
-        ready = wait([*fleet.conns, *sentinels], max(timeout, 0.0))
-        if not ready and next_req == len(requests):
-            raise TimeoutError(f"the engine replicas reported nothing for {END_TIMEOUT_S} s with "
-                               f"{len(requests) - done} requests unfinished")
-        for obj in ready:
-            if obj in sentinels:
-                i = sentinels[obj]
-                release_fleet()
-                raise RuntimeError(f"engine replica {i} exited during the run "
-                                   f"(exit code {fleet.processes[i].exitcode})")
-            i = by_conn[obj]
-            while obj.poll():
-                message = obj.recv()
-                if isinstance(message, BaseException):
-                    release_fleet()
-                    raise message
-                if message[0] == "done":
-                    results[i] = message[1:]
-                    continue
-                _, ended, report = message
-                routing.update(i, report)
-                if ended:
-                    routing.ended(i, ended)
-                    done += ended
-                    on_done(ended)
-    if not ended_sent:
-        for conn in fleet.conns:
-            conn.send(("end",))
+
+    def dispatch(r, now: float) -> None:
+        fleet.conns[routing.route(r, now)].send(("add", r, workload.stop_lens.get(r.request_id)))
+
+    def receive(i: int, message) -> None:
+        nonlocal done
+        if isinstance(message, BaseException):
+            raise message
+        if message[0] == "done":
+            results[i] = message[1:]
+            return
+        _, ended, report = message
+        routing.update(i, report)
+        if ended:
+            routing.ended(i, ended)
+            done += ended
+            on_done(ended)
+
+    feed = FleetFeed(fleet.conns, [p.sentinel for p in fleet.processes], requests, start, dispatch, receive,
+                     END_TIMEOUT_S)
+    try:
+        feed.run(lambda: done >= len(requests))
+    except BaseException as exc:
+        exits = [f"replica {i}: exit code {p.exitcode}" for i, p in enumerate(fleet.processes) if not p.is_alive()]
+        release_fleet()
+        if exits and isinstance(exc, RuntimeError):
+            raise RuntimeError(f"{exc} ({'; '.join(exits)})") from exc
+        raise
     results = [results[i] if i in results else fleet._recv(i, END_TIMEOUT_S)[1:] for i in range(len(fleet.conns))]
     recorders = [recorder for _, _, recorder in results]
     info = [{**fleet.info[i], "replica": i, "device": a.device, "num_routed": routed, "num_steps": steps}
