@@ -38,6 +38,7 @@ class ClusterConfig:
     handoff_hop_s: float = 1e-4  # backend=sim: one message between a pair's host loops (sim/fleet/disagg.py)
     handoff_step_boundaries: bool = True  # backend=sim: each side acts on a hand-off between its steps
     handoff_batch_blocks: int = 512  # hand-offs reserved at once move as one KV message, up to this many blocks
+    dispatch_hop_s: float = 1e-3  # backend=sim: arrival -> routed and at its replica (sim/fleet/fleet.py)
 
     @property
     def disaggregated(self) -> bool:
@@ -83,8 +84,11 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     batch_blocks = c.get("handoff_batch_blocks", 512)
     if isinstance(batch_blocks, bool) or not isinstance(batch_blocks, int) or batch_blocks < 1:
         raise ValueError(f"cluster.handoff_batch_blocks={batch_blocks!r} is invalid: must be an integer >= 1")
+    hop = c.get("dispatch_hop_s", 1e-3)
+    if isinstance(hop, bool) or not isinstance(hop, (int, float)) or not 0 <= hop < inf:
+        raise ValueError(f"cluster.dispatch_hop_s={hop!r} is invalid: must be a number of seconds >= 0")
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
-                         float(host.hop_s), host.step_boundaries, batch_blocks)
+                         float(host.hop_s), host.step_boundaries, batch_blocks, float(hop))
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:
@@ -129,7 +133,8 @@ def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None
         fleet = disaggregated_fleet(cfg, cluster, replica_cfgs, specs, router, workload, on_done)
     else:
         fleet = FleetSimulator(specs, router, workload.requests, cluster.refresh_s, workload.stop_lens, on_done,
-                               fast_forward=fast_forward)
+                               fast_forward=fast_forward,
+                               dispatch_hop_s=cluster.dispatch_hop_s if cluster.replicas > 1 else 0.0)  # one: no front end
     result = fleet.run()
     for recorder, row, routed, steps in zip(recorders, info, result.num_routed, result.replica_steps):
         overhead.apply(recorder.requests)

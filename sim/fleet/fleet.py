@@ -8,6 +8,12 @@ signals); with `refresh_s` > 0 they are taken at t = 0, refresh_s, 2 refresh_s, 
 in between reads the last ones (stale signals). A refresh at the same time as an arrival comes
 first; refreshes no decision reads (none arrives before the next one) are skipped.
 
+`dispatch_hop_s` prices the engine fleet's dispatch hop: a request is routed, and reaches its
+replica, that long after its arrival (its arrival time, and so its TTFT, stay as they were). The
+engine's front end routes when it sends the request down the chosen replica's pipe, so the
+decision (and its snapshots) are taken at that time too. 0: at the arrival (docs/fleet.md, "The
+dispatch hop").
+
 Nothing is random outside the router's seeded generator, so the same requests, replicas and
 router give the same traces. A fleet of one replica with any router gives the single-replica
 simulator's traces (with latency models without admission cost, byte for byte).
@@ -48,13 +54,18 @@ class FleetResult:
 class FleetSimulator:
     def __init__(self, replicas: Sequence[ReplicaSpec], router: Router, requests: Iterable[Request],
                  refresh_s: float = 0.0, stop_lens: Mapping[str, int] | None = None,
-                 on_done: Callable[[int], None] | None = None, fast_forward: bool = True) -> None:
+                 on_done: Callable[[int], None] | None = None, fast_forward: bool = True,
+                 dispatch_hop_s: float = 0.0) -> None:
         if not replicas:
             raise ValueError("replicas=[] is invalid: a fleet needs at least one replica")
         if isinstance(refresh_s, bool) or not isinstance(refresh_s, (int, float)) or not 0 <= refresh_s < inf:
             raise ValueError(f"refresh_s={refresh_s!r} is invalid: must be a finite number >= 0 (0: exact)")
+        if isinstance(dispatch_hop_s, bool) or not isinstance(dispatch_hop_s, (int, float)) \
+                or not 0 <= dispatch_hop_s < inf:
+            raise ValueError(f"dispatch_hop_s={dispatch_hop_s!r} is invalid: must be a number of seconds >= 0")
         self.env = simpy.Environment()
         self.router = router
+        self.dispatch_hop_s = float(dispatch_hop_s)
         self.refresh_s = float(refresh_s)
         self.requests = sorted(requests, key=lambda r: r.arrival_time)
         self.replicas = [ReplicaSimulator(i, self.env, spec.scheduler, spec.latency, self.requests, stop_lens,
@@ -79,15 +90,16 @@ class FleetSimulator:
             replica.expect(at)
 
     def _arrivals(self):
-        env, requests, refresh_s = self.env, self.requests, self.refresh_s
+        env, requests, refresh_s, hop = self.env, self.requests, self.refresh_s, self.dispatch_hop_s
         num_refreshes, next_refresh = 0, 0.0 if refresh_s else inf
         i = 0
         while i < len(requests):
             request = requests[i]
-            if next_refresh <= request.arrival_time:
+            due = request.arrival_time + hop  # routed then (module docstring)
+            if next_refresh <= due:
                 # Only the last refresh at or before this arrival is read by a decision: skip to it.
-                num_refreshes = max(num_refreshes, int(request.arrival_time // refresh_s))
-                while num_refreshes and num_refreshes * refresh_s > request.arrival_time:
+                num_refreshes = max(num_refreshes, int(due // refresh_s))
+                while num_refreshes and num_refreshes * refresh_s > due:
                     num_refreshes -= 1
                 next_refresh = num_refreshes * refresh_s
                 if next_refresh > env.now:
@@ -98,13 +110,13 @@ class FleetSimulator:
                 num_refreshes += 1
                 next_refresh = num_refreshes * refresh_s
                 continue
-            if request.arrival_time > env.now:
-                delay = request.arrival_time - env.now
+            if due > env.now:
+                delay = due - env.now
                 self._expect(env.now + delay)
                 yield env.timeout(delay)
             self._route(request)
             i += 1
-            if i == len(requests) or requests[i].arrival_time > env.now:
+            if i == len(requests) or requests[i].arrival_time + hop > env.now:
                 for replica in self.front:  # every request of this instant is routed
                     replica.admit_routed()
         for replica in self.front:

@@ -99,6 +99,30 @@ def _fleet(cfg, router, refresh_s, replicas=2):
     return FleetSimulator(specs, router, wl.requests, refresh_s, wl.stop_lens)
 
 
+def test_the_dispatch_hop_delays_each_request_into_its_replica_not_its_arrival():
+    cfg = _cfg("cluster.replicas=2")
+    hop = 2e-3
+    fleets = {}
+    for h in (0.0, hop):
+        wl = factory.workload(cfg)
+        recorders = [TraceRecorder(), TraceRecorder()]
+        specs = [ReplicaSpec(factory.build_scheduler(cfg, *factory.kv_block_counts(cfg), rec, wl),
+                             factory.build_latency(cfg)) for rec in recorders]
+        FleetSimulator(specs, make_router({"name": "round_robin"}), wl.requests, 0.0, wl.stop_lens,
+                       dispatch_hop_s=h).run()
+        fleets[h] = pd.concat([events_frame(rec) for rec in recorders]).query("event == 'arrived'").set_index("request_id")
+        fleets[h]["arrival"] = pd.concat([requests_frame(rec) for rec in recorders]).set_index("request_id")["arrival_time"]
+    plain, hopped = fleets[0.0], fleets[hop].loc[fleets[0.0].index]
+    assert (hopped["arrival"] == plain["arrival"]).all()
+    assert ((plain["time"] - plain["arrival"]).abs() < 1e-12).all()
+    assert ((hopped["time"] - hopped["arrival"] - hop).abs() < 1e-9).all()
+
+
+def test_a_bad_dispatch_hop_is_one_line():
+    with pytest.raises(ValueError, match=r"^cluster.dispatch_hop_s=-0.001 is invalid"):
+        run_fleet(_cfg("cluster.replicas=2", "cluster.dispatch_hop_s=-0.001"), None, lambda n: None)
+
+
 def test_stale_snapshots_herd_a_router_blind_to_its_own_routing():
     """A burst between two refreshes: blind least_requests sends all of it to one replica; counting
     its own routing, it alternates."""
