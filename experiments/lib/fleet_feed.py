@@ -9,7 +9,8 @@ message:
   read so far, the newest the router can have), never after a whole backlog.
 - The loop wakes at the arrival time, not up to a millisecond after it:
   `multiprocessing.connection.wait` rounds its timeout up to whole milliseconds (the selectors
-  do), so `wait_until` sleeps in whole milliseconds short of the deadline and polls the rest.
+  do), so `wait_until` sleeps in whole milliseconds short of the deadline and polls the rest (a
+  busy loop of at most a millisecond per arrival).
 A replica takes new requests only between two of its steps, right after it sent its report; a
 request sent late misses that boundary and waits one step more (in the runs measured before these
 rules, 40% of the requests did: docs/fleet.md, "The dispatch hop").
