@@ -34,7 +34,8 @@ from collections import deque
 from multiprocessing.connection import Connection
 
 from engine.disagg.config import DisaggregationConfig
-from engine.disagg.kv_transfer import RECV_RANK, KVLink, KVTransferError, join_store
+from engine.disagg.kv_transfer import RECV_RANK, KVLink, join_store
+from engine.disagg.kv_transfer_message import KVTransferError
 from engine.disagg.messages import (
     AbortMessage,
     DecodeFailed,

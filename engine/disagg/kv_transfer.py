@@ -17,6 +17,8 @@ an allocation). A transfer's fixed cost (launches, the send/recv call, noticing 
 once per message, so the engine pair moves every hand-off reserved together in one.
 `experiments/bench_kv_transfer.py` measures that cost, one message per layer and the link's copy
 bandwidth.
+The message itself (its parts, the staging layout, a `Transfer` in flight) is
+engine/disagg/kv_transfer_message.py; this module moves it.
 
 Overlap: on a GPU the gather runs on the link's side stream after the compute stream's work so
 far (the prefill step that wrote the blocks), and NCCL runs the send on its own stream after it;
@@ -39,12 +41,18 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 import kernels
+from engine.disagg.kv_transfer_message import (
+    KVTransferError,
+    Transfer,
+    checked_parts,
+    interleaved,
+    staging_shape,
+)
 from engine.distributed.parallel_state import bounded
 
 SEND_RANK, RECV_RANK = 0, 1
@@ -55,39 +63,6 @@ _POLL_S, _POLL_MAX_S = 0.0001, 0.001
 _TEARDOWN_S = 4.0  # an NCCL abort or shutdown is waited for this long (on a helper thread)
 
 
-class KVTransferError(RuntimeError):
-    """The link to the peer failed (it died, hung past the bound, or refused a message)."""
-
-
-@dataclass(slots=True)
-class Transfer:
-    """One message in flight on a link: the blocks of one or more requests, in `parts` order."""
-
-    parts: list[tuple[str, list[int]]]  # (request id, its block ids on this side), in staging order
-    staging: torch.Tensor = field(repr=False)
-    work: object = field(repr=False)
-    posted_at: float  # time.monotonic()
-    finished_at: float | None = None
-    error: KVTransferError | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def keys(self) -> list[str]:
-        return [key for key, _ in self.parts]
-
-    @property
-    def block_ids(self) -> list[int]:
-        return [b for _, blocks in self.parts for b in blocks]
-
-    @property
-    def num_bytes(self) -> int:
-        return self.staging.numel() * self.staging.element_size()
-
-    @property
-    def seconds(self) -> float | None:
-        return None if self.finished_at is None else self.finished_at - self.posted_at
-
-
 def open_store(timeout_s: float) -> dist.TCPStore:
     """The prefill side's rendezvous store on a free port of 127.0.0.1 (its `.port` goes to the peer)."""
     return dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
@@ -96,10 +71,6 @@ def open_store(timeout_s: float) -> dist.TCPStore:
 
 def join_store(port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def staging_shape(k_caches: Sequence[torch.Tensor], num_blocks: int) -> tuple[int, ...]:
-    return (2 * len(k_caches), num_blocks, *k_caches[0].shape[1:])
 
 
 class KVLink:
@@ -182,7 +153,7 @@ class KVLink:
         with _on(self.stream):
             staging = torch.empty(staging_shape(k_caches, len(block_ids)), dtype=k_caches[0].dtype,
                                   device=self.device)
-            kernels.gather_blocks(_interleaved(k_caches, v_caches), self._index(block_ids), staging)
+            kernels.gather_blocks(interleaved(k_caches, v_caches), self._index(block_ids), staging)
             return self._post(parts, staging, lambda: self.backend.send([staging], self.peer, 0))
 
     def recv(self, parts: Sequence[tuple[str, list[int]]], k_caches: Sequence[torch.Tensor]) -> Transfer:
@@ -203,13 +174,13 @@ class KVLink:
             transfer.work.wait()
             # The staging buffer is the side stream's memory: not reused before the scatter has read it.
             transfer.staging.record_stream(torch.cuda.current_stream(self.device))
-        kernels.scatter_blocks(transfer.staging, _interleaved(k_caches, v_caches), self._index(transfer.block_ids))
+        kernels.scatter_blocks(transfer.staging, interleaved(k_caches, v_caches), self._index(transfer.block_ids))
 
     def warm_up(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
         """Compile the gather and scatter kernels for these caches now, not in the first transfer (a
         stall of a few hundred ms): block 0 gathered and written back unchanged, then a sync. Call it
         before the caches hold anything a step reads."""
-        caches = _interleaved(k_caches, v_caches)
+        caches = interleaved(k_caches, v_caches)
         staging = torch.empty(staging_shape(k_caches, 1), dtype=k_caches[0].dtype, device=self.device)
         index = self._index([0])
         kernels.gather_blocks(caches, index, staging)
@@ -230,17 +201,7 @@ class KVLink:
         if self.rank != rank:
             side = "send" if rank == SEND_RANK else "receive"
             raise RuntimeError(f"this end of the link is rank {self.rank}: it cannot {side}")
-        parts = [(key, list(blocks)) for key, blocks in parts]
-        if not parts or any(not blocks for _, blocks in parts):
-            raise ValueError(f"parts={[(k, len(b)) for k, b in parts][:5]} is invalid: a transfer moves at least one "
-                             "request, each with at least one block")
-        block_ids = [b for _, blocks in parts for b in blocks]
-        bad = [b for b in block_ids if not 0 <= b < k_caches[0].shape[0]]
-        if bad:
-            raise ValueError(f"block ids {bad[:5]} are out of range [0, {k_caches[0].shape[0]})")
-        if len(set(block_ids)) != len(block_ids):
-            raise ValueError(f"block ids {block_ids[:10]} are invalid: a transfer moves each block once")
-        return parts
+        return checked_parts(parts, k_caches[0].shape[0])
 
     def _post(self, parts: list[tuple[str, list[int]]], staging: torch.Tensor, op) -> Transfer:
         with self._lock:
@@ -360,11 +321,6 @@ class KVLink:
         shutdown = getattr(self.backend, "shutdown", None) if self._failure is None else None
         if shutdown is not None and self.device.type == "cuda":
             bounded(shutdown, _TEARDOWN_S)
-
-
-def _interleaved(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """K of layer l at 2l, V at 2l + 1: the staging buffer's order."""
-    return [cache for pair in zip(k_caches, v_caches, strict=True) for cache in pair]
 
 
 def _on(stream):

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, KVTransferError, join_store, open_store
+from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, open_store
+from engine.disagg.kv_transfer_message import KVTransferError
 
 LAYERS, BLOCKS, SHAPE = 3, 10, (4, 2, 8)  # block_size 4, 2 KV heads, head_dim 8
 TIMEOUT_S = 3.0
