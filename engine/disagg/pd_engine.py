@@ -31,7 +31,8 @@ Faults: the decode process dying, or silent for `transfer_timeout_s` while reque
 (a peer dead, or no progress for `transfer_timeout_s`) ends every request handed off or decoding
 with an error within that bound,
 and the pair refuses new requests (`RuntimeError`); `close()` ends the decode process within
-`JOIN_TIMEOUT_S`.
+`JOIN_TIMEOUT_S`. How the front ends requests itself (faults, and their outputs) is
+engine/disagg/pd_front_faults.py.
 """
 from __future__ import annotations
 
@@ -50,10 +51,11 @@ from engine.disagg.messages import (
     Reserved,
     TransferStarted,
 )
+from engine.disagg.pd_front_faults import FrontFaults
 from engine.distributed.worker_faults import refuse_in_spawn_bootstrap
 from engine.engine_args import EngineArgs
 from engine.offline.llm_engine import LLMEngine, SchedulerBuilder
-from engine.offline.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.offline.outputs import RequestOutput
 from policies.disagg import KVHandoff, PrefillSide, kv_block_bytes
 from policies.request import SamplingParams
 
@@ -63,7 +65,7 @@ PREFILL_REPLICA = 0
 _WAIT_S = 0.002  # how long an idle front waits for the decode process before returning
 
 
-class DisaggregatedEngine:
+class DisaggregatedEngine(FrontFaults):
     def __init__(self, args: EngineArgs, config: DisaggregationConfig | str | dict | None = None,
                  build_scheduler: SchedulerBuilder | None = None, keep_trace: bool = True) -> None:
         """`build_scheduler`: the prefill engine's scheduler (as `LLMEngine`'s; it must not schedule
@@ -293,74 +295,3 @@ class DisaggregatedEngine:
                 self._prompts.pop(output.request_id, None)
             kept.append(output)
         return kept
-
-    # ---- faults ------------------------------------------------------------------------------
-    def _fail_handoff(self, handoff: KVHandoff, code: str, reason: str) -> None:
-        """A hand-off whose transfer will not happen: aborted with `code` (unless the user aborted it
-        already), its prefill blocks freed, its final output `abort:<code>` with `reason`."""
-        request_id = handoff.request_id
-        self._handoffs.pop(request_id, None)
-        now = self.now()
-        self.side.abort(request_id, code, now)  # a hand-off aborted already keeps its reason
-        self.side.finish_transfer(handoff, now)
-        if request_id in self._decoding:
-            self._decoding.discard(request_id)
-            self._done_early.append(self._final(handoff, f"abort:{code}", reason))
-
-    def _fail(self, reason: str) -> None:
-        """The decode engine or the link is gone: every request past its prefill ends with an error."""
-        if self._failure is not None:
-            return
-        self._failure = reason
-        self.link.fail(reason)
-        for request_id in list(self._decoding):
-            handoff = self._handoffs.get(request_id)
-            if handoff is None:  # transferred: it was decoding
-                self._decoding.discard(request_id)
-                self._done_early.append(self._error_output(request_id, "abort:error", reason))
-            elif request_id not in self._sending:
-                self._fail_handoff(handoff, "error", reason)
-            else:  # its send fails on the link and frees its blocks; its output goes out now
-                self._decoding.discard(request_id)
-                self._done_early.append(self._final(handoff, "abort:error", reason))
-        for request_id, handoff in list(self._handoffs.items()):
-            if request_id not in self._sending:  # aborted by the user (its output went out then), its
-                self._fail_handoff(handoff, "error", reason)  # `Refused` will never come: blocks freed
-
-    def _check_decode_alive(self) -> None:
-        if self._failure is None and not self._decode.alive:
-            self._take_messages()  # its own account first, if it sent one
-            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
-            self._finish_transfers()
-        elif self._failure is None and self._decoding:
-            silent = time.monotonic() - self._last_heard  # it sends at least every HEARTBEAT_S while it works
-            if silent > self._silence_s:
-                self._fail(f"the decode engine is hung: nothing from it for {silent:.1f} s with "
-                           f"{len(self._decoding)} request(s) decoding (transfer_timeout_s={self._silence_s:g})")
-                self._finish_transfers()
-
-    def _send(self, message) -> None:
-        try:
-            self._conn.send(message)
-        except OSError:
-            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
-
-    # ---- outputs made here -------------------------------------------------------------------
-    def _final(self, handoff: KVHandoff, reason: str, error: str | None) -> RequestOutput:
-        request = handoff.request
-        self._params.pop(request.request_id, None)
-        prompt = self._prompts.pop(request.request_id, None)
-        self._output_lens.pop(request.request_id, None)
-        completions = [CompletionOutput(i, "", [token], reason) for i, token in enumerate(handoff.first_token_ids)]
-        return RequestOutput(request.request_id, prompt, request.prompt_token_ids, completions, finished=True,
-                             metrics=RequestMetrics(request.arrival_time, handoff.first_scheduled_time,
-                                                    finished_time=self.now()), error=error)
-
-    def _error_output(self, request_id: str, finish_reason: str, error: str | None) -> RequestOutput:
-        """The final output of a request whose hand-off is gone (its tokens are not known here)."""
-        self._params.pop(request_id, None)
-        prompt = self._prompts.pop(request_id, None)
-        self._output_lens.pop(request_id, None)
-        return RequestOutput(request_id, prompt, [], [CompletionOutput(0, "", [], finish_reason)], finished=True,
-                             error=error)
-
