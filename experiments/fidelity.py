@@ -38,32 +38,16 @@ from typing import Any
 import pandas as pd
 
 from experiments.lib import engine_backend, factory, fidelity_window
-from experiments.lib.ab_compare import ab_table, combine_tables
 from experiments.lib.cli import run_cli
-from experiments.lib.fidelity_goodput import GoodputSpec, goodput_markdown, goodput_rows
-from experiments.lib.fidelity_plots import save_scenario_figure
-from experiments.lib.fidelity_report import (
-    TRANSFER_METRICS,
-    decode_step_ratio,
-    error_markdown,
-    error_rows,
-    error_table,
-    metric_values,
-    ranking_row,
-    relative_error,
-    report_markdown,
-    step_breakdown_rows,
-    target_summary,
-)
+from experiments.lib.fidelity_report import decode_step_ratio
 from experiments.lib.fidelity_spec import DEFAULT_SPEC, compose_cfg, load_spec
+from experiments.lib.fidelity_tables import STALL_S, FidelityTables
 from experiments.lib.host_hiccups import hiccups
 from experiments.lib.paths import resolve_path
 from experiments.lib.profiling.host import cpu_probe_us
 from experiments.lib.run_workload import run
 from experiments.lib.traces import load_run
 from sim.latency.profiled import ProfiledModel
-
-STALL_S = 0.25  # engine steps longer than this are stalls (JIT compiles, GC) no profile predicts
 
 
 def check_decode_kernel(path: str, meta: dict[str, str], scenario: str, runs: list[dict[str, Any]]) -> None:
@@ -77,7 +61,10 @@ def check_decode_kernel(path: str, meta: dict[str, str], scenario: str, runs: li
                          f"(python -m experiments.profile decode_kernel=...) or run the spec that names {profiled}")
 
 
-class Fidelity:
+class Fidelity(FidelityTables):
+    """The runs of a fidelity spec: the engine's (`run_engines`) and the simulator's against them
+    (`run_scenario`), kept in `results`; the tables and report from them are `FidelityTables`'."""
+
     def __init__(self, spec: dict[str, Any], common: list[str], runs_dir: Path, engine_runs: Path | None,
                  profile: str | None, engine_repeats: int = 1, window: bool = False,
                  standalone: bool = False) -> None:
@@ -219,86 +206,6 @@ class Fidelity:
         self.results[name] = {"engine": engine, "sim": (summary, r.requests, r.steps), "engine_runs": engine_runs,
                               "engine_summaries": [run_[0] for run_ in engine_runs]}
         print(f"{line}, sim {summary['duration_s']:.2f}s ({summary['output_throughput']:.0f} tok/s)", flush=True)
-
-    def error_table(self) -> pd.DataFrame:
-        rows = []
-        for name, res in self.results.items():
-            rows += error_rows(res["engine"][0], res["sim"][0], name, res["engine_summaries"])
-        return error_table(rows)
-
-    @staticmethod
-    def _comparable_steps(res: dict[str, Any]) -> pd.DataFrame:
-        """The simulator's steps that the engine trace has too: an engine pair's steps are its
-        prefill engine's (replica 0; the decode engine's stay in its process)."""
-        steps = res["sim"][2]
-        if res["engine"][0].get("disaggregation") and "replica" in steps.columns:
-            return steps[steps["replica"] == 0]
-        return steps
-
-    def transfer_table(self) -> pd.DataFrame:
-        """The KV hand-off's errors (TRANSFER_METRICS) of the disaggregated scenarios."""
-        rows = []
-        for name, res in self.results.items():
-            if res["engine"][0].get("disaggregation"):
-                rows += error_rows(res["engine"][0], res["sim"][0], name, res["engine_summaries"], TRANSFER_METRICS)
-        return error_table(rows)
-
-    def goodput(self) -> tuple[GoodputSpec | None, list[dict[str, Any]]]:
-        """The spec's goodput comparison (fidelity_goodput.py) over the runs: (its spec, its rows)."""
-        if not self.spec.get("goodput"):
-            return None, []
-        spec = GoodputSpec.parse(self.spec["goodput"], self.spec["scenarios"], "goodput")
-        return spec, goodput_rows(spec, self.results)
-
-    def ranking(self) -> list[dict[str, Any]]:
-        """The spec's A/B rows. The engine's difference is taken per round (A and B of one round ran
-        minutes apart at most, under one host speed) and combined by `ab.combine_tables`."""
-        rows = []
-        for ab in self.spec.get("ab", []):
-            if ab["a"] not in self.results or ab["b"] not in self.results:
-                continue
-            res_a, res_b = self.results[ab["a"]], self.results[ab["b"]]
-            tables = {"engine": combine_tables([ab_table(sa, ra, sb, rb) for (sa, ra, _), (sb, rb, _)
-                                                in zip(res_a["engine_runs"], res_b["engine_runs"])]),
-                      "sim": ab_table(*res_a["sim"][:2], *res_b["sim"][:2])}
-            for spec in ab["metrics"]:
-                metric, stat, scope = spec.split()
-                picked = {}
-                for backend, t in tables.items():
-                    sel = t[(t["metric"] == metric) & (t["stat"] == stat) & (t["scope"] == scope)]
-                    if len(sel):
-                        picked[backend] = sel.iloc[0].to_dict()
-                if len(picked) == 2:
-                    rows.append(ranking_row(ab["name"], f"{metric} {stat} ({scope})", picked["engine"], picked["sim"]))
-        return rows
-
-    def write(self, out_dir: Path, meta: dict[str, Any]) -> str:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        table, ranking, transfer = self.error_table(), self.ranking(), self.transfer_table()
-        goodput_spec, goodput = self.goodput()
-        breakdown = [row for name, res in self.results.items()
-                     for row in step_breakdown_rows(res["engine"][2], self._comparable_steps(res), name)]
-        table.to_csv(out_dir / "fidelity.csv", index=False)
-        pd.DataFrame(ranking).to_csv(out_dir / "ranking.csv", index=False)
-        pd.DataFrame(breakdown).to_csv(out_dir / "steps.csv", index=False)
-        sections = ""
-        if len(transfer):
-            transfer.to_csv(out_dir / "transfer.csv", index=False)
-            sections += (f"## KV transfer (disaggregated scenarios)\n\n{error_markdown(transfer, TRANSFER_METRICS)}\n"
-                         f"{target_summary(transfer)}.\n\n")
-        if goodput_spec is not None:
-            pd.DataFrame(goodput).to_csv(out_dir / "goodput.csv", index=False)
-            sections += f"## Goodput per GPU: split against mixed\n\n{goodput_markdown(goodput_spec, goodput)}\n"
-        for name, res in self.results.items():
-            errs = {m: relative_error(metric_values(res["sim"][0])[m], v)
-                    for m, v in metric_values(res["engine"][0]).items()}
-            save_scenario_figure(out_dir / f"{name}.png", name,
-                                 {b: (res[b][1], res[b][2]) for b in ("engine", "sim")}, errs)
-        meta = {**meta, "scenarios": self.settings, "targets": target_summary(pd.concat([table, transfer], ignore_index=True))}
-        (out_dir / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-        text = report_markdown(meta, table, ranking, breakdown, self.settings, STALL_S, sections)
-        (out_dir / "fidelity.md").write_text(text)
-        return text
 
 
 def _main(argv: Sequence[str] | None = None) -> Fidelity:
