@@ -1,5 +1,5 @@
 """A tensor-parallel worker that fails in the middle of generation on GPUs, with the symmetric-memory
-all-reduce on (the default): its kernels spin until every rank arrives and cannot be aborted, so
+all-reduce opted in (`disable_custom_all_reduce=False`): its kernels spin until every rank arrives and cannot be aborted, so
 these check that rank 0's wait is bounded all the same (engine/distributed/step_wait.py) and that
 the process holding the stuck GPU still exits.
 
@@ -42,7 +42,9 @@ from policies.request import SamplingParams
 
 if __name__ == "__main__":
     how = sys.argv[1]
+    print("phase: engine starting", file=sys.stderr, flush=True)
     engine = LLMEngine(EngineArgs(**{args!r}))
+    print("phase: engine up", file=sys.stderr, flush=True)
     runner = engine.runner
     assert runner.tp.custom is not None, "the symmetric-memory all-reduce is off"
     (worker,) = runner._procs
@@ -56,6 +58,7 @@ if __name__ == "__main__":
         faulted.append(time.monotonic())
         os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     threading.Timer(0.2, fault).start()
+    print("phase: generating, fault in 0.2 s", file=sys.stderr, flush=True)
     result = {{"error": None}}
     try:
         while engine.has_unfinished_requests():
@@ -85,7 +88,9 @@ async def stream(engine, i):
     return None
 
 async def main():
+    print("phase: engine starting", file=sys.stderr, flush=True)
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(**{args!r}), engine_process=True)
+    print("phase: engine up", file=sys.stderr, flush=True)
     core = engine._core.process
     with open(f"/proc/{{core.pid}}/task/{{core.pid}}/children") as f:
         (worker,) = [int(p) for p in f.read().split()]
@@ -93,6 +98,7 @@ async def main():
     await asyncio.sleep(2.0)
     faulted = time.monotonic()
     os.kill(worker, signal.SIGKILL)
+    print("phase: worker killed", file=sys.stderr, flush=True)
     errors = await asyncio.wait_for(asyncio.gather(*tasks), 60)
     ended = time.monotonic() - faulted
     try:
@@ -111,7 +117,9 @@ if __name__ == "__main__":
 """
 
 
-def _run(script: str, *argv: str, timeout_s: float = 240) -> tuple[dict, float, int]:
+def _run(script: str, *argv: str, timeout_s: float = 150) -> tuple[dict, float, int]:
+    """One case in its own process; a timeout's failure carries the script's stderr, whose last
+    `phase:` line says how far it got."""
     try:
         res = subprocess.run([sys.executable, "-c", script.format(args=ARGS), *argv], cwd=ROOT, capture_output=True,
                              text=True, timeout=timeout_s, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
