@@ -49,7 +49,7 @@ import simpy
 
 from policies.outputs import SameTokens
 from policies.request import Request
-from sim.latency.base import LatencyModel, shared_context_tokens
+from sim.latency.base import LatencyModel
 
 SIM_TOKEN = 1
 MAX_RUN_STEPS = 1 << 16  # steps per fast-forwarded decode run at most
@@ -248,8 +248,7 @@ class Simulator:
             longest["max_context_tokens"] = max(s.num_computed_tokens for s in sched.queues.running) + 1
         shared = {}  # the batch's re-read KV entries (the same every step), for models that price them
         if self.latency.prices_shared_reads:
-            block_size = sched.block_manager.block_size
-            shared["num_shared_context_tokens"] = shared_context_tokens(sched.queues.running, block_size)
+            shared["num_shared_context_tokens"] = self.latency.shared_context_tokens(sched.queues.running)
         times, until = [start], self._next_arrival_at
         # Price about as many steps as fit before the arrival, judged by the last run's step time.
         guess = self._step_time_guess

@@ -131,17 +131,22 @@ class LatencyModel(ABC):
     # the batch reads (`BatchShape.num_shared_context_tokens`); 1.0: re-reads priced as fresh reads,
     # and the simulator does not count shared blocks.
     kv_reread_cost: float = 1.0
-    _shared_blocks: int = 0
+    _shared_block_size: int = 0
 
     def set_reread_cost(self, kv_reread_cost: float, block_size: int) -> None:
         """Price re-reads of shared KV blocks (of `block_size` tokens) at `kv_reread_cost` of a fresh
-        read (`Hardware.kv_reread_cost`); `_shared_blocks` is the block size `BatchShape.of` counts
+        read (`Hardware.kv_reread_cost`); `_shared_block_size` is the block size `BatchShape.of` counts
         shared entries with, 0 when they cost a fresh read."""
         if isinstance(kv_reread_cost, bool) or not isinstance(kv_reread_cost, (int, float)) \
                 or not 0 <= kv_reread_cost <= 1:
             raise ValueError(f"kv_reread_cost={kv_reread_cost!r} is invalid: must be a number in [0, 1]")
         self.kv_reread_cost = float(kv_reread_cost)
-        self._shared_blocks = block_size if self.prices_shared_reads else 0
+        self._shared_block_size = block_size if self.prices_shared_reads else 0
+
+    def shared_context_tokens(self, seqs: Iterable[Sequence]) -> int:
+        """`shared_context_tokens` of decodes `seqs` at the block size the model counts them with
+        (0 where re-reads cost a fresh read)."""
+        return shared_context_tokens(seqs, self._shared_block_size) if self._shared_block_size else 0
 
     @property
     def prices_shared_reads(self) -> bool:

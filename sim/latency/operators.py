@@ -190,7 +190,7 @@ class OperatorModel(LatencyModel):
         return dict(self.sources)
 
     def step_time(self, out: SchedulerOutput) -> float:
-        shape = BatchShape.of(out, self.uses_longest_context, self._shared_blocks)
+        shape = BatchShape.of(out, self.uses_longest_context, self._shared_block_size)
         if not out.scheduled:
             return self.shape_time(shape)
         waits = not (self.async_scheduling and out.ahead)

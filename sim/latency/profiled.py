@@ -100,7 +100,7 @@ class ProfiledModel(LatencyModel):
     def step_time(self, out: SchedulerOutput) -> float:
         if not out.scheduled:
             return 0.0
-        return self.shape_time(BatchShape.of(out, self.uses_longest_context, self._shared_blocks),
+        return self.shape_time(BatchShape.of(out, self.uses_longest_context, self._shared_block_size),
                                sync=self.sync_grid is not None and not out.ahead)
 
     def decode_times(self, num_seqs: int, num_context_tokens: int, num_samples: int,

@@ -62,7 +62,7 @@ class RooflineModel(LatencyModel):
         self.set_reread_cost(hardware.kv_reread_cost, block_size)
 
     def step_time(self, out: SchedulerOutput) -> float:
-        return self.shape_time(BatchShape.of(out, block_size=self._shared_blocks))
+        return self.shape_time(BatchShape.of(out, block_size=self._shared_block_size))
 
     def shape_time(self, b: BatchShape) -> float:
         tokens = b.num_prefill_tokens + b.num_decode_seqs
