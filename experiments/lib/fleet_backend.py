@@ -125,8 +125,8 @@ def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None
         specs.append(ReplicaSpec(scheduler, factory.build_latency(rcfg)))
         recorders.append(recorder)
         info.append({"replica": i, "hardware": rcfg.hardware.name, "num_gpu_blocks": gpu, "num_cpu_blocks": cpu})
-        if specs[-1].latency.data_sources():
-            info[-1]["latency_data"] = specs[-1].latency.data_sources()
+        if sources := specs[-1].latency.data_sources():
+            info[-1]["latency_data"] = sources
     fast_forward = cfg.backend.get("fast_forward", True)
     if cluster.disaggregated:
         from experiments.lib.disagg_backend import disaggregated_fleet
