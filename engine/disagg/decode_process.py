@@ -181,9 +181,10 @@ class DecodeLoop:
         for handoff in reserved:
             self.queued.pop(handoff.request_id, None)
         self.reserved.extend(reserved)
+        if not self.reserved or self.in_flight >= self.max_in_flight:  # staging memory stays bounded
+            return
         kv = self.engine.runner.kv_cache
-        while self.reserved and self.in_flight < self.max_in_flight:  # staging memory stays bounded
-            batch = transfer_batches(self.reserved, self.max_blocks)[0]
+        for batch in transfer_batches(self.reserved, self.max_blocks)[:self.max_in_flight - self.in_flight]:
             for _ in batch:
                 self.reserved.popleft()
             parts = [(h.request_id, list(h.dst_block_ids[:h.num_blocks])) for h in batch]
