@@ -52,11 +52,11 @@ def _pointer_table(pointers: tuple[int, ...], device: torch.device) -> torch.Ten
     return torch.tensor(pointers, dtype=torch.int64, device=device)
 
 
-def _launch(
-    srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor, device: torch.device
-) -> None:
-    first = srcs[0]
-    for i, t in enumerate((*srcs, *dsts)):
+def _check_caches(caches: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
+    """Every cache a kernel launch addresses through one pointer table: the first's block shape and
+    dtype, contiguous, 16-byte aligned."""
+    first = caches[0]
+    for i, t in enumerate(caches):
         if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or not t.is_contiguous():
             raise ValueError(
                 f"cache #{i} {tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()} is invalid: "
@@ -64,6 +64,13 @@ def _launch(
             )
         if t.data_ptr() % 16:
             raise ValueError(f"cache #{i} data_ptr={t.data_ptr():#x} is invalid: must be 16-byte aligned")
+
+
+def _launch(
+    srcs: list[torch.Tensor], dsts: list[torch.Tensor], pairs: torch.Tensor, device: torch.device
+) -> None:
+    first = srcs[0]
+    _check_caches((*srcs, *dsts))
     num_pairs = pairs.shape[0]
     if num_pairs == 0:
         return
@@ -168,11 +175,8 @@ def _stage_blocks_kernel(
 
 def _stage(caches: list[torch.Tensor], staging: torch.Tensor, block_ids: torch.Tensor, gather: bool) -> None:
     check_stage(caches, staging, block_ids)
+    _check_caches(caches)
     first = caches[0]
-    for i, t in enumerate(caches):
-        if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or not t.is_contiguous() or t.data_ptr() % 16:
-            raise ValueError(f"cache #{i} {tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()} is invalid: all "
-                             f"caches must be contiguous, 16-byte aligned [*, {tuple(first.shape[1:])}] {first.dtype}")
     num_ids = block_ids.shape[0]
     if num_ids == 0:
         return

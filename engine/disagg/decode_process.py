@@ -50,6 +50,7 @@ from engine.distributed.worker import exit_with_parent
 from engine.engine_args import EngineArgs
 from engine.online.engine_core import HEARTBEAT_S
 from policies.disagg import DecodeSide, KVHandoff, transfer_batches
+from policies.trace import TraceRecorder
 
 DECODE_REPLICA = 1
 _IDLE_POLL_S, _BUSY_POLL_S = 1.0, 0.001
@@ -65,7 +66,7 @@ def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn:
             import torch
 
             torch.cuda.set_device(torch.device(args.resolve_device()))
-        engine = LLMEngine(args)
+        engine = LLMEngine(args, recorder=TraceRecorder(record_events=False))  # events would be discarded
         side = DecodeSide(engine.scheduler, config.max_queue, config.queue_timeout_s, replica=DECODE_REPLICA)
         conn.send(DecodeReady(os.getpid(), engine.runner.num_gpu_blocks, engine.clock_origin))
         link = KVLink(RECV_RANK, join_store(port, config.transfer_timeout_s), engine.runner.device,
@@ -118,11 +119,10 @@ class DecodeLoop:
             if engine.has_unfinished_requests():
                 outputs += engine.step()
             recorder = engine.recorder
-            rows = [dict(r) for r in recorder.requests]
+            rows = recorder.requests.copy()
             # The front keeps the rows (or not); nothing grows here in a long-running server.
             recorder.requests.clear()
             recorder.steps.clear()
-            recorder.events.clear()
             now = time.monotonic()
             # While it works, a step with nothing to say still goes out every HEARTBEAT_S: the front
             # takes a decode process silent for transfer_timeout_s with requests in hand for hung.
@@ -181,9 +181,10 @@ class DecodeLoop:
         for handoff in reserved:
             self.queued.pop(handoff.request_id, None)
         self.reserved.extend(reserved)
+        if not self.reserved or self.in_flight >= self.max_in_flight:  # staging memory stays bounded
+            return
         kv = self.engine.runner.kv_cache
-        while self.reserved and self.in_flight < self.max_in_flight:  # staging memory stays bounded
-            batch = transfer_batches(self.reserved, self.max_blocks)[0]
+        for batch in transfer_batches(self.reserved, self.max_blocks)[:self.max_in_flight - self.in_flight]:
             for _ in batch:
                 self.reserved.popleft()
             parts = [(h.request_id, list(h.dst_block_ids[:h.num_blocks])) for h in batch]
