@@ -49,11 +49,11 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     """`cfg.cluster`, checked (a config without the group is a one-replica run)."""
     if cfg.get("cluster") is None:
         return ClusterConfig()
-    c = factory.section(cfg, "cluster")
-    n = c.get("replicas", 1)
+    c, d = factory.section(cfg, "cluster"), ClusterConfig()  # d: the defaults, written once
+    n = c.get("replicas", d.replicas)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"cluster.replicas={n!r} is invalid: must be an integer >= 1")
-    refresh = c.get("refresh_s", 0.0)
+    refresh = c.get("refresh_s", d.refresh_s)
     if isinstance(refresh, bool) or not isinstance(refresh, (int, float)) or not 0 <= refresh < inf:
         raise ValueError(f"cluster.refresh_s={refresh!r} is invalid: must be a finite number >= 0 (0: exact)")
     hardware = c.get("hardware")
@@ -67,24 +67,24 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
                 raise ValueError(f"cluster.hardware[{i}]={name!r} is unknown: choose one of {known}")
         hardware = tuple(hardware)
     roles = parse_roles(c.get("roles"), n, "cluster.roles")
-    decode_router = c.get("decode_router", "least_kv")
+    decode_router = c.get("decode_router", d.decode_router)
     known_routers = sorted(p.stem for p in (REPO_ROOT / "conf" / "router").glob("*.yaml"))
     if decode_router not in known_routers:
         raise ValueError(f"cluster.decode_router={decode_router!r} is unknown: choose one of {known_routers}")
-    link = c.get("link", "nvlink")
+    link = c.get("link", d.link)
     if not isinstance(link, str) or not link:
         raise ValueError(f"cluster.link={link!r} is invalid: a link name of conf/hardware (nvlink, network)")
-    queue, timeout = c.get("handoff_queue", 64), c.get("handoff_timeout_s", 60.0)
+    queue, timeout = c.get("handoff_queue", d.handoff_queue), c.get("handoff_timeout_s", d.handoff_timeout_s)
     if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
         raise ValueError(f"cluster.handoff_queue={queue!r} is invalid: must be an integer >= 1")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < inf:
         raise ValueError(f"cluster.handoff_timeout_s={timeout!r} is invalid: must be a number of seconds > 0")
     from sim.fleet.disagg import HandoffHost
-    host = HandoffHost(c.get("handoff_hop_s", 1e-4), c.get("handoff_step_boundaries", True))  # checks both
-    batch_blocks = c.get("handoff_batch_blocks", 512)
+    host = HandoffHost(c.get("handoff_hop_s", d.handoff_hop_s), c.get("handoff_step_boundaries", d.handoff_step_boundaries))  # checks both
+    batch_blocks = c.get("handoff_batch_blocks", d.handoff_batch_blocks)
     if isinstance(batch_blocks, bool) or not isinstance(batch_blocks, int) or batch_blocks < 1:
         raise ValueError(f"cluster.handoff_batch_blocks={batch_blocks!r} is invalid: must be an integer >= 1")
-    hop = c.get("dispatch_hop_s", 1e-3)
+    hop = c.get("dispatch_hop_s", d.dispatch_hop_s)
     if isinstance(hop, bool) or not isinstance(hop, (int, float)) or not 0 <= hop < inf:
         raise ValueError(f"cluster.dispatch_hop_s={hop!r} is invalid: must be a number of seconds >= 0")
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
