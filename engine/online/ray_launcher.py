@@ -24,8 +24,7 @@ import threading
 from typing import Any
 
 from engine.engine_args import EngineArgs
-from engine.offline.llm_engine import _tokenizer_source
-from engine.offline.tokenizer import load_tokenizer
+from engine.offline.tokenizer import tokenizer_for
 from engine.online.core_channel import read_message, readable, write_message
 from engine.online.engine_core import CoreStep, serve
 from engine.online.output_wire import OutputReader
@@ -151,7 +150,7 @@ class RayCoreClient:
                 raise ValueError(str(cause)) from None  # noqa: TRY004 (bad arguments: a ValueError, as locally)
             raise RuntimeError(f"the engine actor could not build the engine: {cause}") from None
         self.channel = RayChannel(self.actor)
-        self.tokenizer = load_tokenizer(args.tokenizer or _tokenizer_source(args.model_config().weights))
+        self.tokenizer = tokenizer_for(args.tokenizer, args.model_config().weights)
         self._reader = OutputReader()
         self._gone = False
 
