@@ -28,12 +28,12 @@ def _metrics(output: RequestOutput) -> tuple:
     return m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions
 
 
-def pack(output: RequestOutput, with_prompt: bool) -> PackedOutput:
-    """An output in full (`with_prompt`: its prompt too)."""
+def pack(output: RequestOutput, with_prompt: bool, metrics: tuple | None = None) -> PackedOutput:
+    """An output in full (`with_prompt`: its prompt too; `metrics`: its `_metrics`, if taken already)."""
     samples = [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in output.outputs]
     return (output.request_id, output.finished, output.prompt if with_prompt else None,
-            output.prompt_token_ids if with_prompt else None, samples, _metrics(output),
-            output.num_cached_tokens, output.error)
+            output.prompt_token_ids if with_prompt else None, samples,
+            _metrics(output) if metrics is None else metrics, output.num_cached_tokens, output.error)
 
 
 def unpack(packed: PackedOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
@@ -55,13 +55,14 @@ class OutputPacker:
         if output.finished:
             self._sent.pop(request_id, None)
             return pack(output, known is None)
-        state = (_metrics(output), output.num_cached_tokens)
+        metrics = _metrics(output)
+        state = (metrics, output.num_cached_tokens)
         if known == state and output.error is None and len(output.outputs) == 1:
             c = output.outputs[0]
             if c.index == 0 and c.finish_reason is None and c.logprobs is None:
                 return request_id, c.token_ids, c.text
         self._sent[request_id] = state
-        return pack(output, known is None)
+        return pack(output, known is None, metrics)
 
 
 class OutputReader:
