@@ -29,8 +29,9 @@ Faults: the kernels' barriers spin without a deadline and cannot be aborted, so 
 or hangs in the middle of a step leaves the others' GPUs spinning in it for good. Rank 0 therefore
 never blocks on a step: it polls the step's event, watching the workers' processes and a deadline
 (`engine.distributed.step_wait`), and raises `WorkerFailure` naming the rank; its own GPU is freed
-only when its process exits (`TPModelRunner.device_stuck`). On by default;
-`disable_custom_all_reduce=True` sends every all-reduce through NCCL.
+only when its process exits (`TPModelRunner.device_stuck`). Off by default
+(`disable_custom_all_reduce=True`: every all-reduce through NCCL) until its GPU fault tests have
+run; `disable_custom_all_reduce=False` turns it on.
 """
 from __future__ import annotations
 
