@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,7 +29,7 @@ from engine.offline.tokenizer import encode_prompt
 from engine.serving.chat import ChatTemplate, load_chat_template
 from engine.serving.chat_completions import create_chat_completion
 from engine.serving.completions import create_completion
-from engine.serving.errors import APIError, bad_value, parse_request, validation_error
+from engine.serving.errors import APIError, bad_value, parse_request
 from engine.serving.guards import RequestGuard, default_max_body_bytes
 from engine.serving.metrics import CONTENT_TYPE, ServingMetrics
 from engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -134,10 +133,6 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] | None = None,
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
