@@ -70,6 +70,17 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen3 HF dir (byte-level tokenizer, seed 5) that the engine and serving tests
+    share; a module that needs another model defines its own `model_dir`."""
+    from engine_helpers import save_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny") / "qwen3"
+    save_tiny_model(path, "qwen3", seed=5)
+    return str(path)
+
+
 def pytest_collection_modifyitems(config, items):
     if not _cuda_available():
         reason = "needs a CUDA GPU"

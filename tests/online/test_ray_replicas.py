@@ -12,7 +12,6 @@ import signal
 import time
 
 import pytest
-from engine_helpers import save_tiny_model
 
 ray = pytest.importorskip("ray")
 
@@ -25,13 +24,6 @@ from policies.request import SamplingParams
 from policies.routing import make_router
 
 BOUND_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ray") / "qwen3"
-    save_tiny_model(path, "qwen3", seed=5)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 httpx = pytest.importorskip("httpx2")
 
 from test_fleet_server import metric
-from test_serving_http import MODEL, model_dir  # noqa: F401 (its module-scoped fixture, shared)
+from test_serving_http import MODEL
 
 from engine.engine_args import EngineArgs
 from engine.offline.llm_engine import LLMEngine
@@ -37,11 +37,11 @@ TIMEOUT_S = 3.0  # the replica timeout of these tests
 BOUND_S = 20.0  # every wait below ends by then
 
 
-def args(model_dir: str) -> EngineArgs:  # noqa: F811 (the imported fixture's name)
+def args(model_dir: str) -> EngineArgs:
     return EngineArgs(model=model_dir, num_gpu_blocks=256, swap_space=0.01, max_model_len=512)
 
 
-def fleet(model_dir: str) -> AsyncLLMEngine:  # noqa: F811
+def fleet(model_dir: str) -> AsyncLLMEngine:
     return AsyncLLMEngine(launch_replica_set(args(model_dir), 2, make_router({"name": "round_robin"}),
                                              timeout_s=TIMEOUT_S))
 
@@ -52,7 +52,7 @@ def health(url: str) -> list[tuple[int, bool, str | None]]:
     return [(r["replica"], r["alive"], r["error"]) for r in resp.json()["replicas"]]
 
 
-def test_a_hung_replica_fails_its_stream_and_is_terminated_and_the_other_serves(model_dir):  # noqa: F811
+def test_a_hung_replica_fails_its_stream_and_is_terminated_and_the_other_serves(model_dir):
     engine = fleet(model_dir)
     replicas = engine._host.replicas
     hung = replicas[1].host.client.process
@@ -92,7 +92,7 @@ def test_a_hung_replica_fails_its_stream_and_is_terminated_and_the_other_serves(
         assert engine._host.num_routed == [4, 1]
 
 
-def test_a_stopped_replica_with_no_request_is_not_hung(model_dir):  # noqa: F811
+def test_a_stopped_replica_with_no_request_is_not_hung(model_dir):
     engine = fleet(model_dir)
     idle = engine._host.replicas[1].host.client.process
     with ServerThread(build_app(engine, MODEL)) as srv:
@@ -110,7 +110,7 @@ def test_a_stopped_replica_with_no_request_is_not_hung(model_dir):  # noqa: F811
         assert [alive for _, alive, _ in health(srv.url)] == [True, True]
 
 
-def test_a_core_whose_steps_give_no_output_is_heard_from(model_dir):  # noqa: F811
+def test_a_core_whose_steps_give_no_output_is_heard_from(model_dir):
     """`final_only` requests give no output before they end: the core still sends a message at
     least every HEARTBEAT_S while it steps (each step slowed to 0.1 s, 40 steps)."""
     engine = LLMEngine(args(model_dir))
@@ -153,6 +153,6 @@ def test_bad_replica_timeout_is_one_line(capsys, argv, message):
     assert err.startswith(message) and "\n" not in err, err
 
 
-def test_replica_set_checks_its_timeout(model_dir):  # noqa: F811
+def test_replica_set_checks_its_timeout(model_dir):
     with pytest.raises(ValueError, match=r"^replica_timeout_s=-1 is invalid: must be a finite number of seconds > 0"):
         launch_replica_set(args(model_dir), 2, make_router({"name": "round_robin"}), timeout_s=-1)

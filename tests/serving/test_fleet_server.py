@@ -23,7 +23,6 @@ from test_serving_http import (  # noqa: F401 (its module-scoped fixtures, share
     engine_args,
     greedy,
     greedy_streams,
-    model_dir,
     reference,
     streams_with_disconnects,
 )
@@ -37,13 +36,13 @@ from policies.routing import make_router
 BOUND_S = 20.0  # every wait below ends by then
 
 
-def fleet_engine(model_dir: str, router: str = "round_robin", **kw) -> AsyncLLMEngine:  # noqa: F811
+def fleet_engine(model_dir: str, router: str = "round_robin", **kw) -> AsyncLLMEngine:
     replicas = launch_replica_set(engine_args(model_dir, **kw), 2, make_router({"name": router}))
     return AsyncLLMEngine(replicas)
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811 (the imported fixture)
+def server(model_dir):
     engine = fleet_engine(model_dir)
     ended = {}
     engine.add_finished_observer(lambda r: ended.__setitem__(r.request_id, r))
@@ -127,7 +126,7 @@ def test_metrics_per_replica_and_for_the_fleet(server, client):
     assert health.status_code == 200 and [r["alive"] for r in health.json()["replicas"]] == [True, True]
 
 
-def test_a_killed_replica_fails_its_requests_and_the_other_serves(model_dir):  # noqa: F811
+def test_a_killed_replica_fails_its_requests_and_the_other_serves(model_dir):
     engine = fleet_engine(model_dir, num_gpu_blocks=32)
     replicas = engine._host.replicas
     with ServerThread(build_app(engine, MODEL)) as srv:

@@ -10,7 +10,7 @@ import asyncio
 import random
 
 import pytest
-from engine_helpers import ragged_prompts, save_tiny_model
+from engine_helpers import ragged_prompts
 from optional_deps import require_serving
 
 openai = pytest.importorskip("openai")
@@ -27,13 +27,6 @@ from policies.request import SamplingParams
 
 MODEL = "tiny"
 ARGS = {"num_gpu_blocks": 256, "swap_space": 0.01, "max_model_len": 128}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("serving-disagg") / "qwen3"
-    save_tiny_model(path, "qwen3", seed=5)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,12 @@ import pytest
 httpx = pytest.importorskip("httpx2")
 openai = pytest.importorskip("openai")
 
-from test_serving_http import (  # noqa: F401 (its module-scoped fixture, shared)
+from test_serving_http import (
     MODEL,
     TEMPLATE,
     _free_port,
     assert_idle,
     engine_args,
-    model_dir,
 )
 
 from engine import serve
@@ -61,7 +60,7 @@ def poison_detokenizer(monkeypatch, llm_engine: LLMEngine) -> None:
 
 
 @pytest.fixture
-def served(model_dir):  # noqa: F811 (the imported fixture)
+def served(model_dir):
     llm_engine = LLMEngine(engine_args(model_dir, block_manager="prefix"))
     with ServerThread(build_app(AsyncLLMEngine(llm_engine), [MODEL, "alias"], TEMPLATE,
                                 max_request_body_bytes=200_000)) as srv:
@@ -69,7 +68,7 @@ def served(model_dir):  # noqa: F811 (the imported fixture)
         yield srv
 
 
-def test_engine_aborts_only_the_request_that_failed(model_dir, monkeypatch):  # noqa: F811
+def test_engine_aborts_only_the_request_that_failed(model_dir, monkeypatch):
     """In LLMEngine itself: the failing request ends with "abort:error" and its error; the others
     finish as they would have."""
     engine = LLMEngine(engine_args(model_dir))
@@ -167,7 +166,7 @@ def test_long_text_is_tokenized_off_the_event_loop(served, monkeypatch):
         slow.join(30)
 
 
-def test_api_key(model_dir, monkeypatch):  # noqa: F811 (the imported fixture)
+def test_api_key(model_dir, monkeypatch):
     engine = AsyncLLMEngine(LLMEngine(engine_args(model_dir, num_gpu_blocks=32)))
     with ServerThread(build_app(engine, MODEL, api_keys=["sk-right"])) as srv:
         right = openai.OpenAI(base_url=srv.url + "/v1", api_key="sk-right", max_retries=0, timeout=30)

@@ -10,7 +10,7 @@ import json
 import random
 
 import pytest
-from engine_helpers import ragged_prompts, save_tiny_model
+from engine_helpers import ragged_prompts
 from optional_deps import require_serving
 
 httpx = pytest.importorskip("httpx2")
@@ -35,13 +35,6 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endf
 def engine_args(path: str, **kw) -> EngineArgs:
     return EngineArgs(model=path, num_gpu_blocks=kw.pop("num_gpu_blocks", 256), swap_space=0.01,
                       max_model_len=MAX_MODEL_LEN, **kw)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("serving") / "qwen3"
-    save_tiny_model(path, "qwen3", seed=5)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

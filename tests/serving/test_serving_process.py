@@ -26,7 +26,6 @@ from test_serving_http import (  # noqa: F401 (its module-scoped fixtures, share
     engine_args,
     greedy,
     greedy_streams,
-    model_dir,
     reference,
     streams_with_disconnects,
 )
@@ -36,14 +35,14 @@ from engine.serving.app import build_app
 from engine.serving.server import ServerThread
 
 
-def process_engine(model_dir: str, **kw) -> AsyncLLMEngine:  # noqa: F811 (the imported fixture)
+def process_engine(model_dir: str, **kw) -> AsyncLLMEngine:
     max_waiting = kw.pop("max_waiting_requests", None)
     return AsyncLLMEngine.from_engine_args(engine_args(model_dir, **kw), max_waiting_requests=max_waiting,
                                            engine_process=True)
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811 (the imported fixture)
+def server(model_dir):
     engine = process_engine(model_dir)
     ended = {}
     engine.add_finished_observer(lambda r: ended.__setitem__(r.request_id, r))
@@ -148,12 +147,12 @@ def test_bad_request_then_a_good_one(server, client, change, field):
     assert good.usage.completion_tokens == 3
 
 
-def test_full_queue_answers_503_then_serves(model_dir):  # noqa: F811 (the imported fixture)
+def test_full_queue_answers_503_then_serves(model_dir):
     engine = process_engine(model_dir, max_num_seqs=2, num_gpu_blocks=64, max_waiting_requests=2)
     check_full_queue_answers_503_then_serves(engine)
 
 
-def test_a_killed_core_fails_open_streams_and_health(model_dir):  # noqa: F811 (the imported fixture)
+def test_a_killed_core_fails_open_streams_and_health(model_dir):
     """The core process dies mid-stream (killed): the open stream ends with a 503 error event,
     /health answers 503, new requests get 503 at once; nothing hangs."""
     engine = process_engine(model_dir, num_gpu_blocks=32)
@@ -174,7 +173,7 @@ def test_a_killed_core_fails_open_streams_and_health(model_dir):  # noqa: F811 (
         assert resp.status_code == 503
 
 
-def test_a_dropped_engine_leaves_no_core_process(model_dir):  # noqa: F811 (the imported fixture)
+def test_a_dropped_engine_leaves_no_core_process(model_dir):
     engine = process_engine(model_dir, num_gpu_blocks=16)
     process = engine._core.process
     assert process.is_alive()
