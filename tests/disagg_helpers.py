@@ -3,6 +3,10 @@ turn, with the KV store of tests/scheduler_helpers.py on each side and a copy be
 wrong block id on either side fails the decode side's read check."""
 from __future__ import annotations
 
+import os
+import time
+from dataclasses import dataclass, field
+
 from scheduler_helpers import KVStoreBackend, prefix_fingerprints
 
 from policies import Request, Scheduler
@@ -99,3 +103,16 @@ class DisaggPair:
                     or self.dside.queue or self.pside.transferring):
                 return self.ended
         raise AssertionError("the pair made no progress")
+
+
+@dataclass(slots=True)
+class SignalAtFirstHandOff:
+    """An `on_step` hook for a `DisaggregatedEngine`: sends `sig` to its decode process once a request
+    has been handed off to it, noting when (`time.monotonic()`) in `sent_at`."""
+    sig: int
+    sent_at: list[float] = field(default_factory=list)
+
+    def __call__(self, engine) -> None:
+        if not self.sent_at and engine._decoding:
+            os.kill(engine.decode_pid, self.sig)
+            self.sent_at.append(time.monotonic())

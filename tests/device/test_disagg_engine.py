@@ -12,6 +12,7 @@ import signal
 import time
 
 import pytest
+from disagg_helpers import SignalAtFirstHandOff
 from engine_helpers import ragged_prompts
 
 from engine.disagg.config import DisaggregationConfig
@@ -127,17 +128,11 @@ def test_offline_llm_runs_the_pair(reference):
 
 def test_a_killed_decode_process_ends_the_handed_off_requests_with_an_error():
     engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
-    killed = []
-
-    def kill_on_first_hand_off(e) -> None:
-        if not killed and e._decoding:
-            os.kill(e.decode_pid, signal.SIGKILL)
-            killed.append(time.monotonic())
-
+    kill = SignalAtFirstHandOff(signal.SIGKILL)
     try:
-        done = _run(engine, on_step=kill_on_first_hand_off)
+        done = _run(engine, on_step=kill)
         ended = time.monotonic()
-        assert killed and ended - killed[0] < TIMEOUT_S + 2.0
+        assert kill.sent_at and ended - kill.sent_at[0] < TIMEOUT_S + 2.0
         errors = [i for i, (_, _, error) in done.items() if error is not None]
         assert errors and all(done[i][1][0] == "abort:error" for i in errors)
         assert all("decode engine" in done[i][2] for i in errors)
@@ -172,16 +167,10 @@ def test_requests_prefilled_after_the_decode_process_died_end_with_an_error():
 def test_a_stopped_decode_process_is_hung_and_its_requests_end_with_an_error():
     """Alive but silent (SIGSTOP) with requests decoding: ended as hung within transfer_timeout_s."""
     engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
-    stopped = []
-
-    def stop_on_first_hand_off(e) -> None:
-        if not stopped and e._decoding:
-            os.kill(e.decode_pid, signal.SIGSTOP)
-            stopped.append(time.monotonic())
-
+    stop = SignalAtFirstHandOff(signal.SIGSTOP)
     try:
-        done = _run(engine, on_step=stop_on_first_hand_off)
-        assert stopped and time.monotonic() - stopped[0] < TIMEOUT_S + 2.0
+        done = _run(engine, on_step=stop)
+        assert stop.sent_at and time.monotonic() - stop.sent_at[0] < TIMEOUT_S + 2.0
         errors = [i for i, (_, _, error) in done.items() if error is not None]
         assert errors and all("the decode engine is hung" in done[i][2] for i in errors)
         assert len(done) == len(PROMPTS)

@@ -6,12 +6,12 @@ mid-transfer ends the handed-off requests with an error within the bound."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import time
 
 import pytest
 import torch
+from disagg_helpers import SignalAtFirstHandOff
 
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, open_store
@@ -118,16 +118,10 @@ def test_pair_preemption_on_the_decode_side_keeps_tokens(mode, reference):
 
 def test_pair_killed_decode_process_ends_requests_with_an_error():
     pair = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
-    killed = []
-
-    def kill(engine) -> None:
-        if not killed and engine._decoding:
-            os.kill(engine.decode_pid, signal.SIGKILL)
-            killed.append(time.monotonic())
-
+    kill = SignalAtFirstHandOff(signal.SIGKILL)
     try:
         outs = _generate(pair, on_step=kill)
-        assert killed and time.monotonic() - killed[0] < TIMEOUT_S + 5
+        assert kill.sent_at and time.monotonic() - kill.sent_at[0] < TIMEOUT_S + 5
         errors = [o for o in outs if o.error is not None]
         assert errors and all(o.outputs[0].finish_reason == "abort:error" for o in errors)
     finally:
