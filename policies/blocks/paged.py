@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from policies.blocks import paged_decode_run
 from policies.blocks.base import (
     AllocStatus,
     BlockManager,
@@ -25,12 +24,13 @@ from policies.blocks.base import (
     fits_idle_pool,
     register_block_manager,
 )
+from policies.blocks.paged_decode_run import PagedDecodeRuns
 from policies.blocks.pool import BlockPool, OutOfBlocksError
 from policies.sequence import Sequence
 
 
 @register_block_manager("paged")
-class PagedBlockManager(BlockManager):
+class PagedBlockManager(PagedDecodeRuns, BlockManager):
     # Whether two requests may hold the same block (prefix caching); forked siblings always may.
     shares_across_requests = False
 
@@ -142,12 +142,6 @@ class PagedBlockManager(BlockManager):
             else:
                 copies.extend(self.append_slots(seq, 1))
         return copies
-
-    def decode_run_limit(self, seqs: list[Sequence], max_steps: int) -> int:
-        return paged_decode_run.decode_run_limit(self, seqs, max_steps)
-
-    def append_decode_run(self, seqs: list[Sequence], num_steps: int) -> list[int]:
-        return paged_decode_run.append_decode_run(self, seqs, num_steps)
 
     # -- sharing ---------------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -10,13 +10,8 @@ cache registrations match step-by-step decoding; the steps in between cost nothi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from policies.blocks.base import BlockManager
 from policies.sequence import Sequence
-
-if TYPE_CHECKING:
-    from policies.blocks.paged import PagedBlockManager
 
 
 def _openings(firsts: list[int], last_step: int, block_size: int) -> int:
@@ -24,79 +19,84 @@ def _openings(firsts: list[int], last_step: int, block_size: int) -> int:
     return sum((last_step - f) // block_size + 1 for f in firsts if f <= last_step)
 
 
-def decode_run_limit(manager: PagedBlockManager, seqs: list[Sequence], max_steps: int) -> int:
-    """Steps (<= max_steps) before one would write a shared block (copy-on-write) or find fewer free
-    blocks than `len(seqs)` (`append_decode_slots` then falls back to the one-by-one path)."""
-    spare = manager.gpu.num_free - len(seqs)  # blocks the run may open before a step lacks them
-    # Swap mirrors (which a write in place would forget) outlive no swapped-out sequence, and the
-    # scheduler runs no decode run while one is swapped out: with mirrors, step one by one.
-    if spare < 0 or max_steps < 1 or manager._gpu_mirror:
-        return 0
-    shift, refs, limit = manager._shift, manager._refs, max_steps
-    for seq in seqs if manager.may_share_gpu_blocks else ():
-        table = seq.block_table
-        current = seq.num_computed_tokens >> shift
-        if current < len(table) and (refs[table[current]] != 1 or current + 1 < len(table)):
+class PagedDecodeRuns:
+    """The decode runs of `PagedBlockManager` (a base it inherits from): they read its GPU pool
+    (`gpu`, `num_gpu_blocks`, `block_size`, `_shift`, `_refs`, `_gpu_mirror`)."""
+
+    __slots__ = ()
+
+    def decode_run_limit(self, seqs: list[Sequence], max_steps: int) -> int:
+        """Steps (<= max_steps) before one would write a shared block (copy-on-write) or find fewer free
+        blocks than `len(seqs)` (`append_decode_slots` then falls back to the one-by-one path)."""
+        spare = self.gpu.num_free - len(seqs)  # blocks the run may open before a step lacks them
+        # Swap mirrors (which a write in place would forget) outlive no swapped-out sequence, and the
+        # scheduler runs no decode run while one is swapped out: with mirrors, step one by one.
+        if spare < 0 or max_steps < 1 or self._gpu_mirror:
+            return 0
+        shift, refs, limit = self._shift, self._refs, max_steps
+        for seq in seqs if self.may_share_gpu_blocks else ():
+            table = seq.block_table
+            current = seq.num_computed_tokens >> shift
+            if current < len(table) and (refs[table[current]] != 1 or current + 1 < len(table)):
+                computed = seq.num_computed_tokens
+                for i in range(current, len(table)):  # the blocks it will write into: any shared?
+                    if refs[table[i]] != 1:
+                        limit = min(limit, max((i << shift) - computed, 0))
+                        break
+        bs = self.block_size
+        if limit < 2 or len(seqs) * ((limit - 2) // bs + 1) <= spare:
+            return limit
+        firsts = [(len(seq.block_table) << shift) - seq.num_computed_tokens for seq in seqs]
+        if _openings(firsts, limit - 2, bs) <= spare:
+            return limit
+        # Step s + 1 is the first short of blocks, where s is the step of the (spare + 1)-th opening.
+        low, high = 0, limit - 2  # the smallest last step whose openings exceed spare is in [low, high]
+        while low < high:
+            mid = (low + high) // 2
+            if _openings(firsts, mid, bs) > spare:
+                high = mid
+            else:
+                low = mid + 1
+        return low + 1
+
+    def append_decode_run(self, seqs: list[Sequence], num_steps: int) -> list[int]:
+        """`BlockManager.append_decode_run` for the paged managers, event by event."""
+        shift, bs, n = self._shift, self.block_size, len(seqs)
+        marks = type(self).mark_computed is not BlockManager.mark_computed
+        starts = [seq.num_computed_tokens for seq in seqs] if marks else []
+        opens: list[int] = []  # step * n + index in seqs: step order, then batch order
+        closes: list[int] = []  # the same for the blocks that fill (mark_computed after the step)
+        end, stride = num_steps * n, bs * n
+        for index, seq in enumerate(seqs):
             computed = seq.num_computed_tokens
-            for i in range(current, len(table)):  # the blocks it will write into: any shared?
-                if refs[table[i]] != 1:
-                    limit = min(limit, max((i << shift) - computed, 0))
-                    break
-    bs = manager.block_size
-    if limit < 2 or len(seqs) * ((limit - 2) // bs + 1) <= spare:
-        return limit
-    firsts = [(len(seq.block_table) << shift) - seq.num_computed_tokens for seq in seqs]
-    if _openings(firsts, limit - 2, bs) <= spare:
-        return limit
-    # Step s + 1 is the first short of blocks, where s is the step of the (spare + 1)-th opening.
-    low, high = 0, limit - 2  # the smallest last step whose openings exceed spare is in [low, high]
-    while low < high:
-        mid = (low + high) // 2
-        if _openings(firsts, mid, bs) > spare:
-            high = mid
-        else:
-            low = mid + 1
-    return low + 1
+            first = (len(seq.block_table) << shift) - computed  # the step that writes past the table
+            if first < num_steps:
+                opens.extend(range(first * n + index, end, stride))
+            if marks:  # after step s the sequence holds computed + s + 1 tokens of KV
+                closes.extend(range(((-computed - 1) % bs) * n + index, end, stride))
+            seq.num_computed_tokens = computed + num_steps
+        gpu = self.gpu
+        if closes and len(opens) > len(gpu.free_ids):
+            return _interleaved(self, seqs, starts, sorted(opens), sorted(closes), num_steps)
+        # Fresh blocks come off the free stack: no eviction, so the openings commute with the marks.
+        used_now = self.num_gpu_blocks - gpu.num_free
+        used: list[int] = []  # after each step
+        if opens:
+            opens.sort()
+            for key, block in zip(opens, gpu.allocate_many(len(opens))):
+                step, index = divmod(key, n)
+                if len(used) < step:
+                    used.extend([used_now] * (step - len(used)))
+                seqs[index].block_table.append(block)
+                used_now += 1
+        used.extend([used_now] * (num_steps - len(used)))
+        if closes:
+            closes.sort()
+            _mark(self, seqs, starts, closes, num_steps)
+        return used
 
 
-def append_decode_run(manager: PagedBlockManager, seqs: list[Sequence], num_steps: int) -> list[int]:
-    """`BlockManager.append_decode_run` for the paged managers, event by event."""
-    shift, bs, n = manager._shift, manager.block_size, len(seqs)
-    marks = type(manager).mark_computed is not BlockManager.mark_computed
-    starts = [seq.num_computed_tokens for seq in seqs] if marks else []
-    opens: list[int] = []  # step * n + index in seqs: step order, then batch order
-    closes: list[int] = []  # the same for the blocks that fill (mark_computed after the step)
-    end, stride = num_steps * n, bs * n
-    for index, seq in enumerate(seqs):
-        computed = seq.num_computed_tokens
-        first = (len(seq.block_table) << shift) - computed  # the step that writes past the table
-        if first < num_steps:
-            opens.extend(range(first * n + index, end, stride))
-        if marks:  # after step s the sequence holds computed + s + 1 tokens of KV
-            closes.extend(range(((-computed - 1) % bs) * n + index, end, stride))
-        seq.num_computed_tokens = computed + num_steps
-    gpu = manager.gpu
-    if closes and len(opens) > len(gpu.free_ids):
-        return _interleaved(manager, seqs, starts, sorted(opens), sorted(closes), num_steps)
-    # Fresh blocks come off the free stack: no eviction, so the openings commute with the marks.
-    used_now = manager.num_gpu_blocks - gpu.num_free
-    used: list[int] = []  # after each step
-    if opens:
-        opens.sort()
-        for key, block in zip(opens, gpu.allocate_many(len(opens))):
-            step, index = divmod(key, n)
-            if len(used) < step:
-                used.extend([used_now] * (step - len(used)))
-            seqs[index].block_table.append(block)
-            used_now += 1
-    used.extend([used_now] * (num_steps - len(used)))
-    if closes:
-        closes.sort()
-        _mark(manager, seqs, starts, closes, num_steps)
-    return used
-
-
-def _mark(manager: PagedBlockManager, seqs: list[Sequence], starts: list[int], closes: list[int],
+def _mark(manager: PagedDecodeRuns, seqs: list[Sequence], starts: list[int], closes: list[int],
           num_steps: int) -> None:
     """mark_computed at each close (step * n + index) with the tokens computed after that step;
     leaves the seqs at starts + num_steps computed tokens."""
@@ -109,7 +109,7 @@ def _mark(manager: PagedBlockManager, seqs: list[Sequence], starts: list[int], c
         seq.num_computed_tokens = starts[index] + num_steps
 
 
-def _interleaved(manager: PagedBlockManager, seqs: list[Sequence], starts: list[int], opens: list[int],
+def _interleaved(manager: PagedDecodeRuns, seqs: list[Sequence], starts: list[int], opens: list[int],
                  closes: list[int], num_steps: int) -> list[int]:
     """Openings that may evict cached blocks, with marks: every event in step order (within a step,
     the openings of the step's schedule before the marks of its update)."""
