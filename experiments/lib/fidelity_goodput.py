@@ -106,6 +106,11 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:g} ms"
 
 
+def _yes_no(b: bool | float | None, no: str = "no") -> str:
+    """A verdict cell: "-" for None or nan (no request met the SLO)."""
+    return "-" if b is None or b != b else ("yes" if b else no)
+
+
 def goodput_markdown(spec: GoodputSpec, rows: list[dict[str, Any]]) -> str:
     """Per comparison and SLO: the engine's and the simulator's goodput per GPU side by side."""
     lines = ["| comparison | SLO (TTFT, TPOT) | split / GPU (engine / sim) | mixed / GPU (engine / sim) | "
@@ -116,13 +121,12 @@ def goodput_markdown(spec: GoodputSpec, rows: list[dict[str, Any]]) -> str:
         e, s = (g[g["backend"] == b].iloc[0] for b in BACKENDS)
         slo = next(x for x in spec.slos if x.name == slo_name)
         claim = "-" if slo.split_wins is None else ("split wins" if slo.split_wins else "split does not win")
-        holds = lambda b: "-" if b is None or b != b else ("yes" if b else "NO")  # None/nan: no request met it
-        verdict = "-" if slo.split_wins is None else f"{claim}: engine {holds(e['claim_holds'])}, sim {holds(s['claim_holds'])}"
-        yn = lambda b: "-" if b is None or b != b else ("yes" if b else "no")
+        verdict = "-" if slo.split_wins is None else (f"{claim}: engine {_yes_no(e['claim_holds'], 'NO')}, "
+                                                      f"sim {_yes_no(s['claim_holds'], 'NO')}")
         lines.append(f"| {comp} | {slo_name} ({_ms(slo.ttft_s)}, {_ms(slo.tpot_s)}) | "
                      f"{e['split_per_gpu']:.1f} / {s['split_per_gpu']:.1f} | {e['mixed_per_gpu']:.1f} / "
                      f"{s['mixed_per_gpu']:.1f} | {e['ratio']:.2f} / {s['ratio']:.2f} | "
-                     f"{yn(e['split_beats'])} / {yn(s['split_beats'])} | {verdict} |")
+                     f"{_yes_no(e['split_beats'])} / {_yes_no(s['split_beats'])} | {verdict} |")
     lines.append("")
     lines.append(f"Goodput per GPU: finished requests meeting both SLOs per second per GPU (req/s). The split "
                  f"beats mixed when its goodput per GPU exceeds mixed's by more than {spec.margin:.0%}; claim: "
