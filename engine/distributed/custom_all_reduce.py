@@ -29,7 +29,11 @@ Faults: the kernels' barriers spin without a deadline and cannot be aborted, so 
 or hangs in the middle of a step leaves the others' GPUs spinning in it for good. Rank 0 therefore
 never blocks on a step: it polls the step's event, watching the workers' processes and a deadline
 (`engine.distributed.step_wait`), and raises `WorkerFailure` naming the rank; its own GPU is freed
-only when its process exits (`TPModelRunner.device_stuck`). Off by default
+only when its process exits (`TPModelRunner.device_stuck`). Outside CUDA graphs (eager steps:
+prefills beyond the captured sizes, `enforce_eager`) rank 0 also paces its launches (`pace`): before
+a symmetric-memory kernel it waits, bounded in the same way, for the one `PACE_LAG` kernels back.
+Without that, a step launched behind a spinning kernel fills the GPU's launch queue (an eager step
+is hundreds of kernels) and the next launch blocks inside the driver, holding the GIL, for good. Off by default
 (`disable_custom_all_reduce=True`: every all-reduce through NCCL) until its GPU fault tests have
 run; `disable_custom_all_reduce=False` turns it on.
 """
@@ -38,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import deque
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -49,6 +54,10 @@ from engine.config import ParallelConfig
 logger = logging.getLogger("servelab.engine")
 
 ONE_SHOT, TWO_SHOT, NCCL = "one-shot", "two-shot", "nccl"
+# Eager launches run at most this many symmetric-memory kernels ahead of the GPU (a layer holds two:
+# the queue then holds a few dozen kernels, far below the launch queue's ~1,000, and the GPU always
+# has the next layer's work).
+PACE_LAG = 2
 # What torch's symmetric-memory all-reduce kernels implement (the out-of-place two-shot kernel is
 # specialized for these world sizes only).
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
@@ -117,6 +126,9 @@ class SymmetricAllReduce:
         self.two_shot_max = min(two_shot_max, buffer.numel())
         self.handle = handle  # the rendezvous: keeps the peers' mappings alive
         self.ops = ops if ops is not None else torch.ops.symm_mem
+        # Rank 0 while serving: waits (bounded) until an event's work is done (`StepWait.wait`).
+        self.pace: Callable[[Any], None] | None = None
+        self._launched: deque[Any] = deque()  # events after the last eager kernels, oldest first
 
     def path_for(self, x: torch.Tensor) -> str:
         return choose_path(x.numel() * x.element_size(), x.dtype, x.is_contiguous(), self.one_shot_max,
@@ -143,13 +155,20 @@ class SymmetricAllReduce:
     def reduce(self, path: str, staged: torch.Tensor) -> torch.Tensor:
         """Sum `staged` (a view of the buffer from its start) by `path`, into a new tensor; the
         buffer is free again when the kernel ends (its last barrier waits for every reader)."""
+        if path not in (ONE_SHOT, TWO_SHOT):
+            raise ValueError(f"path={path!r} is invalid: {ONE_SHOT!r} or {TWO_SHOT!r}")
+        paced = self.pace is not None and not torch.cuda.is_current_stream_capturing()
+        if paced and len(self._launched) >= PACE_LAG:
+            self.pace(self._launched.popleft())
         out = torch.empty_like(staged)
         if path == ONE_SHOT:
             self.ops.one_shot_all_reduce_out(staged, "sum", self.group_name, out)
-        elif path == TWO_SHOT:
-            self.ops.two_shot_all_reduce_out(staged, "sum", self.group_name, out)
         else:
-            raise ValueError(f"path={path!r} is invalid: {ONE_SHOT!r} or {TWO_SHOT!r}")
+            self.ops.two_shot_all_reduce_out(staged, "sum", self.group_name, out)
+        if paced:
+            event = torch.cuda.Event()
+            event.record()
+            self._launched.append(event)
         return out
 
     def _staged(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -136,6 +136,8 @@ class TPModelRunner(ModelRunner):
             self._shutdown.graphs = self.graphs
             await_workers(self._procs, self._links, "ready", startup_s, "start-up")
             self.tp.set_timeout(timeout_s)
+            if self.tp.custom is not None:  # eager launches wait for the GPU, bounded (custom_all_reduce.py)
+                self.tp.custom.pace = partial(self._step_wait.wait, what="a symmetric-memory all-reduce")
         self._serving = True
 
     # ---- steps -------------------------------------------------------------------------------
@@ -232,7 +234,7 @@ class TPModelRunner(ModelRunner):
             return
         self._closed = True
         self._finalizer.detach()
-        self._shutdown.run(JOIN_TIMEOUT_S, failed=self._failure is not None)
+        self._shutdown.run(JOIN_TIMEOUT_S, failed=self._failure is not None, stuck=self.device_stuck)
         if self.device_stuck:  # a free would wait for the spinning kernel: everything stays until exit
             logger.error("tensor-parallel rank 0's GPU %s may be stuck in an all-reduce that a failed worker never "
                          "joined; it is freed only when this process exits, which it will do with os._exit(1) at "
@@ -271,8 +273,12 @@ def _watch(runner_ref: weakref.ref, sentinels: list) -> None:
         if runner is None or runner._closed:
             return
         if dead:
-            runner._worker_died.set()  # first: the abort may block behind a spinning kernel
-            if runner.tp is not None and runner._rank0_device.type == "cuda":
+            runner._worker_died.set()
+            # NCCL's kernels leave a collective when the group is aborted; a symmetric-memory
+            # all-reduce never does, and an abort queued behind one blocks this thread for good
+            # (and with it the interpreter, while the abort holds the GIL): then the step's
+            # bounded wait reports the death and the process's exit frees the GPU.
+            if runner.tp is not None and runner._rank0_device.type == "cuda" and runner.tp.custom is None:
                 abort(runner.tp)
             return
         del runner

@@ -39,8 +39,11 @@ class WorkerShutdown:
     group_open: bool = False
     done: bool = False
 
-    def run(self, timeout_s: float, failed: bool = False) -> None:
-        """Stop the workers, free rank 0's graphs, end the group: all within `timeout_s`."""
+    def run(self, timeout_s: float, failed: bool = False, stuck: bool = False) -> None:
+        """Stop the workers, free rank 0's graphs, end the group: all within `timeout_s`. `stuck`:
+        rank 0's GPU may spin for good in a symmetric-memory all-reduce that a failed worker never
+        joined; the graphs and the group are then left to the process's exit (freeing or aborting
+        them would wait behind that kernel, holding the GIL) and only the workers are ended."""
         if self.done:
             return
         self.done = True
@@ -49,6 +52,8 @@ class WorkerShutdown:
         for link in self.links:
             with contextlib.suppress(OSError):
                 link.send_bytes(stop)
+        if stuck:
+            self.graphs, self.group_open = None, False
         aborting = in_background(abort_group) if failed and self.group_open else None
         graphs, self.graphs = self.graphs, None
         if graphs is not None:

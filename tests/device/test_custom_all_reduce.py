@@ -210,3 +210,33 @@ def test_the_benchmark_picks_thresholds_from_graph_timings():
             row(1024, 1, 50, 50, mode="eager")]  # eager rows do not count
     assert thresholds(rows) == (2048, 16384)
     assert thresholds([row(1024, 5, 6, 7)]) == (0, 0)  # NCCL faster from the start: symmetric paths off
+
+
+@pytest.mark.parametrize("capturing", [False, True], ids=["eager", "capturing"])
+def test_rank0_paces_eager_launches_behind_the_kernels_before(capturing, monkeypatch):
+    """Outside a graph capture each symmetric-memory kernel first waits (through `pace`, bounded by
+    rank 0's step wait) for the one PACE_LAG kernels back, so a step launched behind a kernel that
+    spins for good never fills the launch queue; a capture records no event and waits for none."""
+    from engine.distributed import custom_all_reduce
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.n = Event.made
+
+        def record(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    custom = _custom()
+    waited = []
+    custom.pace = lambda event: waited.append(event.n)
+    for _ in range(5):
+        custom.all_reduce(torch.randn(8, 32))
+    lag = custom_all_reduce.PACE_LAG
+    assert len(custom.ops.calls) == 5
+    assert waited == ([] if capturing else list(range(1, 5 - lag + 1)))
+    assert Event.made == (0 if capturing else 5)

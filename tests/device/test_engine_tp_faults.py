@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import multiprocessing
 import os
 import signal
 import threading
@@ -235,6 +236,55 @@ def test_the_shutdown_frees_the_graphs_before_the_teardown_waits_for_them(failed
     shutdown.WorkerShutdown(graphs=Graphs(), group_open=True).run(JOIN_TIMEOUT_S, failed=failed)
     assert time.monotonic() - start < 1.0  # not the destroy's or the abort's bound
     assert not dist.is_initialized()
+
+
+def test_a_stuck_shutdown_leaves_the_graphs_and_the_group_and_ends_the_workers(monkeypatch):
+    """Rank 0's GPU spinning in a symmetric-memory all-reduce that a dead worker never joined: freeing
+    the graphs or aborting the group would wait behind that kernel (holding the GIL), so a stuck
+    shutdown touches neither and only ends the workers, at once."""
+    from engine.distributed import shutdown
+
+    touched = []
+
+    class Graphs:
+        def release(self):
+            touched.append("graphs")
+
+    monkeypatch.setattr(shutdown, "abort_group", lambda: touched.append("abort"))
+    monkeypatch.setattr(shutdown, "end_group", lambda *a: touched.append("end"))
+    ctx = multiprocessing.get_context("spawn")
+    worker = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    worker.start()
+    start = time.monotonic()
+    shutdown.WorkerShutdown(procs=[worker], graphs=Graphs(), group_open=True).run(2.0, failed=True, stuck=True)
+    assert time.monotonic() - start < 3.0
+    assert touched == [] and worker.exitcode is not None
+
+
+@pytest.mark.parametrize("custom", [False, True], ids=["nccl", "symmetric-memory"])
+def test_the_watchdog_aborts_the_group_only_where_an_abort_can_end_the_step(custom, monkeypatch):
+    """A worker's death: the watchdog flags it at once; it aborts the group only when every
+    all-reduce is NCCL's (the symmetric-memory kernels ignore an abort, which would then block)."""
+    import types
+    import weakref
+
+    from engine.distributed import driver
+
+    aborted = []
+    monkeypatch.setattr(driver, "abort", aborted.append)
+    tp = types.SimpleNamespace(custom=object() if custom else None)
+    class Runner:  # what the watchdog reads of a TPModelRunner (held weakly)
+        _closed, _worker_died, _rank0_device = False, threading.Event(), types.SimpleNamespace(type="cuda")
+
+    runner = Runner()
+    runner.tp = tp
+    worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,), daemon=True)
+    worker.start()
+    watch = threading.Thread(target=driver._watch, args=(weakref.ref(runner), [worker.sentinel]), daemon=True)
+    watch.start()
+    watch.join(10)
+    assert not watch.is_alive() and runner._worker_died.is_set()
+    assert aborted == ([] if custom else [tp])
 
 
 def test_the_tensor_parallel_path_at_one_rank_matches_the_plain_runner():
