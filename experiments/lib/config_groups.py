@@ -23,7 +23,7 @@ class Cluster:
     handoff_hop_s: float = 1e-4
     handoff_step_boundaries: bool = True
     handoff_batch_blocks: int = 512
-    dispatch_hop_s: float = 1e-3  # backend=sim: arrival -> routed and at its replica (docs/fleet.md)
+    dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (docs/fleet.md)
 
 
 @dataclass

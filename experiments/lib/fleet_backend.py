@@ -38,7 +38,7 @@ class ClusterConfig:
     handoff_hop_s: float = 1e-4  # backend=sim: one message between a pair's host loops (sim/fleet/disagg.py)
     handoff_step_boundaries: bool = True  # backend=sim: each side acts on a hand-off between its steps
     handoff_batch_blocks: int = 512  # hand-offs reserved at once move as one KV message, up to this many blocks
-    dispatch_hop_s: float = 1e-3  # backend=sim: arrival -> routed and at its replica (sim/fleet/fleet.py)
+    dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (sim/fleet/fleet.py)
 
     @property
     def disaggregated(self) -> bool:
