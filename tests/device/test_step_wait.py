@@ -108,9 +108,9 @@ def test_the_runner_wait_raises_when_its_worker_is_killed():
 
 
 def test_after_a_failure_with_symmetric_memory_close_frees_nothing_and_exits_at_once(monkeypatch):
-    """Rank 0's GPU may still spin in the all-reduce (a free would wait for it): close stops the
-    workers, keeps the model, KV cache and symmetric buffer, and registers `os._exit(1)` for the
-    interpreter's exit (stood in for here: on CPU gloo carries the all-reduces)."""
+    """Rank 0's GPU may still spin in the all-reduce (a free or an abort would wait for it): close
+    stops the workers, keeps the model, KV cache, symmetric buffer and group, and registers
+    `os._exit(1)` for the interpreter's exit (stood in for here: on CPU gloo carries the all-reduces)."""
     from engine.distributed import driver
 
     registered = []
@@ -130,7 +130,8 @@ def test_after_a_failure_with_symmetric_memory_close_frees_nothing_and_exits_at_
     assert runner.model is not None and runner.kv_cache is not None and runner.tp.custom is buffer
     assert registered == [driver._exit_at_once]
     assert worker.exitcode is not None
-    assert not dist.is_initialized()  # the group ended all the same: a new engine can start
+    assert dist.is_initialized()  # left to the process's exit with the rest
+    dist.destroy_process_group()  # gloo's ends at once: the next test's engine can start
 
 
 def test_an_nccl_only_runner_keeps_the_blocking_sync():
