@@ -259,6 +259,9 @@ class RunnerConfig:
 # default), and the most any setting may ask for (the buffer each GPU allocates at start-up).
 CUSTOM_ALL_REDUCE_MAX_BYTES = 8 * 2**20
 CUSTOM_ALL_REDUCE_LIMIT_BYTES = 2**30
+# The symmetric-memory all-reduce is on by default, as vLLM's custom all-reduce: a worker's death or
+# hang with it on is reported within the same bounds as with NCCL only (docs/parallelism.md, Faults).
+DISABLE_CUSTOM_ALL_REDUCE = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -269,14 +272,14 @@ class ParallelConfig:
     All-reduces on GPUs (engine/distributed/custom_all_reduce.py, docs/parallelism.md): up to
     `custom_all_reduce_one_shot_max_bytes` one-shot over symmetric memory (None: by world size,
     `one_shot_max_bytes`), up to `custom_all_reduce_max_bytes` two-shot, NCCL above;
-    `disable_custom_all_reduce` (True by default, so opt in with False; vLLM's name) True sends every
+    `disable_custom_all_reduce` (False by default, as in vLLM, whose name it is) True sends every
     all-reduce through NCCL. The symmetric-memory kernels spin without a deadline, so with them on
     rank 0 never blocks on a step: it polls the step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes
     (engine/distributed/step_wait.py); its GPU is then freed only when the process exits."""
 
     tensor_parallel_size: int = 1
     timeout_s: float = 300.0
-    disable_custom_all_reduce: bool = True
+    disable_custom_all_reduce: bool = DISABLE_CUSTOM_ALL_REDUCE
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.config import (
     CUSTOM_ALL_REDUCE_MAX_BYTES,
+    DISABLE_CUSTOM_ALL_REDUCE,
     CacheConfig,
     ModelConfig,
     ParallelConfig,
@@ -66,8 +67,8 @@ class EngineArgs:
     distributed_timeout_s: float = 300.0
     # All-reduces on GPUs (vLLM's name; engine/distributed/custom_all_reduce.py): one-shot over
     # symmetric memory up to the first size (None: by world size), two-shot up to the second, NCCL
-    # above; True (the default until its GPU fault tests have run) sends every all-reduce through NCCL.
-    disable_custom_all_reduce: bool = True
+    # above (the default); True sends every all-reduce through NCCL.
+    disable_custom_all_reduce: bool = DISABLE_CUSTOM_ALL_REDUCE
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
 

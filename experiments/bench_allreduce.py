@@ -107,7 +107,7 @@ def _rank_main(rank: int, size: int, port: int, a: argparse.Namespace, results) 
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        parallel = ParallelConfig(size, custom_all_reduce_max_bytes=a.max_bytes)
+        parallel = ParallelConfig(size, disable_custom_all_reduce=False, custom_all_reduce_max_bytes=a.max_bytes)
         group = init_group(join_store(port, size, a.timeout_s), rank, size, device, a.timeout_s, parallel)
         if group.custom is None:
             raise RuntimeError("the symmetric-memory all-reduce is off (rank 0's log says why): nothing to compare")

@@ -33,9 +33,10 @@ only when its process exits (`TPModelRunner.device_stuck`). Outside CUDA graphs 
 prefills beyond the captured sizes, `enforce_eager`) rank 0 also paces its launches (`pace`): before
 a symmetric-memory kernel it waits, bounded in the same way, for the one `PACE_LAG` kernels back.
 Without that, a step launched behind a spinning kernel fills the GPU's launch queue (an eager step
-is hundreds of kernels) and the next launch blocks inside the driver, holding the GIL, for good. Off by default
-(`disable_custom_all_reduce=True`: every all-reduce through NCCL) until its GPU fault tests have
-run; `disable_custom_all_reduce=False` turns it on.
+is hundreds of kernels) and the next launch blocks inside the driver, holding the GIL, for good.
+
+On by default, as vLLM's custom all-reduce (tests/device/test_engine_tp_faults_gpu.py checks those
+bounds on two GPUs); `disable_custom_all_reduce=True` sends every all-reduce through NCCL.
 """
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ class Cluster:
 class Parallel:
     tensor_parallel_size: int = 1
     # The engine's all-reduce paths (EngineArgs' fields of the same names, docs/parallelism.md;
-    # None: the engine's default).
-    disable_custom_all_reduce: bool = True
+    # None: the engine's default, the symmetric-memory all-reduce on).
+    disable_custom_all_reduce: bool | None = None
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int | None = None
 

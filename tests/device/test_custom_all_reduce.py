@@ -80,18 +80,60 @@ def test_why_the_symmetric_paths_stay_off(parallel, device, size, said):
     assert said in unavailable_reason(parallel, device, 1, size)
 
 
-def test_the_symmetric_paths_are_opt_in_everywhere():
-    """One default everywhere the flag is set (the engine, its arguments, the Hydra group and its
-    YAML): opt-in until the fault tests on GPUs (test_engine_tp_faults_gpu.py) have passed."""
+# Where the flag is set: a run config (Hydra) and the server's command line, besides EngineArgs.
+CONFIG = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu"]
+
+
+def _from_config(*overrides: str) -> bool:
+    from experiments.lib.engine_backend import engine_args
+    from experiments.lib.fidelity_spec import compose_cfg
+
+    return engine_args(compose_cfg([*CONFIG, *overrides])).disable_custom_all_reduce
+
+
+def _from_server_cli(*argv: str) -> bool:
+    from engine.serve import engine_args_from, parse_args
+
+    return engine_args_from(parse_args(["--model", "tiny-qwen3", *argv])).disable_custom_all_reduce
+
+
+def _peers_present(monkeypatch):
+    """A torch with the ops and GPUs with peer access, as on an NVLink board."""
+    monkeypatch.setattr(car, "symmetric_memory", lambda: object())
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+
+
+def test_the_symmetric_paths_are_on_by_default_everywhere(monkeypatch):
+    """One default (engine/config.py's DISABLE_CUSTOM_ALL_REDUCE, False as in vLLM) wherever the flag
+    is set: the engine, its arguments, a run config (conf/config.yaml leaves it null: the engine's)
+    and the server's command line; with it, two GPUs that can take the paths do."""
     from omegaconf import OmegaConf
 
     from experiments.lib.config_groups import Parallel
     from experiments.lib.paths import REPO_ROOT
 
-    assert ParallelConfig().disable_custom_all_reduce is True
-    assert EngineArgs().parallel_config().disable_custom_all_reduce is True
-    assert Parallel().disable_custom_all_reduce is True
-    assert OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").parallel.disable_custom_all_reduce is True
+    assert ParallelConfig().disable_custom_all_reduce is False
+    assert EngineArgs().disable_custom_all_reduce is False
+    assert EngineArgs().parallel_config().disable_custom_all_reduce is False
+    assert Parallel().disable_custom_all_reduce is None
+    assert OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").parallel.disable_custom_all_reduce is None
+    assert _from_config() is False
+    assert _from_server_cli() is False
+    _peers_present(monkeypatch)
+    assert unavailable_reason(ParallelConfig(2), GPU1, 1, 2) is None
+    assert unavailable_reason(EngineArgs(tensor_parallel_size=2).parallel_config(), GPU1, 1, 2) is None
+
+
+@pytest.mark.parametrize("where", ["EngineArgs", "run config", "server flag", "server override"])
+def test_each_off_switch_sends_every_all_reduce_through_nccl(where, monkeypatch):
+    disabled = {"EngineArgs": lambda: EngineArgs(disable_custom_all_reduce=True).disable_custom_all_reduce,
+                "run config": lambda: _from_config("parallel.disable_custom_all_reduce=true"),
+                "server flag": lambda: _from_server_cli("--disable-custom-all-reduce", "true"),
+                "server override": lambda: _from_server_cli("disable_custom_all_reduce=true")}[where]()
+    assert disabled is True
+    _peers_present(monkeypatch)
+    assert unavailable_reason(ParallelConfig(2, disable_custom_all_reduce=disabled), GPU1, 1, 2) == \
+        "disable_custom_all_reduce is set"
 
 
 def test_a_torch_without_symmetric_memory_ops_stays_on_nccl(monkeypatch):

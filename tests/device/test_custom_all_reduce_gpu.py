@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 KiB = 2**10
 # One-shot up to 64 KiB, two-shot up to 1 MiB, NCCL above: every path gets messages.
-PARALLEL = ParallelConfig(2, custom_all_reduce_one_shot_max_bytes=64 * KiB, custom_all_reduce_max_bytes=1024 * KiB)
+PARALLEL = ParallelConfig(2, disable_custom_all_reduce=False, custom_all_reduce_one_shot_max_bytes=64 * KiB,
+                          custom_all_reduce_max_bytes=1024 * KiB)
 # (rows, hidden) of bf16 and the path each takes.
 MESSAGES = [((1, 4096), ONE_SHOT), ((8, 4096), ONE_SHOT), ((3, 1000), ONE_SHOT), ((9, 4096), TWO_SHOT),
             ((128, 4096), TWO_SHOT), ((129, 4096), NCCL), ((256, 4096), NCCL)]

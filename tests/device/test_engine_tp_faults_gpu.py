@@ -1,5 +1,5 @@
 """A tensor-parallel worker that fails in the middle of generation on GPUs, with the symmetric-memory
-all-reduce opted in (`disable_custom_all_reduce=False`): its kernels spin until every rank arrives and cannot be aborted, so
+all-reduce on (the default): its kernels spin until every rank arrives and cannot be aborted, so
 these check that rank 0's wait is bounded all the same (engine/distributed/step_wait.py) and that
 the process holding the stuck GPU still exits.
 
@@ -31,7 +31,7 @@ TIMEOUT_S = 10.0
 # one-shot kernel as a replayed graph's.
 ARGS = {"model": "qwen3-0.6b", "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 1024,
         "gpu_memory_utilization": 0.5, "enforce_eager": True, "tensor_parallel_size": 2,
-        "distributed_timeout_s": TIMEOUT_S, "disable_custom_all_reduce": False}
+        "distributed_timeout_s": TIMEOUT_S}  # the symmetric-memory all-reduce: the default
 
 OFFLINE = """
 import json, os, signal, sys, threading, time

@@ -71,10 +71,9 @@ def test_tp1_nccl_path_matches_the_plain_engine():
 def test_tp2_bf16_greedy_agrees_with_one_gpu(eager):
     with LLMEngine(EngineArgs(**ARGS, enforce_eager=eager)) as engine:
         reference = _generate(engine)
-    with LLMEngine(EngineArgs(**ARGS, enforce_eager=eager, tensor_parallel_size=2,
-                              disable_custom_all_reduce=False)) as engine:
+    with LLMEngine(EngineArgs(**ARGS, enforce_eager=eager, tensor_parallel_size=2)) as engine:
         assert engine.runner.num_gpu_blocks > 0
-        assert engine.runner.tp.custom is not None  # the symmetric-memory all-reduce
+        assert engine.runner.tp.custom is not None  # the symmetric-memory all-reduce, the default
         assert _agree(_generate(engine), reference, f"N=2 vs N=1, {'eager' if eager else 'CUDA graphs'}") >= 5 / 6
 
 
@@ -83,7 +82,7 @@ def test_tp2_nccl_only_agrees_with_one_gpu():
     """`disable_custom_all_reduce=True`: every all-reduce through NCCL, the same tokens."""
     with LLMEngine(EngineArgs(**ARGS)) as engine:
         reference = _generate(engine)
-    with LLMEngine(EngineArgs(**ARGS, tensor_parallel_size=2)) as engine:  # the default
+    with LLMEngine(EngineArgs(**ARGS, tensor_parallel_size=2, disable_custom_all_reduce=True)) as engine:
         assert engine.runner.tp.custom is None
         assert _agree(_generate(engine), reference, "N=2 NCCL only vs N=1, CUDA graphs") >= 5 / 6
 

@@ -39,7 +39,7 @@ MAPPED = {
     "decode_kernel": ("backend.decode_kernel=packed", lambda a: a.decode_kernel == "packed"),
     "seed": ("seed=5", lambda a: a.seed == 5),
     "tensor_parallel_size": ("parallel.tensor_parallel_size=2", lambda a: a.tensor_parallel_size == 2),
-    "disable_custom_all_reduce": ("parallel.disable_custom_all_reduce=false", lambda a: not a.disable_custom_all_reduce),
+    "disable_custom_all_reduce": ("parallel.disable_custom_all_reduce=true", lambda a: a.disable_custom_all_reduce),
     "custom_all_reduce_one_shot_max_bytes": ("parallel.custom_all_reduce_one_shot_max_bytes=4096",
                                              lambda a: a.custom_all_reduce_one_shot_max_bytes == 4096),
     "custom_all_reduce_max_bytes": ("parallel.custom_all_reduce_max_bytes=65536",
