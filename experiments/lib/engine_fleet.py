@@ -18,7 +18,6 @@ settings (A/B, fidelity), as `engine_backend` keeps its one engine.
 from __future__ import annotations
 
 import multiprocessing
-import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
@@ -27,11 +26,12 @@ from omegaconf import DictConfig
 from experiments.lib import engine_backend
 from experiments.lib.backend_run import BackendRun
 from experiments.lib.fleet_backend import build_router, cluster_config
-from experiments.lib.fleet_feed import FleetFeed
+from experiments.lib.fleet_feed import FleetFeed, start_together
 from experiments.lib.workloads import Workload
 
 START_TIMEOUT_S = 900.0  # a replica builds its engine (weights, KV cache, graphs) within this
 END_TIMEOUT_S = 120.0  # a replica sends its traces within this once its last request ended
+READY_TIMEOUT_S = 120.0  # a replica takes a run's config and workload and resets its engine within this
 _FLEET: dict[str, EngineFleet] = {}  # at most one: engine key -> the kept replica processes
 
 
@@ -107,9 +107,9 @@ def run_engine_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int
     pools = [(a.block_size, info["num_gpu_blocks"]) for a, info in zip(fleet.args, fleet.info)]
     routing = RemoteFleet(router, pools, cluster.refresh_s)
     requests = sorted(workload.requests, key=lambda r: r.arrival_time)
-    start = time.perf_counter()
     for conn in fleet.conns:
-        conn.send(("run", cfg, workload, start, router.reads_prefix_index))
+        conn.send(("run", cfg, workload, router.reads_prefix_index))
+    start = start_together(fleet.conns, [p.sentinel for p in fleet.processes], READY_TIMEOUT_S)
     done = 0
     results: dict[int, tuple] = {}  # replica -> (steps, elapsed, recorder), its run's end
 
@@ -170,17 +170,21 @@ def _replica_main(args, conn: Connection) -> None:
             engine.close()
 
 
-def _serve_run(engine, conn: Connection, cfg: DictConfig, workload: Workload, start: float,
-               report_index: bool) -> None:
-    """One run: ("add", request, output_len) per routed request and ("end",) when no more will come;
+def _serve_run(engine, conn: Connection, cfg: DictConfig, workload: Workload, report_index: bool) -> None:
+    """One run: ("ready",) once the engine is reset, then ("start", the run's t=0 as a perf_counter
+    value), ("add", request, output_len) per routed request and ("end",) when no more will come;
     after each step ("step", requests ended, ReplicaReport); at the end ("done", steps, elapsed,
     TraceRecorder)."""
     from experiments.lib import factory
     from policies.routing import report
     from policies.trace import TraceRecorder
     recorder = TraceRecorder()
-    engine.reset(build_scheduler=lambda gpu, cpu, _: factory.build_scheduler(cfg, gpu, cpu, recorder, workload),
-                 start=start)
+    engine.reset(build_scheduler=lambda gpu, cpu, _: factory.build_scheduler(cfg, gpu, cpu, recorder, workload))
+    conn.send(("ready",))
+    message = conn.recv()
+    if message[0] != "start":
+        raise RuntimeError(f"engine replica: expected the run's start, got {message[0]!r}")
+    engine.align_clock(message[1])
     sent, more, num_steps = set() if report_index else None, True, 0
     while more or engine.has_unfinished_requests():
         if conn.poll(0 if engine.has_unfinished_requests() else None):

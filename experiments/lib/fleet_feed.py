@@ -2,6 +2,11 @@
 request goes to its replica at its arrival time on the wall clock, while the replicas' step reports
 come back.
 
+The run's t=0 is taken once every replica is ready for it (`start_together`: each has taken the
+run's config and workload and reset its engine, and said so), not when the run is sent: a request
+due at 0 then reaches a replica that can take it, instead of waiting in its pipe while the replica
+unpickles the workload and builds its scheduler (~0.1 s at 2000 requests).
+
 Two rules keep the dispatch hop (arrival -> the request in its replica's pipe) as short as one
 message:
 - A request is sent the moment it is due, also while reports are pending: the reports are read
@@ -39,6 +44,35 @@ def wait_until(objects: Sequence[Any], deadline: float, clock: Callable[[], floa
         ready = waiter(objects, max(left - _TICK_S, 0.0))
         if ready:
             return ready
+
+
+def start_together(conns: Sequence[Connection], sentinels: Sequence[int], timeout_s: float,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """The run's t=0 (a `clock` value), taken once every connection sent ("ready",) and sent to each
+    as ("start", t0). RuntimeError if a replica process exits (its sentinel) or sends anything else
+    first, TimeoutError if one is not ready within `timeout_s`."""
+    waiting = dict(enumerate(conns))
+    by_sentinel = {s: i for i, s in enumerate(sentinels)}
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        left = deadline - time.monotonic()
+        ready = wait([*waiting.values(), *by_sentinel], max(left, 0.0)) if left > 0 else []
+        if not ready:
+            raise TimeoutError(f"engine replicas {sorted(waiting)} were not ready for the run within {timeout_s} s")
+        for obj in ready:
+            if obj in by_sentinel:
+                raise RuntimeError(f"engine replica {by_sentinel[obj]} exited before the run started")
+            i = next(i for i, c in waiting.items() if c is obj)
+            message = obj.recv()
+            if isinstance(message, BaseException):
+                raise message
+            if message != ("ready",):
+                raise RuntimeError(f"engine replica {i} sent {message!r} before the run started (expected ('ready',))")
+            del waiting[i]
+    start = clock()
+    for conn in conns:
+        conn.send(("start", start))
+    return start
 
 
 @dataclass(slots=True)
