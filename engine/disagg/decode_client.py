@@ -1,5 +1,5 @@
 """The front's handle on the decode engine's process (engine/disagg/decode_process.py): start it
-with the decode engine's arguments, wait (bounded) for it to be ready, exchange the typed messages
+with the decode engine's arguments, wait (bounded) for each step of its start-up, exchange the typed messages
 of engine/disagg/messages.py over one pipe, and stop it within `JOIN_TIMEOUT_S` (also when the
 handle is dropped without `close`)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import weakref
 
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.decode_process import decode_main
-from engine.disagg.messages import DecodeFailed, DecodeReady
+from engine.disagg.messages import DecodeFailed
 from engine.engine_args import EngineArgs
 
 JOIN_TIMEOUT_S = 10.0
@@ -31,20 +31,22 @@ def decode_engine_args(args: EngineArgs, config: DisaggregationConfig) -> Engine
 
 
 class DecodeClient:
-    def __init__(self, args: EngineArgs, config: DisaggregationConfig, port: int) -> None:
-        """Start the decode process (it builds its engine meanwhile); `port`: the link's store."""
+    def __init__(self, args: EngineArgs, config: DisaggregationConfig, port: int, keep_steps: bool = True) -> None:
+        """Start the decode process (it builds its engine meanwhile); `port`: the link's store;
+        `keep_steps`: it sends its engine's step rows."""
         ctx = multiprocessing.get_context("spawn")
         self.args = args
         self.conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=decode_main, args=(args, config, port, theirs), name="servelab-decode",
+        self.process = ctx.Process(target=decode_main, args=(args, config, port, theirs, keep_steps), name="servelab-decode",
                                    daemon=True)
         self.process.start()
         theirs.close()
         self._finalizer = weakref.finalize(self, _stop, self.process, self.conn)
 
-    def await_ready(self, timeout_s: float) -> DecodeReady:
-        """Its `DecodeReady`; RuntimeError with its own error if it failed to start, TimeoutError past
-        `timeout_s`; a process that died is seen within 0.1 s."""
+    def await_message(self, kind: type, timeout_s: float, doing: str, bound: str):
+        """Its next message, which must be a `kind` (`DecodeStarted`, `DecodeReady`): RuntimeError with
+        its own error if it failed, or if its process ended, TimeoutError past `timeout_s` (`bound`
+        names the setting); the errors say what it was `doing`. A process that died is seen within 0.1 s."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.conn.poll(0.1):
@@ -52,15 +54,17 @@ class DecodeClient:
                     message = self.conn.recv()
                 except EOFError:
                     break
-                if isinstance(message, DecodeReady):
+                if isinstance(message, kind):
                     return message
                 if isinstance(message, DecodeFailed):
-                    raise RuntimeError(f"the decode engine could not start:\n{message.error}")
+                    raise RuntimeError(f"the decode engine failed while {doing}:\n{message.error}")
+                raise RuntimeError(f"the decode engine sent {type(message).__name__} while {doing} "
+                                   f"(expected {kind.__name__})")
             elif not self.process.is_alive():
                 break
         if self.process.is_alive():
-            raise TimeoutError(f"the decode engine did not start within startup_timeout_s={timeout_s}")
-        raise RuntimeError(f"the decode engine's process exited while starting (exit code {self.process.exitcode})")
+            raise TimeoutError(f"the decode engine did not finish {doing} within {bound}={timeout_s}")
+        raise RuntimeError(f"the decode engine's process exited while {doing} (exit code {self.process.exitcode})")
 
     @property
     def alive(self) -> bool:

@@ -2,9 +2,11 @@
 engine/disagg/pd_engine.py).
 
 It builds an `LLMEngine` on its device, puts a `DecodeSide` (policies/disagg/) on its scheduler,
-reports `DecodeReady` (its clock's origin becomes the front's, so both engines' times are on one
-clock), joins the pair's `KVLink` as the receiving end, then loops:
-1. take the front's messages: hand-offs into the `DecodeSide`'s queue (refused when it is full),
+reports `DecodeStarted`, joins the pair's `KVLink` as the receiving end, receives the link's
+start-up transfer (engine/disagg/link_warmup.py: one block through the serving path, so the first
+request pays no set-up) and reports `DecodeReady`, then loops:
+1. take the front's messages: the clock's origin (`ClockOrigin`: the front's, so both engines'
+   times are on one clock, counted from when the pair was ready), hand-offs into the `DecodeSide`'s queue (refused when it is full),
    transfer start times, aborts (a queued hand-off is withdrawn, one whose receive is posted runs
    to its end and is dropped there, a live request is aborted in the engine);
 2. hand-offs queued longer than `queue_timeout_s`, or too long for this KV pool, are refused;
@@ -15,7 +17,8 @@ clock), joins the pair's `KVLink` as the receiving end, then loops:
    before the send; the hand-offs of one prefill step share one message, one gather, one scatter);
 4. receives that completed are scattered into their blocks (one launch per message) and their
    requests join the running batch (`DecodeSide.receive`, `LLMEngine.take_over_request`);
-5. one engine step, its outputs (and the trace rows of the requests that ended) to the front.
+5. one engine step, its outputs (and the trace rows of the requests that ended, and its step
+   rows) to the front.
 Waiting: it blocks on the pipe when it has nothing to do, polls every millisecond while a transfer
 or a queued hand-off waits, and does not wait while requests run.
 
@@ -36,10 +39,13 @@ from multiprocessing.connection import Connection
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.kv_transfer import RECV_RANK, KVLink, join_store
 from engine.disagg.kv_transfer_message import KVTransferError
+from engine.disagg.link_warmup import warm_recv
 from engine.disagg.messages import (
     AbortMessage,
+    ClockOrigin,
     DecodeFailed,
     DecodeReady,
+    DecodeStarted,
     DecodeStep,
     HandoffMessage,
     Refused,
@@ -56,7 +62,9 @@ DECODE_REPLICA = 1
 _IDLE_POLL_S, _BUSY_POLL_S = 1.0, 0.001
 
 
-def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn: Connection) -> None:
+def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn: Connection,
+                keep_steps: bool = True) -> None:
+    """The process's body; `keep_steps`: send the engine's step rows to the front (its trace)."""
     exit_with_parent("decode-parent-watchdog")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front stops this process in order
     from engine.offline.llm_engine import LLMEngine
@@ -68,11 +76,13 @@ def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn:
             torch.cuda.set_device(torch.device(args.resolve_device()))
         engine = LLMEngine(args, recorder=TraceRecorder(record_events=False))  # events would be discarded
         side = DecodeSide(engine.scheduler, config.max_queue, config.queue_timeout_s, replica=DECODE_REPLICA)
-        conn.send(DecodeReady(os.getpid(), engine.runner.num_gpu_blocks, engine.clock_origin))
+        conn.send(DecodeStarted(os.getpid(), engine.runner.num_gpu_blocks))
         link = KVLink(RECV_RANK, join_store(port, config.transfer_timeout_s), engine.runner.device,
                       config.transfer_timeout_s)
-        link.warm_up(engine.runner.kv_cache.k_caches, engine.runner.kv_cache.v_caches)
-        DecodeLoop(engine, side, link, conn, config.max_transfers_in_flight, config.max_blocks_per_transfer).run()
+        warm = warm_recv(link, engine.runner.kv_cache.k_caches, engine.runner.kv_cache.v_caches)
+        conn.send(DecodeReady(warm.seconds, warm.num_bytes))
+        DecodeLoop(engine, side, link, conn, config.max_transfers_in_flight, config.max_blocks_per_transfer,
+                   keep_steps).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the front is gone
     except BaseException as e:  # noqa: BLE001 (reported to the front, which fails the requests)
@@ -88,7 +98,7 @@ def decode_main(args: EngineArgs, config: DisaggregationConfig, port: int, conn:
 
 class DecodeLoop:
     def __init__(self, engine, side: DecodeSide, link: KVLink, conn: Connection, max_in_flight: int,
-                 max_blocks: int) -> None:
+                 max_blocks: int, keep_steps: bool = True) -> None:
         self.engine, self.side, self.link, self.conn = engine, side, link, conn
         self.max_in_flight, self.max_blocks = max_in_flight, max_blocks
         self.in_flight = 0  # receives posted and not yet scattered (each holds a staging buffer)
@@ -97,6 +107,8 @@ class DecodeLoop:
         self.receiving: dict[str, tuple[KVHandoff, object]] = {}  # request id -> (hand-off, its Transfer)
         self.prompts: dict[str, tuple[str | None, int | None]] = {}  # request id -> (prompt text, output_len)
         self.last_sent = time.monotonic()  # when the last DecodeStep went to the front
+        self.keep_steps = keep_steps
+        self.steps: list[dict] = []  # the engine's step rows not yet sent (with the next DecodeStep)
 
     def run(self) -> None:
         engine, conn = self.engine, self.conn
@@ -122,12 +134,17 @@ class DecodeLoop:
             rows = recorder.requests.copy()
             # The front keeps the rows (or not); nothing grows here in a long-running server.
             recorder.requests.clear()
+            if self.keep_steps:
+                self.steps += recorder.steps
             recorder.steps.clear()
             now = time.monotonic()
+            busy = engine.has_unfinished_requests()
             # While it works, a step with nothing to say still goes out every HEARTBEAT_S: the front
             # takes a decode process silent for transfer_timeout_s with requests in hand for hung.
-            if outputs or rows or (engine.has_unfinished_requests() and now - self.last_sent >= HEARTBEAT_S):
-                conn.send(DecodeStep(outputs, rows))
+            # Step rows ride along (at the latest then, or when the engine goes idle).
+            if outputs or rows or (busy and now - self.last_sent >= HEARTBEAT_S) or (self.steps and not busy):
+                conn.send(DecodeStep(outputs, rows, self.steps))
+                self.steps = []
                 self.last_sent = now
 
     def _take(self, message) -> None:
@@ -147,6 +164,8 @@ class DecodeLoop:
                     entry[0].transfer_start_time = message.time
         elif isinstance(message, AbortMessage):
             self._abort(message.request_id)
+        elif isinstance(message, ClockOrigin):
+            self.engine.align_clock(message.origin)
         else:
             raise TypeError(f"unexpected message from the front: {type(message).__name__}")
 

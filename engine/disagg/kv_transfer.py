@@ -109,6 +109,7 @@ class KVLink:
         self._lock = threading.Condition()
         self._failure: KVTransferError | None = None
         self._closed = False
+        self.num_posted = 0  # messages posted on this end (the start-up transfer's included)
         self._waiter = threading.Thread(target=self._wait_loop, name=f"kv-link-{rank}", daemon=True)
         self._waiter.start()
 
@@ -176,18 +177,6 @@ class KVLink:
             transfer.staging.record_stream(torch.cuda.current_stream(self.device))
         kernels.scatter_blocks(transfer.staging, interleaved(k_caches, v_caches), self._index(transfer.block_ids))
 
-    def warm_up(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
-        """Compile the gather and scatter kernels for these caches now, not in the first transfer (a
-        stall of a few hundred ms): block 0 gathered and written back unchanged, then a sync. Call it
-        before the caches hold anything a step reads."""
-        caches = interleaved(k_caches, v_caches)
-        staging = torch.empty(staging_shape(k_caches, 1), dtype=k_caches[0].dtype, device=self.device)
-        index = self._index([0])
-        kernels.gather_blocks(caches, index, staging)
-        kernels.scatter_blocks(staging, caches, index)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         """The block ids on the device without a host sync: from pinned memory (reused by torch's
         host allocator only once the copy is done), copied on the current stream."""
@@ -215,6 +204,7 @@ class KVLink:
                 self._fail_locked(KVTransferError(f"the KV link's peer failed: {e}"))
                 raise self._failure from e
             transfer = Transfer(parts, staging, work, time.monotonic())
+            self.num_posted += 1
             self._queue.append(transfer)
             self._lock.notify_all()
             return transfer

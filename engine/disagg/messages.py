@@ -2,11 +2,13 @@
 decode engine process, sent pickled down one duplex pipe. The KV bytes never go this way: they
 move on the pair's `KVLink` (engine/disagg/kv_transfer.py).
 
-front -> decode: `HandoffMessage` (a request whose first token was sampled), `TransferStarted`,
-`AbortMessage`, None (stop).
-decode -> front: `DecodeReady` or `DecodeFailed` once, then `Reserved` (blocks allocated for one or
+front -> decode: `ClockOrigin` (once ready, and when a run restarts the clock), `HandoffMessage` (a
+request whose first token was sampled), `TransferStarted`, `AbortMessage`, None (stop).
+decode -> front: `DecodeStarted` (its engine is built: it joins the link), `DecodeReady` (the link's
+start-up transfer is done, engine/disagg/link_warmup.py), `DecodeFailed` instead of either, then `Reserved` (blocks allocated for one or
 more requests and one receive posted for all of them: the front sends them now, as one message), `Refused` (the request cannot be decoded there; it ends with
-an error), `DecodeStep` (the decode engine's outputs and the trace rows of the requests that ended),
+an error), `DecodeStep` (the decode engine's outputs, the trace rows of the requests that ended and its step
+rows),
 `DecodeFailed` if its loop dies.
 """
 from __future__ import annotations
@@ -36,10 +38,22 @@ class AbortMessage:
 
 
 @dataclass(slots=True, frozen=True)
-class DecodeReady:
+class DecodeStarted:
     pid: int
     num_gpu_blocks: int
-    clock_origin: float  # the decode engine's `time.perf_counter()` at its clock's 0: the front's too
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeReady:
+    link_warm_s: float  # its end of the link's start-up transfer (receive, scatter, restore)
+    link_warm_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class ClockOrigin:
+    """Both engines' clocks count from `origin` (a `time.perf_counter()` value of this host)."""
+
+    origin: float
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,3 +84,6 @@ class Refused:
 class DecodeStep:
     outputs: list[RequestOutput]
     rows: list[dict] = field(default_factory=list)  # trace rows of the requests that ended
+    # The decode engine's step rows since its last DecodeStep (policies/trace.py's STEP_COLUMNS, on
+    # the pair's clock), when the front keeps the decode engine's trace.
+    steps: list[dict] = field(default_factory=list)

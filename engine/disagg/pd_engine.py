@@ -6,6 +6,11 @@ drive it as they drive one engine.
     engine = DisaggregatedEngine(EngineArgs(model="qwen3-0.6b"), DisaggregationConfig())
     # prefill on the engine's device (cuda:0) in this process, decode on cuda:1 in a child process
 
+Start-up: the decode process builds its engine while this one builds the prefill engine; then the
+link opens and moves one block through the serving path (engine/disagg/link_warmup.py), and both
+engines' clocks start at 0 (`reset_clock`): the pair takes requests only once nothing on their path
+is set up on first use. Every wait of it is bounded (`startup_timeout_s`, `transfer_timeout_s`).
+
 This process (the front) runs the prefill engine; `step()`:
 1. takes the decode process's messages: `Reserved` -> the blocks of the requests it names are
    sent on the link as one message (gathered in one launch on the link's side stream, which the
@@ -42,9 +47,12 @@ import time
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.decode_client import JOIN_TIMEOUT_S, DecodeClient, decode_engine_args
 from engine.disagg.kv_transfer import SEND_RANK, KVLink, open_store
+from engine.disagg.link_warmup import warm_link_from_front
 from engine.disagg.messages import (
     AbortMessage,
+    ClockOrigin,
     DecodeFailed,
+    DecodeStarted,
     DecodeStep,
     HandoffMessage,
     Refused,
@@ -70,7 +78,8 @@ class DisaggregatedEngine(FrontFaults):
                  build_scheduler: SchedulerBuilder | None = None, keep_trace: bool = True) -> None:
         """`build_scheduler`: the prefill engine's scheduler (as `LLMEngine`'s; it must not schedule
         ahead), e.g. an experiment's; the decode engine's comes from `args` and `decode_args`.
-        `keep_trace`: keep the decode engine's request rows in `decode_rows` (False: a server's)."""
+        `keep_trace`: keep the decode engine's request and step rows in `decode_rows` and
+        `decode_steps` (False: a server's; its step rows are then not even sent)."""
         refuse_in_spawn_bootstrap()
         config = DisaggregationConfig.parse(config if config is not None else DisaggregationConfig())
         if args.tensor_parallel_size != 1:
@@ -81,7 +90,7 @@ class DisaggregatedEngine(FrontFaults):
         self._failure: str | None = None
         self._closed = False
         store = open_store(max(10.0, config.transfer_timeout_s))
-        self._decode = DecodeClient(decode_args, config, store.port)
+        self._decode = DecodeClient(decode_args, config, store.port, keep_steps=keep_trace)
         self._conn = self._decode.conn
         try:  # the two engines build at once
             self.prefill = LLMEngine(dataclasses.replace(args, async_scheduling=False),
@@ -89,17 +98,18 @@ class DisaggregatedEngine(FrontFaults):
             if self.prefill.scheduler.config.async_scheduling:
                 raise ValueError("the prefill engine's scheduler has async_scheduling=True: a hand-off needs "
                                  "its first token, which a step scheduled ahead does not know yet")
-            ready = self._decode.await_ready(config.startup_timeout_s)
-            self.prefill.align_clock(ready.clock_origin)
+            started = self._decode.await_message(DecodeStarted, config.startup_timeout_s, "starting",
+                                                 "startup_timeout_s")
             self.link = KVLink(SEND_RANK, store, self.prefill.runner.device, config.transfer_timeout_s)
-            self.link.warm_up(self.prefill.runner.kv_cache.k_caches, self.prefill.runner.kv_cache.v_caches)
+            kv = self.prefill.runner.kv_cache
+            self.link_warm = warm_link_from_front(self.link, self._decode, kv.k_caches, kv.v_caches)
         except BaseException:
             self.close()
             raise
         runner = self.prefill.runner
         block_bytes = kv_block_bytes(self.prefill.model_config, runner.block_size, 1, runner.dtype.itemsize)
         self.side = PrefillSide(self.prefill.scheduler, block_bytes, replica=PREFILL_REPLICA)
-        self.decode_pid, self.decode_num_gpu_blocks = ready.pid, ready.num_gpu_blocks
+        self.decode_pid, self.decode_num_gpu_blocks = started.pid, started.num_gpu_blocks
         self.decode_device = decode_args.device
         self.tokenizer, self.model_config = self.prefill.tokenizer, self.prefill.model_config
         self.max_model_len, self.vocab_size = self.prefill.max_model_len, self.prefill.vocab_size
@@ -115,7 +125,9 @@ class DisaggregatedEngine(FrontFaults):
         self._silence_s = config.transfer_timeout_s  # silent this long with requests decoding: hung
         self._done_early: list[RequestOutput] = []  # final outputs made here, returned by the next step
         self.decode_rows: list[dict] = []  # the decode engine's trace rows (requests that ended there)
+        self.decode_steps: list[dict] = []  # and its step rows (policies/trace.py STEP_COLUMNS)
         self._keep_trace = keep_trace
+        self.reset_clock()  # t=0: the pair is ready (both engines built, the link warm)
 
     # ---- LLMEngine's interface ----------------------------------------------------------------
     @property
@@ -134,6 +146,16 @@ class DisaggregatedEngine(FrontFaults):
 
     def now(self) -> float:
         return self.prefill.now()
+
+    def reset_clock(self, origin: float | None = None) -> None:
+        """Both engines' clocks count from `origin` (a `time.perf_counter()` value; default now), as
+        `LLMEngine.reset(start=...)`: a run's t=0 once the pair takes requests. Only with no request
+        in flight."""
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"reset_clock() with {len(self._params)} requests in flight: finish or abort them first")
+        origin = time.perf_counter() if origin is None else origin
+        self.prefill.align_clock(origin)
+        self._send(ClockOrigin(origin))
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, output_len: int | None = None,
@@ -253,6 +275,7 @@ class DisaggregatedEngine(FrontFaults):
                 elif isinstance(message, DecodeStep):
                     if self._keep_trace:
                         self.decode_rows.extend(message.rows)
+                        self.decode_steps.extend(message.steps)
                     outputs += self._decode_outputs(message.outputs)
                 elif isinstance(message, DecodeFailed):
                     self._fail(f"the decode engine failed: {message.error.splitlines()[0]}")

@@ -8,8 +8,10 @@ and `summary.json`'s `disaggregation` section, so one notebook compares the two.
 The prefill engine's scheduler is the run's (`factory.build_scheduler`, scheduling synchronously:
 a hand-off needs its first token); the decode engine's is built from the same engine arguments
 (policy, block manager, limits), with `cluster.handoff_queue` and `cluster.handoff_timeout_s`
-bounding its hand-off queue as in the simulator. Steps and events are the prefill engine's (the
-decode engine's stay in its process); request rows come from both.
+bounding its hand-off queue as in the simulator. Request and step rows come from both engines
+(`steps.parquet`'s replica 1: the decode engine's steps, on the same clock); events are the
+prefill engine's (the decode engine records none). The run's t=0 is when the pair is ready: both
+engines built and the KV link warm (`DisaggregatedEngine.reset_clock`).
 """
 from __future__ import annotations
 
@@ -55,12 +57,14 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
                                   max_blocks_per_transfer=cluster.handoff_batch_blocks)
     pair = DisaggregatedEngine(engine_args(cfg), config, build)
     try:
+        pair.reset_clock()  # the run's t=0: the pair is ready (engines built, the KV link warm)
         num_steps = feed_workload(pair, workload, on_done)
         decode = TraceRecorder()
         decode.requests.extend(pair.decode_rows)
+        decode.steps.extend(pair.decode_steps)
         runner = pair.prefill.runner
         info = {**engine_info(runner), "replicas": 2, "roles": ["prefill", "decode"],
-                "decode_device": pair.decode_device,
+                "decode_device": pair.decode_device, "link_warm_s": pair.link_warm.seconds,
                 "replica_info": [{"replica": 0, "role": "prefill", "num_gpu_blocks": runner.num_gpu_blocks},
                                  {"replica": 1, "role": "decode", "num_gpu_blocks": pair.decode_num_gpu_blocks}]}
         elapsed = pair.now()

@@ -3,10 +3,13 @@ process, KV blocks moved on the link. Greedy tokens equal the co-located engine'
 (chunked prefill, async scheduling on the decode side, n = 2, preemption by swap and by recompute on
 the decode side, one transfer in flight at a time), requests that end at their first token end on the prefill side, an abort holds
 its meaning before, during and after the hand-off, and a decode process killed mid-transfer ends
-every request past its prefill with an error within the bound."""
+every request past its prefill with an error within the bound. Start-up: the link moves one block
+before the pair takes requests, the pair's clock starts once it is ready (on both engines), and a
+decode process that dies or hangs in that transfer fails the start-up within its bound."""
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import signal
 import time
@@ -15,12 +18,14 @@ import pytest
 from disagg_helpers import SignalAtFirstHandOff
 from engine_helpers import ragged_prompts
 
+from engine.disagg import link_warmup
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.pd_engine import JOIN_TIMEOUT_S, DisaggregatedEngine
 from engine.engine_args import EngineArgs
 from engine.offline.llm import LLM
 from engine.offline.llm_engine import LLMEngine
 from policies.request import SamplingParams
+from policies.trace import STEP_COLUMNS
 
 ARGS = {"model": "tiny-llama", "num_gpu_blocks": 128, "swap_space": 0.01, "max_model_len": 96, "block_size": 4,
         "max_num_batched_tokens": 32}
@@ -239,3 +244,60 @@ def test_a_hand_off_left_waiting_for_blocks_ends_as_in_the_simulator(reference):
     assert {r["finish_reason"] for r in rows.values()} == {"abort:handoff_timeout"}
     for i in set(range(len(PROMPTS))) - set(timed_out):
         assert done[i] == reference["greedy"][i]
+
+
+def _slow_front_warm_up(monkeypatch, delay_s: float, signal_decode: int | None = None) -> None:
+    """The front's start-up transfer begins `delay_s` late (after sending `signal_decode` to the
+    decode process, if given)."""
+    real = link_warmup.warm_send
+
+    def warm_send(link, k_caches, v_caches):
+        if signal_decode is not None:
+            for child in multiprocessing.active_children():
+                if child.name == "servelab-decode":
+                    os.kill(child.pid, signal_decode)
+        time.sleep(delay_s)
+        return real(link, k_caches, v_caches)
+
+    monkeypatch.setattr(link_warmup, "warm_send", warm_send)
+
+
+def test_the_link_moves_a_block_and_the_clock_starts_once_the_pair_is_ready(monkeypatch, reference):
+    """The link's first message is the start-up transfer's, not a request's; t=0 is when the pair is
+    ready, on both engines: a start-up 1 s longer moves neither clock (a decode engine still
+    counting from its own start would stamp its rows 1 s late)."""
+    delay_s = 1.0
+    _slow_front_warm_up(monkeypatch, delay_s)
+    with DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S)) as engine:
+        assert engine.now() < delay_s
+        assert engine.link.num_posted == 1 and engine.link_warm.num_bytes > 0
+        assert _run(engine) == reference["greedy"]
+        assert engine.link.num_posted >= 2
+        rows, steps, end = engine.decode_rows, engine.decode_steps, engine.now()
+    assert len(rows) == len(PROMPTS)
+    for row in rows:
+        assert row["first_token_time"] <= row["finish_time"] < row["first_token_time"] + delay_s
+    _assert_decode_steps(steps, rows, end)
+
+
+def _assert_decode_steps(steps: list[dict], rows: list[dict], end: float) -> None:
+    """The decode engine's step rows: the prefill engine's columns, in step order on the pair's clock,
+    within the requests' decode span, every decoded token in one of them."""
+    assert steps and all(set(s) == set(STEP_COLUMNS) for s in steps)
+    assert [s["step"] for s in steps] == list(range(len(steps)))
+    times = [s["time"] for s in steps]
+    assert times == sorted(times) and all(s["duration"] >= 0 for s in steps)
+    assert min(r["first_token_time"] for r in rows) <= times[0] and times[-1] + steps[-1]["duration"] <= end
+    assert all(s["num_prefill_tokens"] == 0 and s["num_decode_seqs"] > 0 for s in steps)  # no preemption here
+    # Each request's decode steps compute the KV of its tokens but the last (the first came from prefill).
+    assert sum(s["num_batched_tokens"] for s in steps) == sum(r["output_len"] - 1 for r in rows)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_decode_process_that_dies_or_hangs_in_the_link_warm_up_fails_the_start_up(monkeypatch, sig):
+    _slow_front_warm_up(monkeypatch, 0.2, signal_decode=sig)
+    t0 = time.monotonic()
+    with pytest.raises((RuntimeError, TimeoutError), match="the KV link's start-up transfer"):
+        DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
+    assert time.monotonic() - t0 < TIMEOUT_S + JOIN_TIMEOUT_S + 5.0
+    assert not [c for c in multiprocessing.active_children() if c.name == "servelab-decode"]

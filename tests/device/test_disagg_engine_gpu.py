@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation on two GPUs (NCCL): the KV link moves blocks from cuda:0 to cuda:1
-exactly; a prefill engine on cuda:0 and a decode engine on cuda:1 give the single engine's greedy
+exactly, and its start-up transfer leaves both caches as they were; a prefill engine on cuda:0 and a decode engine on cuda:1 give the single engine's greedy
 tokens in bf16 (the agreement count printed with -s, as the tensor-parallel tests do), with CUDA
 graphs and async scheduling on the decode side, and preemption there; a decode process killed
 mid-transfer ends the handed-off requests with an error within the bound."""
@@ -15,6 +15,7 @@ from disagg_helpers import SignalAtFirstHandOff
 
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, open_store
+from engine.disagg.link_warmup import warm_recv, warm_send
 from engine.disagg.pd_engine import JOIN_TIMEOUT_S, DisaggregatedEngine
 from engine.engine_args import EngineArgs
 from engine.offline.llm_engine import LLMEngine
@@ -87,6 +88,39 @@ def test_link_moves_blocks_between_gpus():
         assert torch.equal(rv[[9, 2, 5]], v[layer][[0, 7, 3]].cpu())
 
 
+def _warm_receiver(port: int, result) -> None:
+    torch.cuda.set_device(1)
+    g = torch.Generator(device="cuda:1").manual_seed(1)
+    k = [torch.randn(16, 16, 8, 128, generator=g, device="cuda:1").bfloat16() for _ in range(4)]
+    v = [torch.randn(16, 16, 8, 128, generator=g, device="cuda:1").bfloat16() for _ in range(4)]
+    before = [x.cpu() for x in k + v]
+    link = KVLink(RECV_RANK, join_store(port, 30.0), "cuda:1", 30.0)
+    warm = warm_recv(link, k, v)
+    result.put((before, [x.cpu() for x in k + v], warm.num_bytes, link.num_posted))
+    link.close()
+
+
+def test_the_start_up_transfer_leaves_both_caches_as_they_were():
+    """One block through the serving path (gather, NCCL send/recv, scatter), the receiver's block
+    written back after: no KV block changes on either GPU."""
+    ctx = multiprocessing.get_context("spawn")
+    store, result = open_store(30.0), ctx.Queue()
+    proc = ctx.Process(target=_warm_receiver, args=(store.port, result), daemon=True)
+    proc.start()
+    g = torch.Generator(device="cuda:0").manual_seed(0)
+    k = [torch.randn(16, 16, 8, 128, generator=g, device="cuda:0").bfloat16() for _ in range(4)]
+    v = [torch.randn(16, 16, 8, 128, generator=g, device="cuda:0").bfloat16() for _ in range(4)]
+    sent_before = [x.clone() for x in k + v]
+    link = KVLink(SEND_RANK, store, "cuda:0", 30.0)
+    warm = warm_send(link, k, v)
+    before, after, peer_bytes, peer_posted = result.get(timeout=60)
+    proc.join(10)
+    link.close()
+    assert warm.num_bytes == peer_bytes == 8 * 16 * 8 * 128 * 2 and link.num_posted == peer_posted == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(sent_before, k + v))
+
+
 @pytest.fixture(scope="module")
 def reference():
     with LLMEngine(EngineArgs(**ARGS)) as engine:  # closed before the pair sizes its KV cache
@@ -95,14 +129,20 @@ def reference():
 
 def test_pair_bf16_greedy_agrees_with_one_engine(reference):
     with DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S)) as pair:
+        assert pair.link.num_posted == 1  # the start-up transfer: the requests' are not the link's first
+        print(f"\n[start-up] KV link warm-up {pair.link_warm.seconds * 1e3:.1f} ms, {pair.link_warm.num_bytes} bytes")
         got = _generate(pair)
-        rows = pair.decode_rows
+        rows, steps = pair.decode_rows, pair.decode_steps
     assert _agree(got, reference, "1P+1D vs one engine") >= 5 / 6
     for r in rows:
         print(f"[transfer] {r['request_id']}: prompt {r['prompt_len']} tokens, {r['transfer_bytes']} bytes, "
               f"link {r['link_time'] * 1e3:.2f} ms, transfer {r['transfer_time'] * 1e3:.2f} ms, "
               f"TTFT {r['ttft'] * 1e3:.1f} ms")
     assert all(r["transfer_bytes"] > 0 and r["link_time"] >= 0 for r in rows)
+    for s in steps[:5]:
+        print(f"[decode step] {s['step']}: t={s['time'] * 1e3:.1f} ms, {s['duration'] * 1e3:.2f} ms, "
+              f"{s['num_decode_seqs']} seqs")
+    assert steps and all(s["num_decode_seqs"] > 0 for s in steps)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

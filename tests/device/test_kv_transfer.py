@@ -1,8 +1,9 @@
 """The KV link between a prefill and a decode process on CPU (gloo): every layer's K and V of the
 sent blocks land in the receiver's blocks (other blocks untouched), several requests moved in one
 transfer land in their own blocks, several transfers in flight match in order, a send returns
-before its receive is even posted (a sender's loop is never held by a send in flight), and a peer
-that dies or never answers fails the transfers within the bound."""
+before its receive is even posted (a sender's loop is never held by a send in flight), a peer
+that dies or never answers fails the transfers within the bound, and the start-up transfer moves
+one block through that path leaving both ends' caches as they were."""
 from __future__ import annotations
 
 import multiprocessing
@@ -14,6 +15,7 @@ import torch
 
 from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, open_store
 from engine.disagg.kv_transfer_message import KVTransferError
+from engine.disagg.link_warmup import warm_recv, warm_send
 
 LAYERS, BLOCKS, SHAPE = 3, 10, (4, 2, 8)  # block_size 4, 2 KV heads, head_dim 8
 TIMEOUT_S = 3.0
@@ -46,11 +48,26 @@ def _receiver(port: int, plan: list[list[tuple[str, list[int]]]], result, mode: 
     link.close()
 
 
-def _start(plan, mode: str = "ok", go=None):
+def _warm_receiver(port: int, result) -> None:
+    """The decode side's start-up transfer, then one real transfer: its caches before and after the
+    start-up transfer, what it reported, and how many messages its end posted."""
+    link = KVLink(RECV_RANK, join_store(port, 10.0), "cpu", TIMEOUT_S)
+    k, v = _caches(7)
+    before = ([x.clone() for x in k], [x.clone() for x in v])
+    warm = warm_recv(link, k, v)
+    after = ([x.clone() for x in k], [x.clone() for x in v])
+    transfer = link.recv([("a", [3])], k)
+    assert link.wait_all(10.0) == [transfer] and transfer.error is None
+    result.put((before, after, warm, link.num_posted))
+    link.close()
+
+
+def _start(plan, mode: str = "ok", go=None, target=None):
     ctx = multiprocessing.get_context("spawn")
     store = open_store(10.0)
     result = ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(store.port, plan, result, mode, go), daemon=True)
+    args = (store.port, result) if target is not None else (store.port, plan, result, mode, go)
+    proc = ctx.Process(target=target or _receiver, args=args, daemon=True)
     proc.start()
     return store, proc, result
 
@@ -138,6 +155,26 @@ def test_a_dead_or_silent_peer_fails_the_transfer_within_the_bound(mode):
     link.close()
     proc.kill()
     proc.join(5)
+
+
+def test_the_start_up_transfer_moves_one_block_and_leaves_both_caches_as_they_were():
+    """Each end posts one message through the serving path before any request's (the link's first
+    use is not a request's), the receiver's block is written back, the sender's only read."""
+    store, proc, result = _start([], target=_warm_receiver)
+    link = KVLink(SEND_RANK, store, "cpu", TIMEOUT_S)
+    k, v = _caches(1)
+    before = ([x.clone() for x in k], [x.clone() for x in v])
+    warm = warm_send(link, k, v)
+    assert link.num_posted == 1 and warm.seconds > 0
+    assert warm.num_bytes == 2 * LAYERS * k[0][0].numel() * k[0].element_size()  # one block of each K and V
+    link.send([("a", [2])], k, v)
+    assert link.wait_all(10.0)[0].error is None and link.num_posted == 2
+    (rk0, rv0), (rk1, rv1), peer_warm, peer_posted = result.get(timeout=20)
+    proc.join(10)
+    link.close()
+    assert peer_warm.num_bytes == warm.num_bytes and peer_posted == 2
+    assert all(torch.equal(a, b) for a, b in zip(rk0 + rv0, rk1 + rv1))
+    assert all(torch.equal(a, b) for a, b in zip(before[0] + before[1], k + v))
 
 
 def test_bad_block_ids_and_wrong_side_are_refused():

@@ -63,7 +63,8 @@ def test_ab_on_the_engine_backend(tmp_path):
 
 def test_engine_pair_writes_the_disaggregated_fleet_traces(tmp_path):
     """cluster.roles=[prefill,decode] on backend=engine: a prefill and a decode engine; the traces
-    carry the replica and hand-off columns, with the workload's stop lengths kept across the hand-off."""
+    carry the replica and hand-off columns, with the workload's stop lengths kept across the hand-off,
+    and both engines' steps on the run's clock (replica 1: the decode engine's)."""
     cfg = compose_cfg([*ENGINE, *WORKLOAD, "cluster.replicas=2", "cluster.roles=[prefill,decode]"])
     workload = factory.workload(cfg)
     summary = run(cfg, tmp_path, "pair")
@@ -78,3 +79,11 @@ def test_engine_pair_writes_the_disaggregated_fleet_traces(tmp_path):
             assert row.transfer_bytes > 0 and row.link_time >= 0
         else:  # ended at its first token, on the prefill engine
             assert out_len == 1
+    steps = pd.read_parquet(tmp_path / "steps.parquet")
+    decode, prefill = steps[steps.replica == 1], steps[steps.replica == 0]
+    assert len(decode) and len(prefill) and (prefill.num_prefill_tokens > 0).all()
+    assert (decode.num_decode_seqs > 0).all() and (decode.duration >= 0).all()
+    handed = req[req.replica == 1]
+    assert decode.time.min() >= handed.first_token_time.min() - 1e-9
+    assert decode.time.max() <= handed.finish_time.max() + 1e-9
+    assert decode.num_batched_tokens.sum() == (handed.output_len - 1).sum()
