@@ -28,7 +28,10 @@ def _consider(row_ptr, cols, vocab, u, inv_t, noisy, best_val, best_idx):
     return tl.where(better, x, best_val), tl.where(better, cols, best_idx)
 
 
-@triton.jit
+# A fresh seed every step, and temperatures in a step-input buffer whose offset is 8-byte aligned
+# only (engine/device/batch_layout.py): neither is specialized on, so one compiled kernel serves
+# every step, the one the runner compiles at start-up.
+@triton.jit(do_not_specialize=["seed", "temps_ptr"])
 def _chunk_best_kernel(
     logits_ptr,
     stride_r,

@@ -112,6 +112,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = StepGraphs(self.model, self.batch, max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens, width=width)
+        if self.device.type == "cuda":
+            self._warm_sampler()
 
     @property
     def vocab_size(self) -> int:
@@ -197,6 +199,14 @@ class ModelRunner:
         if not sampled:
             return None
         return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def _warm_sampler(self) -> None:
+        """One tempered draw now, so the fast sampling path's Triton kernels are compiled (or loaded
+        from Triton's cache) at start-up, as vLLM's dummy sampler run does, not in the first step
+        that samples with a temperature (~1 s on a machine with an empty cache)."""
+        logits = torch.zeros(1, self.model_config.vocab_size, dtype=self.dtype, device=self.device)
+        sample_with_temperatures(logits, torch.ones(1, dtype=torch.float32, device=self.device), [1.0])
+        torch.cuda.synchronize(self.device)
 
     def _default_cpu_blocks(self) -> int:
         per_block = block_bytes(self.local_config, self.block_size, self.dtype)

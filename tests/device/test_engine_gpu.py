@@ -156,3 +156,19 @@ def test_swap_roundtrip_through_pinned_pool_on_side_stream():
     for b, c in zip(before, kv.k_caches + kv.v_caches):
         assert torch.equal(c[dst], b)
         assert torch.equal(c[200], b[0])
+
+
+def _compiled_sampling_kernels() -> int:
+    from kernels.sample import _chunk_best_kernel
+    return len(_chunk_best_kernel.device_caches[torch.cuda.current_device()][0])
+
+
+def test_the_fast_sampling_path_is_compiled_at_start_up():
+    """The runner's start-up draws once with a temperature: the first tempered step compiles nothing."""
+    runner = qwen3_runner(enforce_eager=True)
+    compiled = _compiled_sampling_kernels()
+    assert compiled >= 1
+    prompts = random_prompts([37, 5], runner.vocab_size)
+    seqs = make_seqs(prompts, SamplingParams(temperature=1.0, max_tokens=4))
+    step(runner, BlockAllocator(16, 2048), seqs, chunk=10_000)
+    assert _compiled_sampling_kernels() == compiled

@@ -264,3 +264,19 @@ def test_gather_scatter_blocks_bf16_at_a_models_shape():
     scatter_blocks(staging, dst, dst_ids.cuda())
     for j in (0, 27, 55):
         assert torch.equal(dst[j][dst_ids.cuda()], src[j][ids.cuda()])
+
+
+def test_sample_gumbel_compiles_one_kernel_for_every_seed_and_temperature_buffer():
+    """A step draws with a fresh seed, its temperatures a view at an 8-byte-aligned offset of the
+    step's input buffer: neither a seed divisible by 16 (or equal to 1) nor a temperature view
+    off a 16-byte boundary compiles a kernel of its own in the middle of serving."""
+    from kernels.sample import _chunk_best_kernel, sample_gumbel
+    logits, temps = torch.randn(3, 1000, device="cuda"), torch.ones(3, device="cuda")
+    sample_gumbel(logits, temps, 17)
+    cache = _chunk_best_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(cache)
+    for seed in (16, 32, 1, 2**20):
+        sample_gumbel(logits, temps, seed)
+    sample_gumbel(logits, torch.ones(5, device="cuda")[2:], 17)  # 8 bytes past an aligned base
+    assert len(cache) == compiled
+
