@@ -6,10 +6,8 @@ drive it as they drive one engine.
     engine = DisaggregatedEngine(EngineArgs(model="qwen3-0.6b"), DisaggregationConfig())
     # prefill on the engine's device (cuda:0) in this process, decode on cuda:1 in a child process
 
-Start-up: the decode process builds its engine while this one builds the prefill engine; then the
-link opens and moves one block through the serving path (engine/disagg/link_warmup.py), and both
-engines' clocks start at 0 (`reset_clock`): the pair takes requests only once nothing on their path
-is set up on first use. Every wait of it is bounded (`startup_timeout_s`, `transfer_timeout_s`).
+Start-up (bounded): both engines build at once, the link opens and moves one block through the
+serving path (engine/disagg/link_warmup.py), then both clocks start at 0 (`reset_clock`).
 
 This process (the front) runs the prefill engine; `step()`:
 1. takes the decode process's messages: `Reserved` -> the blocks of the requests it names are
