@@ -72,14 +72,14 @@ def warm_link_from_front(link: KVLink, decode: DecodeClient, k_caches: Sequence[
     """The front's part of the pair's start-up: its send (`warm_send`), then the decode process's
     `DecodeReady` (its receive, scatter and restore done), each within the link's `timeout_s`. A
     decode process that dies or hangs meanwhile raises a RuntimeError (or TimeoutError) saying so."""
-    doing = "the KV link's start-up transfer"
+    what = "the KV link's start-up transfer"
     try:
         warm = warm_send(link, k_caches, v_caches)
     except KVTransferError as e:
         if not decode.alive:
-            raise RuntimeError(f"{decode.gone} during {doing}") from e
-        raise RuntimeError(f"the decode engine did not complete {doing}: {e}") from e
-    decode.await_message(DecodeReady, link.timeout_s, doing, "transfer_timeout_s")
+            raise RuntimeError(f"{decode.gone} during {what}") from e
+        raise RuntimeError(f"the decode engine did not complete {what}: {e}") from e
+    decode.await_message(DecodeReady, link.timeout_s, f"running {what}", "transfer_timeout_s")
     return warm
 
 
