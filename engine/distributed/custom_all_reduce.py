@@ -91,19 +91,28 @@ def symmetric_memory() -> ModuleType | None:
     return symm_mem
 
 
-def unavailable_reason(parallel: ParallelConfig, device: torch.device, rank: int, world_size: int) -> str | None:
-    """Why this rank cannot take the symmetric-memory paths, or None if it can. Ranks sit on GPUs
-    `device.index - rank` .. `+ world_size - 1` (the engine's layout)."""
+def settings_reason(parallel: ParallelConfig, world_size: int) -> str | None:
+    """Why the settings and the world size alone keep every all-reduce off the symmetric-memory
+    paths, or None (the simulator's operator model asks this of a run it prices)."""
     if parallel.disable_custom_all_reduce:
         return "disable_custom_all_reduce is set"
     if world_size == 1:
         return "one rank: nothing to reduce"
-    if device.type != "cuda":
-        return f"device {device} is not a GPU (gloo carries the all-reduces)"
     if world_size not in SYMMETRIC_WORLD_SIZES:
         return f"world size {world_size}: torch's kernels take {SYMMETRIC_WORLD_SIZES}"
     if parallel.custom_all_reduce_max_bytes == 0:
         return "custom_all_reduce_max_bytes=0"
+    return None
+
+
+def unavailable_reason(parallel: ParallelConfig, device: torch.device, rank: int, world_size: int) -> str | None:
+    """Why this rank cannot take the symmetric-memory paths, or None if it can. Ranks sit on GPUs
+    `device.index - rank` .. `+ world_size - 1` (the engine's layout)."""
+    reason = settings_reason(parallel, world_size)
+    if reason is not None:
+        return reason
+    if device.type != "cuda":
+        return f"device {device} is not a GPU (gloo carries the all-reduces)"
     if symmetric_memory() is None:
         return (f"torch {torch.__version__} has no torch.distributed._symmetric_memory with the ops "
                 f"{', '.join(REQUIRED_OPS)}")

@@ -65,10 +65,6 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
     else:
         swap_gib = float(blocks.get("swap_space_gib", 4))
     policy = factory.section(cfg, "policy")
-    parallel = factory.section(cfg, "parallel") if cfg.get("parallel") is not None else {}
-    all_reduce = {k: parallel[k] for k in ("disable_custom_all_reduce", "custom_all_reduce_one_shot_max_bytes",
-                                           "custom_all_reduce_max_bytes")
-                  if parallel.get(k) is not None}  # null: the engine's default
     return EngineArgs(
         model=model, dtype=dtype, device=device, detokenize=False,
         block_manager=str(blocks.get("kind", "paged")), policy=str(policy["name"]),
@@ -83,7 +79,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
         enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed),
         decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)), tensor_parallel_size=tp,
-        **all_reduce)
+        **factory.all_reduce_settings(cfg))
 
 
 # EngineArgs fields that only shape the scheduler, which `LLMEngine.reset` rebuilds: runs that differ

@@ -24,6 +24,7 @@ from sim.latency import (
     ModelShape,
     build_latency_model,
 )
+from sim.latency.build import EngineAllReduce
 from sim.latency.tensor_parallel import shard_shape
 
 
@@ -47,6 +48,37 @@ def tensor_parallel_size(cfg: DictConfig) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"parallel.tensor_parallel_size={size!r} is invalid: must be an integer >= 1")
     return size
+
+
+ALL_REDUCE_SETTINGS = ("disable_custom_all_reduce", "custom_all_reduce_one_shot_max_bytes", "custom_all_reduce_max_bytes")
+
+
+def all_reduce_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The `parallel` block's all-reduce settings that are set (null: the engine's default), as
+    `EngineArgs` / `ParallelConfig` keyword arguments."""
+    parallel = section(cfg, "parallel") if cfg.get("parallel") is not None else {}
+    return {k: parallel[k] for k in ALL_REDUCE_SETTINGS if parallel.get(k) is not None}
+
+
+def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
+    """The all-reduce path the engine takes for each message at this config's tensor-parallel size,
+    model dtype and `parallel` settings: the engine's own rule (`choose_path`, `settings_reason`)."""
+    from engine.config import DTYPES, ParallelConfig
+    from engine.distributed.custom_all_reduce import NCCL, SYMMETRIC_DTYPES, choose_path, settings_reason
+
+    tp, dtype_name = tensor_parallel_size(cfg), str(section(cfg, "model").get("dtype"))
+    try:
+        parallel = ParallelConfig(tp, **all_reduce_settings(cfg))
+    except ValueError as e:
+        raise ValueError(f"parallel.{e}") from None
+    dtype = DTYPES.get(dtype_name)
+    one_shot, two_shot = parallel.one_shot_max_bytes(tp), parallel.custom_all_reduce_max_bytes
+    reason = settings_reason(parallel, tp)
+    if reason is None and dtype not in SYMMETRIC_DTYPES:
+        reason = f"model.dtype={dtype_name}: the kernels take {[str(d).removeprefix('torch.') for d in SYMMETRIC_DTYPES]}"
+    if reason is not None:
+        return EngineAllReduce(lambda nbytes: NCCL, one_shot, two_shot, reason)
+    return EngineAllReduce(lambda nbytes: choose_path(nbytes, dtype, True, one_shot, two_shot), one_shot, two_shot)
 
 
 def gpu_model_shape(cfg: DictConfig) -> ModelShape:
@@ -174,7 +206,7 @@ def latency_setup(cfg: DictConfig) -> LatencySetup:
 
     return LatencySetup(model_shape(cfg), hardware(cfg), block_size(cfg), tensor_parallel_size(cfg),
                         bool(sched.get("async_scheduling", False)), graph_sizes, decode_splits,
-                        sched.get("max_model_len"))
+                        sched.get("max_model_len"), lambda: engine_all_reduce(cfg))
 
 
 def build_latency(cfg: DictConfig) -> LatencyModel:

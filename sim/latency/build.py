@@ -34,6 +34,17 @@ class LatencyConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class EngineAllReduce:
+    """The all-reduce the engine runs at the run's tensor-parallel size, dtype and `parallel`
+    settings (engine/distributed/custom_all_reduce.py), given by the caller."""
+
+    path: Callable[[int], str]  # a message's path by its bytes: "one-shot", "two-shot" or "nccl"
+    one_shot_max_bytes: int
+    two_shot_max_bytes: int
+    off_reason: str | None = None  # why every message takes NCCL; None: the symmetric-memory paths are on
+
+
+@dataclass(slots=True, frozen=True)
 class LatencySetup:
     """What a latency model prices steps for, besides its own config: the whole model (each
     GPU's share follows from `tensor_parallel_size`), the hardware and the run's scheduling."""
@@ -50,6 +61,9 @@ class LatencySetup:
     # block-table tokens) (kernels/decode_splits.py), imported on demand by the caller; None: not known.
     decode_splits: Callable[[int, int, int], int] | None = None
     max_model_len: int | None = None  # the engine's block tables hold this many tokens (rounded up to blocks)
+    # The engine's all-reduce for the run's settings, built on demand by the caller; None: not
+    # known (every all-reduce priced as NCCL's, and the model says so).
+    all_reduce: Callable[[], EngineAllReduce] | None = None
 
 
 def build_latency_model(config: LatencyConfig, setup: LatencySetup, where: str = "latency"):

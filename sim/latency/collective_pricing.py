@@ -22,6 +22,14 @@
 
 Every priced world size says where its times came from (`PricedCollectives.source`), which runs
 and searches report.
+
+The all-reduce is then priced as the engine runs it (`price_engine_all_reduce`): each message by the path
+the engine's own rule picks for its bytes at the run's `parallel` settings (`EngineAllReduce.path`:
+one-shot and two-shot over symmetric memory up to their bounds, NCCL above), from the profile's
+`all_reduce_one_shot` / `all_reduce_two_shot` rows at N. Where the engine takes NCCL for every
+message (`parallel.disable_custom_all_reduce=true`, a world size its kernels do not take), or the
+profile has no symmetric-memory rows at N, or N is priced by the ring model, every message is
+priced as NCCL's, and the one line saying so tells which.
 """
 from __future__ import annotations
 
@@ -30,8 +38,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sim.latency.build import EngineAllReduce
 from sim.latency.op_grid import OpGrid
-from sim.latency.operator_profile import COLLECTIVES, OperatorProfile
+from sim.latency.operator_profile import (
+    ALL_REDUCE_PATH_OPS,
+    COLLECTIVES,
+    SYMMETRIC_ALL_REDUCES,
+    OperatorProfile,
+)
 from sim.latency.shapes import Hardware
 from sim.latency.tensor_parallel import RingLink
 
@@ -97,6 +111,40 @@ def price_collectives(profile: OperatorProfile, size: int, mode: str = "measured
     return PricedCollectives(all_reduce, all_gather, RING_CALIBRATED,
                              f"ring model at N={size} x measured/model at N={base} per message size "
                              f"({', '.join(_files(profile, base))}; {figures})")
+
+
+def price_engine_all_reduce(profile: OperatorProfile, size: int, priced: PricedCollectives,
+                      engine: EngineAllReduce | None) -> tuple[Callable[[float], float], str]:
+    """Seconds of the all-reduce the engine runs at `size` GPUs, per message of `bytes`, and one
+    line saying what they rest on (`engine`: the run's paths; None: not known, priced as NCCL)."""
+    nccl = "NCCL rows" if priced.kind == MEASURED else "the ring model"
+    if engine is None:
+        return priced.all_reduce, f"all-reduce: {nccl} (the engine's all-reduce paths were not given)"
+    if engine.off_reason is not None:
+        return priced.all_reduce, f"all-reduce: {nccl}, as the engine runs it (symmetric memory off: {engine.off_reason})"
+    bounds = f"one-shot up to {engine.one_shot_max_bytes} bytes, two-shot up to {engine.two_shot_max_bytes}"
+    if priced.kind != MEASURED or not all(profile.has(op, size) for op in SYMMETRIC_ALL_REDUCES):
+        where = (f"no symmetric-memory rows in this profile at N={size}" if priced.kind == MEASURED
+                 else f"no symmetric-memory pricing at an unmeasured N={size}")
+        return priced.all_reduce, (f"all-reduce: {nccl} ({where}; the default engine's small messages are "
+                                   f"faster: {bounds} over symmetric memory)")
+    grids = {path: priced.all_reduce if op == "all_reduce" else profile.grid(op, size)
+             for path, op in ALL_REDUCE_PATH_OPS.items()}
+    files = list(dict.fromkeys(f for op in SYMMETRIC_ALL_REDUCES for f in profile.files(op, size)))
+    return _by_path(engine.path, grids), (f"all-reduce: the engine's paths, {bounds} (symmetric-memory rows, "
+                                          f"{', '.join(files)}), NCCL rows above")
+
+
+def _by_path(path: Callable[[int], str], grids: dict[str, Callable[[float], float]]) -> Callable[[float], float]:
+    """A message's time on the path `path` picks for its bytes (memoized: steps repeat sizes)."""
+    seen: dict[float, float] = {}
+
+    def seconds(nbytes: float) -> float:
+        t = seen.get(nbytes)
+        if t is None:
+            t = seen[nbytes] = grids[path(int(nbytes))](nbytes)
+        return t
+    return seconds
 
 
 def _files(profile: OperatorProfile, size: int) -> list[str]:

@@ -24,7 +24,9 @@ Rows, by `op` (its axes in brackets; unused columns empty; sizes are integers >=
 - `copy_blocks`, `swap_out`, `swap_in` [bytes]: KV blocks copied on the GPU / to / from pinned
   host memory, `bytes` moved one way.
 - `graph_launch` [m]: wall time of launching a CUDA graph of m kernels and waiting for it.
-- `all_reduce`, `all_gather` [bytes] per `world_size` (>= 2): `bytes` of the result on each rank.
+- `all_reduce`, `all_gather` [bytes] per `world_size` (>= 2): `bytes` of the result on each rank
+  (NCCL; gloo on the CPU). `all_reduce_one_shot`, `all_reduce_two_shot` [bytes] per `world_size`:
+  the engine's symmetric-memory all-reduce paths, where the GPUs had them (`ALL_REDUCE_PATH_OPS`).
 
 Each operator's rows must cover every combination of its axes' distinct values (repeats: the
 median), except `gemm`, whose unmeasured cells (the grid skips the largest products) are filled
@@ -64,8 +66,15 @@ OP_AXES: dict[str, tuple[str, ...]] = {
     "graph_launch": ("m",),
     "all_reduce": ("bytes",),
     "all_gather": ("bytes",),
+    "all_reduce_one_shot": ("bytes",),
+    "all_reduce_two_shot": ("bytes",),
 }
-COLLECTIVES = ("all_reduce", "all_gather")
+COLLECTIVES = ("all_reduce", "all_gather")  # NCCL's: every collectives file has them
+SYMMETRIC_ALL_REDUCES = ("all_reduce_one_shot", "all_reduce_two_shot")  # where symmetric memory was available
+PER_WORLD_SIZE = COLLECTIVES + SYMMETRIC_ALL_REDUCES  # ops timed per world size
+# The engine's all-reduce paths (engine/distributed/custom_all_reduce.py: ONE_SHOT, TWO_SHOT, NCCL)
+# and the op whose rows time each.
+ALL_REDUCE_PATH_OPS = {"one-shot": "all_reduce_one_shot", "two-shot": "all_reduce_two_shot", "nccl": "all_reduce"}
 REQUIRED_META = ("format", "gpu", "device", "dtype", "kernels", "versions", "date", "time_unit", "grid")
 ZERO_ALLOWED = ("context",)  # axes whose size may be 0
 # Operators interpolated in log space (sizes and times: a power law between points), the others
@@ -89,7 +98,7 @@ def _parse_row(path: Path, line: int, raw: Mapping[str, str]) -> dict[str, float
         raise ValueError(f"{path}:{line}: op={op!r} is invalid: one of {sorted(OP_AXES)}")
     needed = {"group": ("num_heads", "num_kv_heads")}
     columns = [c for a in OP_AXES[op] for c in needed.get(a, (a,))]
-    if op in COLLECTIVES:
+    if op in PER_WORLD_SIZE:
         columns.append("world_size")
     row: dict[str, float] = {"world_size": 1}
     for col in [*columns, "time_s"]:
@@ -105,7 +114,7 @@ def _parse_row(path: Path, line: int, raw: Mapping[str, str]) -> dict[str, float
             low = 0 if col in ZERO_ALLOWED else 1
             raise ValueError(f"{path}:{line}: {col}={text} is invalid for op={op}: an integer >= {low}")
         row[col] = value
-    if op in COLLECTIVES and row["world_size"] < 2:
+    if op in PER_WORLD_SIZE and row["world_size"] < 2:
         raise ValueError(f"{path}:{line}: world_size={row['world_size']:.0f} is invalid for op={op}: must be >= 2")
     if "num_heads" in row and row["num_heads"] % row["num_kv_heads"]:
         raise ValueError(f"{path}:{line}: num_heads={row['num_heads']:.0f} is invalid: must be a multiple of "
@@ -223,7 +232,7 @@ class OperatorProfile:
         for combo in product(*values):
             if combo not in pts:
                 shown = ", ".join(f"{a}={v:g}" for a, v in zip(axes, combo, strict=True))
-                where = f" world_size={world_size}" if op in COLLECTIVES else ""
+                where = f" world_size={world_size}" if op in PER_WORLD_SIZE else ""
                 raise ValueError(f"operator profile {[str(p) for p in self.paths]}: op={op}{where} lacks the grid "
                                  f"point {shown}: its rows must cover every combination of {list(axes)}")
 

@@ -12,7 +12,8 @@ a step of T tokens (prefill + decodes), R sampled rows, B decodes reading C KV e
             + 2 add_rms_norm(T, h) + qk_rope_write(T) + silu_and_mul(T, I)
             + decode_attention(B, C / B) + sum over prefill chunks of prefill_attention(q, c) ]
     + gemm(G, h, V) + sampler(R, V_full)    the LM head on the graph's sample rows, then sampling
-    + (2 L + 1) all_reduce(T h b) + all_gather(G V_full b)   at N > 1 GPUs
+    + (2 L + 1) all_reduce(T h b) + all_gather(G V_full b)   at N > 1 GPUs (the all-reduce on
+                                            the engine's path for T h b bytes: collective_pricing.py)
     + copy_blocks(copies x block bytes) + host_step_s
     + sync_host_s + sync_host_per_seq_s x sequences   (a step not scheduled ahead)
 
@@ -52,8 +53,8 @@ import numpy as np
 
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
-from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
-from sim.latency.collective_pricing import check_mode, price_collectives
+from sim.latency.build import LATENCY_MODELS, EngineAllReduce, LatencyConfig, LatencySetup
+from sim.latency.collective_pricing import check_mode, price_collectives, price_engine_all_reduce
 from sim.latency.op_grid import Axis, OpGrid
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
 from sim.latency.shapes import Hardware, ModelShape
@@ -100,13 +101,15 @@ class OperatorModel(LatencyModel):
         files = find_operator_files(Path(str(config.dir)), str(config.gpu), str(config.dtype), str(config.kernels))
         batch_sizes, token_sizes = (setup.graph_sizes() if config.cuda_graphs and setup.graph_sizes is not None
                                     else (None, None))
+        engine_paths = (setup.all_reduce() if setup.all_reduce is not None and setup.tensor_parallel_size > 1
+                        else None)
         return cls(OperatorProfile.load(files), setup.model, setup.block_size, setup.tensor_parallel_size,
                    host_step_s=config.host_step_s, admission_s=config.admission_s, batch_sizes=batch_sizes,
                    token_sizes=token_sizes, sync_host_s=config.sync_host_s,
                    sync_host_per_seq_s=config.sync_host_per_seq_s, async_scheduling=setup.async_scheduling,
                    decode_wave_programs=config.decode_wave_programs, decode_splits=setup.decode_splits,
                    max_model_len=setup.max_model_len, kv_reread_cost=setup.hardware.kv_reread_cost,
-                   collectives=config.collectives, hardware=setup.hardware)
+                   collectives=config.collectives, hardware=setup.hardware, engine_all_reduce=engine_paths)
 
     def __init__(self, profile: OperatorProfile, model: ModelShape, block_size: int,
                  tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0,
@@ -114,11 +117,12 @@ class OperatorModel(LatencyModel):
                  sync_host_s: float = 0.0, sync_host_per_seq_s: float = 0.0, async_scheduling: bool = True,
                  decode_wave_programs: int = 0, decode_splits: Callable[[int, int, int], int] | None = None,
                  max_model_len: int | None = None, kv_reread_cost: float = 1.0, collectives: str = "measured",
-                 hardware: Hardware | None = None) -> None:
+                 hardware: Hardware | None = None, engine_all_reduce: EngineAllReduce | None = None) -> None:
         """`kv_reread_cost` (`Hardware.kv_reread_cost`): decode attention is profiled on distinct KV,
         so a batch's shared KV entries count as that fraction of a distinct one's (`decode_context`).
         `collectives` (COLLECTIVE_MODES) and the run's `hardware`: how collectives at a world size
-        the profile did not measure are priced (sim/latency/collective_pricing.py)."""
+        the profile did not measure are priced (sim/latency/collective_pricing.py);
+        `engine_all_reduce`: the paths the engine takes for each all-reduce (None: priced as NCCL's)."""
         missing = [op for op in REQUIRED if not profile.has(op)]
         if missing:
             raise ValueError(f"operator profile {[str(p) for p in profile.paths]} lacks op {missing}: take the "
@@ -176,11 +180,12 @@ class OperatorModel(LatencyModel):
         self.prefill = profile.grid("prefill_attention").fixed(**width)
         self.prefill_floor = self.prefill.min_time
         self.launch_s = profile.grid("graph_launch")(1)
-        self.all_reduce = comm.all_reduce if comm is not None else None
-        self.all_gather = comm.all_gather if comm is not None else None
+        self.all_reduce = self.all_gather = None
         self.sources = {"compute": f"measured ({', '.join(profile.files('gemm'))})"}
         if comm is not None:
-            self.sources["collectives"] = comm.source
+            self.all_reduce, all_reduce_source = price_engine_all_reduce(profile, tp, comm, engine_all_reduce)
+            self.all_gather = comm.all_gather
+            self.sources["collectives"] = f"{comm.source}; {all_reduce_source}"
         self.token_bytes, self.logit_bytes = h * b, vocab_full * b
         self.block_bytes = m.kv_bytes_per_token * block_size
         self.copy = profile.grid("copy_blocks") if profile.has("copy_blocks") else None

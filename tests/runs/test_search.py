@@ -89,7 +89,10 @@ def test_collectives_priced_from_the_interconnect_are_labelled_in_the_table(tmp_
                       "model=tiny-qwen3", "search.rate.max_iterations=1"], tmp_path)
     table = run_search(cfg, tmp_path / "out", progress=False).table.set_index("tensor_parallel_size")
     assert (table["status"] == "simulated").all()
-    assert table.loc[2, "latency_data"].endswith("collectives: measured at N=2 (cpu-float32-collectives-n2.csv)")
+    assert table.loc[2, "latency_data"].endswith("collectives: measured at N=2 (cpu-float32-collectives-n2.csv); "
+                                                 "all-reduce: NCCL rows (no symmetric-memory rows in this profile at "
+                                                 "N=2; the default engine's small messages are faster: one-shot up to "
+                                                 "1048576 bytes, two-shot up to 8388608 over symmetric memory)")
     assert "collectives: ring model at N=4 x measured/model at N=2" in table.loc[4, "latency_data"]
 
 

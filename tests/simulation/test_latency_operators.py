@@ -163,7 +163,8 @@ def operator_model(files: list[Path], hardware: str, tp: int, collectives: str =
 def test_measured_else_ring_takes_measured_rows_where_they_exist_and_the_ring_model_elsewhere():
     measured = operator_model(H200_FILES, "h200", 2)
     fallback = operator_model(H200_FILES, "h200", 2, "measured_else_ring")
-    assert fallback.data_sources()["collectives"] == "measured at N=2 (h200-bfloat16-collectives-n2.csv)"
+    assert fallback.data_sources()["collectives"] == ("measured at N=2 (h200-bfloat16-collectives-n2.csv); all-reduce: "
+                                                      "NCCL rows (the engine's all-reduce paths were not given)")
     for nbytes in (1024, 3 << 20, 1 << 28):
         assert fallback.all_reduce(nbytes) == measured.all_reduce(nbytes)
         assert fallback.all_gather(nbytes) == measured.all_gather(nbytes)

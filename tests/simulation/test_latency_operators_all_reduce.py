@@ -1,0 +1,143 @@
+"""The operator model prices the all-reduce the engine runs (sim/latency/collective_pricing.py
+`price_engine_all_reduce`): each message on the path the engine's rule picks at the run's
+`parallel` settings, from the profile's symmetric-memory rows where it has them, NCCL's rows
+otherwise, with `run.latency_data` saying which; and the schema of the symmetric-memory ops."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from experiments.lib import factory
+from sim.latency.base import BatchShape
+from sim.latency.operator_profile import (
+    ALL_REDUCE_PATH_OPS,
+    OperatorProfile,
+    read_operator_file,
+    write_operator_file,
+)
+from sim.latency.tensor_parallel import RingLink
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATORS = ROOT / "experiments" / "profiles" / "operators"
+H200_NCCL = OPERATORS / "h200-bfloat16-collectives-n2.csv"
+ONE_SHOT_S, TWO_SHOT_S = 3e-6, 5e-6  # the stand-in rows: flat, below every NCCL row (>= 9 us)
+KiB, MiB = 2**10, 2**20
+
+
+def config(*overrides: str):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run(directory: Path, *overrides: str):
+    return factory.build_latency(config("latency=operators", f"latency.dir={directory}", "hardware=h200",
+                                        "model=qwen3-8b", "parallel.tensor_parallel_size=2", *overrides))
+
+
+@pytest.fixture(scope="module")
+def symmetric(tmp_path_factory) -> Path:
+    """The committed H200 files, the collectives file with one-shot and two-shot rows added at its
+    sizes (as a profile taken where symmetric memory is available holds them)."""
+    out = tmp_path_factory.mktemp("symm")
+    for path in OPERATORS.glob("h200-bfloat16-*.csv"):
+        shutil.copy(path, out)
+    meta, rows = read_operator_file(H200_NCCL)
+    sizes = sorted({row["bytes"] for op, row in rows if op == "all_reduce"})
+    extra = [{"op": ALL_REDUCE_PATH_OPS[path], "bytes": n, "world_size": 2, "time_s": t}
+             for path, t in (("one-shot", ONE_SHOT_S), ("two-shot", TWO_SHOT_S)) for n in sizes]
+    write_operator_file(out / H200_NCCL.name, meta, [{"op": op, **row} for op, row in rows] + extra)
+    return out
+
+
+def test_each_message_is_priced_on_the_path_the_engine_takes(symmetric):
+    nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
+    model = run(symmetric)  # the defaults: one-shot up to 1 MiB on 2 GPUs, two-shot up to 8 MiB
+    assert model.all_reduce(8 * KiB) == pytest.approx(ONE_SHOT_S) == model.all_reduce(MiB)
+    assert model.all_reduce(MiB + 16) == pytest.approx(TWO_SHOT_S) == model.all_reduce(8 * MiB)
+    assert model.all_reduce(8 * MiB + 16) == nccl(8 * MiB + 16)
+    assert model.all_reduce(6) == nccl(6)  # not whole 4-byte vectors: NCCL, as in the engine
+    assert model.data_sources()["collectives"] == (
+        "measured at N=2 (h200-bfloat16-collectives-n2.csv); all-reduce: the engine's paths, one-shot up to "
+        "1048576 bytes, two-shot up to 8388608 (symmetric-memory rows, h200-bfloat16-collectives-n2.csv), "
+        "NCCL rows above")
+    # The run's thresholds move the boundaries.
+    moved = run(symmetric, "parallel.custom_all_reduce_one_shot_max_bytes=4096",
+                "parallel.custom_all_reduce_max_bytes=65536")
+    assert moved.all_reduce(4 * KiB) == pytest.approx(ONE_SHOT_S)
+    assert moved.all_reduce(8 * KiB) == pytest.approx(TWO_SHOT_S)
+    assert moved.all_reduce(128 * KiB) == nccl(128 * KiB)
+    # A decode step of 8 sequences: 2 L + 1 all-reduces of 8 x 4096 x 2 bytes, one-shot.
+    off = run(symmetric, "parallel.disable_custom_all_reduce=true")
+    decode = BatchShape(0, 0, 0, 0, 8, 8 * 500, 8)
+    saved = (2 * 36 + 1) * (nccl(8 * 4096 * 2) - ONE_SHOT_S)
+    assert off.shape_time(decode) - model.shape_time(decode) == pytest.approx(saved)
+
+
+def test_with_the_symmetric_paths_off_every_message_is_nccls_and_the_run_says_why(symmetric):
+    nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
+    off = run(symmetric, "parallel.disable_custom_all_reduce=true")
+    for nbytes in (8 * KiB, 2 * MiB, 64 * MiB):
+        assert off.all_reduce(nbytes) == nccl(nbytes)
+    assert off.data_sources()["collectives"].endswith(
+        "; all-reduce: NCCL rows, as the engine runs it (symmetric memory off: disable_custom_all_reduce is set)")
+    zero = run(symmetric, "parallel.custom_all_reduce_max_bytes=0")
+    assert zero.all_reduce(8 * KiB) == nccl(8 * KiB)
+    assert "symmetric memory off: custom_all_reduce_max_bytes=0" in zero.data_sources()["collectives"]
+
+
+def test_a_profile_without_symmetric_rows_prices_nccl_and_says_so():
+    """Every committed profile today: the default engine's small messages are faster than priced."""
+    nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
+    model = run(OPERATORS)
+    for nbytes in (8 * KiB, 2 * MiB, 64 * MiB):
+        assert model.all_reduce(nbytes) == nccl(nbytes)
+    assert model.data_sources()["collectives"] == (
+        "measured at N=2 (h200-bfloat16-collectives-n2.csv); all-reduce: NCCL rows (no symmetric-memory rows in "
+        "this profile at N=2; the default engine's small messages are faster: one-shot up to 1048576 bytes, "
+        "two-shot up to 8388608 over symmetric memory)")
+
+
+def test_a_world_size_priced_by_the_ring_model_keeps_ncclss_price_and_says_so(symmetric):
+    at8 = run(symmetric, "parallel.tensor_parallel_size=8", "latency.collectives=measured_else_ring")
+    nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
+    hw = factory.hardware(config("hardware=h200"))
+    ring2, ring8 = RingLink.of(hw, 2), RingLink.of(hw, 8)
+    assert at8.all_reduce(8 * KiB) == pytest.approx(nccl(8 * KiB) * ring8.all_reduce_s(8 * KiB)
+                                                    / ring2.all_reduce_s(8 * KiB))
+    assert at8.data_sources()["collectives"].endswith(
+        "; all-reduce: the ring model (no symmetric-memory pricing at an unmeasured N=8; the default engine's "
+        "small messages are faster: one-shot up to 262144 bytes, two-shot up to 8388608 over symmetric memory)")
+
+
+def test_the_engines_rule_decides_from_the_run_config():
+    paths = factory.engine_all_reduce(config("model=qwen3-8b", "parallel.tensor_parallel_size=4"))
+    assert paths.off_reason is None and (paths.one_shot_max_bytes, paths.two_shot_max_bytes) == (512 * KiB, 8 * MiB)
+    assert [paths.path(n) for n in (512 * KiB, 512 * KiB + 16, 8 * MiB + 16)] == ["one-shot", "two-shot", "nccl"]
+    half = factory.engine_all_reduce(config("model=qwen3-8b", "model.dtype=float16", "parallel.tensor_parallel_size=2"))
+    assert half.off_reason == "model.dtype=float16: the kernels take ['bfloat16', 'float32']"
+    assert half.path(8 * KiB) == "nccl"
+    with pytest.raises(ValueError, match=r"parallel.custom_all_reduce_max_bytes=1000 is invalid"):
+        factory.engine_all_reduce(config("parallel.tensor_parallel_size=2", "parallel.custom_all_reduce_max_bytes=1000"))
+
+
+def test_the_symmetric_ops_pass_the_schema_only_with_a_world_size(tmp_path):
+    meta = {"gpu": "x", "device": "d", "dtype": "bfloat16", "kernels": "collectives", "versions": "v", "date": "d",
+            "grid": "{}"}
+    ok = [{"op": "all_reduce_one_shot", "bytes": n, "world_size": 2, "time_s": 1e-5} for n in (1024, 4096)]
+    profile = OperatorProfile.load([write_operator_file(tmp_path / "ok.csv", meta, ok)])
+    assert profile.has("all_reduce_one_shot", 2) and profile.grid("all_reduce_one_shot", 2)(2048) == pytest.approx(1e-5)
+    with pytest.raises(ValueError, match=r"world_size='' is invalid for op=all_reduce_two_shot"):
+        read_operator_file(write_operator_file(tmp_path / "none.csv", meta,
+                                               [{"op": "all_reduce_two_shot", "bytes": 1024, "time_s": 1e-5}]))
+    with pytest.raises(ValueError, match=r"world_size=1 is invalid for op=all_reduce_one_shot: must be >= 2"):
+        read_operator_file(write_operator_file(tmp_path / "one.csv", meta,
+                                               [{"op": "all_reduce_one_shot", "bytes": 1024, "world_size": 1,
+                                                 "time_s": 1e-5}]))
+
+
+def test_the_profile_names_every_engine_path():
+    from engine.distributed.custom_all_reduce import NCCL, ONE_SHOT, TWO_SHOT
+    assert set(ALL_REDUCE_PATH_OPS) == {ONE_SHOT, TWO_SHOT, NCCL}
