@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import multiprocessing
 import os
-import time
 import traceback
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import torch
 from engine.config import ParallelConfig
 from engine.distributed.custom_all_reduce import NCCL, ONE_SHOT, TWO_SHOT
 from experiments.lib.paths import REPO_ROOT
+from experiments.lib.profiling.collectives import all_reduce_call, mean_call_s, run_ranks
 
 PATHS = (NCCL, ONE_SHOT, TWO_SHOT)
 OUT = REPO_ROOT / "experiments" / "results" / "allreduce"
@@ -40,48 +39,11 @@ def _sizes(lo: int, hi: int) -> list[int]:
     return sizes
 
 
-def _call(group, path: str, nbytes: int):
-    """The all-reduce of `path` on a bf16 message of `nbytes`, as a zero-argument call."""
-    import torch.distributed as dist
-
-    if path == NCCL:
-        x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-        return lambda: dist.all_reduce(x, group=group.device_group)
-    staged = group.custom.buffer[:nbytes].view(torch.bfloat16)
-    staged.normal_()
-    return lambda: group.custom.reduce(path, staged)
-
-
-def _time(fn, iters: int, graph: bool, replays: int) -> float:
-    """Mean microseconds per call of `fn`: back to back, or `iters` calls captured in one graph."""
-    import torch.distributed as dist
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays if graph else 1):
-        if graph:
-            g.replay()
-        else:
-            for _ in range(iters):
-                fn()
-    end.record()
-    end.synchronize()
-    calls = iters * (replays if graph else 1)
-    if graph:
-        g.reset()
-    return start.elapsed_time(end) * 1e3 / calls
+def _time(group, path: str, nbytes: int, iters: int, graph: bool, replays: int) -> float:
+    """Mean microseconds per bf16 all-reduce of `nbytes` on `path`: back to back, or `iters` calls
+    captured in one graph."""
+    call = all_reduce_call(group, path, nbytes // 2, torch.bfloat16, torch.device("cuda", group.rank))
+    return mean_call_s(call, iters, "graph" if graph else "eager", replays) * 1e6
 
 
 def _errors(group, nbytes: int) -> dict[str, float]:
@@ -119,7 +81,7 @@ def _rank_main(rank: int, size: int, port: int, a: argparse.Namespace, results) 
                 row = {"world_size": size, "bytes": nbytes, "mode": mode,
                        "one-shot_max_err": errors[ONE_SHOT], "two-shot_max_err": errors[TWO_SHOT]}
                 for path in PATHS:
-                    row[f"{path}_us"] = _time(_call(group, path, nbytes), iters, mode == "graph", a.replays)
+                    row[f"{path}_us"] = _time(group, path, nbytes, iters, mode == "graph", a.replays)
                 rows.append(row)
         torch.cuda.synchronize()
         if rank == 0:
@@ -132,32 +94,8 @@ def _rank_main(rank: int, size: int, port: int, a: argparse.Namespace, results) 
 
 def run_world(size: int, a: argparse.Namespace) -> list[dict] | str:
     """The rows of one world size, or why there are none (an error, or the deadline)."""
-    from engine.distributed.parallel_state import open_store
-
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    store = open_store(size, a.timeout_s)
-    procs = [ctx.Process(target=_rank_main, args=(r, size, store.port, a, results), daemon=True) for r in range(size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + a.timeout_s
-    outcome: list[dict] | str = f"no result within --timeout-s {a.timeout_s:.0f}"
-    while time.monotonic() < deadline:
-        try:
-            _, value = results.get(timeout=1.0)  # rows, or a rank's error as text
-        except Exception:  # noqa: BLE001 (queue.Empty: poll again; a dead rank ends the wait below)
-            if any(p.exitcode not in (None, 0) for p in procs):
-                outcome = f"a rank exited with {[p.exitcode for p in procs]}"
-                break
-            continue
-        outcome = value
-        break
-    for p in procs:
-        p.join(max(0.0, min(10.0, deadline + 10.0 - time.monotonic())))
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
-    return outcome
+    status, payload = run_ranks(_rank_main, size, (a,), a.timeout_s)
+    return payload if status == "ok" else str(payload)
 
 
 def thresholds(rows: list[dict]) -> tuple[int, int]:

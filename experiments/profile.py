@@ -23,8 +23,9 @@ blocks each way. The timing itself: experiments/lib/profiling/measure.py.
 
 `mode=operators` times the engine's operators instead, for every model at once (GEMMs, attention,
 elementwise ops, sampler, block copies, graph launch; all-reduce / all-gather over the machine's
-GPUs): experiments/lib/profiling/operators.py, file format in sim/latency/operator_profile.py,
-docs/operator_profiles.md.
+GPUs, NCCL's and the engine's symmetric-memory all-reduce paths where the GPUs have them):
+experiments/lib/profiling/operators.py and collectives.py, file format in
+sim/latency/operator_profile.py, docs/operator_profiles.md.
 
     python -m experiments.profile mode=operators                               # one GPU, ~4 minutes
     python -m experiments.profile mode=operators operator_parts=[collectives]  # N = 2, 4, 8 GPUs

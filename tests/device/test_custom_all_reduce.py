@@ -24,6 +24,7 @@ from engine.distributed.custom_all_reduce import (
 from engine.distributed.parallel_state import TPGroup, init_group, open_store
 from engine.engine_args import EngineArgs
 from engine.models.parallel_layers import RowParallelLinear
+from tests.symmetric_memory_helpers import FakeSymmOps
 
 KiB, MiB = 2**10, 2**20
 GPU1 = torch.device("cuda", 1)  # a device object only: nothing here touches a GPU
@@ -184,22 +185,6 @@ def test_a_cpu_group_has_no_symmetric_paths():
         import torch.distributed as dist
 
         dist.destroy_process_group()
-
-
-class FakeSymmOps:
-    """torch.ops.symm_mem's two ops as two ranks holding the same input would see them (sum = 2x);
-    records which op ran on which buffer address."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int]] = []
-
-    def one_shot_all_reduce_out(self, staged, op, group, out):
-        self.calls.append((ONE_SHOT, staged.data_ptr()))
-        return out.copy_(staged * 2)
-
-    def two_shot_all_reduce_out(self, staged, op, group, out):
-        self.calls.append((TWO_SHOT, staged.data_ptr()))
-        return out.copy_(staged * 2)
 
 
 def _custom(one_shot_max=1 * KiB, two_shot_max=4 * KiB) -> SymmetricAllReduce:

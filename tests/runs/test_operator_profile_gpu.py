@@ -1,6 +1,7 @@
 """The operator profiler on a GPU, on the tiny grid (seconds): every operator family times through
 the engine's CUDA code paths (Triton kernels, torch.compile'd ops, CUDA graphs), the file passes the
-schema, and `latency=operators` prices a model from it; collectives where the machine has 2 GPUs."""
+schema, and `latency=operators` prices a model from it; collectives where the machine has 2 GPUs
+(with the symmetric-memory all-reduce rows where the GPUs have peer access)."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ pytestmark = pytest.mark.gpu
 def test_the_tiny_operator_grid_on_this_gpu(tmp_path):
     from hydra import compose, initialize_config_module
 
+    from engine.distributed.custom_all_reduce import symmetric_memory
     from experiments.lib import factory
     from experiments.profile import profile_operators
     from sim.latency.base import BatchShape
@@ -26,6 +28,9 @@ def test_the_tiny_operator_grid_on_this_gpu(tmp_path):
     tp = 2 if torch.cuda.device_count() >= 2 else 1
     assert len(paths) == (2 if tp == 2 else 1)
     profile = OperatorProfile.load(find_operator_files(tmp_path, "test", "bfloat16"))
+    if tp == 2 and symmetric_memory() is not None and torch.cuda.can_device_access_peer(0, 1):
+        # The engine's symmetric-memory all-reduce paths are timed where the GPUs have them.
+        assert profile.has("all_reduce_one_shot", 2) and profile.has("all_reduce_two_shot", 2)
     model = OperatorModel(profile, factory.model_shape(run_cfg), 16, tp)
     decode = model.shape_time(BatchShape(0, 0, 0, 0, 8, 8 * 300, 8))
     prefill = model.shape_time(BatchShape(512, 1, 0, 512 * 513 // 2, 0, 0, 1, 0, ((512, 0),)))

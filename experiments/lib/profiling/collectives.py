@@ -1,91 +1,224 @@
-"""All-reduce and all-gather times by bytes over N processes, one per GPU (NCCL), or on the CPU (gloo).
+"""All-reduce and all-gather times by bytes over N processes, one per GPU, through the engine's own
+group and all-reduce paths: NCCL (gloo on the CPU) and, where the GPUs allow it, the engine's
+symmetric-memory one-shot and two-shot all-reduces (engine/distributed/custom_all_reduce.py).
 
-The engine's tensor-parallel ranks sum activations with `dist.all_reduce` and gather logits with
-its all-gather (engine/distributed/parallel_state.py); here the same calls run in N
-spawned processes (torch.multiprocessing + torch.distributed over a local TCP rendezvous). Each
-size is called 3 times, then `iters` calls are captured in one CUDA graph, as the engine's steps
-capture them (eager calls would add the host's launch of each, ~25 us, which the engine's graphs
-do not pay), and the graph is replayed after a barrier between CUDA events (wall clock on the CPU).
-A rank's time is the mean per call; a row's is the fastest rank's: the ranks leave the barrier at
-different moments and the earlier ones wait for the last, whose time is the collectives' own.
-Every wait is bounded:
-the process group's timeout and `timeout_s` for the whole world size, after which the workers
-are terminated and the run fails naming the size.
+The ranks join the engine's tensor-parallel group (`init_group`, with the symmetric-memory
+all-reduce on and a buffer as large as the largest size timed on it), so the symmetric buffer, its
+rendezvous and the fallback to NCCL are the engine's; rank 0 keeps the engine's one log line on
+which all-reduce runs, which the profiler prints. Rows, per size: `all_reduce` (`dist.all_reduce`
+in place, as the engine's NCCL path), `all_gather` (the engine's all-gather), and, when the
+group has the symmetric paths, `all_reduce_one_shot` / `all_reduce_two_shot` (the engine's
+`SymmetricAllReduce.reduce` on a message already in the symmetric buffer, where the engine's
+row-parallel GEMMs write it) for every size the engine's rule lets them carry (`choose_path` with
+the buffer as both bounds: the kernels' dtypes, whole 4-byte vectors). Both paths are timed at every
+such size, whatever the thresholds: a run's `parallel` settings pick the path per message when the
+simulator prices it (sim/latency/collective_pricing.py), so one profile serves any setting.
+
+Each size is called 3 times, then `iters` calls are captured in one CUDA graph, as the engine's
+steps capture them (eager calls would add the host's launch of each, ~25 us, which the engine's
+graphs do not pay), and the graph is replayed after a barrier between CUDA events (wall clock on
+the CPU). A rank's time is the mean per call; a row's is the fastest rank's: the ranks leave the
+barrier at different moments and the earlier ones wait for the last, whose time is the
+collectives' own. Every wait is bounded: the process group's timeout and `timeout_s` for the whole
+world size, after which the workers are killed and the run fails naming the size.
+experiments/bench_allreduce.py times the same calls (`all_reduce_call`, `mean_call_s`, `run_ranks`).
 """
 from __future__ import annotations
 
-import datetime
-import queue
-import socket
+import logging
+import multiprocessing
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from engine.distributed.parallel_state import _all_gather
+from engine.config import CUSTOM_ALL_REDUCE_LIMIT_BYTES, ParallelConfig
+from engine.distributed.custom_all_reduce import NCCL, ONE_SHOT, TWO_SHOT, choose_path
+from engine.distributed.parallel_state import (
+    TPGroup,
+    _all_gather,
+    end_group,
+    init_group,
+    join_store,
+    open_store,
+)
+from sim.latency.operator_profile import ALL_REDUCE_PATH_OPS
 
 Row = dict[str, float | str]
+ENGINE_LOGGER = "servelab.engine"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def message_numel(nbytes: int, dtype: torch.dtype, world: int) -> int:
+    """Elements of the message timed for `nbytes`: a multiple of the world size (the all-gather's parts)."""
+    return max(world, nbytes // dtype.itemsize // world * world)
 
 
-def _worker(rank: int, world: int, port: int, sizes: list[int], dtype: torch.dtype, cuda: bool,
-            iters: int, results: mp.Queue, timeout_s: float) -> None:
-    try:
-        if cuda:
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        rows = []
-        for op in ("all_reduce", "all_gather"):
-            for nbytes in sizes:
-                numel = max(world, nbytes // dtype.itemsize // world * world)
-                out = torch.ones(numel, device=dev, dtype=dtype)
-                part = torch.ones(numel // world, device=dev, dtype=dtype)
-                call = ((lambda o=out: dist.all_reduce(o)) if op == "all_reduce"
-                        else (lambda o=out, p=part: _all_gather(o, p)))
-                for _ in range(3):
-                    call()
-                seconds = _time(call, iters, cuda)
-                fastest = torch.tensor([seconds], device=dev, dtype=torch.float64)
-                dist.all_reduce(fastest, op=dist.ReduceOp.MIN)
-                rows.append({"op": op, "bytes": numel * dtype.itemsize, "world_size": world,
-                             "time_s": float(fastest.item())})
-        if rank == 0:
-            results.put(("ok", rows))
+def symmetric_sizes(sizes: list[int], dtype: torch.dtype, world: int) -> list[int]:
+    """The message bytes of `sizes` that the symmetric paths can carry (the engine's rule, with a
+    buffer of up to the largest any setting may ask for)."""
+    nbytes = [message_numel(n, dtype, world) * dtype.itemsize for n in sizes]
+    limit = CUSTOM_ALL_REDUCE_LIMIT_BYTES
+    return [n for n in nbytes if choose_path(n, dtype, True, limit, limit) != NCCL]
+
+
+def all_reduce_call(group: TPGroup, path: str, numel: int, dtype: torch.dtype,
+                    device: torch.device) -> Callable[[], object]:
+    """The engine's all-reduce of `path` on a message of `numel` elements as a zero-argument call:
+    NCCL's (gloo's on the CPU) sums a tensor in place on the device group; one-shot and two-shot
+    sum a message already in the symmetric buffer into a new tensor."""
+    if path == NCCL:
+        x = torch.randn(numel, dtype=dtype, device=device)
+        return lambda: dist.all_reduce(x, group=group.device_group)
+    if group.custom is None:
+        raise ValueError(f"path={path!r} needs the group's symmetric-memory all-reduce, which is off")
+    staged = group.custom.buffer[:numel * dtype.itemsize].view(dtype)
+    staged.normal_()
+    return lambda: group.custom.reduce(path, staged)
+
+
+def mean_call_s(call: Callable[[], object], iters: int, mode: str = "graph", replays: int = 1) -> float:
+    """Mean seconds per call of `call` after 3 warm-up calls and a barrier of the default group:
+    `iters` calls captured in one CUDA graph and replayed `replays` times ("graph"), back to back
+    between CUDA events ("eager"), or back to back by wall clock ("cpu")."""
+    if mode not in ("graph", "eager", "cpu"):
+        raise ValueError(f"mode={mode!r} is invalid: 'graph', 'eager' or 'cpu'")
+    for _ in range(3):
+        call()
+    if mode == "cpu":
         dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - the parent reports it, naming the world size
-        results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
-
-
-def _time(call, iters: int, cuda: bool) -> float:
-    if cuda:
-        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        return (time.perf_counter() - t0) / iters
+    torch.cuda.synchronize()
+    graph = None
+    if mode == "graph":
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(iters):
                 call()
         graph.replay()  # the first replay sets up the captured collectives
         torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    return (time.perf_counter() - t0) / iters
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays if graph is not None else 1):
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(iters):
+                call()
+    end.record()
+    end.synchronize()
+    if graph is not None:
+        graph.reset()  # NCCL's teardown waits until no graph holds the communicator
+    return start.elapsed_time(end) / 1e3 / (iters * (replays if graph is not None else 1))
+
+
+def collective_ops(group: TPGroup, sizes: list[int], dtype: torch.dtype) -> list[str]:
+    """The ops a world size's rows hold: NCCL's always, the symmetric paths where the group has them
+    and some size can take them."""
+    symmetric = group.custom is not None and symmetric_sizes(sizes, dtype, group.size)
+    return ["all_reduce", "all_gather", *([ALL_REDUCE_PATH_OPS[p] for p in (ONE_SHOT, TWO_SHOT)] if symmetric else [])]
+
+
+def measured_rows(group: TPGroup, sizes: list[int], dtype: torch.dtype, device: torch.device, iters: int) -> list[Row]:
+    """One rank's share of the rows of every op and size (every rank calls this, in step)."""
+    mode = "graph" if device.type == "cuda" else "cpu"
+    world, rows = group.size, []
+    path_of = {op: path for path, op in ALL_REDUCE_PATH_OPS.items()}
+    symmetric = set(symmetric_sizes(sizes, dtype, world))
+    for op in collective_ops(group, sizes, dtype):
+        for nbytes in sizes:
+            numel = message_numel(nbytes, dtype, world)
+            if op == "all_gather":
+                out = torch.empty(numel, device=device, dtype=dtype)
+                part = torch.ones(numel // world, device=device, dtype=dtype)
+                call = (lambda o=out, p=part: _all_gather(o, p, group=group.device_group))
+            elif op == "all_reduce" or numel * dtype.itemsize in symmetric:
+                call = all_reduce_call(group, path_of[op], numel, dtype, device)
+            else:
+                continue
+            fastest = torch.tensor([mean_call_s(call, iters, mode)], device=device, dtype=torch.float64)
+            dist.all_reduce(fastest, op=dist.ReduceOp.MIN, group=group.device_group)
+            rows.append({"op": op, "bytes": numel * dtype.itemsize, "world_size": world,
+                         "time_s": float(fastest.item())})
+    return rows
+
+
+@contextmanager
+def engine_all_reduce_log() -> Iterator[list[str]]:
+    """The engine's log lines on which all-reduce runs ("all-reduce: ..."), kept while inside."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("all-reduce:"):
+                lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger(ENGINE_LOGGER), Keep(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _worker(rank: int, world: int, port: int, sizes: list[int], dtype: torch.dtype, cuda: bool, iters: int,
+            timeout_s: float, results) -> None:
+    try:
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(rank)
+        largest = max(symmetric_sizes(sizes, dtype, world), default=0)
+        parallel = ParallelConfig(world, timeout_s, disable_custom_all_reduce=largest == 0,
+                                  custom_all_reduce_max_bytes=-(-largest // 16) * 16)
+        with engine_all_reduce_log() as said:
+            group = init_group(join_store(port, world, timeout_s), rank, world, device, timeout_s, parallel)
+        if not largest:
+            said = [f"no message of the grid in {dtype} is one the symmetric-memory kernels take"]
+        rows = measured_rows(group, sizes, dtype, device, iters)
+        if rank == 0:
+            results.put(("ok", (rows, " ".join(said) or "the engine logged no all-reduce line")))
+        group.custom = None  # frees the symmetric buffer before the group ends
+        end_group(4.0, 2.0)
+    except BaseException:  # noqa: BLE001 - the parent reports it, naming the world size
+        results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+
+
+def run_ranks(target: Callable[..., None], world: int, args: tuple, timeout_s: float) -> tuple[str, object]:
+    """Spawn `target(rank, world, port, *args, results)` for every rank, meeting at a store opened
+    here; ("ok", what rank 0 put) or ("error", why: a rank's error, its exit, the deadline). Every
+    rank is joined or killed within `timeout_s` + 10 s."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    store = open_store(world, timeout_s)
+    procs = [ctx.Process(target=target, args=(r, world, store.port, *args, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    outcome: tuple[str, object] = ("error", f"no result within {timeout_s:.0f}s")
+    while time.monotonic() < deadline:
+        try:
+            outcome = results.get(timeout=1.0)
+            break
+        except Exception:  # noqa: BLE001 (queue.Empty: poll again; a dead rank ends the wait)
+            if any(p.exitcode not in (None, 0) for p in procs):
+                outcome = ("error", f"a rank exited with {[p.exitcode for p in procs]}")
+                break
+    for p in procs:
+        p.join(max(0.0, min(10.0, deadline + 10.0 - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    return outcome
 
 
 def collective_rows(world_sizes: list[int], sizes: list[int], dtype: torch.dtype, cuda: bool,
@@ -93,29 +226,19 @@ def collective_rows(world_sizes: list[int], sizes: list[int], dtype: torch.dtype
     """Rows for every world size the machine has (all GPUs needed on CUDA; any size on the CPU)."""
     available = torch.cuda.device_count() if cuda else max(world_sizes)
     rows: list[Row] = []
-    ctx = mp.get_context("spawn")
     for world in world_sizes:
         if world > available:
             log(f"collectives: world_size={world} skipped ({available} GPUs here)")
             continue
         start = time.perf_counter()
-        results = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, sizes, dtype, cuda, iters, results, timeout_s),
-                             daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            status, payload = results.get(timeout=timeout_s)
-        except queue.Empty:
-            status, payload = "error", f"no result within {timeout_s:.0f}s"
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
+        status, payload = run_ranks(_worker, world, (sizes, dtype, cuda, iters, timeout_s), timeout_s)
         if status != "ok":
             raise RuntimeError(f"collectives at world_size={world} failed: {payload}")
-        rows.extend(payload)
-        log(f"collectives: world_size={world}, {len(payload)} rows in {time.perf_counter() - start:.1f}s")
+        got, said = payload
+        rows.extend(got)
+        ops = sorted({str(r["op"]) for r in got})
+        symmetric = "" if {ALL_REDUCE_PATH_OPS[ONE_SHOT], ALL_REDUCE_PATH_OPS[TWO_SHOT]} <= set(ops) else \
+            "NCCL rows only, no symmetric-memory rows: "
+        log(f"collectives: world_size={world}, {len(got)} rows ({', '.join(ops)}) in "
+            f"{time.perf_counter() - start:.1f}s; {symmetric}the engine said: {said}")
     return rows

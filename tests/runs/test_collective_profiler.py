@@ -1,0 +1,68 @@
+"""The collectives profiler's rank worker on the CPU (experiments/lib/profiling/collectives.py): the
+ops it times through the engine's group, with the engine's symmetric-memory paths played by a
+stand-in for torch's `symm_mem` ops, and the NCCL-only rows with the engine's reason when the
+group has no symmetric paths."""
+from __future__ import annotations
+
+import queue
+
+import torch
+
+import experiments.lib.profiling.collectives as collectives
+from engine.distributed.custom_all_reduce import ONE_SHOT, TWO_SHOT, SymmetricAllReduce
+from engine.distributed.parallel_state import open_store
+from tests.symmetric_memory_helpers import FakeSymmOps
+
+SIZES = [1024, 4096, 65536]
+
+
+def _run_worker(sizes: list[int], dtype: torch.dtype) -> tuple[list[dict], str]:
+    """Rank 0 of a one-process gloo group, in this process (the profiler spawns one per GPU)."""
+    store = open_store(1, 10)
+    results: queue.Queue = queue.Queue()
+    collectives._worker(0, 1, store.port, sizes, dtype, False, 2, 10.0, results)
+    status, payload = results.get(timeout=1)
+    assert status == "ok", payload
+    return payload
+
+
+def test_a_group_with_the_symmetric_paths_times_both_as_ops_of_their_own(monkeypatch):
+    ops = FakeSymmOps()
+    real_init = collectives.init_group
+    buffers = []
+
+    def with_symmetric_paths(store, rank, size, device, timeout_s, parallel):
+        """The engine's group, with the symmetric buffer the worker asked for, over the stand-in."""
+        group = real_init(store, rank, size, device, timeout_s, parallel)
+        nbytes = parallel.custom_all_reduce_max_bytes
+        buffers.append(torch.zeros(nbytes, dtype=torch.uint8))
+        group.custom = SymmetricAllReduce(buffers[-1], "g", parallel.one_shot_max_bytes(size), nbytes, ops=ops)
+        return group
+
+    monkeypatch.setattr(collectives, "init_group", with_symmetric_paths)
+    rows, _ = _run_worker(SIZES, torch.float32)
+    by_op = {}
+    for r in rows:
+        by_op.setdefault(r["op"], []).append(r["bytes"])
+    assert by_op == {op: SIZES for op in ("all_reduce", "all_gather", "all_reduce_one_shot", "all_reduce_two_shot")}
+    assert all(r["time_s"] > 0 and r["world_size"] == 1 for r in rows)
+    assert buffers[0].numel() == max(SIZES)  # the buffer holds the largest message timed on it
+    # Each symmetric op ran its own path, on messages staged in the symmetric buffer.
+    paths = {path for path, _ in ops.calls}
+    assert paths == {ONE_SHOT, TWO_SHOT}
+    assert {ptr for _, ptr in ops.calls} == {buffers[0].data_ptr()}
+
+
+def test_without_symmetric_memory_the_rows_are_nccls_and_the_engine_says_why():
+    rows, said = _run_worker(SIZES, torch.float32)
+    assert {r["op"] for r in rows} == {"all_reduce", "all_gather"}
+    assert said == "all-reduce: NCCL/gloo for every message (custom all-reduce off: one rank: nothing to reduce)"
+
+
+def test_a_dtype_the_kernels_do_not_take_gets_no_symmetric_rows():
+    assert collectives.symmetric_sizes(SIZES, torch.float16, 2) == []
+    assert collectives.symmetric_sizes(SIZES, torch.bfloat16, 2) == SIZES
+    assert collectives.symmetric_sizes([2, 1024, 2**31], torch.bfloat16, 1) == [1024]  # whole 4-byte vectors, the limit
+    rows, said = _run_worker(SIZES, torch.float16)
+    assert {r["op"] for r in rows} == {"all_reduce", "all_gather"}
+    assert said == "no message of the grid in torch.float16 is one the symmetric-memory kernels take"
