@@ -50,7 +50,8 @@ def tensor_parallel_size(cfg: DictConfig) -> int:
     return size
 
 
-ALL_REDUCE_SETTINGS = ("disable_custom_all_reduce", "custom_all_reduce_one_shot_max_bytes", "custom_all_reduce_max_bytes")
+ALL_REDUCE_SETTINGS = ("disable_custom_all_reduce", "custom_all_reduce_one_shot_max_bytes",
+                       "custom_all_reduce_max_bytes")
 
 
 def all_reduce_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -75,7 +76,8 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
     one_shot, two_shot = parallel.one_shot_max_bytes(tp), parallel.custom_all_reduce_max_bytes
     reason = settings_reason(parallel, tp)
     if reason is None and dtype not in SYMMETRIC_DTYPES:
-        reason = f"model.dtype={dtype_name}: the kernels take {[str(d).removeprefix('torch.') for d in SYMMETRIC_DTYPES]}"
+        taken = [str(d).removeprefix("torch.") for d in SYMMETRIC_DTYPES]
+        reason = f"model.dtype={dtype_name}: the kernels take {taken}"
     if reason is not None:
         return EngineAllReduce(lambda nbytes: NCCL, one_shot, two_shot, reason)
     return EngineAllReduce(lambda nbytes: choose_path(nbytes, dtype, True, one_shot, two_shot), one_shot, two_shot)

@@ -114,19 +114,20 @@ def price_collectives(profile: OperatorProfile, size: int, mode: str = "measured
 
 
 def price_engine_all_reduce(profile: OperatorProfile, size: int, priced: PricedCollectives,
-                      engine: EngineAllReduce | None) -> tuple[Callable[[float], float], str]:
+                            engine: EngineAllReduce | None) -> tuple[Callable[[float], float], str]:
     """Seconds of the all-reduce the engine runs at `size` GPUs, per message of `bytes`, and one
     line saying what they rest on (`engine`: the run's paths; None: not known, priced as NCCL)."""
     nccl = "NCCL rows" if priced.kind == MEASURED else "the ring model"
     if engine is None:
         return priced.all_reduce, f"all-reduce: {nccl} (the engine's all-reduce paths were not given)"
     if engine.off_reason is not None:
-        return priced.all_reduce, f"all-reduce: {nccl}, as the engine runs it (symmetric memory off: {engine.off_reason})"
+        return priced.all_reduce, (f"all-reduce: {nccl}, as the engine runs it (symmetric memory off: "
+                                   f"{engine.off_reason})")
     bounds = f"one-shot up to {engine.one_shot_max_bytes} bytes, two-shot up to {engine.two_shot_max_bytes}"
     if priced.kind != MEASURED or not all(profile.has(op, size) for op in SYMMETRIC_ALL_REDUCES):
         where = (f"no symmetric-memory rows in this profile at N={size}" if priced.kind == MEASURED
                  else f"no symmetric-memory pricing at an unmeasured N={size}")
-        return priced.all_reduce, (f"all-reduce: {nccl} ({where}; the default engine's small messages are "
+        return priced.all_reduce, (f"all-reduce: {nccl} ({where}; the engine's small messages are "
                                    f"faster: {bounds} over symmetric memory)")
     grids = {path: priced.all_reduce if op == "all_reduce" else profile.grid(op, size)
              for path, op in ALL_REDUCE_PATH_OPS.items()}

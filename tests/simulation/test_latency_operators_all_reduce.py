@@ -89,14 +89,14 @@ def test_with_the_symmetric_paths_off_every_message_is_nccls_and_the_run_says_wh
 
 
 def test_a_profile_without_symmetric_rows_prices_nccl_and_says_so():
-    """Every committed profile today: the default engine's small messages are faster than priced."""
+    """Every committed profile today: the engine's small messages are faster than priced."""
     nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
     model = run(OPERATORS)
     for nbytes in (8 * KiB, 2 * MiB, 64 * MiB):
         assert model.all_reduce(nbytes) == nccl(nbytes)
     assert model.data_sources()["collectives"] == (
         "measured at N=2 (h200-bfloat16-collectives-n2.csv); all-reduce: NCCL rows (no symmetric-memory rows in "
-        "this profile at N=2; the default engine's small messages are faster: one-shot up to 1048576 bytes, "
+        "this profile at N=2; the engine's small messages are faster: one-shot up to 1048576 bytes, "
         "two-shot up to 8388608 over symmetric memory)")
 
 
@@ -108,7 +108,7 @@ def test_a_world_size_priced_by_the_ring_model_keeps_ncclss_price_and_says_so(sy
     assert at8.all_reduce(8 * KiB) == pytest.approx(nccl(8 * KiB) * ring8.all_reduce_s(8 * KiB)
                                                     / ring2.all_reduce_s(8 * KiB))
     assert at8.data_sources()["collectives"].endswith(
-        "; all-reduce: the ring model (no symmetric-memory pricing at an unmeasured N=8; the default engine's "
+        "; all-reduce: the ring model (no symmetric-memory pricing at an unmeasured N=8; the engine's "
         "small messages are faster: one-shot up to 262144 bytes, two-shot up to 8388608 over symmetric memory)")
 
 
@@ -120,7 +120,8 @@ def test_the_engines_rule_decides_from_the_run_config():
     assert half.off_reason == "model.dtype=float16: the kernels take ['bfloat16', 'float32']"
     assert half.path(8 * KiB) == "nccl"
     with pytest.raises(ValueError, match=r"parallel.custom_all_reduce_max_bytes=1000 is invalid"):
-        factory.engine_all_reduce(config("parallel.tensor_parallel_size=2", "parallel.custom_all_reduce_max_bytes=1000"))
+        factory.engine_all_reduce(config("parallel.tensor_parallel_size=2",
+                                         "parallel.custom_all_reduce_max_bytes=1000"))
 
 
 def test_the_symmetric_ops_pass_the_schema_only_with_a_world_size(tmp_path):
