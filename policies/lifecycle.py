@@ -196,6 +196,12 @@ class Lifecycle(TokensAhead):
         for seq in family:
             status = seq.status
             if status >= FINISHED:
+                if seq.finish_reason == HANDOFF_REASON and self.handoff is not None:
+                    # Ended at its first token by a step looked past, not yet handed off: the hand-off
+                    # no longer happens, so its kept blocks go (a later step may reuse them: it runs
+                    # after the step in flight, which writes them last).
+                    self.handoff.release(seq)
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED_ABORTED, f"abort:{reason}"
                 continue
             if not (status is WAITING and self.preemptor.discard(seq)):
                 self.queues.remove(seq)

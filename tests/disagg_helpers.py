@@ -29,9 +29,15 @@ def sampled(out) -> dict[int, list[int]]:
 
 class DisaggPair:
     def __init__(self, prefill: Scheduler, decode: Scheduler, max_queue: int = 64, timeout_s: float = 1e9,
-                 abort_at: dict[str, int] | None = None) -> None:
-        """`abort_at`: request id -> the round (one step each side) it is aborted at."""
+                 abort_at: dict[str, int] | None = None, prefill_ahead: bool = False) -> None:
+        """`abort_at`: request id -> the round (one step each side) it is aborted at. `prefill_ahead`:
+        the prefill side schedules each step while the one before it runs (`schedule_ahead`, as the
+        engine pair's `prefill_async_scheduling`); `prefill_rows` then holds every prefill step's
+        (sequence, first position, tokens) as scheduled."""
         self.prefill, self.decode = prefill, decode
+        self.prefill_ahead = prefill_ahead
+        self.prefill_rows: list[list[tuple]] = []
+        self._in_flight_step = None  # the prefill step scheduled ahead, run in the next round
         self.pside = PrefillSide(prefill, block_bytes=64, replica=0)
         self.dside = DecodeSide(decode, max_queue=max_queue, timeout_s=timeout_s, replica=1)
         bs = prefill.block_manager.block_size
@@ -56,8 +62,13 @@ class DisaggPair:
             assert request.request_id not in self.ended, f"{request.request_id} ended twice"
             self.ended[request.request_id] = request
 
+    @staticmethod
+    def _has_work(sched: Scheduler) -> bool:
+        """Requests to run, or ends (an abort of a waiting request) that only an update returns."""
+        return sched.has_unfinished() or sched.lifecycle.has_pending_ends
+
     def _step(self, sched: Scheduler, kv: KVStoreBackend) -> None:
-        if not sched.has_unfinished():
+        if not self._has_work(sched):
             return
         out = sched.schedule(self.now)
         kv.execute(out)
@@ -65,14 +76,43 @@ class DisaggPair:
             self._end(request)
         sched.check_invariants()
 
+    def _scheduled(self, out) -> tuple:
+        """A prefill step as scheduled: noted, run at once (its KV written, its tokens sampled from
+        the tokens it sees, as a device runs it before a later look-past appends PENDING tokens; a
+        decode's PENDING input would fail the reads)."""
+        self.prefill_rows.append([(seq, seq.num_computed_tokens, num_new) for seq, num_new, _ in out.scheduled])
+        self.pkv.execute(out)
+        return out, sampled(out)
+
+    def _step_prefill_ahead(self, aborts: list[str]) -> None:
+        sched, step, self._in_flight_step = self.prefill, self._in_flight_step, None
+        if step is None:
+            if not self._has_work(sched):
+                for rid in aborts:
+                    self._abort(rid)
+                return
+            step = self._scheduled(sched.schedule(self.now))
+        nxt = sched.schedule_ahead(self.now + 0.25)
+        if nxt is not None and not nxt.is_empty:
+            self._in_flight_step = self._scheduled(nxt)
+        for rid in aborts:
+            self._abort(rid)
+        out, tokens = step
+        for request in sched.update(out, tokens, self.now + 0.5):
+            self._end(request)
+        sched.check_invariants()
+
     def run(self, requests: list[Request], max_rounds: int = 5000) -> dict[str, Request]:
         for r in requests:
             self.prefill.add(r, self.now)
         for round_ in range(max_rounds):
-            for rid, at in list(self.abort_at.items()):
-                if at == round_:
+            due = [rid for rid, at in self.abort_at.items() if at == round_]
+            if self.prefill_ahead:  # aborted while the step looked past runs (its prefills ended, not handed off)
+                self._step_prefill_ahead(due)
+            else:
+                for rid in due:
                     self._abort(rid)
-            self._step(self.prefill, self.pkv)
+                self._step(self.prefill, self.pkv)
             for handoff in self.pside.take_handoffs():
                 self.events.append(("handoff", handoff.request_id))
                 if not self.dside.enqueue(handoff, self.now):
@@ -100,7 +140,7 @@ class DisaggPair:
             self.in_flight = reserved
             self.now += 1.0
             if not (self.prefill.has_unfinished() or self.decode.has_unfinished() or self.in_flight
-                    or self.dside.queue or self.pside.transferring):
+                    or self.dside.queue or self.pside.transferring or self._in_flight_step is not None):
                 return self.ended
         raise AssertionError("the pair made no progress")
 

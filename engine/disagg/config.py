@@ -29,6 +29,10 @@ class DisaggregationConfig:
     decode_args: dict | None = None
     # The decode engine's start-up (building, loading, compiling, capturing) may take this long.
     startup_timeout_s: float = 900.0
+    # The prefill engine schedules its next step while the last one runs (async scheduling,
+    # policies/lookahead.py) instead of after its outputs are processed; a sequence whose prefill
+    # ends in a step is never scheduled past its first token (docs/disaggregation-engine.md).
+    prefill_async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "max_queue", "max_transfers_in_flight", "max_blocks_per_transfer"):
@@ -43,6 +47,10 @@ class DisaggregationConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"disaggregation.{name}={value!r} is invalid: must be a number of seconds > 0")
+        if not isinstance(self.prefill_async_scheduling, bool):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"disaggregation.prefill_async_scheduling={self.prefill_async_scheduling!r} is invalid: "
+                "must be true or false")
         if self.decode_args is not None and not isinstance(self.decode_args, dict):
             raise ValueError(f"disaggregation.decode_args={self.decode_args!r} is invalid: a dict of EngineArgs fields")
         if self.decode_device is not None and self.decode_device.split(":")[0] not in ("cuda", "cpu"):
@@ -73,6 +81,9 @@ class DisaggregationConfig:
         return cls(**{k: _convert(k, v, known[k].type) for k, v in items.items()})
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
 def _convert(key: str, value: object, kind: str) -> object:
     if not isinstance(value, str):
         return value
@@ -81,6 +92,10 @@ def _convert(key: str, value: object, kind: str) -> object:
             return int(value)
         if kind == "float":
             return float(value)
+        if kind == "bool":
+            return _BOOLS[value.strip().lower()]
+    except KeyError:
+        raise ValueError(f"disaggregation.{key}={value!r} is invalid: must be true or false") from None
     except ValueError:
         raise ValueError(f"disaggregation.{key}={value!r} is invalid: must be a number") from None
     return None if value in ("", "none", "None") else value
