@@ -143,13 +143,16 @@ class KVLink:
 
     # ---- posting -----------------------------------------------------------------------------
     def send(self, parts: Sequence[tuple[str, list[int]]], k_caches: Sequence[torch.Tensor],
-             v_caches: Sequence[torch.Tensor]) -> Transfer:
+             v_caches: Sequence[torch.Tensor], after_compute: bool = True) -> Transfer:
         """Gather the blocks of every (request id, block ids) part, every layer, into one staging
         buffer in one launch and send it as one message (prefill side). On a GPU both run on the
-        link's side stream after the compute stream's work so far: nothing here waits for the GPU."""
+        link's side stream after the compute stream's work so far (`after_compute`), or at once
+        (False: the caller knows the blocks' writes are done, their step's tokens were read back,
+        and the compute stream may be running a later step that the gather need not wait for):
+        nothing here waits for the GPU."""
         parts = self._check(SEND_RANK, parts, k_caches)
         block_ids = [b for _, blocks in parts for b in blocks]
-        if self.stream is not None:
+        if self.stream is not None and after_compute:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks' writes are done
         with _on(self.stream):
             staging = torch.empty(staging_shape(k_caches, len(block_ids)), dtype=k_caches[0].dtype,

@@ -18,8 +18,12 @@ This process (the front) runs the prefill engine; `step()`:
    request whose first token it sampled: the request is forgotten by the prefill engine's outputs
    and goes to the decode process as a `HandoffMessage`;
 3. frees the prefill blocks of each transfer the link finished (`PrefillSide.finish_transfer`).
-The prefill engine schedules synchronously: a hand-off must carry the first token, which a step
-scheduled ahead does not know yet; prefill steps are long enough that the host's work hides little.
+By default the prefill engine schedules synchronously (the next step is scheduled after the last
+one's outputs are processed). With `prefill_async_scheduling` it schedules ahead as a co-located
+engine does (policies/lookahead.py): step N+1 is scheduled and launched while step N runs; a
+sequence whose prompt step N finishes ends at its first token ("handoff") when step N is looked
+past, so it is in no later step and nothing writes into its blocks, which stay held; its request is
+handed off when step N is collected, carrying the token, as without it.
 
 Mid-transfer (docs/disaggregation.md): an abort of a request still prefilling is the prefill
 engine's; of a handed-off request, its final output ("abort:user") comes at once, a hand-off still
@@ -49,15 +53,9 @@ from engine.disagg.link_warmup import warm_link_from_front
 from engine.disagg.messages import (
     AbortMessage,
     ClockOrigin,
-    DecodeFailed,
     DecodeStarted,
-    DecodeStep,
-    HandoffMessage,
-    Refused,
-    Reserved,
-    TransferStarted,
 )
-from engine.disagg.pd_front_faults import FrontFaults
+from engine.disagg.pd_front_transfers import FrontTransfers
 from engine.distributed.worker_faults import refuse_in_spawn_bootstrap
 from engine.engine_args import EngineArgs
 from engine.offline.llm_engine import LLMEngine, SchedulerBuilder
@@ -71,11 +69,11 @@ PREFILL_REPLICA = 0
 _WAIT_S = 0.002  # how long an idle front waits for the decode process before returning
 
 
-class DisaggregatedEngine(FrontFaults):
+class DisaggregatedEngine(FrontTransfers):
     def __init__(self, args: EngineArgs, config: DisaggregationConfig | str | dict | None = None,
                  build_scheduler: SchedulerBuilder | None = None, keep_trace: bool = True) -> None:
-        """`build_scheduler`: the prefill engine's scheduler (as `LLMEngine`'s; it must not schedule
-        ahead), e.g. an experiment's; the decode engine's comes from `args` and `decode_args`.
+        """`build_scheduler`: the prefill engine's scheduler (as `LLMEngine`'s; it schedules ahead
+        exactly when `config.prefill_async_scheduling` says), e.g. an experiment's; the decode engine's comes from `args` and `decode_args`.
         `keep_trace`: keep the decode engine's request and step rows in `decode_rows` and
         `decode_steps` (False: a server's; its step rows are then not even sent)."""
         refuse_in_spawn_bootstrap()
@@ -91,11 +89,13 @@ class DisaggregatedEngine(FrontFaults):
         self._decode = DecodeClient(decode_args, config, store.port, keep_steps=keep_trace)
         self._conn = self._decode.conn
         try:  # the two engines build at once
-            self.prefill = LLMEngine(dataclasses.replace(args, async_scheduling=False),
+            ahead = config.prefill_async_scheduling
+            self.prefill = LLMEngine(dataclasses.replace(args, async_scheduling=ahead),
                                      build_scheduler=build_scheduler)
-            if self.prefill.scheduler.config.async_scheduling:
-                raise ValueError("the prefill engine's scheduler has async_scheduling=True: a hand-off needs "
-                                 "its first token, which a step scheduled ahead does not know yet")
+            if self.prefill.scheduler.config.async_scheduling != ahead:
+                raise ValueError(f"the prefill engine's scheduler has async_scheduling="
+                                 f"{self.prefill.scheduler.config.async_scheduling}, the pair's "
+                                 f"disaggregation.prefill_async_scheduling={ahead}: build it in the pair's mode")
             started = self._decode.await_message(DecodeStarted, config.startup_timeout_s, "starting",
                                                  "startup_timeout_s")
             self.link = KVLink(SEND_RANK, store, self.prefill.runner.device, config.transfer_timeout_s)
@@ -237,82 +237,3 @@ class DisaggregatedEngine(FrontFaults):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ---- the hand-off ------------------------------------------------------------------------
-    def _hand_off(self, handoff: KVHandoff) -> None:
-        request_id = handoff.request_id
-        self.prefill.hand_over_request(request_id)
-        self._handoffs[request_id] = handoff
-        if self._failure is not None:  # prefilled after the decode side failed: it ends here, with the error
-            self._fail_handoff(handoff, "error", self._failure)
-            self._done_early.append(self._final(handoff, "abort:error", self._failure))
-            return
-        if not self._decoding:  # work after a time with none: its silence counts from now
-            self._last_heard = time.monotonic()
-        self._decoding.add(request_id)
-        request = dataclasses.replace(handoff.request, sampling_params=self._params[request_id])
-        self._send(HandoffMessage(dataclasses.replace(handoff, request=request), self._prompts.get(request_id),
-                                  self._output_lens.pop(request_id, None)))
-
-    def _take_messages(self) -> list[RequestOutput]:
-        outputs = []
-        try:
-            while self._failure is None and self._conn.poll(0):
-                message = self._conn.recv()
-                self._last_heard = time.monotonic()
-                if isinstance(message, Reserved):
-                    self._start_transfer(message)
-                elif isinstance(message, Refused):
-                    request_id = message.request_id
-                    handoff = self._handoffs.get(request_id)
-                    if handoff is not None and request_id not in self._sending:
-                        self._fail_handoff(handoff, message.code, f"the decode engine refused it: {message.reason}")
-                    elif handoff is None and request_id in self._decoding:  # aborted as its KV arrived
-                        self._decoding.discard(request_id)
-                        outputs.append(self._error_output(request_id, f"abort:{message.code}", None))
-                elif isinstance(message, DecodeStep):
-                    if self._keep_trace:
-                        self.decode_rows.extend(message.rows)
-                        self.decode_steps.extend(message.steps)
-                    outputs += self._decode_outputs(message.outputs)
-                elif isinstance(message, DecodeFailed):
-                    self._fail(f"the decode engine failed: {message.error.splitlines()[0]}")
-        except (EOFError, OSError):
-            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
-        return outputs
-
-    def _start_transfer(self, message: Reserved) -> None:
-        """One send of every request the decode side reserved together (one gather, one message)."""
-        now = self.now()
-        handoffs = [self._handoffs[request_id] for request_id in message.request_ids]
-        for handoff, dst in zip(handoffs, message.dst_block_ids, strict=True):
-            handoff.dst_block_ids = list(dst)
-            handoff.transfer_start_time = now
-        kv = self.prefill.runner.kv_cache
-        self.link.send([(h.request_id, h.block_ids) for h in handoffs], kv.k_caches, kv.v_caches)
-        self._sending.update(message.request_ids)
-        self._send(TransferStarted(list(message.request_ids), now))
-
-    def _finish_transfers(self) -> None:
-        for transfer in self.link.poll():
-            now = self.now()
-            if transfer.error is not None:
-                self._fail(str(transfer.error))
-            for key in transfer.keys:
-                handoff = self._handoffs.pop(key)
-                self._sending.discard(key)
-                if transfer.error is not None:
-                    self.side.abort(key, "error", now)
-                self.side.finish_transfer(handoff, now)
-
-    def _decode_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        kept = []
-        for output in outputs:
-            if output.request_id not in self._decoding:
-                continue  # aborted here while it moved: its final output went out then
-            if output.finished:
-                self._decoding.discard(output.request_id)
-                self._params.pop(output.request_id, None)
-                self._prompts.pop(output.request_id, None)
-            kept.append(output)
-        return kept

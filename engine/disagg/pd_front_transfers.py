@@ -1,0 +1,112 @@
+"""How the disaggregated engine's front (engine/disagg/pd_engine.py) moves requests to the decode
+process: each request the prefill engine handed off goes out as a `HandoffMessage`; the decode
+process's messages are taken in turn (`Reserved` -> one send on the KV link of every request it
+names, gathered in one launch on the link's side stream; `Refused` -> that request ends with an
+error; `DecodeStep` -> the decode engine's outputs; `DecodeFailed` -> the pair fails); each transfer
+the link finished frees its prefill blocks (`PrefillSide.finish_transfer`). Kept apart from the
+front's step loop and interface, on the same state; how the front ends requests itself is
+engine/disagg/pd_front_faults.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from engine.disagg.messages import (
+    DecodeFailed,
+    DecodeStep,
+    HandoffMessage,
+    Refused,
+    Reserved,
+    TransferStarted,
+)
+from engine.disagg.pd_front_faults import FrontFaults
+from engine.offline.outputs import RequestOutput
+from policies.disagg import KVHandoff
+
+
+class FrontTransfers(FrontFaults):
+    """Mixed into `DisaggregatedEngine`: every method reads and writes the front's state."""
+
+    __slots__ = ()
+
+    def _hand_off(self, handoff: KVHandoff) -> None:
+        request_id = handoff.request_id
+        self.prefill.hand_over_request(request_id)
+        self._handoffs[request_id] = handoff
+        if self._failure is not None:  # prefilled after the decode side failed: it ends here, with the error
+            self._fail_handoff(handoff, "error", self._failure)
+            self._done_early.append(self._final(handoff, "abort:error", self._failure))
+            return
+        if not self._decoding:  # work after a time with none: its silence counts from now
+            self._last_heard = time.monotonic()
+        self._decoding.add(request_id)
+        request = dataclasses.replace(handoff.request, sampling_params=self._params[request_id])
+        self._send(HandoffMessage(dataclasses.replace(handoff, request=request), self._prompts.get(request_id),
+                                  self._output_lens.pop(request_id, None)))
+
+    def _take_messages(self) -> list[RequestOutput]:
+        outputs = []
+        try:
+            while self._failure is None and self._conn.poll(0):
+                message = self._conn.recv()
+                self._last_heard = time.monotonic()
+                if isinstance(message, Reserved):
+                    self._start_transfer(message)
+                elif isinstance(message, Refused):
+                    request_id = message.request_id
+                    handoff = self._handoffs.get(request_id)
+                    if handoff is not None and request_id not in self._sending:
+                        self._fail_handoff(handoff, message.code, f"the decode engine refused it: {message.reason}")
+                    elif handoff is None and request_id in self._decoding:  # aborted as its KV arrived
+                        self._decoding.discard(request_id)
+                        outputs.append(self._error_output(request_id, f"abort:{message.code}", None))
+                elif isinstance(message, DecodeStep):
+                    if self._keep_trace:
+                        self.decode_rows.extend(message.rows)
+                        self.decode_steps.extend(message.steps)
+                    outputs += self._decode_outputs(message.outputs)
+                elif isinstance(message, DecodeFailed):
+                    self._fail(f"the decode engine failed: {message.error.splitlines()[0]}")
+        except (EOFError, OSError):
+            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
+        return outputs
+
+    def _start_transfer(self, message: Reserved) -> None:
+        """One send of every request the decode side reserved together (one gather, one message)."""
+        now = self.now()
+        handoffs = [self._handoffs[request_id] for request_id in message.request_ids]
+        for handoff, dst in zip(handoffs, message.dst_block_ids, strict=True):
+            handoff.dst_block_ids = list(dst)
+            handoff.transfer_start_time = now
+        kv = self.prefill.runner.kv_cache
+        # Scheduled ahead, the compute stream may be running a later step: the blocks' own step was
+        # collected (its tokens read back), so the gather need not wait for it.
+        self.link.send([(h.request_id, h.block_ids) for h in handoffs], kv.k_caches, kv.v_caches,
+                       after_compute=not self.config.prefill_async_scheduling)
+        self._sending.update(message.request_ids)
+        self._send(TransferStarted(list(message.request_ids), now))
+
+    def _finish_transfers(self) -> None:
+        for transfer in self.link.poll():
+            now = self.now()
+            if transfer.error is not None:
+                self._fail(str(transfer.error))
+            for key in transfer.keys:
+                handoff = self._handoffs.pop(key)
+                self._sending.discard(key)
+                if transfer.error is not None:
+                    self.side.abort(key, "error", now)
+                self.side.finish_transfer(handoff, now)
+
+    def _decode_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        kept = []
+        for output in outputs:
+            if output.request_id not in self._decoding:
+                continue  # aborted here while it moved: its final output went out then
+            if output.finished:
+                self._decoding.discard(output.request_id)
+                self._params.pop(output.request_id, None)
+                self._prompts.pop(output.request_id, None)
+            kept.append(output)
+        return kept
