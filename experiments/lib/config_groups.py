@@ -24,6 +24,7 @@ class Cluster:
     handoff_step_boundaries: bool = True
     handoff_batch_blocks: int = 512
     dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (docs/fleet.md)
+    prefill_async_scheduling: bool = False  # backend=engine: the pair's prefill engine schedules ahead
 
 
 @dataclass

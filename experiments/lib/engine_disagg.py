@@ -5,9 +5,9 @@ next GPU in its own), on the wall clock, with the traces a simulated disaggregat
 the hand-off columns (TTFT split into queueing, prefill and transfer; the transfer's parts and bytes)
 and `summary.json`'s `disaggregation` section, so one notebook compares the two.
 
-The prefill engine's scheduler is the run's (`factory.build_scheduler`, scheduling synchronously:
-a hand-off needs its first token); the decode engine's is built from the same engine arguments
-(policy, block manager, limits), with `cluster.handoff_queue` and `cluster.handoff_timeout_s`
+The prefill engine's scheduler is the run's (`factory.build_scheduler`), scheduling synchronously,
+or ahead with `cluster.prefill_async_scheduling` (docs/disaggregation-engine.md); the decode
+engine's is built from the same engine arguments (policy, block manager, limits), with `cluster.handoff_queue` and `cluster.handoff_timeout_s`
 bounding its hand-off queue as in the simulator. Request and step rows come from both engines
 (`steps.parquet`'s replica 1: the decode engine's steps, on the same clock); events are the
 prefill engine's (the decode engine records none). The run's t=0 is when the pair is ready: both
@@ -45,7 +45,7 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
                          "the engine runs one prefill and one decode replica ([prefill, decode])")
     prefill_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     with open_dict(prefill_cfg):
-        prefill_cfg.scheduler.async_scheduling = False
+        prefill_cfg.scheduler.async_scheduling = cluster.prefill_async_scheduling
 
     def build(gpu: int, cpu: int, _: int) -> Scheduler:
         return factory.build_scheduler(prefill_cfg, gpu, cpu, recorder, workload)
@@ -54,7 +54,8 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
     for release in OTHER_DEVICE_HOLDERS:
         release()
     config = DisaggregationConfig(max_queue=cluster.handoff_queue, queue_timeout_s=cluster.handoff_timeout_s,
-                                  max_blocks_per_transfer=cluster.handoff_batch_blocks)
+                                  max_blocks_per_transfer=cluster.handoff_batch_blocks,
+                                  prefill_async_scheduling=cluster.prefill_async_scheduling)
     pair = DisaggregatedEngine(engine_args(cfg), config, build)
     try:
         pair.reset_clock()  # the run's t=0: the pair is ready (engines built, the KV link warm)
@@ -65,6 +66,8 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
         runner = pair.prefill.runner
         info = {**engine_info(runner), "replicas": 2, "roles": ["prefill", "decode"],
                 "decode_device": pair.decode_device, "link_warm_s": pair.link_warm.seconds,
+                "prefill_async_scheduling": config.prefill_async_scheduling,
+                "prefill_steps_ahead": pair.prefill.scheduler.num_scheduled_ahead,
                 "replica_info": [{"replica": 0, "role": "prefill", "num_gpu_blocks": runner.num_gpu_blocks},
                                  {"replica": 1, "role": "decode", "num_gpu_blocks": pair.decode_num_gpu_blocks}]}
         elapsed = pair.now()

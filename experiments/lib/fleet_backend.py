@@ -39,6 +39,8 @@ class ClusterConfig:
     handoff_step_boundaries: bool = True  # backend=sim: each side acts on a hand-off between its steps
     handoff_batch_blocks: int = 512  # hand-offs reserved at once move as one KV message, up to this many blocks
     dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (sim/fleet/fleet.py)
+    # backend=engine: the engine pair's prefill engine schedules ahead (disaggregation.prefill_async_scheduling)
+    prefill_async_scheduling: bool = False
 
     @property
     def disaggregated(self) -> bool:
@@ -87,8 +89,12 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     hop = c.get("dispatch_hop_s", d.dispatch_hop_s)
     if isinstance(hop, bool) or not isinstance(hop, (int, float)) or not 0 <= hop < inf:
         raise ValueError(f"cluster.dispatch_hop_s={hop!r} is invalid: must be a number of seconds >= 0")
+    ahead = c.get("prefill_async_scheduling", d.prefill_async_scheduling)
+    if not isinstance(ahead, bool):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+            f"cluster.prefill_async_scheduling={ahead!r} is invalid: must be true or false")
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
-                         float(host.hop_s), host.step_boundaries, batch_blocks, float(hop))
+                         float(host.hop_s), host.step_boundaries, batch_blocks, float(hop), ahead)
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:
