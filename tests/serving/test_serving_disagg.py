@@ -3,7 +3,7 @@ host, a decode engine in its own process; CPU, gloo), driven by the `openai` cli
 completions, whole and streamed, and n = 2 equal `LLM.generate` on a co-located engine over the
 same weights; streams that hang up mid-way are aborted wherever their request is (prefilling,
 moving, decoding), leaving no request and no prefill KV block behind, while the others get their
-tokens."""
+tokens; with the pair's prefill engine synchronous and scheduled ahead."""
 from __future__ import annotations
 
 import asyncio
@@ -34,9 +34,12 @@ def reference(model_dir):
     return LLM(model_dir, **ARGS)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    pair = DisaggregatedEngine(EngineArgs(model=model_dir, **ARGS), "prefill=1,decode=1,transfer_timeout_s=10")
+# The pair as `engine.serve --disaggregation SPEC` builds it: its prefill engine synchronous, and
+# scheduled ahead.
+@pytest.fixture(scope="module", params=["", ",prefill_async_scheduling=true"], ids=["sync", "ahead"])
+def server(model_dir, request):
+    pair = DisaggregatedEngine(EngineArgs(model=model_dir, **ARGS),
+                               "prefill=1,decode=1,transfer_timeout_s=10" + request.param)
     engine = AsyncLLMEngine(ThreadHost(pair, close_engine=True))
     with ServerThread(build_app(engine, MODEL)) as srv:
         srv.pair = pair
@@ -96,6 +99,7 @@ def test_hang_ups_are_aborted_wherever_the_request_is(server, reference):
     assert not pair.side.transferring and not pair._decoding
     bm = pair.prefill.scheduler.block_manager
     assert bm.num_free_gpu_blocks() == bm.num_gpu_blocks
+    assert (pair.prefill.scheduler.num_scheduled_ahead > 0) is pair.config.prefill_async_scheduling
 
 
 async def _streams(url, prompts, max_tokens, quitters):
