@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation on two GPUs (NCCL): the KV link moves blocks from cuda:0 to cuda:1
 exactly, and its start-up transfer leaves both caches as they were; a prefill engine on cuda:0 and a decode engine on cuda:1 give the single engine's greedy
 tokens in bf16 (the agreement count printed with -s, as the tensor-parallel tests do), with CUDA
-graphs and async scheduling on the decode side, and preemption there; a decode process killed
+graphs and async scheduling on the decode side, with the prefill engine scheduled ahead, and
+preemption there; a decode process killed
 mid-transfer ends the handed-off requests with an error within the bound."""
 from __future__ import annotations
 
@@ -143,6 +144,21 @@ def test_pair_bf16_greedy_agrees_with_one_engine(reference):
         print(f"[decode step] {s['step']}: t={s['time'] * 1e3:.1f} ms, {s['duration'] * 1e3:.2f} ms, "
               f"{s['num_decode_seqs']} seqs")
     assert steps and all(s["num_decode_seqs"] > 0 for s in steps)
+
+
+def test_pair_with_its_prefill_scheduled_ahead_agrees_with_one_engine():
+    """`prefill_async_scheduling`: hand-offs gathered on the link's stream while the step scheduled
+    ahead runs on the compute stream (the gather does not wait for it) carry the right KV."""
+    prompts = [list(range(1 + i, 1 + i + n)) for i, n in enumerate((5, 40, 130, 300, 17, 64, 700, 9) * 3)]
+    with LLMEngine(EngineArgs(**ARGS)) as engine:
+        want = _generate(engine, prompts)
+    config = DisaggregationConfig(transfer_timeout_s=TIMEOUT_S, prefill_async_scheduling=True)
+    with DisaggregatedEngine(EngineArgs(**ARGS), config) as pair:
+        got = _generate(pair, prompts)
+        ahead = pair.prefill.scheduler.num_scheduled_ahead
+    print(f"\n[ahead] {ahead} prefill steps scheduled ahead")
+    assert ahead > 0
+    assert _agree(got, want, "1P+1D, prefill scheduled ahead, vs one engine") >= 5 / 6
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
