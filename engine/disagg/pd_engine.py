@@ -38,8 +38,9 @@ Faults: the decode process dying, or silent for `transfer_timeout_s` while reque
 (a peer dead, or no progress for `transfer_timeout_s`) ends every request handed off or decoding
 with an error within that bound,
 and the pair refuses new requests (`RuntimeError`); `close()` ends the decode process within
-`JOIN_TIMEOUT_S`. How the front ends requests itself (faults, and their outputs) is
-engine/disagg/pd_front_faults.py.
+`JOIN_TIMEOUT_S`. How the front moves requests to the decode process (hand-offs, its messages,
+transfers) is engine/disagg/pd_front_transfers.py; how it ends requests itself (faults, and their
+outputs) engine/disagg/pd_front_faults.py.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ class DisaggregatedEngine(FrontTransfers):
     def __init__(self, args: EngineArgs, config: DisaggregationConfig | str | dict | None = None,
                  build_scheduler: SchedulerBuilder | None = None, keep_trace: bool = True) -> None:
         """`build_scheduler`: the prefill engine's scheduler (as `LLMEngine`'s; it schedules ahead
-        exactly when `config.prefill_async_scheduling` says), e.g. an experiment's; the decode engine's comes from `args` and `decode_args`.
+        exactly when `config.prefill_async_scheduling` says), e.g. an experiment's; the decode
+        engine's comes from `args` and `decode_args`.
         `keep_trace`: keep the decode engine's request and step rows in `decode_rows` and
         `decode_steps` (False: a server's; its step rows are then not even sent)."""
         refuse_in_spawn_bootstrap()

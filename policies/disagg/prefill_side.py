@@ -74,7 +74,8 @@ class PrefillSide:
         self._kept.add(seq.seq_id)
 
     def release(self, seq: Sequence) -> None:
-        """A kept sequence will not be handed off after all (its token turned out to stop it)."""
+        """A kept sequence will not be handed off after all (its token turned out to stop it, or its
+        request was aborted before the update of the step that ended it)."""
         self._kept.discard(seq.seq_id)
         self.scheduler.block_manager.free(seq)
 
