@@ -44,7 +44,7 @@ def _receiver(port: int, plan: list[list[tuple[str, list[int]]]], result, mode: 
     assert [t.keys for t in done] == [t.keys for t in transfers] and all(t.error is None for t in done)
     for t in done:
         link.scatter(t, k, v)
-    result.put(([x.clone() for x in k], [x.clone() for x in v]))
+    result.put(([x.numpy().copy() for x in k], [x.numpy().copy() for x in v]))  # by value: this process may end first
     link.close()
 
 
@@ -73,6 +73,7 @@ def _start(plan, mode: str = "ok", go=None, target=None):
 
 
 def _assert_landed(rk, rv, k, v, sent: list[list[int]], received: list[list[int]]) -> None:
+    rk, rv = [torch.from_numpy(x) for x in rk], [torch.from_numpy(x) for x in rv]
     untouched = set(range(BLOCKS)) - {b for blocks in received for b in blocks}
     for layer in range(LAYERS):
         for src, dst in zip(sent, received):
