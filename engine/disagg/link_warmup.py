@@ -18,17 +18,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 import kernels
 from engine.disagg.kv_transfer import KVLink
 from engine.disagg.kv_transfer_message import KVTransferError, Transfer, interleaved, staging_shape
-from engine.disagg.messages import DecodeReady
-
-if TYPE_CHECKING:  # the client imports the decode process, which imports this module
-    from engine.disagg.decode_client import DecodeClient
 
 WARM_BLOCK = 0
 WARM_KEY = "kv-link-warm-up"
@@ -65,22 +60,6 @@ def warm_recv(link: KVLink, k_caches: Sequence[torch.Tensor], v_caches: Sequence
     if k_caches[0].device.type == "cuda":
         torch.cuda.synchronize(k_caches[0].device)
     return WarmTransfer(time.monotonic() - start, transfer.num_bytes)
-
-
-def warm_link_from_front(link: KVLink, decode: DecodeClient, k_caches: Sequence[torch.Tensor],
-                         v_caches: Sequence[torch.Tensor]) -> WarmTransfer:
-    """The front's part of the pair's start-up: its send (`warm_send`), then the decode process's
-    `DecodeReady` (its receive, scatter and restore done), each within the link's `timeout_s`. A
-    decode process that dies or hangs meanwhile raises a RuntimeError (or TimeoutError) saying so."""
-    what = "the KV link's start-up transfer"
-    try:
-        warm = warm_send(link, k_caches, v_caches)
-    except KVTransferError as e:
-        if not decode.alive:
-            raise RuntimeError(f"{decode.gone} during {what}") from e
-        raise RuntimeError(f"the decode engine did not complete {what}: {e}") from e
-    decode.await_message(DecodeReady, link.timeout_s, f"running {what}", "transfer_timeout_s")
-    return warm
 
 
 def _await(link: KVLink, transfer: Transfer) -> None:

@@ -7,7 +7,7 @@ drive it as they drive one engine.
     # prefill on the engine's device (cuda:0) in this process, decode on cuda:1 in a child process
 
 Start-up (bounded): both engines build at once, the link opens and moves one block through the
-serving path (engine/disagg/link_warmup.py), then both clocks start at 0 (`reset_clock`).
+serving path (engine/disagg/link_warmup.py, `_warm_link`), then both clocks start at 0 (`reset_clock`).
 
 This process (the front) runs the prefill engine; `step()`:
 1. takes the decode process's messages: `Reserved` -> the blocks of the requests it names are
@@ -47,13 +47,15 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from engine.disagg import link_warmup
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.decode_client import JOIN_TIMEOUT_S, DecodeClient, decode_engine_args
 from engine.disagg.kv_transfer import SEND_RANK, KVLink, open_store
-from engine.disagg.link_warmup import warm_link_from_front
+from engine.disagg.kv_transfer_message import KVTransferError
 from engine.disagg.messages import (
     AbortMessage,
     ClockOrigin,
+    DecodeReady,
     DecodeStarted,
 )
 from engine.disagg.pd_front_transfers import FrontTransfers
@@ -102,7 +104,7 @@ class DisaggregatedEngine(FrontTransfers):
                                                  "startup_timeout_s")
             self.link = KVLink(SEND_RANK, store, self.prefill.runner.device, config.transfer_timeout_s)
             kv = self.prefill.runner.kv_cache
-            self.link_warm = warm_link_from_front(self.link, self._decode, kv.k_caches, kv.v_caches)
+            self.link_warm = _warm_link(self.link, self._decode, kv.k_caches, kv.v_caches)
         except BaseException:
             self.close()
             raise
@@ -239,3 +241,19 @@ class DisaggregatedEngine(FrontTransfers):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _warm_link(link: KVLink, decode: DecodeClient, k_caches, v_caches) -> link_warmup.WarmTransfer:
+    """The front's part of the pair's start-up: its send (`link_warmup.warm_send`), then the decode
+    process's `DecodeReady` (its receive, scatter and restore done), each within the link's
+    `timeout_s`. A decode process that dies or hangs meanwhile raises a RuntimeError (or
+    TimeoutError) saying so."""
+    what = "the KV link's start-up transfer"
+    try:
+        warm = link_warmup.warm_send(link, k_caches, v_caches)
+    except KVTransferError as e:
+        if not decode.alive:
+            raise RuntimeError(f"{decode.gone} during {what}") from e
+        raise RuntimeError(f"the decode engine did not complete {what}: {e}") from e
+    decode.await_message(DecodeReady, link.timeout_s, f"running {what}", "transfer_timeout_s")
+    return warm
