@@ -109,7 +109,6 @@ def run_engine_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int
     requests = sorted(workload.requests, key=lambda r: r.arrival_time)
     for conn in fleet.conns:
         conn.send(("run", cfg, workload, router.reads_prefix_index))
-    start = start_together(fleet.conns, [p.sentinel for p in fleet.processes], READY_TIMEOUT_S)
     done = 0
     results: dict[int, tuple] = {}  # replica -> (steps, elapsed, recorder), its run's end
 
@@ -130,10 +129,11 @@ def run_engine_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int
             done += ended
             on_done(ended)
 
-    feed = FleetFeed(fleet.conns, [p.sentinel for p in fleet.processes], requests, start, dispatch, receive,
-                     END_TIMEOUT_S)
-    try:
-        feed.run(lambda: done >= len(requests))
+    sentinels = [p.sentinel for p in fleet.processes]
+    try:  # a replica that fails or is late to start, or fails in the run, ends the kept fleet
+        start = start_together(fleet.conns, sentinels, READY_TIMEOUT_S)
+        FleetFeed(fleet.conns, sentinels, requests, start, dispatch, receive, END_TIMEOUT_S).run(
+            lambda: done >= len(requests))
     except BaseException as exc:
         exits = [f"replica {i}: exit code {p.exitcode}" for i, p in enumerate(fleet.processes) if not p.is_alive()]
         release_fleet()
