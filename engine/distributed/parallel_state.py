@@ -100,7 +100,7 @@ def init_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
     host_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     group = TPGroup(rank, size, device_group, host_group)
     group.custom = open_symmetric_all_reduce(parallel or ParallelConfig(size), device, rank, size,
-                                             device_group.group_name, group.min_int)
+                                             device_group.group_name, group.min_int, store)
     return group
 
 
