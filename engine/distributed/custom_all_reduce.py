@@ -49,14 +49,12 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from engine.config import ParallelConfig
 
 logger = logging.getLogger("servelab.engine")
 
 ONE_SHOT, TWO_SHOT, NCCL = "one-shot", "two-shot", "nccl"
-_last_symmetric_group = 0  # the number in this process's last symmetric group name
 # Eager launches run at most this many symmetric-memory kernels ahead of the GPU (a layer holds two:
 # the queue then holds a few dozen kernels, far below the launch queue's ~1,000, and the GPU always
 # has the next layer's work).
@@ -188,19 +186,18 @@ class SymmetricAllReduce:
 
 
 def open_symmetric_all_reduce(parallel: ParallelConfig, device: torch.device, rank: int, world_size: int,
-                              group_name: str, agree: Callable[[int], int], store: Any) -> SymmetricAllReduce | None:
+                              group_name: str, agree: Callable[[int], int]) -> SymmetricAllReduce | None:
     """Every rank calls this at start-up, in the same order as the others; `agree(v)`: the minimum
-    of `v` over the ranks (the host group); `store`: the group's rendezvous store. Returns None on
-    every rank unless every rank has the symmetric buffer, and logs which all-reduce runs."""
+    of `v` over the ranks (the host group). Returns None on every rank unless every rank has the
+    symmetric buffer, and logs which all-reduce runs."""
     reason = unavailable_reason(parallel, device, rank, world_size)
     if agree(0 if reason else 1) == 0:
         _log_off(rank, reason or "another rank cannot use symmetric memory")
         return None
-    symm_name = symmetric_group_name(group_name, agree)
     symm_mem = symmetric_memory()
     custom = None
     try:
-        custom = _allocate(symm_mem, parallel, device, rank, world_size, symm_name, store)
+        custom = _allocate(symm_mem, parallel, device, world_size, group_name)
     except Exception as e:  # noqa: BLE001 (any failure falls back to NCCL on every rank, logged)
         reason = f"the symmetric buffer could not be set up: {type(e).__name__}: {e}"
     if agree(0 if custom is None else 1) == 0:
@@ -212,28 +209,16 @@ def open_symmetric_all_reduce(parallel: ParallelConfig, device: torch.device, ra
     return custom
 
 
-def symmetric_group_name(group_name: str, agree: Callable[[int], int]) -> str:
-    """A name for this set-up's symmetric-memory group that no earlier set-up in any rank's process
-    used. torch keeps a symmetric-memory group's rank, size and store under its name for the
-    process's life (`set_group_info`, never cleared), and the default group made after
-    `destroy_process_group` is named "0" again: a second engine in the user's process would
-    rendezvous through the first one's store, where no peer comes, and wait for good. Each process
-    proposes one past the last number it used; the ranks take the largest (`agree` is a minimum)."""
-    global _last_symmetric_group
-    agreed = -agree(-(_last_symmetric_group + 1))
-    _last_symmetric_group = agreed
-    return f"servelab-symm-{group_name}-{agreed}"
-
-
-def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.device, rank: int, world_size: int,
-              group_name: str, store: Any) -> SymmetricAllReduce:
+def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.device, world_size: int,
+              group_name: str) -> SymmetricAllReduce:
     # No multicast object (NVLink multicast is off here, and its setup fails where it is not
     # supported); no implicit memory pool: a buffer freed by a closed engine is released, so a later
     # engine's buffer is never a reused block still holding the old group's peer mappings.
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("TORCH_SYMMMEM_IMPLICIT_POOL", "0")
-    # The group under a name of its own (`symmetric_group_name`), exchanging through its own keys.
-    symm_mem._SymmetricMemory.set_group_info(group_name, rank, world_size, dist.PrefixStore(group_name, store))
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None and not getattr(enable, "__deprecated__", None):  # needed before torch made it a no-op
+        enable(group_name)
     size = parallel.custom_all_reduce_max_bytes
     buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group_name)

@@ -8,7 +8,6 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import engine.distributed.custom_all_reduce as car
@@ -149,14 +148,14 @@ def test_this_torch_has_the_ops_used():
 
 def test_gloo_ranks_stay_on_gloo_with_a_log_line(caplog):
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), torch.device("cpu"), 0, 2, "g", lambda v: v, None) is None
+        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), torch.device("cpu"), 0, 2, "g", lambda v: v) is None
     assert "custom all-reduce off: device cpu is not a GPU (gloo carries the all-reduces)" in caplog.text
 
 
 def test_one_rank_that_cannot_keeps_every_rank_on_nccl(monkeypatch, caplog):
     monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)  # this rank could
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g", lambda v: 0, None) is None  # another not
+        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g", lambda v: 0) is None  # another not
     assert "another rank cannot use symmetric memory" in caplog.text
 
 
@@ -172,49 +171,10 @@ def test_a_failed_buffer_set_up_falls_back_on_every_rank(monkeypatch, caplog):
 
     monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)
     monkeypatch.setattr(car, "_allocate", refuse)
-    monkeypatch.setattr(car, "_last_symmetric_group", 0)
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g", agree, None) is None
-    assert agreed == [1, -1, 0]  # the ranks agree before allocating (and on the group's name) and after
+        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g", agree) is None
+    assert agreed == [1, 0]  # the ranks agree before allocating and after
     assert "could not be set up: RuntimeError: CUDA driver error: invalid argument" in caplog.text
-
-
-class FakeSymmetricMemory:
-    """torch's symmetric-memory module as `_allocate` uses it: records the groups it is told of."""
-
-    def __init__(self) -> None:
-        self.groups: list[tuple[str, int, int]] = []
-        self._SymmetricMemory = self
-
-    def set_group_info(self, name, rank, world_size, store):
-        assert isinstance(store, dist.PrefixStore)
-        self.groups.append((name, rank, world_size))
-
-    def empty(self, size, dtype, device):
-        return torch.zeros(size, dtype=dtype)
-
-    def rendezvous(self, buffer, name):
-        return ("handle", name)
-
-
-def test_each_set_up_in_a_process_takes_a_group_name_never_used_before(monkeypatch):
-    """torch keeps a symmetric group's store under its name for the process's life, and every new
-    default group is named "0": a second engine in one process must not reuse the first's name (it
-    would rendezvous through the first engine's store and wait for good). The ranks agree on the
-    largest proposal: a fresh worker (proposing 1) follows rank 0 (proposing its next number)."""
-    fake = FakeSymmetricMemory()
-    monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)
-    monkeypatch.setattr(car, "symmetric_memory", lambda: fake)
-    monkeypatch.setattr(car, "_last_symmetric_group", 0)
-    store = dist.HashStore()
-    names = []
-    for worker_proposes in (1, 1, 7, 1):
-        custom = open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "0",
-                                           lambda v, w=worker_proposes: min(v, -w) if v < 0 else v, store)
-        assert custom is not None and custom.handle == ("handle", custom.group_name)
-        names.append(custom.group_name)
-    assert names == ["servelab-symm-0-1", "servelab-symm-0-2", "servelab-symm-0-7", "servelab-symm-0-8"]
-    assert [g[0] for g in fake.groups] == names and all(g[1:] == (0, 2) for g in fake.groups)
 
 
 def test_a_cpu_group_has_no_symmetric_paths():
