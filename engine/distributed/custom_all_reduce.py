@@ -55,6 +55,11 @@ from engine.config import ParallelConfig
 logger = logging.getLogger("servelab.engine")
 
 ONE_SHOT, TWO_SHOT, NCCL = "one-shot", "two-shot", "nccl"
+# Whether this process has joined a symmetric-memory rendezvous. torch's exchange of the buffers'
+# handles keeps per-process state that a later engine's fresh workers do not share, so a second
+# rendezvous in the user's process waits for good (measured on two GPUs: the second TP=2 engine of
+# a process hung there, its groups renamed or not): such an engine stays on NCCL, the reason logged.
+_rendezvous_joined = False
 # Eager launches run at most this many symmetric-memory kernels ahead of the GPU (a layer holds two:
 # the queue then holds a few dozen kernels, far below the launch queue's ~1,000, and the GPU always
 # has the next layer's work).
@@ -116,6 +121,10 @@ def unavailable_reason(parallel: ParallelConfig, device: torch.device, rank: int
     if symmetric_memory() is None:
         return (f"torch {torch.__version__} has no torch.distributed._symmetric_memory with the ops "
                 f"{', '.join(REQUIRED_OPS)}")
+    if _rendezvous_joined:
+        return ("this process set up symmetric memory for an earlier engine, and torch's rendezvous "
+                "cannot meet a new engine's workers a second time (run each tensor-parallel engine in a "
+                "process of its own to have it)")
     first = device.index - rank
     no_peer = [first + r for r in range(world_size)
                if r != rank and not torch.cuda.can_device_access_peer(device.index, first + r)]
@@ -221,6 +230,8 @@ def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.devi
         enable(group_name)
     size = parallel.custom_all_reduce_max_bytes
     buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    global _rendezvous_joined
+    _rendezvous_joined = True  # even if it fails: the exchange's state has moved on
     handle = symm_mem.rendezvous(buffer, group_name)
     if handle is None:
         raise RuntimeError("rendezvous returned no handle (the buffer is not symmetric memory)")

@@ -8,11 +8,7 @@ packed input bytes, `engine.distributed.step_message`). On CPUs one gloo group s
 
 Ranks meet at a `TCPStore` that rank 0 opens on a free port of 127.0.0.1 (no port guessing). The
 groups are torch.distributed's default group, so one process holds at most one tensor-parallel
-engine at a time (as in vLLM); `end_group` ends them, in bounded time. torch names the groups by a
-counter it resets when they end, and keeps per-name state for the process's life (symmetric memory's
-group record and rendezvous count): each engine's groups therefore take names that no earlier group
-of rank 0's process had (`_number_groups_from`), or a second engine in the user's process would
-rendezvous under the first one's name and wait for good.
+engine at a time (as in vLLM); `end_group` ends them, in bounded time.
 """
 from __future__ import annotations
 
@@ -27,10 +23,6 @@ import torch.distributed as dist
 
 from engine.config import ParallelConfig
 from engine.distributed.custom_all_reduce import SymmetricAllReduce, open_symmetric_all_reduce
-
-# The first group number that no group of this process has had (torch's counter restarts at 0).
-_next_group_number = 0
-FIRST_GROUP_NUMBER_KEY = "servelab/first_group_number"
 
 # all_gather_into_tensor's new name (torch >= 2.12); the same collective.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -103,45 +95,13 @@ def init_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    _number_groups_from(group_number_from_rank0(store, rank))
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
     device_group = dist.group.WORLD
     host_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    _note_group_numbers_used()
     group = TPGroup(rank, size, device_group, host_group)
     group.custom = open_symmetric_all_reduce(parallel or ParallelConfig(size), device, rank, size,
                                              device_group.group_name, group.min_int)
     return group
-
-
-def group_number_from_rank0(store: dist.Store, rank: int) -> int:
-    """The number this engine's first group takes on every rank: rank 0's next unused one, which
-    it writes into the engine's store (a new store per engine) and the workers read (bounded by the
-    store's timeout)."""
-    if rank == 0:
-        store.set(FIRST_GROUP_NUMBER_KEY, str(_next_group_number))
-        return _next_group_number
-    return int(store.get(FIRST_GROUP_NUMBER_KEY))
-
-
-def _torch_group_counter() -> object | None:
-    """torch's record of the groups made (its `group_count` names the next one), or None if this
-    torch keeps none (then the names are torch's own)."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    return world if world is not None and isinstance(getattr(world, "group_count", None), int) else None
-
-
-def _number_groups_from(first: int) -> None:
-    world = _torch_group_counter()
-    if world is not None:
-        world.group_count = max(first, world.group_count)
-
-
-def _note_group_numbers_used() -> None:
-    global _next_group_number
-    world = _torch_group_counter()
-    if world is not None:
-        _next_group_number = max(_next_group_number, world.group_count)
 
 
 def end_group(destroy_s: float, abort_s: float) -> bool:
@@ -152,7 +112,6 @@ def end_group(destroy_s: float, abort_s: float) -> bool:
     teardown, abort included, waits until no graph holds the communicator."""
     if not dist.is_initialized():
         return True
-    _note_group_numbers_used()  # groups made since the start keep their names taken
     if bounded(dist.destroy_process_group, destroy_s) and not dist.is_initialized():
         return True
     return bounded(abort_group, abort_s) and not dist.is_initialized()

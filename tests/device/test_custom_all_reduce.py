@@ -177,6 +177,31 @@ def test_a_failed_buffer_set_up_falls_back_on_every_rank(monkeypatch, caplog):
     assert "could not be set up: RuntimeError: CUDA driver error: invalid argument" in caplog.text
 
 
+class FakeSymmetricMemory:
+    """torch's symmetric-memory module as `_allocate` uses it."""
+
+    def empty(self, size, dtype, device):
+        return torch.zeros(size, dtype=dtype)
+
+    def rendezvous(self, buffer, group_name):
+        return ("handle", group_name)
+
+
+def test_a_second_engine_in_a_process_stays_on_nccl_with_the_reason(monkeypatch, caplog):
+    """torch's rendezvous keeps per-process state that a new engine's fresh workers do not share:
+    a second set-up in the user's process would wait for good, so it is not tried."""
+    monkeypatch.setattr(car, "symmetric_memory", lambda: FakeSymmetricMemory())
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda *a: True)
+    monkeypatch.setattr(car, "_rendezvous_joined", False)
+    parallel = ParallelConfig(2, disable_custom_all_reduce=False)
+    first = open_symmetric_all_reduce(parallel, GPU1, 0, 2, "0", lambda v: v)
+    assert first is not None and first.handle == ("handle", "0")
+    assert "earlier engine" in unavailable_reason(parallel, GPU1, 0, 2)
+    with caplog.at_level(logging.INFO, logger="servelab.engine"):
+        assert open_symmetric_all_reduce(parallel, GPU1, 0, 2, "0", lambda v: v) is None
+    assert "custom all-reduce off: this process set up symmetric memory for an earlier engine" in caplog.text
+
+
 def test_a_cpu_group_has_no_symmetric_paths():
     group = init_group(open_store(1, 10), 0, 1, torch.device("cpu"), 10)
     try:
