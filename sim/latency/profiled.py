@@ -13,6 +13,7 @@ count, scaled by block_size / the profile's block_size.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,10 +122,21 @@ class ProfiledModel(LatencyModel):
             t += self.pad_token_s * (padded(p + d, self.token_sizes) - p - d)
         if p and self.prefill_schedule is not None and self.prefill_tile_s and b.prefill_chunks:
             schedule = self.prefill_schedule
-            t += self.prefill_tile_s * (schedule.makespan(b.prefill_chunks) - schedule.single(p))
+            t += self.prefill_tile_s * (schedule.makespan(b.prefill_chunks) - self._as_grid_prices(schedule.single, p))
         elif p and self.prefill_pair_s:
-            t += self.prefill_pair_s * (b.prefill_attention_pairs - p * (p + 1) // 2)
+            t += self.prefill_pair_s * (b.prefill_attention_pairs - self._as_grid_prices(_causal_pairs, p))
         return max(t, 0.0)
+
+    def _as_grid_prices(self, attention: Callable[[int], float], p: int) -> float:
+        """The grid rows' own attention (one sequence of `p` tokens) as the grid prices it: exact
+        within the grid, and beyond its largest prefill row extended along its last segment, as the
+        grid's price is. The layout correction removes this and adds the step's real attention: with
+        the quadratic single-sequence attention removed from a linearly extended price, a step of
+        eight 1,024-token prompts (8,192 tokens, 2,048 the largest row) was priced below one of four."""
+        last, before = self.axes.prefill[-1], self.axes.prefill[-2] if len(self.axes.prefill) > 1 else 0
+        if p <= last or last <= before:
+            return attention(p)
+        return attention(last) + (p - last) * (attention(last) - attention(before)) / (last - before)
 
     def lookup(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
                grid: Times | None = None, max_context_tokens: int = 0) -> float:
@@ -139,3 +151,8 @@ class ProfiledModel(LatencyModel):
         i, w = segment(self.swap_axis, x)
         ts = self._swap_times
         return max(ts[i] + w * (ts[i + 1] - ts[i]), 0.0)
+
+
+def _causal_pairs(num_tokens: int) -> int:
+    """(query, key) pairs of one prompt's causal attention."""
+    return num_tokens * (num_tokens + 1) // 2

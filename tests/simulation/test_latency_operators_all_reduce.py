@@ -37,19 +37,24 @@ def run(directory: Path, *overrides: str):
                                         "model=qwen3-8b", "parallel.tensor_parallel_size=2", *overrides))
 
 
-@pytest.fixture(scope="module")
-def symmetric(tmp_path_factory) -> Path:
-    """The committed H200 files, the collectives file with one-shot and two-shot rows added at its
-    sizes (as a profile taken where symmetric memory is available holds them)."""
-    out = tmp_path_factory.mktemp("symm")
+def _h200_with_symmetric_rows(out: Path, times: dict[str, float]) -> Path:
+    """The committed H200 files in `out`, the collectives file's symmetric-memory rows replaced by
+    flat stand-ins at its sizes (`times`: path -> seconds; none: a profile without them)."""
     for path in OPERATORS.glob("h200-bfloat16-*.csv"):
         shutil.copy(path, out)
     meta, rows = read_operator_file(H200_NCCL)
+    kept = [{"op": op, **row} for op, row in rows if op not in (ALL_REDUCE_PATH_OPS["one-shot"], ALL_REDUCE_PATH_OPS["two-shot"])]
     sizes = sorted({row["bytes"] for op, row in rows if op == "all_reduce"})
     extra = [{"op": ALL_REDUCE_PATH_OPS[path], "bytes": n, "world_size": 2, "time_s": t}
-             for path, t in (("one-shot", ONE_SHOT_S), ("two-shot", TWO_SHOT_S)) for n in sizes]
-    write_operator_file(out / H200_NCCL.name, meta, [{"op": op, **row} for op, row in rows] + extra)
+             for path, t in times.items() for n in sizes]
+    write_operator_file(out / H200_NCCL.name, meta, kept + extra)
     return out
+
+
+@pytest.fixture(scope="module")
+def symmetric(tmp_path_factory) -> Path:
+    """Stand-in one-shot and two-shot rows, below every NCCL row, so each path's price is plain."""
+    return _h200_with_symmetric_rows(tmp_path_factory.mktemp("symm"), {"one-shot": ONE_SHOT_S, "two-shot": TWO_SHOT_S})
 
 
 def test_each_message_is_priced_on_the_path_the_engine_takes(symmetric):
@@ -88,10 +93,21 @@ def test_with_the_symmetric_paths_off_every_message_is_nccls_and_the_run_says_wh
     assert "symmetric memory off: custom_all_reduce_max_bytes=0" in zero.data_sources()["collectives"]
 
 
-def test_a_profile_without_symmetric_rows_prices_nccl_and_says_so():
-    """Every committed profile today: the engine's small messages are faster than priced."""
-    nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
+def test_the_committed_h200_profile_prices_the_engines_paths_from_its_own_rows():
+    meta, rows = read_operator_file(H200_NCCL)
+    measured = {(op, row["bytes"]): row["time_s"] for op, row in rows}
     model = run(OPERATORS)
+    assert model.all_reduce(8 * KiB) == pytest.approx(measured[(ALL_REDUCE_PATH_OPS["one-shot"], 8 * KiB)])
+    assert model.all_reduce(4 * MiB) == pytest.approx(measured[(ALL_REDUCE_PATH_OPS["two-shot"], 4 * MiB)])
+    assert model.all_reduce(64 * MiB) == pytest.approx(measured[("all_reduce", 64 * MiB)])
+    assert "symmetric-memory rows, h200-bfloat16-collectives-n2.csv" in model.data_sources()["collectives"]
+
+
+def test_a_profile_without_symmetric_rows_prices_nccl_and_says_so(tmp_path):
+    """A profile taken where symmetric memory was not available: the engine's small messages are
+    faster than priced."""
+    nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
+    model = run(_h200_with_symmetric_rows(tmp_path, {}))
     for nbytes in (8 * KiB, 2 * MiB, 64 * MiB):
         assert model.all_reduce(nbytes) == nccl(nbytes)
     assert model.data_sources()["collectives"] == (
