@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.pd_engine import DisaggregatedEngine
@@ -30,7 +30,7 @@ from experiments.lib.engine_backend import (
     feed_workload,
     release_engine,
 )
-from experiments.lib.fleet_backend import cluster_config
+from experiments.lib.fleet_backend import cluster_config, prefill_scheduler_config
 from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole
 from policies.scheduler import Scheduler
@@ -43,9 +43,7 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
     if tuple(cluster.roles) != (ReplicaRole.PREFILL, ReplicaRole.DECODE):
         raise ValueError(f"cluster.roles={[r.value for r in cluster.roles]} is not supported with backend=engine: "
                          "the engine runs one prefill and one decode replica ([prefill, decode])")
-    prefill_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    with open_dict(prefill_cfg):
-        prefill_cfg.scheduler.async_scheduling = cluster.prefill_async_scheduling
+    prefill_cfg = prefill_scheduler_config(cfg, cluster)
 
     def build(gpu: int, cpu: int, _: int) -> Scheduler:
         return factory.build_scheduler(prefill_cfg, gpu, cpu, recorder, workload)

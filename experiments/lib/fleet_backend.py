@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from math import inf
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.lib import factory
 from experiments.lib.paths import REPO_ROOT
@@ -107,6 +107,17 @@ def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:
     return out
 
 
+def prefill_scheduler_config(cfg: DictConfig, cluster: ClusterConfig) -> DictConfig:
+    """A prefill replica's scheduler config: it schedules ahead only with
+    `cluster.prefill_async_scheduling`, on the engine pair and in the simulator alike (the latency
+    model keeps the run's mode: an async profile prices the steps not scheduled ahead from its
+    `sync_time_s`, as the synchronous loop pays them)."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    with open_dict(out):
+        out.scheduler.async_scheduling = cluster.prefill_async_scheduling
+    return out
+
+
 def build_router(cfg: DictConfig):
     from policies.routing import make_router
     try:
@@ -127,7 +138,9 @@ def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None
         replica_cfgs.append(rcfg)
         gpu, cpu = factory.kv_block_counts(rcfg)
         recorder = TraceRecorder()
-        scheduler = factory.build_scheduler(rcfg, gpu, cpu, recorder, workload)
+        prefill = cluster.disaggregated and cluster.roles[i] is ReplicaRole.PREFILL
+        scheduler = factory.build_scheduler(prefill_scheduler_config(rcfg, cluster) if prefill else rcfg,
+                                            gpu, cpu, recorder, workload)
         specs.append(ReplicaSpec(scheduler, factory.build_latency(rcfg)))
         recorders.append(recorder)
         info.append({"replica": i, "hardware": rcfg.hardware.name, "num_gpu_blocks": gpu, "num_cpu_blocks": cpu})

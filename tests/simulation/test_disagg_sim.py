@@ -223,3 +223,22 @@ def test_hand_offs_reserved_together_move_as_one_message_paying_the_overhead_onc
     alone = _batch_run(1)
     queued = alone["link_time"] - (1e-5 + 2e-3 + alone["transfer_bytes"] / 10e9)
     assert (alone["link_wait"] + queued).max() > 2e-3 and (queued.abs() < 1e-12).all()
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_prefill_replicas_schedule_ahead_only_as_the_engine_pairs_prefill_engine_does(monkeypatch, ahead):
+    """`cluster.prefill_async_scheduling` sets the prefill replicas' mode on both backends; the
+    decode replicas keep the run's (`scheduler.async_scheduling`)."""
+    modes = []
+    build = factory.build_scheduler
+
+    def recorded(cfg, *args, **kwargs):
+        scheduler = build(cfg, *args, **kwargs)
+        modes.append(scheduler.config.async_scheduling)
+        return scheduler
+
+    monkeypatch.setattr(factory, "build_scheduler", recorded)
+    cfg = _cfg("scheduler.async_scheduling=true", f"cluster.prefill_async_scheduling={str(ahead).lower()}")
+    result = run_fleet(cfg, factory.workload(cfg), lambda n: None)
+    assert modes == [ahead, ahead, True]
+    assert len(result.replica_recorders[2].requests) == 40
