@@ -94,7 +94,7 @@ def test_with_the_symmetric_paths_off_every_message_is_nccls_and_the_run_says_wh
 
 
 def test_the_committed_h200_profile_prices_the_engines_paths_from_its_own_rows():
-    meta, rows = read_operator_file(H200_NCCL)
+    _, rows = read_operator_file(H200_NCCL)
     measured = {(op, row["bytes"]): row["time_s"] for op, row in rows}
     model = run(OPERATORS)
     assert model.all_reduce(8 * KiB) == pytest.approx(measured[(ALL_REDUCE_PATH_OPS["one-shot"], 8 * KiB)])
