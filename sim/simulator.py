@@ -103,7 +103,10 @@ class Simulator:
         self.on_done = on_done
         self.env = simpy.Environment()
         self.num_steps = 0
-        self.after_step: Callable[[], None] | None = None  # called after each step's update (a fleet's hook)
+        # Called after each step's update (a fleet's hook); what it returns, if anything, is host time
+        # this replica spends before its next step when it schedules synchronously (scheduling ahead,
+        # the next step is already running on the device).
+        self.after_step: Callable[[], float | None] | None = None
         self.step_end = 0.0  # when the running step (or decode run) ends: a fleet's host loop acts after it
         self._arrived = 0
         self._wake: simpy.Event | None = None
@@ -230,7 +233,10 @@ class Simulator:
             self.num_steps += 1
             sched.update(out, tokens, env.now, (), stop_lens)
             if self.after_step is not None:
-                self.after_step()
+                host_s = self.after_step()
+                if host_s and not self.ahead:
+                    self.step_end = env.now + host_s  # the host loop is busy until then
+                    yield timeout(host_s)
 
     def _decode_run(self) -> list[float] | None:
         """Times [t_0 = now, ..., t_K] of K >= 1 decode steps `advance_decodes` can apply at once:

@@ -47,5 +47,6 @@ def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig]
                                 workload.requests, links, block_bytes, cluster.handoff_queue,
                                 cluster.handoff_timeout_s, cluster.refresh_s, workload.stop_lens, on_done,
                                 fast_forward=cfg.backend.get("fast_forward", True),
-                                host=HandoffHost(cluster.handoff_hop_s, cluster.handoff_step_boundaries),
+                                host=HandoffHost(cluster.handoff_hop_s, cluster.handoff_step_boundaries,
+                                                 cluster.handoff_host_s),
                                 batch_blocks=cluster.handoff_batch_blocks)

@@ -37,6 +37,7 @@ class ClusterConfig:
     handoff_timeout_s: float = 60.0  # how long one may wait there
     handoff_hop_s: float = 1e-4  # backend=sim: one message between a pair's host loops (sim/fleet/disagg.py)
     handoff_step_boundaries: bool = True  # backend=sim: each side acts on a hand-off between its steps
+    handoff_host_s: float = 3e-4  # backend=sim: a synchronous prefill replica's host time per hand-off
     handoff_batch_blocks: int = 512  # hand-offs reserved at once move as one KV message, up to this many blocks
     dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (sim/fleet/fleet.py)
     # backend=engine: the engine pair's prefill engine schedules ahead (disaggregation.prefill_async_scheduling)
@@ -82,7 +83,8 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < inf:
         raise ValueError(f"cluster.handoff_timeout_s={timeout!r} is invalid: must be a number of seconds > 0")
     from sim.fleet.disagg import HandoffHost
-    host = HandoffHost(c.get("handoff_hop_s", d.handoff_hop_s), c.get("handoff_step_boundaries", d.handoff_step_boundaries))  # checks both
+    host = HandoffHost(c.get("handoff_hop_s", d.handoff_hop_s), c.get("handoff_step_boundaries", d.handoff_step_boundaries),
+                       c.get("handoff_host_s", d.handoff_host_s))  # checks all three
     batch_blocks = c.get("handoff_batch_blocks", d.handoff_batch_blocks)
     if isinstance(batch_blocks, bool) or not isinstance(batch_blocks, int) or batch_blocks < 1:
         raise ValueError(f"cluster.handoff_batch_blocks={batch_blocks!r} is invalid: must be an integer >= 1")
@@ -94,7 +96,8 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
             f"cluster.prefill_async_scheduling={ahead!r} is invalid: must be true or false")
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
-                         float(host.hop_s), host.step_boundaries, batch_blocks, float(hop), ahead)
+                         float(host.hop_s), host.step_boundaries, float(host.per_handoff_s), batch_blocks, float(hop),
+                         ahead)
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:

@@ -58,6 +58,9 @@ class HandoffHost:
 
     hop_s: float = 1e-4  # one message between the two sides' processes (pickled, over a local pipe)
     step_boundaries: bool = True  # each side acts on a hand-off when its running step ends
+    # The prefill side's host loop per request it hands off (ending it at its first token, its
+    # hand-off message), before its next step when it schedules synchronously.
+    per_handoff_s: float = 3e-4
 
     def __post_init__(self) -> None:
         if isinstance(self.hop_s, bool) or not isinstance(self.hop_s, (int, float)) \
@@ -67,6 +70,10 @@ class HandoffHost:
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
                 f"cluster.handoff_step_boundaries={self.step_boundaries!r} is invalid: "
                 "must be true or false")
+        if isinstance(self.per_handoff_s, bool) or not isinstance(self.per_handoff_s, (int, float)) \
+                or not 0 <= self.per_handoff_s < math.inf:
+            raise ValueError(f"cluster.handoff_host_s={self.per_handoff_s!r} is invalid: "
+                             "must be a number of seconds >= 0")
 
 
 class DisaggFleetSimulator(FleetSimulator):
@@ -118,11 +125,13 @@ class DisaggFleetSimulator(FleetSimulator):
                            [replica.num_routed for replica in self.replicas], steps)
 
     # ---- hand-offs ---------------------------------------------------------------------------------
-    def _handed_off(self, prefill: int) -> None:
-        """After a prefill replica's step: route its new hand-offs to decode replicas."""
+    def _handed_off(self, prefill: int) -> float:
+        """After a prefill replica's step: route its new hand-offs to decode replicas; returns the
+        host time they cost that replica's loop (`HandoffHost.per_handoff_s` each)."""
         now = self.env.now
         routed: dict[int, list[KVHandoff]] = {}
-        for handoff in self.prefill_sides[prefill].take_handoffs():
+        handoffs = self.prefill_sides[prefill].take_handoffs()
+        for handoff in handoffs:
             self.handoffs.append(handoff)
             self._pending += 1
             snapshots = [observe(i, self.replicas[i].scheduler, self.replicas[i].num_outstanding, now, False)
@@ -130,11 +139,12 @@ class DisaggFleetSimulator(FleetSimulator):
             target = self.decode_router.route(handoff.request, snapshots)
             self.replicas[target].num_routed += 1
             routed.setdefault(target, []).append(handoff)
-        for target, handoffs in routed.items():  # a step's hand-offs arrive together, as the engine's do
+        for target, batch in routed.items():  # a step's hand-offs arrive together, as the engine's do
             if self.host.hop_s:
-                self.env.timeout(self.host.hop_s).callbacks.append(lambda _, h=handoffs, d=target: self._arrive(h, d))
+                self.env.timeout(self.host.hop_s).callbacks.append(lambda _, h=batch, d=target: self._arrive(h, d))
             else:
-                self._arrive(handoffs, target)
+                self._arrive(batch, target)
+        return len(handoffs) * self.host.per_handoff_s
 
     def _arrive(self, handoffs: list[KVHandoff], decode: int) -> None:
         """Hand-offs reach the decode side: queued, then admitted now if that replica is between

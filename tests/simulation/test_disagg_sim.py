@@ -164,6 +164,7 @@ def test_parallel_samples_cross_the_hand_off_and_decode_preemption_recomputes_th
     (["cluster.handoff_batch_blocks=0"], "cluster.handoff_batch_blocks=0 is invalid"),
     (["cluster.handoff_hop_s=-1"], "cluster.handoff_hop_s=-1 is invalid"),
     (["cluster.handoff_step_boundaries=sometimes"], "cluster.handoff_step_boundaries='sometimes' is invalid"),
+    (["cluster.handoff_host_s=-0.001"], "cluster.handoff_host_s=-0.001 is invalid"),
 ])
 def test_bad_cluster_config_names_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -242,3 +243,29 @@ def test_prefill_replicas_schedule_ahead_only_as_the_engine_pairs_prefill_engine
     result = run_fleet(cfg, factory.workload(cfg), lambda n: None)
     assert modes == [ahead, ahead, True]
     assert len(result.replica_recorders[2].requests) == 40
+
+
+def _prefill_gaps(tmp_path, *overrides) -> tuple[list[float], list[int]]:
+    """The prefill replica's gaps between consecutive steps and the sequences each earlier step
+    prefilled, with every request there at t = 0 (the replica is never idle)."""
+    cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "workload=offline",
+               "scheduler.enable_chunked_prefill=false", "scheduler.max_num_batched_tokens=4096",
+               *overrides)  # whole prompts: every prompt prefilled is handed off
+    run(cfg, tmp_path, "gaps")
+    steps = pd.read_parquet(tmp_path / "steps.parquet")
+    steps = steps[steps["replica"] == 0].sort_values("time")
+    ends = (steps["time"] + steps["duration"]).tolist()
+    gaps = [b - a for a, b in zip(ends, steps["time"].tolist()[1:])]
+    return gaps, steps["num_prefill_seqs"].tolist()[:-1]
+
+
+def test_a_synchronous_prefill_replica_pays_its_host_time_per_hand_off_before_its_next_step(tmp_path):
+    gaps, handed_off = _prefill_gaps(tmp_path / "sync", "cluster.handoff_host_s=0.01")
+    assert len(gaps) > 3 and all(n > 0 for n in handed_off)
+    assert gaps == pytest.approx([0.01 * n for n in handed_off], abs=1e-9)
+    none, _ = _prefill_gaps(tmp_path / "none", "cluster.handoff_host_s=0")
+    assert max(none) == pytest.approx(0.0, abs=1e-9)
+    # Scheduling ahead, the next step already runs while the host hands off.
+    ahead, _ = _prefill_gaps(tmp_path / "ahead", "cluster.handoff_host_s=0.01", "scheduler.async_scheduling=true",
+                             "cluster.prefill_async_scheduling=true")
+    assert max(ahead) == pytest.approx(0.0, abs=1e-9)
