@@ -22,7 +22,7 @@ class Cluster:
     handoff_timeout_s: float = 60.0
     handoff_hop_s: float = 1e-4
     handoff_step_boundaries: bool = True
-    handoff_host_s: float = 3e-4
+    handoff_host_s: float = 0.0
     handoff_batch_blocks: int = 512
     dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (docs/fleet.md)
     prefill_async_scheduling: bool = False  # backend=engine: the pair's prefill engine schedules ahead

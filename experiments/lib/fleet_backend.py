@@ -37,7 +37,7 @@ class ClusterConfig:
     handoff_timeout_s: float = 60.0  # how long one may wait there
     handoff_hop_s: float = 1e-4  # backend=sim: one message between a pair's host loops (sim/fleet/disagg.py)
     handoff_step_boundaries: bool = True  # backend=sim: each side acts on a hand-off between its steps
-    handoff_host_s: float = 3e-4  # backend=sim: a synchronous prefill replica's host time per hand-off
+    handoff_host_s: float = 0.0  # backend=sim: a synchronous prefill replica's host time per hand-off
     handoff_batch_blocks: int = 512  # hand-offs reserved at once move as one KV message, up to this many blocks
     dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (sim/fleet/fleet.py)
     # backend=engine: the engine pair's prefill engine schedules ahead (disaggregation.prefill_async_scheduling)

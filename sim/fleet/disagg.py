@@ -60,7 +60,7 @@ class HandoffHost:
     step_boundaries: bool = True  # each side acts on a hand-off when its running step ends
     # The prefill side's host loop per request it hands off (ending it at its first token, its
     # hand-off message), before its next step when it schedules synchronously.
-    per_handoff_s: float = 3e-4
+    per_handoff_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.hop_s, bool) or not isinstance(self.hop_s, (int, float)) \
