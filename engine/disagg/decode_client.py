@@ -1,7 +1,8 @@
 """The front's handle on the decode engine's process (engine/disagg/decode_process.py): start it
 with the decode engine's arguments, wait (bounded) for each step of its start-up, exchange the typed messages
-of engine/disagg/messages.py over one pipe, and stop it within `JOIN_TIMEOUT_S` (also when the
-handle is dropped without `close`)."""
+of engine/disagg/messages.py over one pipe (written by a `PipeSender`, engine/disagg/pipe_sender.py,
+so no write waits on the decode loop), and stop it within `JOIN_TIMEOUT_S` (also when the handle is
+dropped without `close`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ import weakref
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.decode_process import decode_main
 from engine.disagg.messages import DecodeFailed
+from engine.disagg.pipe_sender import PipeSender
 from engine.engine_args import EngineArgs
 
 JOIN_TIMEOUT_S = 10.0
@@ -41,7 +43,8 @@ class DecodeClient:
                                    daemon=True)
         self.process.start()
         theirs.close()
-        self._finalizer = weakref.finalize(self, _stop, self.process, self.conn)
+        self.sender = PipeSender(self.conn, "servelab-decode-pipe")  # the only writer of `conn`
+        self._finalizer = weakref.finalize(self, _stop, self.process, self.conn, self.sender)
 
     def await_message(self, kind: type, timeout_s: float, doing: str, bound: str):
         """Its next message, which must be a `kind` (`DecodeStarted`, `DecodeReady`): RuntimeError with
@@ -75,7 +78,7 @@ class DecodeClient:
         return f"the decode engine's process ended (exit code {self.process.exitcode})"
 
     def close(self) -> None:
-        """Ask it to stop; kill it if it has not within JOIN_TIMEOUT_S."""
+        """Ask it to stop; kill it if it has not within JOIN_TIMEOUT_S (`_stop`)."""
         self._finalizer()
 
 
@@ -92,13 +95,19 @@ def _next_device(device: str) -> str:
     return f"cuda:{first + 1}"
 
 
-def _stop(process, conn) -> None:
+def _stop(process, conn, sender: PipeSender) -> None:
+    """The stop message (None) goes after every message queued before it; a process that has not
+    ended JOIN_TIMEOUT_S later (one not reading holds it unsent: the same bound) is killed, which
+    ends a write of the sender's blocked on it; then the sender's thread is joined (bounded)."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
-        conn.send(None)
+        sender.send(None)
     except OSError:
-        pass
-    process.join(JOIN_TIMEOUT_S)
+        pass  # its process is gone
+    sender.flush(JOIN_TIMEOUT_S)
+    process.join(max(0.0, deadline - time.monotonic()))
     if process.is_alive():
         process.kill()
         process.join(1.0)
+    sender.close(1.0)
     conn.close()

@@ -34,7 +34,9 @@ is never preempted while transferring: it is in neither scheduler's queues). n >
 forks on the prefill side, every sample's first token and the prompt's blocks (once) move together.
 
 Faults: the decode process dying, or silent for `transfer_timeout_s` while requests decode there
-(it sends a step at least every HEARTBEAT_S while it works: silence is a hang), or the link failing
+(it sends a step at least every HEARTBEAT_S while it works: silence is a hang), or leaving the
+front's messages unread that long (they queue on the pipe's sender thread, engine/disagg/pipe_sender.py:
+the front never waits for the decode loop to read), or the link failing
 (a peer dead, or no progress for `transfer_timeout_s`) ends every request handed off or decoding
 with an error within that bound,
 and the pair refuses new requests (`RuntimeError`); `close()` ends the decode process within
@@ -91,7 +93,8 @@ class DisaggregatedEngine(FrontTransfers):
         self._closed = False
         store = open_store(max(10.0, config.transfer_timeout_s))
         self._decode = DecodeClient(decode_args, config, store.port, keep_steps=keep_trace)
-        self._conn = self._decode.conn
+        self._conn = self._decode.conn  # read here; written by `self._sender` alone
+        self._sender = self._decode.sender
         try:  # the two engines build at once
             ahead = config.prefill_async_scheduling
             self.prefill = LLMEngine(dataclasses.replace(args, async_scheduling=ahead),

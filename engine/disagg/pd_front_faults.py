@@ -2,8 +2,8 @@
 the decode process or the link, and the final outputs made on the front for requests whose tokens
 the decode engine never returns.
 
-A fault (the decode process dying or silent for `transfer_timeout_s` while requests decode there,
-its pipe closing, the link failing) is seen once (`_fail`): every request past its prefill then ends
+A fault (the decode process dying, or silent for `transfer_timeout_s` while requests decode there,
+or leaving the front's messages unread that long, its pipe closing, the link failing) is seen once (`_fail`): every request past its prefill then ends
 with an error within that bound, a hand-off not yet sent frees its prefill blocks here, one whose
 send is posted frees them when the link fails it, and later requests are refused. A hand-off the
 decode side refuses ends alone (`_fail_handoff`). Kept apart from the front's step loop, which
@@ -55,22 +55,40 @@ class FrontFaults:
                 self._fail_handoff(handoff, "error", reason)  # `Refused` will never come: blocks freed
 
     def _check_decode_alive(self) -> None:
-        if self._failure is None and not self._decode.alive:
+        if self._failure is not None:
+            return
+        if not self._decode.alive or self._sender.error is not None:  # ended (or its end of the pipe closed)
             self._take_messages()  # its own account first, if it sent one
-            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
+            self._fail(self._decode.gone)
             self._finish_transfers()
-        elif self._failure is None and self._decoding:
-            silent = time.monotonic() - self._last_heard  # it sends at least every HEARTBEAT_S while it works
-            if silent > self._silence_s:
-                self._fail(f"the decode engine is hung: nothing from it for {silent:.1f} s with "
-                           f"{len(self._decoding)} request(s) decoding (transfer_timeout_s={self._silence_s:g})")
-                self._finish_transfers()
+            return
+        silent = time.monotonic() - self._last_heard  # it sends at least every HEARTBEAT_S while it works
+        waiting, waited = self._sender.backlog()  # the front's messages it has not read
+        if (self._decoding and silent > self._silence_s) or waited > self._silence_s:
+            self._fail(self._hung(silent, waiting, waited))
+            self._finish_transfers()
+
+    def _hung(self, silent: float, waiting: int, waited: float) -> str:
+        """Why the decode engine is taken for hung: silent with requests decoding, or not reading."""
+        signs = []
+        if self._decoding:
+            signs.append(f"nothing from it for {silent:.1f} s with {len(self._decoding)} request(s) decoding")
+        if waiting:
+            signs.append(f"{waiting} message(s) to it waiting to be sent, the oldest for {waited:.1f} s "
+                         "(it is not reading its pipe)")
+        return (f"the decode engine is hung (pid {self._decode.process.pid}): {'; '.join(signs)} "
+                f"(transfer_timeout_s={self._silence_s:g})")
 
     def _send(self, message) -> None:
+        """Queued for the pipe's sender thread: the front never waits for the decode loop to read
+        (a decode engine that leaves it unread for transfer_timeout_s is failed as hung). Nothing
+        goes to a failed decode engine but the stop (`close`)."""
+        if self._failure is not None:
+            return
         try:
-            self._conn.send(message)
+            self._sender.send(message)
         except OSError:
-            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
+            self._fail(self._decode.gone)
 
     # ---- outputs made here -------------------------------------------------------------------
     def _final(self, handoff: KVHandoff, reason: str, error: str | None) -> RequestOutput:
