@@ -44,7 +44,7 @@ class PipeSender:
     def send(self, message: object) -> None:
         """Queue `message` (pickled now) behind those before it; never waits for the reader. An
         OSError if an earlier write failed (the reader is gone) or the sender is closed."""
-        data = bytes(ForkingPickler.dumps(message))
+        data = ForkingPickler.dumps(message)  # a view of its own buffer: never changed after
         with self._changed:
             if self.error is not None:
                 raise OSError(f"the pipe's reader is gone: {self.error}") from self.error
@@ -103,7 +103,7 @@ class PipeSender:
                 return
             try:
                 self._conn.send_bytes(data)
-            except BaseException as e:  # noqa: BLE001 (kept for the caller; the reader is gone)
+            except Exception as e:  # noqa: BLE001 (kept for the caller: the reader is gone)
                 with self._changed:
                     self.error = e
                     self._queue.clear()
