@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from sim.latency import ProfiledModel
 from sim.latency.base import BatchShape
+from tests.property_settings import examples
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ProfiledModel(ROOT / "experiments" / "profiles" / "h200-qwen3-0.6b-async.csv", 16, async_scheduling=True)
@@ -22,7 +23,7 @@ def prompts(n: int, q: int) -> BatchShape:
                       prefill_attention_pairs=n * q * (q + 1) // 2)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(q=st.integers(64, 2048), n=st.integers(1, 15))
 def test_beyond_the_grid_one_more_prompt_never_makes_a_step_cheaper(q, n):
     """(Within the grid a step padded to a CUDA-graph size may cost what a larger one does.)"""
