@@ -47,6 +47,7 @@ from engine.disagg.messages import (
     DecodeReady,
     DecodeStarted,
     DecodeStep,
+    HandoffBatch,
     HandoffMessage,
     Refused,
     Reserved,
@@ -148,15 +149,10 @@ class DecodeLoop:
                 self.last_sent = now
 
     def _take(self, message) -> None:
-        side, now = self.side, self.engine.now()
-        if isinstance(message, HandoffMessage):
-            handoff = message.handoff
-            if side.enqueue(handoff, now):
-                self.queued[handoff.request_id] = handoff
-                self.prompts[handoff.request_id] = (message.prompt, message.output_len)
-            else:
-                self.conn.send(Refused(handoff.request_id, "handoff_queue_full", f"the decode engine's hand-off "
-                                                                                 f"queue is full (max_queue={side.max_queue})"))
+        now = self.engine.now()
+        if isinstance(message, HandoffBatch):
+            for item in message.handoffs:
+                self._enqueue(item, now)
         elif isinstance(message, TransferStarted):
             for request_id in message.request_ids:
                 entry = self.receiving.get(request_id)
@@ -168,6 +164,15 @@ class DecodeLoop:
             self.engine.align_clock(message.origin)
         else:
             raise TypeError(f"unexpected message from the front: {type(message).__name__}")
+
+    def _enqueue(self, message: HandoffMessage, now: float) -> None:
+        side, handoff = self.side, message.handoff
+        if side.enqueue(handoff, now):
+            self.queued[handoff.request_id] = handoff
+            self.prompts[handoff.request_id] = (message.prompt, message.output_len)
+        else:
+            self.conn.send(Refused(handoff.request_id, "handoff_queue_full", f"the decode engine's hand-off "
+                                                                             f"queue is full (max_queue={side.max_queue})"))
 
     def _abort(self, request_id: str) -> None:
         queued = self.queued.pop(request_id, None)

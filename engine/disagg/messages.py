@@ -2,8 +2,9 @@
 decode engine process, sent pickled down one duplex pipe. The KV bytes never go this way: they
 move on the pair's `KVLink` (engine/disagg/kv_transfer.py).
 
-front -> decode: `ClockOrigin` (once ready, and when a run restarts the clock), `HandoffMessage` (a
-request whose first token was sampled), `TransferStarted`, `AbortMessage`, None (stop).
+front -> decode: `ClockOrigin` (once ready, and when a run restarts the clock), `HandoffBatch` (the
+requests one prefill step handed off, a `HandoffMessage` each: one pickle and one pipe write per
+step, not per request), `TransferStarted`, `AbortMessage`, None (stop).
 decode -> front: `DecodeStarted` (its engine is built: it joins the link), `DecodeReady` (the link's
 start-up transfer is done, engine/disagg/link_warmup.py), `DecodeFailed` instead of either, then `Reserved` (blocks allocated for one or
 more requests and one receive posted for all of them: the front sends them now, as one message), `Refused` (the request cannot be decoded there; it ends with
@@ -24,6 +25,13 @@ class HandoffMessage:
     handoff: KVHandoff  # its request carries the caller's sampling params (output kind included)
     prompt: str | None  # the prompt's text, if it came as text
     output_len: int | None = None  # a forced output length (a workload replay's stop rule)
+
+
+@dataclass(slots=True, frozen=True)
+class HandoffBatch:
+    """The hand-offs of one front step, in the order their prefills finished."""
+
+    handoffs: list[HandoffMessage]
 
 
 @dataclass(slots=True, frozen=True)

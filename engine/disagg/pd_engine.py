@@ -16,7 +16,7 @@ This process (the front) runs the prefill engine; `step()`:
    request ends with an error; `DecodeStep` -> the decode engine's outputs, returned;
 2. runs one prefill step (when it has work), whose `PrefillSide` (policies/disagg/) hands off every
    request whose first token it sampled: the request is forgotten by the prefill engine's outputs
-   and goes to the decode process as a `HandoffMessage`;
+   and goes to the decode process, the step's hand-offs in one `HandoffBatch`;
 3. frees the prefill blocks of each transfer the link finished (`PrefillSide.finish_transfer`).
 By default the prefill engine schedules synchronously (the next step is scheduled after the last
 one's outputs are processed). With `prefill_async_scheduling` it schedules ahead as a co-located
@@ -215,8 +215,7 @@ class DisaggregatedEngine(FrontTransfers):
                 self._prompts.pop(output.request_id, None)
                 self._output_lens.pop(output.request_id, None)
                 outputs.append(output)
-            for handoff in self.side.take_handoffs():
-                self._hand_off(handoff)
+            self._hand_off_all(self.side.take_handoffs())
         self._finish_transfers()
         self._check_decode_alive()
         outputs += self._done_early

@@ -1,5 +1,5 @@
 """How the disaggregated engine's front (engine/disagg/pd_engine.py) moves requests to the decode
-process: each request the prefill engine handed off goes out as a `HandoffMessage`; the decode
+process: the requests one prefill step handed off go out as one `HandoffBatch`; the decode
 process's messages are taken in turn (`Reserved` -> one send on the KV link of every request it
 names, gathered in one launch on the link's side stream; `Refused` -> that request ends with an
 error; `DecodeStep` -> the decode engine's outputs; `DecodeFailed` -> the pair fails); each transfer
@@ -15,6 +15,7 @@ import time
 from engine.disagg.messages import (
     DecodeFailed,
     DecodeStep,
+    HandoffBatch,
     HandoffMessage,
     Refused,
     Reserved,
@@ -30,20 +31,30 @@ class FrontTransfers(FrontFaults):
 
     __slots__ = ()
 
-    def _hand_off(self, handoff: KVHandoff) -> None:
+    def _hand_off_all(self, handoffs: list[KVHandoff]) -> None:
+        """The hand-offs of one prefill step go to the decode process as one `HandoffBatch` (one
+        pickle, one pipe write: per request, a message of its own cost more than the rest of its
+        hand-off)."""
+        messages = [message for message in map(self._hand_off, handoffs) if message is not None]
+        if messages:
+            self._send(HandoffBatch(messages))
+
+    def _hand_off(self, handoff: KVHandoff) -> HandoffMessage | None:
+        """`handoff`'s request leaves the prefill engine; its message to the decode process (None:
+        it ended here, the decode side having failed)."""
         request_id = handoff.request_id
         self.prefill.hand_over_request(request_id)
         self._handoffs[request_id] = handoff
         if self._failure is not None:  # prefilled after the decode side failed: it ends here, with the error
             self._fail_handoff(handoff, "error", self._failure)
             self._done_early.append(self._final(handoff, "abort:error", self._failure))
-            return
+            return None
         if not self._decoding:  # work after a time with none: its silence counts from now
             self._last_heard = time.monotonic()
         self._decoding.add(request_id)
         request = dataclasses.replace(handoff.request, sampling_params=self._params[request_id])
-        self._send(HandoffMessage(dataclasses.replace(handoff, request=request), self._prompts.get(request_id),
-                                  self._output_lens.pop(request_id, None)))
+        return HandoffMessage(dataclasses.replace(handoff, request=request), self._prompts.get(request_id),
+                              self._output_lens.pop(request_id, None))
 
     def _take_messages(self) -> list[RequestOutput]:
         outputs = []

@@ -20,6 +20,7 @@ from engine_helpers import ragged_prompts
 
 from engine.disagg import link_warmup
 from engine.disagg.config import DisaggregationConfig
+from engine.disagg.messages import HandoffBatch, HandoffMessage
 from engine.disagg.pd_engine import JOIN_TIMEOUT_S, DisaggregatedEngine
 from engine.engine_args import EngineArgs
 from engine.offline.llm import LLM
@@ -78,6 +79,30 @@ def test_greedy_tokens_equal_the_colocated_engine(pair, reference):
     row = rows[max(rows)]
     assert row["prefill_replica"] == 0 and row["decode_replica"] == 1 and row["transfer_bytes"] > 0
     assert row["transfer_time"] >= row["link_time"] >= 0 and row["ttft"] >= row["prefill_time"] > 0
+
+
+def test_one_step_s_hand_offs_go_to_the_decode_process_as_one_message(pair, monkeypatch):
+    per_step, messages = [], []
+    take, send = pair.side.take_handoffs, pair._sender.send
+
+    def taken():
+        handoffs = take()
+        if handoffs:
+            per_step.append([h.request_id for h in handoffs])
+        return handoffs
+
+    def sent(message):
+        messages.append(message)
+        send(message)
+
+    monkeypatch.setattr(pair.side, "take_handoffs", taken)
+    monkeypatch.setattr(pair._sender, "send", sent)
+    done = _run(pair, ragged_prompts(8, seed=2, min_len=3, max_len=6), tag="batched")
+    assert len(done) == 8 and all(len(tokens[0]) == GREEDY.max_tokens for tokens, _, _ in done.values())
+    batches = [[m.handoff.request_id for m in message.handoffs] for message in messages
+               if isinstance(message, HandoffBatch)]
+    assert not [m for m in messages if isinstance(m, HandoffMessage)]
+    assert batches == per_step and max(map(len, batches)) > 1
 
 
 def test_parallel_samples_move_together(pair, reference):
