@@ -1,0 +1,230 @@
+"""`python -m experiments.bench_handoff_host`: the disaggregated pair's front (engine/disagg/pd_engine.py),
+its host time per hand-off, by part.
+
+One `DisaggregatedEngine` (the tiny model on the CPU over gloo by default; `--model`/`--device` for a
+GPU pair) takes `--requests` short prompts at once (`--prompt-len` tokens each), so each prefill
+step of `--max-batched-tokens` prefills and hands off many requests. Two kinds of round alternate,
+`--rounds` of each, on the same pair:
+- `handoff`: max_tokens=2, so every request is handed off after its first token (the front's
+  hand-off path: the request ending at its first token, its `KVHandoff`, its message, the transfer's
+  bookkeeping, the decode engine's outputs coming back);
+- `local`: max_tokens=1, so every request ends at its first token on the prefill side, as on a
+  co-located engine (no hand-off): the same prefill steps without the hand-off path.
+
+The front's methods on that path are wrapped with a timer (exclusive time per part, nested calls
+subtracted), and its idle waits for the decode process (`poll` with a timeout) are counted apart.
+Host time = the front's `step()` wall time minus the prefill engine's forward
+(`ModelRunner.execute`, input preparation and sampling included) minus those waits. Printed, per
+request: the host time of each kind of round and their difference (what a hand-off adds), then the
+parts of both kinds of round. Medians over the rounds. Each figure comes on two clocks: the wall
+clock (what the front's loop takes) and the front thread's CPU time (`time.thread_time`: not counting
+time the thread waits for a core or for the GIL, so steadier on a shared host). The timers add
+~1-2 us per wrapped call. The decode process shares the host's cores (on the CPU each engine
+process gets `--threads` torch threads, default 1), so on a small machine its work slows the
+front's wall time too (the load average is printed).
+
+GPU (2 GPUs: prefill on cuda:0, decode on cuda:1):
+`timeout 600 python -m experiments.bench_handoff_host --model qwen3-0.6b --device cuda --requests 2048
+--prompt-len 8 --max-batched-tokens 4096 --rounds 5`
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from engine.disagg.config import DisaggregationConfig
+from engine.disagg.pd_engine import DisaggregatedEngine
+from engine.engine_args import EngineArgs
+from policies.request import SamplingParams
+
+ROUND_BOUND_S = 300.0  # one round's requests all end within this
+
+
+class PartTimer:
+    """Exclusive time per part, on the wall clock and on the front thread's CPU clock: a wrapped
+    call's time less that of the wrapped calls inside it."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []  # [wall, cpu] spent in wrapped calls inside it
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            inner = [0.0, 0.0]
+            self._stack.append(inner)
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
+                self._stack.pop()
+                self.wall[part] += wall - inner[0]
+                self.cpu[part] += cpu - inner[1]
+                if self._stack:
+                    self._stack[-1][0] += wall
+                    self._stack[-1][1] += cpu
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.wall.clear()
+        self.cpu.clear()
+
+
+class _Conn:
+    """The front's end of the pipe, its waits with a timeout timed apart (the idle front's wait)."""
+
+    def __init__(self, conn, timer: PartTimer) -> None:
+        self._conn = conn
+        timer.wrap(self, "_wait", "idle wait")
+
+    def _wait(self, timeout: float) -> bool:
+        return self._conn.poll(timeout)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self._wait(timeout) if timeout else self._conn.poll(0)
+
+    def recv(self):
+        return self._conn.recv()
+
+    def __getattr__(self, name: str):
+        return getattr(self._conn, name)
+
+
+# (owner attribute path on the front, method, part); the order is the table's.
+PARTS = (
+    ("", "step", "front loop (rest)"),
+    ("prefill.scheduler", "schedule", "schedule"),
+    ("prefill.runner", "execute", "forward"),
+    ("prefill.scheduler", "update", "scheduler update (rest)"),
+    ("side", "hand_off", "PrefillSide.hand_off"),
+    ("prefill", "step", "prefill step outputs"),
+    ("", "_hand_off_all", "front hand-off batch (rest)"),
+    ("", "_hand_off", "front _hand_off (rest)"),
+    ("prefill", "hand_over_request", "hand_over_request"),
+    ("_sender", "send", "pickle + queue message"),
+    ("_conn", "recv", "recv + unpickle"),
+    ("", "_take_messages", "take messages (rest)"),
+    ("", "_start_transfer", "start transfer (rest)"),
+    ("link", "send", "KVLink.send"),
+    ("", "_finish_transfers", "finish transfers (rest)"),
+    ("side", "finish_transfer", "PrefillSide.finish_transfer"),
+    ("", "_decode_outputs", "decode outputs"),
+    ("", "_check_decode_alive", "check decode alive"),
+)
+NOT_HOST = ("forward", "idle wait")
+
+
+def _owner(engine, path: str):
+    owner = engine
+    for name in filter(None, path.split(".")):
+        owner = getattr(owner, name)
+    return owner
+
+
+def instrument(engine: DisaggregatedEngine) -> PartTimer:
+    timer = PartTimer()
+    engine._conn = _Conn(engine._conn, timer)
+    for path, name, part in PARTS:
+        owner = _owner(engine, path)
+        if hasattr(owner, name):  # a front without that method (an older tree, for an A/B) skips it
+            timer.wrap(owner, name, part)
+    return timer
+
+
+def run_round(engine: DisaggregatedEngine, timer: PartTimer, prompts: list[list[int]], max_tokens: int,
+              tag: str) -> dict[str, dict[str, float]]:
+    """Seconds per part over one round, by clock ("wall", "cpu"): every request added at once,
+    stepped until all end."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    timer.reset()
+    deadline, ended = time.monotonic() + ROUND_BOUND_S, 0
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"round {tag}: {len(prompts) - ended} requests did not end within {ROUND_BOUND_S:g} s")
+        for out in engine.step():
+            if out.finished:
+                if out.error is not None:
+                    raise RuntimeError(f"round {tag}: request {out.request_id} failed: {out.error}")
+                ended += 1
+    return {"wall": dict(timer.wall), "cpu": dict(timer.cpu)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--device", default="cpu", help="the prefill engine's (cuda: the decode engine's is cuda:1)")
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=4)
+    ap.add_argument("--max-batched-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each kind (handoff, local), alternating")
+    ap.add_argument("--num-gpu-blocks", type=int, default=None, help="default: every request's blocks fit")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch's CPU threads per engine process (CPU runs; more oversubscribe a small host)")
+    args = ap.parse_args(argv)
+    for name in ("requests", "prompt_len", "max_batched_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 1")
+    block_size = 16
+    blocks = args.num_gpu_blocks or args.requests * -(-(args.prompt_len + 2) // block_size) + 64
+    engine_args = EngineArgs(model=args.model, device=args.device, num_gpu_blocks=blocks, swap_space=0.01,
+                             max_model_len=max(64, args.prompt_len + 8), block_size=block_size,
+                             max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.requests)
+    config = DisaggregationConfig(max_queue=args.requests, transfer_timeout_s=60.0,
+                                  decode_args={"num_gpu_blocks": blocks, "max_num_seqs": args.requests})
+    if args.device == "cpu":  # the decode process reads the variable as it starts
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    with DisaggregatedEngine(engine_args, config, keep_trace=False) as engine:
+        vocab = min(engine.vocab_size, 30000)
+        prompts = [rng.integers(10, vocab, args.prompt_len).tolist() for _ in range(args.requests)]
+        timer = instrument(engine)
+        run_round(engine, timer, prompts, 2, "warm-h")
+        run_round(engine, timer, prompts, 1, "warm-l")
+        rounds: dict[str, list[dict[str, float]]] = {"handoff": [], "local": []}
+        for r in range(args.rounds):
+            rounds["handoff"].append(run_round(engine, timer, prompts, 2, f"h{r}"))
+            rounds["local"].append(run_round(engine, timer, prompts, 1, f"l{r}"))
+    n = args.requests
+    print(f"# {platform.node()} {platform.machine()} ({platform.processor() or 'cpu'}), {os.cpu_count()} cores, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, Python {platform.python_version()}")
+    print(f"# model={args.model} device={args.device} requests={n} prompt_len={args.prompt_len} "
+          f"max_batched_tokens={args.max_batched_tokens} (~{args.max_batched_tokens // args.prompt_len} hand-offs "
+          f"per prefill step) rounds={args.rounds}")
+
+    def host_us(kind: str, clock: str) -> list[float]:
+        return [sum(v for k, v in r[clock].items() if k not in NOT_HOST) / n * 1e6 for r in rounds[kind]]
+
+    def med(values: list[float]) -> str:
+        return f"{statistics.median(values):8.1f}"
+
+    print("\nfront host time per request, us (median over rounds; each round's in brackets): wall clock, then "
+          "the front thread's CPU time")
+    for clock in ("wall", "cpu"):
+        hand, local = host_us("handoff", clock), host_us("local", clock)
+        print(f"{'handoff (max_tokens=2)':26s} {clock:4s} {med(hand)}  [{', '.join(f'{x:.1f}' for x in hand)}]")
+        print(f"{'local (max_tokens=1)':26s} {clock:4s} {med(local)}  [{', '.join(f'{x:.1f}' for x in local)}]")
+        print(f"{'added per hand-off':26s} {clock:4s} {med([h - v for h, v in zip(hand, local)])}")
+    print("\nparts, us per request (median over rounds)")
+    print(f"{'part':32s} {'handoff':>8s} {'(cpu)':>8s} {'local':>8s} {'(cpu)':>8s}")
+    for part in [p for _, _, p in PARTS] + ["idle wait"]:
+        cells = [med([r[clock].get(part, 0.0) / n * 1e6 for r in rounds[kind]])
+                 for kind in ("handoff", "local") for clock in ("wall", "cpu")]
+        print(f"{part:32s} {' '.join(cells)}{'   (not host)' if part in NOT_HOST else ''}")
+
+
+if __name__ == "__main__":
+    main()
