@@ -24,8 +24,8 @@ process gets `--threads` torch threads, default 1), so on a small machine its wo
 front's wall time too (the load average is printed).
 
 GPU (2 GPUs: prefill on cuda:0, decode on cuda:1):
-`timeout 600 python -m experiments.bench_handoff_host --model qwen3-0.6b --device cuda --requests 2048
---prompt-len 8 --max-batched-tokens 4096 --rounds 5`
+`timeout 600 python -m experiments.bench_handoff_host --model qwen3-0.6b --device cuda --requests 1024
+--prompt-len 16 --max-batched-tokens 2048 --rounds 5`
 """
 from __future__ import annotations
 
