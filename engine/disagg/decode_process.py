@@ -167,6 +167,7 @@ class DecodeLoop:
 
     def _enqueue(self, message: HandoffMessage, now: float) -> None:
         side, handoff = self.side, message.handoff
+        handoff.request.sampling_params = message.sampling_params  # its own copy, unpickled
         if side.enqueue(handoff, now):
             self.queued[handoff.request_id] = handoff
             self.prompts[handoff.request_id] = (message.prompt, message.output_len)

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 
 from engine.offline.outputs import RequestOutput
 from policies.disagg import KVHandoff
+from policies.request import SamplingParams
 
 
 @dataclass(slots=True)
 class HandoffMessage:
-    handoff: KVHandoff  # its request carries the caller's sampling params (output kind included)
+    handoff: KVHandoff  # as the prefill side made it (its request has the prefill engine's params)
+    sampling_params: SamplingParams  # the caller's (output kind included): the decode side's request gets them
     prompt: str | None  # the prompt's text, if it came as text
     output_len: int | None = None  # a forced output length (a workload replay's stop rule)
 

@@ -9,7 +9,6 @@ engine/disagg/pd_front_faults.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from engine.disagg.messages import (
@@ -52,8 +51,8 @@ class FrontTransfers(FrontFaults):
         if not self._decoding:  # work after a time with none: its silence counts from now
             self._last_heard = time.monotonic()
         self._decoding.add(request_id)
-        request = dataclasses.replace(handoff.request, sampling_params=self._params[request_id])
-        return HandoffMessage(dataclasses.replace(handoff, request=request), self._prompts.get(request_id),
+        # Pickled as it is (the decode side's copy takes the caller's params): no copies made here.
+        return HandoffMessage(handoff, self._params[request_id], self._prompts.get(request_id),
                               self._output_lens.pop(request_id, None))
 
     def _take_messages(self) -> list[RequestOutput]:
