@@ -79,7 +79,7 @@ class FrontTransfers(FrontFaults):
                 elif isinstance(message, DecodeFailed):
                     self._fail(f"the decode engine failed: {message.error.splitlines()[0]}")
         except (EOFError, OSError):
-            self._fail(f"the decode engine's process ended (exit code {self._decode.process.exitcode})")
+            self._fail(self._decode.gone)
         return outputs
 
     def _start_transfer(self, message: Reserved) -> None:
