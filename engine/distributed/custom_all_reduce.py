@@ -220,6 +220,7 @@ def open_symmetric_all_reduce(parallel: ParallelConfig, device: torch.device, ra
 
 def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.device, world_size: int,
               group_name: str) -> SymmetricAllReduce:
+    global _rendezvous_joined
     # No multicast object (NVLink multicast is off here, and its setup fails where it is not
     # supported); no implicit memory pool: a buffer freed by a closed engine is released, so a later
     # engine's buffer is never a reused block still holding the old group's peer mappings.
@@ -230,7 +231,6 @@ def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.devi
         enable(group_name)
     size = parallel.custom_all_reduce_max_bytes
     buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
-    global _rendezvous_joined
     _rendezvous_joined = True  # even if it fails: the exchange's state has moved on
     handle = symm_mem.rendezvous(buffer, group_name)
     if handle is None:
