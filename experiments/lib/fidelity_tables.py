@@ -46,11 +46,12 @@ class FidelityTables:
 
     @staticmethod
     def _comparable_steps(res: dict[str, Any]) -> pd.DataFrame:
-        """The simulator's steps that the engine trace has too: an engine pair's steps are its
-        prefill engine's (replica 0; the decode engine's stay in its process)."""
-        steps = res["sim"][2]
-        if res["engine"][0].get("disaggregation") and "replica" in steps.columns:
-            return steps[steps["replica"] == 0]
+        """The simulator's steps of the replicas the engine trace holds: an engine pair's trace holds
+        both engines' steps (replica 0 the prefill engine's, 1 the decode engine's, carried to the
+        front), one taken before the decode engine's steps were carried its prefill engine's only."""
+        steps, engine_steps = res["sim"][2], res["engine"][2]
+        if "replica" in steps.columns and "replica" in engine_steps.columns:
+            return steps[steps["replica"].isin(engine_steps["replica"].unique())]
         return steps
 
     def transfer_table(self) -> pd.DataFrame:

@@ -24,6 +24,7 @@ from experiments.lib.fidelity_report import (
     step_breakdown_rows,
     target_summary,
 )
+from experiments.lib.fidelity_tables import FidelityTables
 from experiments.lib.metrics import summarize
 from experiments.lib.traces import requests_frame, steps_frame
 from policies import (
@@ -128,6 +129,24 @@ def test_step_breakdown_of_a_fleet_times_each_replica_on_its_own_steps():
         assert r["engine_steps"] == r["sim_steps"] > 0
         assert r["engine_mean_s"] == pytest.approx(r["sim_mean_s"], rel=1e-9)
         assert r["engine_total_s"] == pytest.approx(r["sim_total_s"], rel=1e-9)
+
+
+def test_step_breakdown_of_a_pair_compares_the_replicas_the_engine_trace_holds():
+    """An engine pair's trace holds its decode engine's steps (replica 1) beside its prefill
+    engine's: the simulated decode replica's steps are compared with them; a trace of the prefill
+    engine alone is compared with the simulated prefill replica alone."""
+    _, _, steps = traces(1.0)
+    prefill = steps[steps["num_prefill_tokens"] > 0].assign(replica=0)
+    decode = steps[steps["num_prefill_tokens"] == 0].assign(replica=1)
+    pair = pd.concat([prefill, decode]).sort_values("time", kind="stable").reset_index(drop=True)
+    summary = {"disaggregation": {"transfers": 1}}
+    both = FidelityTables._comparable_steps({"engine": (summary, None, pair), "sim": (summary, None, pair)})
+    rows = {r["kind"]: r for r in step_breakdown_rows(pair, both, "pair")}
+    assert rows["decode"]["sim_steps"] == rows["decode"]["engine_steps"] == len(decode)
+    assert rows["mixed"]["sim_steps"] == rows["mixed"]["engine_steps"] == len(prefill)
+    alone = FidelityTables._comparable_steps({"engine": (summary, None, pair[pair["replica"] == 0]),
+                                              "sim": (summary, None, pair)})
+    assert set(alone["replica"]) == {0}
 
 
 def test_identical_traces_have_zero_error_and_preemptions_are_counted():
