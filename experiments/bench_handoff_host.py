@@ -5,9 +5,11 @@ One `DisaggregatedEngine` (the tiny model on the CPU over gloo by default; `--mo
 GPU pair) takes `--requests` short prompts at once (`--prompt-len` tokens each), so each prefill
 step of `--max-batched-tokens` prefills and hands off many requests. Two kinds of round alternate,
 `--rounds` of each, on the same pair:
-- `handoff`: max_tokens=2, so every request is handed off after its first token (the front's
-  hand-off path: the request ending at its first token, its `KVHandoff`, its message, the transfer's
-  bookkeeping, the decode engine's outputs coming back);
+- `handoff`: max_tokens=1 + `--decode-tokens` (default 1), so every request is handed off after its
+  first token (the front's hand-off path: the request ending at its first token, its `KVHandoff`, its
+  message, the transfer's bookkeeping) and decodes that many tokens on the decode engine, whose
+  outputs the front reads back (more decode tokens: the front's reads per token, which grow with
+  the answers' length, not with the hand-offs);
 - `local`: max_tokens=1, so every request ends at its first token on the prefill side, as on a
   co-located engine (no hand-off): the same prefill steps without the hand-off path.
 
@@ -25,7 +27,8 @@ front's wall time too (the load average is printed).
 
 GPU (2 GPUs: prefill on cuda:0, decode on cuda:1):
 `timeout 600 python -m experiments.bench_handoff_host --model qwen3-0.6b --device cuda --requests 1024
---prompt-len 16 --max-batched-tokens 2048 --rounds 5`
+--prompt-len 16 --max-batched-tokens 2048 --rounds 5`; with `--decode-tokens 64` the front's reads of
+the decode engine's outputs, per request (64 tokens each, about the fidelity spec's mean answer).
 """
 from __future__ import annotations
 
@@ -170,17 +173,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=4)
     ap.add_argument("--max-batched-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each kind (handoff, local), alternating")
+    ap.add_argument("--decode-tokens", type=int, default=1,
+                    help="tokens each handed-off request decodes on the decode engine (max_tokens = 1 + this)")
     ap.add_argument("--num-gpu-blocks", type=int, default=None, help="default: every request's blocks fit")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch's CPU threads per engine process (CPU runs; more oversubscribe a small host)")
     args = ap.parse_args(argv)
-    for name in ("requests", "prompt_len", "max_batched_tokens", "rounds"):
+    for name in ("requests", "prompt_len", "max_batched_tokens", "rounds", "decode_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 1")
     block_size = 16
-    blocks = args.num_gpu_blocks or args.requests * -(-(args.prompt_len + 2) // block_size) + 64
+    handoff_tokens = 1 + args.decode_tokens
+    blocks = args.num_gpu_blocks or args.requests * -(-(args.prompt_len + handoff_tokens) // block_size) + 64
     engine_args = EngineArgs(model=args.model, device=args.device, num_gpu_blocks=blocks, swap_space=0.01,
-                             max_model_len=max(64, args.prompt_len + 8), block_size=block_size,
+                             max_model_len=max(64, args.prompt_len + handoff_tokens + 8), block_size=block_size,
                              max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.requests)
     config = DisaggregationConfig(max_queue=args.requests, transfer_timeout_s=60.0,
                                   decode_args={"num_gpu_blocks": blocks, "max_num_seqs": args.requests})
@@ -192,18 +198,18 @@ def main(argv: list[str] | None = None) -> None:
         vocab = min(engine.vocab_size, 30000)
         prompts = [rng.integers(10, vocab, args.prompt_len).tolist() for _ in range(args.requests)]
         timer = instrument(engine)
-        run_round(engine, timer, prompts, 2, "warm-h")
+        run_round(engine, timer, prompts, handoff_tokens, "warm-h")
         run_round(engine, timer, prompts, 1, "warm-l")
         rounds: dict[str, list[dict[str, float]]] = {"handoff": [], "local": []}
         for r in range(args.rounds):
-            rounds["handoff"].append(run_round(engine, timer, prompts, 2, f"h{r}"))
+            rounds["handoff"].append(run_round(engine, timer, prompts, handoff_tokens, f"h{r}"))
             rounds["local"].append(run_round(engine, timer, prompts, 1, f"l{r}"))
     n = args.requests
     print(f"# {platform.node()} {platform.machine()} ({platform.processor() or 'cpu'}), {os.cpu_count()} cores, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, Python {platform.python_version()}")
     print(f"# model={args.model} device={args.device} requests={n} prompt_len={args.prompt_len} "
           f"max_batched_tokens={args.max_batched_tokens} (~{args.max_batched_tokens // args.prompt_len} hand-offs "
-          f"per prefill step) rounds={args.rounds}")
+          f"per prefill step) decode_tokens={args.decode_tokens} rounds={args.rounds}")
 
     def host_us(kind: str, clock: str) -> list[float]:
         return [sum(v for k, v in r[clock].items() if k not in NOT_HOST) / n * 1e6 for r in rounds[kind]]
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
           "the front thread's CPU time")
     for clock in ("wall", "cpu"):
         hand, local = host_us("handoff", clock), host_us("local", clock)
-        print(f"{'handoff (max_tokens=2)':26s} {clock:4s} {med(hand)}  [{', '.join(f'{x:.1f}' for x in hand)}]")
+        print(f"{f'handoff (max_tokens={handoff_tokens})':26s} {clock:4s} {med(hand)}  [{', '.join(f'{x:.1f}' for x in hand)}]")
         print(f"{'local (max_tokens=1)':26s} {clock:4s} {med(local)}  [{', '.join(f'{x:.1f}' for x in local)}]")
         print(f"{'added per hand-off':26s} {clock:4s} {med([h - v for h, v in zip(hand, local)])}")
     print("\nparts, us per request (median over rounds)")
