@@ -30,7 +30,8 @@ Rows, by `op` (its axes in brackets; unused columns empty; sizes are integers >=
 
 Each operator's rows must cover every combination of its axes' distinct values (repeats: the
 median), except `gemm`, whose unmeasured cells (the grid skips the largest products) are filled
-by a least-squares fit of time on weight bytes, activation bytes and FLOPs.
+from the measured ones (`_fill_gemm`: the last segment in m extrapolated, else a least-squares fit
+of time on weight bytes, activation bytes and FLOPs; never above the fastest measured FLOP rate).
 """
 from __future__ import annotations
 
@@ -263,9 +264,15 @@ def gemm_features(m: float, k: float, n: float) -> list[float]:
 
 
 def _fill_gemm(pts: dict[tuple[float, ...], float], values: list[list[float]]) -> dict[tuple[float, ...], float]:
-    """Every (m, k, n) of the full grid: the measured median, else a non-negative least-squares
-    prediction from the measured ones (relative least squares, coefficients clipped at 0; at least
-    the fastest measured time)."""
+    """Every (m, k, n) of the full grid: the measured median, else an estimate from the measured ones.
+
+    The grid skips a (k, n)'s largest m (over `gemm_max_flops`), where the GEMM is compute-bound
+    and its time grows linearly in m: such a cell extrapolates the last segment in m of its (k, n)'s
+    measured rows. A (k, n) with fewer than two measured m (its weight over `gemm_max_weight_bytes`)
+    takes a non-negative least-squares fit over all measured cells (relative least squares,
+    coefficients clipped at 0), at least the fastest measured time and no faster than the fastest
+    FLOP rate any measured GEMM reached: the fit, dominated by the many small cells, otherwise
+    prices the largest products above the GPU's peak."""
     missing = [c for c in product(*values) if c not in pts]
     if not missing:
         return pts
@@ -278,9 +285,21 @@ def _fill_gemm(pts: dict[tuple[float, ...], float], values: list[list[float]]) -
     coef, *_ = np.linalg.lstsq(x / scale / y[:, None], np.ones_like(y), rcond=None)
     coef = np.clip(coef, 0.0, None) / scale
     floor = float(y.min())
+    peak_flops = max(2.0 * m * k * n / t for (m, k, n), t in pts.items())
+    by_weight: dict[tuple[float, float], list[float]] = {}
+    for m, k, n in keys:
+        by_weight.setdefault((k, n), []).append(m)
     filled = dict(pts)
-    for c in missing:
-        filled[c] = max(float(np.dot(gemm_features(*c), coef)), floor)
+    for m, k, n in missing:
+        measured = sorted(by_weight.get((k, n), []))
+        below = [mm for mm in measured if mm < m]
+        if len(below) >= 2:
+            m1, m2 = below[-2:]
+            t1, t2 = pts[(m1, k, n)], pts[(m2, k, n)]
+            filled[(m, k, n)] = t2 + (m - m2) * max(t2 - t1, 0.0) / (m2 - m1)
+        else:
+            fit = float(np.dot(gemm_features(m, k, n), coef))
+            filled[(m, k, n)] = max(fit, floor, 2.0 * m * k * n / peak_flops)
     return filled
 
 

@@ -245,11 +245,47 @@ def test_the_schema_check_refuses_bad_files(tmp_path):
         OperatorProfile.load([_write(tmp_path / "holes.csv", rows=holes)])
 
 
-def test_gemm_cells_the_grid_skipped_come_from_the_fit(tmp_path):
-    rows = [{"op": "gemm", "m": m, "k": k, "n": n, "time_s": 1e-6 + 1e-12 * k * n + 1e-15 * m * k * n}
-            for m in (1, 64, 1024) for k in (256, 1024) for n in (256, 4096) if m * k * n < 1024 * 1024 * 4096]
+def test_gemm_cells_the_grid_skipped_at_every_m_come_from_the_fit(tmp_path):
+    def seconds(m, k, n):
+        return 1e-6 + 1e-12 * k * n + 1e-15 * m * k * n
+    rows = [{"op": "gemm", "m": m, "k": k, "n": n, "time_s": seconds(m, k, n)}
+            for m in (1, 64, 1024) for k in (256, 1024) for n in (256, 4096) if (k, n) != (1024, 256)]
     grid = OperatorProfile.load([_write(tmp_path / "g.csv", rows=rows)]).grid("gemm")
-    assert grid(1024, 1024, 4096) == pytest.approx(1e-6 + 1e-12 * 1024 * 4096 + 1e-15 * 1024**2 * 4096, rel=0.05)
+    for m in (1, 64, 1024):
+        assert grid(m, 1024, 256) == pytest.approx(seconds(m, 1024, 256), rel=0.05)
+
+
+def roofline_gemm_s(m: int, k: int, n: int) -> float:
+    """A GEMM as a GPU runs one: its weight's read or its FLOPs, whichever is longer, plus a launch."""
+    return 3e-6 + max(2 * k * n / 4.8e12, 2 * m * k * n / 7e14)
+
+
+def test_gemm_cells_skipped_for_their_flops_extrapolate_their_rows_in_m(tmp_path):
+    sizes = (1024, 4096, 16384)
+    cells = [(m, k, n) for m in (1, 16, 256, 1024, 4096, 16384) for k in sizes for n in sizes]
+    rows = [{"op": "gemm", "m": m, "k": k, "n": n, "time_s": roofline_gemm_s(m, k, n)}
+            for m, k, n in cells if 2 * m * k * n <= 1e12]
+    grid = OperatorProfile.load([_write(tmp_path / "g.csv", rows=rows)]).grid("gemm")
+    for m, k, n in cells:
+        if 2 * m * k * n > 1e12:
+            assert grid(m, k, n) == pytest.approx(roofline_gemm_s(m, k, n), rel=0.02), (m, k, n)
+
+
+GPU_COMPUTE = [p for p in COMMITTED if "-collectives-" not in p.stem and not p.stem.startswith("cpu-")]
+
+
+@pytest.mark.parametrize("path", GPU_COMPUTE, ids=lambda p: p.name)
+def test_no_filled_gemm_cell_of_a_gpu_is_faster_than_its_fastest_measured_one(path):
+    profile = OperatorProfile.load([path])
+    measured = {c: min(t) for c, t in profile.points[("gemm", 1)].items()}
+    peak = max(2 * m * k * n / t for (m, k, n), t in measured.items())
+    grid = profile.grid("gemm")
+    points = [axis.points for axis in grid.axes]
+    for m in points[0]:
+        for k in points[1]:
+            for n in points[2]:
+                if (m, k, n) not in measured:
+                    assert 2 * m * k * n / grid(m, k, n) <= peak * (1 + 1e-9), (m, k, n)
 
 
 @pytest.mark.slow
