@@ -209,6 +209,8 @@ class OperatorProfile:
                 key = (op, int(row["world_size"]))
                 names = profile.origins.setdefault(key, [])
                 if Path(path).name not in names:
+                    if names:
+                        raise ValueError(profile._overlap(op, key[1], names[0], Path(path).name))
                     names.append(Path(path).name)
                 profile.points.setdefault(key, {}).setdefault(_axis_values(row, OP_AXES[op]), []).append(
                     row["time_s"])
@@ -216,6 +218,14 @@ class OperatorProfile:
             if op != "gemm":
                 profile._check_full(op, ws, pts)
         return profile
+
+    @staticmethod
+    def _overlap(op: str, world_size: int, first: str, second: str) -> str:
+        """Two files of one GPU type and dtype time the same operator: which to price from would be
+        a silent choice (their medians mixed), so the files are refused, naming both."""
+        where = f" at world_size={world_size}" if op in PER_WORLD_SIZE else ""
+        return (f"operator files {first} and {second} both hold op={op}{where}: keep one file per operator "
+                "and world size in the directory (a retaken collectives file replaces the one it retakes)")
 
     def has(self, op: str, world_size: int = 1) -> bool:
         return (op, world_size) in self.points

@@ -163,23 +163,27 @@ def operator_model(files: list[Path], hardware: str, tp: int, collectives: str =
 def test_measured_else_ring_takes_measured_rows_where_they_exist_and_the_ring_model_elsewhere():
     measured = operator_model(H200_FILES, "h200", 2)
     fallback = operator_model(H200_FILES, "h200", 2, "measured_else_ring")
-    assert fallback.data_sources()["collectives"] == ("measured at N=2 (h200-bfloat16-collectives-n2.csv); all-reduce: "
-                                                      "NCCL rows (the engine's all-reduce paths were not given)")
+    assert fallback.data_sources()["collectives"] == ("measured at N=2 (h200-bfloat16-collectives-n2-4.csv); "
+                                                      "all-reduce: NCCL rows (the engine's all-reduce paths were not "
+                                                      "given)")
     for nbytes in (1024, 3 << 20, 1 << 28):
         assert fallback.all_reduce(nbytes) == measured.all_reduce(nbytes)
         assert fallback.all_gather(nbytes) == measured.all_gather(nbytes)
-    # N=8 on the same GPU type: the ring model scaled by measured/model at N=2, size by size.
+    # N=8 on the same GPU type: the ring model scaled by measured/model at the largest measured
+    # size below it (N=4), size by size.
+    at4 = operator_model(H200_FILES, "h200", 4, "measured_else_ring")
+    assert at4.data_sources()["collectives"].startswith("measured at N=4 (h200-bfloat16-collectives-n2-4.csv)")
     at8 = operator_model(H200_FILES, "h200", 8, "measured_else_ring")
-    assert at8.data_sources()["collectives"].startswith("ring model at N=8 x measured/model at N=2 per message size")
+    assert at8.data_sources()["collectives"].startswith("ring model at N=8 x measured/model at N=4 per message size")
     hw = factory.hardware(config("hardware=h200"))
-    ring2, ring8 = RingLink.of(hw, 2), RingLink.of(hw, 8)
-    for nbytes in OperatorProfile.load(H200_FILES).grid("all_reduce", 2).axes[0].points:
+    ring4, ring8 = RingLink.of(hw, 4), RingLink.of(hw, 8)
+    for nbytes in OperatorProfile.load(H200_FILES).grid("all_reduce", 4).axes[0].points:
         assert at8.all_reduce(nbytes) == pytest.approx(
-            measured.all_reduce(nbytes) * ring8.all_reduce_s(nbytes) / ring2.all_reduce_s(nbytes))
+            at4.all_reduce(nbytes) * ring8.all_reduce_s(nbytes) / ring4.all_reduce_s(nbytes))
         assert at8.all_gather(nbytes) == pytest.approx(
-            measured.all_gather(nbytes) * ring8.all_gather_s(nbytes) / ring2.all_gather_s(nbytes))
-    # Large messages keep the bus bandwidth measured at N=2: 2 (N-1)/N of the bytes, 1.75x at N=8.
-    assert at8.all_reduce(1 << 28) / measured.all_reduce(1 << 28) == pytest.approx(1.75, rel=0.01)
+            at4.all_gather(nbytes) * ring8.all_gather_s(nbytes) / ring4.all_gather_s(nbytes))
+    # Large messages keep the bus bandwidth measured at N=4: 2 (N-1)/N of the bytes, 7/6 of N=4's at N=8.
+    assert at8.all_reduce(1 << 28) / at4.all_reduce(1 << 28) == pytest.approx(7 / 6, rel=0.01)
     # A GPU type without collective rows: the ring model on the hardware's datasheet figures.
     h100 = operator_model(H100_COMPUTE, "h100", 4, "measured_else_ring")
     assert h100.data_sources()["collectives"].startswith("ring model at N=4 on datasheet figures")
@@ -191,9 +195,10 @@ def test_measured_else_ring_takes_measured_rows_where_they_exist_and_the_ring_mo
 
 
 def test_collectives_nobody_measured_are_refused_by_default_naming_the_fallback():
-    with pytest.raises(ValueError, match=r"parallel.tensor_parallel_size=4 has no all_reduce data.*world sizes \[2\].*"
-                                         r"latency.collectives=measured_else_ring"):
-        operator_model(H200_FILES, "h200", 4)
+    with pytest.raises(ValueError, match=r"parallel.tensor_parallel_size=8 has no all_reduce data.*world sizes "
+                                         r"\[2, 4\].*latency.collectives=measured_else_ring"):
+        operator_model(H200_FILES, "h200", 8)
+    assert operator_model(H200_FILES, "h200", 4).data_sources()["collectives"].startswith("measured at N=4")
     assert factory.latency_config(config("latency=operators")).collectives == "measured"
 
 
@@ -253,6 +258,25 @@ def test_gemm_cells_the_grid_skipped_at_every_m_come_from_the_fit(tmp_path):
     grid = OperatorProfile.load([_write(tmp_path / "g.csv", rows=rows)]).grid("gemm")
     for m in (1, 64, 1024):
         assert grid(m, 1024, 256) == pytest.approx(seconds(m, 1024, 256), rel=0.05)
+
+
+def test_two_files_that_time_one_operator_at_one_world_size_are_refused(tmp_path):
+    rows = [{"op": "all_reduce", "bytes": b, "world_size": ws, "time_s": 1e-5} for b in (1024, 8192) for ws in (2, 4)]
+    old = _write(tmp_path / "x-float32-collectives-n2.csv", rows=[r for r in rows if r["world_size"] == 2])
+    new = _write(tmp_path / "x-float32-collectives-n2-4.csv", rows=rows)
+    with pytest.raises(ValueError, match=r"x-float32-collectives-n2.csv and x-float32-collectives-n2-4.csv both "
+                                         r"hold op=all_reduce at world_size=2: keep one file"):
+        OperatorProfile.load([old, new])
+    assert OperatorProfile.load([new]).world_sizes("all_reduce") == [2, 4]
+
+
+def test_the_committed_files_give_each_gpu_one_file_per_operator_and_world_size():
+    by_gpu: dict[str, list[Path]] = {}
+    for path in COMMITTED:
+        meta, _ = read_operator_file(path)
+        by_gpu.setdefault(f"{meta['gpu']}-{meta['dtype']}", []).append(path)
+    for paths in by_gpu.values():
+        OperatorProfile.load(paths)
 
 
 def roofline_gemm_s(m: int, k: int, n: int) -> float:
