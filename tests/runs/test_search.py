@@ -186,7 +186,7 @@ def test_a_latency_profile_retaken_under_the_same_name_is_simulated_again(tmp_pa
                       "search.space.replicas=[1]"], tmp_path)
     assert run_search(cfg, tmp_path / "a", progress=False).summary["simulated"] == 1
     assert run_search(cfg, tmp_path / "b", progress=False).summary["cached"] == 1
-    collectives = profiles / "h200-bfloat16-collectives-n2.csv"
+    collectives = profiles / "h200-bfloat16-collectives-n2-4.csv"
     collectives.write_text(collectives.read_text() + "\n")  # retaken: other bytes under the same name
     again = run_search(cfg, tmp_path / "c", progress=False)
     assert again.summary["simulated"] == 1 and again.summary["cached"] == 0

@@ -22,7 +22,7 @@ from sim.latency.tensor_parallel import RingLink
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATORS = ROOT / "experiments" / "profiles" / "operators"
-H200_NCCL = OPERATORS / "h200-bfloat16-collectives-n2.csv"
+H200_COLLECTIVES = OPERATORS / "h200-bfloat16-collectives-n2-4.csv"
 ONE_SHOT_S, TWO_SHOT_S = 3e-6, 5e-6  # the stand-in rows: flat, below every NCCL row (>= 9 us)
 KiB, MiB = 2**10, 2**20
 
@@ -42,12 +42,13 @@ def _h200_with_symmetric_rows(out: Path, times: dict[str, float]) -> Path:
     flat stand-ins at its sizes (`times`: path -> seconds; none: a profile without them)."""
     for path in OPERATORS.glob("h200-bfloat16-*.csv"):
         shutil.copy(path, out)
-    meta, rows = read_operator_file(H200_NCCL)
+    meta, rows = read_operator_file(H200_COLLECTIVES)
     kept = [{"op": op, **row} for op, row in rows if op not in (ALL_REDUCE_PATH_OPS["one-shot"], ALL_REDUCE_PATH_OPS["two-shot"])]
     sizes = sorted({row["bytes"] for op, row in rows if op == "all_reduce"})
-    extra = [{"op": ALL_REDUCE_PATH_OPS[path], "bytes": n, "world_size": 2, "time_s": t}
-             for path, t in times.items() for n in sizes]
-    write_operator_file(out / H200_NCCL.name, meta, kept + extra)
+    world_sizes = sorted({row["world_size"] for op, row in rows})
+    extra = [{"op": ALL_REDUCE_PATH_OPS[path], "bytes": n, "world_size": ws, "time_s": t}
+             for path, t in times.items() for n in sizes for ws in world_sizes]
+    write_operator_file(out / H200_COLLECTIVES.name, meta, kept + extra)
     return out
 
 
@@ -58,15 +59,15 @@ def symmetric(tmp_path_factory) -> Path:
 
 
 def test_each_message_is_priced_on_the_path_the_engine_takes(symmetric):
-    nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
+    nccl = OperatorProfile.load([H200_COLLECTIVES]).grid("all_reduce", 2)
     model = run(symmetric)  # the defaults: one-shot up to 1 MiB on 2 GPUs, two-shot up to 8 MiB
     assert model.all_reduce(8 * KiB) == pytest.approx(ONE_SHOT_S) == model.all_reduce(MiB)
     assert model.all_reduce(MiB + 16) == pytest.approx(TWO_SHOT_S) == model.all_reduce(8 * MiB)
     assert model.all_reduce(8 * MiB + 16) == nccl(8 * MiB + 16)
     assert model.all_reduce(6) == nccl(6)  # not whole 4-byte vectors: NCCL, as in the engine
     assert model.data_sources()["collectives"] == (
-        "measured at N=2 (h200-bfloat16-collectives-n2.csv); all-reduce: the engine's paths, one-shot up to "
-        "1048576 bytes, two-shot up to 8388608 (symmetric-memory rows, h200-bfloat16-collectives-n2.csv), "
+        "measured at N=2 (h200-bfloat16-collectives-n2-4.csv); all-reduce: the engine's paths, one-shot up to "
+        "1048576 bytes, two-shot up to 8388608 (symmetric-memory rows, h200-bfloat16-collectives-n2-4.csv), "
         "NCCL rows above")
     # The run's thresholds move the boundaries.
     moved = run(symmetric, "parallel.custom_all_reduce_one_shot_max_bytes=4096",
@@ -82,7 +83,7 @@ def test_each_message_is_priced_on_the_path_the_engine_takes(symmetric):
 
 
 def test_with_the_symmetric_paths_off_every_message_is_nccls_and_the_run_says_why(symmetric):
-    nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
+    nccl = OperatorProfile.load([H200_COLLECTIVES]).grid("all_reduce", 2)
     off = run(symmetric, "parallel.disable_custom_all_reduce=true")
     for nbytes in (8 * KiB, 2 * MiB, 64 * MiB):
         assert off.all_reduce(nbytes) == nccl(nbytes)
@@ -93,36 +94,44 @@ def test_with_the_symmetric_paths_off_every_message_is_nccls_and_the_run_says_wh
     assert "symmetric memory off: custom_all_reduce_max_bytes=0" in zero.data_sources()["collectives"]
 
 
-def test_the_committed_h200_profile_prices_the_engines_paths_from_its_own_rows():
-    _, rows = read_operator_file(H200_NCCL)
-    measured = {(op, row["bytes"]): row["time_s"] for op, row in rows}
-    model = run(OPERATORS)
-    assert model.all_reduce(8 * KiB) == pytest.approx(measured[(ALL_REDUCE_PATH_OPS["one-shot"], 8 * KiB)])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_committed_h200_profile_prices_the_engines_paths_from_its_own_rows(tp):
+    _, rows = read_operator_file(H200_COLLECTIVES)
+    measured = {(op, row["bytes"]): row["time_s"] for op, row in rows if row["world_size"] == tp}
+    model = run(OPERATORS, f"parallel.tensor_parallel_size={tp}")
+    one_shot_max = {2: MiB, 4: 512 * KiB}[tp]  # the engine's default bounds at 2 and 4 GPUs
+    for nbytes in (8 * KiB, 256 * KiB):
+        assert model.all_reduce(nbytes) == pytest.approx(measured[(ALL_REDUCE_PATH_OPS["one-shot"], nbytes)])
     assert model.all_reduce(4 * MiB) == pytest.approx(measured[(ALL_REDUCE_PATH_OPS["two-shot"], 4 * MiB)])
     assert model.all_reduce(64 * MiB) == pytest.approx(measured[("all_reduce", 64 * MiB)])
-    assert "symmetric-memory rows, h200-bfloat16-collectives-n2.csv" in model.data_sources()["collectives"]
+    path = ALL_REDUCE_PATH_OPS["one-shot" if tp == 2 else "two-shot"]  # 1 MiB: one-shot on 2 GPUs only
+    assert model.all_reduce(MiB) == pytest.approx(measured[(path, MiB)])
+    assert model.data_sources()["collectives"] == (
+        f"measured at N={tp} (h200-bfloat16-collectives-n2-4.csv); all-reduce: the engine's paths, one-shot up to "
+        f"{one_shot_max} bytes, two-shot up to 8388608 (symmetric-memory rows, h200-bfloat16-collectives-n2-4.csv), "
+        "NCCL rows above")
 
 
 def test_a_profile_without_symmetric_rows_prices_nccl_and_says_so(tmp_path):
     """A profile taken where symmetric memory was not available: the engine's small messages are
     faster than priced."""
-    nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
+    nccl = OperatorProfile.load([H200_COLLECTIVES]).grid("all_reduce", 2)
     model = run(_h200_with_symmetric_rows(tmp_path, {}))
     for nbytes in (8 * KiB, 2 * MiB, 64 * MiB):
         assert model.all_reduce(nbytes) == nccl(nbytes)
     assert model.data_sources()["collectives"] == (
-        "measured at N=2 (h200-bfloat16-collectives-n2.csv); all-reduce: NCCL rows (no symmetric-memory rows in "
+        "measured at N=2 (h200-bfloat16-collectives-n2-4.csv); all-reduce: NCCL rows (no symmetric-memory rows in "
         "this profile at N=2; the engine's small messages are faster: one-shot up to 1048576 bytes, "
         "two-shot up to 8388608 over symmetric memory)")
 
 
 def test_a_world_size_priced_by_the_ring_model_keeps_ncclss_price_and_says_so(symmetric):
     at8 = run(symmetric, "parallel.tensor_parallel_size=8", "latency.collectives=measured_else_ring")
-    nccl = OperatorProfile.load([H200_NCCL]).grid("all_reduce", 2)
+    nccl = OperatorProfile.load([H200_COLLECTIVES]).grid("all_reduce", 4)  # the largest measured size below 8
     hw = factory.hardware(config("hardware=h200"))
-    ring2, ring8 = RingLink.of(hw, 2), RingLink.of(hw, 8)
+    ring4, ring8 = RingLink.of(hw, 4), RingLink.of(hw, 8)
     assert at8.all_reduce(8 * KiB) == pytest.approx(nccl(8 * KiB) * ring8.all_reduce_s(8 * KiB)
-                                                    / ring2.all_reduce_s(8 * KiB))
+                                                    / ring4.all_reduce_s(8 * KiB))
     assert at8.data_sources()["collectives"].endswith(
         "; all-reduce: the ring model (no symmetric-memory pricing at an unmeasured N=8; the engine's "
         "small messages are faster: one-shot up to 262144 bytes, two-shot up to 8388608 over symmetric memory)")
