@@ -73,6 +73,18 @@ def summed(axis_name: str, points: list[float], parts: list[tuple[float, OpGrid]
     return OpGrid((Axis(axis_name, tuple(points)),), np.array(values))
 
 
+@dataclass(slots=True)
+class _Book:
+    """Adds seconds to an operator family's entry of `parts` (None: books nothing) and returns them."""
+
+    parts: dict[str, float] | None
+
+    def __call__(self, name: str, seconds: float) -> float:
+        if self.parts is not None:
+            self.parts[name] = self.parts.get(name, 0.0) + seconds
+        return seconds
+
+
 @dataclass(kw_only=True)
 class OperatorsConfig(LatencyConfig):
     """conf/latency/operators.yaml (its comments say what each key means)."""
@@ -154,13 +166,17 @@ class OperatorModel(LatencyModel):
                        (h, 2 * m.intermediate_size), (m.intermediate_size, h)]
         width = {"head_dim": d, "num_kv_heads": m.num_key_value_heads, "group": group}
         L = m.num_hidden_layers
-        parts = [(float(L), gemm.fixed(k=k, n=n)) for k, n in layer_gemms]
-        parts += [(2.0 * L + 1, profile.grid("add_rms_norm").fix("n", h)),
-                  (float(L), profile.grid("silu_and_mul").fix("n", m.intermediate_size)),
-                  (float(L), profile.grid("qk_rope_write").fixed(**width)),
-                  (1.0, profile.grid("embedding").fix("n", h))]
+        families = {"gemm": [(float(L), gemm.fixed(k=k, n=n)) for k, n in layer_gemms],
+                    "norms, activation, rope, embedding": [
+                        (2.0 * L + 1, profile.grid("add_rms_norm").fix("n", h)),
+                        (float(L), profile.grid("silu_and_mul").fix("n", m.intermediate_size)),
+                        (float(L), profile.grid("qk_rope_write").fixed(**width)),
+                        (1.0, profile.grid("embedding").fix("n", h))]}
+        parts = [part for family in families.values() for part in family]
         points = sorted({p for _, g in parts for p in g.axes[0].points})
         self.token_curve = summed("m", points, parts)
+        # The same curve by operator family, for `shape_time(..., parts)` (a breakdown, not the hot path).
+        self.token_families = {name: summed("m", points, family) for name, family in families.items()}
         vocab_full = full.vocab_size
         self.lm_head = gemm.fixed(k=h, n=m.vocab_size)
         self.sampler = profile.grid("sampler").fix("n", vocab_full)
@@ -217,34 +233,41 @@ class OperatorModel(LatencyModel):
         host = self.sync_host(num_seqs)
         return [t + host for t in times]
 
-    def shape_time(self, s: BatchShape) -> float:
+    def shape_time(self, s: BatchShape, parts: dict[str, float] | None = None) -> float:
+        """Seconds of a step of shape `s`; with `parts`, each operator family's seconds are also
+        added to it (experiments/lab/operator_breakdown.py)."""
         tokens = s.num_prefill_tokens + s.num_decode_seqs
         if tokens == 0 and s.num_copies == 0:
             return 0.0
         t = self.launch_s + self.host_step_s
+        book = _Book(parts)
+        book("launch, host", t)
         if s.num_copies:
             if self.copy is None:
                 raise ValueError(f"operator profile {[str(p) for p in self.profile.paths]} lacks op copy_blocks: "
                                  "a step with copy-on-write copies needs it")
-            t += self.copy(s.num_copies * self.block_bytes)
+            t += book("copy_blocks", self.copy(s.num_copies * self.block_bytes))
         if tokens == 0:
             return t
         rows = padded(tokens, self.token_sizes if s.num_prefill_tokens else self.batch_sizes)
         t += self.token_curve(rows)
+        if parts is not None:
+            for name, curve in self.token_families.items():
+                book(name, curve(rows))
         logit_rows = self.logit_rows(rows, s) if s.num_samples else 0
         if s.num_samples:
-            t += self.lm_head(logit_rows) + self.sampler(s.num_samples)
+            t += book("lm head, sampler", self.lm_head(logit_rows) + self.sampler(s.num_samples))
         L = self.model.num_hidden_layers
         if s.num_decode_seqs:
-            t += L * self.decode_attention(s, rows)
+            t += book("decode attention", L * self.decode_attention(s, rows))
         if s.num_prefill_tokens:
             chunks = s.prefill_chunks or ((s.num_prefill_tokens, s.prefill_context_tokens),)
             attn = self.prefill_floor + sum(self.prefill(q, c) - self.prefill_floor for q, c in chunks)
-            t += L * max(attn, self.prefill_floor)
+            t += book("prefill attention", L * max(attn, self.prefill_floor))
         if self.all_reduce is not None:
-            t += (2 * L + 1) * self.all_reduce(rows * self.token_bytes)
+            t += book("all-reduce", (2 * L + 1) * self.all_reduce(rows * self.token_bytes))
             if s.num_samples:
-                t += self.all_gather(logit_rows * self.logit_bytes)
+                t += book("all-gather", self.all_gather(logit_rows * self.logit_bytes))
         return t
 
     def graph_rows(self, rows: int, s: BatchShape) -> int | None:

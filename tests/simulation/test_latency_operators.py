@@ -405,3 +405,20 @@ def test_a_step_not_scheduled_ahead_waits_for_the_host(synthetic_profile):
     assert sync.decode_times(8, 2436, 8, 3)[0] == pytest.approx(sync.step_time(waited))
     with pytest.raises(ValueError, match=r"latency.sync_host_s=-1 is invalid"):
         OperatorModel(synthetic_profile, shape_, 16, sync_host_s=-1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_steps_parts_by_operator_family_add_up_to_its_time(tp):
+    model = operator_model(H200_FILES, "h200", tp)
+    mixed = BatchShape(num_prefill_tokens=1500, num_prefill_seqs=1, prefill_attention_pairs=1500 * 1501 // 2,
+                       num_decode_seqs=100, num_context_tokens=100 * 700, num_samples=101, num_copies=2,
+                       prefill_chunks=((1500, 0),), max_context_tokens=900)
+    decode = BatchShape(num_decode_seqs=256, num_context_tokens=256 * 800, num_samples=256)
+    for shape, families in ((mixed, {"prefill attention", "decode attention", "copy_blocks"}),
+                            (decode, {"decode attention"})):
+        parts: dict[str, float] = {}
+        total = model.shape_time(shape, parts)
+        assert total == model.shape_time(shape)
+        assert sum(parts.values()) == pytest.approx(total, rel=1e-12)
+        assert families | {"gemm", "lm head, sampler"} <= set(parts)
+        assert ("all-reduce" in parts) == ("all-gather" in parts) == (tp > 1)
