@@ -61,6 +61,17 @@ class StepPlan:
         """The exact (unpadded) shape of an eager step."""
         return BatchShape(self.num_tokens, len(self.decodes), len(self.prefills), len(self.sampled), self.width)
 
+    def check_within(self, max_len: int) -> None:
+        """ValueError naming the first sequence whose rows reach past token `max_len` (positions
+        from max_len on have no rotary row and no block-table column: on a GPU the step would end
+        in a device-side assert)."""
+        for s in [*self.decodes, *self.prefills]:
+            end = s.seq.num_computed_tokens + s.num_new_tokens
+            if end > max_len:
+                raise ValueError(f"seq {s.seq.seq_id}: the step computes its tokens up to {end}, past "
+                                 f"max_model_len={max_len} (the scheduler never schedules a sequence past "
+                                 "it; a step built by hand must stay within it)")
+
 
 def _check(s: ScheduledSeq, block_size: int) -> None:
     seq, start = s.seq, s.seq.num_computed_tokens
@@ -111,8 +122,9 @@ class BatchBuilder:
     `tokens_per_tile`: the prefill kernel's tokens per program, for shapes with a tile map."""
 
     def __init__(self, block_size: int, capacity: BatchShape, device: torch.device,
-                 tokens_per_tile: int = 1) -> None:
+                 tokens_per_tile: int = 1, max_len: int | None = None) -> None:
         self.block_size = block_size
+        self.max_len = max_len  # the longest sequence a step may hold (max_model_len); None: any
         self.device = device
         self.tokens_per_tile = tokens_per_tile
         self.buffers = InputBuffers(capacity, device)
@@ -120,7 +132,12 @@ class BatchBuilder:
         self._views: dict[tuple[BatchShape, int], ModelInput] = {}
 
     def plan(self, scheduled: list[ScheduledSeq]) -> StepPlan:
-        return plan_step(scheduled, self.block_size)
+        plan = plan_step(scheduled, self.block_size)
+        # Only a block table reaching past max_len's last block can hold a row past it (the tables
+        # cover every computed token): one comparison per step, the rows looked at only then.
+        if self.max_len is not None and plan.width * self.block_size > self.max_len:
+            plan.check_within(self.max_len)
+        return plan
 
     def write(self, plan: StepPlan, shape: BatchShape, temperatures: list[float] | None = None) -> InputBuffers:
         """Fill `plan` padded to `shape` (which it must fit) and start its copy to the device."""

@@ -91,7 +91,7 @@ class ModelRunner:
         tokens = tokens_per_tile(self.local_config.num_attention_heads, self.local_config.num_key_value_heads)
         capacity = BatchShape(max_num_batched_tokens, max_num_seqs, max_num_seqs, max_num_seqs, width,
                               max_tiles(max_num_batched_tokens, max_num_seqs, tokens))
-        self.batch = BatchBuilder(self.block_size, capacity, self.device, tokens)
+        self.batch = BatchBuilder(self.block_size, capacity, self.device, tokens, max_model_len)
         self.feedback = TokenFeedback(max_num_seqs, self.device)
         self.graphs: StepGraphs | None = None
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._profile_num_gpu_blocks()

@@ -168,6 +168,30 @@ def test_bad_sizes_raise_clear_errors():
         runner.execute(SchedulerOutput(now=0, scheduled=[ScheduledSeq(seq, 3, 1)]))
 
 
+
+@pytest.mark.parametrize("max_model_len", [128, 126])  # 126: the last block only partly within it
+def test_a_step_past_max_model_len_is_refused_before_the_forward(max_model_len):
+    """A step built by hand (a profile grid's synthetic step) whose sequence runs past max_model_len
+    has no rotary row for its last positions: a ValueError naming the sequence, not an IndexError
+    on the CPU or a device-side assert on a GPU."""
+    cfg = load_model_config("tiny-llama")
+    runner = ModelRunner(cfg, CacheConfig(block_size=BLOCK, num_gpu_blocks=128, swap_space=0.001),
+                         max_num_batched_tokens=256, max_num_seqs=16, max_model_len=max_model_len, device="cpu")
+    def prefill(num_tokens: int) -> SchedulerOutput:
+        seq = make_seqs([[1] * num_tokens], GREEDY)[0]
+        seq.block_table = list(range(-(-num_tokens // BLOCK)))
+        return SchedulerOutput(now=0, scheduled=[ScheduledSeq(seq, num_tokens, 1)])
+    assert len(runner.execute(prefill(max_model_len))) == 1
+    with pytest.raises(ValueError, match=rf"seq 0: .* up to {max_model_len + 1}, past max_model_len={max_model_len}"):
+        runner.execute(prefill(max_model_len + 1))
+    decode = make_seqs([[1] * max_model_len], GREEDY)[0]  # its next token at position max_model_len
+    decode.token_ids.append(2)
+    decode.num_computed_tokens = max_model_len
+    decode.block_table = list(range(max_model_len // BLOCK + 1))
+    with pytest.raises(ValueError, match=f"past max_model_len={max_model_len}"):
+        runner.execute(SchedulerOutput(now=0, scheduled=[ScheduledSeq(decode, 1, 1)]))
+
+
 def test_cache_config_and_swap_pool_size():
     with pytest.raises(ValueError, match="block_size=12"):
         CacheConfig(block_size=12)
