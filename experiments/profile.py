@@ -50,8 +50,9 @@ from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
 from experiments.lib.profiling.host import admission_time
+from experiments.lib.profiling.limits import EngineLimits, check_grid
 from experiments.lib.profiling.measure import PIPELINED_SLACK, measure, slower_pipelined
-from experiments.lib.profiling.synthetic import blocks_needed, decode_contexts
+from experiments.lib.profiling.synthetic import blocks_needed
 from experiments.lib.profiling.versions import versions
 from sim.latency.prefill_schedule import PrefillSchedule
 
@@ -121,7 +122,8 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
 
 
 def build_runner(cfg: DictConfig, grid: ProfileGrid):
-    """A ModelRunner whose KV cache holds the largest grid step and whose swap pool the largest swap."""
+    """A ModelRunner whose KV cache holds the largest grid step and whose swap pool the largest swap
+    (the grid already checked against the engine limits: profiling/limits.py)."""
     import torch
 
     from engine.config import CacheConfig, ModelConfig, ParallelConfig, RunnerConfig
@@ -137,24 +139,6 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     dtype = cfg.dtype or (model.dtype if device.startswith("cuda") else "float32")
     block_bytes = bs * model.kv_bytes_per_token_in(getattr(torch, dtype).itemsize)
     swap_gib = (max(grid.swap_blocks) + 1) * block_bytes / 2**30
-    if max(grid.decode_seqs) > cfg.max_num_seqs:
-        raise ValueError(f"profile_grid.decode_seqs max {max(grid.decode_seqs)} is invalid: must be <= "
-                         f"max_num_seqs={cfg.max_num_seqs} (the engine's decode batches never exceed it)")
-    prefill = [p for p in grid.prefill_tokens if p > 0]
-    if prefill and max(prefill) + max(grid.decode_seqs) > cfg.max_num_batched_tokens:
-        raise ValueError(f"profile_grid: prefill_tokens max {max(prefill)} + decode_seqs max "
-                         f"{max(grid.decode_seqs)} is invalid: must be <= max_num_batched_tokens="
-                         f"{cfg.max_num_batched_tokens} (the engine never runs such a step; timed, it would "
-                         "run eagerly and skew its neighbours in the interpolation)")
-    if prefill and max(grid.decode_seqs) + 1 > cfg.max_num_seqs:
-        raise ValueError(f"profile_grid.decode_seqs max {max(grid.decode_seqs)} is invalid beside a prefill: "
-                         f"must be <= max_num_seqs - 1 = {cfg.max_num_seqs - 1}")
-    longest = max((max(decode_contexts(s.num_decode_seqs, s.context_per_decode, s.context_ratio), default=0)
-                   for s in grid.step_shapes()), default=0)
-    if longest > cfg.max_model_len:
-        raise ValueError(f"profile_grid.context_per_decode max {max(grid.context_per_decode)} is invalid: its "
-                         f"longest decode ({longest} tokens, 7/4 of the mean or the largest context_ratios "
-                         f"times it) must be <= max_model_len={cfg.max_model_len}")
     cache = CacheConfig(block_size=bs, swap_space=swap_gib * 1.001, num_gpu_blocks=num_gpu_blocks)
     config = RunnerConfig(model, cache, max_num_batched_tokens=cfg.max_num_batched_tokens,
                           max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, dtype=dtype,
@@ -181,6 +165,10 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     for key in ("warmup", "repeats", "host_repeats", "passes"):
         if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < (0 if key == "warmup" else 1):
             raise ValueError(f"{key}={cfg[key]!r} is invalid: must be an integer >= {0 if key == 'warmup' else 1}")
+    # Before the runner: a shape over the engine's limits fails (or is timed off the graphs) only
+    # after minutes of timing the shapes before it.
+    check_grid(grid, EngineLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
+                                  decode_growth=cfg.warmup + cfg.host_repeats))
     start = time.perf_counter()
     runner = build_runner(cfg, grid)
     setup_s = time.perf_counter() - start
