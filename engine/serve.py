@@ -2,7 +2,9 @@
 
 NAME is a conf/model name (dummy weights for shapes, or the weights it names), a local HF
 directory, or a .gguf file. Every `EngineArgs` field is an option (`--num-gpu-blocks 512`,
-`--policy priority`) or a Hydra-style override (`num_gpu_blocks=512 policy=priority`). Server
+`--policy priority`; a boolean one is a switch taking no value, as vLLM's: `--enforce-eager`,
+`--disable-custom-all-reduce`, `--no-async-scheduling`) or a Hydra-style override
+(`num_gpu_blocks=512 policy=priority enforce_eager=true`). Server
 options: --host (127.0.0.1 by default: loopback only unless asked), --port, --served-model-name
 (one or more names clients may send as `model`), --chat-template, --max-waiting-requests (past it
 new requests get HTTP 503), --api-key (or SERVELAB_API_KEY: bearer keys for /v1/*),
@@ -43,6 +45,9 @@ from engine.serving.server import LOOPBACK
 SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_waiting_requests", "log_level",
                   "engine_process", "api_key", "max_request_body_bytes", "data_parallel_size", "router", "router_arg",
                   "router_refresh_s", "replica_launcher", "replica_timeout_s", "disaggregation")
+# The EngineArgs fields that are on/off switches: on the command line a flag and its --no- form
+# (`--disable-custom-all-reduce`, `--no-async-scheduling`), taking no value, as vLLM's.
+BOOLEAN_FIELDS = tuple(f.name for f in dataclasses.fields(EngineArgs) if f.type in ("bool", bool))
 
 
 def parse_value(text: str) -> Any:
@@ -94,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "decode_device, max_queue, queue_timeout_s, prefill_async_scheduling=true|false): the prefill engine in a thread of the "
                         "server's process, the decode engine in its own (--engine-process does not apply)")
     for f in dataclasses.fields(EngineArgs):
-        if f.name != "model":
+        if f.name in BOOLEAN_FIELDS:  # switches, as vLLM's: --enforce-eager, --no-async-scheduling
+            p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=f"EngineArgs.{f.name} (default {f.default!r})")
+        elif f.name != "model":
             p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse_value, default=argparse.SUPPRESS,
                            help=f"EngineArgs.{f.name} (default {f.default!r})")
     p.add_argument("overrides", nargs="*", help="EngineArgs overrides as key=value")
@@ -117,7 +125,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     for item in ns.overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"override {item!r} is invalid: write key=value (an EngineArgs field)")
+            hint = (f"; the boolean options ({', '.join('--' + n.replace('_', '-') for n in BOOLEAN_FIELDS)}) are "
+                    "switches taking no value (--no-<option> for false)") if isinstance(parse_value(item), bool) else ""
+            raise ValueError(f"override {item!r} is invalid: write key=value (an EngineArgs field){hint}")
         values[key.lstrip("+").replace("-", "_")] = parse_value(value)
     return EngineArgs.from_dict(values)
 

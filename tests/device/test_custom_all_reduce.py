@@ -129,7 +129,7 @@ def test_the_symmetric_paths_are_on_by_default_everywhere(monkeypatch):
 def test_each_off_switch_sends_every_all_reduce_through_nccl(where, monkeypatch):
     disabled = {"EngineArgs": lambda: EngineArgs(disable_custom_all_reduce=True).disable_custom_all_reduce,
                 "run config": lambda: _from_config("parallel.disable_custom_all_reduce=true"),
-                "server flag": lambda: _from_server_cli("--disable-custom-all-reduce", "true"),
+                "server flag": lambda: _from_server_cli("--disable-custom-all-reduce"),
                 "server override": lambda: _from_server_cli("disable_custom_all_reduce=true")}[where]()
     assert disabled is True
     _peers_present(monkeypatch)
