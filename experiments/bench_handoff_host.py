@@ -84,24 +84,25 @@ class PartTimer:
         self.cpu.clear()
 
 
-class _Conn:
-    """The front's end of the pipe, its waits with a timeout timed apart (the idle front's wait)."""
+class _Reads:
+    """The front's reads of the pipe (its `PipeReceiver`; an older front's `Connection`), its waits
+    with a timeout timed apart (the idle front's wait)."""
 
-    def __init__(self, conn, timer: PartTimer) -> None:
-        self._conn = conn
+    def __init__(self, receiver, timer: PartTimer) -> None:
+        self._receiver = receiver
         timer.wrap(self, "_wait", "idle wait")
 
     def _wait(self, timeout: float) -> bool:
-        return self._conn.poll(timeout)
+        return self._receiver.poll(timeout)
 
     def poll(self, timeout: float = 0.0) -> bool:
-        return self._wait(timeout) if timeout else self._conn.poll(0)
+        return self._wait(timeout) if timeout else self._receiver.poll(0)
 
     def recv(self):
-        return self._conn.recv()
+        return self._receiver.recv()
 
     def __getattr__(self, name: str):
-        return getattr(self._conn, name)
+        return getattr(self._receiver, name)
 
 
 # (owner attribute path on the front, method, part); the order is the table's.
@@ -116,7 +117,7 @@ PARTS = (
     ("", "_hand_off", "front _hand_off (rest)"),
     ("prefill", "hand_over_request", "hand_over_request"),
     ("_sender", "send", "pickle + queue message"),
-    ("_conn", "recv", "recv + unpickle"),
+    ("_receiver", "recv", "recv + unpickle"),  # the read itself is the pipe's reader thread's
     ("", "_take_messages", "take messages (rest)"),
     ("", "_start_transfer", "start transfer (rest)"),
     ("link", "send", "KVLink.send"),
@@ -137,7 +138,9 @@ def _owner(engine, path: str):
 
 def instrument(engine: DisaggregatedEngine) -> PartTimer:
     timer = PartTimer()
-    engine._conn = _Conn(engine._conn, timer)
+    reads = "_receiver" if hasattr(engine, "_receiver") else "_conn"  # an older front read the pipe itself
+    engine._receiver = _Reads(getattr(engine, reads), timer)
+    setattr(engine, reads, engine._receiver)
     for path, name, part in PARTS:
         owner = _owner(engine, path)
         if hasattr(owner, name):  # a front without that method (an older tree, for an A/B) skips it

@@ -1,7 +1,8 @@
 """The front's handle on the decode engine's process (engine/disagg/decode_process.py): start it
 with the decode engine's arguments, wait (bounded) for each step of its start-up, exchange the typed messages
 of engine/disagg/messages.py over one pipe (written by a `PipeSender`, engine/disagg/pipe_sender.py,
-so no write waits on the decode loop), and stop it within `JOIN_TIMEOUT_S` (also when the handle is
+so no write waits on the decode loop, and read by a `PipeReceiver`, engine/disagg/pipe_receiver.py,
+so no read waits on a message the decode process has begun and not finished), and stop it within `JOIN_TIMEOUT_S` (also when the handle is
 dropped without `close`)."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import weakref
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.decode_process import decode_main
 from engine.disagg.messages import DecodeFailed
+from engine.disagg.pipe_receiver import PipeReceiver
 from engine.disagg.pipe_sender import PipeSender
 from engine.engine_args import EngineArgs
 
@@ -44,17 +46,19 @@ class DecodeClient:
         self.process.start()
         theirs.close()
         self.sender = PipeSender(self.conn, "servelab-decode-pipe")  # the only writer of `conn`
-        self._finalizer = weakref.finalize(self, _stop, self.process, self.conn, self.sender)
+        self.receiver = PipeReceiver(self.conn, "servelab-decode-pipe-reader")  # its only reader
+        self._finalizer = weakref.finalize(self, _stop, self.process, self.conn, self.sender, self.receiver)
 
     def await_message(self, kind: type, timeout_s: float, doing: str, bound: str):
         """Its next message, which must be a `kind` (`DecodeStarted`, `DecodeReady`): RuntimeError with
         its own error if it failed, or if its process ended, TimeoutError past `timeout_s` (`bound`
-        names the setting); the errors say what it was `doing`. A process that died is seen within 0.1 s."""
+        names the setting, and a message of it begun and unfinished); the errors say what it was
+        `doing`. A process that died is seen within 0.1 s."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.conn.poll(0.1):
+            if self.receiver.poll(0.1):
                 try:
-                    message = self.conn.recv()
+                    message = self.receiver.recv()
                 except EOFError:
                     break
                 if isinstance(message, kind):
@@ -66,12 +70,21 @@ class DecodeClient:
             elif not self.process.is_alive():
                 break
         if self.process.is_alive():
-            raise TimeoutError(f"the decode engine did not finish {doing} within {bound}={timeout_s}")
+            raise TimeoutError(f"the decode engine did not finish {doing} within {bound}={timeout_s}"
+                               f"{self.unfinished_message()}")
         raise RuntimeError(f"the decode engine's process exited while {doing} (exit code {self.process.exitcode})")
 
     @property
     def alive(self) -> bool:
         return self.process.is_alive()
+
+    def unfinished_message(self) -> str:
+        """'' or, if a message of the process is begun and not whole, a clause saying so (naming it)."""
+        begun = self.receiver.incomplete()
+        if not begun:
+            return ""
+        return (f" (pid {self.process.pid}: a message from it begun {begun:.1f} s ago is still incomplete: "
+                "it stopped writing mid-message)")
 
     @property
     def gone(self) -> str:
@@ -95,10 +108,11 @@ def _next_device(device: str) -> str:
     return f"cuda:{first + 1}"
 
 
-def _stop(process, conn, sender: PipeSender) -> None:
+def _stop(process, conn, sender: PipeSender, receiver: PipeReceiver) -> None:
     """The stop message (None) goes after every message queued before it; a process that has not
     ended JOIN_TIMEOUT_S later (one not reading holds it unsent: the same bound) is killed, which
-    ends a write of the sender's blocked on it; then the sender's thread is joined (bounded)."""
+    ends a write of the sender's blocked on it and closes the receiver's end of file; then both
+    threads are joined (bounded)."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         sender.send(None)
@@ -110,4 +124,5 @@ def _stop(process, conn, sender: PipeSender) -> None:
         process.kill()
         process.join(1.0)
     sender.close(1.0)
+    receiver.close(1.0)
     conn.close()

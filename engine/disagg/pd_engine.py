@@ -34,9 +34,11 @@ is never preempted while transferring: it is in neither scheduler's queues). n >
 forks on the prefill side, every sample's first token and the prompt's blocks (once) move together.
 
 Faults: the decode process dying, or silent for `transfer_timeout_s` while requests decode there
-(it sends a step at least every HEARTBEAT_S while it works: silence is a hang), or leaving the
-front's messages unread that long (they queue on the pipe's sender thread, engine/disagg/pipe_sender.py:
-the front never waits for the decode loop to read), or the link failing
+or hand-offs aborted here wait for its answer (it sends a step at least every HEARTBEAT_S while it
+works: silence is a hang), or leaving the front's messages unread that long (they queue on the
+pipe's sender thread, engine/disagg/pipe_sender.py: the front never waits for the decode loop to
+read), or leaving a message of its own unfinished that long (the pipe's reader thread,
+engine/disagg/pipe_receiver.py, reads it whole: the front never waits for it), or the link failing
 (a peer dead, or no progress for `transfer_timeout_s`) ends every request handed off or decoding
 with an error within that bound,
 and the pair refuses new requests (`RuntimeError`); `close()` ends the decode process within
@@ -93,8 +95,8 @@ class DisaggregatedEngine(FrontTransfers):
         self._closed = False
         store = open_store(max(10.0, config.transfer_timeout_s))
         self._decode = DecodeClient(decode_args, config, store.port, keep_steps=keep_trace)
-        self._conn = self._decode.conn  # read here; written by `self._sender` alone
-        self._sender = self._decode.sender
+        self._receiver = self._decode.receiver  # the pipe's reads, never blocking the front
+        self._sender = self._decode.sender  # and its writes
         try:  # the two engines build at once
             ahead = config.prefill_async_scheduling
             self.prefill = LLMEngine(dataclasses.replace(args, async_scheduling=ahead),
@@ -221,7 +223,7 @@ class DisaggregatedEngine(FrontTransfers):
         outputs += self._done_early
         self._done_early = []
         if not outputs and not self.prefill.has_unfinished_requests() and self._failure is None:
-            self._conn.poll(_WAIT_S)  # only the decode side is busy: do not spin
+            self._receiver.poll(_WAIT_S)  # only the decode side is busy: do not spin
         return outputs
 
     def close(self) -> None:

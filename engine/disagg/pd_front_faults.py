@@ -2,8 +2,10 @@
 the decode process or the link, and the final outputs made on the front for requests whose tokens
 the decode engine never returns.
 
-A fault (the decode process dying, or silent for `transfer_timeout_s` while requests decode there,
-or leaving the front's messages unread that long, its pipe closing, the link failing) is seen once (`_fail`): every request past its prefill then ends
+A fault (the decode process dying, or silent for `transfer_timeout_s` while the front waits for it
+(requests decode there, or hand-offs aborted here wait for its answer), or leaving the front's
+messages unread that long, or a message of its own unfinished that long, its pipe closing, the
+link failing) is seen once (`_fail`): every request past its prefill then ends
 with an error within that bound, a hand-off not yet sent frees its prefill blocks here, one whose
 send is posted frees them when the link fails it, and later requests are refused. A hand-off the
 decode side refuses ends alone (`_fail_handoff`). Kept apart from the front's step loop, which
@@ -57,22 +59,38 @@ class FrontFaults:
     def _check_decode_alive(self) -> None:
         if self._failure is not None:
             return
-        if not self._decode.alive or self._sender.error is not None:  # ended (or its end of the pipe closed)
+        # Ended, or its end of the pipe closed (the pipe's reader or writer saw it).
+        if not self._decode.alive or self._sender.error is not None or self._receiver.error is not None:
             self._take_messages()  # its own account first, if it sent one
             self._fail(self._decode.gone)
             self._finish_transfers()
             return
         silent = time.monotonic() - self._last_heard  # it sends at least every HEARTBEAT_S while it works
         waiting, waited = self._sender.backlog()  # the front's messages it has not read
-        if (self._decoding and silent > self._silence_s) or waited > self._silence_s:
-            self._fail(self._hung(silent, waiting, waited))
+        begun = self._receiver.incomplete()  # its message begun and not finished
+        awaited = self._awaited() if silent > self._silence_s else ""
+        if awaited or waited > self._silence_s or begun > self._silence_s:
+            self._fail(self._hung(silent, awaited, waiting, waited, begun))
             self._finish_transfers()
 
-    def _hung(self, silent: float, waiting: int, waited: float) -> str:
-        """Why the decode engine is taken for hung: silent with requests decoding, or not reading."""
-        signs = []
+    def _awaited(self) -> str:
+        """What the front waits for from the decode process, in words ('': nothing): requests
+        decoding there, or hand-offs aborted here whose answer has not come (their prefill blocks
+        are held until it does)."""
         if self._decoding:
-            signs.append(f"nothing from it for {silent:.1f} s with {len(self._decoding)} request(s) decoding")
+            return f"{len(self._decoding)} request(s) decoding"
+        unanswered = len(self._handoffs.keys() - self._sending)
+        return f"{unanswered} aborted hand-off(s) awaiting its answer" if unanswered else ""
+
+    def _hung(self, silent: float, awaited: str, waiting: int, waited: float, begun: float) -> str:
+        """Why the decode engine is taken for hung: silent while the front waits for it, not reading,
+        or stopped mid-message."""
+        signs = []
+        if awaited:
+            signs.append(f"nothing from it for {silent:.1f} s with {awaited}")
+        if begun:
+            signs.append(f"a message from it begun {begun:.1f} s ago still incomplete (it stopped writing "
+                         "mid-message)")
         if waiting:
             signs.append(f"{waiting} message(s) to it waiting to be sent, the oldest for {waited:.1f} s "
                          "(it is not reading its pipe)")

@@ -58,8 +58,8 @@ class FrontTransfers(FrontFaults):
     def _take_messages(self) -> list[RequestOutput]:
         outputs = []
         try:
-            while self._failure is None and self._conn.poll(0):
-                message = self._conn.recv()
+            while self._failure is None and self._receiver.poll(0):
+                message = self._receiver.recv()
                 self._last_heard = time.monotonic()
                 if isinstance(message, Reserved):
                     self._start_transfer(message)

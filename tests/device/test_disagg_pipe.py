@@ -1,13 +1,19 @@
-"""The front's pipe to the decode process never blocks the front: `PipeSender` (engine/disagg/pipe_sender.py)
-keeps the order of the messages, returns at once while the reader does not read, reports how many
-wait and for how long, and ends its thread when the reader goes; a pair whose decode process is
-stopped mid-run keeps stepping its prefill engine, fails the decode engine as hung within
-transfer_timeout_s naming the messages left waiting, ends every request and closes within its bound.
-Every wait here is bounded (a blocked front is detected, not waited for)."""
+"""The front's pipe to the decode process never blocks the front, either way. `PipeSender`
+(engine/disagg/pipe_sender.py) keeps the order of the messages, returns at once while the reader does
+not read, reports how many wait and for how long, and ends its thread when the reader goes; a pair
+whose decode process is stopped mid-run keeps stepping its prefill engine, fails the decode engine
+as hung within transfer_timeout_s naming the messages left waiting, ends every request and closes
+within its bound. `PipeReceiver` (engine/disagg/pipe_receiver.py) keeps the order of the messages,
+never waits on a message begun and unfinished and reports for how long it has been, and ends its
+thread when the writer goes, mid-message or not; a decode process stopped mid-write (at start-up or
+mid-run) or leaving aborted hand-offs unanswered is failed within its bound, naming what was seen,
+every request ends and its prefill blocks are freed. Every wait here is bounded (a blocked front is
+detected, not waited for)."""
 from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -15,11 +21,14 @@ import time
 
 import pytest
 from disagg_helpers import SignalAtFirstHandOff
+from disagg_pipe_helpers import stopping_at, write_begun, write_rest
 from engine_helpers import ragged_prompts
 from test_disagg_engine import ARGS, GREEDY, _run
 
+from engine.disagg import decode_client
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.pd_engine import JOIN_TIMEOUT_S, DisaggregatedEngine
+from engine.disagg.pipe_receiver import PipeReceiver
 from engine.disagg.pipe_sender import PipeSender
 from engine.engine_args import EngineArgs
 
@@ -104,7 +113,7 @@ def test_a_stopped_decode_process_never_blocks_the_front():
     every request ends and `close()` returns within JOIN_TIMEOUT_S."""
     timeout_s = 3.0
     engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=timeout_s))
-    _shrink_send_buffer(engine._conn)
+    _shrink_send_buffer(engine._decode.conn)
     prompts = ragged_prompts(24, seed=2, min_len=20, max_len=60)
     stop = SignalAtFirstHandOff(signal.SIGSTOP)
     stepped_while_waiting = []
@@ -147,3 +156,152 @@ def test_a_stopped_decode_process_never_blocks_the_front():
         engine.close()
         assert time.monotonic() - t0 < JOIN_TIMEOUT_S + 2.0
         assert not engine._sender.running
+
+
+@pytest.fixture
+def reader_pipe():
+    ours, theirs = multiprocessing.Pipe()
+    receiver = PipeReceiver(ours, "test-pipe-receiver")
+    yield receiver, theirs
+    theirs.close()  # the thread reads the end of file and ends
+    assert receiver.close(WAIT_S)
+    ours.close()
+
+
+def test_the_receiver_keeps_the_order_and_never_waits_on_a_message_begun(reader_pipe):
+    receiver, writer = reader_pipe
+    count = 64  # 256 KB: read while it is written
+    for i in range(count):
+        writer.send((i, MESSAGE))
+    big = pickle.dumps(("big", b"y" * (1 << 20)))
+    write_begun(writer, big, len(big) // 2)  # the writer stops mid-message
+    received = []
+    for _ in range(count):
+        assert receiver.poll(WAIT_S), f"message {len(received)} never came"
+        received.append(receiver.recv()[0])
+    assert received == list(range(count))
+    assert not receiver.poll(0.2)  # begun, not whole: `Connection.poll` is True here, and its recv blocks
+    assert receiver.incomplete() >= 0.2
+    with pytest.raises(BlockingIOError):
+        receiver.recv()
+    write_rest(writer, big, len(big) // 2)
+    assert receiver.poll(WAIT_S) and receiver.recv()[0] == "big"
+    assert receiver.incomplete() == 0.0
+
+
+def test_a_writer_gone_mid_message_ends_the_receiver(reader_pipe):
+    receiver, writer = reader_pipe
+    writer.send("whole")
+    write_begun(writer, b"z" * 1000, 10)
+    writer.close()
+    assert receiver.poll(WAIT_S) and receiver.recv() == "whole"
+    assert receiver.poll(WAIT_S)  # the end of file, as `Connection.poll` says it
+    with pytest.raises(EOFError, match="writer is gone"):
+        receiver.recv()
+    assert receiver.close(WAIT_S) and isinstance(receiver.error, OSError) and receiver.incomplete() == 0.0
+
+
+def _bounded_front(fn, bound_s: float, pids) -> dict:
+    """`fn()` on a thread: {"value"} or {"error"}, and "ended" (`time.monotonic()`). Fails the test if
+    it has not returned within `bound_s` (it blocked), after killing the processes `pids()` names
+    (the decode process: a read blocked on it ends)."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (reported by the test's thread)
+            result["error"] = e
+        result["ended"] = time.monotonic()
+
+    front = threading.Thread(target=run, daemon=True)
+    front.start()
+    front.join(bound_s)
+    if front.is_alive():
+        for pid in pids():
+            os.kill(pid, signal.SIGKILL)
+        front.join(WAIT_S)
+        pytest.fail(f"the front blocked on its pipe: no end within {bound_s} s")
+    return result
+
+
+def _decode_pids() -> list[int]:
+    return [p.pid for p in multiprocessing.active_children() if p.name == "servelab-decode"]
+
+
+def test_a_decode_process_stopped_mid_message_never_blocks_the_front(monkeypatch):
+    """The decode process stops (SIGSTOP) halfway through writing its first outputs. The front never
+    waits on that message (before, its `recv` blocked for good, and its hang checks with it): it
+    fails the decode engine as hung within transfer_timeout_s, naming the message begun; every
+    request ends with that error and `close()` returns within JOIN_TIMEOUT_S."""
+    monkeypatch.setattr(decode_client, "decode_main", stopping_at("DecodeStep"))
+    timeout_s = 3.0
+    engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=timeout_s))
+    prompts = ragged_prompts(8, seed=3, min_len=5, max_len=40)
+    try:
+        result = _bounded_front(lambda: _run(engine, prompts, GREEDY), timeout_s + 30.0, _decode_pids)
+        assert "error" not in result, result.get("error")
+        done = result["value"]
+        assert len(done) == len(prompts)
+        assert all(reasons == ["abort:error"] for _, reasons, _ in done.values())
+        for _, _, error in done.values():
+            assert f"the decode engine is hung (pid {engine.decode_pid})" in error
+            assert "still incomplete (it stopped writing mid-message)" in error
+            assert "transfer_timeout_s=3" in error
+    finally:
+        t0 = time.monotonic()
+        engine.close()
+        assert time.monotonic() - t0 < JOIN_TIMEOUT_S + 2.0
+        assert not engine._receiver.running and not engine._sender.running
+
+
+def test_a_decode_process_stopped_mid_message_at_start_up_fails_the_start_up(monkeypatch):
+    """The decode process stops halfway through writing `DecodeReady`: the pair's start-up fails
+    within transfer_timeout_s (before, the front's `recv` blocked for good), naming the message
+    begun, and the decode process is ended."""
+    monkeypatch.setattr(decode_client, "decode_main", stopping_at("DecodeReady"))
+    timeout_s = 5.0
+
+    def start() -> None:
+        DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=timeout_s)).close()
+
+    result = _bounded_front(start, 60.0, _decode_pids)
+    error = result.get("error")
+    assert isinstance(error, TimeoutError), error
+    assert "did not finish running the KV link's start-up transfer within transfer_timeout_s=5.0" in str(error)
+    assert "still incomplete: it stopped writing mid-message" in str(error)
+    assert not _decode_pids()
+
+
+def test_aborted_hand_offs_left_unanswered_fail_the_decode_engine_and_free_their_blocks(monkeypatch):
+    """The decode process stops as it reads the first hand-offs, and the user aborts them all (their
+    outputs go out at once): nothing decodes there, but their prefill blocks are held until the
+    decode side answers. Its silence fails it as hung within transfer_timeout_s (before, the pair
+    waited for the answer for good, never idle) and the blocks are freed."""
+    monkeypatch.setattr(decode_client, "decode_main", stopping_at("HandoffBatch", mid_write=False))
+    timeout_s = 3.0
+    engine = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=timeout_s))
+    try:
+        prompts = ragged_prompts(4, seed=4, min_len=3, max_len=6)  # one prefill step: handed off at once
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"a-{i}", prompt, GREEDY)
+        ended, aborted_at = {}, None
+        deadline = time.monotonic() + timeout_s + 20.0
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the aborted hand-offs never ended: their blocks stay held"
+            ended.update((out.request_id, out) for out in engine.step() if out.finished)
+            if aborted_at is None and engine._decoding:
+                assert len(engine._decoding) == len(prompts)
+                for request_id in list(engine._decoding):
+                    assert engine.abort_request(request_id)
+                aborted_at = time.monotonic()
+        assert time.monotonic() - aborted_at < timeout_s + 2.0
+        assert sorted(ended) == [f"a-{i}" for i in range(len(prompts))]
+        assert all(out.outputs[0].finish_reason == "abort:user" for out in ended.values())
+        assert f"the decode engine is hung (pid {engine.decode_pid})" in engine._failure
+        assert f"with {len(prompts)} aborted hand-off(s) awaiting its answer" in engine._failure
+        assert engine.prefill.scheduler.block_manager.num_free_gpu_blocks() == engine.prefill.runner.num_gpu_blocks
+        with pytest.raises(RuntimeError, match="hung"):
+            engine.add_request("late", prompts[0], GREEDY)
+    finally:
+        engine.close()

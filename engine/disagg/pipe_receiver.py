@@ -1,0 +1,100 @@
+"""`PipeReceiver`: the front's reads of the decode process's pipe, made by a thread of their own so
+the front's loop never blocks on them.
+
+`Connection.poll` says only that some bytes are readable; `recv` then blocks until the whole
+message has come, with no timeout (a partly read message cannot be put back). A writer stopped
+(SIGSTOP, a hang) or stuck mid-message would hold the reader in `recv` for good, and every check
+the reader's loop makes with it. So one daemon thread does the blocking reads: it waits for a
+message's first bytes, notes when they came, reads the message whole (`recv_bytes`, the wire
+format `send` writes) and queues its bytes; the caller's `poll` and `recv` mirror `Connection`'s
+without blocking: `poll` waits at most its timeout for a message to be whole, `recv` returns one
+that is (unpickled on the caller's thread, as `Connection.recv` does), and `incomplete` tells how
+long a message begun has stayed unfinished, which bounds the wait (the front fails a decode engine
+whose message stays incomplete longer than `transfer_timeout_s`). The counterpart of `PipeSender`
+(engine/disagg/pipe_sender.py), which does the same for the front's writes; the two threads share
+the one duplex `Connection` (one reads it, one writes it). The queue is not bounded: the decode
+process sends at most one step's outputs per decode step, and the front takes every whole message
+at each of its steps.
+
+The thread ends at the first read error, kept in `error`: the end of file once the writer's end is
+closed (its process ended or was killed), mid-message or not. `poll` is then True and `recv`, once
+the messages before it are taken, raises EOFError, as `Connection`'s do at the end of file. A read
+blocked on a stopped writer ends when the writer's process is killed (`decode_client._stop` does,
+within `JOIN_TIMEOUT_S`); the thread is a daemon, so it never holds the process at exit.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+
+
+class PipeReceiver:
+    def __init__(self, conn: Connection, name: str) -> None:
+        """Reads `conn` from a daemon thread called `name`; `conn` is read by nothing else."""
+        self._conn = conn
+        self._queue: deque[bytes] = deque()  # whole messages, pickled, in the order they came
+        self._changed = threading.Condition()
+        self._begun: float | None = None  # when the first bytes of the message being read came
+        self.error: BaseException | None = None  # the read that failed; nothing is read after it
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """True once a message is whole, or the thread has ended (`recv` then raises); waits up to
+        `timeout_s` for either."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not self._queue and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            return True
+
+    def recv(self) -> object:
+        """The oldest whole message, unpickled; never waits. EOFError once the messages before the
+        thread's read error are taken (the writer is gone); BlockingIOError if none is whole yet."""
+        with self._changed:
+            if self._queue:
+                data = self._queue.popleft()
+            elif self.error is not None:
+                raise EOFError(f"the pipe's writer is gone: {self.error!r}") from self.error
+            else:
+                raise BlockingIOError("no whole message from the pipe yet (recv after poll returned True)")
+        return ForkingPickler.loads(data)
+
+    def incomplete(self) -> float:
+        """Seconds since the first bytes of a message not yet whole came (0.0: none begun)."""
+        with self._changed:
+            return 0.0 if self._begun is None else time.monotonic() - self._begun
+
+    def close(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for the thread to end (it ends when the writer's end is closed:
+        close that first); False if it is still reading."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    @property
+    def running(self) -> bool:
+        """Its thread has not ended (it ends on the first read error, the end of file included)."""
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._conn.poll(None)  # the next message's first bytes, or the end of file
+                with self._changed:
+                    self._begun = time.monotonic()
+                data = self._conn.recv_bytes()
+                with self._changed:
+                    self._queue.append(data)
+                    self._begun = None
+                    self._changed.notify_all()
+        except Exception as e:  # noqa: BLE001 (kept for the caller: the writer is gone)
+            with self._changed:
+                self.error = e
+                self._begun = None
+                self._changed.notify_all()
