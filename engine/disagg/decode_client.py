@@ -70,21 +70,14 @@ class DecodeClient:
             elif not self.process.is_alive():
                 break
         if self.process.is_alive():
+            unfinished = self.receiver.unfinished()
             raise TimeoutError(f"the decode engine did not finish {doing} within {bound}={timeout_s}"
-                               f"{self.unfinished_message()}")
+                               + (f" (pid {self.process.pid}: {unfinished})" if unfinished else ""))
         raise RuntimeError(f"the decode engine's process exited while {doing} (exit code {self.process.exitcode})")
 
     @property
     def alive(self) -> bool:
         return self.process.is_alive()
-
-    def unfinished_message(self) -> str:
-        """'' or, if a message of the process is begun and not whole, a clause saying so (naming it)."""
-        begun = self.receiver.incomplete()
-        if not begun:
-            return ""
-        return (f" (pid {self.process.pid}: a message from it begun {begun:.1f} s ago is still incomplete: "
-                "it stopped writing mid-message)")
 
     @property
     def gone(self) -> str:
@@ -111,8 +104,8 @@ def _next_device(device: str) -> str:
 def _stop(process, conn, sender: PipeSender, receiver: PipeReceiver) -> None:
     """The stop message (None) goes after every message queued before it; a process that has not
     ended JOIN_TIMEOUT_S later (one not reading holds it unsent: the same bound) is killed, which
-    ends a write of the sender's blocked on it and closes the receiver's end of file; then both
-    threads are joined (bounded)."""
+    ends a write of the sender's or a read of the receiver's blocked on it (its end of the pipe
+    closes); then both threads are joined (bounded)."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         sender.send(None)

@@ -67,10 +67,10 @@ class FrontFaults:
             return
         silent = time.monotonic() - self._last_heard  # it sends at least every HEARTBEAT_S while it works
         waiting, waited = self._sender.backlog()  # the front's messages it has not read
-        begun = self._receiver.incomplete()  # its message begun and not finished
+        begun = self._receiver.incomplete()  # how long its message being read has been unfinished
         awaited = self._awaited() if silent > self._silence_s else ""
         if awaited or waited > self._silence_s or begun > self._silence_s:
-            self._fail(self._hung(silent, awaited, waiting, waited, begun))
+            self._fail(self._hung(silent, awaited, waiting, waited))
             self._finish_transfers()
 
     def _awaited(self) -> str:
@@ -82,15 +82,15 @@ class FrontFaults:
         unanswered = len(self._handoffs.keys() - self._sending)
         return f"{unanswered} aborted hand-off(s) awaiting its answer" if unanswered else ""
 
-    def _hung(self, silent: float, awaited: str, waiting: int, waited: float, begun: float) -> str:
+    def _hung(self, silent: float, awaited: str, waiting: int, waited: float) -> str:
         """Why the decode engine is taken for hung: silent while the front waits for it, not reading,
         or stopped mid-message."""
         signs = []
         if awaited:
             signs.append(f"nothing from it for {silent:.1f} s with {awaited}")
-        if begun:
-            signs.append(f"a message from it begun {begun:.1f} s ago still incomplete (it stopped writing "
-                         "mid-message)")
+        unfinished = self._receiver.unfinished()
+        if unfinished:
+            signs.append(unfinished)
         if waiting:
             signs.append(f"{waiting} message(s) to it waiting to be sent, the oldest for {waited:.1f} s "
                          "(it is not reading its pipe)")

@@ -6,15 +6,16 @@ message has come, with no timeout (a partly read message cannot be put back). A 
 (SIGSTOP, a hang) or stuck mid-message would hold the reader in `recv` for good, and every check
 the reader's loop makes with it. So one daemon thread does the blocking reads: it waits for a
 message's first bytes, notes when they came, reads the message whole (`recv_bytes`, the wire
-format `send` writes) and queues its bytes; the caller's `poll` and `recv` mirror `Connection`'s
+format `send` writes) and queues its bytes. The caller's `poll` and `recv` mirror `Connection`'s
 without blocking: `poll` waits at most its timeout for a message to be whole, `recv` returns one
-that is (unpickled on the caller's thread, as `Connection.recv` does), and `incomplete` tells how
-long a message begun has stayed unfinished, which bounds the wait (the front fails a decode engine
-whose message stays incomplete longer than `transfer_timeout_s`). The counterpart of `PipeSender`
-(engine/disagg/pipe_sender.py), which does the same for the front's writes; the two threads share
-the one duplex `Connection` (one reads it, one writes it). The queue is not bounded: the decode
-process sends at most one step's outputs per decode step, and the front takes every whole message
-at each of its steps.
+that is (unpickled on the caller's thread, as `Connection.recv` does). `incomplete` tells how long
+a message begun has stayed unfinished (`unfinished`: in words), which bounds the wait (the front
+fails a decode engine whose message stays incomplete longer than `transfer_timeout_s`).
+
+The counterpart of `PipeSender` (engine/disagg/pipe_sender.py), which does the same for the
+front's writes: the two threads share the one duplex `Connection`, one reading it, one writing it.
+The queue is not bounded: the decode process sends at most one step's outputs per decode step,
+and the front takes every whole message at each of its steps.
 
 The thread ends at the first read error, kept in `error`: the end of file once the writer's end is
 closed (its process ended or was killed), mid-message or not. `poll` is then True and `recv`, once
@@ -70,6 +71,13 @@ class PipeReceiver:
         """Seconds since the first bytes of a message not yet whole came (0.0: none begun)."""
         with self._changed:
             return 0.0 if self._begun is None else time.monotonic() - self._begun
+
+    def unfinished(self) -> str:
+        """'' or, if a message is begun and not whole, what the caller sees, in words."""
+        begun = self.incomplete()
+        if not begun:
+            return ""
+        return f"a message from it begun {begun:.1f} s ago still incomplete (it stopped writing mid-message)"
 
     def close(self, timeout_s: float) -> bool:
         """Waits up to `timeout_s` for the thread to end (it ends when the writer's end is closed:

@@ -269,7 +269,7 @@ def test_a_decode_process_stopped_mid_message_at_start_up_fails_the_start_up(mon
     error = result.get("error")
     assert isinstance(error, TimeoutError), error
     assert "did not finish running the KV link's start-up transfer within transfer_timeout_s=5.0" in str(error)
-    assert "still incomplete: it stopped writing mid-message" in str(error)
+    assert "still incomplete (it stopped writing mid-message)" in str(error)
     assert not _decode_pids()
 
 
