@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation on two GPUs (NCCL): the KV link moves blocks from cuda:0 to cuda:1
-exactly, and its start-up transfer leaves both caches as they were; a prefill engine on cuda:0 and a decode engine on cuda:1 give the single engine's greedy
-tokens in bf16 (the agreement count printed with -s, as the tensor-parallel tests do), with CUDA
-graphs and async scheduling on the decode side, with the prefill engine scheduled ahead, and
-preemption there; a decode process killed
-mid-transfer ends the handed-off requests with an error within the bound."""
+exactly, and its start-up transfer leaves both caches as they were; a prefill engine on cuda:0 and
+a decode engine on cuda:1 give the single engine's greedy tokens in bf16 (the agreement count
+printed with -s, as the tensor-parallel tests do), with CUDA graphs and async scheduling on the
+decode side, with the prefill engine scheduled ahead, and preemption there; a decode process killed
+mid-transfer ends the handed-off requests with an error within the bound, and one stopped halfway
+through writing its first outputs is failed as hung within the bound, every request ended and the
+pair closed within its bound."""
 from __future__ import annotations
 
 import multiprocessing
@@ -13,7 +15,9 @@ import time
 import pytest
 import torch
 from disagg_helpers import SignalAtFirstHandOff
+from disagg_pipe_helpers import stopping_at
 
+from engine.disagg import decode_client
 from engine.disagg.config import DisaggregationConfig
 from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, open_store
 from engine.disagg.link_warmup import warm_recv, warm_send
@@ -180,6 +184,22 @@ def test_pair_killed_decode_process_ends_requests_with_an_error():
         assert kill.sent_at and time.monotonic() - kill.sent_at[0] < TIMEOUT_S + 5
         errors = [o for o in outs if o.error is not None]
         assert errors and all(o.outputs[0].finish_reason == "abort:error" for o in errors)
+    finally:
+        start = time.monotonic()
+        pair.close()
+        assert time.monotonic() - start < JOIN_TIMEOUT_S + 5
+
+
+def test_pair_decode_process_stopped_mid_message_ends_requests_with_an_error(monkeypatch):
+    monkeypatch.setattr(decode_client, "decode_main", stopping_at("DecodeStep"))
+    pair = DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
+    try:
+        start = time.monotonic()
+        outs = _generate(pair)
+        assert time.monotonic() - start < 2 * TIMEOUT_S + 30
+        assert all(o.outputs[0].finish_reason == "abort:error" for o in outs)
+        assert all(f"the decode engine is hung (pid {pair.decode_pid})" in o.error for o in outs)
+        assert all("still incomplete (it stopped writing mid-message)" in o.error for o in outs)
     finally:
         start = time.monotonic()
         pair.close()
