@@ -1,9 +1,9 @@
 """The front's handle on the decode engine's process (engine/disagg/decode_process.py): start it
-with the decode engine's arguments, wait (bounded) for each step of its start-up, exchange the typed messages
-of engine/disagg/messages.py over one pipe (written by a `PipeSender`, engine/disagg/pipe_sender.py,
-so no write waits on the decode loop, and read by a `PipeReceiver`, engine/disagg/pipe_receiver.py,
-so no read waits on a message the decode process has begun and not finished), and stop it within `JOIN_TIMEOUT_S` (also when the handle is
-dropped without `close`)."""
+with the decode engine's arguments, wait (bounded) for each step of its start-up, exchange the
+typed messages of engine/disagg/messages.py over one pipe (written by a `PipeSender`,
+engine/disagg/pipe_sender.py, so no write waits on the decode loop, and read by a `PipeReceiver`,
+engine/disagg/pipe_receiver.py, so no read waits on a message the decode process has begun and not
+finished), and stop it within `JOIN_TIMEOUT_S` (also when the handle is dropped without `close`)."""
 from __future__ import annotations
 
 import dataclasses
