@@ -17,6 +17,7 @@ import time
 import pytest
 from disagg_helpers import SignalAtFirstHandOff
 from engine_helpers import ragged_prompts
+from process_helpers import gone
 
 from engine.disagg import link_warmup
 from engine.disagg.config import DisaggregationConfig
@@ -277,23 +278,25 @@ def test_a_hand_off_left_waiting_for_blocks_ends_as_in_the_simulator(reference):
         assert done[i] == reference["greedy"][i]
 
 
-def _slow_front_warm_up(monkeypatch, delay_s: float, signal_decode: int | None = None) -> list[float]:
+def _slow_front_warm_up(monkeypatch, delay_s: float, signal_decode: int | None = None) -> list[tuple[int, float]]:
     """The front's start-up transfer begins `delay_s` late (after sending `signal_decode` to the
-    decode process, if given, noting when (`time.monotonic()`) in the list returned)."""
+    decode process starting, if given, noting its pid and when (`time.monotonic()`) in the list
+    returned; a module fixture's pair is left alone)."""
     real = link_warmup.warm_send
-    sent_at: list[float] = []
+    signalled: list[tuple[int, float]] = []
+    others = {child.pid for child in multiprocessing.active_children()}
 
     def warm_send(link, k_caches, v_caches):
         if signal_decode is not None:
             for child in multiprocessing.active_children():
-                if child.name == "servelab-decode":
+                if child.name == "servelab-decode" and child.pid not in others:
                     os.kill(child.pid, signal_decode)
-                    sent_at.append(time.monotonic())
+                    signalled.append((child.pid, time.monotonic()))
         time.sleep(delay_s)
         return real(link, k_caches, v_caches)
 
     monkeypatch.setattr(link_warmup, "warm_send", warm_send)
-    return sent_at
+    return signalled
 
 
 def test_the_link_moves_a_block_and_the_clock_starts_once_the_pair_is_ready(monkeypatch, reference):
@@ -329,9 +332,9 @@ def _assert_decode_steps(steps: list[dict], rows: list[dict], end: float) -> Non
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_decode_process_that_dies_or_hangs_in_the_link_warm_up_fails_the_start_up(monkeypatch, sig):
-    sent_at = _slow_front_warm_up(monkeypatch, 0.2, signal_decode=sig)
+    signalled = _slow_front_warm_up(monkeypatch, 0.2, signal_decode=sig)
     with pytest.raises((RuntimeError, TimeoutError), match="the KV link's start-up transfer"):
         DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S))
     # Counted from the signal: building the two engines before it is no part of the bound.
-    assert len(sent_at) == 1 and time.monotonic() - sent_at[0] < TIMEOUT_S + JOIN_TIMEOUT_S + 5.0
-    assert not [c for c in multiprocessing.active_children() if c.name == "servelab-decode"]
+    assert len(signalled) == 1 and time.monotonic() - signalled[0][1] < TIMEOUT_S + JOIN_TIMEOUT_S + 5.0
+    assert gone(signalled[0][0])
