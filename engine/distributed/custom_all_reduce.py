@@ -45,6 +45,7 @@ import math
 import os
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -69,6 +70,31 @@ PACE_LAG = 2
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
 SYMMETRIC_WORLD_SIZES = (2, 4, 8)
 REQUIRED_OPS = ("one_shot_all_reduce_out", "two_shot_all_reduce_out")
+
+
+@dataclass(slots=True, frozen=True)
+class AllReducePath:
+    """Which all-reduce an engine's group took at start-up, as rank 0 logs it: the symmetric-memory
+    thresholds (`off_reason` None), or why NCCL (gloo on CPUs) carries every message. Runs record
+    it (`record`: summary.json's `run.all_reduce`), so that a later simulator run can price the
+    path the engine ran rather than the one its current defaults would take."""
+
+    world_size: int
+    one_shot_max_bytes: int = 0
+    two_shot_max_bytes: int = 0
+    off_reason: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        if self.off_reason is not None:
+            return {"path": NCCL, "world_size": self.world_size, "reason": self.off_reason}
+        return {"path": "symmetric", "world_size": self.world_size, "one_shot_max_bytes": self.one_shot_max_bytes,
+                "two_shot_max_bytes": self.two_shot_max_bytes}
+
+    def describe(self) -> str:
+        if self.off_reason is not None:
+            return f"NCCL/gloo for every message (custom all-reduce off: {self.off_reason})"
+        return (f"one-shot over symmetric memory up to {self.one_shot_max_bytes} bytes, two-shot up to "
+                f"{self.two_shot_max_bytes}, NCCL above ({self.world_size} GPUs)")
 
 
 def choose_path(nbytes: int, dtype: torch.dtype, contiguous: bool, one_shot_max: int, two_shot_max: int) -> str:
@@ -195,14 +221,14 @@ class SymmetricAllReduce:
 
 
 def open_symmetric_all_reduce(parallel: ParallelConfig, device: torch.device, rank: int, world_size: int,
-                              group_name: str, agree: Callable[[int], int]) -> SymmetricAllReduce | None:
+                              group_name: str, agree: Callable[[int], int]
+                              ) -> tuple[SymmetricAllReduce | None, AllReducePath]:
     """Every rank calls this at start-up, in the same order as the others; `agree(v)`: the minimum
-    of `v` over the ranks (the host group). Returns None on every rank unless every rank has the
-    symmetric buffer, and logs which all-reduce runs."""
+    of `v` over the ranks (the host group). Returns the symmetric-memory paths (None on every rank
+    unless every rank has the symmetric buffer) and which all-reduce runs, which rank 0 logs."""
     reason = unavailable_reason(parallel, device, rank, world_size)
     if agree(0 if reason else 1) == 0:
-        _log_off(rank, reason or "another rank cannot use symmetric memory")
-        return None
+        return None, _off(rank, world_size, reason or "another rank cannot use symmetric memory")
     symm_mem = symmetric_memory()
     custom = None
     try:
@@ -210,12 +236,11 @@ def open_symmetric_all_reduce(parallel: ParallelConfig, device: torch.device, ra
     except Exception as e:  # noqa: BLE001 (any failure falls back to NCCL on every rank, logged)
         reason = f"the symmetric buffer could not be set up: {type(e).__name__}: {e}"
     if agree(0 if custom is None else 1) == 0:
-        _log_off(rank, reason or "another rank could not set up its symmetric buffer")
-        return None
+        return None, _off(rank, world_size, reason or "another rank could not set up its symmetric buffer")
+    path = AllReducePath(world_size, custom.one_shot_max, custom.two_shot_max)
     if rank == 0:
-        logger.info("all-reduce: one-shot over symmetric memory up to %d bytes, two-shot up to %d, NCCL above "
-                    "(%d GPUs)", custom.one_shot_max, custom.two_shot_max, world_size)
-    return custom
+        logger.info("all-reduce: %s", path.describe())
+    return custom, path
 
 
 def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.device, world_size: int,
@@ -238,6 +263,8 @@ def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.devi
     return SymmetricAllReduce(buffer, group_name, parallel.one_shot_max_bytes(world_size), size, handle)
 
 
-def _log_off(rank: int, reason: str) -> None:
+def _off(rank: int, world_size: int, reason: str) -> AllReducePath:
+    path = AllReducePath(world_size, off_reason=reason)
     if rank == 0:
-        logger.info("all-reduce: NCCL/gloo for every message (custom all-reduce off: %s)", reason)
+        logger.info("all-reduce: %s", path.describe())
+    return path

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ParallelConfig
-from engine.distributed.custom_all_reduce import SymmetricAllReduce, open_symmetric_all_reduce
+from engine.distributed.custom_all_reduce import AllReducePath, SymmetricAllReduce, open_symmetric_all_reduce
 
 # all_gather_into_tensor's new name (torch >= 2.12); the same collective.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,6 +35,7 @@ class TPGroup:
     device_group: dist.ProcessGroup
     host_group: dist.ProcessGroup
     custom: SymmetricAllReduce | None = None  # the symmetric-memory paths, when every rank has them
+    all_reduce_path: AllReducePath | None = None  # which all-reduce the group took at start-up (kept after close)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks (on the device's stream: capturable in a CUDA graph): a new tensor
@@ -99,8 +100,8 @@ def init_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
     device_group = dist.group.WORLD
     host_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     group = TPGroup(rank, size, device_group, host_group)
-    group.custom = open_symmetric_all_reduce(parallel or ParallelConfig(size), device, rank, size,
-                                             device_group.group_name, group.min_int)
+    group.custom, group.all_reduce_path = open_symmetric_all_reduce(
+        parallel or ParallelConfig(size), device, rank, size, device_group.group_name, group.min_int)
     return group
 
 

@@ -172,10 +172,15 @@ def add_workload_request(engine: LLMEngine, r, output_len: int | None) -> None:
 
 
 def engine_info(runner) -> dict:
-    """What summary.json's `run` says of an engine's device state."""
-    return {"num_gpu_blocks": runner.num_gpu_blocks, "num_cpu_blocks": runner.num_cpu_blocks,
+    """What summary.json's `run` says of an engine's device state; under tensor parallelism also
+    `all_reduce`, the path its group took (`AllReducePath.record`: what the simulator prices)."""
+    info = {"num_gpu_blocks": runner.num_gpu_blocks, "num_cpu_blocks": runner.num_cpu_blocks,
             "device": device_name(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
             "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel}
+    tp = getattr(runner, "tp", None)
+    if tp is not None and tp.all_reduce_path is not None:
+        info["all_reduce"] = tp.all_reduce_path.record()
+    return info
 
 
 def device_name(device=None) -> str:

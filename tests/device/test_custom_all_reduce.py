@@ -148,14 +148,19 @@ def test_this_torch_has_the_ops_used():
 
 def test_gloo_ranks_stay_on_gloo_with_a_log_line(caplog):
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), torch.device("cpu"), 0, 2, "g", lambda v: v) is None
+        custom, path = open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False),
+                                                 torch.device("cpu"), 0, 2, "g", lambda v: v)
+    assert custom is None
     assert "custom all-reduce off: device cpu is not a GPU (gloo carries the all-reduces)" in caplog.text
+    assert path.record() == {"path": NCCL, "world_size": 2, "reason": "device cpu is not a GPU (gloo carries the all-reduces)"}
 
 
 def test_one_rank_that_cannot_keeps_every_rank_on_nccl(monkeypatch, caplog):
     monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)  # this rank could
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g", lambda v: 0) is None  # another not
+        custom, path = open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g",
+                                                 lambda v: 0)  # another rank cannot
+    assert custom is None and path.off_reason == "another rank cannot use symmetric memory"
     assert "another rank cannot use symmetric memory" in caplog.text
 
 
@@ -172,7 +177,8 @@ def test_a_failed_buffer_set_up_falls_back_on_every_rank(monkeypatch, caplog):
     monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)
     monkeypatch.setattr(car, "_allocate", refuse)
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        assert open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g", agree) is None
+        custom, path = open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g", agree)
+    assert custom is None and path.off_reason.startswith("the symmetric buffer could not be set up")
     assert agreed == [1, 0]  # the ranks agree before allocating and after
     assert "could not be set up: RuntimeError: CUDA driver error: invalid argument" in caplog.text
 
@@ -194,11 +200,13 @@ def test_a_second_engine_in_a_process_stays_on_nccl_with_the_reason(monkeypatch,
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda *a: True)
     monkeypatch.setattr(car, "_rendezvous_joined", False)
     parallel = ParallelConfig(2, disable_custom_all_reduce=False)
-    first = open_symmetric_all_reduce(parallel, GPU1, 0, 2, "0", lambda v: v)
+    first, path = open_symmetric_all_reduce(parallel, GPU1, 0, 2, "0", lambda v: v)
     assert first is not None and first.handle == ("handle", "0")
+    assert path.record() == {"path": "symmetric", "world_size": 2, "one_shot_max_bytes": parallel.one_shot_max_bytes(2),
+                             "two_shot_max_bytes": parallel.custom_all_reduce_max_bytes}
     assert "earlier engine" in unavailable_reason(parallel, GPU1, 0, 2)
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        assert open_symmetric_all_reduce(parallel, GPU1, 0, 2, "0", lambda v: v) is None
+        assert open_symmetric_all_reduce(parallel, GPU1, 0, 2, "0", lambda v: v)[0] is None
     assert "custom all-reduce off: this process set up symmetric memory for an earlier engine" in caplog.text
 
 

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from experiments.ab import _main as ab_main
-from experiments.lib import factory
+from experiments.lib import engine_backend, factory
 from experiments.lib.fidelity_spec import compose_cfg
 from experiments.lib.run_workload import run
 
@@ -32,6 +32,7 @@ def test_engine_backend_writes_sim_traces_on_the_wall_clock(tmp_path):
     assert summary["run"]["num_gpu_blocks"] == 256
     assert summary["run"]["decode_kernel"] == "packed"  # "auto" on the CPU
     assert summary["config"]["scheduler"]["async_scheduling"]  # the default configuration
+    assert "all_reduce" not in summary["run"]  # one GPU: no all-reduce to record
     req = pd.read_parquet(tmp_path / "requests.parquet").set_index("request_id")
     for r, out_len in zip(workload.requests, workload.output_lens):
         row = req.loc[r.request_id]
@@ -42,6 +43,19 @@ def test_engine_backend_writes_sim_traces_on_the_wall_clock(tmp_path):
         assert row.first_scheduled_time >= r.arrival_time  # nobody enters before its arrival time
     steps = pd.read_parquet(tmp_path / "steps.parquet")
     assert steps.num_batched_tokens.sum() >= sum(r.num_prompt_tokens for r in workload.requests)
+
+
+def test_a_tensor_parallel_engine_run_records_its_all_reduce_path(tmp_path):
+    """The engine's own choice, as rank 0 logs it: gloo ranks stay off the symmetric-memory paths,
+    and the run says why (experiments.fidelity prices what the engine ran from this record)."""
+    cfg = compose_cfg([*ENGINE, *WORKLOAD, "workload.num_requests=3", "parallel.tensor_parallel_size=2"])
+    try:
+        run(cfg, tmp_path, "engine")
+    finally:
+        engine_backend.release_engine()
+    recorded = json.loads((tmp_path / "summary.json").read_text())["run"]["all_reduce"]
+    assert recorded == {"path": "nccl", "world_size": 2,
+                        "reason": "device cpu is not a GPU (gloo carries the all-reduces)"}
 
 
 def test_ab_on_the_engine_backend(tmp_path):
