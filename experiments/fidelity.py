@@ -14,7 +14,9 @@ scenario (CDFs, KV usage); full traces go to --runs (default outputs/fidelity/<d
 `--engine-runs DIR` reuses the engine traces of an earlier --runs dir (the simulator runs again).
 `--sim OVERRIDE` (repeatable) adds Hydra overrides to the simulator side only, after the spec's
 `sim` list: `--sim latency=operators` predicts from operator profiles instead of the per-model one
-(no profile needed; docs/operator_profiles.md).
+(no profile needed; docs/operator_profiles.md). Under tensor parallelism the simulator side prices
+the all-reduce path the engine runs recorded (`run.all_reduce`; experiments/lib/fidelity_all_reduce.py),
+and the report's `all-reduce:` line says which it priced and why.
 `--engine-repeats N` runs each scenario N times on the engine (same requests), in N rounds over all
 scenarios so that a scenario's repeats are minutes apart: the simulator is compared with the runs'
 mean and the table shows their spread, the engine's own run-to-run noise. `--window-profile` re-times
@@ -39,6 +41,7 @@ import pandas as pd
 
 from experiments.lib import engine_backend, factory, fidelity_window
 from experiments.lib.cli import run_cli
+from experiments.lib.fidelity_all_reduce import SimAllReduce, sim_all_reduce
 from experiments.lib.fidelity_report import decode_step_ratio
 from experiments.lib.fidelity_spec import DEFAULT_SPEC, compose_cfg, load_spec
 from experiments.lib.fidelity_tables import STALL_S, FidelityTables
@@ -81,6 +84,7 @@ class Fidelity(FidelityTables):
         self.settings: dict[str, dict[str, Any]] = {}
         self._prepared: dict[str, tuple[list[str], Any]] = {}
         self._engine: dict[str, list[tuple[dict, pd.DataFrame, pd.DataFrame]]] = {}  # scenario -> engine runs
+        self.all_reduce: SimAllReduce | None = None  # the simulator's all-reduce (fidelity_all_reduce.py)
 
     @property
     def profiled(self) -> bool:
@@ -167,6 +171,16 @@ class Fidelity(FidelityTables):
                     if self.window:  # the decode rows re-timed on this engine, mid-round
                         fidelity_window.measure(engine_backend.kept_runner(), self.profile_path(), i, self.runs_dir)
 
+    def sim_all_reduce(self, overrides: list[str]) -> list[str]:
+        """The simulator side's all-reduce overrides: the path every engine run recorded (decided
+        once, from the first scenario's overrides; the console and the report say which)."""
+        if self.all_reduce is None:
+            runs = [r[0].get("run", {}) for runs in self._engine.values() for r in runs]
+            self.all_reduce = sim_all_reduce(runs, [*overrides, *self.spec["sim"]], compose_cfg)
+            if self.all_reduce.note:
+                print(f"[fidelity] all-reduce: {self.all_reduce.note}", flush=True)
+        return self.all_reduce.overrides
+
     def run_scenario(self, name: str, with_sim: bool = True) -> None:
         """The scenario's simulator run against its engine runs (`run_engines` first)."""
         overrides, workload = self.prepared(name)
@@ -192,6 +206,7 @@ class Fidelity(FidelityTables):
         blocks = [f"blocks.num_gpu_blocks={info['num_gpu_blocks']}"] if info.get("num_gpu_blocks") else []
         if info.get("num_cpu_blocks") is not None:
             blocks.append(f"blocks.num_cpu_blocks={info['num_cpu_blocks']}")
+        blocks = [*self.sim_all_reduce(overrides), *blocks]
         if self.profiled:
             cfg_s = compose_cfg([*overrides, *self.spec["sim"], f"latency.path={self.sim_profile()}", *blocks])
             profile = ProfiledModel(self.sim_profile(), factory.block_size(cfg_s))
@@ -273,6 +288,8 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     latency = fid.sim_profile() if fid.profiled else f"latency={compose_cfg([*fid.base, *spec['sim']]).latency.name}"
     meta.update({"profile": latency, "latency_model": compose_cfg([*fid.base, *spec["sim"]]).latency.name,
                  "runs_dir": str(runs_dir), "spec": str(args.spec)})
+    if fid.all_reduce is not None and fid.all_reduce.note:
+        meta["all_reduce"] = fid.all_reduce.note
     print(fid.write(args.out or runs_dir / "report", meta))
     return fid
 

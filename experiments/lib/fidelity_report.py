@@ -289,7 +289,9 @@ def report_markdown(meta: Mapping[str, Any], table: pd.DataFrame, ranking: list[
     return (f"# Simulator fidelity: engine vs sim ({meta.get('latency_model', 'profiled')} latency)\n\n"
             f"- device: {meta['device']}\n- date: {meta['date']}\n- command: `{meta['command']}`\n"
             + (f"- engine runs: `{meta['engine_command']}`\n" if meta.get("engine_command") else "") +
-            f"- profile: `{meta['profile']}`\n- versions: {meta['versions']}\n\n"
+            f"- profile: `{meta['profile']}`\n"
+            + (f"- all-reduce: {meta['all_reduce']}\n" if meta.get("all_reduce") else "") +
+            f"- versions: {meta['versions']}\n\n"
             f"## Errors\n\n{error_markdown(table)}\n{meta['targets']}.\n\n"
             f"## Policy ranking (A/B on the engine vs in the simulator)\n\n{ranking_markdown(ranking)}\n"
             f"## Where the time goes (per step kind)\n\n{breakdown_markdown(breakdown)}\n{sections}"
