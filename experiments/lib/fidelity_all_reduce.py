@@ -53,9 +53,9 @@ def describe_record(record: Mapping[str, Any]) -> str:
 
 def describe_priced(engine: EngineAllReduce) -> str:
     if engine.off_reason is not None:
-        return f"NCCL for every message ({engine.off_reason})"
-    return (f"symmetric-memory one-shot up to {engine.one_shot_max_bytes} bytes, two-shot up to "
-            f"{engine.two_shot_max_bytes}, NCCL above")
+        return describe_record({"path": "nccl", "reason": engine.off_reason})
+    return describe_record({"path": "symmetric", "one_shot_max_bytes": engine.one_shot_max_bytes,
+                            "two_shot_max_bytes": engine.two_shot_max_bytes})
 
 
 def explicit_settings(overrides: Sequence[str]) -> list[str]:
