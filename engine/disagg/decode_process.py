@@ -17,8 +17,8 @@ request pays no set-up) and reports `DecodeReady`, then loops:
    before the send; the hand-offs of one prefill step share one message, one gather, one scatter);
 4. receives that completed are scattered into their blocks (one launch per message) and their
    requests join the running batch (`DecodeSide.receive`, `LLMEngine.take_over_request`);
-5. one engine step, its outputs (and the trace rows of the requests that ended, and its step
-   rows) to the front.
+5. one engine step, its outputs (as `DecodeOutput`s: the front puts their prompts back) and the
+   trace rows of the requests that ended, and its step rows, to the front.
 Waiting: it blocks on the pipe when it has nothing to do, polls every millisecond while a transfer
 or a queued hand-off waits, and does not wait while requests run.
 
@@ -44,6 +44,7 @@ from engine.disagg.messages import (
     AbortMessage,
     ClockOrigin,
     DecodeFailed,
+    DecodeOutput,
     DecodeReady,
     DecodeStarted,
     DecodeStep,
@@ -106,7 +107,7 @@ class DecodeLoop:
         self.queued: dict[str, KVHandoff] = {}  # request id -> hand-off waiting for blocks
         self.reserved: deque[KVHandoff] = deque()  # blocks allocated, receive not yet posted (in-flight cap)
         self.receiving: dict[str, tuple[KVHandoff, object]] = {}  # request id -> (hand-off, its Transfer)
-        self.prompts: dict[str, tuple[str | None, int | None]] = {}  # request id -> (prompt text, output_len)
+        self.output_lens: dict[str, int | None] = {}  # request id -> its forced output length, until it runs
         self.last_sent = time.monotonic()  # when the last DecodeStep went to the front
         self.keep_steps = keep_steps
         self.steps: list[dict] = []  # the engine's step rows not yet sent (with the next DecodeStep)
@@ -144,7 +145,7 @@ class DecodeLoop:
             # takes a decode process silent for transfer_timeout_s with requests in hand for hung.
             # Step rows ride along (at the latest then, or when the engine goes idle).
             if outputs or rows or (busy and now - self.last_sent >= HEARTBEAT_S) or (self.steps and not busy):
-                conn.send(DecodeStep(outputs, rows, self.steps))
+                conn.send(DecodeStep([DecodeOutput.of(output) for output in outputs], rows, self.steps))
                 self.steps = []
                 self.last_sent = now
 
@@ -170,7 +171,7 @@ class DecodeLoop:
         handoff.request.sampling_params = message.sampling_params  # its own copy, unpickled
         if side.enqueue(handoff, now):
             self.queued[handoff.request_id] = handoff
-            self.prompts[handoff.request_id] = (message.prompt, message.output_len)
+            self.output_lens[handoff.request_id] = message.output_len
         else:
             self.conn.send(Refused(handoff.request_id, "handoff_queue_full", f"the decode engine's hand-off "
                                                                              f"queue is full (max_queue={side.max_queue})"))
@@ -178,7 +179,7 @@ class DecodeLoop:
     def _abort(self, request_id: str) -> None:
         queued = self.queued.pop(request_id, None)
         if queued is not None and self.side.withdraw(queued):
-            self.prompts.pop(request_id, None)
+            self.output_lens.pop(request_id, None)
             self.conn.send(Refused(request_id, "user", "aborted"))
             return
         entry = self.receiving.get(request_id)
@@ -221,7 +222,7 @@ class DecodeLoop:
 
     def _refuse(self, handoff: KVHandoff, code: str, reason: str) -> None:
         self.queued.pop(handoff.request_id, None)
-        self.prompts.pop(handoff.request_id, None)
+        self.output_lens.pop(handoff.request_id, None)
         self.conn.send(Refused(handoff.request_id, code, reason))
 
     def _receive(self) -> list:
@@ -237,12 +238,13 @@ class DecodeLoop:
                 handoff, _ = self.receiving.pop(key)
                 if handoff.transfer_start_time is None:  # its start message is still on its way
                     handoff.transfer_start_time = handoff.reserved_time
-                prompt, output_len = self.prompts.pop(handoff.request_id, (None, None))
+                output_len = self.output_lens.pop(handoff.request_id, None)
                 family = self.side.receive(handoff, engine.now())
                 if family is None:  # aborted while it moved: the front may still wait for its end
                     self.conn.send(Refused(handoff.request_id, "user", "aborted"))
                 else:
-                    output = engine.take_over_request(handoff.request, prompt, family, output_len)
+                    # No prompt text: it never leaves the front (its outputs go without it).
+                    output = engine.take_over_request(handoff.request, None, family, output_len)
                     if output is not None:
                         outputs.append(output)
         return outputs

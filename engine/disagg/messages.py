@@ -8,15 +8,15 @@ step, not per request), `TransferStarted`, `AbortMessage`, None (stop).
 decode -> front: `DecodeStarted` (its engine is built: it joins the link), `DecodeReady` (the link's
 start-up transfer is done, engine/disagg/link_warmup.py), `DecodeFailed` instead of either, then `Reserved` (blocks allocated for one or
 more requests and one receive posted for all of them: the front sends them now, as one message), `Refused` (the request cannot be decoded there; it ends with
-an error), `DecodeStep` (the decode engine's outputs, the trace rows of the requests that ended and its step
-rows),
+an error), `DecodeStep` (the decode engine's outputs as `DecodeOutput`s, without their prompts, which the front
+holds; the trace rows of the requests that ended and its step rows),
 `DecodeFailed` if its loop dies.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.offline.outputs import RequestOutput
+from engine.offline.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from policies.disagg import KVHandoff
 from policies.request import SamplingParams
 
@@ -25,7 +25,6 @@ from policies.request import SamplingParams
 class HandoffMessage:
     handoff: KVHandoff  # as the prefill side made it (its request has the prefill engine's params)
     sampling_params: SamplingParams  # the caller's (output kind included): the decode side's request gets them
-    prompt: str | None  # the prompt's text, if it came as text
     output_len: int | None = None  # a forced output length (a workload replay's stop rule)
 
 
@@ -91,8 +90,33 @@ class Refused:
 
 
 @dataclass(slots=True)
+class DecodeOutput:
+    """A decode engine's `RequestOutput` on the pipe, without its prompt (text and token ids): the
+    front holds both from `add_request` and the hand-off until the request ends, and puts them back
+    (`with_prompt`). A streaming request's every output would otherwise carry its whole prompt, each
+    step (pickled in the decode process, unpickled in the front)."""
+
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int
+    error: str | None
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> DecodeOutput:
+        return cls(output.request_id, output.outputs, output.finished, output.metrics, output.num_cached_tokens,
+                   output.error)
+
+    def with_prompt(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+        """The output the user sees (as the decode engine made it, its prompt the front's)."""
+        return RequestOutput(self.request_id, prompt, prompt_token_ids, self.outputs, self.finished, self.metrics,
+                             self.num_cached_tokens, self.error)
+
+
+@dataclass(slots=True)
 class DecodeStep:
-    outputs: list[RequestOutput]
+    outputs: list[DecodeOutput]
     rows: list[dict] = field(default_factory=list)  # trace rows of the requests that ended
     # The decode engine's step rows since its last DecodeStep (policies/trace.py's STEP_COLUMNS, on
     # the pair's clock), when the front keeps the decode engine's trace.

@@ -123,11 +123,13 @@ class DisaggregatedEngine(FrontTransfers):
         self.max_logprobs = 0  # logprobs are refused (add_request)
         self.args = args
         self._params: dict[str, SamplingParams] = {}  # request id -> the caller's params, while live
-        self._prompts: dict[str, str | None] = {}
+        self._prompts: dict[str, str | None] = {}  # request id -> its prompt's text (None: token ids), while live
         self._output_lens: dict[str, int] = {}  # request id -> forced output length, while live
         self._handoffs: dict[str, KVHandoff] = {}  # handed off, prefill blocks held (until the send ends)
         self._sending: set[str] = set()  # of those, the ones whose send is posted
-        self._decoding: set[str] = set()  # handed off and not ended (at the decode process)
+        # Handed off and not ended (at the decode process) -> its prompt's token ids: the decode
+        # process's outputs come without their prompts (`DecodeOutput`), the front puts them back.
+        self._decoding: dict[str, list[int]] = {}
         self._last_heard = time.monotonic()  # when the decode process last sent a message
         self._silence_s = config.transfer_timeout_s  # silent this long with requests decoding: hung
         self._done_early: list[RequestOutput] = []  # final outputs made here, returned by the next step
@@ -193,7 +195,7 @@ class DisaggregatedEngine(FrontTransfers):
         if request_id in self._handoffs:
             handoff = self._handoffs[request_id]
             self.side.abort(request_id, "user", self.now())
-            self._decoding.discard(request_id)
+            self._decoding.pop(request_id, None)
             self._send(AbortMessage(request_id))
             self._done_early.append(self._final(handoff, "abort:user", None))
             return True

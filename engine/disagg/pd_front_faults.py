@@ -33,7 +33,7 @@ class FrontFaults:
         self.side.abort(request_id, code, now)  # a hand-off aborted already keeps its reason
         self.side.finish_transfer(handoff, now)
         if request_id in self._decoding:
-            self._decoding.discard(request_id)
+            self._decoding.pop(request_id, None)
             self._done_early.append(self._final(handoff, f"abort:{code}", reason))
 
     def _fail(self, reason: str) -> None:
@@ -45,12 +45,11 @@ class FrontFaults:
         for request_id in list(self._decoding):
             handoff = self._handoffs.get(request_id)
             if handoff is None:  # transferred: it was decoding
-                self._decoding.discard(request_id)
                 self._done_early.append(self._error_output(request_id, "abort:error", reason))
             elif request_id not in self._sending:
                 self._fail_handoff(handoff, "error", reason)
             else:  # its send fails on the link and frees its blocks; its output goes out now
-                self._decoding.discard(request_id)
+                self._decoding.pop(request_id, None)
                 self._done_early.append(self._final(handoff, "abort:error", reason))
         for request_id, handoff in list(self._handoffs.items()):
             if request_id not in self._sending:  # aborted by the user (its output went out then), its
@@ -120,10 +119,12 @@ class FrontFaults:
                                                     finished_time=self.now()), error=error)
 
     def _error_output(self, request_id: str, finish_reason: str, error: str | None) -> RequestOutput:
-        """The final output of a request whose hand-off is gone (its tokens are not known here)."""
+        """The final output of a request that was decoding (or arriving) at the decode process, whose
+        hand-off is gone (its output tokens are not known here; its prompt is); it stops decoding."""
         self._params.pop(request_id, None)
         prompt = self._prompts.pop(request_id, None)
+        prompt_token_ids = self._decoding.pop(request_id, None) or []
         self._output_lens.pop(request_id, None)
-        return RequestOutput(request_id, prompt, [], [CompletionOutput(0, "", [], finish_reason)], finished=True,
-                             error=error)
+        return RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(0, "", [], finish_reason)],
+                             finished=True, error=error)
 

@@ -2,7 +2,8 @@
 process: the requests one prefill step handed off go out as one `HandoffBatch`; the decode
 process's messages are taken in turn (`Reserved` -> one send on the KV link of every request it
 names, gathered in one launch on the link's side stream; `Refused` -> that request ends with an
-error; `DecodeStep` -> the decode engine's outputs; `DecodeFailed` -> the pair fails); each transfer
+error; `DecodeStep` -> the decode engine's outputs, their prompts put back (they cross the pipe
+without them); `DecodeFailed` -> the pair fails); each transfer
 the link finished frees its prefill blocks (`PrefillSide.finish_transfer`). Kept apart from the
 front's step loop and interface, on the same state; how the front ends requests itself is
 engine/disagg/pd_front_faults.py.
@@ -13,6 +14,7 @@ import time
 
 from engine.disagg.messages import (
     DecodeFailed,
+    DecodeOutput,
     DecodeStep,
     HandoffBatch,
     HandoffMessage,
@@ -50,10 +52,9 @@ class FrontTransfers(FrontFaults):
             return None
         if not self._decoding:  # work after a time with none: its silence counts from now
             self._last_heard = time.monotonic()
-        self._decoding.add(request_id)
+        self._decoding[request_id] = handoff.request.prompt_token_ids  # its outputs get it back here
         # Pickled as it is (the decode side's copy takes the caller's params): no copies made here.
-        return HandoffMessage(handoff, self._params[request_id], self._prompts.get(request_id),
-                              self._output_lens.pop(request_id, None))
+        return HandoffMessage(handoff, self._params[request_id], self._output_lens.pop(request_id, None))
 
     def _take_messages(self) -> list[RequestOutput]:
         outputs = []
@@ -69,7 +70,6 @@ class FrontTransfers(FrontFaults):
                     if handoff is not None and request_id not in self._sending:
                         self._fail_handoff(handoff, message.code, f"the decode engine refused it: {message.reason}")
                     elif handoff is None and request_id in self._decoding:  # aborted as its KV arrived
-                        self._decoding.discard(request_id)
                         outputs.append(self._error_output(request_id, f"abort:{message.code}", None))
                 elif isinstance(message, DecodeStep):
                     if self._keep_trace:
@@ -109,14 +109,19 @@ class FrontTransfers(FrontFaults):
                     self.side.abort(key, "error", now)
                 self.side.finish_transfer(handoff, now)
 
-    def _decode_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        kept = []
+    def _decode_outputs(self, outputs: list[DecodeOutput]) -> list[RequestOutput]:
+        """The decode engine's outputs as the user sees them: each with its prompt (text and token
+        ids) held here; a request's last one drops what the front kept for it."""
+        kept, decoding, prompts = [], self._decoding, self._prompts
         for output in outputs:
-            if output.request_id not in self._decoding:
+            request_id = output.request_id
+            prompt_token_ids = decoding.get(request_id)
+            if prompt_token_ids is None:
                 continue  # aborted here while it moved: its final output went out then
             if output.finished:
-                self._decoding.discard(output.request_id)
-                self._params.pop(output.request_id, None)
-                self._prompts.pop(output.request_id, None)
-            kept.append(output)
+                del decoding[request_id]
+                self._params.pop(request_id, None)
+                kept.append(output.with_prompt(prompts.pop(request_id, None), prompt_token_ids))
+            else:
+                kept.append(output.with_prompt(prompts.get(request_id), prompt_token_ids))
         return kept
