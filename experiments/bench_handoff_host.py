@@ -10,6 +10,8 @@ step of `--max-batched-tokens` prefills and hands off many requests. Two kinds o
   message, the transfer's bookkeeping) and decodes that many tokens on the decode engine, whose
   outputs the front reads back (more decode tokens: the front's reads per token, which grow with
   the answers' length, not with the hand-offs);
+  With `--output-kind delta` (or `cumulative`) the handed-off requests stream, as the OpenAI
+  server's do: the decode engine sends an output of every running request every step;
 - `local`: max_tokens=1, so every request ends at its first token on the prefill side, as on a
   co-located engine (no hand-off): the same prefill steps without the hand-off path.
 
@@ -28,7 +30,9 @@ front's wall time too (the load average is printed).
 GPU (2 GPUs: prefill on cuda:0, decode on cuda:1):
 `timeout 600 python -m experiments.bench_handoff_host --model qwen3-0.6b --device cuda --requests 1024
 --prompt-len 16 --max-batched-tokens 2048 --rounds 5`; with `--decode-tokens 64` the front's reads of
-the decode engine's outputs, per request (64 tokens each, about the fidelity spec's mean answer).
+the decode engine's outputs, per request (64 tokens each, about the fidelity spec's mean answer);
+with `--output-kind delta` those of streams (an output per token). The handoff rounds' host time is
+also printed per decoded token (`--decode-tokens` of them per request).
 """
 from __future__ import annotations
 
@@ -149,10 +153,10 @@ def instrument(engine: DisaggregatedEngine) -> PartTimer:
 
 
 def run_round(engine: DisaggregatedEngine, timer: PartTimer, prompts: list[list[int]], max_tokens: int,
-              tag: str) -> dict[str, dict[str, float]]:
+              tag: str, output_kind: str = "final_only") -> dict[str, dict[str, float]]:
     """Seconds per part over one round, by clock ("wall", "cpu"): every request added at once,
     stepped until all end."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=output_kind)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     timer.reset()
@@ -178,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each kind (handoff, local), alternating")
     ap.add_argument("--decode-tokens", type=int, default=1,
                     help="tokens each handed-off request decodes on the decode engine (max_tokens = 1 + this)")
+    ap.add_argument("--output-kind", default="final_only", choices=["final_only", "delta", "cumulative"],
+                    help="the handed-off requests' (delta, cumulative: streams, an output per decoded token)")
     ap.add_argument("--num-gpu-blocks", type=int, default=None, help="default: every request's blocks fit")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch's CPU threads per engine process (CPU runs; more oversubscribe a small host)")
@@ -201,18 +207,18 @@ def main(argv: list[str] | None = None) -> None:
         vocab = min(engine.vocab_size, 30000)
         prompts = [rng.integers(10, vocab, args.prompt_len).tolist() for _ in range(args.requests)]
         timer = instrument(engine)
-        run_round(engine, timer, prompts, handoff_tokens, "warm-h")
+        run_round(engine, timer, prompts, handoff_tokens, "warm-h", args.output_kind)
         run_round(engine, timer, prompts, 1, "warm-l")
         rounds: dict[str, list[dict[str, float]]] = {"handoff": [], "local": []}
         for r in range(args.rounds):
-            rounds["handoff"].append(run_round(engine, timer, prompts, handoff_tokens, f"h{r}"))
+            rounds["handoff"].append(run_round(engine, timer, prompts, handoff_tokens, f"h{r}", args.output_kind))
             rounds["local"].append(run_round(engine, timer, prompts, 1, f"l{r}"))
     n = args.requests
     print(f"# {platform.node()} {platform.machine()} ({platform.processor() or 'cpu'}), {os.cpu_count()} cores, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, Python {platform.python_version()}")
     print(f"# model={args.model} device={args.device} requests={n} prompt_len={args.prompt_len} "
           f"max_batched_tokens={args.max_batched_tokens} (~{args.max_batched_tokens // args.prompt_len} hand-offs "
-          f"per prefill step) decode_tokens={args.decode_tokens} rounds={args.rounds}")
+          f"per prefill step) decode_tokens={args.decode_tokens} output_kind={args.output_kind} rounds={args.rounds}")
 
     def host_us(kind: str, clock: str) -> list[float]:
         return [sum(v for k, v in r[clock].items() if k not in NOT_HOST) / n * 1e6 for r in rounds[kind]]
@@ -227,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{f'handoff (max_tokens={handoff_tokens})':26s} {clock:4s} {med(hand)}  [{', '.join(f'{x:.1f}' for x in hand)}]")
         print(f"{'local (max_tokens=1)':26s} {clock:4s} {med(local)}  [{', '.join(f'{x:.1f}' for x in local)}]")
         print(f"{'added per hand-off':26s} {clock:4s} {med([h - v for h, v in zip(hand, local)])}")
+        per_token = [h / args.decode_tokens for h in hand]
+        print(f"{'handoff per decoded token':26s} {clock:4s} {med(per_token)}  [{', '.join(f'{x:.2f}' for x in per_token)}]")
     print("\nparts, us per request (median over rounds)")
     print(f"{'part':32s} {'handoff':>8s} {'(cpu)':>8s} {'local':>8s} {'(cpu)':>8s}")
     for part in [p for _, _, p in PARTS] + ["idle wait"]:
