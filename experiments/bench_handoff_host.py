@@ -32,7 +32,8 @@ GPU (2 GPUs: prefill on cuda:0, decode on cuda:1):
 --prompt-len 16 --max-batched-tokens 2048 --rounds 5`; with `--decode-tokens 64` the front's reads of
 the decode engine's outputs, per request (64 tokens each, about the fidelity spec's mean answer);
 with `--output-kind delta` those of streams (an output per token). The handoff rounds' host time is
-also printed per decoded token (`--decode-tokens` of them per request).
+also printed per decoded token (`--decode-tokens` of them per request), in all and for the reads of
+the decode process's messages alone (`recv + unpickle`, `take messages (rest)`, `decode outputs`).
 """
 from __future__ import annotations
 
@@ -131,6 +132,7 @@ PARTS = (
     ("", "_check_decode_alive", "check decode alive"),
 )
 NOT_HOST = ("forward", "idle wait")
+READS = ("recv + unpickle", "take messages (rest)", "decode outputs")  # the decode process's messages read back
 
 
 def _owner(engine, path: str):
@@ -235,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'added per hand-off':26s} {clock:4s} {med([h - v for h, v in zip(hand, local)])}")
         per_token = [h / args.decode_tokens for h in hand]
         print(f"{'handoff per decoded token':26s} {clock:4s} {med(per_token)}  [{', '.join(f'{x:.2f}' for x in per_token)}]")
+        reads = [sum(r[clock].get(part, 0.0) for part in READS) / n / args.decode_tokens * 1e6 for r in rounds["handoff"]]
+        print(f"{'reads per decoded token':26s} {clock:4s} {med(reads)}  [{', '.join(f'{x:.2f}' for x in reads)}]")
     print("\nparts, us per request (median over rounds)")
     print(f"{'part':32s} {'handoff':>8s} {'(cpu)':>8s} {'local':>8s} {'(cpu)':>8s}")
     for part in [p for _, _, p in PARTS] + ["idle wait"]:
