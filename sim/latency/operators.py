@@ -73,16 +73,14 @@ def summed(axis_name: str, points: list[float], parts: list[tuple[float, OpGrid]
     return OpGrid((Axis(axis_name, tuple(points)),), np.array(values))
 
 
-@dataclass(slots=True)
-class _Book:
-    """Adds seconds to an operator family's entry of `parts` (None: books nothing) and returns them."""
-
-    parts: dict[str, float] | None
-
-    def __call__(self, name: str, seconds: float) -> float:
-        if self.parts is not None:
-            self.parts[name] = self.parts.get(name, 0.0) + seconds
-        return seconds
+def _book(parts: dict[str, float], s: BatchShape, seconds: dict[str, float | None]) -> None:
+    """Adds each operator family's seconds of a step of shape `s` to `parts`: the families the
+    step runs (a term the step has none of, or None, is not booked)."""
+    runs = {"copy_blocks": s.num_copies, "lm head, sampler": s.num_samples, "all-gather": s.num_samples,
+            "decode attention": s.num_decode_seqs, "prefill attention": s.num_prefill_tokens}
+    for name, t in seconds.items():
+        if t is not None and runs.get(name, True):
+            parts[name] = parts.get(name, 0.0) + t
 
 
 @dataclass(kw_only=True)
@@ -235,40 +233,46 @@ class OperatorModel(LatencyModel):
 
     def shape_time(self, s: BatchShape, parts: dict[str, float] | None = None) -> float:
         """Seconds of a step of shape `s`; with `parts`, each operator family's seconds are also
-        added to it (experiments/lab/operator_breakdown.py)."""
+        added to it (experiments/lab/operator_breakdown.py). The terms are summed in one order
+        whether or not they are booked, so a breakdown prices exactly what a run does."""
         tokens = s.num_prefill_tokens + s.num_decode_seqs
         if tokens == 0 and s.num_copies == 0:
             return 0.0
-        t = self.launch_s + self.host_step_s
-        book = _Book(parts)
-        book("launch, host", t)
+        host = self.launch_s + self.host_step_s
+        copy = 0.0
         if s.num_copies:
             if self.copy is None:
                 raise ValueError(f"operator profile {[str(p) for p in self.profile.paths]} lacks op copy_blocks: "
                                  "a step with copy-on-write copies needs it")
-            t += book("copy_blocks", self.copy(s.num_copies * self.block_bytes))
+            copy = self.copy(s.num_copies * self.block_bytes)
         if tokens == 0:
-            return t
+            if parts is not None:
+                _book(parts, s, {"launch, host": host, "copy_blocks": copy})
+            return host + copy
         rows = padded(tokens, self.token_sizes if s.num_prefill_tokens else self.batch_sizes)
-        t += self.token_curve(rows)
-        if parts is not None:
-            for name, curve in self.token_families.items():
-                book(name, curve(rows))
+        token_ops = self.token_curve(rows)
+        head = decode = prefill = reduce = gather = 0.0
         logit_rows = self.logit_rows(rows, s) if s.num_samples else 0
         if s.num_samples:
-            t += book("lm head, sampler", self.lm_head(logit_rows) + self.sampler(s.num_samples))
+            head = self.lm_head(logit_rows) + self.sampler(s.num_samples)
         L = self.model.num_hidden_layers
         if s.num_decode_seqs:
-            t += book("decode attention", L * self.decode_attention(s, rows))
+            decode = L * self.decode_attention(s, rows)
         if s.num_prefill_tokens:
             chunks = s.prefill_chunks or ((s.num_prefill_tokens, s.prefill_context_tokens),)
             attn = self.prefill_floor + sum(self.prefill(q, c) - self.prefill_floor for q, c in chunks)
-            t += book("prefill attention", L * max(attn, self.prefill_floor))
+            prefill = L * max(attn, self.prefill_floor)
         if self.all_reduce is not None:
-            t += book("all-reduce", (2 * L + 1) * self.all_reduce(rows * self.token_bytes))
+            reduce = (2 * L + 1) * self.all_reduce(rows * self.token_bytes)
             if s.num_samples:
-                t += book("all-gather", self.all_gather(logit_rows * self.logit_bytes))
-        return t
+                gather = self.all_gather(logit_rows * self.logit_bytes)
+        if parts is not None:
+            families = {name: curve(rows) for name, curve in self.token_families.items()}
+            _book(parts, s, {"launch, host": host, "copy_blocks": copy, **families, "lm head, sampler": head,
+                             "decode attention": decode, "prefill attention": prefill,
+                             "all-reduce": reduce if self.all_reduce is not None else None,
+                             "all-gather": gather if self.all_reduce is not None else None})
+        return host + copy + token_ops + head + decode + prefill + reduce + gather
 
     def graph_rows(self, rows: int, s: BatchShape) -> int | None:
         """The sample and decode rows of the CUDA graph a step of `rows` tokens runs (a decode
