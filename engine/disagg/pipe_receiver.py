@@ -46,14 +46,8 @@ class PipeReceiver:
     def poll(self, timeout_s: float = 0.0) -> bool:
         """True once a message is whole, or the thread has ended (`recv` then raises); waits up to
         `timeout_s` for either."""
-        deadline = time.monotonic() + timeout_s
         with self._changed:
-            while not self._queue and self.error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(left)
-            return True
+            return self._changed.wait_for(lambda: bool(self._queue) or self.error is not None, timeout_s)
 
     def recv(self) -> object:
         """The oldest whole message, unpickled; never waits. EOFError once the messages before the

@@ -62,14 +62,9 @@ class PipeSender:
     def flush(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for every queued message to be written; False if some are not
         (the reader is not reading, or a write failed)."""
-        deadline = time.monotonic() + timeout_s
         with self._changed:
-            while self._waiting() and self.error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(left)
-            return self.error is None
+            done = self._changed.wait_for(lambda: not self._waiting() or self.error is not None, timeout_s)
+            return done and self.error is None
 
     def close(self, timeout_s: float) -> bool:
         """No more messages; the thread ends once those queued are written (or a write fails).
