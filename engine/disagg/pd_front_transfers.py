@@ -121,7 +121,6 @@ class FrontTransfers(FrontFaults):
             if output.finished:
                 del decoding[request_id]
                 self._params.pop(request_id, None)
-                kept.append(output.with_prompt(prompts.pop(request_id, None), prompt_token_ids))
-            else:
-                kept.append(output.with_prompt(prompts.get(request_id), prompt_token_ids))
+            prompt = prompts.pop(request_id, None) if output.finished else prompts.get(request_id)
+            kept.append(output.with_prompt(prompt, prompt_token_ids))
         return kept
