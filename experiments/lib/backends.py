@@ -72,6 +72,7 @@ class EngineBackendConfig:
     weights: str | None = None
     enforce_eager: bool = False
     decode_kernel: str | None = None
+    small_gemm: str | None = None
 
 
 @BACKENDS.register("engine", config=EngineBackendConfig)
