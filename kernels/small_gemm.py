@@ -97,9 +97,8 @@ def max_tiles(n: int) -> int:
 @triton.jit
 def _splitk_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, k_per_split, stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    M, N, K, k_per_split, splits, stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -127,15 +126,15 @@ def _splitk_gemm_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    if SPLITS > 1:
+    if splits > 1:  # a runtime count (Triton specializes 1): one compiled kernel per tile shape
         part = part_ptr + rows[:, None] * N + cols[None, :]
         slice_size = M * N
         tl.store(part + split.to(tl.int64) * slice_size, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the ticket releases them
         ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLITS - 1:  # the tile's last program: the others' partials are visible
+        if ticket == splits - 1:  # the tile's last program: the others' partials are visible
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLITS):
+            for s in range(splits):
                 other = tl.load(part + s * slice_size, mask=mask & (split != s), other=0.0, cache_modifier=".cg")
                 total += tl.where(split == s, acc, other)
             tl.atomic_xchg(count_ptr + tile, 0)
@@ -192,8 +191,8 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 products as torch.mm's, no TF32
     _splitk_gemm_kernel[(tiles, splits)](
         x, weight, bias if bias is not None else weight, out, part, counters,
-        m, n, k, per, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLITS=splits,
+        m, n, k, per, splits, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None, PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
