@@ -33,9 +33,9 @@ SHAPES = [("qwen3-0.6b o_proj", 1024, 2048), ("qwen3-0.6b down", 1024, 3072),
 BATCHES = (64, 128, 176, 256, 512)
 SWEEP_SHAPES = SHAPES[:2]
 SWEEP_BATCHES = (128, 176, 256)
-SWEEP_TILES = [SplitKConfig(64, 64, 128, num_stages=3), SplitKConfig(64, 128, 64, num_stages=4),
-               SplitKConfig(128, 64, 64, num_stages=4), SplitKConfig(64, 32, 128, num_stages=4),
-               SplitKConfig(32, 64, 128, num_stages=3)]
+SWEEP_TILES = [SplitKConfig(64, 64, 128, num_stages=3), SplitKConfig(64, 64, 128, num_stages=4),
+               SplitKConfig(64, 128, 64, num_warps=8, num_stages=4), SplitKConfig(128, 64, 64, num_warps=8, num_stages=4),
+               SplitKConfig(64, 32, 128, num_stages=4), SplitKConfig(32, 64, 128, num_stages=3)]
 SWEEP_SPLITS = (1, 2, 4, 8)
 TIMING_MS = 3.0  # per graph replay: many calls, short enough to keep the run under a minute
 

@@ -68,12 +68,13 @@ class SplitKConfig:
 
 
 # Tiles by decode batch (rows up to the key). Shared memory per program, (BM + BN) * BK * 2 bytes *
-# stages: 60-96 KB, so two programs fit one SM. BLOCK_M 64 and 128 take Hopper's wgmma.
+# stages, is 40-96 KB and registers at most 144 a thread (sm_90 builds,
+# tests/kernel/test_small_gemm_build.py), so two programs fit one SM. BLOCK_M 64 takes Hopper's
+# wgmma, 16 and 32 mma.sync. (128 x 64 tiles need 8 warps of 144 registers: one program an SM.)
 TILES: dict[int, SplitKConfig] = {
     16: SplitKConfig(16, 64, 128, num_stages=3),
     32: SplitKConfig(32, 64, 128, num_stages=3),
-    256: SplitKConfig(64, 64, 128, num_stages=3),
-    M_MAX: SplitKConfig(128, 64, 64, num_stages=4),
+    M_MAX: SplitKConfig(64, 64, 128, num_stages=3),
 }
 
 

@@ -17,8 +17,9 @@ from tests.engine_model_helpers import random_prompts
 
 pytestmark = pytest.mark.gpu
 BF16_MAX_ERR = 1e-2  # relative to float64, as the other kernels' bf16 checks
-# (N, K): Qwen3-0.6B o_proj and down; Qwen3-8B o_proj and down at TP=1 and TP=2 (one rank's K).
-SHAPES = [(1024, 2048), (1024, 3072), (4096, 4096), (4096, 12288), (4096, 2048), (4096, 6144)]
+# (N, K): Qwen3-0.6B o_proj and down; Qwen3-8B o_proj and down at TP=1 and TP=2 (one rank's K);
+# one with N and K off the tiles (masked columns, a short last K step).
+SHAPES = [(1024, 2048), (1024, 3072), (4096, 4096), (4096, 12288), (4096, 2048), (4096, 6144), (1000, 2000)]
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
