@@ -95,7 +95,7 @@ def max_tiles(n: int) -> int:
     return max(cfg.tiles(rows, n) for rows, cfg in TILES.items())
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one build for every batch size (rows are loaded modulo M)
 def _splitk_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, k_per_split, splits, stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
