@@ -19,7 +19,6 @@ from collections.abc import Callable
 import pandas as pd
 import torch
 import torch.nn.functional as F
-import triton
 
 from experiments.lib.kernel_cases import (
     block_ops_rows,
@@ -233,21 +232,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
     stamp = run_stamp()
-    device, date = stamp.device, stamp.date
     start = time.time()
     copy_bw, matmul = copy_gbps(), matmul_tflops()
     print(f"ceilings: copy {copy_bw:.0f} GB/s (read+write), bf16 matmul {matmul:.0f} TFLOP/s")
     path = stamp.csv(args.out, "bench_kernels")
-    rows: list[dict] = []
-
-    def save(new_rows: list[dict]) -> None:
-        """Append rows and rewrite the CSV, so a run cut short still leaves its numbers."""
-        rows.extend(new_rows)
-        table = pd.DataFrame(rows)
-        table.insert(0, "device", device)
-        table.insert(1, "date", date)
-        table["torch"], table["triton"] = torch.__version__, triton.__version__
-        table.to_csv(path, index=False)
+    save = stamp.csv_writer(args.out, "bench_kernels")
 
     save([_row("ceiling", "copy 2GiB", "torch copy_", 0.0, copy_bw, "GB/s", copy_bw),
           _row("ceiling", "matmul 8192^3", "torch bf16", 0.0, matmul, "TFLOP/s", matmul)])  # fmt: skip

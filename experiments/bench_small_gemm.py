@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-import pandas as pd
 import torch
-import triton
 
 from experiments.lib.kernel_timing import copies_for, copy_gbps, graph_ms, run_stamp
 from kernels.small_gemm import SplitKConfig, new_counters, pick_config, splitk_linear
@@ -127,23 +124,11 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     copy_bw = copy_gbps()
     print(f"{sms} SMs, copy {copy_bw:.0f} GB/s (read+write)")
-    path = stamp.csv(args.out, "bench_small_gemm")
-    rows: list[dict] = []
-
-    def save(new_rows: list[dict]) -> None:
-        """Append rows and rewrite the CSV, so a run cut short still leaves its numbers."""
-        rows.extend(new_rows)
-        table = pd.DataFrame(rows)
-        table.insert(0, "device", stamp.device)
-        table.insert(1, "date", stamp.date)
-        table["copy_GB_s"], table["torch"], table["triton"] = round(copy_bw), torch.__version__, triton.__version__
-        table.to_csv(path, index=False)
-
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    save = stamp.csv_writer(args.out, "bench_small_gemm", copy_GB_s=round(copy_bw))
     main_rows(sms, save)
     if not args.no_sweep:
         sweep_rows(sms, save)
-    print(f"wrote {path} ({time.time() - start:.0f} s)")
+    print(f"wrote {save([])} ({time.time() - start:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -31,6 +32,27 @@ class RunStamp:
 
     def csv(self, out_dir: str, name: str) -> str:
         return f"{out_dir}/{name}_{self.tag}.csv"
+
+    def csv_writer(self, out_dir: str, name: str, **columns: object) -> Callable[[list[dict]], str]:
+        """`save(rows)`: append rows and rewrite the CSV (device and date first, then the rows,
+        `columns`, the torch and triton versions), so a run cut short still leaves its numbers;
+        returns the CSV's path."""
+        import pandas as pd
+
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        path, rows = self.csv(out_dir, name), []
+
+        def save(new_rows: list[dict]) -> str:
+            rows.extend(new_rows)
+            table = pd.DataFrame(rows)
+            table.insert(0, "device", self.device)
+            table.insert(1, "date", self.date)
+            for key, value in {**columns, "torch": torch.__version__, "triton": triton.__version__}.items():
+                table[key] = value
+            table.to_csv(path, index=False)
+            return path
+
+        return save
 
 
 def run_stamp() -> RunStamp:
