@@ -6,7 +6,8 @@ many inputs as it has outputs, with few enough outputs that the kernel's narrowe
 idle (Qwen3-0.6B's o_proj and down_proj; Qwen3-8B's too). `use_small_gemm` turns those layers into
 `SplitKLinear`s in place (same parameters, same state-dict names); each call then runs the kernel
 when `kernels.small_gemm.pick_config` splits its K (decode-size batches) and `F.linear` otherwise.
-Tensor-parallel row-parallel layers are not `nn.Linear`s and keep their GEMM.
+Under tensor parallelism the row-parallel o_proj and down_proj are not `nn.Linear`s and keep their
+GEMM; a column-parallel shard that qualifies takes the kernel (Qwen3-8B's q/k/v at TP=2: N 3,072, K 4,096).
 """
 from __future__ import annotations
 
