@@ -9,7 +9,8 @@ when aborted). Ended requests are handed out once by `take_ended` (and aborted o
 On a prefill replica of a disaggregated fleet a `PrefillSide` (policies/disagg/) sets `handoff`:
 sequences then end at their first token with reason "handoff" (policies/stop_rule.py), keep their
 blocks, and their request goes to `handoff.hand_off` instead of ending here. `adopt` is the decode
-side's door: sequences built from a hand-off join the running queue as a live request.
+side's door: sequences built from a hand-off join the running queue as a live request (listed in
+`joined` until the next schedule(): the step in flight may be looked past with them, lookahead.py).
 
 Steps looked past before their tokens are known, and decode runs applied at once, are applied by
 the `TokensAhead` half (policies/lifecycle_ahead.py).
@@ -56,6 +57,7 @@ class Lifecycle(TokensAhead):
         self._next_seq_id = 0
         self.handoff = None  # a policies.disagg.PrefillSide on a prefill replica
         self.transfer_sides: list = []  # Prefill/DecodeSides holding blocks of sequences outside the queues
+        self.joined: list[Sequence] = []  # sequences `adopt` put in the running queue since the last schedule()
 
     def arrive(self, request: Request, now: float) -> None:
         """A validated, new request: its first sequence joins the waiting queue."""
@@ -80,6 +82,7 @@ class Lifecycle(TokensAhead):
             self._register(seq)
             if not seq.is_finished:
                 self.queues.add_running(seq)
+                self.joined.append(seq)
 
     def blocks_in_transfer(self) -> bool:
         """Whether a hand-off holds blocks of this pool (they come back when its transfer ends)."""

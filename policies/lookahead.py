@@ -24,12 +24,22 @@ synchronously.
 
 A step is looked past only if nothing in the next one could need its tokens or a preemption: no
 parallel-sampling prompt forks in it, no sequence was aborted since it was scheduled, every running
-sequence is in it and samples on the device alone (the engine's full sampler returns its tokens at
-once: policies/sampling_path.py), the block manager surely has the next step's slots (a decode for
-each sampling sequence, the next chunk for each prompt not finished by its chunk here), and the
-policy would not force running sequences out for the waiting queue's head. A prompt's next chunk
-needs no token of this step (its tokens are the prompt's), so a chunked prefill is scheduled ahead
-too, as vLLM v1 does: its host work overlaps the device's instead of adding to every chunk's step.
+sequence is in it (or joined since, below) and samples on the device alone (the engine's full
+sampler returns its tokens at once: policies/sampling_path.py), the block manager surely has the
+next step's slots (a decode for each running sequence, the next chunk for each prompt not finished
+by its chunk here), and the policy would not force running sequences out for the waiting queue's
+head. A prompt's next chunk needs no token of this step (its tokens are the prompt's), so a chunked
+prefill is scheduled ahead too, as vLLM v1 does: its host work overlaps the device's instead of
+adding to every chunk's step.
+
+Joins (`SchedulerConfig.join_ahead`, on by default): a sequence that joined the running queue after
+the step was scheduled (`Lifecycle.adopt`: a decode replica's received hand-off, its prompt's KV in
+its blocks, its first token sampled on the prefill side) needs nothing of the step in flight: its
+next input token is known on the host and its KV was written before the next step is launched (the
+engine pair scatters a receive on the compute stream, behind the step in flight and ahead of the
+next one, so the device orders them, not the host). So it joins the step after the one in flight,
+which is scheduled ahead as usual, instead of making that step synchronous. With `join_ahead` off
+any join makes the step in flight synchronous (its successor is scheduled after its update).
 """
 from __future__ import annotations
 
@@ -46,9 +56,10 @@ from policies.sampling_path import device_sampling
 from policies.sequence import PENDING, Sequence, SequenceStatus
 from policies.step_stats import StepStats
 
-__all__ = ["PENDING", "LookedPast", "can_look_past", "look_past", "next_chunks_fit", "next_step_safe", "retire",
-           "samples_on_device"]  # PENDING: for backends
+__all__ = ["PENDING", "LookedPast", "can_look_past", "joins_ready", "look_past", "next_chunks_fit", "next_step_safe",
+           "retire", "samples_on_device"]  # PENDING: for backends
 _SEQ = itemgetter(0)  # ScheduledSeq.seq
+RUNNING = SequenceStatus.RUNNING
 
 
 @dataclass(slots=True)
@@ -75,13 +86,31 @@ def can_look_past(state: SchedulerState, step: ScheduledStep) -> bool:
         return False  # nothing runs: the caller waits for work (an arrival) synchronously
     if lifecycle.aborted_in_flight or stats.num_samples != len(out.scheduled) - stats.num_partial:
         return False  # an abort in flight, or a prompt sampling n > 1 (it forks)
-    if len(out.scheduled) != len(state.queues.running):
+    joined = joins_ready(state)
+    if joined is None or len(out.scheduled) + joined != len(state.queues.running):
         return False  # a running sequence is not in the step (its turn, or a preemption, may come next)
     if not samples_on_device(state, map(_SEQ, out.scheduled)):
         return False  # the full sampler returns this step's tokens to the host at once
     if stats.num_partial and not next_chunks_fit(state, out):
         return False
     return next_step_safe(state, ahead=1)
+
+
+def joins_ready(state: SchedulerState) -> int | None:
+    """How many running sequences joined since the last schedule() (module docstring: joins), each
+    holding its next input token on the host (one token to compute, not PENDING), so the next step
+    decodes it whatever the step in flight samples; None if one does not, or if any joined with
+    `join_ahead` off."""
+    joined = state.lifecycle.joined
+    if not joined:
+        return 0
+    if not state.config.join_ahead:
+        return None
+    for seq in joined:
+        if seq.status is not RUNNING or len(seq.token_ids) - seq.num_computed_tokens != 1 \
+                or seq.token_ids[-1] == PENDING:
+            return None
+    return len(joined)
 
 
 def next_chunks_fit(state: SchedulerState, out: SchedulerOutput) -> bool:

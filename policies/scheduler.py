@@ -161,6 +161,8 @@ class Scheduler(DecodeRunCalls):
         self._last = step = ScheduledStep(out, StepStats())
         self._last_updated = False
         state, queues, budget = self.state, self.queues, self.config.max_num_batched_tokens
+        if self.lifecycle.joined:  # this step sees them: the next look-past asks about later joins only
+            self.lifecycle.joined = []
         all_decoding = self._all_decoding  # every running sequence has sampled and decodes next
         if queues.reorders:
             self._reorder(now, budget)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler_helpers import KVStoreBackend, prefix_fingerprints
 
 from policies import Request, Scheduler
 from policies.disagg import DecodeSide, KVHandoff, PrefillSide
+from policies.lookahead import PENDING
 
 
 def content_token(seq) -> int:
@@ -27,17 +28,34 @@ def sampled(out) -> dict[int, list[int]]:
     return tokens
 
 
+def run_on_device(kv: KVStoreBackend, out) -> dict[int, list[int]]:
+    """Execute a decode step scheduled ahead on the fake device once its inputs are known, and sample
+    its tokens. A sequence that ended after the step was scheduled (a late stop, an abort) is left
+    out: a device writes its dropped token into blocks nothing reuses before that step has run."""
+    out = replace(out, scheduled=[e for e in out.scheduled if not e.seq.is_finished])
+    for seq, _, num_samples in out.scheduled:
+        assert not num_samples or PENDING not in seq.token_ids, "a step ran on a token not yet known"
+    kv.execute(out)
+    return sampled(out)
+
+
 class DisaggPair:
     def __init__(self, prefill: Scheduler, decode: Scheduler, max_queue: int = 64, timeout_s: float = 1e9,
-                 abort_at: dict[str, int] | None = None, prefill_ahead: bool = False) -> None:
+                 abort_at: dict[str, int] | None = None, prefill_ahead: bool = False,
+                 decode_ahead: bool = False) -> None:
         """`abort_at`: request id -> the round (one step each side) it is aborted at. `prefill_ahead`:
         the prefill side schedules each step while the one before it runs (`schedule_ahead`, as the
         engine pair's `prefill_async_scheduling`); `prefill_rows` then holds every prefill step's
-        (sequence, first position, tokens) as scheduled."""
+        (sequence, first position, tokens) as scheduled. `decode_ahead`: the decode side does, as the
+        engine pair's decode engine (async scheduling): its KV copies land between the step in
+        flight and the next one, as the engine's scatter on its compute stream; `decode_sync_steps`
+        counts its steps not scheduled ahead."""
         self.prefill, self.decode = prefill, decode
-        self.prefill_ahead = prefill_ahead
+        self.prefill_ahead, self.decode_ahead = prefill_ahead, decode_ahead
         self.prefill_rows: list[list[tuple]] = []
         self._in_flight_step = None  # the prefill step scheduled ahead, run in the next round
+        self._decode_in_flight = None  # the decode step scheduled ahead and its tokens, updated next round
+        self.decode_sync_steps = 0
         self.pside = PrefillSide(prefill, block_bytes=64, replica=0)
         self.dside = DecodeSide(decode, max_queue=max_queue, timeout_s=timeout_s, replica=1)
         bs = prefill.block_manager.block_size
@@ -102,6 +120,25 @@ class DisaggPair:
             self._end(request)
         sched.check_invariants()
 
+    def _step_decode_ahead(self) -> None:
+        """One turn of the decode engine's loop with async scheduling: the step in flight (or a new
+        one, synchronous), its successor scheduled ahead, then its update; the successor runs on
+        the fake device once the tokens it reads are known (after that update)."""
+        sched, step, self._decode_in_flight = self.decode, self._decode_in_flight, None
+        if step is None:
+            if not self._has_work(sched):
+                return
+            out = sched.schedule(self.now)
+            self.decode_sync_steps += bool(out.scheduled)
+            step = (out, run_on_device(self.dkv, out))
+        nxt = sched.schedule_ahead(self.now + 0.25)
+        out, tokens = step
+        for request in sched.update(out, tokens, self.now + 0.5):
+            self._end(request)
+        sched.check_invariants()
+        if nxt is not None and not nxt.is_empty:
+            self._decode_in_flight = (nxt, run_on_device(self.dkv, nxt))
+
     def run(self, requests: list[Request], max_rounds: int = 5000) -> dict[str, Request]:
         for r in requests:
             self.prefill.add(r, self.now)
@@ -126,7 +163,10 @@ class DisaggPair:
                 assert len(handoff.dst_block_ids) == handoff.num_blocks
                 self.events.append(("reserved", handoff.request_id))
                 handoff.transfer_start_time = self.now
-            self._step(self.decode, self.dkv)
+            if self.decode_ahead:
+                self._step_decode_ahead()
+            else:
+                self._step(self.decode, self.dkv)
             for handoff in self.in_flight:  # the copy of the round before: block by block
                 for src, dst in zip(handoff.block_ids, handoff.dst_block_ids):
                     self.dkv.gpu[dst] = list(self.pkv._block(self.pkv.gpu, src))
@@ -140,7 +180,8 @@ class DisaggPair:
             self.in_flight = reserved
             self.now += 1.0
             if not (self.prefill.has_unfinished() or self.decode.has_unfinished() or self.in_flight
-                    or self.dside.queue or self.pside.transferring or self._in_flight_step is not None):
+                    or self.dside.queue or self.pside.transferring or self._in_flight_step is not None
+                    or self._decode_in_flight is not None):
                 return self.ended
         raise AssertionError("the pair made no progress")
 

@@ -26,9 +26,9 @@ from policies.policy.base import Policy
 def make_scheduler(policy: str | type[Policy] = "fcfs", blocks: str = "paged", *, block_size: int = 4,
                    num_gpu_blocks: int = 16, num_cpu_blocks: int = 0, watermark: float = 0.0,
                    max_num_batched_tokens: int = 64, max_num_seqs: int = 8, max_model_len: int = 64,
-                   chunked: bool = True, **policy_kwargs) -> Scheduler:
+                   chunked: bool = True, join_ahead: bool = True, **policy_kwargs) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             max_model_len=max_model_len, enable_chunked_prefill=chunked)
+                             max_model_len=max_model_len, enable_chunked_prefill=chunked, join_ahead=join_ahead)
     manager = make_block_manager(blocks, block_size, num_gpu_blocks, num_cpu_blocks, watermark, max_model_len)
     made = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy(**policy_kwargs)
     return Scheduler(config, made, manager)
