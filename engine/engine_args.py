@@ -47,6 +47,9 @@ class EngineArgs:
     # Schedule and launch each step while the one before it runs (vLLM v1's async scheduling;
     # SchedulerConfig.async_scheduling, policies/lookahead.py).
     async_scheduling: bool = True
+    # With async scheduling, a request a disaggregated pair's decode engine receives joins the step
+    # after the one in flight instead of making that step synchronous (SchedulerConfig.join_ahead).
+    join_ahead: bool = True
     watermark: float = 0.01
     # KV cache.
     block_size: int = 16
@@ -163,7 +166,7 @@ class EngineArgs:
         budgets = SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                   max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
                                   enable_chunked_prefill=self.enable_chunked_prefill,
-                                  async_scheduling=self.async_scheduling)
+                                  async_scheduling=self.async_scheduling, join_ahead=self.join_ahead)
         return SchedulingConfig(budgets, self._policy_config(), self._block_manager_config())
 
     def _policy_config(self) -> PolicyConfig:

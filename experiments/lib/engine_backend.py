@@ -73,7 +73,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         preemption_mode=str(policy.get("preemption_mode", "recompute")),
         max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
         max_model_len=sched.max_model_len, enable_chunked_prefill=sched.enable_chunked_prefill,
-        async_scheduling=bool(sched.get("async_scheduling", False)),
+        async_scheduling=bool(sched.get("async_scheduling", False)), join_ahead=bool(sched.get("join_ahead", True)),
         watermark=float(blocks.get("watermark", 0.01)),
         block_size=block_size, gpu_memory_utilization=float(blocks.get("gpu_memory_utilization", 0.9)),
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,

@@ -30,6 +30,7 @@ MAPPED = {
     "max_model_len": ("scheduler.max_model_len=300", lambda a: a.max_model_len == 300),
     "enable_chunked_prefill": ("scheduler.enable_chunked_prefill=false", lambda a: not a.enable_chunked_prefill),
     "async_scheduling": ("scheduler.async_scheduling=false", lambda a: not a.async_scheduling),
+    "join_ahead": ("scheduler.join_ahead=false", lambda a: not a.join_ahead),
     "watermark": ("blocks.watermark=0.05", lambda a: a.watermark == 0.05),
     "block_size": ("blocks.block_size=32", lambda a: a.block_size == 32),
     "gpu_memory_utilization": ("blocks.gpu_memory_utilization=0.5", lambda a: a.gpu_memory_utilization == 0.5),
