@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 
 from scheduler_helpers import KVStoreBackend, prefix_fingerprints
 
@@ -26,6 +27,22 @@ def sampled(out) -> dict[int, list[int]]:
             base = content_token(e.seq)
             tokens[e.seq.seq_id] = [base + i for i in range(e.num_samples)]
     return tokens
+
+
+AHEAD_GAP_S = 1e-9  # a step scheduled ahead starts at its predecessor's update (experiments.lab.decode_excess)
+
+
+def pipeline_breaks(rows: list[dict]) -> tuple[int, int]:
+    """Of a decode engine's steps (`DisaggregatedEngine.decode_steps` rows) that follow one leaving
+    sequences running: how many have more running than it left (requests received meanwhile), and
+    how many were not scheduled ahead (they start after their predecessor's update)."""
+    rows = sorted(rows, key=lambda r: r["step"])
+    joins = breaks = 0
+    for prev, row in pairwise(rows):
+        if prev["num_running"]:
+            joins += row["num_running"] > prev["num_running"]
+            breaks += row["time"] - (prev["time"] + prev["duration"]) > AHEAD_GAP_S
+    return joins, breaks
 
 
 def run_on_device(kv: KVStoreBackend, out) -> dict[int, list[int]]:

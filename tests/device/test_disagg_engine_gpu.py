@@ -2,7 +2,8 @@
 exactly, and its start-up transfer leaves both caches as they were; a prefill engine on cuda:0 and
 a decode engine on cuda:1 give the single engine's greedy tokens in bf16 (the agreement count
 printed with -s, as the tensor-parallel tests do), with CUDA graphs and async scheduling on the
-decode side, with the prefill engine scheduled ahead, and preemption there; a decode process killed
+decode side (received requests joining steps scheduled ahead), with the prefill engine scheduled
+ahead, and preemption there; a decode process killed
 mid-transfer ends the handed-off requests with an error within the bound, and one stopped halfway
 through writing its first outputs is failed as hung within the bound, every request ended and the
 pair closed within its bound."""
@@ -14,7 +15,7 @@ import time
 
 import pytest
 import torch
-from disagg_helpers import SignalAtFirstHandOff
+from disagg_helpers import SignalAtFirstHandOff, pipeline_breaks
 from disagg_pipe_helpers import stopping_at
 
 from engine.disagg import decode_client
@@ -163,6 +164,21 @@ def test_pair_with_its_prefill_scheduled_ahead_agrees_with_one_engine():
     print(f"\n[ahead] {ahead} prefill steps scheduled ahead")
     assert ahead > 0
     assert _agree(got, want, "1P+1D, prefill scheduled ahead, vs one engine") >= 5 / 6
+
+
+def test_pair_joining_received_requests_ahead_agrees_with_one_engine():
+    """`join_ahead`: a request received while a decode step runs joins the step scheduled after it,
+    launched before that step's tokens are known; its first decode reads the KV scattered into its
+    blocks on the compute stream between the two (no host sync), and no join breaks the pipeline."""
+    prompts = [list(range(1 + i, 1 + i + n)) for i, n in enumerate((5, 40, 130, 300, 17, 64, 700, 9) * 3)]
+    with LLMEngine(EngineArgs(**ARGS)) as engine:
+        want = _generate(engine, prompts)
+    with DisaggregatedEngine(EngineArgs(**ARGS), DisaggregationConfig(transfer_timeout_s=TIMEOUT_S)) as pair:
+        got = _generate(pair, prompts)
+        joins, breaks = pipeline_breaks(pair.decode_steps)
+    print(f"\n[join ahead] {joins} joins while decoding, {breaks} decode steps not scheduled ahead after them")
+    assert breaks == 0
+    assert _agree(got, want, "1P+1D, received requests joining ahead, vs one engine") >= 5 / 6
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

@@ -6,9 +6,8 @@ and with the rule on, the decode engine's steps not scheduled ahead are its cold
 step before each left nothing running), however the receives fall between its steps."""
 from __future__ import annotations
 
-from itertools import pairwise
-
 import pytest
+from disagg_helpers import pipeline_breaks
 from engine_helpers import ragged_prompts
 from test_disagg_engine import ARGS, TIMEOUT_S, _run
 
@@ -24,25 +23,12 @@ from policies.request import SamplingParams
 ENGINE = {**ARGS, "num_gpu_blocks": 256}
 PROMPTS = ragged_prompts(16, seed=3, min_len=3, max_len=30)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-AHEAD_GAP_S = 1e-9  # a step scheduled ahead starts at its predecessor's update (experiments.lab.decode_excess)
 
 
 @pytest.fixture(scope="module")
 def reference():
     with LLMEngine(EngineArgs(**ENGINE)) as engine:
         yield _run(engine, PROMPTS, GREEDY)
-
-
-def pipeline_breaks(rows: list[dict]) -> tuple[int, int]:
-    """Of the decode engine's steps after one that left sequences running: how many have more
-    running than it left (requests received meanwhile), and how many were not scheduled ahead."""
-    rows = sorted(rows, key=lambda r: r["step"])
-    joins = breaks = 0
-    for prev, row in pairwise(rows):
-        if prev["num_running"]:
-            joins += row["num_running"] > prev["num_running"]
-            breaks += row["time"] - (prev["time"] + prev["duration"]) > AHEAD_GAP_S
-    return joins, breaks
 
 
 @pytest.mark.parametrize("join_ahead", [True, False], ids=["join_ahead", "join_sync"])
