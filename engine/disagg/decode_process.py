@@ -15,8 +15,11 @@ request pays no set-up) and reports `DecodeReady`, then loops:
    posted for every hand-off reserved so far (up to `max_blocks_per_transfer` blocks) and one
    `Reserved` names them to the front, which sends them as one message (the receiver allocates
    before the send; the hand-offs of one prefill step share one message, one gather, one scatter);
-4. receives that completed are scattered into their blocks (one launch per message) and their
-   requests join the running batch (`DecodeSide.receive`, `LLMEngine.take_over_request`);
+4. receives that completed are scattered into their blocks (one launch per message, on the compute
+   stream behind the step in flight) and their requests join the running batch (`DecodeSide.receive`,
+   `LLMEngine.take_over_request`): with async scheduling they enter the step after the one in
+   flight, scheduled ahead in the next engine step and launched after the scatter, so the device
+   orders the KV before its reads (`join_ahead`, policies/lookahead.py);
 5. one engine step, its outputs (as `DecodeOutput`s: the front puts their prompts back) and the
    trace rows of the requests that ended, and its step rows, to the front.
 Waiting: it blocks on the pipe when it has nothing to do, polls every millisecond while a transfer

@@ -32,7 +32,9 @@ the decode side notices the received KV when its running step ends (`link_time`)
 `step_boundaries=False` and `hop_s=0` each side acts at once (the transfer is the link's alone).
 
 Decode replicas step one by one (no fast-forwarded decode runs: a received request joins at the
-time its transfer ends, which a run decided earlier could not know). Decode replicas end once every
+time its transfer ends, which a run decided earlier could not know). Scheduling ahead, it joins
+the step after the one running, still scheduled ahead (`scheduler.join_ahead`: the scheduler's
+rule, policies/lookahead.py, as on the engine pair's decode engine). Decode replicas end once every
 front replica (prefill, mixed) has ended and no hand-off is left. Nothing is random outside the
 routers' seeded generators: repeated runs give byte-identical traces.
 """
