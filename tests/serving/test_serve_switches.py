@@ -11,7 +11,8 @@ require_serving()  # engine.serve imports the serving stack
 from engine import serve
 from engine.engine_args import EngineArgs
 
-SWITCHES = ("detokenize", "enable_chunked_prefill", "async_scheduling", "enforce_eager", "disable_custom_all_reduce")
+SWITCHES = ("detokenize", "enable_chunked_prefill", "async_scheduling", "join_ahead", "enforce_eager",
+            "disable_custom_all_reduce")
 
 
 def _args(*argv: str) -> EngineArgs:
