@@ -54,7 +54,8 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
     config = DisaggregationConfig(max_queue=cluster.handoff_queue, queue_timeout_s=cluster.handoff_timeout_s,
                                   max_blocks_per_transfer=cluster.handoff_batch_blocks,
                                   prefill_async_scheduling=cluster.prefill_async_scheduling)
-    pair = DisaggregatedEngine(engine_args(cfg), config, build)
+    args = engine_args(cfg)
+    pair = DisaggregatedEngine(args, config, build)
     try:
         pair.reset_clock()  # the run's t=0: the pair is ready (engines built, the KV link warm)
         num_steps = feed_workload(pair, workload, on_done)
@@ -66,6 +67,7 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
                 "decode_device": pair.decode_device, "link_warm_s": pair.link_warm.seconds,
                 "prefill_async_scheduling": config.prefill_async_scheduling,
                 "prefill_steps_ahead": pair.prefill.scheduler.num_scheduled_ahead,
+                "join_ahead": args.join_ahead,  # the decode engine's rule for received requests
                 "replica_info": [{"replica": 0, "role": "prefill", "num_gpu_blocks": runner.num_gpu_blocks},
                                  {"replica": 1, "role": "decode", "num_gpu_blocks": pair.decode_num_gpu_blocks}]}
         elapsed = pair.now()

@@ -75,19 +75,21 @@ def test_ab_on_the_engine_backend(tmp_path):
     assert not (tmp_path / "_warmup_b").exists()  # B runs on the same engine: no second warm-up
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_engine_pair_writes_the_disaggregated_fleet_traces(tmp_path, ahead):
+@pytest.mark.parametrize(("ahead", "join"), [(False, True), (True, False)])
+def test_engine_pair_writes_the_disaggregated_fleet_traces(tmp_path, ahead, join):
     """cluster.roles=[prefill,decode] on backend=engine: a prefill and a decode engine; the traces
     carry the replica and hand-off columns, with the workload's stop lengths kept across the hand-off,
     and both engines' steps on the run's clock (replica 1: the decode engine's). `ahead`: the prefill
-    engine schedules ahead (cluster.prefill_async_scheduling); its steps still hold prefills only."""
+    engine schedules ahead (cluster.prefill_async_scheduling); its steps still hold prefills only.
+    `join`: scheduler.join_ahead, the decode engine's rule for received requests (summary.json)."""
     cfg = compose_cfg([*ENGINE, *WORKLOAD, "cluster.replicas=2", "cluster.roles=[prefill,decode]",
-                       f"cluster.prefill_async_scheduling={str(ahead).lower()}"])
+                       f"cluster.prefill_async_scheduling={str(ahead).lower()}",
+                       f"scheduler.join_ahead={str(join).lower()}"])
     workload = factory.workload(cfg)
     summary = run(cfg, tmp_path, "pair")
     assert summary["completed"] == 12 and summary["run"]["roles"] == ["prefill", "decode"]
     assert summary["num_gpus"] == 2 and summary["disaggregation"]["handed_off"] >= 10
-    assert summary["run"]["prefill_async_scheduling"] is ahead
+    assert summary["run"]["prefill_async_scheduling"] is ahead and summary["run"]["join_ahead"] is join
     assert (summary["run"]["prefill_steps_ahead"] > 0) is ahead
     req = pd.read_parquet(tmp_path / "requests.parquet").set_index("request_id")
     for r, out_len in zip(workload.requests, workload.output_lens):
