@@ -17,8 +17,9 @@ blocks; call it after every event that frees blocks here (a step's update) and a
 `receive` makes the request a live request of this scheduler: its sequences join the running queue
 with `num_computed_tokens` = the prompt's length and their first token, so the next step scheduled
 decodes them (scheduling ahead, the step after the one in flight: `SchedulerConfig.join_ahead`,
-policies/lookahead.py; the backend writes their KV before it launches that step); the trace row (written here when it ends) carries the prefill side's queueing, the split
-columns (HANDOFF_COLUMNS) and TTFT = now - arrival. From then on it is an ordinary running request:
+policies/lookahead.py; the backend writes their KV before it launches that step); the trace row
+(written here when it ends) carries the prefill side's queueing, the split columns
+(HANDOFF_COLUMNS) and TTFT = now - arrival. From then on it is an ordinary running request:
 a preemption here swaps it out or recomputes prompt + outputs on this replica; `Scheduler.abort`
 ends it. A hand-off aborted before `receive` (its `abort_reason` set) gives its reserved blocks
 back on `receive` and never becomes live here.
