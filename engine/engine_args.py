@@ -115,6 +115,8 @@ class EngineArgs:
                                                                 and self.distributed_timeout_s > 0):
             raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} is invalid: must be a number > 0")
         self.parallel_config()  # the all-reduce settings: a ValueError naming the field
+        if type(self.join_ahead) is not bool:  # a run config's string would otherwise read as true
+            raise ValueError(f"join_ahead={self.join_ahead!r} is invalid: must be True or False")
         if self.device is not None and self.device.split(":")[0] not in ("cuda", "cpu"):
             raise ValueError(f"device={self.device!r} is invalid: 'cuda', 'cuda:<i>' or 'cpu'")
 

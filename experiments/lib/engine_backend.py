@@ -74,7 +74,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
         max_model_len=sched.max_model_len, enable_chunked_prefill=sched.enable_chunked_prefill,
         async_scheduling=bool(sched.get("async_scheduling", False)),
-        join_ahead=bool(sched.get("join_ahead", True)),
+        join_ahead=sched.get("join_ahead", True),  # validated by SchedulerConfig, not coerced
         watermark=float(blocks.get("watermark", 0.01)),
         block_size=block_size, gpu_memory_utilization=float(blocks.get("gpu_memory_utilization", 0.9)),
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,

@@ -43,3 +43,9 @@ def test_received_requests_join_a_step_scheduled_ahead_and_read_their_kv(referen
             assert breaks == 0, f"{breaks} steps not scheduled ahead after {joins} joins while decoding"
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("value", ["maybe", 1, None])
+def test_join_ahead_must_be_a_bool_before_anything_loads(value):
+    with pytest.raises(ValueError, match=r"join_ahead=.* is invalid: must be True or False"):
+        EngineArgs(**{**ENGINE, "join_ahead": value})
