@@ -1,0 +1,229 @@
+"""All-reduce over a symmetric-memory buffer in Triton, with as many programs as the GPU has SMs:
+one-shot, two-shot, and one-shot fused with the next layer's residual add and RMSNorm.
+
+Every rank's buffer is mapped into every rank's address space (torch's symmetric memory); the
+kernels get the mapped addresses as plain integers (`PeerBuffers`), fixed for the buffer's life, so
+a CUDA graph replays them as captured.
+
+Barriers are blockwise, on the rendezvous's signal pads (one int32 slot per (program, rank) pair in
+each rank's pad): program p signals slot `p * W + rank` of every rank's pad (a compare-and-swap
+0 -> 1, release, system scope; it spins while the slot still holds the previous barrier's signal)
+and then consumes its own pad's W slots (1 -> 0, acquire). Each barrier leaves the pads zero, as
+torch's own kernels do, so both kinds of kernels share the pads. Program p of one rank only waits
+on program p of the others, so the grid never exceeds what the GPU runs at once (one program per
+SM), or programs that wait would hold SMs the ones they wait for need. Every rank launches the same
+grid for a message (the grid depends only on its size and `max_programs`, which the ranks agree on).
+
+- one-shot: barrier (every rank's producer has finished writing), each program reads its blocks
+  of every rank's buffer and sums them in float32 in rank order (the same bits on every rank),
+  barrier (no rank's buffer is rewritten while a peer still reads it);
+- two-shot: each rank sums its 1/W slice of every buffer into its own buffer (in place), barrier,
+  every rank gathers the slices' sums: W times fewer bytes read per rank, one barrier more;
+- one-shot + add + RMSNorm (rows of the hidden size): the sum rounded to the activation dtype (what
+  the all-reduce returns), `+ residual` in that dtype (the new residual, written out), then the
+  RMSNorm as engine/models/ops.py computes it (float32, rounded before the weight multiply).
+
+`barrier=False` compiles the barriers out: the CPU interpreter runs one process, which cannot play
+several ranks, and checks the arithmetic with stand-in peer buffers (tests/kernel/test_all_reduce.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Bytes each program moves per rank and loop iteration at most (16-byte vectors, a few per thread).
+BLOCK_BYTES = 16 * 2**10
+# The widest row the fused kernel holds in one program (elements), and its programs' warps.
+NORM_MAX_HIDDEN = 16384
+
+
+@dataclass(slots=True, frozen=True)
+class PeerBuffers:
+    """One rank's view of the group's symmetric memory: every rank's buffer and signal pad as
+    addresses in this process (index = rank), and how many programs a kernel may launch (the
+    same on every rank: the fewest SMs of the group, within the signal pads' slots)."""
+
+    buffers: tuple[int, ...]
+    signal_pads: tuple[int, ...]
+    rank: int
+    nbytes: int  # each buffer's size
+    max_programs: int
+    barrier: bool = True
+
+    def __post_init__(self) -> None:
+        world = len(self.buffers)
+        if world < 1 or len(self.signal_pads) != world or not 0 <= self.rank < world:
+            raise ValueError(f"PeerBuffers: {world} buffers, {len(self.signal_pads)} signal pads and rank "
+                             f"{self.rank} are inconsistent (one of each per rank)")
+        if self.max_programs < 1:
+            raise ValueError(f"PeerBuffers.max_programs={self.max_programs} is invalid: at least 1")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.buffers)
+
+    def views(self, staged: torch.Tensor) -> tuple[int, ...]:
+        """Every rank's address of the bytes `staged` (a view of this rank's buffer) covers."""
+        offset = staged.data_ptr() - self.buffers[self.rank]
+        if offset < 0 or offset % 16 or offset + staged.numel() * staged.element_size() > self.nbytes:
+            raise ValueError(f"a tensor at byte offset {offset} of the {self.nbytes}-byte symmetric buffer: "
+                             "the kernels take views of the buffer, 16-byte aligned")
+        return tuple(b + offset for b in self.buffers)
+
+
+def pad_programs(signal_pad_bytes: int, world_size: int) -> int:
+    """How many programs' barrier slots one signal pad holds."""
+    return signal_pad_bytes // 4 // world_size
+
+
+@triton.jit
+def _barrier(pads, pid, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Program `pid` of every rank meets: signal each rank's slot for (pid, RANK), then consume the
+    W signals sent to this rank's (pid, r) slots. Release on the signal, acquire on the wait."""
+    for peer in tl.static_range(WORLD):
+        slot = pads[peer].to(tl.pointer_type(tl.int32)) + pid * WORLD + RANK
+        while tl.atomic_cas(slot, 0, 1, sem="release", scope="sys") != 0:
+            pass
+    own = pads[RANK].to(tl.pointer_type(tl.int32)) + pid * WORLD
+    for peer in tl.static_range(WORLD):
+        while tl.atomic_cas(own + peer, 1, 0, sem="acquire", scope="sys") != 1:
+            pass
+
+
+@triton.jit
+def _sum_ranks(bufs, offs, mask, dtype: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(WORLD):
+        acc += tl.load(bufs[r].to(tl.pointer_type(dtype)) + offs, mask=mask).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _one_shot_kernel(bufs, pads, out_ptr, numel, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                     BARRIER: tl.constexpr):
+    pid = tl.program_id(0)
+    if BARRIER:
+        _barrier(pads, pid, RANK, WORLD)
+    dtype = out_ptr.dtype.element_ty
+    for start in range(pid * BLOCK, numel, tl.num_programs(0) * BLOCK):
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        mask = offs < numel
+        tl.store(out_ptr + offs, _sum_ranks(bufs, offs, mask, dtype, WORLD, BLOCK).to(dtype), mask=mask)
+    if BARRIER:
+        tl.debug_barrier()  # every thread's reads are done before the signal
+        _barrier(pads, pid, RANK, WORLD)
+
+
+@triton.jit
+def _two_shot_kernel(bufs, pads, out_ptr, numel, part, RANK: tl.constexpr, WORLD: tl.constexpr,
+                     BLOCK: tl.constexpr, BARRIER: tl.constexpr):
+    """Rank q's slice is [q * part, min((q + 1) * part, numel)), `part` a multiple of 16 elements;
+    program p covers the same offsets of every slice, so its own barrier orders a slice's sum
+    before its gather."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    dtype = out_ptr.dtype.element_ty
+    if BARRIER:
+        _barrier(pads, pid, RANK, WORLD)
+    own = bufs[RANK].to(tl.pointer_type(dtype))
+    lo, hi = RANK * part, tl.minimum((RANK + 1) * part, numel)
+    for start in range(pid * BLOCK, part, step):
+        offs = tl.max_contiguous(lo + start + tl.arange(0, BLOCK), BLOCK)
+        mask = offs < hi
+        total = _sum_ranks(bufs, offs, mask, dtype, WORLD, BLOCK).to(dtype)
+        tl.store(own + offs, total, mask=mask)  # only this rank reads its own slice before the barrier
+        tl.store(out_ptr + offs, total, mask=mask)
+    if BARRIER:
+        tl.debug_barrier()
+        _barrier(pads, pid, RANK, WORLD)
+    for q in tl.static_range(WORLD):
+        if q != RANK:
+            peer = bufs[q].to(tl.pointer_type(dtype))
+            for start in range(pid * BLOCK, part, step):
+                offs = tl.max_contiguous(q * part + start + tl.arange(0, BLOCK), BLOCK)
+                mask = offs < tl.minimum((q + 1) * part, numel)
+                tl.store(out_ptr + offs, tl.load(peer + offs, mask=mask), mask=mask)
+    if BARRIER:
+        tl.debug_barrier()
+        _barrier(pads, pid, RANK, WORLD)
+
+
+@triton.jit
+def _one_shot_add_rms_norm_kernel(bufs, pads, res_ptr, w_ptr, res_out_ptr, out_ptr, rows, eps,
+                                  HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr,
+                                  WORLD: tl.constexpr, BARRIER: tl.constexpr):
+    pid = tl.program_id(0)
+    if BARRIER:
+        _barrier(pads, pid, RANK, WORLD)
+    dtype = res_out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < HIDDEN
+    w = tl.load(w_ptr + cols, mask=cmask).to(tl.float32)
+    for row in range(pid, rows, tl.num_programs(0)):
+        offs = row * HIDDEN + cols
+        total = _sum_ranks(bufs, offs, cmask, dtype, WORLD, BLOCK_H).to(dtype)  # the all-reduce's result
+        h = (total.to(tl.float32) + tl.load(res_ptr + offs, mask=cmask).to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + offs, h, mask=cmask)
+        x = h.to(tl.float32)
+        x = (x * tl.rsqrt(tl.sum(x * x, 0) / HIDDEN + eps)).to(dtype)
+        tl.store(out_ptr + offs, (w * x.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=cmask)
+    if BARRIER:
+        tl.debug_barrier()
+        _barrier(pads, pid, RANK, WORLD)
+
+
+def _grid(peers: PeerBuffers, numel: int, itemsize: int) -> tuple[int, int, int]:
+    """(programs, BLOCK elements, warps): blocks small enough to spread a message over the SMs,
+    at most BLOCK_BYTES; 16-byte vectors, at most two per thread."""
+    vec = max(1, 16 // itemsize)
+    block = min(BLOCK_BYTES // itemsize, max(32 * vec, triton.next_power_of_2(triton.cdiv(numel, peers.max_programs))))
+    warps = max(1, min(16, block // (32 * vec * 2)))
+    return min(peers.max_programs, triton.cdiv(numel, block)), block, warps
+
+
+def one_shot_all_reduce(peers: PeerBuffers, staged: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` = the sum over the ranks of `staged` (a view of this rank's buffer), read whole from
+    every rank."""
+    numel = staged.numel()
+    programs, block, warps = _grid(peers, numel, staged.element_size())
+    _one_shot_kernel[(programs,)](peers.views(staged), peers.signal_pads, out, numel, RANK=peers.rank,
+                                  WORLD=peers.world_size, BLOCK=block, BARRIER=peers.barrier, num_warps=warps)
+    return out
+
+
+def two_shot_all_reduce(peers: PeerBuffers, staged: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` = the sum over the ranks of `staged`; each rank sums one slice (overwriting it in
+    `staged` with the sum) and gathers the others' sums."""
+    numel, world = staged.numel(), peers.world_size
+    part = triton.cdiv(triton.cdiv(numel, world), 16) * 16  # slices start on 16-byte boundaries
+    programs, block, warps = _grid(peers, part, staged.element_size())
+    _two_shot_kernel[(programs,)](peers.views(staged), peers.signal_pads, out, numel, part, RANK=peers.rank,
+                                  WORLD=world, BLOCK=block, BARRIER=peers.barrier, num_warps=warps)
+    return out
+
+
+def fits_add_rms_norm(hidden: int) -> bool:
+    """Whether the fused kernel takes rows of `hidden` elements (one row per program iteration)."""
+    return 0 < hidden <= NORM_MAX_HIDDEN
+
+
+def one_shot_all_reduce_add_rms_norm(peers: PeerBuffers, staged: torch.Tensor, residual: torch.Tensor,
+                                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(sum + residual) * weight, sum + residual) for `staged` [rows, hidden] (a view of
+    this rank's buffer holding its partial sums), as engine/models/ops.py's add_rms_norm computes
+    them on the all-reduced rows."""
+    rows, hidden = staged.shape
+    if not fits_add_rms_norm(hidden) or residual.shape != staged.shape or not residual.is_contiguous():
+        raise ValueError(f"fused all-reduce + RMSNorm: rows of {hidden} (at most {NORM_MAX_HIDDEN}) and a "
+                         f"contiguous residual of the same shape; got residual {tuple(residual.shape)}")
+    residual_out = torch.empty_like(staged)
+    out = torch.empty(staged.shape, dtype=torch.promote_types(weight.dtype, staged.dtype), device=staged.device)
+    block_h = triton.next_power_of_2(hidden)
+    warps = max(1, min(16, block_h // (32 * max(1, 16 // staged.element_size()) * 2)))
+    _one_shot_add_rms_norm_kernel[(min(peers.max_programs, rows),)](
+        peers.views(staged), peers.signal_pads, residual, weight, residual_out, out, rows, eps, HIDDEN=hidden,
+        BLOCK_H=block_h, RANK=peers.rank, WORLD=peers.world_size, BARRIER=peers.barrier, num_warps=warps)
+    return out, residual_out
