@@ -270,6 +270,10 @@ CUSTOM_ALL_REDUCE_LIMIT_BYTES = 2**30
 # The symmetric-memory all-reduce is on by default, as vLLM's custom all-reduce: a worker's death or
 # hang with it on is reported within the same bounds as with NCCL only (docs/parallelism.md, Faults).
 DISABLE_CUSTOM_ALL_REDUCE = False
+# Which kernels sum the symmetric-memory messages: torch's (`symm_mem` ops), the Triton ones
+# (kernels/all_reduce.py: one program per SM), or the Triton ones with the layer boundary's
+# all-reduce, residual add and RMSNorm fused into one kernel.
+ALL_REDUCE_KERNELS = ("torch", "triton", "triton_fused")
 
 
 @dataclass(slots=True, frozen=True)
@@ -281,7 +285,9 @@ class ParallelConfig:
     `custom_all_reduce_one_shot_max_bytes` one-shot over symmetric memory (None: by world size,
     `one_shot_max_bytes`), up to `custom_all_reduce_max_bytes` two-shot, NCCL above;
     `disable_custom_all_reduce` (False by default, as in vLLM, whose name it is) True sends every
-    all-reduce through NCCL. The symmetric-memory kernels spin without a deadline, so with them on
+    all-reduce through NCCL. `all_reduce_kernel` picks the symmetric paths' kernels
+    (`ALL_REDUCE_KERNELS`): torch's ("torch", the default), Triton's ("triton"), or Triton's with
+    each decoder layer's all-reduce fused into the next RMSNorm's residual add ("triton_fused"). The symmetric-memory kernels spin without a deadline, so with them on
     rank 0 never blocks on a step: it polls the step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes
     (engine/distributed/step_wait.py); its GPU is then freed only when the process exits."""
 
@@ -290,8 +296,11 @@ class ParallelConfig:
     disable_custom_all_reduce: bool = DISABLE_CUSTOM_ALL_REDUCE
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
+    all_reduce_kernel: str = "torch"
 
     def __post_init__(self) -> None:
+        if self.all_reduce_kernel not in ALL_REDUCE_KERNELS:
+            raise ValueError(f"all_reduce_kernel={self.all_reduce_kernel!r} is invalid: one of {ALL_REDUCE_KERNELS}")
         if not isinstance(self.disable_custom_all_reduce, bool):
             raise ValueError(f"disable_custom_all_reduce={self.disable_custom_all_reduce!r} is invalid: "  # noqa: TRY004
                              "true or false")

@@ -78,6 +78,9 @@ class EngineArgs:
     disable_custom_all_reduce: bool = DISABLE_CUSTOM_ALL_REDUCE
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
+    # The symmetric paths' kernels: "torch", "triton", or "triton_fused" (the layer boundary's
+    # all-reduce, residual add and RMSNorm in one kernel); engine/config.py's ParallelConfig.
+    all_reduce_kernel: str = "torch"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig) and (not isinstance(self.model, str) or not self.model):
@@ -161,7 +164,8 @@ class EngineArgs:
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.distributed_timeout_s, self.disable_custom_all_reduce,
-                              self.custom_all_reduce_one_shot_max_bytes, self.custom_all_reduce_max_bytes)
+                              self.custom_all_reduce_one_shot_max_bytes, self.custom_all_reduce_max_bytes,
+                              self.all_reduce_kernel)
 
     def scheduling_config(self, max_model_len: int) -> SchedulingConfig:
         """The scheduler these arguments describe, typed (policies/build.py builds it)."""

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import num_sms
+
 # Bytes each program moves per rank and loop iteration at most (16-byte vectors, a few per thread).
 BLOCK_BYTES = 16 * 2**10
 # The widest row the fused kernel holds in one program (elements), and its programs' warps.
@@ -60,6 +62,15 @@ class PeerBuffers:
                              f"{self.rank} are inconsistent (one of each per rank)")
         if self.max_programs < 1:
             raise ValueError(f"PeerBuffers.max_programs={self.max_programs} is invalid: at least 1")
+
+    @classmethod
+    def of_rendezvous(cls, handle, buffer: torch.Tensor) -> PeerBuffers:
+        """From torch's rendezvous handle of `buffer`: the ranks' mapped addresses of its first
+        byte, at most one program per SM and per signal-pad slot."""
+        shift = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]  # the buffer's offset in its allocation
+        programs = min(num_sms(buffer.device.index), pad_programs(handle.signal_pad_size, handle.world_size))
+        return cls(tuple(p + shift for p in handle.buffer_ptrs), tuple(handle.signal_pad_ptrs), handle.rank,
+                   buffer.numel() * buffer.element_size(), programs)
 
     @property
     def world_size(self) -> int:

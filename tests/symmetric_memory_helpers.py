@@ -19,3 +19,17 @@ class FakeSymmOps:
     def two_shot_all_reduce_out(self, staged, op, group, out):
         self.calls.append((TWO_SHOT, staged.data_ptr()))
         return out.copy_(staged * 2)
+
+
+def mirrored_peers(buffer, world: int = 2, programs: int = 3):
+    """The Triton kernels' peer table for `world` ranks that all hold this rank's buffer (so the sum
+    is `world` x the message, as `FakeSymmOps` has it), barriers compiled out for the interpreter;
+    one-shot only: two-shot's in-place slice sums would be read back by the mirrored ranks."""
+    import torch
+
+    from kernels.all_reduce import PeerBuffers
+
+    pads = torch.zeros(world * programs, dtype=torch.int32)
+    peers = PeerBuffers((buffer.data_ptr(),) * world, (pads.data_ptr(),) * world, 0, buffer.numel(), programs,
+                        barrier=False)
+    return peers, pads  # keep the pads alive as long as the peers

@@ -35,11 +35,18 @@ a symmetric-memory kernel it waits, bounded in the same way, for the one `PACE_L
 Without that, a step launched behind a spinning kernel fills the GPU's launch queue (an eager step
 is hundreds of kernels) and the next launch blocks inside the driver, holding the GIL, for good.
 
+Kernels (`ParallelConfig.all_reduce_kernel`): torch's ("torch", the default), or the Triton ones
+of kernels/all_reduce.py ("triton": one program per SM, barriers on the same signal pads), which
+also offer the all-reduce fused with the next RMSNorm's residual add ("triton_fused": the model
+hands the row-parallel layer's un-reduced partial sums to the norm, `all_reduce_add_rms_norm`).
+The Triton kernels spin like torch's and go through the same pacing.
+
 On by default, as vLLM's custom all-reduce (tests/device/test_engine_tp_faults_gpu.py checks those
 bounds on two GPUs); `disable_custom_all_reduce=True` sends every all-reduce through NCCL.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -47,12 +54,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from engine.config import ParallelConfig
 
+if TYPE_CHECKING:
+    from kernels.all_reduce import PeerBuffers
+
+T = TypeVar("T")
 logger = logging.getLogger("servelab.engine")
 
 ONE_SHOT, TWO_SHOT, NCCL = "one-shot", "two-shot", "nccl"
@@ -83,6 +94,7 @@ class AllReducePath:
     one_shot_max_bytes: int = 0
     two_shot_max_bytes: int = 0
     off_reason: str | None = None
+    kernel: str = "torch"
 
     def record(self) -> dict[str, Any]:
         if self.off_reason is not None:
@@ -94,7 +106,7 @@ class AllReducePath:
         if self.off_reason is not None:
             return f"NCCL/gloo for every message (custom all-reduce off: {self.off_reason})"
         return (f"one-shot over symmetric memory up to {self.one_shot_max_bytes} bytes, two-shot up to "
-                f"{self.two_shot_max_bytes}, NCCL above ({self.world_size} GPUs)")
+                f"{self.two_shot_max_bytes}, NCCL above ({self.world_size} GPUs, {self.kernel} kernels)")
 
 
 def choose_path(nbytes: int, dtype: torch.dtype, contiguous: bool, one_shot_max: int, two_shot_max: int) -> str:
@@ -161,16 +173,22 @@ def unavailable_reason(parallel: ParallelConfig, device: torch.device, rank: int
 
 class SymmetricAllReduce:
     """One rank's side: the symmetric buffer (`max_bytes` bytes, viewed as the message's dtype) and
-    the thresholds. `ops`: the `symm_mem` op namespace (the CPU tests pass a stand-in)."""
+    the thresholds. `ops`: the `symm_mem` op namespace (the CPU tests pass a stand-in); `peers`:
+    where the Triton kernels find every rank's buffer and signal pad (None: torch's kernels);
+    `fused`: the model may hand its layer boundaries to `all_reduce_add_rms_norm`."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, one_shot_max: int, two_shot_max: int,
-                 handle: Any = None, ops: Any = None) -> None:
+                 handle: Any = None, ops: Any = None, peers: PeerBuffers | None = None, fused: bool = False) -> None:
+        if fused and peers is None:
+            raise ValueError("the fused all-reduce + RMSNorm needs the Triton kernels' peer buffers")
         self.buffer = buffer
         self.group_name = group_name
         self.one_shot_max = one_shot_max
         self.two_shot_max = min(two_shot_max, buffer.numel())
         self.handle = handle  # the rendezvous: keeps the peers' mappings alive
         self.ops = ops if ops is not None else torch.ops.symm_mem
+        self.peers = peers
+        self.fused = fused
         # Rank 0 while serving: waits (bounded) until an event's work is done (`StepWait.wait`).
         self.pace: Callable[[Any], None] | None = None
         self._launched: deque[Any] = deque()  # events after the last eager kernels, oldest first
@@ -192,29 +210,56 @@ class SymmetricAllReduce:
         path = self.path_for(x)
         if path == NCCL:
             return None
-        staged = self._staged(x.numel() * x.element_size(), x.dtype, tuple(x.shape))
-        if staged.data_ptr() != x.data_ptr():  # not written in place by its producer
-            staged.copy_(x)
-        return self.reduce(path, staged)
+        return self.reduce(path, self._stage(x))
 
     def reduce(self, path: str, staged: torch.Tensor) -> torch.Tensor:
         """Sum `staged` (a view of the buffer from its start) by `path`, into a new tensor; the
         buffer is free again when the kernel ends (its last barrier waits for every reader)."""
         if path not in (ONE_SHOT, TWO_SHOT):
             raise ValueError(f"path={path!r} is invalid: {ONE_SHOT!r} or {TWO_SHOT!r}")
+        out = torch.empty_like(staged)
+        if self.peers is not None:
+            from kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
+
+            kernel = one_shot_all_reduce if path == ONE_SHOT else two_shot_all_reduce
+            return self._launch(lambda: kernel(self.peers, staged, out))
+        op = self.ops.one_shot_all_reduce_out if path == ONE_SHOT else self.ops.two_shot_all_reduce_out
+        self._launch(lambda: op(staged, "sum", self.group_name, out))
+        return out
+
+    def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rms_norm(sum + residual) * weight, sum + residual) of `partial` [rows, hidden] in one
+        kernel, or None where it does not take the message (not `fused`, NCCL's size, a residual
+        of another shape or layout, too wide a row): the caller then all-reduces and norms."""
+        from kernels.all_reduce import fits_add_rms_norm, one_shot_all_reduce_add_rms_norm
+
+        if (not self.fused or partial.dim() != 2 or self.path_for(partial) == NCCL
+                or not fits_add_rms_norm(partial.shape[1]) or residual.shape != partial.shape
+                or residual.dtype != partial.dtype or not residual.is_contiguous()):
+            return None
+        staged = self._stage(partial)
+        return self._launch(lambda: one_shot_all_reduce_add_rms_norm(self.peers, staged, residual, weight, eps))
+
+    def _launch(self, kernel: Callable[[], T]) -> T:
+        """Run a symmetric-memory kernel; outside a capture, rank 0 first waits (`pace`) for the
+        one PACE_LAG kernels back."""
         paced = self.pace is not None and not torch.cuda.is_current_stream_capturing()
         if paced and len(self._launched) >= PACE_LAG:
             self.pace(self._launched.popleft())
-        out = torch.empty_like(staged)
-        if path == ONE_SHOT:
-            self.ops.one_shot_all_reduce_out(staged, "sum", self.group_name, out)
-        else:
-            self.ops.two_shot_all_reduce_out(staged, "sum", self.group_name, out)
+        result = kernel()
         if paced:
             event = torch.cuda.Event()
             event.record()
             self._launched.append(event)
-        return out
+        return result
+
+    def _stage(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` in the buffer (copied in unless its producer wrote it there)."""
+        staged = self._staged(x.numel() * x.element_size(), x.dtype, tuple(x.shape))
+        if staged.data_ptr() != x.data_ptr():
+            staged.copy_(x)
+        return staged
 
     def _staged(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return self.buffer[:nbytes].view(dtype).view(shape)
@@ -237,7 +282,9 @@ def open_symmetric_all_reduce(parallel: ParallelConfig, device: torch.device, ra
         reason = f"the symmetric buffer could not be set up: {type(e).__name__}: {e}"
     if agree(0 if custom is None else 1) == 0:
         return None, _off(rank, world_size, reason or "another rank could not set up its symmetric buffer")
-    path = AllReducePath(world_size, custom.one_shot_max, custom.two_shot_max)
+    if custom.peers is not None:  # every rank launches the same grids: the fewest programs any rank allows
+        custom.peers = dataclasses.replace(custom.peers, max_programs=agree(custom.peers.max_programs))
+    path = AllReducePath(world_size, custom.one_shot_max, custom.two_shot_max, kernel=parallel.all_reduce_kernel)
     if rank == 0:
         logger.info("all-reduce: %s", path.describe())
     return custom, path
@@ -260,7 +307,13 @@ def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.devi
     handle = symm_mem.rendezvous(buffer, group_name)
     if handle is None:
         raise RuntimeError("rendezvous returned no handle (the buffer is not symmetric memory)")
-    return SymmetricAllReduce(buffer, group_name, parallel.one_shot_max_bytes(world_size), size, handle)
+    peers = None
+    if parallel.all_reduce_kernel != "torch":
+        from kernels.all_reduce import PeerBuffers
+
+        peers = PeerBuffers.of_rendezvous(handle, buffer)
+    return SymmetricAllReduce(buffer, group_name, parallel.one_shot_max_bytes(world_size), size, handle, peers=peers,
+                              fused=parallel.all_reduce_kernel == "triton_fused")
 
 
 def _off(rank: int, world_size: int, reason: str) -> AllReducePath:

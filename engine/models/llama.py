@@ -17,8 +17,9 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.device.attention import AttentionMetadata, PagedAttention
+from engine.distributed.parallel_state import TPGroup
 from engine.models.ops import fused_ops, rope_rows
-from engine.models.parallel_layers import TPContext, embedding, gather_logits, row_linear
+from engine.models.parallel_layers import PartialSum, TPContext, embedding, gather_logits, row_linear
 from engine.models.registry import register_model
 from engine.models.rope import RotaryEmbedding
 
@@ -39,6 +40,30 @@ class RMSNorm(nn.Module):
         return self.fns.add_rms_norm(x, residual, self.weight)
 
 
+class ReducingRMSNorm(RMSNorm):
+    """A tensor-parallel shard's RMSNorm: also takes the previous row-parallel layer's partial
+    sums un-reduced (`PartialSum`) and sums them over the ranks with the residual add and the norm,
+    in one kernel where the group fuses them (`TPGroup.all_reduce_add_rms_norm`)."""
+
+    def __init__(self, size: int, fns: SimpleNamespace, group: TPGroup, eps: float) -> None:
+        super().__init__(size, fns)
+        self.group = group
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor | PartialSum) -> torch.Tensor:
+        return super().forward(self.group.all_reduce(x.partial) if isinstance(x, PartialSum) else x)
+
+    def add_forward(self, x: torch.Tensor | PartialSum, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, PartialSum):
+            return self.group.all_reduce_add_rms_norm(x.partial, residual, self.weight, self.eps, self.fns.add_rms_norm)
+        return super().add_forward(x, residual)
+
+
+def rms_norm_layer(size: int, fns: SimpleNamespace, eps: float, tp: TPContext | None) -> RMSNorm:
+    """The plain RMSNorm without tensor parallelism; a shard's takes un-reduced partial sums."""
+    return RMSNorm(size, fns) if tp is None else ReducingRMSNorm(size, fns, tp.group, eps)
+
+
 class Attention(nn.Module):
     """`cfg`: the rank's local config under tensor parallelism (its heads), else the model's."""
 
@@ -50,7 +75,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = row_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, tp)
+        self.o_proj = row_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, tp, feeds_norm=True)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, fns)
@@ -87,7 +112,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, fns: SimpleNamespace, tp: TPContext | None = None) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+        self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, False, tp, feeds_norm=True)
         self.fns = fns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,9 +123,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ModuleType, fns: SimpleNamespace,
                  tp: TPContext | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, fns)
+        self.input_layernorm = rms_norm_layer(cfg.hidden_size, fns, cfg.rms_norm_eps, tp)
         self.self_attn = Attention(cfg, layer_idx, ops, fns, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, fns)
+        self.post_attention_layernorm = rms_norm_layer(cfg.hidden_size, fns, cfg.rms_norm_eps, tp)
         self.mlp = MLP(cfg, fns, tp)
 
     def forward(self, rope: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -132,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(local, i, ops, fns, tp)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, fns)
+        self.norm = rms_norm_layer(cfg.hidden_size, fns, cfg.rms_norm_eps, tp)
         if not cfg.tie_word_embeddings:
             vocab = cfg.vocab_size if tp is None else tp.shard.vocab
             self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)

@@ -4,6 +4,9 @@ Column-parallel layers are plain `nn.Linear`s of the rank's output columns (q/k/
 LM head): nothing to communicate. `RowParallelLinear` (o_proj, down_proj) multiplies the rank's
 input columns and all-reduces the partial sums (written straight into the symmetric buffer when
 the all-reduce takes it), adding the bias once after the sum.
+With the fused layer boundary (`TPGroup.fuses_add_norm`), a layer built with `feeds_norm=True`
+returns its partial sums un-reduced, as a `PartialSum` over the symmetric buffer, and the next
+RMSNorm (`ReducingRMSNorm` in engine/models/llama.py) sums them with its residual add.
 `VocabParallelEmbedding` looks up the rank's vocabulary rows (zero for other ids) and all-reduces.
 `gather_logits` puts the ranks' vocabulary columns side by side and drops the padding.
 
@@ -30,20 +33,33 @@ class TPContext:
     group: TPGroup
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_r W_r^T) + b, with x_r and W_r this rank's input columns."""
+@dataclass(slots=True, frozen=True)
+class PartialSum:
+    """This rank's summand of a row-parallel layer's output, not yet all-reduced: a view of the
+    symmetric buffer that the next all-reduce (fused with an RMSNorm) reads from every rank."""
 
-    def __init__(self, local_in: int, out_features: int, bias: bool, group: TPGroup) -> None:
+    partial: torch.Tensor
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b, with x_r and W_r this rank's input columns. `feeds_norm`:
+    its output goes straight into an RMSNorm's residual add, so on the fused layer boundary it
+    returns the `PartialSum` (no bias to add after the sum) and the norm reduces it."""
+
+    def __init__(self, local_in: int, out_features: int, bias: bool, group: TPGroup, feeds_norm: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, local_in))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.group = group
+        self.defer = feeds_norm and not bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:
         # On the symmetric-memory paths the GEMM writes its partial sums straight into the buffer
         # the all-reduce reads (no copy in).
         staged = self.group.reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
         partial = F.linear(x, self.weight) if staged is None else torch.mm(x, self.weight.t(), out=staged)
+        if staged is not None and self.defer and self.group.fuses_add_norm:
+            return PartialSum(partial)
         y = self.group.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
@@ -62,10 +78,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(x)
 
 
-def row_linear(local_in: int, out_features: int, bias: bool, tp: TPContext | None) -> nn.Module:
+def row_linear(local_in: int, out_features: int, bias: bool, tp: TPContext | None,
+               feeds_norm: bool = False) -> nn.Module:
     if tp is None:
         return nn.Linear(local_in, out_features, bias=bias)
-    return RowParallelLinear(local_in, out_features, bias, tp.group)
+    return RowParallelLinear(local_in, out_features, bias, tp.group, feeds_norm)
 
 
 def embedding(vocab_size: int, hidden_size: int, tp: TPContext | None) -> nn.Module:

@@ -36,6 +36,7 @@ class Parallel:
     disable_custom_all_reduce: bool | None = None
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int | None = None
+    all_reduce_kernel: str | None = None
 
 
 @dataclass

@@ -51,7 +51,7 @@ def tensor_parallel_size(cfg: DictConfig) -> int:
 
 
 ALL_REDUCE_SETTINGS = ("disable_custom_all_reduce", "custom_all_reduce_one_shot_max_bytes",
-                       "custom_all_reduce_max_bytes")
+                       "custom_all_reduce_max_bytes", "all_reduce_kernel")
 
 
 def all_reduce_settings(cfg: DictConfig) -> dict[str, Any]:

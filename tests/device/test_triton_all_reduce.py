@@ -1,0 +1,171 @@
+"""The Triton all-reduce choice (`ParallelConfig.all_reduce_kernel`) on the CPU: the setting's
+errors and where it is set; the dispatch of `SymmetricAllReduce` to the Triton kernels (run by the
+interpreter over a mirrored stand-in peer table: two ranks holding the same message), their
+pacing; the fused layer boundary's fallbacks; and a tensor-parallel shard of tiny-qwen3 whose
+hidden states are the same with the fused boundary as without it. On two GPUs:
+tests/device/test_triton_all_reduce_gpu.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import ALL_REDUCE_KERNELS, ParallelConfig
+from engine.distributed.custom_all_reduce import SymmetricAllReduce
+from engine.distributed.parallel_state import TPGroup
+from engine.engine_args import EngineArgs
+from engine.models.ops import add_rms_norm
+from tests.symmetric_memory_helpers import FakeSymmOps, mirrored_peers
+
+KiB = 2**10
+
+
+@pytest.mark.parametrize("make", [lambda v: ParallelConfig(all_reduce_kernel=v),
+                                  lambda v: EngineArgs(all_reduce_kernel=v)], ids=["ParallelConfig", "EngineArgs"])
+@pytest.mark.parametrize("value", ["nccl", "Triton", None, 1])
+def test_an_unknown_kernel_is_refused_naming_the_field(make, value):
+    with pytest.raises(ValueError, match=rf"all_reduce_kernel={value!r} is invalid: one of \('torch', 'triton', "):
+        make(value)
+
+
+def test_the_default_stays_torch_and_each_kernel_reaches_the_engine():
+    from experiments.lib.engine_backend import engine_args
+    from experiments.lib.fidelity_spec import compose_cfg
+
+    assert ParallelConfig().all_reduce_kernel == EngineArgs().all_reduce_kernel == "torch"
+    config = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu"]
+    assert engine_args(compose_cfg(config)).parallel_config().all_reduce_kernel == "torch"
+    for kernel in ALL_REDUCE_KERNELS:
+        args = engine_args(compose_cfg([*config, f"parallel.all_reduce_kernel={kernel}"]))
+        assert args.parallel_config().all_reduce_kernel == kernel
+
+
+def _custom(kernel: str, nbytes: int = 16 * KiB) -> tuple[SymmetricAllReduce, torch.Tensor]:
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    peers, pads = (None, None) if kernel == "torch" else mirrored_peers(buffer)
+    custom = SymmetricAllReduce(buffer, "g", nbytes, nbytes, ops=FakeSymmOps(), peers=peers,
+                                fused=kernel == "triton_fused")
+    return custom, pads
+
+
+def test_the_triton_kernels_sum_instead_of_torchs():
+    custom, _pads = _custom("triton")
+    x = torch.randn(8, 64)
+    torch.testing.assert_close(custom.all_reduce(x), 2 * x)
+    assert custom.ops.calls == []  # torch's ops were not called
+
+
+def test_the_fused_kernel_needs_the_triton_peers():
+    with pytest.raises(ValueError, match="peer buffers"):
+        SymmetricAllReduce(torch.zeros(64, dtype=torch.uint8), "g", 64, 64, fused=True)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "triton_fused"])
+def test_triton_launches_are_paced_as_torchs(kernel, monkeypatch):
+    """Rank 0's bound on eager launches holds for the Triton kernels, fused one included."""
+    from engine.distributed.custom_all_reduce import PACE_LAG
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.n = Event.made
+
+        def record(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    custom, _pads = _custom(kernel)
+    waited = []
+    custom.pace = lambda event: waited.append(event.n)
+    x, residual, weight = torch.randn(4, 32), torch.randn(4, 32), torch.ones(32)
+    for _ in range(5):
+        if kernel == "triton_fused":
+            assert custom.all_reduce_add_rms_norm(x, residual, weight, 1e-6) is not None
+        else:
+            custom.all_reduce(x)
+    assert waited == list(range(1, 5 - PACE_LAG + 1))
+
+
+@pytest.mark.parametrize(("kernel", "shape", "fused"), [
+    ("triton_fused", (4, 32), True),
+    ("triton", (4, 32), False),  # the option off
+    ("triton_fused", (4, 32 * KiB // 4), False),  # NCCL's size: larger than the buffer
+    ("triton_fused", (2, 2, 32), False),  # not rows of the hidden size
+])
+def test_the_group_fuses_where_it_can_and_else_reduces_then_norms(kernel, shape, fused, monkeypatch):
+    import torch.distributed as dist
+
+    custom, _pads = _custom(kernel)
+    group = TPGroup(0, 2, None, None, custom)
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: x.mul_(2))  # NCCL's sum of 2 equal ranks
+    x = torch.randn(shape)
+    residual, weight = torch.randn(shape), torch.rand(shape[-1]) + 0.5
+    taken = custom.all_reduce_add_rms_norm(x.clone(), residual, weight, 1e-6) is not None
+    assert taken == fused
+    out, new_residual = group.all_reduce_add_rms_norm(x.clone(), residual, weight, 1e-6)
+    want_out, want_residual = add_rms_norm(2 * x, residual, weight, 1e-6)
+    torch.testing.assert_close(new_residual, want_residual)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+
+
+def _shard_hidden(kernel: str) -> torch.Tensor:
+    """Rank 0's shard of tiny-qwen3 (of 2) over a stand-in group of 2 ranks holding the same
+    partial sums: its final hidden states for one 11-token prefill."""
+    from engine.device.attention import attention_ops
+    from engine.device.input_batch import build_model_input
+    from engine.device.weights import init_dummy
+    from engine.distributed.sharding import TPShard
+    from engine.model_loader import load_model_config
+    from engine.models.llama import ShardedLlamaForCausalLM
+    from engine.models.parallel_layers import TPContext
+    from policies.outputs import ScheduledSeq
+    from policies.request import SamplingParams
+    from tests.engine_model_helpers import BlockAllocator, make_seqs, random_prompts
+
+    cfg = load_model_config("tiny-qwen3")
+    custom, _pads = _custom(kernel, nbytes=64 * KiB)  # the pads live until the forward is done
+    model = ShardedLlamaForCausalLM(cfg, attention_ops("reference", torch.device("cpu")),
+                                    tp=TPContext(TPShard.of(cfg, 0, 2), TPGroup(0, 2, None, None, custom)))
+    init_dummy(model, seed=1)
+    local = model.layers[0].self_attn
+    shape = (64, 4, local.num_kv_heads, local.head_dim)
+    model.bind_kv_cache([torch.zeros(shape) for _ in model.layers], [torch.zeros(shape) for _ in model.layers])
+    seqs = make_seqs(random_prompts([11], cfg.vocab_size, seed=2), SamplingParams())
+    alloc = BlockAllocator(4, 64)
+    alloc.ensure(seqs[0], 11)
+    batch = build_model_input([ScheduledSeq(seqs[0], 11, 0)], 4, torch.device("cpu"))
+    with torch.no_grad():
+        return model(batch.input_ids, batch.positions, batch.meta)
+
+
+def test_a_shard_with_the_fused_boundary_computes_the_same_hidden_states(monkeypatch):
+    import kernels.all_reduce as triton_all_reduce
+
+    calls = []
+    for name in ("one_shot_all_reduce", "one_shot_all_reduce_add_rms_norm"):
+        real = getattr(triton_all_reduce, name)
+        monkeypatch.setattr(triton_all_reduce, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    unfused = _shard_hidden("triton")
+    unfused_calls = calls[:]
+    calls.clear()
+    fused = _shard_hidden("triton_fused")
+    fused_calls = calls
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
+    layers = 2  # tiny-qwen3: every o_proj and down_proj sum goes into the next norm
+    assert unfused_calls.count("one_shot_all_reduce") == 1 + 2 * layers  # the embedding's, then each layer's two
+    assert fused_calls.count("one_shot_all_reduce") == 1  # the embedding's only
+    assert fused_calls.count("one_shot_all_reduce_add_rms_norm") == 2 * layers  # the final norm's included
+
+
+def test_a_model_without_tensor_parallelism_keeps_plain_norms():
+    import kernels.reference as ref
+    from engine.device.weights import build_model
+    from engine.model_loader import load_model_config
+    from engine.models.llama import RMSNorm
+
+    model = build_model(load_model_config("tiny-qwen3"), ref, "cpu", torch.float32)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(type(m) is RMSNorm for m in norms)
+    assert all(type(layer.self_attn.o_proj) is torch.nn.Linear for layer in model.layers)
