@@ -1,6 +1,9 @@
 """`python -m experiments.bench_allreduce`: all-reduce latency by message size on 2 (and 4) GPUs, the
-engine's three paths in one run: NCCL, one-shot and two-shot over torch's symmetric memory
-(engine/distributed/custom_all_reduce.py), each eager and replayed from a CUDA graph.
+engine's paths in one run: NCCL, one-shot and two-shot over torch's symmetric memory
+(engine/distributed/custom_all_reduce.py), the same two in Triton over the same buffer
+(kernels/all_reduce.py, `parallel.all_reduce_kernel=triton`), and the Triton all-reduce fused with
+the residual add and RMSNorm (`triton_fused`; rows of --hidden bf16, sizes that hold whole rows),
+each eager and replayed from a CUDA graph.
 
 Each world size runs in its own processes (one per GPU, spawned, bounded by --timeout-s), through
 the engine's own group set-up (`init_group`) and the engine's own calls: NCCL sums a tensor in
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import traceback
 from pathlib import Path
@@ -22,13 +26,17 @@ from pathlib import Path
 import torch
 
 from engine.config import ParallelConfig
-from engine.distributed.custom_all_reduce import NCCL, ONE_SHOT, TWO_SHOT
+from engine.distributed.custom_all_reduce import NCCL, ONE_SHOT, TWO_SHOT, SymmetricAllReduce
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.collectives import all_reduce_call, mean_call_s, run_ranks
 
-PATHS = (NCCL, ONE_SHOT, TWO_SHOT)
+TRITON_ONE_SHOT, TRITON_TWO_SHOT, TRITON_FUSED = "triton-one-shot", "triton-two-shot", "triton-fused"
+PATHS = (NCCL, ONE_SHOT, TWO_SHOT, TRITON_ONE_SHOT, TRITON_TWO_SHOT, TRITON_FUSED)
+CHECKED = PATHS[1:]  # each compared with NCCL's sum (the fused one with NCCL's sum, then add_rms_norm)
+TRITON_PATH = {TRITON_ONE_SHOT: ONE_SHOT, TRITON_TWO_SHOT: TWO_SHOT}
 OUT = REPO_ROOT / "experiments" / "results" / "allreduce"
-COLUMNS = ["world_size", "bytes", "mode", *(f"{p}_us" for p in PATHS), "one-shot_max_err", "two-shot_max_err"]
+COLUMNS = ["world_size", "bytes", "mode", *(f"{p}_us" for p in PATHS), *(f"{p}_max_err" for p in CHECKED)]
+EPS = 1e-6
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
@@ -39,27 +47,73 @@ def _sizes(lo: int, hi: int) -> list[int]:
     return sizes
 
 
-def _time(group, path: str, nbytes: int, iters: int, graph: bool, replays: int) -> float:
+def _fused_inputs(triton, nbytes: int, hidden: int, seed: int) -> tuple[torch.Tensor, ...] | None:
+    """(staged rows, residual, weight) for the fused kernel, or None if `nbytes` is not whole rows."""
+    if nbytes % (2 * hidden):
+        return None
+    rows = nbytes // (2 * hidden)
+    gen = torch.Generator(device="cuda").manual_seed(seed)  # the same on every rank, as the residual stream
+    residual = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda", generator=gen)
+    weight = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    return triton.buffer[:nbytes].view(torch.bfloat16).view(rows, hidden), residual, weight
+
+
+def _time(group, triton, path: str, nbytes: int, a: argparse.Namespace, graph: bool) -> float:
     """Mean microseconds per bf16 all-reduce of `nbytes` on `path`: back to back, or `iters` calls
-    captured in one graph."""
-    call = all_reduce_call(group, path, nbytes // 2, torch.bfloat16, torch.device("cuda", group.rank))
-    return mean_call_s(call, iters, "graph" if graph else "eager", replays) * 1e6
+    captured in one graph (NaN where the path does not take the size)."""
+    iters = max(4, min(a.iters, a.graph_bytes // nbytes))
+    if path in TRITON_PATH or path == TRITON_FUSED:
+        staged = triton.buffer[:nbytes].view(torch.bfloat16)
+        staged.normal_()
+        if path == TRITON_FUSED:
+            fused = _fused_inputs(triton, nbytes, a.hidden, seed=1)
+            if fused is None:
+                return float("nan")
+            call = (lambda: triton.all_reduce_add_rms_norm(*fused, EPS))
+        else:
+            call = (lambda: triton.reduce(TRITON_PATH[path], staged))
+    else:
+        call = all_reduce_call(group, path, nbytes // 2, torch.bfloat16, torch.device("cuda", group.rank))
+    return mean_call_s(call, iters, "graph" if graph else "eager", a.replays) * 1e6
 
 
-def _errors(group, nbytes: int) -> dict[str, float]:
-    """Each symmetric path's largest difference from NCCL's sum of the same rank-seeded inputs."""
+def _errors(group, triton, nbytes: int, hidden: int) -> dict[str, float]:
+    """Each symmetric path's largest difference from NCCL's sum of the same rank-seeded inputs (the
+    fused one's from NCCL's sum then engine/models/ops.py's add_rms_norm; NaN: not whole rows)."""
     import torch.distributed as dist
+
+    from engine.models.ops import add_rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(1234 + group.rank)
     x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda", generator=gen)
     expected = x.clone()
     dist.all_reduce(expected, group=group.device_group)
     out = {}
-    for path in (ONE_SHOT, TWO_SHOT):
-        staged = group.custom.buffer[:nbytes].view(torch.bfloat16)
+    for path in (ONE_SHOT, TWO_SHOT, TRITON_ONE_SHOT, TRITON_TWO_SHOT):
+        custom = triton if path in TRITON_PATH else group.custom
+        staged = custom.buffer[:nbytes].view(torch.bfloat16)
         staged.copy_(x)
-        out[path] = float((group.custom.reduce(path, staged).float() - expected.float()).abs().max())
+        out[path] = float((custom.reduce(TRITON_PATH.get(path, path), staged).float() - expected.float()).abs().max())
+    fused = _fused_inputs(triton, nbytes, hidden, seed=2)
+    out[TRITON_FUSED] = float("nan")
+    if fused is not None:
+        staged, residual, weight = fused
+        staged.copy_(x.view(staged.shape))
+        want = add_rms_norm(expected.view(staged.shape), residual, weight, EPS)[0]
+        got = triton.all_reduce_add_rms_norm(staged, residual, weight, EPS)[0]
+        out[TRITON_FUSED] = float((got.float() - want.float()).abs().max())
     return out
+
+
+def _triton_beside(group) -> SymmetricAllReduce:
+    """The Triton kernels over the group's own symmetric buffer (torch's kernels stay the group's)."""
+    from kernels.all_reduce import PeerBuffers
+
+    custom = group.custom
+    peers = PeerBuffers.of_rendezvous(custom.handle, custom.buffer)
+    peers = dataclasses.replace(peers, max_programs=group.min_int(peers.max_programs))  # the same grids everywhere
+    return SymmetricAllReduce(custom.buffer, custom.group_name, custom.one_shot_max, custom.two_shot_max,
+                              custom.handle, peers=peers, fused=True)
 
 
 def _rank_main(rank: int, size: int, port: int, a: argparse.Namespace, results) -> None:
@@ -73,20 +127,20 @@ def _rank_main(rank: int, size: int, port: int, a: argparse.Namespace, results) 
         group = init_group(join_store(port, size, a.timeout_s), rank, size, device, a.timeout_s, parallel)
         if group.custom is None:
             raise RuntimeError("the symmetric-memory all-reduce is off (rank 0's log says why): nothing to compare")
+        triton = _triton_beside(group)
         rows = []
         for nbytes in _sizes(a.min_bytes, a.max_bytes):
-            iters = max(4, min(a.iters, a.graph_bytes // nbytes))
-            errors = _errors(group, nbytes)
+            errors = _errors(group, triton, nbytes, a.hidden)
             for mode in ("eager", "graph"):
                 row = {"world_size": size, "bytes": nbytes, "mode": mode,
-                       "one-shot_max_err": errors[ONE_SHOT], "two-shot_max_err": errors[TWO_SHOT]}
+                       **{f"{p}_max_err": errors[p] for p in CHECKED}}
                 for path in PATHS:
-                    row[f"{path}_us"] = _time(group, path, nbytes, iters, mode == "graph", a.replays)
+                    row[f"{path}_us"] = _time(group, triton, path, nbytes, a, mode == "graph")
                 rows.append(row)
         torch.cuda.synchronize()
         if rank == 0:
             results.put(("ok", rows))
-        group.custom = None
+        group.custom = triton = None
         end_group(4.0, 2.0)
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which prints it)
         results.put(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"))
@@ -122,17 +176,24 @@ def report(size: int, rows: list[dict], out: Path) -> None:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    print(f"\n{size} GPUs ({torch.cuda.get_device_name(0)}), microseconds per all-reduce of bf16; "
-          "err: largest |symmetric - NCCL|")
-    print(f"{'bytes':>10} {'mode':>6} {'nccl':>9} {'one-shot':>9} {'two-shot':>9} {'best':>9} {'err 1/2':>14}")
+    print(f"\n{size} GPUs ({torch.cuda.get_device_name(0)}), microseconds per all-reduce of bf16 (torch: torch's "
+          "symmetric-memory kernels; tri: Triton's; fused: Triton all-reduce + residual add + RMSNorm); "
+          "err: largest |path - NCCL| (the fused one's after the norm), in the paths' order")
+    heads = ("nccl", "torch-1", "torch-2", "tri-1", "tri-2", "fused")
+    print(f"{'bytes':>10} {'mode':>6} " + " ".join(f"{h:>8}" for h in heads) + f" {'best sum':>16}  err")
     for r in rows:
         times = {p: r[f"{p}_us"] for p in PATHS}
-        best = min(times, key=times.get)
-        print(f"{r['bytes']:>10,} {r['mode']:>6} {times[NCCL]:>9.1f} {times[ONE_SHOT]:>9.1f} {times[TWO_SHOT]:>9.1f} "
-              f"{best:>9} {r['one-shot_max_err']:>6.3g}/{r['two-shot_max_err']:<6.3g}")
-    one_shot_max, symmetric_max = thresholds(rows)
-    print(f"graph timings support: parallel.custom_all_reduce_one_shot_max_bytes={one_shot_max} "
-          f"parallel.custom_all_reduce_max_bytes={symmetric_max}  (wrote {path})")
+        best = min(PATHS[:-1], key=times.get)  # the plain sums (the fused kernel also norms)
+        errs = "/".join(f"{r[f'{p}_max_err']:.2g}" for p in CHECKED)
+        print(f"{r['bytes']:>10,} {r['mode']:>6} " + " ".join(f"{times[p]:>8.1f}" for p in PATHS) +
+              f" {best:>16}  {errs}")
+    for kernel, (one, two) in (("torch", (ONE_SHOT, TWO_SHOT)), ("triton", (TRITON_ONE_SHOT, TRITON_TWO_SHOT))):
+        as_torch = [{**r, "one-shot_us": r[f"{one}_us"], "two-shot_us": r[f"{two}_us"]} for r in rows]
+        one_shot_max, symmetric_max = thresholds(as_torch)
+        print(f"graph timings support, parallel.all_reduce_kernel={kernel}: "
+              f"parallel.custom_all_reduce_one_shot_max_bytes={one_shot_max} "
+              f"parallel.custom_all_reduce_max_bytes={symmetric_max}")
+    print(f"(wrote {path})")
 
 
 def main() -> None:
@@ -143,6 +204,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50, help="all-reduces per timing (per graph when captured)")
     ap.add_argument("--graph-bytes", type=int, default=2**30, help="fewer calls per graph above this many bytes")
     ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=4096, help="row width of the fused kernel's messages (bf16)")
     ap.add_argument("--timeout-s", type=float, default=240.0, help="deadline of each world size's run")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args()

@@ -105,10 +105,16 @@ def _barrier(pads, pid, RANK: tl.constexpr, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _sum_ranks(bufs, offs, mask, dtype: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-    acc = tl.zeros([BLOCK], tl.float32)
-    for r in tl.static_range(WORLD):
-        acc += tl.load(bufs[r].to(tl.pointer_type(dtype)) + offs, mask=mask).to(tl.float32)
+def _rank_ptr(address, dtype: tl.constexpr):
+    """A rank's buffer address as a pointer the compiler knows is 16-byte aligned (16-byte loads)."""
+    return tl.multiple_of(address.to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def _sum_ranks(bufs, offs, mask, dtype: tl.constexpr, WORLD: tl.constexpr):
+    acc = tl.load(_rank_ptr(bufs[0], dtype) + offs, mask=mask).to(tl.float32)
+    for r in tl.static_range(1, WORLD):
+        acc += tl.load(_rank_ptr(bufs[r], dtype) + offs, mask=mask).to(tl.float32)
     return acc
 
 
@@ -122,7 +128,7 @@ def _one_shot_kernel(bufs, pads, out_ptr, numel, RANK: tl.constexpr, WORLD: tl.c
     for start in range(pid * BLOCK, numel, tl.num_programs(0) * BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         mask = offs < numel
-        tl.store(out_ptr + offs, _sum_ranks(bufs, offs, mask, dtype, WORLD, BLOCK).to(dtype), mask=mask)
+        tl.store(out_ptr + offs, _sum_ranks(bufs, offs, mask, dtype, WORLD).to(dtype), mask=mask)
     if BARRIER:
         tl.debug_barrier()  # every thread's reads are done before the signal
         _barrier(pads, pid, RANK, WORLD)
@@ -139,12 +145,12 @@ def _two_shot_kernel(bufs, pads, out_ptr, numel, part, RANK: tl.constexpr, WORLD
     dtype = out_ptr.dtype.element_ty
     if BARRIER:
         _barrier(pads, pid, RANK, WORLD)
-    own = bufs[RANK].to(tl.pointer_type(dtype))
+    own = _rank_ptr(bufs[RANK], dtype)
     lo, hi = RANK * part, tl.minimum((RANK + 1) * part, numel)
     for start in range(pid * BLOCK, part, step):
         offs = tl.max_contiguous(lo + start + tl.arange(0, BLOCK), BLOCK)
         mask = offs < hi
-        total = _sum_ranks(bufs, offs, mask, dtype, WORLD, BLOCK).to(dtype)
+        total = _sum_ranks(bufs, offs, mask, dtype, WORLD).to(dtype)
         tl.store(own + offs, total, mask=mask)  # only this rank reads its own slice before the barrier
         tl.store(out_ptr + offs, total, mask=mask)
     if BARRIER:
@@ -152,7 +158,7 @@ def _two_shot_kernel(bufs, pads, out_ptr, numel, part, RANK: tl.constexpr, WORLD
         _barrier(pads, pid, RANK, WORLD)
     for q in tl.static_range(WORLD):
         if q != RANK:
-            peer = bufs[q].to(tl.pointer_type(dtype))
+            peer = _rank_ptr(bufs[q], dtype)
             for start in range(pid * BLOCK, part, step):
                 offs = tl.max_contiguous(q * part + start + tl.arange(0, BLOCK), BLOCK)
                 mask = offs < tl.minimum((q + 1) * part, numel)
@@ -164,23 +170,26 @@ def _two_shot_kernel(bufs, pads, out_ptr, numel, part, RANK: tl.constexpr, WORLD
 
 @triton.jit
 def _one_shot_add_rms_norm_kernel(bufs, pads, res_ptr, w_ptr, res_out_ptr, out_ptr, rows, eps,
-                                  HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr,
-                                  WORLD: tl.constexpr, BARRIER: tl.constexpr):
+                                  HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+                                  RANK: tl.constexpr, WORLD: tl.constexpr, BARRIER: tl.constexpr):
+    """ROWS rows per program and loop iteration (all their loads in flight at once)."""
     pid = tl.program_id(0)
     if BARRIER:
         _barrier(pads, pid, RANK, WORLD)
     dtype = res_out_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_H)[None, :]
     cmask = cols < HIDDEN
     w = tl.load(w_ptr + cols, mask=cmask).to(tl.float32)
-    for row in range(pid, rows, tl.num_programs(0)):
+    for first in range(pid * ROWS, rows, tl.num_programs(0) * ROWS):
+        row = first + tl.arange(0, ROWS)[:, None]
+        mask = (row < rows) & cmask
         offs = row * HIDDEN + cols
-        total = _sum_ranks(bufs, offs, cmask, dtype, WORLD, BLOCK_H).to(dtype)  # the all-reduce's result
-        h = (total.to(tl.float32) + tl.load(res_ptr + offs, mask=cmask).to(tl.float32)).to(dtype)
-        tl.store(res_out_ptr + offs, h, mask=cmask)
+        total = _sum_ranks(bufs, offs, mask, dtype, WORLD).to(dtype)  # the all-reduce's result
+        h = (total.to(tl.float32) + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + offs, h, mask=mask)
         x = h.to(tl.float32)
-        x = (x * tl.rsqrt(tl.sum(x * x, 0) / HIDDEN + eps)).to(dtype)
-        tl.store(out_ptr + offs, (w * x.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=cmask)
+        x = (x * tl.rsqrt(tl.sum(x * x, 1)[:, None] / HIDDEN + eps)).to(dtype)
+        tl.store(out_ptr + offs, (w * x.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
     if BARRIER:
         tl.debug_barrier()
         _barrier(pads, pid, RANK, WORLD)
@@ -233,8 +242,10 @@ def one_shot_all_reduce_add_rms_norm(peers: PeerBuffers, staged: torch.Tensor, r
     residual_out = torch.empty_like(staged)
     out = torch.empty(staged.shape, dtype=torch.promote_types(weight.dtype, staged.dtype), device=staged.device)
     block_h = triton.next_power_of_2(hidden)
-    warps = max(1, min(16, block_h // (32 * max(1, 16 // staged.element_size()) * 2)))
-    _one_shot_add_rms_norm_kernel[(min(peers.max_programs, rows),)](
+    per_program = min(4, triton.next_power_of_2(triton.cdiv(rows, peers.max_programs)))  # rows in flight
+    warps = max(1, min(16, per_program * block_h // (32 * max(1, 16 // staged.element_size()) * 2)))
+    _one_shot_add_rms_norm_kernel[(min(peers.max_programs, triton.cdiv(rows, per_program)),)](
         peers.views(staged), peers.signal_pads, residual, weight, residual_out, out, rows, eps, HIDDEN=hidden,
-        BLOCK_H=block_h, RANK=peers.rank, WORLD=peers.world_size, BARRIER=peers.barrier, num_warps=warps)
+        BLOCK_H=block_h, ROWS=per_program, RANK=peers.rank, WORLD=peers.world_size, BARRIER=peers.barrier,
+        num_warps=warps)
     return out, residual_out
