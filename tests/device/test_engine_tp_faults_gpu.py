@@ -117,11 +117,11 @@ if __name__ == "__main__":
 """
 
 
-def _run(script: str, *argv: str, timeout_s: float = 150) -> tuple[dict, float, int]:
+def _run(script: str, *argv: str, timeout_s: float = 150, args: dict | None = None) -> tuple[dict, float, int]:
     """One case in its own process; a timeout's failure carries the script's stderr, whose last
     `phase:` line says how far it got."""
     try:
-        res = subprocess.run([sys.executable, "-c", script.format(args=ARGS), *argv], cwd=ROOT, capture_output=True,
+        res = subprocess.run([sys.executable, "-c", script.format(args=args or ARGS), *argv], cwd=ROOT, capture_output=True,
                              text=True, timeout=timeout_s, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the script did not end within {timeout_s} s (a wait without a bound?): "
@@ -134,9 +134,12 @@ def _run(script: str, *argv: str, timeout_s: float = 150) -> tuple[dict, float, 
     return result, exited, res.returncode
 
 
-@pytest.mark.parametrize(("how", "ending"), [("killed", "interpreter-exit"), ("stopped", "os._exit")])
-def test_a_failed_worker_ends_rank0s_step_in_bounded_time(how, ending):
-    result, exited, returncode = _run(OFFLINE, how, ending)
+@pytest.mark.parametrize(("how", "ending", "kernel"), [
+    ("killed", "interpreter-exit", "torch"), ("stopped", "os._exit", "torch"),
+    ("stopped", "os._exit", "triton_fused"),  # the Triton kernels spin alike (kernels/all_reduce.py)
+])
+def test_a_failed_worker_ends_rank0s_step_in_bounded_time(how, ending, kernel):
+    result, exited, returncode = _run(OFFLINE, how, ending, args={**ARGS, "all_reduce_kernel": kernel})
     error = result["error"]
     assert error is not None, "generation finished before the fault"
     pid = result["worker_pid"]

@@ -34,9 +34,13 @@ def test_the_default_stays_torch_and_each_kernel_reaches_the_engine():
     assert ParallelConfig().all_reduce_kernel == EngineArgs().all_reduce_kernel == "torch"
     config = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu"]
     assert engine_args(compose_cfg(config)).parallel_config().all_reduce_kernel == "torch"
+    from engine.serve import engine_args_from, parse_args
+
     for kernel in ALL_REDUCE_KERNELS:
         args = engine_args(compose_cfg([*config, f"parallel.all_reduce_kernel={kernel}"]))
         assert args.parallel_config().all_reduce_kernel == kernel
+        server = engine_args_from(parse_args(["--model", "tiny-qwen3", f"all_reduce_kernel={kernel}"]))
+        assert server.parallel_config().all_reduce_kernel == kernel
 
 
 def _custom(kernel: str, nbytes: int = 16 * KiB) -> tuple[SymmetricAllReduce, torch.Tensor]:
