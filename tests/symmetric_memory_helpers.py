@@ -1,6 +1,11 @@
-"""Shared by the CPU tests of the symmetric-memory all-reduce (engine/distributed/custom_all_reduce.py)
-and of what times it (experiments/lib/profiling/collectives.py): a stand-in for torch's `symm_mem` ops."""
+"""Shared by the tests of the symmetric-memory all-reduce (engine/distributed/custom_all_reduce.py,
+kernels/all_reduce.py) and of what times it (experiments/lib/profiling/collectives.py): a stand-in
+for torch's `symm_mem` ops, a mirrored peer table for the Triton kernels, counted CUDA events for
+the pacing, and the bounded two-process run of the GPU tests."""
 from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
 
 from engine.distributed.custom_all_reduce import ONE_SHOT, TWO_SHOT
 
@@ -33,3 +38,56 @@ def mirrored_peers(buffer, world: int = 2, programs: int = 3):
     peers = PeerBuffers((buffer.data_ptr(),) * world, (pads.data_ptr(),) * world, 0, buffer.numel(), programs,
                         barrier=False)
     return peers, pads  # keep the pads alive as long as the peers
+
+
+def counting_events(monkeypatch, capturing: bool = False) -> type:
+    """torch.cuda.Event as numbered stand-ins (`n`: 1, 2, ... in order made; `made`: how many), and
+    whether a graph capture is under way."""
+    import torch
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.n = Event.made
+
+        def record(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    return Event
+
+
+def two_rank_reports(target: Callable, deadline_s: float) -> dict[int, list[str]]:
+    """Spawn `target(rank, port, results)` on ranks 0 and 1 (meeting at a store opened here); each
+    puts `(rank, problems, *what_it_reached)`. Returns every rank's problems; fails the test naming
+    the ranks that sent nothing within `deadline_s` (a hung barrier or collective). Every process
+    is joined or killed before it returns."""
+    import pytest
+
+    from engine.distributed.parallel_state import open_store
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    store = open_store(2, deadline_s)
+    procs = [ctx.Process(target=target, args=(r, store.port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    reports: dict[int, list[str]] = {}
+    try:
+        for _ in range(2):
+            try:
+                rank, problems, *reached = results.get(timeout=deadline_s)
+            except Exception:  # noqa: BLE001 (queue.Empty)
+                pytest.fail(f"no report within {deadline_s:.0f}s from ranks {sorted({0, 1} - set(reports))} "
+                            f"(exit codes {[p.exitcode for p in procs]}): a hung barrier or collective")
+            reports[rank] = problems
+            print(f"\n[two ranks] rank {rank}: {len(problems)} problems" + (f", last step: {reached}" if reached else ""))
+    finally:
+        for p in procs:
+            p.join(15.0)
+            if p.is_alive():
+                p.kill()
+    return reports

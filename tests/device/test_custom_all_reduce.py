@@ -24,7 +24,7 @@ from engine.distributed.custom_all_reduce import (
 from engine.distributed.parallel_state import TPGroup, init_group, open_store
 from engine.engine_args import EngineArgs
 from engine.models.parallel_layers import RowParallelLinear
-from tests.symmetric_memory_helpers import FakeSymmOps
+from tests.symmetric_memory_helpers import FakeSymmOps, counting_events
 
 KiB, MiB = 2**10, 2**20
 GPU1 = torch.device("cuda", 1)  # a device object only: nothing here touches a GPU
@@ -279,18 +279,7 @@ def test_rank0_paces_eager_launches_behind_the_kernels_before(capturing, monkeyp
     spins for good never fills the launch queue; a capture records no event and waits for none."""
     from engine.distributed import custom_all_reduce
 
-    class Event:
-        made = 0
-
-        def __init__(self):
-            Event.made += 1
-            self.n = Event.made
-
-        def record(self):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    event = counting_events(monkeypatch, capturing)
     custom = _custom()
     waited = []
     custom.pace = lambda event: waited.append(event.n)
@@ -299,4 +288,4 @@ def test_rank0_paces_eager_launches_behind_the_kernels_before(capturing, monkeyp
     lag = custom_all_reduce.PACE_LAG
     assert len(custom.ops.calls) == 5
     assert waited == ([] if capturing else list(range(1, 5 - lag + 1)))
-    assert Event.made == (0 if capturing else 5)
+    assert event.made == (0 if capturing else 5)

@@ -4,7 +4,6 @@ NCCL above the bound), eager and replayed from a CUDA graph; the GEMM that write
 sums like the one that does not. The engine with it on and off: tests/device/test_engine_tp_gpu.py."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 import traceback
 
@@ -13,6 +12,7 @@ import torch
 
 from engine.config import ParallelConfig
 from engine.distributed.custom_all_reduce import NCCL, ONE_SHOT, TWO_SHOT
+from tests.symmetric_memory_helpers import two_rank_reports
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -89,22 +89,4 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def test_symmetric_all_reduce_equals_nccl_eager_and_in_graphs():
-    from engine.distributed.parallel_state import open_store
-
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    store = open_store(2, DEADLINE_S)
-    procs = [ctx.Process(target=_rank, args=(r, store.port, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    reports = {}
-    try:
-        for _ in range(2):
-            rank, problems = results.get(timeout=DEADLINE_S)
-            reports[rank] = problems
-    finally:
-        for p in procs:
-            p.join(15.0)
-            if p.is_alive():
-                p.kill()
-    assert reports == {0: [], 1: []}
+    assert two_rank_reports(_rank, DEADLINE_S) == {0: [], 1: []}

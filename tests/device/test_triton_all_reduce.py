@@ -14,7 +14,7 @@ from engine.distributed.custom_all_reduce import SymmetricAllReduce
 from engine.distributed.parallel_state import TPGroup
 from engine.engine_args import EngineArgs
 from engine.models.ops import add_rms_norm
-from tests.symmetric_memory_helpers import FakeSymmOps, mirrored_peers
+from tests.symmetric_memory_helpers import FakeSymmOps, counting_events, mirrored_peers
 
 KiB = 2**10
 
@@ -68,18 +68,7 @@ def test_triton_launches_are_paced_as_torchs(kernel, monkeypatch):
     """Rank 0's bound on eager launches holds for the Triton kernels, fused one included."""
     from engine.distributed.custom_all_reduce import PACE_LAG
 
-    class Event:
-        made = 0
-
-        def __init__(self):
-            Event.made += 1
-            self.n = Event.made
-
-        def record(self):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    counting_events(monkeypatch)
     custom, _pads = _custom(kernel)
     waited = []
     custom.pace = lambda event: waited.append(event.n)

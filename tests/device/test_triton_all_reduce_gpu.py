@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import torch
 
 from engine.config import ParallelConfig
 from engine.distributed.custom_all_reduce import ONE_SHOT, TWO_SHOT
+from tests.symmetric_memory_helpers import two_rank_reports
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 MiB = 2**20
@@ -157,30 +157,7 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def test_triton_kernels_equal_nccl_eager_and_replayed():
-    from engine.distributed.parallel_state import open_store
-
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    store = open_store(2, DEADLINE_S)
-    procs = [ctx.Process(target=_rank, args=(r, store.port, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    reports: dict[int, list[str]] = {}
-    try:
-        for _ in range(2):
-            try:
-                rank, problems, last = results.get(timeout=DEADLINE_S)
-            except Exception:  # noqa: BLE001 (queue.Empty: a rank hung, in a barrier most likely)
-                pytest.fail(f"no report within {DEADLINE_S:.0f}s from ranks {sorted({0, 1} - set(reports))} "
-                            f"(exit codes {[p.exitcode for p in procs]}): a hung barrier or collective")
-            reports[rank] = problems
-            print(f"\n[triton all-reduce] rank {rank}: {len(problems)} problems, last step reached: {last}")
-    finally:
-        for p in procs:
-            p.join(15.0)
-            if p.is_alive():
-                p.kill()
-    assert reports == {0: [], 1: []}
+    assert two_rank_reports(_rank, DEADLINE_S) == {0: [], 1: []}
 
 
 ENGINE_ARGS = {"model": "qwen3-0.6b", "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 1024,
@@ -189,24 +166,15 @@ ENGINE_SCRIPT = """
 import json, sys
 from engine.engine_args import EngineArgs
 from engine.offline.llm_engine import LLMEngine
-from policies.request import SamplingParams
+from tests.device.test_engine_tp_gpu import _generate
 
 if __name__ == "__main__":
-    args = json.loads(sys.argv[1])
-    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    prompts = [list(range(1, 1 + n)) for n in (5, 40, 130, 300, 17, 64)]
-    with LLMEngine(EngineArgs(**args)) as engine:
+    with LLMEngine(EngineArgs(**json.loads(sys.argv[1]))) as engine:
         custom = engine.runner.tp.custom
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, greedy)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+        tokens = _generate(engine)  # that test's greedy prompts
         kernel = "nccl" if custom is None else ("torch" if custom.peers is None else
                                                  ("triton_fused" if custom.fused else "triton"))
-        print("RESULT " + json.dumps({"kernel": kernel, "tokens": [done[f"r{i}"] for i in range(len(prompts))]}))
+        print("RESULT " + json.dumps({"kernel": kernel, "tokens": tokens}))
 """
 
 
