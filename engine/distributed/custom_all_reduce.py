@@ -86,7 +86,8 @@ REQUIRED_OPS = ("one_shot_all_reduce_out", "two_shot_all_reduce_out")
 @dataclass(slots=True, frozen=True)
 class AllReducePath:
     """Which all-reduce an engine's group took at start-up, as rank 0 logs it: the symmetric-memory
-    thresholds (`off_reason` None), or why NCCL (gloo on CPUs) carries every message. Runs record
+    thresholds (`off_reason` None) and whose kernels sum (`kernel`, recorded unless torch's), or why
+    NCCL (gloo on CPUs) carries every message. Runs record
     it (`record`: summary.json's `run.all_reduce`), so that a later simulator run can price the
     path the engine ran rather than the one its current defaults would take."""
 
@@ -99,8 +100,9 @@ class AllReducePath:
     def record(self) -> dict[str, Any]:
         if self.off_reason is not None:
             return {"path": NCCL, "world_size": self.world_size, "reason": self.off_reason}
-        return {"path": "symmetric", "world_size": self.world_size, "one_shot_max_bytes": self.one_shot_max_bytes,
-                "two_shot_max_bytes": self.two_shot_max_bytes}
+        record = {"path": "symmetric", "world_size": self.world_size, "one_shot_max_bytes": self.one_shot_max_bytes,
+                  "two_shot_max_bytes": self.two_shot_max_bytes}
+        return record if self.kernel == "torch" else {**record, "kernel": self.kernel}
 
     def describe(self) -> str:
         if self.off_reason is not None:

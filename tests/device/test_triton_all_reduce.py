@@ -162,3 +162,11 @@ def test_a_model_without_tensor_parallelism_keeps_plain_norms():
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(type(m) is RMSNorm for m in norms)
     assert all(type(layer.self_attn.o_proj) is torch.nn.Linear for layer in model.layers)
+
+
+def test_a_run_records_whose_kernels_summed_unless_torchs():
+    from engine.distributed.custom_all_reduce import AllReducePath
+
+    assert "kernel" not in AllReducePath(2, 1024, 4096).record()  # the records of earlier runs, unchanged
+    assert AllReducePath(2, 1024, 4096, kernel="triton_fused").record()["kernel"] == "triton_fused"
+    assert "triton kernels" in AllReducePath(2, 1024, 4096, kernel="triton").describe()
