@@ -38,7 +38,7 @@ from kernels.common import num_sms
 
 # Bytes each program moves per rank and loop iteration at most (16-byte vectors, a few per thread).
 BLOCK_BYTES = 16 * 2**10
-# The widest row the fused kernel holds in one program (elements), and its programs' warps.
+# The widest row the fused kernel holds in one program (elements).
 NORM_MAX_HIDDEN = 16384
 
 
@@ -62,6 +62,8 @@ class PeerBuffers:
                              f"{self.rank} are inconsistent (one of each per rank)")
         if self.max_programs < 1:
             raise ValueError(f"PeerBuffers.max_programs={self.max_programs} is invalid: at least 1")
+        if any(b % 16 for b in self.buffers):  # the kernels load 16 bytes at a time
+            raise ValueError(f"PeerBuffers.buffers={[hex(b) for b in self.buffers]}: each must be 16-byte aligned")
 
     @classmethod
     def of_rendezvous(cls, handle, buffer: torch.Tensor) -> PeerBuffers:

@@ -131,4 +131,6 @@ def test_a_tensor_outside_the_buffer_is_refused():
     with pytest.raises(ValueError, match="byte offset"):
         one_shot_all_reduce(group.peers(0), parts[0], torch.empty(16))
     with pytest.raises(ValueError, match="inconsistent"):
-        PeerBuffers((1, 2), (3,), 0, 64, 4)
+        PeerBuffers((16, 32), (3,), 0, 64, 4)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        PeerBuffers((16, 40), (3, 4), 0, 64, 4)
