@@ -46,6 +46,7 @@ MAPPED = {
                                              lambda a: a.custom_all_reduce_one_shot_max_bytes == 4096),
     "custom_all_reduce_max_bytes": ("parallel.custom_all_reduce_max_bytes=65536",
                                     lambda a: a.custom_all_reduce_max_bytes == 65536),
+    "all_reduce_kernel": ("parallel.all_reduce_kernel=triton_fused", lambda a: a.all_reduce_kernel == "triton_fused"),
 }
 # Fields a run config does not set, and why.
 NOT_FROM_CONFIG = {
