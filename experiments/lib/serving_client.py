@@ -99,7 +99,12 @@ async def _one(session: Any, base: str, body: dict[str, Any], t0: float, timing:
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
-                    break
+                    timing.finish = perf() - t0
+                    # The rest of the response (its chunked body's end) read, as OpenAI's client
+                    # reads it: a response left unread closes its connection, and the next request
+                    # would pay for a new one on its way to its first token.
+                    await resp.content.read()
+                    return
                 now = perf() - t0
                 data = json.loads(payload)
                 if "error" in data:
@@ -119,7 +124,8 @@ async def _one(session: Any, base: str, body: dict[str, Any], t0: float, timing:
     except (TimeoutError, OSError, aiohttp.ClientError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
     finally:
-        timing.finish = perf() - t0
+        if timing.finish is None:
+            timing.finish = perf() - t0
 
 
 async def drive(workload: Workload, cfg: ClientConfig, on_done: Callable[[int], None] = lambda n: None
