@@ -46,3 +46,23 @@ def test_the_prompt_crosses_once():
     first, second = packer.pack(out("a", [5])), packer.pack(out("a", [6]))
     assert first[3] == [1, 2, 3, 1] and first[2] == "prompt of a"
     assert second == ("a", [6], "")
+
+
+def test_a_core_step_crosses_as_builtins_and_comes_back_equal():
+    """The step's message names one rebuilding function, none of its dataclasses (pickle's way with
+    frozen dataclasses costs a class lookup and a Python-level __setstate__ each, every step)."""
+    from engine.online.engine_core import CoreStep
+    from engine.online.engine_stats import EngineStats
+    from policies.routing.replica_report import ReplicaReport
+
+    packer = OutputPacker()
+    step = CoreStep({"x": ValueError("max_tokens=0 is invalid")}, 2, [packer.pack(out("a", [5]))],
+                    [RequestStats("c", "length", 4, 1, 0.1, [0.01], 0.2, None, 3.5)],
+                    EngineStats(1, 2, 0, 0.25, 0, 40, 7, 3, 9), ReplicaReport(2, 1, 0, 10, 40, 150, 16, (5,), ()))
+    wire = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+    for name in (b"CoreStep", b"RequestStats", b"EngineStats", b"ReplicaReport"):
+        assert name not in wire
+    back = pickle.loads(wire)
+    assert type(back) is CoreStep and back.finished == step.finished and back.stats == step.stats
+    assert back.report == step.report and back.outputs == step.outputs and back.num_taken == 2
+    assert type(back.errors["x"]) is ValueError and str(back.errors["x"]) == "max_tokens=0 is invalid"
