@@ -19,6 +19,10 @@ from typing import Any
 
 _HEADER = struct.Struct("<Q")
 _READ_SIZE = 1 << 20
+# What the event loop's side asks of its pipe per read: a Linux pipe's capacity, so no read can
+# return more. `os.read(fd, n)` allocates n bytes before it reads: 1 MiB there cost ~12 us a
+# message, against ~0.5 us for this.
+_LOOP_READ_SIZE = 1 << 16
 
 
 def frame(message: Any) -> bytes:
@@ -131,7 +135,7 @@ class LoopChannel:
     def _readable(self) -> None:
         while True:
             try:
-                chunk = os.read(self.recv_fd, _READ_SIZE)
+                chunk = os.read(self.recv_fd, _LOOP_READ_SIZE)
             except BlockingIOError:
                 break
             except OSError:
@@ -143,7 +147,7 @@ class LoopChannel:
                 self._on_closed()
                 return
             self._in += chunk
-            if len(chunk) < _READ_SIZE:
+            if len(chunk) < _LOOP_READ_SIZE:
                 break
         self._deliver()
 

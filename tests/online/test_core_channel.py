@@ -116,3 +116,31 @@ def test_a_process_engine_serves_with_no_front_end_thread():
     outs, started = asyncio.run(main())
     assert all(len(o[-1].outputs[0].token_ids) == 4 for o in outs)
     assert started == []
+
+
+def test_the_loop_side_asks_no_more_than_a_pipe_holds(monkeypatch):
+    """Each read allocates what it asks for before it reads: the loop's side asks for at most a
+    pipe's capacity (64 KiB), and a larger message still arrives whole."""
+    import engine.online.core_channel as core_channel
+
+    asked = []
+    read = os.read
+    monkeypatch.setattr(core_channel.os, "read", lambda fd, n: asked.append(n) or read(fd, n))
+    to_core_r, to_core_w, from_core_r, from_core_w = _pipes()
+    big = bytes(range(256)) * 1024  # 256 KiB: several pipefuls
+
+    async def main():
+        got, done = [], asyncio.Event()
+        channel = LoopChannel(to_core_w, from_core_r)
+        channel.attach(asyncio.get_running_loop(), lambda m: (got.append(m), done.set()), lambda: None)
+        writer = threading.Thread(target=write_message, args=(from_core_w, ("big", big)))
+        writer.start()
+        await asyncio.wait_for(done.wait(), 10)
+        writer.join()
+        channel.detach(close=True)
+        return got
+
+    assert asyncio.run(main()) == [("big", big)]
+    assert asked and max(asked) <= 1 << 16
+    for fd in (to_core_r, to_core_w, from_core_r, from_core_w):
+        os.close(fd)
