@@ -126,7 +126,8 @@ async def measure(prompt_len: int, tokens: int, requests: int, warmup: int = 200
 
 def wire(streams: int, steps: int = 300) -> dict[str, list[float]]:
     """Per step, with `streams` requests running: the core packing their outputs and framing the
-    message (`core`), and the front end unpickling it and rebuilding the outputs (`front`). A tree
+    step's message (`core`: with a request that ended, the counters and the report, where the tree
+    sends a `CoreStep`), and the front end unpickling it and rebuilding the outputs (`front`). A tree
     from before engine/online/output_wire.py is measured as its core and client did it: every
     output in full."""
     import pickle
@@ -139,11 +140,18 @@ def wire(streams: int, steps: int = 300) -> dict[str, list[float]]:
                               False, RequestMetrics(1.0, 1.5, 2.0, None, 0), 0, None) for i in range(streams)]
 
     try:
+        from engine.online.engine_core import CoreStep
+        from engine.online.engine_stats import EngineStats, RequestStats
         from engine.online.output_wire import OutputPacker, OutputReader
+        from policies.routing.replica_report import ReplicaReport
 
         packer, reader = OutputPacker(), OutputReader()
-        pack_all = lambda outs: [packer.pack(o) for o in outs]
-        read = lambda packed: list(reader.read(packed, []))
+        # The whole step's message: the outputs, a request that ended, the engine's counters and
+        # the scheduler's report.
+        ended = RequestStats("cmpl-ended", "length", 560, 600, 0.01, [0.002] * 4, 1.2, None, 1.0)
+        stats, report = EngineStats(streams, 0, 0, 0.4, 0, 10**6, 10**5, 100, 1000), ReplicaReport(0, streams, 0, 900, 4096, 10**5, 16)
+        pack_all = lambda outs: CoreStep({}, 0, [packer.pack(o) for o in outs], [ended], stats, report)
+        read = lambda step: list(reader.read(step.outputs, step.finished))
     except ImportError:
         from engine.online.engine_core import pack, step_outputs
 
