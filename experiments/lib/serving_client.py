@@ -5,8 +5,10 @@ Each request goes out at its arrival time (bounded: at most `max_concurrency` in
 token-id prompt, `max_tokens` = its output length, `ignore_eos`, its temperature and priority, and
 `stream_options.include_usage`. Times are `time.perf_counter()` relative to the run's start: arrival
 = when the request was sent, first token = the first chunk that carries a choice, token times = one
-per such chunk (so ITL = gaps between chunks, as vLLM's benchmark defines it), finish = the end of
-the stream; output length = the usage block's completion_tokens (the number of chunks without one).
+per such chunk (so ITL = gaps between chunks, as vLLM's benchmark defines it), finish = `data:
+[DONE]` (or the end of the stream without it); output length = the usage block's completion_tokens
+(the number of chunks without one). Each response is read to its end, after [DONE] too, as OpenAI's
+client reads it, so its keep-alive connection serves the next request.
 Rows are `policies.trace.REQUEST_COLUMNS` rows (the scheduler-only columns, first scheduled time
 and preemptions, stay empty), so `experiments.lib.metrics.summarize` computes every metric.
 Only loopback servers are driven.
