@@ -30,6 +30,7 @@ from experiments.lib.workloads import Workload
 from policies.trace import request_row
 
 LOOPBACK_NAMES = ("localhost",)
+DRAIN_S = 5.0  # the longest a response's end is awaited after `data: [DONE]`
 
 
 @dataclass(slots=True)
@@ -105,7 +106,10 @@ async def _one(session: Any, base: str, body: dict[str, Any], t0: float, timing:
                     # The rest of the response (its chunked body's end) read, as OpenAI's client
                     # reads it: a response left unread closes its connection, and the next request
                     # would pay for a new one on its way to its first token.
-                    await resp.content.read()
+                    try:
+                        await asyncio.wait_for(resp.content.read(), DRAIN_S)
+                    except TimeoutError:  # a server that holds the body open: its connection is dropped
+                        pass
                     return
                 now = perf() - t0
                 data = json.loads(payload)
