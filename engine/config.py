@@ -23,17 +23,10 @@ HF_MODEL_TYPES = frozenset(HF_ARCHITECTURES.values())
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The GEMM of the small-N linear layers (engine/models/small_gemm.py): cuBLAS, or the split-K kernel.
-SMALL_GEMMS = ("torch", "splitk")
 
 
 def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{field}={value!r} is not supported: {allowed}")
-
-
-def check_small_gemm(small_gemm: str) -> None:
-    if small_gemm not in SMALL_GEMMS:
-        raise ValueError(f"small_gemm={small_gemm!r} is invalid: choose one of {SMALL_GEMMS}")
 
 
 def reject_unknown_fields(cls: type, d: dict[str, Any], what: str) -> None:
@@ -255,7 +248,6 @@ class RunnerConfig:
     attention_backend: str = "auto"
     compile_model: bool | None = None
     decode_kernel: str = "auto"
-    small_gemm: str = "torch"
 
     def runner_kwargs(self) -> dict[str, Any]:
         """The fields but the model and cache configs, as `ModelRunner`'s keyword arguments."""

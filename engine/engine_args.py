@@ -13,7 +13,6 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     RunnerConfig,
-    check_small_gemm,
     reject_unknown_fields,
 )
 from engine.device.attention import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
@@ -60,9 +59,6 @@ class EngineArgs:
     # Triton decode attention: "auto" (Gluon "tma" on Hopper with fp16/bf16, else "packed"), "packed",
     # "per-head" or "tma" (engine/device/attention.py).
     decode_kernel: str = DEFAULT_DECODE_KERNEL
-    # The GEMM of the small-N linear layers (o_proj, down_proj by shape): "torch" (cuBLAS) or "splitk"
-    # (the split-K Triton kernel at decode sizes; CUDA only; engine/models/small_gemm.py).
-    small_gemm: str = "torch"
     seed: int = 0
     # The most top logprobs a request may ask for (vLLM's max_logprobs; -1: up to the vocabulary).
     max_logprobs: int = 20
@@ -100,7 +96,6 @@ class EngineArgs:
                              f"choose one of {PREEMPTION_MODES}")
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel={self.decode_kernel!r} is invalid: choose one of {DECODE_KERNELS}")
-        check_small_gemm(self.small_gemm)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} is invalid: an integer >= 0, or -1 (no cap "
                              "below the vocabulary size)")
@@ -159,8 +154,7 @@ class EngineArgs:
     def runner_config(self, model: ModelConfig, max_model_len: int) -> RunnerConfig:
         return RunnerConfig(model, self.cache_config(), max_num_batched_tokens=self.max_num_batched_tokens,
                             max_num_seqs=self.max_num_seqs, max_model_len=max_model_len, dtype=self.dtype,
-                            enforce_eager=self.enforce_eager, seed=self.seed, decode_kernel=self.decode_kernel,
-                            small_gemm=self.small_gemm)
+                            enforce_eager=self.enforce_eager, seed=self.seed, decode_kernel=self.decode_kernel)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.distributed_timeout_s, self.disable_custom_all_reduce,

@@ -5,8 +5,7 @@ Construction: build the model and load its weights; on a GPU, profile a forward 
 `CacheConfig.num_gpu_blocks` is given; on CPU without it, at most CPU_KV_CACHE_GIB = 4 GiB, logged);
 allocate the KV cache and the swap pool; capture CUDA graphs of whole steps unless `enforce_eager`
 (always eager on CPU; buckets in `engine.device.cuda_graph`). The elementwise ops are torch.compile'd on CUDA unless `enforce_eager`
-(`compile_model` overrides). `small_gemm` picks the GEMM of the small-N linear layers
-(`engine.models.small_gemm`: cuBLAS, or the split-K kernel at decode sizes).
+(`compile_model` overrides).
 
 `execute(out)`: cache ops (swap out, swap in, copy), then the step's inputs go to the device in one
 copy from pinned memory (`engine.device.input_batch`), then one forward over the flattened batch and the
@@ -33,7 +32,6 @@ from engine.device.weights import build_model
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import TPShard
 from engine.models.parallel_layers import TPContext
-from engine.models.small_gemm import use_small_gemm
 from kernels.prefill import max_tiles, tokens_per_tile
 from policies.blocks.base import fits_idle_pool
 from policies.outputs import ScheduledSeq, SchedulerOutput
@@ -61,7 +59,7 @@ class ModelRunner:
                  device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                  enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
                  compile_model: bool | None = None, decode_kernel: str = DEFAULT_DECODE_KERNEL,
-                 small_gemm: str = "torch", tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None) -> None:
         self.model_config = model_config
         shard = None if tp is None else TPShard.of(model_config, tp.rank, tp.size)
         # The model as this process holds it: its heads (the KV cache, its blocks, the kernels' tiles).
@@ -88,8 +86,6 @@ class ModelRunner:
         self.model = build_model(model_config, self.ops, self.device, self.dtype,
                                  max_positions=max_model_len, seed=seed, compile=compile_model,
                                  tp=None if tp is None else TPContext(shard, tp))
-        self.small_gemm = small_gemm
-        use_small_gemm(self.model, small_gemm)  # before the profiling pass and the graphs' capture
         self.sampler = Sampler(self.device)
         width = cache_config.blocks_per_seq(max_model_len)
         tokens = tokens_per_tile(self.local_config.num_attention_heads, self.local_config.num_key_value_heads)

@@ -72,7 +72,6 @@ class EngineBackendConfig:
     weights: str | None = None
     enforce_eager: bool = False
     decode_kernel: str | None = None
-    small_gemm: str | None = None
 
 
 @BACKENDS.register("engine", config=EngineBackendConfig)

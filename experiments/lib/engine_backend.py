@@ -79,8 +79,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         block_size=block_size, gpu_memory_utilization=float(blocks.get("gpu_memory_utilization", 0.9)),
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
         enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed),
-        decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)),
-        small_gemm=str(backend.get("small_gemm", "torch")), tensor_parallel_size=tp,
+        decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)), tensor_parallel_size=tp,
         **factory.all_reduce_settings(cfg))
 
 
@@ -178,8 +177,7 @@ def engine_info(runner) -> dict:
     `all_reduce`, the path its group took (`AllReducePath.record`: what the simulator prices)."""
     info = {"num_gpu_blocks": runner.num_gpu_blocks, "num_cpu_blocks": runner.num_cpu_blocks,
             "device": device_name(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
-            "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel,
-            "small_gemm": runner.small_gemm}
+            "cuda_graphs": runner.graphs is not None, "decode_kernel": runner.decode_kernel}
     tp = getattr(runner, "tp", None)
     if tp is not None and tp.all_reduce_path is not None:
         info["all_reduce"] = tp.all_reduce_path.record()

@@ -41,11 +41,3 @@ def test_the_fused_rope_and_kv_write_kernel_is_one_part() -> None:
     assert labels[:6] == ["add + RMSNorm (input)", "qkv GEMM", "q/k norm + rope + KV write", "decode attention",
                           "o_proj GEMM", "add + RMSNorm (post-attention)"]
     assert labels[-3] == "LM head GEMM"
-
-
-def test_the_split_k_gemm_counts_as_its_layers_gemm() -> None:
-    """With backend.small_gemm=splitk, o_proj and down are the Triton split-K kernel (one launch each)."""
-    layer = ["_splitk_gemm_kernel" if n in ("nvjet_tst_o", "nvjet_tst_down") else n for n in LAYER
-             if n != "splitKreduce_kernel"]
-    labels = classify(_kernels(layer + TAIL))
-    assert labels[5] == "o_proj GEMM" and labels[9] == "down GEMM" and labels[-3] == "LM head GEMM"

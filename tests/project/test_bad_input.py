@@ -114,7 +114,6 @@ CONSTRUCTOR = (
     ("kv-cache-too-small", ("tiny-llama", {"num_gpu_blocks": 4, "max_model_len": 256}),
      r"needs 16 blocks .* only 4 fit"),
     ("decode_kernel", ("tiny-llama", {"decode_kernel": "flash"}), r"decode_kernel='flash' is invalid"),
-    ("small_gemm", ("tiny-llama", {"small_gemm": "cutlass"}), r"small_gemm='cutlass' is invalid"),
     ("max_logprobs", ("tiny-llama", {"max_logprobs": -2}), r"max_logprobs=-2 is invalid"),
     ("num_gpu_blocks-negative", ("tiny-llama", {"num_gpu_blocks": -3}), r"num_gpu_blocks=-3 is invalid"),
     ("custom_all_reduce_max_bytes", ("tiny-llama", {"custom_all_reduce_max_bytes": 1000}),

@@ -38,7 +38,6 @@ MAPPED = {
     "num_gpu_blocks": ("blocks.num_gpu_blocks=99", lambda a: a.num_gpu_blocks == 99),
     "enforce_eager": ("backend.enforce_eager=true", lambda a: a.enforce_eager),
     "decode_kernel": ("backend.decode_kernel=packed", lambda a: a.decode_kernel == "packed"),
-    "small_gemm": ("backend.small_gemm=splitk", lambda a: a.small_gemm == "splitk"),
     "seed": ("seed=5", lambda a: a.seed == 5),
     "tensor_parallel_size": ("parallel.tensor_parallel_size=2", lambda a: a.tensor_parallel_size == 2),
     "disable_custom_all_reduce": ("parallel.disable_custom_all_reduce=true", lambda a: a.disable_custom_all_reduce),
