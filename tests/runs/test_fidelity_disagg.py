@@ -49,7 +49,7 @@ def test_the_disagg_specs_pair_a_split_and_a_mixed_run_on_one_stream(request, na
                         for s in (comp.split, comp.mixed))
         assert list(split.cluster.roles) == ["prefill", "decode"] and mixed.cluster.roles is None
         assert split.cluster.replicas == mixed.cluster.replicas == 2
-        assert not split.scheduler.enable_chunked_prefill  # the sweep's regime: the crossover is there
+        assert not split.scheduler.enable_chunked_prefill  # the sweep's regime: prefill-first
         a, b = factory.workload(split), factory.workload(mixed)
         assert [(r.arrival_time, r.prompt_token_ids) for r in a.requests] == \
                [(r.arrival_time, r.prompt_token_ids) for r in b.requests]
