@@ -273,7 +273,7 @@ class ParallelConfig:
     """Tensor parallelism: the model sharded over `tensor_parallel_size` ranks (GPUs, or processes
     on CPU); a worker silent for `timeout_s` in a step is reported hung.
 
-    All-reduces on GPUs (engine/distributed/custom_all_reduce.py, docs/parallelism.md): up to
+    All-reduces on GPUs (engine/distributed/all_reduce_path.py, docs/parallelism.md): up to
     `custom_all_reduce_one_shot_max_bytes` one-shot over symmetric memory (None: by world size,
     `one_shot_max_bytes`), up to `custom_all_reduce_max_bytes` two-shot, NCCL above;
     `disable_custom_all_reduce` (False by default, as in vLLM, whose name it is) True sends every

@@ -68,7 +68,7 @@ class EngineArgs:
     # A step rank 0 waits on this long (a worker silent in it) is reported hung: NCCL's collectives'
     # timeout, and rank 0's bound on its wait for a step's tokens (engine/distributed/step_wait.py).
     distributed_timeout_s: float = 300.0
-    # All-reduces on GPUs (vLLM's name; engine/distributed/custom_all_reduce.py): one-shot over
+    # All-reduces on GPUs (vLLM's name; engine/distributed/all_reduce_path.py): one-shot over
     # symmetric memory up to the first size (None: by world size), two-shot up to the second, NCCL
     # above (the default); True sends every all-reduce through NCCL.
     disable_custom_all_reduce: bool = DISABLE_CUSTOM_ALL_REDUCE

@@ -1,6 +1,6 @@
 """`python -m experiments.bench_allreduce`: all-reduce latency by message size on 2 (and 4) GPUs, the
 engine's paths in one run: NCCL, one-shot and two-shot over torch's symmetric memory
-(engine/distributed/custom_all_reduce.py), the same two in Triton over the same buffer
+(engine/distributed/symmetric_all_reduce.py), the same two in Triton over the same buffer
 (kernels/all_reduce.py, `parallel.all_reduce_kernel=triton`), and the Triton all-reduce fused with
 the residual add and RMSNorm (`triton_fused`; rows of --hidden bf16, sizes that hold whole rows),
 each eager and replayed from a CUDA graph.
@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from engine.config import ParallelConfig
-from engine.distributed.custom_all_reduce import NCCL, ONE_SHOT, TWO_SHOT, SymmetricAllReduce
+from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT
+from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.collectives import all_reduce_call, mean_call_s, run_ranks
 

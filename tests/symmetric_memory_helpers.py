@@ -1,13 +1,14 @@
 """Shared by the tests of the symmetric-memory all-reduce (engine/distributed/custom_all_reduce.py,
-kernels/all_reduce.py) and of what times it (experiments/lib/profiling/collectives.py): a stand-in
-for torch's `symm_mem` ops, a mirrored peer table for the Triton kernels, counted CUDA events for
-the pacing, and the bounded two-process run of the GPU tests."""
+symmetric_all_reduce.py, kernels/all_reduce.py) and of what times it
+(experiments/lib/profiling/collectives.py): a stand-in for torch's `symm_mem` ops, a mirrored peer
+table for the Triton kernels, counted CUDA events for the pacing, and the bounded two-process run
+of the GPU tests."""
 from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable
 
-from engine.distributed.custom_all_reduce import ONE_SHOT, TWO_SHOT
+from engine.distributed.all_reduce_path import ONE_SHOT, TWO_SHOT
 
 
 class FakeSymmOps:

@@ -136,7 +136,7 @@ class TPModelRunner(ModelRunner):
             self._shutdown.graphs = self.graphs
             await_workers(self._procs, self._links, "ready", startup_s, "start-up")
             self.tp.set_timeout(timeout_s)
-            if self.tp.custom is not None:  # eager launches wait for the GPU, bounded (custom_all_reduce.py)
+            if self.tp.custom is not None:  # eager launches wait for the GPU, bounded (symmetric_all_reduce.py)
                 self.tp.custom.pace = partial(self._step_wait.wait, what="a symmetric-memory all-reduce")
         self._serving = True
 

@@ -1,7 +1,7 @@
 """Rank 0's wait for a step on its GPU, bounded: it polls the step's CUDA event instead of blocking
 in `cudaEventSynchronize`.
 
-Why: a step's all-reduces may run over symmetric memory (`engine.distributed.custom_all_reduce`),
+Why: a step's all-reduces may run over symmetric memory (`engine.distributed.symmetric_all_reduce`),
 whose kernels' barriers spin on the GPU until every rank has arrived, with no deadline and no
 abort. If a worker dies or hangs in the middle of a step, rank 0's GPU spins in that barrier
 forever, and a blocking sync on the step's event would never return (NCCL's collectives have the

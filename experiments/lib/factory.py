@@ -65,7 +65,7 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
     """The all-reduce path the engine takes for each message at this config's tensor-parallel size,
     model dtype and `parallel` settings: the engine's own rule (`choose_path`, `settings_reason`)."""
     from engine.config import DTYPES, ParallelConfig
-    from engine.distributed.custom_all_reduce import NCCL, SYMMETRIC_DTYPES, choose_path, settings_reason
+    from engine.distributed.all_reduce_path import NCCL, SYMMETRIC_DTYPES, choose_path, settings_reason
 
     tp, dtype_name = tensor_parallel_size(cfg), str(section(cfg, "model").get("dtype"))
     try:

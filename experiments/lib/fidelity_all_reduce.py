@@ -1,6 +1,6 @@
 """Which all-reduce the simulator side of a fidelity run prices under tensor parallelism: the path
 the engine runs took, as they recorded it (summary.json's `run.all_reduce`, written from the
-engine's group: `engine.distributed.custom_all_reduce.AllReducePath`), not the one the engine's
+engine's group: `engine.distributed.all_reduce_path.AllReducePath`), not the one the engine's
 current defaults would take, which may have changed since the runs.
 
 - recorded NCCL for every message: the simulator prices NCCL (`parallel.disable_custom_all_reduce=true`);

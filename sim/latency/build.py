@@ -36,7 +36,7 @@ class LatencyConfig:
 @dataclass(slots=True, frozen=True)
 class EngineAllReduce:
     """The all-reduce the engine runs at the run's tensor-parallel size, dtype and `parallel`
-    settings (engine/distributed/custom_all_reduce.py), given by the caller."""
+    settings (engine/distributed/all_reduce_path.py), given by the caller."""
 
     path: Callable[[int], str]  # a message's path by its bytes: "one-shot", "two-shot" or "nccl"
     one_shot_max_bytes: int

@@ -73,7 +73,7 @@ OP_AXES: dict[str, tuple[str, ...]] = {
 COLLECTIVES = ("all_reduce", "all_gather")  # NCCL's: every collectives file has them
 SYMMETRIC_ALL_REDUCES = ("all_reduce_one_shot", "all_reduce_two_shot")  # where symmetric memory was available
 PER_WORLD_SIZE = COLLECTIVES + SYMMETRIC_ALL_REDUCES  # ops timed per world size
-# The engine's all-reduce paths (engine/distributed/custom_all_reduce.py: ONE_SHOT, TWO_SHOT, NCCL)
+# The engine's all-reduce paths (engine/distributed/all_reduce_path.py: ONE_SHOT, TWO_SHOT, NCCL)
 # and the op whose rows time each.
 ALL_REDUCE_PATH_OPS = {"one-shot": "all_reduce_one_shot", "two-shot": "all_reduce_two_shot", "nccl": "all_reduce"}
 REQUIRED_META = ("format", "gpu", "device", "dtype", "kernels", "versions", "date", "time_unit", "grid")

@@ -12,16 +12,10 @@ import torch.nn.functional as F
 
 import engine.distributed.custom_all_reduce as car
 from engine.config import ParallelConfig
-from engine.distributed.custom_all_reduce import (
-    NCCL,
-    ONE_SHOT,
-    TWO_SHOT,
-    SymmetricAllReduce,
-    choose_path,
-    open_symmetric_all_reduce,
-    unavailable_reason,
-)
+from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT, choose_path
+from engine.distributed.custom_all_reduce import open_symmetric_all_reduce, unavailable_reason
 from engine.distributed.parallel_state import TPGroup, init_group, open_store
+from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 from engine.engine_args import EngineArgs
 from engine.models.parallel_layers import RowParallelLinear
 from tests.symmetric_memory_helpers import FakeSymmOps, counting_events
@@ -277,7 +271,7 @@ def test_rank0_paces_eager_launches_behind_the_kernels_before(capturing, monkeyp
     """Outside a graph capture each symmetric-memory kernel first waits (through `pace`, bounded by
     rank 0's step wait) for the one PACE_LAG kernels back, so a step launched behind a kernel that
     spins for good never fills the launch queue; a capture records no event and waits for none."""
-    from engine.distributed import custom_all_reduce
+    from engine.distributed.symmetric_all_reduce import PACE_LAG
 
     event = counting_events(monkeypatch, capturing)
     custom = _custom()
@@ -285,7 +279,7 @@ def test_rank0_paces_eager_launches_behind_the_kernels_before(capturing, monkeyp
     custom.pace = lambda event: waited.append(event.n)
     for _ in range(5):
         custom.all_reduce(torch.randn(8, 32))
-    lag = custom_all_reduce.PACE_LAG
+    lag = PACE_LAG
     assert len(custom.ops.calls) == 5
     assert waited == ([] if capturing else list(range(1, 5 - lag + 1)))
     assert event.made == (0 if capturing else 5)

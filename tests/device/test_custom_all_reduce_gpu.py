@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.config import ParallelConfig
-from engine.distributed.custom_all_reduce import NCCL, ONE_SHOT, TWO_SHOT
+from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT
 from tests.symmetric_memory_helpers import two_rank_reports
 
 pytestmark = [pytest.mark.gpu,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.config import ALL_REDUCE_KERNELS, ParallelConfig
-from engine.distributed.custom_all_reduce import SymmetricAllReduce
 from engine.distributed.parallel_state import TPGroup
+from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 from engine.engine_args import EngineArgs
 from engine.models.ops import add_rms_norm
 from tests.symmetric_memory_helpers import FakeSymmOps, counting_events, mirrored_peers
@@ -66,7 +66,7 @@ def test_the_fused_kernel_needs_the_triton_peers():
 @pytest.mark.parametrize("kernel", ["triton", "triton_fused"])
 def test_triton_launches_are_paced_as_torchs(kernel, monkeypatch):
     """Rank 0's bound on eager launches holds for the Triton kernels, fused one included."""
-    from engine.distributed.custom_all_reduce import PACE_LAG
+    from engine.distributed.symmetric_all_reduce import PACE_LAG
 
     counting_events(monkeypatch)
     custom, _pads = _custom(kernel)
@@ -165,7 +165,7 @@ def test_a_model_without_tensor_parallelism_keeps_plain_norms():
 
 
 def test_a_run_records_whose_kernels_summed_unless_torchs():
-    from engine.distributed.custom_all_reduce import AllReducePath
+    from engine.distributed.all_reduce_path import AllReducePath
 
     assert "kernel" not in AllReducePath(2, 1024, 4096).record()  # the records of earlier runs, unchanged
     assert AllReducePath(2, 1024, 4096, kernel="triton_fused").record()["kernel"] == "triton_fused"

@@ -9,8 +9,9 @@ import queue
 import torch
 
 import experiments.lib.profiling.collectives as collectives
-from engine.distributed.custom_all_reduce import ONE_SHOT, TWO_SHOT, SymmetricAllReduce
+from engine.distributed.all_reduce_path import ONE_SHOT, TWO_SHOT
 from engine.distributed.parallel_state import open_store
+from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 from tests.symmetric_memory_helpers import FakeSymmOps
 
 SIZES = [1024, 4096, 65536]

@@ -165,5 +165,5 @@ def test_the_symmetric_ops_pass_the_schema_only_with_a_world_size(tmp_path):
 
 
 def test_the_profile_names_every_engine_path():
-    from engine.distributed.custom_all_reduce import NCCL, ONE_SHOT, TWO_SHOT
+    from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT
     assert set(ALL_REDUCE_PATH_OPS) == {ONE_SHOT, TWO_SHOT, NCCL}

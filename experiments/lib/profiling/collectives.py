@@ -1,6 +1,6 @@
 """All-reduce and all-gather times by bytes over N processes, one per GPU, through the engine's own
 group and all-reduce paths: NCCL (gloo on the CPU) and, where the GPUs allow it, the engine's
-symmetric-memory one-shot and two-shot all-reduces (engine/distributed/custom_all_reduce.py).
+symmetric-memory one-shot and two-shot all-reduces (engine/distributed/symmetric_all_reduce.py).
 
 The ranks join the engine's tensor-parallel group (`init_group`, with the symmetric-memory
 all-reduce on and a buffer as large as the largest size timed on it), so the symmetric buffer, its
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import CUSTOM_ALL_REDUCE_LIMIT_BYTES, ParallelConfig
-from engine.distributed.custom_all_reduce import NCCL, ONE_SHOT, TWO_SHOT, choose_path
+from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT, choose_path
 from engine.distributed.parallel_state import (
     TPGroup,
     _all_gather,

@@ -1,0 +1,141 @@
+"""One rank's side of the all-reduce over NVLink peer memory: its symmetric buffer (torch's
+`torch.distributed._symmetric_memory`, mapped by every other rank of the group; opened at start-up
+by engine/distributed/custom_all_reduce.py), and the dispatch of a message to the one-shot or
+two-shot kernel that sums it (the path by size: engine/distributed/all_reduce_path.py).
+
+Kernels (`ParallelConfig.all_reduce_kernel`): torch's (`symm_mem.one_shot_all_reduce_out`,
+`symm_mem.two_shot_all_reduce_out`; "torch", the default), or the Triton ones of
+kernels/all_reduce.py ("triton": one program per SM, barriers on the same signal pads), which also
+offer the all-reduce fused with the next RMSNorm's residual add ("triton_fused": the model hands
+the row-parallel layer's un-reduced partial sums to the norm, `all_reduce_add_rms_norm`).
+NVLink multicast (`multimem_*` ops) is never used: it is off on the hosts this runs on.
+
+CUDA graphs: the kernels read and write only fixed addresses (the buffer, the output, the signal
+pads whose flags reset themselves), so a captured step replays them as is. A row-parallel GEMM
+writes its output straight into the buffer (`input_buffer`), which saves the copy in.
+
+Faults: the kernels' barriers (torch's and the Triton ones alike) spin without a deadline and
+cannot be aborted, so a rank that dies or hangs in the middle of a step leaves the others' GPUs
+spinning in it for good. Rank 0 therefore never blocks on a step: it polls the step's event,
+watching the workers' processes and a deadline (`engine.distributed.step_wait`), and raises
+`WorkerFailure` naming the rank; its own GPU is freed only when its process exits
+(`TPModelRunner.device_stuck`). Outside CUDA graphs (eager steps: prefills beyond the captured
+sizes, `enforce_eager`) rank 0 also paces its launches (`pace`): before a symmetric-memory kernel
+it waits, bounded in the same way, for the one `PACE_LAG` kernels back. Without that, a step
+launched behind a spinning kernel fills the GPU's launch queue (an eager step is hundreds of
+kernels) and the next launch blocks inside the driver, holding the GIL, for good.
+tests/device/test_engine_tp_faults_gpu.py checks those bounds on two GPUs.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT, choose_path
+
+if TYPE_CHECKING:
+    from kernels.all_reduce import PeerBuffers
+
+T = TypeVar("T")
+# Eager launches run at most this many symmetric-memory kernels ahead of the GPU (a layer holds two:
+# the queue then holds a few dozen kernels, far below the launch queue's ~1,000, and the GPU always
+# has the next layer's work).
+PACE_LAG = 2
+
+
+class SymmetricAllReduce:
+    """One rank's side: the symmetric buffer (`max_bytes` bytes, viewed as the message's dtype) and
+    the thresholds. `ops`: the `symm_mem` op namespace (the CPU tests pass a stand-in); `peers`:
+    where the Triton kernels find every rank's buffer and signal pad (None: torch's kernels);
+    `fused`: the model may hand its layer boundaries to `all_reduce_add_rms_norm`."""
+
+    def __init__(self, buffer: torch.Tensor, group_name: str, one_shot_max: int, two_shot_max: int,
+                 handle: Any = None, ops: Any = None, peers: PeerBuffers | None = None, fused: bool = False) -> None:
+        if fused and peers is None:
+            raise ValueError("the fused all-reduce + RMSNorm needs the Triton kernels' peer buffers")
+        self.buffer = buffer
+        self.group_name = group_name
+        self.one_shot_max = one_shot_max
+        self.two_shot_max = min(two_shot_max, buffer.numel())
+        self.handle = handle  # the rendezvous: keeps the peers' mappings alive
+        self.ops = ops if ops is not None else torch.ops.symm_mem
+        self.peers = peers
+        self.fused = fused
+        # Rank 0 while serving: waits (bounded) until an event's work is done (`StepWait.wait`).
+        self.pace: Callable[[Any], None] | None = None
+        self._launched: deque[Any] = deque()  # events after the last eager kernels, oldest first
+
+    def path_for(self, x: torch.Tensor) -> str:
+        return choose_path(x.numel() * x.element_size(), x.dtype, x.is_contiguous(), self.one_shot_max,
+                           self.two_shot_max)
+
+    def input_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where the producer of an all-reduce's input of `shape` should write it (a view of the
+        buffer), or None if NCCL carries that message."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if choose_path(nbytes, dtype, True, self.one_shot_max, self.two_shot_max) == NCCL:
+            return None
+        return self._staged(nbytes, dtype, shape)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The sum over the ranks as a new tensor, or None if the message is NCCL's to carry."""
+        path = self.path_for(x)
+        if path == NCCL:
+            return None
+        return self.reduce(path, self._stage(x))
+
+    def reduce(self, path: str, staged: torch.Tensor) -> torch.Tensor:
+        """Sum `staged` (a view of the buffer from its start) by `path`, into a new tensor; the
+        buffer is free again when the kernel ends (its last barrier waits for every reader)."""
+        if path not in (ONE_SHOT, TWO_SHOT):
+            raise ValueError(f"path={path!r} is invalid: {ONE_SHOT!r} or {TWO_SHOT!r}")
+        out = torch.empty_like(staged)
+        if self.peers is not None:
+            from kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
+
+            kernel = one_shot_all_reduce if path == ONE_SHOT else two_shot_all_reduce
+            return self._launch(lambda: kernel(self.peers, staged, out))
+        op = self.ops.one_shot_all_reduce_out if path == ONE_SHOT else self.ops.two_shot_all_reduce_out
+        self._launch(lambda: op(staged, "sum", self.group_name, out))
+        return out
+
+    def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rms_norm(sum + residual) * weight, sum + residual) of `partial` [rows, hidden] in one
+        kernel, or None where it does not take the message (not `fused`, NCCL's size, a residual
+        of another shape or layout, too wide a row): the caller then all-reduces and norms."""
+        from kernels.all_reduce import fits_add_rms_norm, one_shot_all_reduce_add_rms_norm
+
+        if (not self.fused or partial.dim() != 2 or self.path_for(partial) == NCCL
+                or not fits_add_rms_norm(partial.shape[1]) or residual.shape != partial.shape
+                or residual.dtype != partial.dtype or not residual.is_contiguous()):
+            return None
+        staged = self._stage(partial)
+        return self._launch(lambda: one_shot_all_reduce_add_rms_norm(self.peers, staged, residual, weight, eps))
+
+    def _launch(self, kernel: Callable[[], T]) -> T:
+        """Run a symmetric-memory kernel; outside a capture, rank 0 first waits (`pace`) for the
+        one PACE_LAG kernels back."""
+        paced = self.pace is not None and not torch.cuda.is_current_stream_capturing()
+        if paced and len(self._launched) >= PACE_LAG:
+            self.pace(self._launched.popleft())
+        result = kernel()
+        if paced:
+            event = torch.cuda.Event()
+            event.record()
+            self._launched.append(event)
+        return result
+
+    def _stage(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` in the buffer (copied in unless its producer wrote it there)."""
+        staged = self._staged(x.numel() * x.element_size(), x.dtype, tuple(x.shape))
+        if staged.data_ptr() != x.data_ptr():
+            staged.copy_(x)
+        return staged
+
+    def _staged(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.buffer[:nbytes].view(dtype).view(shape)
