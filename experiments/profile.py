@@ -25,7 +25,7 @@ blocks each way. The timing itself: experiments/lib/profiling/measure.py.
 elementwise ops, sampler, block copies, graph launch; all-reduce / all-gather over the machine's
 GPUs, NCCL's and the engine's symmetric-memory all-reduce paths where the GPUs have them):
 experiments/lib/profiling/operators.py and collectives.py, file format in
-sim/latency/operator_profile.py, docs/operator_profiles.md.
+sim/latency/operator_file.py, docs/operator_profiles.md.
 
     python -m experiments.profile mode=operators                               # one GPU, ~4 minutes
     python -m experiments.profile mode=operators operator_parts=[collectives]  # N = 2, 4, 8 GPUs
@@ -81,7 +81,7 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
     from experiments.lib.profiling.collectives import collective_rows
     from experiments.lib.profiling.operator_grid import OperatorGrid
     from experiments.lib.profiling.operators import compute_rows
-    from sim.latency.operator_profile import read_operator_file, write_operator_file
+    from sim.latency.operator_file import read_operator_file, write_operator_file
     check_config(cfg, "profile", *hydra_origin())
     grid = OperatorGrid.from_dict(OmegaConf.to_container(cfg.operator_grid, resolve=True))
     parts = list(cfg.operator_parts)

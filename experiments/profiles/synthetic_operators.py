@@ -21,7 +21,7 @@ from pathlib import Path
 
 from experiments.lib import factory
 from experiments.lib.fidelity_spec import compose_cfg
-from sim.latency.operator_profile import write_operator_file
+from sim.latency.operator_file import write_operator_file
 from sim.latency.shapes import Hardware
 from sim.latency.tensor_parallel import RingLink
 

@@ -40,12 +40,8 @@ import numpy as np
 
 from sim.latency.build import EngineAllReduce
 from sim.latency.op_grid import OpGrid
-from sim.latency.operator_profile import (
-    ALL_REDUCE_PATH_OPS,
-    COLLECTIVES,
-    SYMMETRIC_ALL_REDUCES,
-    OperatorProfile,
-)
+from sim.latency.operator_file import ALL_REDUCE_PATH_OPS, COLLECTIVES, SYMMETRIC_ALL_REDUCES
+from sim.latency.operator_profile import OperatorProfile
 from sim.latency.shapes import Hardware
 from sim.latency.tensor_parallel import RingLink
 

@@ -1,5 +1,5 @@
 """Latency model composed from operator timings (`experiments/profiles/operators/`, schema in
-sim/latency/operator_profile.py): any model's step on a GPU whose operators were profiled, at any
+sim/latency/operator_file.py): any model's step on a GPU whose operators were profiled, at any
 tensor-parallel size whose collectives were (or, with `latency.collectives=measured_else_ring`, at
 any size, the unmeasured ones priced from the interconnect: sim/latency/collective_pricing.py).
 

@@ -15,13 +15,8 @@ from hypothesis import strategies as st
 from experiments.lib import factory
 from experiments.profiles.synthetic_operators import synthetic_operator_profile
 from sim.latency import BatchShape, RooflineModel
-from sim.latency.operator_profile import (
-    COLUMNS,
-    OperatorProfile,
-    find_operator_files,
-    read_operator_file,
-    write_operator_file,
-)
+from sim.latency.operator_file import COLUMNS, read_operator_file, write_operator_file
+from sim.latency.operator_profile import OperatorProfile, find_operator_files
 from sim.latency.operators import OperatorModel
 from sim.latency.tensor_parallel import RingLink
 from tests.property_settings import examples

@@ -12,12 +12,8 @@ from hydra import compose, initialize_config_module
 
 from experiments.lib import factory
 from sim.latency.base import BatchShape
-from sim.latency.operator_profile import (
-    ALL_REDUCE_PATH_OPS,
-    OperatorProfile,
-    read_operator_file,
-    write_operator_file,
-)
+from sim.latency.operator_file import ALL_REDUCE_PATH_OPS, read_operator_file, write_operator_file
+from sim.latency.operator_profile import OperatorProfile
 from sim.latency.tensor_parallel import RingLink
 
 ROOT = Path(__file__).resolve().parents[2]

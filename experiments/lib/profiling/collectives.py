@@ -45,7 +45,7 @@ from engine.distributed.parallel_state import (
     join_store,
     open_store,
 )
-from sim.latency.operator_profile import ALL_REDUCE_PATH_OPS
+from sim.latency.operator_file import ALL_REDUCE_PATH_OPS
 
 Row = dict[str, float | str]
 ENGINE_LOGGER = "servelab.engine"

@@ -1,4 +1,4 @@
-"""Time the engine's operators over an `OperatorGrid` (rows of sim/latency/operator_profile.py).
+"""Time the engine's operators over an `OperatorGrid` (rows of sim/latency/operator_file.py).
 
 Every operator is the engine's own code path: GEMMs through `torch.nn.functional.linear` (as the
 model's `nn.Linear`s), attention through `engine.device.attention.attention_ops` (the Triton launchers
