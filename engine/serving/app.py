@@ -33,6 +33,7 @@ from engine.serving.errors import APIError, bad_value, parse_request
 from engine.serving.guards import RequestGuard, default_max_body_bytes
 from engine.serving.metrics import CONTENT_TYPE, ServingMetrics
 from engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from engine.serving.routes_ahead import ServingApp
 
 logger = logging.getLogger("engine.serving")
 OFFLOAD_CHARS = 2048  # longer text is tokenized in a worker thread (shorter: at once, no thread hop)
@@ -104,7 +105,7 @@ class ServingContext:
 
 
 def build_app(engine: Any, served_model_name: str | Sequence[str] | None = None, chat_template: str | None = None,
-              *, api_keys: Sequence[str] = (), max_request_body_bytes: int | None = None) -> FastAPI:
+              *, api_keys: Sequence[str] = (), max_request_body_bytes: int | None = None) -> ServingApp:
     """The app over an AsyncLLMEngine (its engine in a worker thread or in a core process), behind
     its guards: `api_keys` (none: no authentication), `max_request_body_bytes` (None: a cap that
     admits a prompt of max_model_len tokens). `.state.ctx` is the routes' ServingContext."""
@@ -124,7 +125,7 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] | None = None,
         await engine.shutdown()
         ctx.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="servelab", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = ServingApp(title="servelab", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.ctx = ctx
     # Called by the server as it starts to shut down: open streams end with an error event and
     # [DONE] at once, so connections close and nothing waits for the graceful-shutdown timeout.
@@ -167,14 +168,15 @@ def build_app(engine: Any, served_model_name: str | Sequence[str] | None = None,
     # The generation routes are plain starlette routes whose bodies are parsed here
     # (engine/serving/errors.py: parse_request): one pass of pydantic's JSON validator, instead of
     # FastAPI's json.loads, validation and dependency solving on every request's way to its first token.
+    # They are dispatched ahead of the router and FastAPI's own layers (engine/serving/routes_ahead.py).
     async def completions(http: Request) -> Response:
         return await create_completion(ctx, parse_request(await http.body(), CompletionRequest), http)
 
     async def chat_completions(http: Request) -> Response:
         return await create_chat_completion(ctx, parse_request(await http.body(), ChatCompletionRequest), http)
 
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.route_ahead("/v1/completions", completions)
+    app.route_ahead("/v1/chat/completions", chat_completions)
 
     cap = default_max_body_bytes(ctx.max_model_len) if max_request_body_bytes is None else max_request_body_bytes
     RequestGuard(app, cap, api_keys)  # the values checked now, not at the first request
