@@ -8,12 +8,14 @@ over an `AsyncLLMEngine` whose host answers at once: each request's outputs come
 turns, one token each (`--tokens`, default 4). Times per request, on one event loop, one request
 at a time: `to_first_chunk` (the call to the first SSE chunk with a choice: the body parsed and
 checked, the request built and handed over, the first output turned into a chunk) and `whole`
-(to the end of the response). What is left is what the server's event loop spends of its own on
+(to the end of the response), and, each in turn with those, `refused` (the same body for a
+model the server does not serve: a 404 after the parse, the way through the app's layers alone).
+What is left is what the server's event loop spends of its own on
 the way to a first token, the part no transport or engine hides, measured with little noise.
 `--wire 10 256`: also, per engine step with that many streams running, the core's packing and framing
 of the step's outputs (`core_<n>`) and the front end's unpickling and rebuilding of them
 (`front_<n>`), the per-step price of the pipe between them (engine/online/output_wire.py).
-Writes {"to_first_chunk": [seconds, ...], "whole": [...], "core_<n>": [...], "front_<n>": [...]} as JSON.
+Writes {"to_first_chunk": [seconds, ...], "whole": [...], "refused": [...], "core_<n>": [...], "front_<n>": [...]} as JSON.
 """
 from __future__ import annotations
 
@@ -90,11 +92,15 @@ async def measure(prompt_len: int, tokens: int, requests: int, warmup: int = 200
     body = json.dumps({"model": MODEL, "prompt": [1 + i % 250 for i in range(prompt_len)], "max_tokens": tokens,
                        "temperature": 0, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
+    # The same request for a model the server does not serve: refused with a 404 after the body is
+    # parsed, no engine work, so its time is the way in through the app's layers and back out.
+    refused_body = body.replace(json.dumps(MODEL).encode(), b'"not-served"', 1)
     scope = scope_for(body)
     first: list[float] = []
     whole: list[float] = []
+    refused: list[float] = []
 
-    async def one() -> None:
+    async def one(body: bytes = body, scope: dict = scope) -> None:
         delivered, t_first = False, None
         t0 = time.perf_counter()
 
@@ -112,16 +118,22 @@ async def measure(prompt_len: int, tokens: int, requests: int, warmup: int = 200
                 t_first = time.perf_counter() - t0
 
         await app(dict(scope), receive, send)
+        if body is refused_body:
+            refused.append(time.perf_counter() - t0)
+            return
         first.append(t_first)
         whole.append(time.perf_counter() - t0)
 
     for _ in range(warmup):
         await one()
+        await one(refused_body, scope_for(refused_body))
     first.clear()
     whole.clear()
+    refused.clear()
     for _ in range(requests):
         await one()
-    return {"to_first_chunk": first, "whole": whole}
+        await one(refused_body, scope_for(refused_body))
+    return {"to_first_chunk": first, "whole": whole, "refused": refused}
 
 
 def wire(streams: int, steps: int = 300) -> dict[str, list[float]]:
