@@ -6,6 +6,9 @@ import json
 import re
 
 import pytest
+from optional_deps import require_serving
+
+require_serving()
 
 from engine.online.async_llm_engine import AsyncLLMEngine
 from engine.serving.app import build_app
