@@ -56,21 +56,16 @@ class TPGroup:
         return self.custom is not None and self.custom.fused
 
     def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float, add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+                                eps: float, add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(sum + residual) * weight, sum + residual), the sum over the ranks of `partial`:
         one kernel where the symmetric-memory path fuses it, else `all_reduce` and then `add_norm`
-        (the model's `add_rms_norm(x, residual, weight)`; engine/models/ops.py's by default)."""
+        (the model's `add_rms_norm(x, residual, weight)`, its `eps` bound)."""
         if self.custom is not None:
             fused = self.custom.all_reduce_add_rms_norm(partial, residual, weight, eps)
             if fused is not None:
                 return fused
-        summed = self.all_reduce(partial)
-        if add_norm is not None:
-            return add_norm(summed, residual, weight)
-        from engine.models.ops import add_rms_norm  # engine.models imports this module
-
-        return add_rms_norm(summed, residual, weight, eps)
+        return add_norm(self.all_reduce(partial), residual, weight)
 
     def reduce_input(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """Where to write an all-reduce's input of `shape` so that it needs no copy in (a view of the

@@ -97,7 +97,8 @@ def test_the_group_fuses_where_it_can_and_else_reduces_then_norms(kernel, shape,
     residual, weight = torch.randn(shape), torch.rand(shape[-1]) + 0.5
     taken = custom.all_reduce_add_rms_norm(x.clone(), residual, weight, 1e-6) is not None
     assert taken == fused
-    out, new_residual = group.all_reduce_add_rms_norm(x.clone(), residual, weight, 1e-6)
+    out, new_residual = group.all_reduce_add_rms_norm(x.clone(), residual, weight, 1e-6,
+                                                      lambda h, r, w: add_rms_norm(h, r, w, 1e-6))
     want_out, want_residual = add_rms_norm(2 * x, residual, weight, 1e-6)
     torch.testing.assert_close(new_residual, want_residual)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
