@@ -265,7 +265,7 @@ DISABLE_CUSTOM_ALL_REDUCE = False
 # Which kernels sum the symmetric-memory messages: torch's (`symm_mem` ops), the Triton ones
 # (kernels/all_reduce.py: one program per SM), or the Triton ones with the layer boundary's
 # all-reduce, residual add and RMSNorm fused into one kernel.
-ALL_REDUCE_KERNELS = ("torch", "triton", "triton_fused")
+ALL_REDUCE_KERNELS = ("auto", "torch", "triton", "triton_fused")
 
 
 @dataclass(slots=True, frozen=True)
@@ -278,8 +278,10 @@ class ParallelConfig:
     `one_shot_max_bytes`), up to `custom_all_reduce_max_bytes` two-shot, NCCL above;
     `disable_custom_all_reduce` (False by default, as in vLLM, whose name it is) True sends every
     all-reduce through NCCL. `all_reduce_kernel` picks the symmetric paths' kernels
-    (`ALL_REDUCE_KERNELS`): torch's ("torch", the default), Triton's ("triton"), or Triton's with
-    each decoder layer's all-reduce fused into the next RMSNorm's residual add ("triton_fused"). The symmetric-memory kernels spin without a deadline, so with them on
+    (`ALL_REDUCE_KERNELS`): torch's ("torch"), Triton's ("triton"), Triton's with each decoder
+    layer's all-reduce fused into the next RMSNorm's residual add ("triton_fused"), or "auto" (the
+    default: "triton_fused" at two ranks, where it is measured fastest, torch's at other sizes;
+    `kernel_for`). The symmetric-memory kernels spin without a deadline, so with them on
     rank 0 never blocks on a step: it polls the step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes
     (engine/distributed/step_wait.py); its GPU is then freed only when the process exits."""
 
@@ -288,7 +290,15 @@ class ParallelConfig:
     disable_custom_all_reduce: bool = DISABLE_CUSTOM_ALL_REDUCE
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
-    all_reduce_kernel: str = "torch"
+    all_reduce_kernel: str = "auto"
+
+    def kernel_for(self, world_size: int) -> str:
+        """The kernels the symmetric paths run at `world_size` ranks: "auto" is the fused boundary at
+        two (1.55x against 1.50x with torch's, Qwen3-8B on two H200s: docs/parallelism.md) and torch's
+        kernels at other sizes, where the Triton kernels are not measured."""
+        if self.all_reduce_kernel != "auto":
+            return self.all_reduce_kernel
+        return "triton_fused" if world_size == 2 else "torch"
 
     def __post_init__(self) -> None:
         if self.all_reduce_kernel not in ALL_REDUCE_KERNELS:

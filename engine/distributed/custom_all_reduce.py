@@ -90,7 +90,7 @@ def open_symmetric_all_reduce(parallel: ParallelConfig, device: torch.device, ra
         return None, _off(rank, world_size, reason or "another rank could not set up its symmetric buffer")
     if custom.peers is not None:  # every rank launches the same grids: the fewest programs any rank allows
         custom.peers = dataclasses.replace(custom.peers, max_programs=agree(custom.peers.max_programs))
-    path = AllReducePath(world_size, custom.one_shot_max, custom.two_shot_max, kernel=parallel.all_reduce_kernel)
+    path = AllReducePath(world_size, custom.one_shot_max, custom.two_shot_max, kernel=parallel.kernel_for(world_size))
     if rank == 0:
         logger.info("all-reduce: %s", path.describe())
     return custom, path
@@ -114,12 +114,13 @@ def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.devi
     if handle is None:
         raise RuntimeError("rendezvous returned no handle (the buffer is not symmetric memory)")
     peers = None
-    if parallel.all_reduce_kernel != "torch":
+    kernel = parallel.kernel_for(world_size)
+    if kernel != "torch":
         from kernels.all_reduce import PeerBuffers
 
         peers = PeerBuffers.of_rendezvous(handle, buffer)
     return SymmetricAllReduce(buffer, group_name, parallel.one_shot_max_bytes(world_size), size, handle, peers=peers,
-                              fused=parallel.all_reduce_kernel == "triton_fused")
+                              fused=kernel == "triton_fused")
 
 
 def _off(rank: int, world_size: int, reason: str) -> AllReducePath:

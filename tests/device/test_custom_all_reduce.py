@@ -142,7 +142,7 @@ def test_this_torch_has_the_ops_used():
 
 def test_gloo_ranks_stay_on_gloo_with_a_log_line(caplog):
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        custom, path = open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False),
+        custom, path = open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False, all_reduce_kernel="torch"),
                                                  torch.device("cpu"), 0, 2, "g", lambda v: v)
     assert custom is None
     assert "custom all-reduce off: device cpu is not a GPU (gloo carries the all-reduces)" in caplog.text
@@ -152,7 +152,7 @@ def test_gloo_ranks_stay_on_gloo_with_a_log_line(caplog):
 def test_one_rank_that_cannot_keeps_every_rank_on_nccl(monkeypatch, caplog):
     monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)  # this rank could
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        custom, path = open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g",
+        custom, path = open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False, all_reduce_kernel="torch"), GPU1, 0, 2, "g",
                                                  lambda v: 0)  # another rank cannot
     assert custom is None and path.off_reason == "another rank cannot use symmetric memory"
     assert "another rank cannot use symmetric memory" in caplog.text
@@ -171,7 +171,7 @@ def test_a_failed_buffer_set_up_falls_back_on_every_rank(monkeypatch, caplog):
     monkeypatch.setattr(car, "unavailable_reason", lambda *a: None)
     monkeypatch.setattr(car, "_allocate", refuse)
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        custom, path = open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False), GPU1, 0, 2, "g", agree)
+        custom, path = open_symmetric_all_reduce(ParallelConfig(2, disable_custom_all_reduce=False, all_reduce_kernel="torch"), GPU1, 0, 2, "g", agree)
     assert custom is None and path.off_reason.startswith("the symmetric buffer could not be set up")
     assert agreed == [1, 0]  # the ranks agree before allocating and after
     assert "could not be set up: RuntimeError: CUDA driver error: invalid argument" in caplog.text
@@ -193,7 +193,7 @@ def test_a_second_engine_in_a_process_stays_on_nccl_with_the_reason(monkeypatch,
     monkeypatch.setattr(car, "symmetric_memory", lambda: FakeSymmetricMemory())
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda *a: True)
     monkeypatch.setattr(car, "_rendezvous_joined", False)
-    parallel = ParallelConfig(2, disable_custom_all_reduce=False)
+    parallel = ParallelConfig(2, disable_custom_all_reduce=False, all_reduce_kernel="torch")
     first, path = open_symmetric_all_reduce(parallel, GPU1, 0, 2, "0", lambda v: v)
     assert first is not None and first.handle == ("handle", "0")
     assert path.record() == {"path": "symmetric", "world_size": 2, "one_shot_max_bytes": parallel.one_shot_max_bytes(2),

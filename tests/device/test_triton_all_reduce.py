@@ -23,17 +23,23 @@ KiB = 2**10
                                   lambda v: EngineArgs(all_reduce_kernel=v)], ids=["ParallelConfig", "EngineArgs"])
 @pytest.mark.parametrize("value", ["nccl", "Triton", None, 1])
 def test_an_unknown_kernel_is_refused_naming_the_field(make, value):
-    with pytest.raises(ValueError, match=rf"all_reduce_kernel={value!r} is invalid: one of \('torch', 'triton', "):
+    with pytest.raises(ValueError, match=rf"all_reduce_kernel={value!r} is invalid: one of \('auto', 'torch', 'triton', "):
         make(value)
 
 
-def test_the_default_stays_torch_and_each_kernel_reaches_the_engine():
+def test_auto_is_the_fused_boundary_at_two_ranks_and_torchs_kernels_elsewhere():
+    assert ParallelConfig().all_reduce_kernel == EngineArgs().all_reduce_kernel == "auto"
+    assert [ParallelConfig().kernel_for(n) for n in (1, 2, 4, 8)] == ["torch", "triton_fused", "torch", "torch"]
+    for kernel in ("torch", "triton", "triton_fused"):  # a named kernel is taken at every size
+        assert {ParallelConfig(all_reduce_kernel=kernel).kernel_for(n) for n in (2, 4)} == {kernel}
+
+
+def test_the_default_is_auto_and_each_kernel_reaches_the_engine():
     from experiments.lib.engine_backend import engine_args
     from experiments.lib.fidelity_spec import compose_cfg
 
-    assert ParallelConfig().all_reduce_kernel == EngineArgs().all_reduce_kernel == "torch"
     config = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu"]
-    assert engine_args(compose_cfg(config)).parallel_config().all_reduce_kernel == "torch"
+    assert engine_args(compose_cfg(config)).parallel_config().all_reduce_kernel == "auto"
     from engine.serve import engine_args_from, parse_args
 
     for kernel in ALL_REDUCE_KERNELS:
