@@ -108,6 +108,9 @@ class Simulator:
         # the next step is already running on the device).
         self.after_step: Callable[[], float | None] | None = None
         self.step_end = 0.0  # when the running step (or decode run) ends: a fleet's host loop acts after it
+        # A fleet's surcharge on a step of the given price starting now (device work queued ahead of
+        # it, a link slowing it); a replica with one steps one by one.
+        self.extra_step_s: Callable[[float], float] | None = None
         self._arrived = 0
         self._wake: simpy.Event | None = None
         self._next_arrival_at = 0.0  # SimPy time of the pending arrival (inf: none left)
@@ -184,7 +187,8 @@ class Simulator:
                 continue
             # Fast-forward: the next plain decode steps in one timeout (scheduling ahead: from a step
             # scheduled ahead, which the run starts with).
-            times = self._decode_run() if fast_forward and (not self.ahead or pending is not None) else None
+            times = self._decode_run() if fast_forward and self.extra_step_s is None \
+                and (not self.ahead or pending is not None) else None
             if times is not None:
                 idle_rounds = 0
                 self.step_end = times[-1]
@@ -220,6 +224,8 @@ class Simulator:
                     f"swapped={sched.num_swapped}) but schedules nothing and no arrival is left")
             idle_rounds = 0
             step_s = total_time(out)  # priced before schedule_ahead applies the step's progress
+            if self.extra_step_s is not None:
+                step_s += self.extra_step_s(step_s)
             # Async scheduling: the next step is decided as this one starts.
             nxt = schedule_ahead(env.now, stop_lens) if schedule_ahead is not None else None
             pending = None if nxt is None or nxt.is_empty else nxt  # schedule() replaces an empty one

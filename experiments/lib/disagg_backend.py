@@ -9,6 +9,7 @@ bandwidth and latency), and a block's bytes per tensor-parallel rank come from t
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -17,6 +18,7 @@ from experiments.lib.paths import REPO_ROOT
 from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole, kv_block_bytes
 from sim.fleet.disagg import DisaggFleetSimulator, HandoffHost
+from sim.latency.kv_receive import HARDWARE, KVReceivePrice, load_kv_receive
 
 ROUTER_DIR = REPO_ROOT / "conf" / "router"
 
@@ -28,6 +30,16 @@ def decode_router(cfg: DictConfig, name: str):
         return make_router(section, int(cfg.get("seed") or 0) + 1)
     except (TypeError, ValueError) as e:
         raise ValueError(f"cluster.decode_router: {e}") from None
+
+
+def receive_price(cluster, replica_cfgs: list[DictConfig]) -> KVReceivePrice | None:
+    """`cluster.kv_receive_profile`: a relative path is the repository's; 'hardware' prices the
+    scatter at the first decode replica's copy rate."""
+    setting = cluster.kv_receive_profile
+    if setting is not None and setting != HARDWARE and not Path(setting).is_absolute():
+        setting = str(REPO_ROOT / setting)
+    decode = next(r for role, r in zip(cluster.roles, replica_cfgs) if role is ReplicaRole.DECODE)
+    return load_kv_receive(setting, factory.hardware(decode).hbm_bandwidth)
 
 
 def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig], specs: list, router,
@@ -49,4 +61,5 @@ def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig]
                                 fast_forward=cfg.backend.get("fast_forward", True),
                                 host=HandoffHost(cluster.handoff_hop_s, cluster.handoff_step_boundaries,
                                                  cluster.handoff_host_s),
-                                batch_blocks=cluster.handoff_batch_blocks)
+                                batch_blocks=cluster.handoff_batch_blocks,
+                                receive=receive_price(cluster, replica_cfgs))

@@ -42,6 +42,9 @@ class ClusterConfig:
     dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (sim/fleet/fleet.py)
     # backend=engine: the engine pair's prefill engine schedules ahead (disaggregation.prefill_async_scheduling)
     prefill_async_scheduling: bool = False
+    # backend=sim: what a KV message costs the engines beside the link (sim/latency/kv_receive.py):
+    # None (nothing), 'hardware' or a receive profile's path
+    kv_receive_profile: str | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -88,6 +91,10 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     batch_blocks = c.get("handoff_batch_blocks", d.handoff_batch_blocks)
     if isinstance(batch_blocks, bool) or not isinstance(batch_blocks, int) or batch_blocks < 1:
         raise ValueError(f"cluster.handoff_batch_blocks={batch_blocks!r} is invalid: must be an integer >= 1")
+    receive = c.get("kv_receive_profile", d.kv_receive_profile)
+    if receive is not None and (not isinstance(receive, str) or not receive):
+        raise ValueError(f"cluster.kv_receive_profile={receive!r} is invalid: null, 'hardware' or a receive "
+                         "profile's path (experiments.bench_kv_receive)")
     hop = c.get("dispatch_hop_s", d.dispatch_hop_s)
     if isinstance(hop, bool) or not isinstance(hop, (int, float)) or not 0 <= hop < inf:
         raise ValueError(f"cluster.dispatch_hop_s={hop!r} is invalid: must be a number of seconds >= 0")
@@ -97,7 +104,7 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
             f"cluster.prefill_async_scheduling={ahead!r} is invalid: must be true or false")
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
                          float(host.hop_s), host.step_boundaries, float(host.per_handoff_s), batch_blocks, float(hop),
-                         ahead)
+                         ahead, receive)
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:

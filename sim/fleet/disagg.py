@@ -31,6 +31,14 @@ decode replica's running step ends (`decode_wait`); its `Reserved` answer reache
 the decode side notices the received KV when its running step ends (`link_time`). With
 `step_boundaries=False` and `hop_s=0` each side acts at once (the transfer is the link's alone).
 
+What a message costs the engines beside the link (`receive`, a `KVReceivePrice`:
+`cluster.kv_receive_profile`, sim/latency/kv_receive.py; None: nothing): the decode replica's next
+step after a receive waits for its scatter (`scatter_s` of the message's bytes, device time ahead
+of that step on the compute stream); a decode step while a receive into its replica is on the wire
+costs `busy_step_factor` times its price over the share of it the receive overlaps (receives
+under way when it starts); a prefill replica that schedules synchronously pays `send_host_s` of each
+message it posts before its next step, as it pays the hand-offs' host time.
+
 Decode replicas step one by one (no fast-forwarded decode runs: a received request joins at the
 time its transfer ends, which a run decided earlier could not know). Scheduling ahead, it joins
 the step after the one running, still scheduled ahead (`scheduler.join_ahead`: the scheduler's
@@ -50,6 +58,7 @@ from policies.disagg import DecodeSide, KVHandoff, PrefillSide, ReplicaRole, tra
 from policies.request import Request
 from policies.routing import Router, observe
 from sim.fleet.fleet import FleetResult, FleetSimulator, ReplicaSpec
+from sim.latency.kv_receive import KVReceivePrice
 from sim.latency.shapes import Link
 from sim.simulator import run_without_gc
 
@@ -84,10 +93,12 @@ class DisaggFleetSimulator(FleetSimulator):
                  block_bytes: Sequence[int], handoff_queue: int = 64, handoff_timeout_s: float = 60.0,
                  refresh_s: float = 0.0, stop_lens: Mapping[str, int] | None = None,
                  on_done: Callable[[int], None] | None = None, fast_forward: bool = True,
-                 host: HandoffHost | None = None, batch_blocks: int = 512) -> None:
+                 host: HandoffHost | None = None, batch_blocks: int = 512,
+                 receive: KVReceivePrice | None = None) -> None:
         """`links[i]` / `block_bytes[i]`: prefill replica i's outgoing link and KV block bytes per
         tensor-parallel rank (None / unused for other roles); `host`: the host loops' share of a
-        hand-off (default `HandoffHost()`); `batch_blocks`: blocks of one KV message, at most."""
+        hand-off (default `HandoffHost()`); `batch_blocks`: blocks of one KV message, at most;
+        `receive`: what a message costs the engines beside the link (None: nothing)."""
         if len(roles) != len(replicas):
             raise ValueError(f"roles={list(roles)!r} has {len(roles)} roles for {len(replicas)} replicas")
         super().__init__(replicas, router, requests, refresh_s, stop_lens, on_done, fast_forward)
@@ -104,6 +115,10 @@ class DisaggFleetSimulator(FleetSimulator):
         self.handoffs: list[KVHandoff] = []  # every hand-off, in the order they were made
         self._pending = 0  # hand-offs not yet received or dropped
         self._front_done = False
+        self.receive = receive
+        self._on_wire: dict[int, list[tuple[float, float]]] = {}  # decode replica -> receives under way
+        self._scatter_due: dict[int, float] = {}  # decode replica -> scatters its next step waits for
+        self._send_host_due: dict[int, float] = {}  # prefill replica -> host time of sends it posted
         for i, (replica, role) in enumerate(zip(self.replicas, roles)):
             if role is ReplicaRole.PREFILL:
                 if links[i] is None:
@@ -115,6 +130,9 @@ class DisaggFleetSimulator(FleetSimulator):
                 self.decode_sides[i] = DecodeSide(replica.scheduler, handoff_queue, handoff_timeout_s, i)
                 replica.fast_forward = False
                 replica.after_step = lambda i=i: self._admit(i)
+                if receive is not None:
+                    self._on_wire[i] = []
+                    replica.extra_step_s = lambda step_s, i=i: self._receive_surcharge(i, step_s)
 
     def run(self) -> FleetResult:
         self.env.process(self._arrivals())
@@ -146,7 +164,15 @@ class DisaggFleetSimulator(FleetSimulator):
                 self.env.timeout(self.host.hop_s).callbacks.append(lambda _, h=batch, d=target: self._arrive(h, d))
             else:
                 self._arrive(batch, target)
-        return len(handoffs) * self.host.per_handoff_s
+        return len(handoffs) * self.host.per_handoff_s + self._send_host_due.pop(prefill, 0.0)
+
+    def _receive_surcharge(self, decode: int, step_s: float) -> float:
+        """A decode replica's step of price `step_s` starting now: the scatters it waits for, and
+        the receives on the wire beside it (`receive`)."""
+        now = self.env.now
+        wire = self._on_wire[decode]
+        wire[:] = [w for w in wire if w[1] > now]
+        return self._scatter_due.pop(decode, 0.0) + self.receive.busy_surcharge_s(step_s, now, wire)
 
     def _arrive(self, handoffs: list[KVHandoff], decode: int) -> None:
         """Hand-offs reach the decode side: queued, then admitted now if that replica is between
@@ -200,7 +226,13 @@ class DisaggFleetSimulator(FleetSimulator):
             yield turn
             for handoff in batch:
                 handoff.transfer_start_time = self.env.now
-            yield self.env.timeout(link.transfer_time(sum(h.num_bytes for h in batch)))
+            nbytes = sum(h.num_bytes for h in batch)
+            wire_s = link.transfer_time(nbytes)
+            if self.receive is not None:
+                due = self._send_host_due
+                due[prefill] = due.get(prefill, 0.0) + self.receive.send_host_s(nbytes)
+                self._on_wire[decode].append((self.env.now, self.env.now + wire_s))
+            yield self.env.timeout(wire_s)
         if self.host.step_boundaries:  # the decode side's loop notices the KV after its running step
             yield self._step_boundary(decode)
         now, joined = self.env.now, False
@@ -213,6 +245,9 @@ class DisaggFleetSimulator(FleetSimulator):
                 self.replicas[prefill].num_left += 1
                 joined = True
         self.replicas[prefill].wake()  # their blocks are free again
+        if self.receive is not None:  # the message is scattered into its blocks before the next step
+            due = self._scatter_due
+            due[decode] = due.get(decode, 0.0) + self.receive.scatter_s(nbytes)
         if joined:
             self.replicas[decode].wake()
         self._settled(len(batch))

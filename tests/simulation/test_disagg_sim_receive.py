@@ -1,0 +1,165 @@
+"""What a KV message costs the engines beside the link (sim/latency/kv_receive.py, priced by
+sim/fleet/disagg.py): the decode replica's scatter before its next step, its steps beside a receive
+on the wire, a synchronous prefill replica's host time per message posted; read from a receive
+profile (experiments.bench_kv_receive's CSV) or the hardware's copy rate; off by default."""
+import pandas as pd
+import pytest
+from test_disagg_sim import _cfg, _scheduler
+from test_sim import Constant
+
+from experiments.lib import factory
+from experiments.lib.disagg_backend import receive_price
+from experiments.lib.fleet_backend import cluster_config
+from experiments.lib.traces import steps_frame
+from policies import Request, SamplingParams
+from policies.disagg import ReplicaRole
+from policies.routing import make_router
+from sim.fleet import ReplicaSpec
+from sim.fleet.disagg import DisaggFleetSimulator, HandoffHost
+from sim.latency.kv_receive import (
+    KVReceivePrice,
+    hardware_price,
+    load_kv_receive,
+    read_receive_profile,
+    write_receive_profile,
+)
+from sim.latency.shapes import Link
+
+DECODE_S, PREFILL_S = 0.003, 0.01
+
+
+def _profile(tmp_path, scatter_s=0.0, send_host_s=0.0, factor=1.0, name="receive.csv"):
+    path = tmp_path / name
+    rows = [{"blocks": b, "bytes": b * 4096, "scatter_s": scatter_s, "send_host_s": send_host_s} for b in (1, 64)]
+    write_receive_profile(path, {"model": "tiny", "busy_step_factor": factor}, rows)
+    return path
+
+
+def test_a_receive_profile_prices_between_and_past_its_sizes(tmp_path):
+    path = tmp_path / "p.csv"
+    write_receive_profile(path, {"busy_step_factor": 1.2}, [
+        {"blocks": 1, "bytes": 1000, "scatter_s": 1e-4, "send_host_s": 5e-4},
+        {"blocks": 3, "bytes": 3000, "scatter_s": 3e-4, "send_host_s": 6e-4}])
+    price = read_receive_profile(path)
+    assert price.busy_step_factor == 1.2
+    assert price.scatter_s(2000) == pytest.approx(2e-4) and price.send_host_s(2000) == pytest.approx(5.5e-4)
+    assert price.scatter_s(5000) == pytest.approx(5e-4)  # along the last segment
+    assert price.scatter_s(0) == pytest.approx(0.0)  # along the first, never below 0
+    # The device's copy rate: a copy reads and writes each byte.
+    assert hardware_price(4e12).scatter_s(1e9) == pytest.approx(2e9 / 4e12)
+    assert load_kv_receive(None, 4e12) is None and load_kv_receive("hardware", 4e12).send_host_s(1e9) == 0.0
+
+
+def test_a_step_beside_a_receive_pays_the_factor_over_the_share_it_overlaps():
+    price = KVReceivePrice((0.0, 1.0), (0.0, 0.0), (0.0, 0.0), 1.5, "t")
+    assert price.busy_surcharge_s(0.004, 10.0, []) == 0.0
+    assert price.busy_surcharge_s(0.004, 10.0, [(9.0, 11.0)]) == pytest.approx(0.002)  # the whole step
+    assert price.busy_surcharge_s(0.004, 10.0, [(10.001, 10.002)]) == pytest.approx(0.0005)
+    # Overlapping receives count their union once; ones outside the step not at all.
+    assert price.busy_surcharge_s(0.004, 10.0, [(10.0, 10.002), (10.001, 10.003), (11.0, 12.0)]) \
+        == pytest.approx(0.0015)
+
+
+@pytest.mark.parametrize(("write", "match"), [
+    (lambda p: p.write_text("blocks,bytes\n1,2\n"), "needs the columns"),
+    (lambda p: write_receive_profile(p, {"busy_step_factor": 0.5}, [
+        {"blocks": 1, "bytes": 1, "scatter_s": 0, "send_host_s": 0},
+        {"blocks": 2, "bytes": 2, "scatter_s": 0, "send_host_s": 0}]), "busy_step_factor=0.5 is invalid"),
+    (lambda p: write_receive_profile(p, {}, [
+        {"blocks": 1, "bytes": 1, "scatter_s": -1, "send_host_s": 0},
+        {"blocks": 2, "bytes": 2, "scatter_s": 0, "send_host_s": 0}]), "scatter_s values must be seconds"),
+    (lambda p: write_receive_profile(p, {}, [{"blocks": 1, "bytes": 1, "scatter_s": 0, "send_host_s": 0}]),
+     "at least two sizes"),
+])
+def test_a_bad_receive_profile_names_the_file_and_the_field(tmp_path, write, match):
+    path = tmp_path / "bad.csv"
+    write(path)
+    with pytest.raises(ValueError, match=match) as e:
+        read_receive_profile(path)
+    assert str(path) in str(e.value)
+    with pytest.raises(ValueError, match=r"cluster.kv_receive_profile='nope.csv'.*no such file"):
+        read_receive_profile("nope.csv")
+
+
+def test_the_setting_is_off_by_default_and_checked():
+    assert cluster_config(_cfg()).kv_receive_profile is None
+    with pytest.raises(ValueError, match="cluster.kv_receive_profile=5 is invalid"):
+        cluster_config(_cfg("cluster.kv_receive_profile=5"))
+    cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "cluster.kv_receive_profile=hardware",
+               "hardware=h200")
+    price = receive_price(cluster_config(cfg), [cfg, cfg])
+    assert price.scatter_s(1e9) == pytest.approx(2e9 / factory.hardware(cfg).hbm_bandwidth)
+
+
+def _run(receive: KVReceivePrice | None, every_s: float = 0.012):
+    """A 1P + 1D pair (prefill steps of 10 ms, decode steps of 3 ms, an arrival about each `every_s`,
+    irregular enough that KV lands mid-step), each side acting between its steps; its decode rows
+    and each replica's steps."""
+    requests = [Request(f"r{i}", list(range(30 + 7 * (i % 5))), SamplingParams(max_tokens=12, ignore_eos=True),
+                        arrival_time=every_s * i + 0.0013 * (i % 3)) for i in range(30)]
+    specs = [ReplicaSpec(_scheduler(400), Constant(PREFILL_S)), ReplicaSpec(_scheduler(400), Constant(DECODE_S))]
+    DisaggFleetSimulator(specs, [ReplicaRole.PREFILL, ReplicaRole.DECODE], make_router({"name": "round_robin"}),
+                         make_router({"name": "least_kv"}), requests, [Link(10.0, 1e-5, 1e-3), None], [4096, 0],
+                         host=HandoffHost(hop_s=1e-4, step_boundaries=True), receive=receive).run()
+    rows = pd.DataFrame(specs[1].scheduler.recorder.requests)
+    return rows, [steps_frame(spec.scheduler.recorder) for spec in specs]
+
+
+def _starts(rows: pd.DataFrame) -> pd.Series:
+    """Each request's transfer start (a message's requests share one)."""
+    return (rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"] + rows["decode_wait"]
+            + rows["link_wait"]).round(12)
+
+
+def _messages(rows: pd.DataFrame) -> int:
+    return _starts(rows).nunique()
+
+
+def test_the_decode_replicas_next_step_after_a_receive_waits_for_its_scatter(tmp_path):
+    scatter = 0.0017
+    rows, (_, decode) = _run(read_receive_profile(_profile(tmp_path, scatter_s=scatter)))
+    assert len(rows) == 30
+    extra = (decode["duration"] - DECODE_S).round(9)
+    assert set(extra) <= {0.0, round(scatter, 9), round(2 * scatter, 9)}
+    assert extra.sum() == pytest.approx(scatter * _messages(rows))
+    first = rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"] + rows["transfer_time"]
+    slowed = decode.loc[extra > 0, "time"]
+    assert all(((slowed >= t - 1e-12)).any() for t in first)  # each after a receive
+    _, (_, off) = _run(None)
+    assert (off["duration"] - DECODE_S).abs().max() < 1e-12  # off: every step at its price
+
+
+def test_decode_steps_beside_a_receive_on_the_wire_cost_the_factor(tmp_path):
+    rows, (_, decode) = _run(read_receive_profile(_profile(tmp_path, factor=1.5)))
+    prefill_end = rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"]
+    start = prefill_end + rows["decode_wait"] + rows["link_wait"]
+    wire = sorted(set(zip(start.round(12), (start + (rows["transfer_bytes"] / 10e9 + 1e-5 + 1e-3)).round(12))))
+    extra = decode["duration"] - DECODE_S
+    assert extra.max() > 0
+    checked = 0
+    for t, e in zip(decode["time"], extra):  # a step started under a receive pays half the overlap
+        if any(abs(a - t) < 1e-12 for a, _ in wire):
+            continue  # a send posted at the step's own start: before or after its pricing
+        overlap = sum(max(0.0, min(b, t + DECODE_S) - max(a, t)) for a, b in wire if a < t)
+        assert e == pytest.approx(0.5 * overlap, abs=1e-9)
+        checked += overlap > 0
+    assert checked > 5
+
+
+def _gaps(steps: pd.DataFrame):
+    steps = steps.sort_values("time")
+    return steps["time"].iloc[1:].to_numpy() - (steps["time"] + steps["duration"]).iloc[:-1].to_numpy()
+
+
+def test_a_synchronous_prefill_replica_pays_each_messages_send_before_a_later_step(tmp_path):
+    send = 0.004
+    rows, (prefill, _) = _run(read_receive_profile(_profile(tmp_path, send_host_s=send)), every_s=0.004)
+    gaps = _gaps(prefill)  # arrivals outpace its steps: never idle, every gap is host time
+    assert set((gaps / send).round(9)) <= {0.0, 1.0, 2.0}
+    start = _starts(rows).drop_duplicates().sort_values()
+    last, before_last = prefill["time"].max(), prefill["time"].nlargest(2).min()
+    # Each send is paid at the prefill replica's next step boundary (one after the last step: never).
+    assert (start < before_last).sum() <= round(gaps.sum() / send) <= (start < last).sum()
+    assert gaps.sum() > 0
+    _, (off, _) = _run(None, every_s=0.004)
+    assert _gaps(off).max() < 1e-12
