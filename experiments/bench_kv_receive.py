@@ -1,0 +1,255 @@
+"""`python -m experiments.bench_kv_receive --out FILE.csv`: what a KV message costs the two engines of
+a prefill/decode pair beside the link itself, timed on their own, written as the receive profile the
+simulator reads (`cluster.kv_receive_profile`, sim/latency/kv_receive.py; docs/disaggregation.md).
+
+Two processes on two GPUs of one host, as the pair runs (cuda:0 sends, cuda:1 receives, the
+engine's `KVLink` over NCCL; `--device cpu`: gloo and the CPU, a smoke test whose figures are the
+loopback's). The receiver builds the decode engine's `ModelRunner` (dummy weights, CUDA graphs) and
+its KV cache; for each message size of `--blocks` (blocks of the model's KV, every layer's K and V):
+
+- `scatter_s`: the decode side's scatter of a received message into its blocks, as `KVLink.scatter`
+  runs it (block ids from pinned memory, one `kernels.scatter_blocks` launch on the compute stream),
+  device time between CUDA events: what the next decode step waits for. Median of `--iters`.
+- `send_host_s`: the prefill side's host time in `KVLink.send` (staging buffer, gather launch, the
+  send call; after the compute stream's work, as the synchronous front posts it), the receive
+  posted first. Median of `--iters`.
+
+Then `busy_step_factor`: decode steps of `--decode-seqs` sequences reading `--context` tokens each
+(`ModelRunner.execute` of a synthetic step, synchronised), alternately with the link idle and while
+messages of `--busy-blocks` blocks are received back to back (waves of `--wave` receives posted at
+once, the pair's `max_transfers_in_flight`), no scatter: the median step with a receive on the wire
+from its start to its end over the median idle step, over `--rounds` rounds of `--steps` steps each.
+The receiving `KVLink`'s waiter thread polls in the runner's process, as in the decode engine.
+
+Bounded: the whole run by `--budget-s` (sizes left are skipped, rounds cut short) and every wait
+for the other process by the link's timeout. Runs in ~60-90 s on two H200s (the runner's start ~20 s).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kernels
+from engine.config import CacheConfig
+from engine.device.model_runner import ModelRunner
+from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, open_store
+from engine.disagg.kv_transfer_message import interleaved
+from engine.model_loader import load_model_config
+from experiments.bench_kv_transfer import LINK_TIMEOUT_S, _blocks, _caches
+from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
+from sim.latency.kv_receive import write_receive_profile
+
+DEFAULT_BLOCKS = "1,8,32,128,256,512"
+
+
+def _pinned_ids(ids: list[int], dev: torch.device) -> torch.Tensor:
+    """Block ids on the device as `KVLink` puts them there (pinned memory, no host sync)."""
+    index = torch.tensor(ids, dtype=torch.int64)
+    return index if dev.type != "cuda" else index.pin_memory().to(dev, non_blocking=True)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _scatter_s(k, v, n: int, iters: int, dev: torch.device) -> float:
+    """Median device time of scattering a received message of `n` blocks (wall time on the CPU)."""
+    staging = torch.randn((2 * len(k), n, *k[0].shape[1:]), device=dev).to(k[0].dtype)
+    caches, times = interleaved(k, v), []
+    for i in range(iters + 2):
+        ids = _blocks(n, k[0].shape[0], 7 + i)
+        _sync(dev)
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            kernels.scatter_blocks(staging, caches, _pinned_ids(ids, dev))
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            kernels.scatter_blocks(staging, caches, _pinned_ids(ids, dev))
+            seconds = time.perf_counter() - t0
+        if i >= 2:
+            times.append(seconds)
+    return statistics.median(times)
+
+
+def _receiver(port: int, conn, a: argparse.Namespace) -> None:
+    """The decode side: its runner and cache; scatter times, receives for the sender's timings, then
+    decode steps idle and beside receives. Answers on `conn`; every wait bounded by the link."""
+    dev = torch.device("cuda", 1) if a.device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    cfg = load_model_config(a.model)
+    shape = StepShape(0, 0, a.decode_seqs, a.context)
+    sizes = [int(b) for b in a.blocks.split(",")]
+    max_model_len = min(4096, cfg.max_position_embeddings)
+    num_blocks = max(blocks_needed(shape, a.block_size) + 2 * max(sizes + [a.busy_blocks]),
+                     -(-max_model_len // a.block_size))
+    runner = ModelRunner(cfg, CacheConfig(block_size=a.block_size, num_gpu_blocks=num_blocks, swap_space=0.01),
+                         max_num_batched_tokens=max(2048, a.decode_seqs), max_num_seqs=max(256, a.decode_seqs),
+                         max_model_len=max_model_len, device=dev,
+                         decode_kernel=a.decode_kernel)
+    k, v = runner.kv_cache.k_caches, runner.kv_cache.v_caches
+    link = KVLink(RECV_RANK, join_store(port, LINK_TIMEOUT_S), dev, LINK_TIMEOUT_S)
+    started = time.monotonic()
+    out = {"scatter_s": {n: _scatter_s(k, v, n, a.iters, dev) for n in sizes}}
+    conn.send(("scatter", out["scatter_s"]))
+    while (msg := conn.recv()) is not None:  # the sender's send timings: post, say ready, wait
+        transfer = link.recv([("r", list(range(msg)))], k)
+        conn.send("ready")
+        done = link.wait_all(LINK_TIMEOUT_S)
+        conn.send("done" if done and done[0] is transfer and transfer.error is None else "failed")
+    step = synthetic_step(shape, a.block_size, runner.num_gpu_blocks, cfg.vocab_size)
+    for _ in range(10):
+        runner.execute(step)
+    idle, busy = [], []
+    for _ in range(a.rounds):
+        if time.monotonic() - started > a.budget_s:
+            break
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            runner.execute(step)
+            _sync(dev)
+            idle.append(time.perf_counter() - t0)
+        got = 0  # then as many steps beside receives
+        while got < a.steps and time.monotonic() - started <= a.budget_s:
+            wave = [link.recv([("w", list(range(a.busy_blocks)))], k) for _ in range(a.wave)]
+            conn.send(("wave", a.wave))
+            while link.num_in_flight and got < a.steps:
+                before = link.num_in_flight
+                t0 = time.perf_counter()
+                runner.execute(step)
+                _sync(dev)
+                seconds = time.perf_counter() - t0
+                if before and link.num_in_flight:  # a receive on the wire from its start to its end
+                    busy.append(seconds)
+                    got += 1
+            done = link.wait_all(LINK_TIMEOUT_S)
+            if len(done) != len(wave) or any(t.error is not None for t in done):
+                raise RuntimeError(f"a wave of {len(wave)} receives did not complete within {LINK_TIMEOUT_S} s")
+    conn.send(("steps", idle, busy))
+    conn.recv()  # the sender is done
+    link.close()
+
+
+def _sender(link: KVLink, conn, k, v, a: argparse.Namespace, started: float) -> dict:
+    """The prefill side: the send's host time per size, then waves of sends when the receiver asks."""
+    if not conn.poll(max(LINK_TIMEOUT_S, a.budget_s)):
+        raise SystemExit("error: the receiver did not time its scatters")
+    _, scatter = conn.recv()
+    sizes, send = sorted(scatter), {}
+    for n in sizes:
+        times = []
+        for i in range(a.iters + 2):
+            if time.monotonic() - started > a.budget_s:
+                break
+            conn.send(n)
+            if not conn.poll(LINK_TIMEOUT_S) or conn.recv() != "ready":
+                raise SystemExit("error: the receiver did not post its receive")
+            ids = _blocks(n, k[0].shape[0], i)
+            _sync(link.device)
+            t0 = time.perf_counter()
+            link.send([("r", ids)], k, v)
+            times.append(time.perf_counter() - t0)
+            link.wait_all(LINK_TIMEOUT_S)
+            if not conn.poll(LINK_TIMEOUT_S) or conn.recv() != "done":
+                raise SystemExit("error: a transfer did not complete")
+        if len(times) > 2:
+            send[n] = statistics.median(times[2:])
+    conn.send(None)
+    while True:
+        if not conn.poll(max(LINK_TIMEOUT_S, a.budget_s)):
+            raise SystemExit("error: the receiver did not finish its decode steps")
+        msg = conn.recv()
+        if msg[0] == "steps":
+            conn.send(None)
+            return {"scatter": scatter, "send": send, "idle": msg[1], "busy": msg[2]}
+        for i in range(msg[1]):
+            link.send([("w", _blocks(a.busy_blocks, k[0].shape[0], 100 + i))], k, v)
+        link.wait_all(LINK_TIMEOUT_S)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3-0.6b", help="conf/model name (tiny-qwen3 for a CPU smoke run)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--blocks", default=DEFAULT_BLOCKS, help="message sizes in blocks, comma-separated")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--decode-seqs", type=int, default=104, help="the decode step's sequences")
+    ap.add_argument("--context", type=int, default=700, help="KV tokens each decode reads")
+    ap.add_argument("--busy-blocks", type=int, default=240, help="blocks of each message received beside the steps")
+    ap.add_argument("--wave", type=int, default=8, help="receives posted at once")
+    ap.add_argument("--steps", type=int, default=60, help="decode steps per round, idle and busy each")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-kernel", default="auto")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    ap.add_argument("--budget-s", type=float, default=90.0, help="stop measuring after this many seconds")
+    ap.add_argument("--out", type=Path, required=True, help="the receive profile (CSV) to write")
+    a = ap.parse_args()
+    try:
+        sizes = sorted({int(b) for b in a.blocks.split(",")})
+    except ValueError:
+        raise SystemExit(f"error: --blocks={a.blocks!r} is invalid: positive integers, comma-separated") from None
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise SystemExit(f"error: --blocks={a.blocks!r} is invalid: at least two sizes, each >= 1")
+    if a.device == "cuda" and torch.cuda.device_count() < 2:
+        raise SystemExit("error: --device cuda needs two GPUs (cuda:0 sends, cuda:1 receives); --device cpu: gloo")
+    started = time.monotonic()
+    dev = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    cfg = load_model_config(a.model)
+    k, v = _caches(cfg, 2 * max(sizes + [a.busy_blocks]), a.block_size, dev,
+                   cfg.torch_dtype if dev.type == "cuda" else torch.float32)
+    block_bytes = 2 * len(k) * k[0][0].numel() * k[0].element_size()
+    store = open_store(LINK_TIMEOUT_S)
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(store.port, theirs, a), daemon=True)
+    proc.start()
+    link = KVLink(SEND_RANK, store, dev, LINK_TIMEOUT_S)
+    try:
+        got = _sender(link, ours, k, v, a, started)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        link.close()
+    idle, busy = statistics.median(got["idle"]), statistics.median(got["busy"]) if got["busy"] else None
+    factor = max(1.0, busy / idle) if busy else 1.0
+    rows = [{"blocks": n, "bytes": n * block_bytes, "scatter_s": got["scatter"][n], "send_host_s": got["send"][n]}
+            for n in sizes if n in got["send"]]
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (gloo)"
+    meta = {"model": a.model, "device": name, "block_size": a.block_size,
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "versions": f"torch {torch.__version__}", "command": "python -m experiments.bench_kv_receive " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
+            "busy_step_factor": f"{factor:.4f}", "busy_over_idle": f"{busy / idle:.4f}" if busy else "-",
+            "decode_step_idle_s": f"{idle:.6e}",
+            "decode_step_busy_s": f"{busy:.6e}" if busy else "-",
+            "steps_idle_busy": f"{len(got['idle'])} {len(got['busy'])}"}
+    print(f"{a.model} on {name}: block {block_bytes / 2**20:.2f} MiB")
+    print(f"{'blocks':>7} {'MiB':>8} {'scatter ms':>11} {'GB/s':>7} {'send host ms':>13}")
+    for r in rows:
+        print(f"{r['blocks']:>7} {r['bytes'] / 2**20:>8.1f} {r['scatter_s'] * 1e3:>11.3f} "
+              f"{r['bytes'] / r['scatter_s'] / 1e9:>7.0f} {r['send_host_s'] * 1e3:>13.3f}")
+    print(f"decode step ({a.decode_seqs} x {a.context} tokens): idle {idle * 1e3:.3f} ms ({len(got['idle'])} steps), "
+          f"beside receives of {a.busy_blocks} blocks {meta['decode_step_busy_s']} s ({len(got['busy'])} steps): "
+          f"busy_step_factor {factor:.3f}")
+    if len(rows) < 2:
+        raise SystemExit(f"error: --budget-s={a.budget_s} ran out before two message sizes were timed")
+    write_receive_profile(a.out, meta, rows)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
