@@ -60,6 +60,6 @@ def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig]
                                 cluster.handoff_timeout_s, cluster.refresh_s, workload.stop_lens, on_done,
                                 fast_forward=cfg.backend.get("fast_forward", True),
                                 host=HandoffHost(cluster.handoff_hop_s, cluster.handoff_step_boundaries,
-                                                 cluster.handoff_host_s),
+                                                 cluster.handoff_host_s, cluster.prefill_admits_between_steps),
                                 batch_blocks=cluster.handoff_batch_blocks,
                                 receive=receive_price(cluster, replica_cfgs))

@@ -45,6 +45,9 @@ class ClusterConfig:
     # backend=sim: what a KV message costs the engines beside the link (sim/latency/kv_receive.py):
     # None (nothing), 'hardware' or a receive profile's path
     kv_receive_profile: str | None = None
+    # backend=sim: a synchronous prefill replica admits the requests that arrived during a step before
+    # its next one (its latency model's admission_s each), as the engine pair's front does
+    prefill_admits_between_steps: bool = False
 
     @property
     def disaggregated(self) -> bool:
@@ -87,7 +90,8 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
         raise ValueError(f"cluster.handoff_timeout_s={timeout!r} is invalid: must be a number of seconds > 0")
     from sim.fleet.disagg import HandoffHost
     host = HandoffHost(c.get("handoff_hop_s", d.handoff_hop_s), c.get("handoff_step_boundaries", d.handoff_step_boundaries),
-                       c.get("handoff_host_s", d.handoff_host_s))  # checks all three
+                       c.get("handoff_host_s", d.handoff_host_s),
+                       c.get("prefill_admits_between_steps", d.prefill_admits_between_steps))  # checks all four
     batch_blocks = c.get("handoff_batch_blocks", d.handoff_batch_blocks)
     if isinstance(batch_blocks, bool) or not isinstance(batch_blocks, int) or batch_blocks < 1:
         raise ValueError(f"cluster.handoff_batch_blocks={batch_blocks!r} is invalid: must be an integer >= 1")
@@ -104,7 +108,7 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
             f"cluster.prefill_async_scheduling={ahead!r} is invalid: must be true or false")
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
                          float(host.hop_s), host.step_boundaries, float(host.per_handoff_s), batch_blocks, float(hop),
-                         ahead, receive)
+                         ahead, receive, host.admits_between_steps)
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:

@@ -30,6 +30,9 @@ decode replica's running step ends (`decode_wait`); its `Reserved` answer reache
 `hop_s` later and the send is posted when the prefill replica's running step ends (`link_wait`);
 the decode side notices the received KV when its running step ends (`link_time`). With
 `step_boundaries=False` and `hop_s=0` each side acts at once (the transfer is the link's alone).
+With `admits_between_steps` a synchronous prefill replica also pays the latency model's `admission_s`
+for each request routed to it during a step before its next step: the front's loop admits arrivals
+between its steps (the requests themselves reach its scheduler after their admission either way).
 
 What a message costs the engines beside the link (`receive`, a `KVReceivePrice`:
 `cluster.kv_receive_profile`, sim/latency/kv_receive.py; None: nothing): the decode replica's next
@@ -72,6 +75,9 @@ class HandoffHost:
     # The prefill side's host loop per request it hands off (ending it at its first token, its
     # hand-off message), before its next step when it schedules synchronously.
     per_handoff_s: float = 0.0
+    # A synchronous prefill replica admits the requests routed to it during a step after that step,
+    # before the next (its latency model's `admission_s` each), as the engine pair's front does.
+    admits_between_steps: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.hop_s, bool) or not isinstance(self.hop_s, (int, float)) \
@@ -85,6 +91,10 @@ class HandoffHost:
                 or not 0 <= self.per_handoff_s < math.inf:
             raise ValueError(f"cluster.handoff_host_s={self.per_handoff_s!r} is invalid: "
                              "must be a number of seconds >= 0")
+        if not isinstance(self.admits_between_steps, bool):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"cluster.prefill_admits_between_steps={self.admits_between_steps!r} is invalid: "
+                "must be true or false")
 
 
 class DisaggFleetSimulator(FleetSimulator):
@@ -119,6 +129,7 @@ class DisaggFleetSimulator(FleetSimulator):
         self._on_wire: dict[int, list[tuple[float, float]]] = {}  # decode replica -> receives under way
         self._scatter_due: dict[int, float] = {}  # decode replica -> scatters its next step waits for
         self._send_host_due: dict[int, float] = {}  # prefill replica -> host time of sends it posted
+        self._admitted: dict[int, int] = {}  # prefill replica -> requests routed there by its last step's end
         for i, (replica, role) in enumerate(zip(self.replicas, roles)):
             if role is ReplicaRole.PREFILL:
                 if links[i] is None:
@@ -164,7 +175,12 @@ class DisaggFleetSimulator(FleetSimulator):
                 self.env.timeout(self.host.hop_s).callbacks.append(lambda _, h=batch, d=target: self._arrive(h, d))
             else:
                 self._arrive(batch, target)
-        return len(handoffs) * self.host.per_handoff_s + self._send_host_due.pop(prefill, 0.0)
+        host_s = len(handoffs) * self.host.per_handoff_s + self._send_host_due.pop(prefill, 0.0)
+        if self.host.admits_between_steps:  # the requests routed here during the step, admitted now
+            replica = self.replicas[prefill]
+            host_s += (replica.num_routed - self._admitted.get(prefill, 0)) * replica.latency.admission_s
+            self._admitted[prefill] = replica.num_routed
+        return host_s
 
     def _receive_surcharge(self, decode: int, step_s: float) -> float:
         """A decode replica's step of price `step_s` starting now: the scatters it waits for, and

@@ -163,3 +163,31 @@ def test_a_synchronous_prefill_replica_pays_each_messages_send_before_a_later_st
     assert gaps.sum() > 0
     _, (off, _) = _run(None, every_s=0.004)
     assert _gaps(off).max() < 1e-12
+
+
+class _Admitting(Constant):
+    admission_s = 0.0005
+
+
+def test_a_synchronous_prefill_replica_admits_its_arrivals_between_its_steps():
+    """`cluster.prefill_admits_between_steps`: the requests routed to a synchronous prefill replica
+    during a step cost it `admission_s` each before its next step; off, nothing."""
+    def gaps(admits: bool):
+        requests = [Request(f"r{i}", list(range(40)), SamplingParams(max_tokens=2, ignore_eos=True),
+                            arrival_time=0.003 * i) for i in range(20)]
+        specs = [ReplicaSpec(_scheduler(400), _Admitting(PREFILL_S)), ReplicaSpec(_scheduler(400), Constant(DECODE_S))]
+        DisaggFleetSimulator(specs, [ReplicaRole.PREFILL, ReplicaRole.DECODE], make_router({"name": "round_robin"}),
+                             make_router({"name": "least_kv"}), requests, [Link(10.0, 1e-5), None], [4096, 0],
+                             host=HandoffHost(admits_between_steps=admits)).run()
+        steps = steps_frame(specs[0].scheduler.recorder).sort_values("time")
+        return _gaps(steps), steps
+    on, steps = gaps(True)
+    ends, at = (steps["time"] + steps["duration"]).tolist(), [0.003 * i for i in range(20)]
+    # Paid after each step: the requests routed since the step before it ended.
+    routed = [sum(a < end + 1e-12 for a in at) for end in ends]
+    assert on.max() > 0 and on == pytest.approx([0.0005 * (b - a) for a, b in zip([0, *routed], routed)][:-1],
+                                                abs=1e-9)
+    off, _ = gaps(False)
+    assert off.max() < 1e-12
+    with pytest.raises(ValueError, match="cluster.prefill_admits_between_steps=1 is invalid"):
+        HandoffHost(admits_between_steps=1)
