@@ -19,7 +19,8 @@ Then `busy_step_factor`: decode steps of `--decode-seqs` sequences reading `--co
 messages of `--busy-blocks` blocks are received back to back (waves of `--wave` receives posted at
 once, the pair's `max_transfers_in_flight`), no scatter: the median step with a receive on the wire
 from its start to its end over the median idle step, over `--rounds` rounds of `--steps` steps each.
-The receiving `KVLink`'s waiter thread polls in the runner's process, as in the decode engine.
+The engine's own receive path runs beside the steps, as in the decode engine: the receiving
+`KVLink`'s waiter thread in the runner's process, and the step loop polling the link every turn.
 
 Bounded: the whole run by `--budget-s` (sizes left are skipped, rounds cut short) and every wait
 for the other process by the link's timeout. Runs in ~60-90 s on two H200s (the runner's start ~20 s).
@@ -117,6 +118,7 @@ def _receiver(port: int, conn, a: argparse.Namespace) -> None:
             break
         for _ in range(a.steps):
             t0 = time.perf_counter()
+            link.poll()  # the decode loop polls its link every turn
             runner.execute(step)
             _sync(dev)
             idle.append(time.perf_counter() - t0)
@@ -124,16 +126,18 @@ def _receiver(port: int, conn, a: argparse.Namespace) -> None:
         while got < a.steps and time.monotonic() - started <= a.budget_s:
             wave = [link.recv([("w", list(range(a.busy_blocks)))], k) for _ in range(a.wave)]
             conn.send(("wave", a.wave))
+            ended = []
             while link.num_in_flight and got < a.steps:
                 before = link.num_in_flight
                 t0 = time.perf_counter()
+                ended += link.poll()
                 runner.execute(step)
                 _sync(dev)
                 seconds = time.perf_counter() - t0
                 if before and link.num_in_flight:  # a receive on the wire from its start to its end
                     busy.append(seconds)
                     got += 1
-            done = link.wait_all(LINK_TIMEOUT_S)
+            done = ended + link.wait_all(LINK_TIMEOUT_S)
             if len(done) != len(wave) or any(t.error is not None for t in done):
                 raise RuntimeError(f"a wave of {len(wave)} receives did not complete within {LINK_TIMEOUT_S} s")
     conn.send(("steps", idle, busy))
