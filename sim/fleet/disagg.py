@@ -37,9 +37,10 @@ between its steps (the requests themselves reach its scheduler after their admis
 What a message costs the engines beside the link (`receive`, a `KVReceivePrice`:
 `cluster.kv_receive_profile`, sim/latency/kv_receive.py; None: nothing): the decode replica's next
 step after a receive waits for its scatter (`scatter_s` of the message's bytes, device time ahead
-of that step on the compute stream); a decode step while a receive into its replica is on the wire
+of that step on the compute stream); a decode step while a receive into its replica is posted
+(from its reservation, when the engine's decode side posts it, to the end of its bytes on the wire)
 costs `busy_step_factor` times its price over the share of it the receive overlaps (receives
-under way when it starts); a prefill replica that schedules synchronously pays `send_host_s` of each
+posted when it starts; one not sent yet counts to the step's end); a prefill replica that schedules synchronously pays `send_host_s` of each
 message it posts before its next step, as it pays the hand-offs' host time.
 
 Decode replicas step one by one (no fast-forwarded decode runs: a received request joins at the
@@ -126,7 +127,8 @@ class DisaggFleetSimulator(FleetSimulator):
         self._pending = 0  # hand-offs not yet received or dropped
         self._front_done = False
         self.receive = receive
-        self._on_wire: dict[int, list[tuple[float, float]]] = {}  # decode replica -> receives under way
+        # decode replica -> its receives posted and not yet done: [posted, wire end (inf: not sent yet)]
+        self._posted: dict[int, list[list[float]]] = {}
         self._scatter_due: dict[int, float] = {}  # decode replica -> scatters its next step waits for
         self._send_host_due: dict[int, float] = {}  # prefill replica -> host time of sends it posted
         self._admitted: dict[int, int] = {}  # prefill replica -> requests routed there by its last step's end
@@ -142,7 +144,7 @@ class DisaggFleetSimulator(FleetSimulator):
                 replica.fast_forward = False
                 replica.after_step = lambda i=i: self._admit(i)
                 if receive is not None:
-                    self._on_wire[i] = []
+                    self._posted[i] = []
                     replica.extra_step_s = lambda step_s, i=i: self._receive_surcharge(i, step_s)
 
     def run(self) -> FleetResult:
@@ -184,11 +186,11 @@ class DisaggFleetSimulator(FleetSimulator):
 
     def _receive_surcharge(self, decode: int, step_s: float) -> float:
         """A decode replica's step of price `step_s` starting now: the scatters it waits for, and
-        the receives on the wire beside it (`receive`)."""
+        the receives posted beside it (`receive`)."""
         now = self.env.now
-        wire = self._on_wire[decode]
-        wire[:] = [w for w in wire if w[1] > now]
-        return self._scatter_due.pop(decode, 0.0) + self.receive.busy_surcharge_s(step_s, now, wire)
+        posted = self._posted[decode]
+        posted[:] = [w for w in posted if w[1] > now]
+        return self._scatter_due.pop(decode, 0.0) + self.receive.busy_surcharge_s(step_s, now, posted)
 
     def _arrive(self, handoffs: list[KVHandoff], decode: int) -> None:
         """Hand-offs reach the decode side: queued, then admitted now if that replica is between
@@ -235,6 +237,9 @@ class DisaggFleetSimulator(FleetSimulator):
         """One KV message: the hand-offs of `batch` (one prefill replica, one decode replica)."""
         prefill, decode = batch[0].prefill_replica, batch[0].decode_replica
         link, resource = self.links[prefill]
+        receiving = [self.env.now, math.inf]  # the decode side posts the receive as it reserves
+        if self.receive is not None:
+            self._posted[decode].append(receiving)
         if self.host.hop_s or self.host.step_boundaries:  # `Reserved` reaches the prefill side's loop
             yield self.env.timeout(self.host.hop_s)
             yield self._step_boundary(prefill)
@@ -247,7 +252,7 @@ class DisaggFleetSimulator(FleetSimulator):
             if self.receive is not None:
                 due = self._send_host_due
                 due[prefill] = due.get(prefill, 0.0) + self.receive.send_host_s(nbytes)
-                self._on_wire[decode].append((self.env.now, self.env.now + wire_s))
+                receiving[1] = self.env.now + wire_s
             yield self.env.timeout(wire_s)
         if self.host.step_boundaries:  # the decode side's loop notices the KV after its running step
             yield self._step_boundary(decode)

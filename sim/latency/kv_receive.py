@@ -6,8 +6,9 @@ pair (sim/fleet/disagg.py; docs/disaggregation.md, "What a receive costs beside 
   for);
 - `send_host_s(bytes)`: the prefill side's host time to post a message (staging buffer, gather
   launch, the send call) on the loop that runs its steps;
-- `busy_step_factor`: a decode step that runs while a receive is on the wire into its GPU takes
-  this many times its price (NCCL's receive kernels beside the forward, the link's waiter thread).
+- `busy_step_factor`: a decode step that runs while a receive into its GPU is posted and not done
+  takes this many times its price (NCCL's receive kernels beside the forward, the link's waiter
+  thread polling them, the loop polling the link).
 
 Where the figures come from (`load_kv_receive`):
 - a receive profile, the CSV `experiments.bench_kv_receive` writes on two GPUs: `# key: value`
@@ -60,9 +61,9 @@ class KVReceivePrice:
     def send_host_s(self, nbytes: float) -> float:
         return _interpolate(self.bytes_at, self.send_host_at, nbytes)
 
-    def busy_surcharge_s(self, step_s: float, start: float, receives: list[tuple[float, float]]) -> float:
-        """Seconds a step of price `step_s` starting at `start` gains from the receives on the wire
-        into its GPU (`receives`: their (start, end)): `(busy_step_factor - 1)` x the step's price
+    def busy_surcharge_s(self, step_s: float, start: float, receives) -> float:
+        """Seconds a step of price `step_s` starting at `start` gains from the receives posted on
+        its GPU (`receives`: their (posted, done) pairs): `(busy_step_factor - 1)` x the step's price
         over the share of it the receives overlap."""
         if self.busy_step_factor == 1.0 or step_s <= 0 or not receives:
             return 0.0

@@ -129,20 +129,29 @@ def test_the_decode_replicas_next_step_after_a_receive_waits_for_its_scatter(tmp
     assert (off["duration"] - DECODE_S).abs().max() < 1e-12  # off: every step at its price
 
 
-def test_decode_steps_beside_a_receive_on_the_wire_cost_the_factor(tmp_path):
+def test_decode_steps_beside_a_posted_receive_cost_the_factor(tmp_path):
+    """A receive counts from its reservation (the engine's decode side posts it then) to the end of
+    its bytes on the wire; a step started meanwhile pays the factor over the share they overlap."""
     rows, (_, decode) = _run(read_receive_profile(_profile(tmp_path, factor=1.5)))
-    prefill_end = rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"]
-    start = prefill_end + rows["decode_wait"] + rows["link_wait"]
-    wire = sorted(set(zip(start.round(12), (start + (rows["transfer_bytes"] / 10e9 + 1e-5 + 1e-3)).round(12))))
+    reserved = rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"] + rows["decode_wait"]
+    start = reserved + rows["link_wait"]
+    done = start + rows["transfer_bytes"].groupby(start.round(12)).transform("sum") / 10e9 + 1e-5 + 1e-3
+    posted = sorted(set(zip(reserved.round(12), start.round(12), done.round(12))))
     extra = decode["duration"] - DECODE_S
     assert extra.max() > 0
     checked = 0
-    for t, e in zip(decode["time"], extra):  # a step started under a receive pays half the overlap
-        if any(abs(a - t) < 1e-12 for a, _ in wire):
-            continue  # a send posted at the step's own start: before or after its pricing
-        overlap = sum(max(0.0, min(b, t + DECODE_S) - max(a, t)) for a, b in wire if a < t)
-        assert e == pytest.approx(0.5 * overlap, abs=1e-9)
-        checked += overlap > 0
+    for t, e in zip(decode["time"], extra):  # a step started beside a receive pays half the overlap
+        if any(abs(a - t) < 1e-12 or abs(s - t) < 1e-12 for a, s, _ in posted):
+            continue  # posted or sent at the step's own start: before or after its pricing
+        # Not sent yet when the step starts: its end is not known, so it counts to the step's end.
+        spans = [(a, b if s < t else float("inf")) for a, s, b in posted if a < t]
+        covered, reach = 0.0, t
+        for a, b in sorted(spans):
+            a, b = max(a, reach), min(b, t + DECODE_S)
+            if b > a:
+                covered, reach = covered + b - a, b
+        assert e == pytest.approx(0.5 * covered, abs=1e-9)
+        checked += covered > 0
     assert checked > 5
 
 
