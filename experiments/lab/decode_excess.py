@@ -20,7 +20,9 @@ the step rows tell apart:
   broke the pipeline: on a decode engine a receive's scatter and take-over), their host gap apart;
 - `ahead, link busy` / `ahead, link idle`: the other scheduled-ahead steps, by whether a KV receive
   was on the wire (a request's `transfer_time - link_time` after its prefill ended, to the end of
-  its transfer) while they ran.
+  its transfer) while they ran; with `--busy-from posted`, from its reservation (`decode_wait`
+  after its prefill ended: the decode engine posts the receive then), as the simulator's
+  `busy_step_factor` and `experiments.bench_kv_receive` count a receive.
 
 A profile's decode rows are engine step periods at real batch sizes (experiments/profile.py); the
 CUDA graph a step runs is padded to the next graph size (`padded` shows what pricing that size
@@ -63,14 +65,15 @@ def decode_steps(steps: pd.DataFrame) -> pd.DataFrame:
     return d[keep].reset_index(drop=True)
 
 
-def link_busy(d: pd.DataFrame, requests: pd.DataFrame | None) -> np.ndarray:
-    """Per step: whether a KV receive was on the wire at some point of its period."""
+def link_busy(d: pd.DataFrame, requests: pd.DataFrame | None, posted: bool = False) -> np.ndarray:
+    """Per step: whether a KV receive was on the wire (`posted`: posted and not done) at some point
+    of its period."""
     busy = np.zeros(len(d), dtype=bool)
     if requests is None or "link_time" not in requests.columns:
         return busy
     r = requests[requests["link_time"].notna()]
     done = r["arrival_time"] + r["queueing_time"] + r["prefill_time"]
-    start = (done + r["transfer_time"] - r["link_time"]).to_numpy(dtype=float)
+    start = (done + (r["decode_wait"] if posted else r["transfer_time"] - r["link_time"])).to_numpy(dtype=float)
     stop = (done + r["transfer_time"]).to_numpy(dtype=float)
     t0, t1 = d["time"].to_numpy(dtype=float), (d["time"] + d["period"]).to_numpy(dtype=float)
     order = np.argsort(start)
@@ -137,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--runs", required=True, help="a fidelity --runs directory (<scenario>/engine/steps.parquet)")
     p.add_argument("--profile", required=True, help="the step profile (with sync_time_s)")
     p.add_argument("--scenarios", default="", help="comma-separated; default every scenario with engine steps")
+    p.add_argument("--busy-from", choices=("sent", "posted"), default="sent",
+                   help="a receive makes the link busy from its send (default) or from its posting")
     a = p.parse_args(argv)
     root, price = Path(a.runs), profile_price(a.profile)
     names = a.scenarios.split(",") if a.scenarios else sorted(x.parent.parent.name for x in root.glob("*/engine/steps.parquet"))
@@ -155,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 continue  # the pair's prefill engine
             d = decode_steps(rows)
             if len(d):
-                print(report(name, int(replica), split_excess(d, price, link_busy(d, requests if split else None))))
+                print(report(name, int(replica), split_excess(d, price, link_busy(d, requests if split else None,
+                                                                                 a.busy_from == "posted"))))
 
 
 if __name__ == "__main__":
