@@ -70,3 +70,15 @@ def test_the_command_names_a_missing_scenario(tmp_path, capsys):
     assert "pd_1 replica 1: 3 decode-only steps" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="nope has no"):
         main(["--runs", str(tmp_path), "--profile", profile, "--scenarios", "nope"])
+
+
+def test_a_receive_counts_from_its_posting_with_busy_from_posted():
+    """Posted at its reservation (`decode_wait` after the prefill), on the wire later: the steps in
+    between are busy only when counted from the posting."""
+    d = decode_steps(trace([AHEAD_S] * 4, [True] * 4, [0] * 4))
+    t1, t3 = d["time"].iloc[1], d["time"].iloc[3]
+    requests = pd.DataFrame({"arrival_time": [t1 - 1e-3], "queueing_time": [0.0], "prefill_time": [5e-4],
+                             "decode_wait": [6e-4], "transfer_time": [t3 + 1e-4 - t1 + 5e-4],
+                             "link_time": [2e-4]})  # posted at t1 + 0.1 ms, sent at t3 - 0.1 ms
+    assert link_busy(d, requests).tolist() == [False, False, True, True]
+    assert link_busy(d, requests, posted=True).tolist() == [False, True, True, True]
