@@ -40,8 +40,9 @@ step after a receive waits for its scatter (`scatter_s` of the message's bytes, 
 of that step on the compute stream); a decode step while a receive into its replica is posted
 (from its reservation, when the engine's decode side posts it, to the end of its bytes on the wire)
 costs `busy_step_factor` times its price over the share of it the receive overlaps (receives
-posted when it starts; one not sent yet counts to the step's end); a prefill replica that schedules synchronously pays `send_host_s` of each
-message it posts before its next step, as it pays the hand-offs' host time.
+posted when it starts; one not sent yet counts to the step's end); a prefill replica that schedules
+synchronously pays `send_host_s` of each message it posts before its next step, as it pays the
+hand-offs' host time.
 
 Decode replicas step one by one (no fast-forwarded decode runs: a received request joins at the
 time its transfer ends, which a run decided earlier could not know). Scheduling ahead, it joins

@@ -32,8 +32,9 @@ HARDWARE = "hardware"
 
 @dataclass(slots=True, frozen=True)
 class KVReceivePrice:
-    """Piecewise-linear prices over message bytes (`points`: ascending bytes, then seconds) and the
-    busy-link factor; `source` says where they come from (a file, or the hardware's copy rate)."""
+    """Piecewise-linear prices over message bytes (`bytes_at` ascending, the seconds of each price
+    at those sizes) and the busy-link factor; `source` says where they come from (a file, or the
+    hardware's copy rate)."""
 
     bytes_at: tuple[float, ...]
     scatter_at: tuple[float, ...]
