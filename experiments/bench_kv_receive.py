@@ -42,7 +42,7 @@ from engine.device.model_runner import ModelRunner
 from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, open_store
 from engine.disagg.kv_transfer_message import interleaved
 from engine.model_loader import load_model_config
-from experiments.bench_kv_transfer import LINK_TIMEOUT_S, _blocks, _caches
+from experiments.lib.kv_link_bench import LINK_TIMEOUT_S, random_caches, spread_blocks, sync_device
 from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from sim.latency.kv_receive import write_receive_profile
 
@@ -55,18 +55,13 @@ def _pinned_ids(ids: list[int], dev: torch.device) -> torch.Tensor:
     return index if dev.type != "cuda" else index.pin_memory().to(dev, non_blocking=True)
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _scatter_s(k, v, n: int, iters: int, dev: torch.device) -> float:
     """Median device time of scattering a received message of `n` blocks (wall time on the CPU)."""
     staging = torch.randn((2 * len(k), n, *k[0].shape[1:]), device=dev).to(k[0].dtype)
     caches, times = interleaved(k, v), []
     for i in range(iters + 2):
-        ids = _blocks(n, k[0].shape[0], 7 + i)
-        _sync(dev)
+        ids = spread_blocks(n, k[0].shape[0], 7 + i)
+        sync_device(dev)
         if dev.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -120,7 +115,7 @@ def _receiver(port: int, conn, a: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             link.poll()  # the decode loop polls its link every turn
             runner.execute(step)
-            _sync(dev)
+            sync_device(dev)
             idle.append(time.perf_counter() - t0)
         got = 0  # then as many steps beside receives
         while got < a.steps and time.monotonic() - started <= a.budget_s:
@@ -132,7 +127,7 @@ def _receiver(port: int, conn, a: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 ended += link.poll()
                 runner.execute(step)
-                _sync(dev)
+                sync_device(dev)
                 seconds = time.perf_counter() - t0
                 if before and link.num_in_flight:  # a receive on the wire from its start to its end
                     busy.append(seconds)
@@ -159,8 +154,8 @@ def _sender(link: KVLink, conn, k, v, a: argparse.Namespace, started: float) -> 
             conn.send(n)
             if not conn.poll(LINK_TIMEOUT_S) or conn.recv() != "ready":
                 raise SystemExit("error: the receiver did not post its receive")
-            ids = _blocks(n, k[0].shape[0], i)
-            _sync(link.device)
+            ids = spread_blocks(n, k[0].shape[0], i)
+            sync_device(link.device)
             t0 = time.perf_counter()
             link.send([("r", ids)], k, v)
             times.append(time.perf_counter() - t0)
@@ -178,7 +173,7 @@ def _sender(link: KVLink, conn, k, v, a: argparse.Namespace, started: float) -> 
             conn.send(None)
             return {"scatter": scatter, "send": send, "idle": msg[1], "busy": msg[2]}
         for i in range(msg[1]):
-            link.send([("w", _blocks(a.busy_blocks, k[0].shape[0], 100 + i))], k, v)
+            link.send([("w", spread_blocks(a.busy_blocks, k[0].shape[0], 100 + i))], k, v)
         link.wait_all(LINK_TIMEOUT_S)
 
 
@@ -212,7 +207,7 @@ def main() -> None:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     cfg = load_model_config(a.model)
-    k, v = _caches(cfg, 2 * max(sizes + [a.busy_blocks]), a.block_size, dev,
+    k, v = random_caches(cfg, 2 * max(sizes + [a.busy_blocks]), a.block_size, dev,
                    cfg.torch_dtype if dev.type == "cuda" else torch.float32)
     block_bytes = 2 * len(k) * k[0][0].numel() * k[0].element_size()
     store = open_store(LINK_TIMEOUT_S)

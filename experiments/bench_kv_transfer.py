@@ -41,27 +41,9 @@ import torch
 
 from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, open_store
 from engine.model_loader import load_model_config
+from experiments.lib.kv_link_bench import LINK_TIMEOUT_S, random_caches, spread_blocks, sync_device
 
 DEFAULT_TOKENS = "16,128,512,2048,8192,32768"
-LINK_TIMEOUT_S = 30.0
-
-
-def _caches(cfg, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    k = [torch.randn(shape, device=device).to(dtype) for _ in range(cfg.num_hidden_layers)]
-    v = [torch.randn(shape, device=device).to(dtype) for _ in range(cfg.num_hidden_layers)]
-    return k, v
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _blocks(num: int, total: int, seed: int) -> list[int]:
-    """`num` distinct block ids spread over a cache of `total` (as a paged pool hands them out)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randperm(total, generator=g)[:num].tolist()
 
 
 def _per_layer_send(link: KVLink, k, v, index) -> None:
@@ -88,7 +70,7 @@ def _receiver(port: int, conn, model: str, block_size: int, device: str, num_blo
         torch.cuda.set_device(dev)
     cfg = load_model_config(model)
     dtype = cfg.torch_dtype if dev.type == "cuda" else torch.float32
-    k, v = _caches(cfg, num_blocks, block_size, dev, dtype)
+    k, v = random_caches(cfg, num_blocks, block_size, dev, dtype)
     link = KVLink(RECV_RANK, join_store(port, LINK_TIMEOUT_S), dev, LINK_TIMEOUT_S)
     while True:
         msg = conn.recv()
@@ -108,7 +90,7 @@ def _receiver(port: int, conn, model: str, block_size: int, device: str, num_blo
             index = torch.tensor(plan, device=dev)
             conn.send("ready")
             _per_layer_recv(link, k, v, index)
-        _sync(dev)
+        sync_device(dev)
         conn.send(("done", time.monotonic()))
     link.close()
 
@@ -161,7 +143,7 @@ def main() -> None:
     num_blocks = 2 * max(math.ceil(sizes[-1] / args.block_size), args.batch * math.ceil(args.batch_tokens / args.block_size))
     if args.device == "cuda":
         torch.cuda.set_device(send_dev)
-    k, v = _caches(cfg, num_blocks, args.block_size, send_dev, dtype)
+    k, v = random_caches(cfg, num_blocks, args.block_size, send_dev, dtype)
     store = open_store(LINK_TIMEOUT_S)
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
@@ -219,7 +201,7 @@ class _Timer:
             if time.monotonic() - self.started > self.budget_s:
                 break
             counts, total, seed = plan(i)
-            ours_all, theirs_all = _blocks(sum(counts), total, seed), _blocks(sum(counts), total, 1000 + seed)
+            ours_all, theirs_all = spread_blocks(sum(counts), total, seed), spread_blocks(sum(counts), total, 1000 + seed)
             ours, theirs, at = [], [], 0
             for r, c in enumerate(counts):
                 ours.append((f"r{r}", ours_all[at:at + c]))
