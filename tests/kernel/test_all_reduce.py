@@ -189,3 +189,69 @@ def test_a_tensor_outside_the_buffer_is_refused():
         PeerBuffers((16, 32), (3,), 0, 64, 4)
     with pytest.raises(ValueError, match="16-byte aligned"):
         PeerBuffers((16, 40), (3, 4), 0, 64, 4)
+
+
+BOUNDARIES = 3
+
+
+def _boundary_parts(boundary: int, rank: int, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(100 * boundary + rank))
+
+
+def _interpreted_rank(rank: int, buffers: list[torch.Tensor], pads: list[torch.Tensor], residual: torch.Tensor,
+                      weight: torch.Tensor, results) -> None:
+    """One rank in its own process, barriers on: BOUNDARIES overlapped boundaries in a row (the
+    side kernel on 2 programs, the second on 3), a one-kernel fused boundary after each, each
+    boundary's partial sums written into this rank's buffer first (as the GEMM would)."""
+    try:
+        peers = PeerBuffers(tuple(b.data_ptr() for b in buffers), tuple(p.data_ptr() for p in pads), rank,
+                            buffers[0].numel() * 4, MAX_PROGRAMS, barrier=True)
+        staged = buffers[rank].view(residual.shape)
+        outs = []
+        for boundary in range(BOUNDARIES):
+            staged.copy_(_boundary_parts(boundary, rank, tuple(residual.shape)))
+            outs.append(_split_add_rms_norm(peers, staged, residual, weight))
+            staged.copy_(_boundary_parts(boundary, rank, tuple(residual.shape)))
+            outs.append(one_shot_all_reduce_add_rms_norm(peers, staged, residual, weight, 1e-6))
+        results.put((rank, [(out.tolist(), res.tolist()) for out, res in outs]))  # no shared tensors back
+    except BaseException as e:  # noqa: BLE001 (reported to the test)
+        results.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_two_ranks_meet_at_every_barrier_of_both_halves():
+    """Two processes over shared CPU buffers and signal pads, barriers on (the interpreter runs a
+    kernel's programs in order, so program p of each rank meets program p of the other): the
+    split kernels' barriers and the one kernel's share the slots in the same order on both ranks,
+    no rank overwrites its buffer while the other reads it, and the pads end zero."""
+    import multiprocessing
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter plays the ranks on the CPU (TRITON_INTERPRET=1)")
+    shape = (7, 32)
+    buffers = [torch.zeros(shape).share_memory_() for _ in range(2)]
+    pads = [torch.zeros(2 * MAX_PROGRAMS, dtype=torch.int32).share_memory_() for _ in range(2)]
+    residual = torch.randn(shape, generator=torch.Generator().manual_seed(11))
+    weight = torch.rand(32, generator=torch.Generator().manual_seed(12)) + 0.5
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_interpreted_rank, args=(r, buffers, pads, residual, weight, results), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        reports = dict(results.get(timeout=120) for _ in range(2))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for rank, report in reports.items():
+        assert not isinstance(report, str), f"rank {rank}: {report}"
+        for boundary in range(BOUNDARIES):
+            summed = _sum([_boundary_parts(boundary, r, shape) for r in range(2)])
+            want_out, want_res = add_rms_norm(summed, residual, weight, 1e-6)
+            for out, res in (map(torch.tensor, pair) for pair in report[2 * boundary:2 * boundary + 2]):
+                assert torch.equal(res, want_res), f"rank {rank}, boundary {boundary}: the new residual differs"
+                assert torch.allclose(out, want_out, rtol=1e-5, atol=1e-5), f"rank {rank}, boundary {boundary}"
+    assert not any(p.any() for p in pads), "the barriers left signals in the pads"
