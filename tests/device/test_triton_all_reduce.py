@@ -178,6 +178,23 @@ def test_the_second_half_is_written_once_whether_the_group_overlaps_or_not(kerne
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
 
 
+def test_a_norm_without_a_residual_writes_the_second_half_before_the_sum(monkeypatch):
+    """`ReducingRMSNorm.forward` on a split layer's output (no residual add to overlap with)."""
+    import torch.distributed as dist
+
+    from engine.models.llama import ReducingRMSNorm
+    from engine.models.ops import fused_ops, rms_norm
+    from engine.models.parallel_layers import PartialSum
+
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: x.mul_(2))  # NCCL's sum of 2 equal ranks
+    x = torch.randn(3, 8)
+    staged = torch.zeros(3, 8)
+    staged[:, :4] = x[:, :4]
+    norm = ReducingRMSNorm(8, fused_ops(False, 1e-6), TPGroup(0, 2, None, None, None), 1e-6)
+    out = norm(PartialSum(staged, lambda: staged[:, 4:].copy_(x[:, 4:]), 4))
+    torch.testing.assert_close(out, rms_norm(2 * x, norm.weight, 1e-6))
+
+
 def _shard_hidden(kernel: str) -> torch.Tensor:
     """Rank 0's shard of tiny-qwen3 (of 2) over a stand-in group of 2 ranks holding the same
     partial sums: its final hidden states for one 11-token prefill."""
