@@ -121,17 +121,25 @@ def _check_fused(group, rank: int, problems: list[str], reached: list[str]) -> N
         for _ in range(REPLAYS):
             graph.replay()
         torch.cuda.synchronize()
-        for mode, (out, new_residual) in (("eager", eager), (f"graph x{REPLAYS}", replayed)):
-            where = f"fused {rows} rows {mode}, rank {rank}"
-            if not torch.equal(new_residual, want_residual):
-                problems.append(f"{where}: new residual differs, {_max_err(new_residual, want_residual)}")
-            if not torch.allclose(out.float(), want_out.float(), rtol=2**-7, atol=2**-7):  # one bf16 rounding
-                problems.append(f"{where}: normed rows differ by more than a bf16 rounding, {_max_err(out, want_out)}")
-            rank0 = out.clone()
-            dist.broadcast(rank0, src=0, group=group.device_group)
-            if not torch.equal(out, rank0):
-                problems.append(f"{where}: rank {rank}'s normed rows differ from rank 0's, {_max_err(out, rank0)}")
+        for mode, result in (("eager", eager), (f"graph x{REPLAYS}", replayed)):
+            _compare(group, f"fused {rows} rows {mode}, rank {rank}", result, (want_out, want_residual), problems)
         graph.reset()
+
+
+def _compare(group, where: str, result, want, problems: list[str]) -> None:
+    """A boundary's (normed rows, new residual) against NCCL's sum then add_rms_norm: the new
+    residual exactly, the normed rows within one bf16 rounding, and rank 0's bits on every rank."""
+    import torch.distributed as dist
+
+    (out, new_residual), (want_out, want_residual) = result, want
+    if not torch.equal(new_residual, want_residual):
+        problems.append(f"{where}: new residual differs, {_max_err(new_residual, want_residual)}")
+    if not torch.allclose(out.float(), want_out.float(), rtol=2**-7, atol=2**-7):  # one bf16 rounding
+        problems.append(f"{where}: normed rows differ by more than a bf16 rounding, {_max_err(out, want_out)}")
+    rank0 = out.clone()
+    dist.broadcast(rank0, src=0, group=group.device_group)
+    if not torch.equal(out, rank0):
+        problems.append(f"{where}: rank {group.rank}'s normed rows differ from rank 0's, {_max_err(out, rank0)}")
 
 
 def _split_gemm_boundary(group, staged, x, w, residual, weight, split):
@@ -180,19 +188,10 @@ def _check_overlapped(group, rank: int, problems: list[str], reached: list[str])
             graph.replay()
         torch.cuda.synchronize()
         written.append(staged.clone())
-        for mode, (out, new_residual), summed in (("eager", eager, written[0]),
-                                                  (f"graph x{REPLAYS}", replayed, written[1])):
+        for mode, result, summed in (("eager", eager, written[0]), (f"graph x{REPLAYS}", replayed, written[1])):
             dist.all_reduce(summed, group=group.device_group)
-            want_out, want_residual = add_rms_norm(summed, residual, weight, 1e-6)
-            where = f"overlapped {rows} rows {mode}, rank {rank}"
-            if not torch.equal(new_residual, want_residual):
-                problems.append(f"{where}: new residual differs, {_max_err(new_residual, want_residual)}")
-            if not torch.allclose(out.float(), want_out.float(), rtol=2**-7, atol=2**-7):  # one bf16 rounding
-                problems.append(f"{where}: normed rows differ by more than a bf16 rounding, {_max_err(out, want_out)}")
-            rank0 = out.clone()
-            dist.broadcast(rank0, src=0, group=group.device_group)
-            if not torch.equal(out, rank0):
-                problems.append(f"{where}: rank {rank}'s normed rows differ from rank 0's, {_max_err(out, rank0)}")
+            _compare(group, f"overlapped {rows} rows {mode}, rank {rank}", result,
+                     add_rms_norm(summed, residual, weight, 1e-6), problems)
         graph.reset()
 
 
