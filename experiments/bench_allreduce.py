@@ -178,6 +178,10 @@ def _rank_main(rank: int, size: int, port: int, a: argparse.Namespace, results) 
         if group.custom is None:
             raise RuntimeError("the symmetric-memory all-reduce is off (rank 0's log says why): nothing to compare")
         triton = _triton_beside(group)
+        if a.side_programs is not None:  # this process's side kernels (every rank sets the same)
+            import kernels.all_reduce_overlap as overlap
+
+            overlap.SIDE_PROGRAMS = a.side_programs
         rows = []
         for nbytes in _sizes(a.min_bytes, a.max_bytes):
             errors = _errors(group, triton, nbytes, a)
@@ -258,6 +262,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096, help="row width of the fused kernel's messages (bf16)")
     ap.add_argument("--gemm-k", type=int, default=6144,
                     help="input width of the GEMM timed with the fused boundaries (Qwen3-8B's down_proj on 2 GPUs)")
+    ap.add_argument("--side-programs", type=int, default=None,
+                    help="programs of the overlapped boundary's side kernel (default: its SIDE_PROGRAMS)")
     ap.add_argument("--timeout-s", type=float, default=240.0, help="deadline of each world size's run")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args()
@@ -265,6 +271,8 @@ def main() -> None:
     sizes = [int(s) for s in a.world_sizes.split(",")] if a.world_sizes else [s for s in (2, 4) if s <= gpus]
     if not sizes or max(sizes) > gpus:
         ap.error(f"--world-sizes {sizes} is invalid: this machine has {gpus} GPUs (at least 2 needed)")
+    if a.side_programs is not None and a.side_programs < 1:
+        ap.error(f"--side-programs {a.side_programs} is invalid: at least 1")
     if a.min_bytes < 16 or a.min_bytes % 16 or a.max_bytes < a.min_bytes:
         ap.error(f"--min-bytes {a.min_bytes} / --max-bytes {a.max_bytes} are invalid: multiples of 16, min <= max")
     ParallelConfig(custom_all_reduce_max_bytes=a.max_bytes)  # a ValueError naming a bad --max-bytes

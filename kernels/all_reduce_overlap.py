@@ -117,13 +117,14 @@ def _check(staged: torch.Tensor, residual: torch.Tensor, split: int) -> None:
 
 
 def exchange_first_columns(peers: PeerBuffers, staged: torch.Tensor, residual: torch.Tensor, split: int,
-                           residual_out: torch.Tensor, sumsq: torch.Tensor, max_programs: int = SIDE_PROGRAMS) -> None:
+                           residual_out: torch.Tensor, sumsq: torch.Tensor, max_programs: int | None = None) -> None:
     """Columns [0, split) of `staged` [rows, hidden] (this rank's partial sums, a view of its
     buffer) summed over the ranks + `residual` into `residual_out`; each row's float32 sum of
-    squares of those columns into `sumsq` [rows]. At most `max_programs` programs (every rank
-    passes the same)."""
+    squares of those columns into `sumsq` [rows]. At most `max_programs` programs (None:
+    SIDE_PROGRAMS; every rank must pass the same)."""
     _check(staged, residual, split)
-    programs, block_c, per_program, warps = _layout(staged, split, min(max_programs, peers.max_programs))
+    limit = SIDE_PROGRAMS if max_programs is None else max_programs
+    programs, block_c, per_program, warps = _layout(staged, split, min(limit, peers.max_programs))
     _first_columns_kernel[(programs,)](
         peers.views(staged), peers.signal_pads, residual, residual_out, sumsq, staged.shape[0], HIDDEN=staged.shape[1],
         SPLIT=split, BLOCK_C=block_c, ROWS=per_program, RANK=peers.rank, WORLD=peers.world_size,
