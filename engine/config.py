@@ -264,11 +264,8 @@ CUSTOM_ALL_REDUCE_LIMIT_BYTES = 2**30
 DISABLE_CUSTOM_ALL_REDUCE = False
 # Which kernels sum the symmetric-memory messages: torch's (`symm_mem` ops), the Triton ones
 # (kernels/all_reduce.py: one program per SM), or the Triton ones with the layer boundary's
-# all-reduce, residual add and RMSNorm fused into one kernel, or that kernel in two column halves,
-# the first half's exchange beside the GEMM that writes the second (kernels/all_reduce_overlap.py).
-ALL_REDUCE_KERNELS = ("auto", "torch", "triton", "triton_fused", "triton_fused_overlap")
-# The kernels that fuse the layer boundary (the row-parallel layers hand the norm their partial sums).
-FUSED_ALL_REDUCE_KERNELS = ("triton_fused", "triton_fused_overlap")
+# all-reduce, residual add and RMSNorm fused into one kernel.
+ALL_REDUCE_KERNELS = ("auto", "torch", "triton", "triton_fused")
 
 
 @dataclass(slots=True, frozen=True)
@@ -282,9 +279,7 @@ class ParallelConfig:
     `disable_custom_all_reduce` (False by default, as in vLLM, whose name it is) True sends every
     all-reduce through NCCL. `all_reduce_kernel` picks the symmetric paths' kernels
     (`ALL_REDUCE_KERNELS`): torch's ("torch"), Triton's ("triton"), Triton's with each decoder
-    layer's all-reduce fused into the next RMSNorm's residual add ("triton_fused"), that fused
-    boundary with the o_proj / down_proj GEMM split in two column halves and the first half's
-    exchange run beside the second half's GEMM ("triton_fused_overlap"), or "auto" (the
+    layer's all-reduce fused into the next RMSNorm's residual add ("triton_fused"), or "auto" (the
     default: "triton_fused" at two ranks, where it is measured fastest, torch's at other sizes;
     `kernel_for`). The symmetric-memory kernels spin without a deadline, so with them on
     rank 0 never blocks on a step: it polls the step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes

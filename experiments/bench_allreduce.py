@@ -3,11 +3,7 @@ engine's paths in one run: NCCL, one-shot and two-shot over torch's symmetric me
 (engine/distributed/symmetric_all_reduce.py), the same two in Triton over the same buffer
 (kernels/all_reduce.py, `parallel.all_reduce_kernel=triton`), and the Triton all-reduce fused with
 the residual add and RMSNorm (`triton_fused`; rows of --hidden bf16, sizes that hold whole rows),
-each eager and replayed from a CUDA graph. The overlapped boundary (`triton_fused_overlap`,
-kernels/all_reduce_overlap.py) hides its first half behind the GEMM that writes the message, so it
-is timed with that GEMM (rows x --gemm-k times --gemm-k x --hidden, written into the buffer), as
-is the fused kernel beside it: `gemm+fused` (one GEMM, then the fused kernel) and `gemm+overlap`
-(the GEMM in two launches, the first half's exchange on a side stream beside the second).
+each eager and replayed from a CUDA graph.
 
 Each world size runs in its own processes (one per GPU, spawned, bounded by --timeout-s), through
 the engine's own group set-up (`init_group`) and the engine's own calls: NCCL sums a tensor in
@@ -36,11 +32,8 @@ from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.collectives import all_reduce_call, mean_call_s, run_ranks
 
 TRITON_ONE_SHOT, TRITON_TWO_SHOT, TRITON_FUSED = "triton-one-shot", "triton-two-shot", "triton-fused"
-GEMM_FUSED, GEMM_OVERLAP = "gemm+fused", "gemm+overlap"
-SUMS = (NCCL, ONE_SHOT, TWO_SHOT, TRITON_ONE_SHOT, TRITON_TWO_SHOT)  # the plain sums
-PATHS = (*SUMS, TRITON_FUSED, GEMM_FUSED, GEMM_OVERLAP)
-# Each compared with NCCL's sum (the fused ones with NCCL's sum, then add_rms_norm).
-CHECKED = (ONE_SHOT, TWO_SHOT, TRITON_ONE_SHOT, TRITON_TWO_SHOT, TRITON_FUSED, GEMM_OVERLAP)
+PATHS = (NCCL, ONE_SHOT, TWO_SHOT, TRITON_ONE_SHOT, TRITON_TWO_SHOT, TRITON_FUSED)
+CHECKED = PATHS[1:]  # each compared with NCCL's sum (the fused one with NCCL's sum, then add_rms_norm)
 TRITON_PATH = {TRITON_ONE_SHOT: ONE_SHOT, TRITON_TWO_SHOT: TWO_SHOT}
 OUT = REPO_ROOT / "experiments" / "results" / "allreduce"
 COLUMNS = ["world_size", "bytes", "mode", *(f"{p}_us" for p in PATHS), *(f"{p}_max_err" for p in CHECKED)]
@@ -66,46 +59,11 @@ def _fused_inputs(triton, nbytes: int, hidden: int, seed: int) -> tuple[torch.Te
     return triton.buffer[:nbytes].view(torch.bfloat16).view(rows, hidden), residual, weight
 
 
-def _gemm_boundary(triton, nbytes: int, a: argparse.Namespace, overlap: bool, seed: int):
-    """The row-parallel GEMM writing rows of --hidden into the buffer, then the fused boundary
-    (`overlap`: split in two launches, the overlapped one) as the model runs them: a call returning
-    (normed rows, new residual), or None where `nbytes` is not whole rows or the split does not
-    take them."""
-    from engine.models.ops import add_rms_norm
-
-    fused = _fused_inputs(triton, nbytes, a.hidden, seed)
-    if fused is None:
-        return None
-    staged, residual, weight = fused
-    gen = torch.Generator(device="cuda").manual_seed(seed + triton.peers.rank + 1)  # the rank's shard
-    x = torch.randn(staged.shape[0], a.gemm_k, dtype=torch.bfloat16, device="cuda", generator=gen)
-    w = (torch.randn(a.hidden, a.gemm_k, device="cuda", generator=gen) * a.gemm_k ** -0.5).to(torch.bfloat16)
-    split = triton.overlap_split(tuple(staged.shape), staged.dtype) if overlap else None
-    if overlap and split is None:
-        return None
-
-    def call():
-        if split is None:
-            torch.mm(x, w.t(), out=staged)
-            return triton.all_reduce_add_rms_norm(staged, residual, weight, EPS)
-        torch.mm(x, w[:split].t(), out=staged[:, :split])
-        rest = (lambda: torch.mm(x, w[split:].t(), out=staged[:, split:]))
-        return triton.all_reduce_add_rms_norm_overlapped(staged, rest, split, residual, weight, EPS)
-
-    call.reference = lambda summed: add_rms_norm(summed, residual, weight, EPS)[0]
-    call.staged = staged
-    return call
-
-
 def _time(group, triton, path: str, nbytes: int, a: argparse.Namespace, graph: bool) -> float:
     """Mean microseconds per bf16 all-reduce of `nbytes` on `path`: back to back, or `iters` calls
     captured in one graph (NaN where the path does not take the size)."""
     iters = max(4, min(a.iters, a.graph_bytes // nbytes))
-    if path in (GEMM_FUSED, GEMM_OVERLAP):
-        call = _gemm_boundary(triton, nbytes, a, path == GEMM_OVERLAP, seed=1)
-        if call is None:
-            return float("nan")
-    elif path in TRITON_PATH or path == TRITON_FUSED:
+    if path in TRITON_PATH or path == TRITON_FUSED:
         staged = triton.buffer[:nbytes].view(torch.bfloat16)
         staged.normal_()
         if path == TRITON_FUSED:
@@ -120,7 +78,7 @@ def _time(group, triton, path: str, nbytes: int, a: argparse.Namespace, graph: b
     return mean_call_s(call, iters, "graph" if graph else "eager", a.replays) * 1e6
 
 
-def _errors(group, triton, nbytes: int, a: argparse.Namespace) -> dict[str, float]:
+def _errors(group, triton, nbytes: int, hidden: int) -> dict[str, float]:
     """Each symmetric path's largest difference from NCCL's sum of the same rank-seeded inputs (the
     fused one's from NCCL's sum then engine/models/ops.py's add_rms_norm; NaN: not whole rows)."""
     import torch.distributed as dist
@@ -137,7 +95,7 @@ def _errors(group, triton, nbytes: int, a: argparse.Namespace) -> dict[str, floa
         staged = custom.buffer[:nbytes].view(torch.bfloat16)
         staged.copy_(x)
         out[path] = float((custom.reduce(TRITON_PATH.get(path, path), staged).float() - expected.float()).abs().max())
-    fused = _fused_inputs(triton, nbytes, a.hidden, seed=2)
+    fused = _fused_inputs(triton, nbytes, hidden, seed=2)
     out[TRITON_FUSED] = float("nan")
     if fused is not None:
         staged, residual, weight = fused
@@ -145,13 +103,6 @@ def _errors(group, triton, nbytes: int, a: argparse.Namespace) -> dict[str, floa
         want = add_rms_norm(expected.view(staged.shape), residual, weight, EPS)[0]
         got = triton.all_reduce_add_rms_norm(staged, residual, weight, EPS)[0]
         out[TRITON_FUSED] = float((got.float() - want.float()).abs().max())
-    out[GEMM_OVERLAP] = float("nan")
-    overlapped = _gemm_boundary(triton, nbytes, a, overlap=True, seed=3)
-    if overlapped is not None:
-        got = overlapped()[0]
-        summed = overlapped.staged.clone()  # what the split GEMM wrote (the kernels only read it)
-        dist.all_reduce(summed, group=group.device_group)
-        out[GEMM_OVERLAP] = float((got.float() - overlapped.reference(summed).float()).abs().max())
     return out
 
 
@@ -163,7 +114,7 @@ def _triton_beside(group) -> SymmetricAllReduce:
     peers = PeerBuffers.of_rendezvous(custom.handle, custom.buffer)
     peers = dataclasses.replace(peers, max_programs=group.min_int(peers.max_programs))  # the same grids everywhere
     return SymmetricAllReduce(custom.buffer, custom.group_name, custom.one_shot_max, custom.two_shot_max,
-                              custom.handle, peers=peers, fused=True, overlap=True)
+                              custom.handle, peers=peers, fused=True)
 
 
 def _rank_main(rank: int, size: int, port: int, a: argparse.Namespace, results) -> None:
@@ -178,13 +129,9 @@ def _rank_main(rank: int, size: int, port: int, a: argparse.Namespace, results) 
         if group.custom is None:
             raise RuntimeError("the symmetric-memory all-reduce is off (rank 0's log says why): nothing to compare")
         triton = _triton_beside(group)
-        if a.side_programs is not None:  # this process's side kernels (every rank sets the same)
-            import kernels.all_reduce_overlap as overlap
-
-            overlap.SIDE_PROGRAMS = a.side_programs
         rows = []
         for nbytes in _sizes(a.min_bytes, a.max_bytes):
-            errors = _errors(group, triton, nbytes, a)
+            errors = _errors(group, triton, nbytes, a.hidden)
             for mode in ("eager", "graph"):
                 row = {"world_size": size, "bytes": nbytes, "mode": mode,
                        **{f"{p}_max_err": errors[p] for p in CHECKED}}
@@ -231,14 +178,13 @@ def report(size: int, rows: list[dict], out: Path) -> None:
         w.writeheader()
         w.writerows(rows)
     print(f"\n{size} GPUs ({torch.cuda.get_device_name(0)}), microseconds per all-reduce of bf16 (torch: torch's "
-          "symmetric-memory kernels; tri: Triton's; fused: Triton all-reduce + residual add + RMSNorm; "
-          "g+fused / g+ovl: a GEMM writing the message, then the fused kernel / the overlapped halves); "
-          "err: largest |path - NCCL| (the fused ones' after the norm), in the checked paths' order")
-    heads = ("nccl", "torch-1", "torch-2", "tri-1", "tri-2", "fused", "g+fused", "g+ovl")
+          "symmetric-memory kernels; tri: Triton's; fused: Triton all-reduce + residual add + RMSNorm); "
+          "err: largest |path - NCCL| (the fused one's after the norm), in the paths' order")
+    heads = ("nccl", "torch-1", "torch-2", "tri-1", "tri-2", "fused")
     print(f"{'bytes':>10} {'mode':>6} " + " ".join(f"{h:>8}" for h in heads) + f" {'best sum':>16}  err")
     for r in rows:
         times = {p: r[f"{p}_us"] for p in PATHS}
-        best = min(SUMS, key=times.get)  # the plain sums (the fused kernels also norm)
+        best = min(PATHS[:-1], key=times.get)  # the plain sums (the fused kernel also norms)
         errs = "/".join(f"{r[f'{p}_max_err']:.2g}" for p in CHECKED)
         print(f"{r['bytes']:>10,} {r['mode']:>6} " + " ".join(f"{times[p]:>8.1f}" for p in PATHS) +
               f" {best:>16}  {errs}")
@@ -260,10 +206,6 @@ def main() -> None:
     ap.add_argument("--graph-bytes", type=int, default=2**30, help="fewer calls per graph above this many bytes")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=4096, help="row width of the fused kernel's messages (bf16)")
-    ap.add_argument("--gemm-k", type=int, default=6144,
-                    help="input width of the GEMM timed with the fused boundaries (Qwen3-8B's down_proj on 2 GPUs)")
-    ap.add_argument("--side-programs", type=int, default=None,
-                    help="programs of the overlapped boundary's side kernel (default: its SIDE_PROGRAMS)")
     ap.add_argument("--timeout-s", type=float, default=240.0, help="deadline of each world size's run")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args()
@@ -271,8 +213,6 @@ def main() -> None:
     sizes = [int(s) for s in a.world_sizes.split(",")] if a.world_sizes else [s for s in (2, 4) if s <= gpus]
     if not sizes or max(sizes) > gpus:
         ap.error(f"--world-sizes {sizes} is invalid: this machine has {gpus} GPUs (at least 2 needed)")
-    if a.side_programs is not None and a.side_programs < 1:
-        ap.error(f"--side-programs {a.side_programs} is invalid: at least 1")
     if a.min_bytes < 16 or a.min_bytes % 16 or a.max_bytes < a.min_bytes:
         ap.error(f"--min-bytes {a.min_bytes} / --max-bytes {a.max_bytes} are invalid: multiples of 16, min <= max")
     ParallelConfig(custom_all_reduce_max_bytes=a.max_bytes)  # a ValueError naming a bad --max-bytes

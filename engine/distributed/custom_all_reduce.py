@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from engine.config import FUSED_ALL_REDUCE_KERNELS, ParallelConfig
+from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import AllReducePath, settings_reason
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 
@@ -120,7 +120,7 @@ def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.devi
 
         peers = PeerBuffers.of_rendezvous(handle, buffer)
     return SymmetricAllReduce(buffer, group_name, parallel.one_shot_max_bytes(world_size), size, handle, peers=peers,
-                              fused=kernel in FUSED_ALL_REDUCE_KERNELS, overlap=kernel == "triton_fused_overlap")
+                              fused=kernel == "triton_fused")
 
 
 def _off(rank: int, world_size: int, reason: str) -> AllReducePath:

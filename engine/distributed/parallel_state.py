@@ -55,26 +55,12 @@ class TPGroup:
         un-reduced (`all_reduce_add_rms_norm` sums them with the residual add and the norm)."""
         return self.custom is not None and self.custom.fused
 
-    def overlap_split(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
-        """Where a row-parallel layer that feeds an RMSNorm should split its GEMM's output columns
-        (`SymmetricAllReduce.overlap_split`), or None: one GEMM."""
-        return None if self.custom is None else self.custom.overlap_split(shape, dtype)
-
     def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float, add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-                                rest: Callable[[], object] | None = None, split: int | None = None
+                                eps: float, add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(sum + residual) * weight, sum + residual), the sum over the ranks of `partial`:
         one kernel where the symmetric-memory path fuses it, else `all_reduce` and then `add_norm`
-        (the model's `add_rms_norm(x, residual, weight)`, its `eps` bound). `rest`: what writes
-        `partial`'s columns from `split` on (the split GEMM's second launch), overlapped with the
-        first columns' exchange where the group takes it, else run first."""
-        if rest is not None:
-            overlapped = None if self.custom is None else self.custom.all_reduce_add_rms_norm_overlapped(
-                partial, rest, split, residual, weight, eps)
-            if overlapped is not None:
-                return overlapped
-            rest()
+        (the model's `add_rms_norm(x, residual, weight)`, its `eps` bound)."""
         if self.custom is not None:
             fused = self.custom.all_reduce_add_rms_norm(partial, residual, weight, eps)
             if fused is not None:

@@ -7,17 +7,12 @@ Kernels (`ParallelConfig.all_reduce_kernel`): torch's (`symm_mem.one_shot_all_re
 `symm_mem.two_shot_all_reduce_out`; "torch", the default), or the Triton ones of
 kernels/all_reduce.py ("triton": one program per SM, barriers on the same signal pads), which also
 offer the all-reduce fused with the next RMSNorm's residual add ("triton_fused": the model hands
-the row-parallel layer's un-reduced partial sums to the norm, `all_reduce_add_rms_norm`), and that
-fused kernel in two column halves, the first half's exchange on a side stream beside the GEMM that
-writes the second ("triton_fused_overlap": `overlap_split`, `all_reduce_add_rms_norm_overlapped`,
-kernels/all_reduce_overlap.py).
+the row-parallel layer's un-reduced partial sums to the norm, `all_reduce_add_rms_norm`).
 NVLink multicast (`multimem_*` ops) is never used: it is off on the hosts this runs on.
 
 CUDA graphs: the kernels read and write only fixed addresses (the buffer, the output, the signal
-pads whose flags reset themselves), so a captured step replays them as is; the side stream forks
-from and joins the capturing stream (`wait_stream`: events), which a capture records as graph
-edges. A row-parallel GEMM writes its output straight into the buffer (`input_buffer`), which
-saves the copy in.
+pads whose flags reset themselves), so a captured step replays them as is. A row-parallel GEMM
+writes its output straight into the buffer (`input_buffer`), which saves the copy in.
 
 Faults: the kernels' barriers (torch's and the Triton ones alike) spin without a deadline and
 cannot be aborted, so a rank that dies or hangs in the middle of a step leaves the others' GPUs
@@ -56,16 +51,12 @@ class SymmetricAllReduce:
     """One rank's side: the symmetric buffer (`max_bytes` bytes, viewed as the message's dtype) and
     the thresholds. `ops`: the `symm_mem` op namespace (the CPU tests pass a stand-in); `peers`:
     where the Triton kernels find every rank's buffer and signal pad (None: torch's kernels);
-    `fused`: the model may hand its layer boundaries to `all_reduce_add_rms_norm`; `overlap`: and
-    split them in two column halves (`overlap_split`, `all_reduce_add_rms_norm_overlapped`)."""
+    `fused`: the model may hand its layer boundaries to `all_reduce_add_rms_norm`."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, one_shot_max: int, two_shot_max: int,
-                 handle: Any = None, ops: Any = None, peers: PeerBuffers | None = None, fused: bool = False,
-                 overlap: bool = False) -> None:
+                 handle: Any = None, ops: Any = None, peers: PeerBuffers | None = None, fused: bool = False) -> None:
         if fused and peers is None:
             raise ValueError("the fused all-reduce + RMSNorm needs the Triton kernels' peer buffers")
-        if overlap and not fused:
-            raise ValueError("the overlapped all-reduce + RMSNorm is the fused one in two halves: it needs fused=True")
         self.buffer = buffer
         self.group_name = group_name
         self.one_shot_max = one_shot_max
@@ -74,9 +65,6 @@ class SymmetricAllReduce:
         self.ops = ops if ops is not None else torch.ops.symm_mem
         self.peers = peers
         self.fused = fused
-        self.overlap = overlap
-        # The first half's exchange (made here, not in a capture).
-        self._side = torch.cuda.Stream(buffer.device) if overlap and buffer.is_cuda else None
         # Rank 0 while serving: waits (bounded) until an event's work is done (`StepWait.wait`).
         self.pace: Callable[[Any], None] | None = None
         self._launched: deque[Any] = deque()  # events after the last eager kernels, oldest first
@@ -128,53 +116,6 @@ class SymmetricAllReduce:
             return None
         staged = self._stage(partial)
         return self._launch(lambda: one_shot_all_reduce_add_rms_norm(self.peers, staged, residual, weight, eps))
-
-    def overlap_split(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
-        """The column at which a row-parallel layer feeding the fused boundary should split its GEMM
-        of output `shape` (two launches into the buffer, `all_reduce_add_rms_norm_overlapped` then
-        exchanging the first half beside the second), or None: one GEMM, the fused boundary as is
-        (not `overlap`, not rows, NCCL's size, rows the split does not take)."""
-        from kernels.all_reduce_overlap import split_column
-
-        if not self.overlap or len(shape) != 2:
-            return None
-        if choose_path(math.prod(shape) * dtype.itemsize, dtype, True, self.one_shot_max, self.two_shot_max) == NCCL:
-            return None
-        return split_column(shape[1], dtype.itemsize)
-
-    def all_reduce_add_rms_norm_overlapped(self, partial: torch.Tensor, rest: Callable[[], object], split: int,
-                                           residual: torch.Tensor, weight: torch.Tensor, eps: float
-                                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`all_reduce_add_rms_norm` of `partial` (a view of the buffer from its start) whose columns
-        [0, split) are written and whose others `rest()` writes (the second GEMM launch): the first
-        columns' exchange runs on a side stream while `rest` runs on the current one, then the
-        streams join and one kernel does the rest. None (`rest` not run) where it does not take
-        the message: the caller runs `rest` and takes the fused path. On CPUs (the interpreter's
-        tests) the three run one after the other."""
-        from kernels.all_reduce_overlap import exchange_first_columns, exchange_rest_add_rms_norm
-
-        if (partial.dim() != 2 or split != self.overlap_split(tuple(partial.shape), partial.dtype)
-                or partial.data_ptr() != self.buffer.data_ptr() or residual.shape != partial.shape
-                or residual.dtype != partial.dtype or not residual.is_contiguous()):
-            return None
-        residual_out = torch.empty_like(partial)
-        sumsq = torch.empty(partial.shape[0], dtype=torch.float32, device=partial.device)
-
-        def boundary() -> tuple[torch.Tensor, torch.Tensor]:
-            first = (self.peers, partial, residual, split, residual_out, sumsq)
-            if partial.device.type != "cuda":
-                exchange_first_columns(*first)
-                rest()
-            else:
-                main = torch.cuda.current_stream(partial.device)
-                self._side.wait_stream(main)  # the first half written
-                with torch.cuda.stream(self._side):
-                    exchange_first_columns(*first)
-                rest()
-                main.wait_stream(self._side)
-            return exchange_rest_add_rms_norm(self.peers, partial, residual, weight, eps, split, residual_out, sumsq)
-
-        return self._launch(boundary)
 
     def _launch(self, kernel: Callable[[], T]) -> T:
         """Run a symmetric-memory kernel; outside a capture, rank 0 first waits (`pace`) for the

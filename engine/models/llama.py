@@ -51,12 +51,11 @@ class ReducingRMSNorm(RMSNorm):
         self.eps = eps
 
     def forward(self, x: torch.Tensor | PartialSum) -> torch.Tensor:
-        return super().forward(self.group.all_reduce(x.whole()) if isinstance(x, PartialSum) else x)
+        return super().forward(self.group.all_reduce(x.partial) if isinstance(x, PartialSum) else x)
 
     def add_forward(self, x: torch.Tensor | PartialSum, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(x, PartialSum):
-            return self.group.all_reduce_add_rms_norm(x.partial, residual, self.weight, self.eps, self.fns.add_rms_norm,
-                                                      x.rest, x.split)
+            return self.group.all_reduce_add_rms_norm(x.partial, residual, self.weight, self.eps, self.fns.add_rms_norm)
         return super().add_forward(x, residual)
 
 

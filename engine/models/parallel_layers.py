@@ -6,9 +6,7 @@ input columns and all-reduces the partial sums (written straight into the symmet
 the all-reduce takes it), adding the bias once after the sum.
 With the fused layer boundary (`TPGroup.fuses_add_norm`), a layer built with `feeds_norm=True`
 returns its partial sums un-reduced, as a `PartialSum` over the symmetric buffer, and the next
-RMSNorm (`ReducingRMSNorm` in engine/models/llama.py) sums them with its residual add; with the
-overlapped one (`TPGroup.overlap_split`) it writes the first half of the output columns and leaves
-the second half's GEMM to the norm, which runs it beside the first half's exchange.
+RMSNorm (`ReducingRMSNorm` in engine/models/llama.py) sums them with its residual add.
 `VocabParallelEmbedding` looks up the rank's vocabulary rows (zero for other ids) and all-reduces.
 `gather_logits` puts the ranks' vocabulary columns side by side and drops the padding.
 
@@ -17,8 +15,6 @@ model built without tensor parallelism is exactly the one it was before.
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,19 +36,9 @@ class TPContext:
 @dataclass(slots=True, frozen=True)
 class PartialSum:
     """This rank's summand of a row-parallel layer's output, not yet all-reduced: a view of the
-    symmetric buffer that the next all-reduce (fused with an RMSNorm) reads from every rank.
-    With the overlapped boundary (`TPGroup.overlap_split`) only columns [0, split) are written
-    yet: `rest` writes the others (the GEMM's second launch), run once by whoever reduces it."""
+    symmetric buffer that the next all-reduce (fused with an RMSNorm) reads from every rank."""
 
     partial: torch.Tensor
-    rest: Callable[[], object] | None = None
-    split: int | None = None
-
-    def whole(self) -> torch.Tensor:
-        """The partial sums with every column written (for a consumer that does not overlap)."""
-        if self.rest is not None:
-            self.rest()
-        return self.partial
 
 
 class RowParallelLinear(nn.Module):
@@ -71,14 +57,8 @@ class RowParallelLinear(nn.Module):
         # On the symmetric-memory paths the GEMM writes its partial sums straight into the buffer
         # the all-reduce reads (no copy in).
         staged = self.group.reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
-        fused = staged is not None and self.defer and self.group.fuses_add_norm
-        split = self.group.overlap_split(tuple(staged.shape), staged.dtype) if fused else None
-        if split is not None:  # two launches, each with its half of the weight's rows (the bytes of one)
-            torch.mm(x, self.weight[:split].t(), out=staged[:, :split])
-            return PartialSum(staged, functools.partial(torch.mm, x, self.weight[split:].t(), out=staged[:, split:]),
-                              split)
         partial = F.linear(x, self.weight) if staged is None else torch.mm(x, self.weight.t(), out=staged)
-        if fused:
+        if staged is not None and self.defer and self.group.fuses_add_norm:
             return PartialSum(partial)
         y = self.group.all_reduce(partial)
         return y if self.bias is None else y + self.bias

@@ -1,9 +1,8 @@
 """The Triton all-reduce choice (`ParallelConfig.all_reduce_kernel`) on the CPU: the setting's
 errors and where it is set; the dispatch of `SymmetricAllReduce` to the Triton kernels (run by the
 interpreter over a mirrored stand-in peer table: two ranks holding the same message), their
-pacing; the fused layer boundary's fallbacks, and the overlapped one's (its GEMM split in two
-column halves); and a tensor-parallel shard of tiny-qwen3 whose hidden states are the same with
-the fused boundary, overlapped or not, as without it. On two GPUs:
+pacing; the fused layer boundary's fallbacks; and a tensor-parallel shard of tiny-qwen3 whose
+hidden states are the same with the fused boundary as without it. On two GPUs:
 tests/device/test_triton_all_reduce_gpu.py."""
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def _custom(kernel: str, nbytes: int = 16 * KiB) -> tuple[SymmetricAllReduce, to
     buffer = torch.zeros(nbytes, dtype=torch.uint8)
     peers, pads = (None, None) if kernel == "torch" else mirrored_peers(buffer)
     custom = SymmetricAllReduce(buffer, "g", nbytes, nbytes, ops=FakeSymmOps(), peers=peers,
-                                fused=kernel in ("triton_fused", "triton_fused_overlap"),
-                                overlap=kernel == "triton_fused_overlap")
+                                fused=kernel == "triton_fused")
     return custom, pads
 
 
@@ -69,31 +67,11 @@ def test_the_triton_kernels_sum_instead_of_torchs():
 def test_the_fused_kernel_needs_the_triton_peers():
     with pytest.raises(ValueError, match="peer buffers"):
         SymmetricAllReduce(torch.zeros(64, dtype=torch.uint8), "g", 64, 64, fused=True)
-    peers, _pads = mirrored_peers(torch.zeros(64, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="needs fused=True"):
-        SymmetricAllReduce(torch.zeros(64, dtype=torch.uint8), "g", 64, 64, peers=peers, overlap=True)
 
 
-@pytest.mark.parametrize(("kernel", "shape", "dtype", "split"), [
-    ("triton_fused_overlap", (4, 32), torch.float32, 16),
-    ("triton_fused_overlap", (256, 16), torch.bfloat16, 8),
-    ("triton_fused", (4, 32), torch.float32, None),  # the option off
-    ("triton_fused_overlap", (4, 32 * KiB // 4), torch.float32, None),  # NCCL's size: larger than the buffer
-    ("triton_fused_overlap", (2, 2, 32), torch.float32, None),  # not rows
-    ("triton_fused_overlap", (4, 36), torch.float32, None),  # halves of 72 bytes: off 16-byte boundaries
-])
-def test_the_gemm_splits_where_the_overlapped_boundary_takes_its_rows(kernel, shape, dtype, split):
-    custom, _pads = _custom(kernel)
-    assert custom.overlap_split(shape, dtype) == split
-    assert TPGroup(0, 2, None, None, custom).overlap_split(shape, dtype) == split
-    assert TPGroup(0, 2, None, None, None).overlap_split(shape, dtype) is None  # NCCL's group (CPUs, TP=1 has none)
-
-
-@pytest.mark.parametrize("kernel", ["triton", "triton_fused", "triton_fused_overlap"])
+@pytest.mark.parametrize("kernel", ["triton", "triton_fused"])
 def test_triton_launches_are_paced_as_torchs(kernel, monkeypatch):
-    """Rank 0's bound on eager launches holds for the Triton kernels, fused ones included (one
-    paced launch per overlapped boundary: the wait before its first kernel, the event after its
-    last)."""
+    """Rank 0's bound on eager launches holds for the Triton kernels, fused one included."""
     from engine.distributed.symmetric_all_reduce import PACE_LAG
 
     counting_events(monkeypatch)
@@ -104,9 +82,6 @@ def test_triton_launches_are_paced_as_torchs(kernel, monkeypatch):
     for _ in range(5):
         if kernel == "triton_fused":
             assert custom.all_reduce_add_rms_norm(x, residual, weight, 1e-6) is not None
-        elif kernel == "triton_fused_overlap":
-            staged = custom.input_buffer(tuple(x.shape), x.dtype).copy_(x)
-            assert custom.all_reduce_add_rms_norm_overlapped(staged, lambda: None, 16, residual, weight, 1e-6)
         else:
             custom.all_reduce(x)
     assert waited == list(range(1, 5 - PACE_LAG + 1))
@@ -133,66 +108,6 @@ def test_the_group_fuses_where_it_can_and_else_reduces_then_norms(kernel, shape,
     want_out, want_residual = add_rms_norm(2 * x, residual, weight, 1e-6)
     torch.testing.assert_close(new_residual, want_residual)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(("kernel", "residual_shape", "in_buffer", "overlapped"), [
-    ("triton_fused_overlap", (4, 32), True, True),
-    ("triton_fused", (4, 32), True, False),  # the option off: the second half first, then the fused kernel
-    ("triton_fused_overlap", (4, 16), True, False),  # a residual of another shape: add + norm after the sum
-    ("triton_fused_overlap", (4, 32), False, False),  # partial sums outside the buffer
-])
-def test_the_second_half_is_written_once_whether_the_group_overlaps_or_not(kernel, residual_shape, in_buffer,
-                                                                           overlapped, monkeypatch):
-    """The split GEMM's second launch (`rest`) runs exactly once, before the second half is read,
-    and the result is the sum + add + norm of the whole rows either way."""
-    import torch.distributed as dist
-
-    custom, _pads = _custom(kernel)
-    group = TPGroup(0, 2, None, None, custom)
-    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: x.mul_(2))  # NCCL's sum of 2 equal ranks
-    x = torch.randn(4, 32)
-    staged = custom.input_buffer((4, 32), x.dtype) if in_buffer else torch.empty(4, 32)
-    staged[:, :16] = x[:, :16]
-    staged[:, 16:] = float("nan")  # not written yet
-    runs = []
-
-    def rest():
-        runs.append(1)
-        staged[:, 16:] = x[:, 16:]
-
-    residual, weight = torch.randn(residual_shape), torch.rand(residual_shape[-1]) + 0.5
-    if residual_shape != (4, 32):  # the model's shapes always agree: only the group's fallback is checked here
-        assert custom.all_reduce_add_rms_norm_overlapped(staged, rest, 16, residual, weight, 1e-6) is None
-        assert runs == []
-        return
-    import kernels.all_reduce_overlap as overlap
-
-    real, sides = overlap.exchange_first_columns, []
-    monkeypatch.setattr(overlap, "exchange_first_columns", lambda *a: sides.append(1) or real(*a))
-    out, new_residual = group.all_reduce_add_rms_norm(staged, residual, weight, 1e-6,
-                                                      lambda h, r, w: add_rms_norm(h, r, w, 1e-6), rest, 16)
-    assert runs == [1]
-    assert sides == ([1] if overlapped else [])
-    want_out, want_residual = add_rms_norm(2 * x, residual, weight, 1e-6)
-    torch.testing.assert_close(new_residual, want_residual)
-    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
-
-
-def test_a_norm_without_a_residual_writes_the_second_half_before_the_sum(monkeypatch):
-    """`ReducingRMSNorm.forward` on a split layer's output (no residual add to overlap with)."""
-    import torch.distributed as dist
-
-    from engine.models.llama import ReducingRMSNorm
-    from engine.models.ops import fused_ops, rms_norm
-    from engine.models.parallel_layers import PartialSum
-
-    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: x.mul_(2))  # NCCL's sum of 2 equal ranks
-    x = torch.randn(3, 8)
-    staged = torch.zeros(3, 8)
-    staged[:, :4] = x[:, :4]
-    norm = ReducingRMSNorm(8, fused_ops(False, 1e-6), TPGroup(0, 2, None, None, None), 1e-6)
-    out = norm(PartialSum(staged, lambda: staged[:, 4:].copy_(x[:, 4:]), 4))
-    torch.testing.assert_close(out, rms_norm(2 * x, norm.weight, 1e-6))
 
 
 def _shard_hidden(kernel: str) -> torch.Tensor:
@@ -227,29 +142,21 @@ def _shard_hidden(kernel: str) -> torch.Tensor:
 
 def test_a_shard_with_the_fused_boundary_computes_the_same_hidden_states(monkeypatch):
     import kernels.all_reduce as triton_all_reduce
-    import kernels.all_reduce_overlap as overlap
 
     calls = []
-    for module, name in ((triton_all_reduce, "one_shot_all_reduce"),
-                         (triton_all_reduce, "one_shot_all_reduce_add_rms_norm"),
-                         (overlap, "exchange_first_columns"), (overlap, "exchange_rest_add_rms_norm")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    for name in ("one_shot_all_reduce", "one_shot_all_reduce_add_rms_norm"):
+        real = getattr(triton_all_reduce, name)
+        monkeypatch.setattr(triton_all_reduce, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
     unfused = _shard_hidden("triton")
     unfused_calls = calls[:]
     calls.clear()
     fused = _shard_hidden("triton_fused")
-    fused_calls = calls[:]
-    calls.clear()
-    overlapped = _shard_hidden("triton_fused_overlap")
+    fused_calls = calls
     torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(overlapped, fused, rtol=1e-5, atol=1e-5)
     layers = 2  # tiny-qwen3: every o_proj and down_proj sum goes into the next norm
     assert unfused_calls.count("one_shot_all_reduce") == 1 + 2 * layers  # the embedding's, then each layer's two
     assert fused_calls.count("one_shot_all_reduce") == 1  # the embedding's only
     assert fused_calls.count("one_shot_all_reduce_add_rms_norm") == 2 * layers  # the final norm's included
-    assert calls.count("one_shot_all_reduce") == 1 and "one_shot_all_reduce_add_rms_norm" not in calls
-    assert calls.count("exchange_first_columns") == calls.count("exchange_rest_add_rms_norm") == 2 * layers
 
 
 def test_a_model_without_tensor_parallelism_keeps_plain_norms():

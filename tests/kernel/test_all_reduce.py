@@ -3,8 +3,7 @@ one rank over stand-in peer buffers (CPU tensors whose addresses go in the peer 
 barriers compiled out (`barrier=False`: one process cannot play two ranks); with one rank the
 barrier runs for real and must leave the result and the signal pads as without it. Checked
 against torch: the sum in rank order (float32, rounded once), and engine/models/ops.py's
-add_rms_norm on the summed rows; the same fused kernel in two column halves
-(kernels/all_reduce_overlap.py) against both. On two GPUs: tests/device/test_triton_all_reduce_gpu.py."""
+add_rms_norm on the summed rows. On two GPUs: tests/device/test_triton_all_reduce_gpu.py."""
 from __future__ import annotations
 
 import math
@@ -19,7 +18,6 @@ from kernels.all_reduce import (
     one_shot_all_reduce_add_rms_norm,
     two_shot_all_reduce,
 )
-from kernels.all_reduce_overlap import exchange_first_columns, exchange_rest_add_rms_norm, split_column
 
 # The interpreter mis-rounds bf16 (tests/kernel/test_kernels_qk_rope.py): float32 and float16 here.
 DTYPES = [torch.float32, torch.float16]
@@ -103,70 +101,17 @@ def test_fused_add_rms_norm_equals_all_reduce_then_add_rms_norm(world, rows, hid
         assert torch.allclose(out, want_out, rtol=tol, atol=tol), f"rank {rank}: max error {err:.3g}"
 
 
-def _split_add_rms_norm(peers: PeerBuffers, staged: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        side_programs: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    split = split_column(staged.shape[1], staged.element_size())
-    residual_out = torch.full_like(staged, float("nan"))  # every element must be written
-    sumsq = torch.full((staged.shape[0],), float("nan"))
-    exchange_first_columns(peers, staged, residual, split, residual_out, sumsq, side_programs)
-    return exchange_rest_add_rms_norm(peers, staged, residual, weight, 1e-6, split, residual_out, sumsq)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("world", "rows", "hidden"), [(2, 1, 32), (2, 7, 64), (3, 5, 48), (4, 9, 16)])
-def test_split_add_rms_norm_equals_the_one_kernel_version(world, rows, hidden, dtype):
-    """The new residual bit for bit (each element's sum in rank order, then the add, as the one
-    kernel does); the normed rows within the fused test's tolerance (the sum of squares is added
-    in two halves)."""
-    parts = _ranks(world, (rows, hidden), dtype, seed=rows * hidden + 1)
-    residual = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(9)).to(dtype)
-    weight = (torch.rand(hidden, generator=torch.Generator().manual_seed(10)) + 0.5).to(dtype)
-    group = FakeGroup(parts)
-    want_out, want_res = add_rms_norm(_sum(parts), residual, weight, 1e-6)
-    tol = 1e-5 if dtype == torch.float32 else 1e-3
-    for rank in range(world):
-        peers = group.peers(rank)
-        one_out, one_res = one_shot_all_reduce_add_rms_norm(peers, group.staged[rank], residual, weight, 1e-6)
-        out, res = _split_add_rms_norm(peers, group.staged[rank], residual, weight)
-        assert torch.equal(res, one_res) and torch.equal(res, want_res), f"rank {rank}: the new residual differs"
-        for want in (one_out, want_out):
-            err = (out.float() - want.float()).abs().max().item()
-            assert torch.allclose(out, want, rtol=tol, atol=tol), f"rank {rank}: max error {err:.3g}"
-    for s, p in zip(group.staged, parts):
-        assert torch.equal(s, p)  # the buffers are only read
-
-
-@pytest.mark.parametrize(("hidden", "dtype", "split"), [
-    (4096, torch.bfloat16, 2048), (48, torch.float16, 24), (4096, torch.float32, 2048),
-    (4097, torch.bfloat16, None),  # odd
-    (40, torch.float16, None),  # halves of 40 bytes: the second off a 16-byte boundary
-    (32768, torch.bfloat16, None),  # wider than the fused kernel's rows
-])
-def test_rows_split_in_halves_on_16_byte_boundaries_only(hidden, dtype, split):
-    assert split_column(hidden, dtype.itemsize) == split
-
-
-def test_a_split_at_another_column_is_refused():
-    parts = _ranks(2, (3, 32), torch.float32, seed=4)
-    group = FakeGroup(parts)
-    with pytest.raises(ValueError, match="split at 16"):
-        exchange_first_columns(group.peers(0), group.staged[0], torch.zeros(3, 32), 8, torch.empty(3, 32),
-                               torch.empty(3))
-
-
 def _run_each(kernel: str, group: FakeGroup, barrier: bool):
     staged, peers = group.staged[0].clone(), group.peers(0, barrier)
     group.staged[0].copy_(staged)
     if kernel == "fused":
         ones = torch.ones(staged.shape[-1])
         return one_shot_all_reduce_add_rms_norm(peers, group.staged[0], torch.ones_like(staged), ones, 1e-6)
-    if kernel == "split":
-        return _split_add_rms_norm(peers, group.staged[0], torch.ones_like(staged), torch.ones(staged.shape[-1]))
     fn = one_shot_all_reduce if kernel == "one-shot" else two_shot_all_reduce
     return (fn(peers, group.staged[0].view(-1), torch.empty(staged.numel())),)
 
 
-@pytest.mark.parametrize("kernel", ["one-shot", "two-shot", "fused", "split"])
+@pytest.mark.parametrize("kernel", ["one-shot", "two-shot", "fused"])
 def test_the_barrier_flag_gates_the_barrier_only(kernel):
     """One rank meets only itself: its barriers run through the signal pad and must leave it zero
     and the result as with them compiled out."""
@@ -189,69 +134,3 @@ def test_a_tensor_outside_the_buffer_is_refused():
         PeerBuffers((16, 32), (3,), 0, 64, 4)
     with pytest.raises(ValueError, match="16-byte aligned"):
         PeerBuffers((16, 40), (3, 4), 0, 64, 4)
-
-
-BOUNDARIES = 3
-
-
-def _boundary_parts(boundary: int, rank: int, shape: tuple[int, int]) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(100 * boundary + rank))
-
-
-def _interpreted_rank(rank: int, buffers: list[torch.Tensor], pads: list[torch.Tensor], residual: torch.Tensor,
-                      weight: torch.Tensor, results) -> None:
-    """One rank in its own process, barriers on: BOUNDARIES overlapped boundaries in a row (the
-    side kernel on 2 programs, the second on 3), a one-kernel fused boundary after each, each
-    boundary's partial sums written into this rank's buffer first (as the GEMM would)."""
-    try:
-        peers = PeerBuffers(tuple(b.data_ptr() for b in buffers), tuple(p.data_ptr() for p in pads), rank,
-                            buffers[0].numel() * 4, MAX_PROGRAMS, barrier=True)
-        staged = buffers[rank].view(residual.shape)
-        outs = []
-        for boundary in range(BOUNDARIES):
-            staged.copy_(_boundary_parts(boundary, rank, tuple(residual.shape)))
-            outs.append(_split_add_rms_norm(peers, staged, residual, weight))
-            staged.copy_(_boundary_parts(boundary, rank, tuple(residual.shape)))
-            outs.append(one_shot_all_reduce_add_rms_norm(peers, staged, residual, weight, 1e-6))
-        results.put((rank, [(out.tolist(), res.tolist()) for out, res in outs]))  # no shared tensors back
-    except BaseException as e:  # noqa: BLE001 (reported to the test)
-        results.put((rank, f"{type(e).__name__}: {e}"))
-
-
-def test_two_ranks_meet_at_every_barrier_of_both_halves():
-    """Two processes over shared CPU buffers and signal pads, barriers on (the interpreter runs a
-    kernel's programs in order, so program p of each rank meets program p of the other): the
-    split kernels' barriers and the one kernel's share the slots in the same order on both ranks,
-    no rank overwrites its buffer while the other reads it, and the pads end zero."""
-    import multiprocessing
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreter plays the ranks on the CPU (TRITON_INTERPRET=1)")
-    shape = (7, 32)
-    buffers = [torch.zeros(shape).share_memory_() for _ in range(2)]
-    pads = [torch.zeros(2 * MAX_PROGRAMS, dtype=torch.int32).share_memory_() for _ in range(2)]
-    residual = torch.randn(shape, generator=torch.Generator().manual_seed(11))
-    weight = torch.rand(32, generator=torch.Generator().manual_seed(12)) + 0.5
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_interpreted_rank, args=(r, buffers, pads, residual, weight, results), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        reports = dict(results.get(timeout=120) for _ in range(2))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    for rank, report in reports.items():
-        assert not isinstance(report, str), f"rank {rank}: {report}"
-        for boundary in range(BOUNDARIES):
-            summed = _sum([_boundary_parts(boundary, r, shape) for r in range(2)])
-            want_out, want_res = add_rms_norm(summed, residual, weight, 1e-6)
-            for out, res in (map(torch.tensor, pair) for pair in report[2 * boundary:2 * boundary + 2]):
-                assert torch.equal(res, want_res), f"rank {rank}, boundary {boundary}: the new residual differs"
-                assert torch.allclose(out, want_out, rtol=1e-5, atol=1e-5), f"rank {rank}, boundary {boundary}"
-    assert not any(p.any() for p in pads), "the barriers left signals in the pads"
