@@ -12,8 +12,8 @@ ends, the front end reads and writes its ends from its event loop):
   None to stop.
 - core -> front end: `CoreInfo` once (or `CoreFailed` if the engine could not be built), then one
   `CoreStep` per step that produced anything: per-request errors, how many arrivals were taken,
-  the outputs in a compact form (engine/online/output_wire.py: no objects, each prompt once, a
-  running stream's new token as its id, tokens and text), the
+  the outputs in a compact form (engine/online/output_wire.py: no objects, no prompt but a text
+  prompt's token ids once, a running stream's new token as its id, tokens and text), the
   `RequestStats` of the requests that ended, and the engine's counters; `CoreFailed` if the loop
   dies. Text is decoded in the core, where stop strings must be matched before the next step.
   While it steps, the core sends a `CoreStep` at least every `HEARTBEAT_S` even when its steps
@@ -32,17 +32,16 @@ import signal
 import time
 import traceback
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from operator import attrgetter
 
 from engine.engine_args import EngineArgs
-from engine.offline.outputs import RequestOutput, short_error
+from engine.offline.outputs import short_error
 from engine.offline.tokenizer import tokenizer_for
 from engine.online.core_channel import LoopChannel, read_message, readable, write_message
 from engine.online.engine_stats import EngineStats, RequestStats, StatsTracker
 from engine.online.host import hand_over
-from engine.online.output_wire import OutputPacker, OutputReader, PackedOutput
+from engine.online.output_wire import OutputPacker, PackedOutput
 from policies.routing.replica_report import ReplicaReport, report
 
 HEARTBEAT_S = 1.0  # the longest a stepping core stays silent
@@ -224,10 +223,6 @@ class EngineCoreClient:
         self.info: CoreInfo = first
         self.channel = LoopChannel(self._inbox.fileno(), self._outbox.fileno())
         self.tokenizer = tokenizer_for(args.tokenizer, args.model_config().weights)
-        self._reader = OutputReader()  # what the core sent once per request (its prompt)
-
-    def outputs(self, step: CoreStep) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
-        return self._reader.read(step.outputs, step.finished)
 
     @property
     def alive(self) -> bool:

@@ -17,6 +17,7 @@ import logging
 from engine.online.engine_core import CoreFailed, CoreStep, EngineCoreClient
 from engine.online.engine_stats import EngineStats
 from engine.online.host import EngineHost, ModelInfo, NewRequest, ResultSink, StepResult
+from engine.online.output_wire import OutputReader
 
 _log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class ProcessHost(EngineHost):
         self.info = ModelInfo(i.model_name, i.max_model_len, i.vocab_size, client.tokenizer, i.max_logprobs)
         self._core_stats = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0)  # the core's, as of its last message
         self._sent = 0  # requests sent to the core and not yet taken by it
+        self._reader = OutputReader()  # the core's outputs, with the prompts they were sent with
         self._sink: ResultSink | None = None
         self._failure: str | None = None  # the core's own account of its failure
         self._ended = False  # the core's end is reported (or this host shut down)
@@ -45,6 +47,7 @@ class ProcessHost(EngineHost):
 
     def add(self, request: NewRequest) -> None:
         self._sent += 1
+        self._reader.sent(request.request_id, request.prompt)
         self._send(([request], ()))
 
     def abort(self, request_id: str) -> None:
@@ -63,7 +66,10 @@ class ProcessHost(EngineHost):
             return
         self._sent -= message.num_taken
         self._core_stats = message.stats
-        self._sink(StepResult(message.errors, list(self.client.outputs(message)), message.report))
+        if message.errors:
+            self._reader.refused(message.errors)
+        outputs = list(self._reader.read(message.outputs, message.finished))
+        self._sink(StepResult(message.errors, outputs, message.report))
 
     def _on_closed(self) -> None:
         """The core's pipe ended: report how the core ended once it has (its exit code)."""

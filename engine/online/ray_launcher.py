@@ -26,8 +26,7 @@ from typing import Any
 from engine.engine_args import EngineArgs
 from engine.offline.tokenizer import tokenizer_for
 from engine.online.core_channel import read_message, readable, write_message
-from engine.online.engine_core import CoreStep, serve
-from engine.online.output_wire import OutputReader
+from engine.online.engine_core import serve
 from engine.online.process_host import ProcessHost
 from engine.online.replica_set import REPLICA_LAUNCHERS, Replica
 
@@ -151,11 +150,7 @@ class RayCoreClient:
             raise RuntimeError(f"the engine actor could not build the engine: {cause}") from None
         self.channel = RayChannel(self.actor)
         self.tokenizer = tokenizer_for(args.tokenizer, args.model_config().weights)
-        self._reader = OutputReader()
         self._gone = False
-
-    def outputs(self, step: CoreStep):
-        return self._reader.read(step.outputs, step.finished)
 
     @property
     def alive(self) -> bool:

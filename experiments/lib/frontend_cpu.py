@@ -14,8 +14,11 @@ What is left is what the server's event loop spends of its own on
 the way to a first token, the part no transport or engine hides, measured with little noise.
 `--wire 10 256`: also, per engine step with that many streams running, the core's packing and framing
 of the step's outputs (`core_<n>`) and the front end's unpickling and rebuilding of them
-(`front_<n>`), the per-step price of the pipe between them (engine/online/output_wire.py).
-Writes {"to_first_chunk": [seconds, ...], "whole": [...], "refused": [...], "core_<n>": [...], "front_<n>": [...]} as JSON.
+(`front_<n>`), the per-step price of the pipe between them (engine/online/output_wire.py); and the
+same for a step that carries one request's first output, whose prompt is `--prompt-len` token ids
+as bench_online sends them (`core_first`, `front_first`: what each request's first token pays).
+Writes {"to_first_chunk": [seconds, ...], "whole": [...], "refused": [...], "core_<n>": [...], "front_<n>": [...],
+"core_first": [...], "front_first": [...]} as JSON.
 """
 from __future__ import annotations
 
@@ -192,6 +195,51 @@ def wire(streams: int, steps: int = 300) -> dict[str, list[float]]:
     return {f"core_{streams}": core, f"front_{streams}": front}
 
 
+def first_output(prompt_len: int, steps: int = 2000) -> dict[str, list[float]]:
+    """Per request, a step message carrying its first output (a prompt of `prompt_len` token ids in
+    Qwen3's vocabulary, sent as ids), with the counters and the report: the core packing and
+    framing it (`core_first`), the front end unpickling it and rebuilding the output, told of the
+    prompt first where the tree's reader is (`front_first`)."""
+    import pickle
+    import random
+
+    from engine.online.core_channel import frame
+    from engine.online.engine_core import CoreStep
+    from engine.online.engine_stats import EngineStats
+    from engine.online.output_wire import OutputPacker, OutputReader
+    from policies.routing.replica_report import ReplicaReport
+
+    rng = random.Random(0)
+    packer, reader = OutputPacker(), OutputReader()
+    told = getattr(reader, "sent", None)  # a tree whose front end keeps the prompts it sent
+    stats, report = EngineStats(1, 0, 0, 0.4, 0, 10**6, 10**5, 100, 1000), ReplicaReport(0, 1, 0, 900, 4096, 10**5, 16)
+    core, front = [], []
+    for step in range(steps + 100):
+        request_id = f"cmpl-{step:032x}"
+        prompt = [rng.randrange(151936) for _ in range(prompt_len)]
+        output = RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "", [1000 + step], None)],
+                               False, RequestMetrics(1.0, 1.5, 2.0, None, 0), 0, None)
+        if told is not None:
+            t_told = time.perf_counter()
+            told(request_id, prompt)
+            t_told = time.perf_counter() - t_told
+        else:
+            t_told = 0.0
+        t0 = time.perf_counter()
+        data = frame(CoreStep({}, 1, [packer.pack(output)], [], stats, report))
+        t1 = time.perf_counter()
+        message = pickle.loads(data[8:])
+        got = list(reader.read(message.outputs, message.finished))
+        t2 = time.perf_counter()
+        assert got[0][0].prompt_token_ids == prompt
+        packer._sent.clear()  # the request ends elsewhere: neither side keeps it
+        reader._known.clear()
+        if step >= 100:
+            core.append(t1 - t0)
+            front.append(t2 - t1 + t_told)
+    return {"core_first": core, "front_first": front}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="frontend_cpu.json")
@@ -204,6 +252,7 @@ def main() -> None:
     result = asyncio.run(measure(a.prompt_len, a.tokens, a.requests))
     for streams in a.wire:
         result.update(wire(streams))
+    result.update(first_output(a.prompt_len))
     with open(a.out, "w") as f:
         json.dump(result, f)
 

@@ -97,6 +97,40 @@ def test_completions_and_chat_equal_llm_generate(client, reference):  # noqa: F8
     assert chat.usage.completion_tokens == 4 and chat.choices[0].message.role == "assistant"
 
 
+
+def test_outputs_carry_their_prompts_as_in_process(model_dir):
+    """`AsyncLLMEngine.generate` with a core process gives each output the prompt and prompt token ids
+    the in-process engine gives: a token-id prompt's ids as handed over (they never cross the pipe
+    back), a text prompt's ids as the core's tokenizer made them (the front end has none), with
+    several samples, logprobs, and a request that ends at its first token."""
+    from policies.request import SamplingParams
+
+    cases = [([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
+             ("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
+             ([9, 10], SamplingParams(temperature=1.0, max_tokens=2, n=2, seed=3, logprobs=1, ignore_eos=True)),
+             ("one token", SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))]
+
+    def prompts_seen(engine: AsyncLLMEngine) -> list[set[tuple]]:
+        """Per request, the (prompt, prompt token ids) its outputs carried (how many outputs a
+        stream reads depends on timing: a slow reader's are merged)."""
+        async def main():
+            async def one(i, prompt, params):
+                return {(o.prompt, tuple(o.prompt_token_ids)) async for o in engine.generate(prompt, params, f"r{i}")}
+
+            try:
+                return await asyncio.gather(*(one(i, *c) for i, c in enumerate(cases)))
+            finally:
+                await engine.shutdown()
+        return asyncio.run(main())
+
+    from engine.offline.llm_engine import LLMEngine
+
+    want = prompts_seen(AsyncLLMEngine(LLMEngine(engine_args(model_dir))))
+    assert want[0] == {(None, (5, 6, 7, 8))} and len(want[1]) == 1
+    (text, ids), = want[1]
+    assert text == "The quick brown fox" and len(ids) > 0
+    assert prompts_seen(process_engine(model_dir)) == want
+
 def test_metrics_come_from_the_core(server, client):
     """/metrics in process mode: the counters the core sends and the histograms of the RequestStats
     it computes for each ended request."""
