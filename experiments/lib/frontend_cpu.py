@@ -16,9 +16,13 @@ the way to a first token, the part no transport or engine hides, measured with l
 of the step's outputs (`core_<n>`) and the front end's unpickling and rebuilding of them
 (`front_<n>`), the per-step price of the pipe between them (engine/online/output_wire.py); and the
 same for a step that carries one request's first output, whose prompt is `--prompt-len` token ids
-as bench_online sends them (`core_first`, `front_first`: what each request's first token pays).
+as bench_online sends them (`core_first`, `front_first`: what each request's first token pays);
+and, with that many streams running, a step that also brings a new request's first output (last,
+as the scheduler orders a prefill after the decodes): the front end's host from the message's
+bytes to that request's consumer holding its output (`first_among_<n>`: the first token's wait
+behind the step's other outputs on the event loop).
 Writes {"to_first_chunk": [seconds, ...], "whole": [...], "refused": [...], "core_<n>": [...], "front_<n>": [...],
-"core_first": [...], "front_first": [...]} as JSON.
+"core_first": [...], "front_first": [...], "first_among_<n>": [...]} as JSON.
 """
 from __future__ import annotations
 
@@ -240,6 +244,91 @@ def first_output(prompt_len: int, steps: int = 2000) -> dict[str, list[float]]:
     return {"core_first": core, "front_first": front}
 
 
+class _StubCoreClient:
+    """What `ProcessHost` reads of a core's client, with no process behind it: the test hands the
+    host its messages."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from engine.online.output_wire import OutputReader
+
+        self.info = SimpleNamespace(model_name=MODEL, max_model_len=1 << 16, vocab_size=151936, max_logprobs=20)
+        self.tokenizer = None
+        self.channel = SimpleNamespace(attach=lambda *a: None, send=lambda m: None, detach=lambda close=False: None)
+        self.alive = True
+        self._reader = OutputReader()
+
+    def outputs(self, step):  # a tree whose client, not its host, rebuilds the outputs
+        return self._reader.read(step.outputs, step.finished)
+
+
+def first_among(streams: int, steps: int = 300) -> dict[str, list[float]]:
+    """Per step, `streams` requests running (one token each) and a new request's first output last:
+    from the step message's bytes to the new request's consumer holding its output."""
+    import pickle
+
+    from engine.online.async_llm_engine import AsyncLLMEngine
+    from engine.online.core_channel import frame
+    from engine.online.engine_core import CoreStep
+    from engine.online.output_wire import OutputPacker
+    from engine.online.process_host import ProcessHost
+    from policies.request import SamplingParams
+    from policies.routing.replica_report import ReplicaReport
+
+    host = ProcessHost(_StubCoreClient())
+    engine = AsyncLLMEngine(host)
+    packer = OutputPacker()
+    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+    prompt = [1] * 560
+    stats, report = EngineStats(streams, 0, 0, 0.4, 0, 10**6, 10**5, 100, 1000), ReplicaReport(0, streams, 0, 900, 4096, 10**5, 16)
+
+    def output(request_id: str, token: int) -> RequestOutput:
+        return RequestOutput(request_id, None, prompt, [CompletionOutput(0, "", [token], None)], False,
+                             RequestMetrics(1.0, 1.5, 2.0, None, 0), 0, None)
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        got = {"n": 0}
+        all_read = asyncio.Event()
+
+        async def running(request_id: str) -> None:
+            async for _ in engine.generate(prompt, params, request_id, output_kind="delta"):
+                got["n"] += 1
+                if got["n"] == streams:
+                    all_read.set()
+
+        async def new(request_id: str, held: asyncio.Future) -> None:
+            async for _ in engine.generate(prompt, params, request_id, output_kind="delta"):
+                held.set_result(time.perf_counter())
+                return
+
+        tasks = [asyncio.ensure_future(running(f"s{i}")) for i in range(streams)]
+        await asyncio.sleep(0)
+        waits = []
+        for step in range(steps + 20):
+            held = loop.create_future()
+            newcomer = asyncio.ensure_future(new(f"new{step}", held))
+            await asyncio.sleep(0)
+            got["n"] = 0
+            all_read.clear()
+            outs = [output(f"s{i}", 1000 + step) for i in range(streams)] + [output(f"new{step}", 7)]
+            data = frame(CoreStep({}, 1, [packer.pack(o) for o in outs], [], stats, report))
+            t0 = time.perf_counter()
+            host._on_message(pickle.loads(data[8:]))
+            t1 = await held
+            await all_read.wait()
+            await newcomer
+            if step >= 20:  # the first steps carry every running stream's first output
+                waits.append(t1 - t0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return waits
+
+    return {f"first_among_{streams}": asyncio.run(main())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="frontend_cpu.json")
@@ -252,6 +341,7 @@ def main() -> None:
     result = asyncio.run(measure(a.prompt_len, a.tokens, a.requests))
     for streams in a.wire:
         result.update(wire(streams))
+        result.update(first_among(streams))
     result.update(first_output(a.prompt_len))
     with open(a.out, "w") as f:
         json.dump(result, f)
