@@ -91,6 +91,13 @@ class OutputReader:
         for request_id in request_ids:
             self._prompts.pop(request_id, None)
 
+    def split_first(self, outputs: list[PackedOutput]) -> tuple[list[PackedOutput], list[PackedOutput]]:
+        """The step's first outputs (of requests with none read yet) and the others, each in order."""
+        known, first, rest = self._known, [], []
+        for packed in outputs:
+            (rest if len(packed) == COMPACT_LEN or packed[0] in known else first).append(packed)
+        return first, rest
+
     def read(self, outputs: list[PackedOutput],
              finished: list[RequestStats]) -> Iterator[tuple[RequestOutput, RequestStats | None]]:
         """Each output of a step, with its request's RequestStats if it ended (`finished`)."""

@@ -6,6 +6,11 @@ event loop (engine/online/core_channel.py: never blocking it); the core's messag
 loop when its pipe turns readable and become `StepResult`s for the sink. No thread stands in
 between, so neither direction waits for another thread to be scheduled or to get the interpreter
 lock. The core process failing or exiting is the engine dying.
+
+A step that brings first outputs and others is handed over in two: its first outputs at once,
+the others one loop turn later (`loop.call_soon`, so after the tasks the first outputs woke), and
+before anything the next message brings. A first token then waits for its own output's rebuilding
+and delivery, not for every running stream's (~2.7 us a stream on the CPU: 0.7 ms behind 256).
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ class ProcessHost(EngineHost):
         self._core_stats = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0)  # the core's, as of its last message
         self._sent = 0  # requests sent to the core and not yet taken by it
         self._reader = OutputReader()  # the core's outputs, with the prompts they were sent with
+        self._later: tuple[list, list] | None = None  # a step's outputs after its first ones, and its records
+        self._later_handle: asyncio.Handle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._sink: ResultSink | None = None
         self._failure: str | None = None  # the core's own account of its failure
         self._ended = False  # the core's end is reported (or this host shut down)
@@ -38,7 +46,8 @@ class ProcessHost(EngineHost):
         gc.freeze()
 
     def bind(self, loop: asyncio.AbstractEventLoop, sink: ResultSink) -> None:
-        self._sink = sink
+        self._deliver_later()
+        self._loop, self._sink = loop, sink
         self.client.channel.attach(loop, self._on_message, self._on_closed)
 
     @property
@@ -60,6 +69,7 @@ class ProcessHost(EngineHost):
             self._end(exc)
 
     def _on_message(self, message: CoreStep | CoreFailed) -> None:
+        self._deliver_later()  # a step's outputs go before the next message's
         if isinstance(message, CoreFailed):
             _log.error("the engine process failed:\n%s", message.traceback)
             self._failure = message.error
@@ -68,8 +78,21 @@ class ProcessHost(EngineHost):
         self._core_stats = message.stats
         if message.errors:
             self._reader.refused(message.errors)
-        outputs = list(self._reader.read(message.outputs, message.finished))
-        self._sink(StepResult(message.errors, outputs, message.report))
+        reader, outputs = self._reader, message.outputs
+        first, later = reader.split_first(outputs) if len(outputs) > 1 else (outputs, ())
+        if not (first and later):
+            first, later = outputs, ()
+        self._sink(StepResult(message.errors, list(reader.read(first, message.finished)), message.report))
+        if later:
+            self._later = (later, message.finished)
+            self._later_handle = self._loop.call_soon(self._deliver_later)
+
+    def _deliver_later(self) -> None:
+        """Hand over the outputs a step held back behind its first ones, if any still wait."""
+        later, self._later = self._later, None
+        if later is not None:
+            self._later_handle.cancel()
+            self._sink(StepResult({}, list(self._reader.read(*later))))
 
     def _on_closed(self) -> None:
         """The core's pipe ended: report how the core ended once it has (its exit code)."""
@@ -82,6 +105,7 @@ class ProcessHost(EngineHost):
 
     def _end(self, error: BaseException) -> None:
         if not self._ended:
+            self._deliver_later()
             self._ended = True
             self._sink(error)
 
