@@ -18,9 +18,10 @@ of the step's outputs (`core_<n>`) and the front end's unpickling and rebuilding
 same for a step that carries one request's first output, whose prompt is `--prompt-len` token ids
 as bench_online sends them (`core_first`, `front_first`: what each request's first token pays);
 and, with that many streams running, a step that also brings a new request's first output (last,
-as the scheduler orders a prefill after the decodes): the front end's host from the message's
-bytes to that request's consumer holding its output (`first_among_<n>`: the first token's wait
-behind the step's other outputs on the event loop).
+as the scheduler orders a prefill after the decodes): the core's packing and framing until that
+output's message is ready, plus the front end from the step's messages written to its pipe (its
+reader, its host, AsyncLLMEngine) to that request's consumer holding its output (`first_among_<n>`: the first token's wait behind the step's other
+outputs, in the core and on the event loop).
 Writes {"to_first_chunk": [seconds, ...], "whole": [...], "refused": [...], "core_<n>": [...], "front_<n>": [...],
 "core_first": [...], "front_first": [...], "first_among_<n>": [...]} as JSON.
 """
@@ -245,17 +246,25 @@ def first_output(prompt_len: int, steps: int = 2000) -> dict[str, list[float]]:
 
 
 class _StubCoreClient:
-    """What `ProcessHost` reads of a core's client, with no process behind it: the test hands the
-    host its messages."""
+    """What `ProcessHost` reads of a core's client, with no process behind it: the step messages come
+    through the tree's own pipe reader (`LoopChannel`) from a pipe the caller writes (`core_fd`);
+    what the host sends the core is dropped."""
 
     def __init__(self) -> None:
+        import os
         from types import SimpleNamespace
 
+        from engine.online.core_channel import LoopChannel
         from engine.online.output_wire import OutputReader
+
+        class Channel(LoopChannel):
+            def send(self, message) -> None:
+                pass
 
         self.info = SimpleNamespace(model_name=MODEL, max_model_len=1 << 16, vocab_size=151936, max_logprobs=20)
         self.tokenizer = None
-        self.channel = SimpleNamespace(attach=lambda *a: None, send=lambda m: None, detach=lambda close=False: None)
+        recv_fd, self.core_fd = os.pipe()
+        self.channel = Channel(os.open(os.devnull, os.O_WRONLY), recv_fd)
         self.alive = True
         self._reader = OutputReader()
 
@@ -265,8 +274,10 @@ class _StubCoreClient:
 
 def first_among(streams: int, steps: int = 300) -> dict[str, list[float]]:
     """Per step, `streams` requests running (one token each) and a new request's first output last:
-    from the step message's bytes to the new request's consumer holding its output."""
-    import pickle
+    the core's packing and framing of the step until the message with the new request's output is
+    ready, plus the front end from the step's messages written to its pipe (all at once) to the new
+    request's consumer holding its output."""
+    import os
 
     from engine.online.async_llm_engine import AsyncLLMEngine
     from engine.online.core_channel import frame
@@ -276,7 +287,14 @@ def first_among(streams: int, steps: int = 300) -> dict[str, list[float]]:
     from policies.request import SamplingParams
     from policies.routing.replica_report import ReplicaReport
 
-    host = ProcessHost(_StubCoreClient())
+    try:
+        from engine.online.engine_core import _first_apart as first_apart
+    except ImportError:  # a tree whose core sends each step's outputs in one message
+        def first_apart(packer, outputs):
+            return [outputs]
+
+    client = _StubCoreClient()
+    host = ProcessHost(client)
     engine = AsyncLLMEngine(host)
     packer = OutputPacker()
     params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
@@ -313,14 +331,19 @@ def first_among(streams: int, steps: int = 300) -> dict[str, list[float]]:
             got["n"] = 0
             all_read.clear()
             outs = [output(f"s{i}", 1000 + step) for i in range(streams)] + [output(f"new{step}", 7)]
-            data = frame(CoreStep({}, 1, [packer.pack(o) for o in outs], [], stats, report))
             t0 = time.perf_counter()
-            host._on_message(pickle.loads(data[8:]))
-            t1 = await held
+            sent = []
+            for part in first_apart(packer, outs):  # the new request's output is in the first message
+                sent.append(frame(CoreStep({}, 1, [packer.pack(o) for o in part], [], stats, report)))
+                if len(sent) == 1:
+                    core = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            os.write(client.core_fd, b"".join(sent))  # every message at once: one read brings them all
+            t2 = await held
             await all_read.wait()
             await newcomer
             if step >= 20:  # the first steps carry every running stream's first output
-                waits.append(t1 - t0)
+                waits.append(core + t2 - t1)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
