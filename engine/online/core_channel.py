@@ -5,7 +5,10 @@ ends blocking (`read_message`, `write_message`, `readable`); the front end drive
 event loop (`LoopChannel`): a write never blocks the loop (what the pipe cannot take at once waits
 in a buffer until the loop reports the pipe writable), and messages are read when the loop reports
 the pipe readable. No thread stands between the pipe and the event loop, so a message reaches the
-streams in the loop iteration that sees it, without a hand-off to another thread.
+streams in the loop iteration that sees it, without a hand-off to another thread. When one read
+brings several messages, the first is handed over at once and each next one a loop turn later:
+what a message wakes (a first token's stream, which the core sends in a message of its own ahead
+of the running streams') runs before the next message is unpickled.
 """
 from __future__ import annotations
 
@@ -74,6 +77,7 @@ class LoopChannel:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_message: Callable[[Any], None] | None = None
         self._on_closed: Callable[[], None] | None = None
+        self._next: asyncio.Handle | None = None  # the next whole message's hand-over, a loop turn on
         self.closed = False  # the core's end closed (EOF), or `detach(close=True)`
 
     def attach(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[Any], None],
@@ -86,11 +90,16 @@ class LoopChannel:
             loop.add_reader(self.recv_fd, self._readable)
             if self._out:
                 loop.add_writer(self.send_fd, self._writable)
+        if self._in:
+            self._next = loop.call_soon(self._deliver)
 
     def detach(self, close: bool = False) -> None:
         """Stop reading and writing on the loop; `close`: for good, after a last try to write what
         waits (`pending` tells whether some of it is still there)."""
         loop, self._loop = self._loop, None
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
         if loop is not None and not loop.is_closed():
             loop.remove_reader(self.recv_fd)
             loop.remove_writer(self.send_fd)
@@ -143,22 +152,30 @@ class LoopChannel:
             if not chunk:
                 self._loop.remove_reader(self.recv_fd)
                 self.closed = True
-                self._deliver()
+                if self._next is not None:
+                    self._next.cancel()
+                self._deliver(every=True)
                 self._on_closed()
                 return
             self._in += chunk
             if len(chunk) < _LOOP_READ_SIZE:
                 break
-        self._deliver()
+        if self._next is None:  # else the hand-over already due takes the next message
+            self._deliver()
 
-    def _deliver(self) -> None:
-        buf, size, start = self._in, _HEADER.size, 0
-        while len(buf) - start >= size:
-            (n,) = _HEADER.unpack_from(buf, start)
-            if len(buf) - start - size < n:
-                break
+    def _deliver(self, every: bool = False) -> None:
+        """Hand over the first whole message read, and schedule the next one's for the loop's next
+        turn (`every`: all of them now)."""
+        self._next = None
+        buf, size = self._in, _HEADER.size
+        while len(buf) >= size:
+            (n,) = _HEADER.unpack_from(buf)
+            if len(buf) - size < n:
+                return
             with memoryview(buf) as view:
-                message = pickle.loads(view[start + size:start + size + n])
-            start += size + n
+                message = pickle.loads(view[size:size + n])
+            del buf[:size + n]
             self._on_message(message)
-        del buf[:start]
+            if not every and len(buf) >= size and self._loop is not None:
+                self._next = self._loop.call_soon(self._deliver)
+                return

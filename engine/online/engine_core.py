@@ -11,7 +11,8 @@ ends, the front end reads and writes its ends from its event loop):
 - front end -> core: `(new requests, abort ids)` batches (`engine.online.host.NewRequest`s), or
   None to stop.
 - core -> front end: `CoreInfo` once (or `CoreFailed` if the engine could not be built), then one
-  `CoreStep` per step that produced anything: per-request errors, how many arrivals were taken,
+  `CoreStep` per step that produced anything (two when it brought new requests' first tokens and
+  running streams' tokens: the first ones in a message of their own, ahead): per-request errors, how many arrivals were taken,
   the outputs in a compact form (engine/online/output_wire.py: no objects, no prompt but a text
   prompt's token ids once, a running stream's new token as its id, tokens and text), the
   `RequestStats` of the requests that ended, and the engine's counters; `CoreFailed` if the loop
@@ -36,7 +37,7 @@ from dataclasses import dataclass, fields
 from operator import attrgetter
 
 from engine.engine_args import EngineArgs
-from engine.offline.outputs import short_error
+from engine.offline.outputs import RequestOutput, short_error
 from engine.offline.tokenizer import tokenizer_for
 from engine.online.core_channel import LoopChannel, read_message, readable, write_message
 from engine.online.engine_stats import EngineStats, RequestStats, StatsTracker
@@ -166,10 +167,11 @@ def serve(engine, keep_trace: bool, inbox: int, outbox: int, sent_index: set[int
             if not (outputs or errors or taken or batches or (stepped and now - last_sent >= HEARTBEAT_S)):
                 continue
             last_sent = now
-            packed = [packer.pack(o) for o in outputs]
-            finished = [tracker.finished(o) for o in outputs if o.finished]
-            write_message(outbox, CoreStep(errors, taken, packed, finished, _stats(engine, tracker),
-                                           report(engine.scheduler, sent_index)))
+            stats, rep = _stats(engine, tracker), report(engine.scheduler, sent_index)
+            for part in _first_apart(packer, outputs):
+                write_message(outbox, CoreStep(errors, taken, [packer.pack(o) for o in part],
+                                               [tracker.finished(o) for o in part if o.finished], stats, rep))
+                errors, taken = {}, 0
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the front end is gone
     except BaseException as exc:
@@ -178,6 +180,19 @@ def serve(engine, keep_trace: bool, inbox: int, outbox: int, sent_index: set[int
         except OSError:
             pass
         raise SystemExit(1) from exc
+
+
+def _first_apart(packer: OutputPacker, outputs: list[RequestOutput]) -> list[list[RequestOutput]]:
+    """A step's outputs as the messages that carry them: its first outputs (new requests' first
+    tokens) in a message of their own ahead of the others when it has both, so a first token leaves
+    without waiting for every running stream's output to be packed and pickled (~0.75 us a stream)."""
+    if len(outputs) > 1:
+        first, running = [], []
+        for o in outputs:
+            (first if packer.is_first(o) else running).append(o)
+        if first and running:
+            return [first, running]
+    return [outputs]
 
 
 def _stats(engine, tracker: StatsTracker) -> EngineStats:

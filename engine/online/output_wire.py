@@ -58,6 +58,10 @@ class OutputPacker:
     def __init__(self) -> None:
         self._sent: dict[str, tuple] = {}  # request id -> (metrics, num_cached_tokens) as last sent in full
 
+    def is_first(self, output: RequestOutput) -> bool:
+        """The request's first output (none of its outputs was packed yet)."""
+        return output.request_id not in self._sent
+
     def pack(self, output: RequestOutput) -> PackedOutput:
         request_id = output.request_id
         known = self._sent.get(request_id)

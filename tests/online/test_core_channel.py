@@ -91,6 +91,36 @@ def test_the_blocking_side_reads_what_it_wrote():
     os.close(r)
 
 
+def test_messages_of_one_read_come_a_loop_turn_apart_and_all_before_the_end():
+    """What a message's handling schedules runs before the next message of the same read is handed
+    over (a first token's stream before the running streams' message is unpickled); at the end of
+    the pipe every message is handed over before the end is reported."""
+    _, to_core_w, from_core_r, from_core_w = _pipes()
+
+    async def main():
+        loop, got, woke, closed, three = asyncio.get_running_loop(), [], [], asyncio.Event(), asyncio.Event()
+
+        def on_message(m):
+            got.append((m, list(woke)))
+            loop.call_soon(woke.append, m)
+            if m == 3:
+                three.set()
+
+        channel = LoopChannel(to_core_w, from_core_r)
+        channel.attach(loop, on_message, lambda: (got.append(("end", list(woke))), closed.set()))
+        os.write(from_core_w, frame(1) + frame(2) + frame(3))
+        await asyncio.wait_for(three.wait(), 5)
+        os.write(from_core_w, frame(4) + frame(5))
+        os.close(from_core_w)
+        await asyncio.wait_for(closed.wait(), 5)
+        channel.detach(close=True)
+        return got
+
+    got = asyncio.run(main())
+    assert got[:3] == [(1, []), (2, [1]), (3, [1, 2])]
+    assert [m for m, _ in got[3:]] == [4, 5, "end"]
+
+
 def test_a_process_engine_serves_with_no_front_end_thread():
     """Requests go to the core and outputs come back on the event loop itself: serving starts no
     thread in the front end (a hand-off to a thread waits for it to be scheduled and for the GIL)."""

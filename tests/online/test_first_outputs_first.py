@@ -1,6 +1,8 @@
-"""`ProcessHost` (engine/online/process_host.py) hands a step's first outputs over before the others:
-a new request's consumer holds its first token before the step's running streams' outputs are
-rebuilt and delivered, and no output ever overtakes an earlier one of its request."""
+"""A step's first outputs go first on the way out of a core process: the core sends them in a message
+of their own ahead of the running streams' (engine/online/engine_core.py), and `ProcessHost`
+(engine/online/process_host.py) hands them over before the others, so a new request's consumer
+holds its first token before the step's running streams' outputs are rebuilt and delivered; no
+output ever overtakes an earlier one of its request."""
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +49,19 @@ def handed(result: StepResult) -> list[tuple[str, list[int]]]:
     return [(o.request_id, o.outputs[0].token_ids) for o, _ in result.outputs]
 
 
+def test_the_core_sends_a_steps_first_outputs_in_a_message_of_their_own_ahead():
+    from engine.online.engine_core import _first_apart
+
+    packer = OutputPacker()
+    packer.pack(output("a", 5))
+    step = [output("a", 6), output("b", 5), output("c", 5)]
+    assert _first_apart(packer, step) == [step[1:], step[:1]]
+    assert _first_apart(packer, step[:1]) == [step[:1]]  # running streams only: one message
+    assert _first_apart(packer, step[1:]) == [step[1:]]  # first outputs only: one message
+
+
 def test_first_outputs_first_and_no_output_overtakes_another():
-    async def main() -> list[list[tuple[str, list[int]]]]:
+    async def main() -> tuple[list, list]:
         host, packer, results = ProcessHost(StubClient()), OutputPacker(), []
         host.bind(asyncio.get_running_loop(), lambda r: results.append(handed(r)))
         for request_id in "abc":
@@ -56,14 +69,18 @@ def test_first_outputs_first_and_no_output_overtakes_another():
         host._on_message(message(packer, [output("a", 5), output("b", 5)]))  # first outputs only: one hand-over
         host._on_message(message(packer, [output("a", 6), output("b", 6), output("c", 5)]))
         assert results == [[("a", [5]), ("b", [5])], [("c", [5])]]  # c's first output alone, at once
-        await asyncio.sleep(0)
-        host._on_message(message(packer, [output("a", 7), output("c", 6)]))  # after the held-back outputs
+        await asyncio.sleep(0)  # the next loop turn: the held-back outputs
+        host._on_message(message(packer, [output("a", 7), output("c", 6)]))  # no first output: all at once
         host._on_message(message(packer, [output("a", 8), output("d", 5)]))  # d: not told of, still first
-        host._on_message(message(packer, [output("a", 9)]))  # the next message: what waits goes first
-        return results
+        host._on_message(message(packer, [output("a", 9)]))  # the same turn: held behind d's, after a's 8
+        held = list(results)
+        await asyncio.sleep(0)
+        return held, results
 
-    assert asyncio.run(main()) == [[("a", [5]), ("b", [5])], [("c", [5])], [("a", [6]), ("b", [6])],
-                                   [("a", [7]), ("c", [6])], [("d", [5])], [("a", [8])], [("a", [9])]]
+    held, results = asyncio.run(main())
+    assert held == [[("a", [5]), ("b", [5])], [("c", [5])], [("a", [6]), ("b", [6])], [("a", [7]), ("c", [6])],
+                    [("d", [5])], []]  # the last message's report is handed over at once, its output held
+    assert results == [*held, [("a", [8]), ("a", [9])]]
 
 
 def test_a_new_streams_consumer_holds_its_first_token_before_the_running_ones_get_theirs():
