@@ -111,7 +111,8 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
         paths.append(write_operator_file(out_dir / f"{gpu}-{dtype_name}-{kernels}.csv", meta_c, rows))
     if "collectives" in parts:
         start = time.perf_counter()
-        rows = collective_rows(grid.world_sizes, grid.collective_bytes, dtype, device.type == "cuda", log)
+        rows = collective_rows(grid.world_sizes, grid.collective_bytes, dtype, device.type == "cuda", log,
+                               width=grid.fused_norm_width)
         if rows:
             sizes = "-".join(str(w) for w in sorted({int(r["world_size"]) for r in rows}))
             meta_n = {**meta, "kernels": "collectives", "elapsed_s": f"{time.perf_counter() - start:.1f}"}

@@ -63,7 +63,8 @@ def all_reduce_settings(cfg: DictConfig) -> dict[str, Any]:
 
 def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
     """The all-reduce path the engine takes for each message at this config's tensor-parallel size,
-    model dtype and `parallel` settings: the engine's own rule (`choose_path`, `settings_reason`)."""
+    model dtype and `parallel` settings, and whose kernels sum it: the engine's own rules
+    (`choose_path`, `settings_reason`, `ParallelConfig.kernel_for`, `fits_add_rms_norm`)."""
     from engine.config import DTYPES, ParallelConfig
     from engine.distributed.all_reduce_path import NCCL, SYMMETRIC_DTYPES, choose_path, settings_reason
 
@@ -78,9 +79,14 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
     if reason is None and dtype not in SYMMETRIC_DTYPES:
         taken = [str(d).removeprefix("torch.") for d in SYMMETRIC_DTYPES]
         reason = f"model.dtype={dtype_name}: the kernels take {taken}"
+    kernel = parallel.kernel_for(tp)
     if reason is not None:
-        return EngineAllReduce(lambda nbytes: NCCL, one_shot, two_shot, reason)
-    return EngineAllReduce(lambda nbytes: choose_path(nbytes, dtype, True, one_shot, two_shot), one_shot, two_shot)
+        return EngineAllReduce(lambda nbytes: NCCL, one_shot, two_shot, reason, kernel)
+    fuses_width = None
+    if kernel == "triton_fused":  # the engine's rule for the rows its fused kernel takes
+        from kernels.all_reduce import fits_add_rms_norm as fuses_width
+    return EngineAllReduce(lambda nbytes: choose_path(nbytes, dtype, True, one_shot, two_shot), one_shot, two_shot,
+                           kernel=kernel, fuses_width=fuses_width)
 
 
 def gpu_model_shape(cfg: DictConfig) -> ModelShape:

@@ -4,7 +4,9 @@ engine's group: `engine.distributed.all_reduce_path.AllReducePath`), not the one
 current defaults would take, which may have changed since the runs.
 
 - recorded NCCL for every message: the simulator prices NCCL (`parallel.disable_custom_all_reduce=true`);
-- recorded symmetric-memory paths: the simulator prices them at the recorded thresholds;
+- recorded symmetric-memory paths: the simulator prices them at the recorded thresholds and with the
+  recorded kernels (`kernel`; none recorded: torch's, which a record leaves out), so a run of the
+  fused boundary ("triton_fused") is priced fused and a run of torch's kernels is not;
 - no record (runs taken before engines recorded it): the simulator prices the current defaults'
   path, and the report and the console say so and how to choose another;
 - a run override that sets an all-reduce setting (`parallel.disable_custom_all_reduce`, ...) wins,
@@ -47,15 +49,16 @@ def recorded(runs: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
 def describe_record(record: Mapping[str, Any]) -> str:
     if record.get("path") == "nccl":
         return f"NCCL for every message ({record.get('reason')})"
+    kernel = record.get("kernel", "torch")
     return (f"symmetric-memory one-shot up to {record['one_shot_max_bytes']} bytes, two-shot up to "
-            f"{record['two_shot_max_bytes']}, NCCL above")
+            f"{record['two_shot_max_bytes']}, NCCL above" + ("" if kernel == "torch" else f" ({kernel} kernels)"))
 
 
 def describe_priced(engine: EngineAllReduce) -> str:
     if engine.off_reason is not None:
         return describe_record({"path": "nccl", "reason": engine.off_reason})
     return describe_record({"path": "symmetric", "one_shot_max_bytes": engine.one_shot_max_bytes,
-                            "two_shot_max_bytes": engine.two_shot_max_bytes})
+                            "two_shot_max_bytes": engine.two_shot_max_bytes, "kernel": engine.kernel})
 
 
 def explicit_settings(overrides: Sequence[str]) -> list[str]:
@@ -71,7 +74,8 @@ def record_overrides(record: Mapping[str, Any]) -> list[str]:
         raise ValueError(f"run.all_reduce.path={record.get('path')!r} is invalid: 'nccl' or 'symmetric'")
     return ["parallel.disable_custom_all_reduce=false",
             f"parallel.custom_all_reduce_one_shot_max_bytes={int(record['one_shot_max_bytes'])}",
-            f"parallel.custom_all_reduce_max_bytes={int(record['two_shot_max_bytes'])}"]
+            f"parallel.custom_all_reduce_max_bytes={int(record['two_shot_max_bytes'])}",
+            f"parallel.all_reduce_kernel={record.get('kernel', 'torch')}"]
 
 
 def sim_all_reduce(runs: Sequence[Mapping[str, Any]], overrides: Sequence[str], compose) -> SimAllReduce:
@@ -100,8 +104,8 @@ def sim_all_reduce(runs: Sequence[Mapping[str, Any]], overrides: Sequence[str], 
     priced = factory.engine_all_reduce(compose([*overrides, *added]))
     note = f"the simulator priced {describe_priced(priced)}, as the engine runs recorded"
     if record["path"] == "symmetric" and (priced.off_reason is not None or (
-            priced.one_shot_max_bytes, priced.two_shot_max_bytes)
-            != (record["one_shot_max_bytes"], record["two_shot_max_bytes"])):
+            priced.one_shot_max_bytes, priced.two_shot_max_bytes, priced.kernel)
+            != (record["one_shot_max_bytes"], record["two_shot_max_bytes"], record.get("kernel", "torch"))):
         note += f" {describe_record(record)}, which the simulator's settings do not reproduce"
     return SimAllReduce(added, note)
 

@@ -29,7 +29,19 @@ one-shot and two-shot over symmetric memory up to their bounds, NCCL above), fro
 `all_reduce_one_shot` / `all_reduce_two_shot` rows at N. Where the engine takes NCCL for every
 message (`parallel.disable_custom_all_reduce=true`, a world size its kernels do not take), or the
 profile has no symmetric-memory rows at N, or N is priced by the ring model, every message is
-priced as NCCL's, and the one line saying so tells which.
+priced as NCCL's, and the one line saying so tells which. The symmetric paths are priced from
+the rows of torch's kernels whatever kernels the engine runs (`EngineAllReduce.kernel`): the Triton
+one-shot and two-shot kernels ("triton", and the unfused all-reduces of "triton_fused") are not
+profiled, and the line says so.
+
+The engine's fused layer boundary (`all_reduce_kernel` resolving to "triton_fused",
+`ParallelConfig.kernel_for`) sums each decoder layer's o_proj and down_proj partial sums inside
+the next RMSNorm: one kernel does the all-reduce, the residual add and the norm
+(engine/models/llama.py `ReducingRMSNorm`). `price_fused_boundary` prices such a boundary from the
+profile's `all_reduce_add_rms_norm` rows at N, at the model's hidden width, in place of
+all-reduce + `add_rms_norm`; where the engine falls back to the two (a message of NCCL's size, rows
+wider than the kernel takes), so does the price. A profile without those rows at N and width, or an
+N priced by the ring model, prices every boundary unfused, and the line says so.
 """
 from __future__ import annotations
 
@@ -40,7 +52,12 @@ import numpy as np
 
 from sim.latency.build import EngineAllReduce
 from sim.latency.op_grid import OpGrid
-from sim.latency.operator_file import ALL_REDUCE_PATH_OPS, COLLECTIVES, SYMMETRIC_ALL_REDUCES
+from sim.latency.operator_file import (
+    ALL_REDUCE_PATH_OPS,
+    COLLECTIVES,
+    FUSED_ALL_REDUCE,
+    SYMMETRIC_ALL_REDUCES,
+)
 from sim.latency.operator_profile import OperatorProfile
 from sim.latency.shapes import Hardware
 from sim.latency.tensor_parallel import RingLink
@@ -48,6 +65,7 @@ from sim.latency.tensor_parallel import RingLink
 COLLECTIVE_MODES = ("measured", "measured_else_ring")
 # PricedCollectives.kind values.
 MEASURED, RING_CALIBRATED, RING_DATASHEET = "measured", "ring_calibrated", "ring_datasheet"
+NCCL_PATH = next(path for path, op in ALL_REDUCE_PATH_OPS.items() if op == "all_reduce")  # "nccl"
 
 
 @dataclass(slots=True, frozen=True)
@@ -128,8 +146,42 @@ def price_engine_all_reduce(profile: OperatorProfile, size: int, priced: PricedC
     grids = {path: priced.all_reduce if op == "all_reduce" else profile.grid(op, size)
              for path, op in ALL_REDUCE_PATH_OPS.items()}
     files = list(dict.fromkeys(f for op in SYMMETRIC_ALL_REDUCES for f in profile.files(op, size)))
+    kernels = "" if engine.kernel == "torch" else f", torch's kernels' rows for the engine's {engine.kernel} kernels"
     return _by_path(engine.path, grids), (f"all-reduce: the engine's paths, {bounds} (symmetric-memory rows, "
-                                          f"{', '.join(files)}), NCCL rows above")
+                                          f"{', '.join(files)}{kernels}), NCCL rows above")
+
+
+def price_fused_boundary(profile: OperatorProfile, size: int, priced: PricedCollectives,
+                         engine: EngineAllReduce | None, hidden: int) -> tuple[Callable[[float], float | None] | None,
+                                                                               str | None]:
+    """The seconds of the engine's fused boundary (all-reduce + residual add + RMSNorm of rows
+    `hidden` wide) per message of `bytes`, None for a message the engine falls back on (NCCL's
+    size); and one line on it. (None, line): every boundary priced unfused, the line saying why;
+    (None, None): the engine does not fuse them."""
+    if engine is None or engine.off_reason is not None or engine.fuses_width is None:
+        return None, None
+    unfused = "fused boundary: priced as all-reduce + add_rms_norm"
+    if not engine.fuses_width(hidden):
+        return None, f"{unfused}, as the engine runs rows of {hidden} elements (wider than its fused kernel takes)"
+    if priced.kind != MEASURED:
+        return None, f"{unfused} (no fused-boundary pricing at an unmeasured N={size}; the engine fuses them)"
+    if not profile.has(FUSED_ALL_REDUCE, size):
+        return None, (f"{unfused} (no {FUSED_ALL_REDUCE} rows in this profile at N={size}; the engine fuses them: "
+                      "take them with python -m experiments.profile mode=operators operator_parts=[collectives])")
+    grid = profile.grid(FUSED_ALL_REDUCE, size)
+    widths = [int(w) for w in grid.axes[1].points]
+    if hidden not in widths:
+        return None, (f"{unfused} (the {FUSED_ALL_REDUCE} rows at N={size} are {widths} wide, the model's rows "
+                      f"{hidden}; the engine fuses them: take them at operator_grid.fused_norm_width={hidden})")
+    seconds = grid.fix("n", hidden)
+    seen: dict[float, float | None] = {}
+
+    def fused(nbytes: float) -> float | None:
+        if nbytes not in seen:
+            seen[nbytes] = None if engine.path(int(nbytes)) == NCCL_PATH else seconds(nbytes)
+        return seen[nbytes]
+    return fused, (f"fused boundary: {FUSED_ALL_REDUCE} rows ({', '.join(profile.files(FUSED_ALL_REDUCE, size))}) "
+                   "in place of all-reduce + add_rms_norm, all-reduce + add_rms_norm at NCCL's sizes")
 
 
 def _by_path(path: Callable[[int], str], grids: dict[str, Callable[[float], float]]) -> Callable[[float], float]:

@@ -27,7 +27,10 @@ Rows, by `op` (its axes in brackets; unused columns empty; sizes are integers >=
 - `graph_launch` [m]: wall time of launching a CUDA graph of m kernels and waiting for it.
 - `all_reduce`, `all_gather` [bytes] per `world_size` (>= 2): `bytes` of the result on each rank
   (NCCL; gloo on the CPU). `all_reduce_one_shot`, `all_reduce_two_shot` [bytes] per `world_size`:
-  the engine's symmetric-memory all-reduce paths, where the GPUs had them (`ALL_REDUCE_PATH_OPS`).
+  the engine's symmetric-memory all-reduce paths with torch's kernels, where the GPUs had them
+  (`ALL_REDUCE_PATH_OPS`). `all_reduce_add_rms_norm` [bytes, n] per `world_size`: the Triton
+  kernel that all-reduces a message of rows n wide and adds the residual and RMSNorms the sums in
+  one (the engine's fused layer boundary, `all_reduce_kernel=triton_fused`), where the GPUs had it.
 """
 from __future__ import annotations
 
@@ -59,10 +62,12 @@ OP_AXES: dict[str, tuple[str, ...]] = {
     "all_gather": ("bytes",),
     "all_reduce_one_shot": ("bytes",),
     "all_reduce_two_shot": ("bytes",),
+    "all_reduce_add_rms_norm": ("bytes", "n"),
 }
 COLLECTIVES = ("all_reduce", "all_gather")  # NCCL's: every collectives file has them
 SYMMETRIC_ALL_REDUCES = ("all_reduce_one_shot", "all_reduce_two_shot")  # where symmetric memory was available
-PER_WORLD_SIZE = COLLECTIVES + SYMMETRIC_ALL_REDUCES  # ops timed per world size
+FUSED_ALL_REDUCE = "all_reduce_add_rms_norm"  # the fused layer boundary: all-reduce + residual add + RMSNorm
+PER_WORLD_SIZE = (*COLLECTIVES, *SYMMETRIC_ALL_REDUCES, FUSED_ALL_REDUCE)  # ops timed per world size
 # The engine's all-reduce paths (engine/distributed/all_reduce_path.py: ONE_SHOT, TWO_SHOT, NCCL)
 # and the op whose rows time each.
 ALL_REDUCE_PATH_OPS = {"one-shot": "all_reduce_one_shot", "two-shot": "all_reduce_two_shot", "nccl": "all_reduce"}

@@ -14,6 +14,11 @@ a step of T tokens (prefill + decodes), R sampled rows, B decodes reading C KV e
     + gemm(G, h, V) + sampler(R, V_full)    the LM head on the graph's sample rows, then sampling
     + (2 L + 1) all_reduce(T h b) + all_gather(G V_full b)   at N > 1 GPUs (the all-reduce on
                                             the engine's path for T h b bytes: collective_pricing.py)
+    where the engine fuses its layer boundaries (`all_reduce_kernel` "triton_fused", the default at
+    two GPUs), 2 L of them (each layer's post-attention norm, the next layer's input norm, the final
+    norm: all but the embedding's all-reduce and the first input norm) cost
+    all_reduce_add_rms_norm(T h b) in place of all_reduce(T h b) + add_rms_norm(T, h), except at
+    the message sizes the engine falls back on (collective_pricing.py `price_fused_boundary`)
     + copy_blocks(copies x block bytes) + host_step_s
     + sync_host_s + sync_host_per_seq_s x sequences   (a step not scheduled ahead)
 
@@ -54,7 +59,12 @@ import numpy as np
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
 from sim.latency.build import LATENCY_MODELS, EngineAllReduce, LatencyConfig, LatencySetup
-from sim.latency.collective_pricing import check_mode, price_collectives, price_engine_all_reduce
+from sim.latency.collective_pricing import (
+    check_mode,
+    price_collectives,
+    price_engine_all_reduce,
+    price_fused_boundary,
+)
 from sim.latency.op_grid import Axis, OpGrid
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
 from sim.latency.shapes import Hardware, ModelShape
@@ -164,9 +174,20 @@ class OperatorModel(LatencyModel):
                        (h, 2 * m.intermediate_size), (m.intermediate_size, h)]
         width = {"head_dim": d, "num_kv_heads": m.num_key_value_heads, "group": group}
         L = m.num_hidden_layers
+        self.all_reduce = self.all_gather = self.fused_boundary = None
+        self.sources = {"compute": f"measured ({', '.join(profile.files('gemm'))})"}
+        if comm is not None:
+            self.all_reduce, all_reduce_source = price_engine_all_reduce(profile, tp, comm, engine_all_reduce)
+            self.all_gather = comm.all_gather
+            self.fused_boundary, fused_source = price_fused_boundary(profile, tp, comm, engine_all_reduce, h)
+            self.sources["collectives"] = "; ".join(x for x in (comm.source, all_reduce_source, fused_source) if x)
+        # The boundaries priced fused: their norms are priced per step (`shape_time`), with the
+        # all-reduces, as the message's size decides whether the engine fuses them.
+        self.fused_count = 2 * L if self.fused_boundary is not None else 0
+        self.add_rms_norm = profile.grid("add_rms_norm").fix("n", h)
         families = {"gemm": [(float(L), gemm.fixed(k=k, n=n)) for k, n in layer_gemms],
                     "norms, activation, rope, embedding": [
-                        (2.0 * L + 1, profile.grid("add_rms_norm").fix("n", h)),
+                        (2.0 * L + 1 - self.fused_count, self.add_rms_norm),
                         (float(L), profile.grid("silu_and_mul").fix("n", m.intermediate_size)),
                         (float(L), profile.grid("qk_rope_write").fixed(**width)),
                         (1.0, profile.grid("embedding").fix("n", h))]}
@@ -194,12 +215,6 @@ class OperatorModel(LatencyModel):
         self.prefill = profile.grid("prefill_attention").fixed(**width)
         self.prefill_floor = self.prefill.min_time
         self.launch_s = profile.grid("graph_launch")(1)
-        self.all_reduce = self.all_gather = None
-        self.sources = {"compute": f"measured ({', '.join(profile.files('gemm'))})"}
-        if comm is not None:
-            self.all_reduce, all_reduce_source = price_engine_all_reduce(profile, tp, comm, engine_all_reduce)
-            self.all_gather = comm.all_gather
-            self.sources["collectives"] = f"{comm.source}; {all_reduce_source}"
         self.token_bytes, self.logit_bytes = h * b, vocab_full * b
         self.block_bytes = m.kv_bytes_per_token * block_size
         self.copy = profile.grid("copy_blocks") if profile.has("copy_blocks") else None
@@ -251,7 +266,7 @@ class OperatorModel(LatencyModel):
             return host + copy
         rows = padded(tokens, self.token_sizes if s.num_prefill_tokens else self.batch_sizes)
         token_ops = self.token_curve(rows)
-        head = decode = prefill = reduce = gather = 0.0
+        head = decode = prefill = reduce = gather = norms = 0.0
         logit_rows = self.logit_rows(rows, s) if s.num_samples else 0
         if s.num_samples:
             head = self.lm_head(logit_rows) + self.sampler(s.num_samples)
@@ -263,16 +278,28 @@ class OperatorModel(LatencyModel):
             attn = self.prefill_floor + sum(self.prefill(q, c) - self.prefill_floor for q, c in chunks)
             prefill = L * max(attn, self.prefill_floor)
         if self.all_reduce is not None:
-            reduce = (2 * L + 1) * self.all_reduce(rows * self.token_bytes)
+            reduce, norms = self.reduce_time(rows)
             if s.num_samples:
                 gather = self.all_gather(logit_rows * self.logit_bytes)
         if parts is not None:
             families = {name: curve(rows) for name, curve in self.token_families.items()}
+            families["norms, activation, rope, embedding"] += norms
             _book(parts, s, {"launch, host": host, "copy_blocks": copy, **families, "lm head, sampler": head,
                              "decode attention": decode, "prefill attention": prefill,
                              "all-reduce": reduce if self.all_reduce is not None else None,
                              "all-gather": gather if self.all_reduce is not None else None})
-        return host + copy + token_ops + head + decode + prefill + reduce + gather
+        return host + copy + token_ops + head + decode + prefill + reduce + gather + norms
+
+    def reduce_time(self, rows: int) -> tuple[float, float]:
+        """(all-reduces, norms not in the token curve) of a step of `rows` tokens: its 2 L + 1
+        all-reduces, the fused boundaries' in one kernel with their add + RMSNorm where the engine
+        fuses a message of this size, else beside them."""
+        nbytes = rows * self.token_bytes
+        one = self.all_reduce(nbytes)
+        fused = self.fused_boundary(nbytes) if self.fused_boundary is not None else None
+        if fused is None:
+            return (2 * self.model.num_hidden_layers + 1) * one, self.fused_count * self.add_rms_norm(rows)
+        return (2 * self.model.num_hidden_layers + 1 - self.fused_count) * one + self.fused_count * fused, 0.0
 
     def graph_rows(self, rows: int, s: BatchShape) -> int | None:
         """The sample and decode rows of the CUDA graph a step of `rows` tokens runs (a decode

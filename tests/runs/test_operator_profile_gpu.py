@@ -1,7 +1,8 @@
 """The operator profiler on a GPU, on the tiny grid (seconds): every operator family times through
 the engine's CUDA code paths (Triton kernels, torch.compile'd ops, CUDA graphs), the file passes the
 schema, and `latency=operators` prices a model from it; collectives where the machine has 2 GPUs
-(with the symmetric-memory all-reduce rows where the GPUs have peer access)."""
+(with the symmetric-memory all-reduce rows and the fused all-reduce + RMSNorm rows where the GPUs
+have peer access)."""
 from __future__ import annotations
 
 import pytest
@@ -31,6 +32,9 @@ def test_the_tiny_operator_grid_on_this_gpu(tmp_path):
     if tp == 2 and symmetric_memory() is not None and torch.cuda.can_device_access_peer(0, 1):
         # The engine's symmetric-memory all-reduce paths are timed where the GPUs have them.
         assert profile.has("all_reduce_one_shot", 2) and profile.has("all_reduce_two_shot", 2)
+        # The fused boundary (all-reduce + add + RMSNorm) at the grid's fused_norm_width: 8 rows of 4096.
+        assert profile.grid("all_reduce_add_rms_norm", 2).axes[1].points == (4096,)
+        assert profile.grid("all_reduce_add_rms_norm", 2).axes[0].points == (65536,)
     model = OperatorModel(profile, factory.model_shape(run_cfg), 16, tp)
     decode = model.shape_time(BatchShape(0, 0, 0, 0, 8, 8 * 300, 8))
     prefill = model.shape_time(BatchShape(512, 1, 0, 512 * 513 // 2, 0, 0, 1, 0, ((512, 0),)))

@@ -320,6 +320,18 @@ def test_the_cpu_operator_profiler_writes_files_the_model_reads(tmp_path):
     assert 0 < model.shape_time(shape([(16, 8)], 3, 20)) < 1.0
 
 
+@pytest.mark.slow
+def test_the_cpu_collectives_skip_the_symmetric_and_fused_rows_and_say_so():
+    import torch
+
+    from experiments.lib.profiling.collectives import collective_rows
+    said: list[str] = []
+    rows = collective_rows([2], [1024, 65536], torch.float32, False, said.append, iters=2, timeout_s=60.0, width=32)
+    assert {r["op"] for r in rows} == {"all_reduce", "all_gather"}
+    assert ("NCCL rows only, no symmetric-memory rows: no all_reduce_add_rms_norm rows (the simulator prices the "
+            "fused boundary as all-reduce + add_rms_norm at N=2): the engine said: all-reduce: NCCL/gloo") in said[0]
+
+
 def test_experiments_run_with_operators_end_to_end(synthetic, tmp_path):
     from tests.runs.test_experiments_run import cli
     res = cli("latency=operators", f"latency.dir={synthetic}", "latency.gpu=h200-roofline", "hardware=h200",

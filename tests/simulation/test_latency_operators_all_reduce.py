@@ -21,6 +21,12 @@ OPERATORS = ROOT / "experiments" / "profiles" / "operators"
 H200_COLLECTIVES = OPERATORS / "h200-bfloat16-collectives-n2-4.csv"
 ONE_SHOT_S, TWO_SHOT_S = 3e-6, 5e-6  # the stand-in rows: flat, below every NCCL row (>= 9 us)
 KiB, MiB = 2**10, 2**20
+# At two GPUs the engine's default kernels are the fused boundary's ("auto": triton_fused), which
+# these profiles have no rows of: torch's rows priced, and the line says so.
+TRITON_AT_2 = ", torch's kernels' rows for the engine's triton_fused kernels"
+NO_FUSED_ROWS_AT_2 = ("; fused boundary: priced as all-reduce + add_rms_norm (no all_reduce_add_rms_norm rows in this "
+                      "profile at N=2; the engine fuses them: take them with python -m experiments.profile "
+                      "mode=operators operator_parts=[collectives])")
 
 
 def config(*overrides: str):
@@ -63,8 +69,8 @@ def test_each_message_is_priced_on_the_path_the_engine_takes(symmetric):
     assert model.all_reduce(6) == nccl(6)  # not whole 4-byte vectors: NCCL, as in the engine
     assert model.data_sources()["collectives"] == (
         "measured at N=2 (h200-bfloat16-collectives-n2-4.csv); all-reduce: the engine's paths, one-shot up to "
-        "1048576 bytes, two-shot up to 8388608 (symmetric-memory rows, h200-bfloat16-collectives-n2-4.csv), "
-        "NCCL rows above")
+        f"1048576 bytes, two-shot up to 8388608 (symmetric-memory rows, h200-bfloat16-collectives-n2-4.csv"
+        f"{TRITON_AT_2}), NCCL rows above{NO_FUSED_ROWS_AT_2}")
     # The run's thresholds move the boundaries.
     moved = run(symmetric, "parallel.custom_all_reduce_one_shot_max_bytes=4096",
                 "parallel.custom_all_reduce_max_bytes=65536")
@@ -94,7 +100,7 @@ def test_with_the_symmetric_paths_off_every_message_is_nccls_and_the_run_says_wh
 def test_the_committed_h200_profile_prices_the_engines_paths_from_its_own_rows(tp):
     _, rows = read_operator_file(H200_COLLECTIVES)
     measured = {(op, row["bytes"]): row["time_s"] for op, row in rows if row["world_size"] == tp}
-    model = run(OPERATORS, f"parallel.tensor_parallel_size={tp}")
+    model = run(OPERATORS, f"parallel.tensor_parallel_size={tp}", "parallel.all_reduce_kernel=torch")
     one_shot_max = {2: MiB, 4: 512 * KiB}[tp]  # the engine's default bounds at 2 and 4 GPUs
     for nbytes in (8 * KiB, 256 * KiB):
         assert model.all_reduce(nbytes) == pytest.approx(measured[(ALL_REDUCE_PATH_OPS["one-shot"], nbytes)])
@@ -118,7 +124,7 @@ def test_a_profile_without_symmetric_rows_prices_nccl_and_says_so(tmp_path):
     assert model.data_sources()["collectives"] == (
         "measured at N=2 (h200-bfloat16-collectives-n2-4.csv); all-reduce: NCCL rows (no symmetric-memory rows in "
         "this profile at N=2; the engine's small messages are faster: one-shot up to 1048576 bytes, "
-        "two-shot up to 8388608 over symmetric memory)")
+        f"two-shot up to 8388608 over symmetric memory){NO_FUSED_ROWS_AT_2}")
 
 
 def test_a_world_size_priced_by_the_ring_model_keeps_ncclss_price_and_says_so(symmetric):

@@ -12,7 +12,15 @@ group has the symmetric paths, `all_reduce_one_shot` / `all_reduce_two_shot` (th
 row-parallel GEMMs write it) for every size the engine's rule lets them carry (`choose_path` with
 the buffer as both bounds: the kernels' dtypes, whole 4-byte vectors). Both paths are timed at every
 such size, whatever the thresholds: a run's `parallel` settings pick the path per message when the
-simulator prices it (sim/latency/collective_pricing.py), so one profile serves any setting.
+simulator prices it (sim/latency/collective_pricing.py), so one profile serves any setting. Those
+rows time torch's kernels (`symm_mem` ops) whatever `all_reduce_kernel` resolves to; the group is
+opened with the Triton kernels (`all_reduce_kernel=triton_fused`) so that it also times
+`all_reduce_add_rms_norm`: the engine's fused layer boundary (`SymmetricAllReduce.all_reduce_add_rms_norm`:
+all-reduce, residual add and RMSNorm in one kernel) on messages of rows `fused_norm_width` wide
+(the model's hidden size; operator_grid), at each size the symmetric paths take that holds one row or
+more (rounded down to whole rows). The Triton one-shot and two-shot kernels are not timed: the
+simulator prices them from torch's rows. Where the group has no symmetric memory (the CPU, GPUs
+without peer access) neither is timed, and the log line says so.
 
 Each size is called 3 times, then `iters` calls are captured in one CUDA graph, as the engine's
 steps capture them (eager calls would add the host's launch of each, ~25 us, which the engine's
@@ -45,10 +53,12 @@ from engine.distributed.parallel_state import (
     join_store,
     open_store,
 )
-from sim.latency.operator_file import ALL_REDUCE_PATH_OPS
+from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
+from sim.latency.operator_file import ALL_REDUCE_PATH_OPS, FUSED_ALL_REDUCE
 
 Row = dict[str, float | str]
 ENGINE_LOGGER = "servelab.engine"
+FUSED_EPS = 1e-6  # the fused rows' RMSNorm epsilon (its value does not change the kernel's time)
 
 
 def message_numel(nbytes: int, dtype: torch.dtype, world: int) -> int:
@@ -76,7 +86,42 @@ def all_reduce_call(group: TPGroup, path: str, numel: int, dtype: torch.dtype,
         raise ValueError(f"path={path!r} needs the group's symmetric-memory all-reduce, which is off")
     staged = group.custom.buffer[:numel * dtype.itemsize].view(dtype)
     staged.normal_()
-    return lambda: group.custom.reduce(path, staged)
+    custom = torch_kernels(group.custom)
+    return lambda: custom.reduce(path, staged)
+
+
+def torch_kernels(custom: SymmetricAllReduce) -> SymmetricAllReduce:
+    """The group's symmetric buffer summed by torch's kernels, whichever kernels the group opened
+    (the Triton ones share the buffer and the signal pads, which every kernel leaves zero)."""
+    if custom.peers is None:
+        return custom
+    return SymmetricAllReduce(custom.buffer, custom.group_name, custom.one_shot_max, custom.two_shot_max,
+                              custom.handle)
+
+
+def fused_sizes(sizes: list[int], dtype: torch.dtype, world: int, width: int) -> list[int]:
+    """The message bytes the fused rows are timed at: each symmetric size's whole rows of `width`
+    elements (at least one), without repeats."""
+    row = width * dtype.itemsize
+    return sorted({n // row * row for n in symmetric_sizes(sizes, dtype, world) if n >= row})
+
+
+def fused_call(group: TPGroup, nbytes: int, width: int, dtype: torch.dtype,
+               device: torch.device) -> Callable[[], object]:
+    """The engine's fused boundary on a message of `nbytes` (rows of `width` elements) already in
+    the symmetric buffer, where the row-parallel GEMM writes it: all-reduce + residual add + RMSNorm."""
+    custom = group.custom
+    if custom is None or not custom.fused:
+        raise ValueError(f"op={FUSED_ALL_REDUCE} needs the group's fused symmetric-memory kernels, which are off")
+    rows = nbytes // (width * dtype.itemsize)
+    staged = custom.buffer[:nbytes].view(dtype).view(rows, width)
+    staged.normal_()
+    residual = torch.randn(rows, width, dtype=dtype, device=device)
+    weight = torch.ones(width, dtype=dtype, device=device)
+    if custom.all_reduce_add_rms_norm(staged, residual, weight, FUSED_EPS) is None:
+        raise ValueError(f"op={FUSED_ALL_REDUCE}: the fused kernel does not take {rows} rows of {width} {dtype} "
+                         f"({nbytes} bytes); operator_grid.fused_norm_width must be one it takes")
+    return lambda: custom.all_reduce_add_rms_norm(staged, residual, weight, FUSED_EPS)
 
 
 def mean_call_s(call: Callable[[], object], iters: int, mode: str = "graph", replays: int = 1) -> float:
@@ -119,23 +164,31 @@ def mean_call_s(call: Callable[[], object], iters: int, mode: str = "graph", rep
     return start.elapsed_time(end) / 1e3 / (iters * (replays if graph is not None else 1))
 
 
-def collective_ops(group: TPGroup, sizes: list[int], dtype: torch.dtype) -> list[str]:
+def collective_ops(group: TPGroup, sizes: list[int], dtype: torch.dtype, width: int) -> list[str]:
     """The ops a world size's rows hold: NCCL's always, the symmetric paths where the group has them
-    and some size can take them."""
+    and some size can take them, the fused boundary where the group's kernels fuse and some size
+    holds a row."""
     symmetric = group.custom is not None and symmetric_sizes(sizes, dtype, group.size)
-    return ["all_reduce", "all_gather", *([ALL_REDUCE_PATH_OPS[p] for p in (ONE_SHOT, TWO_SHOT)] if symmetric else [])]
+    fused = symmetric and group.custom.fused and fused_sizes(sizes, dtype, group.size, width)
+    return ["all_reduce", "all_gather", *([ALL_REDUCE_PATH_OPS[p] for p in (ONE_SHOT, TWO_SHOT)] if symmetric else []),
+            *([FUSED_ALL_REDUCE] if fused else [])]
 
 
-def measured_rows(group: TPGroup, sizes: list[int], dtype: torch.dtype, device: torch.device, iters: int) -> list[Row]:
+def measured_rows(group: TPGroup, sizes: list[int], dtype: torch.dtype, device: torch.device, iters: int,
+                  width: int) -> list[Row]:
     """One rank's share of the rows of every op and size (every rank calls this, in step)."""
     mode = "graph" if device.type == "cuda" else "cpu"
     world, rows = group.size, []
     path_of = {op: path for path, op in ALL_REDUCE_PATH_OPS.items()}
     symmetric = set(symmetric_sizes(sizes, dtype, world))
-    for op in collective_ops(group, sizes, dtype):
-        for nbytes in sizes:
+    for op in collective_ops(group, sizes, dtype, width):
+        for nbytes in (fused_sizes(sizes, dtype, world, width) if op == FUSED_ALL_REDUCE else sizes):
             numel = message_numel(nbytes, dtype, world)
-            if op == "all_gather":
+            extra: Row = {}
+            if op == FUSED_ALL_REDUCE:
+                numel, extra = nbytes // dtype.itemsize, {"n": width}
+                call = fused_call(group, nbytes, width, dtype, device)
+            elif op == "all_gather":
                 out = torch.empty(numel, device=device, dtype=dtype)
                 part = torch.ones(numel // world, device=device, dtype=dtype)
                 call = (lambda o=out, p=part: _all_gather(o, p, group=group.device_group))
@@ -145,7 +198,7 @@ def measured_rows(group: TPGroup, sizes: list[int], dtype: torch.dtype, device: 
                 continue
             fastest = torch.tensor([mean_call_s(call, iters, mode)], device=device, dtype=torch.float64)
             dist.all_reduce(fastest, op=dist.ReduceOp.MIN, group=group.device_group)
-            rows.append({"op": op, "bytes": numel * dtype.itemsize, "world_size": world,
+            rows.append({"op": op, "bytes": numel * dtype.itemsize, **extra, "world_size": world,
                          "time_s": float(fastest.item())})
     return rows
 
@@ -172,19 +225,20 @@ def engine_all_reduce_log() -> Iterator[list[str]]:
 
 
 def _worker(rank: int, world: int, port: int, sizes: list[int], dtype: torch.dtype, cuda: bool, iters: int,
-            timeout_s: float, results) -> None:
+            timeout_s: float, width: int, results) -> None:
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(rank)
         largest = max(symmetric_sizes(sizes, dtype, world), default=0)
         parallel = ParallelConfig(world, timeout_s, disable_custom_all_reduce=largest == 0,
-                                  custom_all_reduce_max_bytes=-(-largest // 16) * 16)
+                                  custom_all_reduce_max_bytes=-(-largest // 16) * 16,
+                                  all_reduce_kernel="triton_fused")
         with engine_all_reduce_log() as said:
             group = init_group(join_store(port, world, timeout_s), rank, world, device, timeout_s, parallel)
         if not largest:
             said = [f"no message of the grid in {dtype} is one the symmetric-memory kernels take"]
-        rows = measured_rows(group, sizes, dtype, device, iters)
+        rows = measured_rows(group, sizes, dtype, device, iters, width)
         if rank == 0:
             results.put(("ok", (rows, " ".join(said) or "the engine logged no all-reduce line")))
         group.custom = None  # frees the symmetric buffer before the group ends
@@ -222,8 +276,9 @@ def run_ranks(target: Callable[..., None], world: int, args: tuple, timeout_s: f
 
 
 def collective_rows(world_sizes: list[int], sizes: list[int], dtype: torch.dtype, cuda: bool,
-                    log, iters: int = 20, timeout_s: float = 120.0) -> list[Row]:
-    """Rows for every world size the machine has (all GPUs needed on CUDA; any size on the CPU)."""
+                    log, iters: int = 20, timeout_s: float = 120.0, width: int = 4096) -> list[Row]:
+    """Rows for every world size the machine has (all GPUs needed on CUDA; any size on the CPU);
+    `width`: the fused boundary's row width (elements)."""
     available = torch.cuda.device_count() if cuda else max(world_sizes)
     rows: list[Row] = []
     for world in world_sizes:
@@ -231,7 +286,7 @@ def collective_rows(world_sizes: list[int], sizes: list[int], dtype: torch.dtype
             log(f"collectives: world_size={world} skipped ({available} GPUs here)")
             continue
         start = time.perf_counter()
-        status, payload = run_ranks(_worker, world, (sizes, dtype, cuda, iters, timeout_s), timeout_s)
+        status, payload = run_ranks(_worker, world, (sizes, dtype, cuda, iters, timeout_s, width), timeout_s)
         if status != "ok":
             raise RuntimeError(f"collectives at world_size={world} failed: {payload}")
         got, said = payload
@@ -239,6 +294,9 @@ def collective_rows(world_sizes: list[int], sizes: list[int], dtype: torch.dtype
         ops = sorted({str(r["op"]) for r in got})
         symmetric = "" if {ALL_REDUCE_PATH_OPS[ONE_SHOT], ALL_REDUCE_PATH_OPS[TWO_SHOT]} <= set(ops) else \
             "NCCL rows only, no symmetric-memory rows: "
+        if symmetric or FUSED_ALL_REDUCE not in ops:
+            symmetric += (f"no {FUSED_ALL_REDUCE} rows (the simulator prices the fused boundary as all-reduce + "
+                          f"add_rms_norm at N={world}): ")
         log(f"collectives: world_size={world}, {len(got)} rows ({', '.join(ops)}) in "
             f"{time.perf_counter() - start:.1f}s; {symmetric}the engine said: {said}")
     return rows

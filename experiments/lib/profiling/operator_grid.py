@@ -46,6 +46,9 @@ class OperatorGrid:
     launch_kernels: list[int]
     collective_bytes: list[int]
     world_sizes: list[int]  # collectives; those above the machine's GPU count are skipped
+    # The fused all-reduce + add + RMSNorm rows' width (elements): the hidden size of the model the
+    # simulator prices them for (4096: Qwen3-8B's); other widths are priced unfused.
+    fused_norm_width: int = 4096
     gemm_max_flops: float = 2.0e12  # GEMMs above 2 m k n are not timed (filled by the fit)
     gemm_max_weight_bytes: int = 2**31
     attention_max_kv_bytes: int = 2**33  # the largest decode problem's KV cache must fit under it
@@ -66,6 +69,9 @@ class OperatorGrid:
         for key, value in scalars.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"operator_grid.{key}={value!r} is invalid: must be a number > 0")
+        width = scalars.get("fused_norm_width", 1)
+        if not isinstance(width, int):
+            raise ValueError(f"operator_grid.fused_norm_width={width!r} is invalid: an integer >= 1 (elements)")  # noqa: TRY004
         grid = cls(**lists, **scalars)
         kv_bytes = 2 * 2 * max(grid.decode_seqs) * max(grid.decode_context) * max(grid.kv_heads) * max(grid.head_dims)
         if kv_bytes > grid.attention_max_kv_bytes:
