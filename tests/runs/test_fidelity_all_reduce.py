@@ -100,3 +100,13 @@ def test_one_gpu_adds_nothing_and_runs_that_disagree_or_ran_another_size_are_ref
         sim_all_reduce([{"all_reduce": NCCL_RECORD}, {}], COMMON, compose_cfg)
     with pytest.raises(ValueError, match="over 4 GPUs, but parallel.tensor_parallel_size=2"):
         sim_all_reduce([{"all_reduce": {**NCCL_RECORD, "world_size": 4}}], COMMON, compose_cfg)
+
+
+def test_the_recorded_kernels_are_priced_and_a_record_without_them_means_torchs():
+    fused = sim_all_reduce([{"all_reduce": {**SYMMETRIC_RECORD, "kernel": "triton_fused"}}], COMMON, compose_cfg)
+    assert "parallel.all_reduce_kernel=triton_fused" in fused.overrides
+    assert fused.note.endswith("two-shot up to 1048576, NCCL above (triton_fused kernels), as the engine runs recorded")
+    # A record leaves torch's kernels out: such runs are priced unfused even where "auto" now fuses.
+    torch_ = sim_all_reduce([{"all_reduce": SYMMETRIC_RECORD}], COMMON, compose_cfg)
+    assert "parallel.all_reduce_kernel=torch" in torch_.overrides
+    assert torch_.note.endswith("two-shot up to 1048576, NCCL above, as the engine runs recorded")
