@@ -1,7 +1,8 @@
 """The collectives profiler's rank worker on the CPU (experiments/lib/profiling/collectives.py): the
 ops it times through the engine's group, with the engine's symmetric-memory paths played by a
-stand-in for torch's `symm_mem` ops, and the NCCL-only rows with the engine's reason when the
-group has no symmetric paths."""
+stand-in for torch's `symm_mem` ops (and the fused boundary by the Triton kernel in the
+interpreter, its peers mirrored), and the NCCL-only rows with the engine's reason when the group
+has no symmetric paths."""
 from __future__ import annotations
 
 import queue
@@ -12,16 +13,17 @@ import experiments.lib.profiling.collectives as collectives
 from engine.distributed.all_reduce_path import ONE_SHOT, TWO_SHOT
 from engine.distributed.parallel_state import open_store
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
-from tests.symmetric_memory_helpers import FakeSymmOps
+from tests.symmetric_memory_helpers import FakeSymmOps, mirrored_peers
 
 SIZES = [1024, 4096, 65536]
+WIDTH = 256  # the fused rows' width: 1 KiB rows of float32
 
 
 def _run_worker(sizes: list[int], dtype: torch.dtype) -> tuple[list[dict], str]:
     """Rank 0 of a one-process gloo group, in this process (the profiler spawns one per GPU)."""
     store = open_store(1, 10)
     results: queue.Queue = queue.Queue()
-    collectives._worker(0, 1, store.port, sizes, dtype, False, 2, 10.0, results)
+    collectives._worker(0, 1, store.port, sizes, dtype, False, 2, 10.0, WIDTH, results)
     status, payload = results.get(timeout=1)
     assert status == "ok", payload
     return payload
@@ -67,3 +69,33 @@ def test_a_dtype_the_kernels_do_not_take_gets_no_symmetric_rows():
     rows, said = _run_worker(SIZES, torch.float16)
     assert {r["op"] for r in rows} == {"all_reduce", "all_gather"}
     assert said == "no message of the grid in torch.float16 is one the symmetric-memory kernels take"
+
+
+def test_a_group_that_fuses_also_times_the_fused_boundary_and_torchs_kernels_for_the_paths(monkeypatch):
+    """The group opened with the Triton kernels (as the profiler opens it): the one-shot / two-shot
+    rows still time torch's kernels (the stand-in ops), and the fused rows the fused kernel, at
+    each size's whole rows of the width."""
+    ops = FakeSymmOps()
+    real_init = collectives.init_group
+    kept = []
+
+    def fused_group(store, rank, size, device, timeout_s, parallel):
+        assert parallel.kernel_for(2) == "triton_fused"
+        group = real_init(store, rank, size, device, timeout_s, parallel)
+        nbytes = parallel.custom_all_reduce_max_bytes
+        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        peers, pads = mirrored_peers(buffer)
+        kept.extend([buffer, pads])
+        group.custom = SymmetricAllReduce(buffer, "g", parallel.one_shot_max_bytes(size), nbytes, ops=ops,
+                                          peers=peers, fused=True)
+        return group
+
+    monkeypatch.setattr(collectives, "init_group", fused_group)
+    rows, _ = _run_worker(SIZES, torch.float32)
+    by_op = {}
+    for r in rows:
+        by_op.setdefault(r["op"], []).append((r["bytes"], r.get("n")))
+    assert by_op.pop("all_reduce_add_rms_norm") == [(n, WIDTH) for n in SIZES]
+    assert by_op == {op: [(n, None) for n in SIZES]
+                     for op in ("all_reduce", "all_gather", "all_reduce_one_shot", "all_reduce_two_shot")}
+    assert {path for path, _ in ops.calls} == {ONE_SHOT, TWO_SHOT}  # torch's ops, not the Triton kernels

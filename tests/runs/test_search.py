@@ -92,7 +92,11 @@ def test_collectives_priced_from_the_interconnect_are_labelled_in_the_table(tmp_
     assert table.loc[2, "latency_data"].endswith("collectives: measured at N=2 (cpu-float32-collectives-n2.csv); "
                                                  "all-reduce: NCCL rows (no symmetric-memory rows in this profile at "
                                                  "N=2; the engine's small messages are faster: one-shot up to "
-                                                 "1048576 bytes, two-shot up to 8388608 over symmetric memory)")
+                                                 "1048576 bytes, two-shot up to 8388608 over symmetric memory); "
+                                                 "fused boundary: priced as all-reduce + add_rms_norm (no "
+                                                 "all_reduce_add_rms_norm rows in this profile at N=2; the engine "
+                                                 "fuses them: take them with python -m experiments.profile "
+                                                 "mode=operators operator_parts=[collectives])")
     assert "collectives: ring model at N=4 x measured/model at N=2" in table.loc[4, "latency_data"]
 
 

@@ -96,7 +96,7 @@ def torch_kernels(custom: SymmetricAllReduce) -> SymmetricAllReduce:
     if custom.peers is None:
         return custom
     return SymmetricAllReduce(custom.buffer, custom.group_name, custom.one_shot_max, custom.two_shot_max,
-                              custom.handle)
+                              custom.handle, ops=custom.ops)
 
 
 def fused_sizes(sizes: list[int], dtype: torch.dtype, world: int, width: int) -> list[int]:
