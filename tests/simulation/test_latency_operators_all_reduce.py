@@ -12,7 +12,12 @@ from hydra import compose, initialize_config_module
 
 from experiments.lib import factory
 from sim.latency.base import BatchShape
-from sim.latency.operator_file import ALL_REDUCE_PATH_OPS, read_operator_file, write_operator_file
+from sim.latency.operator_file import (
+    ALL_REDUCE_PATH_OPS,
+    FUSED_ALL_REDUCE,
+    read_operator_file,
+    write_operator_file,
+)
 from sim.latency.operator_profile import OperatorProfile
 from sim.latency.tensor_parallel import RingLink
 
@@ -41,11 +46,13 @@ def run(directory: Path, *overrides: str):
 
 def _h200_with_symmetric_rows(out: Path, times: dict[str, float]) -> Path:
     """The committed H200 files in `out`, the collectives file's symmetric-memory rows replaced by
-    flat stand-ins at its sizes (`times`: path -> seconds; none: a profile without them)."""
+    flat stand-ins at its sizes (`times`: path -> seconds; none: a profile without them), and no
+    fused-boundary rows (sim/latency/collective_pricing.py prices those: test_latency_operators_fused_boundary.py)."""
     for path in OPERATORS.glob("h200-bfloat16-*.csv"):
         shutil.copy(path, out)
     meta, rows = read_operator_file(H200_COLLECTIVES)
-    kept = [{"op": op, **row} for op, row in rows if op not in (ALL_REDUCE_PATH_OPS["one-shot"], ALL_REDUCE_PATH_OPS["two-shot"])]
+    dropped = (ALL_REDUCE_PATH_OPS["one-shot"], ALL_REDUCE_PATH_OPS["two-shot"], FUSED_ALL_REDUCE)
+    kept = [{"op": op, **row} for op, row in rows if op not in dropped]
     sizes = sorted({row["bytes"] for op, row in rows if op == "all_reduce"})
     world_sizes = sorted({row["world_size"] for op, row in rows})
     extra = [{"op": ALL_REDUCE_PATH_OPS[path], "bytes": n, "world_size": ws, "time_s": t}
