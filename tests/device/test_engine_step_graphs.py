@@ -55,28 +55,39 @@ def make_runner(padded: bool, decode_kernel: str = "per-head") -> ModelRunner:
     return runner
 
 
+PROMPTS = random_prompts([11, 3, 26, 7, 2], 256, seed=4)
+PARAMS = SamplingParams(temperature=0, logprobs=2, max_tokens=8)
+
+
 @torch.no_grad()
+def run_steps(padded: bool, decode_kernel: str) -> list[dict]:
+    """9 steps of chunked prompts of different lengths: each step's tokens and logprobs by sequence."""
+    runner = make_runner(padded, decode_kernel)
+    config = getattr(runner.ops.paged_decode_attention, "keywords", {}).get("config")
+    assert isinstance(config, PackedDecodeConfig) == (padded and decode_kernel == "packed")
+    assert isinstance(config, TmaDecodeConfig) == (padded and decode_kernel == "tma")
+    seqs, alloc = make_seqs(PROMPTS, PARAMS), BlockAllocator(BLOCK, runner.num_gpu_blocks)
+    steps = []
+    for _ in range(9):
+        out = step(runner, alloc, seqs, chunk=8)
+        steps.append({k: (r.token_ids, r.logprobs) for k, r in out.items()})
+    if padded:
+        assert runner.graphs.num_replays == 9
+    return steps
+
+
+@pytest.fixture(scope="module")
+def eager_steps() -> list[dict]:
+    """The unpadded run every decode kernel's padded run is compared with (the same for each)."""
+    return run_steps(padded=False, decode_kernel="per-head")
+
+
 @pytest.mark.parametrize("decode_kernel", ["per-head", "packed", "tma"])
-def test_padded_step_shapes_equal_eager_steps(decode_kernel):
+def test_padded_step_shapes_equal_eager_steps(decode_kernel, eager_steps):
     """Chunked prompts of different lengths: steps that prefill only, mix prefill chunks with decodes,
     and decode only (5 of 6 rows: padded), each in its bucket, against the same steps unpadded (the
     unpadded run with the per-head decode kernel, the padded one with `decode_kernel`)."""
-    prompts = random_prompts([11, 3, 26, 7, 2], 256, seed=4)
-    params = SamplingParams(temperature=0, logprobs=2, max_tokens=8)
-    results = []
-    for padded in (False, True):
-        runner = make_runner(padded, decode_kernel if padded else "per-head")
-        config = getattr(runner.ops.paged_decode_attention, "keywords", {}).get("config")
-        assert isinstance(config, PackedDecodeConfig) == (padded and decode_kernel == "packed")
-        assert isinstance(config, TmaDecodeConfig) == (padded and decode_kernel == "tma")
-        seqs, alloc = make_seqs(prompts, params), BlockAllocator(BLOCK, runner.num_gpu_blocks)
-        steps = []
-        for _ in range(9):
-            out = step(runner, alloc, seqs, chunk=8)
-            steps.append({k: (r.token_ids, r.logprobs) for k, r in out.items()})
-        results.append(steps)
-        if padded:
-            assert runner.graphs.num_replays == 9
+    results = [eager_steps, run_steps(padded=True, decode_kernel=decode_kernel)]
     for eager, padded in zip(*results):
         assert eager.keys() == padded.keys()
         for seq_id, (tokens, logprobs) in eager.items():
