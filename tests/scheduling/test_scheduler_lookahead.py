@@ -120,8 +120,10 @@ IDLE_POOL_TAKES_A_PREEMPTED_SEQUENCE = _workload(
      "chunked": False}, [(0, 30, 2, 1), (0, 1, 1, 0), (1, 1, 1, 0)])
 
 
+# 30 examples per combination (over 1,000 a CI run, each driven three times; `make soak` draws 20x);
+# the cases found so far are pinned with @example.
 @pytest.mark.parametrize("policy, blocks, mode", COMBOS)
-@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
 @example(workload=IDLE_POOL_TAKES_A_PREEMPTED_SEQUENCE)
 def test_ahead_keeps_every_invariant_and_the_sync_outputs(policy, blocks, mode, workload):

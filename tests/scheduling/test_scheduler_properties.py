@@ -216,8 +216,10 @@ def check_end(scheduler, added, policy) -> None:
         assert admissions == sorted(admissions, key=order.__getitem__), "FCFS admitted out of order"
 
 
+# 50 examples per combination (over 2,000 a CI run; `make soak` draws 20x): a swap-in whose slots are
+# reserved before the step's later swap-ins (a bug these tests found once) still fails several combinations.
 @pytest.mark.parametrize("policy, blocks, mode", COMBOS)
-@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
 def test_random_workloads_keep_every_invariant(policy, blocks, mode, workload):
     config, specs, seed = workload
