@@ -56,7 +56,8 @@ def test_gpu_selection_turns_the_interpreter_off(expr, gpu):
     assert selects_gpu_tests(expr) is gpu
 
 
-# Collects the suite in a fresh interpreter where the optional packages cannot be imported.
+# Collects the suite in a fresh interpreter where the optional packages cannot be imported. Whether a
+# module collects does not depend on pytest's assertion rewriting, which would compile every module again.
 HIDDEN_COLLECT = """
 import importlib.abc, os, sys
 hidden = set(sys.argv[1].split(","))
@@ -67,7 +68,7 @@ class Hide(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Hide())
 sys.path.insert(0, os.getcwd())
 import pytest
-sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests"]))
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "--assert=plain", "tests"]))
 """
 
 
