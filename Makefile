@@ -9,6 +9,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?= policy=fcfs
+# Test processes (pytest-xdist): CI has two cores; 0 runs the suite in this process, no workers.
+PYTEST_WORKERS ?= 2
 
 .PHONY: venv run test soak lint bench clean
 
@@ -30,7 +32,7 @@ run: $(STAMP)
 # pytest exits 5 when it collected nothing: that is a failure of the suite, not a pass.
 # TRITON_INTERPRET=1 lets the Triton kernels run on the CPU (tests/conftest.py sets it too).
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # CI's hypothesis profile is fixed (tests/conftest.py); the soak draws new examples on every run and
