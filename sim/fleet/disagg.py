@@ -37,12 +37,15 @@ between its steps (the requests themselves reach its scheduler after their admis
 What a message costs the engines beside the link (`receive`, a `KVReceivePrice`:
 `cluster.kv_receive_profile`, sim/latency/kv_receive.py; None: nothing): the decode replica's next
 step after a receive waits for its scatter (`scatter_s` of the message's bytes, device time ahead
-of that step on the compute stream); a decode step while a receive into its replica is posted
-(from its reservation, when the engine's decode side posts it, to the end of its bytes on the wire)
-costs `busy_step_factor` times its price over the share of it the receive overlaps (receives
-posted when it starts; one not sent yet counts to the step's end); a prefill replica that schedules
-synchronously pays `send_host_s` of each message it posts before its next step, as it pays the
-hand-offs' host time.
+of that step on the compute stream); a decode step costs `busy_factor(share)` times its price,
+`share` the part of the step (its price and the scatter it waits for) during which the link's
+bytes into its replica are on the wire (the simulated link's own transfer intervals, from a
+message's turn on the link to its last byte; a receive posted and not yet sent does not count).
+A step is priced as it starts, from the transfers on the wire or done by then; a transfer that
+starts on the wire during the step is only known later, so the next step pays the difference
+between the step's price at its whole share and what it was charged. A prefill replica that
+schedules synchronously pays `send_host_s` of each message it posts before its next step, as it
+pays the hand-offs' host time.
 
 Decode replicas step one by one (no fast-forwarded decode runs: a received request joins at the
 time its transfer ends, which a run decided earlier could not know). Scheduling ahead, it joins
@@ -63,7 +66,7 @@ from policies.disagg import DecodeSide, KVHandoff, PrefillSide, ReplicaRole, tra
 from policies.request import Request
 from policies.routing import Router, observe
 from sim.fleet.fleet import FleetResult, FleetSimulator, ReplicaSpec
-from sim.latency.kv_receive import KVReceivePrice
+from sim.latency.kv_receive import KVReceivePrice, wire_share
 from sim.latency.shapes import Link
 from sim.simulator import run_without_gc
 
@@ -128,8 +131,10 @@ class DisaggFleetSimulator(FleetSimulator):
         self._pending = 0  # hand-offs not yet received or dropped
         self._front_done = False
         self.receive = receive
-        # decode replica -> its receives posted and not yet done: [posted, wire end (inf: not sent yet)]
-        self._posted: dict[int, list[list[float]]] = {}
+        # decode replica -> (begin, end) of its messages on the wire, since its last step started
+        self._wire: dict[int, list[tuple[float, float]]] = {}
+        # decode replica -> its last step's (start, priced end, price, busy-link seconds charged)
+        self._last_step: dict[int, tuple[float, float, float, float]] = {}
         self._scatter_due: dict[int, float] = {}  # decode replica -> scatters its next step waits for
         self._send_host_due: dict[int, float] = {}  # prefill replica -> host time of sends it posted
         self._admitted: dict[int, int] = {}  # prefill replica -> requests routed there by its last step's end
@@ -145,7 +150,7 @@ class DisaggFleetSimulator(FleetSimulator):
                 replica.fast_forward = False
                 replica.after_step = lambda i=i: self._admit(i)
                 if receive is not None:
-                    self._posted[i] = []
+                    self._wire[i] = []
                     replica.extra_step_s = lambda step_s, i=i: self._receive_surcharge(i, step_s)
 
     def run(self) -> FleetResult:
@@ -186,12 +191,23 @@ class DisaggFleetSimulator(FleetSimulator):
         return host_s
 
     def _receive_surcharge(self, decode: int, step_s: float) -> float:
-        """A decode replica's step of price `step_s` starting now: the scatters it waits for, and
-        the receives posted beside it (`receive`)."""
-        now = self.env.now
-        posted = self._posted[decode]
-        posted[:] = [w for w in posted if w[1] > now]
-        return self._scatter_due.pop(decode, 0.0) + self.receive.busy_surcharge_s(step_s, now, posted)
+        """A decode replica's step of price `step_s` starting now: the scatters it waits for, its
+        busy-link price from the wire known now, and what the last step owes for transfers that
+        reached the wire during it (module docstring)."""
+        now, receive = self.env.now, self.receive
+        scatter = self._scatter_due.pop(decode, 0.0)
+        if not receive.prices_busy_link:
+            return scatter
+        wire, owed = self._wire[decode], 0.0
+        last = self._last_step.get(decode)
+        if last is not None:
+            start, end, price, charged = last
+            owed = (receive.busy_factor(wire_share(start, end, wire)) - 1.0) * price - charged
+        wire[:] = [w for w in wire if w[1] > now]
+        end = now + step_s + scatter
+        charged = (receive.busy_factor(wire_share(now, end, wire)) - 1.0) * step_s
+        self._last_step[decode] = (now, end, step_s, charged)
+        return max(0.0, scatter + charged + owed)
 
     def _arrive(self, handoffs: list[KVHandoff], decode: int) -> None:
         """Hand-offs reach the decode side: queued, then admitted now if that replica is between
@@ -238,9 +254,6 @@ class DisaggFleetSimulator(FleetSimulator):
         """One KV message: the hand-offs of `batch` (one prefill replica, one decode replica)."""
         prefill, decode = batch[0].prefill_replica, batch[0].decode_replica
         link, resource = self.links[prefill]
-        receiving = [self.env.now, math.inf]  # the decode side posts the receive as it reserves
-        if self.receive is not None:
-            self._posted[decode].append(receiving)
         if self.host.hop_s or self.host.step_boundaries:  # `Reserved` reaches the prefill side's loop
             yield self.env.timeout(self.host.hop_s)
             yield self._step_boundary(prefill)
@@ -253,7 +266,8 @@ class DisaggFleetSimulator(FleetSimulator):
             if self.receive is not None:
                 due = self._send_host_due
                 due[prefill] = due.get(prefill, 0.0) + self.receive.send_host_s(nbytes)
-                receiving[1] = self.env.now + wire_s
+                if decode in self._wire:
+                    self._wire[decode].append((self.env.now, self.env.now + wire_s))
             yield self.env.timeout(wire_s)
         if self.host.step_boundaries:  # the decode side's loop notices the KV after its running step
             yield self._step_boundary(decode)

@@ -6,40 +6,51 @@ pair (sim/fleet/disagg.py; docs/disaggregation.md, "What a receive costs beside 
   for);
 - `send_host_s(bytes)`: the prefill side's host time to post a message (staging buffer, gather
   launch, the send call) on the loop that runs its steps;
-- `busy_step_factor`: a decode step that runs while a receive into its GPU is posted and not done
-  takes this many times its price (NCCL's receive kernels beside the forward, the link's waiter
-  thread polling them, the loop polling the link).
+- the busy-share curve: a decode step while KV bytes are on the wire into its GPU for a share `s`
+  of it takes `busy_factor(s)` times its price (NCCL's receive kernels beside the forward, the
+  link's waiter thread polling them, the loop polling the link): piecewise linear through the
+  measured points `(share, factor)`, 1.0 at share 0, the last point's factor beyond it.
 
 Where the figures come from (`load_kv_receive`):
 - a receive profile, the CSV `experiments.bench_kv_receive` writes on two GPUs: `# key: value`
-  metadata (`model`, `device`, `busy_step_factor` ...) and rows `blocks,bytes,scatter_s,send_host_s`
+  metadata (`model`, `device`, `busy_share_curve` ...) and rows `blocks,bytes,scatter_s,send_host_s`
   (medians per message size); a size between rows is interpolated linearly in bytes, one past the
-  largest extended along the last segment;
+  largest extended along the last segment. `busy_share_curve` is `share:factor` pairs, space
+  separated, shares in (0, 1] ascending, factors >= 1 (the bench's duty-cycle sweep; `1:1` prices
+  no busy link). `busy_step_factor` is what it always was, the step beside back-to-back receives
+  (the link saturated) over the idle step: a record, not a price. A file without
+  `busy_share_curve` (format 1, written before the sweep) is refused, naming the field;
 - `hardware`: the scatter alone, at the device's copy rate (`hbm_bandwidth` of conf/hardware, a
-  copy's read and write: 2 x bytes / hbm_bandwidth); no send time, factor 1.
+  copy's read and write: 2 x bytes / hbm_bandwidth); no send time, no busy-link price.
 """
 from __future__ import annotations
 
 import bisect
 import csv
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 COLUMNS = ("blocks", "bytes", "scatter_s", "send_host_s")
 HARDWARE = "hardware"
+CURVE_KEY = "busy_share_curve"
+FORMAT = 2  # 2: `busy_share_curve` prices a step by the share of it the wire is busy
 
 
 @dataclass(slots=True, frozen=True)
 class KVReceivePrice:
     """Piecewise-linear prices over message bytes (`bytes_at` ascending, the seconds of each price
-    at those sizes) and the busy-link factor; `source` says where they come from (a file, or the
-    hardware's copy rate)."""
+    at those sizes) and the busy-share curve (`busy_share_at` ascending in (0, 1], the factor at
+    each; none: no busy-link price); `source` says where they come from (a file, or the hardware's
+    copy rate)."""
 
     bytes_at: tuple[float, ...]
     scatter_at: tuple[float, ...]
     send_host_at: tuple[float, ...]
-    busy_step_factor: float = 1.0
+    busy_share_at: tuple[float, ...] = ()
+    busy_factor_at: tuple[float, ...] = ()
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -52,9 +63,15 @@ class KVReceivePrice:
         for name, values in (("scatter_s", self.scatter_at), ("send_host_s", self.send_host_at)):
             if any(not (0 <= v < math.inf) for v in values):
                 raise ValueError(f"{self.source}: {name} values must be seconds >= 0, got {values}")
-        if not (isinstance(self.busy_step_factor, (int, float)) and 1.0 <= self.busy_step_factor < 10.0):
-            raise ValueError(f"{self.source}: busy_step_factor={self.busy_step_factor!r} is invalid: "
-                             "a number >= 1 (1: a step beside a receive costs its price)")
+        shares, factors = self.busy_share_at, self.busy_factor_at
+        curve = f"{CURVE_KEY}={' '.join(f'{a:g}:{b:g}' for a, b in zip(shares, factors))!r}"
+        if len(factors) != len(shares):
+            raise ValueError(f"{self.source}: {curve} is invalid: one factor per share")
+        if any(not 0 < a <= 1 for a in shares) or any(b <= a for a, b in pairwise(shares)):
+            raise ValueError(f"{self.source}: {curve} is invalid: shares must be ascending in (0, 1]")
+        if any(not 1.0 <= f < 10.0 for f in factors):
+            raise ValueError(f"{self.source}: {curve} is invalid: factors must be numbers in [1, 10) "
+                             "(1: a step beside the wire costs its price)")
 
     def scatter_s(self, nbytes: float) -> float:
         return _interpolate(self.bytes_at, self.scatter_at, nbytes)
@@ -62,19 +79,32 @@ class KVReceivePrice:
     def send_host_s(self, nbytes: float) -> float:
         return _interpolate(self.bytes_at, self.send_host_at, nbytes)
 
-    def busy_surcharge_s(self, step_s: float, start: float, receives) -> float:
-        """Seconds a step of price `step_s` starting at `start` gains from the receives posted on
-        its GPU (`receives`: their (posted, done) pairs): `(busy_step_factor - 1)` x the step's price
-        over the share of it the receives overlap."""
-        if self.busy_step_factor == 1.0 or step_s <= 0 or not receives:
-            return 0.0
-        end, covered, reach = start + step_s, 0.0, start
-        for a, b in sorted(receives):
-            a, b = max(a, reach), min(b, end)
-            if b > a:
-                covered += b - a
-                reach = b
-        return (self.busy_step_factor - 1.0) * covered
+    @property
+    def prices_busy_link(self) -> bool:
+        return any(f != 1.0 for f in self.busy_factor_at)
+
+    def busy_factor(self, share: float) -> float:
+        """A step's price multiplier with the wire busy for `share` of it: 1.0 at 0, linear between
+        the curve's points, the last point's factor past it."""
+        if share <= 0 or not self.busy_share_at:
+            return 1.0
+        shares, factors = (0.0, *self.busy_share_at), (1.0, *self.busy_factor_at)
+        if share >= shares[-1]:
+            return factors[-1]
+        return _interpolate(shares, factors, share)
+
+
+def wire_share(start: float, end: float, intervals: Iterable[tuple[float, float]]) -> float:
+    """The share of [start, end] that the union of `intervals` ((begin, end) pairs) covers."""
+    if end <= start:
+        return 0.0
+    covered, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered / (end - start)
 
 
 def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
@@ -88,8 +118,7 @@ def hardware_price(hbm_bandwidth: float, name: str = "hardware") -> KVReceivePri
     """The scatter at the device's copy rate (a copy reads and writes each byte), nothing else."""
     if not (isinstance(hbm_bandwidth, (int, float)) and 0 < hbm_bandwidth < math.inf):
         raise ValueError(f"{name}: hbm_bandwidth={hbm_bandwidth!r} is invalid: bytes per second > 0")
-    return KVReceivePrice((0.0, 1e9), (0.0, 2e9 / hbm_bandwidth), (0.0, 0.0), 1.0,
-                          f"{name} copy rate {hbm_bandwidth / 1e12:.2f} TB/s")
+    return KVReceivePrice((0.0, 1e9), (0.0, 2e9 / hbm_bandwidth), (0.0, 0.0), source=f"{name} copy rate {hbm_bandwidth / 1e12:.2f} TB/s")
 
 
 def read_receive_profile(path: str | Path) -> KVReceivePrice:
@@ -113,11 +142,35 @@ def read_receive_profile(path: str | Path) -> KVReceivePrice:
         raise ValueError(f"{path}: a receive profile needs the columns {', '.join(COLUMNS)}")
     try:
         points = sorted((float(r["bytes"]), float(r["scatter_s"]), float(r["send_host_s"])) for r in rows)
-        factor = float(meta.get("busy_step_factor", "1"))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+    shares, factors = parse_curve(meta, path)
     return KVReceivePrice(tuple(p[0] for p in points), tuple(p[1] for p in points), tuple(p[2] for p in points),
-                          factor, str(path))
+                          shares, factors, str(path))
+
+
+def parse_curve(meta: dict[str, str], path: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`busy_share_curve` of a profile's metadata as (shares, factors)."""
+    if CURVE_KEY not in meta:
+        raise ValueError(
+            f"{path}: no {CURVE_KEY} (a receive profile of format 1: its busy_step_factor="
+            f"{meta.get('busy_step_factor', '-')} was measured with the link saturated and does not price a "
+            "step by the share of it the wire is busy); re-measure with `python -m experiments.bench_kv_receive`, "
+            f"or add the line `# {CURVE_KEY}: 1:1` to price its scatter and send times alone")
+    shares, factors = [], []
+    for pair in meta[CURVE_KEY].split():
+        share, sep, factor = pair.partition(":")
+        try:
+            shares.append(float(share))
+            factors.append(float(factor))
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"{path}: {CURVE_KEY}={meta[CURVE_KEY]!r} is invalid: `share:factor` pairs, "
+                             f"space separated (got {pair!r})")
+    if not shares:
+        raise ValueError(f"{path}: {CURVE_KEY} is empty: `share:factor` pairs (`1:1`: no busy-link price)")
+    return tuple(shares), tuple(factors)
 
 
 def write_receive_profile(path: str | Path, meta: dict[str, object], rows: list[dict[str, float]]) -> None:
