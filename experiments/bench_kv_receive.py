@@ -21,21 +21,36 @@ once, the pair's `max_transfers_in_flight`), no scatter: the median step with a 
 from its start to its end over the median idle step, over `--rounds` rounds of `--steps` steps each.
 The engine's own receive path runs beside the steps, as in the decode engine: the receiving
 `KVLink`'s waiter thread in the runner's process, and the step loop polling the link every turn.
+`busy_step_factor` is a record of the saturated link, not what the simulator prices.
+
+Then the duty-cycle sweep, what the simulator prices (`busy_share_curve`): the same steps while
+single messages of `--duty-blocks` blocks are received one every `wire / u` seconds for each link
+utilisation u of `--duty` (`wire`: the median time of such a message received alone, post to
+completion; at most two in flight), `--duty-steps` steps each. Each message's wire interval runs
+from the later of the receive's posting and the send call's return (the two processes share the
+host's monotonic clock) to the waiter thread's completion (seen within ~1 ms); each step's share
+is the part of its wall time that the intervals cover (`experiments/lib/kv_receive_duty.py`, the
+simulator's rule), its ratio its time over the median idle step. The steps are binned by share;
+each bin with the wire busy and 5 steps or more gives a point (mean share, median ratio, at least
+1) of `busy_share_curve`. Every step of the sweep goes to `OUT` with `-steps.csv` for its name's
+`.csv` (setting, start, seconds, share, ratio), the bins to the log and the profile's metadata.
 
 Bounded: the measurements after the receiver's runner is built by `--budget-s` (sizes left are
 skipped, rounds cut short), the build by STARTUP_S, every other wait for the other process by the
-link's timeout. Runs in ~60-120 s on two H200s (the runner's build, torch.compile and CUDA graphs,
-20-60 s).
+link's timeout. Runs in ~90-150 s on two H200s (the runner's build, torch.compile and CUDA graphs,
+20-60 s; the measurements ~20 s).
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import multiprocessing
 import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import kernels
@@ -45,8 +60,15 @@ from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, 
 from engine.disagg.kv_transfer_message import interleaved
 from engine.model_loader import load_model_config
 from experiments.lib.kv_link_bench import LINK_TIMEOUT_S, random_caches, spread_blocks, sync_device
+from experiments.lib.kv_receive_duty import (
+    busy_share_curve,
+    duty_summary,
+    format_bins,
+    share_bins,
+    sweep_rows,
+)
 from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
-from sim.latency.kv_receive import write_receive_profile
+from sim.latency.kv_receive import CURVE_KEY, FORMAT, write_receive_profile
 
 DEFAULT_BLOCKS = "1,8,32,128,256,512"
 STARTUP_S = 300.0  # the receiver's runner build (torch.compile, CUDA graphs) and scatter timings, at most
@@ -93,7 +115,7 @@ def _receiver(port: int, conn, a: argparse.Namespace) -> None:
     shape = StepShape(0, 0, a.decode_seqs, a.context)
     sizes = [int(b) for b in a.blocks.split(",")]
     max_model_len = min(4096, cfg.max_position_embeddings)
-    num_blocks = max(blocks_needed(shape, a.block_size) + 2 * max(sizes + [a.busy_blocks]),
+    num_blocks = max(blocks_needed(shape, a.block_size) + 2 * max(sizes + [a.busy_blocks, a.duty_blocks]),
                      -(-max_model_len // a.block_size))
     runner = ModelRunner(cfg, CacheConfig(block_size=a.block_size, num_gpu_blocks=num_blocks, swap_space=0.01),
                          max_num_batched_tokens=max(2048, a.decode_seqs), max_num_seqs=max(256, a.decode_seqs),
@@ -139,9 +161,48 @@ def _receiver(port: int, conn, a: argparse.Namespace) -> None:
             done = ended + link.wait_all(LINK_TIMEOUT_S)
             if len(done) != len(wave) or any(t.error is not None for t in done):
                 raise RuntimeError(f"a wave of {len(wave)} receives did not complete within {LINK_TIMEOUT_S} s")
-    conn.send(("steps", idle, busy))
+    sweep = _duty_sweep(link, conn, runner, step, k, started, a)
+    conn.send(("steps", idle, busy, sweep))
     conn.recv()  # the sender is done
     link.close()
+
+
+def _duty_sweep(link: KVLink, conn, runner: ModelRunner, step, k, started: float, a: argparse.Namespace) -> dict:
+    """Decode steps beside single messages spaced for each utilisation of `--duty` (module
+    docstring): each step's (u, start, end), each receive's (u, posted, finished); u 0: the
+    messages received alone that time the wire."""
+    ids, steps, receives = list(range(a.duty_blocks)), [], []
+
+    def post(u: float):
+        transfer = link.recv([("d", ids)], k)
+        conn.send(("one", 1))
+        receives.append((u, transfer))
+        return transfer
+
+    for _ in range(3):
+        post(0.0)
+        link.wait_all(LINK_TIMEOUT_S)
+    alone = [t.finished_at - t.posted_at for _, t in receives if t.finished_at is not None]
+    if not alone:
+        raise RuntimeError(f"a receive of {a.duty_blocks} blocks did not complete within {LINK_TIMEOUT_S} s")
+    wire_s = statistics.median(alone)
+    for u in a.duty_utilisations:
+        period, due, got = wire_s / u, time.monotonic(), 0
+        while got < a.duty_steps and time.monotonic() - started <= a.budget_s:
+            if time.monotonic() >= due and link.num_in_flight < 2:
+                post(u)
+                due = max(due + period, time.monotonic())
+            t0 = time.monotonic()
+            link.poll()
+            runner.execute(step)
+            sync_device(link.device)
+            steps.append((u, t0, time.monotonic()))
+            got += 1
+        link.wait_all(LINK_TIMEOUT_S)
+    if any(t.finished_at is None or t.error is not None for _, t in receives):
+        raise RuntimeError(f"a receive of the duty sweep did not complete within {LINK_TIMEOUT_S} s")
+    return {"wire_s": wire_s, "steps": steps,
+            "receives": [(u, t.posted_at, t.finished_at) for u, t in receives]}
 
 
 def _sender(link: KVLink, conn, k, v, a: argparse.Namespace) -> dict:
@@ -150,7 +211,7 @@ def _sender(link: KVLink, conn, k, v, a: argparse.Namespace) -> dict:
         raise SystemExit("error: the receiver did not time its scatters")
     _, scatter = conn.recv()
     started = time.monotonic()  # the budget counts from the receiver's runner being built
-    sizes, send = sorted(scatter), {}
+    sizes, send, sent_at = sorted(scatter), {}, []
     for n in sizes:
         times = []
         for i in range(a.iters + 2):
@@ -176,7 +237,12 @@ def _sender(link: KVLink, conn, k, v, a: argparse.Namespace) -> dict:
         msg = conn.recv()
         if msg[0] == "steps":
             conn.send(None)
-            return {"scatter": scatter, "send": send, "idle": msg[1], "busy": msg[2]}
+            return {"scatter": scatter, "send": send, "idle": msg[1], "busy": msg[2], "sweep": msg[3],
+                    "sent_at": sent_at}
+        if msg[0] == "one":  # one message of the duty sweep, not waited for
+            link.send([("d", spread_blocks(a.duty_blocks, k[0].shape[0], len(sent_at)))], k, v)
+            sent_at.append(time.monotonic())
+            continue
         for i in range(msg[1]):
             link.send([("w", spread_blocks(a.busy_blocks, k[0].shape[0], 100 + i))], k, v)
         link.wait_all(LINK_TIMEOUT_S)
@@ -194,9 +260,13 @@ def main() -> None:
     ap.add_argument("--wave", type=int, default=8, help="receives posted at once")
     ap.add_argument("--steps", type=int, default=60, help="decode steps per round, idle and busy each")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duty", default="0.25,0.5,0.75,1.0",
+                    help="link utilisations of the duty-cycle sweep, comma-separated in (0, 1]")
+    ap.add_argument("--duty-blocks", type=int, default=240, help="blocks of each message of the duty sweep")
+    ap.add_argument("--duty-steps", type=int, default=300, help="decode steps per utilisation")
     ap.add_argument("--decode-kernel", default="auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    ap.add_argument("--budget-s", type=float, default=90.0, help="stop measuring after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="stop measuring after this many seconds")
     ap.add_argument("--out", type=Path, required=True, help="the receive profile (CSV) to write")
     a = ap.parse_args()
     try:
@@ -205,13 +275,21 @@ def main() -> None:
         raise SystemExit(f"error: --blocks={a.blocks!r} is invalid: positive integers, comma-separated") from None
     if len(sizes) < 2 or sizes[0] < 1:
         raise SystemExit(f"error: --blocks={a.blocks!r} is invalid: at least two sizes, each >= 1")
+    try:
+        a.duty_utilisations = [float(u) for u in a.duty.split(",")]
+    except ValueError:
+        a.duty_utilisations = []
+    if not a.duty_utilisations or any(not 0 < u <= 1 for u in a.duty_utilisations):
+        raise SystemExit(f"error: --duty={a.duty!r} is invalid: link utilisations in (0, 1], comma-separated")
+    if a.duty_blocks < 1 or a.duty_steps < 1:
+        raise SystemExit(f"error: --duty-blocks={a.duty_blocks} / --duty-steps={a.duty_steps} are invalid: each >= 1")
     if a.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit("error: --device cuda needs two GPUs (cuda:0 sends, cuda:1 receives); --device cpu: gloo")
     dev = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     cfg = load_model_config(a.model)
-    k, v = random_caches(cfg, 2 * max(sizes + [a.busy_blocks]), a.block_size, dev,
+    k, v = random_caches(cfg, 2 * max(sizes + [a.busy_blocks, a.duty_blocks]), a.block_size, dev,
                    cfg.torch_dtype if dev.type == "cuda" else torch.float32)
     block_bytes = 2 * len(k) * k[0][0].numel() * k[0].element_size()
     store = open_store(LINK_TIMEOUT_S)
@@ -232,10 +310,17 @@ def main() -> None:
     rows = [{"blocks": n, "bytes": n * block_bytes, "scatter_s": got["scatter"][n], "send_host_s": got["send"][n]}
             for n in sizes if n in got["send"]]
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (gloo)"
-    meta = {"model": a.model, "device": name, "block_size": a.block_size,
+    sweep = sweep_rows(got["sweep"], got["sent_at"], idle)
+    bins = share_bins(np.array([r["share"] for r in sweep]), np.array([r["over_idle"] for r in sweep]))
+    meta = {"format": FORMAT, "model": a.model, "device": name, "block_size": a.block_size,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "versions": f"torch {torch.__version__}", "command": "python -m experiments.bench_kv_receive " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "duty_utilisations"),
+            CURVE_KEY: busy_share_curve(bins),
+            "duty_wire_alone_s": f"{got['sweep']['wire_s']:.6e}",
+            **{f"share_bin {b.label}": f"steps {b.steps} share {b.share:.4f} median {b.median:.4f} mean {b.mean:.4f}"
+               for b in bins},
+            **{f"duty {u:g}": duty_summary([r for r in sweep if r["setting"] == u]) for u in a.duty_utilisations},
             "busy_step_factor": f"{factor:.4f}", "busy_over_idle": f"{busy / idle:.4f}" if busy else "-",
             "decode_step_idle_s": f"{idle:.6e}",
             "decode_step_busy_s": f"{busy:.6e}" if busy else "-",
@@ -248,10 +333,19 @@ def main() -> None:
     print(f"decode step ({a.decode_seqs} x {a.context} tokens): idle {idle * 1e3:.3f} ms ({len(got['idle'])} steps), "
           f"beside receives of {a.busy_blocks} blocks {meta['decode_step_busy_s']} s ({len(got['busy'])} steps): "
           f"busy_step_factor {factor:.3f}")
+    print(f"duty sweep: messages of {a.duty_blocks} blocks, {got['sweep']['wire_s'] * 1e3:.3f} ms alone on the wire; "
+          f"per utilisation: {'; '.join(f'{u:g}: ' + meta[f'duty {u:g}'] for u in a.duty_utilisations)}")
+    print(format_bins(bins, "step / idle step"))
+    print(f"{CURVE_KEY}: {meta[CURVE_KEY]}")
     if len(rows) < 2:
         raise SystemExit(f"error: --budget-s={a.budget_s} ran out before two message sizes were timed")
     write_receive_profile(a.out, meta, rows)
-    print(f"wrote {a.out}")
+    steps_out = a.out.with_name(a.out.stem + "-steps.csv")
+    with open(steps_out, "w", newline="") as f:
+        writer = csv.DictWriter(f, ("setting", "start_s", "step_s", "share", "over_idle"))
+        writer.writeheader()
+        writer.writerows(sweep)
+    print(f"wrote {a.out} and {steps_out}")
 
 
 if __name__ == "__main__":

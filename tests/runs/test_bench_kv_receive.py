@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+import pandas as pd
+
 from experiments import bench_kv_receive
 from sim.latency.kv_receive import read_receive_profile
 
@@ -14,12 +16,18 @@ def test_bench_runs_on_cpu_and_writes_a_receive_profile(tmp_path, monkeypatch, c
     monkeypatch.setattr(sys, "argv", [
         "bench_kv_receive", "--device", "cpu", "--model", "tiny-qwen3", "--blocks", "1,4", "--iters", "2",
         "--decode-seqs", "2", "--context", "32", "--busy-blocks", "4", "--wave", "2", "--steps", "3",
-        "--rounds", "1", "--budget-s", "60", "--out", str(out)])
+        "--rounds", "1", "--duty", "0.5,1", "--duty-blocks", "4", "--duty-steps", "6", "--budget-s", "60",
+        "--out", str(out)])
     bench_kv_receive.main()
     price = read_receive_profile(out)
     assert len(price.bytes_at) == 2 and price.bytes_at[1] == 4 * price.bytes_at[0]
     assert all(s > 0 for s in price.scatter_at) and all(s > 0 for s in price.send_host_at)
-    assert price.busy_step_factor >= 1.0
+    assert all(1.0 <= f for f in price.busy_factor_at)  # the duty sweep's curve
     text = out.read_text()
-    assert "# steps_idle_busy: 3 3" in text and "# decode_step_idle_s:" in text
-    assert "busy_step_factor" in capsys.readouterr().out
+    assert "# steps_idle_busy: 3 3" in text and "# decode_step_idle_s:" in text and "# format: 2" in text
+    assert "# busy_step_factor:" in text and "# duty 0.5: steps 6 " in text and "# duty 1: steps 6 " in text
+    steps = pd.read_csv(out.with_name("receive-steps.csv"))
+    assert sorted(steps["setting"].unique()) == [0.5, 1.0] and len(steps) == 12
+    assert steps["share"].between(0, 1).all() and (steps["over_idle"] > 0).all()
+    printed = capsys.readouterr().out
+    assert "busy_step_factor" in printed and "busy_share_curve:" in printed and "wire share" in printed
