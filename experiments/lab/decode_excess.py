@@ -21,8 +21,15 @@ the step rows tell apart:
 - `ahead, link busy` / `ahead, link idle`: the other scheduled-ahead steps, by whether a KV receive
   was on the wire (a request's `transfer_time - link_time` after its prefill ended, to the end of
   its transfer) while they ran; with `--busy-from posted`, from its reservation (`decode_wait`
-  after its prefill ended: the decode engine posts the receive then), as the simulator's
-  `busy_step_factor` and `experiments.bench_kv_receive` count a receive.
+  after its prefill ended: the decode engine posts the receive then).
+
+`--by-share` also prints the scheduled-ahead steps not before a synchronous one (the two `ahead`
+classes) grouped by the share of their period a receive was on the wire (the union of the
+requests' intervals above, counted from the send; `experiments/lib/kv_receive_duty.py`'s bins,
+the simulator's rule), with their period over their ahead price: the engine's side of
+`experiments.bench_kv_receive`'s `busy_share_curve`, whose ratio is a step over the idle step. An
+engine interval ends when the decode loop notices the receive (`link_time`), up to a step after
+its last byte, so the engine's shares read high by up to that.
 
 A profile's decode rows are engine step periods at real batch sizes (experiments/profile.py); the
 CUDA graph a step runs is padded to the next graph size (`padded` shows what pricing that size
@@ -38,6 +45,7 @@ import numpy as np
 import pandas as pd
 
 from engine.device.cuda_graph import graph_batch_sizes
+from experiments.lib.kv_receive_duty import format_bins, share_bins, step_shares
 
 Price = Callable[[int, int, bool], float]  # (decodes, context tokens, synchronous) -> seconds
 CLASSES = ("sync", "pipeline break", "before sync: host gap", "before sync: rest", "ahead, link busy",
@@ -65,24 +73,36 @@ def decode_steps(steps: pd.DataFrame) -> pd.DataFrame:
     return d[keep].reset_index(drop=True)
 
 
-def link_busy(d: pd.DataFrame, requests: pd.DataFrame | None, posted: bool = False) -> np.ndarray:
-    """Per step: whether a KV receive was on the wire (`posted`: posted and not done) at some point
-    of its period."""
-    busy = np.zeros(len(d), dtype=bool)
+def wire_intervals(requests: pd.DataFrame | None, posted: bool = False) -> list[tuple[float, float]]:
+    """Each handed-off request's receive: (from its send, or its posting with `posted`; to the end
+    of its transfer). None or no hand-off columns: none."""
     if requests is None or "link_time" not in requests.columns:
-        return busy
+        return []
     r = requests[requests["link_time"].notna()]
     done = r["arrival_time"] + r["queueing_time"] + r["prefill_time"]
     start = (done + (r["decode_wait"] if posted else r["transfer_time"] - r["link_time"])).to_numpy(dtype=float)
     stop = (done + r["transfer_time"]).to_numpy(dtype=float)
-    t0, t1 = d["time"].to_numpy(dtype=float), (d["time"] + d["period"]).to_numpy(dtype=float)
-    order = np.argsort(start)
-    start, stop = start[order], stop[order]
-    latest_stop = np.maximum.accumulate(stop) if len(stop) else stop
-    for i, (a, b) in enumerate(zip(t0, t1)):
-        k = np.searchsorted(start, b)  # receives that started before the step's end
-        busy[i] = k > 0 and latest_stop[k - 1] > a
-    return busy
+    return list(zip(start.tolist(), stop.tolist()))
+
+
+def wire_shares(d: pd.DataFrame, requests: pd.DataFrame | None, posted: bool = False) -> np.ndarray:
+    """Per step: the share of its period a KV receive was on the wire (`posted`: posted and not done)."""
+    t0 = d["time"].to_numpy(dtype=float)
+    return step_shares(t0, t0 + d["period"].to_numpy(dtype=float), wire_intervals(requests, posted))
+
+
+def link_busy(d: pd.DataFrame, requests: pd.DataFrame | None, posted: bool = False) -> np.ndarray:
+    """Per step: whether a KV receive was on the wire (`posted`: posted and not done) at some point
+    of its period."""
+    return wire_shares(d, requests, posted) > 0
+
+
+def by_share(d: pd.DataFrame, price: Price, shares: np.ndarray) -> str:
+    """The scheduled-ahead steps not before a synchronous one, by wire share: period over ahead price."""
+    rest = (d["ahead"] & ~d["before_sync"]).to_numpy()
+    n, c = d["num_decode_seqs"].to_numpy(dtype=int), d["kv_tokens"].to_numpy(dtype=int)
+    ratio = d["period"].to_numpy(dtype=float) / np.array([price(a, b, False) for a, b in zip(n, c)])
+    return format_bins(share_bins(shares[rest], ratio[rest]), "period / price")
 
 
 def split_excess(d: pd.DataFrame, price: Price, busy: np.ndarray | None = None) -> dict[str, float]:
@@ -142,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--scenarios", default="", help="comma-separated; default every scenario with engine steps")
     p.add_argument("--busy-from", choices=("sent", "posted"), default="sent",
                    help="a receive makes the link busy from its send (default) or from its posting")
+    p.add_argument("--by-share", action="store_true",
+                   help="also the scheduled-ahead steps by the share of their period the wire was busy")
     a = p.parse_args(argv)
     root, price = Path(a.runs), profile_price(a.profile)
     names = a.scenarios.split(",") if a.scenarios else sorted(x.parent.parent.name for x in root.glob("*/engine/steps.parquet"))
@@ -159,9 +181,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             if split and replica == 0:
                 continue  # the pair's prefill engine
             d = decode_steps(rows)
-            if len(d):
-                print(report(name, int(replica), split_excess(d, price, link_busy(d, requests if split else None,
-                                                                                 a.busy_from == "posted"))))
+            if not len(d):
+                continue
+            shares = wire_shares(d, requests if split else None, a.busy_from == "posted")
+            print(report(name, int(replica), split_excess(d, price, shares > 0)))
+            if a.by_share:
+                print("  ahead steps (not before sync) by the share of their period the wire was busy:\n"
+                      + by_share(d, price, wire_shares(d, requests if split else None)))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 import pandas as pd
 import pytest
 
-from experiments.lab.decode_excess import decode_steps, link_busy, main, split_excess
+from experiments.lab.decode_excess import by_share, decode_steps, link_busy, main, split_excess, wire_shares
 
 AHEAD_S, SYNC_S = 2e-3, 3e-3  # the stand-in profile: every shape costs this
 
@@ -82,3 +82,17 @@ def test_a_receive_counts_from_its_posting_with_busy_from_posted():
                              "link_time": [2e-4]})  # posted at t1 + 0.1 ms, sent at t3 - 0.1 ms
     assert link_busy(d, requests).tolist() == [False, False, True, True]
     assert link_busy(d, requests, posted=True).tolist() == [False, True, True, True]
+
+
+def test_by_share_bins_the_ahead_steps_by_the_share_of_their_period_on_the_wire():
+    """Step 1 covered for 40% by a receive's wire interval, step 2 whole, the others not at all."""
+    d = decode_steps(trace([AHEAD_S, 1.5 * AHEAD_S, 2 * AHEAD_S, AHEAD_S], [True] * 4, [0] * 4))
+    t1, t2 = d["time"].iloc[1], d["time"].iloc[2]
+    requests = pd.DataFrame({"arrival_time": [t1 - 1e-3], "queueing_time": [0.0], "prefill_time": [5e-4],
+                             "transfer_time": [t2 + 2 * AHEAD_S - t1 + 5e-4],
+                             "link_time": [t2 + 2 * AHEAD_S - t1 - 0.9 * AHEAD_S]})  # from t1 + 1.8 ms
+    assert wire_shares(d, requests).round(6).tolist() == [0.0, 0.4, 1.0, 0.0]
+    table = by_share(d, price, wire_shares(d, requests)).splitlines()
+    assert table[1].split() == ["0", "2", "0.000", "1.000", "1.000"]
+    assert table[2].split() == ["0.25-0.5", "1", "0.400", "1.500", "1.500"]
+    assert table[3].split() == ["1", "1", "1.000", "2.000", "2.000"]

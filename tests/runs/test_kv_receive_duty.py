@@ -1,0 +1,32 @@
+"""The duty-sweep table (experiments/lib/kv_receive_duty.py): steps binned by the share of them the
+wire was busy, the `busy_share_curve` the simulator reads, and the bench's wire intervals."""
+import numpy as np
+import pytest
+
+from experiments.lib.kv_receive_duty import busy_share_curve, share_bins, step_shares, sweep_rows
+from sim.latency.kv_receive import KVReceivePrice
+
+
+def test_the_curve_has_a_point_per_busy_bin_with_enough_steps():
+    shares = np.array([0.0] * 6 + [0.4] * 5 + [0.6] * 4 + [1.0] * 5)
+    ratios = np.array([1.5] * 6 + [1.2] * 4 + [1.4] + [3.0] * 4 + [0.9] * 5)
+    bins = share_bins(shares, ratios)
+    assert [(b.label, b.steps) for b in bins] == [("0", 6), ("0.25-0.5", 5), ("0.5-0.75", 4), ("1", 5)]
+    assert bins[1].median == pytest.approx(1.2) and bins[1].mean == pytest.approx(1.24)
+    # No point for the idle wire (1.0 there by definition) nor for 4 steps; a ratio below 1 floored.
+    curve = busy_share_curve(bins)
+    assert curve == "0.4000:1.2000 1.0000:1.0000"
+    price = KVReceivePrice((0.0, 1.0), (0.0, 0.0), (0.0, 0.0), (0.4, 1.0), (1.2, 1.0))
+    assert price.busy_factor(0.2) == pytest.approx(1.1)
+    assert busy_share_curve(share_bins(np.zeros(9), np.ones(9))) == "1:1"
+
+
+def test_a_message_is_on_the_wire_from_the_later_of_its_posting_and_its_send():
+    # Receive posted at 1.0, sent at 1.002, complete at 1.006; steps [1.000, 1.004], [1.004, 1.008].
+    sweep = {"receives": [(0.5, 1.0, 1.006)], "steps": [(0.5, 1.0, 1.004), (0.5, 1.004, 1.008)]}
+    rows = sweep_rows(sweep, [1.002], 0.004)
+    assert [r["share"] for r in rows] == [0.5, 0.5] and [r["over_idle"] for r in rows] == [1.0, 1.0]
+    assert rows[1]["start_s"] == pytest.approx(0.004) and rows[0]["setting"] == 0.5
+    assert step_shares([0.0], [1.0], [(0.2, 0.4), (0.3, 0.6), (2.0, 3.0)]).tolist() == pytest.approx([0.4])
+    with pytest.raises(RuntimeError, match="posted 1 receives for 2 sends"):
+        sweep_rows(sweep, [1.0, 1.1], 0.004)
