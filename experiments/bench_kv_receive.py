@@ -23,22 +23,27 @@ The engine's own receive path runs beside the steps, as in the decode engine: th
 `KVLink`'s waiter thread in the runner's process, and the step loop polling the link every turn.
 `busy_step_factor` is a record of the saturated link, not what the simulator prices.
 
-Then the duty-cycle sweep, what the simulator prices (`busy_share_curve`): the same steps while
-single messages of `--duty-blocks` blocks are received one every `wire / u` seconds for each link
-utilisation u of `--duty` (`wire`: the median time of such a message received alone, post to
-completion; at most two in flight), `--duty-steps` steps each. Each message's wire interval runs
+Then the duty-cycle sweep, what the simulator prices (`busy_share_curve`;
+experiments/lib/kv_receive_duty.py): the same steps while single messages of `--duty-blocks` blocks
+are sent one every `wire / u` seconds for each link utilisation u of `--duty` (`wire`: the median
+time of such a message received alone, post to completion), each receive posted `lead` before its
+send for each lead of `--post-lead-ms` (the decode engine posts a receive when it reserves the
+blocks, `link_wait` before the send), `--duty-steps` steps per setting. Each message is on the wire
 from the later of the receive's posting and the send call's return (the two processes share the
-host's monotonic clock) to the waiter thread's completion (seen within ~1 ms); each step's share
-is the part of its wall time that the intervals cover (`experiments/lib/kv_receive_duty.py`, the
-simulator's rule), its ratio its time over the median idle step. The steps are binned by share;
-each bin with the wire busy and 5 steps or more gives a point (mean share, median ratio, at least
-1) of `busy_share_curve`. Every step of the sweep goes to `OUT` with `-steps.csv` for its name's
-`.csv` (setting, start, seconds, share, ratio), the bins to the log and the profile's metadata.
+host's monotonic clock) to the waiter thread's completion (seen within ~1 ms); each step's share is
+the part of its wall time that the wire intervals cover (the simulator's rule), its posted share
+the part a receive was posted and not complete, its ratio its time over the median idle step. The
+steps of each lead are binned by share; with the first lead, each bin with the wire busy and 5
+steps or more gives a point (mean share, median ratio, at least 1) of `busy_share_curve`. The
+profile's header holds the curve, every lead's bins (`share_bin ...`), each setting's summary
+(`duty ...`), the ratio of the steps with the wire idle and a receive posted for half of them or
+more (`wire idle, posted ...`) and `format: 2`; every step of the sweep goes to `OUT` with
+`-steps.csv` for its name's `.csv`.
 
 Bounded: the measurements after the receiver's runner is built by `--budget-s` (sizes left are
 skipped, rounds cut short), the build by STARTUP_S, every other wait for the other process by the
 link's timeout. Runs in ~90-150 s on two H200s (the runner's build, torch.compile and CUDA graphs,
-20-60 s; the measurements ~20 s).
+20-60 s; the measurements ~30 s).
 """
 from __future__ import annotations
 
@@ -50,7 +55,6 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import kernels
@@ -60,13 +64,7 @@ from engine.disagg.kv_transfer import RECV_RANK, SEND_RANK, KVLink, join_store, 
 from engine.disagg.kv_transfer_message import interleaved
 from engine.model_loader import load_model_config
 from experiments.lib.kv_link_bench import LINK_TIMEOUT_S, random_caches, spread_blocks, sync_device
-from experiments.lib.kv_receive_duty import (
-    busy_share_curve,
-    duty_summary,
-    format_bins,
-    share_bins,
-    sweep_rows,
-)
+from experiments.lib.kv_receive_duty import duty_sweep, summarise, sweep_rows
 from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 from sim.latency.kv_receive import CURVE_KEY, FORMAT, write_receive_profile
 
@@ -101,6 +99,11 @@ def _scatter_s(k, v, n: int, iters: int, dev: torch.device) -> float:
         if i >= 2:
             times.append(seconds)
     return statistics.median(times)
+
+
+def _step(runner: ModelRunner, step, dev: torch.device) -> None:
+    runner.execute(step)
+    sync_device(dev)
 
 
 def _receiver(port: int, conn, a: argparse.Namespace) -> None:
@@ -161,48 +164,13 @@ def _receiver(port: int, conn, a: argparse.Namespace) -> None:
             done = ended + link.wait_all(LINK_TIMEOUT_S)
             if len(done) != len(wave) or any(t.error is not None for t in done):
                 raise RuntimeError(f"a wave of {len(wave)} receives did not complete within {LINK_TIMEOUT_S} s")
-    sweep = _duty_sweep(link, conn, runner, step, k, started, a)
+    sweep = duty_sweep(link, lambda: _step(runner, step, dev), lambda: conn.send(("one", 1)),
+                       lambda: link.recv([("d", list(range(a.duty_blocks)))], k),
+                       [(u, lead / 1e3) for lead in a.post_leads for u in a.duty_utilisations], a.duty_steps,
+                       started + a.budget_s, LINK_TIMEOUT_S)
     conn.send(("steps", idle, busy, sweep))
     conn.recv()  # the sender is done
     link.close()
-
-
-def _duty_sweep(link: KVLink, conn, runner: ModelRunner, step, k, started: float, a: argparse.Namespace) -> dict:
-    """Decode steps beside single messages spaced for each utilisation of `--duty` (module
-    docstring): each step's (u, start, end), each receive's (u, posted, finished); u 0: the
-    messages received alone that time the wire."""
-    ids, steps, receives = list(range(a.duty_blocks)), [], []
-
-    def post(u: float):
-        transfer = link.recv([("d", ids)], k)
-        conn.send(("one", 1))
-        receives.append((u, transfer))
-        return transfer
-
-    for _ in range(3):
-        post(0.0)
-        link.wait_all(LINK_TIMEOUT_S)
-    alone = [t.finished_at - t.posted_at for _, t in receives if t.finished_at is not None]
-    if not alone:
-        raise RuntimeError(f"a receive of {a.duty_blocks} blocks did not complete within {LINK_TIMEOUT_S} s")
-    wire_s = statistics.median(alone)
-    for u in a.duty_utilisations:
-        period, due, got = wire_s / u, time.monotonic(), 0
-        while got < a.duty_steps and time.monotonic() - started <= a.budget_s:
-            if time.monotonic() >= due and link.num_in_flight < 2:
-                post(u)
-                due = max(due + period, time.monotonic())
-            t0 = time.monotonic()
-            link.poll()
-            runner.execute(step)
-            sync_device(link.device)
-            steps.append((u, t0, time.monotonic()))
-            got += 1
-        link.wait_all(LINK_TIMEOUT_S)
-    if any(t.finished_at is None or t.error is not None for _, t in receives):
-        raise RuntimeError(f"a receive of the duty sweep did not complete within {LINK_TIMEOUT_S} s")
-    return {"wire_s": wire_s, "steps": steps,
-            "receives": [(u, t.posted_at, t.finished_at) for u, t in receives]}
 
 
 def _sender(link: KVLink, conn, k, v, a: argparse.Namespace) -> dict:
@@ -263,7 +231,10 @@ def main() -> None:
     ap.add_argument("--duty", default="0.25,0.5,0.75,1.0",
                     help="link utilisations of the duty-cycle sweep, comma-separated in (0, 1]")
     ap.add_argument("--duty-blocks", type=int, default=240, help="blocks of each message of the duty sweep")
-    ap.add_argument("--duty-steps", type=int, default=300, help="decode steps per utilisation")
+    ap.add_argument("--duty-steps", type=int, default=300, help="decode steps per setting")
+    ap.add_argument("--post-lead-ms", default="0,13",
+                    help="the duty sweep's receives posted this long before their send, comma-separated ms >= 0 "
+                         "(the curve: the first; 13: pd_400's mean link_wait)")
     ap.add_argument("--decode-kernel", default="auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop measuring after this many seconds")
@@ -281,6 +252,13 @@ def main() -> None:
         a.duty_utilisations = []
     if not a.duty_utilisations or any(not 0 < u <= 1 for u in a.duty_utilisations):
         raise SystemExit(f"error: --duty={a.duty!r} is invalid: link utilisations in (0, 1], comma-separated")
+    try:
+        a.post_leads = [float(x) for x in a.post_lead_ms.split(",")]
+    except ValueError:
+        a.post_leads = []
+    if not a.post_leads or any(not 0 <= x < 1000 for x in a.post_leads):
+        raise SystemExit(f"error: --post-lead-ms={a.post_lead_ms!r} is invalid: milliseconds in [0, 1000), "
+                         "comma-separated")
     if a.duty_blocks < 1 or a.duty_steps < 1:
         raise SystemExit(f"error: --duty-blocks={a.duty_blocks} / --duty-steps={a.duty_steps} are invalid: each >= 1")
     if a.device == "cuda" and torch.cuda.device_count() < 2:
@@ -311,16 +289,12 @@ def main() -> None:
             for n in sizes if n in got["send"]]
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (gloo)"
     sweep = sweep_rows(got["sweep"], got["sent_at"], idle)
-    bins = share_bins(np.array([r["share"] for r in sweep]), np.array([r["over_idle"] for r in sweep]))
+    curve, sweep_meta, sweep_text = summarise(sweep, a.post_leads)
     meta = {"format": FORMAT, "model": a.model, "device": name, "block_size": a.block_size,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "versions": f"torch {torch.__version__}", "command": "python -m experiments.bench_kv_receive " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "duty_utilisations"),
-            CURVE_KEY: busy_share_curve(bins),
-            "duty_wire_alone_s": f"{got['sweep']['wire_s']:.6e}",
-            **{f"share_bin {b.label}": f"steps {b.steps} share {b.share:.4f} median {b.median:.4f} mean {b.mean:.4f}"
-               for b in bins},
-            **{f"duty {u:g}": duty_summary([r for r in sweep if r["setting"] == u]) for u in a.duty_utilisations},
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("duty_utilisations", "post_leads")),
+            CURVE_KEY: curve, "duty_wire_alone_s": f"{got['sweep']['wire_s']:.6e}", **sweep_meta,
             "busy_step_factor": f"{factor:.4f}", "busy_over_idle": f"{busy / idle:.4f}" if busy else "-",
             "decode_step_idle_s": f"{idle:.6e}",
             "decode_step_busy_s": f"{busy:.6e}" if busy else "-",
@@ -333,16 +307,15 @@ def main() -> None:
     print(f"decode step ({a.decode_seqs} x {a.context} tokens): idle {idle * 1e3:.3f} ms ({len(got['idle'])} steps), "
           f"beside receives of {a.busy_blocks} blocks {meta['decode_step_busy_s']} s ({len(got['busy'])} steps): "
           f"busy_step_factor {factor:.3f}")
-    print(f"duty sweep: messages of {a.duty_blocks} blocks, {got['sweep']['wire_s'] * 1e3:.3f} ms alone on the wire; "
-          f"per utilisation: {'; '.join(f'{u:g}: ' + meta[f'duty {u:g}'] for u in a.duty_utilisations)}")
-    print(format_bins(bins, "step / idle step"))
-    print(f"{CURVE_KEY}: {meta[CURVE_KEY]}")
+    print(f"duty sweep: messages of {a.duty_blocks} blocks, {got['sweep']['wire_s'] * 1e3:.3f} ms alone on the wire")
+    print(sweep_text)
+    print(f"{CURVE_KEY}: {curve}")
     if len(rows) < 2:
         raise SystemExit(f"error: --budget-s={a.budget_s} ran out before two message sizes were timed")
     write_receive_profile(a.out, meta, rows)
     steps_out = a.out.with_name(a.out.stem + "-steps.csv")
     with open(steps_out, "w", newline="") as f:
-        writer = csv.DictWriter(f, ("setting", "start_s", "step_s", "share", "over_idle"))
+        writer = csv.DictWriter(f, ("setting", "lead_ms", "start_s", "step_s", "share", "posted", "over_idle"))
         writer.writeheader()
         writer.writerows(sweep)
     print(f"wrote {a.out} and {steps_out}")

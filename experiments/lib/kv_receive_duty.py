@@ -1,6 +1,7 @@
 """Decode steps grouped by the share of them a KV receive's bytes were on the wire: the table both
 `experiments.bench_kv_receive`'s duty-cycle sweep and `experiments.lab.decode_excess --by-share`
-print, and the `busy_share_curve` the bench writes for the simulator (sim/latency/kv_receive.py).
+print, and the `busy_share_curve` the bench writes for the simulator (sim/latency/kv_receive.py);
+the sweep itself, as the bench's receiving process runs it (`duty_sweep`).
 
 A step's share is the part of its wall time (the bench) or period (an engine run's step) that the
 union of the wire intervals covers (`sim.latency.kv_receive.wire_share`, the simulator's own rule);
@@ -8,8 +9,11 @@ its ratio is its time over the idle step (the bench) or over its profiled price 
 """
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,27 +76,101 @@ def format_bins(bins: Sequence[ShareBin], what: str) -> str:
     return "\n".join(lines)
 
 
+def duty_sweep(link, step: Callable[[], None], ask_send: Callable[[], None], post_receive: Callable[[], object],
+               settings: Sequence[tuple[float, float]], steps_per_setting: int, deadline: float,
+               timeout_s: float) -> dict:
+    """Decode steps (`step`, the link polled before each, as the decode loop does) beside single
+    messages: for each (u, lead) of `settings` a receive (`post_receive`, on the receiving
+    `KVLink` `link`) posted `lead` seconds before its send is asked for (`ask_send`; asked between
+    steps), one send every `wire / u` seconds (`wire`: the median of three messages received
+    alone, post to completion), at most 2 + lead / period posted. Stops each setting after
+    `steps_per_setting` steps or at `deadline` (monotonic); every wait for the link within
+    `timeout_s`. Returns `wire_s`, the steps' (u, lead, start, end) and the receives' (u, lead,
+    posted, finished) (u 0: the three alone)."""
+    receives, steps = [], []
+    for _ in range(3):
+        receives.append((0.0, 0.0, post_receive()))
+        ask_send()
+        link.wait_all(timeout_s)
+    alone = [t.finished_at - t.posted_at for *_, t in receives if t.finished_at is not None and t.error is None]
+    if len(alone) < 3:
+        raise RuntimeError(f"a receive of the duty sweep did not complete within {timeout_s} s")
+    wire_s = statistics.median(alone)
+    for u, lead in settings:
+        period, got, asks = wire_s / u, 0, deque()
+        cap, due = 2 + math.ceil(lead / period), time.monotonic() + lead  # `due`: the next send
+        while got < steps_per_setting and time.monotonic() <= deadline:
+            now = time.monotonic()
+            if now >= due - lead and link.num_in_flight < cap:
+                receives.append((u, lead, post_receive()))
+                asks.append(due)
+                due = max(due + period, now + lead)
+            while asks and asks[0] <= time.monotonic():
+                asks.popleft()
+                ask_send()
+            t0 = time.monotonic()
+            link.poll()
+            step()
+            steps.append((u, lead, t0, time.monotonic()))
+            got += 1
+        for _ in asks:  # the receives posted last still get their sends
+            ask_send()
+        link.wait_all(timeout_s)
+    if any(t.finished_at is None or t.error is not None for *_, t in receives):
+        raise RuntimeError(f"a receive of the duty sweep did not complete within {timeout_s} s")
+    return {"wire_s": wire_s, "steps": steps,
+            "receives": [(u, lead, t.posted_at, t.finished_at) for u, lead, t in receives]}
+
+
 def sweep_rows(sweep: dict, sent_at: list[float], idle_s: float) -> list[dict]:
-    """Each step of `experiments.bench_kv_receive`'s duty sweep (`sweep`: the receiver's steps and
-    receives, `sent_at`: the sender's send returns, in order): its utilisation, start (from the
-    sweep's first), seconds, wire share and time over the idle step. A message's wire interval:
-    the later of its receive's posting and its send's return, to its completion."""
+    """Each step of `duty_sweep` (`sent_at`: the sender's send returns, in order): its utilisation,
+    lead (ms), start (from the sweep's first), seconds, wire share, posted share (a receive posted
+    and not complete) and time over the idle step. A message is on the wire from the later of its
+    receive's posting and its send's return to its completion."""
     if len(sent_at) != len(sweep["receives"]):
         raise RuntimeError(f"the duty sweep posted {len(sweep['receives'])} receives for {len(sent_at)} sends")
-    wire = [(max(posted, s), finished) for (_, posted, finished), s in zip(sweep["receives"], sent_at)]
+    wire = [(max(posted, s), finished) for (_, _, posted, finished), s in zip(sweep["receives"], sent_at)]
+    posted = [(p, finished) for _, _, p, finished in sweep["receives"]]
     steps = sweep["steps"]
     if not steps:
         return []
-    shares = step_shares([t0 for _, t0, _ in steps], [t1 for _, _, t1 in steps], wire)
-    first = steps[0][1]
-    return [{"setting": u, "start_s": round(t0 - first, 6), "step_s": t1 - t0, "share": round(share, 4),
-             "over_idle": round((t1 - t0) / idle_s, 4)} for (u, t0, t1), share in zip(steps, shares)]
+    starts, ends = [t0 for *_, t0, _ in steps], [t1 for *_, t1 in steps]
+    shares, posted_shares = step_shares(starts, ends, wire), step_shares(starts, ends, posted)
+    return [{"setting": u, "lead_ms": round(lead * 1e3, 3), "start_s": round(t0 - starts[0], 6), "step_s": t1 - t0,
+             "share": round(share, 4), "posted": round(p, 4), "over_idle": round((t1 - t0) / idle_s, 4)}
+            for (u, lead, t0, t1), share, p in zip(steps, shares, posted_shares)]
+
+
+def summarise(rows: list[dict], leads: Sequence[float]) -> tuple[str, dict[str, str], str]:
+    """The sweep's `busy_share_curve` (from the steps of the first lead), its metadata lines and the
+    text to print: per lead, the steps by wire share, each utilisation's summary, and the steps with
+    the wire idle and a receive posted for half of them or more."""
+    meta, text, curve = {}, [], "1:1"
+    for i, lead in enumerate(leads):
+        mine = [r for r in rows if r["lead_ms"] == round(lead, 3)]
+        tag = "" if i == 0 else f" lead {lead:g}ms"
+        bins = share_bins(np.array([r["share"] for r in mine]), np.array([r["over_idle"] for r in mine]))
+        if i == 0:
+            curve = busy_share_curve(bins)
+        meta.update({f"share_bin{tag} {b.label}": f"steps {b.steps} share {b.share:.4f} median {b.median:.4f} "
+                     f"mean {b.mean:.4f}" for b in bins})
+        summaries = []
+        for u in dict.fromkeys(r["setting"] for r in mine):
+            meta[f"duty {u:g}{tag}"] = duty_summary([r for r in mine if r["setting"] == u])
+            summaries.append(f"u {u:g}: {meta[f'duty {u:g}{tag}']}")
+        waiting = [r["over_idle"] for r in mine if r["share"] < SHARE_BINS[0][2] and r["posted"] >= 0.5]
+        meta[f"wire idle, posted{tag}"] = (f"steps {len(waiting)} median over idle {statistics.median(waiting):.4f}"
+                                           if waiting else "steps 0")
+        text.append(f"receives posted {lead:g} ms before their send: " + "; ".join(summaries)
+                    + f"\n{format_bins(bins, 'step / idle step')}\n  wire idle, a receive posted: "
+                    + meta[f"wire idle, posted{tag}"])
+    return curve, meta, "\n".join(text)
 
 
 def duty_summary(rows: list[dict]) -> str:
-    """One utilisation's steps in a line: how many, their mean share, their median ratio."""
+    """One setting's steps in a line: how many, their mean shares, their median ratio."""
     if not rows:
         return "no steps (budget)"
     return (f"steps {len(rows)} mean share {statistics.fmean(r['share'] for r in rows):.3f} "
+            f"posted {statistics.fmean(r['posted'] for r in rows):.3f} "
             f"median over idle {statistics.median(r['over_idle'] for r in rows):.3f}")
-

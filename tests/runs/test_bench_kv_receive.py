@@ -16,7 +16,7 @@ def test_bench_runs_on_cpu_and_writes_a_receive_profile(tmp_path, monkeypatch, c
     monkeypatch.setattr(sys, "argv", [
         "bench_kv_receive", "--device", "cpu", "--model", "tiny-qwen3", "--blocks", "1,4", "--iters", "2",
         "--decode-seqs", "2", "--context", "32", "--busy-blocks", "4", "--wave", "2", "--steps", "3",
-        "--rounds", "1", "--duty", "0.5,1", "--duty-blocks", "4", "--duty-steps", "6", "--budget-s", "60",
+        "--rounds", "1", "--duty", "0.5,1", "--duty-blocks", "4", "--duty-steps", "6", "--post-lead-ms", "0,5", "--budget-s", "60",
         "--out", str(out)])
     bench_kv_receive.main()
     price = read_receive_profile(out)
@@ -25,9 +25,12 @@ def test_bench_runs_on_cpu_and_writes_a_receive_profile(tmp_path, monkeypatch, c
     assert all(1.0 <= f for f in price.busy_factor_at)  # the duty sweep's curve
     text = out.read_text()
     assert "# steps_idle_busy: 3 3" in text and "# decode_step_idle_s:" in text and "# format: 2" in text
-    assert "# busy_step_factor:" in text and "# duty 0.5: steps 6 " in text and "# duty 1: steps 6 " in text
+    assert "# busy_step_factor:" in text and "# duty 0.5: steps 6 " in text and "# duty 1 lead 5ms: steps 6 " in text
+    assert "# wire idle, posted lead 5ms: steps " in text
     steps = pd.read_csv(out.with_name("receive-steps.csv"))
-    assert sorted(steps["setting"].unique()) == [0.5, 1.0] and len(steps) == 12
+    assert len(steps) == 24 and steps.groupby(["setting", "lead_ms"]).size().to_dict() == {
+        (0.5, 0.0): 6, (0.5, 5.0): 6, (1.0, 0.0): 6, (1.0, 5.0): 6}
     assert steps["share"].between(0, 1).all() and (steps["over_idle"] > 0).all()
+    assert (steps["posted"] >= steps["share"] - 1e-3).all()  # on the wire only once posted
     printed = capsys.readouterr().out
     assert "busy_step_factor" in printed and "busy_share_curve:" in printed and "wire share" in printed

@@ -3,7 +3,7 @@ wire was busy, the `busy_share_curve` the simulator reads, and the bench's wire 
 import numpy as np
 import pytest
 
-from experiments.lib.kv_receive_duty import busy_share_curve, share_bins, step_shares, sweep_rows
+from experiments.lib.kv_receive_duty import busy_share_curve, share_bins, step_shares, summarise, sweep_rows
 from sim.latency.kv_receive import KVReceivePrice
 
 
@@ -23,10 +23,22 @@ def test_the_curve_has_a_point_per_busy_bin_with_enough_steps():
 
 def test_a_message_is_on_the_wire_from_the_later_of_its_posting_and_its_send():
     # Receive posted at 1.0, sent at 1.002, complete at 1.006; steps [1.000, 1.004], [1.004, 1.008].
-    sweep = {"receives": [(0.5, 1.0, 1.006)], "steps": [(0.5, 1.0, 1.004), (0.5, 1.004, 1.008)]}
+    sweep = {"receives": [(0.5, 0.002, 1.0, 1.006)], "steps": [(0.5, 0.002, 1.0, 1.004), (0.5, 0.002, 1.004, 1.008)]}
     rows = sweep_rows(sweep, [1.002], 0.004)
     assert [r["share"] for r in rows] == [0.5, 0.5] and [r["over_idle"] for r in rows] == [1.0, 1.0]
+    assert [r["posted"] for r in rows] == [1.0, 0.5] and rows[0]["lead_ms"] == 2.0
     assert rows[1]["start_s"] == pytest.approx(0.004) and rows[0]["setting"] == 0.5
     assert step_shares([0.0], [1.0], [(0.2, 0.4), (0.3, 0.6), (2.0, 3.0)]).tolist() == pytest.approx([0.4])
     with pytest.raises(RuntimeError, match="posted 1 receives for 2 sends"):
         sweep_rows(sweep, [1.0, 1.1], 0.004)
+
+
+def test_the_summary_takes_the_curve_from_the_first_lead():
+    rows = [{"setting": 1.0, "lead_ms": lead, "share": share, "posted": 1.0, "over_idle": ratio}
+            for lead, share, ratio in [(0.0, 0.6, 1.5)] * 5 + [(13.0, 0.6, 2.0)] * 5 + [(13.0, 0.0, 1.1)] * 5]
+    curve, meta, text = summarise(rows, [0.0, 13.0])
+    assert curve == "0.6000:1.5000"
+    assert meta["share_bin lead 13ms 0.5-0.75"] == "steps 5 share 0.6000 median 2.0000 mean 2.0000"
+    assert meta["wire idle, posted lead 13ms"] == "steps 5 median over idle 1.1000"
+    assert meta["wire idle, posted"] == "steps 0" and "duty 1 lead 13ms" in meta
+    assert "receives posted 13 ms before their send" in text
