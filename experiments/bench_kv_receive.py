@@ -41,7 +41,7 @@ more (`wire idle, posted ...`) and `format: 2`; every step of the sweep goes to 
 `-steps.csv` for its name's `.csv`.
 
 Bounded: the measurements after the receiver's runner is built by `--budget-s` (sizes left are
-skipped, rounds cut short), the build by STARTUP_S, every other wait for the other process by the
+skipped, rounds cut short; a duty sweep cut short is an error, nothing written), the build by STARTUP_S, every other wait for the other process by the
 link's timeout. Runs in ~90-150 s on two H200s (the runner's build, torch.compile and CUDA graphs,
 20-60 s; the measurements ~30 s).
 """
@@ -312,6 +312,9 @@ def main() -> None:
     print(f"{CURVE_KEY}: {curve}")
     if len(rows) < 2:
         raise SystemExit(f"error: --budget-s={a.budget_s} ran out before two message sizes were timed")
+    if len(sweep) < len(a.duty_utilisations) * len(a.post_leads) * a.duty_steps:
+        raise SystemExit(f"error: --budget-s={a.budget_s} ran out during the duty sweep ({len(sweep)} of "
+                         f"{len(a.duty_utilisations) * len(a.post_leads) * a.duty_steps} steps): a larger budget")
     write_receive_profile(a.out, meta, rows)
     steps_out = a.out.with_name(a.out.stem + "-steps.csv")
     with open(steps_out, "w", newline="") as f:
