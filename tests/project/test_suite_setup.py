@@ -83,11 +83,12 @@ def test_the_suite_collects_without_its_optional_packages():
 
 def test_every_extra_package_is_optional_or_needed_by_the_suite():
     """A package added to an extra is either hidden by the collection test above or one the suite
-    needs to run at all (pytest, hypothesis) or not a module the tests import (ruff, a Hydra plugin)."""
+    needs to run at all (pytest, its workers' plugin pytest-xdist, hypothesis) or not a module the tests
+    import (ruff, a Hydra plugin)."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     names = {re.match(r"[A-Za-z0-9_.-]+", req)[0].lower().replace("-", "_") for reqs in extras.values()
              for req in reqs}
-    assert names - set(OPTIONAL) <= {"pytest", "hypothesis", "ruff", "hydra_joblib_launcher"}
+    assert names - set(OPTIONAL) <= {"pytest", "pytest_xdist", "hypothesis", "ruff", "hydra_joblib_launcher"}
 
 
 def test_ci_lints_before_it_tests():
