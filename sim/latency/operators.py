@@ -27,16 +27,8 @@ a step scheduled ahead (async scheduling); a step that was not (`SchedulerOutput
 every step with `async_scheduling` off) waits for it: `sync_host_s` plus `sync_host_per_seq_s` per
 scheduled sequence, host costs that do not depend on the model.
 
-Decode attention is measured on batches of equal contexts and priced at the step's mean context
-when the batch's programs (one per sequence and KV head, before splits) fill the kernel's wave
-(`decode_wave_programs`: programs that run at once, programs per SM x SMs); a batch that leaves
-part of the wave idle is not bandwidth-bound as a whole, and its longest sequence's programs set
-the kernel's time. Its context is taken between the mean (a full wave) and the longest (an empty
-one), by the idle fraction: C = mean + (1 - B Hkv / wave) (longest - mean). 0 turns this off.
-The kernel sizes its split-KV grid from the launch's rows (a CUDA graph's, padding included;
-`decode_splits`, the engine's rule): a launch that takes fewer splits than the profile's rows of B
-sequences is priced at least at its longest program, from the one-sequence rows
-(`decode_attention`).
+Decode attention is measured on batches of equal contexts; a ragged batch, and one launched at a
+CUDA graph's rows, is priced as sim/latency/decode_attention_pricing.py says.
 
 With the engine's CUDA-graph sizes given (`batch_sizes` for decode-only steps, `token_sizes` for
 steps with prefill: engine/device/cuda_graph.py), T is padded to the graph a step runs, as the engine's
@@ -65,14 +57,13 @@ from sim.latency.collective_pricing import (
     price_engine_all_reduce,
     price_fused_boundary,
 )
+from sim.latency.decode_attention_pricing import DecodeAttentionPricing
 from sim.latency.op_grid import Axis, OpGrid
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
 from sim.latency.shapes import Hardware, ModelShape
 from sim.latency.tensor_parallel import shard_shape
 from sim.latency.token_padding import padded
 
-# Decode kernels whose split-KV count follows kernels/decode_splits.py (the packed kernel's grid is fixed).
-SPLIT_KERNELS = ("tma", "per-head")
 REQUIRED = ("gemm", "decode_attention", "prefill_attention", "qk_rope_write", "add_rms_norm", "silu_and_mul",
             "embedding", "sampler", "graph_launch")
 
@@ -199,19 +190,8 @@ class OperatorModel(LatencyModel):
         vocab_full = full.vocab_size
         self.lm_head = gemm.fixed(k=h, n=m.vocab_size)
         self.sampler = profile.grid("sampler").fix("n", vocab_full)
-        self.decode = profile.grid("decode_attention").fixed(**width)
-        kernels = {meta.get("kernels") for meta in profile.meta} - {None}
-        self.split_rule = (decode_splits if decode_splits is not None and decode_wave_programs
-                           and kernels & set(SPLIT_KERNELS) else None)
-        if self.split_rule is not None:
-            widths = [int(meta["decode_block_table_tokens"]) for meta in profile.meta
-                      if "decode_block_table_tokens" in meta]
-            self.table_tokens = (-(-max_model_len // block_size) * block_size if max_model_len
-                                 else widths[0] if widths else 0)
-            # The profile's one-sequence rows: Hkv programs, split as the kernel splits them.
-            self.lone_splits = self.split_rule(m.num_key_value_heads, decode_wave_programs,
-                                               widths[0] if widths else self.table_tokens)
-            self._launch_splits: dict[int, int] = {}
+        self.decode_pricing = DecodeAttentionPricing(profile, width, m.num_key_value_heads, decode_wave_programs,
+                                                     decode_splits, max_model_len, block_size, self.kv_reread_cost)
         self.prefill = profile.grid("prefill_attention").fixed(**width)
         self.prefill_floor = self.prefill.min_time
         self.launch_s = profile.grid("graph_launch")(1)
@@ -316,34 +296,10 @@ class OperatorModel(LatencyModel):
         return max(self.graph_rows(rows, s) or 0, s.num_samples)
 
     def decode_attention(self, s: BatchShape, rows: int) -> float:
-        """One layer's decode attention: the profile's time at the batch and `decode_context`, at
-        least the time of the launch's longest program. The kernel sizes its split-KV grid from the
-        launch's rows (a graph's, padding included: a token graph launches min(tokens,
-        max_num_seqs) decode rows whatever decodes the step holds), so a step whose launch takes
-        fewer splits than its decodes alone would runs each over a longer stretch of context. One
-        program's time over c / s tokens is the one-sequence rows' (Hkv programs of
-        `lone_splits` splits each) at c x lone_splits / s."""
-        n = s.num_decode_seqs
-        t = self.decode(n, self.decode_context(s))
-        if self.split_rule is None:
-            return t
-        launch = self.graph_rows(rows, s) or n
-        splits = self._launch_splits.get(launch)
-        if splits is None:
-            splits = self._launch_splits[launch] = self.split_rule(
-                launch * self.model.num_key_value_heads, self.decode_wave_programs, self.table_tokens)
-        longest = s.max_context_tokens or s.num_context_tokens / n
-        return max(t, self.decode(1, longest * self.lone_splits / splits))
-
-    def decode_context(self, s: BatchShape) -> float:
-        """The per-sequence context decode attention is priced at: the mean (shared entries at
-        `kv_reread_cost`, `BatchShape.kv_read_tokens`), moved towards the longest by the idle
-        fraction of the kernel's wave."""
-        mean = max(s.kv_read_tokens(self.kv_reread_cost) / s.num_decode_seqs, 1.0)
-        if not self.decode_wave_programs or s.max_context_tokens <= mean:
-            return mean
-        idle = 1.0 - s.num_decode_seqs * self.model.num_key_value_heads / self.decode_wave_programs
-        return mean + idle * (s.max_context_tokens - mean) if idle > 0 else mean
+        """One layer's decode attention of a step of `rows` tokens, launched at its graph's decode
+        rows (`graph_rows`; an eager step's decodes)."""
+        launch = (self.graph_rows(rows, s) or s.num_decode_seqs) if self.decode_pricing.splits_by_launch else 0
+        return self.decode_pricing.time(s, launch)
 
     def swap_time(self, num_blocks: int) -> float:
         if num_blocks <= 0:

@@ -88,12 +88,12 @@ def split_model(profile: OperatorProfile, rule=one_split_from_65_programs) -> Op
 
 def test_a_decode_in_a_token_graph_runs_at_the_split_count_of_the_graphs_rows(h200):
     ops, plain = split_model(h200), split_model(h200, rule=None)
-    assert ops.lone_splits == 16
+    assert ops.decode_pricing.lone_splits == 16
     step = mixed(1000, 1, 1500)  # the 1024-token graph launches 256 decode rows: one split
-    assert ops.decode_attention(step, 1024) == pytest.approx(ops.decode(1, 1500 * 16))
+    assert ops.decode_attention(step, 1024) == pytest.approx(ops.decode_pricing.decode(1, 1500 * 16))
     layers = ops.model.num_hidden_layers
     assert ops.shape_time(step) - plain.shape_time(step) == pytest.approx(
-        layers * (ops.decode(1, 1500 * 16) - ops.decode(1, 1500)))
+        layers * (ops.decode_pricing.decode(1, 1500 * 16) - ops.decode_pricing.decode(1, 1500)))
     assert ops.shape_time(step) > 1.1 * plain.shape_time(step)
 
 
@@ -106,5 +106,5 @@ def test_a_decode_graph_split_as_the_profiles_rows_is_priced_as_before(h200):
 
 def test_the_built_model_takes_the_engines_split_rule():
     built = factory.build_latency(config("latency=operators", "model=qwen3-0.6b"))
-    assert built.split_rule(8, 528, 4096) == built.lone_splits == 16
-    assert built.split_rule(256 * 8, 528, 4096) == 1 and built.table_tokens == 4096
+    assert built.decode_pricing.split_rule(8, 528, 4096) == built.decode_pricing.lone_splits == 16
+    assert built.decode_pricing.split_rule(256 * 8, 528, 4096) == 1 and built.decode_pricing.table_tokens == 4096

@@ -34,7 +34,7 @@ def test_a_small_ragged_batch_follows_its_longest_context(h200_8b):
     assert wave.uses_longest_context and not mean_only.uses_longest_context
     small = decodes(4, 500, 3000)  # 32 of 528 programs: nearly the longest context's time
     assert mean_only.shape_time(small) < wave.shape_time(small) <= mean_only.shape_time(decodes(4, 3000, 3000))
-    assert wave.decode_context(small) == pytest.approx(500 + (1 - 32 / 528) * 2500)
+    assert wave.decode_pricing.decode_context(small) == pytest.approx(500 + (1 - 32 / 528) * 2500)
     full = decodes(66, 500, 3000)  # 66 x 8 programs fill the wave: the mean context's time
     assert wave.shape_time(full) == mean_only.shape_time(full)
     equal = decodes(4, 500, 500)
