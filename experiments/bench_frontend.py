@@ -18,8 +18,8 @@ server's thread) and prints each layer's TTFT and what it adds over the engine's
 measures the tree of commit REF in the same run, rounds alternating (before / after a change).
 
 `--front-cpu [--baseline REF]` times the front end's own CPU per streamed request: the app called
-as uvicorn calls it, over a host that answers at once (experiments/lib/frontend_cpu.py: no socket,
-no process hop, no model), so what it measures is the event loop's work on the way to the first
+as uvicorn calls it, over a host that answers at once (experiments/lib/frontend_cpu.py, its
+stand-ins in frontend_host_stub.py: no socket, no process hop, no model), so what it measures is the event loop's work on the way to the first
 chunk (body parsing and checks, the request handed over, the chunk built), with little noise.
 """
 from __future__ import annotations
@@ -93,9 +93,11 @@ def one_run(args: EngineArgs, mode: str, clients: int, output_len: int, out: Pat
             "active_s": active_s, "wall_s": seconds}
 
 
-def _probe_trees(probe_module, out: Path, baseline: str | None, rounds: int, args: list[str]) -> dict[str, list[dict]]:
-    """Run the probe (a copy of `probe_module`'s file outside any package) `rounds` times for each
-    tree (REF's, extracted with `git archive`, and this one), alternating; each run's JSON per tree."""
+def _probe_trees(probe_module, out: Path, baseline: str | None, rounds: int, args: list[str],
+                 beside: tuple = ()) -> dict[str, list[dict]]:
+    """Run the probe (a copy of `probe_module`'s file outside any package, with copies of the
+    `beside` modules' files next to it, which it imports by file name) `rounds` times for each tree
+    (REF's, extracted with `git archive`, and this one), alternating; each run's JSON per tree."""
     import shutil
     import tempfile
 
@@ -106,6 +108,8 @@ def _probe_trees(probe_module, out: Path, baseline: str | None, rounds: int, arg
     work = Path(tempfile.mkdtemp(prefix="frontend_probe_"))
     probe = work / Path(probe_module.__file__).name
     shutil.copy(probe_module.__file__, probe)
+    for module in beside:
+        shutil.copy(module.__file__, work / Path(module.__file__).name)
     root = Path(__file__).resolve().parent.parent
     trees = {"this tree": root}
     if baseline is not None:
@@ -149,9 +153,10 @@ def front_cpu(out: Path, baseline: str | None, rounds: int, requests: int, promp
     times, alternating; p50 per tree and the change."""
     import numpy as np
 
-    from experiments.lib import frontend_cpu
+    from experiments.lib import frontend_cpu, frontend_host_stub
 
-    runs = _probe_trees(frontend_cpu, out, baseline, rounds, ["--requests", str(requests), "--prompt-len", str(prompt_len), "--tokens", str(tokens)])
+    runs = _probe_trees(frontend_cpu, out, baseline, rounds, ["--requests", str(requests), "--prompt-len", str(prompt_len), "--tokens", str(tokens)],
+                        beside=(frontend_host_stub,))
     keys = list(next(iter(runs.values()))[0])
     lines = ["| tree | " + " | ".join(f"{k} p50 (us)" for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name, results in runs.items():

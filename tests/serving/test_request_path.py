@@ -16,7 +16,7 @@ from engine.offline.llm import parse_prompt
 from engine.online.engine_stats import RequestStats
 from engine.serving.errors import APIError, parse_request
 from engine.serving.protocol import ChatCompletionRequest, CompletionRequest
-from experiments.lib.frontend_cpu import InstantHost, scope_for
+from experiments.lib.frontend_host_stub import InstantHost, scope_for
 from experiments.lib.request_timeline import TimedApp, hops
 
 

@@ -12,7 +12,7 @@ require_serving()
 
 from engine.online.async_llm_engine import AsyncLLMEngine
 from engine.serving.app import build_app
-from experiments.lib.frontend_cpu import MODEL, InstantHost
+from experiments.lib.frontend_host_stub import MODEL, InstantHost
 
 _VARYING = re.compile(rb'(chat)?cmpl-[0-9A-Za-z]+|"created":\s?\d+')
 
