@@ -1,0 +1,171 @@
+"""The two processes of `experiments.bench_kv_receive`, each side's measurements: the decode side
+(`receive_side`: its runner and KV cache, the scatter timings, the receives the sender times, the
+decode steps idle, beside waves of receives and through the duty-cycle sweep) and the prefill side
+(`send_side`: the send's host time per message size, then the sends the receiver asks for). The
+bench's entry point parses the options, starts the two and writes the profile from what they
+return; the phases are described in its docstring. Every wait for the other process is bounded by
+the link's timeout, the receiver's build by STARTUP_S.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import kernels
+from engine.config import CacheConfig
+from engine.device.model_runner import ModelRunner
+from engine.disagg.kv_transfer import RECV_RANK, KVLink, join_store
+from engine.disagg.kv_transfer_message import interleaved
+from engine.model_loader import load_model_config
+from experiments.lib.kv_link_bench import LINK_TIMEOUT_S, spread_blocks, sync_device
+from experiments.lib.kv_receive_duty import duty_sweep
+from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
+
+STARTUP_S = 300.0  # the receiver's runner build (torch.compile, CUDA graphs) and scatter timings, at most
+
+
+def _pinned_ids(ids: list[int], dev: torch.device) -> torch.Tensor:
+    """Block ids on the device as `KVLink` puts them there (pinned memory, no host sync)."""
+    index = torch.tensor(ids, dtype=torch.int64)
+    return index if dev.type != "cuda" else index.pin_memory().to(dev, non_blocking=True)
+
+
+def _scatter_s(k, v, n: int, iters: int, dev: torch.device) -> float:
+    """Median device time of scattering a received message of `n` blocks (wall time on the CPU)."""
+    staging = torch.randn((2 * len(k), n, *k[0].shape[1:]), device=dev).to(k[0].dtype)
+    caches, times = interleaved(k, v), []
+    for i in range(iters + 2):
+        ids = spread_blocks(n, k[0].shape[0], 7 + i)
+        sync_device(dev)
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            kernels.scatter_blocks(staging, caches, _pinned_ids(ids, dev))
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            kernels.scatter_blocks(staging, caches, _pinned_ids(ids, dev))
+            seconds = time.perf_counter() - t0
+        if i >= 2:
+            times.append(seconds)
+    return statistics.median(times)
+
+
+def _step(runner: ModelRunner, step, dev: torch.device) -> None:
+    runner.execute(step)
+    sync_device(dev)
+
+
+def receive_side(port: int, conn, a: argparse.Namespace) -> None:
+    """The decode side: its runner and cache; scatter times, receives for the sender's timings, then
+    decode steps idle and beside receives. Answers on `conn`; every wait bounded by the link."""
+    dev = torch.device("cuda", 1) if a.device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    # The link first: the sender's end waits for it within the link's timeout, not for the build.
+    link = KVLink(RECV_RANK, join_store(port, LINK_TIMEOUT_S), dev, LINK_TIMEOUT_S)
+    cfg = load_model_config(a.model)
+    shape = StepShape(0, 0, a.decode_seqs, a.context)
+    sizes = [int(b) for b in a.blocks.split(",")]
+    max_model_len = min(4096, cfg.max_position_embeddings)
+    num_blocks = max(blocks_needed(shape, a.block_size) + 2 * max(sizes + [a.busy_blocks, a.duty_blocks]),
+                     -(-max_model_len // a.block_size))
+    runner = ModelRunner(cfg, CacheConfig(block_size=a.block_size, num_gpu_blocks=num_blocks, swap_space=0.01),
+                         max_num_batched_tokens=max(2048, a.decode_seqs), max_num_seqs=max(256, a.decode_seqs),
+                         max_model_len=max_model_len, device=dev,
+                         decode_kernel=a.decode_kernel)
+    k, v = runner.kv_cache.k_caches, runner.kv_cache.v_caches
+    started = time.monotonic()
+    out = {"scatter_s": {n: _scatter_s(k, v, n, a.iters, dev) for n in sizes}}
+    conn.send(("scatter", out["scatter_s"]))
+    while (msg := conn.recv()) is not None:  # the sender's send timings: post, say ready, wait
+        transfer = link.recv([("r", list(range(msg)))], k)
+        conn.send("ready")
+        done = link.wait_all(LINK_TIMEOUT_S)
+        conn.send("done" if done and done[0] is transfer and transfer.error is None else "failed")
+    step = synthetic_step(shape, a.block_size, runner.num_gpu_blocks, cfg.vocab_size)
+    for _ in range(10):
+        runner.execute(step)
+    idle, busy = [], []
+    for _ in range(a.rounds):
+        if time.monotonic() - started > a.budget_s:
+            break
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            link.poll()  # the decode loop polls its link every turn
+            runner.execute(step)
+            sync_device(dev)
+            idle.append(time.perf_counter() - t0)
+        got = 0  # then as many steps beside receives
+        while got < a.steps and time.monotonic() - started <= a.budget_s:
+            wave = [link.recv([("w", list(range(a.busy_blocks)))], k) for _ in range(a.wave)]
+            conn.send(("wave", a.wave))
+            ended = []
+            while link.num_in_flight and got < a.steps:
+                before = link.num_in_flight
+                t0 = time.perf_counter()
+                ended += link.poll()
+                runner.execute(step)
+                sync_device(dev)
+                seconds = time.perf_counter() - t0
+                if before and link.num_in_flight:  # a receive on the wire from its start to its end
+                    busy.append(seconds)
+                    got += 1
+            done = ended + link.wait_all(LINK_TIMEOUT_S)
+            if len(done) != len(wave) or any(t.error is not None for t in done):
+                raise RuntimeError(f"a wave of {len(wave)} receives did not complete within {LINK_TIMEOUT_S} s")
+    sweep = duty_sweep(link, lambda: _step(runner, step, dev), lambda: conn.send(("one", 1)),
+                       lambda: link.recv([("d", list(range(a.duty_blocks)))], k),
+                       [(u, lead / 1e3) for lead in a.post_leads for u in a.duty_utilisations], a.duty_steps,
+                       started + a.budget_s, LINK_TIMEOUT_S)
+    conn.send(("steps", idle, busy, sweep))
+    conn.recv()  # the sender is done
+    link.close()
+
+
+def send_side(link: KVLink, conn, k, v, a: argparse.Namespace) -> dict:
+    """The prefill side: the send's host time per size, then waves of sends when the receiver asks."""
+    if not conn.poll(STARTUP_S + a.budget_s):
+        raise SystemExit("error: the receiver did not time its scatters")
+    _, scatter = conn.recv()
+    started = time.monotonic()  # the budget counts from the receiver's runner being built
+    sizes, send, sent_at = sorted(scatter), {}, []
+    for n in sizes:
+        times = []
+        for i in range(a.iters + 2):
+            if time.monotonic() - started > a.budget_s:
+                break
+            conn.send(n)
+            if not conn.poll(LINK_TIMEOUT_S) or conn.recv() != "ready":
+                raise SystemExit("error: the receiver did not post its receive")
+            ids = spread_blocks(n, k[0].shape[0], i)
+            sync_device(link.device)
+            t0 = time.perf_counter()
+            link.send([("r", ids)], k, v)
+            times.append(time.perf_counter() - t0)
+            link.wait_all(LINK_TIMEOUT_S)
+            if not conn.poll(LINK_TIMEOUT_S) or conn.recv() != "done":
+                raise SystemExit("error: a transfer did not complete")
+        if len(times) > 2:
+            send[n] = statistics.median(times[2:])
+    conn.send(None)
+    while True:
+        if not conn.poll(max(LINK_TIMEOUT_S, a.budget_s)):
+            raise SystemExit("error: the receiver did not finish its decode steps")
+        msg = conn.recv()
+        if msg[0] == "steps":
+            conn.send(None)
+            return {"scatter": scatter, "send": send, "idle": msg[1], "busy": msg[2], "sweep": msg[3],
+                    "sent_at": sent_at}
+        if msg[0] == "one":  # one message of the duty sweep, not waited for
+            link.send([("d", spread_blocks(a.duty_blocks, k[0].shape[0], len(sent_at)))], k, v)
+            sent_at.append(time.monotonic())
+            continue
+        for i in range(msg[1]):
+            link.send([("w", spread_blocks(a.busy_blocks, k[0].shape[0], 100 + i))], k, v)
+        link.wait_all(LINK_TIMEOUT_S)
