@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
+from sim.latency.file_meta import read_meta
+
 COLUMNS = ("blocks", "bytes", "scatter_s", "send_host_s")
 HARDWARE = "hardware"
 CURVE_KEY = "busy_share_curve"
@@ -127,17 +129,10 @@ def read_receive_profile(path: str | Path) -> KVReceivePrice:
     if not path.is_file():
         raise ValueError(f"cluster.kv_receive_profile={str(path)!r}: no such file (write one with "
                          "`python -m experiments.bench_kv_receive --out ...` on two GPUs, or use 'hardware')")
-    meta: dict[str, str] = {}
     lines = path.read_text().splitlines()
-    body = []
-    for line in lines:
-        if line.startswith("#"):
-            key, sep, value = line[1:].partition(":")
-            if sep:
-                meta[key.strip()] = value.strip()
-        elif line.strip():
-            body.append(line)
-    rows = list(csv.DictReader(body))
+    # Metadata lines anywhere in the file (a line appended to an old profile counts: parse_curve).
+    meta, _ = read_meta([line for line in lines if line.startswith("#")])
+    rows = list(csv.DictReader(line for line in lines if line.strip() and not line.startswith("#")))
     if not rows or any(c not in rows[0] for c in COLUMNS):
         raise ValueError(f"{path}: a receive profile needs the columns {', '.join(COLUMNS)}")
     try:

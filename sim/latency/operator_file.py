@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from itertools import pairwise
 from pathlib import Path
 
+from sim.latency.file_meta import read_meta
+
 FORMAT = "servelab operator profile v1"
 COLUMNS = ("op", "m", "k", "n", "num_heads", "num_kv_heads", "head_dim", "context", "bytes", "world_size", "time_s")
 ATTENTION_AXES = ("head_dim", "num_kv_heads", "group", "m", "context")
@@ -109,15 +111,8 @@ def _parse_row(path: Path, line: int, raw: Mapping[str, str]) -> dict[str, float
 def read_operator_file(path: str | Path) -> tuple[dict[str, str], list[tuple[str, dict[str, float]]]]:
     """(metadata, [(op, parsed row)]); raises ValueError naming the file, line and field."""
     path = Path(path)
-    meta: dict[str, str] = {}
     lines = path.read_text().splitlines()
-    body_start = 0
-    for body_start, text in enumerate(lines):  # noqa: B007 (read after the loop)
-        if not text.startswith("#"):
-            break
-        key, sep, value = text[1:].partition(":")
-        if sep:
-            meta[key.strip()] = value.strip()
+    meta, body_start = read_meta(lines)
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
         raise ValueError(f"{path}: metadata {missing} missing: an operator profile carries {list(REQUIRED_META)}")

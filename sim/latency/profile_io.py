@@ -67,6 +67,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sim.latency.file_meta import read_meta
+
 COLUMNS = ("kind", "num_prefill_tokens", "num_decode_seqs", "num_context_tokens", "num_blocks", "time_s")
 STEP_FIELDS = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")
 RATIO_COLUMN = "context_ratio"  # optional: longest decode context / mean (the batch-shape axis)
@@ -80,19 +82,8 @@ def read_profile(path: str | Path) -> tuple[dict[str, str], list[tuple[int, dict
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"latency profile {str(path)!r} does not exist")
-    meta: dict[str, str] = {}
     lines = path.read_text().splitlines()
-    body_start = 0
-    for i, line in enumerate(lines):
-        if line.startswith("#"):
-            key, sep, value = line[1:].partition(":")
-            if sep:
-                meta[key.strip()] = value.strip()
-            body_start = i + 1
-        elif line.strip():
-            break
-        else:
-            body_start = i + 1
+    meta, body_start = read_meta(lines)
     reader = csv.DictReader(lines[body_start:])
     missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
     if missing:
