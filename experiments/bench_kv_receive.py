@@ -65,6 +65,8 @@ from experiments.lib.kv_receive_sides import receive_side, send_side
 from sim.latency.kv_receive import CURVE_KEY, FORMAT, write_receive_profile
 
 DEFAULT_BLOCKS = "1,8,32,128,256,512"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-0.6b", help="conf/model name (tiny-qwen3 for a CPU smoke run)")
@@ -117,7 +119,7 @@ def main() -> None:
         torch.cuda.set_device(dev)
     cfg = load_model_config(a.model)
     k, v = random_caches(cfg, 2 * max(sizes + [a.busy_blocks, a.duty_blocks]), a.block_size, dev,
-                   cfg.torch_dtype if dev.type == "cuda" else torch.float32)
+                         cfg.torch_dtype if dev.type == "cuda" else torch.float32)
     block_bytes = 2 * len(k) * k[0][0].numel() * k[0].element_size()
     store = open_store(LINK_TIMEOUT_S)
     ctx = multiprocessing.get_context("spawn")

@@ -183,11 +183,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             d = decode_steps(rows)
             if not len(d):
                 continue
-            shares = wire_shares(d, requests if split else None, a.busy_from == "posted")
+            on_link = requests if split else None
+            shares = wire_shares(d, on_link, a.busy_from == "posted")
             print(report(name, int(replica), split_excess(d, price, shares > 0)))
-            if a.by_share:
+            if a.by_share:  # by the wire's share counted from the send, the one computed above by default
+                sent = shares if a.busy_from == "sent" else wire_shares(d, on_link)
                 print("  ahead steps (not before sync) by the share of their period the wire was busy:\n"
-                      + by_share(d, price, wire_shares(d, requests if split else None)))
+                      + by_share(d, price, sent))
 
 
 if __name__ == "__main__":
