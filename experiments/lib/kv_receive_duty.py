@@ -87,12 +87,24 @@ def duty_sweep(link, step: Callable[[], None], ask_send: Callable[[], None], pos
     `steps_per_setting` steps or at `deadline` (monotonic); every wait for the link within
     `timeout_s`. Returns `wire_s`, the steps' (u, lead, start, end) and the receives' (u, lead,
     posted, finished) (u 0: the three alone)."""
-    receives, steps = [], []
+    posted, steps, waiting = [], [], {}  # posted: (u, lead, transfer or its (posted, finished) times)
+
+    def post(u: float, lead: float) -> None:
+        waiting[len(posted)] = transfer = post_receive()
+        posted.append((u, lead, transfer))
+
+    def settle(ended: Sequence[object]) -> None:
+        """Keep the ended receives' times, not their staging buffers (one message's bytes each)."""
+        done = {id(t) for t in ended}
+        for i in [i for i, t in waiting.items() if id(t) in done]:
+            t = waiting.pop(i)
+            posted[i] = (*posted[i][:2], (t.posted_at, t.finished_at if t.error is None else None))
+
     for _ in range(3):
-        receives.append((0.0, 0.0, post_receive()))
+        post(0.0, 0.0)
         ask_send()
-        link.wait_all(timeout_s)
-    alone = [t.finished_at - t.posted_at for *_, t in receives if t.finished_at is not None and t.error is None]
+        settle(link.wait_all(timeout_s))
+    alone = [t[1] - t[0] for *_, t in posted if isinstance(t, tuple) and t[1] is not None]
     if len(alone) < 3:
         raise RuntimeError(f"a receive of the duty sweep did not complete within {timeout_s} s")
     wire_s = statistics.median(alone)
@@ -102,24 +114,24 @@ def duty_sweep(link, step: Callable[[], None], ask_send: Callable[[], None], pos
         while got < steps_per_setting and time.monotonic() <= deadline:
             now = time.monotonic()
             if now >= due - lead and link.num_in_flight < cap:
-                receives.append((u, lead, post_receive()))
+                post(u, lead)
                 asks.append(due)
                 due = max(due + period, now + lead)
             while asks and asks[0] <= time.monotonic():
                 asks.popleft()
                 ask_send()
             t0 = time.monotonic()
-            link.poll()
+            ended = link.poll()
             step()
             steps.append((u, lead, t0, time.monotonic()))
+            settle(ended)
             got += 1
         for _ in asks:  # the receives posted last still get their sends
             ask_send()
-        link.wait_all(timeout_s)
-    if any(t.finished_at is None or t.error is not None for *_, t in receives):
+        settle(link.wait_all(timeout_s))
+    if any(not isinstance(t, tuple) or t[1] is None for *_, t in posted):
         raise RuntimeError(f"a receive of the duty sweep did not complete within {timeout_s} s")
-    return {"wire_s": wire_s, "steps": steps,
-            "receives": [(u, lead, t.posted_at, t.finished_at) for u, lead, t in receives]}
+    return {"wire_s": wire_s, "steps": steps, "receives": [(u, lead, t0, t1) for u, lead, (t0, t1) in posted]}
 
 
 def sweep_rows(sweep: dict, sent_at: list[float], idle_s: float) -> list[dict]:

@@ -42,3 +42,65 @@ def test_the_summary_takes_the_curve_from_the_first_lead():
     assert meta["wire idle, posted lead 13ms"] == "steps 5 median over idle 1.1000"
     assert meta["wire idle, posted"] == "steps 0" and "duty 1 lead 13ms" in meta
     assert "receives posted 13 ms before their send" in text
+
+
+class _FakeTransfer:
+    def __init__(self, posted_at: float):
+        self.posted_at, self.finished_at, self.error = posted_at, None, None
+        self.staging = bytearray(1024)  # what the sweep must not keep once the receive has ended
+
+
+class _FakeLink:
+    """Every receive ends at the poll after its send was asked for; `fail` ends one with an error."""
+
+    def __init__(self, fail: int | None = None):
+        self.open, self.sent, self.finished, self.fail, self.count = [], 0, [], fail, 0
+
+    def post(self) -> _FakeTransfer:
+        t = _FakeTransfer(len(self.finished) + len(self.open))
+        self.open.append(t)
+        return t
+
+    def ask(self) -> None:
+        self.sent += 1
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.open)
+
+    def poll(self) -> list:
+        ended = []
+        while self.open and self.sent > 0:
+            t = self.open.pop(0)
+            self.sent -= 1
+            t.finished_at = t.posted_at + 0.001
+            self.count += 1
+            if self.count == self.fail:
+                t.error = RuntimeError("peer gone")
+            ended.append(t)
+        return ended
+
+    def wait_all(self, timeout_s: float) -> list:
+        return self.poll()
+
+
+def test_the_sweep_keeps_the_times_of_ended_receives_not_their_buffers():
+    import time
+    import weakref
+
+    from experiments.lib.kv_receive_duty import duty_sweep
+
+    link, refs = _FakeLink(), []
+
+    def post():
+        t = link.post()
+        refs.append(weakref.ref(t))
+        return t
+
+    out = duty_sweep(link, lambda: None, link.ask, post, [(1.0, 0.0)], 20, time.monotonic() + 5, 1.0)
+    assert len(out["receives"]) == len(refs) >= 4 and len(out["steps"]) == 20
+    assert all(len(r) == 4 and r[3] == pytest.approx(r[2] + 0.001) for r in out["receives"])
+    assert [r() for r in refs] == [None] * len(refs)  # nothing holds an ended receive's staging
+    bad = _FakeLink(fail=2)
+    with pytest.raises(RuntimeError, match="did not complete"):
+        duty_sweep(bad, lambda: None, bad.ask, bad.post, [(1.0, 0.0)], 5, time.monotonic() + 5, 1.0)
