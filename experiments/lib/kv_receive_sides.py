@@ -163,6 +163,7 @@ def send_side(link: KVLink, conn, k, v, a: argparse.Namespace) -> dict:
             return {"scatter": scatter, "send": send, "idle": msg[1], "busy": msg[2], "sweep": msg[3],
                     "sent_at": sent_at}
         if msg[0] == "one":  # one message of the duty sweep, not waited for
+            link.poll()  # the sends that ended let go of their staging buffers
             link.send([("d", spread_blocks(a.duty_blocks, k[0].shape[0], len(sent_at)))], k, v)
             sent_at.append(time.monotonic())
             continue
