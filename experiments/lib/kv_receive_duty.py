@@ -90,7 +90,12 @@ def duty_sweep(link, step: Callable[[], None], ask_send: Callable[[], None], pos
     posted, steps, waiting = [], [], {}  # posted: (u, lead, transfer or its (posted, finished) times)
 
     def post(u: float, lead: float) -> None:
-        waiting[len(posted)] = transfer = post_receive()
+        try:
+            waiting[len(posted)] = transfer = post_receive()
+        except RuntimeError as e:  # the link failed: say where the sweep was
+            raise RuntimeError(f"the duty sweep at utilisation {u:g}, lead {lead * 1e3:g} ms: {len(posted)} "
+                               f"receives posted, {len(waiting)} not ended, {link.num_in_flight} in flight, "
+                               f"{len(steps)} steps: {e}") from e
         posted.append((u, lead, transfer))
 
     def settle(ended: Sequence[object]) -> None:

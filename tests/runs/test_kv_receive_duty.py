@@ -104,3 +104,21 @@ def test_the_sweep_keeps_the_times_of_ended_receives_not_their_buffers():
     bad = _FakeLink(fail=2)
     with pytest.raises(RuntimeError, match="did not complete"):
         duty_sweep(bad, lambda: None, bad.ask, bad.post, [(1.0, 0.0)], 5, time.monotonic() + 5, 1.0)
+
+
+def test_a_failed_link_names_where_the_sweep_was():
+    import time
+
+    from experiments.lib.kv_receive_duty import duty_sweep
+
+    link = _FakeLink()
+    calls = []
+
+    def post():
+        calls.append(1)
+        if len(calls) > 4:
+            raise RuntimeError("made no progress")
+        return link.post()
+
+    with pytest.raises(RuntimeError, match=r"utilisation 0.5, lead 0 ms: 4 receives posted, .* made no progress"):
+        duty_sweep(link, lambda: time.sleep(0.001), link.ask, post, [(0.5, 0.0)], 50, time.monotonic() + 5, 1.0)
