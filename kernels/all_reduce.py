@@ -16,7 +16,9 @@ grid for a message (the grid depends only on its size and `max_programs`, which 
 
 - one-shot: barrier (every rank's producer has finished writing), each program reads its blocks
   of every rank's buffer and sums them in float32 in rank order (the same bits on every rank),
-  barrier (no rank's buffer is rewritten while a peer still reads it);
+  barrier (no rank's buffer is rewritten while a peer still reads it; `close=False` leaves it out
+  for a caller whose next call writes another part of the buffer, whose opening barrier then
+  proves this call's reads done: engine/distributed/symmetric_all_reduce.py);
 - two-shot: each rank sums its 1/W slice of every buffer into its own buffer (in place), barrier,
   every rank gathers the slices' sums: W times fewer bytes read per rank, one barrier more;
 - one-shot + add + RMSNorm (rows of the hidden size): the sum rounded to the activation dtype (what
@@ -122,7 +124,7 @@ def _sum_ranks(bufs, offs, mask, dtype: tl.constexpr, WORLD: tl.constexpr):
 
 @triton.jit
 def _one_shot_kernel(bufs, pads, out_ptr, numel, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                     BARRIER: tl.constexpr):
+                     BARRIER: tl.constexpr, CLOSE: tl.constexpr):
     pid = tl.program_id(0)
     if BARRIER:
         _barrier(pads, pid, RANK, WORLD)
@@ -131,7 +133,7 @@ def _one_shot_kernel(bufs, pads, out_ptr, numel, RANK: tl.constexpr, WORLD: tl.c
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         mask = offs < numel
         tl.store(out_ptr + offs, _sum_ranks(bufs, offs, mask, dtype, WORLD).to(dtype), mask=mask)
-    if BARRIER:
+    if BARRIER and CLOSE:
         tl.debug_barrier()  # every thread's reads are done before the signal
         _barrier(pads, pid, RANK, WORLD)
 
@@ -173,7 +175,8 @@ def _two_shot_kernel(bufs, pads, out_ptr, numel, part, RANK: tl.constexpr, WORLD
 @triton.jit
 def _one_shot_add_rms_norm_kernel(bufs, pads, res_ptr, w_ptr, res_out_ptr, out_ptr, rows, eps,
                                   HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                                  RANK: tl.constexpr, WORLD: tl.constexpr, BARRIER: tl.constexpr):
+                                  RANK: tl.constexpr, WORLD: tl.constexpr, BARRIER: tl.constexpr,
+                                  CLOSE: tl.constexpr):
     """ROWS rows per program and loop iteration (all their loads in flight at once)."""
     pid = tl.program_id(0)
     if BARRIER:
@@ -192,7 +195,7 @@ def _one_shot_add_rms_norm_kernel(bufs, pads, res_ptr, w_ptr, res_out_ptr, out_p
         x = h.to(tl.float32)
         x = (x * tl.rsqrt(tl.sum(x * x, 1)[:, None] / HIDDEN + eps)).to(dtype)
         tl.store(out_ptr + offs, (w * x.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
-    if BARRIER:
+    if BARRIER and CLOSE:
         tl.debug_barrier()
         _barrier(pads, pid, RANK, WORLD)
 
@@ -206,19 +209,21 @@ def _grid(peers: PeerBuffers, numel: int, itemsize: int) -> tuple[int, int, int]
     return min(peers.max_programs, triton.cdiv(numel, block)), block, warps
 
 
-def one_shot_all_reduce(peers: PeerBuffers, staged: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def one_shot_all_reduce(peers: PeerBuffers, staged: torch.Tensor, out: torch.Tensor, close: bool = True) -> torch.Tensor:
     """`out` = the sum over the ranks of `staged` (a view of this rank's buffer), read whole from
-    every rank."""
+    every rank. `close=False`: no closing barrier (the caller's next call stages elsewhere)."""
     numel = staged.numel()
     programs, block, warps = _grid(peers, numel, staged.element_size())
     _one_shot_kernel[(programs,)](peers.views(staged), peers.signal_pads, out, numel, RANK=peers.rank,
-                                  WORLD=peers.world_size, BLOCK=block, BARRIER=peers.barrier, num_warps=warps)
+                                  WORLD=peers.world_size, BLOCK=block, BARRIER=peers.barrier, CLOSE=close,
+                                  num_warps=warps)
     return out
 
 
-def two_shot_all_reduce(peers: PeerBuffers, staged: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def two_shot_all_reduce(peers: PeerBuffers, staged: torch.Tensor, out: torch.Tensor, close: bool = True) -> torch.Tensor:
     """`out` = the sum over the ranks of `staged`; each rank sums one slice (overwriting it in
-    `staged` with the sum) and gathers the others' sums."""
+    `staged` with the sum) and gathers the others' sums. It always ends with a barrier (`close`
+    is taken for a uniform call)."""
     numel, world = staged.numel(), peers.world_size
     part = triton.cdiv(triton.cdiv(numel, world), 16) * 16  # slices start on 16-byte boundaries
     programs, block, warps = _grid(peers, part, staged.element_size())
@@ -233,10 +238,11 @@ def fits_add_rms_norm(hidden: int) -> bool:
 
 
 def one_shot_all_reduce_add_rms_norm(peers: PeerBuffers, staged: torch.Tensor, residual: torch.Tensor,
-                                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                     weight: torch.Tensor, eps: float,
+                                     close: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum + residual) * weight, sum + residual) for `staged` [rows, hidden] (a view of
     this rank's buffer holding its partial sums), as engine/models/ops.py's add_rms_norm computes
-    them on the all-reduced rows."""
+    them on the all-reduced rows. `close=False`: no closing barrier (as `one_shot_all_reduce`)."""
     rows, hidden = staged.shape
     if not fits_add_rms_norm(hidden) or residual.shape != staged.shape or not residual.is_contiguous():
         raise ValueError(f"fused all-reduce + RMSNorm: rows of {hidden} (at most {NORM_MAX_HIDDEN}) and a "
@@ -249,5 +255,5 @@ def one_shot_all_reduce_add_rms_norm(peers: PeerBuffers, staged: torch.Tensor, r
     _one_shot_add_rms_norm_kernel[(min(peers.max_programs, triton.cdiv(rows, per_program)),)](
         peers.views(staged), peers.signal_pads, residual, weight, residual_out, out, rows, eps, HIDDEN=hidden,
         BLOCK_H=block_h, ROWS=per_program, RANK=peers.rank, WORLD=peers.world_size, BARRIER=peers.barrier,
-        num_warps=warps)
+        CLOSE=close, num_warps=warps)
     return out, residual_out

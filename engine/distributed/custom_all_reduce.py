@@ -22,7 +22,7 @@ import torch
 
 from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import AllReducePath, settings_reason
-from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
+from engine.distributed.symmetric_all_reduce import REGIONS, SymmetricAllReduce
 
 logger = logging.getLogger("servelab.engine")
 
@@ -108,19 +108,20 @@ def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.devi
     if enable is not None and not getattr(enable, "__deprecated__", None):  # needed before torch made it a no-op
         enable(group_name)
     size = parallel.custom_all_reduce_max_bytes
-    buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    kernel = parallel.kernel_for(world_size)
+    regions = 1 if kernel == "torch" else REGIONS  # the Triton kernels alternate regions (no closing barrier)
+    buffer = symm_mem.empty(regions * size, dtype=torch.uint8, device=device)
     _rendezvous_joined = True  # even if it fails: the exchange's state has moved on
     handle = symm_mem.rendezvous(buffer, group_name)
     if handle is None:
         raise RuntimeError("rendezvous returned no handle (the buffer is not symmetric memory)")
     peers = None
-    kernel = parallel.kernel_for(world_size)
     if kernel != "torch":
         from kernels.all_reduce import PeerBuffers
 
         peers = PeerBuffers.of_rendezvous(handle, buffer)
     return SymmetricAllReduce(buffer, group_name, parallel.one_shot_max_bytes(world_size), size, handle, peers=peers,
-                              fused=kernel == "triton_fused")
+                              fused=kernel == "triton_fused", regions=regions)
 
 
 def _off(rank: int, world_size: int, reason: str) -> AllReducePath:

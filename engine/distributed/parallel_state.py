@@ -49,6 +49,11 @@ class TPGroup:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def begin_forward(self) -> None:
+        """A forward's first collective is next (the symmetric paths' regions restart)."""
+        if self.custom is not None:
+            self.custom.begin_forward()
+
     @property
     def fuses_add_norm(self) -> bool:
         """Whether a row-parallel layer that feeds an RMSNorm should hand it its partial sums

@@ -10,6 +10,15 @@ offer the all-reduce fused with the next RMSNorm's residual add ("triton_fused":
 the row-parallel layer's un-reduced partial sums to the norm, `all_reduce_add_rms_norm`).
 NVLink multicast (`multimem_*` ops) is never used: it is off on the hosts this runs on.
 
+Regions (the Triton kernels): the buffer holds `REGIONS` messages side by side, and the kernels
+end without a closing barrier. A rank's next writes into a region must wait until every peer has
+read it; any symmetric-memory kernel's opening barrier proves that every peer has finished the
+kernels before it. So no two consecutive calls use one region: the first call of a forward (the
+vocabulary-parallel embedding's, `begin_forward`) takes region 0, the rest alternate 1, 2, 1, ...,
+the same sequence in every forward, eager or replayed from a CUDA graph, whatever ran before it
+(a forward makes at least two calls: the embedding's and a layer's). With one region (torch's
+kernels, and the benchmarks' Triton kernels beside them) every kernel ends with a barrier.
+
 CUDA graphs: the kernels read and write only fixed addresses (the buffer, the output, the signal
 pads whose flags reset themselves), so a captured step replays them as is. A row-parallel GEMM
 writes its output straight into the buffer (`input_buffer`), which saves the copy in.
@@ -45,22 +54,31 @@ T = TypeVar("T")
 # the queue then holds a few dozen kernels, far below the launch queue's ~1,000, and the GPU always
 # has the next layer's work).
 PACE_LAG = 2
+# Messages the Triton kernels' buffer holds at once (module docstring: no two consecutive calls share one).
+REGIONS = 3
 
 
 class SymmetricAllReduce:
-    """One rank's side: the symmetric buffer (`max_bytes` bytes, viewed as the message's dtype) and
-    the thresholds. `ops`: the `symm_mem` op namespace (the CPU tests pass a stand-in); `peers`:
-    where the Triton kernels find every rank's buffer and signal pad (None: torch's kernels);
-    `fused`: the model may hand its layer boundaries to `all_reduce_add_rms_norm`."""
+    """One rank's side: the symmetric buffer (viewed as the message's dtype; `regions` of its
+    size / regions bytes each, REGIONS for the engine's Triton kernels) and the thresholds. `ops`: the
+    `symm_mem` op namespace (the CPU tests pass a stand-in); `peers`: where the Triton kernels find
+    every rank's buffer and signal pad (None: torch's kernels); `fused`: the model may hand its
+    layer boundaries to `all_reduce_add_rms_norm`."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, one_shot_max: int, two_shot_max: int,
-                 handle: Any = None, ops: Any = None, peers: PeerBuffers | None = None, fused: bool = False) -> None:
+                 handle: Any = None, ops: Any = None, peers: PeerBuffers | None = None, fused: bool = False,
+                 regions: int = 1) -> None:
         if fused and peers is None:
             raise ValueError("the fused all-reduce + RMSNorm needs the Triton kernels' peer buffers")
+        if regions not in (1, REGIONS) or (regions > 1 and peers is None):
+            raise ValueError(f"regions={regions} is invalid: 1, or {REGIONS} with the Triton kernels' peer buffers")
         self.buffer = buffer
         self.group_name = group_name
+        self.regions = regions
+        self.region_bytes = buffer.numel() // self.regions // 16 * 16  # each region 16-byte aligned
         self.one_shot_max = one_shot_max
-        self.two_shot_max = min(two_shot_max, buffer.numel())
+        self.two_shot_max = min(two_shot_max, self.region_bytes)
+        self._calls = 0  # symmetric-memory calls since the forward began (`begin_forward`)
         self.handle = handle  # the rendezvous: keeps the peers' mappings alive
         self.ops = ops if ops is not None else torch.ops.symm_mem
         self.peers = peers
@@ -68,6 +86,15 @@ class SymmetricAllReduce:
         # Rank 0 while serving: waits (bounded) until an event's work is done (`StepWait.wait`).
         self.pace: Callable[[Any], None] | None = None
         self._launched: deque[Any] = deque()  # events after the last eager kernels, oldest first
+
+    def begin_forward(self) -> None:
+        """A forward begins: its first call takes region 0 (module docstring)."""
+        self._calls = 0
+
+    @property
+    def closes(self) -> bool:
+        """Whether the kernels end with a barrier (one region: the next call rewrites it)."""
+        return self.regions == 1
 
     def path_for(self, x: torch.Tensor) -> str:
         return choose_path(x.numel() * x.element_size(), x.dtype, x.is_contiguous(), self.one_shot_max,
@@ -86,11 +113,12 @@ class SymmetricAllReduce:
         path = self.path_for(x)
         if path == NCCL:
             return None
-        return self.reduce(path, self._stage(x))
+        return self.reduce(path, self._stage(x), close=self.closes)
 
-    def reduce(self, path: str, staged: torch.Tensor) -> torch.Tensor:
-        """Sum `staged` (a view of the buffer from its start) by `path`, into a new tensor; the
-        buffer is free again when the kernel ends (its last barrier waits for every reader)."""
+    def reduce(self, path: str, staged: torch.Tensor, close: bool = True) -> torch.Tensor:
+        """Sum `staged` (a view of the buffer) by `path`, into a new tensor. `close=False` only for
+        a message staged in its call's region (`all_reduce`): without the closing barrier the next
+        call must write elsewhere."""
         if path not in (ONE_SHOT, TWO_SHOT):
             raise ValueError(f"path={path!r} is invalid: {ONE_SHOT!r} or {TWO_SHOT!r}")
         out = torch.empty_like(staged)
@@ -98,7 +126,7 @@ class SymmetricAllReduce:
             from kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
 
             kernel = one_shot_all_reduce if path == ONE_SHOT else two_shot_all_reduce
-            return self._launch(lambda: kernel(self.peers, staged, out))
+            return self._launch(lambda: kernel(self.peers, staged, out, close=close))
         op = self.ops.one_shot_all_reduce_out if path == ONE_SHOT else self.ops.two_shot_all_reduce_out
         self._launch(lambda: op(staged, "sum", self.group_name, out))
         return out
@@ -115,7 +143,8 @@ class SymmetricAllReduce:
                 or residual.dtype != partial.dtype or not residual.is_contiguous()):
             return None
         staged = self._stage(partial)
-        return self._launch(lambda: one_shot_all_reduce_add_rms_norm(self.peers, staged, residual, weight, eps))
+        return self._launch(lambda: one_shot_all_reduce_add_rms_norm(self.peers, staged, residual, weight, eps,
+                                                                     close=self.closes))
 
     def _launch(self, kernel: Callable[[], T]) -> T:
         """Run a symmetric-memory kernel; outside a capture, rank 0 first waits (`pace`) for the
@@ -131,11 +160,18 @@ class SymmetricAllReduce:
         return result
 
     def _stage(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` in the buffer (copied in unless its producer wrote it there)."""
+        """`x` in this call's region (copied in unless its producer wrote it there); the next call
+        takes the next region."""
         staged = self._staged(x.numel() * x.element_size(), x.dtype, tuple(x.shape))
         if staged.data_ptr() != x.data_ptr():
             staged.copy_(x)
+        self._calls += 1
         return staged
 
+    def region(self) -> int:
+        """The region the next call stages into."""
+        return 0 if self._calls == 0 or self.regions == 1 else 1 + (self._calls - 1) % (self.regions - 1)
+
     def _staged(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        return self.buffer[:nbytes].view(dtype).view(shape)
+        start = self.region() * self.region_bytes
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)

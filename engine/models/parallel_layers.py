@@ -75,6 +75,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.end)
         local = torch.where(outside, 0, ids - self.start)
         x = F.embedding(local, self.weight).masked_fill_(outside[:, None], 0)
+        self.group.begin_forward()  # every forward of a sharded model starts here
         return self.group.all_reduce(x)
 
 

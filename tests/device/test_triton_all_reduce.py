@@ -49,11 +49,11 @@ def test_the_default_is_auto_and_each_kernel_reaches_the_engine():
         assert server.parallel_config().all_reduce_kernel == kernel
 
 
-def _custom(kernel: str, nbytes: int = 16 * KiB) -> tuple[SymmetricAllReduce, torch.Tensor]:
-    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+def _custom(kernel: str, nbytes: int = 16 * KiB, regions: int = 1) -> tuple[SymmetricAllReduce, torch.Tensor]:
+    buffer = torch.zeros(regions * nbytes, dtype=torch.uint8)
     peers, pads = (None, None) if kernel == "torch" else mirrored_peers(buffer)
     custom = SymmetricAllReduce(buffer, "g", nbytes, nbytes, ops=FakeSymmOps(), peers=peers,
-                                fused=kernel == "triton_fused")
+                                fused=kernel == "triton_fused", regions=regions)
     return custom, pads
 
 
@@ -110,9 +110,9 @@ def test_the_group_fuses_where_it_can_and_else_reduces_then_norms(kernel, shape,
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
 
 
-def _shard_hidden(kernel: str) -> torch.Tensor:
+def _shard_hidden(kernel: str, regions: int = 1, forwards: int = 1) -> torch.Tensor:
     """Rank 0's shard of tiny-qwen3 (of 2) over a stand-in group of 2 ranks holding the same
-    partial sums: its final hidden states for one 11-token prefill."""
+    partial sums: its final hidden states for one 11-token prefill (run `forwards` times)."""
     from engine.device.attention import attention_ops
     from engine.device.input_batch import build_model_input
     from engine.device.weights import init_dummy
@@ -125,7 +125,7 @@ def _shard_hidden(kernel: str) -> torch.Tensor:
     from tests.engine_model_helpers import BlockAllocator, make_seqs, random_prompts
 
     cfg = load_model_config("tiny-qwen3")
-    custom, _pads = _custom(kernel, nbytes=64 * KiB)  # the pads live until the forward is done
+    custom, _pads = _custom(kernel, nbytes=64 * KiB, regions=regions)  # the pads live until the forward is done
     model = ShardedLlamaForCausalLM(cfg, attention_ops("reference", torch.device("cpu")),
                                     tp=TPContext(TPShard.of(cfg, 0, 2), TPGroup(0, 2, None, None, custom)))
     init_dummy(model, seed=1)
@@ -137,6 +137,8 @@ def _shard_hidden(kernel: str) -> torch.Tensor:
     alloc.ensure(seqs[0], 11)
     batch = build_model_input([ScheduledSeq(seqs[0], 11, 0)], 4, torch.device("cpu"))
     with torch.no_grad():
+        for _ in range(forwards - 1):
+            model(batch.input_ids, batch.positions, batch.meta)
         return model(batch.input_ids, batch.positions, batch.meta)
 
 
@@ -146,7 +148,8 @@ def test_a_shard_with_the_fused_boundary_computes_the_same_hidden_states(monkeyp
     calls = []
     for name in ("one_shot_all_reduce", "one_shot_all_reduce_add_rms_norm"):
         real = getattr(triton_all_reduce, name)
-        monkeypatch.setattr(triton_all_reduce, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+        monkeypatch.setattr(triton_all_reduce, name,
+                            lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
     unfused = _shard_hidden("triton")
     unfused_calls = calls[:]
     calls.clear()
@@ -157,6 +160,33 @@ def test_a_shard_with_the_fused_boundary_computes_the_same_hidden_states(monkeyp
     assert unfused_calls.count("one_shot_all_reduce") == 1 + 2 * layers  # the embedding's, then each layer's two
     assert fused_calls.count("one_shot_all_reduce") == 1  # the embedding's only
     assert fused_calls.count("one_shot_all_reduce_add_rms_norm") == 2 * layers  # the final norm's included
+
+
+def test_with_regions_no_two_consecutive_calls_share_one_and_none_closes(monkeypatch):
+    """Each forward's first call (the embedding's) stages into region 0, the rest alternate 1, 2;
+    the kernels leave out their closing barrier; the hidden states are those of one region."""
+    import kernels.all_reduce as triton_all_reduce
+    from engine.distributed.symmetric_all_reduce import REGIONS
+
+    seen = []
+    for name in ("one_shot_all_reduce", "one_shot_all_reduce_add_rms_norm"):
+        real = getattr(triton_all_reduce, name)
+
+        def spy(peers, staged, *a, _f=real, close=True, **kw):
+            seen.append(((staged.data_ptr() - peers.buffers[peers.rank]) // (64 * KiB), close))
+            return _f(peers, staged, *a, close=close, **kw)
+
+        monkeypatch.setattr(triton_all_reduce, name, spy)
+    one = _shard_hidden("triton_fused")
+    assert seen == [(0, True)] * 5
+    seen.clear()
+    regioned = _shard_hidden("triton_fused", regions=REGIONS, forwards=2)
+    torch.testing.assert_close(regioned, one, rtol=0, atol=0)
+    assert seen == [(r, False) for r in (0, 1, 2, 1, 2)] * 2  # the same sequence in every forward
+    with pytest.raises(ValueError, match=r"regions=2 is invalid: 1, or 3 with the Triton"):
+        SymmetricAllReduce(torch.zeros(64, dtype=torch.uint8), "g", 64, 64, regions=2)
+    with pytest.raises(ValueError, match=r"regions=3 is invalid"):
+        SymmetricAllReduce(torch.zeros(64, dtype=torch.uint8), "g", 64, 64, regions=3)
 
 
 def test_a_model_without_tensor_parallelism_keeps_plain_norms():

@@ -114,14 +114,19 @@ def fused_call(group: TPGroup, nbytes: int, width: int, dtype: torch.dtype,
     if custom is None or not custom.fused:
         raise ValueError(f"op={FUSED_ALL_REDUCE} needs the group's fused symmetric-memory kernels, which are off")
     rows = nbytes // (width * dtype.itemsize)
-    staged = custom.buffer[:nbytes].view(dtype).view(rows, width)
-    staged.normal_()
+    usable = custom.buffer.numel() // dtype.itemsize * dtype.itemsize
+    custom.buffer[:usable].view(dtype).normal_()  # every region holds rows of partial sums
     residual = torch.randn(rows, width, dtype=dtype, device=device)
     weight = torch.ones(width, dtype=dtype, device=device)
-    if custom.all_reduce_add_rms_norm(staged, residual, weight, FUSED_EPS) is None:
+
+    def call():  # in the region the engine's GEMM would write it to (no copy in)
+        staged = custom.input_buffer((rows, width), dtype)
+        return None if staged is None else custom.all_reduce_add_rms_norm(staged, residual, weight, FUSED_EPS)
+
+    if call() is None:
         raise ValueError(f"op={FUSED_ALL_REDUCE}: the fused kernel does not take {rows} rows of {width} {dtype} "
                          f"({nbytes} bytes); operator_grid.fused_norm_width must be one it takes")
-    return lambda: custom.all_reduce_add_rms_norm(staged, residual, weight, FUSED_EPS)
+    return call
 
 
 def mean_call_s(call: Callable[[], object], iters: int, mode: str = "graph", replays: int = 1) -> float:
