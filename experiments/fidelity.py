@@ -259,7 +259,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     if cap in names:  # the capacity scenario runs first: the loads need it
         names.remove(cap)
         names.insert(0, cap)
-    runs_dir = args.runs or Path("outputs/fidelity") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    runs_dir = args.runs or fresh_dir(Path("outputs/fidelity") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S"))
     fid = Fidelity(spec, list(args.overrides), runs_dir, args.engine_runs, args.profile, args.engine_repeats,
                    args.window_profile, args.standalone_profile)
     old_meta = args.engine_runs / "meta.json" if args.engine_runs else None
@@ -292,6 +292,19 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
         meta["all_reduce"] = fid.all_reduce.note
     print(fid.write(args.out or runs_dir / "report", meta))
     return fid
+
+
+def fresh_dir(path: Path) -> Path:
+    """`path`, or `path-2`, `path-3`, ... : the first that this call creates (so runs started in the
+    same second, in parallel, never write into one another's traces)."""
+    for i in range(1, 10_000):
+        candidate = path if i == 1 else path.with_name(f"{path.name}-{i}")
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free trace directory next to {path}")
 
 
 def main() -> None:

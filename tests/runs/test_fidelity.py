@@ -354,3 +354,11 @@ def test_the_mlfq_spec_runs_one_stream_under_fcfs_and_mlfq(request):
     assert [(ab["a"], ab["b"]) for ab in spec["ab"]] == [("heavy_tail_fcfs", "heavy_tail_mlfq")]
     cfg = compose_cfg([*spec["common"], *mlfq, *spec["sim"]])
     assert (cfg.policy.name, cfg.blocks.kv_cache_gib, len(factory.workload(cfg))) == ("mlfq", 4, 600)
+
+
+def test_runs_started_in_the_same_second_get_their_own_trace_dirs(tmp_path):
+    from experiments.fidelity import fresh_dir
+
+    stamp = tmp_path / "2026-11-28" / "14-03-35"
+    dirs = [fresh_dir(stamp) for _ in range(3)]
+    assert [d.name for d in dirs] == ["14-03-35", "14-03-35-2", "14-03-35-3"] and all(d.is_dir() for d in dirs)
