@@ -28,7 +28,9 @@ experiments/lib/kv_receive_duty.py): the same steps while single messages of `--
 are sent one every `wire / u` seconds for each link utilisation u of `--duty` (`wire`: the median
 time of such a message received alone, post to completion), each receive posted `lead` before its
 send for each lead of `--post-lead-ms` (the decode engine posts a receive when it reserves the
-blocks, `link_wait` before the send), `--duty-steps` steps per setting. Each message is on the wire
+blocks, `link_wait` before the send; on two H200s a lead of 13 ms ended the run after the lead-0
+settings, a receive posted ahead making no progress in 30 s, so the default is 0 alone),
+`--duty-steps` steps per setting. Each message is on the wire
 from the later of the receive's posting and the send call's return (the two processes share the
 host's monotonic clock) to the waiter thread's completion (seen within ~1 ms); each step's share is
 the part of its wall time that the wire intervals cover (the simulator's rule), its posted share
@@ -43,8 +45,8 @@ more (`wire idle, posted ...`) and `format: 2`; every step of the sweep goes to 
 Bounded: the measurements after the receiver's runner is built by `--budget-s` (sizes left are
 skipped, rounds cut short; a duty sweep cut short is an error, nothing written), the build by STARTUP_S
 (experiments/lib/kv_receive_sides.py, where each process's measurements live), every other wait for
-the other process by the link's timeout. Runs in ~90-150 s on two H200s (the runner's build, torch.compile and CUDA graphs,
-20-60 s; the measurements ~30 s).
+the other process by the link's timeout. Runs in ~50-60 s on two H200s (the runner's build, torch.compile and CUDA graphs,
+20-40 s; the measurements ~20 s).
 """
 from __future__ import annotations
 
@@ -83,9 +85,10 @@ def main() -> None:
                     help="link utilisations of the duty-cycle sweep, comma-separated in (0, 1]")
     ap.add_argument("--duty-blocks", type=int, default=240, help="blocks of each message of the duty sweep")
     ap.add_argument("--duty-steps", type=int, default=300, help="decode steps per setting")
-    ap.add_argument("--post-lead-ms", default="0,13",
+    ap.add_argument("--post-lead-ms", default="0",
                     help="the duty sweep's receives posted this long before their send, comma-separated ms >= 0 "
-                         "(the curve: the first; 13: pd_400's mean link_wait)")
+                         "(the curve: the first; 13: pd_400's mean link_wait, which failed on two H200s: "
+                         "docs/disaggregation-engine.md)")
     ap.add_argument("--decode-kernel", default="auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop measuring after this many seconds")
