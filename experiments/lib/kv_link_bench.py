@@ -25,3 +25,11 @@ def spread_blocks(num: int, total: int, seed: int) -> list[int]:
 def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def sync_compute(device: torch.device) -> None:
+    """Wait for the compute (current) stream's work only, as the engine's step loop does. A
+    device-wide sync would also wait for the link's side stream: for a receive still on the wire,
+    and, for a receive posted ahead of its send, until the link gives up."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -20,7 +20,7 @@ from engine.device.model_runner import ModelRunner
 from engine.disagg.kv_transfer import RECV_RANK, KVLink, join_store
 from engine.disagg.kv_transfer_message import interleaved
 from engine.model_loader import load_model_config
-from experiments.lib.kv_link_bench import LINK_TIMEOUT_S, spread_blocks, sync_device
+from experiments.lib.kv_link_bench import LINK_TIMEOUT_S, spread_blocks, sync_compute, sync_device
 from experiments.lib.kv_receive_duty import duty_sweep
 from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 
@@ -58,7 +58,7 @@ def _scatter_s(k, v, n: int, iters: int, dev: torch.device) -> float:
 
 def _step(runner: ModelRunner, step, dev: torch.device) -> None:
     runner.execute(step)
-    sync_device(dev)
+    sync_compute(dev)
 
 
 def receive_side(port: int, conn, a: argparse.Namespace) -> None:
@@ -99,7 +99,7 @@ def receive_side(port: int, conn, a: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             link.poll()  # the decode loop polls its link every turn
             runner.execute(step)
-            sync_device(dev)
+            sync_compute(dev)
             idle.append(time.perf_counter() - t0)
         got = 0  # then as many steps beside receives
         while got < a.steps and time.monotonic() - started <= a.budget_s:
@@ -111,7 +111,7 @@ def receive_side(port: int, conn, a: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 ended += link.poll()
                 runner.execute(step)
-                sync_device(dev)
+                sync_compute(dev)
                 seconds = time.perf_counter() - t0
                 if before and link.num_in_flight:  # a receive on the wire from its start to its end
                     busy.append(seconds)

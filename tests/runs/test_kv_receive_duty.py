@@ -122,3 +122,27 @@ def test_a_failed_link_names_where_the_sweep_was():
 
     with pytest.raises(RuntimeError, match=r"utilisation 0.5, lead 0 ms: 4 receives posted, .* made no progress"):
         duty_sweep(link, lambda: time.sleep(0.001), link.ask, post, [(0.5, 0.0)], 50, time.monotonic() + 5, 1.0)
+
+
+def test_a_bench_step_waits_for_the_compute_stream_not_the_link(monkeypatch):
+    """A device-wide sync would wait for the link's side stream too: a receive posted ahead of its
+    send (asked for only after the step) would never end."""
+    import torch
+
+    from experiments.lib import kv_receive_sides
+
+    waited = []
+
+    class Stream:
+        def synchronize(self):
+            waited.append("compute")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waited.append("device"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+
+    class Runner:
+        def execute(self, step):
+            waited.append("step")
+
+    kv_receive_sides._step(Runner(), object(), torch.device("cuda", 0))
+    assert waited == ["step", "compute"]
