@@ -28,9 +28,10 @@ experiments/lib/kv_receive_duty.py): the same steps while single messages of `--
 are sent one every `wire / u` seconds for each link utilisation u of `--duty` (`wire`: the median
 time of such a message received alone, post to completion), each receive posted `lead` before its
 send for each lead of `--post-lead-ms` (the decode engine posts a receive when it reserves the
-blocks, `link_wait` before the send; on two H200s a lead of 13 ms ended the run after the lead-0
-settings, a receive posted ahead making no progress in 30 s, so the default is 0 alone),
-`--duty-steps` steps per setting. Each message is on the wire
+blocks, `link_wait` before the send; the default is 0 alone: a lead of 13 ms once ended the run
+on two H200s, each step then synchronising the whole device and so waiting for a receive whose
+send it had not yet asked for, and the steps now wait for the compute stream only), `--duty-steps`
+steps per setting. Each message is on the wire
 from the later of the receive's posting and the send call's return (the two processes share the
 host's monotonic clock) to the waiter thread's completion (seen within ~1 ms); each step's share is
 the part of its wall time that the wire intervals cover (the simulator's rule), its posted share
@@ -87,8 +88,7 @@ def main() -> None:
     ap.add_argument("--duty-steps", type=int, default=300, help="decode steps per setting")
     ap.add_argument("--post-lead-ms", default="0",
                     help="the duty sweep's receives posted this long before their send, comma-separated ms >= 0 "
-                         "(the curve: the first; 13: pd_400's mean link_wait, which failed on two H200s: "
-                         "docs/disaggregation-engine.md)")
+                         "(the curve: the first; 13: pd_400's mean link_wait)")
     ap.add_argument("--decode-kernel", default="auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop measuring after this many seconds")
