@@ -111,6 +111,7 @@ class Simulator:
         # A fleet's surcharge on a step of the given price starting now (device work queued ahead of
         # it, a link slowing it); a replica with one steps one by one.
         self.extra_step_s: Callable[[float], float] | None = None
+        self.last_scheduled: list = []  # the last stepped step's scheduled sequences (a fleet's hook reads them)
         self._arrived = 0
         self._wake: simpy.Event | None = None
         self._next_arrival_at = 0.0  # SimPy time of the pending arrival (inf: none left)
@@ -239,6 +240,7 @@ class Simulator:
             self.num_steps += 1
             sched.update(out, tokens, env.now, (), stop_lens)
             if self.after_step is not None:
+                self.last_scheduled = scheduled
                 host_s = self.after_step()
                 if host_s and not self.ahead:
                     self.step_end = env.now + host_s  # the host loop is busy until then

@@ -18,6 +18,7 @@ from experiments.lib.paths import REPO_ROOT
 from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole, kv_block_bytes
 from sim.fleet.disagg import DisaggFleetSimulator, HandoffHost
+from sim.fleet.front_reads import FrontReadPrice
 from sim.latency.file_meta import read_meta
 from sim.latency.kv_receive import HARDWARE, KVReceivePrice, load_kv_receive
 
@@ -78,4 +79,5 @@ def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig]
                                 host=HandoffHost(cluster.handoff_hop_s, cluster.handoff_step_boundaries,
                                                  cluster.handoff_host_s, cluster.prefill_admits_between_steps),
                                 batch_blocks=cluster.handoff_batch_blocks,
-                                receive=receive_price(cluster, replica_cfgs))
+                                receive=receive_price(cluster, replica_cfgs),
+                                front_reads=FrontReadPrice(cluster.front_token_host_s, cluster.front_message_host_s))

@@ -48,6 +48,10 @@ class ClusterConfig:
     # backend=sim: a synchronous prefill replica admits the requests that arrived during a step before
     # its next one (its latency model's admission_s each), as the engine pair's front does
     prefill_admits_between_steps: bool = False
+    # backend=sim: the front's host time per decode output and per decode-step message it reads
+    # between a prefill replica's steps (sim/fleet/front_reads.py)
+    front_token_host_s: float = 0.0
+    front_message_host_s: float = 0.0
 
     @property
     def disaggregated(self) -> bool:
@@ -106,9 +110,12 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     if not isinstance(ahead, bool):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
             f"cluster.prefill_async_scheduling={ahead!r} is invalid: must be true or false")
+    from sim.fleet.front_reads import FrontReadPrice
+    reads = FrontReadPrice(c.get("front_token_host_s", d.front_token_host_s),
+                           c.get("front_message_host_s", d.front_message_host_s))  # checks both
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
                          float(host.hop_s), host.step_boundaries, float(host.per_handoff_s), batch_blocks, float(hop),
-                         ahead, receive, host.admits_between_steps)
+                         ahead, receive, host.admits_between_steps, float(reads.token_s), float(reads.message_s))
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:

@@ -66,6 +66,7 @@ from policies.disagg import DecodeSide, KVHandoff, PrefillSide, ReplicaRole, tra
 from policies.request import Request
 from policies.routing import Router, observe
 from sim.fleet.fleet import FleetResult, FleetSimulator, ReplicaSpec
+from sim.fleet.front_reads import FrontReadPrice, FrontReads
 from sim.latency.kv_receive import KVReceivePrice, wire_share
 from sim.latency.shapes import Link
 from sim.simulator import run_without_gc
@@ -109,11 +110,12 @@ class DisaggFleetSimulator(FleetSimulator):
                  refresh_s: float = 0.0, stop_lens: Mapping[str, int] | None = None,
                  on_done: Callable[[int], None] | None = None, fast_forward: bool = True,
                  host: HandoffHost | None = None, batch_blocks: int = 512,
-                 receive: KVReceivePrice | None = None) -> None:
+                 receive: KVReceivePrice | None = None, front_reads: FrontReadPrice | None = None) -> None:
         """`links[i]` / `block_bytes[i]`: prefill replica i's outgoing link and KV block bytes per
         tensor-parallel rank (None / unused for other roles); `host`: the host loops' share of a
         hand-off (default `HandoffHost()`); `batch_blocks`: blocks of one KV message, at most;
-        `receive`: what a message costs the engines beside the link (None: nothing)."""
+        `receive`: what a message costs the engines beside the link (None: nothing); `front_reads`:
+        what reading the decode outputs costs a prefill replica's loop (sim/fleet/front_reads.py)."""
         if len(roles) != len(replicas):
             raise ValueError(f"roles={list(roles)!r} has {len(roles)} roles for {len(replicas)} replicas")
         super().__init__(replicas, router, requests, refresh_s, stop_lens, on_done, fast_forward)
@@ -138,6 +140,7 @@ class DisaggFleetSimulator(FleetSimulator):
         self._scatter_due: dict[int, float] = {}  # decode replica -> scatters its next step waits for
         self._send_host_due: dict[int, float] = {}  # prefill replica -> host time of sends it posted
         self._admitted: dict[int, int] = {}  # prefill replica -> requests routed there by its last step's end
+        self._reads = FrontReads(front_reads) if front_reads is not None and front_reads.on else None
         for i, (replica, role) in enumerate(zip(self.replicas, roles)):
             if role is ReplicaRole.PREFILL:
                 if links[i] is None:
@@ -148,7 +151,7 @@ class DisaggFleetSimulator(FleetSimulator):
             elif role is ReplicaRole.DECODE:
                 self.decode_sides[i] = DecodeSide(replica.scheduler, handoff_queue, handoff_timeout_s, i)
                 replica.fast_forward = False
-                replica.after_step = lambda i=i: self._admit(i)
+                replica.after_step = lambda i=i: self._decode_stepped(i)
                 if receive is not None:
                     self._wire[i] = []
                     replica.extra_step_s = lambda step_s, i=i: self._receive_surcharge(i, step_s)
@@ -172,6 +175,8 @@ class DisaggFleetSimulator(FleetSimulator):
         handoffs = self.prefill_sides[prefill].take_handoffs()
         for handoff in handoffs:
             self.handoffs.append(handoff)
+            if self._reads is not None:
+                self._reads.handed_off(handoff.request_id, prefill)
             self._pending += 1
             snapshots = [observe(i, self.replicas[i].scheduler, self.replicas[i].num_outstanding, now, False)
                          for i in self.decode_ids]
@@ -184,6 +189,8 @@ class DisaggFleetSimulator(FleetSimulator):
             else:
                 self._arrive(batch, target)
         host_s = len(handoffs) * self.host.per_handoff_s + self._send_host_due.pop(prefill, 0.0)
+        if self._reads is not None:
+            host_s += self._reads.take(prefill)
         if self.host.admits_between_steps:  # the requests routed here during the step, admitted now
             replica = self.replicas[prefill]
             host_s += (replica.num_routed - self._admitted.get(prefill, 0)) * replica.latency.admission_s
@@ -220,6 +227,13 @@ class DisaggFleetSimulator(FleetSimulator):
             self.env.timeout(side.timeout_s).callbacks.append(lambda _, d=decode: self._expire(d))
         if not self._mid_step(decode):
             self._admit(decode)
+
+    def _decode_stepped(self, decode: int) -> None:
+        """After a decode replica's step: its outputs go to the fronts, then queued hand-offs are admitted."""
+        if self._reads is not None:
+            self._reads.decode_step((s.seq.request.request_id for s in self.replicas[decode].last_scheduled),
+                                    lambda p: self.env.now < self.replicas[p].step_end)
+        self._admit(decode)
 
     def _mid_step(self, replica: int) -> bool:
         """Whether the replica's host loop is inside a step (it acts when the step ends)."""
