@@ -41,11 +41,14 @@ of that step on the compute stream); a decode step costs `busy_factor(share)` ti
 `share` the part of the step (its price and the scatter it waits for) during which the link's
 bytes into its replica are on the wire (the simulated link's own transfer intervals, from a
 message's turn on the link to its last byte; a receive posted and not yet sent does not count).
-A step is priced as it starts, from the transfers on the wire or done by then; a transfer that
-starts on the wire during the step is only known later, so the next step pays the difference
-between the step's price at its whole share and what it was charged. A prefill replica that
-schedules synchronously pays `send_host_s` of each message it posts before its next step, as it
-pays the hand-offs' host time.
+A prefill replica's step costs `send_busy_factor(share)` times its price by the same rule, `share`
+the part of it its outgoing link carries bytes (the gather and NCCL's send kernel beside its
+forward), where the profile has a `send_busy_share_curve` (none: its steps at their price). A step
+is priced as it starts, from the transfers on the wire or done by then; a transfer that starts on
+the wire during the step is only known later, so the next step pays the difference between the
+step's price at its whole share and what it was charged (sim/fleet/busy_link.py, both sides). A
+prefill replica that schedules synchronously pays `send_host_s` of each message it posts before
+its next step, as it pays the hand-offs' host time.
 
 Decode replicas step one by one (no fast-forwarded decode runs: a received request joins at the
 time its transfer ends, which a run decided earlier could not know). Scheduling ahead, it joins
@@ -65,9 +68,10 @@ import simpy
 from policies.disagg import DecodeSide, KVHandoff, PrefillSide, ReplicaRole, transfer_batches
 from policies.request import Request
 from policies.routing import Router, observe
+from sim.fleet.busy_link import BusyLinkCharge
 from sim.fleet.fleet import FleetResult, FleetSimulator, ReplicaSpec
 from sim.fleet.front_reads import FrontReadPrice, FrontReads
-from sim.latency.kv_receive import KVReceivePrice, wire_share
+from sim.latency.kv_receive import KVReceivePrice
 from sim.latency.shapes import Link
 from sim.simulator import run_without_gc
 
@@ -133,10 +137,10 @@ class DisaggFleetSimulator(FleetSimulator):
         self._pending = 0  # hand-offs not yet received or dropped
         self._front_done = False
         self.receive = receive
-        # decode replica -> (begin, end) of its messages on the wire, since its last step started
-        self._wire: dict[int, list[tuple[float, float]]] = {}
-        # decode replica -> its last step's (start, priced end, price, busy-link seconds charged)
-        self._last_step: dict[int, tuple[float, float, float, float]] = {}
+        # decode replica -> its incoming messages' wire, priced by `busy_factor` (sim/fleet/busy_link.py)
+        self._receive_wire: dict[int, BusyLinkCharge] = {}
+        # prefill replica -> its outgoing messages' wire, priced by `send_busy_factor`
+        self._send_wire: dict[int, BusyLinkCharge] = {}
         self._scatter_due: dict[int, float] = {}  # decode replica -> scatters its next step waits for
         self._send_host_due: dict[int, float] = {}  # prefill replica -> host time of sends it posted
         self._admitted: dict[int, int] = {}  # prefill replica -> requests routed there by its last step's end
@@ -148,12 +152,16 @@ class DisaggFleetSimulator(FleetSimulator):
                 self.prefill_sides[i] = PrefillSide(replica.scheduler, block_bytes[i], i)
                 self.links[i] = (links[i], simpy.Resource(self.env, capacity=1))
                 replica.after_step = lambda i=i: self._handed_off(i)
+                if receive is not None and receive.prices_send_busy_link:
+                    self._send_wire[i] = charge = BusyLinkCharge(receive.send_busy_factor)
+                    replica.extra_step_s = lambda step_s, c=charge: max(0.0, c.surcharge(self.env.now, step_s))
             elif role is ReplicaRole.DECODE:
                 self.decode_sides[i] = DecodeSide(replica.scheduler, handoff_queue, handoff_timeout_s, i)
                 replica.fast_forward = False
                 replica.after_step = lambda i=i: self._decode_stepped(i)
                 if receive is not None:
-                    self._wire[i] = []
+                    if receive.prices_busy_link:
+                        self._receive_wire[i] = BusyLinkCharge(receive.busy_factor)
                     replica.extra_step_s = lambda step_s, i=i: self._receive_surcharge(i, step_s)
 
     def run(self) -> FleetResult:
@@ -201,20 +209,10 @@ class DisaggFleetSimulator(FleetSimulator):
         """A decode replica's step of price `step_s` starting now: the scatters it waits for, its
         busy-link price from the wire known now, and what the last step owes for transfers that
         reached the wire during it (module docstring)."""
-        now, receive = self.env.now, self.receive
         scatter = self._scatter_due.pop(decode, 0.0)
-        if not receive.prices_busy_link:
+        if decode not in self._receive_wire:
             return scatter
-        wire, owed = self._wire[decode], 0.0
-        last = self._last_step.get(decode)
-        if last is not None:
-            start, end, price, charged = last
-            owed = (receive.busy_factor(wire_share(start, end, wire)) - 1.0) * price - charged
-        wire[:] = [w for w in wire if w[1] > now]
-        end = now + step_s + scatter
-        charged = (receive.busy_factor(wire_share(now, end, wire)) - 1.0) * step_s
-        self._last_step[decode] = (now, end, step_s, charged)
-        return max(0.0, scatter + charged + owed)
+        return max(0.0, scatter + self._receive_wire[decode].surcharge(self.env.now, step_s, scatter))
 
     def _arrive(self, handoffs: list[KVHandoff], decode: int) -> None:
         """Hand-offs reach the decode side: queued, then admitted now if that replica is between
@@ -280,8 +278,9 @@ class DisaggFleetSimulator(FleetSimulator):
             if self.receive is not None:
                 due = self._send_host_due
                 due[prefill] = due.get(prefill, 0.0) + self.receive.send_host_s(nbytes)
-                if decode in self._wire:
-                    self._wire[decode].append((self.env.now, self.env.now + wire_s))
+                for charges, replica in ((self._receive_wire, decode), (self._send_wire, prefill)):
+                    if replica in charges:
+                        charges[replica].add(self.env.now, self.env.now + wire_s)
             yield self.env.timeout(wire_s)
         if self.host.step_boundaries:  # the decode side's loop notices the KV after its running step
             yield self._step_boundary(decode)

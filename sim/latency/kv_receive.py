@@ -9,7 +9,10 @@ pair (sim/fleet/disagg.py; docs/disaggregation.md, "What a receive costs beside 
 - the busy-share curve: a decode step while KV bytes are on the wire into its GPU for a share `s`
   of it takes `busy_factor(s)` times its price (NCCL's receive kernels beside the forward, the
   link's waiter thread polling them, the loop polling the link): piecewise linear through the
-  measured points `(share, factor)`, 1.0 at share 0, the last point's factor beyond it.
+  measured points `(share, factor)`, 1.0 at share 0, the last point's factor beyond it;
+- the send-side curve: a prefill step while the KV bytes it sends are on the wire for a share `s`
+  of it takes `send_busy_factor(s)` times its price (the gather into the staging buffer and NCCL's
+  send kernel on the link's side stream beside the forward), the same kind of curve.
 
 Where the figures come from (`load_kv_receive`):
 - a receive profile, the CSV `experiments.bench_kv_receive` writes on two GPUs: `# key: value`
@@ -17,7 +20,8 @@ Where the figures come from (`load_kv_receive`):
   (medians per message size); a size between rows is interpolated linearly in bytes, one past the
   largest extended along the last segment. `busy_share_curve` is `share:factor` pairs, space
   separated, shares in (0, 1] ascending, factors >= 1 (the bench's duty-cycle sweep; `1:1` prices
-  no busy link). `busy_step_factor` is what it always was, the step beside back-to-back receives
+  no busy link). `send_busy_share_curve`, optional and of the same syntax, is the send-side
+  sweep's (a file without it: no send-side price, factor 1). `busy_step_factor` is what it always was, the step beside back-to-back receives
   (the link saturated) over the idle step: a record, not a price. A file without
   `busy_share_curve` (format 1, written before the sweep) is refused, naming the field;
 - `hardware`: the scatter alone, at the device's copy rate (`hbm_bandwidth` of conf/hardware, a
@@ -38,15 +42,16 @@ from sim.latency.file_meta import read_meta
 COLUMNS = ("blocks", "bytes", "scatter_s", "send_host_s")
 HARDWARE = "hardware"
 CURVE_KEY = "busy_share_curve"
+SEND_CURVE_KEY = "send_busy_share_curve"  # optional: a prefill step priced by its outgoing link's share
 FORMAT = 2  # 2: `busy_share_curve` prices a step by the share of it the wire is busy
 
 
 @dataclass(slots=True, frozen=True)
 class KVReceivePrice:
     """Piecewise-linear prices over message bytes (`bytes_at` ascending, the seconds of each price
-    at those sizes) and the busy-share curve (`busy_share_at` ascending in (0, 1], the factor at
-    each; none: no busy-link price); `source` says where they come from (a file, or the hardware's
-    copy rate)."""
+    at those sizes), the busy-share curve (`busy_share_at` ascending in (0, 1], the factor at
+    each; none: no busy-link price) and the send side's (`send_busy_share_at`, the same rules);
+    `source` says where they come from (a file, or the hardware's copy rate)."""
 
     bytes_at: tuple[float, ...]
     scatter_at: tuple[float, ...]
@@ -54,6 +59,8 @@ class KVReceivePrice:
     busy_share_at: tuple[float, ...] = ()
     busy_factor_at: tuple[float, ...] = ()
     source: str = ""
+    send_busy_share_at: tuple[float, ...] = ()
+    send_busy_factor_at: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.bytes_at)
@@ -65,15 +72,8 @@ class KVReceivePrice:
         for name, values in (("scatter_s", self.scatter_at), ("send_host_s", self.send_host_at)):
             if any(not (0 <= v < math.inf) for v in values):
                 raise ValueError(f"{self.source}: {name} values must be seconds >= 0, got {values}")
-        shares, factors = self.busy_share_at, self.busy_factor_at
-        curve = f"{CURVE_KEY}={' '.join(f'{a:g}:{b:g}' for a, b in zip(shares, factors))!r}"
-        if len(factors) != len(shares):
-            raise ValueError(f"{self.source}: {curve} is invalid: one factor per share")
-        if any(not 0 < a <= 1 for a in shares) or any(b <= a for a, b in pairwise(shares)):
-            raise ValueError(f"{self.source}: {curve} is invalid: shares must be ascending in (0, 1]")
-        if any(not 1.0 <= f < 10.0 for f in factors):
-            raise ValueError(f"{self.source}: {curve} is invalid: factors must be numbers in [1, 10) "
-                             "(1: a step beside the wire costs its price)")
+        _check_curve(self.source, CURVE_KEY, self.busy_share_at, self.busy_factor_at)
+        _check_curve(self.source, SEND_CURVE_KEY, self.send_busy_share_at, self.send_busy_factor_at)
 
     def scatter_s(self, nbytes: float) -> float:
         return _interpolate(self.bytes_at, self.scatter_at, nbytes)
@@ -85,15 +85,41 @@ class KVReceivePrice:
     def prices_busy_link(self) -> bool:
         return any(f != 1.0 for f in self.busy_factor_at)
 
+    @property
+    def prices_send_busy_link(self) -> bool:
+        return any(f != 1.0 for f in self.send_busy_factor_at)
+
     def busy_factor(self, share: float) -> float:
-        """A step's price multiplier with the wire busy for `share` of it: 1.0 at 0, linear between
-        the curve's points, the last point's factor past it."""
-        if share <= 0 or not self.busy_share_at:
-            return 1.0
-        shares, factors = (0.0, *self.busy_share_at), (1.0, *self.busy_factor_at)
-        if share >= shares[-1]:
-            return factors[-1]
-        return _interpolate(shares, factors, share)
+        """A decode step's price multiplier with the wire busy for `share` of it: 1.0 at 0, linear
+        between the curve's points, the last point's factor past it."""
+        return _curve_factor(self.busy_share_at, self.busy_factor_at, share)
+
+    def send_busy_factor(self, share: float) -> float:
+        """A prefill step's multiplier with the bytes it sends on the wire for `share` of it (as
+        `busy_factor`; 1.0 without a send-side curve)."""
+        return _curve_factor(self.send_busy_share_at, self.send_busy_factor_at, share)
+
+
+def _check_curve(source: str, key: str, shares: tuple[float, ...], factors: tuple[float, ...]) -> None:
+    curve = f"{key}={' '.join(f'{a:g}:{b:g}' for a, b in zip(shares, factors))!r}"
+    if len(factors) != len(shares):
+        raise ValueError(f"{source}: {curve} is invalid: one factor per share")
+    if any(not 0 < a <= 1 for a in shares) or any(b <= a for a, b in pairwise(shares)):
+        raise ValueError(f"{source}: {curve} is invalid: shares must be ascending in (0, 1]")
+    if any(not 1.0 <= f < 10.0 for f in factors):
+        raise ValueError(f"{source}: {curve} is invalid: factors must be numbers in [1, 10) "
+                         "(1: a step beside the wire costs its price)")
+
+
+def _curve_factor(shares: tuple[float, ...], factors: tuple[float, ...], share: float) -> float:
+    """A curve's factor at `share`: 1.0 at 0 or without points, linear between them, the last
+    point's factor past it."""
+    if share <= 0 or not shares:
+        return 1.0
+    shares, factors = (0.0, *shares), (1.0, *factors)
+    if share >= shares[-1]:
+        return factors[-1]
+    return _interpolate(shares, factors, share)
 
 
 def wire_share(start: float, end: float, intervals: Iterable[tuple[float, float]]) -> float:
@@ -140,20 +166,24 @@ def read_receive_profile(path: str | Path) -> KVReceivePrice:
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     shares, factors = parse_curve(meta, path)
+    send_shares, send_factors = parse_curve(meta, path, SEND_CURVE_KEY)
     return KVReceivePrice(tuple(p[0] for p in points), tuple(p[1] for p in points), tuple(p[2] for p in points),
-                          shares, factors, str(path))
+                          shares, factors, str(path), send_shares, send_factors)
 
 
-def parse_curve(meta: dict[str, str], path: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """`busy_share_curve` of a profile's metadata as (shares, factors)."""
-    if CURVE_KEY not in meta:
+def parse_curve(meta: dict[str, str], path: Path, key: str = CURVE_KEY) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The curve `key` of a profile's metadata as (shares, factors): `busy_share_curve` is required,
+    `send_busy_share_curve` optional (missing: no points, no price)."""
+    if key != CURVE_KEY and key not in meta:
+        return (), ()
+    if key not in meta:
         raise ValueError(
             f"{path}: no {CURVE_KEY} (a receive profile of format 1: its busy_step_factor="
             f"{meta.get('busy_step_factor', '-')} was measured with the link saturated and does not price a "
             "step by the share of it the wire is busy); re-measure with `python -m experiments.bench_kv_receive`, "
             f"or add the line `# {CURVE_KEY}: 1:1` to price its scatter and send times alone")
     shares, factors = [], []
-    for pair in meta[CURVE_KEY].split():
+    for pair in meta[key].split():
         share, sep, factor = pair.partition(":")
         try:
             shares.append(float(share))
@@ -161,10 +191,10 @@ def parse_curve(meta: dict[str, str], path: Path) -> tuple[tuple[float, ...], tu
         except ValueError:
             sep = ""
         if not sep:
-            raise ValueError(f"{path}: {CURVE_KEY}={meta[CURVE_KEY]!r} is invalid: `share:factor` pairs, "
+            raise ValueError(f"{path}: {key}={meta[key]!r} is invalid: `share:factor` pairs, "
                              f"space separated (got {pair!r})")
     if not shares:
-        raise ValueError(f"{path}: {CURVE_KEY} is empty: `share:factor` pairs (`1:1`: no busy-link price)")
+        raise ValueError(f"{path}: {key} is empty: `share:factor` pairs (`1:1`: no busy-link price)")
     return tuple(shares), tuple(factors)
 
 

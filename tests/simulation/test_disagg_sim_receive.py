@@ -29,10 +29,11 @@ from sim.latency.shapes import Link
 DECODE_S, PREFILL_S = 0.003, 0.01
 
 
-def _profile(tmp_path, scatter_s=0.0, send_host_s=0.0, curve="1:1", name="receive.csv"):
+def _profile(tmp_path, scatter_s=0.0, send_host_s=0.0, curve="1:1", name="receive.csv", send_curve=None):
     path = tmp_path / name
     rows = [{"blocks": b, "bytes": b * 4096, "scatter_s": scatter_s, "send_host_s": send_host_s} for b in (1, 64)]
-    write_receive_profile(path, {"model": "tiny", "busy_step_factor": 2.5, "busy_share_curve": curve}, rows)
+    meta = {"model": "tiny", "busy_step_factor": 2.5, "busy_share_curve": curve}
+    write_receive_profile(path, meta | ({} if send_curve is None else {"send_busy_share_curve": send_curve}), rows)
     return path
 
 
@@ -78,8 +79,9 @@ def test_a_format_1_profile_is_refused_naming_the_file_and_the_field(tmp_path):
     assert not read_receive_profile(path).prices_busy_link
 
 
-def _two_rows(path, curve: str) -> None:
-    write_receive_profile(path, {"busy_share_curve": curve}, [
+def _two_rows(path, curve: str, send_curve: str | None = None) -> None:
+    meta = {"busy_share_curve": curve} | ({} if send_curve is None else {"send_busy_share_curve": send_curve})
+    write_receive_profile(path, meta, [
         {"blocks": 1, "bytes": 1, "scatter_s": 0, "send_host_s": 0},
         {"blocks": 2, "bytes": 2, "scatter_s": 0, "send_host_s": 0}])
 
@@ -91,6 +93,9 @@ def _two_rows(path, curve: str) -> None:
     (lambda p: _two_rows(p, "1.5:1.2"), "shares must be ascending in"),
     (lambda p: _two_rows(p, "0.5-1.2"), r"busy_share_curve='0.5-1.2' is invalid: `share:factor` pairs"),
     (lambda p: _two_rows(p, ""), "busy_share_curve is empty"),
+    (lambda p: _two_rows(p, "1:1", "0.5-1.2"), r"send_busy_share_curve='0.5-1.2' is invalid: `share:factor` pairs"),
+    (lambda p: _two_rows(p, "1:1", "0.5:0.9"), r"send_busy_share_curve='0.5:0.9' is invalid: factors must be"),
+    (lambda p: _two_rows(p, "1:1", "0.5:1.2 0.4:1.3"), r"send_busy_share_curve=.* shares must be ascending"),
     (lambda p: write_receive_profile(p, {"busy_share_curve": "1:1"}, [
         {"blocks": 1, "bytes": 1, "scatter_s": -1, "send_host_s": 0},
         {"blocks": 2, "bytes": 2, "scatter_s": 0, "send_host_s": 0}]), "scatter_s values must be seconds"),
@@ -142,6 +147,13 @@ def _messages(rows: pd.DataFrame) -> int:
     return _starts(rows).nunique()
 
 
+def _wire(rows: pd.DataFrame) -> list[tuple[float, float]]:
+    """Each message's turn on the link to its last byte (the link of `_run`: 10 GB/s, 10 us, 1 ms)."""
+    start = _starts(rows)
+    done = start + rows["transfer_bytes"].groupby(start.round(12)).transform("sum") / 10e9 + 1e-5 + 1e-3
+    return sorted(set(zip(start.round(12), done.round(12))))
+
+
 def test_the_decode_replicas_next_step_after_a_receive_waits_for_its_scatter(tmp_path):
     scatter = 0.0017
     rows, (_, decode) = _run(read_receive_profile(_profile(tmp_path, scatter_s=scatter)))
@@ -161,9 +173,7 @@ def test_decode_steps_pay_the_curve_at_the_share_of_them_the_wire_is_busy(tmp_pa
     (the message's turn on the link to its last byte; posted and not sent: not busy): at its start
     for the wire known then, the rest of its whole share with the next step."""
     rows, (_, decode) = _run(read_receive_profile(_profile(tmp_path, curve="0.5:1.5 1:2")))
-    start = _starts(rows)
-    done = start + rows["transfer_bytes"].groupby(start.round(12)).transform("sum") / 10e9 + 1e-5 + 1e-3
-    wire = sorted(set(zip(start.round(12), done.round(12))))
+    wire = _wire(rows)
     decode = decode.sort_values("time")
     extra = (decode["duration"] - DECODE_S).to_numpy()
     factor = [1.0 + min(s, 1.0) for s in (wire_share(t, t + DECODE_S, wire) for t in decode["time"])]
@@ -176,6 +186,32 @@ def test_decode_steps_pay_the_curve_at_the_share_of_them_the_wire_is_busy(tmp_pa
     late = [o - k for o, k in zip(owed, known)]
     assert extra[1:] == pytest.approx([k + lt for k, lt in zip(known[1:], late[:-1])], abs=1e-9)
     assert max(late) > 0  # transfers reached the wire mid-step
+
+
+def test_a_send_side_curve_is_optional_and_prices_by_share():
+    price = KVReceivePrice((0.0, 1.0), (0.0, 0.0), (0.0, 0.0), (1.0,), (1.0,), "t", (0.5, 1.0), (1.2, 1.6))
+    assert price.prices_send_busy_link and not price.prices_busy_link
+    assert price.send_busy_factor(0.25) == pytest.approx(1.1) and price.send_busy_factor(1.0) == pytest.approx(1.6)
+    assert price.busy_factor(0.5) == 1.0  # the decode side's own curve
+    assert KVReceivePrice((0.0, 1.0), (0.0, 0.0), (0.0, 0.0)).send_busy_factor(0.5) == 1.0  # none: factor 1
+
+
+def test_prefill_steps_pay_the_send_curve_at_the_share_of_them_their_link_sends(tmp_path):
+    """A prefill step pays (send_factor(share) - 1) x its price, share from its outgoing link's
+    transfer intervals (the decode side's rule); without the key its steps cost their price."""
+    price = read_receive_profile(_profile(tmp_path, send_curve="0.5:1.5 1:2"))
+    assert price.send_busy_share_at == (0.5, 1.0) and price.send_busy_factor_at == (1.5, 2.0)
+    rows, (prefill, decode) = _run(price)
+    assert len(rows) == 30
+    wire, prefill = _wire(rows), prefill.sort_values("time")
+    extra = (prefill["duration"] - PREFILL_S).to_numpy()
+    owed = [min(wire_share(t, t + PREFILL_S, wire), 1.0) * PREFILL_S for t in prefill["time"]]
+    assert max(owed) > 0 and 0 < min(o for o in owed if o > 0) < PREFILL_S - 1e-9  # partly covered steps
+    # Every step's busy-link seconds are paid, by itself or the step after it.
+    assert extra.sum() == pytest.approx(sum(owed[:-1]) + min(owed[-1], extra[-1]), abs=1e-9)
+    assert (decode["duration"] - DECODE_S).abs().max() < 1e-12  # the decode side's curve is 1:1
+    _, (off, _) = _run(read_receive_profile(_profile(tmp_path, name="no-send.csv")))
+    assert (off["duration"] - PREFILL_S).abs().max() < 1e-12
 
 
 def _gaps(steps: pd.DataFrame):
