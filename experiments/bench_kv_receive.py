@@ -43,11 +43,24 @@ profile's header holds the curve, every lead's bins (`share_bin ...`), each sett
 more (`wire idle, posted ...`) and `format: 2`; every step of the sweep goes to `OUT` with
 `-steps.csv` for its name's `.csv`.
 
+Then the send side's duty-cycle sweep (`send_busy_share_curve`; experiments/lib/kv_send_duty.py),
+on the sending GPU: the sender builds the prefill engine's `ModelRunner` (dummy weights, CUDA
+graphs up to 8192 tokens, as the pair's runs; its KV cache is what every send gathers from) while
+the receiver builds its own; prefill steps of `--prefill-tokens` tokens in `--prefill-seqs` prompts
+(the link polled before each, as the engine's loop does), `--send-steps` with the link idle, then
+`--send-steps` for each u of `--duty` while messages of `--duty-blocks` blocks are sent one every
+`wire / u` seconds (each receive posted by the receiver right before its send, which waits for
+it). A message is on the wire from its send call's return to its completion on the sender; the
+steps are binned by share as above and each bin with the wire busy and 5 steps or more gives a
+point of `send_busy_share_curve`. The header gains the curve, its bins (`send_share_bin ...`),
+each setting's summary (`send duty ...`), `prefill_step_idle_s` and `send_wire_alone_s`; its steps
+go to `OUT` with `-send-steps.csv` for `.csv`.
+
 Bounded: the measurements after the receiver's runner is built by `--budget-s` (sizes left are
-skipped, rounds cut short; a duty sweep cut short is an error, nothing written), the build by STARTUP_S
-(experiments/lib/kv_receive_sides.py, where each process's measurements live), every other wait for
-the other process by the link's timeout. Runs in ~50-60 s on two H200s (the runner's build, torch.compile and CUDA graphs,
-20-40 s; the measurements ~20 s).
+skipped, rounds cut short; a sweep cut short is an error, nothing written), each side's build by
+STARTUP_S (experiments/lib/kv_receive_sides.py, where each process's measurements live), every
+other wait for the other process by the link's timeout. Runs in ~60-80 s on two H200s (the
+runners' builds, torch.compile and CUDA graphs, 20-40 s each, at once; the measurements ~35 s).
 """
 from __future__ import annotations
 
@@ -56,16 +69,17 @@ import csv
 import datetime
 import multiprocessing
 import statistics
+import time
 from pathlib import Path
 
 import torch
 
 from engine.disagg.kv_transfer import SEND_RANK, KVLink, open_store
-from engine.model_loader import load_model_config
-from experiments.lib.kv_link_bench import LINK_TIMEOUT_S, random_caches
+from experiments.lib.kv_link_bench import LINK_TIMEOUT_S
 from experiments.lib.kv_receive_duty import summarise, sweep_rows
-from experiments.lib.kv_receive_sides import receive_side, send_side
-from sim.latency.kv_receive import CURVE_KEY, FORMAT, write_receive_profile
+from experiments.lib.kv_receive_sides import STARTUP_S, build_runner, prefill_shape, receive_side, send_side
+from experiments.lib.kv_send_duty import send_rows, summarise_send
+from sim.latency.kv_receive import CURVE_KEY, FORMAT, SEND_CURVE_KEY, write_receive_profile
 
 DEFAULT_BLOCKS = "1,8,32,128,256,512"
 
@@ -89,6 +103,10 @@ def main() -> None:
     ap.add_argument("--post-lead-ms", default="0",
                     help="the duty sweep's receives posted this long before their send, comma-separated ms >= 0 "
                          "(the curve: the first; 13: pd_400's mean link_wait)")
+    ap.add_argument("--prefill-tokens", type=int, default=4000,
+                    help="tokens of the send sweep's prefill step (pd_400's prefill steps: ~4,000)")
+    ap.add_argument("--prefill-seqs", type=int, default=6, help="prompts of that step (pd_400's: 256-1024 tokens)")
+    ap.add_argument("--send-steps", type=int, default=200, help="prefill steps idle, then per setting of the send sweep")
     ap.add_argument("--decode-kernel", default="auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop measuring after this many seconds")
@@ -115,15 +133,18 @@ def main() -> None:
                          "comma-separated")
     if a.duty_blocks < 1 or a.duty_steps < 1:
         raise SystemExit(f"error: --duty-blocks={a.duty_blocks} / --duty-steps={a.duty_steps} are invalid: each >= 1")
+    if a.send_steps < 1 or not 1 <= a.prefill_seqs <= a.prefill_tokens \
+            or -(-a.prefill_tokens // a.prefill_seqs) > 4096:
+        raise SystemExit(f"error: --prefill-tokens={a.prefill_tokens} / --prefill-seqs={a.prefill_seqs} / "
+                         f"--send-steps={a.send_steps} are invalid: 1 <= seqs <= tokens, at most 4096 tokens a "
+                         "prompt, steps >= 1")
     if a.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit("error: --device cuda needs two GPUs (cuda:0 sends, cuda:1 receives); --device cpu: gloo")
     dev = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    cfg = load_model_config(a.model)
-    k, v = random_caches(cfg, 2 * max(sizes + [a.busy_blocks, a.duty_blocks]), a.block_size, dev,
-                         cfg.torch_dtype if dev.type == "cuda" else torch.float32)
-    block_bytes = 2 * len(k) * k[0][0].numel() * k[0].element_size()
+    else:  # one op thread a process: spinning op threads beside the links' threads stall a step on few cores
+        torch.set_num_threads(1)
     store = open_store(LINK_TIMEOUT_S)
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
@@ -131,7 +152,14 @@ def main() -> None:
     proc.start()
     link = KVLink(SEND_RANK, store, dev, LINK_TIMEOUT_S)
     try:
-        got = send_side(link, ours, k, v, a)
+        built = time.monotonic()  # the prefill engine's runner, while the receiver builds its own
+        runner = build_runner(a, dev, prefill_shape(a), max(8192, a.prefill_tokens), 256)
+        if time.monotonic() - built > STARTUP_S:
+            raise SystemExit(f"error: the sender's runner took {time.monotonic() - built:.0f} s to build "
+                             f"(at most {STARTUP_S:.0f} s)")
+        k = runner.kv_cache.k_caches
+        block_bytes = 2 * len(k) * k[0][0].numel() * k[0].element_size()
+        got = send_side(link, ours, runner, a)
     finally:
         proc.join(10)
         if proc.is_alive():
@@ -144,15 +172,20 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (gloo)"
     sweep = sweep_rows(got["sweep"], got["sent_at"], idle)
     curve, sweep_meta, sweep_text = summarise(sweep, a.post_leads)
+    sends = send_rows(got["send_sweep"])
+    send_curve, send_meta, send_text = summarise_send(sends)
+    prefill_idle = statistics.median(got["send_sweep"]["idle"])
     meta = {"format": FORMAT, "model": a.model, "device": name, "block_size": a.block_size,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "versions": f"torch {torch.__version__}", "command": "python -m experiments.bench_kv_receive " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("duty_utilisations", "post_leads")),
+                f"--{key.replace('_', '-')} {value}" for key, value in vars(a).items() if key not in ("duty_utilisations", "post_leads")),
             CURVE_KEY: curve, "duty_wire_alone_s": f"{got['sweep']['wire_s']:.6e}", **sweep_meta,
             "busy_step_factor": f"{factor:.4f}", "busy_over_idle": f"{busy / idle:.4f}" if busy else "-",
             "decode_step_idle_s": f"{idle:.6e}",
             "decode_step_busy_s": f"{busy:.6e}" if busy else "-",
-            "steps_idle_busy": f"{len(got['idle'])} {len(got['busy'])}"}
+            "steps_idle_busy": f"{len(got['idle'])} {len(got['busy'])}",
+            SEND_CURVE_KEY: send_curve, "send_wire_alone_s": f"{got['send_sweep']['wire_s']:.6e}",
+            "prefill_step_idle_s": f"{prefill_idle:.6e}", **send_meta}
     print(f"{a.model} on {name}: block {block_bytes / 2**20:.2f} MiB")
     print(f"{'blocks':>7} {'MiB':>8} {'scatter ms':>11} {'GB/s':>7} {'send host ms':>13}")
     for r in rows:
@@ -164,18 +197,31 @@ def main() -> None:
     print(f"duty sweep: messages of {a.duty_blocks} blocks, {got['sweep']['wire_s'] * 1e3:.3f} ms alone on the wire")
     print(sweep_text)
     print(f"{CURVE_KEY}: {curve}")
+    print(f"send sweep: prefill steps of {a.prefill_tokens} tokens in {a.prefill_seqs} prompts, idle "
+          f"{prefill_idle * 1e3:.3f} ms; messages of {a.duty_blocks} blocks, "
+          f"{got['send_sweep']['wire_s'] * 1e3:.3f} ms alone on the wire")
+    print(send_text)
+    print(f"{SEND_CURVE_KEY}: {send_curve}")
     if len(rows) < 2:
         raise SystemExit(f"error: --budget-s={a.budget_s} ran out before two message sizes were timed")
     if len(sweep) < len(a.duty_utilisations) * len(a.post_leads) * a.duty_steps:
         raise SystemExit(f"error: --budget-s={a.budget_s} ran out during the duty sweep ({len(sweep)} of "
                          f"{len(a.duty_utilisations) * len(a.post_leads) * a.duty_steps} steps): a larger budget")
+    if len(sends) < len(a.duty_utilisations) * a.send_steps:
+        raise SystemExit(f"error: --budget-s={a.budget_s} ran out during the send sweep ({len(sends)} of "
+                         f"{len(a.duty_utilisations) * a.send_steps} steps): a larger budget")
     write_receive_profile(a.out, meta, rows)
     steps_out = a.out.with_name(a.out.stem + "-steps.csv")
     with open(steps_out, "w", newline="") as f:
         writer = csv.DictWriter(f, ("setting", "lead_ms", "start_s", "step_s", "share", "posted", "over_idle"))
         writer.writeheader()
         writer.writerows(sweep)
-    print(f"wrote {a.out} and {steps_out}")
+    send_out = a.out.with_name(a.out.stem + "-send-steps.csv")
+    with open(send_out, "w", newline="") as f:
+        writer = csv.DictWriter(f, ("setting", "start_s", "step_s", "share", "over_idle"))
+        writer.writeheader()
+        writer.writerows(sends)
+    print(f"wrote {a.out}, {steps_out} and {send_out}")
 
 
 if __name__ == "__main__":

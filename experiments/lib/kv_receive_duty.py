@@ -185,9 +185,10 @@ def summarise(rows: list[dict], leads: Sequence[float]) -> tuple[str, dict[str, 
 
 
 def duty_summary(rows: list[dict]) -> str:
-    """One setting's steps in a line: how many, their mean shares, their median ratio."""
+    """One setting's steps in a line: how many, their mean shares (wire; posted, where rows have
+    it), their median ratio."""
     if not rows:
         return "no steps (budget)"
-    return (f"steps {len(rows)} mean share {statistics.fmean(r['share'] for r in rows):.3f} "
-            f"posted {statistics.fmean(r['posted'] for r in rows):.3f} "
+    posted = f"posted {statistics.fmean(r['posted'] for r in rows):.3f} " if "posted" in rows[0] else ""
+    return (f"steps {len(rows)} mean share {statistics.fmean(r['share'] for r in rows):.3f} {posted}"
             f"median over idle {statistics.median(r['over_idle'] for r in rows):.3f}")

@@ -1,10 +1,12 @@
 """The two processes of `experiments.bench_kv_receive`, each side's measurements: the decode side
 (`receive_side`: its runner and KV cache, the scatter timings, the receives the sender times, the
-decode steps idle, beside waves of receives and through the duty-cycle sweep) and the prefill side
-(`send_side`: the send's host time per message size, then the sends the receiver asks for). The
-bench's entry point parses the options, starts the two and writes the profile from what they
-return; the phases are described in its docstring. Every wait for the other process is bounded by
-the link's timeout, the receiver's build by STARTUP_S.
+decode steps idle, beside waves of receives and through the duty-cycle sweep, then the receives of
+the send-side sweep) and the prefill side (`send_side`: its runner and KV cache, built by the
+entry point; the send's host time per message size, the sends the receiver asks for, then prefill
+steps beside its own sends, experiments/lib/kv_send_duty.py). The bench's entry point parses the
+options, starts the two and writes the profile from what they return; the phases are described in
+its docstring. Every wait for the other process is bounded by the link's timeout or the budget,
+each side's build by STARTUP_S (the other side's wait for it).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from engine.disagg.kv_transfer_message import interleaved
 from engine.model_loader import load_model_config
 from experiments.lib.kv_link_bench import LINK_TIMEOUT_S, spread_blocks, sync_compute, sync_device
 from experiments.lib.kv_receive_duty import duty_sweep
+from experiments.lib.kv_send_duty import END, POST, send_sweep, serve_receives
 from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
 
 STARTUP_S = 300.0  # the receiver's runner build (torch.compile, CUDA graphs) and scatter timings, at most
@@ -56,6 +59,25 @@ def _scatter_s(k, v, n: int, iters: int, dev: torch.device) -> float:
     return statistics.median(times)
 
 
+def build_runner(a: argparse.Namespace, dev: torch.device, shape: StepShape, max_num_batched_tokens: int,
+                 max_num_seqs: int) -> ModelRunner:
+    """The engine's runner of `a.model` on `dev` (dummy weights; CUDA graphs on a GPU) whose cache
+    holds a step of `shape` and twice the largest message of the bench."""
+    cfg = load_model_config(a.model)
+    sizes = [int(b) for b in a.blocks.split(",")]
+    max_model_len = min(4096, cfg.max_position_embeddings)
+    num_blocks = max(blocks_needed(shape, a.block_size) + 2 * max(sizes + [a.busy_blocks, a.duty_blocks]),
+                     -(-max_model_len // a.block_size))
+    return ModelRunner(cfg, CacheConfig(block_size=a.block_size, num_gpu_blocks=num_blocks, swap_space=0.01),
+                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                       max_model_len=max_model_len, device=dev, decode_kernel=a.decode_kernel)
+
+
+def prefill_shape(a: argparse.Namespace) -> StepShape:
+    """The send-side sweep's step: `--prefill-tokens` in `--prefill-seqs` prompts, no decode."""
+    return StepShape(a.prefill_tokens, a.prefill_seqs, 0, 0)
+
+
 def _step(runner: ModelRunner, step, dev: torch.device) -> None:
     runner.execute(step)
     sync_compute(dev)
@@ -67,22 +89,20 @@ def receive_side(port: int, conn, a: argparse.Namespace) -> None:
     dev = torch.device("cuda", 1) if a.device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(1)  # as the sender's (experiments/bench_kv_receive.py)
     # The link first: the sender's end waits for it within the link's timeout, not for the build.
     link = KVLink(RECV_RANK, join_store(port, LINK_TIMEOUT_S), dev, LINK_TIMEOUT_S)
     cfg = load_model_config(a.model)
     shape = StepShape(0, 0, a.decode_seqs, a.context)
     sizes = [int(b) for b in a.blocks.split(",")]
-    max_model_len = min(4096, cfg.max_position_embeddings)
-    num_blocks = max(blocks_needed(shape, a.block_size) + 2 * max(sizes + [a.busy_blocks, a.duty_blocks]),
-                     -(-max_model_len // a.block_size))
-    runner = ModelRunner(cfg, CacheConfig(block_size=a.block_size, num_gpu_blocks=num_blocks, swap_space=0.01),
-                         max_num_batched_tokens=max(2048, a.decode_seqs), max_num_seqs=max(256, a.decode_seqs),
-                         max_model_len=max_model_len, device=dev,
-                         decode_kernel=a.decode_kernel)
+    runner = build_runner(a, dev, shape, max(2048, a.decode_seqs), max(256, a.decode_seqs))
     k, v = runner.kv_cache.k_caches, runner.kv_cache.v_caches
     started = time.monotonic()
     out = {"scatter_s": {n: _scatter_s(k, v, n, a.iters, dev) for n in sizes}}
     conn.send(("scatter", out["scatter_s"]))
+    if not conn.poll(STARTUP_S):  # the sender builds its runner meanwhile
+        raise RuntimeError(f"the sender's runner was not built within {STARTUP_S} s")
     while (msg := conn.recv()) is not None:  # the sender's send timings: post, say ready, wait
         transfer = link.recv([("r", list(range(msg)))], k)
         conn.send("ready")
@@ -124,12 +144,21 @@ def receive_side(port: int, conn, a: argparse.Namespace) -> None:
                        [(u, lead / 1e3) for lead in a.post_leads for u in a.duty_utilisations], a.duty_steps,
                        started + a.budget_s, LINK_TIMEOUT_S)
     conn.send(("steps", idle, busy, sweep))
-    conn.recv()  # the sender is done
+    # The send-side sweep: a receive posted each time the sender asks, right before its send.
+    got = serve_receives(link, conn, lambda: link.recv([("s", list(range(a.duty_blocks)))], k),
+                         max(LINK_TIMEOUT_S, a.budget_s))
+    conn.send(("received", *got))
     link.close()
 
 
-def send_side(link: KVLink, conn, k, v, a: argparse.Namespace) -> dict:
-    """The prefill side: the send's host time per size, then waves of sends when the receiver asks."""
+def send_side(link: KVLink, conn, runner: ModelRunner, a: argparse.Namespace) -> dict:
+    """The prefill side (`runner`: its engine's runner and KV cache): the send's host time per size,
+    waves of sends when the receiver asks, then prefill steps beside its own sends."""
+    k, v, dev = runner.kv_cache.k_caches, runner.kv_cache.v_caches, link.device
+    cfg = runner.model_config
+    step = synthetic_step(prefill_shape(a), a.block_size, runner.num_gpu_blocks, cfg.vocab_size)
+    for _ in range(5):  # warm-up, while the receiver builds its runner
+        _step(runner, step, dev)
     if not conn.poll(STARTUP_S + a.budget_s):
         raise SystemExit("error: the receiver did not time its scatters")
     _, scatter = conn.recv()
@@ -159,9 +188,9 @@ def send_side(link: KVLink, conn, k, v, a: argparse.Namespace) -> dict:
             raise SystemExit("error: the receiver did not finish its decode steps")
         msg = conn.recv()
         if msg[0] == "steps":
-            conn.send(None)
+            sends = _send_sweep(link, conn, runner, step, a, started + a.budget_s)
             return {"scatter": scatter, "send": send, "idle": msg[1], "busy": msg[2], "sweep": msg[3],
-                    "sent_at": sent_at}
+                    "sent_at": sent_at, "send_sweep": sends}
         if msg[0] == "one":  # one message of the duty sweep, not waited for
             link.poll()  # the sends that ended let go of their staging buffers
             link.send([("d", spread_blocks(a.duty_blocks, k[0].shape[0], len(sent_at)))], k, v)
@@ -170,3 +199,29 @@ def send_side(link: KVLink, conn, k, v, a: argparse.Namespace) -> dict:
         for i in range(msg[1]):
             link.send([("w", spread_blocks(a.busy_blocks, k[0].shape[0], 100 + i))], k, v)
         link.wait_all(LINK_TIMEOUT_S)
+
+
+def _send_sweep(link: KVLink, conn, runner: ModelRunner, step, a: argparse.Namespace, deadline: float) -> dict:
+    """Prefill steps idle and beside sends of `--duty-blocks` blocks (kv_send_duty.send_sweep), each
+    send's receive posted by the receiver right before it; then the receiver's count of them."""
+    k, v, dev, count = runner.kv_cache.k_caches, runner.kv_cache.v_caches, link.device, [0]
+
+    def send_one() -> None:
+        conn.send(POST)
+        if not conn.poll(LINK_TIMEOUT_S) or conn.recv() != "posted":
+            raise RuntimeError(f"the receiver did not post a receive within {LINK_TIMEOUT_S} s")
+        link.send([("s", spread_blocks(a.duty_blocks, k[0].shape[0], 1000 + count[0]))], k, v)
+        count[0] += 1
+
+    try:
+        sweep = send_sweep(link, lambda: _step(runner, step, dev), send_one, a.duty_utilisations, a.send_steps,
+                           a.send_steps, deadline, LINK_TIMEOUT_S)
+    finally:
+        conn.send(END)
+    if not conn.poll(LINK_TIMEOUT_S):
+        raise SystemExit("error: the receiver did not complete the send sweep's receives")
+    _, posted, completed = conn.recv()
+    if posted != count[0] or completed != count[0]:
+        raise SystemExit(f"error: the send sweep sent {count[0]} messages; the receiver posted {posted} "
+                         f"receives and completed {completed}")
+    return sweep
