@@ -40,8 +40,8 @@ def send_sweep(link, step: Callable[[], None], send_one: Callable[[], None], uti
     """On the sending process: `idle_steps` prefill steps (`step`) with the link idle, then
     `steps_per_setting` for each u of `utilisations` while `send_one` (the receive asked for, then
     `KVLink.send` on `link`; nothing kept of the transfer) sends one message every `wire / u`
-    seconds (those due at a step's start sent before it; a lag of more than a period dropped), at
-    most 2 + idle step / period in flight (MAX_IN_FLIGHT). Stops a setting at `deadline` (monotonic);
+    seconds (those due at a step's start sent before it, at most `cap`; a lag of more than a period
+    after posting dropped), `cap` = 2 + idle step / period in flight at most (MAX_IN_FLIGHT). Stops a setting at `deadline` (monotonic);
     every wait for the link within `timeout_s`. Returns `idle` (seconds), `wire_s`, the steps'
     (u, start, end) and the messages' (u, posted, finished) (u 0: the three alone)."""
     sent, wire, steps, idle = [0], [], [], []
@@ -82,11 +82,11 @@ def send_sweep(link, step: Callable[[], None], send_one: Callable[[], None], uti
         period, got = wire_s / u, 0
         cap, due = min(MAX_IN_FLIGHT, 2 + math.ceil(idle_s / period)), time.monotonic()  # `due`: the next send
         while got < steps_per_setting and time.monotonic() <= deadline:
-            now = time.monotonic()  # the sends due by now; one slower to post than its period does not pile up
-            while now >= due and link.num_in_flight < cap:
+            now, posted = time.monotonic(), 0  # the sends due by now, at most `cap` of them
+            while now >= due and link.num_in_flight < cap and posted < cap:
                 send(u)
-                due += period
-            due = max(due, now - period)
+                due, posted = due + period, posted + 1
+            due = max(due, time.monotonic() - period)  # posting slower than the period piles nothing up
             t0 = time.monotonic()
             ended = link.poll()  # the sends that ended let go of their staging buffers
             step()

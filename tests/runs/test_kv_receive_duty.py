@@ -1,9 +1,13 @@
 """The duty-sweep table (experiments/lib/kv_receive_duty.py): steps binned by the share of them the
 wire was busy, the `busy_share_curve` the simulator reads, and the bench's wire intervals."""
+import time
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from experiments.lib.kv_receive_duty import busy_share_curve, share_bins, step_shares, summarise, sweep_rows
+from experiments.lib.kv_send_duty import MAX_IN_FLIGHT, send_rows, send_sweep, summarise_send
 from sim.latency.kv_receive import KVReceivePrice
 
 
@@ -146,3 +150,50 @@ def test_a_bench_step_waits_for_the_compute_stream_not_the_link(monkeypatch):
 
     kv_receive_sides._step(Runner(), object(), torch.device("cuda", 0))
     assert waited == ["step", "compute"]
+
+
+class _InstantLink:
+    """A sending link whose messages end as they are sent (gloo on one host, small messages)."""
+
+    def __init__(self) -> None:
+        self.ended, self.num_in_flight = [], 0
+
+    def send(self) -> None:
+        now = time.monotonic()
+        self.ended.append(SimpleNamespace(posted_at=now, finished_at=now + 1e-5, error=None))
+
+    def poll(self) -> list:
+        ended, self.ended = self.ended, []
+        return ended
+
+    def wait_all(self, timeout_s: float) -> list:
+        return self.poll()
+
+
+def test_the_send_sweep_sends_what_is_due_and_no_backlog_when_posting_is_slower_than_the_period():
+    link = _InstantLink()
+
+    def send_one() -> None:  # posting (the receiver's answer, the send call) takes longer than a period
+        time.sleep(0.0005)
+        link.send()
+
+    def step() -> None:
+        time.sleep(0.002)
+
+    sweep = send_sweep(link, step, send_one, [1.0], 10, 3, time.monotonic() + 30, 1.0)
+    assert len(sweep["idle"]) == 3 and len([s for s in sweep["steps"] if s[0] == 1.0]) == 10
+    sends = [s for s in sweep["sends"] if s[0] == 1.0]
+    # A period of 10 us, posting 500 us: at most MAX_IN_FLIGHT sends before each step, no backlog.
+    assert 10 <= len(sends) <= 10 * MAX_IN_FLIGHT
+    rows = send_rows(sweep)
+    assert len(rows) == 10 and all(r["share"] >= 0 and r["over_idle"] > 0 for r in rows)
+    curve, meta, text = summarise_send(rows)
+    assert "send duty 1" in meta and "prefill steps beside sends" in text and curve
+
+
+def test_send_rows_share_is_the_sends_cover_of_each_step():
+    sweep = {"idle": [0.004, 0.004, 0.004], "steps": [(1.0, 1.0, 1.004), (1.0, 1.004, 1.008)],
+             "sends": [(0.0, 0.5, 0.6), (1.0, 1.002, 1.006)]}
+    rows = send_rows(sweep)
+    assert [r["share"] for r in rows] == [0.5, 0.5] and [r["over_idle"] for r in rows] == [1.0, 1.0]
+    assert rows[1]["start_s"] == pytest.approx(0.004)
