@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 
 from engine.device.cuda_graph import graph_batch_sizes
-from experiments.lib.kv_receive_duty import format_bins, share_bins, step_shares
+from experiments.lib.kv_receive_duty import format_bins, share_bins, step_shares, wire_intervals
 
 Price = Callable[[int, int, bool], float]  # (decodes, context tokens, synchronous) -> seconds
 CLASSES = ("sync", "pipeline break", "before sync: host gap", "before sync: rest", "ahead, link busy",
@@ -71,18 +71,6 @@ def decode_steps(steps: pd.DataFrame) -> pd.DataFrame:
         if column in d.columns:
             keep &= d[column] == 0
     return d[keep].reset_index(drop=True)
-
-
-def wire_intervals(requests: pd.DataFrame | None, posted: bool = False) -> list[tuple[float, float]]:
-    """Each handed-off request's receive: (from its send, or its posting with `posted`; to the end
-    of its transfer). None or no hand-off columns: none."""
-    if requests is None or "link_time" not in requests.columns:
-        return []
-    r = requests[requests["link_time"].notna()]
-    done = r["arrival_time"] + r["queueing_time"] + r["prefill_time"]
-    start = (done + (r["decode_wait"] if posted else r["transfer_time"] - r["link_time"])).to_numpy(dtype=float)
-    stop = (done + r["transfer_time"]).to_numpy(dtype=float)
-    return list(zip(start.tolist(), stop.tolist()))
 
 
 def wire_shares(d: pd.DataFrame, requests: pd.DataFrame | None, posted: bool = False) -> np.ndarray:

@@ -12,8 +12,8 @@ simulator's `<scenario>/sim/steps.parquet` of the same scenarios) and prints per
 - the steps' duration over the profile's price of their prefill tokens as the simulator prices a
   step (`shape_time`, the prompts taken as equal in length: the rows keep only their number;
   `sync_time_s`: a prefill engine's steps are not scheduled ahead when requests wait), binned by the share of the step a KV
-  message was on the wire out of its GPU (`experiments/lab/decode_excess.py`'s intervals,
-  `experiments/lib/kv_receive_duty.py`'s bins): the engine's own side of what sending costs a step.
+  message was on the wire out of its GPU (`experiments/lib/kv_receive_duty.py`'s intervals
+  and bins): the engine's own side of what sending costs a step.
 
 A diagnostic, not a price: nothing here goes into the simulator (it would be fitted to the runs it
 is checked against).
@@ -27,8 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments.lab.decode_excess import wire_intervals
-from experiments.lib.kv_receive_duty import format_bins, share_bins, step_shares
+from experiments.lib.kv_receive_duty import format_bins, share_bins, step_shares, wire_intervals
 from sim.latency.base import BatchShape
 
 

@@ -5,7 +5,8 @@ the sweep itself, as the bench's receiving process runs it (`duty_sweep`).
 
 A step's share is the part of its wall time (the bench) or period (an engine run's step) that the
 union of the wire intervals covers (`sim.latency.kv_receive.wire_share`, the simulator's own rule);
-its ratio is its time over the idle step (the bench) or over its profiled price (an engine run).
+its ratio is its time over the idle step (the bench) or over its profiled price (an engine run);
+an engine run's wire intervals come from its request rows (`wire_intervals`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from sim.latency.kv_receive import wire_share
 
@@ -45,6 +47,19 @@ def step_shares(starts: Sequence[float], ends: Sequence[float], intervals: Seque
         near = spans[:int(np.searchsorted(begins, t1))]  # only those that began before the step's end
         out[i] = wire_share(t0, t1, [w for w in near if w[1] > t0])
     return out
+
+
+def wire_intervals(requests: pd.DataFrame | None, posted: bool = False) -> list[tuple[float, float]]:
+    """An engine run's KV messages on the wire, from its `requests.parquet` rows: each handed-off
+    request's (from its send, or its posting with `posted`; to the end of its transfer). None or
+    no hand-off columns: none."""
+    if requests is None or "link_time" not in requests.columns:
+        return []
+    r = requests[requests["link_time"].notna()]
+    done = r["arrival_time"] + r["queueing_time"] + r["prefill_time"]
+    start = (done + (r["decode_wait"] if posted else r["transfer_time"] - r["link_time"])).to_numpy(dtype=float)
+    stop = (done + r["transfer_time"]).to_numpy(dtype=float)
+    return list(zip(start.tolist(), stop.tolist()))
 
 
 def share_bins(shares: np.ndarray, ratios: np.ndarray) -> list[ShareBin]:
