@@ -5,7 +5,7 @@ import pytest
 from experiments.lib.fidelity_spec import compose_cfg
 from experiments.lib.run_workload import run
 
-PROFILE = "experiments/profiles/h200-qwen3-0.6b-kv-receive.csv"
+PROFILE = "experiments/profiles/kv_receive/h200-qwen3-0.6b.csv"
 COMMON = ["backend=sim", "latency=roofline", "hardware=h200", "seed=0", "progress=false", "plots=false",
           "cluster.replicas=2", "cluster.roles=[prefill,decode]", "workload=poisson", "workload.rate=50",
           "workload.num_requests=6", "workload.prompt_len.low=16", "workload.prompt_len.high=32",
