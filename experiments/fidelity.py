@@ -247,6 +247,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
                         help="only the engine runs (on the GPU); the simulator side later with --engine-runs")
     args = parser.parse_args(argv)
     spec = load_spec(args.spec)
+    check_overridden(args.overrides, spec, args.spec)
     spec["sim"] = [*spec["sim"], *args.sim]
     names = list(spec["scenarios"])
     if args.scenarios:
@@ -292,6 +293,25 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
         meta["all_reduce"] = fid.all_reduce.note
     print(fid.write(args.out or runs_dir / "report", meta))
     return fid
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def check_overridden(overrides: Sequence[str], spec: dict[str, Any], spec_path: str) -> None:
+    """A positional override goes before the spec's per-side and per-scenario lists, so a key that
+    one of those also sets would silently lose: refused, naming the key and where it is set."""
+    later = [(f"its {side} list", spec.get(side) or []) for side in ("engine", "sim")]
+    later += [(f"scenario {name}'s overrides", (scn or {}).get("overrides") or [])
+              for name, scn in spec["scenarios"].items()]
+    for override in overrides:
+        key = _override_key(override)
+        for where, items in later:
+            if any(_override_key(str(item)) == key for item in items):
+                side = "--sim (the simulator side)" if where == "its sim list" else "a spec of your own"
+                raise ValueError(f"override {override!r}: {spec_path} sets {key} in {where}, which comes after "
+                                 f"the command line's overrides and would win; pass it with {side}")
 
 
 def fresh_dir(path: Path) -> Path:

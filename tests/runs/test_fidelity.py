@@ -362,3 +362,13 @@ def test_runs_started_in_the_same_second_get_their_own_trace_dirs(tmp_path):
     stamp = tmp_path / "2026-11-28" / "14-03-35"
     dirs = [fresh_dir(stamp) for _ in range(3)]
     assert [d.name for d in dirs] == ["14-03-35", "14-03-35-2", "14-03-35-3"] and all(d.is_dir() for d in dirs)
+
+
+def test_an_override_the_spec_sets_later_is_refused_not_lost(tmp_path):
+    from experiments.fidelity import _main
+
+    with pytest.raises(ValueError, match=r"override 'cluster.kv_receive_profile=x.csv': conf/fidelity/disagg.yaml "
+                                         r"sets cluster.kv_receive_profile in its sim list, .* pass it with --sim"):
+        _main(["--spec", "conf/fidelity/disagg.yaml", "--runs", str(tmp_path), "cluster.kv_receive_profile=x.csv"])
+    with pytest.raises(ValueError, match=r"sets workload.rate in scenario pd_400's overrides"):
+        _main(["--spec", "conf/fidelity/disagg.yaml", "--runs", str(tmp_path), "workload.rate=100"])
