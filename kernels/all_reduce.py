@@ -173,6 +173,18 @@ def _two_shot_kernel(bufs, pads, out_ptr, numel, part, RANK: tl.constexpr, WORLD
 
 
 @triton.jit
+def _add_rms_norm_rows(total, res_ptr, w, res_out_ptr, out_ptr, offs, mask, eps, HIDDEN: tl.constexpr):
+    """Rows of the all-reduced sum (float32) -> `+ residual` in the activation dtype (written to
+    `res_out_ptr`), then the RMSNorm as engine/models/ops.py computes it (written to `out_ptr`)."""
+    dtype = res_out_ptr.dtype.element_ty
+    h = (total.to(dtype).to(tl.float32) + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(dtype)
+    tl.store(res_out_ptr + offs, h, mask=mask)
+    x = h.to(tl.float32)
+    x = (x * tl.rsqrt(tl.sum(x * x, 1)[:, None] / HIDDEN + eps)).to(dtype)
+    tl.store(out_ptr + offs, (w * x.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _one_shot_add_rms_norm_kernel(bufs, pads, res_ptr, w_ptr, res_out_ptr, out_ptr, rows, eps,
                                   HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                                   RANK: tl.constexpr, WORLD: tl.constexpr, BARRIER: tl.constexpr,
@@ -189,31 +201,27 @@ def _one_shot_add_rms_norm_kernel(bufs, pads, res_ptr, w_ptr, res_out_ptr, out_p
         row = first + tl.arange(0, ROWS)[:, None]
         mask = (row < rows) & cmask
         offs = row * HIDDEN + cols
-        total = _sum_ranks(bufs, offs, mask, dtype, WORLD).to(dtype)  # the all-reduce's result
-        h = (total.to(tl.float32) + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(dtype)
-        tl.store(res_out_ptr + offs, h, mask=mask)
-        x = h.to(tl.float32)
-        x = (x * tl.rsqrt(tl.sum(x * x, 1)[:, None] / HIDDEN + eps)).to(dtype)
-        tl.store(out_ptr + offs, (w * x.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+        total = _sum_ranks(bufs, offs, mask, dtype, WORLD)
+        _add_rms_norm_rows(total, res_ptr, w, res_out_ptr, out_ptr, offs, mask, eps, HIDDEN)
     if BARRIER and CLOSE:
         tl.debug_barrier()
         _barrier(pads, pid, RANK, WORLD)
 
 
-def _grid(peers: PeerBuffers, numel: int, itemsize: int) -> tuple[int, int, int]:
+def flat_grid(max_programs: int, numel: int, itemsize: int) -> tuple[int, int, int]:
     """(programs, BLOCK elements, warps): blocks small enough to spread a message over the SMs,
     at most BLOCK_BYTES; 16-byte vectors, at most two per thread."""
     vec = max(1, 16 // itemsize)
-    block = min(BLOCK_BYTES // itemsize, max(32 * vec, triton.next_power_of_2(triton.cdiv(numel, peers.max_programs))))
+    block = min(BLOCK_BYTES // itemsize, max(32 * vec, triton.next_power_of_2(triton.cdiv(numel, max_programs))))
     warps = max(1, min(16, block // (32 * vec * 2)))
-    return min(peers.max_programs, triton.cdiv(numel, block)), block, warps
+    return min(max_programs, triton.cdiv(numel, block)), block, warps
 
 
 def one_shot_all_reduce(peers: PeerBuffers, staged: torch.Tensor, out: torch.Tensor, close: bool = True) -> torch.Tensor:
     """`out` = the sum over the ranks of `staged` (a view of this rank's buffer), read whole from
     every rank. `close=False`: no closing barrier (the caller's next call stages elsewhere)."""
     numel = staged.numel()
-    programs, block, warps = _grid(peers, numel, staged.element_size())
+    programs, block, warps = flat_grid(peers.max_programs, numel, staged.element_size())
     _one_shot_kernel[(programs,)](peers.views(staged), peers.signal_pads, out, numel, RANK=peers.rank,
                                   WORLD=peers.world_size, BLOCK=block, BARRIER=peers.barrier, CLOSE=close,
                                   num_warps=warps)
@@ -226,7 +234,7 @@ def two_shot_all_reduce(peers: PeerBuffers, staged: torch.Tensor, out: torch.Ten
     is taken for a uniform call)."""
     numel, world = staged.numel(), peers.world_size
     part = triton.cdiv(triton.cdiv(numel, world), 16) * 16  # slices start on 16-byte boundaries
-    programs, block, warps = _grid(peers, part, staged.element_size())
+    programs, block, warps = flat_grid(peers.max_programs, part, staged.element_size())
     _two_shot_kernel[(programs,)](peers.views(staged), peers.signal_pads, out, numel, part, RANK=peers.rank,
                                   WORLD=world, BLOCK=block, BARRIER=peers.barrier, num_warps=warps)
     return out
@@ -243,17 +251,36 @@ def one_shot_all_reduce_add_rms_norm(peers: PeerBuffers, staged: torch.Tensor, r
     """(rms_norm(sum + residual) * weight, sum + residual) for `staged` [rows, hidden] (a view of
     this rank's buffer holding its partial sums), as engine/models/ops.py's add_rms_norm computes
     them on the all-reduced rows. `close=False`: no closing barrier (as `one_shot_all_reduce`)."""
+    check_norm_rows(staged, residual)
     rows, hidden = staged.shape
-    if not fits_add_rms_norm(hidden) or residual.shape != staged.shape or not residual.is_contiguous():
-        raise ValueError(f"fused all-reduce + RMSNorm: rows of {hidden} (at most {NORM_MAX_HIDDEN}) and a "
-                         f"contiguous residual of the same shape; got residual {tuple(residual.shape)}")
-    residual_out = torch.empty_like(staged)
-    out = torch.empty(staged.shape, dtype=torch.promote_types(weight.dtype, staged.dtype), device=staged.device)
-    block_h = triton.next_power_of_2(hidden)
-    per_program = min(4, triton.next_power_of_2(triton.cdiv(rows, peers.max_programs)))  # rows in flight
-    warps = max(1, min(16, per_program * block_h // (32 * max(1, 16 // staged.element_size()) * 2)))
-    _one_shot_add_rms_norm_kernel[(min(peers.max_programs, triton.cdiv(rows, per_program)),)](
+    out, residual_out = norm_outputs(staged, weight)
+    programs, per_program, block_h, warps = norm_grid(peers.max_programs, rows, hidden, staged.element_size())
+    _one_shot_add_rms_norm_kernel[(programs,)](
         peers.views(staged), peers.signal_pads, residual, weight, residual_out, out, rows, eps, HIDDEN=hidden,
         BLOCK_H=block_h, ROWS=per_program, RANK=peers.rank, WORLD=peers.world_size, BARRIER=peers.barrier,
         CLOSE=close, num_warps=warps)
     return out, residual_out
+
+
+def check_norm_rows(rows: torch.Tensor, residual: torch.Tensor) -> None:
+    """The fused kernels' rows: [rows, hidden] with hidden <= NORM_MAX_HIDDEN, and a contiguous
+    residual of the same shape."""
+    hidden = rows.shape[-1]
+    if rows.dim() != 2 or not fits_add_rms_norm(hidden) or residual.shape != rows.shape or not residual.is_contiguous():
+        raise ValueError(f"fused all-reduce + RMSNorm: rows of {hidden} (at most {NORM_MAX_HIDDEN}) and a "
+                         f"contiguous residual of the same shape; got residual {tuple(residual.shape)}")
+
+
+def norm_outputs(rows: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the normed rows, the new residual), allocated for the fused kernels."""
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, rows.dtype), device=rows.device)
+    return out, torch.empty_like(rows)
+
+
+def norm_grid(max_programs: int, rows: int, hidden: int, itemsize: int) -> tuple[int, int, int, int]:
+    """(programs, rows per program and iteration, BLOCK_H, warps) of the fused kernels: up to 4
+    rows in flight per program, at most `max_programs` programs."""
+    block_h = triton.next_power_of_2(hidden)
+    per_program = min(4, triton.next_power_of_2(triton.cdiv(rows, max_programs)))
+    warps = max(1, min(16, per_program * block_h // (32 * max(1, 16 // itemsize) * 2)))
+    return min(max_programs, triton.cdiv(rows, per_program)), per_program, block_h, warps
