@@ -263,9 +263,12 @@ CUSTOM_ALL_REDUCE_LIMIT_BYTES = 2**30
 # hang with it on is reported within the same bounds as with NCCL only (docs/parallelism.md, Faults).
 DISABLE_CUSTOM_ALL_REDUCE = False
 # Which kernels sum the symmetric-memory messages: torch's (`symm_mem` ops), the Triton ones
-# (kernels/all_reduce.py: one program per SM), or the Triton ones with the layer boundary's
-# all-reduce, residual add and RMSNorm fused into one kernel.
-ALL_REDUCE_KERNELS = ("auto", "torch", "triton", "triton_fused")
+# (kernels/all_reduce.py: one program per SM), the Triton ones with the layer boundary's
+# all-reduce, residual add and RMSNorm fused into one kernel, or the barrier-free one-shot, fused
+# alike (kernels/all_reduce_lamport.py; opt-in: "auto" never picks it).
+ALL_REDUCE_KERNELS = ("auto", "torch", "triton", "triton_fused", "triton_lamport")
+# The kernels that sum a decoder layer's boundary with its residual add and RMSNorm.
+FUSED_ALL_REDUCE_KERNELS = ("triton_fused", "triton_lamport")
 
 
 @dataclass(slots=True, frozen=True)
@@ -279,7 +282,9 @@ class ParallelConfig:
     `disable_custom_all_reduce` (False by default, as in vLLM, whose name it is) True sends every
     all-reduce through NCCL. `all_reduce_kernel` picks the symmetric paths' kernels
     (`ALL_REDUCE_KERNELS`): torch's ("torch"), Triton's ("triton"), Triton's with each decoder
-    layer's all-reduce fused into the next RMSNorm's residual add ("triton_fused"), or "auto" (the
+    layer's all-reduce fused into the next RMSNorm's residual add ("triton_fused"), the same
+    boundary without barriers ("triton_lamport": each rank pushes into its peers' buffers and polls
+    its own; opt-in, not yet measured), or "auto" (the
     default: "triton_fused" at two ranks, where it is measured fastest, torch's at other sizes;
     `kernel_for`). The symmetric-memory kernels spin without a deadline, so with them on
     rank 0 never blocks on a step: it polls the step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes

@@ -70,6 +70,13 @@ class LamportSlots:
         if any(a % 16 for a in self.areas):
             raise ValueError(f"LamportSlots.areas={[hex(a) for a in self.areas]}: each must be 16-byte aligned")
 
+    @classmethod
+    def of_rendezvous(cls, handle, area: torch.Tensor, slot_bytes: int) -> LamportSlots:
+        """From torch's rendezvous handle of the allocation `area` is a view of: every rank's
+        address of `area`'s first byte."""
+        shift = area.data_ptr() - handle.buffer_ptrs[handle.rank]
+        return cls(tuple(p + shift for p in handle.buffer_ptrs), handle.rank, slot_bytes)
+
     @staticmethod
     def area_bytes(world_size: int, slot_bytes: int) -> int:
         return ROUNDS * world_size * slot_bytes

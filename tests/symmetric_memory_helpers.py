@@ -1,7 +1,7 @@
 """Shared by the tests of the symmetric-memory all-reduce (engine/distributed/custom_all_reduce.py,
 symmetric_all_reduce.py, kernels/all_reduce.py) and of what times it
 (experiments/lib/profiling/collectives.py): a stand-in for torch's `symm_mem` ops, a mirrored peer
-table for the Triton kernels, counted CUDA events for the pacing, and the bounded two-process run
+table for the Triton kernels and one for the Lamport kernel, counted CUDA events for the pacing, and the bounded two-process run
 of the GPU tests."""
 from __future__ import annotations
 
@@ -39,6 +39,26 @@ def mirrored_peers(buffer, world: int = 2, programs: int = 3):
     peers = PeerBuffers((buffer.data_ptr(),) * world, (pads.data_ptr(),) * world, 0, buffer.numel(), programs,
                         barrier=False)
     return peers, pads  # keep the pads alive as long as the peers
+
+
+def mirrored_lamport(buffer, slot_bytes: int):
+    """The Lamport all-reduce of rank 0 of 2 over stand-ins, `buffer` its barrier kernels' region
+    (`mirrored_peers`): rank 1 holds the same values as rank 0, so rank 1's area is placed one slot
+    after rank 0's, where rank 0's push into rank 1's slot 0 of a round lands on rank 0's own slot
+    1 of that round: the push rank 0 polls for arrives as rank 1's (the sum is 2x the message, as
+    `FakeSymmOps` has it). Returns the `LamportAllReduce` and what must outlive it."""
+    import torch
+
+    from engine.distributed.lamport_all_reduce import LamportAllReduce
+    from kernels.all_reduce_lamport import LamportSlots
+
+    area_bytes = LamportSlots.area_bytes(2, slot_bytes)
+    memory = torch.zeros(area_bytes + slot_bytes, dtype=torch.uint8)  # rank 1's area reaches one slot further
+    slots = LamportSlots((memory.data_ptr(), memory.data_ptr() + slot_bytes), 0, slot_bytes)
+    peers, pads = mirrored_peers(buffer)
+    custom = LamportAllReduce(buffer, memory[:area_bytes], slots, "g", slot_bytes, slot_bytes, ops=FakeSymmOps(),
+                              peers=peers)
+    return custom, (memory, pads)
 
 
 def counting_events(monkeypatch, capturing: bool = False) -> type:

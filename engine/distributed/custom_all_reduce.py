@@ -109,8 +109,15 @@ def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.devi
         enable(group_name)
     size = parallel.custom_all_reduce_max_bytes
     kernel = parallel.kernel_for(world_size)
-    regions = 1 if kernel == "torch" else REGIONS  # the Triton kernels alternate regions (no closing barrier)
-    buffer = symm_mem.empty(regions * size, dtype=torch.uint8, device=device)
+    # The Triton kernels alternate regions (no closing barrier); torch's kernels and the Lamport
+    # kernel's fallbacks use one, the Lamport kernel its rounds after it.
+    regions = 1 if kernel in ("torch", "triton_lamport") else REGIONS
+    lamport = 0
+    if kernel == "triton_lamport":
+        from kernels.all_reduce_lamport import LamportSlots
+
+        lamport = LamportSlots.area_bytes(world_size, size)
+    buffer = symm_mem.empty(regions * size + lamport, dtype=torch.uint8, device=device)
     _rendezvous_joined = True  # even if it fails: the exchange's state has moved on
     handle = symm_mem.rendezvous(buffer, group_name)
     if handle is None:
@@ -119,8 +126,15 @@ def _allocate(symm_mem: ModuleType, parallel: ParallelConfig, device: torch.devi
     if kernel != "torch":
         from kernels.all_reduce import PeerBuffers
 
-        peers = PeerBuffers.of_rendezvous(handle, buffer)
-    return SymmetricAllReduce(buffer, group_name, parallel.one_shot_max_bytes(world_size), size, handle, peers=peers,
+        peers = PeerBuffers.of_rendezvous(handle, buffer[:regions * size])
+    one_shot = parallel.one_shot_max_bytes(world_size)
+    if lamport:
+        from engine.distributed.lamport_all_reduce import LamportAllReduce
+
+        area = buffer[size:]
+        slots = LamportSlots.of_rendezvous(handle, area, size)
+        return LamportAllReduce(buffer[:size], area, slots, group_name, one_shot, size, handle, peers=peers)
+    return SymmetricAllReduce(buffer, group_name, one_shot, size, handle, peers=peers,
                               fused=kernel == "triton_fused", regions=regions)
 
 

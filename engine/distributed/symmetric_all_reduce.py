@@ -7,7 +7,8 @@ Kernels (`ParallelConfig.all_reduce_kernel`): torch's (`symm_mem.one_shot_all_re
 `symm_mem.two_shot_all_reduce_out`; "torch", the default), or the Triton ones of
 kernels/all_reduce.py ("triton": one program per SM, barriers on the same signal pads), which also
 offer the all-reduce fused with the next RMSNorm's residual add ("triton_fused": the model hands
-the row-parallel layer's un-reduced partial sums to the norm, `all_reduce_add_rms_norm`).
+the row-parallel layer's un-reduced partial sums to the norm, `all_reduce_add_rms_norm`), or the
+barrier-free one-shot ("triton_lamport": engine/distributed/lamport_all_reduce.py, a subclass).
 NVLink multicast (`multimem_*` ops) is never used: it is off on the hosts this runs on.
 
 Regions (the Triton kernels): the buffer holds `REGIONS` messages side by side, and the kernels
@@ -56,6 +57,12 @@ T = TypeVar("T")
 PACE_LAG = 2
 # Messages the Triton kernels' buffer holds at once (module docstring: no two consecutive calls share one).
 REGIONS = 3
+
+
+def alternating(calls: int, places: int) -> int:
+    """Where a forward's call number `calls` (0 first) goes among `places` (regions, rounds): the
+    first to 0, the rest alternating 1, 2, 1, ... (all to 0 with one place)."""
+    return 0 if calls == 0 or places == 1 else 1 + (calls - 1) % (places - 1)
 
 
 class SymmetricAllReduce:
@@ -136,15 +143,27 @@ class SymmetricAllReduce:
         """(rms_norm(sum + residual) * weight, sum + residual) of `partial` [rows, hidden] in one
         kernel, or None where it does not take the message (not `fused`, NCCL's size, a residual
         of another shape or layout, too wide a row): the caller then all-reduces and norms."""
-        from kernels.all_reduce import fits_add_rms_norm, one_shot_all_reduce_add_rms_norm
+        from kernels.all_reduce import one_shot_all_reduce_add_rms_norm
 
-        if (not self.fused or partial.dim() != 2 or self.path_for(partial) == NCCL
-                or not fits_add_rms_norm(partial.shape[1]) or residual.shape != partial.shape
-                or residual.dtype != partial.dtype or not residual.is_contiguous()):
+        if not self.fused or self.path_for(partial) == NCCL or not self.fuses_rows(partial, residual):
             return None
         staged = self._stage(partial)
         return self._launch(lambda: one_shot_all_reduce_add_rms_norm(self.peers, staged, residual, weight, eps,
                                                                      close=self.closes))
+
+    @staticmethod
+    def fuses_rows(partial: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether the fused kernels take `partial` with `residual`: rows no wider than they hold, a
+        contiguous residual of the same shape and dtype."""
+        from kernels.all_reduce import fits_add_rms_norm
+
+        return (partial.dim() == 2 and fits_add_rms_norm(partial.shape[1]) and residual.shape == partial.shape
+                and residual.dtype == partial.dtype and residual.is_contiguous())
+
+    @property
+    def kernel(self) -> str:
+        """Whose kernels sum (`ParallelConfig.all_reduce_kernel`'s values)."""
+        return "torch" if self.peers is None else ("triton_fused" if self.fused else "triton")
 
     def _launch(self, kernel: Callable[[], T]) -> T:
         """Run a symmetric-memory kernel; outside a capture, rank 0 first waits (`pace`) for the
@@ -170,7 +189,7 @@ class SymmetricAllReduce:
 
     def region(self) -> int:
         """The region the next call stages into."""
-        return 0 if self._calls == 0 or self.regions == 1 else 1 + (self._calls - 1) % (self.regions - 1)
+        return alternating(self._calls, self.regions)
 
     def _staged(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         start = self.region() * self.region_bytes

@@ -36,7 +36,8 @@ class TPContext:
 @dataclass(slots=True, frozen=True)
 class PartialSum:
     """This rank's summand of a row-parallel layer's output, not yet all-reduced: a view of the
-    symmetric buffer that the next all-reduce (fused with an RMSNorm) reads from every rank."""
+    symmetric buffer that the next all-reduce (fused with an RMSNorm) reads from every rank, or
+    (the Lamport kernel's messages) any tensor that it pushes to them."""
 
     partial: torch.Tensor
 
@@ -58,7 +59,7 @@ class RowParallelLinear(nn.Module):
         # the all-reduce reads (no copy in).
         staged = self.group.reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
         partial = F.linear(x, self.weight) if staged is None else torch.mm(x, self.weight.t(), out=staged)
-        if staged is not None and self.defer and self.group.fuses_add_norm:
+        if self.defer and self.group.fuses_add_norm:  # the norm falls back to all-reduce + add + norm
             return PartialSum(partial)
         y = self.group.all_reduce(partial)
         return y if self.bias is None else y + self.bias

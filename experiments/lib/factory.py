@@ -65,7 +65,7 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
     """The all-reduce path the engine takes for each message at this config's tensor-parallel size,
     model dtype and `parallel` settings, and whose kernels sum it: the engine's own rules
     (`choose_path`, `settings_reason`, `ParallelConfig.kernel_for`, `fits_add_rms_norm`)."""
-    from engine.config import DTYPES, ParallelConfig
+    from engine.config import DTYPES, FUSED_ALL_REDUCE_KERNELS, ParallelConfig
     from engine.distributed.all_reduce_path import NCCL, SYMMETRIC_DTYPES, choose_path, settings_reason
 
     tp, dtype_name = tensor_parallel_size(cfg), str(section(cfg, "model").get("dtype"))
@@ -83,7 +83,7 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
     if reason is not None:
         return EngineAllReduce(lambda nbytes: NCCL, one_shot, two_shot, reason, kernel)
     fuses_width = None
-    if kernel == "triton_fused":  # the engine's rule for the rows its fused kernel takes
+    if kernel in FUSED_ALL_REDUCE_KERNELS:  # the engine's rule for the rows its fused kernels take
         from kernels.all_reduce import fits_add_rms_norm as fuses_width
     return EngineAllReduce(lambda nbytes: choose_path(nbytes, dtype, True, one_shot, two_shot), one_shot, two_shot,
                            kernel=kernel, fuses_width=fuses_width)
