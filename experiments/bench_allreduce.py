@@ -1,9 +1,12 @@
 """`python -m experiments.bench_allreduce`: all-reduce latency by message size on 2 (and 4) GPUs, the
 engine's paths in one run: NCCL, one-shot and two-shot over torch's symmetric memory
 (engine/distributed/symmetric_all_reduce.py), the same two in Triton over the same buffer
-(kernels/all_reduce.py, `parallel.all_reduce_kernel=triton`), and the Triton all-reduce fused with
+(kernels/all_reduce.py, `parallel.all_reduce_kernel=triton`), the Triton all-reduce fused with
 the residual add and RMSNorm (`triton_fused`; rows of --hidden bf16, sizes that hold whole rows),
-each eager and replayed from a CUDA graph.
+and the barrier-free one-shot (kernels/all_reduce_lamport.py, `triton_lamport`), plain and fused,
+each eager and replayed from a CUDA graph. The group opens with `triton_lamport`, whose symmetric
+allocation holds one region for the barrier kernels (torch's and Triton's share it) and the
+Lamport kernel's rounds; each timed sequence of Lamport calls starts as a forward does (round 0).
 
 Each world size runs in its own processes (one per GPU, spawned, bounded by --timeout-s), through
 the engine's own group set-up (`init_group`) and the engine's own calls: NCCL sums a tensor in
@@ -29,11 +32,14 @@ from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 from experiments.lib.paths import REPO_ROOT
-from experiments.lib.profiling.collectives import all_reduce_call, mean_call_s, run_ranks
+from experiments.lib.profiling.collectives import all_reduce_call, mean_call_s, run_ranks, torch_kernels
 
 TRITON_ONE_SHOT, TRITON_TWO_SHOT, TRITON_FUSED = "triton-one-shot", "triton-two-shot", "triton-fused"
-PATHS = (NCCL, ONE_SHOT, TWO_SHOT, TRITON_ONE_SHOT, TRITON_TWO_SHOT, TRITON_FUSED)
-CHECKED = PATHS[1:]  # each compared with NCCL's sum (the fused one with NCCL's sum, then add_rms_norm)
+LAMPORT, LAMPORT_FUSED = "triton-lamport", "lamport-fused"
+SUMS = (NCCL, ONE_SHOT, TWO_SHOT, TRITON_ONE_SHOT, TRITON_TWO_SHOT, LAMPORT)  # plain all-reduces
+PATHS = (*SUMS, TRITON_FUSED, LAMPORT_FUSED)
+FUSED = (TRITON_FUSED, LAMPORT_FUSED)
+CHECKED = PATHS[1:]  # each compared with NCCL's sum (the fused ones with NCCL's sum, then add_rms_norm)
 TRITON_PATH = {TRITON_ONE_SHOT: ONE_SHOT, TRITON_TWO_SHOT: TWO_SHOT}
 OUT = REPO_ROOT / "experiments" / "results" / "allreduce"
 COLUMNS = ["world_size", "bytes", "mode", *(f"{p}_us" for p in PATHS), *(f"{p}_max_err" for p in CHECKED)]
@@ -63,19 +69,24 @@ def _time(group, triton, path: str, nbytes: int, a: argparse.Namespace, graph: b
     """Mean microseconds per bf16 all-reduce of `nbytes` on `path`: back to back, or `iters` calls
     captured in one graph (NaN where the path does not take the size)."""
     iters = max(4, min(a.iters, a.graph_bytes // nbytes))
-    if path in TRITON_PATH or path == TRITON_FUSED:
+    lamport, begin = group.custom, None
+    if path in TRITON_PATH or path in FUSED or path == LAMPORT:
         staged = triton.buffer[:nbytes].view(torch.bfloat16)
         staged.normal_()
-        if path == TRITON_FUSED:
+        if path in FUSED:
             fused = _fused_inputs(triton, nbytes, a.hidden, seed=1)
             if fused is None:
                 return float("nan")
-            call = (lambda: triton.all_reduce_add_rms_norm(*fused, EPS))
+            kernels = triton if path == TRITON_FUSED else lamport
+            call = (lambda: kernels.all_reduce_add_rms_norm(*fused, EPS))
+        elif path == LAMPORT:
+            call = (lambda: lamport.all_reduce(staged))  # it reads its input wherever it is
         else:
             call = (lambda: triton.reduce(TRITON_PATH[path], staged))
+        begin = lamport.begin_forward if path in (LAMPORT, LAMPORT_FUSED) else None
     else:
         call = all_reduce_call(group, path, nbytes // 2, torch.bfloat16, torch.device("cuda", group.rank))
-    return mean_call_s(call, iters, "graph" if graph else "eager", a.replays) * 1e6
+    return mean_call_s(call, iters, "graph" if graph else "eager", a.replays, begin=begin) * 1e6
 
 
 def _errors(group, triton, nbytes: int, hidden: int) -> dict[str, float]:
@@ -90,24 +101,28 @@ def _errors(group, triton, nbytes: int, hidden: int) -> dict[str, float]:
     expected = x.clone()
     dist.all_reduce(expected, group=group.device_group)
     out = {}
+    lamport = group.custom
     for path in (ONE_SHOT, TWO_SHOT, TRITON_ONE_SHOT, TRITON_TWO_SHOT):
-        custom = triton if path in TRITON_PATH else group.custom
+        custom = triton if path in TRITON_PATH else torch_kernels(lamport)
         staged = custom.buffer[:nbytes].view(torch.bfloat16)
         staged.copy_(x)
         out[path] = float((custom.reduce(TRITON_PATH.get(path, path), staged).float() - expected.float()).abs().max())
+    out[LAMPORT] = float((lamport.all_reduce(x).float() - expected.float()).abs().max())
     fused = _fused_inputs(triton, nbytes, hidden, seed=2)
-    out[TRITON_FUSED] = float("nan")
-    if fused is not None:
-        staged, residual, weight = fused
-        staged.copy_(x.view(staged.shape))
-        want = add_rms_norm(expected.view(staged.shape), residual, weight, EPS)[0]
-        got = triton.all_reduce_add_rms_norm(staged, residual, weight, EPS)[0]
-        out[TRITON_FUSED] = float((got.float() - want.float()).abs().max())
+    for path, kernels in ((TRITON_FUSED, triton), (LAMPORT_FUSED, lamport)):
+        out[path] = float("nan")
+        if fused is not None:
+            staged, residual, weight = fused
+            staged.copy_(x.view(staged.shape))
+            want = add_rms_norm(expected.view(staged.shape), residual, weight, EPS)[0]
+            got = kernels.all_reduce_add_rms_norm(staged, residual, weight, EPS)[0]
+            out[path] = float((got.float() - want.float()).abs().max())
     return out
 
 
 def _triton_beside(group) -> SymmetricAllReduce:
-    """The Triton kernels over the group's own symmetric buffer (torch's kernels stay the group's)."""
+    """The Triton barrier kernels over the group's barrier region, one region with closing
+    barriers (the group's own kernels are the Lamport ones; torch's share the region)."""
     from kernels.all_reduce import PeerBuffers
 
     custom = group.custom
@@ -124,7 +139,8 @@ def _rank_main(rank: int, size: int, port: int, a: argparse.Namespace, results) 
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        parallel = ParallelConfig(size, disable_custom_all_reduce=False, custom_all_reduce_max_bytes=a.max_bytes)
+        parallel = ParallelConfig(size, disable_custom_all_reduce=False, custom_all_reduce_max_bytes=a.max_bytes,
+                                  all_reduce_kernel="triton_lamport")
         group = init_group(join_store(port, size, a.timeout_s), rank, size, device, a.timeout_s, parallel)
         if group.custom is None:
             raise RuntimeError("the symmetric-memory all-reduce is off (rank 0's log says why): nothing to compare")
@@ -178,13 +194,14 @@ def report(size: int, rows: list[dict], out: Path) -> None:
         w.writeheader()
         w.writerows(rows)
     print(f"\n{size} GPUs ({torch.cuda.get_device_name(0)}), microseconds per all-reduce of bf16 (torch: torch's "
-          "symmetric-memory kernels; tri: Triton's; fused: Triton all-reduce + residual add + RMSNorm); "
-          "err: largest |path - NCCL| (the fused one's after the norm), in the paths' order")
-    heads = ("nccl", "torch-1", "torch-2", "tri-1", "tri-2", "fused")
+          "symmetric-memory kernels; tri: Triton's; lamport: the barrier-free one-shot; fused / lam-fus: "
+          "the Triton / Lamport all-reduce + residual add + RMSNorm); "
+          "err: largest |path - NCCL| (the fused ones' after the norm), in the paths' order")
+    heads = ("nccl", "torch-1", "torch-2", "tri-1", "tri-2", "lamport", "fused", "lam-fus")
     print(f"{'bytes':>10} {'mode':>6} " + " ".join(f"{h:>8}" for h in heads) + f" {'best sum':>16}  err")
     for r in rows:
         times = {p: r[f"{p}_us"] for p in PATHS}
-        best = min(PATHS[:-1], key=times.get)  # the plain sums (the fused kernel also norms)
+        best = min(SUMS, key=times.get)  # the plain sums (the fused kernels also norm)
         errs = "/".join(f"{r[f'{p}_max_err']:.2g}" for p in CHECKED)
         print(f"{r['bytes']:>10,} {r['mode']:>6} " + " ".join(f"{times[p]:>8.1f}" for p in PATHS) +
               f" {best:>16}  {errs}")

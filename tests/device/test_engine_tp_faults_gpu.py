@@ -137,6 +137,7 @@ def _run(script: str, *argv: str, timeout_s: float = 150, args: dict | None = No
 @pytest.mark.parametrize(("how", "ending", "kernel"), [
     ("killed", "interpreter-exit", "torch"), ("stopped", "os._exit", "torch"),
     ("stopped", "os._exit", "triton_fused"),  # the Triton kernels spin alike (kernels/all_reduce.py)
+    ("stopped", "os._exit", "triton_lamport"),  # and so does the Lamport kernel's polling
 ])
 def test_a_failed_worker_ends_rank0s_step_in_bounded_time(how, ending, kernel):
     result, exited, returncode = _run(OFFLINE, how, ending, args={**ARGS, "all_reduce_kernel": kernel})

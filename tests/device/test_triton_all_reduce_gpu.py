@@ -6,8 +6,12 @@ GPU, every wait bounded (a hung barrier fails the test at DEADLINE_S, naming wha
 - the fused all-reduce + residual add + RMSNorm against NCCL's sum then engine/models/ops.py's
   add_rms_norm: the new residual exactly, the normed rows within one bf16 rounding, and the same
   bits on both ranks;
-- a TP=2 engine's greedy tokens with `all_reduce_kernel` "triton" / "triton_fused" against "torch"
-  (each engine in a process of its own: torch's rendezvous meets once per process).
+- the barrier-free one-shot (`triton_lamport`): the plain sum at every size equal to NCCL's, the
+  fused one as above, eager and as "forwards" of two calls (rounds 0, 1) replayed REPLAYS times in
+  a row, and every rank's Lamport area all sentinel afterwards;
+- a TP=2 engine's greedy tokens with `all_reduce_kernel` "triton" / "triton_fused" /
+  "triton_lamport" against "torch" (each engine in a process of its own: torch's rendezvous meets
+  once per process).
 Run: `timeout 300 python -m pytest -q -m gpu tests/device/test_triton_all_reduce_gpu.py -s`."""
 from __future__ import annotations
 
@@ -160,6 +164,98 @@ def test_triton_kernels_equal_nccl_eager_and_replayed():
     assert two_rank_reports(_rank, DEADLINE_S) == {0: [], 1: []}
 
 
+def _lamport_forward(custom, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None):
+    """A forward's two Lamport calls (rounds 0 and 1): the plain sum of `x`, then either the plain
+    sum again or (with a residual) the fused sum + add + RMSNorm of `x` as rows."""
+    custom.begin_forward()
+    summed = custom.all_reduce(x)
+    second = custom.all_reduce(x) if residual is None else custom.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
+    return summed, second
+
+
+def _check_lamport(group, rank: int, problems: list[str], reached: list[str]) -> None:
+    import torch.distributed as dist
+
+    from engine.models.ops import add_rms_norm
+
+    custom = group.custom
+    common = torch.Generator("cuda").manual_seed(99)
+    weight = (torch.rand(HIDDEN, device="cuda", generator=common) + 0.5).to(torch.bfloat16)
+    cases = [(nbytes // 2, None) for nbytes in SIZES] + [(rows * HIDDEN, rows) for rows in ROWS]
+    for numel, rows in cases:
+        what = f"lamport {numel * 2} B" if rows is None else f"lamport fused {rows} rows"
+        x = torch.randn(numel, dtype=torch.bfloat16, device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(numel + rank))
+        residual = None
+        if rows is not None:
+            x = x.view(rows, HIDDEN)
+            residual = torch.randn(rows, HIDDEN, dtype=torch.bfloat16, device="cuda", generator=common)
+        want = x.clone()
+        dist.all_reduce(want, group=group.device_group)
+        forward = functools.partial(_lamport_forward, custom, x, residual, weight)
+        reached.append(f"{what} eager")
+        eager = forward()
+        reached.append(f"{what} graph")
+        graph, replayed = _graph(forward)
+        for _ in range(REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+        for mode, (summed, second) in (("eager", eager), (f"graph x{REPLAYS}", replayed)):
+            where = f"{what} {mode}, rank {rank}"
+            if second is None:
+                problems.append(f"{where}: the Lamport kernel did not take the message")
+                continue
+            if not torch.equal(summed, want):
+                problems.append(f"{where}: differs from NCCL, {_max_err(summed, want)}")
+            if rows is None:
+                if not torch.equal(second, want):
+                    problems.append(f"{where}, second call: differs from NCCL, {_max_err(second, want)}")
+                continue
+            out, new_residual = second
+            want_out, want_residual = add_rms_norm(want, residual, weight, 1e-6)
+            if not torch.equal(new_residual, want_residual):
+                problems.append(f"{where}: new residual differs, {_max_err(new_residual, want_residual)}")
+            if not torch.allclose(out.float(), want_out.float(), rtol=2**-7, atol=2**-7):
+                problems.append(f"{where}: normed rows differ by more than a bf16 rounding, {_max_err(out, want_out)}")
+            rank0 = out.clone()
+            dist.broadcast(rank0, src=0, group=group.device_group)
+            if not torch.equal(out, rank0):
+                problems.append(f"{where}: rank {rank}'s normed rows differ from rank 0's, {_max_err(out, rank0)}")
+        graph.reset()
+    torch.cuda.synchronize()
+    from kernels.all_reduce_lamport import SENTINEL
+
+    left = int((custom.area.view(torch.int16) != SENTINEL).sum())
+    if left:
+        problems.append(f"rank {rank}: {left} elements of the Lamport area are not the sentinel afterwards")
+
+
+def _lamport_rank(rank: int, port: int, results) -> None:
+    from engine.distributed.parallel_state import end_group, init_group, join_store
+
+    reached: list[str] = []
+    try:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(rank)
+        parallel = ParallelConfig(2, disable_custom_all_reduce=False, custom_all_reduce_max_bytes=8 * MiB,
+                                  all_reduce_kernel="triton_lamport")
+        group = init_group(join_store(port, 2, DEADLINE_S), rank, 2, torch.device("cuda", rank), DEADLINE_S, parallel)
+        if group.custom is None or group.custom.kernel != "triton_lamport":
+            results.put((rank, ["the Lamport all-reduce is off (see the log line)"], reached))
+            return
+        problems: list[str] = []
+        _check_lamport(group, rank, problems, reached)
+        results.put((rank, problems, reached[-1:]))
+        group.custom = None
+        end_group(4.0, 2.0)
+    except BaseException as e:  # noqa: BLE001 (reported to the test)
+        results.put((rank, [f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"], reached[-1:]))
+
+
+def test_lamport_kernel_equals_nccl_eager_and_replayed():
+    assert two_rank_reports(_lamport_rank, DEADLINE_S) == {0: [], 1: []}
+
+
 ENGINE_ARGS = {"model": "qwen3-0.6b", "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 1024,
                "gpu_memory_utilization": 0.5, "distributed_timeout_s": 120.0, "tensor_parallel_size": 2}
 ENGINE_SCRIPT = """
@@ -172,8 +268,7 @@ if __name__ == "__main__":
     with LLMEngine(EngineArgs(**json.loads(sys.argv[1]))) as engine:
         custom = engine.runner.tp.custom
         tokens = _generate(engine)  # that test's greedy prompts
-        kernel = "nccl" if custom is None else ("torch" if custom.peers is None else
-                                                 ("triton_fused" if custom.fused else "triton"))
+        kernel = "nccl" if custom is None else custom.kernel
         print("RESULT " + json.dumps({"kernel": kernel, "tokens": tokens}))
 """
 
@@ -195,7 +290,7 @@ def _engine_tokens(kernel: str) -> tuple[str, list[list[int]]]:
     return result["kernel"], result["tokens"]
 
 
-@pytest.mark.parametrize("kernel", ["triton", "triton_fused"])
+@pytest.mark.parametrize("kernel", ["triton", "triton_fused", "triton_lamport"])
 def test_tp2_engine_with_triton_kernels_agrees_with_torchs(kernel):
     """Greedy tokens of qwen3-0.6b: the same first 8 tokens for at least 5 of 6 prompts (bf16 norms
     may round differently, and greedy decoding then drifts), as tests/device/test_engine_tp_gpu.py asks."""

@@ -129,14 +129,18 @@ def fused_call(group: TPGroup, nbytes: int, width: int, dtype: torch.dtype,
     return call
 
 
-def mean_call_s(call: Callable[[], object], iters: int, mode: str = "graph", replays: int = 1) -> float:
+def mean_call_s(call: Callable[[], object], iters: int, mode: str = "graph", replays: int = 1,
+                begin: Callable[[], object] | None = None) -> float:
     """Mean seconds per call of `call` after 3 warm-up calls and a barrier of the default group:
     `iters` calls captured in one CUDA graph and replayed `replays` times ("graph"), back to back
-    between CUDA events ("eager"), or back to back by wall clock ("cpu")."""
+    between CUDA events ("eager"), or back to back by wall clock ("cpu"). `begin`, if given, runs
+    before the captured or timed calls (a forward's start: the Lamport kernel's rounds restart)."""
     if mode not in ("graph", "eager", "cpu"):
         raise ValueError(f"mode={mode!r} is invalid: 'graph', 'eager' or 'cpu'")
     for _ in range(3):
         call()
+    if begin is not None:
+        begin()
     if mode == "cpu":
         dist.barrier()
         t0 = time.perf_counter()
