@@ -44,7 +44,8 @@ class EngineAllReduce:
     off_reason: str | None = None  # why every message takes NCCL; None: the symmetric-memory paths are on
     kernel: str = "torch"  # whose kernels sum the symmetric paths' messages (`ParallelConfig.kernel_for`)
     # Whether the fused all-reduce + residual add + RMSNorm kernel takes rows of a width (elements);
-    # None: the engine does not fuse its layer boundaries (any kernel but "triton_fused", NCCL only).
+    # None: the engine does not fuse its layer boundaries (any kernel but "triton_fused" and
+    # "triton_lamport": `FUSED_ALL_REDUCE_KERNELS`; NCCL only).
     fuses_width: Callable[[int], bool] | None = None
 
 

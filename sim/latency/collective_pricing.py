@@ -34,8 +34,9 @@ the rows of torch's kernels whatever kernels the engine runs (`EngineAllReduce.k
 one-shot and two-shot kernels ("triton", and the unfused all-reduces of "triton_fused") are not
 profiled, and the line says so.
 
-The engine's fused layer boundary (`all_reduce_kernel` resolving to "triton_fused",
-`ParallelConfig.kernel_for`) sums each decoder layer's o_proj and down_proj partial sums inside
+The engine's fused layer boundary (`all_reduce_kernel` resolving to "triton_fused" or
+"triton_lamport", `ParallelConfig.kernel_for`; the Lamport kernel's boundary is priced from the
+same rows until it is profiled) sums each decoder layer's o_proj and down_proj partial sums inside
 the next RMSNorm: one kernel does the all-reduce, the residual add and the norm
 (engine/models/llama.py `ReducingRMSNorm`). `price_fused_boundary` prices such a boundary from the
 profile's `all_reduce_add_rms_norm` rows at N, at the model's hidden width, in place of

@@ -155,9 +155,10 @@ def test_the_engines_kernel_rule_decides_from_the_run_config():
         named = factory.engine_all_reduce(config("model=qwen3-8b", "parallel.tensor_parallel_size=2",
                                                  f"parallel.all_reduce_kernel={kernel}"))
         assert named.kernel == kernel and named.fuses_width is None
-    fused_at4 = factory.engine_all_reduce(config("model=qwen3-8b", "parallel.tensor_parallel_size=4",
-                                                 "parallel.all_reduce_kernel=triton_fused"))
-    assert fused_at4.kernel == "triton_fused" and fused_at4.fuses_width(4096)
+    for kernel in ("triton_fused", "triton_lamport"):  # both fuse the boundary: priced from the fused rows
+        fused_at4 = factory.engine_all_reduce(config("model=qwen3-8b", "parallel.tensor_parallel_size=4",
+                                                     f"parallel.all_reduce_kernel={kernel}"))
+        assert fused_at4.kernel == kernel and fused_at4.fuses_width(4096)
 
 
 def test_the_fused_op_passes_the_schema_only_with_a_width_and_a_world_size(tmp_path):
