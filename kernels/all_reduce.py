@@ -173,6 +173,21 @@ def _two_shot_kernel(bufs, pads, out_ptr, numel, part, RANK: tl.constexpr, WORLD
 
 
 @triton.jit
+def _norm_weight(w_ptr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The RMSNorm's weight as a [1, BLOCK_H] float32 row (zero past HIDDEN)."""
+    cols = tl.arange(0, BLOCK_H)[None, :]
+    return tl.load(w_ptr + cols, mask=cols < HIDDEN).to(tl.float32)
+
+
+@triton.jit
+def _row_block(first, rows, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+    """(element offsets, mask) of rows first .. first + ROWS - 1 of a [rows, HIDDEN] message."""
+    row = first + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK_H)[None, :]
+    return row * HIDDEN + cols, (row < rows) & (cols < HIDDEN)
+
+
+@triton.jit
 def _add_rms_norm_rows(total, res_ptr, w, res_out_ptr, out_ptr, offs, mask, eps, HIDDEN: tl.constexpr):
     """Rows of the all-reduced sum (float32) -> `+ residual` in the activation dtype (written to
     `res_out_ptr`), then the RMSNorm as engine/models/ops.py computes it (written to `out_ptr`)."""
@@ -194,13 +209,9 @@ def _one_shot_add_rms_norm_kernel(bufs, pads, res_ptr, w_ptr, res_out_ptr, out_p
     if BARRIER:
         _barrier(pads, pid, RANK, WORLD)
     dtype = res_out_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK_H)[None, :]
-    cmask = cols < HIDDEN
-    w = tl.load(w_ptr + cols, mask=cmask).to(tl.float32)
+    w = _norm_weight(w_ptr, HIDDEN, BLOCK_H)
     for first in range(pid * ROWS, rows, tl.num_programs(0) * ROWS):
-        row = first + tl.arange(0, ROWS)[:, None]
-        mask = (row < rows) & cmask
-        offs = row * HIDDEN + cols
+        offs, mask = _row_block(first, rows, HIDDEN, BLOCK_H, ROWS)
         total = _sum_ranks(bufs, offs, mask, dtype, WORLD)
         _add_rms_norm_rows(total, res_ptr, w, res_out_ptr, out_ptr, offs, mask, eps, HIDDEN)
     if BARRIER and CLOSE:

@@ -42,7 +42,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.all_reduce import _add_rms_norm_rows, check_norm_rows, flat_grid, norm_grid, norm_outputs
+from kernels.all_reduce import (
+    _add_rms_norm_rows,
+    _norm_weight,
+    _row_block,
+    check_norm_rows,
+    flat_grid,
+    norm_grid,
+    norm_outputs,
+)
 
 # Rounds each area holds: a call uses another round than the call before it (the caller alternates).
 ROUNDS = 3
@@ -155,13 +163,9 @@ def _lamport_add_rms_norm_kernel(src_ptr, push, poll, res_ptr, w_ptr, res_out_pt
                                  RANK: tl.constexpr, WORLD: tl.constexpr):
     pid = tl.program_id(0)
     dtype = res_out_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK_H)[None, :]
-    cmask = cols < HIDDEN
-    w = tl.load(w_ptr + cols, mask=cmask).to(tl.float32)
+    w = _norm_weight(w_ptr, HIDDEN, BLOCK_H)
     for first in range(pid * ROWS, rows, tl.num_programs(0) * ROWS):
-        row = first + tl.arange(0, ROWS)[:, None]
-        mask = (row < rows) & cmask
-        offs = row * HIDDEN + cols
+        offs, mask = _row_block(first, rows, HIDDEN, BLOCK_H, ROWS)
         total = _exchange(src_ptr, push, poll, offs, mask, dtype, RANK, WORLD)
         _add_rms_norm_rows(total, res_ptr, w, res_out_ptr, out_ptr, offs, mask, eps, HIDDEN)
 

@@ -132,7 +132,9 @@ def _check_fused(group, rank: int, problems: list[str], reached: list[str]) -> N
         graph.reset()
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _rank(kernel: str, rank: int, port: int, results) -> None:
+    """One rank of a group opened with `kernel` ("triton_fused": the barrier kernels' checks;
+    "triton_lamport": the Lamport kernel's), its report put on `results`."""
     from engine.distributed.parallel_state import end_group, init_group, join_store
 
     reached: list[str] = []
@@ -140,14 +142,15 @@ def _rank(rank: int, port: int, results) -> None:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank)
         parallel = ParallelConfig(2, disable_custom_all_reduce=False, custom_all_reduce_max_bytes=8 * MiB,
-                                  all_reduce_kernel="triton_fused")
+                                  all_reduce_kernel=kernel)
         group = init_group(join_store(port, 2, DEADLINE_S), rank, 2, torch.device("cuda", rank), DEADLINE_S, parallel)
-        if group.custom is None or group.custom.peers is None:
-            results.put((rank, ["the symmetric-memory all-reduce is off (see the log line)"], reached))
+        if group.custom is None or group.custom.kernel != kernel:
+            results.put((rank, [f"the symmetric-memory all-reduce with {kernel} is off (see the log line)"], reached))
             return
         problems: list[str] = []
-        _check_sums(group, rank, problems, reached)
-        _check_fused(group, rank, problems, reached)
+        checks = (_check_sums, _check_fused) if kernel == "triton_fused" else (_check_lamport,)
+        for check in checks:
+            check(group, rank, problems, reached)
         torch.cuda.synchronize()
         handle = group.custom.handle
         pad = handle.get_signal_pad(rank, (handle.signal_pad_size // 4,), torch.int32)
@@ -161,7 +164,7 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def test_triton_kernels_equal_nccl_eager_and_replayed():
-    assert two_rank_reports(_rank, DEADLINE_S) == {0: [], 1: []}
+    assert two_rank_reports(functools.partial(_rank, "triton_fused"), DEADLINE_S) == {0: [], 1: []}
 
 
 def _lamport_forward(custom, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None):
@@ -230,30 +233,8 @@ def _check_lamport(group, rank: int, problems: list[str], reached: list[str]) ->
         problems.append(f"rank {rank}: {left} elements of the Lamport area are not the sentinel afterwards")
 
 
-def _lamport_rank(rank: int, port: int, results) -> None:
-    from engine.distributed.parallel_state import end_group, init_group, join_store
-
-    reached: list[str] = []
-    try:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(rank)
-        parallel = ParallelConfig(2, disable_custom_all_reduce=False, custom_all_reduce_max_bytes=8 * MiB,
-                                  all_reduce_kernel="triton_lamport")
-        group = init_group(join_store(port, 2, DEADLINE_S), rank, 2, torch.device("cuda", rank), DEADLINE_S, parallel)
-        if group.custom is None or group.custom.kernel != "triton_lamport":
-            results.put((rank, ["the Lamport all-reduce is off (see the log line)"], reached))
-            return
-        problems: list[str] = []
-        _check_lamport(group, rank, problems, reached)
-        results.put((rank, problems, reached[-1:]))
-        group.custom = None
-        end_group(4.0, 2.0)
-    except BaseException as e:  # noqa: BLE001 (reported to the test)
-        results.put((rank, [f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"], reached[-1:]))
-
-
 def test_lamport_kernel_equals_nccl_eager_and_replayed():
-    assert two_rank_reports(_lamport_rank, DEADLINE_S) == {0: [], 1: []}
+    assert two_rank_reports(functools.partial(_rank, "triton_lamport"), DEADLINE_S) == {0: [], 1: []}
 
 
 ENGINE_ARGS = {"model": "qwen3-0.6b", "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 1024,
