@@ -55,6 +55,32 @@ def _graph(fn):
     return graph, out
 
 
+def _replayed(fn):
+    """`fn` captured (`_graph`), replayed REPLAYS times in a row, and finished: (graph, its output)."""
+    graph, out = _graph(fn)
+    for _ in range(REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def _fused_problems(group, where: str, out, new_residual, want_out, want_residual) -> list[str]:
+    """A fused kernel's result against NCCL's sum then add_rms_norm: the new residual exactly, the
+    normed rows within one bf16 rounding and the same bits on every rank."""
+    import torch.distributed as dist
+
+    problems = []
+    if not torch.equal(new_residual, want_residual):
+        problems.append(f"{where}: new residual differs, {_max_err(new_residual, want_residual)}")
+    if not torch.allclose(out.float(), want_out.float(), rtol=2**-7, atol=2**-7):  # one bf16 rounding
+        problems.append(f"{where}: normed rows differ by more than a bf16 rounding, {_max_err(out, want_out)}")
+    rank0 = out.clone()
+    dist.broadcast(rank0, src=0, group=group.device_group)
+    if not torch.equal(out, rank0):
+        problems.append(f"{where}: rank {group.rank}'s normed rows differ from rank 0's, {_max_err(out, rank0)}")
+    return problems
+
+
 def _staged_sum(custom, path: str, staged: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     staged.copy_(x)  # two-shot leaves its slice's sum in the buffer
     return custom.reduce(path, staged)
@@ -115,20 +141,10 @@ def _check_fused(group, rank: int, problems: list[str], reached: list[str]) -> N
             problems.append(f"fused {rows} rows: the fused kernel did not take the message")
             continue
         reached.append(f"fused {rows} rows graph")
-        graph, replayed = _graph(fused)
-        for _ in range(REPLAYS):
-            graph.replay()
-        torch.cuda.synchronize()
+        graph, replayed = _replayed(fused)
         for mode, (out, new_residual) in (("eager", eager), (f"graph x{REPLAYS}", replayed)):
-            where = f"fused {rows} rows {mode}, rank {rank}"
-            if not torch.equal(new_residual, want_residual):
-                problems.append(f"{where}: new residual differs, {_max_err(new_residual, want_residual)}")
-            if not torch.allclose(out.float(), want_out.float(), rtol=2**-7, atol=2**-7):  # one bf16 rounding
-                problems.append(f"{where}: normed rows differ by more than a bf16 rounding, {_max_err(out, want_out)}")
-            rank0 = out.clone()
-            dist.broadcast(rank0, src=0, group=group.device_group)
-            if not torch.equal(out, rank0):
-                problems.append(f"{where}: rank {rank}'s normed rows differ from rank 0's, {_max_err(out, rank0)}")
+            problems += _fused_problems(group, f"fused {rows} rows {mode}, rank {rank}", out, new_residual,
+                                        want_out, want_residual)
         graph.reset()
 
 
@@ -199,10 +215,7 @@ def _check_lamport(group, rank: int, problems: list[str], reached: list[str]) ->
         reached.append(f"{what} eager")
         eager = forward()
         reached.append(f"{what} graph")
-        graph, replayed = _graph(forward)
-        for _ in range(REPLAYS):
-            graph.replay()
-        torch.cuda.synchronize()
+        graph, replayed = _replayed(forward)
         for mode, (summed, second) in (("eager", eager), (f"graph x{REPLAYS}", replayed)):
             where = f"{what} {mode}, rank {rank}"
             if second is None:
@@ -214,16 +227,7 @@ def _check_lamport(group, rank: int, problems: list[str], reached: list[str]) ->
                 if not torch.equal(second, want):
                     problems.append(f"{where}, second call: differs from NCCL, {_max_err(second, want)}")
                 continue
-            out, new_residual = second
-            want_out, want_residual = add_rms_norm(want, residual, weight, 1e-6)
-            if not torch.equal(new_residual, want_residual):
-                problems.append(f"{where}: new residual differs, {_max_err(new_residual, want_residual)}")
-            if not torch.allclose(out.float(), want_out.float(), rtol=2**-7, atol=2**-7):
-                problems.append(f"{where}: normed rows differ by more than a bf16 rounding, {_max_err(out, want_out)}")
-            rank0 = out.clone()
-            dist.broadcast(rank0, src=0, group=group.device_group)
-            if not torch.equal(out, rank0):
-                problems.append(f"{where}: rank {rank}'s normed rows differ from rank 0's, {_max_err(out, rank0)}")
+            problems += _fused_problems(group, where, *second, *add_rms_norm(want, residual, weight, 1e-6))
         graph.reset()
     torch.cuda.synchronize()
     from kernels.all_reduce_lamport import SENTINEL
