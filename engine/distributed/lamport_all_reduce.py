@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from engine.distributed.all_reduce_path import NCCL, choose_path
-from engine.distributed.symmetric_all_reduce import SymmetricAllReduce, alternating
+from engine.distributed.symmetric_all_reduce import SymmetricAllReduce, alternating, forward_start
 from kernels.all_reduce_lamport import (
     ROUNDS,
     LamportSlots,
@@ -68,8 +68,7 @@ class LamportAllReduce(SymmetricAllReduce):
 
     def begin_forward(self) -> None:
         super().begin_forward()
-        if self._lamport_calls != 1:  # one call so far: its round 0 must not be the next one's (docstring)
-            self._lamport_calls = 0
+        self._lamport_calls = forward_start(self._lamport_calls)
 
     @property
     def kernel(self) -> str:

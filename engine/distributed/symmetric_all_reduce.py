@@ -17,7 +17,8 @@ read it; any symmetric-memory kernel's opening barrier proves that every peer ha
 kernels before it. So no two consecutive calls use one region: the first call of a forward (the
 vocabulary-parallel embedding's, `begin_forward`) takes region 0, the rest alternate 1, 2, 1, ...,
 the same sequence in every forward, eager or replayed from a CUDA graph, whatever ran before it
-(a forward makes at least two calls: the embedding's and a layer's). With one region (torch's
+(a forward makes at least two calls: the embedding's and a layer's; one that made a single call
+is continued instead, `forward_start`). With one region (torch's
 kernels, and the benchmarks' Triton kernels beside them) every kernel ends with a barrier.
 
 CUDA graphs: the kernels read and write only fixed addresses (the buffer, the output, the signal
@@ -59,6 +60,13 @@ PACE_LAG = 2
 REGIONS = 3
 
 
+def forward_start(calls: int) -> int:
+    """The call count a new forward starts from: 0 (its first call to place 0), unless the forward
+    before made exactly one call, which took place 0 itself: that one goes on (its next call to 1),
+    so place 0 never serves two calls in a row (only outside the engine: a test, a benchmark)."""
+    return calls if calls == 1 else 0
+
+
 def alternating(calls: int, places: int) -> int:
     """Where a forward's call number `calls` (0 first) goes among `places` (regions, rounds): the
     first to 0, the rest alternating 1, 2, 1, ... (all to 0 with one place)."""
@@ -95,8 +103,8 @@ class SymmetricAllReduce:
         self._launched: deque[Any] = deque()  # events after the last eager kernels, oldest first
 
     def begin_forward(self) -> None:
-        """A forward begins: its first call takes region 0 (module docstring)."""
-        self._calls = 0
+        """A forward begins: its first call takes region 0 (module docstring, `forward_start`)."""
+        self._calls = forward_start(self._calls)
 
     @property
     def closes(self) -> bool:
