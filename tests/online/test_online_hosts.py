@@ -7,15 +7,17 @@ import asyncio
 
 from engine.offline.outputs import CompletionOutput, RequestOutput
 from engine.online.async_llm_engine import AsyncLLMEngine
-from engine.online.engine_stats import EngineStats
-from engine.online.host import EngineHost, ModelInfo, NewRequest, ResultSink, StepResult
+from engine.online.host import ModelInfo, NewRequest, ResultSink, StepResult
+from experiments.lib.frontend_host_stub import InstantHost
 from policies.request import SamplingParams
 
 
-class ScriptedBackend(EngineHost):
-    """Takes requests and lets the test hand back whatever step results it wants."""
+class ScriptedBackend(InstantHost):
+    """Takes requests and lets the test hand back whatever step results it wants (the rest of the
+    host interface: the front-end probe's idle stand-in)."""
 
     def __init__(self) -> None:
+        super().__init__(tokens=0)
         self.info = ModelInfo("scripted", 64, 100, None, 20)
         self.added: list[str] = []
         self.sink: ResultSink | None = None
@@ -29,21 +31,6 @@ class ScriptedBackend(EngineHost):
 
     def add(self, request: NewRequest) -> None:
         self.added.append(request.request_id)
-
-    def abort(self, request_id: str) -> None:
-        pass
-
-    def num_waiting(self) -> int:
-        return 0
-
-    def stats(self) -> EngineStats:
-        return EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0)
-
-    def health_problem(self) -> str | None:
-        return None
-
-    async def shutdown(self) -> None:
-        pass
 
 
 def _output(request_id: str, token: int) -> RequestOutput:
