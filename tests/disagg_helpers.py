@@ -70,8 +70,8 @@ class DisaggPair:
         self.prefill, self.decode = prefill, decode
         self.prefill_ahead, self.decode_ahead = prefill_ahead, decode_ahead
         self.prefill_rows: list[list[tuple]] = []
-        self._in_flight_step = None  # the prefill step scheduled ahead, run in the next round
-        self._decode_in_flight = None  # the decode step scheduled ahead and its tokens, updated next round
+        self._in_flight_step = None  # the prefill step scheduled ahead, run in the loop's next turn
+        self._decode_in_flight = None  # the decode step scheduled ahead and its tokens, updated next turn
         self.decode_sync_steps = 0
         self.pside = PrefillSide(prefill, block_bytes=64, replica=0)
         self.dside = DecodeSide(decode, max_queue=max_queue, timeout_s=timeout_s, replica=1)

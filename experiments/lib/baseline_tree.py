@@ -1,5 +1,5 @@
 """A commit's source tree extracted beside this one, for benchmarks that measure a baseline commit
-and this tree in one session (`git archive REF`, untarred into a folder)."""
+and this tree in one run (`git archive REF`, untarred into a folder)."""
 from __future__ import annotations
 
 import subprocess
