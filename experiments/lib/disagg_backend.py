@@ -19,7 +19,6 @@ from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole, kv_block_bytes
 from sim.fleet.disagg import DisaggFleetSimulator, HandoffHost
 from sim.fleet.front_reads import FrontReadPrice
-from sim.latency.file_meta import read_meta
 from sim.latency.kv_receive import HARDWARE, KVReceivePrice, load_kv_receive
 
 ROUTER_DIR = REPO_ROOT / "conf" / "router"
@@ -41,22 +40,13 @@ def receive_price(cluster, replica_cfgs: list[DictConfig]) -> KVReceivePrice | N
     if setting is not None and setting != HARDWARE and not Path(setting).is_absolute():
         setting = str(REPO_ROOT / setting)
     decode = next(r for role, r in zip(cluster.roles, replica_cfgs) if role is ReplicaRole.DECODE)
-    if setting is not None and setting != HARDWARE:
-        _check_profile_model(Path(setting), str(decode.model.name))
-    return load_kv_receive(setting, factory.hardware(decode).hbm_bandwidth)
-
-
-def _check_profile_model(path: Path, model: str) -> None:
-    """A receive profile prices the model it was measured on: another model's is refused."""
-    if not path.is_file():
-        return  # load_kv_receive names the missing file
-    with path.open() as f:
-        meta, _ = read_meta([line for line in f if line.startswith("#")])
-    measured = meta.get("model")
-    if measured is not None and measured != model:
-        raise ValueError(f"cluster.kv_receive_profile={str(path)!r} was measured on model {measured!r}, and this "
+    price = load_kv_receive(setting, factory.hardware(decode).hbm_bandwidth)
+    model = str(decode.model.name)
+    if price is not None and price.model is not None and price.model != model:  # it prices its own model
+        raise ValueError(f"cluster.kv_receive_profile={setting!r} was measured on model {price.model!r}, and this "
                          f"run's decode replicas run {model!r}: measure one for it (`python -m "
                          f"experiments.bench_kv_receive --model {model} --out ...` on two GPUs) or use 'hardware'")
+    return price
 
 
 def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig], specs: list, router,

@@ -51,7 +51,8 @@ class KVReceivePrice:
     """Piecewise-linear prices over message bytes (`bytes_at` ascending, the seconds of each price
     at those sizes), the busy-share curve (`busy_share_at` ascending in (0, 1], the factor at
     each; none: no busy-link price) and the send side's (`send_busy_share_at`, the same rules);
-    `source` says where they come from (a file, or the hardware's copy rate)."""
+    `source` says where they come from (a file, or the hardware's copy rate), `model` what it was
+    measured on."""
 
     bytes_at: tuple[float, ...]
     scatter_at: tuple[float, ...]
@@ -61,6 +62,7 @@ class KVReceivePrice:
     source: str = ""
     send_busy_share_at: tuple[float, ...] = ()
     send_busy_factor_at: tuple[float, ...] = ()
+    model: str | None = None  # the model the profile was measured on (its `# model:` line; None: any)
 
     def __post_init__(self) -> None:
         n = len(self.bytes_at)
@@ -168,7 +170,7 @@ def read_receive_profile(path: str | Path) -> KVReceivePrice:
     shares, factors = parse_curve(meta, path)
     send_shares, send_factors = parse_curve(meta, path, SEND_CURVE_KEY)
     return KVReceivePrice(tuple(p[0] for p in points), tuple(p[1] for p in points), tuple(p[2] for p in points),
-                          shares, factors, str(path), send_shares, send_factors)
+                          shares, factors, str(path), send_shares, send_factors, meta.get("model"))
 
 
 def parse_curve(meta: dict[str, str], path: Path, key: str = CURVE_KEY) -> tuple[tuple[float, ...], tuple[float, ...]]:
