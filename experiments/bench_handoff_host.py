@@ -62,6 +62,7 @@ class PartTimer:
     def __init__(self) -> None:
         self.wall: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[list[float]] = []  # [wall, cpu] spent in wrapped calls inside it
 
     def wrap(self, owner, name: str, part: str) -> None:
@@ -78,6 +79,7 @@ class PartTimer:
                 self._stack.pop()
                 self.wall[part] += wall - inner[0]
                 self.cpu[part] += cpu - inner[1]
+                self.calls[part] += 1
                 if self._stack:
                     self._stack[-1][0] += wall
                     self._stack[-1][1] += cpu
@@ -87,6 +89,7 @@ class PartTimer:
     def reset(self) -> None:
         self.wall.clear()
         self.cpu.clear()
+        self.calls.clear()
 
 
 class _Reads:

@@ -1,0 +1,43 @@
+"""experiments.lab.front_parts: a pair scenario's engine run (the tiny model over gloo on the CPU)
+with its front timed by part, per prefill step, and the runs' traces left for prefill_excess."""
+import json
+
+import pytest
+
+from engine.disagg.pd_engine import DisaggregatedEngine
+from experiments.lab.front_parts import main
+
+TINY = """extends: {spec}
+profile: null
+common: [model=tiny-qwen3, hardware=h200, seed=0, progress=false, plots=false, scheduler.async_scheduling=true,
+         cluster.replicas=2, workload=poisson, workload.num_requests=8, workload.prompt_len.low=8,
+         workload.prompt_len.high=40, workload.output_len.low=3, workload.output_len.high=8,
+         scheduler.max_model_len=128, scheduler.max_num_seqs=8, scheduler.enable_chunked_prefill=false,
+         scheduler.max_num_batched_tokens=128, blocks.num_gpu_blocks=64, blocks.num_cpu_blocks=64]
+engine: [backend=engine, backend.device=cpu]
+"""
+
+
+def test_a_pair_runs_with_its_front_timed_by_part(request, tmp_path, capsys):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY.format(spec=request.config.rootpath / "conf/fidelity/disagg.yaml"))
+    init = DisaggregatedEngine.__init__
+    main(["--spec", str(spec), "--scenarios", "pd_400", "--runs", str(tmp_path / "runs")])
+    assert DisaggregatedEngine.__init__ is init  # the fronts built afterwards are plain
+    s = json.loads((tmp_path / "runs" / "front_parts.json").read_text())["pd_400"]
+    parts = s["parts"]
+    assert s["prefill_steps"] >= 1 and parts["forward"]["calls"] == pytest.approx(1.0)
+    assert parts["add_request"]["calls"] * s["prefill_steps"] == pytest.approx(8)  # every request admitted once
+    assert parts["schedule"]["calls"] >= 1 and parts["KVLink.send"]["calls"] > 0
+    host = [v["wall_ms"] for p, v in parts.items() if p not in ("forward", "idle wait")]
+    assert s["host_ms_per_step"] == pytest.approx(sum(host)) and s["host_ms_per_step"] > 0
+    assert 0 < s["run_wall_s"] and s["outside_front_ms_per_step"] >= 0
+    assert "## pd_400" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "pd_400" / "engine" / "steps.parquet").is_file()
+
+
+def test_a_scenario_without_a_pair_is_refused(request, tmp_path):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY.format(spec=request.config.rootpath / "conf/fidelity/disagg.yaml"))
+    with pytest.raises(RuntimeError, match="each must be a pair scenario"):
+        main(["--spec", str(spec), "--scenarios", "mixed_400", "--runs", str(tmp_path / "runs")])
