@@ -17,7 +17,11 @@ so these are not the runs a fidelity report compares.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,8 +29,14 @@ from pathlib import Path
 
 from engine.disagg.pd_engine import DisaggregatedEngine
 from experiments.bench_handoff_host import NOT_HOST, PARTS, PartTimer, instrument
+from sim.fleet.front_host import FrontHostProfile
 
 ADDED_PARTS = (("", "add_request", "add_request"),)
+# The parts each unit of the front host profile sums (sim/fleet/front_host.py); the scheduler's
+# schedule and update are not among them: the step profile prices them with the step.
+STEP_PARTS = ("front loop (rest)", "prefill step outputs", "front hand-off batch (rest)", "finish transfers (rest)",
+              "check decode alive")
+HANDOFF_PARTS = ("PrefillSide.hand_off", "front _hand_off (rest)", "hand_over_request", "PrefillSide.finish_transfer")
 
 
 @dataclass(slots=True)
@@ -36,6 +46,7 @@ class FrontRun:
     timer: PartTimer
     start: float
     end: float = 0.0
+    profile: cProfile.Profile | None = None  # the `--detail` part's functions
     parts: list[str] = field(default_factory=lambda: [p for _, _, p in PARTS + ADDED_PARTS] + ["idle wait"])
 
     def summary(self) -> dict:
@@ -52,10 +63,49 @@ class FrontRun:
                 "outside_front_ms_per_step": (wall - inside) / steps * 1e3, "parts": per_step}
 
 
-def watch_fronts() -> tuple[list[FrontRun], Callable[[], None]]:
-    """Every `DisaggregatedEngine` built from now on is instrumented; returns the runs and the undo."""
+def profile_from(summary: dict, meta: tuple[tuple[str, str], ...] = ()) -> FrontHostProfile:
+    """A run's host time per unit of the front's loop (sim/fleet/front_host.py) from its summary
+    (`FrontRun.summary`, or a scenario of front_parts.json), wall clock: each unit's parts over its
+    count; the step's are the loop's bookkeeping between its parts and the caller's loop outside the
+    front, per prefill step."""
+    parts = summary["parts"]
+
+    def per(names: tuple[str, ...], unit: str) -> float:
+        n = parts[unit]["calls"]
+        return sum(parts[p]["wall_ms"] for p in names) / n * 1e-3 if n else 0.0
+
+    step_ms = sum(parts[p]["wall_ms"] for p in STEP_PARTS) + max(summary["outside_front_ms_per_step"], 0.0)
+    return FrontHostProfile(
+        step_s=step_ms * 1e-3, admission_s=per(("add_request",), "add_request"),
+        handoff_s=per(HANDOFF_PARTS, "PrefillSide.hand_off"),
+        kv_message_s=per(("KVLink.send", "start transfer (rest)"), "KVLink.send"),
+        sent_message_s=per(("pickle + queue message",), "pickle + queue message"),
+        read_message_s=per(("recv + unpickle", "take messages (rest)", "decode outputs"), "recv + unpickle"),
+        meta=meta)
+
+
+def profiled(owner, name: str, profile: cProfile.Profile) -> None:
+    """`owner.name` run under `profile` (its functions' time, for a part's breakdown)."""
+    fn = getattr(owner, name)
+
+    def inner(*args, **kwargs):
+        profile.enable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            profile.disable()
+
+    setattr(owner, name, inner)
+
+
+def watch_fronts(detail: str | None = None) -> tuple[list[FrontRun], Callable[[], None]]:
+    """Every `DisaggregatedEngine` built from now on is instrumented (`detail`: one part, by name, also
+    run under cProfile: `FrontRun.profile`); returns the runs and the undo."""
     runs: list[FrontRun] = []
     original = DisaggregatedEngine.__init__
+    where = {part: (path, name) for path, name, part in PARTS}
+    if detail is not None and detail not in where:
+        raise ValueError(f"--detail={detail!r} is not a part of the front: one of {sorted(where)}")
 
     def init(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
@@ -63,6 +113,13 @@ def watch_fronts() -> tuple[list[FrontRun], Callable[[], None]]:
         for _, name, part in ADDED_PARTS:
             timer.wrap(self, name, part)
         run = FrontRun(timer, time.perf_counter())
+        if detail is not None:
+            run.profile = cProfile.Profile()
+            path, name = where[detail]
+            owner = self
+            for attr in filter(None, path.split(".")):
+                owner = getattr(owner, attr)
+            profiled(owner, name, run.profile)
         runs.append(run)
         close = self.close
 
@@ -99,13 +156,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--spec", default="conf/fidelity/disagg.yaml")
     ap.add_argument("--scenarios", default="pd_400,pd_500", help="the spec's pair scenarios (roles [prefill, decode])")
     ap.add_argument("--runs", type=Path, required=True, help="trace dir of the engine runs")
+    ap.add_argument("--profile-out", type=Path, default=None,
+                    help="write the front host profile (sim/fleet/front_host.py) of --profile-from's run here")
+    ap.add_argument("--profile-from", default=None, help="the scenario it is timed in (default: the first)")
+    ap.add_argument("--detail", default=None,
+                    help="one part (e.g. 'KVLink.send') also run under cProfile: its functions' time per call, "
+                         "written to DIR/<scenario>.detail.txt (cProfile slows that part)")
+    ap.add_argument("--from-json", action="store_true",
+                    help="run nothing: write --profile-out from DIR/front_parts.json (an earlier run's)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        if args.profile_out is None:
+            ap.error("--from-json writes a profile: give --profile-out")
+        summaries = json.loads((args.runs / "front_parts.json").read_text())
+        write_profile(args, list(summaries), summaries, argv)
+        return
     from experiments import fidelity
     from experiments.lib.fidelity_spec import load_spec
 
     wanted = args.scenarios.split(",")
     names = [n for n in load_spec(args.spec)["scenarios"] if n in wanted]  # the order the spec runs them in
-    runs, undo = watch_fronts()
+    runs, undo = watch_fronts(args.detail)
     try:
         fidelity._main([*args.overrides, "--spec", args.spec, "--engine-only", "--runs", str(args.runs),
                         "--scenarios", args.scenarios])
@@ -117,7 +188,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     summaries = {name: run.summary() for name, run in zip(names, runs)}
     for name, s in summaries.items():
         print(format_summary(name, s))
+    for name, run in zip(names, runs):
+        if run.profile is not None:
+            out = io.StringIO()
+            pstats.Stats(run.profile, stream=out).sort_stats("tottime").print_stats(30)
+            calls = run.timer.calls.get(args.detail, 0)
+            text = f"# {args.detail}: {calls} calls in {name}, cProfile by own time\n{out.getvalue()}"
+            (args.runs / f"{name}.detail.txt").write_text(text)
+            print(text[:3000])
     (args.runs / "front_parts.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    if args.profile_out is not None:
+        write_profile(args, names, summaries, argv)
+
+
+def write_profile(args, names: list[str], summaries: dict, argv: Sequence[str] | None) -> None:
+    """The front host profile of --profile-from's scenario (default the first) to --profile-out, with
+    its provenance: the model (from the spec), device and date (the runs' meta.json), the command."""
+    from experiments.lib.fidelity_spec import compose_cfg, load_spec
+
+    source = args.profile_from or names[0]
+    if source not in summaries:
+        raise ValueError(f"--profile-from={source!r} is not one of the scenarios timed: {list(summaries)}")
+    meta = json.loads((args.runs / "meta.json").read_text()) if (args.runs / "meta.json").is_file() else {}
+    spec = load_spec(args.spec)
+    model = compose_cfg([*spec["common"], *spec["engine"], *spec["scenarios"][source]["overrides"],
+                         *args.overrides]).model.name
+    command = "python -m experiments.lab.front_parts " + " ".join(argv if argv is not None else sys.argv[1:])
+    provenance = (("model", str(model)), ("device", str(meta.get("device", ""))), ("date", str(meta.get("date", ""))),
+                  ("scenario", source), ("command", command))
+    profile = profile_from(summaries[source], tuple((k, v) for k, v in provenance if v))
+    profile.write(args.profile_out)
+    print(f"\nfront host profile of {source} -> {args.profile_out}: "
+          + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in profile.as_dict().items()))
 
 
 if __name__ == "__main__":

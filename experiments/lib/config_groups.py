@@ -28,6 +28,7 @@ class Cluster:
     prefill_admits_between_steps: bool = False  # backend=sim: a synchronous prefill replica's arrivals block it
     front_token_host_s: float = 0.0  # backend=sim: the front's host time per decode output it reads
     front_message_host_s: float = 0.0  # backend=sim: ... and per decode-step message
+    front_host_profile: str | None = None  # backend=sim: the front's loop priced from a measured profile
     dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (docs/fleet.md)
     prefill_async_scheduling: bool = False  # backend=engine: the pair's prefill engine schedules ahead
 

@@ -17,7 +17,8 @@ from experiments.lib import factory
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole, kv_block_bytes
-from sim.fleet.disagg import DisaggFleetSimulator, HandoffHost
+from sim.fleet.disagg import DisaggFleetSimulator
+from sim.fleet.front_host import FrontHostProfile, HandoffHost
 from sim.fleet.front_reads import FrontReadPrice
 from sim.latency.kv_receive import HARDWARE, KVReceivePrice, load_kv_receive
 
@@ -49,10 +50,31 @@ def receive_price(cluster, replica_cfgs: list[DictConfig]) -> KVReceivePrice | N
     return price
 
 
+def front_host(cluster, replica_cfgs: list[DictConfig]) -> tuple[HandoffHost, FrontReadPrice]:
+    """The host loops' prices: `cluster.front_host_profile`'s units where one is given (a relative
+    path is the repository's; a profile of another model is refused), else the cluster's own keys."""
+    setting = cluster.front_host_profile
+    if setting is None:
+        return (HandoffHost(cluster.handoff_hop_s, cluster.handoff_step_boundaries, cluster.handoff_host_s,
+                            cluster.prefill_admits_between_steps),
+                FrontReadPrice(cluster.front_token_host_s, cluster.front_message_host_s))
+    path = Path(setting) if Path(setting).is_absolute() else REPO_ROOT / setting
+    profile = FrontHostProfile.read(path)
+    prefill = next(r for role, r in zip(cluster.roles, replica_cfgs) if role is ReplicaRole.PREFILL)
+    model = str(prefill.model.name)
+    if profile.model is not None and profile.model != model:
+        raise ValueError(f"cluster.front_host_profile={setting!r} was measured on model {profile.model!r}, and this "
+                         f"run's prefill replicas run {model!r}: measure one for it (`python -m "
+                         "experiments.lab.front_parts --profile-out ...` on two GPUs) or set it to null")
+    return (HandoffHost.from_profile(profile, cluster.handoff_hop_s, cluster.handoff_step_boundaries),
+            FrontReadPrice(cluster.front_token_host_s, profile.read_message_s))
+
+
 def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig], specs: list, router,
                         workload: Workload, on_done: Callable[[int], None]) -> DisaggFleetSimulator:
     """`cluster`: the run's checked `ClusterConfig` (fleet_backend.py); `replica_cfgs`: each replica's
     config (its own hardware)."""
+    host, reads = front_host(cluster, replica_cfgs)
     links, block_bytes = [], []
     for role, rcfg in zip(cluster.roles, replica_cfgs):
         if role is ReplicaRole.PREFILL:
@@ -66,8 +88,5 @@ def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig]
                                 workload.requests, links, block_bytes, cluster.handoff_queue,
                                 cluster.handoff_timeout_s, cluster.refresh_s, workload.stop_lens, on_done,
                                 fast_forward=cfg.backend.get("fast_forward", True),
-                                host=HandoffHost(cluster.handoff_hop_s, cluster.handoff_step_boundaries,
-                                                 cluster.handoff_host_s, cluster.prefill_admits_between_steps),
-                                batch_blocks=cluster.handoff_batch_blocks,
-                                receive=receive_price(cluster, replica_cfgs),
-                                front_reads=FrontReadPrice(cluster.front_token_host_s, cluster.front_message_host_s))
+                                host=host, batch_blocks=cluster.handoff_batch_blocks,
+                                receive=receive_price(cluster, replica_cfgs), front_reads=reads)

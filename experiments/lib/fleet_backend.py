@@ -52,6 +52,9 @@ class ClusterConfig:
     # between a prefill replica's steps (sim/fleet/front_reads.py)
     front_token_host_s: float = 0.0
     front_message_host_s: float = 0.0
+    # backend=sim: the front's host loop priced unit by unit from a measured profile
+    # (sim/fleet/front_host.py; experiments.lab.front_parts --profile-out): None, or its path
+    front_host_profile: str | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -113,9 +116,14 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     from sim.fleet.front_reads import FrontReadPrice
     reads = FrontReadPrice(c.get("front_token_host_s", d.front_token_host_s),
                            c.get("front_message_host_s", d.front_message_host_s))  # checks both
+    front_host = c.get("front_host_profile", d.front_host_profile)
+    if front_host is not None and (not isinstance(front_host, str) or not front_host):
+        raise ValueError(f"cluster.front_host_profile={front_host!r} is invalid: null or a front host profile's "
+                         "path (experiments.lab.front_parts --profile-out)")
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
                          float(host.hop_s), host.step_boundaries, float(host.per_handoff_s), batch_blocks, float(hop),
-                         ahead, receive, host.admits_between_steps, float(reads.token_s), float(reads.message_s))
+                         ahead, receive, host.admits_between_steps, float(reads.token_s), float(reads.message_s),
+                         front_host)
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:

@@ -22,7 +22,7 @@ policies/disagg/ (`PrefillSide`, `DecodeSide`), run unchanged here as in the eng
 4. At the message's end its requests join the decode replica's running batch and the prefill
    replica frees their blocks.
 
-The host's share of a hand-off (`HandoffHost`, `cluster.handoff_hop_s` and
+The host's share of a hand-off (`HandoffHost`, sim/fleet/front_host.py; `cluster.handoff_hop_s` and
 `cluster.handoff_step_boundaries`): the engine pair runs each side in its own process, one host
 loop each, that acts between its engine's steps and talks to the other over a pipe. So a hand-off
 reaches the decode side `hop_s` after the prefill step that made it and is admitted there when the
@@ -48,7 +48,10 @@ is priced as it starts, from the transfers on the wire or done by then; a transf
 the wire during the step is only known later, so the next step pays the difference between the
 step's price at its whole share and what it was charged (sim/fleet/busy_link.py, both sides). A
 prefill replica that schedules synchronously pays `send_host_s` of each message it posts before
-its next step, as it pays the hand-offs' host time.
+its next step, as it pays the hand-offs' host time. A front host profile (`HandoffHost.from_profile`,
+sim/fleet/front_host.py) prices that loop unit by unit as measured on the engine pair's front: per
+step, per request admitted, per hand-off, per KV message posted (instead of `send_host_s`), per
+message to the decode side, per decode-step message read back.
 
 Decode replicas step one by one (no fast-forwarded decode runs: a received request joins at the
 time its transfer ends, which a run decided earlier could not know). Scheduling ahead, it joins
@@ -59,9 +62,7 @@ routers' seeded generators: repeated runs give byte-identical traces.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 import simpy
 
@@ -70,41 +71,11 @@ from policies.request import Request
 from policies.routing import Router, observe
 from sim.fleet.busy_link import BusyLinkCharge
 from sim.fleet.fleet import FleetResult, FleetSimulator, ReplicaSpec
+from sim.fleet.front_host import HandoffHost
 from sim.fleet.front_reads import FrontReadPrice, FrontReads
 from sim.latency.kv_receive import KVReceivePrice
 from sim.latency.shapes import Link
 from sim.simulator import run_without_gc
-
-
-@dataclass(slots=True, frozen=True)
-class HandoffHost:
-    """What a hand-off costs the two sides' host loops beyond the link (module docstring)."""
-
-    hop_s: float = 1e-4  # one message between the two sides' processes (pickled, over a local pipe)
-    step_boundaries: bool = True  # each side acts on a hand-off when its running step ends
-    # The prefill side's host loop per request it hands off (ending it at its first token, its
-    # hand-off message), before its next step when it schedules synchronously.
-    per_handoff_s: float = 0.0
-    # A synchronous prefill replica admits the requests routed to it during a step after that step,
-    # before the next (its latency model's `admission_s` each), as the engine pair's front does.
-    admits_between_steps: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.hop_s, bool) or not isinstance(self.hop_s, (int, float)) \
-                or not 0 <= self.hop_s < math.inf:
-            raise ValueError(f"cluster.handoff_hop_s={self.hop_s!r} is invalid: must be a number of seconds >= 0")
-        if not isinstance(self.step_boundaries, bool):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
-                f"cluster.handoff_step_boundaries={self.step_boundaries!r} is invalid: "
-                "must be true or false")
-        if isinstance(self.per_handoff_s, bool) or not isinstance(self.per_handoff_s, (int, float)) \
-                or not 0 <= self.per_handoff_s < math.inf:
-            raise ValueError(f"cluster.handoff_host_s={self.per_handoff_s!r} is invalid: "
-                             "must be a number of seconds >= 0")
-        if not isinstance(self.admits_between_steps, bool):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
-                f"cluster.prefill_admits_between_steps={self.admits_between_steps!r} is invalid: "
-                "must be true or false")
 
 
 class DisaggFleetSimulator(FleetSimulator):
@@ -196,12 +167,15 @@ class DisaggFleetSimulator(FleetSimulator):
                 self.env.timeout(self.host.hop_s).callbacks.append(lambda _, h=batch, d=target: self._arrive(h, d))
             else:
                 self._arrive(batch, target)
-        host_s = len(handoffs) * self.host.per_handoff_s + self._send_host_due.pop(prefill, 0.0)
+        host = self.host
+        host_s = (host.per_step_s + len(handoffs) * host.per_handoff_s + (host.sent_message_s if handoffs else 0.0)
+                  + self._send_host_due.pop(prefill, 0.0))
         if self._reads is not None:
             host_s += self._reads.take(prefill)
-        if self.host.admits_between_steps:  # the requests routed here during the step, admitted now
+        if host.admits_between_steps:  # the requests routed here during the step, admitted now
             replica = self.replicas[prefill]
-            host_s += (replica.num_routed - self._admitted.get(prefill, 0)) * replica.latency.admission_s
+            admission_s = replica.latency.admission_s if host.admission_s is None else host.admission_s
+            host_s += (replica.num_routed - self._admitted.get(prefill, 0)) * admission_s
             self._admitted[prefill] = replica.num_routed
         return host_s
 
@@ -275,9 +249,12 @@ class DisaggFleetSimulator(FleetSimulator):
                 handoff.transfer_start_time = self.env.now
             nbytes = sum(h.num_bytes for h in batch)
             wire_s = link.transfer_time(nbytes)
+            post_s = self.host.kv_message_s
+            if post_s is None:
+                post_s = 0.0 if self.receive is None else self.receive.send_host_s(nbytes)
+            due = self._send_host_due
+            due[prefill] = due.get(prefill, 0.0) + post_s + self.host.sent_message_s
             if self.receive is not None:
-                due = self._send_host_due
-                due[prefill] = due.get(prefill, 0.0) + self.receive.send_host_s(nbytes)
                 for charges, replica in ((self._receive_wire, decode), (self._send_wire, prefill)):
                     if replica in charges:
                         charges[replica].add(self.env.now, self.env.now + wire_s)

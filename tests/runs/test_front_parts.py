@@ -6,6 +6,7 @@ import pytest
 
 from engine.disagg.pd_engine import DisaggregatedEngine
 from experiments.lab.front_parts import main
+from sim.fleet.front_host import FrontHostProfile
 
 TINY = """extends: {spec}
 profile: null
@@ -22,7 +23,8 @@ def test_a_pair_runs_with_its_front_timed_by_part(request, tmp_path, capsys):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(TINY.format(spec=request.config.rootpath / "conf/fidelity/disagg.yaml"))
     init = DisaggregatedEngine.__init__
-    main(["--spec", str(spec), "--scenarios", "pd_400", "--runs", str(tmp_path / "runs")])
+    main(["--spec", str(spec), "--scenarios", "pd_400", "--runs", str(tmp_path / "runs"), "--detail", "KVLink.send",
+          "--profile-out", str(tmp_path / "front.csv")])
     assert DisaggregatedEngine.__init__ is init  # the fronts built afterwards are plain
     s = json.loads((tmp_path / "runs" / "front_parts.json").read_text())["pd_400"]
     parts = s["parts"]
@@ -34,6 +36,16 @@ def test_a_pair_runs_with_its_front_timed_by_part(request, tmp_path, capsys):
     assert 0 < s["run_wall_s"] and s["outside_front_ms_per_step"] >= 0
     assert "## pd_400" in capsys.readouterr().out
     assert (tmp_path / "runs" / "pd_400" / "engine" / "steps.parquet").is_file()
+    detail = (tmp_path / "runs" / "pd_400.detail.txt").read_text()
+    assert detail.startswith(f"# KVLink.send: {round(parts['KVLink.send']['calls'] * s['prefill_steps'])} calls")
+    assert "gather_blocks" in detail  # the send's own functions
+    profile = FrontHostProfile.read(tmp_path / "front.csv")
+    assert profile.model == "tiny-qwen3" and dict(profile.meta)["scenario"] == "pd_400"
+    assert profile.kv_message_s > 0 and profile.admission_s > 0 and profile.step_s > 0
+    # The same profile again from the runs' front_parts.json, running nothing.
+    main(["--spec", str(spec), "--runs", str(tmp_path / "runs"), "--from-json", "--profile-out",
+          str(tmp_path / "again.csv")])
+    assert FrontHostProfile.read(tmp_path / "again.csv").as_dict() == pytest.approx(profile.as_dict())
 
 
 def test_a_scenario_without_a_pair_is_refused(request, tmp_path):
@@ -41,3 +53,5 @@ def test_a_scenario_without_a_pair_is_refused(request, tmp_path):
     spec.write_text(TINY.format(spec=request.config.rootpath / "conf/fidelity/disagg.yaml"))
     with pytest.raises(RuntimeError, match="each must be a pair scenario"):
         main(["--spec", str(spec), "--scenarios", "mixed_400", "--runs", str(tmp_path / "runs")])
+    with pytest.raises(ValueError, match="--detail='send' is not a part of the front"):
+        main(["--spec", str(spec), "--scenarios", "pd_400", "--runs", str(tmp_path / "r2"), "--detail", "send"])

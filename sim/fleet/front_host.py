@@ -1,0 +1,143 @@
+"""What a disaggregated pair's host loops pay beyond the link (`HandoffHost`), and the front's host
+profile that sets the prefill side's share of it from a measurement (`FrontHostProfile`).
+
+`HandoffHost` (sim/fleet/disagg.py's module docstring says where each applies): the hop between the
+two sides' processes, whether each acts between its steps, and what a synchronous prefill replica's
+loop pays between two steps: per hand-off, per request admitted, per step, per message to the
+decode process and, when set, per KV message posted (None: the receive profile's `send_host_s`).
+
+The front's host profile: what each unit of the front's loop costs, timed by part
+in a real run of the engine pair (`python -m experiments.lab.front_parts --profile-out FILE`).
+
+The engine pair's front (engine/disagg/pd_engine.py) is one host loop around its prefill engine. A
+prefill replica that schedules synchronously pays, between two of its steps:
+
+- `step_s` once a step: the loop's own turns (the front's bookkeeping between its parts, its checks
+  of the decode process and of ended transfers) and its caller's (the loop that feeds it requests);
+- `admission_s` per request admitted (`add_request`, the arrivals of the step before);
+- `handoff_s` per request handed off (ending it at its first token, its `KVHandoff`, freeing its
+  blocks once sent);
+- `kv_message_s` per KV message posted (the gather's launch, the send, their bookkeeping);
+- `sent_message_s` per message to the decode process (pickled and queued for the pipe's sender:
+  one with each step's hand-offs, one per KV message posted);
+- `read_message_s` per decode-step message read back (unpickled, turned into outputs) that arrived
+  while it was busy.
+
+The file: `# key: value` provenance lines (model, device, date, command, the scenario it was timed
+in), then `key,seconds` rows, one per unit above. The simulator takes it as `cluster.front_host_profile`
+(experiments/lib/disagg_backend.py): it replaces `cluster.handoff_host_s`, the latency model's
+`admission_s` between steps, the receive profile's `send_host_s` and `cluster.front_message_host_s`
+with the profile's figures, and adds `step_s` and `sent_message_s`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+UNITS = ("step_s", "admission_s", "handoff_s", "kv_message_s", "sent_message_s", "read_message_s")
+
+
+@dataclass(slots=True, frozen=True)
+class FrontHostProfile:
+    """Host seconds per unit of the front's loop (module docstring); `meta`: the provenance lines."""
+
+    step_s: float
+    admission_s: float
+    handoff_s: float
+    kv_message_s: float
+    sent_message_s: float
+    read_message_s: float
+    meta: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in UNITS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"front host profile: {name}={value!r} is invalid: must be a number of seconds >= 0")
+
+    @property
+    def model(self) -> str | None:
+        return dict(self.meta).get("model")
+
+    def write(self, path: str | Path) -> None:
+        lines = [f"# {key}: {value}" for key, value in self.meta]
+        lines += ["unit,seconds", *(f"{name},{getattr(self, name):.6e}" for name in UNITS)]
+        Path(path).write_text("\n".join(lines) + "\n")
+
+    @classmethod
+    def read(cls, path: str | Path) -> FrontHostProfile:
+        """The profile at `path`; a ValueError naming the file and what is wrong with it."""
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"cluster.front_host_profile={str(path)!r} is not a file: measure one with "
+                             "`python -m experiments.lab.front_parts --profile-out FILE` on two GPUs")
+        meta, values = [], {}
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            line = line.strip()
+            if not line or line == "unit,seconds":
+                continue
+            if line.startswith("#"):
+                key, _, value = line.lstrip("# ").partition(":")
+                meta.append((key.strip(), value.strip()))
+                continue
+            name, _, value = line.partition(",")
+            if name not in UNITS:
+                raise ValueError(f"{path}:{n}: unit {name!r} is unknown: the units are {list(UNITS)}")
+            try:
+                values[name] = float(value)
+            except ValueError:
+                raise ValueError(f"{path}:{n}: {name}={value!r} is invalid: must be seconds") from None
+        missing = [u for u in UNITS if u not in values]
+        if missing:
+            raise ValueError(f"{path}: units {missing} are missing: a profile gives all of {list(UNITS)}")
+        return cls(**values, meta=tuple(meta))
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "meta"}
+
+
+
+
+def _seconds(key: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{key}={value!r} is invalid: must be a number of seconds >= 0"
+                         + (" or null" if allow_none else ""))
+
+
+@dataclass(slots=True, frozen=True)
+class HandoffHost:
+    """What a hand-off costs the two sides' host loops beyond the link (module docstring)."""
+
+    hop_s: float = 1e-4  # one message between the two sides' processes (pickled, over a local pipe)
+    step_boundaries: bool = True  # each side acts on a hand-off when its running step ends
+    # The prefill side's host loop per request it hands off (ending it at its first token, its
+    # hand-off message), before its next step when it schedules synchronously.
+    per_handoff_s: float = 0.0
+    # A synchronous prefill replica admits the requests routed to it during a step after that step,
+    # before the next (`admission_s` each; None: its latency model's), as the engine pair's front does.
+    admits_between_steps: bool = False
+    admission_s: float | None = None
+    per_step_s: float = 0.0  # its loop's own turns and its caller's, once a step
+    sent_message_s: float = 0.0  # per message to the decode process (a step's hand-offs; a KV message posted)
+    kv_message_s: float | None = None  # per KV message posted (None: the receive profile's send_host_s)
+
+    def __post_init__(self) -> None:
+        _seconds("cluster.handoff_hop_s", self.hop_s)
+        _seconds("cluster.handoff_host_s", self.per_handoff_s)
+        for key, value in (("cluster.handoff_step_boundaries", self.step_boundaries),
+                           ("cluster.prefill_admits_between_steps", self.admits_between_steps)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{key}={value!r} is invalid: must be true or false")  # noqa: TRY004
+        for key in ("admission_s", "kv_message_s"):
+            _seconds(f"front host profile: {key}", getattr(self, key), allow_none=True)
+        for key in ("per_step_s", "sent_message_s"):
+            _seconds(f"front host profile: {key}", getattr(self, key))
+
+    @classmethod
+    def from_profile(cls, profile: FrontHostProfile, hop_s: float = 1e-4, step_boundaries: bool = True) -> HandoffHost:
+        """The prefill side's loop priced by a measured front host profile (admitting between steps)."""
+        return cls(hop_s, step_boundaries, profile.handoff_s, True, profile.admission_s, profile.step_s,
+                   profile.sent_message_s, profile.kv_message_s)

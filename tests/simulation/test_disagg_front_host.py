@@ -1,0 +1,107 @@
+"""The front host profile (sim/fleet/front_host.py): its file, and a synchronous prefill replica's
+loop priced unit by unit from it (per step, per message to the decode side, per KV message posted
+instead of the receive profile's send_host_s); `cluster.front_host_profile` through the config."""
+import pandas as pd
+import pytest
+from test_disagg_sim import _cfg, _scheduler
+from test_disagg_sim_receive import _gaps, _profile, _starts
+from test_sim import Constant
+
+from experiments.lib.disagg_backend import front_host
+from experiments.lib.fleet_backend import cluster_config
+from experiments.lib.traces import steps_frame
+from policies import Request, SamplingParams
+from policies.disagg import ReplicaRole
+from policies.routing import make_router
+from sim.fleet import ReplicaSpec
+from sim.fleet.disagg import DisaggFleetSimulator
+from sim.fleet.front_host import UNITS, FrontHostProfile, HandoffHost
+from sim.latency.kv_receive import read_receive_profile
+from sim.latency.shapes import Link
+
+PROFILE = FrontHostProfile(1e-3, 7e-5, 4e-5, 9e-4, 1.5e-4, 1e-4, (("model", "qwen3-0.6b"), ("device", "H200")))
+
+
+def test_a_profile_reads_back_what_was_written_and_bad_files_are_named(tmp_path):
+    path = tmp_path / "front.csv"
+    PROFILE.write(path)
+    back = FrontHostProfile.read(path)
+    assert back.as_dict() == pytest.approx(PROFILE.as_dict()) and back.model == "qwen3-0.6b"
+    assert dict(back.meta)["device"] == "H200"
+    text = path.read_text()
+    path.write_text(text.replace("read_message_s", "reads_s"))
+    with pytest.raises(ValueError, match="unit 'reads_s' is unknown"):
+        FrontHostProfile.read(path)
+    path.write_text("\n".join(line for line in text.splitlines() if not line.startswith("step_s")))
+    with pytest.raises(ValueError, match=r"units \['step_s'\] are missing"):
+        FrontHostProfile.read(path)
+    path.write_text(text.replace(f"{PROFILE.handoff_s:.6e}", "-1"))
+    with pytest.raises(ValueError, match="handoff_s=-1.0 is invalid"):
+        FrontHostProfile.read(path)
+    with pytest.raises(ValueError, match="is not a file"):
+        FrontHostProfile.read(tmp_path / "none.csv")
+    host = HandoffHost.from_profile(PROFILE, 2e-4, False)
+    assert (host.hop_s, host.step_boundaries, host.per_handoff_s, host.admits_between_steps) == (2e-4, False, 4e-5, True)
+    assert (host.admission_s, host.per_step_s, host.sent_message_s, host.kv_message_s) == (7e-5, 1e-3, 1.5e-4, 9e-4)
+    assert len(UNITS) == 6
+
+
+def _prefill_gaps(host: HandoffHost, receive=None):
+    """A 1P + 1D pair whose arrivals outpace its prefill steps (every gap is host time): the prefill
+    replica's gaps, its steps and the decode rows."""
+    requests = [Request(f"r{i}", list(range(30 + 7 * (i % 5))), SamplingParams(max_tokens=6, ignore_eos=True),
+                        arrival_time=0.004 * i + 0.0013 * (i % 3)) for i in range(30)]
+    specs = [ReplicaSpec(_scheduler(400), Constant(0.01)), ReplicaSpec(_scheduler(400), Constant(0.003))]
+    DisaggFleetSimulator(specs, [ReplicaRole.PREFILL, ReplicaRole.DECODE], make_router({"name": "round_robin"}),
+                         make_router({"name": "least_kv"}), requests, [Link(10.0, 1e-5, 1e-3), None], [4096, 0],
+                         host=host, receive=receive).run()
+    prefill = steps_frame(specs[0].scheduler.recorder).sort_values("time")
+    return _gaps(prefill), prefill, pd.DataFrame(specs[1].scheduler.recorder.requests)
+
+
+def test_a_step_price_is_paid_after_every_prefill_step():
+    gaps, _, _ = _prefill_gaps(HandoffHost(per_step_s=0.002))
+    assert len(gaps) > 5 and gaps == pytest.approx([0.002] * len(gaps), abs=1e-9)
+    none, _, _ = _prefill_gaps(HandoffHost())
+    assert none.max() < 1e-12
+
+
+def test_messages_to_the_decode_side_are_paid_per_step_with_hand_offs_and_per_kv_message():
+    sent = 0.001
+    gaps, prefill, rows = _prefill_gaps(HandoffHost(sent_message_s=sent))
+    assert set((gaps / sent).round(9)) <= {1.0, 2.0, 3.0}  # its hand-offs' message, and 0-2 sends posted
+    # Every step hands off; each message posted is paid at the next step boundary.
+    starts = _starts(rows).drop_duplicates()
+    last = prefill["time"].max()
+    paid = round(gaps.sum() / sent) - len(gaps)
+    assert (starts < prefill["time"].nlargest(2).min()).sum() <= paid <= (starts < last).sum()
+
+
+def test_a_profiles_kv_message_price_replaces_the_receive_profiles_send(tmp_path):
+    receive = read_receive_profile(_profile(tmp_path, send_host_s=0.004))
+    gaps, _, _ = _prefill_gaps(HandoffHost(kv_message_s=0.001), receive)
+    assert gaps.sum() > 0 and set((gaps / 0.001).round(9)) <= {0.0, 1.0, 2.0}
+    by_receive, _, _ = _prefill_gaps(HandoffHost(), receive)
+    assert set((by_receive / 0.004).round(9)) <= {0.0, 1.0, 2.0} and by_receive.sum() > gaps.sum()
+    with pytest.raises(ValueError, match="kv_message_s=-1 is invalid"):
+        HandoffHost(kv_message_s=-1)
+
+
+def test_the_config_key_reads_a_profile_of_the_runs_model(tmp_path):
+    assert cluster_config(_cfg()).front_host_profile is None
+    with pytest.raises(ValueError, match="cluster.front_host_profile=5 is invalid"):
+        cluster_config(_cfg("cluster.front_host_profile=5"))
+    path = tmp_path / "front.csv"
+    PROFILE.write(path)
+    cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", f"cluster.front_host_profile={path}",
+               "model=qwen3-0.6b", "cluster.handoff_host_s=0.5", "cluster.front_message_host_s=0.5")
+    host, reads = front_host(cluster_config(cfg), [cfg, cfg])
+    assert host.per_handoff_s == 4e-5 and host.admits_between_steps and host.per_step_s == 1e-3  # the profile's
+    assert reads.message_s == 1e-4 and reads.token_s == 0.0
+    other = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", f"cluster.front_host_profile={path}",
+                 "model=tiny-qwen3")
+    with pytest.raises(ValueError, match="was measured on model 'qwen3-0.6b'.*run 'tiny-qwen3'"):
+        front_host(cluster_config(other), [other, other])
+    plain = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "cluster.handoff_host_s=0.5")
+    host, _ = front_host(cluster_config(plain), [plain, plain])
+    assert host.per_handoff_s == 0.5 and host.per_step_s == 0.0 and host.kv_message_s is None
