@@ -161,3 +161,25 @@ def test_gather_blocks_rejects_a_staging_buffer_of_another_shape():
     caches = [torch.zeros(4, 16, 2, 8) for _ in range(2)]
     with pytest.raises(ValueError, match="staging"):
         kernels.gather_blocks(caches, torch.tensor([1, 2]), torch.empty(2, 3, 16, 2, 8))
+
+
+def test_a_transfers_cache_set_is_checked_once_and_a_new_or_bad_set_again(monkeypatch):
+    """kernels/copy.py's staging: the caches' shapes and alignment are checked the first time a set
+    (those tensors at those addresses) is staged, not on every message; another set is checked
+    anew, and one with a cache of another block shape is refused."""
+    from kernels import copy
+
+    checks = []
+    real = copy._check_caches
+    monkeypatch.setattr(copy, "_check_caches", lambda caches: (checks.append(len(caches)), real(caches)))
+    caches = [torch.arange(4 * 16 * 2 * 8, dtype=torch.float32).reshape(4, 16, 2, 8) + j for j in range(3)]
+    ids, staging = torch.tensor([2, 0]), torch.empty(3, 2, 16, 2, 8)
+    for _ in range(3):
+        copy.gather_blocks(list(caches), ids, staging)
+    assert checks == [3] and torch.equal(staging[1, 0], caches[1][2])
+    other = [c.clone() for c in caches]
+    copy.gather_blocks(other, ids, staging)
+    assert checks == [3, 3]
+    bad = [*other[:2], torch.zeros(4, 16, 2, 4)]
+    with pytest.raises(ValueError, match="cache #2"):
+        copy.scatter_blocks(staging, bad, ids)
