@@ -14,6 +14,16 @@ does not tell: how many messages wait unsent and for how long (`backlog`), which
 `ThreadPoolExecutor` would do the ordering but joins its worker at the interpreter's exit, where a
 worker blocked on a hung reader would keep the process from exiting; this thread is a daemon.
 
+A message goes out at once, from the caller's thread, when nothing is queued before it and the
+socket takes it without waiting (`send` with `MSG_DONTWAIT` on the duplex pipe's Unix socket, in
+`Connection`'s wire format: a 4-byte length, then the bytes); what the socket does not take is
+queued for the thread as raw bytes, ahead of any later message. Without that, a message waited for
+the thread to get the interpreter lock, which a caller busy in Python holds for up to the switch
+interval (5 ms): the pair's front queued each step's hand-offs at the start of its host time
+between prefill steps, and they left only when its next step's GPU wait released the lock, ~2.5 ms
+later on the H200 host (the decode side's wait for hand-offs, docs/disaggregation-engine.md). A
+pipe that is not a socket (a one-way `os.pipe`) always goes through the thread.
+
 The thread ends after `close` once the messages before it are written, or on the first write
 error (the reader's end closed: its process ended or was killed), which it keeps in `error`; the
 messages after a failed write are dropped. A write blocked on a stopped reader ends when the
@@ -21,6 +31,9 @@ reader's process is killed (`decode_client._stop` does, within `JOIN_TIMEOUT_S`)
 """
 from __future__ import annotations
 
+import os
+import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -30,10 +43,38 @@ from multiprocessing.reduction import ForkingPickler
 _END = object()  # queued by `close`: the thread ends when it reaches it
 
 
+class _Rest(bytes):
+    """The part of a message the socket did not take at once: written as it is, no header."""
+
+
+def _frame(data) -> bytes:
+    """`Connection.send_bytes`' wire format: the length (4 bytes, big-endian; -1 and 8 more past
+    2 GiB), then the bytes."""
+    n = len(data)
+    header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!i", -1) + struct.pack("!Q", n)
+    return header + bytes(data)
+
+
+def _socket_of(conn: Connection) -> socket.socket | None:
+    """A socket on `conn`'s descriptor (a duplicate, closed with the sender), or None if it is not one."""
+    fd = os.dup(conn.fileno())
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        return None
+    if sock.family != socket.AF_UNIX:
+        sock.close()
+        return None
+    return sock
+
+
 class PipeSender:
-    def __init__(self, conn: Connection, name: str) -> None:
-        """Writes to `conn` from a daemon thread called `name`; `conn` is written by nothing else."""
+    def __init__(self, conn: Connection, name: str, direct: bool = True) -> None:
+        """Writes to `conn` from a daemon thread called `name`, and from the caller's thread when
+        nothing waits (`direct`; False: always the thread); `conn` is written by nothing else."""
         self._conn = conn
+        self._sock = _socket_of(conn) if direct else None  # None: every message through the thread
         self._queue: deque[tuple[float, object]] = deque()  # (when queued, pickled message or _END)
         self._changed = threading.Condition()
         self._closed = False
@@ -50,6 +91,18 @@ class PipeSender:
                 raise OSError(f"the pipe's reader is gone: {self.error}") from self.error
             if self._closed:
                 raise OSError("the pipe's sender is closed")
+            if not self._queue and self._sock is not None:  # nothing before it, the thread idle
+                frame = _frame(data)
+                try:
+                    sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:  # the reader is gone: the thread's write finds and keeps the error
+                    sent = 0
+                if sent == len(frame):
+                    return
+                if sent:
+                    data = _Rest(frame[sent:])
             self._queue.append((time.monotonic(), data))
             self._changed.notify_all()
 
@@ -86,6 +139,13 @@ class PipeSender:
         return len(self._queue) - (1 if self._closed and self._queue else 0)  # _END is last, if queued
 
     def _run(self) -> None:
+        try:
+            self._write_all()
+        finally:
+            if self._sock is not None:
+                self._sock.close()
+
+    def _write_all(self) -> None:
         while True:
             with self._changed:
                 while not self._queue:
@@ -97,7 +157,10 @@ class PipeSender:
                     self._changed.notify_all()
                 return
             try:
-                self._conn.send_bytes(data)
+                if isinstance(data, _Rest):  # a message's tail: its head went out from `send`
+                    self._sock.sendall(data)
+                else:
+                    self._conn.send_bytes(data)
             except Exception as e:  # noqa: BLE001 (kept for the caller: the reader is gone)
                 with self._changed:
                     self.error = e

@@ -23,6 +23,8 @@ import pytest
 from disagg_helpers import SignalAtFirstHandOff
 from disagg_pipe_helpers import stopping_at, write_begun, write_rest
 from engine_helpers import ragged_prompts
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_disagg_engine import ARGS, GREEDY, _run
 
 from engine.disagg import decode_client
@@ -104,6 +106,90 @@ def test_close_ends_the_thread_after_the_queued_messages(pipe):
     assert [reader.recv() for _ in range(3) if reader.poll(WAIT_S)] == [0, 1, 2]
     with pytest.raises(OSError, match="closed"):
         sender.send(3)
+
+
+class _CountingConn:
+    """A `Connection` whose `send_bytes` (the sender thread's writes) are counted."""
+
+    def __init__(self, conn) -> None:
+        self.conn, self.thread_writes = conn, 0
+
+    def send_bytes(self, data) -> None:
+        self.thread_writes += 1
+        self.conn.send_bytes(data)
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+
+def test_a_message_with_nothing_before_it_leaves_from_the_callers_thread():
+    """No wait for the thread (and the interpreter lock it needs): the socket takes the message at
+    once; behind a message the socket took only in part, the rest and what follows go by the
+    thread, in order."""
+    ours, theirs = multiprocessing.Pipe()
+    _shrink_send_buffer(ours)
+    conn = _CountingConn(ours)
+    sender = PipeSender(conn, "test-pipe-direct")
+    try:
+        sender.send(("small", 1))
+        assert sender.backlog() == (0, 0.0) and conn.thread_writes == 0
+        assert theirs.poll(WAIT_S) and theirs.recv() == ("small", 1)
+        big = [(i, bytes([i]) * 50_000) for i in range(4)]  # far more than the socket holds
+        _bounded(lambda: [sender.send(m) for m in big])
+        assert sender.backlog()[0] >= 1  # the first's tail, then the others, wait for the reader
+        assert [theirs.recv() for _ in big if theirs.poll(WAIT_S)] == big
+        assert sender.flush(WAIT_S) and conn.thread_writes == len(big) - 1  # the tail is a raw write
+    finally:
+        theirs.close()
+        assert sender.close(WAIT_S)
+        ours.close()
+
+
+def test_a_one_way_pipe_goes_through_the_thread():
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    if _is_socket(writer):
+        pytest.skip("this platform's one-way pipe is a socket")
+    conn = _CountingConn(writer)
+    sender = PipeSender(conn, "test-pipe-oneway")
+    try:
+        for i in range(3):
+            sender.send(i)
+        assert [reader.recv() for _ in range(3) if reader.poll(WAIT_S)] == [0, 1, 2]
+        assert sender.flush(WAIT_S) and conn.thread_writes == 3
+    finally:
+        assert sender.close(WAIT_S)
+        reader.close()
+        writer.close()
+
+
+def _is_socket(conn) -> bool:
+    try:
+        socket.socket(fileno=os.dup(conn.fileno())).close()
+    except OSError:
+        return False
+    return True
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(1, 120_000), min_size=1, max_size=12))
+def test_messages_of_any_size_arrive_whole_and_in_order(sizes):
+    """Direct writes, partial ones and the thread's, mixed: the reader gets every message as sent."""
+    ours, theirs = multiprocessing.Pipe()
+    _shrink_send_buffer(ours)
+    sender = PipeSender(ours, "test-pipe-sizes")
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(theirs.recv() for _ in sizes), daemon=True)
+    try:
+        sent = [(i, bytes([i % 251]) * n) for i, n in enumerate(sizes)]
+        reader.start()
+        for message in sent:
+            sender.send(message)
+        reader.join(WAIT_S)
+        assert not reader.is_alive() and got == sent
+    finally:
+        theirs.close()
+        assert sender.close(WAIT_S)
+        ours.close()
 
 
 def test_a_stopped_decode_process_never_blocks_the_front():
