@@ -99,12 +99,22 @@ class _Reads:
     def __init__(self, receiver, timer: PartTimer) -> None:
         self._receiver = receiver
         timer.wrap(self, "_wait", "idle wait")
+        timer.wrap(self, "_arriving", "arriving wait")
 
     def _wait(self, timeout: float) -> bool:
         return self._receiver.poll(timeout)
 
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self._wait(timeout) if timeout else self._receiver.poll(0)
+    def _arriving(self, arriving_s: float) -> bool:
+        return self._receiver.poll(0, arriving_s)
+
+    def poll(self, timeout: float = 0.0, arriving_s: float = 0.0) -> bool:
+        """The front's reads: a wait with a timeout (idle) and the wait for a message on its way in
+        (`PipeReceiver.poll`'s `arriving_s`) are timed apart; an older receiver takes no `arriving_s`."""
+        if timeout:
+            return self._wait(timeout)
+        if self._receiver.poll(0):
+            return True
+        return self._arriving(arriving_s) if arriving_s else False
 
     def recv(self):
         return self._receiver.recv()
@@ -134,7 +144,7 @@ PARTS = (
     ("", "_decode_outputs", "decode outputs"),
     ("", "_check_decode_alive", "check decode alive"),
 )
-NOT_HOST = ("forward", "idle wait")
+NOT_HOST = ("forward", "idle wait", "arriving wait")
 READS = ("recv + unpickle", "take messages (rest)", "decode outputs")  # the decode process's messages read back
 
 
@@ -244,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'reads per decoded token':26s} {clock:4s} {med(reads)}  [{', '.join(f'{x:.2f}' for x in reads)}]")
     print("\nparts, us per request (median over rounds)")
     print(f"{'part':32s} {'handoff':>8s} {'(cpu)':>8s} {'local':>8s} {'(cpu)':>8s}")
-    for part in [p for _, _, p in PARTS] + ["idle wait"]:
+    for part in [p for _, _, p in PARTS] + ["idle wait", "arriving wait"]:
         cells = [med([r[clock].get(part, 0.0) / n * 1e6 for r in rounds[kind]])
                  for kind in ("handoff", "local") for clock in ("wall", "cpu")]
         print(f"{part:32s} {' '.join(cells)}{'   (not host)' if part in NOT_HOST else ''}")

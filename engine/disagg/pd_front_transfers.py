@@ -26,6 +26,11 @@ from engine.disagg.pd_front_faults import FrontFaults
 from engine.offline.outputs import RequestOutput
 from policies.disagg import KVHandoff
 
+# How long the front's read of the decode process's messages waits for one whose bytes have come
+# and that the pipe's reader thread has not queued yet (it needs the interpreter lock, which the
+# front's loop holds while it works): ~0.1 ms when it does, never more than this (PipeReceiver.poll).
+ARRIVING_S = 0.002
+
 
 class FrontTransfers(FrontFaults):
     """Mixed into `DisaggregatedEngine`: every method reads and writes the front's state."""
@@ -59,7 +64,7 @@ class FrontTransfers(FrontFaults):
     def _take_messages(self) -> list[RequestOutput]:
         outputs = []
         try:
-            while self._failure is None and self._receiver.poll(0):
+            while self._failure is None and self._receiver.poll(0, ARRIVING_S):
                 message = self._receiver.recv()
                 self._last_heard = time.monotonic()
                 if isinstance(message, Reserved):

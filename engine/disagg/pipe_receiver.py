@@ -25,6 +25,7 @@ within `JOIN_TIMEOUT_S`); the thread is a daemon, so it never holds the process 
 """
 from __future__ import annotations
 
+import select
 import threading
 import time
 from collections import deque
@@ -43,11 +44,22 @@ class PipeReceiver:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def poll(self, timeout_s: float = 0.0) -> bool:
+    def poll(self, timeout_s: float = 0.0, arriving_s: float = 0.0) -> bool:
         """True once a message is whole, or the thread has ended (`recv` then raises); waits up to
-        `timeout_s` for either."""
+        `timeout_s` for either, and up to `arriving_s` (when longer) if a message's bytes have come
+        and the thread has not queued it yet. The thread needs the interpreter lock to read, which a
+        caller busy in Python holds for up to the switch interval (5 ms): without that wait, a
+        message that came while the caller worked is seen one caller turn later (the pair's front
+        posting a send one prefill step late, docs/disaggregation-engine.md)."""
+        def whole() -> bool:
+            return bool(self._queue) or self.error is not None
+
         with self._changed:
-            return self._changed.wait_for(lambda: bool(self._queue) or self.error is not None, timeout_s)
+            if self._changed.wait_for(whole, timeout_s):
+                return True
+            if arriving_s <= timeout_s or not self._arriving():
+                return False
+            return self._changed.wait_for(whole, arriving_s - timeout_s)
 
     def recv(self) -> object:
         """The oldest whole message, unpickled; never waits. EOFError once the messages before the
@@ -60,6 +72,16 @@ class PipeReceiver:
             else:
                 raise BlockingIOError("no whole message from the pipe yet (recv after poll returned True)")
         return ForkingPickler.loads(data)
+
+    def _arriving(self) -> bool:
+        """A message is on its way in: its bytes are readable, or the thread is reading it (begun
+        within the last second: a writer stopped mid-message is `incomplete`'s, not waited for)."""
+        if self._begun is not None:
+            return time.monotonic() - self._begun < 1.0
+        try:
+            return bool(select.select([self._conn.fileno()], [], [], 0)[0])
+        except (OSError, ValueError):  # closed: the thread's read reports it
+            return False
 
     def incomplete(self) -> float:
         """Seconds since the first bytes of a message not yet whole came (0.0: none begun)."""

@@ -47,7 +47,7 @@ class FrontRun:
     start: float
     end: float = 0.0
     profile: cProfile.Profile | None = None  # the `--detail` part's functions
-    parts: list[str] = field(default_factory=lambda: [p for _, _, p in PARTS + ADDED_PARTS] + ["idle wait"])
+    parts: list[str] = field(default_factory=lambda: [p for _, _, p in PARTS + ADDED_PARTS] + ["idle wait", "arriving wait"])
 
     def summary(self) -> dict:
         steps = max(self.timer.calls.get("forward", 0), 1)

@@ -65,6 +65,40 @@ def latencies(mode: str, n: int, busy_s: float, idle_s: float, switch_s: float) 
         sys.setswitchinterval(before)
 
 
+def _writer(conn, n: int, every_s: float) -> None:
+    for i in range(n):
+        time.sleep(every_s * (0.5 + (i * 7919 % 100) / 100))  # spread over the reader's turns
+        conn.send(time.monotonic())
+
+
+def take_latencies(arriving_s: float, n: int, busy_s: float, idle_s: float) -> list[float]:
+    """Milliseconds from a message's send (another process) to its `recv` by a caller that spins
+    `busy_s` in Python, takes what `PipeReceiver.poll(0, arriving_s)` says is there, sleeps `idle_s`."""
+    from engine.disagg.pipe_receiver import PipeReceiver
+
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    writer = ctx.Process(target=_writer, args=(theirs, n, busy_s + idle_s))
+    receiver = PipeReceiver(ours, "pipe-latency-receive")
+    writer.start()
+    lat: list[float] = []
+    deadline = time.monotonic() + 60.0
+    try:
+        while len(lat) < n and time.monotonic() < deadline:
+            _spin(busy_s)
+            while receiver.poll(0, arriving_s):
+                lat.append(time.monotonic() - receiver.recv())
+            time.sleep(idle_s)
+        return sorted(x * 1e3 for x in lat)
+    finally:
+        writer.join(5.0)
+        if writer.is_alive():
+            writer.kill()
+        theirs.close()
+        receiver.close(5.0)
+        ours.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--messages", type=int, default=60)
@@ -75,13 +109,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.messages < 1 or args.busy_ms < 0 or args.idle_ms < 0:
         ap.error("--messages must be >= 1 and --busy-ms, --idle-ms >= 0")
     switches = [sys.getswitchinterval()] + ([args.switch_ms / 1e3] if args.switch_ms else [])
-    print(f"# {args.messages} messages, each queued before {args.busy_ms} ms of Python and {args.idle_ms} ms asleep")
+    print(f"# sending: {args.messages} messages, each queued before {args.busy_ms} ms of Python and {args.idle_ms} ms "
+          "asleep; milliseconds from send to the reader's recv")
     for _ in range(2):
         for switch in switches:
             for mode in ("thread", "direct"):
                 lat = latencies(mode, args.messages, args.busy_ms / 1e3, args.idle_ms / 1e3, switch)
                 print(f"{mode:6s} switch interval {switch * 1e3:5.2f} ms: median {statistics.median(lat):6.3f} ms, "
                       f"p90 {lat[int(0.9 * (len(lat) - 1))]:6.3f} ms, max {lat[-1]:6.3f} ms")
+
+    print(f"# receiving: {args.messages} messages from another process at random; the caller spins {args.busy_ms} "
+          f"ms, takes what is there, sleeps {args.idle_ms} ms; milliseconds from send to the caller's recv")
+    for _ in range(2):
+        for arriving_s in (0.0, 0.002):
+            lat = take_latencies(arriving_s, args.messages, args.busy_ms / 1e3, args.idle_ms / 1e3)
+            print(f"poll(0, arriving_s={arriving_s * 1e3:.0f} ms): {len(lat)} taken, median "
+                  f"{statistics.median(lat):6.3f} ms, p90 {lat[int(0.9 * (len(lat) - 1))]:6.3f} ms")
 
 
 if __name__ == "__main__":

@@ -275,6 +275,29 @@ def test_the_receiver_keeps_the_order_and_never_waits_on_a_message_begun(reader_
     assert receiver.incomplete() == 0.0
 
 
+def test_a_message_arriving_while_the_caller_holds_the_thread_back_is_waited_for(reader_pipe):
+    """`poll(0, arriving_s)`: a message whose bytes have come, which the reader thread has not queued
+    (held back here by its lock, as by the interpreter lock a busy caller holds), is waited for at
+    most `arriving_s`; with nothing on the way it does not wait, and a message begun long ago (a
+    writer stopped mid-message) is not waited for either."""
+    receiver, writer = reader_pipe
+    with receiver._changed:  # the thread cannot queue (nor mark a message begun) until this lets go
+        writer.send("held")
+        time.sleep(0.1)
+        assert not receiver._queue and receiver._arriving()  # its bytes are here, not yet queued
+        start = time.monotonic()
+        assert receiver.poll(0, WAIT_S)  # waiting lets the thread read and queue it
+        assert time.monotonic() - start < 1.0 and receiver.recv() == "held"
+    start = time.monotonic()
+    assert not receiver.poll(0, 0.5) and time.monotonic() - start < 0.1  # nothing on the way
+    write_begun(writer, b"w" * 1000, 10)
+    time.sleep(1.1)  # begun over a second ago: a stopped writer, not a message arriving
+    start = time.monotonic()
+    assert not receiver.poll(0, 0.5) and time.monotonic() - start < 0.1
+    write_rest(writer, b"w" * 1000, 10)
+    assert receiver.poll(WAIT_S)
+
+
 def test_a_writer_gone_mid_message_ends_the_receiver(reader_pipe):
     receiver, writer = reader_pipe
     writer.send("whole")
