@@ -3,21 +3,12 @@ with its front timed by part, per prefill step, and the runs' traces left for pr
 import json
 
 import pytest
+from test_fidelity_disagg import TINY  # the disagg spec at a size the CPU runs in seconds
 
 from engine.disagg.pd_engine import DisaggregatedEngine
 from experiments.bench_handoff_host import NOT_HOST
 from experiments.lab.front_parts import main
 from sim.fleet.front_host import FrontHostProfile
-
-TINY = """extends: {spec}
-profile: null
-common: [model=tiny-qwen3, hardware=h200, seed=0, progress=false, plots=false, scheduler.async_scheduling=true,
-         cluster.replicas=2, workload=poisson, workload.num_requests=8, workload.prompt_len.low=8,
-         workload.prompt_len.high=40, workload.output_len.low=3, workload.output_len.high=8,
-         scheduler.max_model_len=128, scheduler.max_num_seqs=8, scheduler.enable_chunked_prefill=false,
-         scheduler.max_num_batched_tokens=128, blocks.num_gpu_blocks=64, blocks.num_cpu_blocks=64]
-engine: [backend=engine, backend.device=cpu]
-"""
 
 
 def test_a_pair_runs_with_its_front_timed_by_part(request, tmp_path, capsys):
