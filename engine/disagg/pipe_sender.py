@@ -95,10 +95,8 @@ class PipeSender:
                 frame = _frame(data)
                 try:
                     sent = self._sock.send(frame, socket.MSG_DONTWAIT)
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
-                except OSError:  # the reader is gone: the thread's write finds and keeps the error
-                    sent = 0
+                except OSError:  # full (BlockingIOError), or the reader is gone: the thread's write
+                    sent = 0  # then waits, or finds the error and keeps it
                 if sent == len(frame):
                     return
                 if sent:
