@@ -35,11 +35,12 @@ one-shot and two-shot kernels ("triton", and the unfused all-reduces of "triton_
 profiled, and the line says so.
 
 The engine's fused layer boundary (`all_reduce_kernel` resolving to "triton_fused" or
-"triton_lamport", `ParallelConfig.kernel_for`; the Lamport kernel's boundary is priced from the
-same rows until it is profiled) sums each decoder layer's o_proj and down_proj partial sums inside
-the next RMSNorm: one kernel does the all-reduce, the residual add and the norm
+"triton_lamport", `ParallelConfig.kernel_for`) sums each decoder layer's o_proj and down_proj
+partial sums inside the next RMSNorm: one kernel does the all-reduce, the residual add and the norm
 (engine/models/llama.py `ReducingRMSNorm`). `price_fused_boundary` prices such a boundary from the
-profile's `all_reduce_add_rms_norm` rows at N, at the model's hidden width, in place of
+profile's rows of the engine's kernel at N (`FUSED_BOUNDARY_OPS`: `all_reduce_add_rms_norm`, or
+`all_reduce_add_rms_norm_lamport`; the Lamport kernel's from the fused kernel's rows where the
+profile has none of its own, and the line says so), at the model's hidden width, in place of
 all-reduce + `add_rms_norm`; where the engine falls back to the two (a message of NCCL's size, rows
 wider than the kernel takes), so does the price. A profile without those rows at N and width, or an
 N priced by the ring model, prices every boundary unfused, and the line says so.
@@ -57,6 +58,7 @@ from sim.latency.operator_file import (
     ALL_REDUCE_PATH_OPS,
     COLLECTIVES,
     FUSED_ALL_REDUCE,
+    FUSED_BOUNDARY_OPS,
     SYMMETRIC_ALL_REDUCES,
 )
 from sim.latency.operator_profile import OperatorProfile
@@ -166,13 +168,16 @@ def price_fused_boundary(profile: OperatorProfile, size: int, priced: PricedColl
         return None, f"{unfused}, as the engine runs rows of {hidden} elements (wider than its fused kernel takes)"
     if priced.kind != MEASURED:
         return None, f"{unfused} (no fused-boundary pricing at an unmeasured N={size}; the engine fuses them)"
-    if not profile.has(FUSED_ALL_REDUCE, size):
-        return None, (f"{unfused} (no {FUSED_ALL_REDUCE} rows in this profile at N={size}; the engine fuses them: "
+    op, instead = FUSED_BOUNDARY_OPS.get(engine.kernel, FUSED_ALL_REDUCE), ""
+    if op != FUSED_ALL_REDUCE and not profile.has(op, size):  # a kernel without rows of its own
+        op, instead = FUSED_ALL_REDUCE, f" for the engine's {engine.kernel} kernel (no {op} rows at N={size})"
+    if not profile.has(op, size):
+        return None, (f"{unfused} (no {op} rows in this profile at N={size}; the engine fuses them: "
                       "take them with python -m experiments.profile mode=operators operator_parts=[collectives])")
-    grid = profile.grid(FUSED_ALL_REDUCE, size)
+    grid = profile.grid(op, size)
     widths = [int(w) for w in grid.axes[1].points]
     if hidden not in widths:
-        return None, (f"{unfused} (the {FUSED_ALL_REDUCE} rows at N={size} are {widths} wide, the model's rows "
+        return None, (f"{unfused} (the {op} rows at N={size} are {widths} wide, the model's rows "
                       f"{hidden}; the engine fuses them: take them at operator_grid.fused_norm_width={hidden})")
     seconds = grid.fix("n", hidden)
     seen: dict[float, float | None] = {}
@@ -181,7 +186,7 @@ def price_fused_boundary(profile: OperatorProfile, size: int, priced: PricedColl
         if nbytes not in seen:
             seen[nbytes] = None if engine.path(int(nbytes)) == NCCL_PATH else seconds(nbytes)
         return seen[nbytes]
-    return fused, (f"fused boundary: {FUSED_ALL_REDUCE} rows ({', '.join(profile.files(FUSED_ALL_REDUCE, size))}) "
+    return fused, (f"fused boundary: {op} rows ({', '.join(profile.files(op, size))}){instead} "
                    "in place of all-reduce + add_rms_norm, all-reduce + add_rms_norm at NCCL's sizes")
 
 

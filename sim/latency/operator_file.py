@@ -30,7 +30,9 @@ Rows, by `op` (its axes in brackets; unused columns empty; sizes are integers >=
   the engine's symmetric-memory all-reduce paths with torch's kernels, where the GPUs had them
   (`ALL_REDUCE_PATH_OPS`). `all_reduce_add_rms_norm` [bytes, n] per `world_size`: the Triton
   kernel that all-reduces a message of rows n wide and adds the residual and RMSNorms the sums in
-  one (the engine's fused layer boundary, `all_reduce_kernel=triton_fused`), where the GPUs had it.
+  one (the engine's fused layer boundary, `all_reduce_kernel=triton_fused`), where the GPUs had it;
+  `all_reduce_add_rms_norm_lamport` [bytes, n] the same boundary by the barrier-free kernel
+  (`all_reduce_kernel=triton_lamport`).
 """
 from __future__ import annotations
 
@@ -65,11 +67,15 @@ OP_AXES: dict[str, tuple[str, ...]] = {
     "all_reduce_one_shot": ("bytes",),
     "all_reduce_two_shot": ("bytes",),
     "all_reduce_add_rms_norm": ("bytes", "n"),
+    "all_reduce_add_rms_norm_lamport": ("bytes", "n"),
 }
 COLLECTIVES = ("all_reduce", "all_gather")  # NCCL's: every collectives file has them
 SYMMETRIC_ALL_REDUCES = ("all_reduce_one_shot", "all_reduce_two_shot")  # where symmetric memory was available
 FUSED_ALL_REDUCE = "all_reduce_add_rms_norm"  # the fused layer boundary: all-reduce + residual add + RMSNorm
-PER_WORLD_SIZE = (*COLLECTIVES, *SYMMETRIC_ALL_REDUCES, FUSED_ALL_REDUCE)  # ops timed per world size
+LAMPORT_FUSED_ALL_REDUCE = "all_reduce_add_rms_norm_lamport"  # the same boundary, the barrier-free kernel
+# The kernels whose fused boundary has rows of its own (`all_reduce_kernel` -> op).
+FUSED_BOUNDARY_OPS = {"triton_fused": FUSED_ALL_REDUCE, "triton_lamport": LAMPORT_FUSED_ALL_REDUCE}
+PER_WORLD_SIZE = (*COLLECTIVES, *SYMMETRIC_ALL_REDUCES, FUSED_ALL_REDUCE, LAMPORT_FUSED_ALL_REDUCE)  # per world size
 # The engine's all-reduce paths (engine/distributed/all_reduce_path.py: ONE_SHOT, TWO_SHOT, NCCL)
 # and the op whose rows time each.
 ALL_REDUCE_PATH_OPS = {"one-shot": "all_reduce_one_shot", "two-shot": "all_reduce_two_shot", "nccl": "all_reduce"}

@@ -19,11 +19,11 @@ SIZES = [1024, 4096, 65536]
 WIDTH = 256  # the fused rows' width: 1 KiB rows of float32
 
 
-def _run_worker(sizes: list[int], dtype: torch.dtype) -> tuple[list[dict], str]:
+def _run_worker(sizes: list[int], dtype: torch.dtype, kernel: str = "triton_fused") -> tuple[list[dict], str]:
     """Rank 0 of a one-process gloo group, in this process (the profiler spawns one per GPU)."""
     store = open_store(1, 10)
     results: queue.Queue = queue.Queue()
-    collectives._worker(0, 1, store.port, sizes, dtype, False, 2, 10.0, WIDTH, results)
+    collectives._worker(0, 1, store.port, sizes, dtype, False, 2, 10.0, WIDTH, results, kernel=kernel)
     status, payload = results.get(timeout=1)
     assert status == "ok", payload
     return payload
@@ -99,3 +99,61 @@ def test_a_group_that_fuses_also_times_the_fused_boundary_and_torchs_kernels_for
     assert by_op == {op: [(n, None) for n in SIZES]
                      for op in ("all_reduce", "all_gather", "all_reduce_one_shot", "all_reduce_two_shot")}
     assert {path for path, _ in ops.calls} == {ONE_SHOT, TWO_SHOT}  # torch's ops, not the Triton kernels
+
+
+def test_the_lamport_pass_times_only_its_fused_boundary_each_from_a_forwards_start(monkeypatch):
+    """The group opened with the Lamport kernel (its peers mirrored, in the interpreter): one row per
+    fused size at the grid's width, each size timed after `begin_forward`, so the graph's rounds go
+    0, 1, 2, ... as an engine forward's; no other op is timed in that pass."""
+    from engine.distributed.lamport_all_reduce import LamportAllReduce
+    from sim.latency.operator_file import LAMPORT_FUSED_ALL_REDUCE
+    from tests.symmetric_memory_helpers import mirrored_lamport
+
+    real_init = collectives.init_group
+    kept, begins = [], []
+
+    def lamport_group(store, rank, size, device, timeout_s, parallel):
+        assert parallel.kernel_for(2) == "triton_lamport"
+        group = real_init(store, rank, size, device, timeout_s, parallel)
+        nbytes = parallel.custom_all_reduce_max_bytes
+        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        custom, keep = mirrored_lamport(buffer, nbytes)
+        kept.extend([buffer, keep])
+        group.custom = custom
+        return group
+
+    real_begin = LamportAllReduce.begin_forward
+    monkeypatch.setattr(LamportAllReduce, "begin_forward", lambda self: (begins.append(1), real_begin(self))[1])
+    monkeypatch.setattr(collectives, "init_group", lamport_group)
+    rows, _ = _run_worker(SIZES, torch.bfloat16, kernel="triton_lamport")
+    assert [(r["op"], r["bytes"], r["n"]) for r in rows] == [(LAMPORT_FUSED_ALL_REDUCE, n, WIDTH) for n in SIZES]
+    assert all(r["time_s"] > 0 and r["world_size"] == 1 for r in rows)
+    assert len(begins) == len(SIZES)
+
+
+def test_a_world_size_with_fused_rows_gets_a_lamport_pass_and_a_failed_one_is_said(monkeypatch):
+    """collective_rows: after a world size's rows hold the fused boundary, the Lamport kernel's pass
+    runs with its own group (`kernel="triton_lamport"`); its rows join, or the log says why none did."""
+    from sim.latency.operator_file import FUSED_ALL_REDUCE, LAMPORT_FUSED_ALL_REDUCE
+
+    fused = {"op": FUSED_ALL_REDUCE, "bytes": 1024, "n": WIDTH, "world_size": 2, "time_s": 1e-5}
+    lamport = {**fused, "op": LAMPORT_FUSED_ALL_REDUCE, "time_s": 8e-6}
+    outcomes, kernels = [], []
+
+    def fake_run_ranks(target, world, args, timeout_s):
+        kernels.append(getattr(target, "keywords", {}).get("kernel", "triton_fused"))
+        return outcomes.pop(0)
+
+    monkeypatch.setattr(collectives, "run_ranks", fake_run_ranks)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    said: list[str] = []
+    outcomes[:] = [("ok", ([fused], "said")), ("ok", ([lamport], "said"))]
+    rows = collectives.collective_rows([2], SIZES, torch.bfloat16, True, said.append)
+    assert rows == [fused, lamport] and kernels == ["triton_fused", "triton_lamport"]
+    assert said[-1] == f"collectives: world_size=2, 1 {LAMPORT_FUSED_ALL_REDUCE} rows"
+    outcomes[:] = [("ok", ([fused], "said")), ("error", "rank 1: it hung")]
+    assert collectives.collective_rows([2], SIZES, torch.bfloat16, True, said.append) == [fused]
+    assert said[-1].endswith("from the fused kernel's rows): rank 1: it hung")
+    outcomes[:] = [("ok", ([{**fused, "op": "all_reduce"}], "said"))]  # no fused rows: no Lamport pass
+    collectives.collective_rows([2], SIZES, torch.bfloat16, True, said.append)
+    assert kernels[-1] == "triton_fused" and not outcomes

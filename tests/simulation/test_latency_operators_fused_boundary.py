@@ -19,10 +19,10 @@ from experiments.profiles.synthetic_operators import synthetic_operator_profile
 from sim.latency.base import BatchShape
 from sim.latency.build import EngineAllReduce
 from sim.latency.collective_pricing import price_collectives, price_fused_boundary
-from sim.latency.operator_file import FUSED_ALL_REDUCE, write_operator_file
+from sim.latency.operator_file import FUSED_ALL_REDUCE, LAMPORT_FUSED_ALL_REDUCE, write_operator_file
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
 
-ONE_SHOT_S, TWO_SHOT_S, FUSED_S = 3e-6, 5e-6, 4e-6  # flat stand-ins, below the ring model's all-reduce
+ONE_SHOT_S, TWO_SHOT_S, FUSED_S, LAMPORT_S = 3e-6, 5e-6, 4e-6, 2.5e-6  # flat stand-ins, below the ring model's
 HIDDEN, LAYERS = 4096, 36  # Qwen3-8B
 KiB, MiB = 2**10, 2**20
 COLLECTIVES_FILE = "h200-roofline-bfloat16-collectives-n2.csv"
@@ -33,16 +33,18 @@ def config(*overrides: str):
         return compose(config_name="config", overrides=list(overrides))
 
 
-def _profile(out: Path, fused_width: int | None) -> Path:
+def _profile(out: Path, fused_width: int | None, lamport: bool = False) -> Path:
     """The roofline's operators for datasheet H200s, with symmetric-memory rows at N=2 and, unless
-    `fused_width` is None, fused rows of that width at the symmetric sizes' whole rows."""
+    `fused_width` is None, fused rows of that width at the symmetric sizes' whole rows (and the
+    Lamport kernel's at LAMPORT_S, with `lamport`)."""
     synthetic_operator_profile(factory.hardware(config("hardware=h200")), out)
     sizes = [2**i for i in range(10, 24)]  # 1 KiB .. 8 MiB
     rows = [{"op": op, "bytes": n, "world_size": 2, "time_s": t} for n in sizes
             for op, t in (("all_reduce_one_shot", ONE_SHOT_S), ("all_reduce_two_shot", TWO_SHOT_S))]
     if fused_width is not None:
         row = fused_width * 2
-        rows += [{"op": FUSED_ALL_REDUCE, "bytes": n, "n": fused_width, "world_size": 2, "time_s": FUSED_S}
+        rows += [{"op": op, "bytes": n, "n": fused_width, "world_size": 2, "time_s": t}
+                 for op, t in ((FUSED_ALL_REDUCE, FUSED_S), (LAMPORT_FUSED_ALL_REDUCE, LAMPORT_S))[:1 + lamport]
                  for n in sizes if n >= row and n % row == 0]
     meta = {"gpu": "h200-roofline", "device": "synthetic", "dtype": "bfloat16", "kernels": "collectives",
             "versions": "none", "date": "computed", "grid": "{}"}
@@ -53,6 +55,11 @@ def _profile(out: Path, fused_width: int | None) -> Path:
 @pytest.fixture(scope="module")
 def fused(tmp_path_factory) -> Path:
     return _profile(tmp_path_factory.mktemp("fused"), HIDDEN)
+
+
+@pytest.fixture(scope="module")
+def with_lamport(tmp_path_factory) -> Path:
+    return _profile(tmp_path_factory.mktemp("lamport"), HIDDEN, lamport=True)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +102,22 @@ def test_the_default_at_two_gpus_prices_the_fused_rows_in_place_of_all_reduce_an
         "all-reduce + add_rms_norm at NCCL's sizes")
     # The same kernels chosen by name, at a size "auto" leaves to torch's kernels.
     assert run(fused, "parallel.all_reduce_kernel=triton_fused").shape_time(decode(8)) == auto.shape_time(decode(8))
+
+
+def test_the_lamport_kernel_is_priced_from_its_own_rows_or_else_the_fused_ones_and_says_which(fused, with_lamport):
+    lamport = run(with_lamport, "parallel.all_reduce_kernel=triton_lamport")
+    fused_kernel = run(with_lamport, "parallel.all_reduce_kernel=triton_fused")
+    # The 2 L boundaries of 8 decodes: each at its kernel's row.
+    assert fused_kernel.shape_time(decode(8)) - lamport.shape_time(decode(8)) == \
+        pytest.approx(2 * LAYERS * (FUSED_S - LAMPORT_S))
+    assert f"fused boundary: {LAMPORT_FUSED_ALL_REDUCE} rows ({COLLECTIVES_FILE}) in place of" \
+        in lamport.data_sources()["collectives"]
+    assert f"fused boundary: {FUSED_ALL_REDUCE} rows ({COLLECTIVES_FILE}) in place of" \
+        in fused_kernel.data_sources()["collectives"]
+    without = run(fused, "parallel.all_reduce_kernel=triton_lamport")  # no rows of its own: the fused kernel's
+    assert without.shape_time(decode(8)) == run(fused).shape_time(decode(8))
+    assert (f"{FUSED_ALL_REDUCE} rows ({COLLECTIVES_FILE}) for the engine's triton_lamport kernel (no "
+            f"{LAMPORT_FUSED_ALL_REDUCE} rows at N=2)") in without.data_sources()["collectives"]
 
 
 def test_torchs_kernels_are_priced_without_the_fused_rows(fused, unfused):

@@ -18,8 +18,12 @@ opened with the Triton kernels (`all_reduce_kernel=triton_fused`) so that it als
 `all_reduce_add_rms_norm`: the engine's fused layer boundary (`SymmetricAllReduce.all_reduce_add_rms_norm`:
 all-reduce, residual add and RMSNorm in one kernel) on messages of rows `fused_norm_width` wide
 (the model's hidden size; operator_grid), at each size the symmetric paths take that holds one row or
-more (rounded down to whole rows). The Triton one-shot and two-shot kernels are not timed: the
-simulator prices them from torch's rows. Where the group has no symmetric memory (the CPU, GPUs
+more (rounded down to whole rows). Where a world size has those rows, a second pass opens its own
+group with the barrier-free kernel (`all_reduce_kernel=triton_lamport`) and times its boundary at
+the same sizes, `all_reduce_add_rms_norm_lamport`, each size from a forward's start (the kernel's
+rounds, `begin_forward`); a failed pass leaves the Lamport kernel priced from the fused kernel's
+rows, and the log says so. The Triton one-shot and two-shot kernels are not timed: the simulator
+prices them from torch's rows. Where the group has no symmetric memory (the CPU, GPUs
 without peer access) neither is timed, and the log line says so.
 
 Each size is called 3 times, then `iters` calls are captured in one CUDA graph, as the engine's
@@ -39,12 +43,14 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from engine.config import CUSTOM_ALL_REDUCE_LIMIT_BYTES, ParallelConfig
 from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT, choose_path
+from engine.distributed.lamport_all_reduce import LamportAllReduce
 from engine.distributed.parallel_state import (
     TPGroup,
     _all_gather,
@@ -54,7 +60,7 @@ from engine.distributed.parallel_state import (
     open_store,
 )
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
-from sim.latency.operator_file import ALL_REDUCE_PATH_OPS, FUSED_ALL_REDUCE
+from sim.latency.operator_file import ALL_REDUCE_PATH_OPS, FUSED_ALL_REDUCE, LAMPORT_FUSED_ALL_REDUCE
 
 Row = dict[str, float | str]
 ENGINE_LOGGER = "servelab.engine"
@@ -104,6 +110,46 @@ def fused_sizes(sizes: list[int], dtype: torch.dtype, world: int, width: int) ->
     elements (at least one), without repeats."""
     row = width * dtype.itemsize
     return sorted({n // row * row for n in symmetric_sizes(sizes, dtype, world) if n >= row})
+
+
+def lamport_call(custom: LamportAllReduce, nbytes: int, width: int, dtype: torch.dtype,
+                 device: torch.device) -> Callable[[], object]:
+    """The barrier-free kernel's fused boundary on a message of `nbytes` (rows of `width` elements),
+    read where the row-parallel GEMM leaves it (anywhere: the kernel pushes it to its peers itself)."""
+    rows = nbytes // (width * dtype.itemsize)
+    partial = torch.randn(rows, width, dtype=dtype, device=device)
+    residual = torch.randn(rows, width, dtype=dtype, device=device)
+    weight = torch.ones(width, dtype=dtype, device=device)
+
+    def call():
+        return custom.all_reduce_add_rms_norm(partial, residual, weight, FUSED_EPS)
+
+    if not (custom.takes(nbytes, dtype) and custom.fuses_rows(partial, residual)):
+        raise ValueError(f"op={LAMPORT_FUSED_ALL_REDUCE}: the Lamport kernel does not take {rows} rows of {width} "
+                         f"{dtype} ({nbytes} bytes)")
+    return call
+
+
+def lamport_rows(group: TPGroup, sizes: list[int], dtype: torch.dtype, device: torch.device, iters: int,
+                 width: int) -> list[Row]:
+    """One rank's share of the Lamport kernel's fused-boundary rows (a group opened with
+    `all_reduce_kernel=triton_lamport`), at the fused rows' sizes that the kernel takes; each timed
+    from a forward's start, so its rounds go 0, 1, 2, 1, 2, ... in the graph as in the engine's."""
+    custom = group.custom
+    if not isinstance(custom, LamportAllReduce):
+        raise ValueError(f"op={LAMPORT_FUSED_ALL_REDUCE} needs a group opened with the Lamport kernel")  # noqa: TRY004
+    mode = "graph" if device.type == "cuda" else "cpu"
+    rows = []
+    for nbytes in fused_sizes(sizes, dtype, group.size, width):
+        if not custom.takes(nbytes, dtype):
+            continue
+        call = lamport_call(custom, nbytes, width, dtype, device)
+        fastest = torch.tensor([mean_call_s(call, iters, mode, begin=custom.begin_forward)], device=device,
+                               dtype=torch.float64)
+        dist.all_reduce(fastest, op=dist.ReduceOp.MIN, group=group.device_group)
+        rows.append({"op": LAMPORT_FUSED_ALL_REDUCE, "bytes": nbytes, "n": width, "world_size": group.size,
+                     "time_s": float(fastest.item())})
+    return rows
 
 
 def fused_call(group: TPGroup, nbytes: int, width: int, dtype: torch.dtype,
@@ -234,7 +280,9 @@ def engine_all_reduce_log() -> Iterator[list[str]]:
 
 
 def _worker(rank: int, world: int, port: int, sizes: list[int], dtype: torch.dtype, cuda: bool, iters: int,
-            timeout_s: float, width: int, results) -> None:
+            timeout_s: float, width: int, results, kernel: str = "triton_fused") -> None:
+    """One rank: every op's rows with the group opened with `kernel` ("triton_fused"), or only the
+    Lamport kernel's fused-boundary rows ("triton_lamport")."""
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         if cuda:
@@ -242,12 +290,15 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], dtype: torch.dty
         largest = max(symmetric_sizes(sizes, dtype, world), default=0)
         parallel = ParallelConfig(world, timeout_s, disable_custom_all_reduce=largest == 0,
                                   custom_all_reduce_max_bytes=-(-largest // 16) * 16,
-                                  all_reduce_kernel="triton_fused")
+                                  all_reduce_kernel=kernel)
         with engine_all_reduce_log() as said:
             group = init_group(join_store(port, world, timeout_s), rank, world, device, timeout_s, parallel)
         if not largest:
             said = [f"no message of the grid in {dtype} is one the symmetric-memory kernels take"]
-        rows = measured_rows(group, sizes, dtype, device, iters, width)
+        if kernel == "triton_lamport":
+            rows = lamport_rows(group, sizes, dtype, device, iters, width) if group.custom is not None else []
+        else:
+            rows = measured_rows(group, sizes, dtype, device, iters, width)
         if rank == 0:
             results.put(("ok", (rows, " ".join(said) or "the engine logged no all-reduce line")))
         group.custom = None  # frees the symmetric buffer before the group ends
@@ -308,4 +359,12 @@ def collective_rows(world_sizes: list[int], sizes: list[int], dtype: torch.dtype
                           f"add_rms_norm at N={world}): ")
         log(f"collectives: world_size={world}, {len(got)} rows ({', '.join(ops)}) in "
             f"{time.perf_counter() - start:.1f}s; {symmetric}the engine said: {said}")
+        if FUSED_ALL_REDUCE in ops:  # the barrier-free kernel's boundary beside it, its group of its own
+            status, payload = run_ranks(partial(_worker, kernel="triton_lamport"), world,
+                                        (sizes, dtype, cuda, iters, timeout_s, width), timeout_s)
+            lamport = payload[0] if status == "ok" else []
+            rows.extend(lamport)
+            log(f"collectives: world_size={world}, {len(lamport)} {LAMPORT_FUSED_ALL_REDUCE} rows" if lamport else
+                f"collectives: world_size={world}, no {LAMPORT_FUSED_ALL_REDUCE} rows (the simulator prices the "
+                f"Lamport kernel's boundary from the fused kernel's rows): {payload if status != 'ok' else payload[1]}")
     return rows
