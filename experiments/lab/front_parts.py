@@ -4,8 +4,9 @@ times them (`instrument`: exclusive time per part, wall clock and the front thre
 
 `python -m experiments.lab.front_parts --runs DIR [--spec conf/fidelity/disagg.yaml] [--scenarios pd_400,pd_500] [overrides]`
 
-Runs the scenarios' engine pairs as `experiments.fidelity --engine-only` does (their traces land in
-DIR, so `experiments.lab.prefill_excess --runs DIR` reads the same runs), every pair's front
+Runs the scenarios' engine pairs as `experiments.fidelity --engine-only` does, one run each (their
+traces land in DIR/<scenario>/engine, so `experiments.lab.prefill_excess --runs DIR` and
+`experiments.fidelity --engine-runs DIR` read the same runs), every pair's front
 instrumented once it is built, and prints per scenario: each part's milliseconds per prefill step
 (wall, then CPU) and its calls per step, the front's host time per prefill step (every part but
 the forward and the idle waits), and what the run's loop spent outside the front (the feed loop,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime as dt
 import io
 import json
 import pstats
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.disagg.pd_engine import DisaggregatedEngine
-from experiments.bench_handoff_host import NOT_HOST, PARTS, PartTimer, instrument
+from experiments.lib.front_timers import NOT_HOST, PARTS, PartTimer, instrument
 from sim.fleet.front_host import FrontHostProfile
 
 ADDED_PARTS = (("", "add_request", "add_request"),)
@@ -171,28 +173,40 @@ def main(argv: Sequence[str] | None = None) -> None:
         summaries = json.loads((args.runs / "front_parts.json").read_text())
         write_profile(args, list(summaries), summaries, argv)
         return
-    from experiments import fidelity
-    from experiments.lib.fidelity_spec import load_spec
+    from experiments.lib import engine_backend
+    from experiments.lib.fidelity_spec import compose_cfg, load_spec
+    from experiments.lib.run_workload import run as run_workload
 
+    spec = load_spec(args.spec)
     wanted = args.scenarios.split(",")
-    names = [n for n in load_spec(args.spec)["scenarios"] if n in wanted]  # the order the spec runs them in
+    unknown = [w for w in wanted if w not in spec["scenarios"]]
+    if unknown:
+        raise ValueError(f"--scenarios={args.scenarios!r} is invalid: {unknown} not in {list(spec['scenarios'])}")
+    names = [n for n in spec["scenarios"] if n in wanted]  # the order the spec runs them in
     runs, undo = watch_fronts(args.detail)
     try:
-        fidelity._main([*args.overrides, "--spec", args.spec, "--engine-only", "--runs", str(args.runs),
-                        "--scenarios", args.scenarios])
+        for name in names:  # as experiments.fidelity --engine-only runs them (its trace layout)
+            overrides = [*spec["common"], *args.overrides, *spec["scenarios"][name].get("overrides", [])]
+            run_workload(compose_cfg([*overrides, *spec["engine"]]), args.runs / name / "engine", f"{name} engine")
+            engine_backend.free_device()
     finally:
         undo()
+    args.runs.mkdir(parents=True, exist_ok=True)
+    (args.runs / "meta.json").write_text(json.dumps({
+        "device": engine_backend.device_name(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python -m experiments.lab.front_parts " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "scenarios": names}, indent=2) + "\n")
     if len(runs) != len(names):
         raise RuntimeError(f"--scenarios={args.scenarios!r}: {len(runs)} engine pairs ran for {len(names)} "
                            "scenarios; each must be a pair scenario (cluster.roles=[prefill,decode])")
-    summaries = {name: run.summary() for name, run in zip(names, runs)}
+    summaries = {name: front.summary() for name, front in zip(names, runs)}
     for name, s in summaries.items():
         print(format_summary(name, s))
-    for name, run in zip(names, runs):
-        if run.profile is not None:
+    for name, front in zip(names, runs):
+        if front.profile is not None:
             out = io.StringIO()
-            pstats.Stats(run.profile, stream=out).sort_stats("tottime").print_stats(30)
-            calls = run.timer.calls.get(args.detail, 0)
+            pstats.Stats(front.profile, stream=out).sort_stats("tottime").print_stats(30)
+            calls = front.timer.calls.get(args.detail, 0)
             text = f"# {args.detail}: {calls} calls in {name}, cProfile by own time\n{out.getvalue()}"
             (args.runs / f"{name}.detail.txt").write_text(text)
             print(text[:3000])

@@ -25,6 +25,7 @@ from disagg_pipe_helpers import stopping_at, write_begun, write_rest
 from engine_helpers import ragged_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_settings import examples
 from test_disagg_engine import ARGS, GREEDY, _run
 
 from engine.disagg import decode_client
@@ -170,7 +171,7 @@ def _is_socket(conn) -> bool:
     return True
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(st.lists(st.integers(1, 120_000), min_size=1, max_size=12))
 def test_messages_of_any_size_arrive_whole_and_in_order(sizes):
     """Direct writes, partial ones and the thread's, mixed: the reader gets every message as sent."""

@@ -6,8 +6,8 @@ import pytest
 from test_fidelity_disagg import TINY  # the disagg spec at a size the CPU runs in seconds
 
 from engine.disagg.pd_engine import DisaggregatedEngine
-from experiments.bench_handoff_host import NOT_HOST
 from experiments.lab.front_parts import main
+from experiments.lib.front_timers import NOT_HOST
 from sim.fleet.front_host import FrontHostProfile
 
 
