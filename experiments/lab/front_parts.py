@@ -175,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from experiments.lib import engine_backend
     from experiments.lib.fidelity_spec import compose_cfg, load_spec
+    from experiments.lib.profiling.versions import versions
     from experiments.lib.run_workload import run as run_workload
 
     spec = load_spec(args.spec)
@@ -192,10 +193,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         undo()
     args.runs.mkdir(parents=True, exist_ok=True)
-    (args.runs / "meta.json").write_text(json.dumps({
+    (args.runs / "meta.json").write_text(json.dumps({  # as fidelity --engine-only writes it
         "device": engine_backend.device_name(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": versions(),
         "command": "python -m experiments.lab.front_parts " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "scenarios": names}, indent=2) + "\n")
+        "scenarios": {name: {} for name in names}}, indent=2) + "\n")
     if len(runs) != len(names):
         raise RuntimeError(f"--scenarios={args.scenarios!r}: {len(runs)} engine pairs ran for {len(names)} "
                            "scenarios; each must be a pair scenario (cluster.roles=[prefill,decode])")

@@ -28,6 +28,12 @@ def test_a_pair_runs_with_its_front_timed_by_part(request, tmp_path, capsys):
     assert 0 < s["run_wall_s"] and s["outside_front_ms_per_step"] >= 0
     assert "## pd_400" in capsys.readouterr().out
     assert (tmp_path / "runs" / "pd_400" / "engine" / "steps.parquet").is_file()
+    meta = json.loads((tmp_path / "runs" / "meta.json").read_text())
+    assert meta["scenarios"] == {"pd_400": {}} and meta["device"] == "cpu"
+    from experiments.fidelity import _main as fidelity  # the runs are a fidelity report's engine half
+    fidelity(["--spec", str(spec), "--engine-runs", str(tmp_path / "runs"), "--runs", str(tmp_path / "sim"),
+              "--scenarios", "pd_400"])
+    assert "pd_400" in (tmp_path / "sim" / "report" / "fidelity.md").read_text()
     detail = (tmp_path / "runs" / "pd_400.detail.txt").read_text()
     assert detail.startswith(f"# KVLink.send: {round(parts['KVLink.send']['calls'] * s['prefill_steps'])} calls")
     assert "gather_blocks" in detail  # the send's own functions
