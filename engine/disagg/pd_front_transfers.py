@@ -64,7 +64,9 @@ class FrontTransfers(FrontFaults):
     def _take_messages(self) -> list[RequestOutput]:
         outputs = []
         try:
-            while self._failure is None and self._receiver.poll(0, ARRIVING_S):
+            arriving = ARRIVING_S  # once a turn: messages that keep coming never hold the loop
+            while self._failure is None and self._receiver.poll(0, arriving):
+                arriving = 0.0
                 message = self._receiver.recv()
                 self._last_heard = time.monotonic()
                 if isinstance(message, Reserved):

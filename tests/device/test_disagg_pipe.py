@@ -299,6 +299,37 @@ def test_a_message_arriving_while_the_caller_holds_the_thread_back_is_waited_for
     assert receiver.poll(WAIT_S)
 
 
+def test_the_fronts_read_waits_for_an_arriving_message_once_a_turn():
+    """`_take_messages` waits for a message on its way in only before its first read of a turn: a
+    decode process whose messages keep coming never holds the front's loop."""
+    from engine.disagg.messages import DecodeStep
+    from engine.disagg.pd_front_transfers import ARRIVING_S, FrontTransfers
+
+    class Receiver:
+        def __init__(self) -> None:
+            self.waits: list[float] = []
+            self.left = 5  # messages that keep coming while the front reads
+
+        def poll(self, timeout_s: float = 0.0, arriving_s: float = 0.0) -> bool:
+            self.waits.append(arriving_s)
+            return self.left > 0
+
+        def recv(self):
+            self.left -= 1
+            return DecodeStep([])
+
+    class Front(FrontTransfers):
+        def __init__(self) -> None:  # only what a turn's reads touch
+            self._failure, self._receiver, self._keep_trace = None, Receiver(), False
+
+        def _decode_outputs(self, outputs):
+            return []
+
+    front = Front()
+    assert front._take_messages() == []
+    assert front._receiver.waits == [ARRIVING_S, 0.0, 0.0, 0.0, 0.0, 0.0] and ARRIVING_S > 0
+
+
 def test_a_writer_gone_mid_message_ends_the_receiver(reader_pipe):
     receiver, writer = reader_pipe
     writer.send("whole")
