@@ -32,7 +32,8 @@ from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 from experiments.lib.paths import REPO_ROOT
-from experiments.lib.profiling.collectives import all_reduce_call, mean_call_s, run_ranks, torch_kernels
+from experiments.lib.profiling.collective_calls import all_reduce_call, mean_call_s, torch_kernels
+from experiments.lib.profiling.collectives import run_ranks
 
 TRITON_ONE_SHOT, TRITON_TWO_SHOT, TRITON_FUSED = "triton-one-shot", "triton-two-shot", "triton-fused"
 LAMPORT, LAMPORT_FUSED = "triton-lamport", "lamport-fused"
