@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.disagg.pd_engine import DisaggregatedEngine
-from experiments.lib.front_timers import NOT_HOST, PARTS, PartTimer, instrument
+from experiments.lib.front_timers import NOT_HOST, PARTS, PartTimer, instrument, owner_of
 from sim.fleet.front_host import FrontHostProfile
 
 ADDED_PARTS = (("", "add_request", "add_request"),)
@@ -118,10 +118,7 @@ def watch_fronts(detail: str | None = None) -> tuple[list[FrontRun], Callable[[]
         if detail is not None:
             run.profile = cProfile.Profile()
             path, name = where[detail]
-            owner = self
-            for attr in filter(None, path.split(".")):
-                owner = getattr(owner, attr)
-            profiled(owner, name, run.profile)
+            profiled(owner_of(self, path), name, run.profile)
         runs.append(run)
         close = self.close
 

@@ -3,7 +3,7 @@ in Python, as it is between its prefill steps (engine/disagg/pipe_sender.py).
 
 `python -m experiments.lab.pipe_latency [--messages 60] [--busy-ms 3] [--idle-ms 8]`
 
-A `PipeSender` on a duplex pipe to a spawned reader; each round queues one small message (its send
+A `PipeSender` on a duplex pipe to a spawned reader; each turn queues one small message (its send
 time in it), spins in Python for `--busy-ms` (the front's host time after a prefill step, holding
 the interpreter lock), then sleeps `--idle-ms` (the next step's GPU wait, the lock released). The
 reader records each message's arrival on the same monotonic clock. Printed per mode, alternated

@@ -108,7 +108,8 @@ NOT_HOST = ("forward", "idle wait", "arriving wait")
 READS = ("recv + unpickle", "take messages (rest)", "decode outputs")  # the decode process's messages read back
 
 
-def _owner(engine, path: str):
+def owner_of(engine, path: str):
+    """The object at attribute path `path` ("prefill.scheduler"; "": the front itself) of `engine`."""
     owner = engine
     for name in filter(None, path.split(".")):
         owner = getattr(owner, name)
@@ -121,7 +122,7 @@ def instrument(engine: DisaggregatedEngine) -> PartTimer:
     engine._receiver = _Reads(getattr(engine, reads), timer)
     setattr(engine, reads, engine._receiver)
     for path, name, part in PARTS:
-        owner = _owner(engine, path)
+        owner = owner_of(engine, path)
         if hasattr(owner, name):  # a front without that method (an older tree, for an A/B) skips it
             timer.wrap(owner, name, part)
     return timer
