@@ -38,6 +38,15 @@ from pathlib import Path
 UNITS = ("step_s", "admission_s", "handoff_s", "kv_message_s", "sent_message_s", "read_message_s")
 
 
+def check_seconds(key: str, value, allow_none: bool = False) -> None:
+    """A ValueError naming `key` unless `value` is a finite number of seconds >= 0 (or None, allowed)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{key}={value!r} is invalid: must be a number of seconds >= 0"
+                         + (" or null" if allow_none else ""))
+
+
 @dataclass(slots=True, frozen=True)
 class FrontHostProfile:
     """Host seconds per unit of the front's loop (module docstring); `meta`: the provenance lines."""
@@ -52,9 +61,7 @@ class FrontHostProfile:
 
     def __post_init__(self) -> None:
         for name in UNITS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"front host profile: {name}={value!r} is invalid: must be a number of seconds >= 0")
+            check_seconds(f"front host profile: {name}", getattr(self, name))
 
     @property
     def model(self) -> str | None:
@@ -99,14 +106,6 @@ class FrontHostProfile:
 
 
 
-def _seconds(key: str, value, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ValueError(f"{key}={value!r} is invalid: must be a number of seconds >= 0"
-                         + (" or null" if allow_none else ""))
-
-
 @dataclass(slots=True, frozen=True)
 class HandoffHost:
     """What a hand-off costs the two sides' host loops beyond the link (module docstring)."""
@@ -125,16 +124,16 @@ class HandoffHost:
     kv_message_s: float | None = None  # per KV message posted (None: the receive profile's send_host_s)
 
     def __post_init__(self) -> None:
-        _seconds("cluster.handoff_hop_s", self.hop_s)
-        _seconds("cluster.handoff_host_s", self.per_handoff_s)
+        check_seconds("cluster.handoff_hop_s", self.hop_s)
+        check_seconds("cluster.handoff_host_s", self.per_handoff_s)
         for key, value in (("cluster.handoff_step_boundaries", self.step_boundaries),
                            ("cluster.prefill_admits_between_steps", self.admits_between_steps)):
             if not isinstance(value, bool):
                 raise ValueError(f"{key}={value!r} is invalid: must be true or false")  # noqa: TRY004
         for key in ("admission_s", "kv_message_s"):
-            _seconds(f"front host profile: {key}", getattr(self, key), allow_none=True)
+            check_seconds(f"front host profile: {key}", getattr(self, key), allow_none=True)
         for key in ("per_step_s", "sent_message_s"):
-            _seconds(f"front host profile: {key}", getattr(self, key))
+            check_seconds(f"front host profile: {key}", getattr(self, key))
 
     @classmethod
     def from_profile(cls, profile: FrontHostProfile, hop_s: float = 1e-4, step_boundaries: bool = True) -> HandoffHost:

@@ -16,9 +16,10 @@ host the engines run on (docs/disaggregation-engine.md).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from sim.fleet.front_host import check_seconds
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,9 +31,8 @@ class FrontReadPrice:
     message_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for key, value in (("front_token_host_s", self.token_s), ("front_message_host_s", self.message_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"cluster.{key}={value!r} is invalid: must be a number of seconds >= 0")
+        check_seconds("cluster.front_token_host_s", self.token_s)
+        check_seconds("cluster.front_message_host_s", self.message_s)
 
     @property
     def on(self) -> bool:
