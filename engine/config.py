@@ -284,10 +284,8 @@ class ParallelConfig:
     (`ALL_REDUCE_KERNELS`): torch's ("torch"), Triton's ("triton"), Triton's with each decoder
     layer's all-reduce fused into the next RMSNorm's residual add ("triton_fused"), the same
     boundary without barriers ("triton_lamport": each rank pushes into its peers' buffers and polls
-    its own; opt-in: 1.3-1.5% faster than "triton_fused" at two H200s, picked by "auto" once the
-    operator profile prices it), or "auto" (the default: "triton_fused" at two ranks, torch's at
-    other sizes;
-    `kernel_for`). The symmetric-memory kernels spin without a deadline, so with them on
+    its own; 1.3-1.5% faster than "triton_fused" at two H200s), or "auto" (the default:
+    "triton_lamport" at two ranks, torch's at other sizes; `kernel_for`). The symmetric-memory kernels spin without a deadline, so with them on
     rank 0 never blocks on a step: it polls the step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes
     (engine/distributed/step_wait.py); its GPU is then freed only when the process exits."""
 
@@ -299,12 +297,13 @@ class ParallelConfig:
     all_reduce_kernel: str = "auto"
 
     def kernel_for(self, world_size: int) -> str:
-        """The kernels the symmetric paths run at `world_size` ranks: "auto" is the fused boundary at
-        two (1.55x against 1.50x with torch's, Qwen3-8B on two H200s: docs/parallelism.md) and torch's
-        kernels at other sizes, where the Triton kernels are not measured."""
+        """The kernels the symmetric paths run at `world_size` ranks: "auto" is the barrier-free fused
+        boundary at two (Qwen3-8B TP=2 on two H200s, 1.61x TP=1 against 1.59x with the fused kernel
+        and 1.50x with torch's: docs/parallelism.md) and torch's kernels at other sizes, where the
+        Triton kernels are not measured."""
         if self.all_reduce_kernel != "auto":
             return self.all_reduce_kernel
-        return "triton_fused" if world_size == 2 else "torch"
+        return "triton_lamport" if world_size == 2 else "torch"
 
     def __post_init__(self) -> None:
         if self.all_reduce_kernel not in ALL_REDUCE_KERNELS:

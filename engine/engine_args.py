@@ -74,9 +74,9 @@ class EngineArgs:
     disable_custom_all_reduce: bool = DISABLE_CUSTOM_ALL_REDUCE
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
-    # The symmetric paths' kernels: "auto" ("triton_fused" at two ranks, "torch" at others), "torch",
+    # The symmetric paths' kernels: "auto" ("triton_lamport" at two ranks, "torch" at others), "torch",
     # "triton", "triton_fused" (the layer boundary's all-reduce, residual add and RMSNorm in one
-    # kernel) or "triton_lamport" (the same without barriers, opt-in); engine/config.py's ParallelConfig.
+    # kernel) or "triton_lamport" (the same without barriers); engine/config.py's ParallelConfig.
     all_reduce_kernel: str = "auto"
 
     def __post_init__(self) -> None:

@@ -14,11 +14,12 @@ a step of T tokens (prefill + decodes), R sampled rows, B decodes reading C KV e
     + gemm(G, h, V) + sampler(R, V_full)    the LM head on the graph's sample rows, then sampling
     + (2 L + 1) all_reduce(T h b) + all_gather(G V_full b)   at N > 1 GPUs (the all-reduce on
                                             the engine's path for T h b bytes: collective_pricing.py)
-    where the engine fuses its layer boundaries (`all_reduce_kernel` "triton_fused", the default at
-    two GPUs), 2 L of them (each layer's post-attention norm, the next layer's input norm, the final
-    norm: all but the embedding's all-reduce and the first input norm) cost
-    all_reduce_add_rms_norm(T h b) in place of all_reduce(T h b) + add_rms_norm(T, h), except at
-    the message sizes the engine falls back on (collective_pricing.py `price_fused_boundary`)
+    where the engine fuses its layer boundaries (`all_reduce_kernel` "triton_fused", or
+    "triton_lamport", the default at two GPUs, priced from its own rows), 2 L of them (each
+    layer's post-attention norm, the next layer's input norm, the final norm: all but the
+    embedding's all-reduce and the first input norm) cost all_reduce_add_rms_norm(T h b) in
+    place of all_reduce(T h b) + add_rms_norm(T, h), except at the message sizes the engine
+    falls back on (collective_pricing.py `price_fused_boundary`)
     + copy_blocks(copies x block bytes) + host_step_s
     + sync_host_s + sync_host_per_seq_s x sequences   (a step not scheduled ahead)
 

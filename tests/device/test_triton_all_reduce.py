@@ -27,9 +27,9 @@ def test_an_unknown_kernel_is_refused_naming_the_field(make, value):
         make(value)
 
 
-def test_auto_is_the_fused_boundary_at_two_ranks_and_torchs_kernels_elsewhere():
+def test_auto_is_the_lamport_boundary_at_two_ranks_and_torchs_kernels_elsewhere():
     assert ParallelConfig().all_reduce_kernel == EngineArgs().all_reduce_kernel == "auto"
-    assert [ParallelConfig().kernel_for(n) for n in (1, 2, 4, 8)] == ["torch", "triton_fused", "torch", "torch"]
+    assert [ParallelConfig().kernel_for(n) for n in (1, 2, 4, 8)] == ["torch", "triton_lamport", "torch", "torch"]
     for kernel in ("torch", "triton", "triton_fused", "triton_lamport"):  # a named kernel is taken at every size
         assert {ParallelConfig(all_reduce_kernel=kernel).kernel_for(n) for n in (2, 4)} == {kernel}
 

@@ -28,7 +28,7 @@ ONE_SHOT_S, TWO_SHOT_S = 3e-6, 5e-6  # the stand-in rows: flat, below every NCCL
 KiB, MiB = 2**10, 2**20
 # At two GPUs the engine's default kernels are the fused boundary's ("auto": triton_fused), which
 # these profiles have no rows of: torch's rows priced, and the line says so.
-TRITON_AT_2 = ", torch's kernels' rows for the engine's triton_fused kernels"
+TRITON_AT_2 = ", torch's kernels' rows for the engine's triton_lamport kernels"
 NO_FUSED_ROWS_AT_2 = ("; fused boundary: priced as all-reduce + add_rms_norm (no all_reduce_add_rms_norm rows in this "
                       "profile at N=2; the engine fuses them: take them with python -m experiments.profile "
                       "mode=operators operator_parts=[collectives])")
