@@ -158,7 +158,8 @@ def main() -> None:
             f"tensor_parallel_size {args.tensor_parallel_size}")
     tp_group = getattr(engine.runner, "tp", None)
     if tp_group is not None:  # which all-reduce ran: symmetric memory for small messages, or NCCL only
-        note += f", custom all-reduce {'on' if tp_group.custom is not None else 'off'}"
+        custom = tp_group.custom
+        note += f", custom all-reduce {'off' if custom is None else 'on (' + custom.kernel + ' kernels)'}"
     if a.repeats > 1:
         note += "; median of " + " / ".join(f"{num_output / t:,.0f}" for t in runs) + " tok/s"
     ours = PeerResult("servelab LLM.generate", len(prompts), sum(max_tokens), num_output, seconds, note)
