@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -43,6 +44,9 @@ logger = logging.getLogger("servelab.engine")
 # many GiB, and no more than max_num_seqs requests of max_model_len tokens need. vLLM's CPU
 # backend likewise takes a set KV space (VLLM_CPU_KVCACHE_SPACE) instead of profiling.
 CPU_KV_CACHE_GIB = 4.0
+# While a step runs, host work given as `while_waiting` gets the host in slices this long at most,
+# the step's end being checked between them (each check is one event query, a few microseconds).
+WAIT_SLICE_S = 1e-4
 
 
 class ModelRunner:
@@ -94,6 +98,10 @@ class ModelRunner:
         self.batch = BatchBuilder(self.block_size, capacity, self.device, tokens, max_model_len)
         self.feedback = TokenFeedback(max_num_seqs, self.device)
         self.graphs: StepGraphs | None = None
+        # Host work for the time a step's tokens are awaited (`await_event`): called with a slice in
+        # seconds, it waits up to that long for work and does it; it returns False when it expects
+        # none (then the wait blocks). A disaggregated front posts KV sends there, mid-step.
+        self.while_waiting: Callable[[float], bool] | None = None
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._profile_num_gpu_blocks()
         self.num_cpu_blocks = num_cpu_blocks(cache_config.swap_space, self.local_config, self.block_size,
                                              self.dtype)
@@ -155,7 +163,11 @@ class ModelRunner:
         return launched.results
 
     def await_event(self, event: torch.cuda.Event) -> None:
-        """Wait until the work recorded before `event` is done (a tensor-parallel rank 0 bounds it)."""
+        """Wait until the work recorded before `event` is done (a tensor-parallel rank 0 bounds it),
+        giving the time to `while_waiting` while it has work."""
+        work = self.while_waiting
+        while work is not None and not event.query() and work(WAIT_SLICE_S):
+            pass
         event.synchronize()
 
     def await_forward(self) -> None:

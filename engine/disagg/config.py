@@ -33,6 +33,9 @@ class DisaggregationConfig:
     # policies/lookahead.py) instead of after its outputs are processed; a sequence whose prefill
     # ends in a step is never scheduled past its first token (docs/disaggregation-engine.md).
     prefill_async_scheduling: bool = False
+    # While a prefill step runs, the front takes the decode engine's answers and posts their KV sends
+    # beside it (ModelRunner.while_waiting), instead of after the step; false: after it.
+    sends_mid_step: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "max_queue", "max_transfers_in_flight", "max_blocks_per_transfer"):
@@ -47,10 +50,10 @@ class DisaggregationConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"disaggregation.{name}={value!r} is invalid: must be a number of seconds > 0")
-        if not isinstance(self.prefill_async_scheduling, bool):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
-                f"disaggregation.prefill_async_scheduling={self.prefill_async_scheduling!r} is invalid: "
-                "must be true or false")
+        for name in ("prefill_async_scheduling", "sends_mid_step"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                    f"disaggregation.{name}={getattr(self, name)!r} is invalid: must be true or false")
         if self.decode_args is not None and not isinstance(self.decode_args, dict):
             raise ValueError(f"disaggregation.decode_args={self.decode_args!r} is invalid: a dict of EngineArgs fields")
         if self.decode_device is not None and self.decode_device.split(":")[0] not in ("cuda", "cpu"):

@@ -18,6 +18,9 @@ This process (the front) runs the prefill engine; `step()`:
    request whose first token it sampled: the request is forgotten by the prefill engine's outputs
    and goes to the decode process, the step's hand-offs in one `HandoffBatch`;
 3. frees the prefill blocks of each transfer the link finished (`PrefillSide.finish_transfer`).
+With `sends_mid_step` (the default), while the prefill step of 2. runs the front waits for its tokens
+in slices and takes a `Reserved` that comes meanwhile at once: its send starts beside the step, not
+after it (`ModelRunner.while_waiting`; the decode process's other messages wait for the next turn).
 By default the prefill engine schedules synchronously (the next step is scheduled after the last
 one's outputs are processed). With `prefill_async_scheduling` it schedules ahead as a co-located
 engine does (policies/lookahead.py): step N+1 is scheduled and launched while step N runs; a
@@ -133,6 +136,9 @@ class DisaggregatedEngine(FrontTransfers):
         self._last_heard = time.monotonic()  # when the decode process last sent a message
         self._silence_s = config.transfer_timeout_s  # silent this long with requests decoding: hung
         self._done_early: list[RequestOutput] = []  # final outputs made here, returned by the next step
+        self._left_for_turn: list[object] = []  # the decode process's messages read mid-step, for the next turn
+        if config.sends_mid_step:
+            self.prefill.runner.while_waiting = self._while_prefilling
         self.decode_rows: list[dict] = []  # the decode engine's trace rows (requests that ended there)
         self.decode_steps: list[dict] = []  # and its step rows (policies/trace.py STEP_COLUMNS)
         self._keep_trace = keep_trace

@@ -62,45 +62,74 @@ class FrontTransfers(FrontFaults):
         return HandoffMessage(handoff, self._params[request_id], self._output_lens.pop(request_id, None))
 
     def _take_messages(self) -> list[RequestOutput]:
-        outputs = []
+        """The decode process's messages, in the order they came: those read during the last prefill
+        step and left for this turn first, then the pipe's."""
+        outputs: list[RequestOutput] = []
+        left, self._left_for_turn = self._left_for_turn, []
+        for message in left:
+            if self._failure is None:
+                self._take(message, outputs)
         try:
             arriving = ARRIVING_S  # once a turn: messages that keep coming never hold the loop
             while self._failure is None and self._receiver.poll(0, arriving):
                 arriving = 0.0
                 message = self._receiver.recv()
                 self._last_heard = time.monotonic()
-                if isinstance(message, Reserved):
-                    self._start_transfer(message)
-                elif isinstance(message, Refused):
-                    request_id = message.request_id
-                    handoff = self._handoffs.get(request_id)
-                    if handoff is not None and request_id not in self._sending:
-                        self._fail_handoff(handoff, message.code, f"the decode engine refused it: {message.reason}")
-                    elif handoff is None and request_id in self._decoding:  # aborted as its KV arrived
-                        outputs.append(self._error_output(request_id, f"abort:{message.code}", None))
-                elif isinstance(message, DecodeStep):
-                    if self._keep_trace:
-                        self.decode_rows.extend(message.rows)
-                        self.decode_steps.extend(message.steps)
-                    outputs += self._decode_outputs(message.outputs)
-                elif isinstance(message, DecodeFailed):
-                    self._fail(f"the decode engine failed: {message.error.splitlines()[0]}")
+                self._take(message, outputs)
         except (EOFError, OSError):
             self._fail(self._decode.gone)
         return outputs
 
-    def _start_transfer(self, message: Reserved) -> None:
-        """One send of every request the decode side reserved together (one gather, one message)."""
+    def _take(self, message: object, outputs: list[RequestOutput]) -> None:
+        if isinstance(message, Reserved):
+            self._start_transfer(message)
+        elif isinstance(message, Refused):
+            request_id = message.request_id
+            handoff = self._handoffs.get(request_id)
+            if handoff is not None and request_id not in self._sending:
+                self._fail_handoff(handoff, message.code, f"the decode engine refused it: {message.reason}")
+            elif handoff is None and request_id in self._decoding:  # aborted as its KV arrived
+                outputs.append(self._error_output(request_id, f"abort:{message.code}", None))
+        elif isinstance(message, DecodeStep):
+            if self._keep_trace:
+                self.decode_rows.extend(message.rows)
+                self.decode_steps.extend(message.steps)
+            outputs += self._decode_outputs(message.outputs)
+        elif isinstance(message, DecodeFailed):
+            self._fail(f"the decode engine failed: {message.error.splitlines()[0]}")
+
+    def _while_prefilling(self, slice_s: float) -> bool:
+        """The prefill runner's host work while a step runs (`ModelRunner.while_waiting`, with
+        `sends_mid_step`): a `Reserved` answer posts its send at once, beside the step, instead of
+        a step later; the decode process's other messages wait, in order, for the loop's next turn
+        (they change the prefill engine's state or make outputs, which the step's caller returns).
+        Waits up to `slice_s` for a message; False once no hand-off awaits an answer."""
+        if self._failure is not None or len(self._sending) >= len(self._handoffs):
+            return False
+        try:
+            if self._receiver.poll(slice_s):
+                message = self._receiver.recv()
+                self._last_heard = time.monotonic()
+                if isinstance(message, Reserved):
+                    self._start_transfer(message, mid_step=True)
+                else:
+                    self._left_for_turn.append(message)
+        except (EOFError, OSError):
+            return False  # the next turn's read meets the same end and fails the pair
+        return True
+
+    def _start_transfer(self, message: Reserved, mid_step: bool = False) -> None:
+        """One send of every request the decode side reserved together (one gather, one message).
+        Mid-step, or scheduled ahead, the compute stream runs a later step than the blocks' own
+        (collected: its tokens were read back), which the gather need not wait for."""
         now = self.now()
         handoffs = [self._handoffs[request_id] for request_id in message.request_ids]
         for handoff, dst in zip(handoffs, message.dst_block_ids, strict=True):
             handoff.dst_block_ids = list(dst)
             handoff.transfer_start_time = now
         kv = self.prefill.runner.kv_cache
-        # Scheduled ahead, the compute stream may be running a later step: the blocks' own step was
-        # collected (its tokens read back), so the gather need not wait for it.
         self.link.send([(h.request_id, h.block_ids) for h in handoffs], kv.k_caches, kv.v_caches,
-                       after_compute=not self.config.prefill_async_scheduling)
+                       after_compute=not (mid_step or self.config.prefill_async_scheduling))
         self._sending.update(message.request_ids)
         self._send(TransferStarted(list(message.request_ids), now))
 

@@ -31,6 +31,7 @@ class Cluster:
     front_host_profile: str | None = None  # backend=sim: the front's loop priced from a measured profile
     dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (docs/fleet.md)
     prefill_async_scheduling: bool = False  # backend=engine: the pair's prefill engine schedules ahead
+    prefill_sends_mid_step: bool = True  # both backends: KV sends posted during a prefill step
 
 
 @dataclass

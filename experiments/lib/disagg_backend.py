@@ -56,7 +56,7 @@ def front_host(cluster, replica_cfgs: list[DictConfig]) -> tuple[HandoffHost, Fr
     setting = cluster.front_host_profile
     if setting is None:
         return (HandoffHost(cluster.handoff_hop_s, cluster.handoff_step_boundaries, cluster.handoff_host_s,
-                            cluster.prefill_admits_between_steps),
+                            cluster.prefill_admits_between_steps, sends_mid_step=cluster.prefill_sends_mid_step),
                 FrontReadPrice(cluster.front_token_host_s, cluster.front_message_host_s))
     path = Path(setting) if Path(setting).is_absolute() else REPO_ROOT / setting
     profile = FrontHostProfile.read(path)
@@ -66,7 +66,8 @@ def front_host(cluster, replica_cfgs: list[DictConfig]) -> tuple[HandoffHost, Fr
         raise ValueError(f"cluster.front_host_profile={setting!r} was measured on model {profile.model!r}, and this "
                          f"run's prefill replicas run {model!r}: measure one for it (`python -m "
                          "experiments.lab.front_parts --profile-out ...` on two GPUs) or set it to null")
-    return (HandoffHost.from_profile(profile, cluster.handoff_hop_s, cluster.handoff_step_boundaries),
+    return (HandoffHost.from_profile(profile, cluster.handoff_hop_s, cluster.handoff_step_boundaries,
+                                     cluster.prefill_sends_mid_step),
             FrontReadPrice(cluster.front_token_host_s, profile.read_message_s))
 
 

@@ -53,7 +53,8 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
         release()
     config = DisaggregationConfig(max_queue=cluster.handoff_queue, queue_timeout_s=cluster.handoff_timeout_s,
                                   max_blocks_per_transfer=cluster.handoff_batch_blocks,
-                                  prefill_async_scheduling=cluster.prefill_async_scheduling)
+                                  prefill_async_scheduling=cluster.prefill_async_scheduling,
+                                  sends_mid_step=cluster.prefill_sends_mid_step)
     args = engine_args(cfg)
     pair = DisaggregatedEngine(args, config, build)
     try:
@@ -66,6 +67,7 @@ def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder
         info = {**engine_info(runner), "replicas": 2, "roles": ["prefill", "decode"],
                 "decode_device": pair.decode_device, "link_warm_s": pair.link_warm.seconds,
                 "prefill_async_scheduling": config.prefill_async_scheduling,
+                "sends_mid_step": config.sends_mid_step,
                 "prefill_steps_ahead": pair.prefill.scheduler.num_scheduled_ahead,
                 "join_ahead": args.join_ahead,  # the decode engine's rule for received requests
                 "replica_info": [{"replica": 0, "role": "prefill", "num_gpu_blocks": runner.num_gpu_blocks},

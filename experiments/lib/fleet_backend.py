@@ -55,6 +55,9 @@ class ClusterConfig:
     # backend=sim: the front's host loop priced unit by unit from a measured profile
     # (sim/fleet/front_host.py; experiments.lab.front_parts --profile-out): None, or its path
     front_host_profile: str | None = None
+    # The engine pair's front posts KV sends during its prefill steps (disaggregation.sends_mid_step),
+    # and the simulated prefill replica alike (sim/fleet/front_host.py HandoffHost.sends_mid_step)
+    prefill_sends_mid_step: bool = True
 
     @property
     def disaggregated(self) -> bool:
@@ -98,7 +101,8 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     from sim.fleet.disagg import HandoffHost
     host = HandoffHost(c.get("handoff_hop_s", d.handoff_hop_s), c.get("handoff_step_boundaries", d.handoff_step_boundaries),
                        c.get("handoff_host_s", d.handoff_host_s),
-                       c.get("prefill_admits_between_steps", d.prefill_admits_between_steps))  # checks all four
+                       c.get("prefill_admits_between_steps", d.prefill_admits_between_steps),
+                       sends_mid_step=c.get("prefill_sends_mid_step", d.prefill_sends_mid_step))  # checks all five
     batch_blocks = c.get("handoff_batch_blocks", d.handoff_batch_blocks)
     if isinstance(batch_blocks, bool) or not isinstance(batch_blocks, int) or batch_blocks < 1:
         raise ValueError(f"cluster.handoff_batch_blocks={batch_blocks!r} is invalid: must be an integer >= 1")
@@ -123,7 +127,7 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
                          float(host.hop_s), host.step_boundaries, float(host.per_handoff_s), batch_blocks, float(hop),
                          ahead, receive, host.admits_between_steps, float(reads.token_s), float(reads.message_s),
-                         front_host)
+                         front_host, host.sends_mid_step)
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:

@@ -27,7 +27,9 @@ The host's share of a hand-off (`HandoffHost`, sim/fleet/front_host.py; `cluster
 loop each, that acts between its engine's steps and talks to the other over a pipe. So a hand-off
 reaches the decode side `hop_s` after the prefill step that made it and is admitted there when the
 decode replica's running step ends (`decode_wait`); its `Reserved` answer reaches the prefill side
-`hop_s` later and the send is posted when the prefill replica's running step ends (`link_wait`);
+`hop_s` later and the send is posted then, during the prefill replica's running step, its host
+time spent while the host waits for the step (`sends_mid_step`, the engine pair's default), or
+when that step ends (`link_wait`);
 the decode side notices the received KV when its running step ends (`link_time`). With
 `step_boundaries=False` and `hop_s=0` each side acts at once (the transfer is the link's alone).
 With `admits_between_steps` a synchronous prefill replica also pays the latency model's `admission_s`
@@ -242,7 +244,10 @@ class DisaggFleetSimulator(FleetSimulator):
         link, resource = self.links[prefill]
         if self.host.hop_s or self.host.step_boundaries:  # `Reserved` reaches the prefill side's loop
             yield self.env.timeout(self.host.hop_s)
-            yield self._step_boundary(prefill)
+            if not self.host.sends_mid_step:
+                yield self._step_boundary(prefill)
+        # Posted during a step, its host time is spent while the host waits for the step anyway.
+        host_free = self.host.sends_mid_step and self.env.now < self.replicas[prefill].step_end
         with resource.request() as turn:
             yield turn
             for handoff in batch:
@@ -252,8 +257,9 @@ class DisaggFleetSimulator(FleetSimulator):
             post_s = self.host.kv_message_s
             if post_s is None:
                 post_s = 0.0 if self.receive is None else self.receive.send_host_s(nbytes)
-            due = self._send_host_due
-            due[prefill] = due.get(prefill, 0.0) + post_s + self.host.sent_message_s
+            if not host_free:
+                due = self._send_host_due
+                due[prefill] = due.get(prefill, 0.0) + post_s + self.host.sent_message_s
             if self.receive is not None:
                 for charges, replica in ((self._receive_wire, decode), (self._send_wire, prefill)):
                     if replica in charges:

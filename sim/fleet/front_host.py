@@ -122,12 +122,17 @@ class HandoffHost:
     per_step_s: float = 0.0  # its loop's own turns and its caller's, once a step
     sent_message_s: float = 0.0  # per message to the decode process (a step's hand-offs; a KV message posted)
     kv_message_s: float | None = None  # per KV message posted (None: the receive profile's send_host_s)
+    # The prefill side posts a KV send when the decode side's answer reaches it, during its running
+    # step (its host free meanwhile: no host time before its next step), as the engine pair's front
+    # does by default (disaggregation.sends_mid_step); False: when that step ends.
+    sends_mid_step: bool = True
 
     def __post_init__(self) -> None:
         check_seconds("cluster.handoff_hop_s", self.hop_s)
         check_seconds("cluster.handoff_host_s", self.per_handoff_s)
         for key, value in (("cluster.handoff_step_boundaries", self.step_boundaries),
-                           ("cluster.prefill_admits_between_steps", self.admits_between_steps)):
+                           ("cluster.prefill_admits_between_steps", self.admits_between_steps),
+                           ("cluster.prefill_sends_mid_step", self.sends_mid_step)):
             if not isinstance(value, bool):
                 raise ValueError(f"{key}={value!r} is invalid: must be true or false")  # noqa: TRY004
         for key in ("admission_s", "kv_message_s"):
@@ -136,7 +141,8 @@ class HandoffHost:
             check_seconds(f"front host profile: {key}", getattr(self, key))
 
     @classmethod
-    def from_profile(cls, profile: FrontHostProfile, hop_s: float = 1e-4, step_boundaries: bool = True) -> HandoffHost:
+    def from_profile(cls, profile: FrontHostProfile, hop_s: float = 1e-4, step_boundaries: bool = True,
+                     sends_mid_step: bool = True) -> HandoffHost:
         """The prefill side's loop priced by a measured front host profile (admitting between steps)."""
         return cls(hop_s, step_boundaries, profile.handoff_s, True, profile.admission_s, profile.step_s,
-                   profile.sent_message_s, profile.kv_message_s)
+                   profile.sent_message_s, profile.kv_message_s, sends_mid_step)

@@ -320,7 +320,7 @@ def test_the_fronts_read_waits_for_an_arriving_message_once_a_turn():
 
     class Front(FrontTransfers):
         def __init__(self) -> None:  # only what a turn's reads touch
-            self._failure, self._receiver, self._keep_trace = None, Receiver(), False
+            self._failure, self._receiver, self._keep_trace, self._left_for_turn = None, Receiver(), False, []
 
         def _decode_outputs(self, outputs):
             return []

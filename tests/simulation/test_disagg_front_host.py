@@ -67,8 +67,12 @@ def test_a_step_price_is_paid_after_every_prefill_step():
 
 
 def test_messages_to_the_decode_side_are_paid_per_step_with_hand_offs_and_per_kv_message():
+    """Sends posted when the prefill step ends (`sends_mid_step=False`); posted during it, only the
+    hand-offs' message is paid."""
     sent = 0.001
-    gaps, prefill, rows = _prefill_gaps(HandoffHost(sent_message_s=sent))
+    mid_step, _, _ = _prefill_gaps(HandoffHost(sent_message_s=sent))
+    assert len(mid_step) > 5 and set((mid_step / sent).round(9)) == {1.0}
+    gaps, prefill, rows = _prefill_gaps(HandoffHost(sent_message_s=sent, sends_mid_step=False))
     assert set((gaps / sent).round(9)) <= {1.0, 2.0, 3.0}  # its hand-offs' message, and 0-2 sends posted
     # Every step hands off; each message posted is paid at the next step boundary.
     starts = _starts(rows).drop_duplicates()
@@ -79,9 +83,9 @@ def test_messages_to_the_decode_side_are_paid_per_step_with_hand_offs_and_per_kv
 
 def test_a_profiles_kv_message_price_replaces_the_receive_profiles_send(tmp_path):
     receive = read_receive_profile(_profile(tmp_path, send_host_s=0.004))
-    gaps, _, _ = _prefill_gaps(HandoffHost(kv_message_s=0.001), receive)
+    gaps, _, _ = _prefill_gaps(HandoffHost(kv_message_s=0.001, sends_mid_step=False), receive)
     assert gaps.sum() > 0 and set((gaps / 0.001).round(9)) <= {0.0, 1.0, 2.0}
-    by_receive, _, _ = _prefill_gaps(HandoffHost(), receive)
+    by_receive, _, _ = _prefill_gaps(HandoffHost(sends_mid_step=False), receive)
     assert set((by_receive / 0.004).round(9)) <= {0.0, 1.0, 2.0} and by_receive.sum() > gaps.sum()
     with pytest.raises(ValueError, match="kv_message_s=-1 is invalid"):
         HandoffHost(kv_message_s=-1)

@@ -4,6 +4,7 @@ on the wire, a synchronous prefill replica's host time per message posted; read 
 profile (experiments.bench_kv_receive's CSV) or the hardware's copy rate; off by default."""
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 from test_disagg_sim import _cfg, _scheduler
 from test_sim import Constant
 
@@ -123,16 +124,17 @@ def test_the_setting_is_off_by_default_and_checked():
     assert price.scatter_s(1e9) == pytest.approx(2e9 / factory.hardware(cfg).hbm_bandwidth)
 
 
-def _run(receive: KVReceivePrice | None, every_s: float = 0.012):
+def _run(receive: KVReceivePrice | None, every_s: float = 0.012, sends_mid_step: bool = True):
     """A 1P + 1D pair (prefill steps of 10 ms, decode steps of 3 ms, an arrival about each `every_s`,
-    irregular enough that KV lands mid-step), each side acting between its steps; its decode rows
-    and each replica's steps."""
+    irregular enough that KV lands mid-step), each side acting between its steps (the prefill side
+    posting its sends during them, with `sends_mid_step`); its decode rows and each replica's steps."""
     requests = [Request(f"r{i}", list(range(30 + 7 * (i % 5))), SamplingParams(max_tokens=12, ignore_eos=True),
                         arrival_time=every_s * i + 0.0013 * (i % 3)) for i in range(30)]
     specs = [ReplicaSpec(_scheduler(400), Constant(PREFILL_S)), ReplicaSpec(_scheduler(400), Constant(DECODE_S))]
     DisaggFleetSimulator(specs, [ReplicaRole.PREFILL, ReplicaRole.DECODE], make_router({"name": "round_robin"}),
                          make_router({"name": "least_kv"}), requests, [Link(10.0, 1e-5, 1e-3), None], [4096, 0],
-                         host=HandoffHost(hop_s=1e-4, step_boundaries=True), receive=receive).run()
+                         host=HandoffHost(hop_s=1e-4, step_boundaries=True, sends_mid_step=sends_mid_step),
+                         receive=receive).run()
     rows = pd.DataFrame(specs[1].scheduler.recorder.requests)
     return rows, [steps_frame(spec.scheduler.recorder) for spec in specs]
 
@@ -220,8 +222,10 @@ def _gaps(steps: pd.DataFrame):
 
 
 def test_a_synchronous_prefill_replica_pays_each_messages_send_before_a_later_step(tmp_path):
+    """Sends posted when the prefill replica's step ends (`sends_mid_step=False`)."""
     send = 0.004
-    rows, (prefill, _) = _run(read_receive_profile(_profile(tmp_path, send_host_s=send)), every_s=0.004)
+    rows, (prefill, _) = _run(read_receive_profile(_profile(tmp_path, send_host_s=send)), every_s=0.004,
+                              sends_mid_step=False)
     gaps = _gaps(prefill)  # arrivals outpace its steps: never idle, every gap is host time
     assert set((gaps / send).round(9)) <= {0.0, 1.0, 2.0}
     start = _starts(rows).drop_duplicates().sort_values()
@@ -231,6 +235,23 @@ def test_a_synchronous_prefill_replica_pays_each_messages_send_before_a_later_st
     assert gaps.sum() > 0
     _, (off, _) = _run(None, every_s=0.004)
     assert _gaps(off).max() < 1e-12
+
+
+def test_a_send_posted_mid_step_starts_a_hop_after_its_reservation_and_costs_no_gap(tmp_path):
+    """With `sends_mid_step` (the engine pair's default) the decode side's answer is acted on as it
+    reaches the busy prefill replica: the send starts `hop_s` after the reservation (the link free),
+    never at the step's end, and its host time is spent while the host waits for the step."""
+    receive = read_receive_profile(_profile(tmp_path, send_host_s=0.004))
+    rows, (prefill, _) = _run(receive, every_s=0.004)
+    assert _gaps(prefill).max() < 1e-12  # busy throughout, every send posted mid-step
+    assert rows["link_wait"].min() == pytest.approx(1e-4, abs=1e-12)  # the hop back, the link free
+    end_rows, _ = _run(receive, every_s=0.004, sends_mid_step=False)
+    assert rows["link_wait"].mean() < end_rows["link_wait"].mean() - 1e-3  # not a step later
+    with pytest.raises(ValueError, match="cluster.prefill_sends_mid_step='no' is invalid: must be true or false"):
+        HandoffHost(sends_mid_step="no")
+    cluster = cluster_config(OmegaConf.create({"cluster": {"replicas": 2, "roles": ["prefill", "decode"],
+                                                            "prefill_sends_mid_step": False}}))
+    assert cluster.prefill_sends_mid_step is False
 
 
 class _Admitting(Constant):
