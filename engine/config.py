@@ -265,7 +265,7 @@ DISABLE_CUSTOM_ALL_REDUCE = False
 # Which kernels sum the symmetric-memory messages: torch's (`symm_mem` ops), the Triton ones
 # (kernels/all_reduce.py: one program per SM), the Triton ones with the layer boundary's
 # all-reduce, residual add and RMSNorm fused into one kernel, or the barrier-free one-shot, fused
-# alike (kernels/all_reduce_lamport.py; opt-in: "auto" never picks it).
+# alike (kernels/all_reduce_lamport.py; "auto" picks it at two ranks: `ParallelConfig.kernel_for`).
 ALL_REDUCE_KERNELS = ("auto", "torch", "triton", "triton_fused", "triton_lamport")
 # The kernels that sum a decoder layer's boundary with its residual add and RMSNorm.
 FUSED_ALL_REDUCE_KERNELS = ("triton_fused", "triton_lamport")
