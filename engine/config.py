@@ -285,8 +285,9 @@ class ParallelConfig:
     layer's all-reduce fused into the next RMSNorm's residual add ("triton_fused"), the same
     boundary without barriers ("triton_lamport": each rank pushes into its peers' buffers and polls
     its own; 1.3-1.5% faster than "triton_fused" at two H200s), or "auto" (the default:
-    "triton_lamport" at two ranks, torch's at other sizes; `kernel_for`). The symmetric-memory kernels spin without a deadline, so with them on
-    rank 0 never blocks on a step: it polls the step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes
+    "triton_lamport" at two ranks, torch's at other sizes; `kernel_for`). The symmetric-memory
+    kernels spin without a deadline, so with them on rank 0 never blocks on a step: it polls the
+    step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes
     (engine/distributed/step_wait.py); its GPU is then freed only when the process exits."""
 
     tensor_parallel_size: int = 1
