@@ -15,6 +15,7 @@ from sim.latency.base import BatchShape
 from sim.latency.operator_file import (
     ALL_REDUCE_PATH_OPS,
     FUSED_ALL_REDUCE,
+    LAMPORT_FUSED_ALL_REDUCE,
     read_operator_file,
     write_operator_file,
 )
@@ -51,7 +52,8 @@ def _h200_with_symmetric_rows(out: Path, times: dict[str, float]) -> Path:
     for path in OPERATORS.glob("h200-bfloat16-*.csv"):
         shutil.copy(path, out)
     meta, rows = read_operator_file(H200_COLLECTIVES)
-    dropped = (ALL_REDUCE_PATH_OPS["one-shot"], ALL_REDUCE_PATH_OPS["two-shot"], FUSED_ALL_REDUCE)
+    dropped = (ALL_REDUCE_PATH_OPS["one-shot"], ALL_REDUCE_PATH_OPS["two-shot"], FUSED_ALL_REDUCE,
+               LAMPORT_FUSED_ALL_REDUCE)
     kept = [{"op": op, **row} for op, row in rows if op not in dropped]
     sizes = sorted({row["bytes"] for op, row in rows if op == "all_reduce"})
     world_sizes = sorted({row["world_size"] for op, row in rows})
