@@ -6,18 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import (
-    CUSTOM_ALL_REDUCE_MAX_BYTES,
-    DISABLE_CUSTOM_ALL_REDUCE,
-    CacheConfig,
-    ModelConfig,
-    ParallelConfig,
-    RunnerConfig,
-    reject_unknown_fields,
-)
+from engine.config import CacheConfig, ModelConfig, RunnerConfig, reject_unknown_fields
 from engine.device.attention import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 from engine.model_loader import load_model_config
 from engine.models import MODELS
+from engine.parallel_config import CUSTOM_ALL_REDUCE_MAX_BYTES, DISABLE_CUSTOM_ALL_REDUCE, ParallelConfig
 from policies.blocks import BLOCK_MANAGERS, BlockManagerConfig
 from policies.build import SchedulingConfig, block_manager_config, policy_config
 from policies.policy.base import POLICIES, PREEMPTION_MODES, PolicyConfig
@@ -76,7 +69,7 @@ class EngineArgs:
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
     # The symmetric paths' kernels: "auto" ("triton_lamport" at two ranks, "torch" at others), "torch",
     # "triton", "triton_fused" (the layer boundary's all-reduce, residual add and RMSNorm in one
-    # kernel) or "triton_lamport" (the same without barriers); engine/config.py's ParallelConfig.
+    # kernel) or "triton_lamport" (the same without barriers); engine/parallel_config.py's ParallelConfig.
     all_reduce_kernel: str = "auto"
 
     def __post_init__(self) -> None:

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
+from engine.parallel_config import ParallelConfig
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.collective_calls import all_reduce_call, mean_call_s, torch_kernels
 from experiments.lib.profiling.collectives import run_ranks

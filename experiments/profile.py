@@ -127,8 +127,9 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     (the grid already checked against the engine limits: profiling/limits.py)."""
     import torch
 
-    from engine.config import CacheConfig, ModelConfig, ParallelConfig, RunnerConfig
+    from engine.config import CacheConfig, ModelConfig, RunnerConfig
     from engine.device.model_runner import ModelRunner
+    from engine.parallel_config import ParallelConfig
     model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     bs = cfg.block_size
     shapes = grid.step_shapes() + grid.split_shapes()

@@ -12,7 +12,7 @@ holds one buffer that every other rank of the group maps, and a sum is one kerne
 - NCCL above `custom_all_reduce_max_bytes`, for other dtypes (the kernels implement bf16 and
   float32), other world sizes (2, 4, 8 only), and on CPUs (gloo).
 
-The thresholds are `ParallelConfig`'s (engine/config.py); `experiments/bench_allreduce.py` measures
+The thresholds are `ParallelConfig`'s (engine/parallel_config.py); `experiments/bench_allreduce.py` measures
 the three paths by size. Every rank picks the same path for a message, since the choice depends only
 on its byte count, dtype and layout, which all ranks share. The simulator prices the same choice
 (`choose_path`, `settings_reason`) for a run it models.
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engine.config import ParallelConfig
+from engine.parallel_config import ParallelConfig
 
 ONE_SHOT, TWO_SHOT, NCCL = "one-shot", "two-shot", "nccl"
 # What torch's symmetric-memory all-reduce kernels implement (the out-of-place two-shot kernel is

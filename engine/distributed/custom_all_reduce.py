@@ -20,9 +20,9 @@ from types import ModuleType
 
 import torch
 
-from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import AllReducePath, settings_reason
 from engine.distributed.symmetric_all_reduce import REGIONS, SymmetricAllReduce
+from engine.parallel_config import ParallelConfig
 
 logger = logging.getLogger("servelab.engine")
 

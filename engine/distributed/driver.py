@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import ParallelConfig, RunnerConfig
+from engine.config import RunnerConfig
 from engine.device.input_batch import StepPlan
 from engine.device.model_runner import ModelRunner
 from engine.device.token_feedback import Feedback, Launched
@@ -58,6 +58,7 @@ from engine.distributed.worker_faults import (
     refuse_in_spawn_bootstrap,
     run_watched,
 )
+from engine.parallel_config import ParallelConfig
 from policies.outputs import SchedulerOutput
 
 logger = logging.getLogger("servelab.engine")

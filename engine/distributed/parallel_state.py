@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import AllReducePath
 from engine.distributed.custom_all_reduce import open_symmetric_all_reduce
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
+from engine.parallel_config import ParallelConfig
 
 # all_gather_into_tensor's new name (torch >= 2.12); the same collective.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -23,10 +23,11 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from engine.config import ParallelConfig, RunnerConfig
+from engine.config import RunnerConfig
 from engine.distributed.parallel_state import end_group, init_group, join_store
 from engine.distributed.shutdown import ABORT_S, DESTROY_S
 from engine.distributed.step_message import StepHeader, broadcast_inputs
+from engine.parallel_config import ParallelConfig
 
 
 def exit_with_parent(name: str = "tp-parent-watchdog") -> None:

@@ -65,8 +65,9 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
     """The all-reduce path the engine takes for each message at this config's tensor-parallel size,
     model dtype and `parallel` settings, and whose kernels sum it: the engine's own rules
     (`choose_path`, `settings_reason`, `ParallelConfig.kernel_for`, `fits_add_rms_norm`)."""
-    from engine.config import DTYPES, FUSED_ALL_REDUCE_KERNELS, ParallelConfig
+    from engine.config import DTYPES
     from engine.distributed.all_reduce_path import NCCL, SYMMETRIC_DTYPES, choose_path, settings_reason
+    from engine.parallel_config import FUSED_ALL_REDUCE_KERNELS, ParallelConfig
 
     tp, dtype_name = tensor_parallel_size(cfg), str(section(cfg, "model").get("dtype"))
     try:

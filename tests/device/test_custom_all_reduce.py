@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 import engine.distributed.custom_all_reduce as car
-from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT, choose_path
 from engine.distributed.custom_all_reduce import open_symmetric_all_reduce, unavailable_reason
 from engine.distributed.parallel_state import TPGroup, init_group, open_store
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 from engine.engine_args import EngineArgs
 from engine.models.parallel_layers import RowParallelLinear
+from engine.parallel_config import ParallelConfig
 from tests.symmetric_memory_helpers import FakeSymmOps, counting_events
 
 KiB, MiB = 2**10, 2**20

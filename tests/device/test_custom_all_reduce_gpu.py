@@ -10,8 +10,8 @@ import traceback
 import pytest
 import torch
 
-from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT
+from engine.parallel_config import ParallelConfig
 from tests.symmetric_memory_helpers import two_rank_reports
 
 pytestmark = [pytest.mark.gpu,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.config import ModelConfig, ParallelConfig, RunnerConfig
+from engine.config import ModelConfig, RunnerConfig
 from engine.device.batch_layout import BatchShape
 from engine.distributed.driver import JOIN_TIMEOUT_S, TPModelRunner, WorkerFailure
 from engine.distributed.sharding import TPShard
@@ -26,6 +26,7 @@ from engine.distributed.step_message import StepHeader
 from engine.engine_args import EngineArgs
 from engine.model_loader import load_model_config
 from engine.offline.llm_engine import LLMEngine
+from engine.parallel_config import ParallelConfig
 from policies.request import SamplingParams
 
 TIMEOUT_S = 5.0

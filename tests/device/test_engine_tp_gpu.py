@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import ParallelConfig
 from engine.distributed import custom_all_reduce
 from engine.distributed.driver import JOIN_TIMEOUT_S, TPModelRunner
 from engine.engine_args import EngineArgs
 from engine.offline.llm_engine import LLMEngine
+from engine.parallel_config import ParallelConfig
 from policies.request import SamplingParams
 
 pytestmark = pytest.mark.gpu

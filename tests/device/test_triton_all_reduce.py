@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ALL_REDUCE_KERNELS, ParallelConfig
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 from engine.engine_args import EngineArgs
 from engine.models.ops import add_rms_norm
+from engine.parallel_config import ALL_REDUCE_KERNELS, ParallelConfig
 from tests.symmetric_memory_helpers import FakeSymmOps, counting_events, mirrored_lamport, mirrored_peers
 
 KiB = 2**10

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import ONE_SHOT, TWO_SHOT
+from engine.parallel_config import ParallelConfig
 from tests.symmetric_memory_helpers import two_rank_reports
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]

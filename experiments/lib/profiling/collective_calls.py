@@ -10,11 +10,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from engine.config import CUSTOM_ALL_REDUCE_LIMIT_BYTES
 from engine.distributed.all_reduce_path import NCCL, choose_path
 from engine.distributed.lamport_all_reduce import LamportAllReduce
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
+from engine.parallel_config import CUSTOM_ALL_REDUCE_LIMIT_BYTES
 from sim.latency.operator_file import FUSED_ALL_REDUCE, LAMPORT_FUSED_ALL_REDUCE
 
 Row = dict[str, float | str]

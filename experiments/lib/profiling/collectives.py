@@ -49,7 +49,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from engine.config import ParallelConfig
 from engine.distributed.all_reduce_path import ONE_SHOT, TWO_SHOT
 from engine.distributed.lamport_all_reduce import LamportAllReduce
 from engine.distributed.parallel_state import (
@@ -60,6 +59,7 @@ from engine.distributed.parallel_state import (
     join_store,
     open_store,
 )
+from engine.parallel_config import ParallelConfig
 from experiments.lib.profiling.collective_calls import (
     Row,
     all_reduce_call,
