@@ -22,12 +22,12 @@ per-request bootstrap of one pair cannot see, so a change counts only if it repr
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 from collections.abc import Sequence
 from pathlib import Path
 
 from experiments.lib.ab_compare import ABResult, compare, compose_pair, markdown
 from experiments.lib.cli import run_cli
+from experiments.lib.run_dirs import default_run_dir
 
 
 def split_overrides(text: str, name: str) -> list[str]:
@@ -82,7 +82,7 @@ def _main(argv: Sequence[str] | None = None) -> ABResult:
     if args.resamples < 1:
         raise ValueError(f"--resamples={args.resamples} is invalid: must be >= 1")
     cfg_a, cfg_b = compose_pair(common, a, b)
-    out = args.out or Path("outputs/ab") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    out = args.out or default_run_dir("outputs/ab")
     label_a, label_b = ",".join(a) or "base", ",".join(b) or "base"
     result = compare(cfg_a, cfg_b, out, label_a, label_b, args.resamples, args.confidence, args.rounds, args.warmup)
     print(f"A = {label_a}\nB = {label_b}\ncommon: {' '.join(common) or '(defaults)'}\n")

@@ -25,7 +25,6 @@ chunk (body parsing and checks, the request handed over, the chunk built), with 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import subprocess
@@ -38,6 +37,7 @@ from engine.offline.llm_engine import LLMEngine
 from engine.online.async_llm_engine import AsyncLLMEngine
 from engine.serving.app import build_app
 from engine.serving.server import ServerThread
+from experiments.lib.run_dirs import default_run_dir
 
 
 def workload_overrides(args: EngineArgs, clients: int, output_len: int) -> list[str]:
@@ -224,7 +224,7 @@ def main() -> None:
                     help="with --latency (32; up to 1,800 on tiny-llama) or --front-cpu (560): token ids per "
                          "prompt (the path's cost grows with it)")
     a = ap.parse_args()
-    out = a.out or Path("outputs/bench_frontend") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    out = a.out or default_run_dir("outputs/bench_frontend")
     if a.front_cpu:
         front_cpu(out, a.baseline, a.rounds, a.requests or 2000, a.prompt_len or 560, a.output_len or 4)
         return

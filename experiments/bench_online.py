@@ -45,6 +45,7 @@ from experiments.lib.engine_backend import device_name, engine_args, free_device
 from experiments.lib.fidelity_report import relative_error
 from experiments.lib.fidelity_spec import compose_cfg
 from experiments.lib.request_timeline import TimedApp, hops, summary, with_client
+from experiments.lib.run_dirs import default_run_dir
 from experiments.lib.run_workload import run
 from experiments.lib.serving_calibration import calibrate
 from experiments.lib.traces import load_run
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0,
                     help="multiply every request count (e.g. 0.05 for a smoke run on a small model)")
     a = ap.parse_args()
-    out = a.out or Path("outputs/bench_online") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    out = a.out or default_run_dir("outputs/bench_online")
     out.mkdir(parents=True, exist_ok=True)
     common = [*COMMON, *a.overrides]
     started = time.time()

@@ -17,7 +17,6 @@ server's model (its vocabulary bounds the prompt token ids). Examples:
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,13 @@ from typing import Any
 from experiments.lib.cli import run_cli
 from experiments.lib.fidelity_spec import compose_server_cfg
 from experiments.lib.metrics import summary_table
+from experiments.lib.run_dirs import default_run_dir
 from experiments.lib.run_workload import run
 
 
 def bench(overrides: Sequence[str], out: Path | None = None, label: str | None = None) -> dict[str, Any]:
     cfg = compose_server_cfg(overrides)
-    out = out or Path("outputs/bench_serving") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    out = out or default_run_dir("outputs/bench_serving")
     return run(cfg, out, label or (",".join(overrides) or "server"))
 
 
@@ -40,7 +40,7 @@ def _main() -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/config.yaml (backend.url=..., workload=...)")
     ap.add_argument("--out", type=Path, default=None, help="run dir (default outputs/bench_serving/<date>/<time>)")
     a = ap.parse_args()
-    out = a.out or Path("outputs/bench_serving") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    out = a.out or default_run_dir("outputs/bench_serving")
     summary = bench(a.overrides, out)
     info = summary["run"]
     print(f"{summary['label']}: {info.get('served_model')} at {info.get('url')}, workload={info['workload']}, "

@@ -48,6 +48,7 @@ from experiments.lib.fidelity_tables import STALL_S, FidelityTables
 from experiments.lib.host_hiccups import hiccups
 from experiments.lib.paths import resolve_path
 from experiments.lib.profiling.host import cpu_probe_us
+from experiments.lib.run_dirs import default_run_dir
 from experiments.lib.run_workload import run
 from experiments.lib.traces import load_run
 from sim.latency.profiled import ProfiledModel
@@ -260,7 +261,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     if cap in names:  # the capacity scenario runs first: the loads need it
         names.remove(cap)
         names.insert(0, cap)
-    runs_dir = args.runs or fresh_dir(Path("outputs/fidelity") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S"))
+    runs_dir = args.runs or default_run_dir("outputs/fidelity")
     fid = Fidelity(spec, list(args.overrides), runs_dir, args.engine_runs, args.profile, args.engine_repeats,
                    args.window_profile, args.standalone_profile)
     old_meta = args.engine_runs / "meta.json" if args.engine_runs else None
@@ -312,19 +313,6 @@ def check_overridden(overrides: Sequence[str], spec: dict[str, Any], spec_path: 
                 side = "--sim (the simulator side)" if where == "its sim list" else "a spec of your own"
                 raise ValueError(f"override {override!r}: {spec_path} sets {key} in {where}, which comes after "
                                  f"the command line's overrides and would win; pass it with {side}")
-
-
-def fresh_dir(path: Path) -> Path:
-    """`path`, or `path-2`, `path-3`, ... : the first that this call creates (so runs started in the
-    same second, in parallel, never write into one another's traces)."""
-    for i in range(1, 10_000):
-        candidate = path if i == 1 else path.with_name(f"{path.name}-{i}")
-        try:
-            candidate.mkdir(parents=True)
-            return candidate
-        except FileExistsError:
-            continue
-    raise RuntimeError(f"no free trace directory next to {path}")
 
 
 def main() -> None:

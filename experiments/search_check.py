@@ -19,7 +19,6 @@ processes into one --out (one GPU each), and each rebuilds the report from what 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.lib.cli import run_cli
+from experiments.lib.run_dirs import default_run_dir
 from experiments.lib.search.check_bracket import bracket_capacity
 from experiments.lib.search.check_pick import (
     SearchOutput,
@@ -98,7 +98,7 @@ def _main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     rows = {"pick": pick, "neighbour": neighbour}
     for role in ROLES:
         print(f"{role}: {label(rows[role])}")
-    out = args.out or Path("outputs/search_check") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    out = args.out or default_run_dir("outputs/search_check")
     for role in roles:
         m = measure(search, role, rows[role], args.backend, args.within, args.step, args.max_steps, args.warmup_s)
         save(out, m)

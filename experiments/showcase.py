@@ -16,7 +16,6 @@ All on the simulator with the roofline model (qwen3-0.6b on an H200, KV memory c
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from hydra import compose, initialize_config_module
 
 from experiments.lib.ab_compare import compare
 from experiments.lib.cli import run_cli
+from experiments.lib.run_dirs import default_run_dir
 from experiments.lib.run_workload import run
 from experiments.lib.showcase_policies import fair_share, length_aware
 
@@ -112,7 +112,7 @@ def _main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--sections", default="1,2,3,4,5", help="comma-separated section numbers (default all)")
     args = parser.parse_args(argv)
     logging.getLogger("servelab.scheduler").setLevel(logging.ERROR)  # preemption warnings are expected here
-    out = args.out or Path("outputs/showcase") / dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    out = args.out or default_run_dir("outputs/showcase")
     result = args.result or out / "showcase.md"
     plots = not args.no_plots
     run_one = lambda overrides, path, label: run(config([*overrides, f"plots={plots}"]), path, label)

@@ -357,7 +357,7 @@ def test_the_mlfq_spec_runs_one_stream_under_fcfs_and_mlfq(request):
 
 
 def test_runs_started_in_the_same_second_get_their_own_trace_dirs(tmp_path):
-    from experiments.fidelity import fresh_dir
+    from experiments.lib.run_dirs import fresh_dir
 
     stamp = tmp_path / "2026-11-28" / "14-03-35"
     dirs = [fresh_dir(stamp) for _ in range(3)]
