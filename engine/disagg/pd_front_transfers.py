@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from engine.disagg.kv_transfer_message import KVTransferError
 from engine.disagg.messages import (
     DecodeFailed,
     DecodeOutput,
@@ -82,7 +83,10 @@ class FrontTransfers(FrontFaults):
 
     def _take(self, message: object, outputs: list[RequestOutput]) -> None:
         if isinstance(message, Reserved):
-            self._start_transfer(message)
+            try:
+                self._start_transfer(message)
+            except KVTransferError as e:  # the link failed before its completion thread said so
+                self._fail(str(e))
         elif isinstance(message, Refused):
             request_id = message.request_id
             handoff = self._handoffs.get(request_id)
@@ -110,10 +114,14 @@ class FrontTransfers(FrontFaults):
             if self._receiver.poll(slice_s):
                 message = self._receiver.recv()
                 self._last_heard = time.monotonic()
-                if isinstance(message, Reserved):
-                    self._start_transfer(message, mid_step=True)
-                else:
+                if not isinstance(message, Reserved):
                     self._left_for_turn.append(message)
+                    return True
+                try:
+                    self._start_transfer(message, mid_step=True)
+                except KVTransferError:  # failing the pair frees blocks: at the next turn, between steps
+                    self._left_for_turn.append(message)
+                    return False
         except (EOFError, OSError):
             return False  # the next turn's read meets the same end and fails the pair
         return True

@@ -127,6 +127,33 @@ def test_a_decode_process_gone_mid_step_hands_the_wait_back(pipe):
     assert not front._while_prefilling(WAIT_SLICE_S)  # the next turn's read fails the pair
 
 
+def test_a_link_failed_mid_step_fails_the_pair_at_the_next_turn_not_inside_the_step(pipe):
+    """Failing the pair frees prefill blocks, which the prefill step running must not see change:
+    the send that meets a failed link is left for the turn, where it fails the pair."""
+    from engine.disagg.kv_transfer_message import KVTransferError
+    from engine.disagg.pd_front_transfers import FrontTransfers as Real
+
+    class Failing(Front):
+        def _start_transfer(self, message, mid_step=False):
+            raise KVTransferError("the KV link's peer failed: gone")
+
+        def _fail(self, reason):
+            self.read.append(("failed", reason))
+            self._failure = reason
+
+    receiver, writer = pipe
+    front = Failing(receiver, awaiting=1)
+    front._take = Real._take.__get__(front)  # the real dispatch at the turn
+    writer.send(Reserved(["r0"], [[3]]))
+    deadline = time.monotonic() + WAIT_S
+    while not front._left_for_turn and time.monotonic() < deadline:
+        if not front._while_prefilling(WAIT_SLICE_S):
+            break
+    assert [type(m) for m in front._left_for_turn] == [Reserved] and front.read == []
+    front._take_messages()
+    assert front.read == [("failed", "the KV link's peer failed: gone")] and front._left_for_turn == []
+
+
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_sends_mid_step_is_checked(value):
     with pytest.raises(ValueError, match=rf"disaggregation.sends_mid_step={value!r} is invalid: must be true or false"):
