@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the rotation, its requests fail, its process is terminated (default 60)")
     p.add_argument("--disaggregation", default=None, metavar="SPEC",
                    help="prefill/decode disaggregation, e.g. prefill=1,decode=1 (more keys: transfer_timeout_s, "
-                        "decode_device, max_queue, queue_timeout_s, prefill_async_scheduling=true|false): the prefill engine in a thread of the "
+                        "decode_device, max_queue, queue_timeout_s, prefill_async_scheduling=true|false, sends_mid_step=true|false): "
+                        "the prefill engine in a thread of the "
                         "server's process, the decode engine in its own (--engine-process does not apply)")
     for f in dataclasses.fields(EngineArgs):
         if f.name in BOOLEAN_FIELDS:  # switches, as vLLM's: --enforce-eager, --no-async-scheduling

@@ -159,3 +159,6 @@ def test_sends_mid_step_is_checked(value):
     with pytest.raises(ValueError, match=rf"disaggregation.sends_mid_step={value!r} is invalid: must be true or false"):
         DisaggregationConfig(sends_mid_step=value)
     assert DisaggregationConfig().sends_mid_step is True
+    assert DisaggregationConfig.parse("prefill=1,decode=1,sends_mid_step=false").sends_mid_step is False
+    with pytest.raises(ValueError, match="disaggregation.sends_mid_step='maybe' is invalid: must be true or false"):
+        DisaggregationConfig.parse("sends_mid_step=maybe")
