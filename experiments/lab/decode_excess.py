@@ -25,8 +25,9 @@ the step rows tell apart:
 
 `--by-share` also prints the scheduled-ahead steps not before a synchronous one (the two `ahead`
 classes) grouped by the share of their period a receive was on the wire (the union of the
-requests' intervals above, counted from the send; `experiments/lib/kv_receive_duty.py`'s bins,
-the simulator's rule), with their period over their ahead price: the engine's side of
+requests' intervals above, counted from the send, the simulator's rule; with `--busy-from posted`,
+from the posting: the share a receive was posted and not done; `experiments/lib/kv_receive_duty.py`'s
+bins), with their period over their ahead price: the engine's side of
 `experiments.bench_kv_receive`'s `busy_share_curve`, whose ratio is a step over the idle step. An
 engine interval ends when the decode loop notices the receive (`link_time`), up to a step after
 its last byte, so the engine's shares read high by up to that.
@@ -174,10 +175,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             on_link = requests if split else None
             shares = wire_shares(d, on_link, a.busy_from == "posted")
             print(report(name, int(replica), split_excess(d, price, shares > 0)))
-            if a.by_share:  # by the wire's share counted from the send, the one computed above by default
-                sent = shares if a.busy_from == "sent" else wire_shares(d, on_link)
-                print("  ahead steps (not before sync) by the share of their period the wire was busy:\n"
-                      + by_share(d, price, sent))
+            if a.by_share:  # by the share counted as above: from the send, or from the posting
+                what = "the wire was busy" if a.busy_from == "sent" else "a receive was posted and not done"
+                print(f"  ahead steps (not before sync) by the share of their period {what}:\n"
+                      + by_share(d, price, shares))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,10 @@ def test_the_command_names_a_missing_scenario(tmp_path, capsys):
     profile = "experiments/profiles/h200-qwen3-0.6b-async-8k.csv"
     main(["--runs", str(tmp_path), "--profile", profile])
     assert "pd_1 replica 1: 3 decode-only steps" in capsys.readouterr().out
+    main(["--runs", str(tmp_path), "--profile", profile, "--by-share"])
+    assert "share of their period the wire was busy:" in capsys.readouterr().out
+    main(["--runs", str(tmp_path), "--profile", profile, "--by-share", "--busy-from", "posted"])
+    assert "share of their period a receive was posted and not done:" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="nope has no"):
         main(["--runs", str(tmp_path), "--profile", profile, "--scenarios", "nope"])
 
@@ -82,6 +86,11 @@ def test_a_receive_counts_from_its_posting_with_busy_from_posted():
                              "link_time": [2e-4]})  # posted at t1 + 0.1 ms, sent at t3 - 0.1 ms
     assert link_busy(d, requests).tolist() == [False, False, True, True]
     assert link_busy(d, requests, posted=True).tolist() == [False, True, True, True]
+    assert wire_shares(d, requests, posted=True).round(6).tolist() == [0.0, 0.95, 1.0, 0.05]
+    assert wire_shares(d, requests).round(6).tolist() == [0.0, 0.0, 0.05, 0.05]
+    posted = by_share(d, price, wire_shares(d, requests, posted=True)).splitlines()
+    assert [row.split()[:3] for row in posted[1:]] == [["0", "1", "0.000"], ["0-0.25", "1", "0.050"],
+                                                      ["0.75-1", "1", "0.950"], ["1", "1", "1.000"]]
 
 
 def test_by_share_bins_the_ahead_steps_by_the_share_of_their_period_on_the_wire():
