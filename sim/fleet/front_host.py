@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from sim.latency.file_meta import read_meta
+
 UNITS = ("step_s", "admission_s", "handoff_s", "kv_message_s", "sent_message_s", "read_message_s")
 
 
@@ -79,14 +81,12 @@ class FrontHostProfile:
         if not p.is_file():
             raise ValueError(f"cluster.front_host_profile={str(path)!r} is not a file: measure one with "
                              "`python -m experiments.lab.front_parts --profile-out FILE` on two GPUs")
-        meta, values = [], {}
-        for n, line in enumerate(p.read_text().splitlines(), 1):
+        lines = p.read_text().splitlines()
+        meta, start = read_meta(lines)
+        values = {}
+        for n, line in enumerate(lines[start:], start + 1):
             line = line.strip()
             if not line or line == "unit,seconds":
-                continue
-            if line.startswith("#"):
-                key, _, value = line.lstrip("# ").partition(":")
-                meta.append((key.strip(), value.strip()))
                 continue
             name, _, value = line.partition(",")
             if name not in UNITS:
@@ -98,12 +98,10 @@ class FrontHostProfile:
         missing = [u for u in UNITS if u not in values]
         if missing:
             raise ValueError(f"{path}: units {missing} are missing: a profile gives all of {list(UNITS)}")
-        return cls(**values, meta=tuple(meta))
+        return cls(**values, meta=tuple(meta.items()))
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "meta"}
-
-
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,5 +1,6 @@
 """The header every profile file opens with (latency profiles, sim/latency/profile_io.py; operator
-profiles, sim/latency/operator_file.py; receive profiles, sim/latency/kv_receive.py): leading
+profiles, sim/latency/operator_file.py; receive profiles, sim/latency/kv_receive.py; front host
+profiles, sim/fleet/front_host.py): leading
 `# key: value` comment lines, then the CSV's header line and its rows."""
 from __future__ import annotations
 
