@@ -52,23 +52,23 @@ def _pointer_table(pointers: tuple[int, ...], device: torch.device) -> torch.Ten
     return torch.tensor(pointers, dtype=torch.int64, device=device)
 
 
-# The pointer tables of the cache sets a transfer stages from or into, each set checked once: keyed
-# by its tensors (their ids) and their data pointers, so a new set, or the same tensors moved, is
-# checked again. A pair's KV caches never change, and checking every layer's K and V on every
-# message cost more than the kernel's launch (~0.1 ms a message on the H200 host).
-_STAGE_TABLES: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
-_STAGE_TABLES_MAX = 64
+# The cache sets a transfer stages from or into, each checked once: keyed by its tensors (their
+# ids) and their data pointers, so a new set, or the same tensors moved, is checked again (the
+# oldest forgotten past 64). A pair's KV caches never change, and checking every layer's K and V on
+# every message cost more than the kernel's launch (~0.1 ms a message on the H200 host).
+_CHECKED_SETS: dict[tuple[tuple[int, ...], tuple[int, ...]], None] = {}
+_CHECKED_SETS_MAX = 64
 
 
 def _stage_table(caches: list[torch.Tensor]) -> torch.Tensor:
-    key = (tuple(map(id, caches)), tuple(t.data_ptr() for t in caches))
-    table = _STAGE_TABLES.get(key)
-    if table is None:
+    pointers = tuple(t.data_ptr() for t in caches)
+    key = (tuple(map(id, caches)), pointers)
+    if key not in _CHECKED_SETS:
         _check_caches(caches)
-        if len(_STAGE_TABLES) >= _STAGE_TABLES_MAX:
-            _STAGE_TABLES.pop(next(iter(_STAGE_TABLES)))
-        table = _STAGE_TABLES[key] = torch.tensor(key[1], dtype=torch.int64, device=caches[0].device)
-    return table
+        if len(_CHECKED_SETS) >= _CHECKED_SETS_MAX:
+            _CHECKED_SETS.pop(next(iter(_CHECKED_SETS)))
+        _CHECKED_SETS[key] = None
+    return _pointer_table(pointers, caches[0].device)
 
 
 def _check_caches(caches: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
