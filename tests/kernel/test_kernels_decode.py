@@ -193,8 +193,8 @@ def test_decode_reads_hnd_cache_through_strides(config):
 
 
 def test_decode_per_head_reads_head_major_cache():
-    """Head-major storage (kernels.inputs.kv_cache_storage "headmajor", the round-8 layout sweep of
-    experiments.lab.bench_kernels_sweep --streams) gives the same answer."""
+    """Head-major storage (kernels.inputs.kv_cache_storage "headmajor", one of the layouts
+    experiments.lab.bench_kernels_sweep --streams compares) gives the same answer."""
     prob = random_paged_problem([9, 40, 33], None, 4, 2, 16, 16, torch.float32, seed=8)
     ref = reference.paged_decode_attention(*prob.to(torch.float64).decode_args())
     prob.k_cache, prob.v_cache = (kv_cache_storage(c, "headmajor") for c in (prob.k_cache, prob.v_cache))
