@@ -43,7 +43,13 @@ from experiments.lib import engine_backend, factory, fidelity_window
 from experiments.lib.cli import run_cli
 from experiments.lib.fidelity_all_reduce import SimAllReduce, sim_all_reduce
 from experiments.lib.fidelity_report import decode_step_ratio
-from experiments.lib.fidelity_spec import DEFAULT_SPEC, compose_cfg, load_spec
+from experiments.lib.fidelity_spec import (
+    DEFAULT_SPEC,
+    check_overridden,
+    compose_cfg,
+    load_spec,
+    select_scenarios,
+)
 from experiments.lib.fidelity_tables import STALL_S, FidelityTables
 from experiments.lib.host_hiccups import hiccups
 from experiments.lib.paths import resolve_path
@@ -250,13 +256,7 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
     spec = load_spec(args.spec)
     check_overridden(args.overrides, spec, args.spec)
     spec["sim"] = [*spec["sim"], *args.sim]
-    names = list(spec["scenarios"])
-    if args.scenarios:
-        wanted = args.scenarios.split(",")
-        unknown = [w for w in wanted if w not in names]
-        if unknown:
-            raise ValueError(f"--scenarios={args.scenarios!r} is invalid: {unknown} not in {names}")
-        names = [n for n in names if n in wanted]
+    names = select_scenarios(spec, args.scenarios)
     cap = spec.get("capacity")
     if cap in names:  # the capacity scenario runs first: the loads need it
         names.remove(cap)
@@ -294,25 +294,6 @@ def _main(argv: Sequence[str] | None = None) -> Fidelity:
         meta["all_reduce"] = fid.all_reduce.note
     print(fid.write(args.out or runs_dir / "report", meta))
     return fid
-
-
-def _override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def check_overridden(overrides: Sequence[str], spec: dict[str, Any], spec_path: str) -> None:
-    """A positional override goes before the spec's per-side and per-scenario lists, so a key that
-    one of those also sets would silently lose: refused, naming the key and where it is set."""
-    later = [(f"its {side} list", spec.get(side) or []) for side in ("engine", "sim")]
-    later += [(f"scenario {name}'s overrides", (scn or {}).get("overrides") or [])
-              for name, scn in spec["scenarios"].items()]
-    for override in overrides:
-        key = _override_key(override)
-        for where, items in later:
-            if any(_override_key(str(item)) == key for item in items):
-                side = "--sim (the simulator side)" if where == "its sim list" else "a spec of your own"
-                raise ValueError(f"override {override!r}: {spec_path} sets {key} in {where}, which comes after "
-                                 f"the command line's overrides and would win; pass it with {side}")
 
 
 def main() -> None:

@@ -171,16 +171,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         write_profile(args, list(summaries), summaries, argv)
         return
     from experiments.lib import engine_backend
-    from experiments.lib.fidelity_spec import compose_cfg, load_spec
+    from experiments.lib.fidelity_spec import check_overridden, compose_cfg, load_spec, select_scenarios
     from experiments.lib.profiling.versions import versions
     from experiments.lib.run_workload import run as run_workload
 
     spec = load_spec(args.spec)
-    wanted = args.scenarios.split(",")
-    unknown = [w for w in wanted if w not in spec["scenarios"]]
-    if unknown:
-        raise ValueError(f"--scenarios={args.scenarios!r} is invalid: {unknown} not in {list(spec['scenarios'])}")
-    names = [n for n in spec["scenarios"] if n in wanted]  # the order the spec runs them in
+    check_overridden(args.overrides, spec, args.spec)
+    names = select_scenarios(spec, args.scenarios)
     runs, undo = watch_fronts(args.detail)
     try:
         for name in names:  # as experiments.fidelity --engine-only runs them (its trace layout)

@@ -46,6 +46,38 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     return spec
 
 
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def check_overridden(overrides: Sequence[str], spec: dict[str, Any], spec_path: str) -> None:
+    """A positional override goes before the spec's per-side and per-scenario lists, so a key that
+    one of those also sets would silently lose: refused, naming the key and where it is set."""
+    later = [(f"its {side} list", spec.get(side) or []) for side in ("engine", "sim")]
+    later += [(f"scenario {name}'s overrides", (scn or {}).get("overrides") or [])
+              for name, scn in spec["scenarios"].items()]
+    for override in overrides:
+        key = _override_key(override)
+        for where, items in later:
+            if any(_override_key(str(item)) == key for item in items):
+                side = "--sim (the simulator side)" if where == "its sim list" else "a spec of your own"
+                raise ValueError(f"override {override!r}: {spec_path} sets {key} in {where}, which comes after "
+                                 f"the command line's overrides and would win; pass it with {side}")
+
+
+def select_scenarios(spec: dict[str, Any], scenarios: str | None) -> list[str]:
+    """`--scenarios a,b` (None or empty: all) as the spec's scenario names, in the order the spec
+    runs them; a name the spec lacks is refused."""
+    names = list(spec["scenarios"])
+    if not scenarios:
+        return names
+    wanted = scenarios.split(",")
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+        raise ValueError(f"--scenarios={scenarios!r} is invalid: {unknown} not in {names}")
+    return [n for n in names if n in wanted]
+
+
 def compose_cfg(overrides: Sequence[str]) -> DictConfig:
     with initialize_config_module(config_module="conf", version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
