@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 
+from engine.disagg.pd_front_transfers import ARRIVING_S
 from engine.disagg.pipe_sender import PipeSender
 
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# receiving: {args.messages} messages from another process at random; the caller spins {args.busy_ms} "
           f"ms, takes what is there, sleeps {args.idle_ms} ms; milliseconds from send to the caller's recv")
     for _ in range(2):
-        for arriving_s in (0.0, 0.002):
+        for arriving_s in (0.0, ARRIVING_S):  # without the front's wait, and with it
             lat = take_latencies(arriving_s, args.messages, args.busy_ms / 1e3, args.idle_ms / 1e3)
             print(f"poll(0, arriving_s={arriving_s * 1e3:.0f} ms): {len(lat)} taken, median "
                   f"{statistics.median(lat):6.3f} ms, p90 {lat[int(0.9 * (len(lat) - 1))]:6.3f} ms")
