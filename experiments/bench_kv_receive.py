@@ -15,7 +15,10 @@ its KV cache; for each message size of `--blocks` (blocks of the model's KV, eve
   posted first. Median of `--iters`.
 
 Then `busy_step_factor`: decode steps of `--decode-seqs` sequences reading `--context` tokens each
-(`ModelRunner.execute` of a synthetic step, synchronised), alternately with the link idle and while
+(a synthetic step, scheduled ahead as the pair's engines run with async scheduling: each step
+launched before the one in flight is waited for, a step's time the period between steps;
+`--sync-steps`: each step launched and waited for, the host's work in series with the device's),
+alternately with the link idle and while
 messages of `--busy-blocks` blocks are received back to back (waves of `--wave` receives posted at
 once, the pair's `max_transfers_in_flight`), no scatter: the median step with a receive on the wire
 from its start to its end over the median idle step, over `--rounds` rounds of `--steps` steps each.
@@ -47,10 +50,12 @@ Then the send side's duty-cycle sweep (`send_busy_share_curve`; experiments/lib/
 on the sending GPU: the sender builds the prefill engine's `ModelRunner` (dummy weights, CUDA
 graphs up to 8192 tokens, as the pair's runs; its KV cache is what every send gathers from) while
 the receiver builds its own; prefill steps of `--prefill-tokens` tokens in `--prefill-seqs` prompts
-(the link polled before each, as the engine's loop does), `--send-steps` with the link idle, then
+(the link polled before each, as the engine's loop does; each step waited for, as the pair's front
+runs them synchronously), `--send-steps` with the link idle, then
 `--send-steps` for each u of `--duty` while messages of `--duty-blocks` blocks are sent one every
 `wire / u` seconds (each receive posted by the receiver right before its send, which waits for
-it). A message is on the wire from its send call's return to its completion on the sender; the
+it; the gather does not wait for the compute stream, as the front's sends posted during a step
+do not). A message is on the wire from its send call's return to its completion on the sender; the
 steps are binned by share as above and each bin with the wire busy and 5 steps or more gives a
 point of `send_busy_share_curve`. The header gains the curve, its bins (`send_share_bin ...`),
 each setting's summary (`send duty ...`), `prefill_step_idle_s` and `send_wire_alone_s`; its steps
@@ -107,6 +112,10 @@ def main() -> None:
                     help="tokens of the send sweep's prefill step (pd_400's prefill steps: ~4,000)")
     ap.add_argument("--prefill-seqs", type=int, default=6, help="prompts of that step (pd_400's: 256-1024 tokens)")
     ap.add_argument("--send-steps", type=int, default=200, help="prefill steps idle, then per setting of the send sweep")
+    ap.add_argument("--sync-steps", action="store_true",
+                    help="the decode side waits for each step before launching the next (default: one step in "
+                         "flight, as the decode engine schedules ahead); the send sweep's prefill steps are "
+                         "synchronised either way, as the pair's front runs them")
     ap.add_argument("--decode-kernel", default="auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop measuring after this many seconds")
@@ -178,7 +187,9 @@ def main() -> None:
     meta = {"format": FORMAT, "model": a.model, "device": name, "block_size": a.block_size,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "versions": f"torch {torch.__version__}", "command": "python -m experiments.bench_kv_receive " + " ".join(
-                f"--{key.replace('_', '-')} {value}" for key, value in vars(a).items() if key not in ("duty_utilisations", "post_leads")),
+                f"--{key.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+                for key, value in vars(a).items()
+                if key not in ("duty_utilisations", "post_leads") and value is not False),
             CURVE_KEY: curve, "duty_wire_alone_s": f"{got['sweep']['wire_s']:.6e}", **sweep_meta,
             "busy_step_factor": f"{factor:.4f}", "busy_over_idle": f"{busy / idle:.4f}" if busy else "-",
             "decode_step_idle_s": f"{idle:.6e}",

@@ -78,9 +78,33 @@ def prefill_shape(a: argparse.Namespace) -> StepShape:
     return StepShape(a.prefill_tokens, a.prefill_seqs, 0, 0)
 
 
-def _step(runner: ModelRunner, step, dev: torch.device) -> None:
-    runner.execute(step)
-    sync_compute(dev)
+class Steps:
+    """One synthetic step per call, run as the engine runs its steps. Scheduled ahead (the default,
+    as the pair's engines run with async scheduling): a call launches a step, then waits for the
+    one launched before it, so one step is always in flight and the host's work for a step overlaps
+    the device's work on the one before; a call's wall time is the period between steps, what the
+    engine's step rows measure. `sync` (`--sync-steps`): each call launches its step and waits for
+    it (the compute stream only), the host's work in series with the device's."""
+
+    def __init__(self, runner: ModelRunner, step, dev: torch.device, sync: bool) -> None:
+        self.runner, self.step, self.dev, self.sync = runner, step, dev, sync
+        self.in_flight = None
+
+    def __call__(self) -> None:
+        if self.sync:
+            self.runner.execute(self.step)
+            sync_compute(self.dev)
+            return
+        launched = self.runner.launch(self.step)
+        if self.in_flight is not None:
+            self.runner.collect(self.in_flight)
+        self.in_flight = launched
+
+    def drain(self) -> None:
+        """Wait for the step in flight (between phases: the next phase's first call starts clean)."""
+        if self.in_flight is not None:
+            self.runner.collect(self.in_flight)
+            self.in_flight = None
 
 
 def receive_side(port: int, conn, a: argparse.Namespace) -> None:
@@ -109,8 +133,10 @@ def receive_side(port: int, conn, a: argparse.Namespace) -> None:
         done = link.wait_all(LINK_TIMEOUT_S)
         conn.send("done" if done and done[0] is transfer and transfer.error is None else "failed")
     step = synthetic_step(shape, a.block_size, runner.num_gpu_blocks, cfg.vocab_size)
+    steps = Steps(runner, step, dev, a.sync_steps)
     for _ in range(10):
-        runner.execute(step)
+        steps()
+    steps.drain()
     idle, busy = [], []
     for _ in range(a.rounds):
         if time.monotonic() - started > a.budget_s:
@@ -118,9 +144,9 @@ def receive_side(port: int, conn, a: argparse.Namespace) -> None:
         for _ in range(a.steps):
             t0 = time.perf_counter()
             link.poll()  # the decode loop polls its link every turn
-            runner.execute(step)
-            sync_compute(dev)
+            steps()
             idle.append(time.perf_counter() - t0)
+        steps.drain()
         got = 0  # then as many steps beside receives
         while got < a.steps and time.monotonic() - started <= a.budget_s:
             wave = [link.recv([("w", list(range(a.busy_blocks)))], k) for _ in range(a.wave)]
@@ -130,19 +156,20 @@ def receive_side(port: int, conn, a: argparse.Namespace) -> None:
                 before = link.num_in_flight
                 t0 = time.perf_counter()
                 ended += link.poll()
-                runner.execute(step)
-                sync_compute(dev)
+                steps()
                 seconds = time.perf_counter() - t0
                 if before and link.num_in_flight:  # a receive on the wire from its start to its end
                     busy.append(seconds)
                     got += 1
+            steps.drain()
             done = ended + link.wait_all(LINK_TIMEOUT_S)
             if len(done) != len(wave) or any(t.error is not None for t in done):
                 raise RuntimeError(f"a wave of {len(wave)} receives did not complete within {LINK_TIMEOUT_S} s")
-    sweep = duty_sweep(link, lambda: _step(runner, step, dev), lambda: conn.send(("one", 1)),
+    sweep = duty_sweep(link, steps, lambda: conn.send(("one", 1)),
                        lambda: link.recv([("d", list(range(a.duty_blocks)))], k),
                        [(u, lead / 1e3) for lead in a.post_leads for u in a.duty_utilisations], a.duty_steps,
                        started + a.budget_s, LINK_TIMEOUT_S)
+    steps.drain()
     conn.send(("steps", idle, busy, sweep))
     # The send-side sweep: a receive posted each time the sender asks, right before its send.
     got = serve_receives(link, conn, lambda: link.recv([("s", list(range(a.duty_blocks)))], k),
@@ -157,8 +184,9 @@ def send_side(link: KVLink, conn, runner: ModelRunner, a: argparse.Namespace) ->
     k, v, dev = runner.kv_cache.k_caches, runner.kv_cache.v_caches, link.device
     cfg = runner.model_config
     step = synthetic_step(prefill_shape(a), a.block_size, runner.num_gpu_blocks, cfg.vocab_size)
+    warm = Steps(runner, step, dev, sync=True)
     for _ in range(5):  # warm-up, while the receiver builds its runner
-        _step(runner, step, dev)
+        warm()
     if not conn.poll(STARTUP_S + a.budget_s):
         raise SystemExit("error: the receiver did not time its scatters")
     _, scatter = conn.recv()
@@ -210,12 +238,18 @@ def _send_sweep(link: KVLink, conn, runner: ModelRunner, step, a: argparse.Names
         conn.send(POST)
         if not conn.poll(LINK_TIMEOUT_S) or conn.recv() != "posted":
             raise RuntimeError(f"the receiver did not post a receive within {LINK_TIMEOUT_S} s")
-        link.send([("s", spread_blocks(a.duty_blocks, k[0].shape[0], 1000 + count[0]))], k, v)
+        # As the pair's front posts a send during a step: the gather does not wait for the compute
+        # stream (these blocks are not written by the steps).
+        link.send([("s", spread_blocks(a.duty_blocks, k[0].shape[0], 1000 + count[0]))], k, v, after_compute=False)
         count[0] += 1
 
+    # Synchronised: the pair's front runs its prefill steps so (disaggregation.prefill_async_scheduling
+    # is off by default), its host work between steps in series with the device's.
+    steps = Steps(runner, step, dev, sync=True)
     try:
-        sweep = send_sweep(link, lambda: _step(runner, step, dev), send_one, a.duty_utilisations, a.send_steps,
+        sweep = send_sweep(link, steps, send_one, a.duty_utilisations, a.send_steps,
                            a.send_steps, deadline, LINK_TIMEOUT_S)
+        steps.drain()
     finally:
         conn.send(END)
     if not conn.poll(LINK_TIMEOUT_S):

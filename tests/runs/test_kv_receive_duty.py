@@ -148,8 +148,34 @@ def test_a_bench_step_waits_for_the_compute_stream_not_the_link(monkeypatch):
         def execute(self, step):
             waited.append("step")
 
-    kv_receive_sides._step(Runner(), object(), torch.device("cuda", 0))
+    kv_receive_sides.Steps(Runner(), object(), torch.device("cuda", 0), sync=True)()
     assert waited == ["step", "compute"]
+
+
+def test_bench_steps_scheduled_ahead_keep_one_step_in_flight():
+    """By default a call launches its step, then waits for the one launched before it (the engines'
+    async scheduling); `drain` waits for the last one. Nothing syncs the device."""
+    from experiments.lib import kv_receive_sides
+
+    calls = []
+
+    class Runner:
+        def launch(self, step):
+            calls.append(("launch", len(calls)))
+            return len(calls) - 1
+
+        def collect(self, launched):
+            calls.append(("collect", launched))
+
+    steps = kv_receive_sides.Steps(Runner(), object(), None, sync=False)
+    steps()
+    steps()
+    steps()
+    assert calls == [("launch", 0), ("launch", 1), ("collect", 0), ("launch", 3), ("collect", 1)]
+    steps.drain()
+    assert calls[-1] == ("collect", 3) and steps.in_flight is None
+    steps.drain()  # nothing in flight: nothing waited for
+    assert len(calls) == 6
 
 
 class _InstantLink:
