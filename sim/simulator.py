@@ -108,6 +108,7 @@ class Simulator:
         # the next step is already running on the device).
         self.after_step: Callable[[], float | None] | None = None
         self.step_end = 0.0  # when the running step (or decode run) ends: a fleet's host loop acts after it
+        self.host_gap_end = 0.0  # when the host time after the last step ends (a synchronous replica's next step starts)
         # A fleet's surcharge on a step of the given price starting now (device work queued ahead of
         # it, a link slowing it); a replica with one steps one by one.
         self.extra_step_s: Callable[[float], float] | None = None
@@ -243,7 +244,7 @@ class Simulator:
                 self.last_scheduled = scheduled
                 host_s = self.after_step()
                 if host_s and not self.ahead:
-                    self.step_end = env.now + host_s  # the host loop is busy until then
+                    self.step_end = self.host_gap_end = env.now + host_s  # the host loop is busy until then
                     yield timeout(host_s)
 
     def _decode_run(self) -> list[float] | None:

@@ -25,11 +25,14 @@ policies/disagg/ (`PrefillSide`, `DecodeSide`), run unchanged here as in the eng
 The host's share of a hand-off (`HandoffHost`, sim/fleet/front_host.py; `cluster.handoff_hop_s` and
 `cluster.handoff_step_boundaries`): the engine pair runs each side in its own process, one host
 loop each, that acts between its engine's steps and talks to the other over a pipe. So a hand-off
-reaches the decode side `hop_s` after the prefill step that made it and is admitted there when the
-decode replica's running step ends (`decode_wait`); its `Reserved` answer reaches the prefill side
-`hop_s` later and the send is posted then, during the prefill replica's running step, its host
-time spent while the host waits for the step (`sends_mid_step`, the engine pair's default), or
-when that step ends (`link_wait`);
+reaches the decode side `hop_s` after the prefill side's message leaves (after its host work on
+the step's hand-offs: `per_handoff_s` each and `sent_message_s`, from the prefill step's end) and
+is admitted there when the decode replica's running step ends (`decode_wait`); its `Reserved`
+answer reaches the prefill side `hop_s` later and the send is posted then, during the prefill
+replica's running step, its host time spent while the host waits for the step
+(`sends_mid_step`, the engine pair's default; an answer that arrives during the host work between
+two steps waits for the next step's launch, when the loop waits for the device again), or when
+that step ends (`link_wait`);
 the decode side notices the received KV when its running step ends (`link_time`). With
 `step_boundaries=False` and `hop_s=0` each side acts at once (the transfer is the link's alone).
 With `admits_between_steps` a synchronous prefill replica also pays the latency model's `admission_s`
@@ -164,12 +167,16 @@ class DisaggFleetSimulator(FleetSimulator):
             target = self.decode_router.route(handoff.request, snapshots)
             self.replicas[target].num_routed += 1
             routed.setdefault(target, []).append(handoff)
+        host = self.host
+        # The front's message leaves after its host work on the step's hand-offs (ending each at its
+        # first token, pickling the message), then crosses the pipe.
+        leaves_s = len(handoffs) * host.per_handoff_s + host.sent_message_s if handoffs else 0.0
         for target, batch in routed.items():  # a step's hand-offs arrive together, as the engine's do
-            if self.host.hop_s:
-                self.env.timeout(self.host.hop_s).callbacks.append(lambda _, h=batch, d=target: self._arrive(h, d))
+            if host.hop_s or leaves_s:
+                self.env.timeout(leaves_s + host.hop_s).callbacks.append(
+                    lambda _, h=batch, d=target: self._arrive(h, d))
             else:
                 self._arrive(batch, target)
-        host = self.host
         host_s = (host.per_step_s + len(handoffs) * host.per_handoff_s + (host.sent_message_s if handoffs else 0.0)
                   + self._send_host_due.pop(prefill, 0.0))
         if self._reads is not None:
@@ -242,12 +249,18 @@ class DisaggFleetSimulator(FleetSimulator):
         """One KV message: the hand-offs of `batch` (one prefill replica, one decode replica)."""
         prefill, decode = batch[0].prefill_replica, batch[0].decode_replica
         link, resource = self.links[prefill]
+        after_gap = False
         if self.host.hop_s or self.host.step_boundaries:  # `Reserved` reaches the prefill side's loop
             yield self.env.timeout(self.host.hop_s)
             if not self.host.sends_mid_step:
                 yield self._step_boundary(prefill)
+            elif self.host.step_boundaries and self.env.now < self.replicas[prefill].host_gap_end:
+                # The loop reads the decode side's answers while it waits for a step: one that
+                # arrives during its host work between steps waits for the next step's launch.
+                yield self.env.timeout(self.replicas[prefill].host_gap_end - self.env.now)
+                after_gap = True
         # Posted during a step, its host time is spent while the host waits for the step anyway.
-        host_free = self.host.sends_mid_step and self.env.now < self.replicas[prefill].step_end
+        host_free = self.host.sends_mid_step and (after_gap or self.env.now < self.replicas[prefill].step_end)
         with resource.request() as turn:
             yield turn
             for handoff in batch:
