@@ -12,13 +12,16 @@ instrumented once it is built, and prints per scenario: each part's milliseconds
 the forward and the idle waits), and what the run's loop spent outside the front (the feed loop,
 its sleeps until an arrival). Wall time above CPU time in a part is time its thread waited: for a
 core, or for the GIL while the pipe's reader and sender threads or the KV link's waiter ran.
-Written to DIR/front_parts.json as well. A diagnostic, not a price: the timers cost ~1-2 us a call,
-so these are not the runs a fidelity report compares.
+Written to DIR/front_parts.json as well. The timers cost ~1-2 us a call, so these are not the runs
+a fidelity report compares. `--profile-out F` writes the front host profile of one scenario
+(sim/fleet/front_host.py): its units from the parts, and `hop_s`, the hop between the two sides'
+loops, from the same run's trace (experiments/lib/answer_hop.py).
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.disagg.pd_engine import DisaggregatedEngine
+from experiments.lib.answer_hop import answer_hop_s
 from experiments.lib.front_timers import NOT_HOST, PARTS, PartTimer, instrument, owner_of
 from sim.fleet.front_host import FrontHostProfile
 
@@ -227,6 +231,13 @@ def write_profile(args, names: list[str], summaries: dict, argv: Sequence[str] |
     provenance = (("model", str(model)), ("device", str(meta.get("device", ""))), ("date", str(meta.get("date", ""))),
                   ("scenario", source), ("command", command))
     profile = profile_from(summaries[source], tuple((k, v) for k, v in provenance if v))
+    try:
+        hop_s, hops = answer_hop_s(args.runs / source / "engine")  # the same run's trace
+    except (OSError, ValueError) as e:  # no trace, or no answer met a running step (the CPU's pair)
+        print(f"no hop_s in the profile: {e}")
+    else:
+        profile = dataclasses.replace(profile, hop_s=hop_s, meta=(*profile.meta, (
+            "hop_from", f"mean link_wait of {hops} answers reserved while the front waited for a prefill step")))
     profile.write(args.profile_out)
     print(f"\nfront host profile of {source} -> {args.profile_out}: "
           + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in profile.as_dict().items()))

@@ -21,13 +21,18 @@ prefill replica that schedules synchronously pays, between two of its steps:
 - `sent_message_s` per message to the decode process (pickled and queued for the pipe's sender:
   one with each step's hand-offs, one per KV message posted);
 - `read_message_s` per decode-step message read back (unpickled, turned into outputs) that arrived
-  while it was busy.
+  while it was busy;
+- `hop_s` (optional): one message between the two sides' loops, measured as the mean time from the
+  decode side's reservation of a hand-off's blocks to the front's send for the answers that reached
+  the front while it waited for a prefill step (the decode side posting its receive, the answer
+  over the pipe, the front picking it up); it replaces `cluster.handoff_hop_s` in both directions.
 
 The file: `# key: value` provenance lines (model, device, date, command, the scenario it was timed
 in), then `key,seconds` rows, one per unit above. The simulator takes it as `cluster.front_host_profile`
 (experiments/lib/disagg_backend.py): it replaces `cluster.handoff_host_s`, the latency model's
-`admission_s` between steps, the receive profile's `send_host_s` and `cluster.front_message_host_s`
-with the profile's figures, and adds `step_s` and `sent_message_s`.
+`admission_s` between steps, the receive profile's `send_host_s`, `cluster.front_message_host_s`
+and, where the profile has `hop_s`, `cluster.handoff_hop_s` with the profile's figures, and adds
+`step_s` and `sent_message_s`.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from pathlib import Path
 from sim.latency.file_meta import read_meta
 
 UNITS = ("step_s", "admission_s", "handoff_s", "kv_message_s", "sent_message_s", "read_message_s")
+OPTIONAL_UNITS = ("hop_s",)  # a profile may give it (front_parts writes it from its run's traces)
 
 
 def check_seconds(key: str, value, allow_none: bool = False) -> None:
@@ -60,10 +66,12 @@ class FrontHostProfile:
     sent_message_s: float
     read_message_s: float
     meta: tuple[tuple[str, str], ...] = ()
+    hop_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in UNITS:
             check_seconds(f"front host profile: {name}", getattr(self, name))
+        check_seconds("front host profile: hop_s", self.hop_s, allow_none=True)
 
     @property
     def model(self) -> str | None:
@@ -71,7 +79,8 @@ class FrontHostProfile:
 
     def write(self, path: str | Path) -> None:
         lines = [f"# {key}: {value}" for key, value in self.meta]
-        lines += ["unit,seconds", *(f"{name},{getattr(self, name):.6e}" for name in UNITS)]
+        names = [*UNITS, *(name for name in OPTIONAL_UNITS if getattr(self, name) is not None)]
+        lines += ["unit,seconds", *(f"{name},{getattr(self, name):.6e}" for name in names)]
         Path(path).write_text("\n".join(lines) + "\n")
 
     @classmethod
@@ -89,8 +98,9 @@ class FrontHostProfile:
             if not line or line == "unit,seconds":
                 continue
             name, _, value = line.partition(",")
-            if name not in UNITS:
-                raise ValueError(f"{path}:{n}: unit {name!r} is unknown: the units are {list(UNITS)}")
+            if name not in UNITS and name not in OPTIONAL_UNITS:
+                raise ValueError(f"{path}:{n}: unit {name!r} is unknown: the units are {list(UNITS)} "
+                                 f"and, optionally, {list(OPTIONAL_UNITS)}")
             try:
                 values[name] = float(value)
             except ValueError:
@@ -101,7 +111,8 @@ class FrontHostProfile:
         return cls(**values, meta=tuple(meta.items()))
 
     def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "meta"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "meta" and getattr(self, f.name) is not None}
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,6 +152,8 @@ class HandoffHost:
     @classmethod
     def from_profile(cls, profile: FrontHostProfile, hop_s: float = 1e-4, step_boundaries: bool = True,
                      sends_mid_step: bool = True) -> HandoffHost:
-        """The prefill side's loop priced by a measured front host profile (admitting between steps)."""
-        return cls(hop_s, step_boundaries, profile.handoff_s, True, profile.admission_s, profile.step_s,
+        """The prefill side's loop priced by a measured front host profile (admitting between steps);
+        its `hop_s`, where it has one, replaces `hop_s`."""
+        hop = hop_s if profile.hop_s is None else profile.hop_s
+        return cls(hop, step_boundaries, profile.handoff_s, True, profile.admission_s, profile.step_s,
                    profile.sent_message_s, profile.kv_message_s, sends_mid_step)

@@ -139,3 +139,20 @@ def test_an_answer_arriving_between_prefill_steps_waits_for_the_next_steps_launc
     assert not any(inside)
     at_gap_end = sum(any(abs(s - n) < 1e-9 for n in nexts) for s in starts)
     assert at_gap_end >= 1
+
+
+def test_a_profiles_hop_replaces_the_clusters_and_is_optional(tmp_path):
+    import dataclasses
+
+    path = tmp_path / "front.csv"
+    with_hop = dataclasses.replace(PROFILE, hop_s=9e-4)
+    with_hop.write(path)
+    assert "hop_s,9.000000e-04" in path.read_text()
+    back = FrontHostProfile.read(path)
+    assert back.hop_s == pytest.approx(9e-4) and back.as_dict()["hop_s"] == pytest.approx(9e-4)
+    assert HandoffHost.from_profile(back, 1e-4).hop_s == pytest.approx(9e-4)
+    PROFILE.write(path)  # none in the file: the cluster's hop
+    assert FrontHostProfile.read(path).hop_s is None and "hop_s" not in path.read_text()
+    assert HandoffHost.from_profile(FrontHostProfile.read(path), 2e-4).hop_s == 2e-4
+    with pytest.raises(ValueError, match="front host profile: hop_s=-1 is invalid"):
+        dataclasses.replace(PROFILE, hop_s=-1)
