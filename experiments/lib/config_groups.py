@@ -32,6 +32,7 @@ class Cluster:
     dispatch_hop_s: float = 6e-4  # backend=sim: arrival -> routed and at its replica (docs/fleet.md)
     prefill_async_scheduling: bool = False  # backend=engine: the pair's prefill engine schedules ahead
     prefill_sends_mid_step: bool = True  # both backends: KV sends posted during a prefill step
+    kv_send_busy: bool = True  # backend=sim: prefill steps priced by the receive profile's send-side curve
 
 
 @dataclass

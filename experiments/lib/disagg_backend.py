@@ -8,6 +8,8 @@ bandwidth and latency), and a block's bytes per tensor-parallel rank come from t
 """
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +49,8 @@ def receive_price(cluster, replica_cfgs: list[DictConfig]) -> KVReceivePrice | N
         raise ValueError(f"cluster.kv_receive_profile={setting!r} was measured on model {price.model!r}, and this "
                          f"run's decode replicas run {model!r}: measure one for it (`python -m "
                          f"experiments.bench_kv_receive --model {model} --out ...` on two GPUs) or use 'hardware'")
+    if price is not None and not cluster.kv_send_busy:  # the prefill replicas' steps at their price
+        price = dataclasses.replace(price, send_busy_share_at=(), send_busy_factor_at=())
     return price
 
 

@@ -58,6 +58,9 @@ class ClusterConfig:
     # The engine pair's front posts KV sends during its prefill steps (disaggregation.sends_mid_step),
     # and the simulated prefill replica alike (sim/fleet/front_host.py HandoffHost.sends_mid_step)
     prefill_sends_mid_step: bool = True
+    # backend=sim: a prefill replica's steps priced by the receive profile's send-side curve, where it
+    # has one (sim/latency/kv_receive.py `send_busy_share_curve`); false: at their price
+    kv_send_busy: bool = True
 
     @property
     def disaggregated(self) -> bool:
@@ -124,10 +127,13 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     if front_host is not None and (not isinstance(front_host, str) or not front_host):
         raise ValueError(f"cluster.front_host_profile={front_host!r} is invalid: null or a front host profile's "
                          "path (experiments.lab.front_parts --profile-out)")
+    send_busy = c.get("kv_send_busy", d.kv_send_busy)
+    if not isinstance(send_busy, bool):
+        raise ValueError(f"cluster.kv_send_busy={send_busy!r} is invalid: must be true or false")  # noqa: TRY004
     return ClusterConfig(n, hardware, float(refresh), roles, decode_router, link, queue, float(timeout),
                          float(host.hop_s), host.step_boundaries, float(host.per_handoff_s), batch_blocks, float(hop),
                          ahead, receive, host.admits_between_steps, float(reads.token_s), float(reads.message_s),
-                         front_host, host.sends_mid_step)
+                         front_host, host.sends_mid_step, send_busy)
 
 
 def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:

@@ -280,3 +280,21 @@ def test_a_synchronous_prefill_replica_admits_its_arrivals_between_its_steps():
     assert off.max() < 1e-12
     with pytest.raises(ValueError, match="cluster.prefill_admits_between_steps=1 is invalid"):
         HandoffHost(admits_between_steps=1)
+
+
+def test_kv_send_busy_off_keeps_the_profile_but_not_its_send_curve(tmp_path):
+    """`cluster.kv_send_busy=false`: the receive profile prices as before, the prefill replicas'
+    steps at their price; a non-boolean names the key."""
+    path = _profile(tmp_path, send_curve="0.5:1.5 1:2")
+    path.write_text(path.read_text().replace("# model: tiny", "# model: qwen3-0.6b"))  # the run's model
+    base = ["cluster.replicas=2", "cluster.roles=[prefill,decode]", f"cluster.kv_receive_profile={path}",
+            "hardware=h200"]
+    cfg = _cfg(*base)
+    on = receive_price(cluster_config(cfg), [cfg, cfg])
+    assert cluster_config(cfg).kv_send_busy is True and on.prices_send_busy_link
+    cfg = _cfg(*base, "cluster.kv_send_busy=false")
+    off = receive_price(cluster_config(cfg), [cfg, cfg])
+    assert not off.prices_send_busy_link and off.send_busy_factor(0.5) == 1.0
+    assert (off.bytes_at, off.scatter_at, off.busy_factor_at) == (on.bytes_at, on.scatter_at, on.busy_factor_at)
+    with pytest.raises(ValueError, match="cluster.kv_send_busy='no' is invalid: must be true or false"):
+        cluster_config(_cfg(*base, "cluster.kv_send_busy=no"))
