@@ -9,7 +9,6 @@ bandwidth and latency), and a block's bytes per tensor-parallel rank come from t
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable
 from pathlib import Path
 
