@@ -177,8 +177,7 @@ class DisaggFleetSimulator(FleetSimulator):
                     lambda _, h=batch, d=target: self._arrive(h, d))
             else:
                 self._arrive(batch, target)
-        host_s = (host.per_step_s + len(handoffs) * host.per_handoff_s + (host.sent_message_s if handoffs else 0.0)
-                  + self._send_host_due.pop(prefill, 0.0))
+        host_s = host.per_step_s + leaves_s + self._send_host_due.pop(prefill, 0.0)
         if self._reads is not None:
             host_s += self._reads.take(prefill)
         if host.admits_between_steps:  # the requests routed here during the step, admitted now
