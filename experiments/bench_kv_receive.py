@@ -55,7 +55,9 @@ runs them synchronously), `--send-steps` with the link idle, then
 `--send-steps` for each u of `--duty` while messages of `--duty-blocks` blocks are sent one every
 `wire / u` seconds (each receive posted by the receiver right before its send, which waits for
 it; the gather does not wait for the compute stream, as the front's sends posted during a step
-do not). A message is on the wire from its send call's return to its completion on the sender; the
+do not; the sends due at a step are posted once it is launched, as the front posts them while it
+waits for its step, or with `--send-posted before-launch` before it, the sweep's way until
+2026-11-28 21:50 UTC). A message is on the wire from its send call's return to its completion on the sender; the
 steps are binned by share as above and each bin with the wire busy and 5 steps or more gives a
 point of `send_busy_share_curve`. The header gains the curve, its bins (`send_share_bin ...`),
 each setting's summary (`send duty ...`), `prefill_step_idle_s` and `send_wire_alone_s`; its steps
@@ -116,6 +118,9 @@ def main() -> None:
                     help="the decode side waits for each step before launching the next (default: one step in "
                          "flight, as the decode engine schedules ahead); the send sweep's prefill steps are "
                          "synchronised either way, as the pair's front runs them")
+    ap.add_argument("--send-posted", choices=("after-launch", "before-launch"), default="after-launch",
+                    help="when the send sweep posts the sends due at a step: once the step is launched, while "
+                         "the host waits for it (as the pair's front posts them mid-step), or before its launch")
     ap.add_argument("--decode-kernel", default="auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop measuring after this many seconds")

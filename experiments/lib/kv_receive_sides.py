@@ -90,10 +90,20 @@ class Steps:
         self.runner, self.step, self.dev, self.sync = runner, step, dev, sync
         self.in_flight = None
 
+    def launch(self) -> None:
+        """Synchronised, in two halves: launch the step (then the host may work beside it)..."""
+        self.in_flight = self.runner.launch(self.step)
+
+    def finish(self) -> None:
+        """...and wait for it (its tokens, then the compute stream)."""
+        self.runner.collect(self.in_flight)
+        self.in_flight = None
+        sync_compute(self.dev)
+
     def __call__(self) -> None:
         if self.sync:
-            self.runner.execute(self.step)
-            sync_compute(self.dev)
+            self.launch()
+            self.finish()
             return
         launched = self.runner.launch(self.step)
         if self.in_flight is not None:
@@ -248,7 +258,7 @@ def _send_sweep(link: KVLink, conn, runner: ModelRunner, step, a: argparse.Names
     steps = Steps(runner, step, dev, sync=True)
     try:
         sweep = send_sweep(link, steps, send_one, a.duty_utilisations, a.send_steps,
-                           a.send_steps, deadline, LINK_TIMEOUT_S)
+                           a.send_steps, deadline, LINK_TIMEOUT_S, after_launch=a.send_posted == "after-launch")
         steps.drain()
     finally:
         conn.send(END)

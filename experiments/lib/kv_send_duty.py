@@ -7,7 +7,9 @@ prefill engine), binned by the share of each step its link carried bytes: the
 
 The sender drives (`send_sweep`): its idle prefill step first (the link polled before each step,
 as the engine's loop does), then for each link utilisation u one message every `wire / u` seconds
-(`wire`: the median of three messages sent alone, post to completion), asked between steps. For
+(`wire`: the median of three messages sent alone, post to completion), posted once a step is
+launched, while the host waits for it, as the pair's front posts a send mid-step (or, with
+`after_launch` off, between steps, before the next one's launch). For
 each message it asks the receiver to post its receive and waits for the answer before it sends
 (`serve_receives` on the receiving process: a receive posted long before its send can stall on
 the GPU). A message is on the wire from its send call's return to the sender's waiter thread
@@ -36,14 +38,19 @@ MAX_IN_FLIGHT = 8  # sends in flight at most (each holds a staging buffer: ~440 
 
 
 def send_sweep(link, step: Callable[[], None], send_one: Callable[[], None], utilisations: Sequence[float],
-               steps_per_setting: int, idle_steps: int, deadline: float, timeout_s: float) -> dict:
+               steps_per_setting: int, idle_steps: int, deadline: float, timeout_s: float,
+               after_launch: bool = False) -> dict:
     """On the sending process: `idle_steps` prefill steps (`step`) with the link idle, then
     `steps_per_setting` for each u of `utilisations` while `send_one` (the receive asked for, then
     `KVLink.send` on `link`; nothing kept of the transfer) sends one message every `wire / u`
-    seconds (those due at a step's start sent before it, at most `cap`; a lag of more than a period
-    after posting dropped), `cap` = 2 + idle step / period in flight at most (MAX_IN_FLIGHT). Stops a setting at `deadline` (monotonic);
-    every wait for the link within `timeout_s`. Returns `idle` (seconds), `wire_s`, the steps'
-    (u, start, end) and the messages' (u, posted, finished) (u 0: the three alone)."""
+    seconds (those due at a step's start, at most `cap`; a lag of more than a period after posting
+    dropped), `cap` = 2 + idle step / period in flight at most (MAX_IN_FLIGHT). The sends due are
+    posted before the step is launched, outside its time; with `after_launch` (`step` then has
+    `launch()` and `finish()`) once it is launched, while the host waits for it, as the pair's front
+    posts a send during its running step: the step's time then holds the posting, which the
+    device's work hides unless it is longer. Stops a setting at `deadline` (monotonic); every wait
+    for the link within `timeout_s`. Returns `idle` (seconds), `wire_s`, the steps' (u, start,
+    end) and the messages' (u, posted, finished) (u 0: the three alone)."""
     sent, wire, steps, idle = [0], [], [], []
 
     def send(u: float) -> None:
@@ -53,6 +60,14 @@ def send_sweep(link, step: Callable[[], None], send_one: Callable[[], None], uti
             raise RuntimeError(f"the send sweep at utilisation {u:g}: {sent[0]} sent, {len(wire)} ended, "
                                f"{link.num_in_flight} in flight, {len(steps)} steps: {e}") from e
         sent[0] += 1
+
+    def post_due(u: float, period: float, cap: int, due: float) -> float:
+        """Send what is due by now (at most `cap`); the next send's due time."""
+        now, posted = time.monotonic(), 0
+        while now >= due and link.num_in_flight < cap and posted < cap:
+            send(u)
+            due, posted = due + period, posted + 1
+        return max(due, time.monotonic() - period)  # posting slower than the period piles nothing up
 
     def settle(u: float, ended: Sequence[object]) -> None:
         """Keep the ended sends' times, not their staging buffers (one message's bytes each)."""
@@ -82,14 +97,16 @@ def send_sweep(link, step: Callable[[], None], send_one: Callable[[], None], uti
         period, got = wire_s / u, 0
         cap, due = min(MAX_IN_FLIGHT, 2 + math.ceil(idle_s / period)), time.monotonic()  # `due`: the next send
         while got < steps_per_setting and time.monotonic() <= deadline:
-            now, posted = time.monotonic(), 0  # the sends due by now, at most `cap` of them
-            while now >= due and link.num_in_flight < cap and posted < cap:
-                send(u)
-                due, posted = due + period, posted + 1
-            due = max(due, time.monotonic() - period)  # posting slower than the period piles nothing up
+            if not after_launch:
+                due = post_due(u, period, cap, due)
             t0 = time.monotonic()
             ended = link.poll()  # the sends that ended let go of their staging buffers
-            step()
+            if after_launch:
+                step.launch()
+                due = post_due(u, period, cap, due)
+                step.finish()
+            else:
+                step()
             steps.append((u, t0, time.monotonic()))
             settle(u, ended)
             got += 1

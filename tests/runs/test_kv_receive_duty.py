@@ -145,11 +145,15 @@ def test_a_bench_step_waits_for_the_compute_stream_not_the_link(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
 
     class Runner:
-        def execute(self, step):
+        def launch(self, step):
             waited.append("step")
+            return "launched"
+
+        def collect(self, launched):
+            waited.append(f"collect {launched}")
 
     kv_receive_sides.Steps(Runner(), object(), torch.device("cuda", 0), sync=True)()
-    assert waited == ["step", "compute"]
+    assert waited == ["step", "collect launched", "compute"]
 
 
 def test_bench_steps_scheduled_ahead_keep_one_step_in_flight():
@@ -215,6 +219,35 @@ def test_the_send_sweep_sends_what_is_due_and_no_backlog_when_posting_is_slower_
     assert len(rows) == 10 and all(r["share"] >= 0 and r["over_idle"] > 0 for r in rows)
     curve, meta, text = summarise_send(rows)
     assert "send duty 1" in meta and "prefill steps beside sends" in text and curve
+
+
+def test_the_send_sweep_posts_after_the_launch_inside_the_steps_time():
+    """`after_launch`: the sends due at a step are posted once it is launched and before it is
+    waited for (as the pair's front posts them mid-step), inside the step's timed window."""
+    link, order = _InstantLink(), []
+
+    def send_one() -> None:
+        order.append("send")
+        link.send()
+
+    class Step:
+        def __call__(self) -> None:
+            order.append("idle step")
+            time.sleep(0.001)
+
+        def launch(self) -> None:
+            order.append("launch")
+
+        def finish(self) -> None:
+            order.append("finish")
+            time.sleep(0.001)
+
+    sweep = send_sweep(link, Step(), send_one, [1.0], 5, 2, time.monotonic() + 30, 1.0, after_launch=True)
+    busy = order[order.index("launch"):]
+    assert busy[:3] == ["launch", "send", "finish"] and busy.count("launch") == 5 == busy.count("finish")
+    # Every send of the sweep follows a launch (or another send), so lies between a launch and its finish.
+    assert all(busy[i - 1] in ("launch", "send") for i, o in enumerate(busy) if o == "send")
+    assert len([s for s in sweep["steps"] if s[0] == 1.0]) == 5
 
 
 def test_send_rows_share_is_the_sends_cover_of_each_step():
