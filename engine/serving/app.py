@@ -32,7 +32,8 @@ from engine.serving.completions import create_completion
 from engine.serving.errors import APIError, bad_value, parse_request
 from engine.serving.guards import RequestGuard, default_max_body_bytes
 from engine.serving.metrics import CONTENT_TYPE, ServingMetrics
-from engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+from engine.serving.responses import ModelCard, ModelList
 from engine.serving.routes_ahead import ServingApp
 
 logger = logging.getLogger("engine.serving")

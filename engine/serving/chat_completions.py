@@ -17,11 +17,11 @@ from engine.serving.generation import (
     sampling_params,
     token_text,
 )
-from engine.serving.protocol import (
+from engine.serving.protocol import ChatCompletionRequest
+from engine.serving.responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     TokenLogprob,

@@ -20,13 +20,8 @@ from engine.serving.generation import (
     sampling_params,
     token_text,
 )
-from engine.serving.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    random_id,
-)
+from engine.serving.protocol import CompletionRequest
+from engine.serving.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, random_id
 from engine.serving.sse import DONE, SSEResponse, event
 
 _json_str = json.encoder.encode_basestring_ascii  # a str as a JSON string literal (C, as json.dumps)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from engine.serving.protocol import ErrorBody, ErrorResponse
+from engine.serving.responses import ErrorBody, ErrorResponse
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}

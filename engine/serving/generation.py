@@ -20,7 +20,8 @@ from starlette.requests import Request as HTTPRequest
 from engine.offline.outputs import CompletionOutput, RequestFailedError, RequestOutput
 from engine.online.async_llm_engine import EngineDeadError, EngineQueueFullError
 from engine.serving.errors import APIError, bad_value
-from engine.serving.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from engine.serving.protocol import SamplingFields
+from engine.serving.responses import PromptTokensDetails, UsageInfo
 from engine.serving.sse import event
 from policies.request import SamplingParams
 

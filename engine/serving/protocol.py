@@ -1,4 +1,4 @@
-"""OpenAI's request and response bodies (pydantic), with vLLM's extensions.
+"""OpenAI's request bodies (pydantic), with vLLM's extensions (the responses: engine/serving/responses.py).
 
 Requests reject unknown fields (a misspelt parameter is a 400 naming it, never silently ignored)
 and OpenAI parameters the engine does not implement (`echo`, `suffix`, `best_of` != n, a
@@ -14,23 +14,13 @@ vLLM's extensions: `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids
 """
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class ResponseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 def unicode_problem(text: str) -> str | None:
@@ -223,127 +213,3 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-# ---- responses ---------------------------------------------------------------------------------
-class PromptTokensDetails(ResponseModel):
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-
-class UsageInfo(ResponseModel):
-    prompt_tokens: int = 0  # chat: the templated prompt (role markers and special tokens included)
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(ResponseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(ResponseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class CompletionResponse(ResponseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(ResponseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(ResponseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class AssistantMessage(ResponseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class DeltaMessage(ResponseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChoice(ResponseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatStreamChoice(ResponseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionResponse(ResponseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class ChatCompletionChunk(ResponseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(ResponseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "servelab"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(ResponseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorBody(ResponseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(ResponseModel):
-    error: ErrorBody
