@@ -14,19 +14,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from experiments.lib.kv_receive_duty import wire_intervals
+
 PREFILL_REPLICA = 0  # the pair's front (its prefill engine) in the trace's replica column
 
 
 def answer_hops(requests: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
     """`link_wait` (seconds) of the hand-offs reserved while a prefill step ran: between the step's
     start (`time`) and its end (`time + duration`, schedule to update) on the prefill replica."""
-    handed = requests.dropna(subset=["link_wait", "link_time", "transfer_time", "prefill_time"])
+    handed = requests[requests["link_time"].notna()]
+    reserved = np.array([begin for begin, _ in wire_intervals(handed, posted=True)], dtype=float)
     prefill = steps[steps["replica"] == PREFILL_REPLICA].sort_values("time")
     starts = prefill["time"].to_numpy(dtype=float)
     ends = starts + prefill["duration"].to_numpy(dtype=float)
-    received = (handed["arrival_time"] + handed["queueing_time"] + handed["prefill_time"]
-                + handed["transfer_time"]).to_numpy(dtype=float)
-    reserved = received - handed["link_time"].to_numpy(dtype=float) - handed["link_wait"].to_numpy(dtype=float)
     step = np.searchsorted(starts, reserved, side="right") - 1
     inside = (step >= 0) & (reserved < ends[np.clip(step, 0, None)])
     return handed["link_wait"].to_numpy(dtype=float)[inside]
