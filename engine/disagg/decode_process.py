@@ -12,9 +12,10 @@ request pays no set-up) and reports `DecodeReady`, then loops:
 2. hand-offs queued longer than `queue_timeout_s`, or too long for this KV pool, are refused;
 3. `reserve_ready`: blocks allocated for the hand-offs that fit; then, while fewer than
    `max_transfers_in_flight` receives are posted (each holds a staging buffer), one receive is
-   posted for every hand-off reserved so far (up to `max_blocks_per_transfer` blocks) and one
-   `Reserved` names them to the front, which sends them as one message (the receiver allocates
-   before the send; the hand-offs of one prefill step share one message, one gather, one scatter);
+   `Reserved` names every hand-off reserved so far (up to `max_blocks_per_transfer` blocks) to the
+   front, which sends them as one message, and then their one receive is posted (the receiver
+   allocates before the send; the hand-offs of one prefill step share one message, one gather,
+   one scatter);
 4. receives that completed are scattered into their blocks (one launch per message, on the compute
    stream behind the step in flight) and their requests join the running batch (`DecodeSide.receive`,
    `LLMEngine.take_over_request`): with async scheduling they enter the step after the one in
@@ -217,8 +218,11 @@ class DecodeLoop:
             for _ in batch:
                 self.reserved.popleft()
             parts = [(h.request_id, list(h.dst_block_ids[:h.num_blocks])) for h in batch]
-            transfer = self.link.recv(parts, kv.k_caches)  # posted before the front is told to send
+            # The front is told first: posting the receive (its staging buffer, the backend's call)
+            # then overlaps the answer's way to the front. The blocks are allocated already, and a
+            # send posted before its receive waits for it on the link's stream, not on a host.
             self.conn.send(Reserved([key for key, _ in parts], [blocks for _, blocks in parts]))
+            transfer = self.link.recv(parts, kv.k_caches)
             self.in_flight += 1
             for handoff in batch:
                 self.receiving[handoff.request_id] = (handoff, transfer)

@@ -72,8 +72,9 @@ class DecodeFailed:
 
 @dataclass(slots=True, frozen=True)
 class Reserved:
-    """Blocks allocated for these requests and one receive posted for all of them: the front sends
-    their blocks as one message, gathered in this order (each request's blocks in its order)."""
+    """Blocks allocated for these requests, and one receive for all of them posted as this leaves:
+    the front sends their blocks as one message, gathered in this order (each request's blocks in
+    its order)."""
 
     request_ids: list[str]
     dst_block_ids: list[list[int]]
