@@ -111,6 +111,15 @@ def sample_gumbel(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -
     return impl(logits, temperatures, seed)
 
 
+def sample_gumbel_shard(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, col_start: int,
+                        vocab: int) -> torch.Tensor:
+    """One rank's part of `sample_gumbel` over a vocabulary split by columns (logits [R, C]: columns
+    [col_start, col_start + C) of `vocab`) -> float32 [2, R]: each row's best score, then its global
+    column; the best over the shards, lowest column on ties, is `sample_gumbel`'s whole-row draw."""
+    impl = sample.sample_gumbel_shard if _use_triton(logits) else reference.sample_gumbel_shard
+    return impl(logits, temperatures, seed, col_start, vocab)
+
+
 __all__ = [
     "BACKEND",
     "copy_blocks",
@@ -119,6 +128,7 @@ __all__ = [
     "paged_prefill_attention",
     "reference",
     "sample_gumbel",
+    "sample_gumbel_shard",
     "scatter_blocks",
     "swap_blocks",
     "swap_layers",

@@ -141,3 +141,21 @@ def sample_gumbel(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -
     scaled = logits.float() / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
     drawn = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
     return torch.where(temperatures > 0, drawn, logits.argmax(dim=-1))
+
+
+def sample_gumbel_shard(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, col_start: int,
+                        vocab: int) -> torch.Tensor:
+    """kernels.sample.sample_gumbel_shard's contract: float32 [2, R], each row's best score and its
+    global column over columns [col_start, col_start + C) of `vocab`-column rows, the noise of every
+    column drawn as `sample_gumbel` draws it for the whole rows (their uniforms, this shard's columns)."""
+    rows, width = logits.shape
+    end = min(col_start + width, vocab)
+    if not 0 <= col_start < end:
+        raise ValueError(f"col_start={col_start} is invalid: the shard must hold columns of a {vocab}-column row")
+    gen = torch.Generator(device=logits.device).manual_seed(seed & 0x7FFFFFFF)
+    u = torch.rand((rows, vocab), generator=gen, device=logits.device)[:, col_start:end].clamp_(min=1e-30)
+    x = logits[:, :end - col_start].float()
+    noisy = (x / torch.where(temperatures > 0, temperatures, 1.0)[:, None]) - torch.log(-torch.log(u))
+    scores = torch.where((temperatures > 0)[:, None], noisy, x)
+    best, index = scores.max(dim=-1)  # the first of equal maxima, as argmax
+    return torch.stack([best, (index + col_start).float()])

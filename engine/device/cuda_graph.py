@@ -10,7 +10,8 @@ Two families of buckets:
   and its prefill kernel a tile map with room for any batch of that many tokens.
 Block tables are captured at the full width `ceil(max_model_len / block_size)`, so no launch shape
 depends on the batch's contents. Larger steps run eagerly (the GPU is the bottleneck there).
-Logits go to one static [max rows, vocab] buffer in the model's dtype; sampling runs after the replay.
+Logits go to one static [max rows, width] buffer in the model's dtype (the model's logit columns:
+the whole vocabulary, or one tensor-parallel rank's share); sampling runs after the replay.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class StepGraphs:
                              f"{builder.buffers.capacity}")
         rows = max(s.num_sample_rows for s in (*self.decode_shapes.values(), *self.mixed_shapes.values()))
         weight = next(model.parameters())
-        self.logits = torch.empty(rows, model.config.vocab_size, dtype=weight.dtype, device=weight.device)
+        self.logits = torch.empty(rows, model.vocab_columns[1], dtype=weight.dtype, device=weight.device)
         self.inputs: dict[BatchShape, ModelInput] = {}
         self.graphs: dict[BatchShape, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
@@ -98,7 +99,7 @@ class StepGraphs:
     def _forward(self, shape: BatchShape) -> None:
         inputs = self.inputs[shape]
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        self.model.compute_logits(hidden[inputs.sample_rows], out=self.logits[:shape.num_sample_rows])
+        self.model.compute_local_logits(hidden[inputs.sample_rows], out=self.logits[:shape.num_sample_rows])
 
     def shape_for(self, plan: StepPlan) -> BatchShape | None:
         """The captured shape to run `plan` in, or None (too large: run it eagerly)."""
@@ -125,7 +126,7 @@ class StepGraphs:
             self.graphs.clear()
 
     def run(self, shape: BatchShape) -> torch.Tensor:
-        """Replay `shape`'s graph on the inputs already uploaded -> logits [shape rows, vocab]."""
+        """Replay `shape`'s graph on the inputs already uploaded -> logits [shape rows, width]."""
         if self._capture:
             self.graphs[shape].replay()
         else:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+import kernels
 from engine.config import DTYPES, CacheConfig, ModelConfig, RunnerConfig
 from engine.device.attention import DEFAULT_DECODE_KERNEL, attention_ops, resolve_decode_kernel
 from engine.device.batch_layout import BatchShape
@@ -32,6 +33,7 @@ from engine.device.token_feedback import Feedback, Launched, TokenFeedback
 from engine.device.weights import build_model
 from engine.distributed.parallel_state import TPGroup
 from engine.distributed.sharding import TPShard
+from engine.distributed.vocab_parallel_sampling import sample_vocab_parallel
 from engine.models.parallel_layers import TPContext
 from kernels.prefill import max_tiles, tokens_per_tile
 from policies.blocks.base import fits_idle_pool
@@ -65,6 +67,7 @@ class ModelRunner:
                  compile_model: bool | None = None, decode_kernel: str = DEFAULT_DECODE_KERNEL,
                  tp: TPGroup | None = None) -> None:
         self.model_config = model_config
+        self.tp = tp
         shard = None if tp is None else TPShard.of(model_config, tp.rank, tp.size)
         # The model as this process holds it: its heads (the KV cache, its blocks, the kernels' tiles).
         self.local_config = model_config if shard is None else shard.local_config(model_config)
@@ -149,11 +152,24 @@ class ModelRunner:
             return Launched(plan, {})
         rows = len(plan.sampled)
         if temperatures is None:
+            full = self.model.gather_logits(logits[:rows])
             self.await_forward()  # the sampler reads its results on the host
-            results = self.sampler(logits[:rows], plan.sampled)
+            results = self.sampler(full, plan.sampled)
             return Launched(plan, {s.seq.seq_id: r for s, r in zip(plan.sampled, results)})
-        tokens = sample_with_temperatures(logits[:rows], inputs.temperatures[:rows], temperatures)
+        tokens = self.sample_fast(logits[:rows], inputs.temperatures[:rows], temperatures)
         return Launched(plan, None, tokens, self.feedback.download(tokens))
+
+    def sample_fast(self, logits: torch.Tensor, temperatures: torch.Tensor, temperature_list: list[float]) -> torch.Tensor:
+        """The sampler's fast path (every row needs only its temperature) on the model's logit
+        columns -> tokens [R] on the device (a tensor-parallel rank 0 draws from its columns and
+        exchanges the best with the other ranks: engine/distributed/driver.py)."""
+        return sample_with_temperatures(logits, temperatures, temperature_list)
+
+    def sample_shard(self, logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
+        """A tensor-parallel rank's part of the fast path, the same call on every rank: its logit
+        columns -> the tokens drawn over all of them with `seed` (engine/distributed/vocab_parallel_sampling.py)."""
+        start, _ = self.model.vocab_columns
+        return sample_vocab_parallel(logits, temperatures, seed, self.tp, start, self.model_config.vocab_size)
 
     def collect(self, launched: Launched) -> dict[int, SampleResult]:
         """Wait for a launched step's tokens: {seq_id: SampleResult} per sampling sequence."""
@@ -203,21 +219,25 @@ class ModelRunner:
         return self.batch.prepare(plan, plan.shape(), temperatures)
 
     def forward_inputs(self, shape: BatchShape | None, inputs: ModelInput, sampled: bool) -> torch.Tensor | None:
-        """The forward and the logits of the sampled rows (if `sampled`): a replay of `shape`'s
-        graph, or eager."""
+        """The forward and the model's logit columns of the sampled rows (if `sampled`; a
+        tensor-parallel rank's share of the vocabulary): a replay of `shape`'s graph, or eager."""
         if shape is not None:
             return self.graphs.run(shape)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not sampled:
             return None
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+        return self.model.compute_local_logits(hidden[inputs.sample_rows])
 
     def _warm_sampler(self) -> None:
         """One tempered draw now, so the fast sampling path's Triton kernels are compiled (or loaded
         from Triton's cache) at start-up, as vLLM's dummy sampler run does, not in the first step
         that samples with a temperature (~1 s on a machine with an empty cache)."""
         logits = torch.zeros(1, self.model_config.vocab_size, dtype=self.dtype, device=self.device)
-        sample_with_temperatures(logits, torch.ones(1, dtype=torch.float32, device=self.device), [1.0])
+        temperatures = torch.ones(1, dtype=torch.float32, device=self.device)
+        sample_with_temperatures(logits, temperatures, [1.0])
+        if self.tp is not None:  # a rank's part of the draw (no exchange: nothing else runs it now)
+            start, width = self.model.vocab_columns
+            kernels.sample_gumbel_shard(logits[:, :width], temperatures, 0, start, self.model_config.vocab_size)
         torch.cuda.synchronize(self.device)
 
     def _default_cpu_blocks(self) -> int:
@@ -256,7 +276,7 @@ class ModelRunner:
             scheduled.append(ScheduledSeq(seq, n, 1))
         plan = self.batch.plan(scheduled)
         logits, _ = self._forward(plan, None)
-        self.sampler(logits, plan.sampled)
+        self.sampler(self.model.gather_logits(logits), plan.sampled)
         torch.cuda.synchronize(self.device)
         del logits, temp
         self.model.bind_kv_cache([None] * len(self.model.layers), [None] * len(self.model.layers))

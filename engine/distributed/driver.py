@@ -51,6 +51,7 @@ from engine.distributed.sharding import check_divisible
 from engine.distributed.shutdown import WorkerShutdown
 from engine.distributed.step_message import StepHeader, broadcast_inputs
 from engine.distributed.step_wait import StepWait
+from engine.distributed.vocab_parallel_sampling import draw_seed
 from engine.distributed.worker_faults import (
     WorkerFailure,
     await_workers,
@@ -188,11 +189,18 @@ class TPModelRunner(ModelRunner):
             raise RuntimeError(f"step shape {sent} exceeds the input buffers' {self.batch.buffers.capacity}")
         header = self._header
         header.shape, header.graph, header.max_seqlen_q = sent, shape is not None, max(plan.prefill_lens, default=0)
+        header.sample_rows, header.fast_sampling = len(plan.sampled), temperatures is not None
+        header.seed = draw_seed(temperatures) if temperatures is not None else 0
         self._send(header.encode())
         if feedback is not None:  # before the broadcast: the workers get the fed-back tokens with it
             self.feedback.apply(feedback, inputs.input_ids)
         broadcast_inputs(self.batch.buffers, sent, self.tp.device_group)
         return self.forward_inputs(shape, inputs, bool(plan.sampled)), inputs
+
+    def sample_fast(self, logits: torch.Tensor, temperatures: torch.Tensor, temperature_list: list[float]) -> torch.Tensor:
+        """Rank 0's part of the fast path: its columns' best, exchanged with the workers' (each
+        told by the step's header), with the seed the header carried."""
+        return self.sample_shard(logits, temperatures, self._header.seed)
 
     def _send(self, data: bytes) -> None:
         for link in self._links:

@@ -84,6 +84,12 @@ class TPGroup:
         _all_gather(out, x.contiguous(), group=self.device_group)
         return out.view(self.size, rows, cols).permute(1, 0, 2).reshape(rows, self.size * cols)
 
+    def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """x on each rank -> [size, *x.shape]: rank r's x at index r."""
+        out = torch.empty(self.size * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
+        _all_gather(out, x.contiguous(), group=self.device_group)
+        return out.view(self.size, *x.shape)
+
     def min_int(self, value: int) -> int:
         """The smallest `value` over the ranks (each rank's KV block count, for one block table)."""
         t = torch.tensor([value], dtype=torch.int64)

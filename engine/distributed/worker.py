@@ -4,8 +4,9 @@ It reports "joining" down its pipe, joins the group, builds its `ModelRunner` (i
 cache, its CUDA graphs: every rank captures the same graphs in the same order, collectives
 included), reports "ready" (or, at any point, its error), then serves steps until rank 0 says stop
 or is gone: each step applies the cache operations of the header, receives the input bytes and
-runs the same forward as rank 0 (a graph replay or eager), whose all-reduces and logits gather
-pair with rank 0's. It never samples.
+runs the same forward as rank 0 (a graph replay or eager), whose all-reduces pair with rank 0's,
+then its part of the step's sampling (its vocabulary columns' best in the fast path's exchange, or
+its columns of the logits gathered for rank 0's full sampler). Only rank 0 keeps the tokens.
 
 On stop it frees its CUDA graphs, ends its side of the group within the bounds rank 0 uses
 (`engine.distributed.shutdown`) and leaves with `os._exit`. It ends on its own when rank 0's
@@ -92,4 +93,9 @@ def serve(runner, device_group, conn: Connection) -> None:
         else:
             inputs = runner.batch.views(shape, header.max_seqlen_q)
         broadcast_inputs(runner.batch.buffers, shape, device_group)
-        runner.forward_inputs(shape if header.graph else None, inputs, shape.num_sample_rows > 0)
+        logits = runner.forward_inputs(shape if header.graph else None, inputs, shape.num_sample_rows > 0)
+        rows = header.sample_rows
+        if rows and header.fast_sampling:  # this rank's part of rank 0's draw
+            runner.sample_shard(logits[:rows], inputs.temperatures[:rows], header.seed)
+        elif rows:  # rank 0's full sampler needs every column
+            runner.model.gather_logits(logits[:rows])

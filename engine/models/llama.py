@@ -179,28 +179,47 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, residual, meta)
         return self.norm.add_forward(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [R, hidden] (only the sampled rows) -> logits [R, vocab] in the model's dtype,
-        written straight into `out` (an [R, vocab] buffer of that dtype) if given. No float32 copy:
-        the matmul rounds to the model's dtype anyway, so a float32 copy adds no information, and
-        the fast sampler reads bf16 (half the bytes); `Sampler` upcasts for its float32 math."""
+    @property
+    def vocab_columns(self) -> tuple[int, int]:
+        """(first column, width) of the logits this model computes (`compute_local_logits`)."""
+        return 0, self.config.vocab_size
+
+    def compute_local_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [R, hidden] (only the sampled rows) -> this model's logit columns [R, width]
+        (`vocab_columns`) in the model's dtype, written straight into `out` (an [R, width] buffer of
+        that dtype) if given. No float32 copy: the matmul rounds to the model's dtype anyway, so a
+        float32 copy adds no information, and the fast sampler reads bf16 (half the bytes);
+        `Sampler` upcasts for its float32 math."""
         if out is None:
             return F.linear(hidden, self.lm_head_weight)
         return torch.mm(hidden, self.lm_head_weight.t(), out=out)
 
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """`compute_local_logits`' output -> logits [R, vocab]: here the same tensor."""
+        return local
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] (only the sampled rows) -> logits [R, vocab] in the model's dtype."""
+        return self.gather_logits(self.compute_local_logits(hidden))
+
 
 class ShardedLlamaForCausalLM(LlamaForCausalLM):
     """One tensor-parallel rank's shard: the forward all-reduces inside its row-parallel layers and
-    embedding; `compute_logits` gathers every rank's vocabulary columns (all ranks get them; the
-    sampler runs on rank 0)."""
+    embedding; `compute_local_logits` gives this rank's vocabulary columns and `gather_logits`
+    every rank's (all ranks get them, a collective; the sampler runs on rank 0, its fast path
+    without the gather: engine/distributed/vocab_parallel_sampling.py)."""
 
     def __init__(self, cfg: ModelConfig, ops: ModuleType, max_positions: int | None = None,
                  compile: bool = False, *, tp: TPContext) -> None:
         super().__init__(cfg, ops, max_positions, compile, tp)
         self.tp = tp
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return gather_logits(F.linear(hidden, self.lm_head_weight), self.tp.group, self.config.vocab_size, out)
+    @property
+    def vocab_columns(self) -> tuple[int, int]:
+        return self.tp.shard.vocab_start, self.tp.shard.vocab
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        return gather_logits(local, self.tp.group, self.config.vocab_size)
 
 
 LlamaForCausalLM.sharded = ShardedLlamaForCausalLM  # what `build_model` builds for one tensor-parallel rank

@@ -93,10 +93,6 @@ def embedding(vocab_size: int, hidden_size: int, tp: TPContext | None) -> nn.Mod
     return VocabParallelEmbedding(tp.shard, hidden_size, tp.group)
 
 
-def gather_logits(local: torch.Tensor, group: TPGroup, vocab_size: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """[R, vocab / N] on each rank -> [R, vocab] (into `out` if given) on every rank."""
-    full = group.all_gather_columns(local)[:, :vocab_size]
-    if out is None:
-        return full.contiguous()
-    return out.copy_(full)
+def gather_logits(local: torch.Tensor, group: TPGroup, vocab_size: int) -> torch.Tensor:
+    """[R, vocab / N] on each rank -> [R, vocab] on every rank."""
+    return group.all_gather_columns(local)[:, :vocab_size].contiguous()

@@ -1,11 +1,15 @@
 """Tensor parallelism on CPU (gloo): an engine of N ranks (rank 0 here, workers spawned) gives the
 same greedy tokens in float32 as the single-process engine, for tiny Llama, Qwen2 and Qwen3 HF
 checkpoints (and dummy weights), through chunked prefill, prefix-cache hits, an n > 1 fork, an
-abort, preemption by swap and by recompute, and async scheduling. One engine per (model, N) serves
-every scenario (`LLMEngine.reset` with a scheduler built for it), since starting workers costs seconds."""
+abort, preemption by swap and by recompute, and async scheduling; and the same tempered draws
+under one torch seed (the fast path: each rank draws from its vocabulary columns, the ranks
+exchange their best) and the same tokens through the full sampler (logprobs: the logits gathered).
+One engine per (model, N) serves every scenario (`LLMEngine.reset` with a scheduler built for it),
+since starting workers costs seconds."""
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import ragged_prompts, save_tiny_model
 
 from engine.engine_args import EngineArgs
@@ -29,6 +33,9 @@ SCENARIOS = {
     "recompute": {"gpu_blocks": 24, "mode": "recompute"},
     "async": {"ahead": True, "budget": 16},
     "swap-async": {"gpu_blocks": 24, "mode": "swap", "ahead": True},
+    "tempered": {"temperature": 0.8},
+    "tempered-async": {"temperature": 1.0, "ahead": True, "budget": 16},
+    "logprobs": {"logprobs": 2},
 }
 
 
@@ -82,7 +89,9 @@ def run(engine: LLMEngine, scenario: str) -> dict:
     """{request id: token lists of its samples} plus the trace's preemption and prefix counts."""
     knobs = SCENARIOS[scenario]
     engine.reset(build_scheduler=_scheduler(knobs))
-    params = SamplingParams(n=knobs.get("n", 1), temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(n=knobs.get("n", 1), temperature=knobs.get("temperature", 0.0), max_tokens=12,
+                            ignore_eos=True, logprobs=knobs.get("logprobs"))
+    torch.manual_seed(0)  # the fast path's draws come from torch's global generator
     outputs = []
     for i, prompt in enumerate(_prompts(scenario)):
         engine.add_request(f"r{i}", prompt, params)
@@ -119,7 +128,8 @@ def reference(checkpoints):
 
 CASES = [("llama", 2, s) for s in SCENARIOS] + [("qwen2", 2, s) for s in ("plain", "chunked", "swap", "async")] \
     + [("qwen3", 2, s) for s in ("plain", "prefix", "fork", "recompute")] \
-    + [("llama", 4, s) for s in ("plain", "chunked", "swap", "async")] + [("tiny-qwen3", 2, "plain")]
+    + [("llama", 4, s) for s in ("plain", "chunked", "swap", "async", "tempered", "logprobs")] \
+    + [("tiny-qwen3", 2, "plain")]
 
 
 @pytest.mark.parametrize(("model", "size", "scenario"), CASES, ids=[f"{m}-tp{n}-{s}" for m, n, s in CASES])
@@ -138,3 +148,5 @@ def test_tp_matches_single_process(engines, reference, model, size, scenario):
         assert got["finish"]["r2"] == ["abort:user"]
     if scenario == "fork":
         assert all(len(samples) == 2 for samples in got["tokens"].values())
+    if scenario.startswith("tempered"):  # drawn, not greedy
+        assert got["tokens"] != reference(model, "plain")["tokens"]

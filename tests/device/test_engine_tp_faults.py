@@ -77,9 +77,10 @@ pairs = st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), max_si
 
 
 @given(shape=st.none() | st.builds(BatchShape, *[st.integers(0, 4096)] * 6), graph=st.booleans(),
-       max_q=st.integers(0, 4096), out=pairs, swap_in=pairs, copy=pairs)
-def test_step_header_round_trips(shape, graph, max_q, out, swap_in, copy):
-    header = StepHeader(shape, graph, max_q, dict(out), dict(swap_in), copy)
+       max_q=st.integers(0, 4096), rows=st.integers(0, 4096), fast=st.booleans(), seed=st.integers(0, 2**31 - 2),
+       out=pairs, swap_in=pairs, copy=pairs)
+def test_step_header_round_trips(shape, graph, max_q, rows, fast, seed, out, swap_in, copy):
+    header = StepHeader(shape, graph, max_q, rows, fast, seed, dict(out), dict(swap_in), copy)
     assert StepHeader.decode(header.encode()) == header
     assert StepHeader.decode(StepHeader(stop=True).encode()).stop
 

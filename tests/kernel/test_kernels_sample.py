@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.sample import sample_gumbel
+from kernels.sample import sample_gumbel, sample_gumbel_shard
 
 IMPLS = {"triton": sample_gumbel, "reference": reference.sample_gumbel}
 
@@ -75,6 +75,49 @@ def test_rows_and_quarters_draw_independently():
     assert len(set(drawn.tolist())) >= 58
     assert set(((drawn % 256) // 64).tolist()) == {0, 1, 2, 3}
     assert drawn[:16].tolist() == drawn_bf16.tolist()
+
+
+SHARD_IMPLS = {"triton": sample_gumbel_shard, "reference": reference.sample_gumbel_shard}
+
+
+@pytest.mark.parametrize("impl", SHARD_IMPLS)
+@pytest.mark.parametrize("size", [2, 3])
+def test_shards_draw_what_the_whole_rows_draw(impl, size):
+    """Logits split by columns over `size` ranks (padded: the vocabulary does not divide, and the
+    shard boundaries fall inside chunks and tiles): the best (score, column) over the shards,
+    lowest column on ties, is the whole rows' draw with the same seed, tempered and greedy rows,
+    a greedy tie across two shards included."""
+    from engine.distributed.vocab_parallel_sampling import best_of_shards
+    from kernels import sample
+
+    vocab = 3 * 1024 + 5
+    logits = torch.randn(12, vocab)
+    logits[3, [10, vocab - 1]] = 40.0  # a greedy tie between the first and the last shard
+    temps = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 0.0, 1.0, 1.0, 0.5, 0.0, 2.0, 1.0])
+    width = -(-vocab // size)
+    padded = torch.cat([logits, torch.full((12, width * size - vocab), 7.0)], dim=1)  # padding never drawn
+    whole = sample_gumbel if impl == "triton" else reference.sample_gumbel
+    old = sample.CHUNK, sample.BLOCK
+    sample.CHUNK, sample.BLOCK = 1024, 256
+    try:
+        want = whole(logits, temps, seed=4)
+        parts = [SHARD_IMPLS[impl](padded[:, r * width:(r + 1) * width].contiguous(), temps, 4, r * width, vocab)
+                 for r in range(size)]
+    finally:
+        sample.CHUNK, sample.BLOCK = old
+    got = best_of_shards(torch.stack(parts))
+    assert got.tolist() == want.tolist()
+    assert got[3].item() == 10
+    greedy = temps == 0
+    assert got[greedy].tolist() == logits[greedy].argmax(-1).tolist()
+    for r, pair in enumerate(parts):  # each shard's own best: a column of its own
+        assert pair.shape == (2, 12) and pair.dtype == torch.float32
+        assert ((pair[1] >= r * width) & (pair[1] < min((r + 1) * width, vocab))).all()
+
+
+def test_a_shard_outside_the_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="col_start=12 is invalid"):
+        sample_gumbel_shard(torch.zeros(2, 4), torch.zeros(2), 0, 12, 12)
 
 
 def test_rejects_bad_shapes():
