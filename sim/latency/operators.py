@@ -11,9 +11,13 @@ a step of T tokens (prefill + decodes), R sampled rows, B decodes reading C KV e
     + L x [ gemm(T, h, (Hq + 2 Hkv) D) + gemm(T, Hq D, h) + gemm(T, h, 2 I) + gemm(T, I, h)
             + 2 add_rms_norm(T, h) + qk_rope_write(T) + silu_and_mul(T, I)
             + decode_attention(B, C / B) + sum over prefill chunks of prefill_attention(q, c) ]
-    + gemm(G, h, V) + sampler(R, V_full)    the LM head on the graph's sample rows, then sampling
-    + (2 L + 1) all_reduce(T h b) + all_gather(G V_full b)   at N > 1 GPUs (the all-reduce on
-                                            the engine's path for T h b bytes: collective_pricing.py)
+    + gemm(G, h, V) + sampler(R, V)         the LM head on the graph's sample rows, then sampling
+                                            (V: the shard's vocabulary rows, V_full / N padded)
+    + (2 L + 1) all_reduce(T h b) + all_gather(8 N R)   at N > 1 GPUs (the all-reduce on the
+                                            engine's path for T h b bytes: collective_pricing.py;
+                                            the sampler's fast path draws from each rank's columns
+                                            and exchanges one 8-byte pair per row and rank:
+                                            engine/distributed/vocab_parallel_sampling.py)
     where the engine fuses its layer boundaries (`all_reduce_kernel` "triton_fused", or
     "triton_lamport", the default at two GPUs, priced from its own rows), 2 L of them (each
     layer's post-attention norm, the next layer's input norm, the final norm: all but the
@@ -62,7 +66,7 @@ from sim.latency.decode_attention_pricing import DecodeAttentionPricing
 from sim.latency.op_grid import Axis, OpGrid
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
 from sim.latency.shapes import Hardware, ModelShape
-from sim.latency.tensor_parallel import shard_shape
+from sim.latency.tensor_parallel import SAMPLED_PAIR_BYTES, shard_shape
 from sim.latency.token_padding import padded
 
 REQUIRED = ("gemm", "decode_attention", "prefill_attention", "qk_rope_write", "add_rms_norm", "silu_and_mul",
@@ -157,7 +161,7 @@ class OperatorModel(LatencyModel):
         self.host_step_s, self.admission_s = float(host_step_s), float(admission_s)
         self.sync_host_s, self.sync_host_per_seq_s = float(sync_host_s), float(sync_host_per_seq_s)
         self.async_scheduling = async_scheduling
-        full, m = model, shard_shape(model, tp)
+        m = shard_shape(model, tp)
         self.model = m
         h, d, b = m.hidden_size, m.head_dim, m.dtype_bytes
         group = m.num_attention_heads / m.num_key_value_heads
@@ -188,15 +192,15 @@ class OperatorModel(LatencyModel):
         self.token_curve = summed("m", points, parts)
         # The same curve by operator family, for `shape_time(..., parts)` (a breakdown, not the hot path).
         self.token_families = {name: summed("m", points, family) for name, family in families.items()}
-        vocab_full = full.vocab_size
         self.lm_head = gemm.fixed(k=h, n=m.vocab_size)
-        self.sampler = profile.grid("sampler").fix("n", vocab_full)
+        self.sampler = profile.grid("sampler").fix("n", m.vocab_size)  # each rank draws from its columns
         self.decode_pricing = DecodeAttentionPricing(profile, width, m.num_key_value_heads, decode_wave_programs,
                                                      decode_splits, max_model_len, block_size, self.kv_reread_cost)
         self.prefill = profile.grid("prefill_attention").fixed(**width)
         self.prefill_floor = self.prefill.min_time
         self.launch_s = profile.grid("graph_launch")(1)
-        self.token_bytes, self.logit_bytes = h * b, vocab_full * b
+        self.token_bytes = h * b
+        self.pair_bytes = SAMPLED_PAIR_BYTES * tp  # every rank's (best score, column) of one sampled row
         self.block_bytes = m.kv_bytes_per_token * block_size
         self.copy = profile.grid("copy_blocks") if profile.has("copy_blocks") else None
         self.swaps = [profile.grid(op) for op in ("swap_out", "swap_in") if profile.has(op)]
@@ -261,7 +265,7 @@ class OperatorModel(LatencyModel):
         if self.all_reduce is not None:
             reduce, norms = self.reduce_time(rows)
             if s.num_samples:
-                gather = self.all_gather(logit_rows * self.logit_bytes)
+                gather = self.all_gather(s.num_samples * self.pair_bytes)
         if parts is not None:
             families = {name: curve(rows) for name, curve in self.token_families.items()}
             families["norms, activation, rope, embedding"] += norms

@@ -14,7 +14,7 @@ with bw = `hbm_bandwidth`, rate = peak FLOP/s for the model dtype, eb = `bandwid
 Plus copy-on-write copies (read + write a block each) and a fixed `step_overhead_s`.
 With `tensor_parallel_size` N > 1 every byte and FLOP above is one GPU's share (its heads, MLP
 columns and vocabulary: sim/latency/tensor_parallel.py), and the step adds its all-reduces and
-logits gather over `interconnect_bandwidth` / `interconnect_latency_s`.
+the sampled rows' exchange over `interconnect_bandwidth` / `interconnect_latency_s`.
 Swap: `swap_latency_s + n * (block_bytes / host_link_bandwidth + swap_block_overhead_s)`.
 """
 from __future__ import annotations

@@ -4,14 +4,16 @@ Each of N GPUs holds 1/N of the heads, the MLP and the vocabulary (`policies.ten
 `shard_shape` is the model one GPU computes, so its weight and KV bytes and its FLOPs come out
 per GPU. The GPUs then exchange activations: a row-parallel layer's partial sums are all-reduced
 twice per decoder layer (after o_proj and after down_proj) plus once after the vocab-parallel
-embedding, each over the step's [tokens, hidden] activations, and the sampled rows' logits are
-all-gathered once. With a ring over links of bandwidth B (bytes/s each way per GPU) and latency a:
+embedding, each over the step's [tokens, hidden] activations, and each sampled row's best
+(score, column) pair, 8 bytes per rank, is all-gathered once (the sampler's fast path draws from
+each rank's vocabulary columns: engine/distributed/vocab_parallel_sampling.py). With a ring over
+links of bandwidth B (bytes/s each way per GPU) and latency a:
 
     all_reduce(n bytes) = a + 2 (N - 1) / N * n / B
     all_gather(n bytes of output) = a + (N - 1) / N * n / B
 
-so a step of T tokens and R sampled rows costs (2 L + 1) * all_reduce(T h b) + all_gather(R V b)
-with L layers, hidden size h, vocabulary V and b bytes per element. N = 1 costs nothing.
+so a step of T tokens and R sampled rows costs (2 L + 1) * all_reduce(T h b) + all_gather(8 N R)
+with L layers, hidden size h and b bytes per element. N = 1 costs nothing.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 from policies.tensor_parallel import tp_split
 from sim.latency.shapes import Hardware, ModelShape
+
+SAMPLED_PAIR_BYTES = 8  # a float32 score and its column, per sampled row and rank
 
 
 def shard_shape(model: ModelShape, size: int) -> ModelShape:
@@ -81,7 +85,7 @@ class TPCommCost:
         num_all_reduces = 2 * model.num_hidden_layers + 1
         return cls(fixed_s=(num_all_reduces + 1) * link.latency_s,
                    per_token_s=num_all_reduces * link.all_reduce_transfer_s(model.hidden_size * model.dtype_bytes),
-                   per_sample_s=link.all_gather_transfer_s(model.vocab_size * model.dtype_bytes))
+                   per_sample_s=link.all_gather_transfer_s(SAMPLED_PAIR_BYTES * size))
 
     def step_s(self, tokens: int, samples: int) -> float:
         return self.fixed_s + tokens * self.per_token_s + samples * self.per_sample_s

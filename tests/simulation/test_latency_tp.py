@@ -31,13 +31,14 @@ def test_shard_shape_is_one_gpus_share():
 
 def test_all_reduce_and_gather_terms_by_hand():
     # N = 4 over 1 GB/s and 1 us: (2 L + 1) = 5 all-reduces of T x 64 x 2 B, ring factor 2 * 3/4,
-    # and one gather of R x 256 x 2 B, ring factor 3/4; 6 collectives' latency.
+    # and one gather of R x 4 ranks x 8 B (each rank's best score and column), ring factor 3/4;
+    # 6 collectives' latency.
     comm = TPCommCost.of(MODEL, Hardware.from_dict(HW), 4)
     assert comm.fixed_s == pytest.approx(6e-6)
     assert comm.per_token_s == pytest.approx(5 * 1.5 * 128 / 1e9)  # 0.96 us per token
-    assert comm.per_sample_s == pytest.approx(0.75 * 512 / 1e9)  # 0.384 us per sampled row
-    # 10 tokens, 3 sampled: 6 us + 9.6 us + 1.152 us
-    assert comm.step_s(10, 3) == pytest.approx(16.752e-6)
+    assert comm.per_sample_s == pytest.approx(0.75 * 32 / 1e9)  # 0.024 us per sampled row
+    # 10 tokens, 3 sampled: 6 us + 9.6 us + 0.072 us
+    assert comm.step_s(10, 3) == pytest.approx(15.672e-6)
     assert TPCommCost.of(MODEL, Hardware.from_dict(HW), 1).step_s(10, 3) == 0.0
     two = TPCommCost.of(MODEL, Hardware.from_dict(HW), 2)  # ring factor 2 * 1/2 = 1
     assert two.per_token_s == pytest.approx(5 * 128 / 1e9)
