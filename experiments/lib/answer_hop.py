@@ -1,8 +1,8 @@
 """The hop between a disaggregated pair's two host loops, read from one of its engine runs: for the
 hand-offs whose blocks the decode side reserved while the front waited for a prefill step (the
 front reads the decode side's answers then, `disaggregation.sends_mid_step`), the time from that
-reservation to the front's send (`link_wait`): the decode side posting its receive, its `Reserved`
-over the pipe, the front picking it up. Answers that arrive while the front does its host work
+reservation to the front's send (`link_wait`): its `Reserved` over the pipe, the front picking it
+up (and the decode side posting its receive, in a run whose decode side posted it before answering). Answers that arrive while the front does its host work
 between steps wait for the next step's launch, which the simulator prices on its own
 (sim/fleet/disagg.py), so they are left out. `experiments.lab.front_parts` writes the mean into the
 front host profile as `hop_s` (sim/fleet/front_host.py).
