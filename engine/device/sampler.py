@@ -56,8 +56,15 @@ def sample_with_temperatures(logits: torch.Tensor, temperatures: torch.Tensor,
     seed comes from torch's global generator, so `torch.manual_seed` makes the draws reproducible."""
     if not any(temperature_list):
         return logits.argmax(dim=-1)
-    seed = int(torch.randint(0, 2**31 - 1, ()))
-    return kernels.sample_gumbel(logits, temperatures, seed)
+    return kernels.sample_gumbel(logits, temperatures, draw_seed(temperature_list))
+
+
+def draw_seed(temperatures: list[float]) -> int:
+    """A step's Philox seed for the fast path, drawn from torch's global generator only when some
+    row is tempered (so `torch.manual_seed` fixes a run, at any tensor-parallel size); 0 otherwise."""
+    if not any(temperatures):
+        return 0
+    return int(torch.randint(0, 2**31 - 1, ()))
 
 
 def _exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

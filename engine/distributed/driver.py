@@ -45,13 +45,13 @@ import torch.distributed as dist
 from engine.config import RunnerConfig
 from engine.device.input_batch import StepPlan
 from engine.device.model_runner import ModelRunner
+from engine.device.sampler import draw_seed
 from engine.device.token_feedback import Feedback, Launched
 from engine.distributed.parallel_state import TPGroup, abort, init_group, open_store
 from engine.distributed.sharding import check_divisible
 from engine.distributed.shutdown import WorkerShutdown
 from engine.distributed.step_message import StepHeader, broadcast_inputs
 from engine.distributed.step_wait import StepWait
-from engine.distributed.vocab_parallel_sampling import draw_seed
 from engine.distributed.worker_faults import (
     WorkerFailure,
     await_workers,

@@ -80,9 +80,7 @@ class TPGroup:
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[R, C] on each rank -> [R, size * C]: rank r's block in columns [r C, (r + 1) C)."""
         rows, cols = x.shape
-        out = torch.empty(self.size * rows, cols, dtype=x.dtype, device=x.device)
-        _all_gather(out, x.contiguous(), group=self.device_group)
-        return out.view(self.size, rows, cols).permute(1, 0, 2).reshape(rows, self.size * cols)
+        return self.all_gather_stacked(x).permute(1, 0, 2).reshape(rows, self.size * cols)
 
     def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
         """x on each rank -> [size, *x.shape]: rank r's x at index r."""

@@ -19,14 +19,6 @@ import kernels
 from engine.distributed.parallel_state import TPGroup
 
 
-def draw_seed(temperatures: list[float]) -> int:
-    """The step's Philox seed, drawn from torch's global generator only when some row is tempered,
-    as `sample_with_temperatures` draws it (so `torch.manual_seed` fixes a run at any size)."""
-    if not any(temperatures):
-        return 0
-    return int(torch.randint(0, 2**31 - 1, ()))
-
-
 def best_of_shards(pairs: torch.Tensor) -> torch.Tensor:
     """pairs [N, 2, R] (each rank's best score and its column per row, in rank order: rank r's
     columns all lie below rank r + 1's) -> the winning column per row (int64 [R]): the highest
