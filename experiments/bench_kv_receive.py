@@ -56,10 +56,9 @@ runs them synchronously), `--send-steps` with the link idle, then
 `wire / u` seconds (each receive posted by the receiver right before its send, which waits for
 it; the gather does not wait for the compute stream, as the front's sends posted during a step
 do not; the sends due at a step are posted once it is launched, as the front posts them while it
-waits for its step, or with `--send-posted before-launch` before it, the sweep's way until
-2026-11-28 21:23 UTC). A message is on the wire from its send call's return to its completion on the sender; the
-steps are binned by share as above and each bin with the wire busy and 5 steps or more gives a
-point of `send_busy_share_curve`. The header gains the curve, its bins (`send_share_bin ...`),
+waits for its step, or with `--send-posted before-launch` before it). A message is on the wire
+from its send call's return to its completion on the sender; the steps are binned by share as
+above and each bin with the wire busy and 5 steps or more gives a point of `send_busy_share_curve`. The header gains the curve, its bins (`send_share_bin ...`),
 each setting's summary (`send duty ...`), `prefill_step_idle_s` and `send_wire_alone_s`; its steps
 go to `OUT` with `-send-steps.csv` for `.csv`.
 

@@ -2,9 +2,10 @@
 hand-offs whose blocks the decode side reserved while the front waited for a prefill step (the
 front reads the decode side's answers then, `disaggregation.sends_mid_step`), the time from that
 reservation to the front's send (`link_wait`): its `Reserved` over the pipe, the front picking it
-up (and the decode side posting its receive, in a run whose decode side posted it before answering). Answers that arrive while the front does its host work
-between steps wait for the next step's launch, which the simulator prices on its own
-(sim/fleet/disagg.py), so they are left out. `experiments.lab.front_parts` writes the mean into the
+up (and the decode side posting its receive, in a run whose decode side posted it before
+answering). Answers that arrive while the front does its host work between steps wait for the
+next step's launch, which the simulator prices on its own (sim/fleet/disagg.py), so they are left
+out. `experiments.lab.front_parts` writes the mean into the
 front host profile as `hop_s` (sim/fleet/front_host.py).
 """
 from __future__ import annotations

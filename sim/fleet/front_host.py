@@ -24,8 +24,9 @@ prefill replica that schedules synchronously pays, between two of its steps:
   while it was busy;
 - `hop_s` (optional): one message between the two sides' loops, measured as the mean time from the
   decode side's reservation of a hand-off's blocks to the front's send for the answers that reached
-  the front while it waited for a prefill step (the answer over the pipe, the front picking
-  it up; and the decode side posting its receive, in a run whose decode side posted it first); it replaces `cluster.handoff_hop_s` in both directions.
+  the front while it waited for a prefill step (the answer over the pipe, the front picking it
+  up; and the decode side posting its receive, in a run whose decode side posted it first); it
+  replaces `cluster.handoff_hop_s` in both directions.
 
 The file: `# key: value` provenance lines (model, device, date, command, the scenario it was timed
 in), then `key,seconds` rows, one per unit above. The simulator takes it as `cluster.front_host_profile`
