@@ -52,13 +52,15 @@ def tensor_parallel_size(cfg: DictConfig) -> int:
 
 ALL_REDUCE_SETTINGS = ("disable_custom_all_reduce", "custom_all_reduce_one_shot_max_bytes",
                        "custom_all_reduce_max_bytes", "all_reduce_kernel")
+# The engine's other `parallel` settings (the simulator does not price them: docs/parallelism.md).
+ENGINE_PARALLEL_SETTINGS = (*ALL_REDUCE_SETTINGS, "sequence_parallel_min_rows")
 
 
-def all_reduce_settings(cfg: DictConfig) -> dict[str, Any]:
-    """The `parallel` block's all-reduce settings that are set (null: the engine's default), as
-    `EngineArgs` / `ParallelConfig` keyword arguments."""
+def all_reduce_settings(cfg: DictConfig, keys: tuple[str, ...] = ALL_REDUCE_SETTINGS) -> dict[str, Any]:
+    """The `parallel` block's all-reduce settings (or `keys`) that are set (null: the engine's
+    default), as `EngineArgs` / `ParallelConfig` keyword arguments."""
     parallel = section(cfg, "parallel") if cfg.get("parallel") is not None else {}
-    return {k: parallel[k] for k in ALL_REDUCE_SETTINGS if parallel.get(k) is not None}
+    return {k: parallel[k] for k in keys if parallel.get(k) is not None}
 
 
 def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
@@ -71,7 +73,7 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
 
     tp, dtype_name = tensor_parallel_size(cfg), str(section(cfg, "model").get("dtype"))
     try:
-        parallel = ParallelConfig(tp, **all_reduce_settings(cfg))
+        parallel = ParallelConfig(tp, **all_reduce_settings(cfg, ENGINE_PARALLEL_SETTINGS))  # validated alike
     except ValueError as e:
         raise ValueError(f"parallel.{e}") from None
     dtype = DTYPES.get(dtype_name)

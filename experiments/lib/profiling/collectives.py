@@ -53,12 +53,12 @@ from engine.distributed.all_reduce_path import ONE_SHOT, TWO_SHOT
 from engine.distributed.lamport_all_reduce import LamportAllReduce
 from engine.distributed.parallel_state import (
     TPGroup,
-    _all_gather,
     end_group,
     init_group,
     join_store,
     open_store,
 )
+from engine.distributed.row_collectives import _all_gather
 from engine.parallel_config import ParallelConfig
 from experiments.lib.profiling.collective_calls import (
     Row,
