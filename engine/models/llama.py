@@ -213,9 +213,10 @@ class LlamaForCausalLM(nn.Module):
 
 class ShardedLlamaForCausalLM(LlamaForCausalLM):
     """One tensor-parallel rank's shard: the forward all-reduces inside its row-parallel layers and
-    embedding (or, for steps of many rows, runs sequence-parallel: `forward`); `compute_local_logits` gives this rank's vocabulary columns and `gather_logits`
-    every rank's (all ranks get them, a collective; the sampler runs on rank 0, its fast path
-    without the gather: engine/distributed/vocab_parallel_sampling.py)."""
+    embedding (or, for steps of many rows, runs sequence-parallel: `forward`);
+    `compute_local_logits` gives this rank's vocabulary columns and `gather_logits` every rank's
+    (all ranks get them, a collective; the sampler runs on rank 0, its fast path without the
+    gather: engine/distributed/vocab_parallel_sampling.py)."""
 
     def __init__(self, cfg: ModelConfig, ops: ModuleType, max_positions: int | None = None,
                  compile: bool = False, *, tp: TPContext) -> None:

@@ -76,7 +76,8 @@ def layer_forward(layer: DecoderLayer, group: TPGroup, rows: int, rope: torch.Te
     o = pad_rows(attn.attend_rows(rope, qkv, meta), h.shape[0] * group.size)
     h, residual = layer.post_attention_layernorm.add_forward(scatter_linear(group, o, attn.o_proj), residual)
     mlp = layer.mlp
-    return scatter_linear(group, mlp.fns.silu_and_mul(gather_linear(group, h, mlp.gate_up_proj)), mlp.down_proj), residual
+    activated = mlp.fns.silu_and_mul(gather_linear(group, h, mlp.gate_up_proj))  # padded rows stay zero
+    return scatter_linear(group, activated, mlp.down_proj), residual
 
 
 def gather_linear(group: TPGroup, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

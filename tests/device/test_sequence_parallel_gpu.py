@@ -95,7 +95,8 @@ def test_tp2_sequence_parallel_bf16_greedy_agrees_with_one_gpu(nccl, monkeypatch
     with LLMEngine(EngineArgs(**ARGS)) as engine:
         reference = _generate(engine)
     fused = not nccl and not custom_all_reduce._rendezvous_joined  # the process's first symmetric-memory engine
-    args = EngineArgs(**ARGS, tensor_parallel_size=2, sequence_parallel_min_rows=MIN_ROWS, disable_custom_all_reduce=nccl)
+    args = EngineArgs(**ARGS, tensor_parallel_size=2, sequence_parallel_min_rows=MIN_ROWS,
+                      disable_custom_all_reduce=nccl)
     with LLMEngine(args) as engine:
         assert (engine.runner.tp.fused_rows is not None) == fused
         assert all(t < MIN_ROWS for t in engine.runner.graphs.token_sizes)
