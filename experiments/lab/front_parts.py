@@ -86,7 +86,9 @@ def profile_from(summary: dict, meta: tuple[tuple[str, str], ...] = ()) -> Front
         handoff_s=per(HANDOFF_PARTS, "PrefillSide.hand_off"),
         kv_message_s=per(("KVLink.send", "start transfer (rest)"), "KVLink.send"),
         sent_message_s=per(("pickle + queue message",), "pickle + queue message"),
-        read_message_s=per(("recv + unpickle", "take messages (rest)", "decode outputs"), "recv + unpickle"),
+        # Per decode-step message (`_decode_outputs` once each): the reads of the front's other
+        # messages (`Reserved`, a few bytes, mostly during a step) are spread over them.
+        read_message_s=per(("recv + unpickle", "take messages (rest)", "decode outputs"), "decode outputs"),
         meta=meta)
 
 

@@ -77,7 +77,7 @@ from policies.routing import Router, observe
 from sim.fleet.busy_link import BusyLinkCharge
 from sim.fleet.fleet import FleetResult, FleetSimulator, ReplicaSpec
 from sim.fleet.front_host import HandoffHost
-from sim.fleet.front_reads import FrontReadPrice, FrontReads
+from sim.fleet.front_reads import FrontReadPrice, FrontReads, output_request_ids
 from sim.latency.kv_receive import KVReceivePrice
 from sim.latency.shapes import Link
 from sim.simulator import run_without_gc
@@ -90,12 +90,15 @@ class DisaggFleetSimulator(FleetSimulator):
                  refresh_s: float = 0.0, stop_lens: Mapping[str, int] | None = None,
                  on_done: Callable[[int], None] | None = None, fast_forward: bool = True,
                  host: HandoffHost | None = None, batch_blocks: int = 512,
-                 receive: KVReceivePrice | None = None, front_reads: FrontReadPrice | None = None) -> None:
+                 receive: KVReceivePrice | None = None, front_reads: FrontReadPrice | None = None,
+                 final_outputs_only: bool = False) -> None:
         """`links[i]` / `block_bytes[i]`: prefill replica i's outgoing link and KV block bytes per
         tensor-parallel rank (None / unused for other roles); `host`: the host loops' share of a
         hand-off (default `HandoffHost()`); `batch_blocks`: blocks of one KV message, at most;
         `receive`: what a message costs the engines beside the link (None: nothing); `front_reads`:
-        what reading the decode outputs costs a prefill replica's loop (sim/fleet/front_reads.py)."""
+        what reading the decode outputs costs a prefill replica's loop (sim/fleet/front_reads.py);
+        `final_outputs_only`: every request's outputs are read only at its end, whatever its
+        `output_kind` (as the fidelity harness's engine runs read them)."""
         if len(roles) != len(replicas):
             raise ValueError(f"roles={list(roles)!r} has {len(roles)} roles for {len(replicas)} replicas")
         super().__init__(replicas, router, requests, refresh_s, stop_lens, on_done, fast_forward)
@@ -121,6 +124,7 @@ class DisaggFleetSimulator(FleetSimulator):
         self._send_host_due: dict[int, float] = {}  # prefill replica -> host time of sends it posted
         self._admitted: dict[int, int] = {}  # prefill replica -> requests routed there by its last step's end
         self._reads = FrontReads(front_reads) if front_reads is not None and front_reads.on else None
+        self._final_outputs_only = final_outputs_only
         for i, (replica, role) in enumerate(zip(self.replicas, roles)):
             if role is ReplicaRole.PREFILL:
                 if links[i] is None:
@@ -211,7 +215,7 @@ class DisaggFleetSimulator(FleetSimulator):
     def _decode_stepped(self, decode: int) -> None:
         """After a decode replica's step: its outputs go to the fronts, then queued hand-offs are admitted."""
         if self._reads is not None:
-            self._reads.decode_step((s.seq.request.request_id for s in self.replicas[decode].last_scheduled),
+            self._reads.decode_step(output_request_ids(self.replicas[decode].last_scheduled, self._final_outputs_only),
                                     lambda p: self.env.now < self.replicas[p].step_end)
         self._admit(decode)
 

@@ -21,7 +21,8 @@ prefill replica that schedules synchronously pays, between two of its steps:
 - `sent_message_s` per message to the decode process (pickled and queued for the pipe's sender:
   one with each step's hand-offs, one per KV message posted);
 - `read_message_s` per decode-step message read back (unpickled, turned into outputs) that arrived
-  while it was busy;
+  while it was busy: one per decode step with an output to give (sim/fleet/front_reads.py), the
+  front's reads of its other messages (the decode side's answers) spread over them;
 - `hop_s` (optional): one message between the two sides' loops, measured as the mean time from the
   decode side's reservation of a hand-off's blocks to the front's send for the answers that reached
   the front while it waited for a prefill step (the answer over the pipe, the front picking it
