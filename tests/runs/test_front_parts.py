@@ -2,6 +2,7 @@
 with its front timed by part, per prefill step, and the runs' traces left for prefill_excess."""
 import json
 
+import pandas as pd
 import pytest
 from test_fidelity_disagg import TINY  # the disagg spec at a size the CPU runs in seconds
 
@@ -26,7 +27,13 @@ def test_a_pair_runs_with_its_front_timed_by_part(request, tmp_path, capsys):
     host = [v["wall_ms"] for p, v in parts.items() if p not in NOT_HOST]
     assert s["host_ms_per_step"] == pytest.approx(sum(host)) and s["host_ms_per_step"] > 0
     assert 0 < s["run_wall_s"] and s["outside_front_ms_per_step"] >= 0
-    assert "## pd_400" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "## pd_400" in out and "## pd_400: " in out  # the parts, then the answers' split
+    answers = pd.read_csv(tmp_path / "runs" / "pd_400.answers.csv")
+    assert len(answers) == parts["KVLink.send"]["calls"] * s["prefill_steps"]  # one row per send posted
+    # The reader sees an answer after its reservation, the front posts it after the reader saw it.
+    assert (answers["to_post"] >= 0).all() and (answers["to_reader"] > 0).all()
+    assert answers["link_wait"].to_numpy() == pytest.approx((answers["to_reader"] + answers["to_post"]).to_numpy())
     assert (tmp_path / "runs" / "pd_400" / "engine" / "steps.parquet").is_file()
     meta = json.loads((tmp_path / "runs" / "meta.json").read_text())
     assert meta["scenarios"] == {"pd_400": {}} and meta["device"] == "cpu"
