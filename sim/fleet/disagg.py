@@ -31,8 +31,9 @@ is admitted there when the decode replica's running step ends (`decode_wait`); i
 answer reaches the prefill side `hop_s` later and the send is posted then, during the prefill
 replica's running step, its host time spent while the host waits for the step
 (`sends_mid_step`, the engine pair's default; an answer that arrives during the host work between
-two steps waits for the next step's launch, when the loop waits for the device again), or when
-that step ends (`link_wait`);
+two steps waits for the next step's launch, when the loop waits for the device again: with a
+profile's launch units, until `launch_s` + `launch_prompt_s` per prompt after that step starts, and
+so does one that arrives in a step before then), or when that step ends (`link_wait`);
 the decode side notices the received KV when its running step ends (`link_time`). With
 `step_boundaries=False` and `hop_s=0` each side acts at once (the transfer is the link's alone).
 With `admits_between_steps` a synchronous prefill replica also pays the latency model's `admission_s`
@@ -262,6 +263,15 @@ class DisaggFleetSimulator(FleetSimulator):
                 # arrives during its host work between steps waits for the next step's launch.
                 yield self.env.timeout(self.replicas[prefill].host_gap_end - self.env.now)
                 after_gap = True
+        if self.host.sends_mid_step and (self.host.launch_s or self.host.launch_prompt_s):
+            if after_gap:
+                yield self.env.timeout(0)  # the step the gap's end starts, if any, starts first
+            replica = self.replicas[prefill]
+            if self.env.now < replica.step_end:  # taken once the running step's launch is done
+                prompts = sum(1 for s in replica.step_scheduled if s.num_new_tokens > 1)
+                ready = min(replica.step_start + self.host.launch_window_s(prompts), replica.step_end)
+                if ready > self.env.now:
+                    yield self.env.timeout(ready - self.env.now)
         # Posted during a step, its host time is spent while the host waits for the step anyway.
         host_free = self.host.sends_mid_step and (after_gap or self.env.now < self.replicas[prefill].step_end)
         with resource.request() as turn:
