@@ -39,8 +39,9 @@ class PipeReceiver:
         self._conn = conn
         # whole messages, pickled, in the order they came, each with when its first bytes came
         self._queue: deque[tuple[float, bytes]] = deque()
-        # `time.monotonic()` when the thread saw the first bytes of the message `recv` gave last (once
-        # it had the interpreter lock again): experiments/lib/answer_timing.py splits a wait with it
+        # `time.monotonic()` when the thread saw the first bytes of the message `recv` gave last
+        # (once it had the interpreter lock again): experiments/lib/answer_timing.py splits a wait
+        # with it
         self.last_arrival: float | None = None
         self._changed = threading.Condition()
         self._begun: float | None = None  # when the first bytes of the message being read came

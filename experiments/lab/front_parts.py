@@ -13,8 +13,8 @@ the forward and the idle waits), and what the run's loop spent outside the front
 its sleeps until an arrival). Wall time above CPU time in a part is time its thread waited: for a
 core, or for the GIL while the pipe's reader and sender threads or the KV link's waiter ran.
 Written to DIR/front_parts.json as well; each decode-side answer's wait, split where the front's
-pipe reader saw it (experiments/lib/answer_timing.py), to DIR/<scenario>.answers.csv. The timers cost ~1-2 us a call, so these are not the runs
-a fidelity report compares. `--profile-out F` writes the front host profile of one scenario
+pipe reader saw it (experiments/lib/answer_timing.py), to DIR/<scenario>.answers.csv. The
+timers cost ~1-2 us a call, so these are not the runs a fidelity report compares. `--profile-out F` writes the front host profile of one scenario
 (sim/fleet/front_host.py): its units from the parts, and `hop_s`, the hop between the two sides'
 loops, from the same run's trace (experiments/lib/answer_hop.py).
 """
@@ -222,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def write_answers(runs: Path, name: str, answers: AnswerLog) -> None:
-    """DIR/<name>.answers.csv: each answer's wait split (experiments/lib/answer_timing.py), printed."""
+    """DIR/<name>.answers.csv: each answer's wait, split (experiments/lib/answer_timing.py); printed."""
     requests = runs / name / "engine" / "requests.parquet"
     if not answers.posted_s or not requests.is_file():
         return

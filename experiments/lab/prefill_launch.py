@@ -3,14 +3,14 @@ front host profile's launch units (sim/fleet/front_host.py), during which the di
 front takes no answer from the decode side (its pipe's reader thread waits for the interpreter
 lock; the front polls the pipe only while it waits for the step).
 
-`python -m experiments.lab.prefill_launch --model llama-3.2-1b [--prompts 2,4,8] [--steps 30] [--profile F]`
+`python -m experiments.lab.prefill_launch --model M [--prompts 2,4,8] [--steps 30] [--profile F]`
 
 An engine as the pair's prefill engine runs (no async scheduling, `--max-batched-tokens` 8192) takes
 `--steps` rounds of N prompts of 256-1024 random tokens (one output token each, final output only)
 for each N of `--prompts`; `ModelRunner.launch` (input preparation and the launches, sampling's
 included) is timed per step and its median per N fitted as `launch_s + launch_prompt_s x N` (least
-squares). Printed; with `--profile F` the two units (and a `launch_from` provenance line) are written
-into the front host profile F, its other units kept. One GPU; the host's speed moves it (measure it
+squares). Printed; with `--profile F` the two units (and a `launch_from` provenance line) are
+written into the front host profile F, its other units kept. One GPU; the host's speed moves it (measure it
 on the pair's own machine).
 """
 from __future__ import annotations

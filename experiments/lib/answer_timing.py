@@ -57,8 +57,8 @@ def watch_answers(engine) -> AnswerLog:
 
 
 def answer_split(answers: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
-    """`answers` (`AnswerLog.frame`) with each answer's wait from the reservation of its first request
-    (its prefill's end, `first_scheduled_time + prefill_time`, plus its `decode_wait`):
+    """`answers` (`AnswerLog.frame`) with each answer's wait from the reservation of its first
+    request (its prefill's end, `first_scheduled_time + prefill_time`, plus its `decode_wait`):
     `link_wait` and its parts `to_reader` and `to_post` (seconds). Not the trace's own `link_wait`,
     which the decode side takes as 0 when the front's start message comes after the KV."""
     rows = requests.set_index("request_id")

@@ -50,7 +50,8 @@ from pathlib import Path
 from sim.latency.file_meta import read_meta
 
 UNITS = ("step_s", "admission_s", "handoff_s", "kv_message_s", "sent_message_s", "read_message_s")
-# A profile may give these: hop_s from front_parts' run traces, the launch units from prefill_launch.
+# A profile may give these: hop_s from front_parts' run traces, the launch units from
+# experiments.lab.prefill_launch.
 OPTIONAL_UNITS = ("hop_s", "launch_s", "launch_prompt_s")
 
 
@@ -175,5 +176,5 @@ class HandoffHost:
                    profile.launch_prompt_s or 0.0)
 
     def launch_window_s(self, prompts: int) -> float:
-        """How long after a prefill step of `prompts` prompts starts the front can take an answer."""
+        """How long after a prefill step of `prompts` prompts starts the front takes answers."""
         return self.launch_s + self.launch_prompt_s * prompts if self.sends_mid_step else 0.0

@@ -8,8 +8,8 @@ streaming request gives one each step, a request that wants only its final outpu
 "final_only", as the fidelity harness's runs on both backends: engine_backend.add_workload_request)
 gives one when it ends. A prefill replica that schedules synchronously pays that before its next
 step: `message_s` per decode-step message and `token_s` per output in it, for each such decode
-step that ended while the replica was busy (in a step or its host time after one). Messages that arrive
-while it waits between steps are read in that idle time. A decode step's message goes to the
+step that ended while the replica was busy (in a step or its host time after one). Messages that
+arrive while it waits between steps are read in that idle time. A decode step's message goes to the
 front of each prefill replica whose requests it decoded (the engine pair has one front; a
 simulated fleet with several prefill replicas charges each its own requests' outputs).
 
