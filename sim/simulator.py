@@ -107,6 +107,8 @@ class Simulator:
         # this replica spends before its next step when it schedules synchronously (scheduling ahead,
         # the next step is already running on the device).
         self.after_step: Callable[[], float | None] | None = None
+        self.step_start = 0.0  # when the running step started (not a decode run's)
+        self.step_scheduled: list = []  # its sequences
         self.step_end = 0.0  # when the running step (or decode run) ends: a fleet's host loop acts after it
         self.host_gap_end = 0.0  # when the host time after the last step ends (a synchronous replica's next step starts)
         # A fleet's surcharge on a step of the given price starting now (device work queued ahead of
@@ -231,7 +233,7 @@ class Simulator:
             # Async scheduling: the next step is decided as this one starts.
             nxt = schedule_ahead(env.now, stop_lens) if schedule_ahead is not None else None
             pending = None if nxt is None or nxt.is_empty else nxt  # schedule() replaces an empty one
-            self.step_end = env.now + step_s
+            self.step_start, self.step_end, self.step_scheduled = env.now, env.now + step_s, out.scheduled
             yield timeout(step_s)
             scheduled = out.scheduled
             if one_each is not None:

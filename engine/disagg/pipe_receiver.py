@@ -37,7 +37,12 @@ class PipeReceiver:
     def __init__(self, conn: Connection, name: str) -> None:
         """Reads `conn` from a daemon thread called `name`; `conn` is read by nothing else."""
         self._conn = conn
-        self._queue: deque[bytes] = deque()  # whole messages, pickled, in the order they came
+        # whole messages, pickled, in the order they came, each with when its first bytes came
+        self._queue: deque[tuple[float, bytes]] = deque()
+        # `time.monotonic()` when the thread saw the first bytes of the message `recv` gave last
+        # (once it had the interpreter lock again): experiments/lib/answer_timing.py splits a wait
+        # with it
+        self.last_arrival: float | None = None
         self._changed = threading.Condition()
         self._begun: float | None = None  # when the first bytes of the message being read came
         self.error: BaseException | None = None  # the read that failed; nothing is read after it
@@ -66,7 +71,7 @@ class PipeReceiver:
         thread's read error are taken (the writer is gone); BlockingIOError if none is whole yet."""
         with self._changed:
             if self._queue:
-                data = self._queue.popleft()
+                self.last_arrival, data = self._queue.popleft()
             elif self.error is not None:
                 raise EOFError(f"the pipe's writer is gone: {self.error!r}") from self.error
             else:
@@ -110,11 +115,12 @@ class PipeReceiver:
         try:
             while True:
                 self._conn.poll(None)  # the next message's first bytes, or the end of file
+                begun = time.monotonic()
                 with self._changed:
-                    self._begun = time.monotonic()
+                    self._begun = begun
                 data = self._conn.recv_bytes()
                 with self._changed:
-                    self._queue.append(data)
+                    self._queue.append((begun, data))
                     self._begun = None
                     self._changed.notify_all()
         except Exception as e:  # noqa: BLE001 (kept for the caller: the writer is gone)

@@ -12,8 +12,9 @@ instrumented once it is built, and prints per scenario: each part's milliseconds
 the forward and the idle waits), and what the run's loop spent outside the front (the feed loop,
 its sleeps until an arrival). Wall time above CPU time in a part is time its thread waited: for a
 core, or for the GIL while the pipe's reader and sender threads or the KV link's waiter ran.
-Written to DIR/front_parts.json as well. The timers cost ~1-2 us a call, so these are not the runs
-a fidelity report compares. `--profile-out F` writes the front host profile of one scenario
+Written to DIR/front_parts.json as well; each decode-side answer's wait, split where the front's
+pipe reader saw it (experiments/lib/answer_timing.py), to DIR/<scenario>.answers.csv. The
+timers cost ~1-2 us a call, so these are not the runs a fidelity report compares. `--profile-out F` writes the front host profile of one scenario
 (sim/fleet/front_host.py): its units from the parts, and `hop_s`, the hop between the two sides'
 loops, from the same run's trace (experiments/lib/answer_hop.py).
 """
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from engine.disagg.pd_engine import DisaggregatedEngine
 from experiments.lib.answer_hop import answer_hop_s
+from experiments.lib.answer_timing import AnswerLog, answer_split, format_split, watch_answers
 from experiments.lib.front_timers import NOT_HOST, PARTS, PartTimer, instrument, owner_of
 from sim.fleet.front_host import FrontHostProfile
 
@@ -53,6 +55,7 @@ class FrontRun:
     start: float
     end: float = 0.0
     profile: cProfile.Profile | None = None  # the `--detail` part's functions
+    answers: AnswerLog = field(default_factory=AnswerLog)  # the decode side's answers it acted on
     parts: list[str] = field(default_factory=lambda: [p for _, _, p in PARTS + ADDED_PARTS] + ["idle wait", "arriving wait"])
 
     def summary(self) -> dict:
@@ -86,7 +89,9 @@ def profile_from(summary: dict, meta: tuple[tuple[str, str], ...] = ()) -> Front
         handoff_s=per(HANDOFF_PARTS, "PrefillSide.hand_off"),
         kv_message_s=per(("KVLink.send", "start transfer (rest)"), "KVLink.send"),
         sent_message_s=per(("pickle + queue message",), "pickle + queue message"),
-        read_message_s=per(("recv + unpickle", "take messages (rest)", "decode outputs"), "recv + unpickle"),
+        # Per decode-step message (`_decode_outputs` once each): the reads of the front's other
+        # messages (`Reserved`, a few bytes, mostly during a step) are spread over them.
+        read_message_s=per(("recv + unpickle", "take messages (rest)", "decode outputs"), "decode outputs"),
         meta=meta)
 
 
@@ -118,7 +123,7 @@ def watch_fronts(detail: str | None = None) -> tuple[list[FrontRun], Callable[[]
         timer = instrument(self)
         for _, name, part in ADDED_PARTS:
             timer.wrap(self, name, part)
-        run = FrontRun(timer, time.perf_counter())
+        run = FrontRun(timer, time.perf_counter(), answers=watch_answers(self))
         if detail is not None:
             run.profile = cProfile.Profile()
             path, name = where[detail]
@@ -203,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name, s in summaries.items():
         print(format_summary(name, s))
     for name, front in zip(names, runs):
+        write_answers(args.runs, name, front.answers)
         if front.profile is not None:
             out = io.StringIO()
             pstats.Stats(front.profile, stream=out).sort_stats("tottime").print_stats(30)
@@ -213,6 +219,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     (args.runs / "front_parts.json").write_text(json.dumps(summaries, indent=2) + "\n")
     if args.profile_out is not None:
         write_profile(args, names, summaries, argv)
+
+
+def write_answers(runs: Path, name: str, answers: AnswerLog) -> None:
+    """DIR/<name>.answers.csv: each answer's wait, split (experiments/lib/answer_timing.py); printed."""
+    requests = runs / name / "engine" / "requests.parquet"
+    if not answers.posted_s or not requests.is_file():
+        return
+    import pandas as pd
+
+    split = answer_split(answers.frame(), pd.read_parquet(requests))
+    split.to_csv(runs / f"{name}.answers.csv", index=False)
+    print(format_split(name, split))
 
 
 def write_profile(args, names: list[str], summaries: dict, argv: Sequence[str] | None) -> None:

@@ -93,4 +93,5 @@ def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig]
                                 cluster.handoff_timeout_s, cluster.refresh_s, workload.stop_lens, on_done,
                                 fast_forward=cfg.backend.get("fast_forward", True),
                                 host=host, batch_blocks=cluster.handoff_batch_blocks,
-                                receive=receive_price(cluster, replica_cfgs), front_reads=reads)
+                                receive=receive_price(cluster, replica_cfgs), front_reads=reads,
+                                final_outputs_only=True)  # as the engine runs read them (add_workload_request)

@@ -31,8 +31,9 @@ is admitted there when the decode replica's running step ends (`decode_wait`); i
 answer reaches the prefill side `hop_s` later and the send is posted then, during the prefill
 replica's running step, its host time spent while the host waits for the step
 (`sends_mid_step`, the engine pair's default; an answer that arrives during the host work between
-two steps waits for the next step's launch, when the loop waits for the device again), or when
-that step ends (`link_wait`);
+two steps waits for the next step's launch, when the loop waits for the device again: with a
+profile's launch units, until `launch_s` + `launch_prompt_s` per prompt after that step starts, and
+so does one that arrives in a step before then), or when that step ends (`link_wait`);
 the decode side notices the received KV when its running step ends (`link_time`). With
 `step_boundaries=False` and `hop_s=0` each side acts at once (the transfer is the link's alone).
 With `admits_between_steps` a synchronous prefill replica also pays the latency model's `admission_s`
@@ -77,7 +78,7 @@ from policies.routing import Router, observe
 from sim.fleet.busy_link import BusyLinkCharge
 from sim.fleet.fleet import FleetResult, FleetSimulator, ReplicaSpec
 from sim.fleet.front_host import HandoffHost
-from sim.fleet.front_reads import FrontReadPrice, FrontReads
+from sim.fleet.front_reads import FrontReadPrice, FrontReads, output_request_ids
 from sim.latency.kv_receive import KVReceivePrice
 from sim.latency.shapes import Link
 from sim.simulator import run_without_gc
@@ -90,12 +91,15 @@ class DisaggFleetSimulator(FleetSimulator):
                  refresh_s: float = 0.0, stop_lens: Mapping[str, int] | None = None,
                  on_done: Callable[[int], None] | None = None, fast_forward: bool = True,
                  host: HandoffHost | None = None, batch_blocks: int = 512,
-                 receive: KVReceivePrice | None = None, front_reads: FrontReadPrice | None = None) -> None:
+                 receive: KVReceivePrice | None = None, front_reads: FrontReadPrice | None = None,
+                 final_outputs_only: bool = False) -> None:
         """`links[i]` / `block_bytes[i]`: prefill replica i's outgoing link and KV block bytes per
         tensor-parallel rank (None / unused for other roles); `host`: the host loops' share of a
         hand-off (default `HandoffHost()`); `batch_blocks`: blocks of one KV message, at most;
         `receive`: what a message costs the engines beside the link (None: nothing); `front_reads`:
-        what reading the decode outputs costs a prefill replica's loop (sim/fleet/front_reads.py)."""
+        what reading the decode outputs costs a prefill replica's loop (sim/fleet/front_reads.py);
+        `final_outputs_only`: every request's outputs are read only at its end, whatever its
+        `output_kind` (as the fidelity harness's engine runs read them)."""
         if len(roles) != len(replicas):
             raise ValueError(f"roles={list(roles)!r} has {len(roles)} roles for {len(replicas)} replicas")
         super().__init__(replicas, router, requests, refresh_s, stop_lens, on_done, fast_forward)
@@ -121,6 +125,7 @@ class DisaggFleetSimulator(FleetSimulator):
         self._send_host_due: dict[int, float] = {}  # prefill replica -> host time of sends it posted
         self._admitted: dict[int, int] = {}  # prefill replica -> requests routed there by its last step's end
         self._reads = FrontReads(front_reads) if front_reads is not None and front_reads.on else None
+        self._final_outputs_only = final_outputs_only
         for i, (replica, role) in enumerate(zip(self.replicas, roles)):
             if role is ReplicaRole.PREFILL:
                 if links[i] is None:
@@ -211,7 +216,7 @@ class DisaggFleetSimulator(FleetSimulator):
     def _decode_stepped(self, decode: int) -> None:
         """After a decode replica's step: its outputs go to the fronts, then queued hand-offs are admitted."""
         if self._reads is not None:
-            self._reads.decode_step((s.seq.request.request_id for s in self.replicas[decode].last_scheduled),
+            self._reads.decode_step(output_request_ids(self.replicas[decode].last_scheduled, self._final_outputs_only),
                                     lambda p: self.env.now < self.replicas[p].step_end)
         self._admit(decode)
 
@@ -258,6 +263,15 @@ class DisaggFleetSimulator(FleetSimulator):
                 # arrives during its host work between steps waits for the next step's launch.
                 yield self.env.timeout(self.replicas[prefill].host_gap_end - self.env.now)
                 after_gap = True
+        if self.host.sends_mid_step and (self.host.launch_s or self.host.launch_prompt_s):
+            if after_gap:
+                yield self.env.timeout(0)  # the step the gap's end starts, if any, starts first
+            replica = self.replicas[prefill]
+            if self.env.now < replica.step_end:  # taken once the running step's launch is done
+                prompts = sum(1 for s in replica.step_scheduled if s.num_new_tokens > 1)
+                ready = min(replica.step_start + self.host.launch_window_s(prompts), replica.step_end)
+                if ready > self.env.now:
+                    yield self.env.timeout(ready - self.env.now)
         # Posted during a step, its host time is spent while the host waits for the step anyway.
         host_free = self.host.sends_mid_step and (after_gap or self.env.now < self.replicas[prefill].step_end)
         with resource.request() as turn:

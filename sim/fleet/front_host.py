@@ -21,7 +21,13 @@ prefill replica that schedules synchronously pays, between two of its steps:
 - `sent_message_s` per message to the decode process (pickled and queued for the pipe's sender:
   one with each step's hand-offs, one per KV message posted);
 - `read_message_s` per decode-step message read back (unpickled, turned into outputs) that arrived
-  while it was busy;
+  while it was busy: one per decode step with an output to give (sim/fleet/front_reads.py), the
+  front's reads of its other messages (the decode side's answers) spread over them;
+- `launch_s` and `launch_prompt_s` (optional): a prefill step's host work before the front waits
+  for the device (scheduling, input preparation, the launches: `launch_s` + `launch_prompt_s` per
+  prompt in the step), during which the pipe's reader thread waits for the interpreter lock and the
+  front takes no answer from the decode side: an answer that comes meanwhile, or during the host
+  work between steps, is taken once the step's launch is done (`experiments.lab.prefill_launch`);
 - `hop_s` (optional): one message between the two sides' loops, measured as the mean time from the
   decode side's reservation of a hand-off's blocks to the front's send for the answers that reached
   the front while it waited for a prefill step (the answer over the pipe, the front picking it
@@ -44,7 +50,9 @@ from pathlib import Path
 from sim.latency.file_meta import read_meta
 
 UNITS = ("step_s", "admission_s", "handoff_s", "kv_message_s", "sent_message_s", "read_message_s")
-OPTIONAL_UNITS = ("hop_s",)  # a profile may give it (front_parts writes it from its run's traces)
+# A profile may give these: hop_s from front_parts' run traces, the launch units from
+# experiments.lab.prefill_launch.
+OPTIONAL_UNITS = ("hop_s", "launch_s", "launch_prompt_s")
 
 
 def check_seconds(key: str, value, allow_none: bool = False) -> None:
@@ -68,11 +76,14 @@ class FrontHostProfile:
     read_message_s: float
     meta: tuple[tuple[str, str], ...] = ()
     hop_s: float | None = None
+    launch_s: float | None = None
+    launch_prompt_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in UNITS:
             check_seconds(f"front host profile: {name}", getattr(self, name))
-        check_seconds("front host profile: hop_s", self.hop_s, allow_none=True)
+        for name in OPTIONAL_UNITS:
+            check_seconds(f"front host profile: {name}", getattr(self, name), allow_none=True)
 
     @property
     def model(self) -> str | None:
@@ -136,6 +147,10 @@ class HandoffHost:
     # step (its host free meanwhile: no host time before its next step), as the engine pair's front
     # does by default (disaggregation.sends_mid_step); False: when that step ends.
     sends_mid_step: bool = True
+    # With sends mid-step: the front takes no answer before a prefill step's launch is done, this
+    # long after the step starts (plus `launch_prompt_s` per prompt in it; FrontHostProfile).
+    launch_s: float = 0.0
+    launch_prompt_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_seconds("cluster.handoff_hop_s", self.hop_s)
@@ -147,7 +162,7 @@ class HandoffHost:
                 raise ValueError(f"{key}={value!r} is invalid: must be true or false")  # noqa: TRY004
         for key in ("admission_s", "kv_message_s"):
             check_seconds(f"front host profile: {key}", getattr(self, key), allow_none=True)
-        for key in ("per_step_s", "sent_message_s"):
+        for key in ("per_step_s", "sent_message_s", "launch_s", "launch_prompt_s"):
             check_seconds(f"front host profile: {key}", getattr(self, key))
 
     @classmethod
@@ -157,4 +172,9 @@ class HandoffHost:
         its `hop_s`, where it has one, replaces `hop_s`."""
         hop = hop_s if profile.hop_s is None else profile.hop_s
         return cls(hop, step_boundaries, profile.handoff_s, True, profile.admission_s, profile.step_s,
-                   profile.sent_message_s, profile.kv_message_s, sends_mid_step)
+                   profile.sent_message_s, profile.kv_message_s, sends_mid_step, profile.launch_s or 0.0,
+                   profile.launch_prompt_s or 0.0)
+
+    def launch_window_s(self, prompts: int) -> float:
+        """How long after a prefill step of `prompts` prompts starts the front takes answers."""
+        return self.launch_s + self.launch_prompt_s * prompts if self.sends_mid_step else 0.0

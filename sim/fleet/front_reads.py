@@ -1,12 +1,15 @@
 """What reading the decode side's outputs costs a disaggregated pair's front, in the simulator.
 
 The engine pair's front (engine/disagg/pd_engine.py) is one host loop: between its prefill
-engine's steps it reads the decode process's messages, one per decode step, each with an output
-for every sequence that step decoded (`_take_messages`), and turns them into the requests'
-outputs. A prefill replica that schedules synchronously pays that before its next step:
-`message_s` per decode-step message and `token_s` per output in it, for each decode step that
-ended while the replica was busy (in a step or its host time after one). Messages that arrive
-while it waits between steps are read in that idle time. A decode step's message goes to the
+engine's steps it reads the decode process's messages (`_take_messages`) and turns them into the
+requests' outputs. The decode process sends one after each decode step that has an output to give
+(engine/disagg/decode_process.py; a heartbeat besides, at most once a second): every sequence of a
+streaming request gives one each step, a request that wants only its final output (`output_kind`
+"final_only", as the fidelity harness's runs on both backends: engine_backend.add_workload_request)
+gives one when it ends. A prefill replica that schedules synchronously pays that before its next
+step: `message_s` per decode-step message and `token_s` per output in it, for each such decode
+step that ended while the replica was busy (in a step or its host time after one). Messages that
+arrive while it waits between steps are read in that idle time. A decode step's message goes to the
 front of each prefill replica whose requests it decoded (the engine pair has one front; a
 simulated fleet with several prefill replicas charges each its own requests' outputs).
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from policies.outputs import ScheduledSeq
 from sim.fleet.front_host import check_seconds
 
 
@@ -66,3 +70,13 @@ class FrontReads:
     def take(self, prefill: int) -> float:
         """What prefill replica `prefill` owes before its next step (then nothing)."""
         return self.due.pop(prefill, 0.0)
+
+
+def output_request_ids(scheduled: Iterable[ScheduledSeq], final_only: bool = False) -> list[str]:
+    """The requests a decode step just run gives an output to the front: each sequence of a
+    streaming request, and each sequence that ended in it (a request with n > 1 samples gives its
+    final output once all have ended; each sample's end counts here, at most n - 1 reads too many
+    for such a request). `final_only`: every request is read for its final output alone, whatever
+    its `output_kind` (the fidelity harness's runs)."""
+    return [s.seq.request.request_id for s in scheduled
+            if s.seq.is_finished or not (final_only or s.seq.request.sampling_params.output_kind == "final_only")]

@@ -446,3 +446,20 @@ def test_aborted_hand_offs_left_unanswered_fail_the_decode_engine_and_free_their
             engine.add_request("late", prompts[0], GREEDY)
     finally:
         engine.close()
+
+
+def test_each_message_keeps_when_its_bytes_came(reader_pipe):
+    """`last_arrival`: when the reader thread saw the first bytes of the message `recv` gave last,
+    not when the caller took it (experiments/lib/answer_timing.py splits an answer's wait there)."""
+    receiver, writer = reader_pipe
+    assert receiver.last_arrival is None
+    sent_a = time.monotonic()
+    writer.send("a")
+    time.sleep(0.2)
+    writer.send("b")
+    time.sleep(0.2)
+    assert receiver.poll(WAIT_S) and receiver.recv() == "a"
+    arrived_a = receiver.last_arrival
+    assert receiver.poll(WAIT_S) and receiver.recv() == "b"
+    assert sent_a <= arrived_a < sent_a + 0.15  # seen as it came, 0.4 s before it was taken
+    assert receiver.last_arrival - arrived_a > 0.15

@@ -2,6 +2,7 @@
 with its front timed by part, per prefill step, and the runs' traces left for prefill_excess."""
 import json
 
+import pandas as pd
 import pytest
 from test_fidelity_disagg import TINY  # the disagg spec at a size the CPU runs in seconds
 
@@ -26,7 +27,13 @@ def test_a_pair_runs_with_its_front_timed_by_part(request, tmp_path, capsys):
     host = [v["wall_ms"] for p, v in parts.items() if p not in NOT_HOST]
     assert s["host_ms_per_step"] == pytest.approx(sum(host)) and s["host_ms_per_step"] > 0
     assert 0 < s["run_wall_s"] and s["outside_front_ms_per_step"] >= 0
-    assert "## pd_400" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "## pd_400" in out and "## pd_400: " in out  # the parts, then the answers' split
+    answers = pd.read_csv(tmp_path / "runs" / "pd_400.answers.csv")
+    assert len(answers) == pytest.approx(parts["KVLink.send"]["calls"] * s["prefill_steps"])  # a row per send
+    # The reader sees an answer after its reservation, the front posts it after the reader saw it.
+    assert (answers["to_post"] >= 0).all() and (answers["to_reader"] > 0).all()
+    assert answers["link_wait"].to_numpy() == pytest.approx((answers["to_reader"] + answers["to_post"]).to_numpy())
     assert (tmp_path / "runs" / "pd_400" / "engine" / "steps.parquet").is_file()
     meta = json.loads((tmp_path / "runs" / "meta.json").read_text())
     assert meta["scenarios"] == {"pd_400": {}} and meta["device"] == "cpu"
@@ -53,3 +60,22 @@ def test_a_scenario_without_a_pair_is_refused(request, tmp_path):
         main(["--spec", str(spec), "--scenarios", "mixed_400", "--runs", str(tmp_path / "runs")])
     with pytest.raises(ValueError, match="--detail='send' is not a part of the front"):
         main(["--spec", str(spec), "--scenarios", "pd_400", "--runs", str(tmp_path / "r2"), "--detail", "send"])
+
+
+def test_the_reads_are_priced_per_decode_step_message():
+    """The decode process's messages with outputs (`decode outputs`, once each) carry the reads'
+    time; the front's other reads (`Reserved` answers) are in `recv + unpickle`'s calls but not
+    in the messages the simulator charges."""
+    from experiments.lab.front_parts import HANDOFF_PARTS, STEP_PARTS, profile_from
+
+    parts = {p: {"wall_ms": 0.0, "cpu_ms": 0.0, "calls": 1.0} for p in (*STEP_PARTS, *HANDOFF_PARTS)}
+    parts |= {"add_request": {"wall_ms": 0.2, "calls": 2.0}, "KVLink.send": {"wall_ms": 0.7, "calls": 1.0},
+              "start transfer (rest)": {"wall_ms": 0.0, "calls": 1.0},
+              "pickle + queue message": {"wall_ms": 0.2, "calls": 2.0},
+              "PrefillSide.hand_off": {"wall_ms": 0.1, "calls": 2.0},
+              "recv + unpickle": {"wall_ms": 0.3, "calls": 3.0},  # two decode steps' messages and one answer
+              "take messages (rest)": {"wall_ms": 0.06, "calls": 1.0},
+              "decode outputs": {"wall_ms": 0.04, "calls": 2.0}}
+    profile = profile_from({"parts": parts, "outside_front_ms_per_step": 0.0})
+    assert profile.read_message_s == pytest.approx(0.4e-3 / 2)
+    assert profile.admission_s == pytest.approx(0.1e-3) and profile.kv_message_s == pytest.approx(0.7e-3)

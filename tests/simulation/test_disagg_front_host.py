@@ -1,6 +1,7 @@
 """The front host profile (sim/fleet/front_host.py): its file, and a synchronous prefill replica's
 loop priced unit by unit from it (per step, per message to the decode side, per KV message posted
 instead of the receive profile's send_host_s); `cluster.front_host_profile` through the config."""
+import numpy as np
 import pandas as pd
 import pytest
 from test_disagg_sim import _cfg, _scheduler
@@ -156,3 +157,39 @@ def test_a_profiles_hop_replaces_the_clusters_and_is_optional(tmp_path):
     assert HandoffHost.from_profile(FrontHostProfile.read(path), 2e-4).hop_s == 2e-4
     with pytest.raises(ValueError, match="front host profile: hop_s=-1 is invalid"):
         dataclasses.replace(PROFILE, hop_s=-1)
+
+
+def test_an_answer_waits_for_the_running_prefill_steps_launch():
+    """With the launch units the front takes no answer before `launch_s` + `launch_prompt_s` per
+    prompt after a prefill step starts (its host prepares and launches it): every send posted
+    during a step starts at or after that point, and some wait for it."""
+    launch, per_prompt = 0.002, 0.0005
+    _, prefill, rows = _prefill_gaps(HandoffHost(hop_s=1e-4, launch_s=launch, launch_prompt_s=per_prompt))
+    _, _, plain = _prefill_gaps(HandoffHost(hop_s=1e-4))
+    prefill = prefill.sort_values("time")
+    t0, t1 = prefill["time"].to_numpy(), (prefill["time"] + prefill["duration"]).to_numpy()
+    ready = t0 + launch + per_prompt * prefill["num_prefill_seqs"].to_numpy()
+    starts = _starts(rows).drop_duplicates().to_numpy()
+    step = np.searchsorted(t0, starts + 1e-9, side="right") - 1  # the step each send starts in or after
+    during = (step >= 0) & (starts < t1[np.maximum(step, 0)] - 1e-9)
+    held_until = np.minimum(ready, t1)[step[during]]
+    assert during.sum() > 5 and (starts[during] >= held_until - 1e-9).all()
+    assert (np.abs(starts[during] - held_until) < 1e-9).sum() >= 1  # some were held until then
+    assert rows["link_wait"].mean() > plain["link_wait"].mean()
+    assert HandoffHost(launch_s=0.001, launch_prompt_s=1e-4).launch_window_s(3) == pytest.approx(0.0013)
+    assert HandoffHost(launch_s=0.001, sends_mid_step=False).launch_window_s(3) == 0.0
+    with pytest.raises(ValueError, match="front host profile: launch_prompt_s=-1 is invalid"):
+        HandoffHost(launch_prompt_s=-1)
+
+
+def test_a_profiles_launch_units_are_optional_and_read_back(tmp_path):
+    import dataclasses
+
+    path = tmp_path / "front.csv"
+    dataclasses.replace(PROFILE, launch_s=6e-4, launch_prompt_s=1.7e-4).write(path)
+    back = FrontHostProfile.read(path)
+    assert (back.launch_s, back.launch_prompt_s) == pytest.approx((6e-4, 1.7e-4))
+    host = HandoffHost.from_profile(back)
+    assert (host.launch_s, host.launch_prompt_s) == pytest.approx((6e-4, 1.7e-4))
+    PROFILE.write(path)
+    assert HandoffHost.from_profile(FrontHostProfile.read(path)).launch_window_s(4) == 0.0
