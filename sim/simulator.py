@@ -47,7 +47,7 @@ from operator import attrgetter, itemgetter
 
 import simpy
 
-from policies.outputs import SameTokens
+from policies.outputs import SameTokens, ScheduledSeq
 from policies.request import Request
 from sim.latency.base import LatencyModel
 
@@ -108,7 +108,7 @@ class Simulator:
         # the next step is already running on the device).
         self.after_step: Callable[[], float | None] | None = None
         self.step_start = 0.0  # when the running step started (not a decode run's)
-        self.step_scheduled: list = []  # its sequences
+        self.step_scheduled: list[ScheduledSeq] = []  # its sequences
         self.step_end = 0.0  # when the running step (or decode run) ends: a fleet's host loop acts after it
         self.host_gap_end = 0.0  # when the host time after the last step ends (a synchronous replica's next step starts)
         # A fleet's surcharge on a step of the given price starting now (device work queued ahead of
