@@ -263,13 +263,13 @@ class DisaggFleetSimulator(FleetSimulator):
                 # arrives during its host work between steps waits for the next step's launch.
                 yield self.env.timeout(self.replicas[prefill].host_gap_end - self.env.now)
                 after_gap = True
-        if self.host.sends_mid_step and (self.host.launch_s or self.host.launch_prompt_s):
+        if self.host.has_launch_window:
             if after_gap:
                 yield self.env.timeout(0)  # the step the gap's end starts, if any, starts first
             replica = self.replicas[prefill]
             if self.env.now < replica.step_end:  # taken once the running step's launch is done
-                prompts = sum(1 for s in replica.step_scheduled if s.num_new_tokens > 1)
-                ready = min(replica.step_start + self.host.launch_window_s(prompts), replica.step_end)
+                window = self.host.launch_window_s(replica.step_out.num_prefill_seqs)
+                ready = min(replica.step_start + window, replica.step_end)
                 if ready > self.env.now:
                     yield self.env.timeout(ready - self.env.now)
         # Posted during a step, its host time is spent while the host waits for the step anyway.
