@@ -79,4 +79,4 @@ def output_request_ids(scheduled: Iterable[ScheduledSeq], final_only: bool = Fal
     for such a request). `final_only`: every request is read for its final output alone, whatever
     its `output_kind` (the fidelity harness's runs)."""
     return [s.seq.request.request_id for s in scheduled
-            if s.seq.is_finished or not (final_only or s.seq.request.sampling_params.output_kind == "final_only")]
+            if s.seq.is_finished or (not final_only and s.seq.request.sampling_params.streams)]
