@@ -49,7 +49,9 @@ bytes into its replica are on the wire (the simulated link's own transfer interv
 message's turn on the link to its last byte; a receive posted and not yet sent does not count).
 A prefill replica's step costs `send_busy_factor(share)` times its price by the same rule, `share`
 the part of it its outgoing link carries bytes (the gather and NCCL's send kernel beside its
-forward), where the profile has a `send_busy_share_curve` (none: its steps at their price). A step
+forward), where the profile has a `send_busy_share_curve` (none: its steps at their price); the
+other way round, a message whose turn on the link comes during a step of its prefill replica is
+`send_beside_s` of its bytes longer on the wire (its gather waits for room beside the forward). A step
 is priced as it starts, from the transfers on the wire or done by then; a transfer that starts on
 the wire during the step is only known later, so the next step pays the difference between the
 step's price at its whole share and what it was charged (sim/fleet/busy_link.py, both sides). A
@@ -280,6 +282,9 @@ class DisaggFleetSimulator(FleetSimulator):
                 handoff.transfer_start_time = self.env.now
             nbytes = sum(h.num_bytes for h in batch)
             wire_s = link.transfer_time(nbytes)
+            if self.receive is not None and self.replicas[prefill].step_start <= self.env.now \
+                    < self.replicas[prefill].step_end:  # its gather shares the GPU with the step
+                wire_s += self.receive.send_beside_s(nbytes)
             post_s = self.host.kv_message_s
             if post_s is None:
                 post_s = 0.0 if self.receive is None else self.receive.send_host_s(nbytes)
