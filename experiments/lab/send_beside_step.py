@@ -2,8 +2,8 @@
 profile's `send_beside_step` (sim/latency/kv_receive.py), by which the simulator lengthens a message
 posted during its prefill replica's step.
 
-`python -m experiments.lab.send_beside_step --model M [--blocks 20,40,80,160] [--prefill-tokens 4000]
-[--prefill-seqs 6] [--delays 0.1,0.3,0.5,0.7] [--iters 10] [--profile F]`
+`python -m experiments.lab.send_beside_step --model M [--blocks 20,40,80,160]
+[--prefill-tokens 4000] [--prefill-seqs 6] [--delays 0.1,0.3,0.5,0.7] [--iters 10] [--profile F]`
 
 The pair's front posts a send while it waits for its running prefill step (sends mid-step, the
 default): the gather into the staging buffer (`kernels.gather_blocks`, one launch on the link's
@@ -34,7 +34,8 @@ FROM_KEY = "send_beside_from"
 
 
 def parse_list(text: str, kind, name: str, low: float, high: float) -> list:
-    """Comma-separated values of `kind` in [low, high], sorted and distinct; a ValueError naming `name`."""
+    """Comma-separated values of `kind` in [low, high], sorted and distinct; a ValueError naming
+    `name`."""
     try:
         values = sorted({kind(x) for x in text.split(",")})
     except ValueError:

@@ -51,8 +51,8 @@ A prefill replica's step costs `send_busy_factor(share)` times its price by the 
 the part of it its outgoing link carries bytes (the gather and NCCL's send kernel beside its
 forward), where the profile has a `send_busy_share_curve` (none: its steps at their price); the
 other way round, a message whose turn on the link comes during a step of its prefill replica is
-`send_beside_s` of its bytes longer on the wire (its gather waits for room beside the forward). A step
-is priced as it starts, from the transfers on the wire or done by then; a transfer that starts on
+`send_beside_s` of its bytes longer on the wire (its gather waits for room beside the forward). A
+step is priced as it starts, from the transfers on the wire or done by then; a transfer that starts on
 the wire during the step is only known later, so the next step pays the difference between the
 step's price at its whole share and what it was charged (sim/fleet/busy_link.py, both sides). A
 prefill replica that schedules synchronously pays `send_host_s` of each message it posts before

@@ -28,8 +28,8 @@ Where the figures come from (`load_kv_receive`):
   no busy link). `send_busy_share_curve`, optional and of the same syntax, is the send-side
   sweep's (a file without it: no send-side price, factor 1). `send_beside_step`, optional, is
   `bytes:seconds` pairs, bytes ascending (`python -m experiments.lab.send_beside_step` on one GPU;
-  a file without it: 0). `busy_step_factor` is what it always was, the step beside back-to-back receives
-  (the link saturated) over the idle step: a record, not a price. A file without
+  a file without it: 0). `busy_step_factor` is what it always was, the step beside back-to-back
+  receives (the link saturated) over the idle step: a record, not a price. A file without
   `busy_share_curve` (format 1, written before the sweep) is refused, naming the field;
 - `hardware`: the scatter alone, at the device's copy rate (`hbm_bandwidth` of conf/hardware, a
   copy's read and write: 2 x bytes / hbm_bandwidth); no send time, no busy-link price.
@@ -50,7 +50,7 @@ COLUMNS = ("blocks", "bytes", "scatter_s", "send_host_s")
 HARDWARE = "hardware"
 CURVE_KEY = "busy_share_curve"
 SEND_CURVE_KEY = "send_busy_share_curve"  # optional: a prefill step priced by its outgoing link's share
-SEND_BESIDE_KEY = "send_beside_step"  # optional: a message's gather slowed by a running prefill step
+SEND_BESIDE_KEY = "send_beside_step"  # optional: a gather slowed by a running prefill step
 FORMAT = 2  # 2: `busy_share_curve` prices a step by the share of it the wire is busy
 
 
@@ -101,7 +101,7 @@ class KVReceivePrice:
         return _interpolate(self.bytes_at, self.send_host_at, nbytes)
 
     def send_beside_s(self, nbytes: float) -> float:
-        """What a message of `nbytes` posted during a prefill step loses to it (module docstring)."""
+        """What a message of `nbytes` posted during a prefill step loses to it; module docstring."""
         at = self.send_beside_bytes_at
         if not at:
             return 0.0
