@@ -15,7 +15,7 @@ simulated fleet with several prefill replicas charges each its own requests' out
 
 Off (0, 0) by default: `cluster.front_token_host_s` and `cluster.front_message_host_s`; what the
 reads cost on their own is what `experiments.bench_handoff_host --decode-tokens 64` times on the
-host the engines run on (docs/disaggregation-engine.md).
+host the engines run on (docs/disaggregation-measured.md).
 """
 from __future__ import annotations
 
