@@ -3,8 +3,8 @@ read from its traces (`requests.parquet`, `steps.parquet`).
 
 `python -m experiments.lab.link_by_size RUN [RUN ...] [--bins 20,40,60,80,120,200]`
 
-A message is the requests whose sends were posted at the same instant (the pair moves every
-hand-off reserved together in one); its bytes are theirs summed, its link time the first of
+A message is the requests of one decode replica whose sends were posted at the same instant (the
+pair moves every hand-off reserved together in one); its bytes are theirs summed, its link time the first of
 theirs to be noticed (`link_time`: from the send's post to the decode side noticing the KV after
 its running step). Per run: the messages' mean link time in each size bin (MB), and a least-squares
 line through (MB, wire), the wire being the link time less half the decode step it was noticed
@@ -15,6 +15,7 @@ bandwidth in the run, beside whatever the two GPUs were doing. Set it beside
 from __future__ import annotations
 
 import argparse
+import math
 from itertools import pairwise
 from pathlib import Path
 
@@ -26,25 +27,30 @@ from experiments.lib.kv_receive_duty import prefill_ends
 DEFAULT_BINS = "20,40,60,80,120,200"
 
 
-def messages(requests: pd.DataFrame, steps: pd.DataFrame, decode_replica: int | None = None) -> pd.DataFrame:
-    """One row per KV message: `post` (s), `requests`, `mb`, `link_s`, `decode_step_s` (the
-    decode step whose end it was noticed at; NaN if none) and `wire_s`."""
+def messages(requests: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """One row per KV message: `post` (s), `decode_replica`, `requests`, `mb`, `link_s`,
+    `decode_step_s` (the step of its decode replica whose end it was noticed at; NaN if none) and
+    `wire_s`."""
+    columns = ["post", "decode_replica", "requests", "mb", "link_s", "decode_step_s", "wire_s"]
     r = requests[requests["link_time"].notna()]
     if r.empty:
-        return pd.DataFrame(columns=["post", "requests", "mb", "link_s", "decode_step_s", "wire_s"])
+        return pd.DataFrame(columns=columns)
     post = (prefill_ends(r) + r["decode_wait"] + r["link_wait"]).round(6)
-    m = (r.assign(post=post).groupby("post")
+    m = (r.assign(post=post).groupby(["post", "decode_replica"])
          .agg(requests=("request_id", "size"), mb=("transfer_bytes", "sum"), link_s=("link_time", "min"))
          .reset_index())
     m["mb"] = m["mb"] / 1e6
-    if decode_replica is None:
-        decode_replica = int(r["decode_replica"].mode().iloc[0])
-    dec = steps[steps["replica"] == decode_replica].sort_values("time")
-    ends = (dec["time"] + dec["duration"]).to_numpy()
-    k = np.searchsorted(ends, (m["post"] + m["link_s"]).to_numpy() + 2e-4, side="right") - 1
-    m["decode_step_s"] = np.where(k >= 0, dec["duration"].to_numpy()[np.clip(k, 0, None)], np.nan)
+    m["decode_step_s"] = np.nan
+    for replica, rows in m.groupby("decode_replica"):
+        dec = steps[steps["replica"] == replica].sort_values("time")
+        if dec.empty:
+            continue
+        ends = (dec["time"] + dec["duration"]).to_numpy()
+        k = np.searchsorted(ends, (rows["post"] + rows["link_s"]).to_numpy() + 2e-4, side="right") - 1
+        m.loc[rows.index, "decode_step_s"] = np.where(k >= 0, dec["duration"].to_numpy()[np.clip(k, 0, None)],
+                                                      np.nan)
     m["wire_s"] = m["link_s"] - m["decode_step_s"] / 2
-    return m
+    return m[columns]
 
 
 def wire_line(m: pd.DataFrame) -> tuple[float, float] | None:
@@ -75,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         bins = [float(b) for b in args.bins.split(",")]
     except ValueError:
         bins = []
-    if not bins or bins[0] <= 0 or any(b <= a for a, b in pairwise(bins)):
+    if not bins or not all(math.isfinite(b) for b in bins) or bins[0] <= 0 \
+            or any(b <= a for a, b in pairwise(bins)):
         ap.error(f"--bins={args.bins!r} is invalid: MB > 0, comma-separated, ascending")
     for run in args.runs:
         files = [run / "requests.parquet", run / "steps.parquet"]
@@ -86,10 +93,14 @@ def main(argv: list[str] | None = None) -> None:
         if "link_time" not in requests.columns:
             ap.error(f"{run}: its requests have no link_time (not a disaggregated run)")
         m = messages(requests, steps)
+        if m.empty:
+            print(f"{run}: no KV messages")
+            continue
         line = wire_line(m)
-        fit = "no line" if line is None else f"wire {line[0] * 1e3:.2f} ms + bytes / {line[1] / 1e9:.0f} GB/s"
-        print(f"{run}: {len(m)} messages, {m['requests'].mean():.2f} requests and {m['mb'].mean():.1f} MB each, "
-              f"link {m['link_s'].mean() * 1e3:.2f} ms; {fit}")
+        fit = "no line" if line is None \
+            else f"wire {line[0] * 1e3:.2f} ms + bytes / {line[1] / 1e9:.0f} GB/s"
+        print(f"{run}: {len(m)} messages, {m['requests'].mean():.2f} requests and {m['mb'].mean():.1f} MB "
+              f"each, link {m['link_s'].mean() * 1e3:.2f} ms; {fit}")
         print(by_size(m, bins).to_string(float_format=lambda x: f"{x:.2f}"))
 
 

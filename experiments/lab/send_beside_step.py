@@ -1,6 +1,6 @@
 """What a KV message's gather loses when it runs beside a prefill step on the same GPU: the receive
-profile's `send_beside_step` (sim/latency/kv_receive.py), by which the simulator lengthens a message
-posted during its prefill replica's step.
+profile's `send_beside_step` (sim/latency/kv_receive.py), by which the simulator delays a message
+whose turn on the link comes during its prefill replica's step.
 
 `python -m experiments.lab.send_beside_step --model M [--blocks 20,40,80,160]
 [--prefill-tokens 4000] [--prefill-seqs 6] [--delays 0.1,0.3,0.5,0.7] [--iters 10] [--profile F]`
@@ -12,10 +12,11 @@ and its thread blocks wait for room. On one GPU, the prefill engine's `ModelRunn
 CUDA graphs, a synthetic step of `--prefill-tokens` in `--prefill-seqs` prompts) and, for each
 message size of `--blocks`, the gather timed by CUDA events on a side stream: alone (`--iters`
 times), then launched that far into a running step for each fraction of the idle step in `--delays`
-(`--iters` each). A size's figure is the median beside over the median alone, minus one: the
-seconds the step costs the message. Printed; with `--profile F` the figures (bytes:seconds) and a
+(`--iters` each). A size's figure is the median beside less the median alone: the seconds the step
+costs the message. Printed; with `--profile F` the figures (bytes:seconds) and a
 `send_beside_from` provenance line go into the receive profile F, its other lines kept (a
-profile is refused before the run if the simulator could not read it).
+profile is refused before the run if the simulator could not read it, or if its `# model:` line
+names another model).
 
 Measured here: the gather only. NCCL's send kernel, beside the same forward, loses its share too;
 that needs two GPUs and is not in the figure.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import statistics
 import time
 from pathlib import Path
@@ -40,8 +42,9 @@ def parse_list(text: str, kind, name: str, low: float, high: float) -> list:
         values = sorted({kind(x) for x in text.split(",")})
     except ValueError:
         values = []
-    if not values or values[0] < low or values[-1] > high:
-        raise ValueError(f"{name}={text!r} is invalid: comma-separated {kind.__name__}s in [{low:g}, {high:g}]")
+    if not values or not all(math.isfinite(v) for v in values) or values[0] < low or values[-1] > high:
+        raise ValueError(f"{name}={text!r} is invalid: comma-separated {kind.__name__}s "
+                         f"in [{low:g}, {high:g}]")
     return values
 
 
@@ -151,27 +154,34 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     if args.iters < 1 or not 1 <= args.prefill_seqs <= args.prefill_tokens <= 8192 \
             or -(-args.prefill_tokens // args.prefill_seqs) > 4096:
-        ap.error(f"--iters={args.iters}, --prefill-tokens={args.prefill_tokens}, --prefill-seqs={args.prefill_seqs} "
+        ap.error(f"--iters={args.iters}, --prefill-tokens={args.prefill_tokens}, "
+                 f"--prefill-seqs={args.prefill_seqs} "
                  "are invalid: iters >= 1, 1 <= seqs <= tokens <= 8192, at most 4096 tokens a prompt")
     if args.profile:
         try:
-            read_receive_profile(args.profile)  # refused before the run
+            profile = read_receive_profile(args.profile)  # refused before the run
         except ValueError as e:
-            ap.error(str(e))
+            ap.error(f"--profile={args.profile!r}: {e}")
+        if profile.model is not None and profile.model != args.model:
+            ap.error(f"--profile={args.profile!r} is {profile.model}'s receive profile, "
+                     f"not --model={args.model}'s")
     sizes, alone, beside, step_s, device = measure(args.model, blocks, args.prefill_tokens, args.prefill_seqs,
                                                    delays, args.iters)
     extra = beside_seconds(alone, beside)
-    print(f"{args.model} on {device}: prefill step of {args.prefill_tokens} tokens in {args.prefill_seqs} prompts, "
+    print(f"{args.model} on {device}: prefill step of {args.prefill_tokens} tokens in {args.prefill_seqs} "
+          "prompts, "
           f"idle {step_s * 1e3:.2f} ms; the gather launched at {args.delays} of it")
     print(f"{'blocks':>7} {'MB':>8} {'alone ms':>9} {'beside ms':>10} {'p90 beside':>11} {'lost ms':>8}")
     for n in blocks:
         b = sorted(beside[n])
         print(f"{n:>7} {sizes[n] / 1e6:>8.1f} {statistics.median(alone[n]) * 1e3:>9.3f} "
-              f"{statistics.median(b) * 1e3:>10.3f} {b[int(0.9 * (len(b) - 1))] * 1e3:>11.3f} {extra[n] * 1e3:>8.3f}")
+              f"{statistics.median(b) * 1e3:>10.3f} {b[int(0.9 * (len(b) - 1))] * 1e3:>11.3f} "
+              f"{extra[n] * 1e3:>8.3f}")
     if args.profile:
         when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
         source = (f"python -m experiments.lab.send_beside_step --model {args.model} --blocks {args.blocks} "
-                  f"--prefill-tokens {args.prefill_tokens} --prefill-seqs {args.prefill_seqs} --delays {args.delays} "
+                  f"--prefill-tokens {args.prefill_tokens} --prefill-seqs {args.prefill_seqs} "
+                  f"--delays {args.delays} "
                   f"--iters {args.iters} ({device}, {when}; idle step {step_s * 1e3:.2f} ms)")
         write_into_profile(args.profile, [(sizes[n], extra[n]) for n in blocks], source)
         print(f"-> {args.profile}")

@@ -15,8 +15,8 @@ pair (sim/fleet/disagg.py; docs/disaggregation.md, "What a receive costs beside 
   send kernel on the link's side stream beside the forward), the same kind of curve;
 - `send_beside_s(bytes)`: what a message's gather loses beside a running prefill step, the other
   way round: its thread blocks wait for the forward's to leave room on the GPU's SMs, so a message
-  posted during a step is that much longer on the wire than one posted on an idle GPU (the link's
-  own price). Linear between the measured sizes, the nearest size's figure outside them; 0
+  whose turn on the link comes during a step starts its bytes that much later than one on an idle
+  GPU (the link's own price). Linear between the measured sizes, the nearest size's figure outside them; 0
   without points.
 
 Where the figures come from (`load_kv_receive`):
@@ -88,7 +88,8 @@ class KVReceivePrice:
         _check_curve(self.source, SEND_CURVE_KEY, self.send_busy_share_at, self.send_busy_factor_at)
         at, secs = self.send_beside_bytes_at, self.send_beside_s_at
         points = f"{SEND_BESIDE_KEY}={' '.join(f'{a:g}:{b:g}' for a, b in zip(at, secs))!r}"
-        if len(secs) != len(at) or any(not 0 < a < math.inf for a in at) or any(b <= a for a, b in pairwise(at)):
+        if len(secs) != len(at) or any(not 0 < a < math.inf for a in at) \
+                or any(b <= a for a, b in pairwise(at)):
             raise ValueError(f"{self.source}: {points} is invalid: message sizes in bytes > 0, ascending, "
                              "one figure each")
         if any(not 0 <= v < 1.0 for v in secs):
@@ -199,6 +200,8 @@ def read_receive_profile(path: str | Path) -> KVReceivePrice:
     send_shares, send_factors = parse_curve(meta, path, SEND_CURVE_KEY)
     beside_at, beside_s = _pairs(meta[SEND_BESIDE_KEY], SEND_BESIDE_KEY, path, "bytes:seconds") \
         if SEND_BESIDE_KEY in meta else ((), ())
+    if SEND_BESIDE_KEY in meta and not beside_at:
+        raise ValueError(f"{path}: {SEND_BESIDE_KEY} is empty: `bytes:seconds` pairs (or no such line)")
     return KVReceivePrice(tuple(p[0] for p in points), tuple(p[1] for p in points), tuple(p[2] for p in points),
                           shares, factors, str(path), send_shares, send_factors, meta.get("model"),
                           beside_at, beside_s)
@@ -232,7 +235,8 @@ def _pairs(text: str, key: str, path: Path, form: str) -> tuple[tuple[float, ...
         except ValueError:
             sep = ""
         if not sep:
-            raise ValueError(f"{path}: {key}={text!r} is invalid: `{form}` pairs, space separated (got {pair!r})")
+            raise ValueError(f"{path}: {key}={text!r} is invalid: `{form}` pairs, space separated "
+                             f"(got {pair!r})")
     return tuple(left), tuple(right)
 
 

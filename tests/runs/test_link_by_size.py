@@ -18,8 +18,8 @@ def _traces(bandwidth: float = 100e9, fixed: float = 0.001, step: float = 0.002)
         steps.append({"replica": 1, "time": end - step, "duration": step})
         for j in range(n):
             rows.append({"request_id": f"{i}-{j}", "decode_replica": 1, "arrival_time": post - 0.01,
-                         "queueing_time": 0.0, "prefill_time": 0.005, "decode_wait": 0.003, "link_wait": 0.002,
-                         "link_time": end - post, "transfer_bytes": 10e6})
+                         "queueing_time": 0.0, "prefill_time": 0.005, "decode_wait": 0.003,
+                         "link_wait": 0.002, "link_time": end - post, "transfer_bytes": 10e6})
     steps.append({"replica": 0, "time": 0.0, "duration": 0.01})
     return pd.DataFrame(rows), pd.DataFrame(steps)
 
@@ -51,3 +51,26 @@ def test_the_command_reads_a_run_and_refuses_what_is_not_one(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "nope")])
     assert "not found" in capsys.readouterr().err
+
+
+def test_each_message_is_matched_with_its_own_decode_replicas_steps():
+    requests, steps = _traces()
+    other = requests.assign(decode_replica=2, request_id=requests["request_id"] + "b")
+    both = pd.concat([requests, other], ignore_index=True)
+    m = messages(both, steps)  # replica 2 has no step rows: its messages have no decode step
+    assert len(m) == 16 and sorted(set(m["decode_replica"])) == [1, 2]
+    assert m.loc[m["decode_replica"] == 1, "decode_step_s"].tolist() == pytest.approx([0.002] * 8)
+    assert m.loc[m["decode_replica"] == 2, "decode_step_s"].isna().all()
+    assert wire_line(m) == pytest.approx(wire_line(m[m["decode_replica"] == 1]))  # NaN rows left out
+    assert messages(requests.assign(link_time=float("nan")), steps).empty
+
+
+def test_nan_bins_and_a_run_without_messages(tmp_path, capsys):
+    requests, steps = _traces()
+    requests.assign(link_time=float("nan")).to_parquet(tmp_path / "requests.parquet")
+    steps.to_parquet(tmp_path / "steps.parquet")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--bins", "nan"])
+    assert "--bins='nan' is invalid" in capsys.readouterr().err
+    main([str(tmp_path)])
+    assert "no KV messages" in capsys.readouterr().out

@@ -18,6 +18,7 @@ from sim.latency.kv_receive import KVReceivePrice, read_receive_profile
 from sim.latency.shapes import Link
 
 LINK = Link(10.0, 1e-5, 1e-3)  # 10 GB/s, 10 us, 1 ms a message
+ROLES = [ReplicaRole.PREFILL, ReplicaRole.DECODE]
 
 
 def _price(points: tuple[tuple[float, float], ...]) -> KVReceivePrice:
@@ -39,6 +40,7 @@ def test_the_price_is_linear_between_its_sizes_flat_outside_and_zero_without_poi
     ("0:1e-4", "sizes in bytes > 0"),
     ("1e6:-1e-4", r"seconds in \[0, 1\)"),
     ("1e6-1e-4", r"send_beside_step='1e6-1e-4' is invalid: `bytes:seconds` pairs"),
+    ("", "send_beside_step is empty"),
 ])
 def test_a_bad_send_beside_line_names_the_file_and_the_field(tmp_path, line, match):
     path = _profile(tmp_path)
@@ -55,7 +57,7 @@ def _run(receive: KVReceivePrice) -> pd.DataFrame:
     requests = [Request(f"r{i}", list(range(30 + 7 * (i % 5))), SamplingParams(max_tokens=4, ignore_eos=True),
                         arrival_time=0.006 * i + 0.0013 * (i % 3)) for i in range(30)]
     specs = [ReplicaSpec(_scheduler(400), Constant(PREFILL_S)), ReplicaSpec(_scheduler(400), Constant(0.003))]
-    DisaggFleetSimulator(specs, [ReplicaRole.PREFILL, ReplicaRole.DECODE], make_router({"name": "round_robin"}),
+    DisaggFleetSimulator(specs, ROLES, make_router({"name": "round_robin"}),
                          make_router({"name": "least_kv"}), requests, [LINK, None], [4096, 0],
                          host=HandoffHost(hop_s=0.0, step_boundaries=False), receive=receive).run()
     return pd.DataFrame(specs[1].scheduler.recorder.requests)
@@ -100,3 +102,36 @@ def test_the_tools_figures_go_into_a_profile_the_simulator_reads(tmp_path):
         parse_list("0.1,x", float, "--delays", 0.0, 0.95)
     with pytest.raises(ValueError, match=r"--blocks='0' is invalid"):
         parse_list("0", int, "--blocks", 1, 100_000)
+
+
+def test_the_host_time_after_a_synchronous_step_is_not_a_step():
+    """A synchronous prefill replica's host time after its step keeps `step_end` ahead, but its GPU
+    is idle then: a message whose turn comes in that gap pays nothing."""
+    one = [Request("r0", list(range(40)), SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=0.0)]
+    specs = [ReplicaSpec(_scheduler(400), Constant(PREFILL_S)), ReplicaSpec(_scheduler(400), Constant(0.003))]
+    DisaggFleetSimulator(specs, ROLES, make_router({"name": "round_robin"}),
+                         make_router({"name": "least_kv"}), one, [LINK, None], [4096, 0],
+                         host=HandoffHost(hop_s=0.0, step_boundaries=False, per_step_s=0.005),
+                         receive=_price(((1.0, 0.0007),))).run()
+    row = pd.DataFrame(specs[1].scheduler.recorder.requests).iloc[0]
+    assert row["link_time"] == pytest.approx(LINK.transfer_time(row["transfer_bytes"]), abs=1e-12)
+
+
+def test_the_gather_wait_holds_the_link_but_puts_no_bytes_on_the_wire(monkeypatch):
+    """The busy-link charges (the decode side's share of a step with bytes on the wire) count a
+    message from its first byte: its interval is the link's own time, after any gather wait."""
+    from sim.fleet import busy_link
+
+    added = []
+    monkeypatch.setattr(busy_link.BusyLinkCharge, "add", lambda self, begin, end: added.append(end - begin))
+    extra = 0.0007
+    price = KVReceivePrice((0.0, 1.0), (0.0, 0.0), (0.0, 0.0), (1.0,), (2.0,), "t",
+                           send_beside_bytes_at=(1.0,), send_beside_s_at=(extra,))
+    rows = _run(price)
+    start = (rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"] + rows["decode_wait"]
+             + rows["link_wait"]).round(12)
+    wire = (LINK.transfer_time(1) - 1 / 10e9
+            + rows["transfer_bytes"].groupby(start).sum() / 10e9).round(12)
+    lost = (rows.groupby(start)["link_time"].first() - wire).round(9)
+    assert set(lost) == {0.0, round(extra, 9)}  # some messages waited for their gather
+    assert sorted(round(a, 12) for a in added) == sorted(wire)
