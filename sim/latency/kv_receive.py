@@ -16,8 +16,8 @@ pair (sim/fleet/disagg.py; docs/disaggregation.md, "What a receive costs beside 
 - `send_beside_s(bytes)`: what a message's gather loses beside a running prefill step, the other
   way round: its thread blocks wait for the forward's to leave room on the GPU's SMs, so a message
   whose turn on the link comes during a step starts its bytes that much later than one on an idle
-  GPU (the link's own price). Linear between the measured sizes, the nearest size's figure outside them; 0
-  without points.
+  GPU (the link's own price). Linear between the measured sizes, the nearest size's figure
+  outside them; 0 without points.
 
 Where the figures come from (`load_kv_receive`):
 - a receive profile, the CSV `experiments.bench_kv_receive` writes on two GPUs: `# key: value`
