@@ -126,6 +126,11 @@ class Simulator:
         self._one_each = SameTokens(self._one) \
             if all(r.sampling_params.n == 1 for r in self.requests) else None
 
+    def device_busy(self, now: float) -> bool:
+        """Whether a step runs on this replica's device at `now`: inside its last step, not the host
+        time after it (a synchronous replica's `step_end` covers that gap too)."""
+        return self.step_start <= now < self.step_end and now >= self.host_gap_end
+
     def run(self) -> SimResult:
         self.env.process(self._arrivals())
         run_without_gc(self.env, self.env.process(self._engine()))

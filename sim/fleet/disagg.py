@@ -285,7 +285,7 @@ class DisaggFleetSimulator(FleetSimulator):
             nbytes = sum(h.num_bytes for h in batch)
             # A gather that shares the GPU with a running step starts the bytes that much later.
             gather_s = self.receive.send_beside_s(nbytes) \
-                if self.receive is not None and _device_busy(self.replicas[prefill], self.env.now) else 0.0
+                if self.receive is not None and self.replicas[prefill].device_busy(self.env.now) else 0.0
             wire_s = gather_s + link.transfer_time(nbytes)
             post_s = self.host.kv_message_s
             if post_s is None:
@@ -330,9 +330,3 @@ class DisaggFleetSimulator(FleetSimulator):
         if self._front_done and not self._pending:
             for i in self.decode_ids:
                 self.replicas[i].close()
-
-
-def _device_busy(replica, now: float) -> bool:
-    """Whether `replica`'s GPU runs a step at `now`: inside its last step, not the host time after
-    it (a synchronous replica's `step_end` covers that gap too)."""
-    return replica.step_start <= now < replica.step_end and now >= replica.host_gap_end
