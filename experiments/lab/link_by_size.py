@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments.lib.kv_receive_duty import prefill_ends
+from experiments.lib.kv_receive_duty import send_posts
 
 DEFAULT_BINS = "20,40,60,80,120,200"
 
@@ -35,7 +35,7 @@ def messages(requests: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     r = requests[requests["link_time"].notna()]
     if r.empty:
         return pd.DataFrame(columns=columns)
-    post = (prefill_ends(r) + r["decode_wait"] + r["link_wait"]).round(6)
+    post = send_posts(r).round(6)
     m = (r.assign(post=post).groupby(["post", "decode_replica"])
          .agg(requests=("request_id", "size"), mb=("transfer_bytes", "sum"), link_s=("link_time", "min"))
          .reset_index())

@@ -78,27 +78,21 @@ def measure(model: str, blocks: list[int], prefill_tokens: int, prefill_seqs: in
     import torch
 
     import kernels
-    from engine.config import CacheConfig
-    from engine.device.model_runner import ModelRunner
     from engine.disagg.kv_transfer_message import interleaved, staging_shape
-    from engine.model_loader import load_model_config
     from experiments.lib.kv_link_bench import spread_blocks
-    from experiments.lib.kv_receive_sides import Steps
-    from experiments.lib.profiling.synthetic import StepShape, blocks_needed, synthetic_step
+    from experiments.lib.kv_receive_sides import Steps, step_runner
+    from experiments.lib.profiling.synthetic import StepShape, synthetic_step
 
     if not torch.cuda.is_available():
         raise SystemExit("error: experiments.lab.send_beside_step runs on a GPU (a step and a gather on two "
                          "streams of one device)")
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    cfg = load_model_config(model)
     shape = StepShape(prefill_tokens, prefill_seqs, 0, 0)
-    num_blocks = blocks_needed(shape, block_size) + 2 * max(blocks)
-    runner = ModelRunner(cfg, CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks, swap_space=0.01),
-                         max_num_batched_tokens=max(8192, prefill_tokens), max_num_seqs=256,
-                         max_model_len=min(4096, cfg.max_position_embeddings), device=dev)
+    runner = step_runner(model, dev, shape, block_size, max(blocks), max(8192, prefill_tokens), 256)
     k, v = runner.kv_cache.k_caches, runner.kv_cache.v_caches
-    steps = Steps(runner, synthetic_step(shape, block_size, num_blocks, cfg.vocab_size), dev, sync=True)
+    steps = Steps(runner, synthetic_step(shape, block_size, runner.num_gpu_blocks, runner.model_config.vocab_size),
+                  dev, sync=True)
     for _ in range(5):
         steps()
     idle = []

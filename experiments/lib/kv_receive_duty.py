@@ -56,6 +56,12 @@ def prefill_ends(requests: pd.DataFrame) -> pd.Series:
     return requests["arrival_time"] + requests["queueing_time"] + requests["prefill_time"]
 
 
+def send_posts(requests: pd.DataFrame) -> pd.Series:
+    """When each handed-off request's KV send was posted: the `link_time` before its transfer's
+    end (its prefill's end, the decode side's `decode_wait` and the front's `link_wait` later)."""
+    return prefill_ends(requests) + requests["transfer_time"] - requests["link_time"]
+
+
 def wire_intervals(requests: pd.DataFrame | None, posted: bool = False) -> list[tuple[float, float]]:
     """An engine run's KV messages on the wire, from its `requests.parquet` rows: each handed-off
     request's (from its send, or its posting with `posted`; to the end of its transfer). None or
@@ -64,7 +70,7 @@ def wire_intervals(requests: pd.DataFrame | None, posted: bool = False) -> list[
         return []
     r = requests[requests["link_time"].notna()]
     done = prefill_ends(r)
-    start = (done + (r["decode_wait"] if posted else r["transfer_time"] - r["link_time"])).to_numpy(dtype=float)
+    start = (done + r["decode_wait"] if posted else send_posts(r)).to_numpy(dtype=float)
     stop = (done + r["transfer_time"]).to_numpy(dtype=float)
     return list(zip(start.tolist(), stop.tolist()))
 

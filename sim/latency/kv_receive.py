@@ -102,7 +102,8 @@ class KVReceivePrice:
         return _interpolate(self.bytes_at, self.send_host_at, nbytes)
 
     def send_beside_s(self, nbytes: float) -> float:
-        """What a message of `nbytes` posted during a prefill step loses to it; module docstring."""
+        """What a message of `nbytes` whose turn comes during a prefill step loses to it (module
+        docstring)."""
         at = self.send_beside_bytes_at
         if not at:
             return 0.0

@@ -19,7 +19,8 @@ def _traces(bandwidth: float = 100e9, fixed: float = 0.001, step: float = 0.002)
         for j in range(n):
             rows.append({"request_id": f"{i}-{j}", "decode_replica": 1, "arrival_time": post - 0.01,
                          "queueing_time": 0.0, "prefill_time": 0.005, "decode_wait": 0.003,
-                         "link_wait": 0.002, "link_time": end - post, "transfer_bytes": 10e6})
+                         "link_wait": 0.002, "link_time": end - post, "transfer_time": 0.005 + end - post,
+                         "transfer_bytes": 10e6})
     steps.append({"replica": 0, "time": 0.0, "duration": 0.01})
     return pd.DataFrame(rows), pd.DataFrame(steps)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 from test_disagg_sim import _scheduler
-from test_disagg_sim_receive import PREFILL_S, _profile
+from test_disagg_sim_receive import PREFILL_S, _profile, _starts
 from test_sim import Constant
 
 from experiments.lab.send_beside_step import beside_seconds, parse_list, write_into_profile
@@ -67,16 +67,14 @@ def test_a_message_whose_turn_comes_during_a_prefill_step_is_longer_on_the_wire_
     extra = 0.0007
     rows = _run(_price(((1.0, extra),)))
     assert len(rows) == 30
-    start = (rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"] + rows["decode_wait"]
-             + rows["link_wait"]).round(12)
+    start = _starts(rows)
     wire = LINK.transfer_time(1) - 1 / 10e9 + rows["transfer_bytes"].groupby(start).transform("sum") / 10e9
     lost = (rows["link_time"] - wire).round(12)
     # A message sent as the prefill replica's next step starts pays the price; one sent with the
     # replica idle (no request waiting) does not: both happen in this run.
     assert set(lost.round(9)) == {0.0, round(extra, 9)}
     plain = _run(_price(((1.0, 0.0),)))  # a zero price: every message at the link's own time
-    start = (plain["arrival_time"] + plain["queueing_time"] + plain["prefill_time"] + plain["decode_wait"]
-             + plain["link_wait"]).round(12)
+    start = _starts(plain)
     wire = LINK.transfer_time(1) - 1 / 10e9 + plain["transfer_bytes"].groupby(start).transform("sum") / 10e9
     assert (plain["link_time"] - wire).abs().max() < 1e-9
 
@@ -128,8 +126,7 @@ def test_the_gather_wait_holds_the_link_but_puts_no_bytes_on_the_wire(monkeypatc
     price = KVReceivePrice((0.0, 1.0), (0.0, 0.0), (0.0, 0.0), (1.0,), (2.0,), "t",
                            send_beside_bytes_at=(1.0,), send_beside_s_at=(extra,))
     rows = _run(price)
-    start = (rows["arrival_time"] + rows["queueing_time"] + rows["prefill_time"] + rows["decode_wait"]
-             + rows["link_wait"]).round(12)
+    start = _starts(rows)
     wire = (LINK.transfer_time(1) - 1 / 10e9
             + rows["transfer_bytes"].groupby(start).sum() / 10e9).round(12)
     lost = (rows.groupby(start)["link_time"].first() - wire).round(9)
