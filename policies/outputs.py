@@ -74,3 +74,7 @@ class SchedulerOutput:
     @property
     def num_decode_seqs(self) -> int:
         return sum(1 for s in self.scheduled if not s.seq.is_prefill)
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        return len(self.scheduled) - self.num_decode_seqs

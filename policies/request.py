@@ -59,6 +59,11 @@ class SamplingParams:
     # when the request ends; LLM.generate uses it).
     output_kind: str = "cumulative"
 
+    @property
+    def streams(self) -> bool:
+        """Whether the request gets an output at every step it makes progress (not only its last)."""
+        return self.output_kind != "final_only"
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]

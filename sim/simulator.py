@@ -47,7 +47,7 @@ from operator import attrgetter, itemgetter
 
 import simpy
 
-from policies.outputs import SameTokens
+from policies.outputs import SameTokens, SchedulerOutput
 from policies.request import Request
 from sim.latency.base import LatencyModel
 
@@ -108,7 +108,7 @@ class Simulator:
         # the next step is already running on the device).
         self.after_step: Callable[[], float | None] | None = None
         self.step_start = 0.0  # when the running step started (not a decode run's)
-        self.step_scheduled: list = []  # its sequences
+        self.step_out: SchedulerOutput | None = None  # what it runs
         self.step_end = 0.0  # when the running step (or decode run) ends: a fleet's host loop acts after it
         self.host_gap_end = 0.0  # when the host time after the last step ends (a synchronous replica's next step starts)
         # A fleet's surcharge on a step of the given price starting now (device work queued ahead of
@@ -125,6 +125,11 @@ class Simulator:
         # mapping that answers `[SIM_TOKEN]` for any sequence serves every step.
         self._one_each = SameTokens(self._one) \
             if all(r.sampling_params.n == 1 for r in self.requests) else None
+
+    def device_busy(self, now: float) -> bool:
+        """Whether a step runs on this replica's device at `now`: inside its last step, not the host
+        time after it (a synchronous replica's `step_end` covers that gap too)."""
+        return self.step_start <= now < self.step_end and now >= self.host_gap_end
 
     def run(self) -> SimResult:
         self.env.process(self._arrivals())
@@ -233,7 +238,7 @@ class Simulator:
             # Async scheduling: the next step is decided as this one starts.
             nxt = schedule_ahead(env.now, stop_lens) if schedule_ahead is not None else None
             pending = None if nxt is None or nxt.is_empty else nxt  # schedule() replaces an empty one
-            self.step_start, self.step_end, self.step_scheduled = env.now, env.now + step_s, out.scheduled
+            self.step_start, self.step_end, self.step_out = env.now, env.now + step_s, out
             yield timeout(step_s)
             scheduled = out.scheduled
             if one_each is not None:

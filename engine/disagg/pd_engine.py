@@ -185,7 +185,7 @@ class DisaggregatedEngine(FrontTransfers):
         if request_id in self._params:
             raise ValueError(f"request_id={request_id!r} is invalid: already added to this engine")
         prefill_params = params
-        if isinstance(params, SamplingParams) and params.output_kind != "final_only":
+        if isinstance(params, SamplingParams) and params.streams:
             prefill_params = dataclasses.replace(params, output_kind="final_only")  # decode streams it
         self.prefill.add_request(request_id, prompt, prefill_params, arrival_time, priority, output_len,
                                  abort_too_long, tenant)

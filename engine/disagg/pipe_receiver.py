@@ -55,7 +55,7 @@ class PipeReceiver:
         and the thread has not queued it yet. The thread needs the interpreter lock to read, which a
         caller busy in Python holds for up to the switch interval (5 ms): without that wait, a
         message that came while the caller worked is seen one caller turn later (the pair's front
-        posting a send one prefill step late, docs/disaggregation-engine.md)."""
+        posting a send one prefill step late, docs/disaggregation-measured.md)."""
         def whole() -> bool:
             return bool(self._queue) or self.error is not None
 

@@ -21,7 +21,7 @@ queued for the thread as raw bytes, ahead of any later message. Without that, a 
 the thread to get the interpreter lock, which a caller busy in Python holds for up to the switch
 interval (5 ms): the pair's front queued each step's hand-offs at the start of its host time
 between prefill steps, and they left only when its next step's GPU wait released the lock, ~2.5 ms
-later on the H200 host (the decode side's wait for hand-offs, docs/disaggregation-engine.md). A
+later on the H200 host (the decode side's wait for hand-offs, docs/disaggregation-measured.md). A
 pipe that is not a socket (a one-way `os.pipe`) always goes through the thread.
 
 The thread ends after `close` once the messages before it are written, or on the first write

@@ -66,7 +66,7 @@ class OutputProcessor:
         stop_ids = set(params.stop_token_ids)
         if request.eos_token_id is not None and not params.ignore_eos:
             stop_ids.add(request.eos_token_id)
-        live = LiveRequest(request, prompt, seqs, params.output_kind != "final_only", frozenset(stop_ids))
+        live = LiveRequest(request, prompt, seqs, params.streams, frozenset(stop_ids))
         if params.stop or (live.streams and self.detokenizer is not None and self.detokenize):
             live.text_states = {}
             self.text[request.request_id] = live

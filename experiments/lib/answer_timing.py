@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from experiments.lib.kv_receive_duty import prefill_ends
+
 
 @dataclass(slots=True)
 class AnswerLog:
@@ -58,13 +60,13 @@ def watch_answers(engine) -> AnswerLog:
 
 def answer_split(answers: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
     """`answers` (`AnswerLog.frame`) with each answer's wait from the reservation of its first
-    request (its prefill's end, `first_scheduled_time + prefill_time`, plus its `decode_wait`):
+    request (its prefill's end, `kv_receive_duty.prefill_ends`, plus its `decode_wait`):
     `link_wait` and its parts `to_reader` and `to_post` (seconds). Not the trace's own `link_wait`,
     which the decode side takes as 0 when the front's start message comes after the KV."""
     rows = requests.set_index("request_id")
     d = answers[answers["request_id"].isin(rows.index)].copy()
     first = rows.loc[d["request_id"]]
-    reserved = (first["first_scheduled_time"] + first["prefill_time"] + first["decode_wait"]).to_numpy(dtype=float)
+    reserved = (prefill_ends(first) + first["decode_wait"]).to_numpy(dtype=float)
     d["link_wait"] = d["posted_s"] - reserved
     d["to_post"] = d["posted_s"] - d["seen_s"]
     d["to_reader"] = d["seen_s"] - reserved

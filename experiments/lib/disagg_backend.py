@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.lib import factory
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.workloads import Workload
+from experiments.lib.workloads.base import READ_OUTPUT_KIND
 from policies.disagg import ReplicaRole, kv_block_bytes
 from sim.fleet.disagg import DisaggFleetSimulator
 from sim.fleet.front_host import FrontHostProfile, HandoffHost
@@ -94,4 +95,4 @@ def disaggregated_fleet(cfg: DictConfig, cluster, replica_cfgs: list[DictConfig]
                                 fast_forward=cfg.backend.get("fast_forward", True),
                                 host=host, batch_blocks=cluster.handoff_batch_blocks,
                                 receive=receive_price(cluster, replica_cfgs), front_reads=reads,
-                                final_outputs_only=True)  # as the engine runs read them (add_workload_request)
+                                final_outputs_only=READ_OUTPUT_KIND == "final_only")

@@ -27,6 +27,7 @@ from engine.offline.llm_engine import LLMEngine, SchedulerBuilder
 from experiments.lib import factory
 from experiments.lib.backend_run import BackendRun
 from experiments.lib.workloads import Workload
+from experiments.lib.workloads.base import READ_OUTPUT_KIND
 from policies.blocks.base import BASE_KNOBS
 from policies.scheduler import Scheduler
 from policies.trace import TraceRecorder
@@ -167,7 +168,7 @@ def add_workload_request(engine: LLMEngine, r, output_len: int | None) -> None:
     """A workload's request into the engine at its arrival time, with its stop length; only its
     final output is read (the engine then does no per-step output work, as LLM.generate)."""
     engine.add_request(r.request_id, r.prompt_token_ids,
-                       dataclasses.replace(r.sampling_params, output_kind="final_only"),
+                       dataclasses.replace(r.sampling_params, output_kind=READ_OUTPUT_KIND),
                        arrival_time=r.arrival_time, priority=r.priority, tenant=r.tenant, output_len=output_len,
                        abort_too_long=True)
 

@@ -49,6 +49,19 @@ def step_shares(starts: Sequence[float], ends: Sequence[float], intervals: Seque
     return out
 
 
+def prefill_ends(requests: pd.DataFrame) -> pd.Series:
+    """When each handed-off request's prefill ended (its first token sampled, its hand-off made):
+    the trace's arrival + queueing + prefill time. The decode side reserved its blocks
+    `decode_wait` later."""
+    return requests["arrival_time"] + requests["queueing_time"] + requests["prefill_time"]
+
+
+def send_posts(requests: pd.DataFrame) -> pd.Series:
+    """When each handed-off request's KV send was posted: the `link_time` before its transfer's
+    end (its prefill's end, the decode side's `decode_wait` and the front's `link_wait` later)."""
+    return prefill_ends(requests) + requests["transfer_time"] - requests["link_time"]
+
+
 def wire_intervals(requests: pd.DataFrame | None, posted: bool = False) -> list[tuple[float, float]]:
     """An engine run's KV messages on the wire, from its `requests.parquet` rows: each handed-off
     request's (from its send, or its posting with `posted`; to the end of its transfer). None or
@@ -56,8 +69,8 @@ def wire_intervals(requests: pd.DataFrame | None, posted: bool = False) -> list[
     if requests is None or "link_time" not in requests.columns:
         return []
     r = requests[requests["link_time"].notna()]
-    done = r["arrival_time"] + r["queueing_time"] + r["prefill_time"]
-    start = (done + (r["decode_wait"] if posted else r["transfer_time"] - r["link_time"])).to_numpy(dtype=float)
+    done = prefill_ends(r)
+    start = (done + r["decode_wait"] if posted else send_posts(r)).to_numpy(dtype=float)
     stop = (done + r["transfer_time"]).to_numpy(dtype=float)
     return list(zip(start.tolist(), stop.tolist()))
 

@@ -63,14 +63,21 @@ def build_runner(a: argparse.Namespace, dev: torch.device, shape: StepShape, max
                  max_num_seqs: int) -> ModelRunner:
     """The engine's runner of `a.model` on `dev` (dummy weights; CUDA graphs on a GPU) whose cache
     holds a step of `shape` and twice the largest message of the bench."""
-    cfg = load_model_config(a.model)
     sizes = [int(b) for b in a.blocks.split(",")]
+    return step_runner(a.model, dev, shape, a.block_size, max(sizes + [a.busy_blocks, a.duty_blocks]),
+                       max_num_batched_tokens, max_num_seqs, a.decode_kernel)
+
+
+def step_runner(model: str, dev: torch.device, shape: StepShape, block_size: int, largest_message: int,
+                max_num_batched_tokens: int, max_num_seqs: int, decode_kernel: str = "auto") -> ModelRunner:
+    """The engine's runner of `model` on `dev` (dummy weights; CUDA graphs on a GPU) whose cache
+    holds a step of `shape` and two messages of `largest_message` blocks."""
+    cfg = load_model_config(model)
     max_model_len = min(4096, cfg.max_position_embeddings)
-    num_blocks = max(blocks_needed(shape, a.block_size) + 2 * max(sizes + [a.busy_blocks, a.duty_blocks]),
-                     -(-max_model_len // a.block_size))
-    return ModelRunner(cfg, CacheConfig(block_size=a.block_size, num_gpu_blocks=num_blocks, swap_space=0.01),
+    num_blocks = max(blocks_needed(shape, block_size) + 2 * largest_message, -(-max_model_len // block_size))
+    return ModelRunner(cfg, CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks, swap_space=0.01),
                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                       max_model_len=max_model_len, device=dev, decode_kernel=a.decode_kernel)
+                       max_model_len=max_model_len, device=dev, decode_kernel=decode_kernel)
 
 
 def prefill_shape(a: argparse.Namespace) -> StepShape:

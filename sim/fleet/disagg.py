@@ -46,13 +46,17 @@ step after a receive waits for its scatter (`scatter_s` of the message's bytes, 
 of that step on the compute stream); a decode step costs `busy_factor(share)` times its price,
 `share` the part of the step (its price and the scatter it waits for) during which the link's
 bytes into its replica are on the wire (the simulated link's own transfer intervals, from a
-message's turn on the link to its last byte; a receive posted and not yet sent does not count).
+message's turn on the link, after its gather's wait if any, to its last byte; a receive posted and
+not yet sent does not count).
 A prefill replica's step costs `send_busy_factor(share)` times its price by the same rule, `share`
 the part of it its outgoing link carries bytes (the gather and NCCL's send kernel beside its
-forward), where the profile has a `send_busy_share_curve` (none: its steps at their price). A step
-is priced as it starts, from the transfers on the wire or done by then; a transfer that starts on
-the wire during the step is only known later, so the next step pays the difference between the
-step's price at its whole share and what it was charged (sim/fleet/busy_link.py, both sides). A
+forward), where the profile has a `send_busy_share_curve` (none: its steps at their price); the
+other way round, a message whose turn on the link comes during a step of its prefill replica is
+`send_beside_s` of its bytes later (its gather waits for room beside the forward; the link is held
+meanwhile, its bytes not yet on the wire). A step is priced as it starts, from the transfers on
+the wire or done by then; a transfer that starts on the wire during the step is only known later,
+so the next step pays the difference between the step's price at its whole share and what it was
+charged (sim/fleet/busy_link.py, both sides). A
 prefill replica that schedules synchronously pays `send_host_s` of each message it posts before
 its next step, as it pays the hand-offs' host time. A front host profile (`HandoffHost.from_profile`,
 sim/fleet/front_host.py) prices that loop unit by unit as measured on the engine pair's front: per
@@ -263,13 +267,13 @@ class DisaggFleetSimulator(FleetSimulator):
                 # arrives during its host work between steps waits for the next step's launch.
                 yield self.env.timeout(self.replicas[prefill].host_gap_end - self.env.now)
                 after_gap = True
-        if self.host.sends_mid_step and (self.host.launch_s or self.host.launch_prompt_s):
+        if self.host.has_launch_window:
             if after_gap:
                 yield self.env.timeout(0)  # the step the gap's end starts, if any, starts first
             replica = self.replicas[prefill]
             if self.env.now < replica.step_end:  # taken once the running step's launch is done
-                prompts = sum(1 for s in replica.step_scheduled if s.num_new_tokens > 1)
-                ready = min(replica.step_start + self.host.launch_window_s(prompts), replica.step_end)
+                window = self.host.launch_window_s(replica.step_out.num_prefill_seqs)
+                ready = min(replica.step_start + window, replica.step_end)
                 if ready > self.env.now:
                     yield self.env.timeout(ready - self.env.now)
         # Posted during a step, its host time is spent while the host waits for the step anyway.
@@ -279,7 +283,10 @@ class DisaggFleetSimulator(FleetSimulator):
             for handoff in batch:
                 handoff.transfer_start_time = self.env.now
             nbytes = sum(h.num_bytes for h in batch)
-            wire_s = link.transfer_time(nbytes)
+            # A gather that shares the GPU with a running step starts the bytes that much later.
+            gather_s = self.receive.send_beside_s(nbytes) \
+                if self.receive is not None and self.replicas[prefill].device_busy(self.env.now) else 0.0
+            wire_s = gather_s + link.transfer_time(nbytes)
             post_s = self.host.kv_message_s
             if post_s is None:
                 post_s = 0.0 if self.receive is None else self.receive.send_host_s(nbytes)
@@ -289,7 +296,7 @@ class DisaggFleetSimulator(FleetSimulator):
             if self.receive is not None:
                 for charges, replica in ((self._receive_wire, decode), (self._send_wire, prefill)):
                     if replica in charges:
-                        charges[replica].add(self.env.now, self.env.now + wire_s)
+                        charges[replica].add(self.env.now + gather_s, self.env.now + wire_s)
             yield self.env.timeout(wire_s)
         if self.host.step_boundaries:  # the decode side's loop notices the KV after its running step
             yield self._step_boundary(decode)

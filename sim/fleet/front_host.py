@@ -175,6 +175,11 @@ class HandoffHost:
                    profile.sent_message_s, profile.kv_message_s, sends_mid_step, profile.launch_s or 0.0,
                    profile.launch_prompt_s or 0.0)
 
+    @property
+    def has_launch_window(self) -> bool:
+        """Whether the front holds answers until a prefill step's launch is done."""
+        return self.sends_mid_step and bool(self.launch_s or self.launch_prompt_s)
+
     def launch_window_s(self, prompts: int) -> float:
         """How long after a prefill step of `prompts` prompts starts the front takes answers."""
-        return self.launch_s + self.launch_prompt_s * prompts if self.sends_mid_step else 0.0
+        return self.launch_s + self.launch_prompt_s * prompts if self.has_launch_window else 0.0

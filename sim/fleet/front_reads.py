@@ -15,7 +15,7 @@ simulated fleet with several prefill replicas charges each its own requests' out
 
 Off (0, 0) by default: `cluster.front_token_host_s` and `cluster.front_message_host_s`; what the
 reads cost on their own is what `experiments.bench_handoff_host --decode-tokens 64` times on the
-host the engines run on (docs/disaggregation-engine.md).
+host the engines run on (docs/disaggregation-measured.md).
 """
 from __future__ import annotations
 
@@ -79,4 +79,4 @@ def output_request_ids(scheduled: Iterable[ScheduledSeq], final_only: bool = Fal
     for such a request). `final_only`: every request is read for its final output alone, whatever
     its `output_kind` (the fidelity harness's runs)."""
     return [s.seq.request.request_id for s in scheduled
-            if s.seq.is_finished or not (final_only or s.seq.request.sampling_params.output_kind == "final_only")]
+            if s.seq.is_finished or (not final_only and s.seq.request.sampling_params.streams)]

@@ -12,7 +12,12 @@ pair (sim/fleet/disagg.py; docs/disaggregation.md, "What a receive costs beside 
   measured points `(share, factor)`, 1.0 at share 0, the last point's factor beyond it;
 - the send-side curve: a prefill step while the KV bytes it sends are on the wire for a share `s`
   of it takes `send_busy_factor(s)` times its price (the gather into the staging buffer and NCCL's
-  send kernel on the link's side stream beside the forward), the same kind of curve.
+  send kernel on the link's side stream beside the forward), the same kind of curve;
+- `send_beside_s(bytes)`: what a message's gather loses beside a running prefill step, the other
+  way round: its thread blocks wait for the forward's to leave room on the GPU's SMs, so a message
+  whose turn on the link comes during a step starts its bytes that much later than one on an idle
+  GPU (the link's own price). Linear between the measured sizes, the nearest size's figure
+  outside them; 0 without points.
 
 Where the figures come from (`load_kv_receive`):
 - a receive profile, the CSV `experiments.bench_kv_receive` writes on two GPUs: `# key: value`
@@ -21,8 +26,10 @@ Where the figures come from (`load_kv_receive`):
   largest extended along the last segment. `busy_share_curve` is `share:factor` pairs, space
   separated, shares in (0, 1] ascending, factors >= 1 (the bench's duty-cycle sweep; `1:1` prices
   no busy link). `send_busy_share_curve`, optional and of the same syntax, is the send-side
-  sweep's (a file without it: no send-side price, factor 1). `busy_step_factor` is what it always was, the step beside back-to-back receives
-  (the link saturated) over the idle step: a record, not a price. A file without
+  sweep's (a file without it: no send-side price, factor 1). `send_beside_step`, optional, is
+  `bytes:seconds` pairs, bytes ascending (`python -m experiments.lab.send_beside_step` on one GPU;
+  a file without it: 0). `busy_step_factor` is what it always was, the step beside back-to-back
+  receives (the link saturated) over the idle step: a record, not a price. A file without
   `busy_share_curve` (format 1, written before the sweep) is refused, naming the field;
 - `hardware`: the scatter alone, at the device's copy rate (`hbm_bandwidth` of conf/hardware, a
   copy's read and write: 2 x bytes / hbm_bandwidth); no send time, no busy-link price.
@@ -43,6 +50,7 @@ COLUMNS = ("blocks", "bytes", "scatter_s", "send_host_s")
 HARDWARE = "hardware"
 CURVE_KEY = "busy_share_curve"
 SEND_CURVE_KEY = "send_busy_share_curve"  # optional: a prefill step priced by its outgoing link's share
+SEND_BESIDE_KEY = "send_beside_step"  # optional: a gather slowed by a running prefill step
 FORMAT = 2  # 2: `busy_share_curve` prices a step by the share of it the wire is busy
 
 
@@ -63,6 +71,8 @@ class KVReceivePrice:
     send_busy_share_at: tuple[float, ...] = ()
     send_busy_factor_at: tuple[float, ...] = ()
     model: str | None = None  # the model the profile was measured on (its `# model:` line; None: any)
+    send_beside_bytes_at: tuple[float, ...] = ()
+    send_beside_s_at: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.bytes_at)
@@ -76,12 +86,32 @@ class KVReceivePrice:
                 raise ValueError(f"{self.source}: {name} values must be seconds >= 0, got {values}")
         _check_curve(self.source, CURVE_KEY, self.busy_share_at, self.busy_factor_at)
         _check_curve(self.source, SEND_CURVE_KEY, self.send_busy_share_at, self.send_busy_factor_at)
+        at, secs = self.send_beside_bytes_at, self.send_beside_s_at
+        points = f"{SEND_BESIDE_KEY}={' '.join(f'{a:g}:{b:g}' for a, b in zip(at, secs))!r}"
+        if len(secs) != len(at) or any(not 0 < a < math.inf for a in at) \
+                or any(b <= a for a, b in pairwise(at)):
+            raise ValueError(f"{self.source}: {points} is invalid: message sizes in bytes > 0, ascending, "
+                             "one figure each")
+        if any(not 0 <= v < 1.0 for v in secs):
+            raise ValueError(f"{self.source}: {points} is invalid: seconds in [0, 1)")
 
     def scatter_s(self, nbytes: float) -> float:
         return _interpolate(self.bytes_at, self.scatter_at, nbytes)
 
     def send_host_s(self, nbytes: float) -> float:
         return _interpolate(self.bytes_at, self.send_host_at, nbytes)
+
+    def send_beside_s(self, nbytes: float) -> float:
+        """What a message of `nbytes` whose turn comes during a prefill step loses to it (module
+        docstring)."""
+        at = self.send_beside_bytes_at
+        if not at:
+            return 0.0
+        if len(at) == 1 or nbytes <= at[0]:
+            return self.send_beside_s_at[0]
+        if nbytes >= at[-1]:
+            return self.send_beside_s_at[-1]
+        return _interpolate(at, self.send_beside_s_at, nbytes)
 
     @property
     def prices_busy_link(self) -> bool:
@@ -169,8 +199,13 @@ def read_receive_profile(path: str | Path) -> KVReceivePrice:
         raise ValueError(f"{path}: {e}") from None
     shares, factors = parse_curve(meta, path)
     send_shares, send_factors = parse_curve(meta, path, SEND_CURVE_KEY)
+    beside_at, beside_s = _pairs(meta[SEND_BESIDE_KEY], SEND_BESIDE_KEY, path, "bytes:seconds") \
+        if SEND_BESIDE_KEY in meta else ((), ())
+    if SEND_BESIDE_KEY in meta and not beside_at:
+        raise ValueError(f"{path}: {SEND_BESIDE_KEY} is empty: `bytes:seconds` pairs (or no such line)")
     return KVReceivePrice(tuple(p[0] for p in points), tuple(p[1] for p in points), tuple(p[2] for p in points),
-                          shares, factors, str(path), send_shares, send_factors, meta.get("model"))
+                          shares, factors, str(path), send_shares, send_factors, meta.get("model"),
+                          beside_at, beside_s)
 
 
 def parse_curve(meta: dict[str, str], path: Path, key: str = CURVE_KEY) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -184,20 +219,26 @@ def parse_curve(meta: dict[str, str], path: Path, key: str = CURVE_KEY) -> tuple
             f"{meta.get('busy_step_factor', '-')} was measured with the link saturated and does not price a "
             "step by the share of it the wire is busy); re-measure with `python -m experiments.bench_kv_receive`, "
             f"or add the line `# {CURVE_KEY}: 1:1` to price its scatter and send times alone")
-    shares, factors = [], []
-    for pair in meta[key].split():
-        share, sep, factor = pair.partition(":")
+    shares, factors = _pairs(meta[key], key, path, "share:factor")
+    if not shares:
+        raise ValueError(f"{path}: {key} is empty: `share:factor` pairs (`1:1`: no busy-link price)")
+    return shares, factors
+
+
+def _pairs(text: str, key: str, path: Path, form: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`a:b` pairs, space separated, as two tuples; a ValueError naming the key and the bad pair."""
+    left, right = [], []
+    for pair in text.split():
+        a, sep, b = pair.partition(":")
         try:
-            shares.append(float(share))
-            factors.append(float(factor))
+            left.append(float(a))
+            right.append(float(b))
         except ValueError:
             sep = ""
         if not sep:
-            raise ValueError(f"{path}: {key}={meta[key]!r} is invalid: `share:factor` pairs, "
-                             f"space separated (got {pair!r})")
-    if not shares:
-        raise ValueError(f"{path}: {key} is empty: `share:factor` pairs (`1:1`: no busy-link price)")
-    return tuple(shares), tuple(factors)
+            raise ValueError(f"{path}: {key}={text!r} is invalid: `{form}` pairs, space separated "
+                             f"(got {pair!r})")
+    return tuple(left), tuple(right)
 
 
 def write_receive_profile(path: str | Path, meta: dict[str, object], rows: list[dict[str, float]]) -> None:

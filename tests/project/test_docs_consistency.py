@@ -1,7 +1,8 @@
 """The README and docs/ say what the tree holds: the README's config-group lists are conf/'s
 options, every profile a page cites exists, every README headline number is in the record
 (docs/results.md), every `make` target the Makefile declares has a rule, and the README stays a
-front door: about 120 lines, a docs map naming every page of docs/, links that resolve."""
+front door: about 120 lines, a docs map naming every page of docs/, links that resolve (the
+README's, docs/'s and the records' READMEs and MANIFEST under experiments/results/)."""
 from __future__ import annotations
 
 import re
@@ -90,3 +91,23 @@ def test_every_readme_link_resolves():
             headings = re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), re.M)
             assert anchor in {_github_anchor(h) for h in headings}, \
                 f"README links to {target}: no heading of {path} has the anchor #{anchor}"
+
+
+def _links(text: str) -> list[str]:
+    """A page's relative link targets, code blocks left out."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t and not t.startswith("mailto:")]
+
+
+@pytest.mark.parametrize("page", sorted({*PAGES, *(p.relative_to(ROOT).as_posix()
+                                                   for p in ROOT.glob("experiments/results/**/*.md"))}))
+def test_every_link_of_the_docs_and_records_resolves(page):
+    path = ROOT / page
+    for target in _links(path.read_text()):
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        assert dest.exists(), f"{page} links to {target}: {file} does not exist"
+        if anchor and dest.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", dest.read_text(), re.M)
+            assert anchor in {_github_anchor(h) for h in headings}, \
+                f"{page} links to {target}: no heading of {dest.name} has the anchor #{anchor}"

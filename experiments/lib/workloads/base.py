@@ -9,6 +9,10 @@ from typing import Any
 from policies.registry import Registry
 from policies.request import Request
 
+# What the runs read of each workload request, on both backends: its final output only (the engine
+# then does no per-step output work, as LLM.generate; a simulated pair's front reads as it would).
+READ_OUTPUT_KIND = "final_only"
+
 
 @dataclass(kw_only=True)
 class WorkloadConfig:
