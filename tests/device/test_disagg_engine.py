@@ -209,7 +209,10 @@ def test_a_stopped_decode_process_is_hung_and_its_requests_end_with_an_error():
         done = _run(engine, on_step=stop)
         assert stop.sent_at and time.monotonic() - stop.sent_at[0] < TIMEOUT_S + 2.0
         errors = [i for i, (_, _, error) in done.items() if error is not None]
-        assert errors and all("the decode engine is hung" in done[i][2] for i in errors)
+        # Two bounds of transfer_timeout_s race: the front's silence check ("hung") and, for a
+        # request still in transfer when the signal came, the KV link's wait ("died or hung").
+        texts = [done[i][2] for i in errors]
+        assert errors and all("the decode engine is hung" in t or "the peer died or hung" in t for t in texts), texts
         assert len(done) == len(PROMPTS)
     finally:
         t0 = time.monotonic()
