@@ -64,7 +64,8 @@ Upper half (the user API, vLLM's names), importable from `engine` directly:
   (shard the model over N GPUs: `engine.distributed`, docs/parallelism.md), distributed_timeout_s,
   disable_custom_all_reduce / custom_all_reduce_one_shot_max_bytes / custom_all_reduce_max_bytes
   (small all-reduces over symmetric memory, NCCL above: docs/parallelism.md), all_reduce_kernel
-  ("torch", "triton", "triton_fused" or "triton_lamport": whose kernels sum over symmetric memory).
+  ("torch", "triton", "triton_fused" or "triton_lamport": whose kernels sum over symmetric memory),
+  sequence_parallel_min_rows (steps of that many tokens run sequence-parallel, eagerly; 0: off).
 - `RequestOutput(request_id, prompt, prompt_token_ids, outputs: [CompletionOutput(index, text,
   token_ids, finish_reason, stop_reason, logprobs)], finished, metrics: RequestMetrics,
   num_cached_tokens, error)`; `error` is set when the engine failed that request alone ("abort:error").

@@ -71,6 +71,9 @@ class EngineArgs:
     # "triton", "triton_fused" (the layer boundary's all-reduce, residual add and RMSNorm in one
     # kernel) or "triton_lamport" (the same without barriers); engine/parallel_config.py's ParallelConfig.
     all_reduce_kernel: str = "auto"
+    # Steps of at least this many tokens run their layers sequence-parallel, eagerly (reduce-scatter
+    # and all-gather fused with the GEMMs instead of all-reduces); 0: off (ParallelConfig).
+    sequence_parallel_min_rows: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig) and (not isinstance(self.model, str) or not self.model):
@@ -153,7 +156,7 @@ class EngineArgs:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.distributed_timeout_s, self.disable_custom_all_reduce,
                               self.custom_all_reduce_one_shot_max_bytes, self.custom_all_reduce_max_bytes,
-                              self.all_reduce_kernel)
+                              self.all_reduce_kernel, self.sequence_parallel_min_rows)
 
     def scheduling_config(self, max_model_len: int) -> SchedulingConfig:
         """The scheduler these arguments describe, typed (policies/build.py builds it)."""

@@ -38,7 +38,13 @@ class ParallelConfig:
     "triton_lamport" at two ranks, torch's at other sizes; `kernel_for`). The symmetric-memory
     kernels spin without a deadline, so with them on rank 0 never blocks on a step: it polls the
     step's event and raises `WorkerFailure` when a worker exits or `timeout_s` passes
-    (engine/distributed/step_wait.py); its GPU is then freed only when the process exits."""
+    (engine/distributed/step_wait.py); its GPU is then freed only when the process exits.
+
+    `sequence_parallel_min_rows` (0: off, the default): an eager forward of at least this many
+    rows (the step's tokens) runs its layers sequence-parallel (engine/models/sequence_parallel.py):
+    each rank holds 1/N of the rows between the layer boundaries, which are matmul + reduce-scatter
+    and all-gather + matmul (torch's fused symmetric-memory ops on GPUs) instead of all-reduces;
+    steps that large then run eagerly, never from a CUDA graph."""
 
     tensor_parallel_size: int = 1
     timeout_s: float = 300.0
@@ -46,6 +52,7 @@ class ParallelConfig:
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES
     all_reduce_kernel: str = "auto"
+    sequence_parallel_min_rows: int = 0
 
     def kernel_for(self, world_size: int) -> str:
         """The kernels the symmetric paths run at `world_size` ranks: "auto" is the barrier-free fused
@@ -62,6 +69,10 @@ class ParallelConfig:
         if not isinstance(self.disable_custom_all_reduce, bool):
             raise ValueError(f"disable_custom_all_reduce={self.disable_custom_all_reduce!r} is invalid: "  # noqa: TRY004
                              "true or false")
+        rows = self.sequence_parallel_min_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"sequence_parallel_min_rows={rows!r} is invalid: an integer >= 0 (0: off; else "
+                             "the fewest rows of a step whose layers run sequence-parallel)")
         one_shot, most = self.custom_all_reduce_one_shot_max_bytes, self.custom_all_reduce_max_bytes
         _check_bytes("custom_all_reduce_max_bytes", most)
         if one_shot is not None:

@@ -81,6 +81,7 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
     from experiments.lib.profiling.collectives import collective_rows
     from experiments.lib.profiling.operator_grid import OperatorGrid
     from experiments.lib.profiling.operators import compute_rows
+    from experiments.lib.profiling.sequence_parallel_rows import sequence_parallel_cells
     from sim.latency.operator_file import read_operator_file, write_operator_file
     check_config(cfg, "profile", *hydra_origin())
     grid = OperatorGrid.from_dict(OmegaConf.to_container(cfg.operator_grid, resolve=True))
@@ -111,8 +112,9 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
         paths.append(write_operator_file(out_dir / f"{gpu}-{dtype_name}-{kernels}.csv", meta_c, rows))
     if "collectives" in parts:
         start = time.perf_counter()
+        cells = sequence_parallel_cells(grid, dtype.itemsize)
         rows = collective_rows(grid.world_sizes, grid.collective_bytes, dtype, device.type == "cuda", log,
-                               width=grid.fused_norm_width)
+                               width=grid.fused_norm_width, cells=cells)
         if rows:
             sizes = "-".join(str(w) for w in sorted({int(r["world_size"]) for r in rows}))
             meta_n = {**meta, "kernels": "collectives", "elapsed_s": f"{time.perf_counter() - start:.1f}"}

@@ -81,28 +81,28 @@ def counting_events(monkeypatch, capturing: bool = False) -> type:
     return Event
 
 
-def two_rank_reports(target: Callable, deadline_s: float) -> dict[int, list[str]]:
-    """Spawn `target(rank, port, results)` on ranks 0 and 1 (meeting at a store opened here); each
-    puts `(rank, problems, *what_it_reached)`. Returns every rank's problems; fails the test naming
-    the ranks that sent nothing within `deadline_s` (a hung barrier or collective). Every process
-    is joined or killed before it returns."""
+def two_rank_reports(target: Callable, deadline_s: float, world: int = 2) -> dict[int, list[str]]:
+    """Spawn `target(rank, port, results)` on ranks 0 and 1 (0 .. world - 1; meeting at a store
+    opened here); each puts `(rank, problems, *what_it_reached)`. Returns every rank's problems;
+    fails the test naming the ranks that sent nothing within `deadline_s` (a hung barrier or
+    collective). Every process is joined or killed before it returns."""
     import pytest
 
     from engine.distributed.parallel_state import open_store
 
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    store = open_store(2, deadline_s)
-    procs = [ctx.Process(target=target, args=(r, store.port, results), daemon=True) for r in range(2)]
+    store = open_store(world, deadline_s)
+    procs = [ctx.Process(target=target, args=(r, store.port, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     reports: dict[int, list[str]] = {}
     try:
-        for _ in range(2):
+        for _ in range(world):
             try:
                 rank, problems, *reached = results.get(timeout=deadline_s)
             except Exception:  # noqa: BLE001 (queue.Empty)
-                pytest.fail(f"no report within {deadline_s:.0f}s from ranks {sorted({0, 1} - set(reports))} "
+                pytest.fail(f"no report within {deadline_s:.0f}s from ranks {sorted(set(range(world)) - set(reports))} "
                             f"(exit codes {[p.exitcode for p in procs]}): a hung barrier or collective")
             reports[rank] = problems
             print(f"\n[two ranks] rank {rank}: {len(problems)} problems" + (f", last step: {reached}" if reached else ""))

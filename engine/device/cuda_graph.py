@@ -9,7 +9,9 @@ Two families of buckets:
   decode kernel covers min(T, max_num_seqs) rows (those past the step's decode rows are idle),
   and its prefill kernel a tile map with room for any batch of that many tokens.
 Block tables are captured at the full width `ceil(max_model_len / block_size)`, so no launch shape
-depends on the batch's contents. Larger steps run eagerly (the GPU is the bottleneck there).
+depends on the batch's contents. Larger steps run eagerly (the GPU is the bottleneck there), as do
+steps of `eager_from` tokens or more (the sequence-parallel steps, engine/models/sequence_parallel.py:
+no token bucket reaches that size, and captures run the all-reduce path, `sequence_parallel=False`).
 Logits go to one static [max rows, width] buffer in the model's dtype (the model's logit columns:
 the whole vocabulary, or one tensor-parallel rank's share); sampling runs after the replay.
 """
@@ -33,10 +35,15 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def graph_token_sizes(max_num_batched_tokens: int) -> list[int]:
+def graph_token_sizes(max_num_batched_tokens: int, eager_from: int = 0) -> list[int]:
     """16, 32, ..., 512, then 768, 1024, 1536, 2048, ... (powers of 2 and 1.5x them), up to the
-    batch limit (capped at MAX_GRAPH_TOKENS); padding stays under half of the bucket."""
+    batch limit (capped at MAX_GRAPH_TOKENS, and below `eager_from` if set); padding stays under
+    half of the bucket."""
     top = min(max_num_batched_tokens, MAX_GRAPH_TOKENS)
+    if eager_from > 0:
+        top = min(top, eager_from - 1)
+        if top < 1:
+            return []
     sizes, power = [], 16
     while power < top:
         sizes += [power] + ([power * 3 // 2] if power >= 512 else [])
@@ -46,15 +53,16 @@ def graph_token_sizes(max_num_batched_tokens: int) -> list[int]:
 
 class StepGraphs:
     """`capture=False` keeps the same static shapes and buffers but runs them eagerly (the CPU tests
-    check the padded layouts this way)."""
+    check the padded layouts this way). `eager_from`: steps of this many tokens or more get no
+    graph (the sequence-parallel steps; 0: no such bound)."""
 
     def __init__(self, model: LlamaForCausalLM, builder: BatchBuilder, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, width: int, capture: bool = True) -> None:
+                 max_num_batched_tokens: int, width: int, capture: bool = True, eager_from: int = 0) -> None:
         self.model = model
         self.builder = builder
         self.width = width
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.token_sizes = graph_token_sizes(max_num_batched_tokens)
+        self.token_sizes = graph_token_sizes(max_num_batched_tokens, eager_from)
         self.decode_shapes = {b: BatchShape(b, b, 0, b, width) for b in self.sizes}
         self.mixed_shapes = {t: self._mixed_shape(t, max_num_seqs) for t in self.token_sizes}
         too_large = [s for s in self.shapes() if not s.fits_in(builder.buffers.capacity)]
@@ -98,7 +106,7 @@ class StepGraphs:
 
     def _forward(self, shape: BatchShape) -> None:
         inputs = self.inputs[shape]
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, sequence_parallel=False)
         self.model.compute_local_logits(hidden[inputs.sample_rows], out=self.logits[:shape.num_sample_rows])
 
     def shape_for(self, plan: StepPlan) -> BatchShape | None:

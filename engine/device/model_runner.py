@@ -122,7 +122,8 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_cache.k_caches, self.kv_cache.v_caches)
         if self.device.type == "cuda" and not enforce_eager:
             self.graphs = StepGraphs(self.model, self.batch, max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=max_num_batched_tokens, width=width)
+                                     max_num_batched_tokens=max_num_batched_tokens, width=width,
+                                     eager_from=0 if tp is None else tp.sequence_parallel_from)
         if self.device.type == "cuda":
             self._warm_sampler()
 

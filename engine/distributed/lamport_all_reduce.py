@@ -24,7 +24,7 @@ forward that made exactly one (only outside the engine: a test, a benchmark) is 
 than restarted: its next call takes round 1. Calls on the other paths do not count.
 
 Faults: the kernel spins on its polls as the barrier kernels do on theirs, so rank 0's pacing and
-polling (`_launch`, engine/distributed/step_wait.py) apply unchanged.
+polling (`launch`, engine/distributed/step_wait.py) apply unchanged.
 """
 from __future__ import annotations
 
@@ -102,12 +102,12 @@ class LamportAllReduce(SymmetricAllReduce):
         if not self._takes(x):
             return super().all_reduce(x)
         round_ = self._next_round()
-        return self._launch(lambda: lamport_all_reduce(self.slots, round_, self.peers.max_programs, x))
+        return self.launch(lambda: lamport_all_reduce(self.slots, round_, self.peers.max_programs, x))
 
     def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not (self._takes(partial) and self.fuses_rows(partial, residual)):
             return super().all_reduce_add_rms_norm(partial, residual, weight, eps)
         round_ = self._next_round()
-        return self._launch(lambda: lamport_all_reduce_add_rms_norm(self.slots, round_, self.peers.max_programs,
+        return self.launch(lambda: lamport_all_reduce_add_rms_norm(self.slots, round_, self.peers.max_programs,
                                                                     partial, residual, weight, eps))

@@ -6,6 +6,11 @@ logits gather (on GPUs the small all-reduces go over symmetric memory instead wh
 `engine.distributed.custom_all_reduce`); the host group (gloo) carries each step's message from rank 0 (its header and the
 packed input bytes, `engine.distributed.step_message`). On CPUs one gloo group serves both.
 
+Sequence-parallel steps (`sequence_parallel_min_rows`, engine/models/sequence_parallel.py) use
+the row collectives instead (`all_gather_rows`, `reduce_scatter_rows`, and the GEMMs fused with
+them): torch's async-TP ops over symmetric memory where the group has it, else the plain
+collectives (engine/distributed/row_collectives.py).
+
 Ranks meet at a `TCPStore` that rank 0 opens on a free port of 127.0.0.1 (no port guessing). The
 groups are torch.distributed's default group, so one process holds at most one tensor-parallel
 engine at a time (as in vLLM); `end_group` ends them, in bounded time.
@@ -13,6 +18,7 @@ engine at a time (as in vLLM); `end_group` ends them, in bounded time.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -23,11 +29,18 @@ import torch.distributed as dist
 
 from engine.distributed.all_reduce_path import AllReducePath
 from engine.distributed.custom_all_reduce import open_symmetric_all_reduce
+from engine.distributed.row_collectives import (
+    FusedRowOps,
+    open_fused_row_ops,
+    plain_all_gather_matmul,
+    plain_all_gather_rows,
+    plain_matmul_reduce_scatter,
+    plain_reduce_scatter_rows,
+)
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 from engine.parallel_config import ParallelConfig
 
-# all_gather_into_tensor's new name (torch >= 2.12); the same collective.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+logger = logging.getLogger("servelab.engine")
 
 
 @dataclass(slots=True)
@@ -38,6 +51,39 @@ class TPGroup:
     host_group: dist.ProcessGroup
     custom: SymmetricAllReduce | None = None  # the symmetric-memory paths, when every rank has them
     all_reduce_path: AllReducePath | None = None  # which all-reduce the group took at start-up (kept after close)
+    # Eager forwards of at least this many rows run sequence-parallel (0: never; `takes_sequence_parallel`).
+    sequence_parallel_min_rows: int = 0
+    fused_rows: FusedRowOps | None = None  # torch's async-TP ops for those steps' boundaries, if the group has them
+
+    def takes_sequence_parallel(self, rows: int) -> bool:
+        """Whether an eager forward of `rows` rows runs sequence-parallel: the same answer on every
+        rank (the step's row count and the config are theirs alike)."""
+        return self.size > 1 and 0 < self.sequence_parallel_min_rows <= rows
+
+    @property
+    def sequence_parallel_from(self) -> int:
+        """The fewest rows of a sequence-parallel step (0: none is): steps that large run eagerly."""
+        return self.sequence_parallel_min_rows if self.size > 1 else 0
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[S, C] on each rank -> [size * S, C]: rank r's rows at [r S, (r + 1) S)."""
+        return plain_all_gather_rows(x, self.size, self.device_group)
+
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[size * S, C] on each rank -> [S, C]: the sum over the ranks of rows [rank S, (rank + 1) S)."""
+        return plain_reduce_scatter_rows(x, self.size, self.device_group)
+
+    def all_gather_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """all_gather_rows(x) @ weight.T (weight [out, in]): fused and overlapped where the group has it."""
+        if self.fused_rows is not None:
+            return self.fused_rows.all_gather_matmul(x, weight)
+        return plain_all_gather_matmul(x, weight, self.size, self.device_group)
+
+    def matmul_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """reduce_scatter_rows(x @ weight.T) (weight [out, in]): fused and overlapped where the group has it."""
+        if self.fused_rows is not None:
+            return self.fused_rows.matmul_reduce_scatter(x, weight)
+        return plain_matmul_reduce_scatter(x, weight, self.size, self.device_group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks (on the device's stream: capturable in a CUDA graph): a new tensor
@@ -84,9 +130,7 @@ class TPGroup:
 
     def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
         """x on each rank -> [size, *x.shape]: rank r's x at index r."""
-        out = torch.empty(self.size * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
-        _all_gather(out, x.contiguous(), group=self.device_group)
-        return out.view(self.size, *x.shape)
+        return self.all_gather_rows(x).view(self.size, *x.shape)
 
     def min_int(self, value: int) -> int:
         """The smallest `value` over the ranks (each rank's KV block count, for one block table)."""
@@ -129,9 +173,25 @@ def init_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
     device_group = dist.group.WORLD
     host_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     group = TPGroup(rank, size, device_group, host_group)
+    parallel = parallel or ParallelConfig(size)
     group.custom, group.all_reduce_path = open_symmetric_all_reduce(
-        parallel or ParallelConfig(size), device, rank, size, device_group.group_name, group.min_int)
+        parallel, device, rank, size, device_group.group_name, group.min_int)
+    group.sequence_parallel_min_rows = parallel.sequence_parallel_min_rows
+    if group.sequence_parallel_from and group.custom is not None:  # the custom all-reduce's symmetric memory
+        group.fused_rows = open_fused_row_ops(device_group.group_name, rank, device, group.custom.launch)
+    if group.sequence_parallel_from and rank == 0:
+        logger.info("sequence-parallel steps from %d rows: %s", group.sequence_parallel_min_rows,
+                    _row_collectives(group, backend))
     return group
+
+
+def _row_collectives(group: TPGroup, backend: str) -> str:
+    """What carries the sequence-parallel boundaries, as rank 0 logs it."""
+    if group.fused_rows is None:
+        reason = group.all_reduce_path.off_reason if group.all_reduce_path is not None else None
+        return f"plain {backend} reduce-scatter / all-gather (no symmetric memory: {reason})"
+    kept = " (gathered inputs kept: the GPU reports NVLink multicast)" if group.fused_rows.keep_gathered else ""
+    return "torch's fused symmetric-memory ops" + kept
 
 
 def end_group(destroy_s: float, abort_s: float) -> bool:

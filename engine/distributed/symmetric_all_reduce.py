@@ -141,9 +141,9 @@ class SymmetricAllReduce:
             from kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
 
             kernel = one_shot_all_reduce if path == ONE_SHOT else two_shot_all_reduce
-            return self._launch(lambda: kernel(self.peers, staged, out, close=close))
+            return self.launch(lambda: kernel(self.peers, staged, out, close=close))
         op = self.ops.one_shot_all_reduce_out if path == ONE_SHOT else self.ops.two_shot_all_reduce_out
-        self._launch(lambda: op(staged, "sum", self.group_name, out))
+        self.launch(lambda: op(staged, "sum", self.group_name, out))
         return out
 
     def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -156,7 +156,7 @@ class SymmetricAllReduce:
         if not self.fused or self.path_for(partial) == NCCL or not self.fuses_rows(partial, residual):
             return None
         staged = self._stage(partial)
-        return self._launch(lambda: one_shot_all_reduce_add_rms_norm(self.peers, staged, residual, weight, eps,
+        return self.launch(lambda: one_shot_all_reduce_add_rms_norm(self.peers, staged, residual, weight, eps,
                                                                      close=self.closes))
 
     @staticmethod
@@ -173,7 +173,7 @@ class SymmetricAllReduce:
         """Whose kernels sum (`ParallelConfig.all_reduce_kernel`'s values)."""
         return "torch" if self.peers is None else ("triton_fused" if self.fused else "triton")
 
-    def _launch(self, kernel: Callable[[], T]) -> T:
+    def launch(self, kernel: Callable[[], T]) -> T:
         """Run a symmetric-memory kernel; outside a capture, rank 0 first waits (`pace`) for the
         one PACE_LAG kernels back."""
         paced = self.pace is not None and not torch.cuda.is_current_stream_capturing()

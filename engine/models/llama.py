@@ -22,6 +22,7 @@ from engine.models.ops import fused_ops, rope_rows
 from engine.models.parallel_layers import PartialSum, TPContext, embedding, gather_logits, row_linear
 from engine.models.registry import register_model
 from engine.models.rope import RotaryEmbedding
+from engine.models.sequence_parallel import sequence_parallel_forward
 
 
 class RMSNorm(nn.Module):
@@ -90,12 +91,16 @@ class Attention(nn.Module):
 
     def forward(self, rope: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """rope: the step's cos/sin rows [T, 2, head_dim] (`ops.rope_rows`)."""
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend_rows(rope, self.qkv_proj(x), meta))
+
+    def attend_rows(self, rope: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, q + 2 kv] (the projection, bias added) -> attention output [T, q] (before o_proj):
+        q/k norms, rope, the KV cache write and the paged attention."""
         if self.fused_qk_rope_write is not None:
             weights = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             q = self.fused_qk_rope_write(qkv, self.num_heads, *weights, self.eps, rope, *self.attn.caches(),
                                          meta.slot_mapping)
-            return self.o_proj(self.attn.attend(q, meta).reshape(-1, self.q_size))
+            return self.attn.attend(q, meta).reshape(-1, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -105,7 +110,7 @@ class Attention(nn.Module):
         else:
             q, k = self.fns.apply_rope(q, k, rope)
         o = self.attn(q, k, v, meta)  # the kernels take strided rows (v is a view of qkv)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return o.reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -170,9 +175,12 @@ class LlamaForCausalLM(nn.Module):
         for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
             layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                sequence_parallel: bool | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]. `sequence_parallel`:
+        a shard's choice of layer boundaries (`ShardedLlamaForCausalLM`); one model has none."""
+        if sequence_parallel:
+            raise ValueError("sequence_parallel=True is invalid without tensor parallelism")
         x, residual = self.embed_tokens(input_ids), None
         rope = rope_rows(self.rotary.cos_sin, positions, x.dtype)
         for layer in self.layers:
@@ -205,14 +213,26 @@ class LlamaForCausalLM(nn.Module):
 
 class ShardedLlamaForCausalLM(LlamaForCausalLM):
     """One tensor-parallel rank's shard: the forward all-reduces inside its row-parallel layers and
-    embedding; `compute_local_logits` gives this rank's vocabulary columns and `gather_logits`
-    every rank's (all ranks get them, a collective; the sampler runs on rank 0, its fast path
-    without the gather: engine/distributed/vocab_parallel_sampling.py)."""
+    embedding (or, for steps of many rows, runs sequence-parallel: `forward`);
+    `compute_local_logits` gives this rank's vocabulary columns and `gather_logits` every rank's
+    (all ranks get them, a collective; the sampler runs on rank 0, its fast path without the
+    gather: engine/distributed/vocab_parallel_sampling.py)."""
 
     def __init__(self, cfg: ModelConfig, ops: ModuleType, max_positions: int | None = None,
                  compile: bool = False, *, tp: TPContext) -> None:
         super().__init__(cfg, ops, max_positions, compile, tp)
         self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                sequence_parallel: bool | None = None) -> torch.Tensor:
+        """`sequence_parallel`: run the layers sequence-parallel (engine/models/sequence_parallel.py);
+        None: if the step's rows reach the group's `sequence_parallel_min_rows` (every rank decides
+        alike). CUDA graphs capture with False: their steps keep the all-reduces."""
+        if sequence_parallel is None:
+            sequence_parallel = self.tp.group.takes_sequence_parallel(input_ids.shape[0])
+        if sequence_parallel:
+            return sequence_parallel_forward(self, input_ids, positions, meta)
+        return super().forward(input_ids, positions, meta)
 
     @property
     def vocab_columns(self) -> tuple[int, int]:

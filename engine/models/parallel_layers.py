@@ -73,11 +73,16 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        outside = (ids < self.start) | (ids >= self.end)
-        local = torch.where(outside, 0, ids - self.start)
-        x = F.embedding(local, self.weight).masked_fill_(outside[:, None], 0)
+        x = self.lookup(ids)
         self.group.begin_forward()  # every forward of a sharded model starts here
         return self.group.all_reduce(x)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's summand of the embeddings: its vocabulary's rows, zero for other ids (any id
+        outside the vocabulary, e.g. -1, gives a zero row on every rank)."""
+        outside = (ids < self.start) | (ids >= self.end)
+        local = torch.where(outside, 0, ids - self.start)
+        return F.embedding(local, self.weight).masked_fill_(outside[:, None], 0)
 
 
 def row_linear(local_in: int, out_features: int, bias: bool, tp: TPContext | None,

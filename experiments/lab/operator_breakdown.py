@@ -54,7 +54,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("outputs/operator_breakdown"))
     a = ap.parse_args()
     base = [o for o in BASE if not o.startswith("backend=")] if a.bench else []
-    summary, table = breakdown([*base, *a.overrides], a.out)
+    try:
+        summary, table = breakdown([*base, *a.overrides], a.out)
+    except ValueError as e:  # a bad override or a profile that cannot price the run: said, no traceback
+        raise SystemExit(f"error: {e}") from None
     r = summary["run"]
     print(f"output throughput {summary['output_throughput']:,.0f} tok/s; latency data: {r.get('latency_data', {})}")
     print("seconds priced, by operator family:")

@@ -81,7 +81,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
         enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed),
         decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)), tensor_parallel_size=tp,
-        **factory.all_reduce_settings(cfg))
+        **factory.all_reduce_settings(cfg, factory.ENGINE_PARALLEL_SETTINGS))
 
 
 # EngineArgs fields that only shape the scheduler, which `LLMEngine.reset` rebuilds: runs that differ

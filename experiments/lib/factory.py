@@ -25,6 +25,7 @@ from sim.latency import (
     build_latency_model,
 )
 from sim.latency.build import EngineAllReduce
+from sim.latency.sequence_parallel_pricing import check_min_rows
 from sim.latency.tensor_parallel import shard_shape
 
 
@@ -52,13 +53,16 @@ def tensor_parallel_size(cfg: DictConfig) -> int:
 
 ALL_REDUCE_SETTINGS = ("disable_custom_all_reduce", "custom_all_reduce_one_shot_max_bytes",
                        "custom_all_reduce_max_bytes", "all_reduce_kernel")
+# The all-reduce settings and the engine's other `parallel` settings (sequence-parallel steps:
+# sim/latency/sequence_parallel_pricing.py prices them).
+ENGINE_PARALLEL_SETTINGS = (*ALL_REDUCE_SETTINGS, "sequence_parallel_min_rows")
 
 
-def all_reduce_settings(cfg: DictConfig) -> dict[str, Any]:
-    """The `parallel` block's all-reduce settings that are set (null: the engine's default), as
-    `EngineArgs` / `ParallelConfig` keyword arguments."""
+def all_reduce_settings(cfg: DictConfig, keys: tuple[str, ...] = ALL_REDUCE_SETTINGS) -> dict[str, Any]:
+    """The `parallel` block's all-reduce settings (or `keys`) that are set (null: the engine's
+    default), as `EngineArgs` / `ParallelConfig` keyword arguments."""
     parallel = section(cfg, "parallel") if cfg.get("parallel") is not None else {}
-    return {k: parallel[k] for k in ALL_REDUCE_SETTINGS if parallel.get(k) is not None}
+    return {k: parallel[k] for k in keys if parallel.get(k) is not None}
 
 
 def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
@@ -71,7 +75,7 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
 
     tp, dtype_name = tensor_parallel_size(cfg), str(section(cfg, "model").get("dtype"))
     try:
-        parallel = ParallelConfig(tp, **all_reduce_settings(cfg))
+        parallel = ParallelConfig(tp, **all_reduce_settings(cfg, ENGINE_PARALLEL_SETTINGS))  # validated alike
     except ValueError as e:
         raise ValueError(f"parallel.{e}") from None
     dtype = DTYPES.get(dtype_name)
@@ -204,18 +208,25 @@ def latency_setup(cfg: DictConfig) -> LatencySetup:
     gpu_model_shape(cfg)  # the size's errors, named by config key
     sched = cfg.get("scheduler") or {}
 
+    tp = tensor_parallel_size(cfg)
+    parallel = section(cfg, "parallel") if cfg.get("parallel") is not None else {}
+    sequence_parallel = parallel.get("sequence_parallel_min_rows") or 0
+    eager_from = sequence_parallel if tp > 1 else 0  # the engine's `TPGroup.sequence_parallel_from`
+
     def graph_sizes() -> tuple[list[int], list[int]]:  # the engine's CUDA-graph buckets for these limits
         from engine.device.cuda_graph import graph_batch_sizes, graph_token_sizes
-        return graph_batch_sizes(sched.max_num_seqs), graph_token_sizes(sched.max_num_batched_tokens)
+        return (graph_batch_sizes(sched.max_num_seqs),
+                graph_token_sizes(sched.max_num_batched_tokens, eager_from))
 
     def decode_splits(programs: int, slots: int, table_tokens: int) -> int:  # the engine's split-KV rule
         from kernels.decode_splits import splits_for
         from kernels.decode_tma import TmaDecodeConfig
         return splits_for(programs, table_tokens, slots, TmaDecodeConfig().min_split_tokens, ordered=True)
 
-    return LatencySetup(model_shape(cfg), hardware(cfg), block_size(cfg), tensor_parallel_size(cfg),
+    return LatencySetup(model_shape(cfg), hardware(cfg), block_size(cfg), tp,
                         bool(sched.get("async_scheduling", False)), graph_sizes, decode_splits,
-                        sched.get("max_model_len"), lambda: engine_all_reduce(cfg))
+                        sched.get("max_model_len"), lambda: engine_all_reduce(cfg),
+                        check_min_rows(sequence_parallel))
 
 
 def build_latency(cfg: DictConfig) -> LatencyModel:

@@ -111,6 +111,9 @@ _num_samples = itemgetter(2)
 
 class LatencyModel(ABC):
     name: str = "base"
+    # Whether the model prices the engine's sequence-parallel steps (`parallel.sequence_parallel_min_rows`
+    # > 0 at N > 1 GPUs); a model without is refused such a run (sim/latency/build.py).
+    prices_sequence_parallel: bool = False
 
     @abstractmethod
     def step_time(self, out: SchedulerOutput) -> float:

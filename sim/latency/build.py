@@ -69,8 +69,17 @@ class LatencySetup:
     # The engine's all-reduce for the run's settings, built on demand by the caller; None: not
     # known (every all-reduce priced as NCCL's, and the model says so).
     all_reduce: Callable[[], EngineAllReduce] | None = None
+    # Eager steps of this many tokens or more run sequence-parallel at N > 1 (the engine's
+    # `parallel.sequence_parallel_min_rows`; 0: none). Only models with `prices_sequence_parallel` take it.
+    sequence_parallel_min_rows: int = 0
 
 
 def build_latency_model(config: LatencyConfig, setup: LatencySetup, where: str = "latency"):
     """The latency model `config` names, set up for `setup`."""
-    return LATENCY_MODELS.get(config.name, where).from_config(config, setup)
+    cls = LATENCY_MODELS.get(config.name, where)
+    rows = setup.sequence_parallel_min_rows
+    if rows and setup.tensor_parallel_size > 1 and not getattr(cls, "prices_sequence_parallel", False):
+        raise ValueError(f"parallel.sequence_parallel_min_rows={rows} is invalid with {where}={config.name}: it does "
+                         "not price sequence-parallel steps; use latency=operators (their rows measured), or set it "
+                         "to 0")
+    return cls.from_config(config, setup)

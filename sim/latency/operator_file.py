@@ -33,6 +33,14 @@ Rows, by `op` (its axes in brackets; unused columns empty; sizes are integers >=
   one (the engine's fused layer boundary, `all_reduce_kernel=triton_fused`), where the GPUs had it;
   `all_reduce_add_rms_norm_lamport` [bytes, n] the same boundary by the barrier-free kernel
   (`all_reduce_kernel=triton_lamport`).
+- `reduce_scatter` [bytes] per `world_size`: `bytes` of the input on each rank, each rank getting
+  the sum of its 1/N (NCCL; gloo on the CPU).
+- `all_gather_matmul`, `matmul_reduce_scatter` [m, k, n] per `world_size`: a sequence-parallel
+  layer boundary (engine/models/sequence_parallel.py) as the engine's group runs it (torch's fused
+  symmetric-memory ops where the GPUs had them, else the collective and the GEMM one after the
+  other): m/N rows of width k on each rank gathered, then @ W[k, n] (m rows out); or m rows @
+  W[k, n], the result reduce-scattered (m/N rows of the sum out). Their cells over the grid's caps
+  are filled as `gemm`'s (operator_profile.py).
 """
 from __future__ import annotations
 
@@ -68,6 +76,9 @@ OP_AXES: dict[str, tuple[str, ...]] = {
     "all_reduce_two_shot": ("bytes",),
     "all_reduce_add_rms_norm": ("bytes", "n"),
     "all_reduce_add_rms_norm_lamport": ("bytes", "n"),
+    "reduce_scatter": ("bytes",),
+    "all_gather_matmul": ("m", "k", "n"),
+    "matmul_reduce_scatter": ("m", "k", "n"),
 }
 COLLECTIVES = ("all_reduce", "all_gather")  # NCCL's: every collectives file has them
 SYMMETRIC_ALL_REDUCES = ("all_reduce_one_shot", "all_reduce_two_shot")  # where symmetric memory was available
@@ -75,7 +86,12 @@ FUSED_ALL_REDUCE = "all_reduce_add_rms_norm"  # the fused layer boundary: all-re
 LAMPORT_FUSED_ALL_REDUCE = "all_reduce_add_rms_norm_lamport"  # the same boundary, the barrier-free kernel
 # The kernels whose fused boundary has rows of its own (`all_reduce_kernel` -> op).
 FUSED_BOUNDARY_OPS = {"triton_fused": FUSED_ALL_REDUCE, "triton_lamport": LAMPORT_FUSED_ALL_REDUCE}
-PER_WORLD_SIZE = (*COLLECTIVES, *SYMMETRIC_ALL_REDUCES, FUSED_ALL_REDUCE, LAMPORT_FUSED_ALL_REDUCE)  # per world size
+# The sequence-parallel step's row collectives: the boundaries' GEMMs with their collective, and the
+# reduce-scatter of the embedding's sums (its final all-gather is `all_gather`'s).
+SEQUENCE_PARALLEL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "reduce_scatter")
+PER_WORLD_SIZE = (*COLLECTIVES, *SYMMETRIC_ALL_REDUCES, FUSED_ALL_REDUCE, LAMPORT_FUSED_ALL_REDUCE,
+                  *SEQUENCE_PARALLEL_OPS)  # per world size
+GEMM_OPS = ("gemm", "all_gather_matmul", "matmul_reduce_scatter")  # [m, k, n], unmeasured cells filled
 # The engine's all-reduce paths (engine/distributed/all_reduce_path.py: ONE_SHOT, TWO_SHOT, NCCL)
 # and the op whose rows time each.
 ALL_REDUCE_PATH_OPS = {"one-shot": "all_reduce_one_shot", "two-shot": "all_reduce_two_shot", "nccl": "all_reduce"}

@@ -3,9 +3,10 @@ operator_file.py), found by name in a directory (`find_operator_files`), and eac
 as an `OpGrid` (sim/latency/op_grid.py).
 
 Each operator's rows must cover every combination of its axes' distinct values (repeats: the
-median), except `gemm`, whose unmeasured cells (the grid skips the largest products) are filled
-from the measured ones (`_fill_gemm`: the last segment in m extrapolated, else a least-squares fit
-of time on weight bytes, activation bytes and FLOPs; never above the fastest measured FLOP rate).
+median), except the GEMMs' (`gemm` and the sequence-parallel boundaries', `GEMM_OPS`), whose
+unmeasured cells (the grid skips the largest products) are filled from the measured ones
+(`_fill_gemm`: the last segment in m extrapolated, else a least-squares fit of time on weight
+bytes, activation bytes and FLOPs; never above the fastest measured FLOP rate).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.latency.op_grid import Axis, OpGrid
-from sim.latency.operator_file import OP_AXES, PER_WORLD_SIZE, ZERO_ALLOWED, read_operator_file
+from sim.latency.operator_file import GEMM_OPS, OP_AXES, PER_WORLD_SIZE, ZERO_ALLOWED, read_operator_file
 
 # Operators interpolated in log space (sizes and times: a power law between points), the others
 # multilinearly in the sizes (sim/latency/op_grid.py): prefill attention grows with its tokens
@@ -60,7 +61,7 @@ class OperatorProfile:
                 profile.points.setdefault(key, {}).setdefault(_axis_values(row, OP_AXES[op]), []).append(
                     row["time_s"])
         for (op, ws), pts in profile.points.items():
-            if op != "gemm":
+            if op not in GEMM_OPS:
                 profile._check_full(op, ws, pts)
         return profile
 
@@ -104,7 +105,7 @@ class OperatorProfile:
         axes = tuple(Axis(a, tuple(v), log and a in LOG_AXES, 1.0 if a in ZERO_ALLOWED else 0.0)
                      for a, v in zip(axes_names, values, strict=True))
         shape = tuple(len(v) for v in values)
-        if op == "gemm":
+        if op in GEMM_OPS:
             pts = _fill_gemm(pts, values)
         times = np.empty(shape)
         for idx in product(*(range(n) for n in shape)):

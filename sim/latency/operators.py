@@ -27,6 +27,10 @@ a step of T tokens (prefill + decodes), R sampled rows, B decodes reading C KV e
     + copy_blocks(copies x block bytes) + host_step_s
     + sync_host_s + sync_host_per_seq_s x sequences   (a step not scheduled ahead)
 
+An eager step the engine runs sequence-parallel (`parallel.sequence_parallel_min_rows`) has the
+layer stack sim/latency/sequence_parallel_pricing.py prices in place of the token terms and the
+all-reduces above.
+
 The host's per-step work (scheduling, input preparation, output processing) overlaps the GPU's in
 a step scheduled ahead (async scheduling); a step that was not (`SchedulerOutput.ahead` false, or
 every step with `async_scheduling` off) waits for it: `sync_host_s` plus `sync_host_per_seq_s` per
@@ -65,6 +69,7 @@ from sim.latency.collective_pricing import (
 from sim.latency.decode_attention_pricing import DecodeAttentionPricing
 from sim.latency.op_grid import Axis, OpGrid
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
+from sim.latency.sequence_parallel_pricing import SequenceParallelPricing, check_min_rows
 from sim.latency.shapes import Hardware, ModelShape
 from sim.latency.tensor_parallel import SAMPLED_PAIR_BYTES, shard_shape
 from sim.latency.token_padding import padded
@@ -109,6 +114,7 @@ class OperatorsConfig(LatencyConfig):
 @LATENCY_MODELS.register("operators", config=OperatorsConfig)
 class OperatorModel(LatencyModel):
     name = "operators"
+    prices_sequence_parallel = True
 
     @classmethod
     def from_config(cls, config: OperatorsConfig, setup: LatencySetup) -> OperatorModel:
@@ -125,7 +131,8 @@ class OperatorModel(LatencyModel):
                    sync_host_per_seq_s=config.sync_host_per_seq_s, async_scheduling=setup.async_scheduling,
                    decode_wave_programs=config.decode_wave_programs, decode_splits=setup.decode_splits,
                    max_model_len=setup.max_model_len, kv_reread_cost=setup.hardware.kv_reread_cost,
-                   collectives=config.collectives, hardware=setup.hardware, engine_all_reduce=engine_paths)
+                   collectives=config.collectives, hardware=setup.hardware, engine_all_reduce=engine_paths,
+                   sequence_parallel_min_rows=setup.sequence_parallel_min_rows)
 
     def __init__(self, profile: OperatorProfile, model: ModelShape, block_size: int,
                  tensor_parallel_size: int = 1, host_step_s: float = 0.0, admission_s: float = 0.0,
@@ -133,12 +140,15 @@ class OperatorModel(LatencyModel):
                  sync_host_s: float = 0.0, sync_host_per_seq_s: float = 0.0, async_scheduling: bool = True,
                  decode_wave_programs: int = 0, decode_splits: Callable[[int, int, int], int] | None = None,
                  max_model_len: int | None = None, kv_reread_cost: float = 1.0, collectives: str = "measured",
-                 hardware: Hardware | None = None, engine_all_reduce: EngineAllReduce | None = None) -> None:
+                 hardware: Hardware | None = None, engine_all_reduce: EngineAllReduce | None = None,
+                 sequence_parallel_min_rows: int = 0) -> None:
         """`kv_reread_cost` (`Hardware.kv_reread_cost`): decode attention is profiled on distinct KV,
         so a batch's shared KV entries count as that fraction of a distinct one's (`decode_context`).
         `collectives` (COLLECTIVE_MODES) and the run's `hardware`: how collectives at a world size
         the profile did not measure are priced (sim/latency/collective_pricing.py);
-        `engine_all_reduce`: the paths the engine takes for each all-reduce (None: priced as NCCL's)."""
+        `engine_all_reduce`: the paths the engine takes for each all-reduce (None: priced as NCCL's).
+        `sequence_parallel_min_rows` (> 0 at N > 1): eager steps of that many tokens or more run
+        sequence-parallel (sim/latency/sequence_parallel_pricing.py)."""
         missing = [op for op in REQUIRED if not profile.has(op)]
         if missing:
             raise ValueError(f"operator profile {[str(p) for p in profile.paths]} lacks op {missing}: take the "
@@ -192,6 +202,19 @@ class OperatorModel(LatencyModel):
         self.token_curve = summed("m", points, parts)
         # The same curve by operator family, for `shape_time(..., parts)` (a breakdown, not the hot path).
         self.token_families = {name: summed("m", points, family) for name, family in families.items()}
+        self.sequence_parallel = None
+        if tp > 1 and check_min_rows(sequence_parallel_min_rows) > 0:
+            fused = engine_all_reduce is not None and engine_all_reduce.off_reason is None
+            elementwise = {"add_rms_norm": self.add_rms_norm, "embedding": profile.grid("embedding").fix("n", h),
+                           "silu_and_mul": profile.grid("silu_and_mul").fix("n", m.intermediate_size),
+                           "qk_rope_write": profile.grid("qk_rope_write").fixed(**width)}
+            self.sequence_parallel = SequenceParallelPricing.of(profile, m, tp, sequence_parallel_min_rows, fused,
+                                                                elementwise)
+            self.sources["sequence parallel"] = (
+                f"steps of {sequence_parallel_min_rows}+ tokens (eager): "
+                + ("all_gather_matmul / matmul_reduce_scatter rows" if fused else
+                   "all_gather / reduce_scatter rows beside the GEMMs (symmetric memory off)")
+                + f" ({', '.join(profile.files('reduce_scatter', tp))})")
         self.lm_head = gemm.fixed(k=h, n=m.vocab_size)
         self.sampler = profile.grid("sampler").fix("n", m.vocab_size)  # each rank draws from its columns
         self.decode_pricing = DecodeAttentionPricing(profile, width, m.num_key_value_heads, decode_wave_programs,
@@ -249,8 +272,12 @@ class OperatorModel(LatencyModel):
             if parts is not None:
                 _book(parts, s, {"launch, host": host, "copy_blocks": copy})
             return host + copy
-        rows = padded(tokens, self.token_sizes if s.num_prefill_tokens else self.batch_sizes)
-        token_ops = self.token_curve(rows)
+        sizes = self.token_sizes if s.num_prefill_tokens else self.batch_sizes
+        rows = padded(tokens, sizes)
+        layers = None  # a sequence-parallel step's layer stack, by family
+        if self.sequence_parallel is not None and rows not in sizes and self.sequence_parallel.takes(tokens):
+            layers = self.sequence_parallel.parts(tokens)
+        token_ops = self.token_curve(rows) if layers is None else sum(layers.values())
         head = decode = prefill = reduce = gather = norms = 0.0
         logit_rows = self.logit_rows(rows, s) if s.num_samples else 0
         if s.num_samples:
@@ -263,15 +290,19 @@ class OperatorModel(LatencyModel):
             attn = self.prefill_floor + sum(self.prefill(q, c) - self.prefill_floor for q, c in chunks)
             prefill = L * max(attn, self.prefill_floor)
         if self.all_reduce is not None:
-            reduce, norms = self.reduce_time(rows)
+            if layers is None:
+                reduce, norms = self.reduce_time(rows)
             if s.num_samples:
                 gather = self.all_gather(s.num_samples * self.pair_bytes)
         if parts is not None:
-            families = {name: curve(rows) for name, curve in self.token_families.items()}
-            families["norms, activation, rope, embedding"] += norms
+            if layers is None:
+                families = {name: curve(rows) for name, curve in self.token_families.items()}
+                families["norms, activation, rope, embedding"] += norms
+            else:
+                families = {name: t for name, t in layers.items() if t}
             _book(parts, s, {"launch, host": host, "copy_blocks": copy, **families, "lm head, sampler": head,
                              "decode attention": decode, "prefill attention": prefill,
-                             "all-reduce": reduce if self.all_reduce is not None else None,
+                             "all-reduce": reduce if self.all_reduce is not None and layers is None else None,
                              "all-gather": gather if self.all_reduce is not None else None})
         return host + copy + token_ops + head + decode + prefill + reduce + gather + norms
 

@@ -118,6 +118,8 @@ CONSTRUCTOR = (
     ("num_gpu_blocks-negative", ("tiny-llama", {"num_gpu_blocks": -3}), r"num_gpu_blocks=-3 is invalid"),
     ("custom_all_reduce_max_bytes", ("tiny-llama", {"custom_all_reduce_max_bytes": 1000}),
      r"custom_all_reduce_max_bytes=1000 is invalid"),
+    ("sequence_parallel_min_rows", ("tiny-llama", {"sequence_parallel_min_rows": -1}),
+     r"sequence_parallel_min_rows=-1 is invalid: an integer >= 0"),
     ("model-not-a-model", ("/etc/passwd", {}), r"model='/etc/passwd' is unknown"),
     ("missing-safetensors", (_no_weights, {}), r"missing file .*model\.safetensors"),
     ("truncated-safetensors", (_truncated_weights, {}), r"weights file '.*model\.safetensors' is invalid"),

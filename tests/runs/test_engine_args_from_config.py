@@ -46,6 +46,8 @@ MAPPED = {
     "custom_all_reduce_max_bytes": ("parallel.custom_all_reduce_max_bytes=65536",
                                     lambda a: a.custom_all_reduce_max_bytes == 65536),
     "all_reduce_kernel": ("parallel.all_reduce_kernel=triton_fused", lambda a: a.all_reduce_kernel == "triton_fused"),
+    "sequence_parallel_min_rows": ("parallel.sequence_parallel_min_rows=2048",
+                                   lambda a: a.sequence_parallel_min_rows == 2048),
 }
 # Fields a run config does not set, and why.
 NOT_FROM_CONFIG = {

@@ -316,6 +316,8 @@ def test_the_cpu_operator_profiler_writes_files_the_model_reads(tmp_path):
     paths = profile_operators(cfg, "test")
     assert [p.name for p in paths] == ["cpu-float32-reference.csv", "cpu-float32-collectives-n2.csv"]
     profile = OperatorProfile.load(find_operator_files(tmp_path, "cpu", "float32"))
+    # The tiny grid's sequence_parallel_m: the boundaries' rows, beside the reduce-scatter's.
+    assert all(profile.has(op, 2) for op in ("reduce_scatter", "all_gather_matmul", "matmul_reduce_scatter"))
     model = OperatorModel(profile, factory.model_shape(config("model=tiny-qwen3")), 4, 2)
     assert 0 < model.shape_time(shape([(16, 8)], 3, 20)) < 1.0
 
@@ -327,7 +329,8 @@ def test_the_cpu_collectives_skip_the_symmetric_and_fused_rows_and_say_so():
     from experiments.lib.profiling.collectives import collective_rows
     said: list[str] = []
     rows = collective_rows([2], [1024, 65536], torch.float32, False, said.append, iters=2, timeout_s=60.0, width=32)
-    assert {r["op"] for r in rows} == {"all_reduce", "all_gather"}
+    assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter"}  # no boundaries
+    assert len(said) == 1
     assert ("NCCL rows only, no symmetric-memory rows: no all_reduce_add_rms_norm rows (the simulator prices the "
             "fused boundary as all-reduce + add_rms_norm at N=2): the engine said: all-reduce: NCCL/gloo") in said[0]
 

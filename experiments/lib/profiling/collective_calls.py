@@ -1,11 +1,15 @@
 """The calls the collectives profiler times and how it times them (experiments/lib/profiling/collectives.py,
-experiments/bench_allreduce.py): each op as a zero-argument call on the engine's group and buffers,
-the message sizes each path takes, and `mean_call_s`, a call's mean time captured in a CUDA graph
-(back to back eagerly, or by wall clock on the CPU)."""
+experiments/bench_allreduce.py, experiments/lib/profiling/sequence_parallel_rows.py): each op as a
+zero-argument call on the engine's group and buffers, the message sizes each path takes,
+`mean_call_s`, a call's mean time captured in a CUDA graph (back to back eagerly, or by wall clock
+on the CPU), `fastest_s`, a row's time from the ranks', and `engine_log`, the engine's start-up
+lines that say which paths its group took."""
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -18,6 +22,7 @@ from engine.parallel_config import CUSTOM_ALL_REDUCE_LIMIT_BYTES
 from sim.latency.operator_file import FUSED_ALL_REDUCE, LAMPORT_FUSED_ALL_REDUCE
 
 Row = dict[str, float | str]
+ENGINE_LOGGER = "servelab.engine"
 FUSED_EPS = 1e-6  # the fused rows' RMSNorm epsilon (its value does not change the kernel's time)
 
 
@@ -149,3 +154,33 @@ def mean_call_s(call: Callable[[], object], iters: int, mode: str = "graph", rep
     if graph is not None:
         graph.reset()  # NCCL's teardown waits until no graph holds the communicator
     return start.elapsed_time(end) / 1e3 / (iters * (replays if graph is not None else 1))
+
+
+def fastest_s(seconds: float, group: TPGroup, device: torch.device) -> float:
+    """The fastest rank's mean seconds (every rank calls this, in step): the ranks leave the timing
+    barrier at different moments and the earlier ones wait for the last."""
+    fastest = torch.tensor([seconds], device=device, dtype=torch.float64)
+    dist.all_reduce(fastest, op=dist.ReduceOp.MIN, group=group.device_group)
+    return float(fastest.item())
+
+
+@contextmanager
+def engine_log(prefix: str) -> Iterator[list[str]]:
+    """The engine's log lines that start with `prefix` (rank 0's "all-reduce: ..." or
+    "sequence-parallel steps ..."), kept while inside."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith(prefix):
+                lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger(ENGINE_LOGGER), Keep(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

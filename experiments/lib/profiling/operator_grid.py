@@ -3,23 +3,31 @@
 
 The grid is generic, not taken from any model: GEMMs over powers of two of tokens (m), input (k)
 and output (n) widths; attention over head dims, KV heads, query heads per KV head, batch and
-context; elementwise ops over tokens and widths. A model's shapes at any tensor-parallel size
-fall between its points (sim/latency/operators.py interpolates in log space; the GEMM cells the
-caps skip are filled by a least-squares fit, sim/latency/operator_profile.py).
+context; elementwise ops over tokens and widths; the sequence-parallel boundaries (the collectives
+part) over their steps' rows (`sequence_parallel_m`, optional) and the GEMM widths. A model's
+shapes at any tensor-parallel size fall between its points (sim/latency/operators.py interpolates
+in log space; the GEMM cells the caps skip are filled by a least-squares fit,
+sim/latency/operator_profile.py).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from itertools import pairwise
 from typing import Any
+
+# Lists a grid may leave out or empty (no rows of their ops).
+OPTIONAL_LISTS = ("sequence_parallel_m",)
 
 
 def _sizes(d: Mapping[str, Any], key: str, low: int) -> list[int]:
     v = d.get(key)
+    if key in OPTIONAL_LISTS and (v is None or (isinstance(v, (list, tuple)) and not v)):
+        return []
     if not isinstance(v, (list, tuple)) or not v or any(
             isinstance(x, bool) or not isinstance(x, int) or x < low for x in v):
-        raise ValueError(f"operator_grid.{key}={v!r} is invalid: must be a non-empty list of integers >= {low}")
+        what = "a list" if key in OPTIONAL_LISTS else "a non-empty list"
+        raise ValueError(f"operator_grid.{key}={v!r} is invalid: must be {what} of integers >= {low}")
     if any(b <= a for a, b in pairwise(v)):
         raise ValueError(f"operator_grid.{key}={list(v)!r} is invalid: must be strictly increasing")
     return list(v)
@@ -46,6 +54,9 @@ class OperatorGrid:
     launch_kernels: list[int]
     collective_bytes: list[int]
     world_sizes: list[int]  # collectives; those above the machine's GPU count are skipped
+    # The sequence-parallel boundaries' rows (all_gather_matmul, matmul_reduce_scatter: a step's rows,
+    # gathered), timed at each world size that divides them; empty: none timed.
+    sequence_parallel_m: list[int] = field(default_factory=list)
     # The fused all-reduce + add + RMSNorm rows' width (elements): the hidden size of the model the
     # simulator prices them for (4096: Qwen3-8B's); other widths are priced unfused.
     fused_norm_width: int = 4096
@@ -80,6 +91,16 @@ class OperatorGrid:
                              f"attention_max_kv_bytes={grid.attention_max_kv_bytes}: shrink decode_seqs or "
                              "decode_context, or raise the cap if the GPU holds it")
         return grid
+
+    def gemm_cells(self, itemsize: int, ms: list[int] | None = None) -> Iterator[tuple[int, int, list[int]]]:
+        """(k, n, the m timed at them) for every weight [n, k] of `itemsize`-byte elements within
+        `gemm_max_weight_bytes`; the m: those of `ms` (default `gemm_m`) whose 2 m k n is within
+        `gemm_max_flops` (the cells over either cap are filled by the fit)."""
+        ms = self.gemm_m if ms is None else ms
+        for k in self.gemm_k:
+            for n in self.gemm_n:
+                if k * n * itemsize <= self.gemm_max_weight_bytes:
+                    yield k, n, [m for m in ms if 2 * m * k * n <= self.gemm_max_flops]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

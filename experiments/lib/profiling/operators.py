@@ -67,19 +67,14 @@ def _copies(device: torch.device, nbytes: int, most: int = 64) -> int:
 
 def gemm_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype) -> Iterator[Row]:
     dev, size = timer.device, dtype.itemsize
-    for k in grid.gemm_k:
-        for n in grid.gemm_n:
-            if k * n * size > grid.gemm_max_weight_bytes:
-                continue
-            weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.02
-                       for _ in range(_copies(dev, k * n * size))]
-            for m in grid.gemm_m:
-                if 2 * m * k * n > grid.gemm_max_flops:
-                    continue
-                x = torch.randn(m, k, device=dev, dtype=dtype)
-                t = timer.kernel([lambda w=w, x=x: F.linear(x, w) for w in weights])
-                yield {"op": "gemm", "m": m, "k": k, "n": n, "time_s": t}
-            del weights
+    for k, n, ms in grid.gemm_cells(size):
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.02
+                   for _ in range(_copies(dev, k * n * size))]
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            t = timer.kernel([lambda w=w, x=x: F.linear(x, w) for w in weights])
+            yield {"op": "gemm", "m": m, "k": k, "n": n, "time_s": t}
+        del weights
 
 
 def _widen(tables: torch.Tensor, width: int) -> torch.Tensor:

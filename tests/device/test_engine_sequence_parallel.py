@@ -1,0 +1,69 @@
+"""Sequence-parallel steps in whole tensor-parallel engines on CPU (gloo): with
+`sequence_parallel_min_rows` low, every step of that many tokens runs sequence-parallel on every
+rank (the others keep the all-reduces), and the greedy tokens equal the single-process engine's, as
+tests/device/test_engine_tp.py asserts for the all-reduce path: Qwen3 (dummy weights and a
+checkpoint), Qwen2 (the q/k/v bias) and Llama, at 2 and 4 ranks, through chunked prefill, swap
+preemption and async scheduling. Padded steps' hidden states and logits against the all-reduce
+path's: tests/device/test_sequence_parallel.py."""
+from __future__ import annotations
+
+import pytest
+from test_engine_tp import ARGS, SCENARIOS, checkpoints, reference, run  # noqa: F401 (fixtures)
+
+from engine.engine_args import EngineArgs
+from engine.models import llama
+from engine.offline.llm_engine import LLMEngine
+
+# Prefill steps (tens of tokens) and decode steps of 3+ sequences take the path; the decode steps
+# of the last one or two sequences keep the all-reduces: both within one engine.
+MIN_ROWS = 3
+
+
+@pytest.fixture(scope="module")
+def sp_engines(checkpoints):  # noqa: F811 (the imported fixture)
+    """(model, N) -> a sequence-parallel engine; one open at a time (one group per process)."""
+    current: dict[tuple[str, int], LLMEngine] = {}
+
+    def get(model: str, size: int) -> LLMEngine:
+        if (model, size) not in current:
+            for engine in current.values():
+                engine.close()
+            current.clear()
+            path = model if model.startswith("tiny-") else str(checkpoints / model)
+            current[(model, size)] = LLMEngine(EngineArgs(model=path, tensor_parallel_size=size,
+                                                          sequence_parallel_min_rows=MIN_ROWS, **ARGS))
+        return current[(model, size)]
+
+    yield get
+    for engine in current.values():
+        engine.close()
+
+
+def counting_sequence_parallel(monkeypatch) -> list[int]:
+    """The row counts of rank 0's sequence-parallel forwards from here on (the workers' are theirs)."""
+    rows, forward = [], llama.sequence_parallel_forward
+
+    def counted(model, input_ids, positions, meta):
+        rows.append(input_ids.shape[0])
+        return forward(model, input_ids, positions, meta)
+
+    monkeypatch.setattr(llama, "sequence_parallel_forward", counted)
+    return rows
+
+
+CASES = [("tiny-qwen3", 2, s) for s in ("plain", "chunked")] + [("qwen3", 2, "async")] \
+    + [("qwen2", 2, s) for s in ("plain", "swap")] + [("llama", 4, s) for s in ("plain", "chunked")] \
+    + [("qwen3", 4, "plain")]
+
+
+@pytest.mark.parametrize(("model", "size", "scenario"), CASES, ids=[f"{m}-tp{n}-{s}" for m, n, s in CASES])
+def test_sequence_parallel_engine_matches_single_process(sp_engines, reference, model, size, scenario,  # noqa: F811
+                                                         monkeypatch):
+    engine = sp_engines(model, size)
+    rows = counting_sequence_parallel(monkeypatch)
+    got, want = run(engine, scenario), reference(model, scenario)
+    assert rows and min(rows) >= MIN_ROWS  # steps of 3+ tokens took the path, no smaller one did
+    assert got["tokens"] == want["tokens"]
+    assert got["finish"] == want["finish"]
+    if SCENARIOS[scenario].get("mode") == "swap":
+        assert got["swapped"] > 0
