@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policies.sequence_parallel import check_min_rows
+
 # The largest all-reduce the symmetric-memory paths take by default (vLLM's custom all-reduce
 # default), and the most any setting may ask for (the buffer each GPU allocates at start-up).
 CUSTOM_ALL_REDUCE_MAX_BYTES = 8 * 2**20
@@ -69,10 +71,7 @@ class ParallelConfig:
         if not isinstance(self.disable_custom_all_reduce, bool):
             raise ValueError(f"disable_custom_all_reduce={self.disable_custom_all_reduce!r} is invalid: "  # noqa: TRY004
                              "true or false")
-        rows = self.sequence_parallel_min_rows
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-            raise ValueError(f"sequence_parallel_min_rows={rows!r} is invalid: an integer >= 0 (0: off; else "
-                             "the fewest rows of a step whose layers run sequence-parallel)")
+        check_min_rows(self.sequence_parallel_min_rows)
         one_shot, most = self.custom_all_reduce_one_shot_max_bytes, self.custom_all_reduce_max_bytes
         _check_bytes("custom_all_reduce_max_bytes", most)
         if one_shot is not None:

@@ -54,6 +54,7 @@ from experiments.lib.profiling.limits import EngineLimits, check_grid
 from experiments.lib.profiling.measure import PIPELINED_SLACK, measure, slower_pipelined
 from experiments.lib.profiling.synthetic import blocks_needed
 from experiments.lib.profiling.versions import versions
+from sim.latency.operator_file import SEQUENCE_PARALLEL_META
 from sim.latency.prefill_schedule import PrefillSchedule
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
@@ -113,11 +114,14 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
     if "collectives" in parts:
         start = time.perf_counter()
         cells = sequence_parallel_cells(grid, dtype.itemsize)
+        implementations: dict[str, str] = {}
         rows = collective_rows(grid.world_sizes, grid.collective_bytes, dtype, device.type == "cuda", log,
-                               width=grid.fused_norm_width, cells=cells)
+                               width=grid.fused_norm_width, cells=cells, implementations=implementations)
         if rows:
             sizes = "-".join(str(w) for w in sorted({int(r["world_size"]) for r in rows}))
             meta_n = {**meta, "kernels": "collectives", "elapsed_s": f"{time.perf_counter() - start:.1f}"}
+            if implementations:  # which sequence-parallel boundaries were timed (the simulator checks)
+                meta_n[SEQUENCE_PARALLEL_META] = json.dumps(implementations, separators=(",", ":"))
             paths.append(write_operator_file(out_dir / f"{gpu}-{dtype_name}-collectives-n{sizes}.csv", meta_n, rows))
     for path in paths:
         read_operator_file(path)  # the schema check, before anyone relies on the file

@@ -109,5 +109,6 @@ class LamportAllReduce(SymmetricAllReduce):
         if not (self._takes(partial) and self.fuses_rows(partial, residual)):
             return super().all_reduce_add_rms_norm(partial, residual, weight, eps)
         round_ = self._next_round()
-        return self.launch(lambda: lamport_all_reduce_add_rms_norm(self.slots, round_, self.peers.max_programs,
-                                                                    partial, residual, weight, eps))
+        programs = self.peers.max_programs
+        return self.launch(lambda: lamport_all_reduce_add_rms_norm(self.slots, round_, programs, partial, residual,
+                                                                    weight, eps))

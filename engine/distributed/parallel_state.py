@@ -39,6 +39,7 @@ from engine.distributed.row_collectives import (
 )
 from engine.distributed.symmetric_all_reduce import SymmetricAllReduce
 from engine.parallel_config import ParallelConfig
+from policies.sequence_parallel import sequence_parallel_from, takes_sequence_parallel
 
 logger = logging.getLogger("servelab.engine")
 
@@ -53,17 +54,18 @@ class TPGroup:
     all_reduce_path: AllReducePath | None = None  # which all-reduce the group took at start-up (kept after close)
     # Eager forwards of at least this many rows run sequence-parallel (0: never; `takes_sequence_parallel`).
     sequence_parallel_min_rows: int = 0
-    fused_rows: FusedRowOps | None = None  # torch's async-TP ops for those steps' boundaries, if the group has them
+    # torch's async-TP ops for those steps' boundaries, if the group has them.
+    fused_rows: FusedRowOps | None = None
 
     def takes_sequence_parallel(self, rows: int) -> bool:
         """Whether an eager forward of `rows` rows runs sequence-parallel: the same answer on every
-        rank (the step's row count and the config are theirs alike)."""
-        return self.size > 1 and 0 < self.sequence_parallel_min_rows <= rows
+        rank (the step's row count and the config are theirs alike; policies/sequence_parallel.py)."""
+        return takes_sequence_parallel(self.size, self.sequence_parallel_min_rows, rows)
 
     @property
     def sequence_parallel_from(self) -> int:
         """The fewest rows of a sequence-parallel step (0: none is): steps that large run eagerly."""
-        return self.sequence_parallel_min_rows if self.size > 1 else 0
+        return sequence_parallel_from(self.size, self.sequence_parallel_min_rows)
 
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[S, C] on each rank -> [size * S, C]: rank r's rows at [r S, (r + 1) S)."""
@@ -74,13 +76,15 @@ class TPGroup:
         return plain_reduce_scatter_rows(x, self.size, self.device_group)
 
     def all_gather_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """all_gather_rows(x) @ weight.T (weight [out, in]): fused and overlapped where the group has it."""
+        """all_gather_rows(x) @ weight.T (weight [out, in]): fused and overlapped where the group
+        has it."""
         if self.fused_rows is not None:
             return self.fused_rows.all_gather_matmul(x, weight)
         return plain_all_gather_matmul(x, weight, self.size, self.device_group)
 
     def matmul_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """reduce_scatter_rows(x @ weight.T) (weight [out, in]): fused and overlapped where the group has it."""
+        """reduce_scatter_rows(x @ weight.T) (weight [out, in]): fused and overlapped where the
+        group has it."""
         if self.fused_rows is not None:
             return self.fused_rows.matmul_reduce_scatter(x, weight)
         return plain_matmul_reduce_scatter(x, weight, self.size, self.device_group)
@@ -190,7 +194,8 @@ def _row_collectives(group: TPGroup, backend: str) -> str:
     if group.fused_rows is None:
         reason = group.all_reduce_path.off_reason if group.all_reduce_path is not None else None
         return f"plain {backend} reduce-scatter / all-gather (no symmetric memory: {reason})"
-    kept = " (gathered inputs kept: the GPU reports NVLink multicast)" if group.fused_rows.keep_gathered else ""
+    multicast = group.fused_rows.keep_gathered
+    kept = " (gathered inputs kept: the GPU reports NVLink multicast)" if multicast else ""
     return "torch's fused symmetric-memory ops" + kept
 
 

@@ -52,7 +52,8 @@ def plain_all_gather_rows(x: torch.Tensor, size: int, group: dist.ProcessGroup) 
 def plain_reduce_scatter_rows(x: torch.Tensor, size: int, group: dist.ProcessGroup) -> torch.Tensor:
     """[size * S, C] on each rank -> [S, C]: rank r's rows of the sum over the ranks."""
     if x.shape[0] % size:
-        raise ValueError(f"rows={x.shape[0]} is invalid for a reduce-scatter over {size} ranks: pad to a multiple")
+        raise ValueError(f"rows={x.shape[0]} is invalid for a reduce-scatter over {size} ranks: "
+                         "pad to a multiple")
     out = torch.empty(x.shape[0] // size, *x.shape[1:], dtype=x.dtype, device=x.device)
     _reduce_scatter(out, x.contiguous(), group=group)
     return out

@@ -32,6 +32,7 @@ import torch
 from engine.device.attention import AttentionMetadata
 from engine.distributed.parallel_state import TPGroup
 from engine.models.ops import rope_rows
+from policies.sequence_parallel import padded_rows
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,13 +40,8 @@ if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer, ShardedLlamaForCausalLM
 
 
-def padded_rows(rows: int, size: int) -> int:
-    """The step's rows padded to a multiple of the group size."""
-    return -(-rows // size) * size
-
-
-def sequence_parallel_forward(model: ShardedLlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
-                              meta: AttentionMetadata) -> torch.Tensor:
+def sequence_parallel_forward(model: ShardedLlamaForCausalLM, input_ids: torch.Tensor,
+                              positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """input_ids, positions [T] -> final-normed hidden states [T, hidden] on every rank, as
     `LlamaForCausalLM.forward` gives them (up to the order of the sums)."""
     group = model.tp.group
@@ -63,7 +59,8 @@ def sequence_parallel_forward(model: ShardedLlamaForCausalLM, input_ids: torch.T
 
 
 def layer_forward(layer: DecoderLayer, group: TPGroup, rows: int, rope: torch.Tensor, x: torch.Tensor,
-                  residual: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                  residual: torch.Tensor | None,
+                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer on this rank's rows: x [S, hidden], the previous layer's MLP output (or the
     embeddings) and residual [S, hidden], the stream before it (None for the first layer) ->
     (this layer's MLP output, residual), both [S, hidden]. `rows`: the step's rows before padding."""

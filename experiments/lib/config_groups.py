@@ -44,7 +44,8 @@ class Parallel:
     custom_all_reduce_one_shot_max_bytes: int | None = None
     custom_all_reduce_max_bytes: int | None = None
     all_reduce_kernel: str | None = None
-    # Sequence-parallel steps from this many rows (EngineArgs' field; None or 0: off; latency=operators prices them).
+    # Sequence-parallel steps from this many rows (EngineArgs' field; None or 0: off;
+    # latency=operators prices them).
     sequence_parallel_min_rows: int | None = None
 
 

@@ -15,6 +15,7 @@ from experiments.lib.workloads import Workload, build_workload
 from policies.build import SchedulingConfig, block_manager_config, policy_config, scheduler_config
 from policies.build import build_scheduler as build
 from policies.scheduler import Scheduler
+from policies.sequence_parallel import check_min_rows, sequence_parallel_from
 from sim.latency import (
     LATENCY_MODELS,
     Hardware,
@@ -25,7 +26,6 @@ from sim.latency import (
     build_latency_model,
 )
 from sim.latency.build import EngineAllReduce
-from sim.latency.sequence_parallel_pricing import check_min_rows
 from sim.latency.tensor_parallel import shard_shape
 
 
@@ -85,13 +85,14 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
         taken = [str(d).removeprefix("torch.") for d in SYMMETRIC_DTYPES]
         reason = f"model.dtype={dtype_name}: the kernels take {taken}"
     kernel = parallel.kernel_for(tp)
-    if reason is not None:
-        return EngineAllReduce(lambda nbytes: NCCL, one_shot, two_shot, reason, kernel)
+    if reason is not None:  # a dtype the kernels do not take still leaves the group its symmetric memory
+        return EngineAllReduce(lambda nbytes: NCCL, one_shot, two_shot, reason, kernel,
+                               symmetric_memory_on=settings_reason(parallel, tp) is None)
     fuses_width = None
     if kernel in FUSED_ALL_REDUCE_KERNELS:  # the engine's rule for the rows its fused kernels take
         from kernels.all_reduce import fits_add_rms_norm as fuses_width
     return EngineAllReduce(lambda nbytes: choose_path(nbytes, dtype, True, one_shot, two_shot), one_shot, two_shot,
-                           kernel=kernel, fuses_width=fuses_width)
+                           kernel=kernel, fuses_width=fuses_width, symmetric_memory_on=True)
 
 
 def gpu_model_shape(cfg: DictConfig) -> ModelShape:
@@ -210,8 +211,9 @@ def latency_setup(cfg: DictConfig) -> LatencySetup:
 
     tp = tensor_parallel_size(cfg)
     parallel = section(cfg, "parallel") if cfg.get("parallel") is not None else {}
-    sequence_parallel = parallel.get("sequence_parallel_min_rows") or 0
-    eager_from = sequence_parallel if tp > 1 else 0  # the engine's `TPGroup.sequence_parallel_from`
+    sequence_parallel = check_min_rows(parallel.get("sequence_parallel_min_rows") or 0,
+                                       "parallel.sequence_parallel_min_rows")
+    eager_from = sequence_parallel_from(tp, sequence_parallel)
 
     def graph_sizes() -> tuple[list[int], list[int]]:  # the engine's CUDA-graph buckets for these limits
         from engine.device.cuda_graph import graph_batch_sizes, graph_token_sizes
@@ -225,8 +227,7 @@ def latency_setup(cfg: DictConfig) -> LatencySetup:
 
     return LatencySetup(model_shape(cfg), hardware(cfg), block_size(cfg), tp,
                         bool(sched.get("async_scheduling", False)), graph_sizes, decode_splits,
-                        sched.get("max_model_len"), lambda: engine_all_reduce(cfg),
-                        check_min_rows(sequence_parallel))
+                        sched.get("max_model_len"), lambda: engine_all_reduce(cfg), sequence_parallel)
 
 
 def build_latency(cfg: DictConfig) -> LatencyModel:

@@ -47,6 +47,13 @@ class EngineAllReduce:
     # None: the engine does not fuse its layer boundaries (any kernel but "triton_fused" and
     # "triton_lamport": `FUSED_ALL_REDUCE_KERNELS`; NCCL only).
     fuses_width: Callable[[int], bool] | None = None
+    # Whether the group maps its peers' memory (the settings leave the symmetric paths on, whatever
+    # the dtype: the sequence-parallel steps' fused ops need only that); None: as `off_reason` says.
+    symmetric_memory_on: bool | None = None
+
+    @property
+    def symmetric_memory(self) -> bool:
+        return self.off_reason is None if self.symmetric_memory_on is None else self.symmetric_memory_on
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,7 +86,7 @@ def build_latency_model(config: LatencyConfig, setup: LatencySetup, where: str =
     cls = LATENCY_MODELS.get(config.name, where)
     rows = setup.sequence_parallel_min_rows
     if rows and setup.tensor_parallel_size > 1 and not getattr(cls, "prices_sequence_parallel", False):
-        raise ValueError(f"parallel.sequence_parallel_min_rows={rows} is invalid with {where}={config.name}: it does "
-                         "not price sequence-parallel steps; use latency=operators (their rows measured), or set it "
-                         "to 0")
+        raise ValueError(f"parallel.sequence_parallel_min_rows={rows} is invalid with {where}={config.name}: "
+                         "it does not price sequence-parallel steps; use latency=operators (their rows "
+                         "measured), or set it to 0")
     return cls.from_config(config, setup)

@@ -91,6 +91,10 @@ FUSED_BOUNDARY_OPS = {"triton_fused": FUSED_ALL_REDUCE, "triton_lamport": LAMPOR
 SEQUENCE_PARALLEL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "reduce_scatter")
 PER_WORLD_SIZE = (*COLLECTIVES, *SYMMETRIC_ALL_REDUCES, FUSED_ALL_REDUCE, LAMPORT_FUSED_ALL_REDUCE,
                   *SEQUENCE_PARALLEL_OPS)  # per world size
+# The collectives file's metadata key saying which implementation its boundary rows timed, per
+# world size (JSON: {"2": "fused"}; "fused": torch's symmetric-memory ops, "plain": the collective
+# beside the GEMM).
+SEQUENCE_PARALLEL_META = "sequence_parallel_ops"
 GEMM_OPS = ("gemm", "all_gather_matmul", "matmul_reduce_scatter")  # [m, k, n], unmeasured cells filled
 # The engine's all-reduce paths (engine/distributed/all_reduce_path.py: ONE_SHOT, TWO_SHOT, NCCL)
 # and the op whose rows time each.

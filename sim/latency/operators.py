@@ -69,7 +69,7 @@ from sim.latency.collective_pricing import (
 from sim.latency.decode_attention_pricing import DecodeAttentionPricing
 from sim.latency.op_grid import Axis, OpGrid
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
-from sim.latency.sequence_parallel_pricing import SequenceParallelPricing, check_min_rows
+from sim.latency.sequence_parallel_pricing import SequenceParallelPricing
 from sim.latency.shapes import Hardware, ModelShape
 from sim.latency.tensor_parallel import SAMPLED_PAIR_BYTES, shard_shape
 from sim.latency.token_padding import padded
@@ -202,19 +202,13 @@ class OperatorModel(LatencyModel):
         self.token_curve = summed("m", points, parts)
         # The same curve by operator family, for `shape_time(..., parts)` (a breakdown, not the hot path).
         self.token_families = {name: summed("m", points, family) for name, family in families.items()}
-        self.sequence_parallel = None
-        if tp > 1 and check_min_rows(sequence_parallel_min_rows) > 0:
-            fused = engine_all_reduce is not None and engine_all_reduce.off_reason is None
-            elementwise = {"add_rms_norm": self.add_rms_norm, "embedding": profile.grid("embedding").fix("n", h),
-                           "silu_and_mul": profile.grid("silu_and_mul").fix("n", m.intermediate_size),
-                           "qk_rope_write": profile.grid("qk_rope_write").fixed(**width)}
-            self.sequence_parallel = SequenceParallelPricing.of(profile, m, tp, sequence_parallel_min_rows, fused,
-                                                                elementwise)
-            self.sources["sequence parallel"] = (
-                f"steps of {sequence_parallel_min_rows}+ tokens (eager): "
-                + ("all_gather_matmul / matmul_reduce_scatter rows" if fused else
-                   "all_gather / reduce_scatter rows beside the GEMMs (symmetric memory off)")
-                + f" ({', '.join(profile.files('reduce_scatter', tp))})")
+        elementwise = {"add_rms_norm": self.add_rms_norm, "embedding": profile.grid("embedding").fix("n", h),
+                       "silu_and_mul": profile.grid("silu_and_mul").fix("n", m.intermediate_size),
+                       "qk_rope_write": profile.grid("qk_rope_write").fixed(**width)}
+        self.sequence_parallel = SequenceParallelPricing.for_run(profile, m, tp, sequence_parallel_min_rows,
+                                                                 engine_all_reduce, elementwise)
+        if self.sequence_parallel is not None:
+            self.sources["sequence parallel"] = self.sequence_parallel.source
         self.lm_head = gemm.fixed(k=h, n=m.vocab_size)
         self.sampler = profile.grid("sampler").fix("n", m.vocab_size)  # each rank draws from its columns
         self.decode_pricing = DecodeAttentionPricing(profile, width, m.num_key_value_heads, decode_wave_programs,

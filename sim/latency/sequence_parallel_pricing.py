@@ -1,5 +1,6 @@
 """The price of a sequence-parallel step (the engine's `parallel.sequence_parallel_min_rows`,
-engine/models/sequence_parallel.py) in the operator model (sim/latency/operators.py).
+engine/models/sequence_parallel.py; which steps and how many rows: policies/sequence_parallel.py)
+in the operator model (sim/latency/operators.py).
 
 An eager step of T >= `min_rows` tokens at N > 1 GPUs runs its layers on T' = ceil(T / N) N rows
 (padded with zero rows), each rank holding T' / N of them between the layer boundaries. Its
@@ -11,21 +12,27 @@ layer stack, every part that depends on the rows only, costs
     + add_rms_norm(T' / N, h) + all_gather(T' h b)      the final norm on each rank's rows, gathered
 
 with this GPU's shard widths (as `OperatorModel`'s), and no all-reduce. The boundaries run as
-the engine's group runs them: where it has symmetric memory (the run's all-reduce not off),
-torch's fused ops, `agmm` = `all_gather_matmul` and `mmrs` = `matmul_reduce_scatter` rows, each
-GEMM overlapped with its collective; without, the collective and the GEMM one after the other:
-agmm = all_gather(T' k b) + gemm(T', k, n) and mmrs = gemm(T', k, n) + reduce_scatter(T' n b).
-Attention, the LM head and sampling are priced as for any step (the engine runs them alike).
-Such a step is never replayed from a CUDA graph: the engine's token buckets stop below
-`min_rows` (engine/device/cuda_graph.py `graph_token_sizes`, `eager_from`).
+the engine's group runs them: where it maps its peers' memory (the settings leave the symmetric
+paths on, `EngineAllReduce.symmetric_memory`), torch's fused ops, `agmm` = `all_gather_matmul` and
+`mmrs` = `matmul_reduce_scatter` rows, each GEMM overlapped with its collective; without, the
+collective and the GEMM one after the other: agmm = all_gather(T' k b) + gemm(T', k, n) and mmrs =
+gemm(T', k, n) + reduce_scatter(T' n b) (the collectives' rows are timed in CUDA graphs, which the
+engine's eager steps are not: at these MB sizes the launch is a small share). The fused rows must
+have been taken with the fused ops (the file's `sequence_parallel_ops` metadata, where recorded)
+and reach down to the setting's rows: below their smallest m a grid would price every step at it.
+Attention, the LM head and sampling are priced as for any step (the engine runs them alike), and
+so is the copy that pads attention's output to T' rows when N does not divide T (not priced).
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from policies.sequence_parallel import check_min_rows, padded_rows, takes_sequence_parallel
+from sim.latency.build import EngineAllReduce
 from sim.latency.op_grid import OpGrid
-from sim.latency.operator_file import SEQUENCE_PARALLEL_OPS
+from sim.latency.operator_file import SEQUENCE_PARALLEL_META
 from sim.latency.operator_profile import OperatorProfile
 from sim.latency.shapes import ModelShape
 
@@ -34,85 +41,141 @@ FUSED_FAMILY = "gemm + row collectives"
 ROW_COLLECTIVES = "row collectives"
 GEMM_FAMILY = "gemm"
 ELEMENTWISE = "norms, activation, rope, embedding"
+FIELD = "parallel.sequence_parallel_min_rows"
 TAKE_ROWS = ("python -m experiments.profile mode=operators operator_parts=[collectives] on N GPUs "
              "(operator_grid.sequence_parallel_m lists the step rows timed)")
-
-
-def check_min_rows(value: object) -> int:
-    """`parallel.sequence_parallel_min_rows` as the engine validates it (engine/parallel_config.py)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"parallel.sequence_parallel_min_rows={value!r} is invalid: an integer >= 0 (0: off; else "
-                         "the fewest rows of a step whose layers run sequence-parallel)")
-    return value
+Call = tuple[str, float, float, float]  # (op, m, k, n) of a GEMM-like op; (op, bytes, 0, 0) of a collective
 
 
 @dataclass(slots=True)
 class SequenceParallelPricing:
-    """A sequence-parallel step's layer stack at `size` GPUs, by family (`parts`)."""
+    """A sequence-parallel step's layer stack at `size` GPUs: its calls (`calls`) and their
+    seconds by family (`parts`)."""
 
     size: int
     min_rows: int
     layers: int
     token_bytes: int  # one row of the residual stream: hidden x dtype bytes
     dtype_bytes: int
-    fused: bool  # the engine's group has torch's fused ops (symmetric memory on)
-    boundaries: list[tuple[str, int, int]]  # (op kind, k, n) of a layer's four GEMMs, in order
-    gemm: OpGrid
-    gather_mm: Callable[[float, float, float], float] | None
-    mm_scatter: Callable[[float, float, float], float] | None
-    reduce_scatter: OpGrid
-    all_gather: OpGrid
-    add_rms_norm: OpGrid  # over m, at the hidden width
-    silu_and_mul: OpGrid  # over m, at the shard's intermediate width
-    qk_rope_write: OpGrid  # over m, at the shard's heads
-    embedding: OpGrid  # over m, at the hidden width
+    fused: bool  # the engine's group has torch's fused ops
+    boundaries: list[tuple[str, int, int]]  # (op, k, n) of a layer's four GEMMs, in order
+    grids: dict[str, Callable[..., float]]  # op -> seconds (GEMM-like: (m, k, n); collectives: (bytes,))
+    source: str = ""  # what the price rests on, for `data_sources`
 
     @classmethod
-    def of(cls, profile: OperatorProfile, model: ModelShape, size: int, min_rows: int, fused: bool,
-           elementwise: dict[str, OpGrid]) -> SequenceParallelPricing:
-        """`model`: one GPU's shard (`shard_shape`); `fused`: whether the engine's group has symmetric
-        memory (then the fused rows are needed); `elementwise`: the model's own one-axis grids
-        (`add_rms_norm`, `silu_and_mul`, `qk_rope_write`, `embedding`). Raises ValueError naming the
-        rows a profile lacks and how to take them."""
-        needed = [*(SEQUENCE_PARALLEL_OPS if fused else ()), "reduce_scatter", "all_gather"]
-        missing = [op for op in dict.fromkeys(needed) if not profile.has(op, size)]
+    def for_run(cls, profile: OperatorProfile, model: ModelShape, size: int, min_rows: object,
+                engine: EngineAllReduce | None,
+                elementwise: dict[str, OpGrid]) -> SequenceParallelPricing | None:
+        """None at one GPU or with the setting off. `model`: one GPU's shard (`shard_shape`);
+        `engine`: the run's all-reduce (None: not known, the boundaries priced as plain
+        collectives); `elementwise`: the model's one-axis grids over m (`add_rms_norm`,
+        `silu_and_mul`, `qk_rope_write`, `embedding`). Raises ValueError naming the rows a profile
+        lacks or does not cover, and how to take them."""
+        min_rows = check_min_rows(min_rows, FIELD)
+        if size == 1 or min_rows == 0:
+            return None
+        fused = engine is not None and engine.symmetric_memory
+        ops = ("all_gather_matmul", "matmul_reduce_scatter") if fused else ("gemm",)
+        missing = [op for op in (*ops, "reduce_scatter", "all_gather")
+                   if not profile.has(op, 1 if op == "gemm" else size)]
+        how = "torch's fused symmetric-memory ops" if fused else "plain collectives (no symmetric memory)"
         if missing:
-            how = "torch's fused symmetric-memory ops" if fused else "plain collectives (symmetric memory off)"
-            raise ValueError(f"parallel.sequence_parallel_min_rows={min_rows}: operator profile "
-                             f"{[str(p) for p in profile.paths]} lacks {missing} at N={size}, which price the "
-                             f"sequence-parallel steps ({how}); take them with {TAKE_ROWS}, or set it to 0")
+            raise ValueError(f"{FIELD}={min_rows}: operator profile {[str(p) for p in profile.paths]} "
+                             f"lacks {missing} at N={size}, which price the sequence-parallel steps ({how}); "
+                             f"take them with {TAKE_ROWS}, or set it to 0")
+        grids: dict[str, Callable[..., float]] = {**elementwise, "gemm": profile.grid("gemm"),
+                                                  "reduce_scatter": profile.grid("reduce_scatter", size),
+                                                  "all_gather": profile.grid("all_gather", size)}
+        files, recorded = profile.files("reduce_scatter", size), None
+        if fused:
+            for op in ops:
+                grids[op] = profile.grid(op, size)
+                smallest = grids[op].axes[0].points[0]
+                first = padded_rows(min_rows, size)
+                if first < smallest:
+                    raise ValueError(f"{FIELD}={min_rows} is invalid with this profile: its {op} rows "
+                                     f"at N={size} start at m={smallest:g} rows, above the setting's steps; "
+                                     f"take rows from {first} ({TAKE_ROWS}), or set it to {smallest:g} "
+                                     "or more")
+            files = profile.files(ops[0], size)
+            recorded = _recorded_ops(profile, files[0], size)
+            if recorded not in (None, "fused"):
+                raise ValueError(f"{FIELD}={min_rows}: the {ops[0]} rows at N={size} ({files[0]}) timed "
+                                 f"the {recorded} implementation, and the engine would run {how}: take "
+                                 "them where the GPUs map each other's memory")
+        unsaid = fused and recorded is None
+        rows_from = ", ".join(files) + ("; their implementation not recorded" if unsaid else "")
+        used = ("all_gather_matmul / matmul_reduce_scatter rows" if fused else
+                "all_gather / reduce_scatter rows beside the GEMMs "
+                + ("(symmetric memory off)" if engine is not None else "(the engine's paths not known)"))
+        pricing = cls.layout(model, size, min_rows, fused)
+        pricing.grids, pricing.source = grids, f"steps of {min_rows}+ tokens (eager): {used} ({rows_from})"
+        return pricing
+
+    @classmethod
+    def layout(cls, model: ModelShape, size: int, min_rows: int, fused: bool) -> SequenceParallelPricing:
+        """The step's calls for one GPU's shard `model`, without their prices (`calls` only)."""
         h, d = model.hidden_size, model.head_dim
         q = model.num_attention_heads * d
-        boundaries = [("gather", h, q + 2 * model.num_key_value_heads * d), ("scatter", q, h),
-                      ("gather", h, 2 * model.intermediate_size), ("scatter", model.intermediate_size, h)]
-        grid = (lambda op: profile.grid(op, size)) if fused else None
+        boundaries = [("all_gather_matmul", h, q + 2 * model.num_key_value_heads * d),
+                      ("matmul_reduce_scatter", q, h), ("all_gather_matmul", h, 2 * model.intermediate_size),
+                      ("matmul_reduce_scatter", model.intermediate_size, h)]
         return cls(size, min_rows, model.num_hidden_layers, h * model.dtype_bytes, model.dtype_bytes, fused,
-                   boundaries, profile.grid("gemm"),
-                   grid("all_gather_matmul") if grid else None, grid("matmul_reduce_scatter") if grid else None,
-                   profile.grid("reduce_scatter", size), profile.grid("all_gather", size), **elementwise)
+                   boundaries, {})
 
     def takes(self, tokens: int) -> bool:
-        """Whether the engine runs a step of `tokens` tokens sequence-parallel (`TPGroup.takes_sequence_parallel`)."""
-        return self.size > 1 and 0 < self.min_rows <= tokens
+        """Whether the engine runs an eager step of `tokens` tokens sequence-parallel."""
+        return takes_sequence_parallel(self.size, self.min_rows, tokens)
 
-    def padded_rows(self, tokens: int) -> int:
-        return -(-tokens // self.size) * self.size
+    def calls(self, tokens: int) -> list[Call]:
+        """The step's row-dependent calls in the engine's order (the layers' once each: `layers`
+        times per step), and the elementwise ops by their rows: what `parts` sums."""
+        rows = padded_rows(tokens, self.size)
+        own, b = rows // self.size, self.dtype_bytes
+        ends = [("embedding", rows, 0, 0), ("reduce_scatter", rows * self.token_bytes, 0, 0)]
+        layer: list[Call] = []
+        for op, k, n in self.boundaries:
+            if self.fused:
+                layer.append((op, rows, k, n))
+            elif op == "all_gather_matmul":
+                layer += [("all_gather", rows * k * b, 0, 0), ("gemm", rows, k, n)]
+            else:
+                layer += [("gemm", rows, k, n), ("reduce_scatter", rows * n * b, 0, 0)]
+        layer += [("add_rms_norm", own, 0, 0), ("add_rms_norm", own, 0, 0), ("qk_rope_write", tokens, 0, 0),
+                  ("silu_and_mul", rows, 0, 0)]
+        final = [("add_rms_norm", own, 0, 0), ("all_gather", rows * self.token_bytes, 0, 0)]
+        return ends + layer * self.layers + final
 
     def parts(self, tokens: int) -> dict[str, float]:
         """Seconds of the layer stack of a step of `tokens` tokens, by breakdown family."""
-        rows = self.padded_rows(tokens)
-        L, own = self.layers, rows // self.size
-        boundary = collectives = gemm = 0.0
-        for kind, k, n in self.boundaries:
-            if self.fused:
-                op = self.gather_mm if kind == "gather" else self.mm_scatter
-                boundary += op(rows, k, n)
-            else:
-                gemm += self.gemm(rows, k, n)
-                collectives += (self.all_gather(rows * k * self.dtype_bytes) if kind == "gather"
-                                else self.reduce_scatter(rows * n * self.dtype_bytes))
-        elementwise = ((2 * L + 1) * self.add_rms_norm(own) + L * (self.silu_and_mul(rows) + self.qk_rope_write(tokens))
-                       + self.embedding(rows))
-        ends = self.reduce_scatter(rows * self.token_bytes) + self.all_gather(rows * self.token_bytes)
-        return {FUSED_FAMILY: L * boundary, GEMM_FAMILY: L * gemm, ROW_COLLECTIVES: L * collectives + ends,
-                ELEMENTWISE: elementwise}
+        families = dict.fromkeys((FUSED_FAMILY, GEMM_FAMILY, ROW_COLLECTIVES, ELEMENTWISE), 0.0)
+        seen: dict[Call, float] = {}
+        for call in self.calls(tokens):
+            t = seen.get(call)
+            if t is None:
+                op, x, k, n = call
+                t = seen[call] = self.grids[op](x, k, n) if k else self.grids[op](x)
+            families[_family(call[0])] += t
+        return {name: t for name, t in families.items() if t}
+
+
+def _family(op: str) -> str:
+    if op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        return FUSED_FAMILY
+    if op == "gemm":
+        return GEMM_FAMILY
+    return ROW_COLLECTIVES if op in ("reduce_scatter", "all_gather") else ELEMENTWISE
+
+
+def _recorded_ops(profile: OperatorProfile, name: str, size: int) -> str | None:
+    """The implementation a file says its boundary rows at `size` timed ("fused", "plain"), None
+    where it does not say."""
+    for path, meta in zip(profile.paths, profile.meta, strict=True):
+        if path.name == name and SEQUENCE_PARALLEL_META in meta:
+            try:
+                return json.loads(meta[SEQUENCE_PARALLEL_META]).get(str(size))
+            except (json.JSONDecodeError, AttributeError):
+                value = meta[SEQUENCE_PARALLEL_META]
+                raise ValueError(f"{path}: metadata {SEQUENCE_PARALLEL_META}={value!r} is invalid: a JSON "
+                                 "object of world size -> 'fused' or 'plain'") from None
+    return None

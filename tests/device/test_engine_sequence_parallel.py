@@ -51,6 +51,23 @@ def counting_sequence_parallel(monkeypatch) -> list[int]:
     return rows
 
 
+def default_choices(monkeypatch, taken: list[int]) -> list[tuple[int, bool]]:
+    """(rows, took the path) of rank 0's forwards that chose by themselves (`sequence_parallel`
+    None: eager steps; graph captures and replays pass False), `taken` being
+    `counting_sequence_parallel`'s list."""
+    choices, forward = [], llama.ShardedLlamaForCausalLM.forward
+
+    def chosen(model, input_ids, positions, meta, sequence_parallel=None):
+        before = len(taken)
+        out = forward(model, input_ids, positions, meta, sequence_parallel)
+        if sequence_parallel is None:
+            choices.append((input_ids.shape[0], len(taken) > before))
+        return out
+
+    monkeypatch.setattr(llama.ShardedLlamaForCausalLM, "forward", chosen)
+    return choices
+
+
 CASES = [("tiny-qwen3", 2, s) for s in ("plain", "chunked")] + [("qwen3", 2, "async")] \
     + [("qwen2", 2, s) for s in ("plain", "swap")] + [("llama", 4, s) for s in ("plain", "chunked")] \
     + [("qwen3", 4, "plain")]
@@ -61,8 +78,10 @@ def test_sequence_parallel_engine_matches_single_process(sp_engines, reference, 
                                                          monkeypatch):
     engine = sp_engines(model, size)
     rows = counting_sequence_parallel(monkeypatch)
+    choices = default_choices(monkeypatch, rows)
     got, want = run(engine, scenario), reference(model, scenario)
     assert rows and min(rows) >= MIN_ROWS  # steps of 3+ tokens took the path, no smaller one did
+    assert all(took == (n >= MIN_ROWS) for n, took in choices), choices  # and every such step did
     assert got["tokens"] == want["tokens"]
     assert got["finish"] == want["finish"]
     if SCENARIOS[scenario].get("mode") == "swap":

@@ -136,13 +136,63 @@ def _check_model(group: TPGroup, arch: str, lens: list[int]) -> list[str]:
     return problems
 
 
+BOUNDARY_CALLS = ("all_gather_matmul", "matmul_reduce_scatter", "reduce_scatter_rows", "all_gather_rows")
+
+
+def _check_priced_calls(group: TPGroup, lens: list[int]) -> list[str]:
+    """The simulator prices the calls the engine makes: a tiny Qwen3 shard's sequence-parallel
+    forward records its group's boundaries ((op, m, k, n) of each fused GEMM, the bytes of each row
+    collective), which equal `SequenceParallelPricing`'s list for the same shard and rows."""
+    from hydra import compose, initialize_config_module
+
+    from engine.config import CacheConfig
+    from engine.device.model_runner import ModelRunner
+    from engine.model_loader import load_model_config
+    from experiments.lib import factory
+    from sim.latency.sequence_parallel_pricing import SequenceParallelPricing
+    from sim.latency.tensor_parallel import shard_shape
+
+    cfg = load_model_config("tiny-qwen3")
+    runner = ModelRunner(cfg, CacheConfig(block_size=4, num_gpu_blocks=64, swap_space=0.0), max_num_batched_tokens=256,
+                         max_num_seqs=8, max_model_len=64, tp=group)
+    inputs = next(_prefill_and_decode(runner, random_prompts(lens, cfg.vocab_size)))
+    seen: list[tuple] = []
+    originals = {name: getattr(TPGroup, name) for name in BOUNDARY_CALLS}
+
+    def recording(name):
+        def call(self, x, weight=None):
+            if weight is None:  # a row collective: its message's bytes (the gathered output, the scattered input)
+                rows = x.shape[0] * (self.size if name == "all_gather_rows" else 1)
+                seen.append((name.removesuffix("_rows"), rows * x.shape[1] * x.element_size()))
+                return originals[name](self, x)
+            rows = x.shape[0] * (self.size if name == "all_gather_matmul" else 1)
+            seen.append((name, rows, weight.shape[1], weight.shape[0]))
+            return originals[name](self, x, weight)
+        return call
+    try:
+        for name in BOUNDARY_CALLS:
+            setattr(TPGroup, name, recording(name))
+        runner.model(inputs.input_ids, inputs.positions, inputs.meta, sequence_parallel=True)
+    finally:
+        for name, fn in originals.items():
+            setattr(TPGroup, name, fn)
+        runner.close()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        model = shard_shape(factory.model_shape(compose(config_name="config", overrides=["model=tiny-qwen3"])),
+                            group.size)
+    priced = SequenceParallelPricing.layout(model, group.size, 1, fused=True).calls(sum(lens))
+    want = [(op, x) if op in ("reduce_scatter", "all_gather") else (op, x, k, n) for op, x, k, n in priced
+            if op in ("all_gather_matmul", "matmul_reduce_scatter", "reduce_scatter", "all_gather")]
+    return [] if seen == want else [f"the engine's calls {seen} != the priced {want}"]
+
+
 def _rank(world: int, rank: int, port: int, results) -> None:
     from engine.distributed.parallel_state import end_group, init_group, join_store
 
     try:
         group = init_group(join_store(port, world, DEADLINE_S), rank, world, torch.device("cpu"), DEADLINE_S,
                            ParallelConfig(world, sequence_parallel_min_rows=1))
-        problems = [] if world > 2 else _check_collectives(group)
+        problems = [] if world > 2 else _check_collectives(group) + _check_priced_calls(group, [5, 8, 4])
         for arch in ("qwen3", "qwen2", "llama"):  # Qwen2: the q/k/v bias, added after the gathered GEMM
             problems += _check_model(group, arch, [5, 8, 4] if world == 2 else [6, 7, 2])
         results.put((rank, problems))

@@ -215,7 +215,8 @@ def test_the_boundary_rows_at_two_ranks_cover_the_cells_and_load_as_a_profile(tm
     grid = _tiny_grid()
     said: list[str] = []
     cells = sequence_parallel_cells(grid, 4)
-    rows = collectives.boundary_pass(2, cells, torch.float32, False, 2, 60.0, said.append)
+    rows, implementation = collectives.boundary_pass(2, cells, torch.float32, False, 2, 60.0, said.append)
+    assert implementation == "plain"
     assert sorted((r["op"], r["m"], r["k"], r["n"]) for r in rows) == sorted(
         (op, *cell) for op in ("all_gather_matmul", "matmul_reduce_scatter") for cell in TINY_CELLS)
     assert all(r["world_size"] == 2 and r["time_s"] > 0 for r in rows)
@@ -250,10 +251,12 @@ def test_the_boundary_pass_runs_only_with_cells_the_world_size_divides_and_a_fai
     outcomes[:] = [("ok", ([gathered], "said"))]
     assert collectives.collective_rows([2], SIZES, torch.float32, False, said.append) == [gathered]
     assert [t for t, _ in calls] == [collectives._worker] and not outcomes
-    outcomes[:] = [("ok", ([gathered], "said")), ("ok", ([boundary], "the engine's line"))]
+    outcomes[:] = [("ok", ([gathered], "said")), ("ok", ([boundary], "the engine's line", "fused"))]
+    implementations: dict[str, str] = {}
     rows = collectives.collective_rows([2], SIZES, torch.float32, False, said.append,
-                                       cells=[(64, 32, 32), (3, 32, 32)])
+                                       cells=[(64, 32, 32), (3, 32, 32)], implementations=implementations)
     assert rows == [gathered, boundary] and calls[-1][0] is sequence_parallel_worker
+    assert implementations == {"2": "fused"}
     assert calls[-1][1][0] == [(64, 32, 32)]  # only the cells whose m splits over 2 ranks
     assert said[-1].endswith("the engine said: the engine's line")
     outcomes[:] = [("ok", ([gathered], "said"))]
@@ -262,7 +265,9 @@ def test_the_boundary_pass_runs_only_with_cells_the_world_size_divides_and_a_fai
     assert said[-1] == ("collectives: world_size=2, no sequence-parallel rows: no m of sequence_parallel_m "
                         "splits into 2 equal parts")
     outcomes[:] = [("ok", ([gathered], "said")), ("error", "rank 1: it hung")]
-    rows = collectives.collective_rows([2], SIZES, torch.float32, False, said.append, cells=[(64, 32, 32)])
-    assert rows == [gathered]
+    implementations = {}
+    rows = collectives.collective_rows([2], SIZES, torch.float32, False, said.append, cells=[(64, 32, 32)],
+                                       implementations=implementations)
+    assert rows == [gathered] and implementations == {}
     assert said[-1] == ("collectives: world_size=2, no sequence-parallel rows (their pass failed): "
                         "rank 1: it hung")

@@ -318,6 +318,7 @@ def test_the_cpu_operator_profiler_writes_files_the_model_reads(tmp_path):
     profile = OperatorProfile.load(find_operator_files(tmp_path, "cpu", "float32"))
     # The tiny grid's sequence_parallel_m: the boundaries' rows, beside the reduce-scatter's.
     assert all(profile.has(op, 2) for op in ("reduce_scatter", "all_gather_matmul", "matmul_reduce_scatter"))
+    assert profile.meta[1]["sequence_parallel_ops"] == '{"2":"plain"}'  # gloo: the collective beside the GEMM
     model = OperatorModel(profile, factory.model_shape(config("model=tiny-qwen3")), 4, 2)
     assert 0 < model.shape_time(shape([(16, 8)], 3, 20)) < 1.0
 

@@ -24,7 +24,7 @@ from sim.latency.sequence_parallel_pricing import FUSED_FAMILY, GEMM_FAMILY, ROW
 
 LAYERS, HIDDEN, Q, KV, INTER = 36, 4096, 2048, 512, 6144  # Qwen3-8B's shard at N=2 (q, k, v widths; MLP)
 COLLECTIVES_FILE = "h200-roofline-bfloat16-collectives-n2.csv"
-M, K, N = [1024, 2048, 4096, 8192, 16384], [1024, 2048, 4096, 8192], [1024, 4096, 16384]
+M, K, N = [256, 1024, 2048, 4096, 8192, 16384], [1024, 2048, 4096, 8192], [1024, 4096, 16384]
 
 
 def agmm_s(m: float, k: float, n: float) -> float:
@@ -44,7 +44,7 @@ def config(*overrides: str):
         return compose(config_name="config", overrides=list(overrides))
 
 
-def _profile(out: Path, fused_rows: bool = True) -> Path:
+def _profile(out: Path, fused_rows: bool = True, recorded: str | None = None) -> Path:
     synthetic_operator_profile(factory.hardware(config("hardware=h200")), out)
     rows = [{"op": "reduce_scatter", "bytes": 2**i, "world_size": 2, "time_s": reduce_scatter_s(2**i)}
             for i in range(10, 31)]
@@ -54,6 +54,8 @@ def _profile(out: Path, fused_rows: bool = True) -> Path:
                  for m in M for k in K for n in N]
     meta = {"gpu": "h200-roofline", "device": "synthetic", "dtype": "bfloat16", "kernels": "collectives",
             "versions": "none", "date": "computed", "grid": "{}"}
+    if recorded is not None:
+        meta["sequence_parallel_ops"] = recorded
     write_operator_file(out / COLLECTIVES_FILE, meta, rows)
     return out
 
@@ -168,3 +170,46 @@ def test_models_that_do_not_price_it_and_bad_values_are_refused(rows):
         with pytest.raises(ValueError, match=rf"sequence_parallel_min_rows={bad if bad != 'true' else 'True'}"
                                              r" is invalid: an integer >= 0"):
             run(rows, f"parallel.sequence_parallel_min_rows={bad}")
+
+
+def test_the_engine_keeps_its_symmetric_memory_for_a_dtype_its_all_reduce_kernels_do_not_take():
+    """float16: every all-reduce on NCCL, but the group still maps its peers' memory, so the engine's
+    sequence-parallel steps run the fused ops (engine/distributed/parallel_state.py `init_group`)."""
+    engine = factory.engine_all_reduce(config("model=qwen3-8b", "model.dtype=float16", "parallel.tensor_parallel_size=2"))
+    assert engine.off_reason is not None and "float16" in engine.off_reason and engine.symmetric_memory
+    off = factory.engine_all_reduce(config("model=qwen3-8b", "parallel.tensor_parallel_size=2",
+                                           "parallel.disable_custom_all_reduce=true"))
+    assert not off.symmetric_memory
+
+
+def test_a_setting_below_the_rows_measured_is_refused_not_priced_at_the_smallest(rows):
+    with pytest.raises(ValueError, match=r"sequence_parallel_min_rows=128 is invalid with this profile: its "
+                                         r"all_gather_matmul rows at N=2 start at m=256"):
+        run(rows, "parallel.sequence_parallel_min_rows=128")
+    assert run(rows, "parallel.sequence_parallel_min_rows=255").sequence_parallel is not None  # 256 rows, padded
+
+
+@pytest.mark.parametrize(("recorded", "outcome"), [
+    ('{"2":"fused"}', "priced"), ('{"4":"plain"}', "not recorded"), (None, "not recorded"),
+    ('{"2":"plain"}', "refused"), ("[2", "bad")])
+def test_the_rows_implementation_as_the_file_records_it(tmp_path, recorded, outcome):
+    directory = _profile(tmp_path, recorded=recorded)
+    overrides = ("parallel.sequence_parallel_min_rows=2048",)
+    if outcome == "refused":
+        with pytest.raises(ValueError, match=r"timed the plain implementation, and the engine would run torch's fused"):
+            run(directory, *overrides)
+    elif outcome == "bad":
+        with pytest.raises(ValueError, match=r"metadata sequence_parallel_ops='\[2' is invalid"):
+            run(directory, *overrides)
+    else:
+        source = run(directory, *overrides).data_sources()["sequence parallel"]
+        assert source.endswith(f"({COLLECTIVES_FILE}; their implementation not recorded)") is (outcome != "priced")
+
+
+def test_unknown_engine_paths_price_the_plain_collectives_and_say_so(rows):
+    from sim.latency.operators import OperatorModel
+
+    profile = OperatorProfile.load(find_operator_files(rows, "h200-roofline", "bfloat16"))
+    model = OperatorModel(profile, factory.model_shape(config("model=qwen3-8b")), 16, 2, sequence_parallel_min_rows=2048)
+    assert "(the engine's paths not known)" in model.data_sources()["sequence parallel"]
+    assert not model.sequence_parallel.fused

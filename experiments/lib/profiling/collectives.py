@@ -207,34 +207,38 @@ def run_ranks(target: Callable[..., None], world: int, args: tuple, timeout_s: f
 
 
 def boundary_pass(world: int, cells: list[Cell], dtype: torch.dtype, cuda: bool, iters: int,
-                  timeout_s: float, log) -> list[Row]:
+                  timeout_s: float, log) -> tuple[list[Row], str | None]:
     """The sequence-parallel boundaries' rows at `world` ranks, from a group of their own, at the
-    cells whose m the world size divides; a failed pass gives none, and the log says why."""
+    cells whose m the world size divides, and which implementation ran ("fused" or "plain"); a
+    failed pass gives none, and the log says why."""
     mine = cells_at(cells, world)
     if not mine:
         if cells:
             log(f"collectives: world_size={world}, no sequence-parallel rows: no m of sequence_parallel_m "
                 f"splits into {world} equal parts")
-        return []
+        return [], None
     start = time.perf_counter()
     args = (mine, dtype, cuda, iters, timeout_s)
     status, payload = run_ranks(sequence_parallel_worker, world, args, timeout_s)
     if status != "ok":
         log(f"collectives: world_size={world}, no sequence-parallel rows (their pass failed): {payload}")
-        return []
-    got, said = payload
+        return [], None
+    got, said, implementation = payload
     log(f"collectives: world_size={world}, {len(got)} sequence-parallel rows (all_gather_matmul, "
         f"matmul_reduce_scatter at {len(mine)} cells) in {time.perf_counter() - start:.1f}s; "
         f"the engine said: {said}")
-    return got
+    return got, implementation
 
 
 def collective_rows(world_sizes: list[int], sizes: list[int], dtype: torch.dtype, cuda: bool,
                     log, iters: int = 20, timeout_s: float = 120.0, width: int = 4096,
-                    cells: list[Cell] | None = None) -> list[Row]:
+                    cells: list[Cell] | None = None,
+                    implementations: dict[str, str] | None = None) -> list[Row]:
     """Rows for every world size the machine has (all GPUs needed on CUDA; any size on the CPU);
     `width`: the fused boundary's row width (elements); `cells`: the sequence-parallel boundaries'
-    (m, k, n) (`sequence_parallel_cells`; none: no such rows)."""
+    (m, k, n) (`sequence_parallel_cells`; none: no such rows); `implementations`, if given, gets
+    which one timed them at each world size (str(world) -> "fused" / "plain": the file's
+    `sequence_parallel_ops` metadata)."""
     available = torch.cuda.device_count() if cuda else max(world_sizes)
     rows: list[Row] = []
     for world in world_sizes:
@@ -263,5 +267,8 @@ def collective_rows(world_sizes: list[int], sizes: list[int], dtype: torch.dtype
             log(f"collectives: world_size={world}, {len(lamport)} {LAMPORT_FUSED_ALL_REDUCE} rows" if lamport else
                 f"collectives: world_size={world}, no {LAMPORT_FUSED_ALL_REDUCE} rows (the simulator prices the "
                 f"Lamport kernel's boundary from the fused kernel's rows): {payload if status != 'ok' else payload[1]}")
-        rows.extend(boundary_pass(world, cells or [], dtype, cuda, iters, timeout_s, log))
+        boundary, implementation = boundary_pass(world, cells or [], dtype, cuda, iters, timeout_s, log)
+        rows.extend(boundary)
+        if implementation is not None and implementations is not None:
+            implementations[str(world)] = implementation
     return rows

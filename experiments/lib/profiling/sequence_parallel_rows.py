@@ -83,7 +83,7 @@ def boundary_rows(group: TPGroup, cells: list[Cell], dtype: torch.dtype, device:
 def sequence_parallel_worker(rank: int, world: int, port: int, cells: list[Cell], dtype: torch.dtype,
                              cuda: bool, iters: int, timeout_s: float, results) -> None:
     """One rank of the boundaries' pass (`collectives.run_ranks`): rank 0 puts ("ok", (rows, what the
-    engine said)); a rank that fails puts ("error", why)."""
+    engine said, "fused" or "plain": which implementation ran)); a rank that fails puts ("error", why)."""
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         if cuda:
@@ -96,7 +96,9 @@ def sequence_parallel_worker(rank: int, world: int, port: int, cells: list[Cell]
             group = init_group(join_store(port, world, timeout_s), rank, world, device, timeout_s, parallel)
         rows = boundary_rows(group, cells, dtype, device, iters)
         if rank == 0:
-            results.put(("ok", (rows, " ".join(said) or f"the engine logged no {ENGINE_LINE} line")))
+            implementation = "plain" if group.fused_rows is None else "fused"
+            line = " ".join(said) or f"the engine logged no {ENGINE_LINE} line"
+            results.put(("ok", (rows, line, implementation)))
         group.fused_rows = group.custom = None  # frees the symmetric buffer before the group ends
         end_group(4.0, 2.0)
     except BaseException:  # noqa: BLE001 - the parent reports it, naming the world size
