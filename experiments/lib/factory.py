@@ -80,14 +80,14 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
         raise ValueError(f"parallel.{e}") from None
     dtype = DTYPES.get(dtype_name)
     one_shot, two_shot = parallel.one_shot_max_bytes(tp), parallel.custom_all_reduce_max_bytes
-    reason = settings_reason(parallel, tp)
+    reason = settings_off = settings_reason(parallel, tp)
     if reason is None and dtype not in SYMMETRIC_DTYPES:
         taken = [str(d).removeprefix("torch.") for d in SYMMETRIC_DTYPES]
         reason = f"model.dtype={dtype_name}: the kernels take {taken}"
     kernel = parallel.kernel_for(tp)
     if reason is not None:  # a dtype the kernels do not take still leaves the group its symmetric memory
         return EngineAllReduce(lambda nbytes: NCCL, one_shot, two_shot, reason, kernel,
-                               symmetric_memory_on=settings_reason(parallel, tp) is None)
+                               symmetric_memory_on=settings_off is None)
     fuses_width = None
     if kernel in FUSED_ALL_REDUCE_KERNELS:  # the engine's rule for the rows its fused kernels take
         from kernels.all_reduce import fits_add_rms_norm as fuses_width
@@ -211,8 +211,8 @@ def latency_setup(cfg: DictConfig) -> LatencySetup:
 
     tp = tensor_parallel_size(cfg)
     parallel = section(cfg, "parallel") if cfg.get("parallel") is not None else {}
-    sequence_parallel = check_min_rows(parallel.get("sequence_parallel_min_rows") or 0,
-                                       "parallel.sequence_parallel_min_rows")
+    setting = parallel.get("sequence_parallel_min_rows")  # null: the engine's default, 0
+    sequence_parallel = check_min_rows(0 if setting is None else setting, "parallel.sequence_parallel_min_rows")
     eager_from = sequence_parallel_from(tp, sequence_parallel)
 
     def graph_sizes() -> tuple[list[int], list[int]]:  # the engine's CUDA-graph buckets for these limits

@@ -191,20 +191,19 @@ class OperatorModel(LatencyModel):
         # all-reduces, as the message's size decides whether the engine fuses them.
         self.fused_count = 2 * L if self.fused_boundary is not None else 0
         self.add_rms_norm = profile.grid("add_rms_norm").fix("n", h)
+        elementwise = {"add_rms_norm": self.add_rms_norm,  # each over m, at this model's widths
+                       "silu_and_mul": profile.grid("silu_and_mul").fix("n", m.intermediate_size),
+                       "qk_rope_write": profile.grid("qk_rope_write").fixed(**width),
+                       "embedding": profile.grid("embedding").fix("n", h)}
+        counts = {"add_rms_norm": 2.0 * L + 1 - self.fused_count, "silu_and_mul": float(L),
+                  "qk_rope_write": float(L), "embedding": 1.0}
         families = {"gemm": [(float(L), gemm.fixed(k=k, n=n)) for k, n in layer_gemms],
-                    "norms, activation, rope, embedding": [
-                        (2.0 * L + 1 - self.fused_count, self.add_rms_norm),
-                        (float(L), profile.grid("silu_and_mul").fix("n", m.intermediate_size)),
-                        (float(L), profile.grid("qk_rope_write").fixed(**width)),
-                        (1.0, profile.grid("embedding").fix("n", h))]}
+                    "norms, activation, rope, embedding": [(counts[op], g) for op, g in elementwise.items()]}
         parts = [part for family in families.values() for part in family]
         points = sorted({p for _, g in parts for p in g.axes[0].points})
         self.token_curve = summed("m", points, parts)
         # The same curve by operator family, for `shape_time(..., parts)` (a breakdown, not the hot path).
         self.token_families = {name: summed("m", points, family) for name, family in families.items()}
-        elementwise = {"add_rms_norm": self.add_rms_norm, "embedding": profile.grid("embedding").fix("n", h),
-                       "silu_and_mul": profile.grid("silu_and_mul").fix("n", m.intermediate_size),
-                       "qk_rope_write": profile.grid("qk_rope_write").fixed(**width)}
         self.sequence_parallel = SequenceParallelPricing.for_run(profile, m, tp, sequence_parallel_min_rows,
                                                                  engine_all_reduce, elementwise)
         if self.sequence_parallel is not None:
@@ -293,7 +292,7 @@ class OperatorModel(LatencyModel):
                 families = {name: curve(rows) for name, curve in self.token_families.items()}
                 families["norms, activation, rope, embedding"] += norms
             else:
-                families = {name: t for name, t in layers.items() if t}
+                families = layers
             _book(parts, s, {"launch, host": host, "copy_blocks": copy, **families, "lm head, sampler": head,
                              "decode attention": decode, "prefill attention": prefill,
                              "all-reduce": reduce if self.all_reduce is not None and layers is None else None,

@@ -20,8 +20,10 @@ gemm(T', k, n) + reduce_scatter(T' n b) (the collectives' rows are timed in CUDA
 engine's eager steps are not: at these MB sizes the launch is a small share). The fused rows must
 have been taken with the fused ops (the file's `sequence_parallel_ops` metadata, where recorded)
 and reach down to the setting's rows: below their smallest m a grid would price every step at it.
-Attention, the LM head and sampling are priced as for any step (the engine runs them alike), and
-so is the copy that pads attention's output to T' rows when N does not divide T (not priced).
+Attention, the LM head and sampling are priced as for any step (the engine runs them alike). Not
+priced: the copy that pads attention's output to T' rows when N does not divide T, and Qwen2's bias
+adds; the first layer's input norm (a plain RMSNorm in the engine) is priced as `add_rms_norm`, as
+the all-reduce path's is (sim/latency/operators.py).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ ROW_COLLECTIVES = "row collectives"
 GEMM_FAMILY = "gemm"
 ELEMENTWISE = "norms, activation, rope, embedding"
 FIELD = "parallel.sequence_parallel_min_rows"
+IMPLEMENTATIONS = ("fused", "plain")  # the profile's `sequence_parallel_ops` values
 TAKE_ROWS = ("python -m experiments.profile mode=operators operator_parts=[collectives] on N GPUs "
              "(operator_grid.sequence_parallel_m lists the step rows timed)")
 Call = tuple[str, float, float, float]  # (op, m, k, n) of a GEMM-like op; (op, bytes, 0, 0) of a collective
@@ -78,7 +81,9 @@ class SequenceParallelPricing:
         ops = ("all_gather_matmul", "matmul_reduce_scatter") if fused else ("gemm",)
         missing = [op for op in (*ops, "reduce_scatter", "all_gather")
                    if not profile.has(op, 1 if op == "gemm" else size)]
-        how = "torch's fused symmetric-memory ops" if fused else "plain collectives (no symmetric memory)"
+        how = ("torch's fused symmetric-memory ops" if fused else
+               "plain collectives: symmetric memory off" if engine is not None else
+               "plain collectives: the engine's paths not known")
         if missing:
             raise ValueError(f"{FIELD}={min_rows}: operator profile {[str(p) for p in profile.paths]} "
                              f"lacks {missing} at N={size}, which price the sequence-parallel steps ({how}); "
@@ -97,12 +102,15 @@ class SequenceParallelPricing:
                                      f"at N={size} start at m={smallest:g} rows, above the setting's steps; "
                                      f"take rows from {first} ({TAKE_ROWS}), or set it to {smallest:g} "
                                      "or more")
-            files = profile.files(ops[0], size)
-            recorded = _recorded_ops(profile, files[0], size)
-            if recorded not in (None, "fused"):
-                raise ValueError(f"{FIELD}={min_rows}: the {ops[0]} rows at N={size} ({files[0]}) timed "
-                                 f"the {recorded} implementation, and the engine would run {how}: take "
-                                 "them where the GPUs map each other's memory")
+            files = list(dict.fromkeys(f for op in ops for f in profile.files(op, size)))
+            said = {name: _recorded_ops(profile, name, size) for name in files}
+            for name, recorded in said.items():
+                if recorded == "plain":
+                    raise ValueError(f"{FIELD}={min_rows}: the boundary rows at N={size} ({name}) timed the "
+                                     f"plain implementation, and the engine would run {how}: take them where "
+                                     "the GPUs map each other's memory, or price the plain path with "
+                                     "parallel.disable_custom_all_reduce=true, or set it to 0")
+            recorded = None if None in said.values() else "fused"
         unsaid = fused and recorded is None
         rows_from = ", ".join(files) + ("; their implementation not recorded" if unsaid else "")
         used = ("all_gather_matmul / matmul_reduce_scatter rows" if fused else
@@ -128,23 +136,24 @@ class SequenceParallelPricing:
         return takes_sequence_parallel(self.size, self.min_rows, tokens)
 
     def calls(self, tokens: int) -> list[Call]:
-        """The step's row-dependent calls in the engine's order (the layers' once each: `layers`
-        times per step), and the elementwise ops by their rows: what `parts` sums."""
+        """Every row-dependent call of the step, in the engine's order (engine/models/
+        sequence_parallel.py): what `parts` sums. Each layer: its input norm, q/k/v, q/k norm + rope
+        + KV write on the T real rows, o_proj, the post-attention norm, gate/up, SiLU, down."""
         rows = padded_rows(tokens, self.size)
         own, b = rows // self.size, self.dtype_bytes
-        ends = [("embedding", rows, 0, 0), ("reduce_scatter", rows * self.token_bytes, 0, 0)]
-        layer: list[Call] = []
-        for op, k, n in self.boundaries:
+
+        def boundary(op: str, k: int, n: int) -> list[Call]:
             if self.fused:
-                layer.append((op, rows, k, n))
-            elif op == "all_gather_matmul":
-                layer += [("all_gather", rows * k * b, 0, 0), ("gemm", rows, k, n)]
-            else:
-                layer += [("gemm", rows, k, n), ("reduce_scatter", rows * n * b, 0, 0)]
-        layer += [("add_rms_norm", own, 0, 0), ("add_rms_norm", own, 0, 0), ("qk_rope_write", tokens, 0, 0),
-                  ("silu_and_mul", rows, 0, 0)]
-        final = [("add_rms_norm", own, 0, 0), ("all_gather", rows * self.token_bytes, 0, 0)]
-        return ends + layer * self.layers + final
+                return [(op, rows, k, n)]
+            if op == "all_gather_matmul":
+                return [("all_gather", rows * k * b, 0, 0), ("gemm", rows, k, n)]
+            return [("gemm", rows, k, n), ("reduce_scatter", rows * n * b, 0, 0)]
+        qkv, o, gate_up, down = (boundary(*x) for x in self.boundaries)
+        norm: list[Call] = [("add_rms_norm", own, 0, 0)]
+        layer = (norm + qkv + [("qk_rope_write", tokens, 0, 0)] + o + norm + gate_up
+                 + [("silu_and_mul", rows, 0, 0)] + down)
+        ends = [("embedding", rows, 0, 0), ("reduce_scatter", rows * self.token_bytes, 0, 0)]
+        return ends + layer * self.layers + norm + [("all_gather", rows * self.token_bytes, 0, 0)]
 
     def parts(self, tokens: int) -> dict[str, float]:
         """Seconds of the layer stack of a step of `tokens` tokens, by breakdown family."""
@@ -172,10 +181,14 @@ def _recorded_ops(profile: OperatorProfile, name: str, size: int) -> str | None:
     where it does not say."""
     for path, meta in zip(profile.paths, profile.meta, strict=True):
         if path.name == name and SEQUENCE_PARALLEL_META in meta:
+            value = meta[SEQUENCE_PARALLEL_META]
             try:
-                return json.loads(meta[SEQUENCE_PARALLEL_META]).get(str(size))
-            except (json.JSONDecodeError, AttributeError):
-                value = meta[SEQUENCE_PARALLEL_META]
+                said = json.loads(value)
+                ok = isinstance(said, dict) and all(v in IMPLEMENTATIONS for v in said.values())
+            except json.JSONDecodeError:
+                ok = False
+            if not ok:
                 raise ValueError(f"{path}: metadata {SEQUENCE_PARALLEL_META}={value!r} is invalid: a JSON "
-                                 "object of world size -> 'fused' or 'plain'") from None
+                                 "object of world size -> 'fused' or 'plain'")
+            return said.get(str(size))
     return None

@@ -81,6 +81,7 @@ def test_sequence_parallel_engine_matches_single_process(sp_engines, reference, 
     choices = default_choices(monkeypatch, rows)
     got, want = run(engine, scenario), reference(model, scenario)
     assert rows and min(rows) >= MIN_ROWS  # steps of 3+ tokens took the path, no smaller one did
+    assert any(took for _, took in choices), choices  # forwards chose by themselves
     assert all(took == (n >= MIN_ROWS) for n, took in choices), choices  # and every such step did
     assert got["tokens"] == want["tokens"]
     assert got["finish"] == want["finish"]

@@ -166,10 +166,12 @@ def test_models_that_do_not_price_it_and_bad_values_are_refused(rows):
                                      "parallel.tensor_parallel_size=2", "parallel.sequence_parallel_min_rows=2048"))
     factory.build_latency(config("latency=roofline", "hardware=h200", "model=qwen3-8b",
                                  "parallel.sequence_parallel_min_rows=2048"))  # one GPU: nothing to price
-    for bad in ("-1", "true", "1.5"):
-        with pytest.raises(ValueError, match=rf"sequence_parallel_min_rows={bad if bad != 'true' else 'True'}"
-                                             r" is invalid: an integer >= 0"):
+    for bad, shown in (("-1", "-1"), ("true", "True"), ("1.5", "1.5"), ("false", "False"), ("0.0", "0.0")):
+        with pytest.raises(ValueError, match=rf"sequence_parallel_min_rows={shown} is invalid: an integer >= 0"):
             run(rows, f"parallel.sequence_parallel_min_rows={bad}")
+        with pytest.raises(ValueError, match=rf"sequence_parallel_min_rows={shown} is invalid"):  # the roofline too
+            factory.build_latency(config("latency=roofline", "hardware=h200", "model=qwen3-8b",
+                                         f"parallel.sequence_parallel_min_rows={bad}"))
 
 
 def test_the_engine_keeps_its_symmetric_memory_for_a_dtype_its_all_reduce_kernels_do_not_take():
@@ -191,15 +193,18 @@ def test_a_setting_below_the_rows_measured_is_refused_not_priced_at_the_smallest
 
 @pytest.mark.parametrize(("recorded", "outcome"), [
     ('{"2":"fused"}', "priced"), ('{"4":"plain"}', "not recorded"), (None, "not recorded"),
-    ('{"2":"plain"}', "refused"), ("[2", "bad")])
+    ('{"2":"plain"}', "refused"), ("[2", "bad"), ('{"2":"Fused"}', "bad"), ('{"2":null}', "bad"),
+    ('["fused"]', "bad")])
 def test_the_rows_implementation_as_the_file_records_it(tmp_path, recorded, outcome):
     directory = _profile(tmp_path, recorded=recorded)
     overrides = ("parallel.sequence_parallel_min_rows=2048",)
     if outcome == "refused":
-        with pytest.raises(ValueError, match=r"timed the plain implementation, and the engine would run torch's fused"):
+        with pytest.raises(ValueError, match=r"boundary rows at N=2 \(h200-roofline-bfloat16-collectives-n2.csv\) "
+                                             r"timed the plain implementation, and the engine would run torch's fused.*"
+                                             r"disable_custom_all_reduce=true"):
             run(directory, *overrides)
     elif outcome == "bad":
-        with pytest.raises(ValueError, match=r"metadata sequence_parallel_ops='\[2' is invalid"):
+        with pytest.raises(ValueError, match=r"metadata sequence_parallel_ops=.* is invalid: a JSON object"):
             run(directory, *overrides)
     else:
         source = run(directory, *overrides).data_sources()["sequence parallel"]
