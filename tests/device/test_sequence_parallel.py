@@ -142,7 +142,9 @@ BOUNDARY_CALLS = ("all_gather_matmul", "matmul_reduce_scatter", "reduce_scatter_
 def _check_priced_calls(group: TPGroup, lens: list[int]) -> list[str]:
     """The simulator prices the calls the engine makes: a tiny Qwen3 shard's sequence-parallel
     forward records its group's boundaries ((op, m, k, n) of each fused GEMM, the bytes of each row
-    collective), which equal `SequenceParallelPricing`'s list for the same shard and rows."""
+    collective) and the rows of its layer norms, q/k norm + rope + KV writes, SiLUs and embedding,
+    in order, which equal `SequenceParallelPricing`'s list for the same shard and rows (the first
+    layer's plain input norm counted as the `add_rms_norm` it is priced as)."""
     from hydra import compose, initialize_config_module
 
     from engine.config import CacheConfig
@@ -158,6 +160,22 @@ def _check_priced_calls(group: TPGroup, lens: list[int]) -> list[str]:
     inputs = next(_prefill_and_decode(runner, random_prompts(lens, cfg.vocab_size)))
     seen: list[tuple] = []
     originals = {name: getattr(TPGroup, name) for name in BOUNDARY_CALLS}
+    from engine.models import llama, parallel_layers
+
+    fns = runner.model.layers[0].mlp.fns
+    patched = [(llama.ReducingRMSNorm, "forward", "add_rms_norm"), (llama.ReducingRMSNorm, "add_forward", "add_rms_norm"),
+               (llama.Attention, "attend_rows", "qk_rope_write"), (fns, "silu_and_mul", "silu_and_mul"),
+               (parallel_layers.VocabParallelEmbedding, "lookup", "embedding")]
+    kept = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patched]
+
+    def rows_of(op, fn, bound):
+        def call(*args, **kwargs):
+            x = args[1] if bound else args[0]
+            if op == "qk_rope_write":
+                x = args[2]  # attend_rows(self, rope, qkv, meta): the rows it writes
+            seen.append((op, x.shape[0]))
+            return fn(*args, **kwargs)
+        return call
 
     def recording(name):
         def call(self, x, weight=None):
@@ -172,17 +190,20 @@ def _check_priced_calls(group: TPGroup, lens: list[int]) -> list[str]:
     try:
         for name in BOUNDARY_CALLS:
             setattr(TPGroup, name, recording(name))
+        for (owner, attr, op), (_, _, fn) in zip(patched, kept, strict=True):
+            setattr(owner, attr, rows_of(op, fn, bound=owner is not fns))
         runner.model(inputs.input_ids, inputs.positions, inputs.meta, sequence_parallel=True)
     finally:
         for name, fn in originals.items():
             setattr(TPGroup, name, fn)
+        for owner, attr, fn in kept:
+            setattr(owner, attr, fn)
         runner.close()
     with initialize_config_module(config_module="conf", version_base="1.3"):
         model = shard_shape(factory.model_shape(compose(config_name="config", overrides=["model=tiny-qwen3"])),
                             group.size)
     priced = SequenceParallelPricing.layout(model, group.size, 1, fused=True).calls(sum(lens))
-    want = [(op, x) if op in ("reduce_scatter", "all_gather") else (op, x, k, n) for op, x, k, n in priced
-            if op in ("all_gather_matmul", "matmul_reduce_scatter", "reduce_scatter", "all_gather")]
+    want = [(op, x) if k == 0 else (op, x, k, n) for op, x, k, n in priced]
     return [] if seen == want else [f"the engine's calls {seen} != the priced {want}"]
 
 
