@@ -8,11 +8,9 @@ path's: tests/device/test_sequence_parallel.py."""
 from __future__ import annotations
 
 import pytest
-from test_engine_tp import ARGS, SCENARIOS, checkpoints, reference, run  # noqa: F401 (fixtures)
+from test_engine_tp import SCENARIOS, checkpoints, one_engine_at_a_time, reference, run  # noqa: F401 (fixtures)
 
-from engine.engine_args import EngineArgs
 from engine.models import llama
-from engine.offline.llm_engine import LLMEngine
 
 # Prefill steps (tens of tokens) and decode steps of 3+ sequences take the path; the decode steps
 # of the last one or two sequences keep the all-reduces: both within one engine.
@@ -22,21 +20,7 @@ MIN_ROWS = 3
 @pytest.fixture(scope="module")
 def sp_engines(checkpoints):  # noqa: F811 (the imported fixture)
     """(model, N) -> a sequence-parallel engine; one open at a time (one group per process)."""
-    current: dict[tuple[str, int], LLMEngine] = {}
-
-    def get(model: str, size: int) -> LLMEngine:
-        if (model, size) not in current:
-            for engine in current.values():
-                engine.close()
-            current.clear()
-            path = model if model.startswith("tiny-") else str(checkpoints / model)
-            current[(model, size)] = LLMEngine(EngineArgs(model=path, tensor_parallel_size=size,
-                                                          sequence_parallel_min_rows=MIN_ROWS, **ARGS))
-        return current[(model, size)]
-
-    yield get
-    for engine in current.values():
-        engine.close()
+    yield from one_engine_at_a_time(checkpoints, sequence_parallel_min_rows=MIN_ROWS)
 
 
 def counting_sequence_parallel(monkeypatch) -> list[int]:

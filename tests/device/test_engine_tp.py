@@ -47,10 +47,9 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def engines(checkpoints):
-    """(model, N) -> engine; one open at a time (a process holds one tensor-parallel group), so the
-    cases below come grouped by (model, N)."""
+def one_engine_at_a_time(checkpoints, **extra):
+    """Yields (model, N) -> engine (`EngineArgs` with `extra`); one open at a time (a process holds
+    one tensor-parallel group), so the cases using it come grouped by (model, N)."""
     current: dict[tuple[str, int], LLMEngine] = {}
 
     def get(model: str, size: int) -> LLMEngine:
@@ -59,12 +58,17 @@ def engines(checkpoints):
                 engine.close()
             current.clear()
             path = model if model.startswith("tiny-") else str(checkpoints / model)
-            current[(model, size)] = LLMEngine(EngineArgs(model=path, tensor_parallel_size=size, **ARGS))
+            current[(model, size)] = LLMEngine(EngineArgs(model=path, tensor_parallel_size=size, **ARGS, **extra))
         return current[(model, size)]
 
     yield get
     for engine in current.values():
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    yield from one_engine_at_a_time(checkpoints)
 
 
 def _scheduler(knobs: dict):

@@ -8,22 +8,27 @@ Synthetic profile: the roofline's operators for datasheet H200s, plus rows at N=
 multilinear in (m, k, n) and linear in bytes, so the grids interpolate them exactly."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from engine.device.cuda_graph import graph_token_sizes
 from experiments.lib import factory
 from experiments.profiles.synthetic_operators import synthetic_operator_profile
-from sim.latency.base import BatchShape
 from sim.latency.operator_file import write_operator_file
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
 from sim.latency.sequence_parallel_pricing import FUSED_FAMILY, GEMM_FAMILY, ROW_COLLECTIVES
+from tests.simulation.test_latency_operators_fused_boundary import (  # the same model, run and shapes
+    COLLECTIVES_FILE,
+    HIDDEN,
+    LAYERS,
+    config,
+    decode,
+    prefill,
+    run,
+)
 
-LAYERS, HIDDEN, Q, KV, INTER = 36, 4096, 2048, 512, 6144  # Qwen3-8B's shard at N=2 (q, k, v widths; MLP)
-COLLECTIVES_FILE = "h200-roofline-bfloat16-collectives-n2.csv"
+Q, KV, INTER = 2048, 512, 6144  # Qwen3-8B's shard at N=2: q and k/v widths, MLP columns
 M, K, N = [256, 1024, 2048, 4096, 8192, 16384], [1024, 2048, 4096, 8192], [1024, 4096, 16384]
 
 
@@ -37,11 +42,6 @@ def mmrs_s(m: float, k: float, n: float) -> float:
 
 def reduce_scatter_s(nbytes: float) -> float:
     return 6e-6 + nbytes / 2e11
-
-
-def config(*overrides: str):
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 def _profile(out: Path, fused_rows: bool = True, recorded: str | None = None) -> Path:
@@ -68,22 +68,6 @@ def rows(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def no_fused_rows(tmp_path_factory) -> Path:
     return _profile(tmp_path_factory.mktemp("sp-plain"), fused_rows=False)
-
-
-@functools.cache
-def run(directory: Path, *overrides: str):
-    """The operator model of Qwen3-8B at TP=2 on datasheet H200s (eager steps unless overridden)."""
-    return factory.build_latency(config("latency=operators", f"latency.dir={directory}", "latency.gpu=h200-roofline",
-                                        "latency.cuda_graphs=false", "hardware=h200", "model=qwen3-8b",
-                                        "parallel.tensor_parallel_size=2", *overrides))
-
-
-def prefill(tokens: int) -> BatchShape:
-    return BatchShape(tokens, 1, 0, tokens * (tokens + 1) // 2, 0, 0, 1, 0, ((tokens, 0),))
-
-
-def decode(seqs: int) -> BatchShape:
-    return BatchShape(0, 0, 0, 0, seqs, seqs * 500, seqs)
 
 
 def grids(directory: Path):
