@@ -25,22 +25,19 @@ count and the config); CUDA-graph captures never take this path (`StepGraphs` pa
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from engine.device.attention import AttentionMetadata
 from engine.distributed.parallel_state import TPGroup
 from engine.models.ops import rope_rows
 from policies.sequence_parallel import padded_rows
 
-if TYPE_CHECKING:
-    from torch import nn
-
-    from engine.models.llama import DecoderLayer, ShardedLlamaForCausalLM
+# The model and its layers are engine/models/llama.py's (`ShardedLlamaForCausalLM`, `DecoderLayer`),
+# typed here as modules: llama.py calls into this file, which therefore does not import it.
 
 
-def sequence_parallel_forward(model: ShardedLlamaForCausalLM, input_ids: torch.Tensor,
+def sequence_parallel_forward(model: nn.Module, input_ids: torch.Tensor,
                               positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """input_ids, positions [T] -> final-normed hidden states [T, hidden] on every rank, as
     `LlamaForCausalLM.forward` gives them (up to the order of the sums)."""
@@ -58,7 +55,7 @@ def sequence_parallel_forward(model: ShardedLlamaForCausalLM, input_ids: torch.T
     return group.all_gather_rows(model.norm.add_forward(x, residual)[0])[:rows]
 
 
-def layer_forward(layer: DecoderLayer, group: TPGroup, rows: int, rope: torch.Tensor, x: torch.Tensor,
+def layer_forward(layer: nn.Module, group: TPGroup, rows: int, rope: torch.Tensor, x: torch.Tensor,
                   residual: torch.Tensor | None,
                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer on this rank's rows: x [S, hidden], the previous layer's MLP output (or the
