@@ -69,7 +69,7 @@ from sim.latency.collective_pricing import (
 from sim.latency.decode_attention_pricing import DecodeAttentionPricing
 from sim.latency.op_grid import Axis, OpGrid
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
-from sim.latency.sequence_parallel_pricing import SequenceParallelPricing
+from sim.latency.sequence_parallel_pricing import ELEMENTWISE, GEMM_FAMILY, SequenceParallelPricing
 from sim.latency.shapes import Hardware, ModelShape
 from sim.latency.tensor_parallel import SAMPLED_PAIR_BYTES, shard_shape
 from sim.latency.token_padding import padded
@@ -197,8 +197,8 @@ class OperatorModel(LatencyModel):
                        "embedding": profile.grid("embedding").fix("n", h)}
         counts = {"add_rms_norm": 2.0 * L + 1 - self.fused_count, "silu_and_mul": float(L),
                   "qk_rope_write": float(L), "embedding": 1.0}
-        families = {"gemm": [(float(L), gemm.fixed(k=k, n=n)) for k, n in layer_gemms],
-                    "norms, activation, rope, embedding": [(counts[op], g) for op, g in elementwise.items()]}
+        families = {GEMM_FAMILY: [(float(L), gemm.fixed(k=k, n=n)) for k, n in layer_gemms],
+                    ELEMENTWISE: [(counts[op], g) for op, g in elementwise.items()]}
         parts = [part for family in families.values() for part in family]
         points = sorted({p for _, g in parts for p in g.axes[0].points})
         self.token_curve = summed("m", points, parts)
@@ -290,7 +290,7 @@ class OperatorModel(LatencyModel):
         if parts is not None:
             if layers is None:
                 families = {name: curve(rows) for name, curve in self.token_families.items()}
-                families["norms, activation, rope, embedding"] += norms
+                families[ELEMENTWISE] += norms
             else:
                 families = layers
             _book(parts, s, {"launch, host": host, "copy_blocks": copy, **families, "lm head, sampler": head,

@@ -38,7 +38,8 @@ from sim.latency.operator_file import SEQUENCE_PARALLEL_META
 from sim.latency.operator_profile import OperatorProfile
 from sim.latency.shapes import ModelShape
 
-# Breakdown families (experiments/lab/operator_breakdown.py) this step's parts are booked under.
+# Breakdown families (experiments/lab/operator_breakdown.py): the last two are every step's
+# (sim/latency/operators.py), the first two a sequence-parallel step's own.
 FUSED_FAMILY = "gemm + row collectives"
 ROW_COLLECTIVES = "row collectives"
 GEMM_FAMILY = "gemm"
@@ -81,9 +82,10 @@ class SequenceParallelPricing:
         ops = ("all_gather_matmul", "matmul_reduce_scatter") if fused else ("gemm",)
         missing = [op for op in (*ops, "reduce_scatter", "all_gather")
                    if not profile.has(op, 1 if op == "gemm" else size)]
-        how = ("torch's fused symmetric-memory ops" if fused else
-               "plain collectives: symmetric memory off" if engine is not None else
-               "plain collectives: the engine's paths not known")
+        how = ("torch's fused symmetric-memory ops: all_gather_matmul / matmul_reduce_scatter rows"
+               if fused else
+               "all_gather / reduce_scatter rows beside the GEMMs "
+               + ("(symmetric memory off)" if engine is not None else "(the engine's paths not known)"))
         if missing:
             raise ValueError(f"{FIELD}={min_rows}: operator profile {[str(p) for p in profile.paths]} "
                              f"lacks {missing} at N={size}, which price the sequence-parallel steps ({how}); "
@@ -91,12 +93,12 @@ class SequenceParallelPricing:
         grids: dict[str, Callable[..., float]] = {**elementwise, "gemm": profile.grid("gemm"),
                                                   "reduce_scatter": profile.grid("reduce_scatter", size),
                                                   "all_gather": profile.grid("all_gather", size)}
-        files, recorded = profile.files("reduce_scatter", size), None
+        files, unsaid = profile.files("reduce_scatter", size), False
         if fused:
+            first = padded_rows(min_rows, size)  # the fewest rows a sequence-parallel step has
             for op in ops:
                 grids[op] = profile.grid(op, size)
                 smallest = grids[op].axes[0].points[0]
-                first = padded_rows(min_rows, size)
                 if first < smallest:
                     raise ValueError(f"{FIELD}={min_rows} is invalid with this profile: its {op} rows "
                                      f"at N={size} start at m={smallest:g} rows, above the setting's steps; "
@@ -110,14 +112,10 @@ class SequenceParallelPricing:
                                      f"plain implementation, and the engine would run {how}: take them where "
                                      "the GPUs map each other's memory, or price the plain path with "
                                      "parallel.disable_custom_all_reduce=true, or set it to 0")
-            recorded = None if None in said.values() else "fused"
-        unsaid = fused and recorded is None
+            unsaid = None in said.values()
         rows_from = ", ".join(files) + ("; their implementation not recorded" if unsaid else "")
-        used = ("all_gather_matmul / matmul_reduce_scatter rows" if fused else
-                "all_gather / reduce_scatter rows beside the GEMMs "
-                + ("(symmetric memory off)" if engine is not None else "(the engine's paths not known)"))
         pricing = cls.layout(model, size, min_rows, fused)
-        pricing.grids, pricing.source = grids, f"steps of {min_rows}+ tokens (eager): {used} ({rows_from})"
+        pricing.grids, pricing.source = grids, f"steps of {min_rows}+ tokens (eager): {how} ({rows_from})"
         return pricing
 
     @classmethod
