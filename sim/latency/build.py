@@ -88,5 +88,5 @@ def build_latency_model(config: LatencyConfig, setup: LatencySetup, where: str =
     if rows and setup.tensor_parallel_size > 1 and not getattr(cls, "prices_sequence_parallel", False):
         raise ValueError(f"parallel.sequence_parallel_min_rows={rows} is invalid with {where}={config.name}: "
                          "it does not price sequence-parallel steps; use latency=operators (their rows "
-                         "measured), or set it to 0")
+                         "measured) or latency=roofline, or set it to 0")
     return cls.from_config(config, setup)

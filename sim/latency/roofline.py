@@ -14,7 +14,9 @@ with bw = `hbm_bandwidth`, rate = peak FLOP/s for the model dtype, eb = `bandwid
 Plus copy-on-write copies (read + write a block each) and a fixed `step_overhead_s`.
 With `tensor_parallel_size` N > 1 every byte and FLOP above is one GPU's share (its heads, MLP
 columns and vocabulary: sim/latency/tensor_parallel.py), and the step adds its all-reduces and
-the sampled rows' exchange over `interconnect_bandwidth` / `interconnect_latency_s`.
+the sampled rows' exchange over `interconnect_bandwidth` / `interconnect_latency_s`; a step the
+engine runs sequence-parallel (`parallel.sequence_parallel_min_rows`) has its layer boundaries'
+collectives in their place (sim/latency/sequence_parallel_roofline.py).
 Swap: `swap_latency_s + n * (block_bytes / host_link_bandwidth + swap_block_overhead_s)`.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
 from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
+from sim.latency.sequence_parallel_roofline import SequenceParallelRoofline
 from sim.latency.shapes import Hardware, ModelShape
 from sim.latency.tensor_parallel import TPCommCost, shard_shape
 
@@ -29,10 +32,15 @@ from sim.latency.tensor_parallel import TPCommCost, shard_shape
 @LATENCY_MODELS.register("roofline", config=LatencyConfig)
 class RooflineModel(LatencyModel):
     name = "roofline"
+    prices_sequence_parallel = True
 
     @classmethod
     def from_config(cls, config: LatencyConfig, setup: LatencySetup) -> RooflineModel:
-        return cls(setup.model, setup.hardware, setup.block_size, setup.tensor_parallel_size)
+        model = cls(setup.model, setup.hardware, setup.block_size, setup.tensor_parallel_size)
+        model.sequence_parallel = SequenceParallelRoofline.for_run(
+            setup, model.model, bandwidth=setup.hardware.hbm_bandwidth * setup.hardware.bandwidth_efficiency,
+            gemm_s_per_token=model._gemm_s_per_token)
+        return model
 
     def __init__(self, model: ModelShape, hardware: Hardware, block_size: int,
                  tensor_parallel_size: int = 1) -> None:
@@ -58,6 +66,9 @@ class RooflineModel(LatencyModel):
         self._swap_s_per_block = (self.block_bytes / hardware.host_link_bandwidth
                                   + hardware.swap_block_overhead_s)
         self._swap_latency_s = hardware.swap_latency_s
+        # The engine's sequence-parallel steps (`parallel.sequence_parallel_min_rows`), set by
+        # `from_config`; None: every step runs the all-reduce path.
+        self.sequence_parallel: SequenceParallelRoofline | None = None
         self._decode_fixed_s: dict[tuple[int, int], float] = {}  # decode_times' part per (seqs, samples)
         self.set_reread_cost(hardware.kv_reread_cost, block_size)
 
@@ -69,7 +80,12 @@ class RooflineModel(LatencyModel):
         if tokens == 0 and b.num_copies == 0:
             return 0.0
         t = self._overhead_s + b.num_copies * self._copy_s_per_block
-        if tokens:
+        sp = self.sequence_parallel
+        if sp is not None and tokens and sp.takes(tokens, decode_only=not b.num_prefill_tokens):
+            rows = sp.rows(tokens)
+            gemm_compute = rows * self._gemm_s_per_token + b.num_samples * self._gemm_s_per_sample
+            t += max(self._weights_s, gemm_compute) + sp.elementwise_s(rows) + sp.boundaries_s(rows, b.num_samples)
+        elif tokens:
             gemm_compute = tokens * self._gemm_s_per_token + b.num_samples * self._gemm_s_per_sample
             t += max(self._weights_s, gemm_compute) + tokens * self._act_s_per_token
             if self.tensor_parallel_size > 1:

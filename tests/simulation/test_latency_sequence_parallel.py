@@ -2,7 +2,8 @@
 sim/latency/sequence_parallel_pricing.py): an eager step of that many tokens or more costs its
 boundaries' fused rows (or, with symmetric memory off, the collectives beside the GEMMs), its norms on
 T/N rows and no all-reduce; the CUDA-graph token buckets stop below the setting as the engine's do;
-a profile without the rows, and a model that does not price the path, are refused by name.
+a profile without the rows, and a model that does not price the path (the profiled one), are refused
+by name.
 
 Synthetic profile: the roofline's operators for datasheet H200s, plus rows at N=2 that are
 multilinear in (m, k, n) and linear in bytes, so the grids interpolate them exactly."""
@@ -145,8 +146,9 @@ def test_a_profile_without_the_rows_is_refused_naming_them(no_fused_rows):
 
 
 def test_models_that_do_not_price_it_and_bad_values_are_refused(rows):
-    with pytest.raises(ValueError, match="sequence_parallel_min_rows=2048 is invalid with latency=roofline"):
-        factory.build_latency(config("latency=roofline", "hardware=h200", "model=qwen3-8b",
+    with pytest.raises(ValueError, match="sequence_parallel_min_rows=2048 is invalid with latency=profiled"):
+        factory.build_latency(config("latency=profiled", "latency.path=experiments/profiles/example-synthetic.csv",
+                                     "hardware=h200", "model=qwen3-8b",
                                      "parallel.tensor_parallel_size=2", "parallel.sequence_parallel_min_rows=2048"))
     factory.build_latency(config("latency=roofline", "hardware=h200", "model=qwen3-8b",
                                  "parallel.sequence_parallel_min_rows=2048"))  # one GPU: nothing to price
