@@ -33,9 +33,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 T = TypeVar("T")
-# all_gather_into_tensor's and reduce_scatter_tensor's new names (torch >= 2.12); the same collectives.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch's one-tensor collectives, `(out, x, group=...)`, by their new names where this torch has them
+# (all_gather_single, reduce_scatter_single: torch >= 2.12), else all_gather_into_tensor and
+# reduce_scatter_tensor: the same collectives. Public: the collectives profiler times them too.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class SequenceParallelError(RuntimeError):
@@ -45,7 +47,7 @@ class SequenceParallelError(RuntimeError):
 def plain_all_gather_rows(x: torch.Tensor, size: int, group: dist.ProcessGroup) -> torch.Tensor:
     """[S, C] on each rank -> [size * S, C], rank r's rows at [r S, (r + 1) S)."""
     out = torch.empty(size * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
-    _all_gather(out, x.contiguous(), group=group)
+    all_gather_tensor(out, x.contiguous(), group=group)
     return out
 
 
@@ -55,7 +57,7 @@ def plain_reduce_scatter_rows(x: torch.Tensor, size: int, group: dist.ProcessGro
         raise ValueError(f"rows={x.shape[0]} is invalid for a reduce-scatter over {size} ranks: "
                          "pad to a multiple")
     out = torch.empty(x.shape[0] // size, *x.shape[1:], dtype=x.dtype, device=x.device)
-    _reduce_scatter(out, x.contiguous(), group=group)
+    reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
 
 

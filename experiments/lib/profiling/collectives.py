@@ -68,7 +68,7 @@ from engine.distributed.parallel_state import (
     join_store,
     open_store,
 )
-from engine.distributed.row_collectives import _all_gather, _reduce_scatter
+from engine.distributed.row_collectives import all_gather_tensor, reduce_scatter_tensor
 from engine.parallel_config import ParallelConfig
 from experiments.lib.profiling.collective_calls import (
     Row,
@@ -135,11 +135,11 @@ def measured_rows(group: TPGroup, sizes: list[int], dtype: torch.dtype, device: 
             elif op == "all_gather":
                 out = torch.empty(numel, device=device, dtype=dtype)
                 part = torch.ones(numel // world, device=device, dtype=dtype)
-                call = (lambda o=out, p=part: _all_gather(o, p, group=group.device_group))
+                call = (lambda o=out, p=part: all_gather_tensor(o, p, group=group.device_group))
             elif op == "reduce_scatter":
                 whole = torch.ones(numel, device=device, dtype=dtype)
                 out = torch.empty(numel // world, device=device, dtype=dtype)
-                call = (lambda o=out, w=whole: _reduce_scatter(o, w, group=group.device_group))
+                call = (lambda o=out, w=whole: reduce_scatter_tensor(o, w, group=group.device_group))
             elif op == "all_reduce" or numel * dtype.itemsize in symmetric:
                 call = all_reduce_call(group, path_of[op], numel, dtype, device)
             else:
