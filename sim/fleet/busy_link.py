@@ -1,4 +1,4 @@
-"""A replica's steps priced by the share of each its KV link carried bytes (sim/fleet/disagg.py):
+"""A replica's steps priced by the share of each its KV link carried bytes (sim/fleet/kv_messages.py):
 the decode replica's by its incoming messages (`KVReceivePrice.busy_factor`), a prefill replica's
 by its outgoing ones (`send_busy_factor`), one rule for both.
 

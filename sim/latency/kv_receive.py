@@ -1,5 +1,5 @@
 """What a KV message costs the two engines beside the link itself, for the simulated prefill/decode
-pair (sim/fleet/disagg.py; docs/disaggregation.md, "What a receive costs beside the link"):
+pair (sim/fleet/kv_messages.py; docs/disaggregation.md, "What a receive costs beside the link"):
 
 - `scatter_s(bytes)`: the decode side's scatter of a received message into its blocks (one launch
   on the compute stream, between the step in flight and the next: device time the next step waits

@@ -1,5 +1,5 @@
 """What a KV message costs the engines beside the link (sim/latency/kv_receive.py, priced by
-sim/fleet/disagg.py): the decode replica's scatter before its next step, its steps beside a receive
+sim/fleet/kv_messages.py): the decode replica's scatter before its next step, its steps beside a receive
 on the wire, a synchronous prefill replica's host time per message posted; read from a receive
 profile (experiments.bench_kv_receive's CSV) or the hardware's copy rate; off by default."""
 import pandas as pd
