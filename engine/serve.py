@@ -5,7 +5,8 @@ directory, or a .gguf file. Every `EngineArgs` field is an option (`--num-gpu-bl
 `--policy priority`; a boolean one is a switch taking no value, as vLLM's: `--enforce-eager`,
 `--disable-custom-all-reduce`, `--no-async-scheduling`) or a Hydra-style override
 (`num_gpu_blocks=512 policy=priority enforce_eager=true`). Server
-options: --host (127.0.0.1 by default: loopback only unless asked), --port, --served-model-name
+options: --host (127.0.0.1 by default: loopback only unless asked), --port (1..65535; host and port
+are bound once before the engine is built, so a bad address or a busy port fails at once), --served-model-name
 (one or more names clients may send as `model`), --chat-template, --max-waiting-requests (past it
 new requests get HTTP 503), --api-key (or SERVELAB_API_KEY: bearer keys for /v1/*),
 --max-request-body-bytes (413 past it), --[no-]engine-process (the engine in its own process, the
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import socket
 import sys
 from typing import Any
 
@@ -48,6 +51,8 @@ SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_wai
 # The EngineArgs fields that are on/off switches: on the command line a flag and its --no- form
 # (`--disable-custom-all-reduce`, `--no-async-scheduling`), taking no value, as vLLM's.
 BOOLEAN_FIELDS = tuple(f.name for f in dataclasses.fields(EngineArgs) if f.type in ("bool", bool))
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's (any case)
+MAX_PORT = 65535
 
 
 def parse_value(text: str) -> Any:
@@ -63,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="conf/model name, HF directory or .gguf file")
     p.add_argument("--host", default=LOOPBACK, help="address to bind (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help=f"TCP port to listen at, 1..{MAX_PORT} (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the `model` names clients may send; the first is the one reported "
                         "(default: the model's name). E.g. the tokenizer's HF id, for benchmark clients")
@@ -76,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="refuse larger request bodies with HTTP 413 (default: room for a prompt of "
                         f"max_model_len tokens, {BYTES_PER_TOKEN} bytes each, at least 1 MiB)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help=f"uvicorn's and the server's: one of {', '.join(LOG_LEVELS)}")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, apart from the HTTP front end (default); "
                         "--no-engine-process steps it in a thread of the server's process")
@@ -154,6 +159,56 @@ def uses_replicas(ns: argparse.Namespace) -> bool:
     return ns.data_parallel_size != 1 or ns.replica_launcher != "local"
 
 
+def check_server_options(ns: argparse.Namespace) -> None:
+    """The HTTP server's own options, checked before anything is built; ValueError naming the option.
+    Port 0 (any free port) is refused: the server announces its URL before it binds."""
+    from engine.online.async_llm_engine import check_max_waiting_requests
+
+    if not 1 <= ns.port <= MAX_PORT:
+        raise ValueError(f"port={ns.port} is invalid: a TCP port in [1, {MAX_PORT}]")
+    if not ns.host:
+        raise ValueError(f"host={ns.host!r} is invalid: an address to bind, e.g. {LOOPBACK} (loopback only) "
+                         "or 0.0.0.0 (every interface)")
+    if ns.log_level.lower() not in LOG_LEVELS:
+        raise ValueError(f"log_level={ns.log_level!r} is invalid: one of {', '.join(LOG_LEVELS)}")
+    check_max_waiting_requests(ns.max_waiting_requests)
+    if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind every address `host` resolves to at `port` once, as the server will (uvicorn's
+    `loop.create_server`), and let go: an unknown host, an address not of this machine, a port in
+    use or one needing privileges is a ValueError now, not after the engine is built (minutes with
+    real weights). An address of a family this machine lacks is skipped if another one binds."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"host={host!r} is invalid: it names no address ({exc.strerror})") from None
+    bound, missing = 0, None
+    for family, kind, proto, _, address in infos:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a family this machine does not have
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise ValueError(f"port={port} is invalid: cannot listen at {address[0]} port {port} "
+                                     f"({exc.strerror})") from None
+                missing = exc
+                continue
+        bound += 1
+    if not bound:
+        why = f" ({missing.strerror})" if missing is not None else ""
+        raise ValueError(f"host={host!r} is invalid: not an address of this machine{why}")
+
+
 def check_replica_options(ns: argparse.Namespace):
     """The data-parallel options, checked; the router, or None without replicas."""
     from engine.online.replica_launcher import REPLICA_LAUNCHERS, check_data_parallel_size
@@ -205,11 +260,10 @@ def _fail(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(argv)
     try:
+        check_server_options(ns)
         args = engine_args_from(ns)
         args.check()  # shapes, KV sizing, max_model_len: before any weight loads
         api_keys = api_keys_from(None if ns.api_key is None else [ns.api_key])
-        if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
-            raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
         router = check_replica_options(ns)
         if ns.disaggregation is not None:
             from engine.disagg.config import DisaggregationConfig
@@ -218,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
             if router is not None:
                 raise ValueError("--disaggregation is invalid with --data-parallel-size or --replica-launcher: the "
                                  "engine pair is one prefill and one decode engine on this machine")
+        check_listen(ns.host, ns.port)  # last: the address is free now, the engine is built next
     except ValueError as exc:
         _fail(str(exc))
     from engine.serving.app import build_app

@@ -58,6 +58,12 @@ class EngineQueueFullError(RuntimeError):
     """Too many requests wait already (`max_waiting_requests`): retry later (HTTP 503)."""
 
 
+def check_max_waiting_requests(value: object) -> None:
+    """None (no cap) or an integer >= 1; ValueError naming the field otherwise."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"max_waiting_requests={value!r} is invalid: None (no cap) or an integer >= 1")
+
+
 class EngineDeadError(RuntimeError):
     """The engine's loop died; the engine serves nothing more (its cause is `__cause__`)."""
 
@@ -71,11 +77,7 @@ class AsyncLLMEngine:
         the engine's trace (`engine.recorder`: a row per step and per request, for a study of the
         served run); by default its rows are dropped once counted, so a server's memory stays
         bounded."""
-        if max_waiting_requests is not None and (not isinstance(max_waiting_requests, int)
-                                                 or isinstance(max_waiting_requests, bool)
-                                                 or max_waiting_requests < 1):
-            raise ValueError(f"max_waiting_requests={max_waiting_requests!r} is invalid: None (no cap) "
-                             "or an integer >= 1")
+        check_max_waiting_requests(max_waiting_requests)
         if isinstance(engine, EngineCoreClient):
             engine = ProcessHost(engine)
         elif not isinstance(engine, EngineHost):
