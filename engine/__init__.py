@@ -60,7 +60,8 @@ Upper half (the user API, vLLM's names), importable from `engine` directly:
   tokenizer, detokenize, block_manager, block_manager_config (its own knobs), policy, policy_config
   (the policy's arguments: `LLM(model, policy="srpt", policy_config={"aging": 1.0})`),
   preemption_mode, scheduler limits, block_size,
-  gpu_memory_utilization, swap_space, num_gpu_blocks, enforce_eager, seed, max_logprobs, tensor_parallel_size
+  gpu_memory_utilization, swap_space, num_gpu_blocks, enforce_eager, seed (of the dummy weights: an
+  integer in [-2**63, 2**63 - 1]; None is the default 0), max_logprobs, tensor_parallel_size
   (shard the model over N GPUs: `engine.distributed`, docs/parallelism.md), distributed_timeout_s,
   disable_custom_all_reduce / custom_all_reduce_one_shot_max_bytes / custom_all_reduce_max_bytes
   (small all-reduces over symmetric memory, NCCL above: docs/parallelism.md), all_reduce_kernel

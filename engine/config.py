@@ -29,6 +29,18 @@ def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{field}={value!r} is not supported: {allowed}")
 
 
+# torch's generators take a 64-bit seed; the dummy weights seed parameter i with `seed + i`, so the
+# signed range leaves room above and below.
+SEED_RANGE = (-2**63, 2**63 - 1)
+
+
+def check_seed(seed: object) -> None:
+    """ValueError naming `seed` unless it is an integer (not a bool) in SEED_RANGE."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed={seed!r} is invalid: an integer in [-2**63, 2**63 - 1] (it seeds torch's "
+                         "generators), or None for the default 0")
+
+
 def reject_unknown_fields(cls: type, d: dict[str, Any], what: str) -> None:
     """ValueError naming the keys of `d` that are not fields of the dataclass `cls`."""
     names = {f.name for f in dataclasses.fields(cls)}
@@ -248,6 +260,9 @@ class RunnerConfig:
     attention_backend: str = "auto"
     compile_model: bool | None = None
     decode_kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_seed(self.seed)
 
     def runner_kwargs(self) -> dict[str, Any]:
         """The fields but the model and cache configs, as `ModelRunner`'s keyword arguments."""

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import CacheConfig, ModelConfig, RunnerConfig, reject_unknown_fields
+from engine.config import CacheConfig, ModelConfig, RunnerConfig, check_seed, reject_unknown_fields
 from engine.device.attention import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 from engine.model_loader import load_model_config
 from engine.models import MODELS
@@ -52,7 +52,9 @@ class EngineArgs:
     # Triton decode attention: "auto" (Gluon "tma" on Hopper with fp16/bf16, else "packed"), "packed",
     # "per-head" or "tma" (engine/device/attention.py).
     decode_kernel: str = DEFAULT_DECODE_KERNEL
-    seed: int = 0
+    # Seeds the dummy weights (every rank builds the same ones): an integer in [-2**63, 2**63 - 1];
+    # None is the default 0, so dummy-weight runs stay reproducible (requests' own seeds: SamplingParams).
+    seed: int | None = 0
     # The most top logprobs a request may ask for (vLLM's max_logprobs; -1: up to the vocabulary).
     max_logprobs: int = 20
     # Tensor parallelism (docs/parallelism.md): shard the model over this many GPUs (processes on
@@ -110,6 +112,9 @@ class EngineArgs:
                                                                 and self.distributed_timeout_s > 0):
             raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} is invalid: must be a number > 0")
         self.parallel_config()  # the all-reduce settings: a ValueError naming the field
+        if self.seed is None:
+            self.seed = 0
+        check_seed(self.seed)
         if type(self.join_ahead) is not bool:  # a run config's string would otherwise read as true
             raise ValueError(f"join_ahead={self.join_ahead!r} is invalid: must be True or False")
         if self.device is not None and self.device.split(":")[0] not in ("cuda", "cpu"):

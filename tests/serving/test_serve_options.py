@@ -49,6 +49,8 @@ BAD_OPTIONS = (  # (id, arguments, what the one line says)
     ("log-level", ["--log-level", "nope"], "log_level='nope' is invalid: one of critical, error, warning"),
     ("max-waiting-negative", ["--max-waiting-requests", "-5"], "max_waiting_requests=-5 is invalid"),
     ("max-waiting-zero", ["--max-waiting-requests", "0"], "max_waiting_requests=0 is invalid"),
+    ("seed-text", ["seed=x"], "seed='x' is invalid: an integer in [-2**63, 2**63 - 1]"),
+    ("seed-float", ["--seed", "2.5"], "seed=2.5 is invalid"),
 )
 
 
