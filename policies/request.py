@@ -131,6 +131,7 @@ class Request:
 
     def validate(self, max_model_len: int | None, vocab_size: int | None = None) -> None:
         """ValueError naming the first bad field. `max_model_len` None: any prompt length.
+        `vocab_size` (None: unknown) bounds the prompt's token ids and the stop_token_ids.
         The prompt's token ids and the sampling params (the costly part) are checked once: again
         only if the prompt list, its length, the params object or a vocab_size changes (requests
         are not meant to change in place once handed over: workloads build them validated)."""
@@ -156,6 +157,11 @@ class Request:
         params = self.sampling_params
         _check(isinstance(params, SamplingParams), "sampling_params", params, "must be a SamplingParams")
         params.validate()
+        if vocab_size is not None and params.stop_token_ids:
+            # An id past the vocabulary is never sampled: it would never stop anything.
+            bad = [t for t in params.stop_token_ids if t >= vocab_size]
+            _check(not bad, "stop_token_ids", bad[:5], f"token ids must be integers in [0, {vocab_size}) "
+                   "(the model's vocabulary)")
         self._validated = (ids, n, params, vocab_size)
 
     def fresh_copy(self) -> Request:

@@ -63,7 +63,9 @@ class LLMEngine(RequestIntake):
             eos = self.tokenizer.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
-        self._extra_eos_ids = eos_ids[1:]  # more EOS ids (Llama 3): stop token ids unless ignore_eos
+        # More EOS ids (Llama 3): stop token ids unless ignore_eos; one past the vocabulary is never
+        # sampled, and a request's stop_token_ids must lie in it (Request.validate).
+        self._extra_eos_ids = [i for i in eos_ids[1:] if 0 <= i < self.vocab_size]
         self.output_processor = OutputProcessor(self.detokenizer, args.detokenize)
         self._live = self.output_processor.live  # request id -> LiveRequest, until its final output
         self._output_lens: dict[str, int] = {}  # request id -> forced output length (trace replay)

@@ -1,0 +1,82 @@
+"""Bad request bodies to the HTTP server whose errors need the model's facts or more than a field's
+type: each gets a 400 whose message names the field (and the prompt's index where there are
+several), the value and what is allowed, and the server serves the next request. Uvicorn on
+127.0.0.1 at a free port (a background thread of this process), the shared tiny Qwen3 (vocabulary
+of 256), driven by httpx and the official `openai` client, every call with a timeout."""
+from __future__ import annotations
+
+import pytest
+from optional_deps import require_serving
+
+httpx = pytest.importorskip("httpx2")
+openai = pytest.importorskip("openai")
+require_serving()
+
+from engine.engine_args import EngineArgs
+from engine.offline.llm_engine import LLMEngine
+from engine.online.async_llm_engine import AsyncLLMEngine
+from engine.serving.app import build_app
+from engine.serving.server import ServerThread
+
+MODEL = "tiny"
+VOCAB = 256
+TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    llm_engine = LLMEngine(EngineArgs(model=model_dir, num_gpu_blocks=64, swap_space=0.01, max_model_len=128))
+    with ServerThread(build_app(AsyncLLMEngine(llm_engine), MODEL)) as srv:
+        srv.llm_engine = llm_engine
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
+
+
+def post_completion(server, **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/completions", json={"model": MODEL, "max_tokens": 2, **body},
+                      timeout=TIMEOUT_S)
+
+
+def assert_serves_on(server, client):
+    """A good request after the bad one is served, and the bad one left nothing in the engine."""
+    good = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=3, temperature=0)
+    assert good.choices[0].finish_reason == "length" and good.usage.completion_tokens == 3
+    assert not server.llm_engine.has_unfinished_requests()
+
+
+STOP_IDS = (  # (id, stop_token_ids, the ids the message names)
+    ("vocab-size", [VOCAB], "[256]"),
+    ("huge", [10**9], "[1000000000]"),
+    ("some-of-several", [3, 300, 7], "[300]"),
+)
+
+
+@pytest.mark.parametrize(("ids", "named"), [r[1:] for r in STOP_IDS], ids=[r[0] for r in STOP_IDS])
+def test_a_stop_token_id_outside_the_vocabulary_is_a_400(server, client, ids, named):
+    resp = post_completion(server, prompt=[1, 2, 3], stop_token_ids=ids)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "stop_token_ids", error
+    assert error["message"].startswith(f"stop_token_ids={named} is invalid: token ids must be integers in "
+                                       f"[0, {VOCAB})"), error
+    with pytest.raises(openai.BadRequestError, match=r"stop_token_ids"):
+        client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, extra_body={"stop_token_ids": ids})
+    assert_serves_on(server, client)
+
+
+def test_a_negative_stop_token_id_is_a_400(server, client):
+    resp = post_completion(server, prompt=[1, 2, 3], stop_token_ids=[-1])
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop_token_ids", resp.text
+    assert_serves_on(server, client)
+
+
+def test_a_stop_token_id_in_the_vocabulary_stops(server, client):
+    first = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1, temperature=0,
+                                      extra_body={"return_token_ids": True}).choices[0].token_ids[0]
+    out = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4, temperature=0,
+                                    extra_body={"stop_token_ids": [first], "return_token_ids": True})
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].token_ids == [first]
