@@ -29,7 +29,7 @@ from engine.offline.tokenizer import encode_prompt
 from engine.serving.chat import ChatTemplate, load_chat_template
 from engine.serving.chat_completions import create_chat_completion
 from engine.serving.completions import create_completion
-from engine.serving.errors import APIError, bad_value, parse_request
+from engine.serving.errors import APIError, bad_value, field_param, parse_request
 from engine.serving.guards import RequestGuard, default_max_body_bytes
 from engine.serving.metrics import CONTENT_TYPE, ServingMetrics
 from engine.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -82,26 +82,34 @@ class ServingContext:
         return await self.off_loop(size, self.chat.encode, messages, add_generation_prompt)
 
     async def encode(self, prompt: str | list[int], field_name: str) -> list[int]:
-        """Token ids of one prompt; 400 naming the field for text without a tokenizer or bad ids."""
+        """Token ids of one prompt; 400 for an empty prompt, text without a tokenizer or bad ids, its
+        message naming `field_name` (`prompt`, or `prompt[i]` in a list of prompts)."""
+        param = field_param(field_name)
         if isinstance(prompt, str):
-            return await self.off_loop(len(prompt), self._encode_text, prompt)
-        return self._check_ids(prompt, field_name)
+            if not prompt:
+                raise APIError(400, f"{field_name}='' is invalid: the prompt is empty (give text or token ids)",
+                               param)
+            ids = await self.off_loop(len(prompt), self._encode_text, prompt, field_name)
+            if not ids:
+                raise APIError(400, f"{field_name}={prompt[:40]!r} is invalid: the text encodes to no tokens", param)
+            return ids
+        return self._check_ids(prompt, field_name, param)
 
-    def _encode_text(self, prompt: str) -> list[int]:
+    def _encode_text(self, prompt: str, field_name: str) -> list[int]:
         try:
             return encode_prompt(self.tokenizer, prompt)
         except ValueError as exc:
-            raise bad_value(exc) from None
+            raise bad_value(exc, {"prompt": field_name}) from None
 
-    def _check_ids(self, prompt: list[int], field_name: str) -> list[int]:
+    def _check_ids(self, prompt: list[int], field_name: str, param: str) -> list[int]:
         if not prompt:
-            raise APIError(400, f"{field_name}=[] is invalid: a prompt needs at least one token", field_name)
+            raise APIError(400, f"{field_name}=[] is invalid: a prompt needs at least one token", param)
         if min(prompt) >= 0 and max(prompt) < self.vocab_size:  # two passes in C: the common case
             return prompt
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"{field_name}={bad[:5]} is invalid: token ids must be integers in "
-                           f"[0, {self.vocab_size})", field_name)
+                           f"[0, {self.vocab_size})", param)
         return prompt
 
 

@@ -37,8 +37,9 @@ async def create_completion(ctx: Any, req: CompletionRequest, http: HTTPRequest)
     base_id = random_id("cmpl")
     subs = []
     for i, prompt in enumerate(prompts):
-        ids = await ctx.encode(prompt, "prompt")
-        params = sampling_params(req, len(ids), ctx.max_model_len, req.max_tokens, req.logprobs, "prompt", {},
+        name = req.prompt_field(i)  # prompt[i] in a list of prompts: the message says which
+        ids = await ctx.encode(prompt, name)
+        params = sampling_params(req, len(ids), ctx.max_model_len, req.max_tokens, req.logprobs, name, {},
                                  ctx.max_logprobs)
         subs.append(SubRequest(f"{base_id}-{i}" if len(prompts) > 1 else base_id, ids, params))
     gen = Generation(ctx.engine, subs, http, req.priority, req.user or None)

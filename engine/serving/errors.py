@@ -44,22 +44,33 @@ class APIError(Exception):
 
 def bad_value(exc: ValueError, rename: dict[str, str] | None = None) -> APIError:
     """A servelab ValueError -> 400 whose `param` is the field its message starts with (renamed to
-    the request's name for it where they differ, e.g. max_tokens for max_completion_tokens)."""
+    the request's name for it where they differ, e.g. max_tokens for max_completion_tokens, or
+    prompt[1] for the second of several prompts, whose `param` is then `prompt`)."""
     message = str(exc)
     match = _FIELD_AT_START.match(message)
     param = match.group(1) if match else None
     names = {**_ENGINE_FIELDS, **(rename or {})}
     if param in names:
         message = names[param] + message[len(param):]
-        param = names[param]
+        param = field_param(names[param])
     return APIError(400, message, param)
 
 
-def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
-    """pydantic's errors of a request body -> one 400 naming the first field (all listed)."""
+def field_param(name: str) -> str:
+    """The request field a message's name lies in: `prompt[2]` -> `prompt`."""
+    return name.partition("[")[0]
+
+
+def validation_error(errors: Sequence[dict[str, Any]], specific: dict[str, str] | None = None) -> APIError:
+    """pydantic's errors of a request body -> one 400 naming the first field (all listed).
+    `specific`: field -> one message standing for all of that field's errors."""
     parts, first = [], None
     for err in errors:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if specific and loc and loc[0] in specific:
+            parts.append(specific[loc[0]])
+            first = first or loc[0]
+            continue
         # Union members add their type name to the location (prompt.str, prompt.list[int]): drop them.
         field = ".".join(x for x in loc if not _is_type_tag(x)) or None
         msg = err.get("msg", "invalid")
@@ -87,13 +98,14 @@ def parse_request(body: bytes, model: type[Body]) -> Body:
     pass by pydantic's JSON validator (a token-id prompt is hundreds of numbers: json.loads and
     then validating the dict cost twice as much, on every request's way to its first token). A
     body that validator refuses as JSON goes through Python's parser, which also reads what the
-    fast one does not (a lone surrogate's \\ud800 escape, which the model then names)."""
+    fast one does not (a lone surrogate's \\ud800 escape, which the model then names). A model's
+    `field_problems(data)` (if it has one) words the errors of a field it explains better."""
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
         errors = exc.errors()
         if not any(e["type"] == "json_invalid" for e in errors):
-            raise validation_error(errors) from None
+            raise _refused(model, body, errors) from None
     try:
         data = json.loads(body)
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
@@ -101,4 +113,17 @@ def parse_request(body: bytes, model: type[Body]) -> Body:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
+        raise _refused(model, data, exc.errors()) from None
+
+
+def _refused(model: type[BaseModel], body: bytes | Any, errors: Sequence[dict[str, Any]]) -> APIError:
+    """The 400 for a body pydantic refused (the body parsed again only here, off the hot path)."""
+    explain = getattr(model, "field_problems", None)
+    if explain is None:
+        return validation_error(errors)
+    if isinstance(body, bytes):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            body = None
+    return validation_error(errors, explain(body) if isinstance(body, dict) else None)

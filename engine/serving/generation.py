@@ -19,7 +19,7 @@ from starlette.requests import Request as HTTPRequest
 
 from engine.offline.outputs import CompletionOutput, RequestFailedError, RequestOutput
 from engine.online.async_llm_engine import EngineDeadError, EngineQueueFullError
-from engine.serving.errors import APIError, bad_value
+from engine.serving.errors import APIError, bad_value, field_param
 from engine.serving.protocol import SamplingFields
 from engine.serving.responses import PromptTokensDetails, UsageInfo
 from engine.serving.sse import event
@@ -47,7 +47,7 @@ def sampling_params(fields: SamplingFields, prompt_len: int, max_model_len: int,
                        "top logprobs per token (max_logprobs)", name)
     if prompt_len > max_model_len:
         raise APIError(400, f"{prompt_field} is {prompt_len} tokens long: more than this model's "
-                       f"max_model_len={max_model_len}", prompt_field)
+                       f"max_model_len={max_model_len}", field_param(prompt_field))
     max_field = renames.get("max_tokens", "max_tokens")
     if max_tokens is None:
         max_tokens = max(max_model_len - prompt_len, 1)

@@ -108,8 +108,41 @@ class SamplingFields(StrictModel):
 # Left to right: a token-id prompt validates as list[int] in one pass. Pydantic's default (smart)
 # mode validates it against every member to pick the best match, 7x the time for a 1,000-token
 # prompt (65 us against 9 us), paid on every request before it reaches the engine.
-# Strict ints first, so ["1", "2"] stays two text prompts rather than coercing to token ids.
-Prompt = Annotated[str | list[StrictInt] | list[str] | list[list[int]], Field(union_mode="left_to_right")]
+# Strict ints first, so ["1", "2"] stays two text prompts rather than coercing to token ids; strict in
+# a list of token-id prompts too ([[1, "2"]], [[true]] and [[2.0]] are refused as [1, "2"] is).
+Prompt = Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]], Field(union_mode="left_to_right")]
+PROMPT_SHAPES = "a string, a list of token ids, a list of strings or a list of token-id lists"
+
+
+def _is_token_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def prompt_problem(p: object) -> str | None:
+    """Why `p` (a request's raw `prompt`) fits none of the prompt shapes, naming its first bad
+    element (`prompt[1]=2.5`), or None if it fits one. The shape is the first element's: a number
+    starts token ids, a string a list of texts, a list a list of token-id lists. Read only for a
+    body pydantic refused: its errors list every member of the union instead."""
+    if isinstance(p, str) or p == []:
+        return None
+    if not isinstance(p, list):
+        return f"prompt={p!r:.60} is invalid: must be {PROMPT_SHAPES}"
+    if isinstance(p[0], str):
+        bad = next((i for i, x in enumerate(p) if not isinstance(x, str)), None)
+        return None if bad is None else (f"prompt[{bad}]={p[bad]!r:.60} is invalid: a list of text prompts holds "
+                                         "strings only")
+    if isinstance(p[0], list):
+        for i, ids in enumerate(p):
+            if not isinstance(ids, list):
+                return f"prompt[{i}]={ids!r:.60} is invalid: a list of token-id prompts holds lists of token ids only"
+            bad = next((j for j, t in enumerate(ids) if not _is_token_id(t)), None)
+            if bad is not None:
+                return f"prompt[{i}][{bad}]={ids[bad]!r:.60} is invalid: token ids must be integers"
+        return None
+    if not isinstance(p[0], (int, float)):  # neither a number nor a string nor a list
+        return f"prompt[0]={p[0]!r:.60} is invalid: a list prompt holds token ids, strings or token-id lists"
+    bad = next((i for i, t in enumerate(p) if not _is_token_id(t)), None)
+    return None if bad is None else f"prompt[{bad}]={p[bad]!r:.60} is invalid: token ids must be integers"
 
 
 class CompletionRequest(SamplingFields):
@@ -137,6 +170,18 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported: only best_of == n")
         return self
+
+    @classmethod
+    def field_problems(cls, data: dict[str, Any]) -> dict[str, str]:
+        """For a body pydantic refused: one message per field whose raw value this model can explain
+        better than pydantic's list of union members (the prompt), by field."""
+        problem = prompt_problem(data["prompt"]) if "prompt" in data else None
+        return {"prompt": problem} if problem else {}
+
+    def prompt_field(self, index: int) -> str:
+        """How a message names prompt `index`: `prompt` when the request has one, `prompt[i]` in a list."""
+        p = self.prompt
+        return "prompt" if isinstance(p, str) or (p and isinstance(p[0], int)) else f"prompt[{index}]"
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids (OpenAI's four prompt shapes)."""

@@ -80,3 +80,54 @@ def test_a_stop_token_id_in_the_vocabulary_stops(server, client):
     out = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4, temperature=0,
                                     extra_body={"stop_token_ids": [first], "return_token_ids": True})
     assert out.choices[0].finish_reason == "stop" and out.choices[0].token_ids == [first]
+
+
+PROMPTS = (  # (id, prompt, the message's start)
+    ("empty-text", "", "prompt='' is invalid: the prompt is empty"),
+    ("empty-text-in-a-list", ["hi", ""], "prompt[1]='' is invalid: the prompt is empty"),
+    ("empty-text-first", ["", "hi"], "prompt[0]='' is invalid: the prompt is empty"),
+    ("empty-ids-in-a-list", [[1, 2], []], "prompt[1]=[] is invalid: a prompt needs at least one token"),
+    ("fraction-in-ids", [1, 2.5], "prompt[1]=2.5 is invalid: token ids must be integers"),
+    ("whole-float-in-ids", [1, 2.0], "prompt[1]=2.0 is invalid: token ids must be integers"),
+    ("bool-in-ids", [1, True], "prompt[1]=True is invalid: token ids must be integers"),
+    ("fraction-in-a-list-of-ids", [[1, 2], [3, 4.5]], "prompt[1][1]=4.5 is invalid: token ids must be integers"),
+    ("text-in-a-list-of-ids", [[1, 2], [3, "4"]], "prompt[1][1]='4' is invalid: token ids must be integers"),
+    ("bool-in-a-list-of-ids", [[True]], "prompt[0][0]=True is invalid: token ids must be integers"),
+    ("number-in-a-list-of-texts", ["hi", 3], "prompt[1]=3 is invalid: a list of text prompts holds strings only"),
+    ("text-in-a-list-of-id-lists", [[1, 2], "x"], "prompt[1]='x' is invalid: a list of token-id prompts holds"),
+    ("out-of-vocabulary-in-a-list", [[1, 2], [3, VOCAB]], "prompt[1]=[256] is invalid: token ids must be integers in"),
+    ("too-long-in-a-list", [[1, 2], [3] * 200], "prompt[1] is 200 tokens long: more than this model's max_model_len"),
+    ("number", 123, "prompt=123 is invalid: must be a string, a list of token ids, a list of strings or a list of "
+                    "token-id lists"),
+    ("null", None, "prompt=None is invalid: must be a string"),
+    ("null-in-a-list", [None, 1], "prompt[0]=None is invalid: a list prompt holds token ids, strings or token-id "
+                                  "lists"),
+    ("object-in-a-list", [{"prompt": "hi"}], "prompt[0]={'prompt': 'hi'} is invalid: a list prompt holds"),
+)
+
+
+@pytest.mark.parametrize(("prompt", "says"), [r[1:] for r in PROMPTS], ids=[r[0] for r in PROMPTS])
+def test_a_bad_prompt_is_one_specific_message(server, client, prompt, says):
+    resp = post_completion(server, prompt=prompt)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "prompt" and error["message"].startswith(says), error
+    assert ";" not in error["message"] and "Input should be" not in error["message"], error  # not pydantic's pile
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert info.value.body["message"] == error["message"]
+    assert_serves_on(server, client)
+
+
+def test_a_bad_prompt_and_another_bad_field_are_both_named(server):
+    error = post_completion(server, prompt=[1, 2.5], temperature="hot").json()["error"]
+    assert "prompt[1]=2.5 is invalid" in error["message"] and "temperature" in error["message"], error
+    assert error["message"].count("prompt") == 1, error  # the prompt's one message, not one per union member
+
+
+def test_good_prompt_shapes_still_pass(server, client):
+    for prompt in ("hi", [1, 2, 3], [[1, 2], [3, 4]], ["1", "2"]):
+        resp = post_completion(server, prompt=prompt, temperature=0)
+        assert resp.status_code == 200, resp.text
+        assert len(resp.json()["choices"]) == (2 if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else 1)
+    assert_serves_on(server, client)
