@@ -41,6 +41,35 @@ def check_seed(seed: object) -> None:
                          "generators), or None for the default 0")
 
 
+def check_device(device: object, name: str = "device") -> None:
+    """ValueError naming `name` unless `device` is None (pick one), 'cpu', 'cuda' or 'cuda:<index>':
+    said before torch sees it, whose own error lists every device type it was built to know."""
+    if device is None:
+        return
+    if isinstance(device, str):
+        kind, sep, index = device.partition(":")
+        if device == "cpu" or (kind == "cuda" and (not sep or (index.isascii() and index.isdigit()))):
+            return
+    raise ValueError(f"{name}={device!r} is invalid: 'cpu', 'cuda' or 'cuda:<index>' (None: cuda when available, "
+                     "else cpu)")
+
+
+def resolve_device(device: str | None, name: str = "device") -> str:
+    """The device to run on: `device` checked (check_device), None -> 'cuda' when CUDA is available
+    else 'cpu'; a CUDA device this machine lacks is a ValueError naming `name`."""
+    check_device(device, name)
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={device!r} is invalid: CUDA is not available here")
+        index, count = device.partition(":")[2], torch.cuda.device_count()
+        if index and int(index) >= count:
+            raise ValueError(f"{name}={device!r} is invalid: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+    return device
+
+
 def reject_unknown_fields(cls: type, d: dict[str, Any], what: str) -> None:
     """ValueError naming the keys of `d` that are not fields of the dataclass `cls`."""
     names = {f.name for f in dataclasses.fields(cls)}

@@ -6,7 +6,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import CacheConfig, ModelConfig, RunnerConfig, check_seed, reject_unknown_fields
+from engine.config import (
+    CacheConfig,
+    ModelConfig,
+    RunnerConfig,
+    check_device,
+    check_seed,
+    reject_unknown_fields,
+    resolve_device,
+)
 from engine.device.attention import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 from engine.model_loader import load_model_config
 from engine.models import MODELS
@@ -21,7 +29,7 @@ from policies.scheduler_config import SchedulerConfig
 class EngineArgs:
     model: str | ModelConfig = "tiny-llama"  # conf/model name, local HF dir, .gguf path, or a ModelConfig
     dtype: str | None = None  # None: the model's (conf/model yaml or config.json)
-    device: str | None = None  # None: "cuda" when available, else "cpu"
+    device: str | None = None  # "cpu", "cuda" or "cuda:<index>"; None: "cuda" when available, else "cpu"
     tokenizer: str | None = None  # None: from the model's weights (none for dummy weights)
     detokenize: bool = True  # False: outputs carry token ids only (text "") unless stop strings are set
     # Scheduling (policies/): which block manager and policy, and the step budget.
@@ -117,8 +125,7 @@ class EngineArgs:
         check_seed(self.seed)
         if type(self.join_ahead) is not bool:  # a run config's string would otherwise read as true
             raise ValueError(f"join_ahead={self.join_ahead!r} is invalid: must be True or False")
-        if self.device is not None and self.device.split(":")[0] not in ("cuda", "cpu"):
-            raise ValueError(f"device={self.device!r} is invalid: 'cuda', 'cuda:<i>' or 'cpu'")
+        check_device(self.device)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineArgs:
@@ -132,13 +139,8 @@ class EngineArgs:
         self.resolve_max_model_len(self.model_config())
 
     def resolve_device(self) -> str:
-        import torch
-
-        if self.device is None:
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} is invalid: CUDA is not available here")
-        return self.device
+        """The device to run on (None picked); a CUDA device this machine lacks is a ValueError."""
+        return resolve_device(self.device)
 
     def model_config(self) -> ModelConfig:
         """The model's config; its architecture must be a registered model class's."""

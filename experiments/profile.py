@@ -45,7 +45,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import profile_suffix, tp_suffix
-from experiments.lib.cli import run_cli
+from experiments.lib.cli import config_errors, run_cli
 from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.profiling.grid import ProfileGrid, fit_prefill_pair_s, fit_prefill_tile_s, write_profile
@@ -79,17 +79,18 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
 
     import torch
 
+    from engine.config import resolve_device
     from experiments.lib.profiling.collectives import collective_rows
     from experiments.lib.profiling.operator_grid import OperatorGrid
     from experiments.lib.profiling.operators import compute_rows
     from experiments.lib.profiling.sequence_parallel_rows import sequence_parallel_cells
     from sim.latency.operator_file import read_operator_file, write_operator_file
     check_config(cfg, "profile", *hydra_origin())
+    device = torch.device(resolve_device(cfg.device))  # 'cpu', 'cuda' or 'cuda:<index>' of this machine
     grid = OperatorGrid.from_dict(OmegaConf.to_container(cfg.operator_grid, resolve=True))
     parts = list(cfg.operator_parts)
     if not parts or any(p not in OPERATOR_PARTS for p in parts):
         raise ValueError(f"operator_parts={parts!r} is invalid: a non-empty list from {list(OPERATOR_PARTS)}")
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype_name = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -133,7 +134,7 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     (the grid already checked against the engine limits: profiling/limits.py)."""
     import torch
 
-    from engine.config import CacheConfig, ModelConfig, RunnerConfig
+    from engine.config import CacheConfig, ModelConfig, RunnerConfig, resolve_device
     from engine.device.model_runner import ModelRunner
     from engine.parallel_config import ParallelConfig
     model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
@@ -143,7 +144,7 @@ def build_runner(cfg: DictConfig, grid: ProfileGrid):
     # decode_periods runs these batches in an engine: their contexts grow a few tokens, and the
     # scheduler keeps a watermark (1%) of the blocks free.
     num_gpu_blocks = math.ceil(need * 1.02) + max(grid.decode_seqs) * (2 + (cfg.warmup + cfg.host_repeats) // bs) + 1
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.device)
     dtype = cfg.dtype or (model.dtype if device.startswith("cuda") else "float32")
     block_bytes = bs * model.kv_bytes_per_token_in(getattr(torch, dtype).itemsize)
     swap_gib = (max(grid.swap_blocks) + 1) * block_bytes / 2**30
@@ -168,7 +169,10 @@ def prefill_schedule(runner) -> PrefillSchedule:
 def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
     """Build the runner, measure the grid, write the CSV; returns (path, metadata)."""
     import torch
+
+    from engine.config import resolve_device
     check_config(cfg, "profile", *hydra_origin())
+    resolve_device(cfg.device)  # a device this machine lacks is named now, not by torch as the runner builds
     grid = ProfileGrid.from_dict(OmegaConf.to_container(cfg.profile_grid, resolve=True))
     for key in ("warmup", "repeats", "host_repeats", "passes"):
         if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < (0 if key == "warmup" else 1):
@@ -249,6 +253,7 @@ def profile(cfg: DictConfig, command: str) -> tuple[Path, dict[str, Any]]:
 
 
 @hydra.main(config_path="../conf", config_name="profile", version_base="1.3")
+@config_errors
 def _main(cfg: DictConfig) -> None:
     command = "python -m experiments.profile " + " ".join(sys.argv[1:])
     if cfg.mode == "operators":

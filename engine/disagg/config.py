@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from engine.config import check_device
+
 
 @dataclass(slots=True, frozen=True)
 class DisaggregationConfig:
@@ -56,8 +58,7 @@ class DisaggregationConfig:
                     f"disaggregation.{name}={getattr(self, name)!r} is invalid: must be true or false")
         if self.decode_args is not None and not isinstance(self.decode_args, dict):
             raise ValueError(f"disaggregation.decode_args={self.decode_args!r} is invalid: a dict of EngineArgs fields")
-        if self.decode_device is not None and self.decode_device.split(":")[0] not in ("cuda", "cpu"):
-            raise ValueError(f"disaggregation.decode_device={self.decode_device!r} is invalid: 'cuda:<i>' or 'cpu'")
+        check_device(self.decode_device, "disaggregation.decode_device")
 
     @classmethod
     def parse(cls, spec: str | dict | DisaggregationConfig) -> DisaggregationConfig:

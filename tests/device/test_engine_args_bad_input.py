@@ -47,3 +47,42 @@ def test_seed_none_gives_the_dummy_weights_of_seed_zero():
     outs = [LLM("tiny-llama", seed=seed, **small).generate([[1, 2, 3]], greedy, use_tqdm=False)[0]
             for seed in (None, 0)]
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+DEVICES = r"'cpu', 'cuda' or 'cuda:<index>'"
+BAD_DEVICES = (("tpu", "tpu", r"device='tpu' is invalid"), ("cuda-text-index", "cuda:x", r"device='cuda:x' is invalid"),
+               ("cuda-negative", "cuda:-1", r"device='cuda:-1' is invalid"),
+               ("cpu-index", "cpu:0", r"device='cpu:0' is invalid"), ("number", 0, r"device=0 is invalid"),
+               ("empty", "", r"device='' is invalid"))
+
+
+@pytest.mark.parametrize(("device", "match"), [r[1:] for r in BAD_DEVICES], ids=[r[0] for r in BAD_DEVICES])
+def test_a_bad_device_is_named_when_the_arguments_are_built(device, match):
+    with pytest.raises(ValueError, match=f"{match}: {DEVICES}"):
+        EngineArgs(model="tiny-llama", device=device)
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "cuda", "cuda:0", "cuda:7"])
+def test_device_forms_are_taken(device):
+    assert EngineArgs(model="tiny-llama", device=device).device == device
+
+
+def test_a_cuda_device_this_machine_lacks_is_named_when_resolved(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert EngineArgs(model="tiny-llama").resolve_device() == "cpu"
+    with pytest.raises(ValueError, match=r"device='cuda:0' is invalid: CUDA is not available here"):
+        EngineArgs(model="tiny-llama", device="cuda:0").resolve_device()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert EngineArgs(model="tiny-llama", device="cuda:0").resolve_device() == "cuda:0"
+    with pytest.raises(ValueError, match=r"device='cuda:1' is invalid: this machine has 1 CUDA device\(s\), "
+                                         r"cuda:0 to cuda:0"):
+        EngineArgs(model="tiny-llama", device="cuda:1").resolve_device()
+
+
+def test_the_decode_device_of_a_disaggregated_pair_is_checked_the_same_way():
+    from engine.disagg.config import DisaggregationConfig
+    with pytest.raises(ValueError, match=rf"disaggregation.decode_device='cuda:x' is invalid: {DEVICES}"):
+        DisaggregationConfig.parse("prefill=1,decode=1,decode_device=cuda:x")
+    assert DisaggregationConfig.parse("prefill=1,decode=1,decode_device=cuda:1").decode_device == "cuda:1"
