@@ -5,7 +5,8 @@ space-separated ints) or `prompt_len` (then random token ids, seeded), `output_l
 required), `priority` (int, default 0), `request_id` (default: the row index), `max_tokens`
 (optional cap >= output_len), `tenant` (the client's id, a non-empty string; default none). Rows are sorted by arrival (stable). Config: `path`, optional
 `num_requests` (first N rows), `time_scale` (multiplies arrival times; 0.5 = twice the rate).
-A malformed row raises ValueError naming the file, the line and the field.
+A malformed row raises ValueError naming the file, the line and the field; a file that is not UTF-8
+text, one naming the file, the line and the byte.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 from experiments.lib.paths import resolve_path
 from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
 from experiments.lib.workloads.common import get_int, get_positive, is_int, is_num, make_request
+from sim.latency.file_meta import text_lines
 
 
 def bad_field(path: Path, line: int, field: str, value: Any, allowed: str) -> ValueError:
@@ -54,14 +56,16 @@ def _parsed(v: Any, kind: type) -> Any:
 
 
 def read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) for each request in a CSV or JSONL file."""
-    text = path.read_text()
-    if path.suffix == ".csv":
-        return [(k + 2, dict(r)) for k, r in enumerate(csv.DictReader(text.splitlines()))]
-    if path.suffix not in (".jsonl", ".json"):
+    """(line number, row) for each request in a CSV or JSONL file (UTF-8)."""
+    if path.suffix not in (".csv", ".jsonl", ".json"):
         raise ValueError(f"workload.path={str(path)!r} is invalid: must end in .csv or .jsonl")
     rows = []
-    for k, line in enumerate(text.splitlines(), start=1):
+    if path.suffix == ".csv":
+        reader = csv.DictReader(text_lines(path))
+        for row in reader:
+            rows.append((reader.line_num, row))  # the row's (last) line: blank lines count
+        return rows
+    for k, line in enumerate(text_lines(path), start=1):
         if not line.strip():
             continue
         try:
