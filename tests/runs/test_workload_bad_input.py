@@ -200,3 +200,37 @@ def test_a_long_legal_prompt_is_aborted_too_long_while_the_others_finish(tmp_pat
     req = pd.read_parquet(tmp_path / "out" / "requests.parquet").set_index("request_id")
     assert req.loc["long", "finish_reason"] == "abort:too_long"
     assert summary["completed"] == 2 and summary["abort_reasons"] == {"abort:too_long": 1}
+
+
+# ---- replay: only its own fields, one prompt length -------------------------------------------------
+ALLOWED = re.escape("allowed are ['request_id', 'arrival_time', 'prompt_token_ids', 'prompt_len', 'output_len', "
+                    "'max_tokens', 'priority', 'tenant']")
+
+
+@pytest.mark.parametrize(("name", "text", "match"), [
+    ("t.jsonl", ROW + '{"arrival_time": 0, "prompt_len": 4, "output_len": 2, "priorty": 1}\n',
+     rf":2: field 'priorty' is unknown: {ALLOWED}"),
+    ("t.jsonl", '{"arrival_time": 0, "prompt_len": 4, "output_len": 2, "max_token": 9}\n',
+     rf":1: field 'max_token' is unknown: {ALLOWED}"),
+    ("t.jsonl", '\n{"arrival_time": 0, "prompt_len": 4, "output_len": 2, "sampling": {"temperature": 0}}\n',
+     rf":2: field 'sampling' is unknown: {ALLOWED}"),
+    ("t.csv", "arrival_time,prompt_len,output_len,prio\n0,4,2,1\n", rf":1: field 'prio' is unknown: {ALLOWED}"),
+    ("t.csv", "arrival_time,prompt_len,output_len\n0,4,2\n0,4,2,7\n", r":3: 4 values, more than the header's 3 columns"),
+    ("t.jsonl", '{"arrival_time": 0, "prompt_len": 4, "prompt_token_ids": [1, 2], "output_len": 2}\n',
+     r":1: field prompt_len=4 is invalid: must equal the number of prompt_token_ids \(2\) when both are given"),
+    ("t.csv", "arrival_time,prompt_len,prompt_token_ids,output_len\n0,3,1 2,2\n",
+     r":2: field prompt_len='3' is invalid: must equal the number of prompt_token_ids \(2\)"),
+])
+def test_replay_refuses_an_unknown_field_and_two_prompt_lengths(name, text, match, tmp_path):
+    with raises(re.escape(str(tmp_path / name)) + match):
+        trace(tmp_path, name, text)
+
+
+def test_replay_takes_every_documented_field_and_an_agreeing_prompt_len(tmp_path):
+    row = {"request_id": "x", "arrival_time": 0.5, "prompt_token_ids": [1, 2, 3], "prompt_len": 3, "output_len": 2,
+           "max_tokens": 4, "priority": 1, "tenant": "t"}
+    (r,) = trace(tmp_path, "t.jsonl", json.dumps(row) + "\n").requests
+    assert (r.request_id, r.prompt_token_ids, r.sampling_params.max_tokens, r.priority, r.tenant) == \
+        ("x", [1, 2, 3], 4, 1, "t")
+    w = trace(tmp_path, "t.csv", "arrival_time,prompt_len,prompt_token_ids,output_len\n0,2,5 6,2\n0,3,,2\n")
+    assert [r.num_prompt_tokens for r in w.requests] == [2, 3]

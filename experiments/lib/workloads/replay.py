@@ -3,8 +3,11 @@
 Fields: `arrival_time` (finite seconds >= 0, required), `prompt_token_ids` (JSONL: a list of ints; CSV:
 space-separated ints) or `prompt_len` (then random token ids, seeded), `output_len` (>= 1,
 required), `priority` (int, default 0), `request_id` (default: the row index), `max_tokens`
-(optional cap >= output_len), `tenant` (the client's id, a non-empty string; default none). Rows are sorted by arrival (stable). Config: `path`, optional
-`num_requests` (first N rows), `time_scale` (multiplies arrival times; 0.5 = twice the rate).
+(optional cap >= output_len), `tenant` (the client's id, a non-empty string; default none). No
+other field (a CSV column, a JSON key) is allowed: a misspelt one would otherwise be dropped
+unnoticed. `prompt_len` next to `prompt_token_ids` must be its length. Rows are sorted by arrival
+(stable). Config: `path`, optional `num_requests` (first N rows), `time_scale` (multiplies arrival
+times; 0.5 = twice the rate).
 A malformed row raises ValueError naming the file, the line and the field; a file that is not UTF-8
 text, one naming the file, the line and the byte. Lengths and the prompt tokens in all are bounded
 (common.py: MAX_LENGTH, MAX_PROMPT_TOKENS), and every row is checked before any token id is drawn.
@@ -37,6 +40,9 @@ from experiments.lib.workloads.common import (
     make_request,
 )
 from sim.latency.file_meta import text_lines
+
+FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "output_len", "max_tokens", "priority",
+          "tenant")
 
 
 def bad_field(path: Path, line: int, field: str, value: Any, allowed: str) -> ValueError:
@@ -71,18 +77,31 @@ def _parsed(v: Any, kind: type) -> Any:
     return v
 
 
-def read_rows(path: Path, limit: int | None = None) -> list[tuple[int, dict[str, Any]]]:
+def _known(path: Path, line: int, keys: Any, fields: tuple[str, ...] | None) -> None:
+    """With `fields`, a ValueError naming the file, line and first key of `keys` not among them."""
+    unknown = [] if fields is None else [k for k in keys if k not in fields]
+    if unknown:
+        raise ValueError(f"{path}:{line}: field {unknown[0]!r} is unknown: allowed are {list(fields)}")
+
+
+def read_rows(path: Path, limit: int | None = None, fields: tuple[str, ...] | None = None
+              ) -> list[tuple[int, dict[str, Any]]]:
     """(line number, row) for each request in a CSV or JSONL file (UTF-8): the first `limit` (None:
-    all); the rest of the file is not read."""
+    all); the rest of the file is not read. With `fields`, a column or key not among them, or a CSV
+    row with more values than the header has columns, is an error naming the file and line."""
     if path.suffix not in (".csv", ".jsonl", ".json"):
         raise ValueError(f"workload.path={str(path)!r} is invalid: must end in .csv or .jsonl")
     rows = []
     if path.suffix == ".csv":
         reader = csv.DictReader(text_lines(path))
+        _known(path, 1, reader.fieldnames or [], fields)
         while limit is None or len(rows) < limit:
             row = next(reader, None)
             if row is None:
                 break
+            if fields is not None and None in row:  # DictReader's key for values past the header's
+                raise ValueError(f"{path}:{reader.line_num}: {len(row) - 1 + len(row[None])} values, more than "
+                                 f"the header's {len(row) - 1} columns")
             rows.append((reader.line_num, row))  # the row's (last) line: blank lines count
         return rows
     for k, line in enumerate(text_lines(path), start=1):
@@ -96,6 +115,7 @@ def read_rows(path: Path, limit: int | None = None) -> list[tuple[int, dict[str,
             raise ValueError(f"{path}:{k}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{k}: must be a JSON object, got {type(row).__name__}")  # noqa: TRY004
+        _known(path, k, row, fields)
         rows.append((k, row))
     return rows
 
@@ -124,13 +144,17 @@ def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int, tota
     if len(ids) > MAX_LENGTH:
         raise bad_field(path, line, "prompt_token_ids", f"<{len(ids):,} ids>",
                         f"must hold at most {MAX_LENGTH:,} ids{LENGTH[1]}")
+    if row.get("prompt_len") not in (None, "") and as_int(path, line, row, "prompt_len", 1, LENGTH) != len(ids):
+        raise bad_field(path, line, "prompt_len", row["prompt_len"], f"must equal the number of prompt_token_ids "
+                        f"({len(ids)}) when both are given")
     return ids, more_prompt_tokens(total, len(ids), path, line, where)
 
 
-def trace_rows(cfg: Mapping[str, Any], where: str, kind: str = ".csv or .jsonl"
-               ) -> tuple[Path, list[tuple[int, dict[str, Any]]], float]:
+def trace_rows(cfg: Mapping[str, Any], where: str, kind: str = ".csv or .jsonl",
+               fields: tuple[str, ...] | None = None) -> tuple[Path, list[tuple[int, dict[str, Any]]], float]:
     """(file, its first `num_requests` rows with their line numbers, `time_scale`) of a trace
-    workload's config (`path`, `num_requests`, `time_scale`), each checked."""
+    workload's config (`path`, `num_requests`, `time_scale`), each checked; with `fields`, the only
+    columns or keys the rows may have (read_rows)."""
     if not cfg.get("path"):
         raise ValueError(f"{where}.path={cfg.get('path')!r} is invalid: give a {kind} trace file")
     path = resolve_path(cfg["path"])
@@ -138,7 +162,7 @@ def trace_rows(cfg: Mapping[str, Any], where: str, kind: str = ".csv or .jsonl"
         raise ValueError(f"{where}.path={str(cfg['path'])!r} is invalid: no such file")
     scale = get_positive(cfg, "time_scale", where) if cfg.get("time_scale") is not None else 1.0
     limit = get_int(cfg, "num_requests", where, 1, COUNT) if cfg.get("num_requests") is not None else None
-    rows = read_rows(path, MAX_REQUESTS + 1 if limit is None else limit)
+    rows = read_rows(path, MAX_REQUESTS + 1 if limit is None else limit, fields)
     if len(rows) > MAX_REQUESTS:
         raise ValueError(f"{where}.path={str(path)!r} holds more than {MAX_REQUESTS:,} requests, the most a workload "
                          f"may hold: set {where}.num_requests to replay its first rows")
@@ -155,7 +179,7 @@ class ReplayWorkloadConfig(WorkloadConfig):
 
 @WORKLOADS.register("replay", config=ReplayWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
-    path, rows, scale = trace_rows(cfg, where)
+    path, rows, scale = trace_rows(cfg, where, fields=FIELDS)
     items, seen, total = [], set(), 0
     for index, (line, row) in enumerate(rows):  # every row checked before any token id is drawn
         t = number(path, line, row, "arrival_time")
