@@ -234,3 +234,21 @@ def test_replay_takes_every_documented_field_and_an_agreeing_prompt_len(tmp_path
         ("x", [1, 2, 3], 4, 1, "t")
     w = trace(tmp_path, "t.csv", "arrival_time,prompt_len,prompt_token_ids,output_len\n0,2,5 6,2\n0,3,,2\n")
     assert [r.num_prompt_tokens for r in w.requests] == [2, 3]
+
+
+# ---- a workload that would hold no requests ---------------------------------------------------------
+@pytest.mark.parametrize(("change", "match"), [
+    ({"max_prompt_len": 1}, r"^workload\.max_prompt_len=1 is invalid: no session's first prompt fits in it \(the "
+                            r"shortest is 8 tokens: 8 of workload\.prompt_len\), so the workload would hold no requests"),
+    ({"max_prompt_len": 3072, "system_prompts": {"num": 2, "len": 100_000}},
+     r"^workload\.max_prompt_len=3072 is invalid: .*shortest is 100,?008 tokens: workload\.system_prompts\.len=100000 "
+     r"plus 8 of workload\.prompt_len\)"),
+])
+def test_sessions_that_make_no_request_are_refused(change, match):
+    with raises(match):
+        build({**SESSIONS, **change})
+
+
+def test_sessions_that_end_early_keep_the_turns_that_fit():
+    w = build({**SESSIONS, "max_prompt_len": 8})  # the first turn (8 tokens) fits, the second (20) does not
+    assert [r.request_id for r in w.requests] == ["s0-t0", "s1-t0", "s2-t0"]

@@ -8,9 +8,9 @@ user text and answer, then its own user text (`prompt_len` tokens); its output i
 tokens. The answer put into the next prompts is drawn token ids of that length, not what a model
 generated (which a workload cannot know), so a prefix cache serves a turn the earlier prompts but
 recomputes the earlier answers. A session ends early before a turn whose prompt would exceed
-`max_prompt_len` (null: no limit); `num_requests` (null: all) keeps the first turns by arrival
-time. Requests are `s<k>-t<j>` with `session_id` `s<k>`; everything
-is drawn from the run's seed.
+`max_prompt_len` (null: no limit; one that no session's first prompt fits in is an error, not an
+empty workload); `num_requests` (null: all) keeps the first turns by arrival time. Requests are
+`s<k>-t<j>` with `session_id` `s<k>`; everything is drawn from the run's seed.
 """
 from __future__ import annotations
 
@@ -90,6 +90,13 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
             context += user + answer
         plan.append((fits, refused))
         k += int(turns[s])
+    if not any(fits for fits, _ in plan):  # every session ended before its first turn
+        firsts = np.cumsum(turns) - turns  # each session's first turn's index in users
+        user = min(users[int(k)] for k in firsts)
+        part = f"{where}.system_prompts.len={system_len} plus " if system_len else ""
+        raise ValueError(f"{where}.max_prompt_len={limit} is invalid: no session's first prompt fits in it (the "
+                         f"shortest is {system_len + user} tokens: {part}{user} of {where}.prompt_len), so the "
+                         "workload would hold no requests")
     check_prompt_tokens(tokens, f"{where}.num_sessions={n}", f"lower it, the turns or {where}.max_prompt_len")
     items = []
     for s, (fits, refused) in enumerate(plan):
