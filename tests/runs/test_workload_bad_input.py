@@ -252,3 +252,22 @@ def test_sessions_that_make_no_request_are_refused(change, match):
 def test_sessions_that_end_early_keep_the_turns_that_fit():
     w = build({**SESSIONS, "max_prompt_len": 8})  # the first turn (8 tokens) fits, the second (20) does not
     assert [r.request_id for r in w.requests] == ["s0-t0", "s1-t0", "s2-t0"]
+
+
+# ---- a shared prefix longer than the prompts ----------------------------------------------------------
+@pytest.mark.parametrize(("prompt_len", "longest"), [
+    ({"dist": "fixed", "value": 8}, 8),
+    ({"dist": "uniform", "low": 4, "high": 12}, 12),
+    ({"dist": "lognormal", "mean": 8, "sigma": 1.0, "min": 2, "max": 16}, 16),
+])
+def test_a_shared_prefix_longer_than_any_prompt_is_refused(prompt_len, longest):
+    with raises(rf"^workload\.shared_prefix_len={longest + 1} is invalid: longer than any prompt workload\.prompt_len "
+                rf"can give: must be at most {longest}$"):
+        build({**POISSON, "prompt_len": prompt_len, "shared_prefix_len": longest + 1})
+
+
+def test_a_prompt_shorter_than_the_shared_prefix_is_its_first_tokens():
+    w = build({**POISSON, "num_requests": 200, "prompt_len": {"dist": "uniform", "low": 2, "high": 12},
+               "shared_prefix_len": 12})
+    prefix = max((r.prompt_token_ids for r in w.requests), key=len)
+    assert len(prefix) == 12 and all(r.prompt_token_ids == prefix[:r.num_prompt_tokens] for r in w.requests)

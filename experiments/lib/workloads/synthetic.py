@@ -8,7 +8,9 @@ Lengths (`prompt_len`, `output_len`): `{dist: fixed, value}`, `{dist: uniform, l
 distribution and `sigma` the std of log(length); the result is rounded and clipped to [min, max].
 Priority classes: `priority: {values: [...], weights: [...]}` (each request draws one class).
 `shared_prefix_len`: the first tokens of every prompt are the same (a system prompt), so the
-prefix-caching block manager has something to share. `system_prompts: {num, len, zipf}`: each
+prefix-caching block manager has something to share; a prompt shorter than the prefix is its first
+tokens (so lognormal lengths with a low `min` can go with a longer prefix), and a prefix longer than
+any prompt `prompt_len` can give is an error. `system_prompts: {num, len, zipf}`: each
 prompt is preceded by one of `num` shared system prompts of `len` tokens, drawn Zipf-skewed
 (prefixes.py); prompt lengths then count the system prompt too.
 `length_correlation`: the correlation of log prompt length and log output length (both lognormal),
@@ -189,6 +191,18 @@ def tenant_streams(spec: Any, n: int, where: str) -> list[tuple[str, float, int]
     return [(name, float(r), int(c)) for name, r, c in zip(names, rates, counts)]
 
 
+def _shared_prefix_len(cfg: Mapping[str, Any], where: str) -> int:
+    """`shared_prefix_len` (0: none): at most the longest prompt `prompt_len` can give (its spec is
+    checked already), since a prompt shorter than the prefix is the prefix's first tokens."""
+    v = get_int(cfg, "shared_prefix_len", where, 0, LENGTH) if cfg.get("shared_prefix_len") else 0
+    spec = cfg["prompt_len"]
+    longest = spec[{"fixed": "value", "uniform": "high", "lognormal": "max"}[spec["dist"]]]
+    if v > longest:
+        raise ValueError(f"{where}.shared_prefix_len={v} is invalid: longer than any prompt {where}.prompt_len "
+                         f"can give: must be at most {longest}")
+    return v
+
+
 def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: int, where: str, prior: int = 0,
          ) -> tuple[list[float], list[list[int]], list[int], list[int], int]:
     """n requests' arrival times, prompts, output lengths (capped by max_tokens) and priorities, and
@@ -203,8 +217,8 @@ def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: i
     _, system_len = SystemPrompts.size(cfg.get("system_prompts"), f"{where}.system_prompts")
     total = check_prompt_tokens(prior + int(prompt_lens.sum()) + n * system_len, f"{where}.prompt_len",
                                 f"lower {where}.num_requests or the prompt lengths")
+    prefix_len = _shared_prefix_len(cfg, where)
     tokens = rng.integers(0, high, size=int(prompt_lens.sum())).tolist()
-    prefix_len = get_int(cfg, "shared_prefix_len", where, 0, LENGTH) if cfg.get("shared_prefix_len") else 0
     prefix = rng.integers(0, high, size=prefix_len).tolist()
     prompts, start = [], 0
     for p in prompt_lens.tolist():
