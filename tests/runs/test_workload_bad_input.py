@@ -271,3 +271,30 @@ def test_a_prompt_shorter_than_the_shared_prefix_is_its_first_tokens():
                "shared_prefix_len": 12})
     prefix = max((r.prompt_token_ids for r in w.requests), key=len)
     assert len(prefix) == 12 and all(r.prompt_token_ids == prefix[:r.num_prompt_tokens] for r in w.requests)
+
+
+# ---- rate: valid or null, whatever the kind -----------------------------------------------------------
+OFFLINE_KINDS = {
+    "offline": {**POISSON, "arrival": "offline"},
+    "tenants": {**POISSON, "tenants": {"names": ["a", "b"], "rates": [1.0, 2.0]}},
+    "nanovllm": NANOVLLM,
+    "mooncake": MOONCAKE,
+}
+
+
+@pytest.mark.parametrize("cfg", list(OFFLINE_KINDS.values()), ids=list(OFFLINE_KINDS))
+@pytest.mark.parametrize("rate", [-1, 0, float("inf"), float("nan"), "fast", True])
+def test_an_invalid_rate_is_refused_by_kinds_that_do_not_use_it(cfg, rate):
+    with raises(rf"^workload\.rate={re.escape(repr(rate))} is invalid: must be a finite number > 0$"):
+        build({**cfg, "rate": rate})
+
+
+def test_an_invalid_rate_is_refused_by_a_replay(tmp_path):
+    with raises(r"^workload\.rate=-1 is invalid: must be a finite number > 0$"):
+        trace(tmp_path, "t.jsonl", ROW, rate=-1)
+
+
+@pytest.mark.parametrize("cfg", list(OFFLINE_KINDS.values()), ids=list(OFFLINE_KINDS))
+def test_a_valid_rate_is_left_unused_by_kinds_without_arrivals_at_a_rate(cfg):
+    """So that one sweep over workload.rate can take in such workloads too."""
+    assert build({**cfg, "rate": 5.0}).rows() == build({**cfg, "rate": None}).rows()
