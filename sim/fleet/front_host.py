@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from sim.latency.file_meta import read_meta
+from sim.latency.file_meta import read_meta, text_lines
 
 UNITS = ("step_s", "admission_s", "handoff_s", "kv_message_s", "sent_message_s", "read_message_s")
 # A profile may give these: hop_s from front_parts' run traces, the launch units from
@@ -102,7 +102,7 @@ class FrontHostProfile:
         if not p.is_file():
             raise ValueError(f"cluster.front_host_profile={str(path)!r} is not a file: measure one with "
                              "`python -m experiments.lab.front_parts --profile-out FILE` on two GPUs")
-        lines = p.read_text().splitlines()
+        lines = list(text_lines(p))
         meta, start = read_meta(lines)
         values = {}
         for n, line in enumerate(lines[start:], start + 1):

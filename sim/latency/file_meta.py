@@ -1,10 +1,28 @@
 """The header every profile file opens with (latency profiles, sim/latency/profile_io.py; operator
 profiles, sim/latency/operator_file.py; receive profiles, sim/latency/kv_receive.py; front host
 profiles, sim/fleet/front_host.py): leading
-`# key: value` comment lines, then the CSV's header line and its rows."""
+`# key: value` comment lines, then the CSV's header line and its rows. And how those files, and the
+workloads' trace files, are read: as UTF-8 text, line by line (`text_lines`)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+
+def text_lines(path: Path) -> Iterator[str]:
+    """The lines of a UTF-8 text file without their line ends, read one at a time (a long trace is
+    not read whole). A byte that is not UTF-8 raises a ValueError naming the file, the line and the
+    byte's position in the file."""
+    offset = 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[e.start]:02x} at position "
+                                 f"{offset + e.start}): save the file as UTF-8") from None
+            offset += len(raw)
+            yield text.rstrip("\r\n")
 
 
 def read_meta(lines: Sequence[str]) -> tuple[dict[str, str], int]:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
-from sim.latency.file_meta import read_meta
+from sim.latency.file_meta import read_meta, text_lines
 
 COLUMNS = ("blocks", "bytes", "scatter_s", "send_host_s")
 HARDWARE = "hardware"
@@ -187,7 +187,7 @@ def read_receive_profile(path: str | Path) -> KVReceivePrice:
     if not path.is_file():
         raise ValueError(f"cluster.kv_receive_profile={str(path)!r}: no such file (write one with "
                          "`python -m experiments.bench_kv_receive --out ...` on two GPUs, or use 'hardware')")
-    lines = path.read_text().splitlines()
+    lines = list(text_lines(path))
     # Metadata lines anywhere in the file (a line appended to an old profile counts: parse_curve).
     meta, _ = read_meta([line for line in lines if line.startswith("#")])
     rows = list(csv.DictReader(line for line in lines if line.strip() and not line.startswith("#")))

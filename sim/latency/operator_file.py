@@ -51,7 +51,7 @@ from collections.abc import Iterable, Mapping
 from itertools import pairwise
 from pathlib import Path
 
-from sim.latency.file_meta import read_meta
+from sim.latency.file_meta import read_meta, text_lines
 
 FORMAT = "servelab operator profile v1"
 COLUMNS = ("op", "m", "k", "n", "num_heads", "num_kv_heads", "head_dim", "context", "bytes", "world_size", "time_s")
@@ -137,7 +137,7 @@ def _parse_row(path: Path, line: int, raw: Mapping[str, str]) -> dict[str, float
 def read_operator_file(path: str | Path) -> tuple[dict[str, str], list[tuple[str, dict[str, float]]]]:
     """(metadata, [(op, parsed row)]); raises ValueError naming the file, line and field."""
     path = Path(path)
-    lines = path.read_text().splitlines()
+    lines = list(text_lines(path))
     meta, body_start = read_meta(lines)
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:

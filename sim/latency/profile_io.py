@@ -67,7 +67,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sim.latency.file_meta import read_meta
+from sim.latency.file_meta import read_meta, text_lines
 
 COLUMNS = ("kind", "num_prefill_tokens", "num_decode_seqs", "num_context_tokens", "num_blocks", "time_s")
 STEP_FIELDS = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")
@@ -82,7 +82,7 @@ def read_profile(path: str | Path) -> tuple[dict[str, str], list[tuple[int, dict
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"latency profile {str(path)!r} does not exist")
-    lines = path.read_text().splitlines()
+    lines = list(text_lines(path))
     meta, body_start = read_meta(lines)
     reader = csv.DictReader(lines[body_start:])
     missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]

@@ -8,6 +8,9 @@ classes, shared prefix, shared system prompts), `sessions` (multi-turn conversat
 Every request carries `max_tokens` and `ignore_eos=True`; its natural output length is
 `output_lens[i]` (== max_tokens unless the workload sets a larger `max_tokens` cap, in which case
 the backend ends it at output_len: the simulator emits a stop token there).
+`rate` is null or a finite number > 0 whatever the kind; the kinds whose arrivals do not come at a
+rate (offline arrivals, tenants' own rates, nanovllm, the traces) leave a valid one unused, so that
+one sweep over `workload.rate` can take in such workloads too.
 """
 from __future__ import annotations
 
@@ -24,11 +27,14 @@ from experiments.lib.workloads import (  # noqa: F401  (registration)
     synthetic,
 )
 from experiments.lib.workloads.base import WORKLOADS, Workload
+from experiments.lib.workloads.common import get_positive
 
 
 def build_workload(cfg: Mapping[str, Any], seed: int, vocab_size: int) -> Workload:
     """cfg: the `workload` config section; seed: used unless cfg['seed'] is set."""
     build = WORKLOADS.get(cfg.get("kind", "synthetic"), where="workload")
+    if cfg.get("rate") is not None:
+        get_positive(cfg, "rate", "workload")
     if cfg.get("seed") is not None:
         seed = cfg["seed"]
     return build(cfg, seed, vocab_size)

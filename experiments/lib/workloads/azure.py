@@ -15,11 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
-from experiments.lib.workloads.imported import drop_empty, lengths, workload
-from experiments.lib.workloads.replay import bad_field, trace_rows
+from experiments.lib.workloads.imported import drawn_prompts, drop_empty, lengths, workload
+from experiments.lib.workloads.replay import bad_field, more_prompt_tokens, trace_rows
 
 
 def _timestamp(path, line: int, row: Mapping[str, Any]) -> datetime.datetime:
@@ -42,8 +40,7 @@ class AzureWorkloadConfig(WorkloadConfig):
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     path, rows, scale = trace_rows(cfg, where, "Azure LLM inference .csv")
     drop = drop_empty(cfg, where)
-    rng = np.random.default_rng(seed)
-    items, dropped, first = [], 0, None
+    items, dropped, first, total = [], 0, None, 0
     for line, row in rows:
         ts = _timestamp(path, line, row)
         if first is None:
@@ -55,5 +52,6 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         if lens is None:
             dropped += 1
             continue
-        items.append(((ts - first).total_seconds(), rng.integers(0, vocab_size, size=lens[0]).tolist(), lens[1]))
-    return workload(str(cfg.get("name", "azure")), path, items, scale, dropped)
+        total = more_prompt_tokens(total, lens[0], path, line, where)
+        items.append(((ts - first).total_seconds(), lens[0], lens[1]))
+    return workload(str(cfg.get("name", "azure")), path, drawn_prompts(items, seed, vocab_size), scale, dropped)

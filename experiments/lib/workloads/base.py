@@ -21,7 +21,7 @@ class WorkloadConfig:
     name: str | None = None
     kind: str | None = None  # the registered kind
     num_requests: int | None = None
-    rate: float | None = None  # requests per second (arrivals)
+    rate: float | None = None  # requests per second (arrivals); null or > 0, unused by some kinds
     seed: int | None = None  # the run's seed unless set
 
 

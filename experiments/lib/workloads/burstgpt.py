@@ -15,12 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from experiments.lib.workloads.azure import AzureWorkloadConfig
 from experiments.lib.workloads.base import WORKLOADS, Workload
-from experiments.lib.workloads.imported import drop_empty, lengths, workload
-from experiments.lib.workloads.replay import number, trace_rows
+from experiments.lib.workloads.imported import drawn_prompts, drop_empty, lengths, workload
+from experiments.lib.workloads.replay import more_prompt_tokens, number, trace_rows
 
 
 def _selector(cfg: Mapping[str, Any], key: str, where: str) -> str | None:
@@ -41,8 +39,7 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
     path, rows, scale = trace_rows(cfg, where, "BurstGPT .csv")
     drop = drop_empty(cfg, where)
     model, log_type = _selector(cfg, "model", where), _selector(cfg, "log_type", where)
-    rng = np.random.default_rng(seed)
-    items, dropped = [], 0
+    items, dropped, total = [], 0, 0
     for line, row in rows:
         if (model is not None and row.get("Model") != model) or \
                 (log_type is not None and row.get("Log Type") != log_type):
@@ -52,7 +49,8 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         if lens is None:
             dropped += 1
             continue
-        items.append((t, rng.integers(0, vocab_size, size=lens[0]).tolist(), lens[1]))
+        total = more_prompt_tokens(total, lens[0], path, line, where)
+        items.append((t, lens[0], lens[1]))
     if not items and not dropped:
         raise ValueError(f"{where}.model={model!r}, {where}.log_type={log_type!r} select no row of {path}")
-    return workload(str(cfg.get("name", "burstgpt")), path, items, scale, dropped)
+    return workload(str(cfg.get("name", "burstgpt")), path, drawn_prompts(items, seed, vocab_size), scale, dropped)

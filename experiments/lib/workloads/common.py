@@ -1,4 +1,5 @@
-"""Small helpers the workload builders share: config checks and request construction."""
+"""Small helpers the workload builders share: config checks, the bounds on what a workload may ask
+for, and request construction."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -7,6 +8,14 @@ from typing import Any
 from policies.request import Request, SamplingParams
 
 SIM_TEMPERATURE = 1.0
+
+# What one workload may hold, checked before any token id is drawn (numpy would otherwise try to
+# allocate an absurd length whole, and a merely large one fills memory before anything fails):
+MAX_LENGTH = 10_000_000  # tokens of any one prompt or output: as long as the longest context windows
+MAX_REQUESTS = 10_000_000  # requests
+MAX_PROMPT_TOKENS = 250_000_000  # prompt tokens of all its requests together: ~10 GB of token ids
+LENGTH = (MAX_LENGTH, " (tokens; a longer prompt or output fits no model's context)")  # the `bound` of a length
+COUNT = (MAX_REQUESTS, " (the most a workload may hold)")  # the `bound` of a count of requests or prompts
 
 
 def is_int(v: Any) -> bool:
@@ -17,11 +26,32 @@ def is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def get_int(cfg: Mapping[str, Any], key: str, where: str, low: int = 1) -> int:
-    v = cfg.get(key)
+def int_error(v: Any, low: int, bound: tuple[int, str] | None) -> str | None:
+    """What is wrong with `v` as an integer >= low (and at most bound's maximum), or None."""
     if not is_int(v) or v < low:
-        raise ValueError(f"{where}.{key}={v!r} is invalid: must be an integer >= {low}")
+        return f"must be an integer >= {low}"
+    if bound is not None and v > bound[0]:
+        return f"must be at most {bound[0]:,}{bound[1]}"
+    return None
+
+
+def get_int(cfg: Mapping[str, Any], key: str, where: str, low: int = 1,
+            bound: tuple[int, str] | None = None) -> int:
+    """An integer >= low; with `bound` (LENGTH or COUNT), at most its maximum too."""
+    v = cfg.get(key)
+    error = int_error(v, low, bound)
+    if error:
+        raise ValueError(f"{where}.{key}={v!r} is invalid: {error}")
     return v
+
+
+def check_prompt_tokens(total: int, where: str, fix: str) -> int:
+    """`total`, the prompt tokens of a workload's requests so far with the next ones, if at most
+    MAX_PROMPT_TOKENS (checked before those are drawn); a ValueError naming `where` and `fix` otherwise."""
+    if total > MAX_PROMPT_TOKENS:
+        raise ValueError(f"{where}: {total:,} prompt tokens in all, more than the {MAX_PROMPT_TOKENS:,} a workload "
+                         f"may hold (about 10 GB of token ids): {fix}")
+    return total
 
 
 def get_positive(cfg: Mapping[str, Any], key: str, where: str) -> float:

@@ -14,15 +14,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from experiments.lib.workloads.base import Workload
-from experiments.lib.workloads.common import make_request
+from experiments.lib.workloads.common import LENGTH, make_request
 from experiments.lib.workloads.replay import as_int, bad_field
 
 
 def lengths(path: Path, line: int, row: Mapping[str, Any], prompt_field: str, output_field: str,
             drop_empty: bool) -> tuple[int, int] | None:
     """(prompt tokens, output tokens) of a row, or None for an empty row left out."""
-    prompt, output = as_int(path, line, row, prompt_field, 0), as_int(path, line, row, output_field, 0)
+    prompt = as_int(path, line, row, prompt_field, 0, LENGTH)
+    output = as_int(path, line, row, output_field, 0, LENGTH)
     if prompt and output:
         return prompt, output
     if drop_empty:
@@ -37,6 +40,14 @@ def drop_empty(cfg: Mapping[str, Any], where: str) -> bool:
     if type(v) is not bool:
         raise ValueError(f"{where}.drop_empty={v!r} is invalid: must be true or false")
     return v
+
+
+def drawn_prompts(items: list[tuple[float, int, int]], seed: int, vocab_size: int
+                  ) -> list[tuple[float, list[int], int]]:
+    """(arrival, prompt, output length) for each (arrival, prompt length, output length), in order:
+    prompts of token ids drawn from the seed (once every row is read and checked)."""
+    rng = np.random.default_rng(seed)
+    return [(t, rng.integers(0, vocab_size, size=n).tolist(), out) for t, n, out in items]
 
 
 def workload(name: str, path: Path, items: list[tuple[float, list[int], int]], scale: float,

@@ -6,8 +6,9 @@
 -> output length; `hash_ids`: the ids of the prompt's consecutive blocks of `block_tokens` tokens
 (512 in the published traces). Equal ids are equal token blocks, so requests with a common run of
 leading ids share that prefix (and a prefix cache can serve it): block id h holds token ids drawn
-from a generator seeded by (the run's seed, h). The prompt is the first `input_length` tokens of
-its blocks, so `input_length` must be at most len(hash_ids) x block_tokens.
+from a generator seeded by (the run's seed, h), drawn only as far as prompts read it (the ids
+are the same either way). The prompt is the first `input_length` tokens of its blocks, so
+`input_length` must be at most len(hash_ids) x block_tokens.
 Config: `path`, `num_requests` (first N lines), `time_scale`, `block_tokens`, `drop_empty` (imported.py).
 """
 from __future__ import annotations
@@ -20,9 +21,9 @@ import numpy as np
 
 from experiments.lib.workloads.azure import AzureWorkloadConfig
 from experiments.lib.workloads.base import WORKLOADS, Workload
-from experiments.lib.workloads.common import get_int, is_int
+from experiments.lib.workloads.common import LENGTH, get_int, is_int
 from experiments.lib.workloads.imported import drop_empty, lengths, workload
-from experiments.lib.workloads.replay import bad_field, number, trace_rows
+from experiments.lib.workloads.replay import bad_field, more_prompt_tokens, number, trace_rows
 
 
 @dataclass(kw_only=True)
@@ -36,9 +37,8 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
     if path.suffix not in (".jsonl", ".json"):
         raise ValueError(f"{where}.path={str(cfg['path'])!r} is invalid: a Mooncake trace is .jsonl")
     drop = drop_empty(cfg, where)
-    size = get_int(cfg, "block_tokens", where) if cfg.get("block_tokens") is not None else 512
-    blocks: dict[int, list[int]] = {}
-    items, dropped = [], 0
+    size = get_int(cfg, "block_tokens", where, 1, LENGTH) if cfg.get("block_tokens") is not None else 512
+    items, dropped, total = [], 0, 0
     for line, row in rows:
         t = number(path, line, row, "timestamp") / 1000.0
         lens = lengths(path, line, row, "input_length", "output_length", drop)
@@ -51,11 +51,16 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         if lens[0] > len(ids) * size:
             raise bad_field(path, line, "input_length", lens[0], f"must be at most len(hash_ids) x block_tokens = "
                        f"{len(ids)} x {size}")
+        total = more_prompt_tokens(total, lens[0], path, line, where)
+        items.append((t, ids[:-(-lens[0] // size)], lens[0], lens[1]))
+    blocks: dict[int, list[int]] = {}  # once every row is read and checked
+    for k, (t, ids, n, out) in enumerate(items):
         prompt: list[int] = []
-        for h in ids[:-(-lens[0] // size)]:
+        for h in ids:  # a block is drawn as far as a prompt reads it
+            need = min(size, n - len(prompt))
             block = blocks.get(h)
-            if block is None:
-                block = blocks[h] = np.random.default_rng([seed, h]).integers(0, vocab_size, size=size).tolist()
-            prompt += block
-        items.append((t, prompt[:lens[0]], lens[1]))
+            if block is None or len(block) < need:  # the first `need` ids of the block's draw
+                block = blocks[h] = np.random.default_rng([seed, h]).integers(0, vocab_size, size=need).tolist()
+            prompt += block[:need]
+        items[k] = (t, prompt, out)
     return workload(str(cfg.get("name", "mooncake")), path, items, scale, dropped)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.lib.workloads.common import get_int, is_num
+from experiments.lib.workloads.common import COUNT, LENGTH, check_prompt_tokens, get_int, is_num
 
 
 @dataclass(kw_only=True)
@@ -28,14 +28,23 @@ class SystemPrompts:
     prompts: list[list[int]]
     probabilities: np.ndarray
 
+    @staticmethod
+    def size(spec: Any, where: str) -> tuple[int, int]:
+        """(num, len) of a spec, checked before anything is drawn; (0, 0) for none."""
+        if spec is None:
+            return 0, 0
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"{where}={spec!r} is invalid: give {{num, len, zipf}} or null")  # noqa: TRY004
+        num, length = get_int(spec, "num", where, 1, COUNT), get_int(spec, "len", where, 1, LENGTH)
+        check_prompt_tokens(num * length, f"{where}={{num: {num}, len: {length}}}", "use fewer or shorter ones")
+        return num, length
+
     @classmethod
     def from_spec(cls, spec: Any, rng: np.random.Generator, high: int, where: str) -> SystemPrompts | None:
         """None for no spec; token ids in [0, high)."""
-        if spec is None:
+        num, length = cls.size(spec, where)
+        if not num:
             return None
-        if not isinstance(spec, Mapping):
-            raise ValueError(f"{where}={spec!r} is invalid: give {{num, len, zipf}} or null")  # noqa: TRY004
-        num, length = get_int(spec, "num", where), get_int(spec, "len", where)
         s = spec.get("zipf", 0.0)
         s = 0.0 if s is None else s
         if not is_num(s) or not 0 <= s < float("inf"):

@@ -3,9 +3,14 @@
 Fields: `arrival_time` (finite seconds >= 0, required), `prompt_token_ids` (JSONL: a list of ints; CSV:
 space-separated ints) or `prompt_len` (then random token ids, seeded), `output_len` (>= 1,
 required), `priority` (int, default 0), `request_id` (default: the row index), `max_tokens`
-(optional cap >= output_len), `tenant` (the client's id, a non-empty string; default none). Rows are sorted by arrival (stable). Config: `path`, optional
-`num_requests` (first N rows), `time_scale` (multiplies arrival times; 0.5 = twice the rate).
-A malformed row raises ValueError naming the file, the line and the field.
+(optional cap >= output_len), `tenant` (the client's id, a non-empty string; default none). No
+other field (a CSV column, a JSON key) is allowed: a misspelt one would otherwise be dropped
+unnoticed. `prompt_len` next to `prompt_token_ids` must be its length. Rows are sorted by arrival
+(stable). Config: `path`, optional `num_requests` (first N rows), `time_scale` (multiplies arrival
+times; 0.5 = twice the rate).
+A malformed row raises ValueError naming the file, the line and the field; a file that is not UTF-8
+text, one naming the file, the line and the byte. Lengths and the prompt tokens in all are bounded
+(common.py: MAX_LENGTH, MAX_PROMPT_TOKENS), and every row is checked before any token id is drawn.
 """
 from __future__ import annotations
 
@@ -21,17 +26,36 @@ import numpy as np
 
 from experiments.lib.paths import resolve_path
 from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
-from experiments.lib.workloads.common import get_int, get_positive, is_int, is_num, make_request
+from experiments.lib.workloads.common import (
+    COUNT,
+    LENGTH,
+    MAX_LENGTH,
+    MAX_REQUESTS,
+    check_prompt_tokens,
+    get_int,
+    get_positive,
+    int_error,
+    is_int,
+    is_num,
+    make_request,
+)
+from sim.latency.file_meta import text_lines
+
+FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "output_len", "max_tokens", "priority",
+          "tenant")
 
 
 def bad_field(path: Path, line: int, field: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{path}:{line}: field {field}={value!r} is invalid: {allowed}")
 
 
-def as_int(path: Path, line: int, row: Mapping[str, Any], field: str, low: int) -> int:
+def as_int(path: Path, line: int, row: Mapping[str, Any], field: str, low: int,
+           bound: tuple[int, str] | None = None) -> int:
+    """An integer >= low (CSV text or JSON number); with `bound` (common.LENGTH), at most its maximum."""
     v = _parsed(row.get(field), int)
-    if not is_int(v) or v < low:
-        raise bad_field(path, line, field, row.get(field), f"must be an integer >= {low}")
+    error = int_error(v, low, bound)
+    if error:
+        raise bad_field(path, line, field, row.get(field), error)
     return v
 
 
@@ -53,15 +77,36 @@ def _parsed(v: Any, kind: type) -> Any:
     return v
 
 
-def read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) for each request in a CSV or JSONL file."""
-    text = path.read_text()
-    if path.suffix == ".csv":
-        return [(k + 2, dict(r)) for k, r in enumerate(csv.DictReader(text.splitlines()))]
-    if path.suffix not in (".jsonl", ".json"):
+def _known(path: Path, line: int, keys: Any, fields: tuple[str, ...] | None) -> None:
+    """With `fields`, a ValueError naming the file, line and first key of `keys` not among them."""
+    unknown = [] if fields is None else [k for k in keys if k not in fields]
+    if unknown:
+        raise ValueError(f"{path}:{line}: field {unknown[0]!r} is unknown: allowed are {list(fields)}")
+
+
+def read_rows(path: Path, limit: int | None = None, fields: tuple[str, ...] | None = None
+              ) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) for each request in a CSV or JSONL file (UTF-8): the first `limit` (None:
+    all); the rest of the file is not read. With `fields`, a column or key not among them, or a CSV
+    row with more values than the header has columns, is an error naming the file and line."""
+    if path.suffix not in (".csv", ".jsonl", ".json"):
         raise ValueError(f"workload.path={str(path)!r} is invalid: must end in .csv or .jsonl")
     rows = []
-    for k, line in enumerate(text.splitlines(), start=1):
+    if path.suffix == ".csv":
+        reader = csv.DictReader(text_lines(path))
+        _known(path, 1, reader.fieldnames or [], fields)
+        while limit is None or len(rows) < limit:
+            row = next(reader, None)
+            if row is None:
+                break
+            if fields is not None and None in row:  # DictReader's key for values past the header's
+                raise ValueError(f"{path}:{reader.line_num}: {len(row) - 1 + len(row[None])} values, more than "
+                                 f"the header's {len(row) - 1} columns")
+            rows.append((reader.line_num, row))  # the row's (last) line: blank lines count
+        return rows
+    for k, line in enumerate(text_lines(path), start=1):
+        if limit is not None and len(rows) >= limit:
+            break
         if not line.strip():
             continue
         try:
@@ -70,16 +115,24 @@ def read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
             raise ValueError(f"{path}:{k}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{k}: must be a JSON object, got {type(row).__name__}")  # noqa: TRY004
+        _known(path, k, row, fields)
         rows.append((k, row))
     return rows
 
 
-def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int,
-            rng: np.random.Generator) -> list[int]:
+def more_prompt_tokens(total: int, n: int, path: Path, line: int, where: str) -> int:
+    """The prompt tokens of a trace's rows so far with this row's n (common.check_prompt_tokens)."""
+    return check_prompt_tokens(total + n, f"{path}:{line}", f"set {where}.num_requests to replay fewer rows")
+
+
+def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int, total: int, where: str
+            ) -> tuple[list[int] | int, int]:
+    """The row's prompt (its token ids, or the number of ids to draw) and the trace's prompt tokens
+    so far with it."""
     ids = row.get("prompt_token_ids")
     if ids in (None, ""):
-        n = as_int(path, line, row, "prompt_len", 1)
-        return rng.integers(0, vocab_size, size=n).tolist()
+        n = as_int(path, line, row, "prompt_len", 1, LENGTH)
+        return n, more_prompt_tokens(total, n, path, line, where)
     if isinstance(ids, str):
         try:
             ids = [int(t) for t in ids.split()]
@@ -88,22 +141,31 @@ def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int,
                        "must be space-separated integers") from None
     if not isinstance(ids, list) or not ids or not all(is_int(t) and 0 <= t < vocab_size for t in ids):
         raise bad_field(path, line, "prompt_token_ids", ids, f"must be a non-empty list of integers in [0, {vocab_size})")
-    return ids
+    if len(ids) > MAX_LENGTH:
+        raise bad_field(path, line, "prompt_token_ids", f"<{len(ids):,} ids>",
+                        f"must hold at most {MAX_LENGTH:,} ids{LENGTH[1]}")
+    if row.get("prompt_len") not in (None, "") and as_int(path, line, row, "prompt_len", 1, LENGTH) != len(ids):
+        raise bad_field(path, line, "prompt_len", row["prompt_len"], f"must equal the number of prompt_token_ids "
+                        f"({len(ids)}) when both are given")
+    return ids, more_prompt_tokens(total, len(ids), path, line, where)
 
 
-def trace_rows(cfg: Mapping[str, Any], where: str, kind: str = ".csv or .jsonl"
-               ) -> tuple[Path, list[tuple[int, dict[str, Any]]], float]:
+def trace_rows(cfg: Mapping[str, Any], where: str, kind: str = ".csv or .jsonl",
+               fields: tuple[str, ...] | None = None) -> tuple[Path, list[tuple[int, dict[str, Any]]], float]:
     """(file, its first `num_requests` rows with their line numbers, `time_scale`) of a trace
-    workload's config (`path`, `num_requests`, `time_scale`), each checked."""
+    workload's config (`path`, `num_requests`, `time_scale`), each checked; with `fields`, the only
+    columns or keys the rows may have (read_rows)."""
     if not cfg.get("path"):
         raise ValueError(f"{where}.path={cfg.get('path')!r} is invalid: give a {kind} trace file")
     path = resolve_path(cfg["path"])
     if not path.is_file():
         raise ValueError(f"{where}.path={str(cfg['path'])!r} is invalid: no such file")
     scale = get_positive(cfg, "time_scale", where) if cfg.get("time_scale") is not None else 1.0
-    rows = read_rows(path)
-    if cfg.get("num_requests") is not None:
-        rows = rows[:get_int(cfg, "num_requests", where)]
+    limit = get_int(cfg, "num_requests", where, 1, COUNT) if cfg.get("num_requests") is not None else None
+    rows = read_rows(path, MAX_REQUESTS + 1 if limit is None else limit, fields)
+    if len(rows) > MAX_REQUESTS:
+        raise ValueError(f"{where}.path={str(path)!r} holds more than {MAX_REQUESTS:,} requests, the most a workload "
+                         f"may hold: set {where}.num_requests to replay its first rows")
     if not rows:
         raise ValueError(f"{where}.path={str(path)!r} holds no requests")
     return path, rows, scale
@@ -117,15 +179,14 @@ class ReplayWorkloadConfig(WorkloadConfig):
 
 @WORKLOADS.register("replay", config=ReplayWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
-    path, rows, scale = trace_rows(cfg, where)
-    rng = np.random.default_rng(seed)
-    items, seen = [], set()
-    for index, (line, row) in enumerate(rows):
+    path, rows, scale = trace_rows(cfg, where, fields=FIELDS)
+    items, seen, total = [], set(), 0
+    for index, (line, row) in enumerate(rows):  # every row checked before any token id is drawn
         t = number(path, line, row, "arrival_time")
-        prompt = _prompt(path, line, row, vocab_size, rng)
-        out = as_int(path, line, row, "output_len", 1)
+        prompt, total = _prompt(path, line, row, vocab_size, total, where)
+        out = as_int(path, line, row, "output_len", 1, LENGTH)
         prio = as_int(path, line, row, "priority", -2**31) if row.get("priority") not in (None, "") else 0
-        cap = as_int(path, line, row, "max_tokens", out) if row.get("max_tokens") not in (None, "") else None
+        cap = as_int(path, line, row, "max_tokens", out, LENGTH) if row.get("max_tokens") not in (None, "") else None
         tenant = row.get("tenant")
         if tenant in (None, ""):
             tenant = None
@@ -136,7 +197,10 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         if rid in seen:
             raise bad_field(path, line, "request_id", rid, "must be unique in the trace")
         seen.add(rid)
-        items.append((float(t) * scale, index, make_request(rid, prompt, out, cap, float(t) * scale, prio,
-                                                             tenant=None if tenant is None else str(tenant)), out))
-    items.sort(key=lambda it: (it[0], it[1]))
-    return Workload(str(cfg.get("name", "replay")), [it[2] for it in items], [it[3] for it in items])
+        items.append((float(t) * scale, index, rid, prompt, out, cap, prio, None if tenant is None else str(tenant)))
+    rng = np.random.default_rng(seed)
+    requests = [make_request(rid, rng.integers(0, vocab_size, size=prompt).tolist() if is_int(prompt) else prompt,
+                             out, cap, t, prio, tenant=tenant)
+                for t, _, rid, prompt, out, cap, prio, tenant in items]  # file order: the draws' order
+    order = sorted(range(len(items)), key=lambda k: items[k][:2])
+    return Workload(str(cfg.get("name", "replay")), [requests[k] for k in order], [items[k][4] for k in order])

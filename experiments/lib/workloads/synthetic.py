@@ -8,7 +8,9 @@ Lengths (`prompt_len`, `output_len`): `{dist: fixed, value}`, `{dist: uniform, l
 distribution and `sigma` the std of log(length); the result is rounded and clipped to [min, max].
 Priority classes: `priority: {values: [...], weights: [...]}` (each request draws one class).
 `shared_prefix_len`: the first tokens of every prompt are the same (a system prompt), so the
-prefix-caching block manager has something to share. `system_prompts: {num, len, zipf}`: each
+prefix-caching block manager has something to share; a prompt shorter than the prefix is its first
+tokens (so lognormal lengths with a low `min` can go with a longer prefix), and a prefix longer than
+any prompt `prompt_len` can give is an error. `system_prompts: {num, len, zipf}`: each
 prompt is preceded by one of `num` shared system prompts of `len` tokens, drawn Zipf-skewed
 (prefixes.py); prompt lengths then count the system prompt too.
 `length_correlation`: the correlation of log prompt length and log output length (both lognormal),
@@ -31,7 +33,17 @@ from typing import Any
 import numpy as np
 
 from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
-from experiments.lib.workloads.common import get_int, get_positive, is_int, is_num, make_request
+from experiments.lib.workloads.common import (
+    COUNT,
+    LENGTH,
+    MAX_REQUESTS,
+    check_prompt_tokens,
+    get_int,
+    get_positive,
+    is_int,
+    is_num,
+    make_request,
+)
 from experiments.lib.workloads.prefixes import SystemPrompts, SystemPromptsSpec
 
 ARRIVALS = ("offline", "poisson", "gamma")
@@ -91,26 +103,32 @@ def arrival_times(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, wher
     return np.cumsum(gaps)
 
 
-def lengths(spec: Any, n: int, rng: np.random.Generator, where: str) -> np.ndarray:
+def lengths(spec: Any, n: int, rng: np.random.Generator, where: str, bound: tuple[int, str] = LENGTH) -> np.ndarray:
+    """n values of a length spec (tokens; sessions' turns use it too, with bound=COUNT)."""
     if not isinstance(spec, Mapping) or spec.get("dist") not in DISTS:
         got = spec.get("dist") if isinstance(spec, Mapping) else spec
         raise ValueError(f"{where}.dist={got!r} is invalid: choose one of {list(DISTS)}")
     dist = spec["dist"]
     if dist == "fixed":
-        return np.full(n, get_int(spec, "value", where))
+        return np.full(n, get_int(spec, "value", where, 1, bound))
     if dist == "uniform":
-        low, high = get_int(spec, "low", where), get_int(spec, "high", where)
+        low, high = get_int(spec, "low", where, 1, bound), get_int(spec, "high", where, 1, bound)
         if high < low:
             raise ValueError(f"{where}.high={high} is invalid: must be >= low={low}")
         return rng.integers(low, high, size=n, endpoint=True)
+    mu, sigma, low, high = _lognormal(spec, where, bound)
+    return np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), low, high).astype(np.int64)
+
+
+def _lognormal(spec: Mapping[str, Any], where: str, bound: tuple[int, str] = LENGTH) -> tuple[float, float, int, int]:
+    """(mu, sigma, min, max) of a lognormal length spec, checked: mu puts the unclipped mean at `mean`."""
     mean, sigma = get_positive(spec, "mean", where), spec.get("sigma")
     if not is_num(sigma) or sigma < 0:
         raise ValueError(f"{where}.sigma={sigma!r} is invalid: must be a number >= 0")
-    low, high = get_int(spec, "min", where), get_int(spec, "max", where)
+    low, high = get_int(spec, "min", where, 1, bound), get_int(spec, "max", where, 1, bound)
     if high < low:
         raise ValueError(f"{where}.max={high} is invalid: must be >= min={low}")
-    mu = math.log(mean) - sigma * sigma / 2
-    return np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), low, high).astype(np.int64)
+    return math.log(mean) - sigma * sigma / 2, sigma, low, high
 
 
 def priorities(spec: Any, n: int, rng: np.random.Generator, where: str) -> np.ndarray:
@@ -147,12 +165,7 @@ def correlated_lengths(cfg: Mapping[str, Any], n: int, rng: np.random.Generator,
     z[1] = rho * z[0] + math.sqrt(1 - rho * rho) * z[1]
     out = []
     for key, zk in (("prompt_len", z[0]), ("output_len", z[1])):
-        spec, w = cfg[key], f"{where}.{key}"
-        mean, sigma = get_positive(spec, "mean", w), spec.get("sigma")
-        if not is_num(sigma) or sigma < 0:
-            raise ValueError(f"{w}.sigma={sigma!r} is invalid: must be a number >= 0")
-        low, high = get_int(spec, "min", w), get_int(spec, "max", w)
-        mu = math.log(mean) - sigma * sigma / 2
+        mu, sigma, low, high = _lognormal(cfg[key], f"{where}.{key}")
         out.append(np.clip(np.rint(np.exp(mu + sigma * zk)), low, high).astype(np.int64))
     return out[0], out[1]
 
@@ -171,22 +184,41 @@ def tenant_streams(spec: Any, n: int, where: str) -> list[tuple[str, float, int]
     if counts is None:
         total = sum(rates)
         counts = [max(1, round(n * r / total)) for r in rates]
-    elif not isinstance(counts, list) or len(counts) != len(names) or not all(is_int(c) and c >= 1 for c in counts):
-        raise ValueError(f"{where}.num_requests={counts!r} is invalid: need {len(names)} integers >= 1")
+    elif not isinstance(counts, list) or len(counts) != len(names) or not all(is_int(c) and c >= 1 for c in counts) \
+            or sum(counts) > MAX_REQUESTS:
+        raise ValueError(f"{where}.num_requests={counts!r} is invalid: need {len(names)} integers >= 1 with a "
+                         f"sum of at most {MAX_REQUESTS:,} (the most requests a workload may hold)")
     return [(name, float(r), int(c)) for name, r, c in zip(names, rates, counts)]
 
 
-def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: int, where: str,
-         ) -> tuple[list[float], list[list[int]], list[int], list[int]]:
-    """n requests' arrival times, prompts, output lengths (capped by max_tokens) and priorities."""
+def _shared_prefix_len(cfg: Mapping[str, Any], where: str) -> int:
+    """`shared_prefix_len` (0: none): at most the longest prompt `prompt_len` can give (its spec is
+    checked already), since a prompt shorter than the prefix is the prefix's first tokens."""
+    v = get_int(cfg, "shared_prefix_len", where, 0, LENGTH) if cfg.get("shared_prefix_len") else 0
+    spec = cfg["prompt_len"]
+    longest = spec[{"fixed": "value", "uniform": "high", "lognormal": "max"}[spec["dist"]]]
+    if v > longest:
+        raise ValueError(f"{where}.shared_prefix_len={v} is invalid: longer than any prompt {where}.prompt_len "
+                         f"can give: must be at most {longest}")
+    return v
+
+
+def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: int, where: str, prior: int = 0,
+         ) -> tuple[list[float], list[list[int]], list[int], list[int], int]:
+    """n requests' arrival times, prompts, output lengths (capped by max_tokens) and priorities, and
+    the prompt tokens of the workload with them (`prior`: those of streams drawn before; checked
+    before any token id is drawn)."""
     arrivals = arrival_times(cfg, n, rng, where)
     prompt_lens, output_lens = correlated_lengths(cfg, n, rng, where)
     prios = priorities(cfg.get("priority"), n, rng, f"{where}.priority")
     if cfg.get("max_tokens") is not None:
-        output_lens = np.minimum(output_lens, get_int(cfg, "max_tokens", where))
+        output_lens = np.minimum(output_lens, get_int(cfg, "max_tokens", where, 1, LENGTH))
     high = min(get_int(cfg, "vocab_size", where), vocab_size)
+    _, system_len = SystemPrompts.size(cfg.get("system_prompts"), f"{where}.system_prompts")
+    total = check_prompt_tokens(prior + int(prompt_lens.sum()) + n * system_len, f"{where}.prompt_len",
+                                f"lower {where}.num_requests or the prompt lengths")
+    prefix_len = _shared_prefix_len(cfg, where)
     tokens = rng.integers(0, high, size=int(prompt_lens.sum())).tolist()
-    prefix_len = get_int(cfg, "shared_prefix_len", where, low=0) if cfg.get("shared_prefix_len") else 0
     prefix = rng.integers(0, high, size=prefix_len).tolist()
     prompts, start = [], 0
     for p in prompt_lens.tolist():
@@ -199,23 +231,23 @@ def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: i
     system = SystemPrompts.from_spec(cfg.get("system_prompts"), rng, high, f"{where}.system_prompts")
     if system is not None:
         prompts = [system.prompts[k] + prompt for k, prompt in zip(system.draw(n, rng), prompts)]
-    return arrivals.tolist(), prompts, output_lens.tolist(), prios.tolist()
+    return arrivals.tolist(), prompts, output_lens.tolist(), prios.tolist(), total
 
 
 @WORKLOADS.register("synthetic", config=SyntheticWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
-    n = get_int(cfg, "num_requests", where)
-    max_tokens = get_int(cfg, "max_tokens", where) if cfg.get("max_tokens") is not None else None
+    n = get_int(cfg, "num_requests", where, 1, COUNT)
+    max_tokens = get_int(cfg, "max_tokens", where, 1, LENGTH) if cfg.get("max_tokens") is not None else None
     name = str(cfg.get("name", "synthetic"))
     if cfg.get("tenants") is None:
-        arrivals, prompts, outs, prios = draw(cfg, n, np.random.default_rng(seed), vocab_size, where)
+        arrivals, prompts, outs, prios, _ = draw(cfg, n, np.random.default_rng(seed), vocab_size, where)
         requests = [make_request(str(i), prompt, o, max_tokens, t, pr)
                     for i, (t, prompt, o, pr) in enumerate(zip(arrivals, prompts, outs, prios))]
         return Workload(name, requests, outs)
-    items = []
+    items, total = [], 0
     for index, (tenant, rate, count) in enumerate(tenant_streams(cfg["tenants"], n, f"{where}.tenants")):
         rng = np.random.default_rng([seed, zlib.crc32(tenant.encode())])
-        arrivals, prompts, outs, prios = draw({**cfg, "rate": rate}, count, rng, vocab_size, where)
+        arrivals, prompts, outs, prios, total = draw({**cfg, "rate": rate}, count, rng, vocab_size, where, total)
         items += [(t, index, k, make_request(f"{tenant}-{k}", prompt, o, max_tokens, t, pr, tenant=tenant), o)
                   for k, (t, prompt, o, pr) in enumerate(zip(arrivals, prompts, outs, prios))]
     items.sort(key=lambda it: it[:3])
