@@ -29,11 +29,25 @@ def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                 on_done: Callable[[int], None] = lambda n: None) -> BackendRun:
     name = cfg.backend.get("name")
     run = BACKENDS.get(name, where="backend")
-    replicas = (cfg.get("cluster") or {}).get("replicas", 1)
-    if replicas != 1 and name not in ("sim", "engine"):
-        raise ValueError(f"cluster.replicas={replicas!r} is invalid with backend={name}: backend=sim and "
-                         "backend=engine run a fleet (docs/fleet.md)")
+    check_cluster(cfg, name)
     return run(cfg, workload, recorder, on_done)
+
+
+def check_cluster(cfg: DictConfig, backend: str):
+    """The `cluster` and `router` settings, checked on every run of every backend, a one-replica
+    run's included (which routes nothing, but a bad value there is as much a mistake, and
+    `cluster.hardware` does change its GPU). Returns the checked `ClusterConfig`."""
+    from experiments.lib.fleet_backend import build_router, cluster_config
+    cluster = cluster_config(cfg)
+    if cfg.get("router") is not None:
+        build_router(cfg)
+    if cluster.replicas != 1 and backend not in ("sim", "engine"):
+        raise ValueError(f"cluster.replicas={cluster.replicas!r} is invalid with backend={backend}: backend=sim "
+                         "and backend=engine run a fleet (docs/fleet.md)")
+    if cluster.hardware is not None and backend != "sim":
+        raise ValueError(f"cluster.hardware={list(cluster.hardware)!r} is invalid with backend={backend}: it "
+                         "picks simulated GPUs (backend=sim); this backend runs on real ones (set it to null)")
+    return cluster
 
 
 @dataclass(kw_only=True)
@@ -45,10 +59,13 @@ class SimBackendConfig:
 @BACKENDS.register("sim", config=SimBackendConfig)
 def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
             on_done: Callable[[int], None]) -> BackendRun:
+    from experiments.lib.fleet_backend import cluster_config, replica_config, run_fleet
     from sim import Simulator
-    if cfg.get("cluster") is not None and cfg.cluster.get("replicas", 1) != 1:
-        from experiments.lib.fleet_backend import run_fleet
+    cluster = cluster_config(cfg)
+    if cluster.replicas != 1:
         return run_fleet(cfg, workload, on_done)
+    if cluster.hardware is not None:  # one replica on the GPU it names (the fleet's rule at one replica)
+        cfg = replica_config(cfg, cluster.hardware[0])
     gpu, cpu = factory.kv_block_counts(cfg)
     scheduler = factory.build_scheduler(cfg, gpu, cpu, recorder, workload)
     latency = factory.build_latency(cfg)
@@ -57,6 +74,8 @@ def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                        fast_forward=cfg.backend.get("fast_forward", True)).run()
     overhead.apply(recorder.requests)
     info = {"num_gpu_blocks": gpu, "num_cpu_blocks": cpu, "latency_model": latency.name}
+    if cluster.hardware is not None:  # the GPU it ran on (the summary's `hardware` is the run's otherwise)
+        info["hardware"] = cfg.hardware.name
     if latency.data_sources():  # what the prices rest on (measured operators, collectives' source)
         info["latency_data"] = latency.data_sources()
     if not overhead.is_zero:

@@ -50,5 +50,5 @@ def test_kept_replicas_serve_a_second_run_with_another_router(tmp_path):
 
 
 def test_cluster_hardware_is_refused_on_the_engine(tmp_path):
-    with pytest.raises(ValueError, match=r"^cluster.hardware is invalid with backend=engine"):
+    with pytest.raises(ValueError, match=r"^cluster.hardware=\['h200', 'h200'\] is invalid with backend=engine"):
         run(compose_cfg([*FLEET, "cluster.hardware=[h200,h200]"]), tmp_path, "engine")

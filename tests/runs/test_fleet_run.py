@@ -55,7 +55,7 @@ def test_routers_sweep_with_multirun(tmp_path):
     ("+router.cache_threshold=0.3", "key router.cache_threshold is unknown"),  # not a round_robin knob
     ("router=session router.key=user cluster.replicas=2", "router.key='user' is invalid"),
     ("backend=server cluster.replicas=2", "cluster.replicas=2 is invalid with backend=server"),
-    ("backend=engine cluster.replicas=2 cluster.hardware=[h200,h200]", "cluster.hardware is invalid with backend=engine"),
+    ("backend=engine cluster.replicas=2 cluster.hardware=[h200,h200]", "cluster.hardware=['h200', 'h200'] is invalid with backend=engine"),
     ("workload=azure +workload.block_tokens=4", "key workload.block_tokens is unknown"),
 ])
 def test_bad_fleet_config_is_one_line_naming_the_key(override, key, monkeypatch, capsys, tmp_path):
