@@ -1,6 +1,10 @@
 """Entry-point error handling shared by `experiments.run`, `experiments.ab` and `experiments.showcase`:
 bad configuration or input -> one line on stderr naming the key, exit code 2, no traceback.
 `HYDRA_FULL_ERROR=1` brings back the full traceback for debugging.
+
+In a sweep (`-m`), a job whose config is bad does not end the sweep: its line (naming the job's
+number and overrides) is printed and written to `error.txt` in its run directory, the other jobs
+run, and the sweep ends with exit code 2 and a list of the jobs that failed (docs/sweeps.md).
 """
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from hydra.errors import HydraException
@@ -16,7 +21,24 @@ from omegaconf.errors import OmegaConfBaseException
 
 CONFIG_ERRORS = (ValueError, HydraException, OmegaConfBaseException)  # ConfigCompositionException is a HydraException
 F = TypeVar("F", bound=Callable)
-_user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+# The user's HYDRA_FULL_ERROR, kept where a sweep's worker processes (which inherit the
+# HYDRA_FULL_ERROR=1 that run_cli sets) read it too.
+_FULL_ERROR_ENV = "SERVELAB_USER_HYDRA_FULL_ERROR"
+JOB_ERROR_FILE = "error.txt"  # a failed sweep job's error line, in its run directory
+
+
+def _user_full_error() -> bool:
+    return os.environ.get(_FULL_ERROR_ENV, os.environ.get("HYDRA_FULL_ERROR")) == "1"
+
+
+class SweepJobError(Exception):
+    """A sweep job's config error, raised to Hydra (which runs the other jobs, then raises the
+    first failure): its one line and the sweep directory whose jobs' error files list all failures.
+    Not a ValueError, so that run_cli tells it from a config error of the sweep itself."""
+
+    def __init__(self, line: str, sweep_dir: str) -> None:
+        super().__init__(line, sweep_dir)
+        self.line, self.sweep_dir = line, sweep_dir
 
 
 def one_line(exc: BaseException) -> str:
@@ -42,32 +64,87 @@ def _exit(exc: BaseException) -> None:
     sys.exit(2)
 
 
+def _sweep_job() -> tuple[str, Path, str] | None:
+    """(the job's name: its number and overrides, its run directory, the sweep directory) in a
+    job of a Hydra multirun; None otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return f"job {hc.job.num} ({' '.join(hc.overrides.task)})", Path(hc.runtime.output_dir), str(hc.sweep.dir)
+
+
 def config_errors(fn: F) -> F:
     """Wrap a Hydra task function: config errors raised inside the job become one line + exit 2
-    (before Hydra's job runner would print its own lines around them)."""
+    (before Hydra's job runner would print its own lines around them). In a sweep's job the line
+    names the job, goes to its run directory's error.txt too, and the sweep goes on (SweepJobError)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        job = _sweep_job()
+        if job is not None:  # a run directory reused from an earlier sweep: its old error is gone
+            (job[1] / JOB_ERROR_FILE).unlink(missing_ok=True)
         try:
             return fn(*args, **kwargs)
         except CONFIG_ERRORS as exc:
-            if _user_full_error:
+            if _user_full_error():
                 raise
-            _exit(exc)
+            if job is None:
+                _exit(exc)
+            name, run_dir, sweep_dir = job
+            line = f"{name}: {one_line(exc)}"
+            print(f"error: {line}", file=sys.stderr)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / JOB_ERROR_FILE).write_text(line + "\n")
+            raise SweepJobError(line, sweep_dir) from None
     return wrapper  # type: ignore[return-value]
+
+
+def sweep_failures(sweep_dir: str | Path) -> list[str]:
+    """The error lines of a sweep's failed jobs, by job number: the error.txt files under its
+    directory written since its multirun.yaml (which Hydra writes as the sweep starts; older
+    files are an earlier sweep's into the same directory)."""
+    sweep_dir = Path(sweep_dir)
+    start = (sweep_dir / "multirun.yaml").stat().st_mtime if (sweep_dir / "multirun.yaml").is_file() else 0.0
+    lines = []
+    for path in sweep_dir.rglob(JOB_ERROR_FILE):
+        try:
+            if path.stat().st_mtime >= start:
+                lines.append(path.read_text().strip())
+        except OSError:
+            continue
+    number = re.compile(r"job (\d+) ")
+    return sorted(lines, key=lambda ln: int(m.group(1)) if (m := number.match(ln)) else -1)
+
+
+def _exit_sweep(exc: SweepJobError) -> None:
+    failed = sweep_failures(exc.sweep_dir) or [exc.line]
+    print(f"error: {len(failed)} job(s) of the sweep failed (the others ran; each failed job's error is in "
+          f"its run directory's {JOB_ERROR_FILE} under {exc.sweep_dir}):", file=sys.stderr)
+    for line in failed:
+        print(f"  {line}", file=sys.stderr)
+    sys.exit(2)
 
 
 def run_cli(entry: Callable[[], object]) -> None:
     """Run an entry point (a @hydra.main function or a plain one); composition and other config
-    errors become one line and exit code 2."""
-    global _user_full_error
-    _user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    errors become one line and exit code 2; a sweep whose jobs had config errors ends with their
+    list and exit code 2."""
+    user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ[_FULL_ERROR_ENV] = "1" if user_full_error else "0"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let exceptions reach us instead of Hydra's printer
     try:
         entry()
+    except SweepJobError as exc:
+        _exit_sweep(exc)
     except CONFIG_ERRORS as exc:
-        if _user_full_error:
+        if user_full_error:
             raise
         _exit(exc)
     finally:
-        if not _user_full_error:
+        os.environ.pop(_FULL_ERROR_ENV, None)
+        if not user_full_error:
             os.environ.pop("HYDRA_FULL_ERROR", None)
