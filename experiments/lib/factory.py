@@ -174,8 +174,18 @@ def scheduling_config(cfg: DictConfig, workload: Workload | None = None) -> Sche
     if getattr(policy, "predictor", None) is not None:
         policy.predictor = build_predictor(cfg, workload)
     blocks = section(cfg, "blocks")
-    return SchedulingConfig(scheduler_config(section(cfg, "scheduler")), policy,
-                            block_manager_config(blocks.get("kind"), blocks))
+    scheduler = scheduler_config(section(cfg, "scheduler"))
+    check_max_model_len(scheduler.max_model_len, model_shape(cfg))
+    return SchedulingConfig(scheduler, policy, block_manager_config(blocks.get("kind"), blocks))
+
+
+def check_max_model_len(max_model_len: int, model: ModelShape) -> None:
+    """A sequence no longer than the model's positions, the engine's rule (EngineArgs
+    resolve_max_model_len refuses the same `max_model_len`), so a simulated run is one the engine
+    would start."""
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(f"scheduler.max_model_len={max_model_len} is invalid: model={model.name} supports at most "
+                         f"max_position_embeddings={model.max_position_embeddings}")
 
 
 def build_scheduler(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int, recorder=None,

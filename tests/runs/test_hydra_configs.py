@@ -2,6 +2,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_module
 
 from experiments.lib import factory
@@ -33,6 +34,8 @@ def test_option_composes_and_builds(group, option):
         overrides += ["latency.gpu=cpu", "latency.dtype=float32"]
     if group == "model":  # tiny models would get millions of blocks from 140 GiB (tested below)
         overrides.append("blocks.kv_cache_gib=1")
+        positions = yaml.safe_load((CONF / "model" / f"{option}.yaml").read_text())["max_position_embeddings"]
+        overrides.append(f"scheduler.max_model_len={min(4096, positions)}")  # the tiny models hold 2048
     cfg = compose_with(*overrides)
     assert cfg[group] is not None
     assert factory.model_shape(cfg).kv_bytes_per_token > 0

@@ -86,7 +86,7 @@ def test_collectives_priced_from_the_interconnect_are_labelled_in_the_table(tmp_
     cfg = search_cfg([*TINY, "latency=operators", "latency.gpu=cpu", "latency.dtype=float32",
                       "latency.collectives=measured_else_ring", "search.space.gpu=[h100]",
                       "search.space.tensor_parallel_size=[2,4]", "search.space.replicas=[1]",
-                      "model=tiny-qwen3", "search.rate.max_iterations=1"], tmp_path)
+                      "model=tiny-qwen3", "scheduler.max_model_len=2048", "search.rate.max_iterations=1"], tmp_path)
     table = run_search(cfg, tmp_path / "out", progress=False).table.set_index("tensor_parallel_size")
     assert (table["status"] == "simulated").all()
     assert table.loc[2, "latency_data"].endswith("collectives: measured at N=2 (cpu-float32-collectives-n2.csv); "

@@ -6,7 +6,7 @@ from experiments.lab.operator_breakdown import breakdown
 from sim.latency.operators import OperatorModel
 
 TINY = ["model=tiny-qwen3", "hardware=h200", "latency.gpu=cpu", "latency.dtype=float32", "workload=offline",
-        "workload.num_requests=6", "seed=0"]
+        "workload.num_requests=6", "seed=0", "scheduler.max_model_len=2048"]
 
 
 def test_the_families_add_up_to_the_steps_the_run_priced(tmp_path):
