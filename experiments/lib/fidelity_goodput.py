@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from experiments.lib.metrics import goodput
+from experiments.lib.metrics import check_slo_seconds, goodput
 
 BACKENDS = ("engine", "sim")
 
@@ -64,6 +64,8 @@ class GoodputSpec:
         for name, s in (section.get("slos") or {}).items():
             if s.get("ttft_s") is None and s.get("tpot_s") is None:
                 raise ValueError(f"spec {where}: goodput.slos.{name} is invalid: set ttft_s, tpot_s or both")
+            for key in ("ttft_s", "tpot_s"):
+                check_slo_seconds(s.get(key), f"spec {where}: goodput.slos.{name}.{key}")
             slos.append(GoodputSlo(str(name), s.get("ttft_s"), s.get("tpot_s"), s.get("split_wins")))
         comparisons = []
         for name, c in (section.get("comparisons") or {}).items():

@@ -42,6 +42,25 @@ def _weighted_mean(x: pd.Series, w: pd.Series) -> float | None:
     return float((x * w).sum() / total) if total > 0 else None
 
 
+SLO_KEYS = ("ttft_s", "tpot_s", "e2el_s")  # the run config's `slo` thresholds (null: off)
+
+
+def check_slo_seconds(value: Any, key: str) -> float | None:
+    """One SLO threshold: a finite number of seconds > 0, or None (the objective off). A threshold
+    of 0 or below no request meets (goodput 0), so it is refused rather than measured."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value < math.inf):
+        raise ValueError(f"{key}={value!r} is invalid: must be a number > 0 (seconds) or null")
+    return value
+
+
+def check_slo(slo: Mapping[str, Any], where: str = "slo") -> dict[str, Any]:
+    """The run config's `slo` section, each threshold checked (ValueError naming `where.key`)."""
+    for key in SLO_KEYS:
+        check_slo_seconds(slo.get(key), f"{where}.{key}")
+    return dict(slo)
+
+
 def meets_slo(requests: pd.DataFrame, slo: Mapping[str, Any] | None) -> pd.Series:
     ok = pd.Series(True, index=requests.index)
     slo = slo or {}

@@ -15,7 +15,7 @@ from experiments.lib import factory
 from experiments.lib.backends import run_backend
 from experiments.lib.config_schema import check_config, hydra_origin
 from experiments.lib.fleet_metrics import fleet_summary
-from experiments.lib.metrics import goodput, summarize
+from experiments.lib.metrics import check_slo, goodput, summarize
 from experiments.lib.traces import write_fleet_traces, write_summary, write_traces
 from experiments.lib.workloads import Workload
 from policies.trace import TraceRecorder
@@ -27,6 +27,7 @@ def run(cfg: DictConfig, out_dir: str | Path, label: str | None = None,
     into out_dir; return the summary dict. An unknown or mistyped config key is a ValueError naming
     its file and key (experiments/lib/config_schema.py)."""
     check_config(cfg, "config", *hydra_origin())
+    slo = check_slo(OmegaConf.to_container(cfg.slo, resolve=True))  # before the run, not after it
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     wl = workload if workload is not None else factory.workload(cfg)
@@ -37,7 +38,6 @@ def run(cfg: DictConfig, out_dir: str | Path, label: str | None = None,
         result = run_backend(cfg, wl, recorder, bar.update)
     wall = time.perf_counter() - wall
     bs = factory.block_size(cfg)
-    slo = OmegaConf.to_container(cfg.slo, resolve=True)
     summary: dict[str, Any] = {"label": label or "run"}
     if result.replica_recorders is None:
         requests, steps, events = write_traces(recorder, out_dir)

@@ -16,6 +16,9 @@ SMALL = ["workload.num_requests=5"]
      r"scheduler.max_model_len=100000000 is invalid: model=qwen3-0.6b supports at most max_position_embeddings=40960"),
     (["model=tiny-qwen3"], r"scheduler.max_model_len=4096 is invalid: model=tiny-qwen3 supports at most "
                            r"max_position_embeddings=2048"),
+    (["slo.ttft_s=-1"], r"slo.ttft_s=-1 is invalid: must be a number > 0 \(seconds\) or null"),
+    (["slo.tpot_s=0"], r"slo.tpot_s=0 is invalid: must be a number > 0 \(seconds\) or null"),
+    (["slo.e2el_s=inf"], r"slo.e2el_s=inf is invalid: must be a number > 0 \(seconds\) or null"),
 ])
 def test_bad_value_is_one_line(overrides, match, monkeypatch, capsys):
     err = cli_error([*SMALL, *overrides], monkeypatch, capsys)
@@ -28,3 +31,12 @@ def test_max_model_len_up_to_the_model_positions_runs(tmp_path):
 
     summary = run(compose_cfg([*SMALL, "progress=false", "plots=false", "scheduler.max_model_len=40960"]), tmp_path)
     assert summary["completed"] == 5
+
+
+def test_the_fidelity_goodput_slos_follow_the_run_slo_rule():
+    from experiments.lib.fidelity_goodput import GoodputSpec
+
+    section = {"slos": {"tight": {"ttft_s": 1.0, "tpot_s": -0.01}}, "comparisons": {"c": {"split": "a", "mixed": "b"}}}
+    with pytest.raises(ValueError, match=r"spec s.yaml: goodput.slos.tight.tpot_s=-0.01 is invalid: must be a "
+                                         r"number > 0 \(seconds\) or null"):
+        GoodputSpec.parse(section, {"a": {}, "b": {}}, "s.yaml")

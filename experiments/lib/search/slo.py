@@ -1,7 +1,6 @@
 """The SLOs a deployment must meet at a rate: TTFT and TPOT percentiles, or a goodput fraction."""
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -9,7 +8,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from experiments.lib.metrics import meets_slo
+from experiments.lib.metrics import check_slo_seconds, meets_slo
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,9 +26,7 @@ class SearchSlo:
             raise ValueError(f"search.slo.{sorted(unknown)[0]} is unknown: allowed are {sorted(cls.__dataclass_fields__)}")
         slo = cls(**d)
         for key in ("ttft_s", "tpot_s"):
-            v = getattr(slo, key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
-                raise ValueError(f"search.slo.{key}={v!r} is invalid: must be a number > 0 (seconds) or null")
+            check_slo_seconds(getattr(slo, key), f"search.slo.{key}")
         for key in ("ttft_percentile", "tpot_percentile"):
             v = getattr(slo, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 100:
