@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,7 +21,11 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     path = resolve_path(path)
     if not Path(path).is_file():
         raise ValueError(f"--spec={str(path)!r} is invalid: no such file")
-    spec = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    spec = OmegaConf.to_container(_load_yaml(Path(path)), resolve=True)
+    if not isinstance(spec, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+            f"spec {path} is invalid: its top level is a {type(spec).__name__}, not a mapping of keys "
+            "(common, engine, sim, scenarios, ...: conf/fidelity/default.yaml is an example)")
     check_fidelity_spec(spec, path)
     if spec.get("extends"):
         base_path = Path(path).parent / spec["extends"]
@@ -44,6 +49,20 @@ def load_spec(path: str | Path) -> dict[str, Any]:
         from experiments.lib.fidelity_goodput import GoodputSpec
         GoodputSpec.parse(spec["goodput"], spec["scenarios"], str(path))
     return spec
+
+
+def _load_yaml(path: Path):
+    """The file's YAML; a syntax error names the file, the line and what the parser expected."""
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
+        context, opened = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if context:
+            elsewhere = opened is not None and (mark is None or opened.line != mark.line)
+            problem += f" ({context}{f' from line {opened.line + 1}' if elsewhere else ''})"
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ValueError(f"spec {where}: not valid YAML: {problem}") from None
 
 
 def _override_key(override: str) -> str:
