@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from policies.trace import request_row
 
 LOOPBACK_NAMES = ("localhost",)
 DRAIN_S = 5.0  # the longest a response's end is awaited after `data: [DONE]`
+MODELS_TIMEOUT_S = 30.0  # the longest GET /v1/models is awaited
+NO_ENDPOINT = (404, 405, 501)  # HTTP statuses of a server without the endpoint (not found, not allowed, no POST)
 
 
 @dataclass(slots=True)
@@ -76,16 +79,52 @@ class _Timing:
     usage_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    refused: BaseException | None = None  # no connection to the server at all
+    no_endpoint: str | None = None  # the server has no POST /v1/completions: its answer
+
+
+def _what_to_do(base: str) -> str:
+    port = urlsplit(base).port or 8000
+    return (f"start one (python -m engine.serve --model MODEL --port {port}) or point backend.url at an "
+            "OpenAI-compatible server")
+
+
+def unreachable(base: str, exc: BaseException) -> ValueError:
+    """Nothing answers at `base` (connection refused, reset, timed out): the error to stop the run with."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        reason = exc.os_error.strerror or str(exc.os_error) or type(exc.os_error).__name__
+    elif isinstance(exc, TimeoutError):
+        reason = "no answer in time"
+    else:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ValueError(f"backend.url={base!r} is invalid: no server answers there ({reason}): {_what_to_do(base)}")
+
+
+def excerpt(body: str, limit: int = 120) -> str:
+    """A response body shortened for one line: tags dropped, whitespace collapsed, at most `limit` characters."""
+    text = " ".join(re.sub(r"<[^>]*>", " ", body).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 async def _first_model(session: Any, base: str) -> str:
-    async with session.get(f"{base}/v1/models") as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"GET {base}/v1/models answered {resp.status}: {await resp.text()}")
-        data = (await resp.json())["data"]
-        if not data:
-            raise RuntimeError(f"GET {base}/v1/models lists no model")
-        return data[0]["id"]
+    """The first model of the server's GET /v1/models; a ValueError naming the URL when nothing
+    answers there or what answers is no OpenAI-compatible server."""
+    url = f"{base}/v1/models"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)) as resp:
+            status, body = resp.status, await resp.text(errors="replace")
+    except (TimeoutError, OSError, aiohttp.ClientError) as exc:
+        raise unreachable(base, exc) from None
+    try:
+        data = json.loads(body)["data"] if status == 200 else None
+        model = data[0]["id"] if data else None
+    except (ValueError, TypeError, KeyError, IndexError):
+        data = model = None
+    if status != 200 or not isinstance(model, str):
+        answer = f"HTTP {status}" if status != 200 else ("no model" if data == [] else "no OpenAI model list")
+        raise ValueError(f"backend.url={base!r} is invalid: GET {url} answered {answer} ({excerpt(body)!r}): "
+                         f"{_what_to_do(base)}, or set backend.model")
+    return model
 
 
 async def _one(session: Any, base: str, body: dict[str, Any], t0: float, timing: _Timing,
@@ -94,7 +133,10 @@ async def _one(session: Any, base: str, body: dict[str, Any], t0: float, timing:
     try:
         async with session.post(f"{base}/v1/completions", json=body) as resp:
             if resp.status != 200:
-                timing.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                body = await resp.text(errors="replace")
+                timing.error = f"HTTP {resp.status}: {excerpt(body, 300)}"
+                if resp.status in NO_ENDPOINT:
+                    timing.no_endpoint = f"HTTP {resp.status} ({excerpt(body)!r})"
                 return
             async for raw in resp.content:
                 line = raw.strip()
@@ -129,6 +171,8 @@ async def _one(session: Any, base: str, body: dict[str, Any], t0: float, timing:
                     timing.usage_tokens = int(data["usage"]["completion_tokens"])
     except (TimeoutError, OSError, aiohttp.ClientError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            timing.refused = exc
     finally:
         if timing.finish is None:
             timing.finish = perf() - t0
@@ -141,6 +185,8 @@ async def drive(workload: Workload, cfg: ClientConfig, on_done: Callable[[int], 
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     rows: list[dict] = []
     errors: list[str] = []
+    refused: list[BaseException] = []
+    no_endpoint: list[str] = []  # the answers to requests the server had no endpoint for
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         model = cfg.model or await _first_model(session, cfg.url)
         slots = asyncio.Semaphore(cfg.max_concurrency)
@@ -167,6 +213,10 @@ async def drive(workload: Workload, cfg: ClientConfig, on_done: Callable[[int], 
             rows.append(_row(r.request_id, r.priority, r.num_prompt_tokens, sp.n, timing, token_times, r.tenant))
             if timing.error is not None:
                 errors.append(f"request {r.request_id}: {timing.error}")
+            if timing.refused is not None:
+                refused.append(timing.refused)
+            if timing.no_endpoint is not None:
+                no_endpoint.append(timing.no_endpoint)
             on_done(1)
 
         tasks = []
@@ -175,6 +225,11 @@ async def drive(workload: Workload, cfg: ClientConfig, on_done: Callable[[int], 
             tasks.append(asyncio.ensure_future(request(i, next_send)))
             next_send += gap
         await asyncio.gather(*tasks)
+    if rows and len(refused) == len(rows):  # not one request reached a server: no run to report
+        raise unreachable(cfg.url, refused[0])
+    if rows and len(no_endpoint) == len(rows):  # no completions endpoint there: no run to report
+        raise ValueError(f"backend.url={cfg.url!r} is invalid: POST {cfg.url}/v1/completions answered "
+                         f"{no_endpoint[0]}: {_what_to_do(cfg.url)}")
     return rows, {"url": cfg.url, "served_model": model, "max_concurrency": cfg.max_concurrency,
                   "max_request_rate": cfg.max_request_rate,
                   "failed": sum(1 for row in rows if row["status"] != "finished"), "errors": errors[:5]}
