@@ -30,6 +30,8 @@ def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     name = cfg.backend.get("name")
     run = BACKENDS.get(name, where="backend")
     check_cluster(cfg, name)
+    if cfg.get("parallel") is not None:
+        factory.parallel_config(cfg)  # the engine's values only, on every backend
     return run(cfg, workload, recorder, on_done)
 
 

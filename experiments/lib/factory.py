@@ -65,19 +65,28 @@ def all_reduce_settings(cfg: DictConfig, keys: tuple[str, ...] = ALL_REDUCE_SETT
     return {k: parallel[k] for k in keys if parallel.get(k) is not None}
 
 
+def parallel_config(cfg: DictConfig):
+    """The `parallel` block as the engine's `ParallelConfig`, checked by the engine's own rules
+    (its kernels, byte limits, sequence-parallel rows) on every backend: a value the engine would
+    refuse is refused by the simulator too, though most of them price nothing at one GPU."""
+    from engine.parallel_config import ParallelConfig
+    tp = tensor_parallel_size(cfg)
+    try:
+        return ParallelConfig(tp, **all_reduce_settings(cfg, ENGINE_PARALLEL_SETTINGS))
+    except ValueError as e:
+        raise ValueError(f"parallel.{e}") from None
+
+
 def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
     """The all-reduce path the engine takes for each message at this config's tensor-parallel size,
     model dtype and `parallel` settings, and whose kernels sum it: the engine's own rules
     (`choose_path`, `settings_reason`, `ParallelConfig.kernel_for`, `fits_add_rms_norm`)."""
     from engine.config import DTYPES
     from engine.distributed.all_reduce_path import NCCL, SYMMETRIC_DTYPES, choose_path, settings_reason
-    from engine.parallel_config import FUSED_ALL_REDUCE_KERNELS, ParallelConfig
+    from engine.parallel_config import FUSED_ALL_REDUCE_KERNELS
 
     tp, dtype_name = tensor_parallel_size(cfg), str(section(cfg, "model").get("dtype"))
-    try:
-        parallel = ParallelConfig(tp, **all_reduce_settings(cfg, ENGINE_PARALLEL_SETTINGS))  # validated alike
-    except ValueError as e:
-        raise ValueError(f"parallel.{e}") from None
+    parallel = parallel_config(cfg)
     dtype = DTYPES.get(dtype_name)
     one_shot, two_shot = parallel.one_shot_max_bytes(tp), parallel.custom_all_reduce_max_bytes
     reason = settings_off = settings_reason(parallel, tp)
@@ -128,6 +137,9 @@ def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
     """(num_gpu_blocks, num_cpu_blocks) for the simulated GPU, as vLLM sizes its pools."""
     b = section(cfg, "blocks")
     model, hw = gpu_model_shape(cfg), hardware(cfg)  # per GPU: each holds its share of weights and KV
+    util = b.get("gpu_memory_utilization")  # checked when set, used or not (the engine checks it always)
+    if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1):
+        raise ValueError(f"blocks.gpu_memory_utilization={util!r} is invalid: must be in (0, 1]")
     block_bytes = model.kv_bytes_per_token * block_size(cfg)
     if b.get("num_gpu_blocks") is not None:
         gpu = _int_at_least(b, "num_gpu_blocks", 1)
@@ -137,9 +149,9 @@ def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
             raise ValueError(f"blocks.kv_cache_gib={b['kv_cache_gib']!r} is invalid: it holds no KV block "
                              f"of {block_bytes} bytes (model={model.name}, block_size={block_size(cfg)})")
     else:
-        util = b.get("gpu_memory_utilization")
-        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
-            raise ValueError(f"blocks.gpu_memory_utilization={util!r} is invalid: must be in (0, 1]")
+        if util is None:
+            raise ValueError("blocks.gpu_memory_utilization=None is invalid: must be in (0, 1] to size the KV "
+                             "pool from GPU memory (or set blocks.kv_cache_gib or blocks.num_gpu_blocks)")
         sched = cfg.scheduler
         # Peak activations of one max-size forward (vLLM measures this with a profiling run).
         activations = (sched.max_num_batched_tokens * (4 * model.hidden_size + 2 * model.intermediate_size)

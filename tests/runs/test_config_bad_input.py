@@ -19,6 +19,17 @@ SMALL = ["workload.num_requests=5"]
     (["slo.ttft_s=-1"], r"slo.ttft_s=-1 is invalid: must be a number > 0 \(seconds\) or null"),
     (["slo.tpot_s=0"], r"slo.tpot_s=0 is invalid: must be a number > 0 \(seconds\) or null"),
     (["slo.e2el_s=inf"], r"slo.e2el_s=inf is invalid: must be a number > 0 \(seconds\) or null"),
+    (["blocks.gpu_memory_utilization=0"], r"blocks.gpu_memory_utilization=0 is invalid: must be in \(0, 1\]"),
+    (["blocks.gpu_memory_utilization=1.5", "blocks.num_gpu_blocks=100"],
+     r"blocks.gpu_memory_utilization=1.5 is invalid: must be in \(0, 1\]"),
+    (["blocks.gpu_memory_utilization=null", "blocks.kv_cache_gib=null"],
+     r"blocks.gpu_memory_utilization=None is invalid: must be in \(0, 1\] to size the KV pool from GPU memory"),
+    (["parallel.all_reduce_kernel=nope"], r"parallel.all_reduce_kernel='nope' is invalid: one of \('auto', 'torch'"),
+    (["parallel.custom_all_reduce_max_bytes=-1"], r"parallel.custom_all_reduce_max_bytes=-1 is invalid: a byte count"),
+    (["parallel.custom_all_reduce_one_shot_max_bytes=17"],
+     r"parallel.custom_all_reduce_one_shot_max_bytes=17 is invalid: a byte count in \[0, 1073741824\], a multiple of 16"),
+    (["parallel.disable_custom_all_reduce=true", "backend=server", "backend.url=http://127.0.0.1:1",
+      "parallel.all_reduce_kernel=nope"], r"parallel.all_reduce_kernel='nope' is invalid"),  # every backend
 ])
 def test_bad_value_is_one_line(overrides, match, monkeypatch, capsys):
     err = cli_error([*SMALL, *overrides], monkeypatch, capsys)
@@ -40,3 +51,11 @@ def test_the_fidelity_goodput_slos_follow_the_run_slo_rule():
     with pytest.raises(ValueError, match=r"spec s.yaml: goodput.slos.tight.tpot_s=-0.01 is invalid: must be a "
                                          r"number > 0 \(seconds\) or null"):
         GoodputSpec.parse(section, {"a": {}, "b": {}}, "s.yaml")
+
+
+def test_gpu_memory_utilization_may_be_null_when_the_pool_is_sized_otherwise(tmp_path):
+    from experiments.lib.fidelity_spec import compose_cfg
+    from experiments.lib.run_workload import run
+
+    cfg = compose_cfg([*SMALL, "progress=false", "plots=false", "blocks.gpu_memory_utilization=null"])  # kv_cache_gib=3
+    assert run(cfg, tmp_path)["completed"] == 5
