@@ -22,7 +22,9 @@ per-request bootstrap of one pair cannot see, so a change counts only if it repr
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 
 from experiments.lib.ab_compare import ABResult, compare, compose_pair, markdown
@@ -31,12 +33,22 @@ from experiments.lib.run_dirs import default_run_dir
 
 
 def split_overrides(text: str, name: str) -> list[str]:
-    """`[x=1,y=[2,3]]` -> ['x=1', 'y=[2,3]'] (commas inside brackets or quotes stay); `x=1` -> ['x=1']."""
+    """`[x=1,y=[2,3]]` -> ['x=1', 'y=[2,3]'] (commas inside brackets or quotes stay); `x=1` -> ['x=1'].
+    Unbalanced brackets or quotes anywhere are refused, naming the side."""
     text = text.strip()
+    _top_level_commas(text, name)  # the whole text balanced
     if not (text.startswith("[") and text.endswith("]")):
         return [text] if text else []
-    items, depth, quote, cur = [], 0, "", ""
-    for ch in text[1:-1]:
+    inner = text[1:-1]
+    cuts = [-1, *_top_level_commas(inner, name, text), len(inner)]
+    return [item for a, b in pairwise(cuts) if (item := inner[a + 1:b].strip())]
+
+
+def _top_level_commas(text: str, name: str, shown: str | None = None) -> list[int]:
+    """The positions of the commas of `text` outside brackets and quotes; ValueError naming the
+    side (and `shown`, the text as given) when its brackets or quotes do not balance."""
+    depth, quote, commas = 0, "", []
+    for i, ch in enumerate(text):
         if quote:
             quote = "" if ch == quote else quote
         elif ch in "'\"":
@@ -45,15 +57,22 @@ def split_overrides(text: str, name: str) -> list[str]:
             depth += 1
         elif ch in "]})":
             depth -= 1
+            if depth < 0:
+                break
         elif ch == "," and depth == 0:
-            items.append(cur.strip())
-            cur = ""
-            continue
-        cur += ch
+            commas.append(i)
     if depth or quote:
-        raise ValueError(f"{name}={text!r} is invalid: unbalanced brackets or quotes")
-    items.append(cur.strip())
-    return [i for i in items if i]
+        raise ValueError(f"{name}={shown or text!r} is invalid: unbalanced brackets or quotes "
+                         f"(e.g. {name}='[policy=fcfs]')")
+    return commas
+
+
+def _side_like(item: str) -> bool:
+    """`c=[policy=sjf]`: a bracketed list of overrides under a name that is no side (only a and b are)."""
+    key, _, value = item.partition("=")
+    value = value.strip()
+    return (key.isidentifier() and value.startswith("[") and value.endswith("]")
+            and re.match(r"\[\s*[+~]?[\w.@/]+=", value) is not None)
 
 
 def _main(argv: Sequence[str] | None = None) -> ABResult:
@@ -68,13 +87,17 @@ def _main(argv: Sequence[str] | None = None) -> ABResult:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run A and B this many times, alternating; a change is significant only if it "
                              "reproduces in every round beyond the runs' own spread (wall-clock backends)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options and overrides in any order
     a, b, common = None, None, []
     for item in args.overrides:
         if item.startswith("a="):
             a = split_overrides(item[2:], "a")
         elif item.startswith("b="):
             b = split_overrides(item[2:], "b")
+        elif _side_like(item):
+            name = item.partition("=")[0]
+            raise ValueError(f"{name}={item.partition('=')[2]!r} is invalid: only a='[...]' and b='[...]' hold "
+                             "a side's overrides; a common override is key=value (e.g. policy=fcfs)")
         else:
             common.append(item)
     if a is None or b is None:

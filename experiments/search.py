@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from experiments.lib.cli import config_errors, run_cli
-from experiments.lib.search.outputs import describe
+from experiments.lib.search.outputs import describe, largest_capacity
 from experiments.lib.search.runner import run_search
 
 
@@ -34,8 +34,8 @@ def _main(cfg: DictConfig) -> None:
           f"{s['slo_text']}")
     c = result.cheapest
     if c is None:
-        print(f"no deployment sustains search.target_rate={s['target_rate']:g} req/s: the largest capacity is "
-              f"{result.table['capacity_rps'].max():.3g} req/s")
+        print(f"no deployment sustains search.target_rate={s['target_rate']:g} req/s: "
+              f"{largest_capacity(result.table, cfg.search.rate.get('max_iterations'))}")
     else:
         print(f"cheapest for {s['target_rate']:g} req/s: {describe(c)}: {c['num_gpus']} GPUs, "
               f"${c['dollars_per_hour']:.2f}/h, capacity {c['capacity_rps']:.3g} req/s, "

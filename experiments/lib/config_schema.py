@@ -124,8 +124,8 @@ class _Origin:
             return self.file
         dotted = ".".join([*([group] if group else []), *path])
         typed = [o for o in self.overrides if o.lstrip("+~").split("=")[0] == dotted]
-        if typed:
-            return f"the command line ({typed[0]})"
+        if typed:  # a key given twice holds its last value
+            return f"the command line ({typed[-1]})"
         if group is None:
             return _rel(CONF_DIR / f"{self.top}.yaml")
         choice = (self.choices or {}).get(group)
@@ -159,8 +159,24 @@ def _check(section: Mapping[str, Any], schema: type, group: str | None, origin: 
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         dotted = ".".join(p for p in [group, *path, key] if p)
-        raise ValueError(f"{origin.where(group, [*path, *key.split('.')])}: {dotted} is invalid: "
-                         f"{str(e).splitlines()[0]}") from None
+        where = origin.where(group, [*path, *key.split('.')])
+        shape = _container_kind(hints.get(key.split(".")[0]), section.get(key.split(".")[0]))
+        if shape is not None:  # OmegaConf's words for it ("AnyNode is not a ListConfig") name no key
+            raise ValueError(f"{where}: {dotted}={section.get(key.split('.')[0])!r} is invalid: {shape}") from None
+        raise ValueError(f"{where}: {dotted} is invalid: {str(e).splitlines()[0]}") from None
+
+
+def _container_kind(annotation: Any, value: Any) -> str | None:
+    """What a list- or mapping-typed key must hold, when `value` is not one (None otherwise)."""
+    if annotation is None:
+        return None
+    inner = _strip_optional(annotation)
+    null = ", or null" if inner is not annotation else ""
+    if typing.get_origin(inner) in (list, tuple, Sequence) and not isinstance(value, (list, tuple)):
+        return f"must be a list ([a, b]){null}"
+    if (typing.get_origin(inner) is dict or dataclasses.is_dataclass(inner)) and not isinstance(value, Mapping):
+        return f"must be a mapping ({{key: value}}){null}"
+    return None
 
 
 def _check_value(value: Any, kind: Any, key: str, origin: _Origin) -> None:

@@ -106,8 +106,9 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
 
 def gpu_model_shape(cfg: DictConfig) -> ModelShape:
     """The model one GPU holds under `parallel.tensor_parallel_size` (the whole model for 1)."""
+    model, size = model_shape(cfg), tensor_parallel_size(cfg)  # each names its own key
     try:
-        return shard_shape(model_shape(cfg), tensor_parallel_size(cfg))
+        return shard_shape(model, size)
     except ValueError as e:
         raise ValueError(f"parallel.{e}" if str(e).startswith("tensor_parallel_size") else f"model.{e}") from None
 

@@ -30,6 +30,12 @@ SMALL = ["workload.num_requests=5"]
      r"parallel.custom_all_reduce_one_shot_max_bytes=17 is invalid: a byte count in \[0, 1073741824\], a multiple of 16"),
     (["parallel.disable_custom_all_reduce=true", "backend=server", "backend.url=http://127.0.0.1:1",
       "parallel.all_reduce_kernel=nope"], r"parallel.all_reduce_kernel='nope' is invalid"),  # every backend
+    (["parallel.tensor_parallel_size=0"], r"^error: parallel.tensor_parallel_size=0 is invalid: must be an integer >= 1"),
+    (["cluster.replicas=2", "cluster.hardware=nope"],
+     r"the command line \(cluster.hardware=nope\): cluster.hardware='nope' is invalid: must be a list \(\[a, b\]\), or null"),
+    (["serving.ttft_jitter_s=3"], r"serving.ttft_jitter_s=3 is invalid: must be a list \(\[a, b\]\)$"),
+    (["workload=poisson", "workload.rate=1", "workload.rate=fast"],  # the one that stands is named
+     r"the command line \(workload.rate=fast\): workload.rate is invalid"),
 ])
 def test_bad_value_is_one_line(overrides, match, monkeypatch, capsys):
     err = cli_error([*SMALL, *overrides], monkeypatch, capsys)
@@ -59,3 +65,23 @@ def test_gpu_memory_utilization_may_be_null_when_the_pool_is_sized_otherwise(tmp
 
     cfg = compose_cfg([*SMALL, "progress=false", "plots=false", "blocks.gpu_memory_utilization=null"])  # kv_cache_gib=3
     assert run(cfg, tmp_path)["completed"] == 5
+
+
+def test_the_model_shape_of_a_bad_tensor_parallel_size_names_the_parallel_key():
+    from experiments.lib import factory
+    from experiments.lib.fidelity_spec import compose_cfg
+
+    with pytest.raises(ValueError, match=r"^parallel.tensor_parallel_size=0 is invalid"):
+        factory.gpu_model_shape(compose_cfg(["parallel.tensor_parallel_size=0"]))
+
+
+def test_a_capacity_with_no_failing_rate_is_a_lower_bound():
+    import pandas as pd
+
+    from experiments.lib.search.outputs import largest_capacity
+
+    open_ended = pd.DataFrame({"capacity_rps": [16.0, 64.0], "failed_rps": [20.0, float("nan")]})
+    assert largest_capacity(open_ended, 3) == ("the largest capacity is at least 64 req/s: no failing rate found "
+                                               "within 3 iterations; raise search.rate.max_iterations")
+    bracketed = pd.DataFrame({"capacity_rps": [16.0, 64.0], "failed_rps": [20.0, 70.0]})
+    assert largest_capacity(bracketed, 3) == "the largest capacity is 64 req/s"

@@ -133,7 +133,7 @@ def test_a_pick_the_engine_cannot_run_or_no_pick_is_an_error():
     with pytest.raises(ValueError, match=r"pick .* cannot be checked: replicas=2: backend=engine runs one replica"):
         choose_pick(output(fleet), "engine")
     with pytest.raises(ValueError, match=r"has no pick: summary.json cheapest=null, no deployment reaches "
-                                         r"search.target_rate=50 req/s \(the largest capacity is 40\)"):
+                                         r"search.target_rate=50 req/s \(the largest capacity is 40 req/s\)"):
         choose_pick(output(ROWS, target=50.0, cheapest=False), "engine")
 
 

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.paths import REPO_ROOT
 from experiments.lib.search.catalogue import load_catalogue
-from experiments.lib.search.outputs import CONFIG_FILE, DEPLOYMENT_COLUMNS
+from experiments.lib.search.outputs import CONFIG_FILE, DEPLOYMENT_COLUMNS, largest_capacity
 from experiments.lib.search.slo import SearchSlo
 from experiments.lib.search.space import Deployment, run_config
 
@@ -110,10 +110,10 @@ def choose_pick(out: SearchOutput, backend: str) -> pd.Series:
     """The search's answer: the cheapest deployment whose capacity reaches the target rate."""
     order = ranked(out.table, out.target_rate)
     if out.summary.get("cheapest") is None or order.empty or not order.iloc[0]["capacity_rps"] >= out.target_rate:
-        best = out.table["capacity_rps"].max()
+        best = largest_capacity(out.table, out.config.search.get("rate", {}).get("max_iterations"))
         raise ValueError(f"result={str(out.path)!r} has no pick: summary.json cheapest=null, no deployment reaches "
-                         f"search.target_rate={out.target_rate:g} req/s (the largest capacity is {best:.3g}); rerun "
-                         "the search with a lower search.target_rate")
+                         f"search.target_rate={out.target_rate:g} req/s ({best}); rerun the search with a lower "
+                         "search.target_rate")
     pick = order.iloc[0]
     reason = runnable_reason(pick, backend)
     if reason is not None:

@@ -93,6 +93,19 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
     return SearchResult(table, front, cheapest, summary)
 
 
+def largest_capacity(table: pd.DataFrame, max_iterations: int | None) -> str:
+    """The table's largest capacity, as words: a bound from below where the search found no failing
+    rate above it (the rate only grew within `search.rate.max_iterations`)."""
+    best = table.loc[table["capacity_rps"].idxmax()] if table["capacity_rps"].notna().any() else None
+    if best is None:
+        return "no deployment was simulated"
+    if "failed_rps" in table and pd.isna(best["failed_rps"]):
+        within = f" within {max_iterations} iterations" if max_iterations is not None else ""
+        return (f"the largest capacity is at least {best['capacity_rps']:.3g} req/s: no failing rate found{within}; "
+                "raise search.rate.max_iterations")
+    return f"the largest capacity is {best['capacity_rps']:.3g} req/s"
+
+
 def slo_text(slo) -> str:
     parts = []
     if slo.ttft_s is not None:
