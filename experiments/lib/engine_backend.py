@@ -77,11 +77,24 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         async_scheduling=bool(sched.get("async_scheduling", False)),
         join_ahead=sched.get("join_ahead", True),  # validated by SchedulerConfig, not coerced
         watermark=float(blocks.get("watermark", 0.01)),
-        block_size=block_size, gpu_memory_utilization=float(blocks.get("gpu_memory_utilization", 0.9)),
+        block_size=block_size, gpu_memory_utilization=_memory_utilization(blocks, num_gpu_blocks),
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
         enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed),
         decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)), tensor_parallel_size=tp,
         **factory.all_reduce_settings(cfg, factory.ENGINE_PARALLEL_SETTINGS))
+
+
+def _memory_utilization(blocks, num_gpu_blocks: int | None) -> float:
+    """`blocks.gpu_memory_utilization` for the engine: null only where the pool has a size of its
+    own (`num_gpu_blocks` or `kv_cache_gib`), then the engine's default, which sizes nothing."""
+    default = next(f.default for f in dataclasses.fields(EngineArgs) if f.name == "gpu_memory_utilization")
+    util = blocks.get("gpu_memory_utilization", default)
+    if util is not None:
+        return util  # EngineArgs checks the range
+    if num_gpu_blocks is None:
+        raise ValueError("blocks.gpu_memory_utilization=None is invalid: must be in (0, 1] to size the KV "
+                         "pool from GPU memory (or set blocks.kv_cache_gib or blocks.num_gpu_blocks)")
+    return default
 
 
 # EngineArgs fields that only shape the scheduler, which `LLMEngine.reset` rebuilds: runs that differ

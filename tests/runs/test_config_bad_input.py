@@ -85,3 +85,15 @@ def test_a_capacity_with_no_failing_rate_is_a_lower_bound():
                                                "within 3 iterations; raise search.rate.max_iterations")
     bracketed = pd.DataFrame({"capacity_rps": [16.0, 64.0], "failed_rps": [20.0, 70.0]})
     assert largest_capacity(bracketed, 3) == "the largest capacity is 64 req/s"
+
+
+def test_the_engine_takes_a_null_gpu_memory_utilization_when_the_pool_is_sized_otherwise():
+    from experiments.lib import engine_backend
+    from experiments.lib.fidelity_spec import compose_cfg
+
+    cfg = compose_cfg(["backend=engine", "model=tiny-llama", "scheduler.max_model_len=2048",
+                       "blocks.num_gpu_blocks=200", "blocks.gpu_memory_utilization=null"])
+    assert engine_backend.engine_args(cfg).gpu_memory_utilization == 0.9  # the engine's default; sizes nothing
+    with pytest.raises(ValueError, match=r"blocks.gpu_memory_utilization=None is invalid: must be in \(0, 1\] "
+                                         r"to size the KV pool from GPU memory"):
+        engine_backend._memory_utilization({"gpu_memory_utilization": None}, None)
