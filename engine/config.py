@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from policies.kv_pool_size import check_memory_utilization
 from policies.model_shape import ModelShape
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -259,9 +260,7 @@ class CacheConfig:
         bs = self.block_size
         if not isinstance(bs, int) or bs <= 0 or bs & (bs - 1) or bs > 256:
             raise ValueError(f"block_size={bs!r} is invalid: must be a power of two in [1, 256]")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} is invalid: "
-                             "must be in (0, 1]")
+        check_memory_utilization(self.gpu_memory_utilization, allow_none=False)
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space={self.swap_space!r} is invalid: must be >= 0 (GiB)")
         if self.num_gpu_blocks is not None and (not isinstance(self.num_gpu_blocks, int)

@@ -21,6 +21,7 @@ from engine.models import MODELS
 from engine.parallel_config import CUSTOM_ALL_REDUCE_MAX_BYTES, DISABLE_CUSTOM_ALL_REDUCE, ParallelConfig
 from policies.blocks import BLOCK_MANAGERS, BlockManagerConfig
 from policies.build import SchedulingConfig, block_manager_config, policy_config
+from policies.model_shape import resolve_max_model_len
 from policies.policy.base import POLICIES, PREEMPTION_MODES, PolicyConfig
 from policies.scheduler_config import SchedulerConfig
 
@@ -182,9 +183,4 @@ class EngineArgs:
                                                          **self.block_manager_config}, where="block_manager_config")
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
-        if self.max_model_len is None:
-            return model.max_position_embeddings
-        if self.max_model_len > model.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} is invalid: the model supports at most "
-                             f"max_position_embeddings={model.max_position_embeddings}")
-        return self.max_model_len
+        return resolve_max_model_len(self.max_model_len, model.max_position_embeddings)

@@ -144,3 +144,17 @@ class ModelShape:
     def attention_flops_per_pair(self) -> int:
         """FLOPs of one (query token, key token) pair over all layers: QK^T and PV, 2 per MAC."""
         return 4 * self.num_hidden_layers * self.num_attention_heads * self.head_dim
+
+
+def resolve_max_model_len(value: int | None, max_positions: int, field: str = "max_model_len",
+                          model: str | None = None) -> int:
+    """The longest sequence a run admits: `value`, or the model's positions where it is None; one
+    rule for the engine (`EngineArgs`) and the simulator, so a simulated run is one the engine
+    would start. ValueError past the model's positions, naming `field` and the most allowed."""
+    if value is None:
+        return max_positions
+    if value > max_positions:
+        which = f"model={model}" if model else "the model"
+        raise ValueError(f"{field}={value} is invalid: {which} supports at most "
+                         f"max_position_embeddings={max_positions}; set {field} to {max_positions} or less")
+    return value

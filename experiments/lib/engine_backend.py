@@ -29,6 +29,7 @@ from experiments.lib.backend_run import BackendRun
 from experiments.lib.workloads import Workload
 from experiments.lib.workloads.base import READ_OUTPUT_KIND
 from policies.blocks.base import BASE_KNOBS
+from policies.kv_pool_size import memory_utilization_needed
 from policies.scheduler import Scheduler
 from policies.trace import TraceRecorder
 
@@ -90,10 +91,9 @@ def _memory_utilization(blocks, num_gpu_blocks: int | None) -> float:
     default = next(f.default for f in dataclasses.fields(EngineArgs) if f.name == "gpu_memory_utilization")
     util = blocks.get("gpu_memory_utilization", default)
     if util is not None:
-        return util  # EngineArgs checks the range
+        return util  # CacheConfig checks it
     if num_gpu_blocks is None:
-        raise ValueError("blocks.gpu_memory_utilization=None is invalid: must be in (0, 1] to size the KV "
-                         "pool from GPU memory (or set blocks.kv_cache_gib or blocks.num_gpu_blocks)")
+        raise memory_utilization_needed("blocks.gpu_memory_utilization", "blocks.kv_cache_gib or blocks.num_gpu_blocks")
     return default
 
 

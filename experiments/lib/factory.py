@@ -14,6 +14,8 @@ from experiments.lib.paths import resolve_path
 from experiments.lib.workloads import Workload, build_workload
 from policies.build import SchedulingConfig, block_manager_config, policy_config, scheduler_config
 from policies.build import build_scheduler as build
+from policies.kv_pool_size import check_memory_utilization, memory_utilization_needed
+from policies.model_shape import resolve_max_model_len
 from policies.scheduler import Scheduler
 from policies.sequence_parallel import check_min_rows, sequence_parallel_from
 from sim.latency import (
@@ -138,9 +140,8 @@ def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
     """(num_gpu_blocks, num_cpu_blocks) for the simulated GPU, as vLLM sizes its pools."""
     b = section(cfg, "blocks")
     model, hw = gpu_model_shape(cfg), hardware(cfg)  # per GPU: each holds its share of weights and KV
-    util = b.get("gpu_memory_utilization")  # checked when set, used or not (the engine checks it always)
-    if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1):
-        raise ValueError(f"blocks.gpu_memory_utilization={util!r} is invalid: must be in (0, 1]")
+    # checked when set, used or not (the engine checks it always)
+    util = check_memory_utilization(b.get("gpu_memory_utilization"), "blocks.gpu_memory_utilization")
     block_bytes = model.kv_bytes_per_token * block_size(cfg)
     if b.get("num_gpu_blocks") is not None:
         gpu = _int_at_least(b, "num_gpu_blocks", 1)
@@ -151,8 +152,7 @@ def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
                              f"of {block_bytes} bytes (model={model.name}, block_size={block_size(cfg)})")
     else:
         if util is None:
-            raise ValueError("blocks.gpu_memory_utilization=None is invalid: must be in (0, 1] to size the KV "
-                             "pool from GPU memory (or set blocks.kv_cache_gib or blocks.num_gpu_blocks)")
+            raise memory_utilization_needed("blocks.gpu_memory_utilization", "blocks.kv_cache_gib or blocks.num_gpu_blocks")
         sched = cfg.scheduler
         # Peak activations of one max-size forward (vLLM measures this with a profiling run).
         activations = (sched.max_num_batched_tokens * (4 * model.hidden_size + 2 * model.intermediate_size)
@@ -188,17 +188,10 @@ def scheduling_config(cfg: DictConfig, workload: Workload | None = None) -> Sche
         policy.predictor = build_predictor(cfg, workload)
     blocks = section(cfg, "blocks")
     scheduler = scheduler_config(section(cfg, "scheduler"))
-    check_max_model_len(scheduler.max_model_len, model_shape(cfg))
+    shape = model_shape(cfg)
+    resolve_max_model_len(scheduler.max_model_len, shape.max_position_embeddings, "scheduler.max_model_len",
+                          shape.name)
     return SchedulingConfig(scheduler, policy, block_manager_config(blocks.get("kind"), blocks))
-
-
-def check_max_model_len(max_model_len: int, model: ModelShape) -> None:
-    """A sequence no longer than the model's positions, the engine's rule (EngineArgs
-    resolve_max_model_len refuses the same `max_model_len`), so a simulated run is one the engine
-    would start."""
-    if max_model_len > model.max_position_embeddings:
-        raise ValueError(f"scheduler.max_model_len={max_model_len} is invalid: model={model.name} supports at most "
-                         f"max_position_embeddings={model.max_position_embeddings}")
 
 
 def build_scheduler(cfg: DictConfig, num_gpu_blocks: int, num_cpu_blocks: int, recorder=None,
