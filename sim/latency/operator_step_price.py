@@ -46,7 +46,7 @@ class OperatorStepPrice:
         sizes = self.token_sizes if s.num_prefill_tokens else self.batch_sizes
         rows = padded(tokens, sizes)
         layers = None  # a sequence-parallel step's layer stack, by family
-        if self.sequence_parallel is not None and rows not in sizes and self.sequence_parallel.takes(tokens):
+        if self.sequence_parallel is not None and self.sequence_parallel.takes(tokens, sizes):
             layers = self.sequence_parallel.parts(tokens)
         token_ops = self.token_curve(rows) if layers is None else sum(layers.values())
         head = decode = prefill = reduce = gather = norms = 0.0

@@ -28,7 +28,7 @@ the all-reduce path's is (sim/latency/operators.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.sequence_parallel import check_min_rows, padded_rows, takes_sequence_parallel
@@ -129,9 +129,10 @@ class SequenceParallelPricing:
         return cls(size, min_rows, model.num_hidden_layers, h * model.dtype_bytes, model.dtype_bytes, fused,
                    boundaries, {})
 
-    def takes(self, tokens: int) -> bool:
-        """Whether the engine runs an eager step of `tokens` tokens sequence-parallel."""
-        return takes_sequence_parallel(self.size, self.min_rows, tokens)
+    def takes(self, tokens: int, graph_sizes: Sequence[int] = ()) -> bool:
+        """Whether the engine runs a step of `tokens` tokens sequence-parallel; `graph_sizes`: the
+        CUDA-graph sizes of the step's kind (a step that replays one does not)."""
+        return takes_sequence_parallel(self.size, self.min_rows, tokens, graph_sizes)
 
     def calls(self, tokens: int) -> list[Call]:
         """Every row-dependent call of the step, in the engine's order (engine/models/

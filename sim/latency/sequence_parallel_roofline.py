@@ -15,8 +15,8 @@ Where the engine's group maps its peers' memory (`EngineAllReduce.symmetric_memo
 boundary is one of torch's fused ops, its collective overlapped with its GEMM, and only the part of
 c beyond that GEMM's time (the step's GEMM time shared out by parameters) is priced. Without it,
 or where the engine's paths are not known, every collective follows its GEMM and costs c whole.
-Steps the engine replays from a CUDA graph (a decode-only batch of a captured batch size, with the
-graph sizes given) run the all-reduce path whatever their size.
+Steps the engine replays from a CUDA graph (with the graph sizes given: the engine's default
+buckets, `enforce_eager` not known here) run the all-reduce path whatever their size.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ class SequenceParallelRoofline:
     size: int
     min_rows: int
     fused: bool  # the boundaries overlap their GEMMs (torch's fused symmetric-memory ops)
-    largest_graph_batch: int  # decode-only batches up to this size replay a graph (0: none known)
+    batch_sizes: tuple[int, ...]  # the engine's CUDA-graph sizes for decode-only batches (none known: ())
+    token_sizes: tuple[int, ...]  # and for steps with prefill tokens
     layers: int
     link: RingLink
     row_bytes: int  # one row of the residual stream: hidden x dtype bytes
@@ -58,22 +59,21 @@ class SequenceParallelRoofline:
         if setup.tensor_parallel_size == 1 or min_rows == 0:
             return None
         fused = setup.all_reduce is not None and setup.all_reduce().symmetric_memory
-        batches = setup.graph_sizes()[0] if setup.graph_sizes is not None else []
+        batches, tokens = setup.graph_sizes() if setup.graph_sizes is not None else ([], [])
         h, b, d = shard.hidden_size, shard.dtype_bytes, shard.head_dim
         q, i = shard.num_attention_heads * d, shard.intermediate_size
         per_layer = shard.linear_params_per_layer
         gemms = (per_layer - q * h - 3 * h * i, q * h, 2 * h * i, i * h)  # q/k/v (with its bias), o, gate/up, down
         norm_bytes = shard.num_hidden_layers * NORM_ELEMENTS_PER_LAYER * h * b
-        return cls(setup.tensor_parallel_size, min_rows, fused, max(batches, default=0), shard.num_hidden_layers,
+        return cls(setup.tensor_parallel_size, min_rows, fused, tuple(batches), tuple(tokens), shard.num_hidden_layers,
                    RingLink.of(setup.hardware, setup.tensor_parallel_size), h * b,
                    shard.linear_params * b / bandwidth, gemm_s_per_token, norm_bytes / bandwidth,
                    (shard.activation_bytes_per_token - norm_bytes) / bandwidth, tuple(p / per_layer for p in gemms))
 
     def takes(self, tokens: int, decode_only: bool) -> bool:
         """Whether the engine runs a step of `tokens` tokens sequence-parallel."""
-        if decode_only and tokens <= self.largest_graph_batch:
-            return False
-        return takes_sequence_parallel(self.size, self.min_rows, tokens)
+        sizes = self.batch_sizes if decode_only else self.token_sizes
+        return takes_sequence_parallel(self.size, self.min_rows, tokens, sizes)
 
     def rows(self, tokens: int) -> int:
         """The step's rows, padded to a multiple of the GPUs."""

@@ -292,6 +292,18 @@ def test_which_steps_take_the_path(size, min_rows, rows, takes):
     assert group.sequence_parallel_from == (min_rows if size > 1 else 0)
 
 
+def test_a_step_that_replays_a_graph_keeps_the_all_reduces():
+    """The one rule the simulator's prices share: a step no larger than its kind's largest captured
+    size replays a graph (captured on the all-reduce path), whatever the setting."""
+    from policies.sequence_parallel import takes_sequence_parallel
+
+    batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert not takes_sequence_parallel(2, 128, 256, batches)  # a decode batch of a captured size
+    assert takes_sequence_parallel(2, 128, 257, batches) and takes_sequence_parallel(2, 128, 256)
+    assert not takes_sequence_parallel(2, 128, 100, [])
+    assert not takes_sequence_parallel(1, 128, 4096, batches)
+
+
 def test_no_graph_is_captured_for_sequence_parallel_steps():
     assert graph_token_sizes(16384, 2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2047]
     assert graph_token_sizes(1024, 4096) == graph_token_sizes(1024)
