@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
-import socket
 import sys
 from typing import Any
 
@@ -43,6 +41,7 @@ import yaml
 
 from engine.engine_args import EngineArgs
 from engine.serving.guards import API_KEY_ENV, BYTES_PER_TOKEN, api_keys_from
+from engine.serving.serve_options import LOG_LEVELS, MAX_PORT, check_listen, check_server_options
 from engine.serving.server import LOOPBACK
 
 SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_waiting_requests", "log_level",
@@ -51,8 +50,6 @@ SERVER_OPTIONS = ("host", "port", "served_model_name", "chat_template", "max_wai
 # The EngineArgs fields that are on/off switches: on the command line a flag and its --no- form
 # (`--disable-custom-all-reduce`, `--no-async-scheduling`), taking no value, as vLLM's.
 BOOLEAN_FIELDS = tuple(f.name for f in dataclasses.fields(EngineArgs) if f.type in ("bool", bool))
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's (any case)
-MAX_PORT = 65535
 
 
 def parse_value(text: str) -> Any:
@@ -157,56 +154,6 @@ def router_from(ns: argparse.Namespace):
 def uses_replicas(ns: argparse.Namespace) -> bool:
     """A replica set serves (else one engine, as before data parallelism)."""
     return ns.data_parallel_size != 1 or ns.replica_launcher != "local"
-
-
-def check_server_options(ns: argparse.Namespace) -> None:
-    """The HTTP server's own options, checked before anything is built; ValueError naming the option.
-    Port 0 (any free port) is refused: the server announces its URL before it binds."""
-    from engine.online.async_llm_engine import check_max_waiting_requests
-
-    if not 1 <= ns.port <= MAX_PORT:
-        raise ValueError(f"port={ns.port} is invalid: a TCP port in [1, {MAX_PORT}]")
-    if not ns.host:
-        raise ValueError(f"host={ns.host!r} is invalid: an address to bind, e.g. {LOOPBACK} (loopback only) "
-                         "or 0.0.0.0 (every interface)")
-    if ns.log_level.lower() not in LOG_LEVELS:
-        raise ValueError(f"log_level={ns.log_level!r} is invalid: one of {', '.join(LOG_LEVELS)}")
-    check_max_waiting_requests(ns.max_waiting_requests)
-    if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
-        raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
-
-
-def check_listen(host: str, port: int) -> None:
-    """Bind every address `host` resolves to at `port` once, as the server will (uvicorn's
-    `loop.create_server`), and let go: an unknown host, an address not of this machine, a port in
-    use or one needing privileges is a ValueError now, not after the engine is built (minutes with
-    real weights). An address of a family this machine lacks is skipped if another one binds."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ValueError(f"host={host!r} is invalid: it names no address ({exc.strerror})") from None
-    bound, missing = 0, None
-    for family, kind, proto, _, address in infos:
-        try:
-            sock = socket.socket(family, kind, proto)
-        except OSError:  # a family this machine does not have
-            continue
-        with sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                if exc.errno != errno.EADDRNOTAVAIL:
-                    raise ValueError(f"port={port} is invalid: cannot listen at {address[0]} port {port} "
-                                     f"({exc.strerror})") from None
-                missing = exc
-                continue
-        bound += 1
-    if not bound:
-        why = f" ({missing.strerror})" if missing is not None else ""
-        raise ValueError(f"host={host!r} is invalid: not an address of this machine{why}")
 
 
 def check_replica_options(ns: argparse.Namespace):

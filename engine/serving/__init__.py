@@ -4,5 +4,6 @@
 `generation` (one HTTP request's engine requests, disconnect -> abort), `completions` and
 `chat_completions` (the two generation routes), `sse` (event framing), `metrics` (Prometheus),
 `guards` (API key and body size, before any route),
-`app` (`build_app`), `server` (uvicorn, in the foreground or a background thread).
+`app` (`build_app`), `server` (uvicorn, in the foreground or a background thread), `serve_options`
+(the command line's server options, checked before the engine is built).
 """

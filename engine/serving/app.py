@@ -82,13 +82,12 @@ class ServingContext:
         return await self.off_loop(size, self.chat.encode, messages, add_generation_prompt)
 
     async def encode(self, prompt: str | list[int], field_name: str) -> list[int]:
-        """Token ids of one prompt; 400 for an empty prompt, text without a tokenizer or bad ids, its
-        message naming `field_name` (`prompt`, or `prompt[i]` in a list of prompts)."""
+        """Token ids of one prompt; 400 for text that encodes to no tokens, text without a tokenizer
+        or bad ids, its message naming `field_name` (`prompt`, or `prompt[i]` in a list of prompts).
+        Empty text is judged by its tokens, as vLLM does: a tokenizer that adds BOS encodes "" to
+        [bos], which is served; one that adds nothing leaves no tokens, which is refused."""
         param = field_param(field_name)
         if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, f"{field_name}='' is invalid: the prompt is empty (give text or token ids)",
-                               param)
             ids = await self.off_loop(len(prompt), self._encode_text, prompt, field_name)
             if not ids:
                 raise APIError(400, f"{field_name}={prompt[:40]!r} is invalid: the text encodes to no tokens", param)

@@ -33,7 +33,10 @@ from policies.trace import request_row
 LOOPBACK_NAMES = ("localhost",)
 DRAIN_S = 5.0  # the longest a response's end is awaited after `data: [DONE]`
 MODELS_TIMEOUT_S = 30.0  # the longest GET /v1/models is awaited
-NO_ENDPOINT = (404, 405, 501)  # HTTP statuses of a server without the endpoint (not found, not allowed, no POST)
+# HTTP statuses of a server without the endpoint (not found, not allowed, no POST); a 404 whose body
+# is an OpenAI error (vLLM's and engine.serve's answer to an unknown `model`) is the server refusing
+# the model instead.
+NO_ENDPOINT = (404, 405, 501)
 
 
 @dataclass(slots=True)
@@ -81,6 +84,7 @@ class _Timing:
     error: str | None = None
     refused: BaseException | None = None  # no connection to the server at all
     no_endpoint: str | None = None  # the server has no POST /v1/completions: its answer
+    unknown_model: str | None = None  # the server's message of a 404 in OpenAI's error shape
 
 
 def _what_to_do(base: str) -> str:
@@ -98,6 +102,25 @@ def unreachable(base: str, exc: BaseException) -> ValueError:
     else:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return ValueError(f"backend.url={base!r} is invalid: no server answers there ({reason}): {_what_to_do(base)}")
+
+
+def openai_error(body: str) -> str | None:
+    """The message of an OpenAI error body (`{"error": {"message": ...}}`, or vLLM's older
+    `{"object": "error", "message": ...}`); None for any other body."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    if isinstance(data.get("error"), dict):
+        err = data["error"]
+    elif data.get("object") == "error":
+        err = data
+    else:
+        return None
+    message = err.get("message")
+    return str(message) if message is not None else json.dumps(err)
 
 
 def excerpt(body: str, limit: int = 120) -> str:
@@ -134,8 +157,11 @@ async def _one(session: Any, base: str, body: dict[str, Any], t0: float, timing:
         async with session.post(f"{base}/v1/completions", json=body) as resp:
             if resp.status != 200:
                 body = await resp.text(errors="replace")
-                timing.error = f"HTTP {resp.status}: {excerpt(body, 300)}"
-                if resp.status in NO_ENDPOINT:
+                message = openai_error(body)
+                timing.error = f"HTTP {resp.status}: {excerpt(body if message is None else message, 300)}"
+                if resp.status == 404 and message is not None:  # the endpoint is there; the model is not
+                    timing.unknown_model = excerpt(message, 200)
+                elif resp.status in NO_ENDPOINT:
                     timing.no_endpoint = f"HTTP {resp.status} ({excerpt(body)!r})"
                 return
             async for raw in resp.content:
@@ -187,6 +213,7 @@ async def drive(workload: Workload, cfg: ClientConfig, on_done: Callable[[int], 
     errors: list[str] = []
     refused: list[BaseException] = []
     no_endpoint: list[str] = []  # the answers to requests the server had no endpoint for
+    unknown_model: list[str] = []  # the server's messages refusing the model with a 404
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         model = cfg.model or await _first_model(session, cfg.url)
         slots = asyncio.Semaphore(cfg.max_concurrency)
@@ -217,6 +244,8 @@ async def drive(workload: Workload, cfg: ClientConfig, on_done: Callable[[int], 
                 refused.append(timing.refused)
             if timing.no_endpoint is not None:
                 no_endpoint.append(timing.no_endpoint)
+            if timing.unknown_model is not None:
+                unknown_model.append(timing.unknown_model)
             on_done(1)
 
         tasks = []
@@ -230,6 +259,11 @@ async def drive(workload: Workload, cfg: ClientConfig, on_done: Callable[[int], 
     if rows and len(no_endpoint) == len(rows):  # no completions endpoint there: no run to report
         raise ValueError(f"backend.url={cfg.url!r} is invalid: POST {cfg.url}/v1/completions answered "
                          f"{no_endpoint[0]}: {_what_to_do(cfg.url)}")
+    if rows and len(unknown_model) == len(rows):  # the server does not serve the model sent
+        given = "" if cfg.model else " (the first of GET /v1/models)"
+        raise ValueError(f"backend.model={model!r}{given} is invalid: POST {cfg.url}/v1/completions answered "
+                         f"HTTP 404 ({unknown_model[0]!r}): check backend.model; GET {cfg.url}/v1/models lists "
+                         "the models this server serves")
     return rows, {"url": cfg.url, "served_model": model, "max_concurrency": cfg.max_concurrency,
                   "max_request_rate": cfg.max_request_rate,
                   "failed": sum(1 for row in rows if row["status"] != "finished"), "errors": errors[:5]}

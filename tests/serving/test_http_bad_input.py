@@ -5,6 +5,8 @@ several), the value and what is allowed, and the server serves the next request.
 of 256), driven by httpx and the official `openai` client, every call with a timeout."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from optional_deps import require_serving
 
@@ -15,7 +17,8 @@ require_serving()
 from engine.engine_args import EngineArgs
 from engine.offline.llm_engine import LLMEngine
 from engine.online.async_llm_engine import AsyncLLMEngine
-from engine.serving.app import build_app
+from engine.serving.app import ServingContext, build_app
+from engine.serving.errors import APIError
 from engine.serving.server import ServerThread
 
 MODEL = "tiny"
@@ -83,9 +86,10 @@ def test_a_stop_token_id_in_the_vocabulary_stops(server, client):
 
 
 PROMPTS = (  # (id, prompt, the message's start)
-    ("empty-text", "", "prompt='' is invalid: the prompt is empty"),
-    ("empty-text-in-a-list", ["hi", ""], "prompt[1]='' is invalid: the prompt is empty"),
-    ("empty-text-first", ["", "hi"], "prompt[0]='' is invalid: the prompt is empty"),
+    # the tiny model's byte tokenizer adds no BOS: "" encodes to no tokens
+    ("empty-text", "", "prompt='' is invalid: the text encodes to no tokens"),
+    ("empty-text-in-a-list", ["hi", ""], "prompt[1]='' is invalid: the text encodes to no tokens"),
+    ("empty-text-first", ["", "hi"], "prompt[0]='' is invalid: the text encodes to no tokens"),
     ("empty-ids-in-a-list", [[1, 2], []], "prompt[1]=[] is invalid: a prompt needs at least one token"),
     ("fraction-in-ids", [1, 2.5], "prompt[1]=2.5 is invalid: token ids must be integers"),
     ("whole-float-in-ids", [1, 2.0], "prompt[1]=2.0 is invalid: token ids must be integers"),
@@ -131,3 +135,35 @@ def test_good_prompt_shapes_still_pass(server, client):
         assert resp.status_code == 200, resp.text
         assert len(resp.json()["choices"]) == (2 if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else 1)
     assert_serves_on(server, client)
+
+
+class StubTokenizer:
+    """Bytes as token ids, after a BOS id where `bos` is given (as Llama 3's tokenizer adds one)."""
+
+    def __init__(self, bos: int | None):
+        self.bos = bos
+
+    def encode(self, text: str) -> list[int]:
+        return ([self.bos] if self.bos is not None else []) + list(text.encode())
+
+
+def encode_with(tokenizer, prompt, field_name="prompt"):
+    ctx = ServingContext(engine=None, model_names=(MODEL,), max_model_len=128, vocab_size=VOCAB, max_logprobs=5,
+                         tokenizer=tokenizer, chat=None, metrics=None)
+    try:
+        return asyncio.run(ctx.encode(prompt, field_name))
+    finally:
+        ctx.tokenizer_pool.shutdown()
+
+
+def test_empty_text_is_served_where_the_tokenizer_adds_bos():
+    assert encode_with(StubTokenizer(bos=1), "") == [1]
+    assert encode_with(StubTokenizer(bos=1), "", "prompt[1]") == [1]
+
+
+def test_empty_text_is_refused_where_it_encodes_to_no_tokens():
+    for field_name in ("prompt", "prompt[1]"):
+        with pytest.raises(APIError) as info:
+            encode_with(StubTokenizer(bos=None), "", field_name)
+        assert info.value.status == 400 and info.value.param == "prompt", vars(info.value)
+        assert info.value.message == f"{field_name}='' is invalid: the text encodes to no tokens"
