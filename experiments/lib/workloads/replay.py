@@ -9,8 +9,9 @@ unnoticed. `prompt_len` next to `prompt_token_ids` must be its length. Rows are 
 (stable). Config: `path`, optional `num_requests` (first N rows), `time_scale` (multiplies arrival
 times; 0.5 = twice the rate).
 A malformed row raises ValueError naming the file, the line and the field; a file that is not UTF-8
-text, one naming the file, the line and the byte. Lengths and the prompt tokens in all are bounded
-(common.py: MAX_LENGTH, MAX_PROMPT_TOKENS), and every row is checked before any token id is drawn.
+text, one naming the file, the line and the byte. Lengths and the memory the prompts take are
+bounded (common.py: MAX_LENGTH, MAX_PROMPT_BYTES), and every row is checked before any token id is
+drawn.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from experiments.lib.workloads.common import (
     LENGTH,
     MAX_LENGTH,
     MAX_REQUESTS,
-    check_prompt_tokens,
+    PromptMemory,
     get_int,
     get_positive,
     int_error,
@@ -120,19 +121,23 @@ def read_rows(path: Path, limit: int | None = None, fields: tuple[str, ...] | No
     return rows
 
 
-def more_prompt_tokens(total: int, n: int, path: Path, line: int, where: str) -> int:
-    """The prompt tokens of a trace's rows so far with this row's n (common.check_prompt_tokens)."""
-    return check_prompt_tokens(total + n, f"{path}:{line}", f"set {where}.num_requests to replay fewer rows")
+def more_prompt_tokens(memory: PromptMemory, n: int, path: Path, line: int, where: str, drawn: int | None = None,
+                       fix: str = "") -> None:
+    """Counts a row's n prompt tokens and the ids drawn or read afresh for them (default: n) in the
+    trace's `memory` (common.PromptMemory); past the bound, an error naming the row."""
+    memory.add(n, n if drawn is None else drawn, f"{path}:{line}",
+               f"set {where}.num_requests to replay fewer rows{fix}")
 
 
-def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int, total: int, where: str
-            ) -> tuple[list[int] | int, int]:
-    """The row's prompt (its token ids, or the number of ids to draw) and the trace's prompt tokens
-    so far with it."""
+def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int, memory: PromptMemory, where: str
+            ) -> list[int] | int:
+    """The row's prompt (its token ids, or the number of ids to draw), counted in `memory` (read ids
+    are int objects of their own, as drawn ones are)."""
     ids = row.get("prompt_token_ids")
     if ids in (None, ""):
         n = as_int(path, line, row, "prompt_len", 1, LENGTH)
-        return n, more_prompt_tokens(total, n, path, line, where)
+        more_prompt_tokens(memory, n, path, line, where)
+        return n
     if isinstance(ids, str):
         try:
             ids = [int(t) for t in ids.split()]
@@ -147,7 +152,8 @@ def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int, tota
     if row.get("prompt_len") not in (None, "") and as_int(path, line, row, "prompt_len", 1, LENGTH) != len(ids):
         raise bad_field(path, line, "prompt_len", row["prompt_len"], f"must equal the number of prompt_token_ids "
                         f"({len(ids)}) when both are given")
-    return ids, more_prompt_tokens(total, len(ids), path, line, where)
+    more_prompt_tokens(memory, len(ids), path, line, where)
+    return ids
 
 
 def trace_rows(cfg: Mapping[str, Any], where: str, kind: str = ".csv or .jsonl",
@@ -180,10 +186,10 @@ class ReplayWorkloadConfig(WorkloadConfig):
 @WORKLOADS.register("replay", config=ReplayWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     path, rows, scale = trace_rows(cfg, where, fields=FIELDS)
-    items, seen, total = [], set(), 0
+    items, seen, memory = [], set(), PromptMemory()
     for index, (line, row) in enumerate(rows):  # every row checked before any token id is drawn
         t = number(path, line, row, "arrival_time")
-        prompt, total = _prompt(path, line, row, vocab_size, total, where)
+        prompt = _prompt(path, line, row, vocab_size, memory, where)
         out = as_int(path, line, row, "output_len", 1, LENGTH)
         prio = as_int(path, line, row, "priority", -2**31) if row.get("priority") not in (None, "") else 0
         cap = as_int(path, line, row, "max_tokens", out, LENGTH) if row.get("max_tokens") not in (None, "") else None
