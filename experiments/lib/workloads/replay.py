@@ -9,7 +9,8 @@ unnoticed. `prompt_len` next to `prompt_token_ids` must be its length. Rows are 
 (stable). Config: `path`, optional `num_requests` (first N rows), `time_scale` (multiplies arrival
 times; 0.5 = twice the rate).
 A malformed row raises ValueError naming the file, the line and the field; a file that is not UTF-8
-text, one naming the file, the line and the byte. Lengths and the memory the prompts take are
+text, one naming the file, the line and the byte; CSV text the csv module cannot parse (a field
+longer than the longest prompt's ids, MAX_LENGTH x ID_CHARS characters), one naming file and line. Lengths and the memory the prompts take are
 bounded (common.py: MAX_LENGTH, MAX_PROMPT_BYTES), and every row is checked before any token id is
 drawn.
 """
@@ -18,7 +19,8 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,9 @@ from sim.latency.file_meta import text_lines
 
 FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "output_len", "max_tokens", "priority",
           "tenant")
+# The most characters a CSV trace's field may hold, per token id of the longest prompt (MAX_LENGTH):
+# up to 11 digits and a space. csv's default limit, 131,072 characters, is a prompt of ~20k ids.
+ID_CHARS = 12
 
 
 def bad_field(path: Path, line: int, field: str, value: Any, allowed: str) -> ValueError:
@@ -85,6 +90,57 @@ def _known(path: Path, line: int, keys: Any, fields: tuple[str, ...] | None) -> 
         raise ValueError(f"{path}:{line}: field {unknown[0]!r} is unknown: allowed are {list(fields)}")
 
 
+class _Lines:
+    """A file's lines (text_lines) as csv reads them, counted: `number` is the last one read, the
+    one a csv.Error is about."""
+
+    def __init__(self, path: Path) -> None:
+        self.number = 0
+        self._lines = text_lines(path)
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        line = next(self._lines)
+        self.number += 1
+        return line
+
+
+@contextmanager
+def _csv_field_limit(chars: int) -> Iterator[None]:
+    """csv's field size limit (process-wide) at `chars` while a trace is read, then as it was."""
+    before = csv.field_size_limit(chars)
+    try:
+        yield
+    finally:
+        csv.field_size_limit(before)
+
+
+def _csv_rows(path: Path, limit: int | None, fields: tuple[str, ...] | None) -> list[tuple[int, dict[str, Any]]]:
+    """read_rows of a CSV file; a field longer than the longest prompt's ids can be, or any other
+    text csv cannot parse, is a ValueError naming the file and line."""
+    rows, lines, chars = [], _Lines(path), MAX_LENGTH * ID_CHARS
+    reader = csv.DictReader(lines)
+    try:
+        with _csv_field_limit(chars):
+            _known(path, 1, reader.fieldnames or [], fields)
+            while limit is None or len(rows) < limit:
+                row = next(reader, None)
+                if row is None:
+                    break
+                if fields is not None and None in row:  # DictReader's key for values past the header's
+                    raise ValueError(f"{path}:{reader.line_num}: {len(row) - 1 + len(row[None])} values, more "
+                                     f"than the header's {len(row) - 1} columns")
+                rows.append((reader.line_num, row))  # the row's (last) line: blank lines count
+    except csv.Error as e:
+        if "field larger than field limit" in str(e):
+            raise ValueError(f"{path}:{lines.number}: a field of more than {chars:,} characters, longer than "
+                             f"the {MAX_LENGTH:,} token ids of the longest prompt can be") from None
+        raise ValueError(f"{path}:{lines.number}: not valid CSV ({e})") from None
+    return rows
+
+
 def read_rows(path: Path, limit: int | None = None, fields: tuple[str, ...] | None = None
               ) -> list[tuple[int, dict[str, Any]]]:
     """(line number, row) for each request in a CSV or JSONL file (UTF-8): the first `limit` (None:
@@ -92,19 +148,9 @@ def read_rows(path: Path, limit: int | None = None, fields: tuple[str, ...] | No
     row with more values than the header has columns, is an error naming the file and line."""
     if path.suffix not in (".csv", ".jsonl", ".json"):
         raise ValueError(f"workload.path={str(path)!r} is invalid: must end in .csv or .jsonl")
-    rows = []
     if path.suffix == ".csv":
-        reader = csv.DictReader(text_lines(path))
-        _known(path, 1, reader.fieldnames or [], fields)
-        while limit is None or len(rows) < limit:
-            row = next(reader, None)
-            if row is None:
-                break
-            if fields is not None and None in row:  # DictReader's key for values past the header's
-                raise ValueError(f"{path}:{reader.line_num}: {len(row) - 1 + len(row[None])} values, more than "
-                                 f"the header's {len(row) - 1} columns")
-            rows.append((reader.line_num, row))  # the row's (last) line: blank lines count
-        return rows
+        return _csv_rows(path, limit, fields)
+    rows = []
     for k, line in enumerate(text_lines(path), start=1):
         if limit is not None and len(rows) >= limit:
             break
