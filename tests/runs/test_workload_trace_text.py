@@ -49,3 +49,26 @@ def test_text_csv_cannot_parse_names_file_and_line(kind, tmp_path):
     with raises(rf"^{re.escape(str(tmp_path / 't.csv'))}:3: not valid CSV \(new-line character seen in unquoted "
                 r"field"):
         trace(tmp_path, "t.csv", text, kind=kind)
+
+
+# ---- a byte order mark, an empty column name ------------------------------------------------------
+BOM = "\ufeff"
+
+
+@pytest.mark.parametrize(("kind", "name", "text"), [
+    ("replay", "t.csv", "arrival_time,prompt_len,output_len\n0,4,2\n"),
+    ("replay", "t.jsonl", '{"arrival_time": 0, "prompt_len": 4, "output_len": 2}\n'),
+    ("azure", "t.csv", f"{HEADERS['azure']}\n{ROWS['azure']}\n"),
+    ("burstgpt", "t.csv", f"{HEADERS['burstgpt']}\n{ROWS['burstgpt']}\n"),
+    ("mooncake", "t.jsonl", '{"timestamp": 0, "input_length": 4, "output_length": 2, "hash_ids": [1]}\n'),
+])
+def test_a_trace_that_opens_with_a_byte_order_mark_is_read_as_without(kind, name, text, tmp_path):
+    assert trace(tmp_path, name, BOM + text, kind=kind).rows() == trace(tmp_path, name, text, kind=kind).rows()
+
+
+def test_an_empty_column_name_is_said_to_be_one(tmp_path):
+    with raises(r"t\.csv:1: field '' is unknown \(an empty column name: a trailing comma in the header\?\): allowed "
+                r"are \['request_id'"):
+        trace(tmp_path, "t.csv", "arrival_time,prompt_len,output_len,\n0,4,2,\n")
+    with raises(r"t\.jsonl:1: field '' is unknown \(an empty key\): allowed are"):
+        trace(tmp_path, "t.jsonl", '{"arrival_time": 0, "prompt_len": 4, "output_len": 2, "": 1}\n')

@@ -84,10 +84,13 @@ def _parsed(v: Any, kind: type) -> Any:
 
 
 def _known(path: Path, line: int, keys: Any, fields: tuple[str, ...] | None) -> None:
-    """With `fields`, a ValueError naming the file, line and first key of `keys` not among them."""
+    """With `fields`, a ValueError naming the file, line and first key of `keys` not among them (and
+    saying so when it is empty, which a trailing comma in a CSV header makes)."""
     unknown = [] if fields is None else [k for k in keys if k not in fields]
     if unknown:
-        raise ValueError(f"{path}:{line}: field {unknown[0]!r} is unknown: allowed are {list(fields)}")
+        empty = "" if unknown[0] else (" (an empty column name: a trailing comma in the header?)"
+                                       if path.suffix == ".csv" else " (an empty key)")
+        raise ValueError(f"{path}:{line}: field {unknown[0]!r} is unknown{empty}: allowed are {list(fields)}")
 
 
 class _Lines:
