@@ -1,6 +1,7 @@
 """The fidelity experiment's scenario file (conf/fidelity/*.yaml) and Hydra composition of run configs."""
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.config_schema import check_fidelity_spec
 from experiments.lib.paths import REPO_ROOT, resolve_path
+from sim.latency.file_meta import text_lines
 
 DEFAULT_SPEC = REPO_ROOT / "conf" / "fidelity" / "default.yaml"
 
@@ -52,9 +54,15 @@ def load_spec(path: str | Path) -> dict[str, Any]:
 
 
 def _load_yaml(path: Path):
-    """The file's YAML; a syntax error names the file, the line and what the parser expected."""
+    """The file's YAML; text that is not UTF-8 names the file, the line and the byte (read by
+    text_lines, as trace and profile files are), and a syntax error the file, the line and what the
+    parser expected."""
     try:
-        return OmegaConf.load(path)
+        text = "".join(line + "\n" for line in text_lines(path))
+    except ValueError as e:
+        raise ValueError(f"spec {e}") from None
+    try:
+        return OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as e:
         mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
         context, opened = getattr(e, "context", None), getattr(e, "context_mark", None)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 def text_lines(path: Path) -> Iterator[str]:
     """The lines of a UTF-8 text file without their line ends, read one at a time (a long trace is
-    not read whole). A byte that is not UTF-8 raises a ValueError naming the file, the line and the
-    byte's position in the file."""
+    not read whole), and without the byte order mark some editors put first (else the first column
+    name or JSON line starts with it). A byte that is not UTF-8 raises a ValueError naming the file,
+    the line and the byte's position in the file."""
     offset = 0
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -22,6 +23,8 @@ def text_lines(path: Path) -> Iterator[str]:
                 raise ValueError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[e.start]:02x} at position "
                                  f"{offset + e.start}): save the file as UTF-8") from None
             offset += len(raw)
+            if number == 1:
+                text = text.removeprefix("\ufeff")
             yield text.rstrip("\r\n")
 
 

@@ -39,3 +39,11 @@ def test_the_cli_gives_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
         fidelity.main()
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and err.startswith(f"error: spec {base}:2: not valid YAML") and "\n" not in err, err
+
+
+def test_a_spec_that_is_not_utf8_names_the_file_line_and_byte(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_bytes(b"common: []\nsim: [\xff]\n")
+    with pytest.raises(ValueError, match=re.escape(f"spec {path}:2: not UTF-8 text (byte 0xff at position 17): "
+                                                   "save the file as UTF-8")):
+        load_spec(path)

@@ -39,7 +39,7 @@ def test_a_trace_that_is_not_utf8_names_the_file_line_and_byte(kind, name, data,
         trace(tmp_path, name, data, kind=kind)
 
 
-# ---- bounds: a length, a count, the prompt tokens in all ----------------------------------------
+# ---- bounds: a length, a count (the prompts' memory: test_workload_prompt_memory.py) ------------
 HUGE = 10**12
 POISSON = {"kind": "synthetic", "num_requests": 4, "arrival": "poisson", "rate": 10.0,
            "prompt_len": {"dist": "fixed", "value": 8}, "output_len": {"dist": "fixed", "value": 4}, "vocab_size": VOCAB}
@@ -108,58 +108,6 @@ def test_given_prompt_ids_past_the_bound_are_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(replay, "MAX_LENGTH", 3)
     with raises(r"t.jsonl:1: field prompt_token_ids='<4 ids>' is invalid: must hold at most 3 ids"):
         trace(tmp_path, "t.jsonl", '{"arrival_time": 0, "prompt_token_ids": [1, 2, 3, 4], "output_len": 2}\n')
-
-
-@pytest.fixture
-def small_budget(monkeypatch):
-    """MAX_PROMPT_TOKENS = 100, and no token id drawn from numpy's default_rng (a trace's rows are
-    all checked before it is made)."""
-    from experiments.lib.workloads import common
-    monkeypatch.setattr(common, "MAX_PROMPT_TOKENS", 100)
-
-
-def no_draws(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a token id was drawn before every row was checked")
-    monkeypatch.setattr("numpy.random.default_rng", refuse)
-
-
-BUDGET = r"prompt tokens in all, more than the 100 a workload may hold \(about 10 GB of token ids\)"
-
-
-@pytest.mark.parametrize(("cfg", "match"), [
-    ({**POISSON, "num_requests": 20}, rf"^workload\.prompt_len: 160 {BUDGET}: lower workload\.num_requests"),
-    ({**POISSON, "num_requests": 4, "system_prompts": {"num": 1, "len": 30}},
-     rf"^workload\.prompt_len: 152 {BUDGET}"),  # 4 x (8 + 30)
-    ({**POISSON, "system_prompts": {"num": 20, "len": 6}}, rf"^workload\.system_prompts=\{{num: 20, len: 6\}}: 120 {BUDGET}"),
-    ({**POISSON, "tenants": {"names": ["a", "b"], "rates": [1.0, 1.0], "num_requests": [10, 10]}},
-     rf"^workload\.prompt_len: 160 {BUDGET}"),  # each tenant's 80 under the bound, both over it
-    ({**SESSIONS, "num_sessions": 4, "turns": {"dist": "fixed", "value": 3}},
-     rf"^workload\.num_sessions=4: 240 {BUDGET}: lower it, the turns or workload\.max_prompt_len"),  # 8 + 20 + 32 each
-    ({**NANOVLLM, "num_requests": 2}, rf"^workload\.num_requests=2 x workload\.max_input_len=100 \(the longest the "
-                                      rf"prompts may be\): 200 {BUDGET}"),
-])
-def test_prompt_tokens_in_all_past_the_bound_are_refused(cfg, match, small_budget):
-    with raises(match):
-        build(cfg)
-
-
-@pytest.mark.parametrize(("kind", "name", "header", "row"), [
-    ("replay", "t.jsonl", "", '{{"arrival_time": 0, "prompt_len": {n}, "output_len": 2}}'),
-    ("replay", "t.jsonl", "", '{{"arrival_time": 0, "prompt_token_ids": {ids}, "output_len": 2}}'),
-    ("azure", "t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:15:46,{n},10"),
-    ("burstgpt", "t.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type", "5,ChatGPT,{n},3,0,x"),
-    ("mooncake", "t.jsonl", "", '{{"timestamp": 0, "input_length": {n}, "output_length": 2, "hash_ids": [1]}}'),
-])
-def test_a_trace_past_the_bound_names_the_row_before_any_id_is_drawn(kind, name, header, row, small_budget,
-                                                                      monkeypatch, tmp_path):
-    no_draws(monkeypatch)
-    rows = [row.format(n=40, ids=list(range(40)))] * 4
-    text = "\n".join([header, *rows] if header else rows) + "\n"
-    line = 4 if header else 3  # the third row: 120 > 100
-    with raises(rf"{re.escape(str(tmp_path / name))}:{line}: 120 {BUDGET}: set workload\.num_requests to "
-                r"replay fewer rows"):
-        trace(tmp_path, name, text, kind=kind)
 
 
 def test_a_trace_of_more_rows_than_the_bound_is_refused_unless_cut(tmp_path, monkeypatch):

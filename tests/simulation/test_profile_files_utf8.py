@@ -28,3 +28,9 @@ def test_text_lines_drops_line_ends_and_reads_utf8(tmp_path):
     path = tmp_path / "t.csv"
     path.write_bytes("a,b\r\nü,2\n\nlast".encode())
     assert list(text_lines(path)) == ["a,b", "ü,2", "", "last"]
+
+
+def test_text_lines_drops_a_byte_order_mark_at_the_start_only(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_bytes("\ufeff# model: m\n\ufeffa\n".encode())
+    assert list(text_lines(path)) == ["# model: m", "\ufeffa"]

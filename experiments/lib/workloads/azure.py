@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
+from experiments.lib.workloads.common import PromptMemory
 from experiments.lib.workloads.imported import drawn_prompts, drop_empty, lengths, workload
 from experiments.lib.workloads.replay import bad_field, more_prompt_tokens, trace_rows
 
@@ -40,7 +41,7 @@ class AzureWorkloadConfig(WorkloadConfig):
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     path, rows, scale = trace_rows(cfg, where, "Azure LLM inference .csv")
     drop = drop_empty(cfg, where)
-    items, dropped, first, total = [], 0, None, 0
+    items, dropped, first, memory = [], 0, None, PromptMemory()
     for line, row in rows:
         ts = _timestamp(path, line, row)
         if first is None:
@@ -52,6 +53,6 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         if lens is None:
             dropped += 1
             continue
-        total = more_prompt_tokens(total, lens[0], path, line, where)
+        more_prompt_tokens(memory, lens[0], path, line, where)
         items.append(((ts - first).total_seconds(), lens[0], lens[1]))
     return workload(str(cfg.get("name", "azure")), path, drawn_prompts(items, seed, vocab_size), scale, dropped)

@@ -17,6 +17,7 @@ from typing import Any
 
 from experiments.lib.workloads.azure import AzureWorkloadConfig
 from experiments.lib.workloads.base import WORKLOADS, Workload
+from experiments.lib.workloads.common import PromptMemory
 from experiments.lib.workloads.imported import drawn_prompts, drop_empty, lengths, workload
 from experiments.lib.workloads.replay import more_prompt_tokens, number, trace_rows
 
@@ -39,7 +40,7 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
     path, rows, scale = trace_rows(cfg, where, "BurstGPT .csv")
     drop = drop_empty(cfg, where)
     model, log_type = _selector(cfg, "model", where), _selector(cfg, "log_type", where)
-    items, dropped, total = [], 0, 0
+    items, dropped, memory = [], 0, PromptMemory()
     for line, row in rows:
         if (model is not None and row.get("Model") != model) or \
                 (log_type is not None and row.get("Log Type") != log_type):
@@ -49,7 +50,7 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         if lens is None:
             dropped += 1
             continue
-        total = more_prompt_tokens(total, lens[0], path, line, where)
+        more_prompt_tokens(memory, lens[0], path, line, where)
         items.append((t, lens[0], lens[1]))
     if not items and not dropped:
         raise ValueError(f"{where}.model={model!r}, {where}.log_type={log_type!r} select no row of {path}")

@@ -3,6 +3,7 @@ for, and request construction."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from policies.request import Request, SamplingParams
@@ -13,7 +14,16 @@ SIM_TEMPERATURE = 1.0
 # allocate an absurd length whole, and a merely large one fills memory before anything fails):
 MAX_LENGTH = 10_000_000  # tokens of any one prompt or output: as long as the longest context windows
 MAX_REQUESTS = 10_000_000  # requests
-MAX_PROMPT_TOKENS = 250_000_000  # prompt tokens of all its requests together: ~10 GB of token ids
+# ... and the memory its prompts' token ids take (PromptMemory). They are Python lists: a prompt
+# token is an 8-byte pointer, and each id drawn (or read from a trace) afresh an int object of 32
+# bytes (28, rounded up by the allocator). Prompts that reuse ids point at the same objects
+# (Mooncake's shared blocks, a shared prefix or system prompt, a session's earlier turns) and take
+# less, so the bound is on bytes, not tokens: 16 GiB is ~430M prompt tokens of fresh ids, and holds
+# a two-hour Mooncake-style trace (358M tokens, half its blocks repeated: ~8 GiB). Transient copies
+# while the prompts are made come on top.
+POINTER_BYTES = 8
+INT_BYTES = 32
+MAX_PROMPT_BYTES = 16 * 2**30
 LENGTH = (MAX_LENGTH, " (tokens; a longer prompt or output fits no model's context)")  # the `bound` of a length
 COUNT = (MAX_REQUESTS, " (the most a workload may hold)")  # the `bound` of a count of requests or prompts
 
@@ -45,13 +55,39 @@ def get_int(cfg: Mapping[str, Any], key: str, where: str, low: int = 1,
     return v
 
 
-def check_prompt_tokens(total: int, where: str, fix: str) -> int:
-    """`total`, the prompt tokens of a workload's requests so far with the next ones, if at most
-    MAX_PROMPT_TOKENS (checked before those are drawn); a ValueError naming `where` and `fix` otherwise."""
-    if total > MAX_PROMPT_TOKENS:
-        raise ValueError(f"{where}: {total:,} prompt tokens in all, more than the {MAX_PROMPT_TOKENS:,} a workload "
-                         f"may hold (about 10 GB of token ids): {fix}")
-    return total
+def size_text(n: int) -> str:
+    """A byte count for people: GiB, MiB or bytes."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:,} bytes"
+
+
+@dataclass(slots=True)
+class PromptMemory:
+    """What a workload's prompts will hold, counted before their token ids are drawn: `tokens`, the
+    prompt tokens (a pointer each), and `drawn`, the ids drawn or read afresh (an int object each;
+    a token that reuses one is its pointer only)."""
+
+    tokens: int = 0
+    drawn: int = 0
+
+    @property
+    def size(self) -> int:
+        """The estimated bytes of the prompts' token ids."""
+        return self.tokens * POINTER_BYTES + self.drawn * INT_BYTES
+
+    def add(self, tokens: int, drawn: int, where: str, fix: str) -> PromptMemory:
+        """Counts the next prompts' tokens and fresh ids, if the estimate stays within
+        MAX_PROMPT_BYTES; a ValueError naming `where`, the estimate, the bound and `fix` otherwise."""
+        self.tokens += tokens
+        self.drawn += drawn
+        if self.size > MAX_PROMPT_BYTES:
+            raise ValueError(f"{where}: the prompts would hold about {size_text(self.size)} of token ids "
+                             f"({self.tokens:,} prompt tokens at {POINTER_BYTES} bytes and {self.drawn:,} token ids "
+                             f"drawn afresh at {INT_BYTES}), more than the {size_text(MAX_PROMPT_BYTES)} a workload "
+                             f"may hold: {fix}")
+        return self
 
 
 def get_positive(cfg: Mapping[str, Any], key: str, where: str) -> float:

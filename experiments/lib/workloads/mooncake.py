@@ -21,7 +21,7 @@ import numpy as np
 
 from experiments.lib.workloads.azure import AzureWorkloadConfig
 from experiments.lib.workloads.base import WORKLOADS, Workload
-from experiments.lib.workloads.common import LENGTH, get_int, is_int
+from experiments.lib.workloads.common import LENGTH, PromptMemory, get_int, is_int
 from experiments.lib.workloads.imported import drop_empty, lengths, workload
 from experiments.lib.workloads.replay import bad_field, more_prompt_tokens, number, trace_rows
 
@@ -38,7 +38,8 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         raise ValueError(f"{where}.path={str(cfg['path'])!r} is invalid: a Mooncake trace is .jsonl")
     drop = drop_empty(cfg, where)
     size = get_int(cfg, "block_tokens", where, 1, LENGTH) if cfg.get("block_tokens") is not None else 512
-    items, dropped, total = [], 0, 0
+    items, dropped, memory = [], 0, PromptMemory()
+    drawn: dict[int, int] = {}  # block id -> how far its draw goes (the build below draws as this counts)
     for line, row in rows:
         t = number(path, line, row, "timestamp") / 1000.0
         lens = lengths(path, line, row, "input_length", "output_length", drop)
@@ -51,8 +52,16 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         if lens[0] > len(ids) * size:
             raise bad_field(path, line, "input_length", lens[0], f"must be at most len(hash_ids) x block_tokens = "
                        f"{len(ids)} x {size}")
-        total = more_prompt_tokens(total, lens[0], path, line, where)
-        items.append((t, ids[:-(-lens[0] // size)], lens[0], lens[1]))
+        ids = ids[:-(-lens[0] // size)]
+        fresh = 0
+        for k, h in enumerate(ids):  # a block read further than before is drawn anew (earlier prompts keep theirs)
+            need = min(size, lens[0] - k * size)
+            if need > drawn.get(h, 0):
+                drawn[h] = need
+                fresh += need
+        more_prompt_tokens(memory, lens[0], path, line, where, fresh, " (or make a trace of fewer --hours "
+                           "with experiments.make_mooncake_trace)")
+        items.append((t, ids, lens[0], lens[1]))
     blocks: dict[int, list[int]] = {}  # once every row is read and checked
     for k, (t, ids, n, out) in enumerate(items):
         prompt: list[int] = []

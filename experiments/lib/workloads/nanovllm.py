@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
-from experiments.lib.workloads.common import COUNT, LENGTH, check_prompt_tokens, get_int, make_request
+from experiments.lib.workloads.common import COUNT, LENGTH, PromptMemory, get_int, make_request
 
 MAX_TOKEN_ID = 10000  # randint(0, 10000) is inclusive
 
@@ -32,8 +32,9 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
     num_seqs = get_int(cfg, "num_requests", where, 1, COUNT)
     max_input_len = get_int(cfg, "max_input_len", where, 100, LENGTH)
     max_output_len = get_int(cfg, "max_output_len", where, 100, LENGTH)
-    check_prompt_tokens(num_seqs * max_input_len, f"{where}.num_requests={num_seqs} x {where}.max_input_len="
-                        f"{max_input_len} (the longest the prompts may be)", "lower one of them")
+    longest = num_seqs * max_input_len  # randint makes each id an int object of its own
+    PromptMemory().add(longest, longest, f"{where}.num_requests={num_seqs} x {where}.max_input_len={max_input_len} "
+                       "(the longest the prompts may be)", "lower one of them")
     if vocab_size <= MAX_TOKEN_ID:
         raise ValueError(f"workload.kind='nanovllm' draws token ids up to {MAX_TOKEN_ID}: "
                          f"model.vocab_size={vocab_size} is too small (pick a real model shape)")

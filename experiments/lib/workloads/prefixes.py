@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.lib.workloads.common import COUNT, LENGTH, check_prompt_tokens, get_int, is_num
+from experiments.lib.workloads.common import COUNT, LENGTH, PromptMemory, get_int, is_num
 
 
 @dataclass(kw_only=True)
@@ -36,7 +36,8 @@ class SystemPrompts:
         if not isinstance(spec, Mapping):
             raise ValueError(f"{where}={spec!r} is invalid: give {{num, len, zipf}} or null")  # noqa: TRY004
         num, length = get_int(spec, "num", where, 1, COUNT), get_int(spec, "len", where, 1, LENGTH)
-        check_prompt_tokens(num * length, f"{where}={{num: {num}, len: {length}}}", "use fewer or shorter ones")
+        PromptMemory().add(num * length, num * length, f"{where}={{num: {num}, len: {length}}}",
+                           "use fewer or shorter ones")
         return num, length
 
     @classmethod

@@ -9,15 +9,18 @@ unnoticed. `prompt_len` next to `prompt_token_ids` must be its length. Rows are 
 (stable). Config: `path`, optional `num_requests` (first N rows), `time_scale` (multiplies arrival
 times; 0.5 = twice the rate).
 A malformed row raises ValueError naming the file, the line and the field; a file that is not UTF-8
-text, one naming the file, the line and the byte. Lengths and the prompt tokens in all are bounded
-(common.py: MAX_LENGTH, MAX_PROMPT_TOKENS), and every row is checked before any token id is drawn.
+text, one naming the file, the line and the byte; CSV text the csv module cannot parse (a field
+longer than the longest prompt's ids, MAX_LENGTH x ID_CHARS characters), one naming file and line. Lengths and the memory the prompts take are
+bounded (common.py: MAX_LENGTH, MAX_PROMPT_BYTES), and every row is checked before any token id is
+drawn.
 """
 from __future__ import annotations
 
 import csv
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,7 @@ from experiments.lib.workloads.common import (
     LENGTH,
     MAX_LENGTH,
     MAX_REQUESTS,
-    check_prompt_tokens,
+    PromptMemory,
     get_int,
     get_positive,
     int_error,
@@ -43,6 +46,9 @@ from sim.latency.file_meta import text_lines
 
 FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "output_len", "max_tokens", "priority",
           "tenant")
+# The most characters a CSV trace's field may hold, per token id of the longest prompt (MAX_LENGTH):
+# up to 11 digits and a space. csv's default limit, 131,072 characters, is a prompt of ~20k ids.
+ID_CHARS = 12
 
 
 def bad_field(path: Path, line: int, field: str, value: Any, allowed: str) -> ValueError:
@@ -78,10 +84,64 @@ def _parsed(v: Any, kind: type) -> Any:
 
 
 def _known(path: Path, line: int, keys: Any, fields: tuple[str, ...] | None) -> None:
-    """With `fields`, a ValueError naming the file, line and first key of `keys` not among them."""
+    """With `fields`, a ValueError naming the file, line and first key of `keys` not among them (and
+    saying so when it is empty, which a trailing comma in a CSV header makes)."""
     unknown = [] if fields is None else [k for k in keys if k not in fields]
     if unknown:
-        raise ValueError(f"{path}:{line}: field {unknown[0]!r} is unknown: allowed are {list(fields)}")
+        empty = "" if unknown[0] else (" (an empty column name: a trailing comma in the header?)"
+                                       if path.suffix == ".csv" else " (an empty key)")
+        raise ValueError(f"{path}:{line}: field {unknown[0]!r} is unknown{empty}: allowed are {list(fields)}")
+
+
+class _Lines:
+    """A file's lines (text_lines) as csv reads them, counted: `number` is the last one read, the
+    one a csv.Error is about."""
+
+    def __init__(self, path: Path) -> None:
+        self.number = 0
+        self._lines = text_lines(path)
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        line = next(self._lines)
+        self.number += 1
+        return line
+
+
+@contextmanager
+def _csv_field_limit(chars: int) -> Iterator[None]:
+    """csv's field size limit (process-wide) at `chars` while a trace is read, then as it was."""
+    before = csv.field_size_limit(chars)
+    try:
+        yield
+    finally:
+        csv.field_size_limit(before)
+
+
+def _csv_rows(path: Path, limit: int | None, fields: tuple[str, ...] | None) -> list[tuple[int, dict[str, Any]]]:
+    """read_rows of a CSV file; a field longer than the longest prompt's ids can be, or any other
+    text csv cannot parse, is a ValueError naming the file and line."""
+    rows, lines, chars = [], _Lines(path), MAX_LENGTH * ID_CHARS
+    reader = csv.DictReader(lines)
+    try:
+        with _csv_field_limit(chars):
+            _known(path, 1, reader.fieldnames or [], fields)
+            while limit is None or len(rows) < limit:
+                row = next(reader, None)
+                if row is None:
+                    break
+                if fields is not None and None in row:  # DictReader's key for values past the header's
+                    raise ValueError(f"{path}:{reader.line_num}: {len(row) - 1 + len(row[None])} values, more "
+                                     f"than the header's {len(row) - 1} columns")
+                rows.append((reader.line_num, row))  # the row's (last) line: blank lines count
+    except csv.Error as e:
+        if "field larger than field limit" in str(e):
+            raise ValueError(f"{path}:{lines.number}: a field of more than {chars:,} characters, longer than "
+                             f"the {MAX_LENGTH:,} token ids of the longest prompt can be") from None
+        raise ValueError(f"{path}:{lines.number}: not valid CSV ({e})") from None
+    return rows
 
 
 def read_rows(path: Path, limit: int | None = None, fields: tuple[str, ...] | None = None
@@ -91,19 +151,9 @@ def read_rows(path: Path, limit: int | None = None, fields: tuple[str, ...] | No
     row with more values than the header has columns, is an error naming the file and line."""
     if path.suffix not in (".csv", ".jsonl", ".json"):
         raise ValueError(f"workload.path={str(path)!r} is invalid: must end in .csv or .jsonl")
-    rows = []
     if path.suffix == ".csv":
-        reader = csv.DictReader(text_lines(path))
-        _known(path, 1, reader.fieldnames or [], fields)
-        while limit is None or len(rows) < limit:
-            row = next(reader, None)
-            if row is None:
-                break
-            if fields is not None and None in row:  # DictReader's key for values past the header's
-                raise ValueError(f"{path}:{reader.line_num}: {len(row) - 1 + len(row[None])} values, more than "
-                                 f"the header's {len(row) - 1} columns")
-            rows.append((reader.line_num, row))  # the row's (last) line: blank lines count
-        return rows
+        return _csv_rows(path, limit, fields)
+    rows = []
     for k, line in enumerate(text_lines(path), start=1):
         if limit is not None and len(rows) >= limit:
             break
@@ -120,19 +170,23 @@ def read_rows(path: Path, limit: int | None = None, fields: tuple[str, ...] | No
     return rows
 
 
-def more_prompt_tokens(total: int, n: int, path: Path, line: int, where: str) -> int:
-    """The prompt tokens of a trace's rows so far with this row's n (common.check_prompt_tokens)."""
-    return check_prompt_tokens(total + n, f"{path}:{line}", f"set {where}.num_requests to replay fewer rows")
+def more_prompt_tokens(memory: PromptMemory, n: int, path: Path, line: int, where: str, drawn: int | None = None,
+                       fix: str = "") -> None:
+    """Counts a row's n prompt tokens and the ids drawn or read afresh for them (default: n) in the
+    trace's `memory` (common.PromptMemory); past the bound, an error naming the row."""
+    memory.add(n, n if drawn is None else drawn, f"{path}:{line}",
+               f"set {where}.num_requests to replay fewer rows{fix}")
 
 
-def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int, total: int, where: str
-            ) -> tuple[list[int] | int, int]:
-    """The row's prompt (its token ids, or the number of ids to draw) and the trace's prompt tokens
-    so far with it."""
+def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int, memory: PromptMemory, where: str
+            ) -> list[int] | int:
+    """The row's prompt (its token ids, or the number of ids to draw), counted in `memory` (read ids
+    are int objects of their own, as drawn ones are)."""
     ids = row.get("prompt_token_ids")
     if ids in (None, ""):
         n = as_int(path, line, row, "prompt_len", 1, LENGTH)
-        return n, more_prompt_tokens(total, n, path, line, where)
+        more_prompt_tokens(memory, n, path, line, where)
+        return n
     if isinstance(ids, str):
         try:
             ids = [int(t) for t in ids.split()]
@@ -147,7 +201,8 @@ def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int, tota
     if row.get("prompt_len") not in (None, "") and as_int(path, line, row, "prompt_len", 1, LENGTH) != len(ids):
         raise bad_field(path, line, "prompt_len", row["prompt_len"], f"must equal the number of prompt_token_ids "
                         f"({len(ids)}) when both are given")
-    return ids, more_prompt_tokens(total, len(ids), path, line, where)
+    more_prompt_tokens(memory, len(ids), path, line, where)
+    return ids
 
 
 def trace_rows(cfg: Mapping[str, Any], where: str, kind: str = ".csv or .jsonl",
@@ -180,10 +235,10 @@ class ReplayWorkloadConfig(WorkloadConfig):
 @WORKLOADS.register("replay", config=ReplayWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     path, rows, scale = trace_rows(cfg, where, fields=FIELDS)
-    items, seen, total = [], set(), 0
+    items, seen, memory = [], set(), PromptMemory()
     for index, (line, row) in enumerate(rows):  # every row checked before any token id is drawn
         t = number(path, line, row, "arrival_time")
-        prompt, total = _prompt(path, line, row, vocab_size, total, where)
+        prompt = _prompt(path, line, row, vocab_size, memory, where)
         out = as_int(path, line, row, "output_len", 1, LENGTH)
         prio = as_int(path, line, row, "priority", -2**31) if row.get("priority") not in (None, "") else 0
         cap = as_int(path, line, row, "max_tokens", out, LENGTH) if row.get("max_tokens") not in (None, "") else None

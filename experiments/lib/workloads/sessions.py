@@ -25,7 +25,7 @@ from experiments.lib.workloads.common import (
     COUNT,
     LENGTH,
     MAX_REQUESTS,
-    check_prompt_tokens,
+    PromptMemory,
     get_int,
     is_num,
     make_request,
@@ -72,10 +72,11 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
     if max_tokens is not None:
         answers = [min(a, max_tokens) for a in answers]
     gaps = rng.exponential(think, size=total).tolist() if think > 0 else [0.0] * total
-    # Which turns fit max_prompt_len, from the drawn lengths alone: the prompts' tokens in all are
-    # checked before any token id is drawn. Per session: its turns that fit (time, user text,
-    # answer), and the user text of the turn that did not (None: every turn fit).
-    plan, k, tokens = [], 0, 0
+    # Which turns fit max_prompt_len, from the drawn lengths alone: the prompts' memory is checked
+    # before any token id is drawn (a turn's prompt points at its earlier turns' ids: only its user
+    # text and answer are drawn afresh). Per session: its turns that fit (time, user text, answer),
+    # and the user text of the turn that did not (None: every turn fit).
+    plan, k, tokens, drawn = [], 0, 0, 0
     for s in range(n):
         t, context, fits, refused = float(starts[s]), system_len, [], None
         for j in range(int(turns[s])):
@@ -87,6 +88,7 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
                 break
             fits.append((t, user, answer))
             tokens += context + user
+            drawn += user + answer
             context += user + answer
         plan.append((fits, refused))
         k += int(turns[s])
@@ -97,7 +99,9 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         raise ValueError(f"{where}.max_prompt_len={limit} is invalid: no session's first prompt fits in it (the "
                          f"shortest is {system_len + user} tokens: {part}{user} of {where}.prompt_len), so the "
                          "workload would hold no requests")
-    check_prompt_tokens(tokens, f"{where}.num_sessions={n}", f"lower it, the turns or {where}.max_prompt_len")
+    system_ids = len(system.prompts) * system_len if system is not None else 0
+    PromptMemory().add(tokens, drawn + system_ids, f"{where}.num_sessions={n}",
+                       f"lower it, the turns or {where}.max_prompt_len")
     items = []
     for s, (fits, refused) in enumerate(plan):
         context = list(system.prompts[picks[s]]) if system is not None else []

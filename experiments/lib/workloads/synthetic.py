@@ -37,7 +37,7 @@ from experiments.lib.workloads.common import (
     COUNT,
     LENGTH,
     MAX_REQUESTS,
-    check_prompt_tokens,
+    PromptMemory,
     get_int,
     get_positive,
     is_int,
@@ -203,22 +203,23 @@ def _shared_prefix_len(cfg: Mapping[str, Any], where: str) -> int:
     return v
 
 
-def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: int, where: str, prior: int = 0,
-         ) -> tuple[list[float], list[list[int]], list[int], list[int], int]:
-    """n requests' arrival times, prompts, output lengths (capped by max_tokens) and priorities, and
-    the prompt tokens of the workload with them (`prior`: those of streams drawn before; checked
-    before any token id is drawn)."""
+def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: int, where: str,
+         memory: PromptMemory) -> tuple[list[float], list[list[int]], list[int], list[int]]:
+    """n requests' arrival times, prompts, output lengths (capped by max_tokens) and priorities; their
+    prompts are counted in the workload's `memory` (with those of streams drawn before) before any
+    token id is drawn: every id drawn counts, as all are held at once while the prompts are made."""
     arrivals = arrival_times(cfg, n, rng, where)
     prompt_lens, output_lens = correlated_lengths(cfg, n, rng, where)
     prios = priorities(cfg.get("priority"), n, rng, f"{where}.priority")
     if cfg.get("max_tokens") is not None:
         output_lens = np.minimum(output_lens, get_int(cfg, "max_tokens", where, 1, LENGTH))
     high = min(get_int(cfg, "vocab_size", where), vocab_size)
-    _, system_len = SystemPrompts.size(cfg.get("system_prompts"), f"{where}.system_prompts")
-    total = check_prompt_tokens(prior + int(prompt_lens.sum()) + n * system_len, f"{where}.prompt_len",
-                                f"lower {where}.num_requests or the prompt lengths")
+    num_system, system_len = SystemPrompts.size(cfg.get("system_prompts"), f"{where}.system_prompts")
     prefix_len = _shared_prefix_len(cfg, where)
-    tokens = rng.integers(0, high, size=int(prompt_lens.sum())).tolist()
+    own = int(prompt_lens.sum())
+    memory.add(own + n * system_len, own + prefix_len + num_system * system_len, f"{where}.prompt_len",
+               f"lower {where}.num_requests or the prompt lengths")
+    tokens = rng.integers(0, high, size=own).tolist()
     prefix = rng.integers(0, high, size=prefix_len).tolist()
     prompts, start = [], 0
     for p in prompt_lens.tolist():
@@ -231,7 +232,7 @@ def draw(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, vocab_size: i
     system = SystemPrompts.from_spec(cfg.get("system_prompts"), rng, high, f"{where}.system_prompts")
     if system is not None:
         prompts = [system.prompts[k] + prompt for k, prompt in zip(system.draw(n, rng), prompts)]
-    return arrivals.tolist(), prompts, output_lens.tolist(), prios.tolist(), total
+    return arrivals.tolist(), prompts, output_lens.tolist(), prios.tolist()
 
 
 @WORKLOADS.register("synthetic", config=SyntheticWorkloadConfig)
@@ -240,14 +241,14 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
     max_tokens = get_int(cfg, "max_tokens", where, 1, LENGTH) if cfg.get("max_tokens") is not None else None
     name = str(cfg.get("name", "synthetic"))
     if cfg.get("tenants") is None:
-        arrivals, prompts, outs, prios, _ = draw(cfg, n, np.random.default_rng(seed), vocab_size, where)
+        arrivals, prompts, outs, prios = draw(cfg, n, np.random.default_rng(seed), vocab_size, where, PromptMemory())
         requests = [make_request(str(i), prompt, o, max_tokens, t, pr)
                     for i, (t, prompt, o, pr) in enumerate(zip(arrivals, prompts, outs, prios))]
         return Workload(name, requests, outs)
-    items, total = [], 0
+    items, memory = [], PromptMemory()
     for index, (tenant, rate, count) in enumerate(tenant_streams(cfg["tenants"], n, f"{where}.tenants")):
         rng = np.random.default_rng([seed, zlib.crc32(tenant.encode())])
-        arrivals, prompts, outs, prios, total = draw({**cfg, "rate": rate}, count, rng, vocab_size, where, total)
+        arrivals, prompts, outs, prios = draw({**cfg, "rate": rate}, count, rng, vocab_size, where, memory)
         items += [(t, index, k, make_request(f"{tenant}-{k}", prompt, o, max_tokens, t, pr, tenant=tenant), o)
                   for k, (t, prompt, o, pr) in enumerate(zip(arrivals, prompts, outs, prios))]
     items.sort(key=lambda it: it[:3])
