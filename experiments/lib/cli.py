@@ -12,6 +12,7 @@ import functools
 import os
 import re
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -24,7 +25,11 @@ F = TypeVar("F", bound=Callable)
 # The user's HYDRA_FULL_ERROR, kept where a sweep's worker processes (which inherit the
 # HYDRA_FULL_ERROR=1 that run_cli sets) read it too.
 _FULL_ERROR_ENV = "SERVELAB_USER_HYDRA_FULL_ERROR"
-JOB_ERROR_FILE = "error.txt"  # a failed sweep job's error line, in its run directory
+# One invocation's identity, which its sweep jobs (in this process or a launcher's workers, which
+# inherit it) write under their error line, so its list holds its own failures and no earlier
+# sweep's into the same directory.
+_SWEEP_ID_ENV = "SERVELAB_SWEEP_ID"
+JOB_ERROR_FILE = "error.txt"  # a failed sweep job's error line, then its sweep's identity
 
 
 def _user_full_error() -> bool:
@@ -98,24 +103,24 @@ def config_errors(fn: F) -> F:
             line = f"{name}: {one_line(exc)}"
             print(f"error: {line}", file=sys.stderr)
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / JOB_ERROR_FILE).write_text(line + "\n")
+            (run_dir / JOB_ERROR_FILE).write_text(f"{line}\nsweep {os.environ.get(_SWEEP_ID_ENV, '')}\n")
             raise SweepJobError(line, sweep_dir) from None
     return wrapper  # type: ignore[return-value]
 
 
-def sweep_failures(sweep_dir: str | Path) -> list[str]:
+def sweep_failures(sweep_dir: str | Path, sweep_id: str | None = None) -> list[str]:
     """The error lines of a sweep's failed jobs, by job number: the error.txt files under its
-    directory written since its multirun.yaml (which Hydra writes as the sweep starts; older
-    files are an earlier sweep's into the same directory)."""
-    sweep_dir = Path(sweep_dir)
-    start = (sweep_dir / "multirun.yaml").stat().st_mtime if (sweep_dir / "multirun.yaml").is_file() else 0.0
+    directory that carry `sweep_id` (default: this invocation's), not an earlier sweep's into the
+    same directory."""
+    sweep_id = os.environ.get(_SWEEP_ID_ENV, "") if sweep_id is None else sweep_id
     lines = []
-    for path in sweep_dir.rglob(JOB_ERROR_FILE):
+    for path in Path(sweep_dir).rglob(JOB_ERROR_FILE):
         try:
-            if path.stat().st_mtime >= start:
-                lines.append(path.read_text().strip())
+            text = path.read_text().splitlines()
         except OSError:
             continue
+        if len(text) >= 2 and text[1] == f"sweep {sweep_id}":
+            lines.append(text[0].strip())
     number = re.compile(r"job (\d+) ")
     return sorted(lines, key=lambda ln: int(m.group(1)) if (m := number.match(ln)) else -1)
 
@@ -135,6 +140,7 @@ def run_cli(entry: Callable[[], object]) -> None:
     list and exit code 2."""
     user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ[_FULL_ERROR_ENV] = "1" if user_full_error else "0"
+    os.environ[_SWEEP_ID_ENV] = uuid.uuid4().hex
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let exceptions reach us instead of Hydra's printer
     try:
         entry()
@@ -146,5 +152,6 @@ def run_cli(entry: Callable[[], object]) -> None:
         _exit(exc)
     finally:
         os.environ.pop(_FULL_ERROR_ENV, None)
+        os.environ.pop(_SWEEP_ID_ENV, None)
         if not user_full_error:
             os.environ.pop("HYDRA_FULL_ERROR", None)

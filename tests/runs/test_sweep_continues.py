@@ -41,7 +41,7 @@ def test_a_bad_job_does_not_stop_the_sweep(tmp_path, monkeypatch, capsys):
     assert sorted(jobs) == [0, 1, 2]
     assert (jobs[0] / "summary.json").is_file() and (jobs[2] / "summary.json").is_file()  # the job after it ran
     assert not (jobs[1] / "summary.json").exists()
-    line = (jobs[1] / "error.txt").read_text().strip()
+    line = (jobs[1] / "error.txt").read_text().splitlines()[0]
     assert line == f"job 1 ({' '.join(RATES[1:])} workload.rate=-1): {RATE_ERROR}"
     assert f"error: {line}" in err  # printed when the job failed
     summary = err[err.index("error: 1 job(s) of the sweep failed"):].splitlines()
@@ -81,7 +81,7 @@ def test_joblib_workers_go_on_and_the_sweep_lists_every_failure(tmp_path):
     assert res.returncode == 2, res.stderr
     jobs = _jobs(out)
     assert (jobs[1] / "summary.json").is_file()
-    failed = [(jobs[n] / "error.txt").read_text().strip() for n in (0, 2)]
+    failed = [(jobs[n] / "error.txt").read_text().splitlines()[0] for n in (0, 2)]
     assert "workload.rate=-2 is invalid" in failed[1]
     summary = res.stderr[res.stderr.index("error: 2 job(s) of the sweep failed"):].splitlines()
     assert summary[1:] == [f"  {line}" for line in failed], res.stderr
