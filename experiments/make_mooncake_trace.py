@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 BLOCK_TOKENS = 512
+MAX_REQUESTS = 10_000_000  # rate * hours * 3600 at most: the rows are built in memory (~400 public-trace hours)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,12 @@ class MooncakeTraceSpec:
                 raise ValueError(f"{key}={v!r} is invalid: must be an integer >= 1")
         if not (isinstance(self.share, (int, float)) and 0 <= self.share <= 1):
             raise ValueError(f"share={self.share!r} is invalid: must be a number in [0, 1]")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} is invalid: must be an integer >= 0")
+        if self.rate * self.hours * 3600 > MAX_REQUESTS:
+            raise ValueError(f"rate={self.rate!r} with hours={self.hours!r} is invalid: about "
+                             f"{self.rate * self.hours * 3600:.3g} requests, more than {MAX_REQUESTS:,} (the trace "
+                             "is built in memory): lower hours or rate")
 
 
 def lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, cap: int, n: int) -> np.ndarray:
@@ -127,9 +134,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(f"--{str(exc).replace('_', '-')}")
     rows = make_trace(spec)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    except OSError as exc:
+        parser.error(f"--out={str(args.out)!r} is invalid: cannot write it ({exc.strerror})")
     stats = trace_stats(rows)
     print(f"wrote {args.out}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                             for k, v in stats.items()))

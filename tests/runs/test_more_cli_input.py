@@ -1,0 +1,44 @@
+"""Bad input to the smaller experiment CLIs (make_mooncake_trace, calibrate, showcase, bench_sim,
+bench_scheduler) and to the simulator's notebook API (Hardware/ModelShape.from_dict,
+RooflineModel, ProfiledModel): one specific error naming the option or key, exit code 2 from a
+CLI, never a traceback, a hang or a silently used invalid value."""
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from experiments import bench_scheduler, bench_sim, calibrate, make_mooncake_trace, showcase
+from experiments.lib.paths import REPO_ROOT
+from sim.latency.profiled import ProfiledModel
+from sim.latency.roofline import RooflineModel
+from sim.latency.shapes import Hardware, ModelShape
+
+HARDWARE = yaml.safe_load((REPO_ROOT / "conf/hardware/h200.yaml").read_text())
+MODEL = yaml.safe_load((REPO_ROOT / "conf/model/qwen3-0.6b.yaml").read_text())
+PROFILE = REPO_ROOT / "experiments/profiles/h200-qwen3-0.6b.csv"
+UNWRITABLE = "/dev/null/x"  # a path under a file: no directory can be made there
+
+
+def fails(capsys, call, *needles: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        call()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--seed", "-1"], "--seed=-1 is invalid: must be an integer >= 0"),
+    (["--hours", "1e12"], "(the trace is built in memory): lower hours or rate"),
+    (["--rate", "1e300", "--hours", "0.001"], "more than 10,000,000"),
+])
+def test_make_mooncake_trace_refuses_bad_seed_and_sizes(capsys, tmp_path, argv, needle):
+    fails(capsys, lambda: make_mooncake_trace.main(["--out", str(tmp_path / "t.jsonl"), *argv]), needle)
+
+
+def test_make_mooncake_trace_unwritable_out_is_one_line(capsys):
+    fails(capsys, lambda: make_mooncake_trace.main(["--out", f"{UNWRITABLE}/t.jsonl", "--hours", "0.0005"]),
+          f"--out='{UNWRITABLE}/t.jsonl' is invalid: cannot write it")
