@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     hw_name = args.hardware or Path(args.profile).name.split("-")[0]
     hw = REPO_ROOT / "conf" / "hardware" / f"{hw_name}.yaml"
     try:
+        if not Path(args.profile).is_file():
+            raise ValueError(f"profile={args.profile!r} is invalid: not a file (a latency profile CSV, "
+                             "python -m experiments.profile)")
         if not hw.is_file():
             raise ValueError(f"--hardware={hw_name!r} is invalid: no {hw}")
         if args.out == "-":
@@ -40,7 +43,11 @@ def main(argv: list[str] | None = None) -> None:
             print(yaml.safe_dump(values, sort_keys=False))
             return
         target = args.out or hw.with_name(f"{hw_name}-calibrated.yaml")
-        print(calibrate_to_file(args.profile, hw, target, "python -m experiments.calibrate " + " ".join(sys.argv[1:])))
+        try:
+            print(calibrate_to_file(args.profile, hw, target,
+                                    "python -m experiments.calibrate " + " ".join(sys.argv[1:])))
+        except OSError as exc:
+            raise ValueError(f"--out={str(target)!r} is invalid: cannot write it ({exc.strerror})") from None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

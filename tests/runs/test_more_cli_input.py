@@ -42,3 +42,13 @@ def test_make_mooncake_trace_refuses_bad_seed_and_sizes(capsys, tmp_path, argv, 
 def test_make_mooncake_trace_unwritable_out_is_one_line(capsys):
     fails(capsys, lambda: make_mooncake_trace.main(["--out", f"{UNWRITABLE}/t.jsonl", "--hours", "0.0005"]),
           f"--out='{UNWRITABLE}/t.jsonl' is invalid: cannot write it")
+
+
+def test_calibrate_names_a_missing_profile(capsys, tmp_path):
+    fails(capsys, lambda: calibrate.main([str(tmp_path / "h200-x.csv"), "--out", "-"]),
+          "error: profile=", "is invalid: not a file")
+
+
+def test_calibrate_unwritable_out_is_one_line(capsys):
+    fails(capsys, lambda: calibrate.main([str(PROFILE), "--out", f"{UNWRITABLE}/h.yaml"]),
+          f"error: --out='{UNWRITABLE}/h.yaml' is invalid: cannot write it")
