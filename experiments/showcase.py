@@ -121,13 +121,16 @@ def _main(argv: Sequence[str] | None = None) -> str:
              "5": lambda: fair_share(run_one, out)}
     chosen = [k.strip() for k in args.sections.split(",") if k.strip()]
     bad = [k for k in chosen if k not in every]
-    if bad:
+    if bad or not chosen:
         raise ValueError(f"--sections={args.sections!r} is invalid: choose from {sorted(every)}")
     sections: list[Any] = [every[k]() for k in chosen]
     text = ("## Showcase (simulator, roofline model: qwen3-0.6b on one H200, `python -m experiments.showcase`)\n\n"
             + "\n".join(sections))
-    result.parent.mkdir(parents=True, exist_ok=True)
-    result.write_text(text)
+    try:
+        result.parent.mkdir(parents=True, exist_ok=True)
+        result.write_text(text)
+    except OSError as exc:
+        raise ValueError(f"--result={str(result)!r} is invalid: cannot write it ({exc.strerror})") from None
     print(text)
     print(f"written to {result}; runs in {out}")
     return text

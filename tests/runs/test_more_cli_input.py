@@ -52,3 +52,9 @@ def test_calibrate_names_a_missing_profile(capsys, tmp_path):
 def test_calibrate_unwritable_out_is_one_line(capsys):
     fails(capsys, lambda: calibrate.main([str(PROFILE), "--out", f"{UNWRITABLE}/h.yaml"]),
           f"error: --out='{UNWRITABLE}/h.yaml' is invalid: cannot write it")
+
+
+def test_showcase_refuses_no_sections(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("sys.argv", ["showcase", "--sections", ",", "--out", str(tmp_path)])
+    fails(capsys, showcase.main, "error: --sections=',' is invalid: choose from")
+    assert not (tmp_path / "showcase.md").exists()
