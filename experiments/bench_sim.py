@@ -39,6 +39,7 @@ from hydra import compose, initialize_config_module
 
 from experiments.lib import factory
 from experiments.lib.backends import run_backend
+from experiments.lib.cli import run_cli
 from experiments.lib.traces import write_traces
 from policies.trace import TraceRecorder
 
@@ -119,7 +120,7 @@ def paired(baseline: str, workloads: list[str], requests: int, repeat: int, over
     print(f"load average at the end: {_load()}")
 
 
-def main() -> None:
+def _main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (conf/), applied to every workload")
     parser.add_argument("--workloads", default="sharegpt,alpaca,poisson",
@@ -129,7 +130,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--baseline", default=None, metavar="REF",
                         help="measure REF's tree and this one paired (module docstring)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for flag, value in (("--requests", args.requests), ("--repeat", args.repeat)):
+        if value < 1:
+            parser.error(f"{flag}={value} is invalid: must be an integer >= 1")
+    if not all(name.strip() for name in args.workloads.split(",")):
+        parser.error(f"--workloads={args.workloads!r} is invalid: comma-separated conf/workload names")
     print(f"bench_sim: {args.requests:,} requests per workload, Poisson arrivals, roofline, "
           f"machine {platform.machine()} ({_cpu_name()}), python {platform.python_version()}, "
           f"load average {_load()}")
@@ -156,6 +162,12 @@ def main() -> None:
         run_backend(first["cfg"], first["workload"].fresh(), TraceRecorder())
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Bad options and config errors (an unknown workload, a bad override or --baseline) are one
+    line `error: ...` and exit code 2."""
+    run_cli(lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -58,3 +58,14 @@ def test_showcase_refuses_no_sections(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr("sys.argv", ["showcase", "--sections", ",", "--out", str(tmp_path)])
     fails(capsys, showcase.main, "error: --sections=',' is invalid: choose from")
     assert not (tmp_path / "showcase.md").exists()
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--requests", "0"], "--requests=0 is invalid: must be an integer >= 1"),
+    (["--repeat", "0"], "--repeat=0 is invalid: must be an integer >= 1"),
+    (["--workloads", ","], "--workloads=',' is invalid"),
+    (["--workloads", "nope", "--requests", "5", "--repeat", "1"], "error: In 'config': Could not find 'workload/nope'"),
+    (["--workloads", "poisson", "--requests", "5", "--repeat", "1", "foo=bar"], "error: Could not override 'foo'"),
+])
+def test_bench_sim_bad_options_are_one_line(capsys, argv, needle):
+    fails(capsys, lambda: bench_sim.main(argv), needle)
