@@ -67,7 +67,7 @@ def measure(scheduler: Scheduler, num_steps: int, seed: int) -> tuple[list[float
     return schedule_us, update_us
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", default=BLOCK_MANAGERS.names(), choices=BLOCK_MANAGERS.names(),
                         help="block managers to time (default: every registered one)")
@@ -78,7 +78,19 @@ def main() -> None:
     parser.add_argument("--policy", default="fcfs", help="a registered policy (default fcfs)")
     parser.add_argument("--waiting", type=int, default=0, help="requests waiting behind the running queue")
     parser.add_argument("--profile", action="store_true", help="cProfile one run per kind instead")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for flag, value, least in (("--num-seqs", args.num_seqs, 1), ("--block-size", args.block_size, 1),
+                               ("--steps", args.steps, 1), ("--repeats", args.repeats, 1),
+                               ("--waiting", args.waiting, 0)):
+        if value < least:
+            parser.error(f"{flag}={value} is invalid: must be an integer >= {least}")
+    if not args.profile and args.steps * args.repeats < 2:
+        parser.error(f"--steps={args.steps} with --repeats={args.repeats} is invalid: the p99 needs at least 2 "
+                     "timed steps in all")
+    try:
+        make_policy(args.policy)
+    except ValueError as exc:
+        parser.error(f"--{exc}")
     print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, load average "
           f"{os.getloadavg()[0]:.1f}; {args.num_seqs} running seqs, block_size {args.block_size}, "
           f"{args.steps} decode steps x {args.repeats}, policy {args.policy}, {args.waiting} waiting; CPU time of "

@@ -69,3 +69,16 @@ def test_showcase_refuses_no_sections(capsys, monkeypatch, tmp_path):
 ])
 def test_bench_sim_bad_options_are_one_line(capsys, argv, needle):
     fails(capsys, lambda: bench_sim.main(argv), needle)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--waiting", "-1"], "--waiting=-1 is invalid: must be an integer >= 0"),  # hung before
+    (["--block-size", "0"], "--block-size=0 is invalid: must be an integer >= 1"),
+    (["--repeats", "0"], "--repeats=0 is invalid"),
+    (["--steps", "0"], "--steps=0 is invalid"),
+    (["--num-seqs", "0"], "--num-seqs=0 is invalid"),
+    (["--steps", "1", "--repeats", "1"], "the p99 needs at least 2 timed steps"),
+    (["--policy", "nope"], "--policy='nope' is unknown: choose a scheduling policy from"),
+])
+def test_bench_scheduler_bad_options_are_one_line(capsys, argv, needle):
+    fails(capsys, lambda: bench_scheduler.main(["--kinds", "paged", *argv]), needle)
