@@ -18,6 +18,12 @@ POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_a
                  "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
 
 
+def _given(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
+    """`cfg[key]`, or `default` when the key is absent or null (a 0 given stays 0, so it is refused)."""
+    value = cfg.get(key)
+    return default if value is None else value
+
+
 def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"{where}.{key} is missing: the latency model needs it")
@@ -52,6 +58,9 @@ class ModelShape:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{f}={v!r} is invalid: must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads={self.num_key_value_heads} is invalid: must divide "
+                             f"num_attention_heads={self.num_attention_heads} (each KV head serves a group of query heads)")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={self.dtype!r} is invalid: choose one of {sorted(DTYPE_BYTES)}")
 
@@ -60,6 +69,10 @@ class ModelShape:
         """From a conf/model mapping, or a transformers config's `to_dict()` (the same key names;
         what the step prices do not read may be absent there and gets a neutral value). Errors
         name the key as `<where>.<key>`."""
+        if not isinstance(cfg, Mapping):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"{where}={cfg!r} is invalid: a mapping of conf/model keys (e.g. yaml.safe_load of "
+                "conf/model/qwen3-0.6b.yaml)")
         hidden = _require(cfg, "hidden_size", where)
         heads = _require(cfg, "num_attention_heads", where)
         dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").replace("torch.", "")
@@ -71,11 +84,11 @@ class ModelShape:
                 intermediate_size=_require(cfg, "intermediate_size", where),
                 num_hidden_layers=_require(cfg, "num_hidden_layers", where),
                 num_attention_heads=heads,
-                num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
-                                                 and heads > 0 else hidden),
+                num_key_value_heads=_given(cfg, "num_key_value_heads", heads),
+                head_dim=_given(cfg, "head_dim", hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                and heads > 0 else hidden),
                 vocab_size=_require(cfg, "vocab_size", where),
-                max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
+                max_position_embeddings=_given(cfg, "max_position_embeddings", 4096),
                 rope_theta=float(cfg.get("rope_theta") or 10000.0),
                 rope_scaling=cfg.get("rope_scaling"),
                 rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),

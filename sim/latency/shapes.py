@@ -3,6 +3,7 @@ with the engine (policies/model_shape.py); `Hardware.from_dict` reads a `conf/ha
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -13,9 +14,14 @@ __all__ = ["DTYPE_BYTES", "Hardware", "Link", "ModelShape"]
 
 
 def _positive(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name}={value!r} is invalid: must be a number > 0")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name}={value!r} is invalid: must be a finite number > 0")
     return value
+
+
+def _non_negative(value: Any) -> bool:
+    """A finite number >= 0 (NaN and infinity would make every price NaN or infinite)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value < math.inf
 
 
 @dataclass(slots=True)
@@ -43,8 +49,8 @@ class Link:
         bw, lat, over = cfg.get("bandwidth_gb_s"), cfg.get("latency_s"), cfg.get("overhead_s", 0.0)
         _positive(bw, f"{where}.bandwidth_gb_s")
         for name, value in (("latency_s", lat), ("overhead_s", over)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{where}.{name}={value!r} is invalid: must be a number >= 0 (seconds)")
+            if not _non_negative(value):
+                raise ValueError(f"{where}.{name}={value!r} is invalid: must be a finite number >= 0 (seconds)")
         return cls(float(bw), float(lat), float(over))
 
 
@@ -82,6 +88,10 @@ class Hardware:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], where: str = "hardware") -> Hardware:
+        if not isinstance(cfg, Mapping):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"{where}={cfg!r} is invalid: a mapping of conf/hardware keys (e.g. yaml.safe_load of "
+                "conf/hardware/h200.yaml)")
         optional = ("interconnect_bandwidth", "interconnect_latency_s", "links", "l2_bandwidth")
         values = {f.name: cfg.get(f.name) if f.name in optional else _require(cfg, f.name, where)
                   for f in fields(cls)}
@@ -96,8 +106,8 @@ class Hardware:
                 continue
             v = values[f.name]
             if f.name in ("step_overhead_s", "swap_latency_s", "swap_block_overhead_s", "interconnect_latency_s"):
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                    raise ValueError(f"{where}.{f.name}={v!r} is invalid: must be a number >= 0")
+                if not _non_negative(v):
+                    raise ValueError(f"{where}.{f.name}={v!r} is invalid: must be a finite number >= 0")
             elif f.name.endswith("efficiency"):
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                     raise ValueError(f"{where}.{f.name}={v!r} is invalid: must be in (0, 1]")

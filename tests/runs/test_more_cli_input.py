@@ -82,3 +82,34 @@ def test_bench_sim_bad_options_are_one_line(capsys, argv, needle):
 ])
 def test_bench_scheduler_bad_options_are_one_line(capsys, argv, needle):
     fails(capsys, lambda: bench_scheduler.main(["--kinds", "paged", *argv]), needle)
+
+
+@pytest.mark.parametrize(("key", "value", "needle"), [
+    ("hbm_bandwidth", math.nan, "hardware.hbm_bandwidth=nan is invalid: must be a finite number > 0"),
+    ("bf16_flops", math.inf, "hardware.bf16_flops=inf is invalid: must be a finite number > 0"),
+    ("step_overhead_s", math.nan, "hardware.step_overhead_s=nan is invalid: must be a finite number >= 0"),
+    ("swap_latency_s", math.inf, "hardware.swap_latency_s=inf is invalid"),
+    ("l2_bandwidth", math.nan, "hardware.l2_bandwidth=nan is invalid"),
+    ("links", {"x": {"bandwidth_gb_s": 1, "latency_s": math.nan}}, "hardware.links.x.latency_s=nan is invalid"),
+    ("links", {"x": {"bandwidth_gb_s": math.inf, "latency_s": 0}}, "hardware.links.x.bandwidth_gb_s=inf is invalid"),
+])
+def test_hardware_refuses_non_finite_numbers(key, value, needle):
+    with pytest.raises(ValueError, match="^" + needle.replace("(", r"\(").replace(")", r"\)")):
+        Hardware.from_dict({**HARDWARE, key: value})
+
+
+@pytest.mark.parametrize("build", [Hardware.from_dict, ModelShape.from_dict])
+def test_from_dict_refuses_a_non_mapping(build):
+    with pytest.raises(ValueError, match=r"=None is invalid: a mapping of conf/"):
+        build(None)
+
+
+@pytest.mark.parametrize(("key", "value", "needle"), [
+    ("head_dim", 0, "model.head_dim=0 is invalid: must be a positive integer"),
+    ("num_key_value_heads", 0, "model.num_key_value_heads=0 is invalid: must be a positive integer"),
+    ("max_position_embeddings", 0, "model.max_position_embeddings=0 is invalid"),
+    ("num_key_value_heads", 3, "model.num_key_value_heads=3 is invalid: must divide num_attention_heads=16"),
+])
+def test_model_shape_refuses_zero_and_ungrouped_heads(key, value, needle):
+    with pytest.raises(ValueError, match="^" + needle):
+        ModelShape.from_dict({**MODEL, key: value})
