@@ -50,6 +50,8 @@ class ProfiledModel(LatencyModel):
         times are those of the size it was measured at. `kv_reread_cost` (`Hardware.kv_reread_cost`):
         the profile's decodes read distinct KV, so a decode batch's shared KV entries are priced as
         that fraction of a distinct one's."""
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} is invalid: must be an integer >= 1")
         self.set_reread_cost(kv_reread_cost, block_size)
         path = Path(path)
         self.path = path

@@ -44,8 +44,17 @@ class RooflineModel(LatencyModel):
 
     def __init__(self, model: ModelShape, hardware: Hardware, block_size: int,
                  tensor_parallel_size: int = 1) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
+        if not isinstance(model, ModelShape):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"model={type(model).__name__} is invalid: a ModelShape (ModelShape.from_dict of a conf/model mapping)")
+        if not isinstance(hardware, Hardware):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
+                f"hardware={type(hardware).__name__} is invalid: a Hardware (Hardware.from_dict of a conf/hardware "
+                "mapping)")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} is invalid: must be an integer >= 1")
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is invalid: must be an integer >= 1")
         self.tensor_parallel_size = tensor_parallel_size
         self.comm = TPCommCost.of(model, hardware, tensor_parallel_size)
         model = shard_shape(model, tensor_parallel_size)  # one GPU's share

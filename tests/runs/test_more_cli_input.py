@@ -113,3 +113,21 @@ def test_from_dict_refuses_a_non_mapping(build):
 def test_model_shape_refuses_zero_and_ungrouped_heads(key, value, needle):
     with pytest.raises(ValueError, match="^" + needle):
         ModelShape.from_dict({**MODEL, key: value})
+
+
+def test_roofline_refuses_bad_arguments():
+    model, hardware = ModelShape.from_dict(MODEL), Hardware.from_dict(HARDWARE)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=0 is invalid: must be an integer >= 1"):
+        RooflineModel(model, hardware, 16, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"^block_size=True is invalid"):
+        RooflineModel(model, hardware, True)
+    with pytest.raises(ValueError, match=r"^model=dict is invalid: a ModelShape \(ModelShape.from_dict"):
+        RooflineModel(MODEL, hardware, 16)
+    with pytest.raises(ValueError, match=r"^hardware=dict is invalid: a Hardware \(Hardware.from_dict"):
+        RooflineModel(model, HARDWARE, 16)
+
+
+@pytest.mark.parametrize("block_size", [0, -16, True, 16.0])
+def test_profiled_model_refuses_a_bad_block_size(block_size):
+    with pytest.raises(ValueError, match=rf"^block_size={block_size!r} is invalid: must be an integer >= 1"):
+        ProfiledModel(Path(PROFILE), block_size)
