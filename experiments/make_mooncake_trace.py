@@ -58,6 +58,11 @@ class MooncakeTraceSpec:
             v = getattr(self, key)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"{key}={v!r} is invalid: must be an integer >= 1")
+        for length in ("input", "output"):  # a mean past its cap would be a trace of capped lengths
+            mean, cap = getattr(self, f"mean_{length}"), getattr(self, f"max_{length}")
+            if mean > cap:
+                raise ValueError(f"mean_{length}={mean!r} is invalid: above max_{length}={cap} (lengths are "
+                                 f"capped there): lower mean_{length} or raise max_{length}")
         if not (isinstance(self.share, (int, float)) and 0 <= self.share <= 1):
             raise ValueError(f"share={self.share!r} is invalid: must be a number in [0, 1]")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

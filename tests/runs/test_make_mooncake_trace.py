@@ -66,6 +66,8 @@ def test_the_importer_turns_its_hash_ids_into_shared_prompt_prefixes(tmp_path, c
     (["--max-input", "0"], "--max-input=0 is invalid: must be an integer >= 1"),
     (["--hours", "-1"], "--hours=-1.0 is invalid: must be a number > 0"),
     (["--out", "trace.csv"], "a Mooncake trace is a .jsonl file"),
+    (["--mean-input", "200000"], "--mean-input=200000.0 is invalid: above max-input=129024"),
+    (["--mean-output", "100", "--max-output", "50"], "--mean-output=100.0 is invalid: above max-output=50"),
 ])
 def test_bad_options_are_one_line_naming_the_option(tmp_path, capsys, args, message):
     argv = ["--out", str(tmp_path / "t.jsonl"), *args]
