@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.engine_args import EngineArgs
@@ -41,11 +42,17 @@ def launch_local(replica: int, args: EngineArgs, data_parallel_size: int, keep_t
     return Replica(replica, ProcessHost(client), args.block_size, client.info.num_gpu_blocks)
 
 
-def replica_args(args: EngineArgs, replica: int, data_parallel_size: int, gpus: int | None = None) -> EngineArgs:
+def replica_args(args: EngineArgs, replica: int, data_parallel_size: int, gpus: int | None = None,
+                 cores: int | None = None) -> EngineArgs:
     """Replica `replica`'s arguments: its own GPUs on CUDA (module docstring). `gpus`: the GPUs
-    there are (None: count them here)."""
+    there are (None: count them here). On the CPU each replica is a process with its own engine:
+    at most one a core (`cores`; None: `os.cpu_count()`)."""
     device = args.device or args.resolve_device()
     if not device.startswith("cuda"):
+        cores = (os.cpu_count() or 1) if cores is None else cores
+        if data_parallel_size > cores:
+            raise ValueError(f"data_parallel_size={data_parallel_size} is invalid: {data_parallel_size} CPU replicas "
+                             f"(each a process with its own engine) on a machine of {cores} cores: at most {cores}")
         return args
     first, tp = int(device.partition(":")[2] or 0), args.tensor_parallel_size
     if gpus is None:

@@ -182,7 +182,11 @@ def test_replicas_get_their_own_gpus():
     with pytest.raises(ValueError, match=r"^data_parallel_size=2 is invalid: 2 replicas of 2 GPU\(s\) from cuda:1 "
                                          r"need 5 GPUs, this machine has 4"):
         replica_args(tp, 0, 2, gpus=4)
-    assert replica_args(EngineArgs(model="tiny-qwen3", device="cpu"), 1, 2).device == "cpu"
+    cpu = EngineArgs(model="tiny-qwen3", device="cpu")
+    assert replica_args(cpu, 1, 2, cores=2).device == "cpu"
+    with pytest.raises(ValueError, match=r"^data_parallel_size=3 is invalid: 3 CPU replicas \(each a process with "
+                                         r"its own engine\) on a machine of 2 cores: at most 2"):
+        replica_args(cpu, 0, 3, cores=2)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -191,6 +195,7 @@ def test_replicas_get_their_own_gpus():
     (["--router-arg", "cache_threshold"], "error: --router-arg 'cache_threshold' is invalid: write KEY=VALUE"),
     (["--data-parallel-size", "0"], "error: data_parallel_size=0 is invalid: must be an integer >= 1"),
     (["--replica-launcher", "k8s"], "error: replica_launcher='k8s' is unknown: choose a replica launcher from"),
+    (["--data-parallel-size", "100000"], "error: data_parallel_size=100000 is invalid: 100000 CPU replicas"),
 ])
 def test_bad_replica_options_are_one_line(capsys, argv, message):
     from engine.serve import main
