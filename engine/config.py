@@ -96,10 +96,7 @@ class ModelConfig(ModelShape):
             raise ValueError(f"architecture={self.architecture!r} is invalid: a model architecture's name")
         if self.dtype not in DTYPES:
             raise _bad("dtype", self.dtype, f"one of {tuple(DTYPES)}")
-        ModelShape.validate(self)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads={self.num_key_value_heads} is invalid: must divide "
-                             f"num_attention_heads={self.num_attention_heads}")
+        ModelShape.validate(self)  # the shape's rules, the heads' divisibility among them
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} is invalid: RoPE needs an even head_dim")
         if not self.rope_theta > 0:

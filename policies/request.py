@@ -19,7 +19,8 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid: {allowed}")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An integer that is not a bool (a token id, a count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -73,26 +74,26 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        _check(is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
         _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
                and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")),
                "temperature", self.temperature, f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
                "top_p", self.top_p, "must be in (0, 1]")
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
+        _check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
                "top_k", self.top_k, "must be -1 (disabled), 0 (disabled) or a positive integer")
         _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1,
                "min_p", self.min_p, "must be in [0, 1]")
-        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "must be an integer or None")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+        _check(self.seed is None or is_int(self.seed), "seed", self.seed, "must be an integer or None")
+        _check(is_int(self.max_tokens) and self.max_tokens >= 1,
                "max_tokens", self.max_tokens, "must be an integer >= 1")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "must be non-negative integers")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "must be non-empty strings")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+        _check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
                "logprobs", self.logprobs, "must be None or an integer >= 0")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -150,7 +151,7 @@ class Request:
         # Fast path: plain ints within range.
         if not (set(map(type, ids)) == {int} and min(ids) >= 0
                 and (vocab_size is None or max(ids) < vocab_size)):
-            bad = [t for t in ids if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size)]
+            bad = [t for t in ids if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size)]
             limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
             _check(not bad, "prompt_token_ids", bad[:5], f"token ids must be integers in {limit}")
         self._check_scalars()
@@ -176,7 +177,7 @@ class Request:
         return copy
 
     def _check_scalars(self) -> None:
-        _check(_is_int(self.priority), "priority", self.priority, "must be an integer (lower = more urgent)")
+        _check(is_int(self.priority), "priority", self.priority, "must be an integer (lower = more urgent)")
         _check(self.tenant is None or (isinstance(self.tenant, str) and self.tenant != ""), "tenant",
                self.tenant, "must be None or a non-empty string")
         _check(self.session_id is None or (isinstance(self.session_id, str) and self.session_id != ""),

@@ -37,10 +37,16 @@ def api_keys_from(option: Sequence[str] | None) -> tuple[str, ...]:
     return keys
 
 
+def check_max_body_bytes(value: object) -> int:
+    """`--max-request-body-bytes`: an integer >= 1, or ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_request_body_bytes={value!r} is invalid: an integer >= 1")
+    return value
+
+
 class RequestGuard:
     def __init__(self, app: ASGIApp, max_body_bytes: int, api_keys: Sequence[str] = ()) -> None:
-        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-            raise ValueError(f"max_request_body_bytes={max_body_bytes!r} is invalid: an integer >= 1")
+        check_max_body_bytes(max_body_bytes)
         self.app = app
         self.max_body_bytes = max_body_bytes
         self._keys = [k.encode() for k in api_keys]

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from policies.request import is_int
+
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -114,10 +116,6 @@ Prompt = Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]], Fi
 PROMPT_SHAPES = "a string, a list of token ids, a list of strings or a list of token-id lists"
 
 
-def _is_token_id(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def prompt_problem(p: object) -> str | None:
     """Why `p` (a request's raw `prompt`) fits none of the prompt shapes, naming its first bad
     element (`prompt[1]=2.5`), or None if it fits one. The shape is the first element's: a number
@@ -135,13 +133,13 @@ def prompt_problem(p: object) -> str | None:
         for i, ids in enumerate(p):
             if not isinstance(ids, list):
                 return f"prompt[{i}]={ids!r:.60} is invalid: a list of token-id prompts holds lists of token ids only"
-            bad = next((j for j, t in enumerate(ids) if not _is_token_id(t)), None)
+            bad = next((j for j, t in enumerate(ids) if not is_int(t)), None)
             if bad is not None:
                 return f"prompt[{i}][{bad}]={ids[bad]!r:.60} is invalid: token ids must be integers"
         return None
     if not isinstance(p[0], (int, float)):  # neither a number nor a string nor a list
         return f"prompt[0]={p[0]!r:.60} is invalid: a list prompt holds token ids, strings or token-id lists"
-    bad = next((i for i, t in enumerate(p) if not _is_token_id(t)), None)
+    bad = next((i for i, t in enumerate(p) if not is_int(t)), None)
     return None if bad is None else f"prompt[{bad}]={p[bad]!r:.60} is invalid: token ids must be integers"
 
 

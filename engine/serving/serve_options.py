@@ -11,6 +11,7 @@ import argparse
 import errno
 import socket
 
+from engine.serving.guards import check_max_body_bytes
 from engine.serving.server import LOOPBACK
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's (any case)
@@ -30,8 +31,8 @@ def check_server_options(ns: argparse.Namespace) -> None:
     if ns.log_level.lower() not in LOG_LEVELS:
         raise ValueError(f"log_level={ns.log_level!r} is invalid: one of {', '.join(LOG_LEVELS)}")
     check_max_waiting_requests(ns.max_waiting_requests)
-    if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
-        raise ValueError(f"max_request_body_bytes={ns.max_request_body_bytes} is invalid: an integer >= 1")
+    if ns.max_request_body_bytes is not None:
+        check_max_body_bytes(ns.max_request_body_bytes)
 
 
 def check_listen(host: str, port: int) -> None:
