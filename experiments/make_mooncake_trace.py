@@ -32,8 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.lib.workloads.common import MAX_REQUESTS, is_int  # the trace is built in memory
+
 BLOCK_TOKENS = 512
-MAX_REQUESTS = 10_000_000  # rate * hours * 3600 at most: the rows are built in memory (~400 public-trace hours)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,7 @@ class MooncakeTraceSpec:
                                  f"capped there): lower mean_{length} or raise max_{length}")
         if not (isinstance(self.share, (int, float)) and 0 <= self.share <= 1):
             raise ValueError(f"share={self.share!r} is invalid: must be a number in [0, 1]")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} is invalid: must be an integer >= 0")
         if self.rate * self.hours * 3600 > MAX_REQUESTS:
             raise ValueError(f"rate={self.rate!r} with hours={self.hours!r} is invalid: about "
