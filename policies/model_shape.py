@@ -106,11 +106,17 @@ class ModelShape:
         return DTYPE_BYTES[self.dtype]
 
     @property
-    def linear_params_per_layer(self) -> int:
-        """q, k, v, o projections (+ qkv bias) and the gated MLP (gate, up, down)."""
+    def gemm_params_per_layer(self) -> tuple[int, int, int, int]:
+        """A layer's four GEMMs' parameters, in order: q/k/v (+ its bias), o, gate/up, down."""
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         bias = (q + 2 * kv) if self.attention_bias else 0
-        return h * (q + 2 * kv) + bias + q * h + 3 * h * self.intermediate_size
+        i = self.intermediate_size
+        return h * (q + 2 * kv) + bias, q * h, 2 * h * i, i * h
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        """q, k, v, o projections (+ qkv bias) and the gated MLP (gate, up, down)."""
+        return sum(self.gemm_params_per_layer)
 
     @property
     def linear_params(self) -> int:

@@ -19,10 +19,16 @@ class TPSplit:
     vocab_size: int  # embedding / LM-head rows per rank, ceil(vocab / size) (the last rank padded)
 
 
-def tp_split(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, size: int,
-             model: str = "model") -> TPSplit:
+def check_tensor_parallel_size(size: object) -> int:
+    """`tensor_parallel_size`: an integer >= 1, or ValueError naming it."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size={size!r} is invalid: must be an integer >= 1")
+    return size
+
+
+def tp_split(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, size: int,
+             model: str = "model") -> TPSplit:
+    check_tensor_parallel_size(size)
     if num_heads % size:
         raise ValueError(f"num_attention_heads={num_heads} of model {model!r} is not divisible by "
                          f"tensor_parallel_size={size}")

@@ -109,6 +109,13 @@ _num_new = itemgetter(1)
 _num_samples = itemgetter(2)
 
 
+def check_block_size(block_size: object) -> int:
+    """A latency model's `block_size`: an integer >= 1, or ValueError naming it."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} is invalid: must be an integer >= 1")
+    return block_size
+
+
 class LatencyModel(ABC):
     name: str = "base"
     # Whether the model prices the engine's sequence-parallel steps (`parallel.sequence_parallel_min_rows`

@@ -22,7 +22,8 @@ Swap: `swap_latency_s + n * (block_bytes / host_link_bandwidth + swap_block_over
 from __future__ import annotations
 
 from policies.outputs import SchedulerOutput
-from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
+from policies.tensor_parallel import check_tensor_parallel_size
+from sim.latency.base import BatchShape, LatencyModel, check_block_size, shape_decode_times
 from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
 from sim.latency.sequence_parallel_roofline import SequenceParallelRoofline
 from sim.latency.shapes import Hardware, ModelShape
@@ -51,10 +52,8 @@ class RooflineModel(LatencyModel):
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
                 f"hardware={type(hardware).__name__} is invalid: a Hardware (Hardware.from_dict of a conf/hardware "
                 "mapping)")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r} is invalid: must be an integer >= 1")
-        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is invalid: must be an integer >= 1")
+        check_block_size(block_size)
+        check_tensor_parallel_size(tensor_parallel_size)
         self.tensor_parallel_size = tensor_parallel_size
         self.comm = TPCommCost.of(model, hardware, tensor_parallel_size)
         model = shard_shape(model, tensor_parallel_size)  # one GPU's share

@@ -60,10 +60,8 @@ class SequenceParallelRoofline:
             return None
         fused = setup.all_reduce is not None and setup.all_reduce().symmetric_memory
         batches, tokens = setup.graph_sizes() if setup.graph_sizes is not None else ([], [])
-        h, b, d = shard.hidden_size, shard.dtype_bytes, shard.head_dim
-        q, i = shard.num_attention_heads * d, shard.intermediate_size
-        per_layer = shard.linear_params_per_layer
-        gemms = (per_layer - q * h - 3 * h * i, q * h, 2 * h * i, i * h)  # q/k/v (with its bias), o, gate/up, down
+        h, b = shard.hidden_size, shard.dtype_bytes
+        per_layer, gemms = shard.linear_params_per_layer, shard.gemm_params_per_layer
         norm_bytes = shard.num_hidden_layers * NORM_ELEMENTS_PER_LAYER * h * b
         return cls(setup.tensor_parallel_size, min_rows, fused, tuple(batches), tuple(tokens), shard.num_hidden_layers,
                    RingLink.of(setup.hardware, setup.tensor_parallel_size), h * b,
