@@ -35,10 +35,10 @@ def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     return run(cfg, workload, recorder, on_done)
 
 
-def check_cluster(cfg: DictConfig, backend: str):
+def check_cluster(cfg: DictConfig, backend: str) -> None:
     """The `cluster` and `router` settings, checked on every run of every backend, a one-replica
     run's included (which routes nothing, but a bad value there is as much a mistake, and
-    `cluster.hardware` does change its GPU). Returns the checked `ClusterConfig`."""
+    `cluster.hardware` does change its GPU)."""
     from experiments.lib.fleet_backend import build_router, cluster_config
     cluster = cluster_config(cfg)
     if cfg.get("router") is not None:
@@ -49,7 +49,6 @@ def check_cluster(cfg: DictConfig, backend: str):
     if cluster.hardware is not None and backend != "sim":
         raise ValueError(f"cluster.hardware={list(cluster.hardware)!r} is invalid with backend={backend}: it "
                          "picks simulated GPUs (backend=sim); this backend runs on real ones (set it to null)")
-    return cluster
 
 
 @dataclass(kw_only=True)
