@@ -16,7 +16,13 @@ def check_memory_utilization(value: object, field: str = FIELD, allow_none: bool
     return float(value)
 
 
-def memory_utilization_needed(field: str = FIELD, sizes: str = "kv_cache_gib or num_gpu_blocks") -> ValueError:
-    """The error for a null `field` where the pool is to be sized from GPU memory."""
-    return ValueError(f"{field}=None is invalid: must be in (0, 1] to size the KV pool from GPU memory "
-                      f"(or set {sizes})")
+def pool_memory_utilization(value: object, sized: bool, prefix: str = "") -> float | None:
+    """`value` checked as `check_memory_utilization` does, None allowed only where the pool is
+    `sized` another way (by `num_gpu_blocks` or `kv_cache_gib`): without a size of its own the pool
+    is sized from GPU memory, which needs the share. `prefix`: where the fields sit in the caller's
+    config ("blocks." in a run config), for the error's names."""
+    util = check_memory_utilization(value, prefix + FIELD)
+    if util is None and not sized:
+        raise ValueError(f"{prefix}{FIELD}=None is invalid: must be in (0, 1] to size the KV pool from GPU "
+                         f"memory (or set {prefix}kv_cache_gib or {prefix}num_gpu_blocks)")
+    return util

@@ -14,7 +14,7 @@ from experiments.lib.paths import resolve_path
 from experiments.lib.workloads import Workload, build_workload
 from policies.build import SchedulingConfig, block_manager_config, policy_config, scheduler_config
 from policies.build import build_scheduler as build
-from policies.kv_pool_size import check_memory_utilization, memory_utilization_needed
+from policies.kv_pool_size import pool_memory_utilization
 from policies.model_shape import resolve_max_model_len
 from policies.scheduler import Scheduler
 from policies.sequence_parallel import check_min_rows, sequence_parallel_from
@@ -140,8 +140,9 @@ def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
     """(num_gpu_blocks, num_cpu_blocks) for the simulated GPU, as vLLM sizes its pools."""
     b = section(cfg, "blocks")
     model, hw = gpu_model_shape(cfg), hardware(cfg)  # per GPU: each holds its share of weights and KV
-    # checked when set, used or not (the engine checks it always)
-    util = check_memory_utilization(b.get("gpu_memory_utilization"), "blocks.gpu_memory_utilization")
+    # checked when set, used or not, and needed where the pool has no size of its own (the engine's rule)
+    util = pool_memory_utilization(b.get("gpu_memory_utilization"),
+                                   b.get("num_gpu_blocks") is not None or b.get("kv_cache_gib") is not None, "blocks.")
     block_bytes = model.kv_bytes_per_token * block_size(cfg)
     if b.get("num_gpu_blocks") is not None:
         gpu = _int_at_least(b, "num_gpu_blocks", 1)
@@ -151,8 +152,6 @@ def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
             raise ValueError(f"blocks.kv_cache_gib={b['kv_cache_gib']!r} is invalid: it holds no KV block "
                              f"of {block_bytes} bytes (model={model.name}, block_size={block_size(cfg)})")
     else:
-        if util is None:
-            raise memory_utilization_needed("blocks.gpu_memory_utilization", "blocks.kv_cache_gib or blocks.num_gpu_blocks")
         sched = cfg.scheduler
         # Peak activations of one max-size forward (vLLM measures this with a profiling run).
         activations = (sched.max_num_batched_tokens * (4 * model.hidden_size + 2 * model.intermediate_size)

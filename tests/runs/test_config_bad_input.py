@@ -97,3 +97,18 @@ def test_the_engine_takes_a_null_gpu_memory_utilization_when_the_pool_is_sized_o
     with pytest.raises(ValueError, match=r"blocks.gpu_memory_utilization=None is invalid: must be in \(0, 1\] "
                                          r"to size the KV pool from GPU memory"):
         engine_backend._memory_utilization({"gpu_memory_utilization": None}, None)
+
+
+@pytest.mark.parametrize("value", ["1.5", "0", "true"])
+def test_the_engine_refuses_a_bad_gpu_memory_utilization_as_the_simulator_does(value):
+    """One rule (policies/kv_pool_size.py): the same message on both backends, naming the config key."""
+    from experiments.lib import engine_backend, factory
+    from experiments.lib.fidelity_spec import compose_cfg
+
+    cfg = compose_cfg(["backend=engine", "model=tiny-llama", "scheduler.max_model_len=2048",
+                       "blocks.num_gpu_blocks=200", f"blocks.gpu_memory_utilization={value}"])
+    with pytest.raises(ValueError, match=r"^blocks.gpu_memory_utilization=\S+ is invalid: must be in \(0, 1\]$") as sim:
+        factory.kv_block_counts(cfg)
+    with pytest.raises(ValueError) as engine:
+        engine_backend.engine_args(cfg)
+    assert str(engine.value) == str(sim.value)
