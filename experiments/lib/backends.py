@@ -1,11 +1,12 @@
 """Backend dispatch for `experiments.run` / `experiments.ab`: `cfg.backend.name` -> a run function.
 
-A backend is one function `run(cfg, workload, recorder, on_done) -> BackendRun`: it builds its
-scheduler (`experiments.lib.factory.build_scheduler`, handing it `recorder`), feeds it `workload`'s
-requests at their arrival times, executes every step, calls `on_done(n)` as n requests end, and
-returns when all have ended. Adding a backend = one function here (or in a module imported here) registered with
-its config dataclass (the keys of its yaml), `@BACKENDS.register("name", config=NameBackend)`, plus
-`conf/backend/<name>.yaml` with `name: <name>`.
+A backend is one function `run(cfg, workload, recorder, on_done, cluster) -> BackendRun`: it builds
+its scheduler (`experiments.lib.factory.build_scheduler`, handing it `recorder`), feeds it
+`workload`'s requests at their arrival times, executes every step, calls `on_done(n)` as n requests
+end, and returns when all have ended. `cluster` is the run's `cluster` group, checked once here
+(`check_cluster`) and handed down to whatever reads it. Adding a backend = one function here (or in
+a module imported here) registered with its config dataclass (the keys of its yaml),
+`@BACKENDS.register("name", config=NameBackend)`, plus `conf/backend/<name>.yaml` with `name: <name>`.
 """
 from __future__ import annotations
 
@@ -16,12 +17,19 @@ from omegaconf import DictConfig
 
 from experiments.lib import factory
 from experiments.lib.backend_run import BackendRun
+from experiments.lib.fleet_backend import (
+    ClusterConfig,
+    build_router,
+    cluster_config,
+    replica_config,
+    run_fleet,
+)
 from experiments.lib.serving_overhead import ServingOverhead
 from experiments.lib.workloads import Workload
 from policies.registry import Registry
 from policies.trace import TraceRecorder
 
-BackendFn = Callable[[DictConfig, Workload, TraceRecorder, Callable[[int], None]], BackendRun]
+BackendFn = Callable[[DictConfig, Workload, TraceRecorder, Callable[[int], None], ClusterConfig], BackendRun]
 BACKENDS: Registry[BackendFn] = Registry("backend", field="name", group="backend")
 
 
@@ -29,17 +37,16 @@ def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                 on_done: Callable[[int], None] = lambda n: None) -> BackendRun:
     name = cfg.backend.get("name")
     run = BACKENDS.get(name, where="backend")
-    check_cluster(cfg, name)
+    cluster = check_cluster(cfg, name)
     if cfg.get("parallel") is not None:
         factory.parallel_config(cfg)  # the engine's values only, on every backend
-    return run(cfg, workload, recorder, on_done)
+    return run(cfg, workload, recorder, on_done, cluster)
 
 
-def check_cluster(cfg: DictConfig, backend: str) -> None:
+def check_cluster(cfg: DictConfig, backend: str) -> ClusterConfig:
     """The `cluster` and `router` settings, checked on every run of every backend, a one-replica
     run's included (which routes nothing, but a bad value there is as much a mistake, and
-    `cluster.hardware` does change its GPU)."""
-    from experiments.lib.fleet_backend import build_router, cluster_config
+    `cluster.hardware` does change its GPU). Returns the checked `ClusterConfig`, the run's one."""
     cluster = cluster_config(cfg)
     if cfg.get("router") is not None:
         build_router(cfg)
@@ -49,6 +56,7 @@ def check_cluster(cfg: DictConfig, backend: str) -> None:
     if cluster.hardware is not None and backend != "sim":
         raise ValueError(f"cluster.hardware={list(cluster.hardware)!r} is invalid with backend={backend}: it "
                          "picks simulated GPUs (backend=sim); this backend runs on real ones (set it to null)")
+    return cluster
 
 
 @dataclass(kw_only=True)
@@ -59,12 +67,10 @@ class SimBackendConfig:
 
 @BACKENDS.register("sim", config=SimBackendConfig)
 def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
-            on_done: Callable[[int], None]) -> BackendRun:
-    from experiments.lib.fleet_backend import cluster_config, replica_config, run_fleet
+            on_done: Callable[[int], None], cluster: ClusterConfig) -> BackendRun:
     from sim import Simulator
-    cluster = cluster_config(cfg)
     if cluster.replicas != 1:
-        return run_fleet(cfg, workload, on_done)
+        return run_fleet(cfg, workload, on_done, cluster)
     if cluster.hardware is not None:  # one replica on the GPU it names (the fleet's rule at one replica)
         cfg = replica_config(cfg, cluster.hardware[0])
     gpu, cpu = factory.kv_block_counts(cfg)
@@ -96,13 +102,13 @@ class EngineBackendConfig:
 
 @BACKENDS.register("engine", config=EngineBackendConfig)
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
-               on_done: Callable[[int], None]) -> BackendRun:
+               on_done: Callable[[int], None], cluster: ClusterConfig) -> BackendRun:
     if (cfg.get("cluster") or {}).get("roles") is not None:  # prefill/decode disaggregation: an engine pair
         from experiments.lib.engine_disagg import run_engine_pair  # imports torch: only when used
-        return run_engine_pair(cfg, workload, recorder, on_done)
-    if cfg.get("cluster") is not None and cfg.cluster.get("replicas", 1) != 1:
+        return run_engine_pair(cfg, workload, recorder, on_done, cluster)
+    if cluster.replicas != 1:
         from experiments.lib.engine_fleet import run_engine_fleet  # imports torch: only when used
-        return run_engine_fleet(cfg, workload, on_done)
+        return run_engine_fleet(cfg, workload, on_done, cluster)
     from experiments.lib.engine_backend import run_engine as run_on_engine
     return run_on_engine(cfg, workload, recorder, on_done)
 
@@ -119,9 +125,10 @@ class ServerBackendConfig:
 
 @BACKENDS.register("server", config=ServerBackendConfig)
 def run_server(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
-               on_done: Callable[[int], None]) -> BackendRun:
+               on_done: Callable[[int], None], cluster: ClusterConfig) -> BackendRun:
     """Any OpenAI-compatible server on the loopback address, timed on the client
-    (experiments/lib/serving_client.py); the run's rows are the client's, there are no step rows."""
+    (experiments/lib/serving_client.py); the run's rows are the client's, there are no step rows.
+    `cluster` says nothing here: `check_cluster` allows this backend one replica only."""
     import asyncio
 
     from experiments.lib.serving_client import ClientConfig, drive

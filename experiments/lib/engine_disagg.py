@@ -30,7 +30,7 @@ from experiments.lib.engine_backend import (
     feed_workload,
     release_engine,
 )
-from experiments.lib.fleet_backend import cluster_config, prefill_scheduler_config
+from experiments.lib.fleet_backend import ClusterConfig, prefill_scheduler_config
 from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole
 from policies.scheduler import Scheduler
@@ -38,8 +38,8 @@ from policies.trace import TraceRecorder
 
 
 def run_engine_pair(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
-                    on_done: Callable[[int], None]) -> BackendRun:
-    cluster = cluster_config(cfg)
+                    on_done: Callable[[int], None], cluster: ClusterConfig) -> BackendRun:
+    """`cluster`: the run's checked `ClusterConfig` (fleet_backend.py `cluster_config`)."""
     if tuple(cluster.roles) != (ReplicaRole.PREFILL, ReplicaRole.DECODE):
         raise ValueError(f"cluster.roles={[r.value for r in cluster.roles]} is not supported with backend=engine: "
                          "the engine runs one prefill and one decode replica ([prefill, decode])")

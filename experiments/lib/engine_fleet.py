@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from experiments.lib import engine_backend
 from experiments.lib.backend_run import BackendRun
-from experiments.lib.fleet_backend import build_router, cluster_config
+from experiments.lib.fleet_backend import ClusterConfig, build_router
 from experiments.lib.fleet_feed import FleetFeed, start_together
 from experiments.lib.workloads import Workload
 
@@ -87,9 +87,10 @@ def release_fleet() -> None:
 engine_backend.OTHER_DEVICE_HOLDERS.append(release_fleet)  # a single engine's run frees the devices first
 
 
-def run_engine_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None]) -> BackendRun:
+def run_engine_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None],
+                     cluster: ClusterConfig) -> BackendRun:
+    """`cluster`: the run's checked `ClusterConfig` (fleet_backend.py `cluster_config`)."""
     from policies.routing import RemoteFleet
-    cluster = cluster_config(cfg)
     if cluster.disaggregated:
         raise ValueError(f"cluster.roles={[r.value for r in cluster.roles]!r} is invalid with backend=engine: "
                          "prefill/decode replicas run in the simulator (backend=sim) only (docs/disaggregation.md)")

@@ -165,10 +165,10 @@ def build_router(cfg: DictConfig):
         raise ValueError(f"router.{e}") from None
 
 
-def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None]):
+def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None], cluster: ClusterConfig):
+    """The simulated fleet of the run's `cluster` (its checked `ClusterConfig`, `cluster_config`)."""
     from experiments.lib.backend_run import BackendRun
     from sim.fleet import FleetSimulator, ReplicaSpec
-    cluster = cluster_config(cfg)
     router = build_router(cfg)
     overhead = ServingOverhead.from_cfg(cfg)
     specs, recorders, info, replica_cfgs = [], [], [], []

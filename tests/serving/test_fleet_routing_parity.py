@@ -82,7 +82,7 @@ def test_engine_replica_set_routes_a_recorded_stream_as_the_simulator(monkeypatc
     recorder = EngineSideRecorder(cfg, reports, 3)
     monkeypatch.setattr(sim_fleet, "observe", observe_and_report)
     monkeypatch.setattr(fleet_backend, "build_router", lambda _: recorder)
-    fleet_backend.run_fleet(cfg, factory.workload(cfg), lambda n: None)
+    fleet_backend.run_fleet(cfg, factory.workload(cfg), lambda n: None, fleet_backend.cluster_config(cfg))
     assert len(recorder.sim_choices) == 60
     assert recorder.engine_choices == recorder.sim_choices
     assert len(set(recorder.sim_choices)) > 1

@@ -174,14 +174,14 @@ def test_bad_cluster_config_names_the_key(overrides, match):
 def test_a_link_missing_from_the_hardware_file_names_it():
     cfg = _cfg("cluster.link=infiniband")
     with pytest.raises(ValueError, match=r"cluster.link='infiniband' is not a link of hardware 'h200'.*nvlink"):
-        run_fleet(cfg, factory.workload(cfg), lambda n: None)
+        run_fleet(cfg, factory.workload(cfg), lambda n: None, cluster_config(cfg))
 
 
 def test_the_engine_fleet_refuses_roles_rather_than_ignore_them():
     from experiments.lib.engine_fleet import run_engine_fleet
     cfg = _cfg("backend=engine")
     with pytest.raises(ValueError, match=r"cluster.roles=\['prefill', 'prefill', 'decode'\] is invalid with backend=engine"):
-        run_engine_fleet(cfg, factory.workload(cfg), lambda n: None)
+        run_engine_fleet(cfg, factory.workload(cfg), lambda n: None, cluster_config(cfg))
 
 
 def test_a_links_overhead_is_paid_once_per_transfer_beside_its_bytes():
@@ -240,7 +240,7 @@ def test_prefill_replicas_schedule_ahead_only_as_the_engine_pairs_prefill_engine
 
     monkeypatch.setattr(factory, "build_scheduler", recorded)
     cfg = _cfg("scheduler.async_scheduling=true", f"cluster.prefill_async_scheduling={str(ahead).lower()}")
-    result = run_fleet(cfg, factory.workload(cfg), lambda n: None)
+    result = run_fleet(cfg, factory.workload(cfg), lambda n: None, cluster_config(cfg))
     assert modes == [ahead, ahead, True]
     assert len(result.replica_recorders[2].requests) == 40
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hydra import compose, initialize_config_module
 
 from experiments.lib import factory
-from experiments.lib.fleet_backend import run_fleet
+from experiments.lib.fleet_backend import cluster_config, run_fleet
 
 PAIR = ["workload.num_requests=60", "workload.rate=200", "progress=false", "plots=false", "seed=3",
         "cluster.replicas=2", "cluster.roles=[prefill,decode]", "scheduler.async_scheduling=true"]
@@ -39,7 +39,7 @@ def decode_steps(monkeypatch, join_ahead: bool) -> tuple[list[tuple[bool, bool]]
         return scheduler
 
     monkeypatch.setattr(factory, "build_scheduler", recorded)
-    result = run_fleet(cfg, factory.workload(cfg), lambda n: None)
+    result = run_fleet(cfg, factory.workload(cfg), lambda n: None, cluster_config(cfg))
     return steps, result.replica_recorders[1].requests
 
 

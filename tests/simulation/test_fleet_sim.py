@@ -13,7 +13,7 @@ from test_sim import Constant
 
 from experiments.lib import factory
 from experiments.lib.backends import run_sim
-from experiments.lib.fleet_backend import run_fleet
+from experiments.lib.fleet_backend import cluster_config, run_fleet
 from experiments.lib.traces import events_frame, requests_frame, steps_frame, write_fleet_traces
 from experiments.run import run
 from policies import Request, SamplingParams, Scheduler, SchedulerConfig, make_block_manager, make_policy
@@ -46,8 +46,8 @@ def _frames(recorder):
 def test_one_replica_fleet_gives_the_single_run_traces(tmp_path, overrides):
     cfg = _cfg(*overrides)
     single = TraceRecorder()
-    run_sim(cfg, factory.workload(cfg), single, lambda n: None)
-    fleet = run_fleet(cfg, factory.workload(cfg), lambda n: None)
+    run_sim(cfg, factory.workload(cfg), single, lambda n: None, cluster_config(cfg))
+    fleet = run_fleet(cfg, factory.workload(cfg), lambda n: None, cluster_config(cfg))
     assert len(fleet.replica_recorders) == 1
     merged = write_fleet_traces(fleet.replica_recorders, tmp_path)
     for want, got in zip(_frames(single), merged):
@@ -81,9 +81,9 @@ def test_fast_forward_leaves_the_fleet_traces_of_stepping_one_by_one(tmp_path, r
     base = ["cluster.replicas=2", f"router={router}", f"scheduler.async_scheduling={async_scheduling}",
             "blocks=prefix", "workload.shared_prefix_len=32", "workload=poisson", "workload.rate=200",
             f"cluster.refresh_s={refresh_s}"]
-    ff = run_fleet(_cfg(*base), factory.workload(_cfg(*base)), lambda n: None)
-    slow_cfg = _cfg(*base, "backend.fast_forward=false")
-    slow = run_fleet(slow_cfg, factory.workload(slow_cfg), lambda n: None)
+    ff_cfg, slow_cfg = _cfg(*base), _cfg(*base, "backend.fast_forward=false")
+    ff = run_fleet(ff_cfg, factory.workload(ff_cfg), lambda n: None, cluster_config(ff_cfg))
+    slow = run_fleet(slow_cfg, factory.workload(slow_cfg), lambda n: None, cluster_config(slow_cfg))
     assert ff.num_steps == slow.num_steps
     for a, b in zip(ff.replica_recorders, slow.replica_recorders):
         for fa, fb in zip(_frames(a), _frames(b)):
@@ -120,7 +120,7 @@ def test_the_dispatch_hop_delays_each_request_into_its_replica_not_its_arrival()
 
 def test_a_bad_dispatch_hop_is_one_line():
     with pytest.raises(ValueError, match=r"^cluster.dispatch_hop_s=-0.001 is invalid"):
-        run_fleet(_cfg("cluster.replicas=2", "cluster.dispatch_hop_s=-0.001"), None, lambda n: None)
+        cluster_config(_cfg("cluster.replicas=2", "cluster.dispatch_hop_s=-0.001"))
 
 
 def test_stale_snapshots_herd_a_router_blind_to_its_own_routing():
@@ -151,7 +151,7 @@ def test_measured_block_counts_reach_every_replica():
     has them, as its steps trace and replica_info show."""
     cfg = _cfg("cluster.replicas=3", "blocks=prefix", "blocks.kv_cache_gib=2", "blocks.num_gpu_blocks=77",
                "blocks.num_cpu_blocks=5", "workload=offline")
-    fleet = run_fleet(cfg, factory.workload(cfg), lambda n: None)
+    fleet = run_fleet(cfg, factory.workload(cfg), lambda n: None, cluster_config(cfg))
     assert [(r["num_gpu_blocks"], r["num_cpu_blocks"]) for r in fleet.info["replica_info"]] == [(77, 5)] * 3
     for recorder in fleet.replica_recorders:
         steps = steps_frame(recorder)
