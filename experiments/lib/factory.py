@@ -17,7 +17,7 @@ from policies.build import build_scheduler as build
 from policies.kv_pool_size import pool_memory_utilization
 from policies.model_shape import resolve_max_model_len
 from policies.scheduler import Scheduler
-from policies.sequence_parallel import check_min_rows, sequence_parallel_from
+from policies.sequence_parallel import sequence_parallel_from
 from sim.latency import (
     LATENCY_MODELS,
     Hardware,
@@ -225,9 +225,7 @@ def latency_setup(cfg: DictConfig) -> LatencySetup:
     sched = cfg.get("scheduler") or {}
 
     tp = tensor_parallel_size(cfg)
-    parallel = section(cfg, "parallel") if cfg.get("parallel") is not None else {}
-    setting = parallel.get("sequence_parallel_min_rows")  # null: the engine's default, 0
-    sequence_parallel = check_min_rows(0 if setting is None else setting, "parallel.sequence_parallel_min_rows")
+    sequence_parallel = parallel_config(cfg).sequence_parallel_min_rows  # checked there; null: the engine's 0
     eager_from = sequence_parallel_from(tp, sequence_parallel)
 
     def graph_sizes() -> tuple[list[int], list[int]]:  # the engine's CUDA-graph buckets for these limits
