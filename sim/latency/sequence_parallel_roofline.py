@@ -35,13 +35,12 @@ class SequenceParallelRoofline:
     """What a sequence-parallel step changes in the roofline's price on one GPU's shard: its rows,
     its elementwise traffic and its boundaries' collectives in place of the all-reduces."""
 
-    size: int
     min_rows: int
     fused: bool  # the boundaries overlap their GEMMs (torch's fused symmetric-memory ops)
     batch_sizes: tuple[int, ...]  # the engine's CUDA-graph sizes for decode-only batches (none known: ())
     token_sizes: tuple[int, ...]  # and for steps with prefill tokens
-    layers: int
-    link: RingLink
+    layers: int  # the shard's decoder layers: the per-step totals below sum over them
+    link: RingLink  # the ring over the run's GPUs (`link.size` of them)
     row_bytes: int  # one row of the residual stream: hidden x dtype bytes
     linear_weights_s: float  # reading every layer's GEMM weights once
     linear_s_per_row: float  # every layer's GEMM FLOPs for one row
@@ -63,7 +62,7 @@ class SequenceParallelRoofline:
         h, b = shard.hidden_size, shard.dtype_bytes
         per_layer, gemms = shard.linear_params_per_layer, shard.gemm_params_per_layer
         norm_bytes = shard.num_hidden_layers * NORM_ELEMENTS_PER_LAYER * h * b
-        return cls(setup.tensor_parallel_size, min_rows, fused, tuple(batches), tuple(tokens), shard.num_hidden_layers,
+        return cls(min_rows, fused, tuple(batches), tuple(tokens), shard.num_hidden_layers,
                    RingLink.of(setup.hardware, setup.tensor_parallel_size), h * b,
                    shard.linear_params * b / bandwidth, gemm_s_per_token, norm_bytes / bandwidth,
                    (shard.activation_bytes_per_token - norm_bytes) / bandwidth, tuple(p / per_layer for p in gemms))
@@ -71,15 +70,15 @@ class SequenceParallelRoofline:
     def takes(self, tokens: int, decode_only: bool) -> bool:
         """Whether the engine runs a step of `tokens` tokens sequence-parallel."""
         sizes = self.batch_sizes if decode_only else self.token_sizes
-        return takes_sequence_parallel(self.size, self.min_rows, tokens, sizes)
+        return takes_sequence_parallel(self.link.size, self.min_rows, tokens, sizes)
 
     def rows(self, tokens: int) -> int:
         """The step's rows, padded to a multiple of the GPUs."""
-        return padded_rows(tokens, self.size)
+        return padded_rows(tokens, self.link.size)
 
     def elementwise_s(self, rows: int) -> float:
         """The step's elementwise traffic: the norms on this GPU's rows, the rest on all of them."""
-        return rows * (self.norm_s_per_row / self.size + self.other_elementwise_s_per_row)
+        return rows * (self.norm_s_per_row / self.link.size + self.other_elementwise_s_per_row)
 
     def boundaries_s(self, rows: int, samples: int) -> float:
         """The step's collectives: its 4 L + 2 row collectives (each fused one's beyond its GEMM's
@@ -90,5 +89,5 @@ class SequenceParallelRoofline:
             exposed = sum(max(0.0, c - per_layer * share) for share in self.boundary_shares)
         else:
             exposed = len(self.boundary_shares) * c
-        gather = self.link.all_gather_s(SAMPLED_PAIR_BYTES * self.size * samples)
+        gather = self.link.all_gather_s(SAMPLED_PAIR_BYTES * self.link.size * samples)
         return self.layers * exposed + 2 * c + gather
