@@ -105,6 +105,15 @@ class SamplingParams:
         _check(self.output_kind in OUTPUT_KINDS, "output_kind", self.output_kind,
                f"must be one of {', '.join(OUTPUT_KINDS)}")
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The stop_token_ids within the model's vocabulary of `vocab_size` ids: one past it is never
+        sampled, so it would never stop anything. One rule for the engine (`Request.validate`) and the
+        simulator, which has no prompt ids to check but the model's vocabulary all the same."""
+        if self.stop_token_ids:
+            bad = [t for t in self.stop_token_ids if t >= vocab_size]
+            _check(not bad, "stop_token_ids", bad[:5], f"token ids must be integers in [0, {vocab_size}) "
+                   "(the model's vocabulary)")
+
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
@@ -158,11 +167,8 @@ class Request:
         params = self.sampling_params
         _check(isinstance(params, SamplingParams), "sampling_params", params, "must be a SamplingParams")
         params.validate()
-        if vocab_size is not None and params.stop_token_ids:
-            # An id past the vocabulary is never sampled: it would never stop anything.
-            bad = [t for t in params.stop_token_ids if t >= vocab_size]
-            _check(not bad, "stop_token_ids", bad[:5], f"token ids must be integers in [0, {vocab_size}) "
-                   "(the model's vocabulary)")
+        if vocab_size is not None:
+            params.check_vocabulary(vocab_size)
         self._validated = (ids, n, params, vocab_size)
 
     def fresh_copy(self) -> Request:

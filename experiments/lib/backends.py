@@ -69,6 +69,9 @@ class SimBackendConfig:
 def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
             on_done: Callable[[int], None], cluster: ClusterConfig) -> BackendRun:
     from sim import Simulator
+    vocab_size = factory.model_shape(cfg).vocab_size
+    for request in workload.requests:  # the engine's add_request refuses these alike (Request.validate)
+        request.sampling_params.check_vocabulary(vocab_size)
     if cluster.replicas != 1:
         return run_fleet(cfg, workload, on_done, cluster)
     if cluster.hardware is not None:  # one replica on the GPU it names (the fleet's rule at one replica)

@@ -53,7 +53,8 @@ def test_an_id_in_the_vocabulary_still_stops(llm):
 
 
 def test_without_a_vocabulary_any_id_passes():
-    """The simulator's requests know no vocabulary (vocab_size None): nothing to check against."""
+    """A request validated without a vocabulary (vocab_size None: the scheduler's own check) passes
+    any id; the simulator checks them against its model's (tests/runs/test_stop_token_ids_backends.py)."""
     Request("r", [1, 2], SamplingParams(stop_token_ids=[10**9])).validate(64)
     with pytest.raises(ValueError, match=r"stop_token_ids=\[1000000000\] is invalid"):
         Request("r", [1, 2], SamplingParams(stop_token_ids=[10**9])).validate(64, VOCAB)
