@@ -23,11 +23,10 @@ code path for both.
   (TTFT, inter-token latencies, e2e) per request that ends, on the event loop.
 
 `from_engine_args(args, engine_process=True)` runs the engine in a child process instead
-(engine/online/engine_core.py), so the front end's per-chunk work no longer shares the interpreter lock
-with the thread that steps the model. Every guarantee above holds there too; the core process dying
-is the loop dying. `engine` (the LLMEngine) is None in that mode. `shutdown()` stops what the
-engine started: the worker thread, the core process, and an engine built by `from_engine_args`
-(its tensor-parallel workers included).
+(engine/online/engine_core.py): the front end's per-chunk work then no longer shares the interpreter
+lock with the thread that steps the model, the core process dying is the loop dying, and `engine`
+(the LLMEngine) is None. `shutdown()` stops what the engine started: the worker thread, the core
+process, and an engine built by `from_engine_args` (its tensor-parallel workers included).
 """
 from __future__ import annotations
 
