@@ -8,17 +8,9 @@ import re
 
 import numpy as np
 import pytest
+from workload_helpers import VOCAB, trace_workload
 
 from experiments.lib.workloads import build_workload
-
-VOCAB = 1000
-
-
-def trace(tmp_path, name: str, data: str | bytes, **cfg):
-    """A `kind` (default replay) workload of the trace file `name` holding `data`."""
-    path = tmp_path / name
-    path.write_bytes(data if isinstance(data, bytes) else data.encode())
-    return build_workload({"kind": "replay", "path": str(path), **cfg}, seed=0, vocab_size=VOCAB)
 
 
 def raises(match: str):
@@ -36,7 +28,7 @@ def raises(match: str):
 def test_a_trace_that_is_not_utf8_names_the_file_line_and_byte(kind, name, data, tmp_path):
     line = data[:data.index(b"\xff") if b"\xff" in data else data.index(b"\xfe")].count(b"\n") + 1
     with raises(rf"{re.escape(str(tmp_path / name))}:{line}: not UTF-8 text \(byte 0x(ff|fe) at position \d+\)"):
-        trace(tmp_path, name, data, kind=kind)
+        trace_workload(tmp_path, name, data, kind=kind)
 
 
 # ---- bounds: a length, a count (the prompts' memory: test_workload_prompt_memory.py) ------------
@@ -100,14 +92,15 @@ ROW = '{"arrival_time": 0, "prompt_len": 4, "output_len": 2}\n'
 ])
 def test_a_trace_length_past_the_bound_names_file_line_and_field(kind, name, text, match, tmp_path):
     with raises(re.escape(str(tmp_path / name)) + match):
-        trace(tmp_path, name, text, kind=kind)
+        trace_workload(tmp_path, name, text, kind=kind)
 
 
 def test_given_prompt_ids_past_the_bound_are_refused(tmp_path, monkeypatch):
     from experiments.lib.workloads import replay
     monkeypatch.setattr(replay, "MAX_LENGTH", 3)
     with raises(r"t.jsonl:1: field prompt_token_ids='<4 ids>' is invalid: must hold at most 3 ids"):
-        trace(tmp_path, "t.jsonl", '{"arrival_time": 0, "prompt_token_ids": [1, 2, 3, 4], "output_len": 2}\n')
+        trace_workload(tmp_path, "t.jsonl",
+                       '{"arrival_time": 0, "prompt_token_ids": [1, 2, 3, 4], "output_len": 2}\n')
 
 
 def test_a_trace_of_more_rows_than_the_bound_is_refused_unless_cut(tmp_path, monkeypatch):
@@ -116,8 +109,8 @@ def test_a_trace_of_more_rows_than_the_bound_is_refused_unless_cut(tmp_path, mon
     text = ROW * 3 + "not json: never read when num_requests cuts the trace before it\n"
     with raises(r"workload\.path='.*t\.jsonl' holds more than 2 requests, the most a workload may hold: set "
                 r"workload\.num_requests to replay its first rows"):
-        trace(tmp_path, "t.jsonl", text)
-    assert len(trace(tmp_path, "t.jsonl", text, num_requests=2)) == 2
+        trace_workload(tmp_path, "t.jsonl", text)
+    assert len(trace_workload(tmp_path, "t.jsonl", text, num_requests=2)) == 2
 
 
 def test_mooncake_blocks_are_drawn_as_far_as_read_with_the_same_ids(tmp_path):
@@ -125,7 +118,7 @@ def test_mooncake_blocks_are_drawn_as_far_as_read_with_the_same_ids(tmp_path):
     rows = [(3, [7]), (6, [7, 8]), (1, [8])]  # block 7 read in part, then whole; block 8 in part, twice
     text = "".join(f'{{"timestamp": {k}, "input_length": {n}, "output_length": 2, "hash_ids": {ids}}}\n'
                    for k, (n, ids) in enumerate(rows))
-    w = trace(tmp_path, "t.jsonl", text, kind="mooncake", block_tokens=4, seed=5)
+    w = trace_workload(tmp_path, "t.jsonl", text, kind="mooncake", block_tokens=4, seed=5)
     whole = {h: np.random.default_rng([5, h]).integers(0, VOCAB, size=4).tolist() for h in (7, 8)}
     assert [r.prompt_token_ids for r in w.requests] == [whole[7][:3], whole[7] + whole[8][:2], whole[8][:1]]
 
@@ -171,16 +164,17 @@ ALLOWED = re.escape("allowed are ['request_id', 'arrival_time', 'prompt_token_id
 ])
 def test_replay_refuses_an_unknown_field_and_two_prompt_lengths(name, text, match, tmp_path):
     with raises(re.escape(str(tmp_path / name)) + match):
-        trace(tmp_path, name, text)
+        trace_workload(tmp_path, name, text)
 
 
 def test_replay_takes_every_documented_field_and_an_agreeing_prompt_len(tmp_path):
     row = {"request_id": "x", "arrival_time": 0.5, "prompt_token_ids": [1, 2, 3], "prompt_len": 3, "output_len": 2,
            "max_tokens": 4, "priority": 1, "tenant": "t"}
-    (r,) = trace(tmp_path, "t.jsonl", json.dumps(row) + "\n").requests
+    (r,) = trace_workload(tmp_path, "t.jsonl", json.dumps(row) + "\n").requests
     assert (r.request_id, r.prompt_token_ids, r.sampling_params.max_tokens, r.priority, r.tenant) == \
         ("x", [1, 2, 3], 4, 1, "t")
-    w = trace(tmp_path, "t.csv", "arrival_time,prompt_len,prompt_token_ids,output_len\n0,2,5 6,2\n0,3,,2\n")
+    w = trace_workload(tmp_path, "t.csv",
+                       "arrival_time,prompt_len,prompt_token_ids,output_len\n0,2,5 6,2\n0,3,,2\n")
     assert [r.num_prompt_tokens for r in w.requests] == [2, 3]
 
 
@@ -239,7 +233,7 @@ def test_an_invalid_rate_is_refused_by_kinds_that_do_not_use_it(cfg, rate):
 
 def test_an_invalid_rate_is_refused_by_a_replay(tmp_path):
     with raises(r"^workload\.rate=-1 is invalid: must be a finite number > 0$"):
-        trace(tmp_path, "t.jsonl", ROW, rate=-1)
+        trace_workload(tmp_path, "t.jsonl", ROW, rate=-1)
 
 
 @pytest.mark.parametrize("cfg", list(OFFLINE_KINDS.values()), ids=list(OFFLINE_KINDS))

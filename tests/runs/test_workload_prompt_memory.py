@@ -10,7 +10,8 @@ import re
 import tracemalloc
 
 import pytest
-from test_workload_bad_input import NANOVLLM, POISSON, SESSIONS, build, raises, trace
+from test_workload_bad_input import NANOVLLM, POISSON, SESSIONS, build, raises
+from workload_helpers import trace_workload
 
 from experiments import make_mooncake_trace as mk
 from experiments.lib.workloads import common
@@ -80,18 +81,19 @@ def test_a_trace_past_the_bound_names_the_row_before_any_id_is_drawn(kind, name,
     line = 4 if header else 3  # the third row: 120 tokens of fresh ids, 4,800 bytes
     fix = r"set workload\.num_requests to replay fewer rows"
     with raises(rf"^{re.escape(str(tmp_path / name))}:{line}: {over(120, 120)}: {fix}"):
-        trace(tmp_path, name, text, kind=kind)
+        trace_workload(tmp_path, name, text, kind=kind)
 
 
 def test_mooncake_prompts_of_shared_blocks_count_their_blocks_ids_once(small_bound, monkeypatch, tmp_path):
     """Four prompts of one block's 40 tokens: 160 tokens at 8 bytes, 40 ids at 32 (2,560 bytes),
     within a bound that four blocks of their own (6,400 bytes) go past at the third row."""
     text = "".join(MOONCAKE_ROW.format(n=40, k=1) + "\n" for _ in range(4))
-    w = trace(tmp_path, "t.jsonl", text, kind="mooncake")
+    w = trace_workload(tmp_path, "t.jsonl", text, kind="mooncake")
     assert len({id(r.prompt_token_ids[0]) for r in w.requests}) == 1  # the same int objects
     with raises(rf":3: {over(120, 120)}: set workload\.num_requests to replay fewer rows \(or make a trace of fewer "
                 r"--hours with experiments\.make_mooncake_trace\)$"):
-        trace(tmp_path, "t.jsonl", "".join(MOONCAKE_ROW.format(n=40, k=k) + "\n" for k in range(4)), kind="mooncake")
+        trace_workload(tmp_path, "t.jsonl", "".join(MOONCAKE_ROW.format(n=40, k=k) + "\n" for k in range(4)),
+                       kind="mooncake")
 
 
 def test_a_mooncake_block_read_further_than_before_counts_its_new_draw(monkeypatch, tmp_path):
@@ -103,7 +105,7 @@ def test_a_mooncake_block_read_further_than_before_counts_its_new_draw(monkeypat
                    for n, ids in rows)
     with raises(r":3: the prompts would hold about 368 bytes of token ids \(10 prompt tokens at 8 bytes and 9 token "
                 r"ids drawn afresh"):
-        trace(tmp_path, "t.jsonl", text, kind="mooncake", block_tokens=4)
+        trace_workload(tmp_path, "t.jsonl", text, kind="mooncake", block_tokens=4)
 
 
 @pytest.mark.parametrize("cfg", [

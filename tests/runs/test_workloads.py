@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+from workload_helpers import trace_workload
 
 from experiments.lib.workloads import build_workload
 
@@ -99,19 +100,14 @@ def test_bad_config_names_the_key(kw, key):
         build(**kw)
 
 
-def replay(tmp_path, name, text, **kw):
-    path = tmp_path / name
-    path.write_text(text)
-    return build_workload({"kind": "replay", "path": str(path), **kw}, seed=0, vocab_size=1000)
-
-
 def test_replay_csv_and_jsonl(tmp_path):
-    w = replay(tmp_path, "t.csv", "arrival_time,prompt_len,output_len,priority\n0.5,10,3,1\n0.1,4,2,\n")
+    w = trace_workload(tmp_path, "t.csv",
+                       "arrival_time,prompt_len,output_len,priority\n0.5,10,3,1\n0.1,4,2,\n")
     assert [r.request_id for r in w.requests] == ["1", "0"]  # sorted by arrival
     assert [r.num_prompt_tokens for r in w.requests] == [4, 10] and w.output_lens == [2, 3]
     assert [r.priority for r in w.requests] == [0, 1]
     rows = [{"request_id": "x", "arrival_time": 0, "prompt_token_ids": [1, 2, 3], "output_len": 5, "max_tokens": 9}]
-    w = replay(tmp_path, "t.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n", time_scale=2.0)
+    w = trace_workload(tmp_path, "t.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n", time_scale=2.0)
     assert w.requests[0].prompt_token_ids == [1, 2, 3] and w.stop_lens == {"x": 5}
 
 
@@ -131,7 +127,7 @@ def test_replay_csv_and_jsonl(tmp_path):
 ])
 def test_replay_errors_name_line_and_field(tmp_path, name, text, match):
     with pytest.raises(ValueError, match=match):
-        replay(tmp_path, name, text)
+        trace_workload(tmp_path, name, text)
 
 
 TENANTS = {"kind": "synthetic", "num_requests": 40, "arrival": "poisson", "rate": 1.0,
@@ -177,8 +173,6 @@ def test_length_correlation():
 
 
 def test_replay_tenant_field(tmp_path):
-    path = tmp_path / "t.jsonl"
-    path.write_text('{"arrival_time": 0, "prompt_len": 3, "output_len": 2, "tenant": "acme"}\n'
-                    '{"arrival_time": 1, "prompt_len": 3, "output_len": 2}\n')
-    w = build_workload({"kind": "replay", "path": str(path)}, 0, 1000)
+    w = trace_workload(tmp_path, "t.jsonl", '{"arrival_time": 0, "prompt_len": 3, "output_len": 2, '
+                       '"tenant": "acme"}\n{"arrival_time": 1, "prompt_len": 3, "output_len": 2}\n')
     assert [r.tenant for r in w.requests] == ["acme", None]
