@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from experiments.lib.workloads.base import WORKLOADS, Workload, WorkloadConfig
-from experiments.lib.workloads.common import PromptMemory
-from experiments.lib.workloads.imported import drawn_prompts, drop_empty, lengths, workload
-from experiments.lib.workloads.replay import bad_field, more_prompt_tokens, trace_rows
+from experiments.lib.workloads.imported import LengthRows, drop_empty
+from experiments.lib.workloads.replay import bad_field, trace_rows
 
 
 def _timestamp(path, line: int, row: Mapping[str, Any]) -> datetime.datetime:
@@ -40,8 +39,7 @@ class AzureWorkloadConfig(WorkloadConfig):
 @WORKLOADS.register("azure", config=AzureWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     path, rows, scale = trace_rows(cfg, where, "Azure LLM inference .csv")
-    drop = drop_empty(cfg, where)
-    items, dropped, first, memory = [], 0, None, PromptMemory()
+    kept, first = LengthRows(path, where, drop_empty(cfg, where)), None
     for line, row in rows:
         ts = _timestamp(path, line, row)
         if first is None:
@@ -49,10 +47,5 @@ def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "work
         elif (ts.tzinfo is None) != (first.tzinfo is None):
             raise bad_field(path, line, "TIMESTAMP", row.get("TIMESTAMP"),
                        "must carry a UTC offset if the first row's does, and none otherwise")
-        lens = lengths(path, line, row, "ContextTokens", "GeneratedTokens", drop)
-        if lens is None:
-            dropped += 1
-            continue
-        more_prompt_tokens(memory, lens[0], path, line, where)
-        items.append(((ts - first).total_seconds(), lens[0], lens[1]))
-    return workload(str(cfg.get("name", "azure")), path, drawn_prompts(items, seed, vocab_size), scale, dropped)
+        kept.add(line, row, (ts - first).total_seconds(), "ContextTokens", "GeneratedTokens")
+    return kept.workload(str(cfg.get("name", "azure")), seed, vocab_size, scale)

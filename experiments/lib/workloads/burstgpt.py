@@ -17,9 +17,8 @@ from typing import Any
 
 from experiments.lib.workloads.azure import AzureWorkloadConfig
 from experiments.lib.workloads.base import WORKLOADS, Workload
-from experiments.lib.workloads.common import PromptMemory
-from experiments.lib.workloads.imported import drawn_prompts, drop_empty, lengths, workload
-from experiments.lib.workloads.replay import more_prompt_tokens, number, trace_rows
+from experiments.lib.workloads.imported import LengthRows, drop_empty
+from experiments.lib.workloads.replay import number, trace_rows
 
 
 def _selector(cfg: Mapping[str, Any], key: str, where: str) -> str | None:
@@ -38,20 +37,13 @@ class BurstgptWorkloadConfig(AzureWorkloadConfig):
 @WORKLOADS.register("burstgpt", config=BurstgptWorkloadConfig)
 def build(cfg: Mapping[str, Any], seed: int, vocab_size: int, where: str = "workload") -> Workload:
     path, rows, scale = trace_rows(cfg, where, "BurstGPT .csv")
-    drop = drop_empty(cfg, where)
+    kept = LengthRows(path, where, drop_empty(cfg, where))
     model, log_type = _selector(cfg, "model", where), _selector(cfg, "log_type", where)
-    items, dropped, memory = [], 0, PromptMemory()
     for line, row in rows:
         if (model is not None and row.get("Model") != model) or \
                 (log_type is not None and row.get("Log Type") != log_type):
             continue
-        t = number(path, line, row, "Timestamp")
-        lens = lengths(path, line, row, "Request tokens", "Response tokens", drop)
-        if lens is None:
-            dropped += 1
-            continue
-        more_prompt_tokens(memory, lens[0], path, line, where)
-        items.append((t, lens[0], lens[1]))
-    if not items and not dropped:
+        kept.add(line, row, number(path, line, row, "Timestamp"), "Request tokens", "Response tokens")
+    if not kept.items and not kept.dropped:
         raise ValueError(f"{where}.model={model!r}, {where}.log_type={log_type!r} select no row of {path}")
-    return workload(str(cfg.get("name", "burstgpt")), path, drawn_prompts(items, seed, vocab_size), scale, dropped)
+    return kept.workload(str(cfg.get("name", "burstgpt")), seed, vocab_size, scale)

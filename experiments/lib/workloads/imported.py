@@ -1,5 +1,6 @@
 """What the public-trace importers (azure.py, burstgpt.py, mooncake.py) share: reading their length
-fields, rows with no prompt or output tokens, and the workload they make.
+fields, rows with no prompt or output tokens, and the workload they make; and, for the traces of
+lengths alone (azure.py, burstgpt.py), the rows they keep (`LengthRows`).
 
 Public traces record lengths, not text: prompts are drawn token ids (seeded), except where a format
 records which blocks requests share (Mooncake's hash ids). Every request replays its recorded
@@ -11,14 +12,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from experiments.lib.workloads.base import Workload
-from experiments.lib.workloads.common import LENGTH, make_request
-from experiments.lib.workloads.replay import as_int, bad_field
+from experiments.lib.workloads.common import LENGTH, PromptMemory, make_request
+from experiments.lib.workloads.replay import as_int, bad_field, more_prompt_tokens
 
 
 def lengths(path: Path, line: int, row: Mapping[str, Any], prompt_field: str, output_field: str,
@@ -67,3 +69,31 @@ def workload(name: str, path: Path, items: list[tuple[float, list[int], int]], s
         requests.append(make_request(str(k), prompt, out, None, (t - start) * scale, 0))
         outs.append(out)
     return Workload(name, requests, outs)
+
+
+@dataclass(slots=True)
+class LengthRows:
+    """The rows of a trace of lengths alone (no token ids, no shared blocks), read in file order:
+    each row's lengths (`lengths`: an empty row left out and counted, or refused), its prompt tokens
+    counted against the workload's bound (replay.py `more_prompt_tokens`), its (arrival, prompt
+    length, output length) kept; the prompts are drawn once every row is read and checked."""
+
+    path: Path
+    where: str  # the config's key, for the errors
+    drop_empty: bool
+    items: list[tuple[float, int, int]] = field(default_factory=list)
+    dropped: int = 0
+    memory: PromptMemory = field(default_factory=PromptMemory)
+
+    def add(self, line: int, row: Mapping[str, Any], arrival: float, prompt_field: str, output_field: str) -> None:
+        """Row `line` of the file, arriving at `arrival` (seconds, before scaling), its lengths in the two fields."""
+        lens = lengths(self.path, line, row, prompt_field, output_field, self.drop_empty)
+        if lens is None:
+            self.dropped += 1
+            return
+        more_prompt_tokens(self.memory, lens[0], self.path, line, self.where)
+        self.items.append((arrival, *lens))
+
+    def workload(self, name: str, seed: int, vocab_size: int, scale: float) -> Workload:
+        """The workload of the rows kept, their prompts drawn from `seed`."""
+        return workload(name, self.path, drawn_prompts(self.items, seed, vocab_size), scale, self.dropped)
