@@ -1,12 +1,13 @@
 """Backend dispatch for `experiments.run` / `experiments.ab`: `cfg.backend.name` -> a run function.
 
-A backend is one function `run(cfg, workload, recorder, on_done, cluster) -> BackendRun`: it builds
-its scheduler (`experiments.lib.factory.build_scheduler`, handing it `recorder`), feeds it
-`workload`'s requests at their arrival times, executes every step, calls `on_done(n)` as n requests
-end, and returns when all have ended. `cluster` is the run's `cluster` group, checked once here
-(`check_cluster`) and handed down to whatever reads it. Adding a backend = one function here (or in
-a module imported here) registered with its config dataclass (the keys of its yaml),
-`@BACKENDS.register("name", config=NameBackend)`, plus `conf/backend/<name>.yaml` with `name: <name>`.
+A backend is one function `run(cfg, workload, recorder, on_done) -> BackendRun`: it builds its
+scheduler (`experiments.lib.factory.build_scheduler`, handing it `recorder`), feeds it `workload`'s
+requests at their arrival times, executes every step, calls `on_done(n)` as n requests end, and
+returns when all have ended. The `cluster` and `router` groups are checked here for every backend
+(`check_cluster`); a backend that runs fleets reads the checked group with `cluster_config(cfg)`.
+Adding a backend = one function here (or in a module imported here) registered with its config
+dataclass (the keys of its yaml), `@BACKENDS.register("name", config=NameBackend)`, plus
+`conf/backend/<name>.yaml` with `name: <name>`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from omegaconf import DictConfig
 from experiments.lib import factory
 from experiments.lib.backend_run import BackendRun
 from experiments.lib.fleet_backend import (
-    ClusterConfig,
     build_router,
     cluster_config,
     replica_config,
@@ -29,7 +29,7 @@ from experiments.lib.workloads import Workload
 from policies.registry import Registry
 from policies.trace import TraceRecorder
 
-BackendFn = Callable[[DictConfig, Workload, TraceRecorder, Callable[[int], None], ClusterConfig], BackendRun]
+BackendFn = Callable[[DictConfig, Workload, TraceRecorder, Callable[[int], None]], BackendRun]
 BACKENDS: Registry[BackendFn] = Registry("backend", field="name", group="backend")
 
 
@@ -37,16 +37,16 @@ def run_backend(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
                 on_done: Callable[[int], None] = lambda n: None) -> BackendRun:
     name = cfg.backend.get("name")
     run = BACKENDS.get(name, where="backend")
-    cluster = check_cluster(cfg, name)
+    check_cluster(cfg, name)
     if cfg.get("parallel") is not None:
         factory.parallel_config(cfg)  # the engine's values only, on every backend
-    return run(cfg, workload, recorder, on_done, cluster)
+    return run(cfg, workload, recorder, on_done)
 
 
-def check_cluster(cfg: DictConfig, backend: str) -> ClusterConfig:
+def check_cluster(cfg: DictConfig, backend: str) -> None:
     """The `cluster` and `router` settings, checked on every run of every backend, a one-replica
     run's included (which routes nothing, but a bad value there is as much a mistake, and
-    `cluster.hardware` does change its GPU). Returns the checked `ClusterConfig`, the run's one."""
+    `cluster.hardware` does change its GPU)."""
     cluster = cluster_config(cfg)
     if cfg.get("router") is not None:
         build_router(cfg)
@@ -56,7 +56,6 @@ def check_cluster(cfg: DictConfig, backend: str) -> ClusterConfig:
     if cluster.hardware is not None and backend != "sim":
         raise ValueError(f"cluster.hardware={list(cluster.hardware)!r} is invalid with backend={backend}: it "
                          "picks simulated GPUs (backend=sim); this backend runs on real ones (set it to null)")
-    return cluster
 
 
 @dataclass(kw_only=True)
@@ -67,8 +66,9 @@ class SimBackendConfig:
 
 @BACKENDS.register("sim", config=SimBackendConfig)
 def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
-            on_done: Callable[[int], None], cluster: ClusterConfig) -> BackendRun:
+            on_done: Callable[[int], None]) -> BackendRun:
     from sim import Simulator
+    cluster = cluster_config(cfg)
     vocab_size = factory.model_shape(cfg).vocab_size
     for request in workload.requests:  # the engine's add_request refuses these alike (Request.validate)
         request.sampling_params.check_vocabulary(vocab_size)
@@ -105,7 +105,8 @@ class EngineBackendConfig:
 
 @BACKENDS.register("engine", config=EngineBackendConfig)
 def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
-               on_done: Callable[[int], None], cluster: ClusterConfig) -> BackendRun:
+               on_done: Callable[[int], None]) -> BackendRun:
+    cluster = cluster_config(cfg)
     if (cfg.get("cluster") or {}).get("roles") is not None:  # prefill/decode disaggregation: an engine pair
         from experiments.lib.engine_disagg import run_engine_pair  # imports torch: only when used
         return run_engine_pair(cfg, workload, recorder, on_done, cluster)
@@ -128,10 +129,9 @@ class ServerBackendConfig:
 
 @BACKENDS.register("server", config=ServerBackendConfig)
 def run_server(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
-               on_done: Callable[[int], None], cluster: ClusterConfig) -> BackendRun:
+               on_done: Callable[[int], None]) -> BackendRun:
     """Any OpenAI-compatible server on the loopback address, timed on the client
-    (experiments/lib/serving_client.py); the run's rows are the client's, there are no step rows.
-    `cluster` says nothing here: `check_cluster` allows this backend one replica only."""
+    (experiments/lib/serving_client.py); the run's rows are the client's, there are no step rows."""
     import asyncio
 
     from experiments.lib.serving_client import ClientConfig, drive

@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from experiments.lib.fidelity_spec import compose_cfg
@@ -81,3 +82,37 @@ def test_the_server_takes_a_policy_with_arguments():
     ns = build_parser().parse_args(["--model", "tiny-llama", "--policy", "srpt", "--policy-config", "{aging: 1.0}"])
     args = engine_args_from(ns)
     assert args.policy == "srpt" and args.scheduling_config(64).policy.aging == 1.0
+
+
+@pytest.fixture
+def fixed_backend():
+    """The example backend, registered for this test only: the other tests list the registered
+    backends and must not see it."""
+    from experiments.lib.backends import BACKENDS
+
+    saved = dict(BACKENDS._entries), dict(BACKENDS._configs)
+    yield load_example("fixed_backend")
+    sys.modules.pop("extending_example_fixed_backend", None)
+    BACKENDS._entries, BACKENDS._configs = saved
+
+
+def test_a_backend_runs_a_workload_into_the_trace_files(fixed_backend, tmp_path):
+    """The page's backend, with its yaml's keys, runs a whole workload through `experiments.run`'s
+    run: every request ends, each step takes `step_time_s`, and the usual trace files are written."""
+    from omegaconf import OmegaConf, open_dict
+
+    from experiments.lib.run_workload import run
+
+    cfg = compose_cfg(["workload=offline", "workload.num_requests=20", "progress=false", "plots=false"])
+    with open_dict(cfg):
+        cfg.backend = OmegaConf.create({"name": "fixed", "step_time_s": 0.02})
+    summary = run(cfg, tmp_path, "fixed")
+    assert summary["num_requests"] == summary["completed"] == 20
+    steps = pd.read_parquet(tmp_path / "steps.parquet")
+    assert len(steps) > 0 and steps["duration"].to_numpy() == pytest.approx(0.02)
+    assert {p.name for p in tmp_path.iterdir()} >= {"requests.parquet", "steps.parquet", "events.parquet",
+                                                   "summary.json"}
+    with open_dict(cfg):
+        cfg.backend.step_time = 0.02
+    with pytest.raises(ValueError, match="backend.step_time"):
+        run(cfg, tmp_path / "bad", "fixed")

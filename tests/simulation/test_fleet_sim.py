@@ -46,7 +46,7 @@ def _frames(recorder):
 def test_one_replica_fleet_gives_the_single_run_traces(tmp_path, overrides):
     cfg = _cfg(*overrides)
     single = TraceRecorder()
-    run_sim(cfg, factory.workload(cfg), single, lambda n: None, cluster_config(cfg))
+    run_sim(cfg, factory.workload(cfg), single, lambda n: None)
     fleet = run_fleet(cfg, factory.workload(cfg), lambda n: None, cluster_config(cfg))
     assert len(fleet.replica_recorders) == 1
     merged = write_fleet_traces(fleet.replica_recorders, tmp_path)

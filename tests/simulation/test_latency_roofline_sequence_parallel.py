@@ -8,7 +8,6 @@ import pytest
 
 from experiments.lib import factory
 from experiments.lib.backends import run_sim
-from experiments.lib.fleet_backend import cluster_config
 from policies.trace import TraceRecorder
 from sim.latency.base import BatchShape
 from sim.latency.sequence_parallel_roofline import NORM_ELEMENTS_PER_LAYER
@@ -84,7 +83,7 @@ def test_a_run_prices_it_and_bad_values_are_refused():
     for extra in ((SP,), ()):
         cfg = config(*BASE, *overrides, *extra)
         recorder = TraceRecorder()
-        runs.append((run_sim(cfg, factory.workload(cfg), recorder, lambda n: None, cluster_config(cfg)), recorder))
+        runs.append((run_sim(cfg, factory.workload(cfg), recorder, lambda n: None), recorder))
     (on, on_rec), (off, off_rec) = runs
     assert len(on_rec.requests) == len(off_rec.requests) == 24
     assert on.num_steps == off.num_steps and on.elapsed_s != off.elapsed_s
