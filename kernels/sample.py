@@ -29,9 +29,9 @@ def _consider(row_ptr, cols, col_start, col_end, u, inv_t, noisy, best_val, best
     return tl.where(better, x, best_val), tl.where(better, cols, best_idx)
 
 
-# A fresh seed every step, and temperatures in a step-input buffer whose offset is 8-byte aligned
-# only (engine/device/batch_layout.py): neither is specialized on, so one compiled kernel serves
-# every step, the one the runner compiles at start-up.
+# A fresh seed every step, and temperatures that callers may pass at any offset (the engine's step
+# inputs are 16-byte aligned, engine/device/batch_layout.py, others need not be): neither is
+# specialized on, so one compiled kernel serves every step, the one the runner compiles at start-up.
 @triton.jit(do_not_specialize=["seed", "temps_ptr", "col_start", "col_end", "first_chunk"])
 def _chunk_best_kernel(
     logits_ptr,

@@ -6,9 +6,12 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from property_settings import examples
 
 import kernels.reference as ref
-from engine.device.batch_layout import BatchShape, layout
+from engine.device.batch_layout import BatchShape, InputBuffers, layout
 from engine.device.block_tables import BlockTableRows
 from engine.device.input_batch import BatchBuilder, build_model_input, plan_step
 from engine.device.weights import build_model
@@ -92,7 +95,7 @@ def test_padding_rows_are_inert():
 def test_layout_is_aligned_and_disjoint():
     fields, nbytes = layout(BatchShape(7, 3, 2, 5, 3, num_tiles=4))
     spans = sorted((off, off + int(np.prod(dims)) * dtype.itemsize) for off, dtype, dims in fields.values())
-    assert all(off % 8 == 0 for off, _ in spans)
+    assert all(off % 16 == 0 for off, _ in spans)
     assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans)) and spans[-1][1] <= nbytes
 
 
@@ -117,3 +120,14 @@ def test_block_table_rows_follow_every_change():
         assert gather([b]) == [[1, 2, 0, 0]]
     with pytest.raises(ValueError, match="scheduled twice"):
         rows.gather([a, a], out)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(t=st.integers(1, 300), d=st.integers(0, 40), s=st.integers(0, 9), r=st.integers(0, 40),
+       w=st.integers(1, 37), tiles=st.integers(0, 23))
+def test_every_field_of_every_shape_is_16_byte_aligned(t, d, s, r, w, tiles):
+    """Triton compiles one variant per combination of 16-byte-aligned pointer arguments: a field
+    aligned in one shape and not in another would compile new attention-kernel variants mid-run."""
+    capacity = BatchShape(300, 40, 9, 40, 37, num_tiles=23)
+    views = InputBuffers(capacity, torch.device("cpu")).device_views(BatchShape(t, d, s, r, w, num_tiles=tiles))
+    assert {name: v.data_ptr() % 16 for name, v in views.items() if v.data_ptr() % 16} == {}
