@@ -21,6 +21,7 @@ from sim.latency.operator_file import (
 )
 from sim.latency.operator_profile import OperatorProfile
 from sim.latency.tensor_parallel import RingLink
+from tests.simulation.test_latency_operators_fused_boundary import prefill
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATORS = ROOT / "experiments" / "profiles" / "operators"
@@ -108,7 +109,7 @@ def test_with_the_symmetric_paths_off_every_message_is_nccls_and_the_run_says_wh
 @pytest.mark.parametrize("tp", [2, 4])
 def test_the_committed_h200_profile_prices_the_engines_paths_from_its_own_rows(tp):
     _, rows = read_operator_file(H200_COLLECTIVES)
-    measured = {(op, row["bytes"]): row["time_s"] for op, row in rows if row["world_size"] == tp}
+    measured = {(op, row["bytes"]): row["time_s"] for op, row in rows if row["world_size"] == tp and "bytes" in row}
     model = run(OPERATORS, f"parallel.tensor_parallel_size={tp}", "parallel.all_reduce_kernel=torch")
     one_shot_max = {2: MiB, 4: 512 * KiB}[tp]  # the engine's default bounds at 2 and 4 GPUs
     for nbytes in (8 * KiB, 256 * KiB):
@@ -178,3 +179,18 @@ def test_the_symmetric_ops_pass_the_schema_only_with_a_world_size(tmp_path):
 def test_the_profile_names_every_engine_path():
     from engine.distributed.all_reduce_path import NCCL, ONE_SHOT, TWO_SHOT
     assert set(ALL_REDUCE_PATH_OPS) == {ONE_SHOT, TWO_SHOT, NCCL}
+
+
+def test_the_committed_h200_profile_prices_sequence_parallel_steps_from_its_fused_rows():
+    """The N=2 rows of torch's fused ops, timed where the GPUs map each other's memory, are in the
+    profile of record with their implementation recorded: a run with the setting takes them, and a
+    sequence-parallel step costs what its own calls cost, not the all-reduce path's price."""
+    _, rows = read_operator_file(H200_COLLECTIVES)
+    assert {op for op, row in rows if row["world_size"] == 2} >= {"all_gather_matmul", "matmul_reduce_scatter",
+                                                                  "reduce_scatter"}
+    plain = run(OPERATORS)
+    sp = run(OPERATORS, "parallel.sequence_parallel_min_rows=2048")
+    assert "torch's fused symmetric-memory ops" in sp.data_sources()["sequence parallel"]
+    assert "implementation not recorded" not in sp.data_sources()["sequence parallel"]
+    assert sp.shape_time(prefill(1024)) == plain.shape_time(prefill(1024))  # below the setting
+    assert sp.shape_time(prefill(8192)) != plain.shape_time(prefill(8192))
