@@ -267,9 +267,9 @@ def test_gather_scatter_blocks_bf16_at_a_models_shape():
 
 
 def test_sample_gumbel_compiles_one_kernel_for_every_seed_and_temperature_buffer():
-    """A step draws with a fresh seed, its temperatures a view at an 8-byte-aligned offset of the
-    step's input buffer: neither a seed divisible by 16 (or equal to 1) nor a temperature view
-    off a 16-byte boundary compiles a kernel of its own in the middle of serving."""
+    """A step draws with a fresh seed, and a caller may hand it temperatures at any offset:
+    neither a seed divisible by 16 (or equal to 1) nor a temperature view off a 16-byte boundary
+    compiles a kernel of its own in the middle of serving."""
     from kernels.sample import _chunk_best_kernel, sample_gumbel
     logits, temps = torch.randn(3, 1000, device="cuda"), torch.ones(3, device="cuda")
     sample_gumbel(logits, temps, 17)

@@ -36,7 +36,7 @@ def headroom():
     BLOCK_MANAGERS._entries, BLOCK_MANAGERS._configs = saved
 
 
-@pytest.mark.parametrize("example", ["headroom_blocks.py", "policy_through_llm.py"])
+@pytest.mark.parametrize("example", ["headroom_blocks.py", "policy_through_llm.py", "fixed_backend.py"])
 def test_the_page_includes_the_example(example):
     page = (DOCS / "extending.md").read_text()
     body = (DOCS / "examples" / example).read_text()
