@@ -271,3 +271,35 @@ def test_the_boundary_pass_runs_only_with_cells_the_world_size_divides_and_a_fai
     assert rows == [gathered] and implementations == {}
     assert said[-1] == ("collectives: world_size=2, no sequence-parallel rows (their pass failed): "
                         "rank 1: it hung")
+
+
+def test_each_boundary_row_is_the_fastest_of_passes_in_opposite_orders(monkeypatch):
+    """The cells are timed ascending, then descending, and each row keeps its faster time: an
+    order effect (the first cells timed slow) does not stay in the profile."""
+    from types import SimpleNamespace
+
+    import experiments.lib.profiling.sequence_parallel_rows as spr
+
+    cells = [(64, 32, 32), (128, 32, 32), (256, 32, 32)]
+    timed: list[tuple[str, tuple[int, int, int]]] = []
+    monkeypatch.setattr(spr, "boundary_call", lambda group, op, cell, dtype, device: (op, cell))
+    monkeypatch.setattr(spr, "fastest_s", lambda seconds, group, device: seconds)
+
+    times = iter([5.0, 6.0, 1.0, 2.0, 9.0, 8.0, 1.5, 2.5, 7.0, 7.5, 3.0, 4.0])  # some cells faster first, some later
+    seen: dict[tuple[str, tuple[int, int, int]], list[float]] = {}
+
+    def mean_call_s(call, iters, mode):
+        timed.append(call)
+        seen.setdefault(call, []).append(next(times))
+        return seen[call][-1]
+
+    monkeypatch.setattr(spr, "mean_call_s", mean_call_s)
+    group = SimpleNamespace(size=2)
+    rows = spr.boundary_rows(group, cells, torch.float32, torch.device("cpu"), 2, passes=2)
+    order = [cell for _, cell in timed[::2]]
+    assert order == cells + cells[::-1]
+    assert [(r["op"], (r["m"], r["k"], r["n"])) for r in rows] == [(op, c) for c in cells for op in spr.BOUNDARY_OPS]
+    assert [r["time_s"] for r in rows] == [min(seen[op, c]) for c in cells for op in spr.BOUNDARY_OPS]
+    assert [r["time_s"] for r in rows] != [seen[op, c][-1] for c in cells for op in spr.BOUNDARY_OPS]
+    with pytest.raises(ValueError, match="passes=0 is invalid"):
+        spr.boundary_rows(group, cells, torch.float32, torch.device("cpu"), 2, passes=0)
