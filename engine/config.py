@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from policies.kv_pool_size import DEFAULT as DEFAULT_MEMORY_UTILIZATION
 from policies.kv_pool_size import check_memory_utilization
 from policies.model_shape import ModelShape
 
@@ -249,7 +250,7 @@ class CacheConfig:
     most 4 GiB (engine/device/model_runner.py: CPU_KV_CACHE_GIB)."""
 
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
     swap_space: float = 4.0  # GiB of pinned CPU memory for swapped-out blocks
     num_gpu_blocks: int | None = None
 

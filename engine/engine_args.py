@@ -21,6 +21,7 @@ from engine.models import MODELS
 from engine.parallel_config import CUSTOM_ALL_REDUCE_MAX_BYTES, DISABLE_CUSTOM_ALL_REDUCE, ParallelConfig
 from policies.blocks import BLOCK_MANAGERS, BlockManagerConfig
 from policies.build import SchedulingConfig, block_manager_config, policy_config
+from policies.kv_pool_size import DEFAULT as DEFAULT_MEMORY_UTILIZATION
 from policies.model_shape import resolve_max_model_len
 from policies.policy.base import POLICIES, PREEMPTION_MODES, PolicyConfig
 from policies.scheduler_config import SchedulerConfig
@@ -54,7 +55,7 @@ class EngineArgs:
     watermark: float = 0.01
     # KV cache.
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
     swap_space: float = 4.0  # GiB of pinned CPU memory
     num_gpu_blocks: int | None = None  # override the profiled count (CPU: default at most 4 GiB)
     enforce_eager: bool = False  # True: no CUDA graphs

@@ -4,6 +4,7 @@ for the engine (`CacheConfig`, experiments/lib/engine_backend.py) and the simula
 from __future__ import annotations
 
 FIELD = "gpu_memory_utilization"
+DEFAULT = 0.9  # where a config leaves the field out: vLLM's default, the engine's and conf/blocks'
 
 
 def check_memory_utilization(value: object, field: str = FIELD, allow_none: bool = True) -> float | None:

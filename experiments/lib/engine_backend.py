@@ -29,7 +29,7 @@ from experiments.lib.backend_run import BackendRun
 from experiments.lib.workloads import Workload
 from experiments.lib.workloads.base import READ_OUTPUT_KIND
 from policies.blocks.base import BASE_KNOBS
-from policies.kv_pool_size import FIELD, pool_memory_utilization
+from policies.kv_pool_size import DEFAULT, FIELD, pool_memory_utilization
 from policies.scheduler import Scheduler
 from policies.trace import TraceRecorder
 
@@ -88,10 +88,9 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
 def _memory_utilization(blocks, num_gpu_blocks: int | None) -> float:
     """`blocks.gpu_memory_utilization` for the engine, checked by the simulator's rule: null only
     where the pool has a size of its own (`num_gpu_blocks` or `kv_cache_gib`), then the engine's
-    default, which sizes nothing."""
-    default = next(f.default for f in dataclasses.fields(EngineArgs) if f.name == FIELD)
-    util = pool_memory_utilization(blocks.get(FIELD, default), num_gpu_blocks is not None, "blocks.")
-    return default if util is None else util
+    default, which sizes nothing. Left out, it is the default, as in the simulator."""
+    util = pool_memory_utilization(blocks.get(FIELD, DEFAULT), num_gpu_blocks is not None, "blocks.")
+    return DEFAULT if util is None else util
 
 
 # EngineArgs fields that only shape the scheduler, which `LLMEngine.reset` rebuilds: runs that differ

@@ -112,3 +112,18 @@ def test_the_engine_refuses_a_bad_gpu_memory_utilization_as_the_simulator_does(v
     with pytest.raises(ValueError) as engine:
         engine_backend.engine_args(cfg)
     assert str(engine.value) == str(sim.value)
+
+
+def test_a_left_out_gpu_memory_utilization_is_the_default_on_both_backends():
+    """A config without the key (`~blocks.gpu_memory_utilization`) sizes the pool from the default
+    share on the simulator as the engine does, rather than one refusing what the other takes."""
+    from experiments.lib import engine_backend, factory
+    from experiments.lib.fidelity_spec import compose_cfg
+    from policies.kv_pool_size import DEFAULT
+
+    sized_from_memory = ["model=tiny-llama", "scheduler.max_model_len=2048", "blocks.kv_cache_gib=null"]
+    cfg = compose_cfg([*sized_from_memory, "~blocks.gpu_memory_utilization"])
+    assert "gpu_memory_utilization" not in cfg.blocks
+    same = compose_cfg([*sized_from_memory, f"blocks.gpu_memory_utilization={DEFAULT}"])
+    assert factory.kv_block_counts(cfg) == factory.kv_block_counts(same)
+    assert engine_backend._memory_utilization(cfg.blocks, None) == DEFAULT  # what engine_args hands the engine
