@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.serving.errors import APIError
+from policies.request import is_int
 
 API_KEY_ENV = "SERVELAB_API_KEY"
 BYTES_PER_TOKEN = 64  # room for one prompt token in a JSON body: a long token, six-byte \u escapes
@@ -39,7 +40,7 @@ def api_keys_from(option: Sequence[str] | None) -> tuple[str, ...]:
 
 def check_max_body_bytes(value: object) -> int:
     """`--max-request-body-bytes`: an integer >= 1, or ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"max_request_body_bytes={value!r} is invalid: an integer >= 1")
     return value
 

@@ -16,6 +16,7 @@ from itertools import chain
 from operator import attrgetter, itemgetter
 
 from policies.outputs import SchedulerOutput
+from policies.request import is_int
 from policies.sequence import Sequence
 
 
@@ -111,7 +112,7 @@ _num_samples = itemgetter(2)
 
 def check_block_size(block_size: object) -> int:
     """A latency model's `block_size`: an integer >= 1, or ValueError naming it."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    if not is_int(block_size) or block_size < 1:
         raise ValueError(f"block_size={block_size!r} is invalid: must be an integer >= 1")
     return block_size
 
@@ -146,7 +147,9 @@ class LatencyModel(ABC):
     def set_reread_cost(self, kv_reread_cost: float, block_size: int) -> None:
         """Price re-reads of shared KV blocks (of `block_size` tokens) at `kv_reread_cost` of a fresh
         read (`Hardware.kv_reread_cost`); `_shared_block_size` is the block size `BatchShape.of` counts
-        shared entries with, 0 when they cost a fresh read."""
+        shared entries with, 0 when they cost a fresh read. Every model passes its block size through
+        here, which checks it."""
+        check_block_size(block_size)
         if isinstance(kv_reread_cost, bool) or not isinstance(kv_reread_cost, (int, float)) \
                 or not 0 <= kv_reread_cost <= 1:
             raise ValueError(f"kv_reread_cost={kv_reread_cost!r} is invalid: must be a number in [0, 1]")

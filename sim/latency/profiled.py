@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policies.outputs import SchedulerOutput
-from sim.latency.base import BatchShape, LatencyModel, check_block_size, shape_decode_times
+from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
 from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
 from sim.latency.prefill_schedule import PrefillSchedule
 from sim.latency.profile_io import ProfileRows, meta_number, meta_sizes, read_profile
@@ -50,7 +50,6 @@ class ProfiledModel(LatencyModel):
         times are those of the size it was measured at. `kv_reread_cost` (`Hardware.kv_reread_cost`):
         the profile's decodes read distinct KV, so a decode batch's shared KV entries are priced as
         that fraction of a distinct one's."""
-        check_block_size(block_size)
         self.set_reread_cost(kv_reread_cost, block_size)
         path = Path(path)
         self.path = path

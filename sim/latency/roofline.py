@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from policies.outputs import SchedulerOutput
 from policies.tensor_parallel import check_tensor_parallel_size
-from sim.latency.base import BatchShape, LatencyModel, check_block_size, shape_decode_times
+from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
 from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
 from sim.latency.sequence_parallel_roofline import SequenceParallelRoofline
 from sim.latency.shapes import Hardware, ModelShape
@@ -52,7 +52,7 @@ class RooflineModel(LatencyModel):
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout servelab)
                 f"hardware={type(hardware).__name__} is invalid: a Hardware (Hardware.from_dict of a conf/hardware "
                 "mapping)")
-        check_block_size(block_size)
+        self.set_reread_cost(hardware.kv_reread_cost, block_size)  # checks block_size
         check_tensor_parallel_size(tensor_parallel_size)
         self.tensor_parallel_size = tensor_parallel_size
         self.comm = TPCommCost.of(model, hardware, tensor_parallel_size)
@@ -78,7 +78,6 @@ class RooflineModel(LatencyModel):
         # `from_config`; None: every step runs the all-reduce path.
         self.sequence_parallel: SequenceParallelRoofline | None = None
         self._decode_fixed_s: dict[tuple[int, int], float] = {}  # decode_times' part per (seqs, samples)
-        self.set_reread_cost(hardware.kv_reread_cost, block_size)
 
     def step_time(self, out: SchedulerOutput) -> float:
         return self.shape_time(BatchShape.of(out, block_size=self._shared_block_size))
