@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.lib.workloads.common import MAX_REQUESTS, is_int  # the trace is built in memory
+from experiments.lib.workloads.common import MAX_REQUESTS  # the trace is built in memory
+from policies.request import is_int
 
 BLOCK_TOKENS = 512
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from policies.request import Request, SamplingParams
+from policies.request import Request, SamplingParams, is_int
 
 SIM_TEMPERATURE = 1.0
 
@@ -26,10 +26,6 @@ INT_BYTES = 32
 MAX_PROMPT_BYTES = 16 * 2**30
 LENGTH = (MAX_LENGTH, " (tokens; a longer prompt or output fits no model's context)")  # the `bound` of a length
 COUNT = (MAX_REQUESTS, " (the most a workload may hold)")  # the `bound` of a count of requests or prompts
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def is_num(v: Any) -> bool:

@@ -21,9 +21,10 @@ import numpy as np
 
 from experiments.lib.workloads.azure import AzureWorkloadConfig
 from experiments.lib.workloads.base import WORKLOADS, Workload
-from experiments.lib.workloads.common import LENGTH, PromptMemory, get_int, is_int
+from experiments.lib.workloads.common import LENGTH, PromptMemory, get_int
 from experiments.lib.workloads.imported import drop_empty, lengths, workload
 from experiments.lib.workloads.replay import bad_field, more_prompt_tokens, number, trace_rows
+from policies.request import is_int
 
 
 @dataclass(kw_only=True)
