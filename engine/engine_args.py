@@ -25,6 +25,7 @@ from policies.kv_pool_size import DEFAULT as DEFAULT_MEMORY_UTILIZATION
 from policies.model_shape import resolve_max_model_len
 from policies.policy.base import POLICIES, PREEMPTION_MODES, PolicyConfig
 from policies.scheduler_config import SchedulerConfig
+from policies.tensor_parallel import check_tensor_parallel_size
 
 
 @dataclass(slots=True)
@@ -115,9 +116,7 @@ class EngineArgs:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
                                                or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} is invalid: None or an integer >= 2")
-        if (isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int)
-                or self.tensor_parallel_size < 1):
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} is invalid: must be an integer >= 1")
+        check_tensor_parallel_size(self.tensor_parallel_size)
         if isinstance(self.distributed_timeout_s, bool) or not (isinstance(self.distributed_timeout_s, (int, float))
                                                                 and self.distributed_timeout_s > 0):
             raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s!r} is invalid: must be a number > 0")

@@ -19,10 +19,11 @@ class TPSplit:
     vocab_size: int  # embedding / LM-head rows per rank, ceil(vocab / size) (the last rank padded)
 
 
-def check_tensor_parallel_size(size: object) -> int:
-    """`tensor_parallel_size`: an integer >= 1, or ValueError naming it."""
+def check_tensor_parallel_size(size: object, field: str = "tensor_parallel_size") -> int:
+    """`tensor_parallel_size`: an integer >= 1, or ValueError naming `field` (its place in the
+    caller's config)."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size={size!r} is invalid: must be an integer >= 1")
+        raise ValueError(f"{field}={size!r} is invalid: must be an integer >= 1")
     return size
 
 

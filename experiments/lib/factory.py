@@ -19,6 +19,7 @@ from policies.kv_pool_size import pool_memory_utilization
 from policies.model_shape import resolve_max_model_len
 from policies.scheduler import Scheduler
 from policies.sequence_parallel import sequence_parallel_from
+from policies.tensor_parallel import check_tensor_parallel_size
 from sim.latency import (
     LATENCY_MODELS,
     Hardware,
@@ -49,9 +50,7 @@ def hardware(cfg: DictConfig) -> Hardware:
 def tensor_parallel_size(cfg: DictConfig) -> int:
     """`parallel.tensor_parallel_size` (1 when the config has no `parallel` block)."""
     size = (cfg.get("parallel") or {}).get("tensor_parallel_size", 1)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"parallel.tensor_parallel_size={size!r} is invalid: must be an integer >= 1")
-    return size
+    return check_tensor_parallel_size(size, "parallel.tensor_parallel_size")
 
 
 ALL_REDUCE_SETTINGS = ("disable_custom_all_reduce", "custom_all_reduce_one_shot_max_bytes",
