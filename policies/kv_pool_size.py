@@ -3,6 +3,9 @@ for the engine (`CacheConfig`, experiments/lib/engine_backend.py) and the simula
 (experiments/lib/factory.py `kv_block_counts`)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 FIELD = "gpu_memory_utilization"
 DEFAULT = 0.9  # where a config leaves the field out: vLLM's default, the engine's and conf/blocks'
 
@@ -27,3 +30,10 @@ def pool_memory_utilization(value: object, sized: bool, prefix: str = "") -> flo
         raise ValueError(f"{prefix}{FIELD}=None is invalid: must be in (0, 1] to size the KV pool from GPU "
                          f"memory (or set {prefix}kv_cache_gib or {prefix}num_gpu_blocks)")
     return util
+
+
+def blocks_memory_utilization(blocks: Mapping[str, Any], prefix: str = "blocks.") -> float | None:
+    """A run config's `blocks` section's share, checked by `pool_memory_utilization`: the default where
+    the section leaves it out, None allowed where `num_gpu_blocks` or `kv_cache_gib` sizes the pool."""
+    sized = blocks.get("num_gpu_blocks") is not None or blocks.get("kv_cache_gib") is not None
+    return pool_memory_utilization(blocks.get(FIELD, DEFAULT), sized, prefix)

@@ -29,7 +29,7 @@ from experiments.lib.backend_run import BackendRun
 from experiments.lib.workloads import Workload
 from experiments.lib.workloads.base import READ_OUTPUT_KIND
 from policies.blocks.base import BASE_KNOBS
-from policies.kv_pool_size import DEFAULT, FIELD, pool_memory_utilization
+from policies.kv_pool_size import DEFAULT, blocks_memory_utilization
 from policies.scheduler import Scheduler
 from policies.trace import TraceRecorder
 
@@ -78,18 +78,18 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
         async_scheduling=bool(sched.get("async_scheduling", False)),
         join_ahead=sched.get("join_ahead", True),  # validated by SchedulerConfig, not coerced
         watermark=float(blocks.get("watermark", 0.01)),
-        block_size=block_size, gpu_memory_utilization=_memory_utilization(blocks, num_gpu_blocks),
+        block_size=block_size, gpu_memory_utilization=_memory_utilization(blocks),
         swap_space=swap_gib, num_gpu_blocks=num_gpu_blocks,
         enforce_eager=bool(backend.get("enforce_eager", False)), seed=int(cfg.seed),
         decode_kernel=str(backend.get("decode_kernel", DEFAULT_DECODE_KERNEL)), tensor_parallel_size=tp,
         **factory.all_reduce_settings(cfg, factory.ENGINE_PARALLEL_SETTINGS))
 
 
-def _memory_utilization(blocks, num_gpu_blocks: int | None) -> float:
-    """`blocks.gpu_memory_utilization` for the engine, checked by the simulator's rule: null only
-    where the pool has a size of its own (`num_gpu_blocks` or `kv_cache_gib`), then the engine's
-    default, which sizes nothing. Left out, it is the default, as in the simulator."""
-    util = pool_memory_utilization(blocks.get(FIELD, DEFAULT), num_gpu_blocks is not None, "blocks.")
+def _memory_utilization(blocks) -> float:
+    """`blocks.gpu_memory_utilization` for the engine, by the simulator's rule
+    (`blocks_memory_utilization`); a null one, allowed where the pool has a size of its own, is the
+    engine's default, which then sizes nothing."""
+    util = blocks_memory_utilization(blocks)
     return DEFAULT if util is None else util
 
 

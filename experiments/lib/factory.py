@@ -14,8 +14,7 @@ from experiments.lib.paths import resolve_path
 from experiments.lib.workloads import Workload, build_workload
 from policies.build import SchedulingConfig, block_manager_config, policy_config, scheduler_config
 from policies.build import build_scheduler as build
-from policies.kv_pool_size import DEFAULT as DEFAULT_MEMORY_UTILIZATION
-from policies.kv_pool_size import pool_memory_utilization
+from policies.kv_pool_size import blocks_memory_utilization
 from policies.model_shape import resolve_max_model_len
 from policies.scheduler import Scheduler
 from policies.sequence_parallel import sequence_parallel_from
@@ -141,8 +140,7 @@ def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
     b = section(cfg, "blocks")
     model, hw = gpu_model_shape(cfg), hardware(cfg)  # per GPU: each holds its share of weights and KV
     # checked when set, used or not, and needed where the pool has no size of its own (the engine's rule)
-    util = pool_memory_utilization(b.get("gpu_memory_utilization", DEFAULT_MEMORY_UTILIZATION),
-                                   b.get("num_gpu_blocks") is not None or b.get("kv_cache_gib") is not None, "blocks.")
+    util = blocks_memory_utilization(b)
     block_bytes = model.kv_bytes_per_token * block_size(cfg)
     if b.get("num_gpu_blocks") is not None:
         gpu = _int_at_least(b, "num_gpu_blocks", 1)

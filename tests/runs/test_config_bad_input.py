@@ -96,7 +96,7 @@ def test_the_engine_takes_a_null_gpu_memory_utilization_when_the_pool_is_sized_o
     assert engine_backend.engine_args(cfg).gpu_memory_utilization == 0.9  # the engine's default; sizes nothing
     with pytest.raises(ValueError, match=r"blocks.gpu_memory_utilization=None is invalid: must be in \(0, 1\] "
                                          r"to size the KV pool from GPU memory"):
-        engine_backend._memory_utilization({"gpu_memory_utilization": None}, None)
+        engine_backend._memory_utilization({"gpu_memory_utilization": None})
 
 
 @pytest.mark.parametrize("value", ["1.5", "0", "true"])
@@ -126,4 +126,4 @@ def test_a_left_out_gpu_memory_utilization_is_the_default_on_both_backends():
     assert "gpu_memory_utilization" not in cfg.blocks
     same = compose_cfg([*sized_from_memory, f"blocks.gpu_memory_utilization={DEFAULT}"])
     assert factory.kv_block_counts(cfg) == factory.kv_block_counts(same)
-    assert engine_backend._memory_utilization(cfg.blocks, None) == DEFAULT  # what engine_args hands the engine
+    assert engine_backend._memory_utilization(cfg.blocks) == DEFAULT  # what engine_args hands the engine
