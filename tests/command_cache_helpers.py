@@ -1,6 +1,6 @@
 """What checking many commands reads over and over, read once: Hydra's compositions and the yaml
-files under them, and GGUF model metadata. None of them changes while the tests run; each caller
-gets its own copy.
+files under them. None of them changes while the tests run; each caller gets its own copy (the
+engine caches GGUF metadata itself, `engine.device.weights._gguf_metadata`).
 """
 from __future__ import annotations
 
@@ -43,23 +43,3 @@ def cache_compositions(monkeypatch: pytest.MonkeyPatch) -> None:
         loaded.config, loaded.header = copy.deepcopy(loaded.config), dict(loaded.header)
         return loaded
     monkeypatch.setattr(ImportlibResourcesConfigSource, "load_config", cached_file)
-
-
-_GGUF: dict[tuple[str, str, str], Any] = {}
-
-
-def cache_gguf_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GGUF file's model config, read once: the engine reads it (seconds) for every model whose
-    weights are one, and the file does not change."""
-    import dataclasses
-
-    from engine.device import weights
-    read = weights.model_config_from_gguf
-
-    def cached(source: str, name: str, dtype: str = "float32"):
-        if (source, name, dtype) not in _GGUF:
-            _GGUF[source, name, dtype] = read(source, name=name, dtype=dtype)
-        return dataclasses.replace(_GGUF[source, name, dtype])
-    monkeypatch.setattr(weights, "model_config_from_gguf", cached)
-
-

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from command_cache_helpers import cache_compositions, cache_gguf_metadata
+from command_cache_helpers import cache_compositions
 from command_stop_helpers import Accepted, accept, reaches_work, stop_before_work
 from omegaconf import DictConfig
 
@@ -100,7 +100,7 @@ def _hydra_app(config_name: str, work: Callable[[DictConfig, Path], Any] | None)
             if any(o.startswith("hydra") for o in overrides):
                 compose(name, overrides, hydra=True)  # the launcher's settings compose too
             overrides = [o for o in overrides if not o.startswith("hydra")]
-            if name == "config" and work is None:
+            if work is None:
                 check_run(overrides, out_dir)
             else:
                 cfg = compose(name, overrides)
@@ -149,14 +149,6 @@ def parse_only(monkeypatch: pytest.MonkeyPatch) -> None:
                 depth[0] -= 1
             raise Accepted(result)
         monkeypatch.setattr(argparse.ArgumentParser, name, parse)
-
-
-def _stop_at(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`target`: a module's function, or a class's method (`module.Class.method`)."""
-    owner, _, name = target.rpartition(".")
-    module, _, cls = owner.rpartition(".") if owner not in sys.modules else (owner, "", "")
-    obj = importlib.import_module(module or owner)
-    monkeypatch.setattr(getattr(obj, cls) if cls else obj, name, accept)
 
 
 # module -> where its main starts its work (every stop of stop_before_work holds too).
@@ -234,7 +226,7 @@ def check_main(module: str, args: tuple[str, ...], out_dir: Path, monkeypatch: p
         monkeypatch.setattr(fidelity, "select_scenarios", lambda *a: chosen.extend(select(*a)) or chosen)
     if module in MAIN_STOPS:
         if MAIN_STOPS[module]:
-            _stop_at(MAIN_STOPS[module], monkeypatch)
+            monkeypatch.setattr(MAIN_STOPS[module], accept)  # a function, or `module.Class.method`
         value = run_main(module, args, monkeypatch)
         if module == "experiments.ab":  # compare(cfg_a, cfg_b, ...)
             for cfg in value[:2]:
@@ -265,7 +257,6 @@ HYDRA_APPS = {
 def check_command(module: str, args: tuple[str, ...], out_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Raises what the command would report (an exception, or SystemExit after printing it)."""
     cache_compositions(monkeypatch)
-    cache_gguf_metadata(monkeypatch)
     stop_before_work(monkeypatch, out_dir)
     if module in HYDRA_APPS:
         HYDRA_APPS[module](module, args, out_dir)
