@@ -24,16 +24,20 @@ def load_example(name: str):
     return module
 
 
+def registered_example(registry, name: str):
+    """docs/examples/<name>.py, whose plugin is in `registry` for one test only: the other tests
+    list the registered plugins and must not see it."""
+    saved = dict(registry._entries), dict(registry._configs)
+    yield load_example(name)
+    sys.modules.pop(f"extending_example_{name}", None)
+    registry._entries, registry._configs = saved
+
+
 @pytest.fixture
 def headroom():
-    """The example's module, registered for this test only: the other tests list the registered
-    block managers and must not see it."""
     from policies.blocks import BLOCK_MANAGERS
 
-    saved = dict(BLOCK_MANAGERS._entries), dict(BLOCK_MANAGERS._configs)
-    yield load_example("headroom_blocks")
-    sys.modules.pop("extending_example_headroom_blocks", None)
-    BLOCK_MANAGERS._entries, BLOCK_MANAGERS._configs = saved
+    yield from registered_example(BLOCK_MANAGERS, "headroom_blocks")
 
 
 @pytest.mark.parametrize("example", ["headroom_blocks.py", "policy_through_llm.py", "fixed_backend.py"])
@@ -86,14 +90,9 @@ def test_the_server_takes_a_policy_with_arguments():
 
 @pytest.fixture
 def fixed_backend():
-    """The example backend, registered for this test only: the other tests list the registered
-    backends and must not see it."""
     from experiments.lib.backends import BACKENDS
 
-    saved = dict(BACKENDS._entries), dict(BACKENDS._configs)
-    yield load_example("fixed_backend")
-    sys.modules.pop("extending_example_fixed_backend", None)
-    BACKENDS._entries, BACKENDS._configs = saved
+    yield from registered_example(BACKENDS, "fixed_backend")
 
 
 def test_a_backend_runs_a_workload_into_the_trace_files(fixed_backend, tmp_path):
