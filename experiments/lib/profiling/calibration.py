@@ -120,12 +120,17 @@ def calibrate(profile: str | Path, hardware_yaml: str | Path) -> tuple[dict, str
 
 
 def calibrate_to_file(profile: str | Path, hardware_yaml: str | Path, target: str | Path, command: str) -> str:
+    """Fit, then write the hardware yaml to `target`; a target that cannot be written is a
+    ValueError naming it (reading the profile or the hardware fails as itself)."""
     values, report = calibrate(profile, hardware_yaml)
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     header = (f"# Roofline parameters fitted by least squares to {Path(profile).name} ({date}; {command}).\n"
               f"# Peaks are those of {Path(hardware_yaml).name}; efficiencies and overheads are fitted for\n"
               f"# that profile's model. Use: hardware={Path(target).stem} latency=roofline.\n"
               + "".join(f"# {line.strip()}\n" for line in report.splitlines()[1:3]))
-    Path(target).parent.mkdir(parents=True, exist_ok=True)
-    Path(target).write_text(header + yaml.safe_dump(values, sort_keys=False))
+    try:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        Path(target).write_text(header + yaml.safe_dump(values, sort_keys=False))
+    except OSError as exc:
+        raise ValueError(f"--out={str(target)!r} is invalid: cannot write it ({exc.strerror})") from None
     return report + f"\n  -> {target}"
