@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_module
 
 from experiments.lib.ab_compare import compare
 from experiments.lib.cli import run_cli
+from experiments.lib.paths import write_output
 from experiments.lib.run_dirs import default_run_dir
 from experiments.lib.run_workload import run
 from experiments.lib.showcase_policies import fair_share, length_aware
@@ -126,11 +127,7 @@ def _main(argv: Sequence[str] | None = None) -> str:
     sections: list[Any] = [every[k]() for k in chosen]
     text = ("## Showcase (simulator, roofline model: qwen3-0.6b on one H200, `python -m experiments.showcase`)\n\n"
             + "\n".join(sections))
-    try:
-        result.parent.mkdir(parents=True, exist_ok=True)
-        result.write_text(text)
-    except OSError as exc:
-        raise ValueError(f"--result={str(result)!r} is invalid: cannot write it ({exc.strerror})") from None
+    write_output(result, text, "--result")
     print(text)
     print(f"written to {result}; runs in {out}")
     return text

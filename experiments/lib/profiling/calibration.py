@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from experiments.lib.paths import REPO_ROOT
+from experiments.lib.paths import REPO_ROOT, write_output
 from sim.latency import BatchShape, Hardware, ModelShape, RooflineModel
 from sim.latency.profile_io import read_profile
 
@@ -128,9 +128,5 @@ def calibrate_to_file(profile: str | Path, hardware_yaml: str | Path, target: st
               f"# Peaks are those of {Path(hardware_yaml).name}; efficiencies and overheads are fitted for\n"
               f"# that profile's model. Use: hardware={Path(target).stem} latency=roofline.\n"
               + "".join(f"# {line.strip()}\n" for line in report.splitlines()[1:3]))
-    try:
-        Path(target).parent.mkdir(parents=True, exist_ok=True)
-        Path(target).write_text(header + yaml.safe_dump(values, sort_keys=False))
-    except OSError as exc:
-        raise ValueError(f"--out={str(target)!r} is invalid: cannot write it ({exc.strerror})") from None
+    write_output(Path(target), header + yaml.safe_dump(values, sort_keys=False), "--out")
     return report + f"\n  -> {target}"
