@@ -20,6 +20,7 @@ import random
 import statistics
 import time
 
+from experiments.lib.cli import check_at_least
 from policies import Request, SamplingParams, Scheduler, SchedulerConfig, make_block_manager, make_policy
 from policies.blocks import BLOCK_MANAGERS
 
@@ -79,11 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--waiting", type=int, default=0, help="requests waiting behind the running queue")
     parser.add_argument("--profile", action="store_true", help="cProfile one run per kind instead")
     args = parser.parse_args(argv)
-    for flag, value, least in (("--num-seqs", args.num_seqs, 1), ("--block-size", args.block_size, 1),
-                               ("--steps", args.steps, 1), ("--repeats", args.repeats, 1),
-                               ("--waiting", args.waiting, 0)):
-        if value < least:
-            parser.error(f"{flag}={value} is invalid: must be an integer >= {least}")
+    check_at_least(parser, ("--num-seqs", args.num_seqs, 1), ("--block-size", args.block_size, 1),
+                   ("--steps", args.steps, 1), ("--repeats", args.repeats, 1), ("--waiting", args.waiting, 0))
     if not args.profile and args.steps * args.repeats < 2:
         parser.error(f"--steps={args.steps} with --repeats={args.repeats} is invalid: the p99 needs at least 2 "
                      "timed steps in all")

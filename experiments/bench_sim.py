@@ -39,7 +39,7 @@ from hydra import compose, initialize_config_module
 
 from experiments.lib import factory
 from experiments.lib.backends import run_backend
-from experiments.lib.cli import run_cli
+from experiments.lib.cli import check_at_least, run_cli
 from experiments.lib.traces import write_traces
 from policies.trace import TraceRecorder
 
@@ -131,9 +131,7 @@ def _main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", default=None, metavar="REF",
                         help="measure REF's tree and this one paired (module docstring)")
     args = parser.parse_args(argv)
-    for flag, value in (("--requests", args.requests), ("--repeat", args.repeat)):
-        if value < 1:
-            parser.error(f"{flag}={value} is invalid: must be an integer >= 1")
+    check_at_least(parser, ("--requests", args.requests, 1), ("--repeat", args.repeat, 1))
     if not all(name.strip() for name in args.workloads.split(",")):
         parser.error(f"--workloads={args.workloads!r} is invalid: comma-separated conf/workload names")
     print(f"bench_sim: {args.requests:,} requests per workload, Poisson arrivals, roofline, "

@@ -8,6 +8,7 @@ run, and the sweep ends with exit code 2 and a list of the jobs that failed (doc
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import re
@@ -155,3 +156,10 @@ def run_cli(entry: Callable[[], object]) -> None:
         os.environ.pop(_SWEEP_ID_ENV, None)
         if not user_full_error:
             os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+def check_at_least(parser: argparse.ArgumentParser, *checks: tuple[str, int, int]) -> None:
+    """Each (flag, value, least): `parser.error` naming the first flag whose integer is below its least."""
+    for flag, value, least in checks:
+        if value < least:
+            parser.error(f"{flag}={value} is invalid: must be an integer >= {least}")
