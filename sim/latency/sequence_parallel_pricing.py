@@ -129,7 +129,7 @@ class SequenceParallelPricing:
         return cls(size, min_rows, model.num_hidden_layers, h * model.dtype_bytes, model.dtype_bytes, fused,
                    boundaries, {})
 
-    def takes(self, tokens: int, graph_sizes: Sequence[int] = ()) -> bool:
+    def takes(self, tokens: int, graph_sizes: Sequence[int]) -> bool:
         """Whether the engine runs a step of `tokens` tokens sequence-parallel; `graph_sizes`: the
         CUDA-graph sizes of the step's kind (a step that replays one does not)."""
         return takes_sequence_parallel(self.size, self.min_rows, tokens, graph_sizes)

@@ -73,7 +73,7 @@ class PromptMemory:
         """The estimated bytes of the prompts' token ids."""
         return self.tokens * POINTER_BYTES + self.drawn * INT_BYTES
 
-    def add(self, tokens: int, drawn: int, where: str, fix: str) -> PromptMemory:
+    def add(self, tokens: int, drawn: int, where: str, fix: str) -> None:
         """Counts the next prompts' tokens and fresh ids, if the estimate stays within
         MAX_PROMPT_BYTES; a ValueError naming `where`, the estimate, the bound and `fix` otherwise."""
         self.tokens += tokens
@@ -83,7 +83,6 @@ class PromptMemory:
                              f"({self.tokens:,} prompt tokens at {POINTER_BYTES} bytes and {self.drawn:,} token ids "
                              f"drawn afresh at {INT_BYTES}), more than the {size_text(MAX_PROMPT_BYTES)} a workload "
                              f"may hold: {fix}")
-        return self
 
 
 def get_positive(cfg: Mapping[str, Any], key: str, where: str) -> float:
