@@ -24,6 +24,8 @@ from command_cache_helpers import cache_compositions
 from command_stop_helpers import Accepted, accept, reaches_work, stop_before_work
 from omegaconf import DictConfig
 
+from experiments.lib.fidelity_spec import server_overrides
+
 
 def compose(config_name: str, overrides: list[str], hydra: bool = False) -> DictConfig:
     from hydra import compose as hydra_compose
@@ -190,8 +192,7 @@ RUN_CONFIGS: dict[str, Callable[[argparse.Namespace], list[list[str]]]] = {
     "experiments.bench_online": lambda ns: [[*importlib.import_module("experiments.bench_online").COMMON,
                                              *ns.overrides, "backend=engine", "workload=nanovllm"]],
     "experiments.bench_sim": _bench_sim_runs,
-    "experiments.bench_serving": lambda ns: [[*([] if any(o.startswith("backend=") for o in ns.overrides)
-                                                else ["backend=server"]), *ns.overrides]],
+    "experiments.bench_serving": lambda ns: [server_overrides(ns.overrides)],
     "experiments.lab.operator_breakdown": _operator_breakdown,
     "experiments.lab.operator_residuals": lambda ns: [["backend=sim", "latency=operators",
                                                        "scheduler.async_scheduling=true", *ns.overrides]],
@@ -220,7 +221,7 @@ def check_main(module: str, args: tuple[str, ...], out_dir: Path, monkeypatch: p
     if hasattr(mod := importlib.import_module(module), "default_run_dir"):  # its output folder by default
         monkeypatch.setattr(mod, "default_run_dir", lambda base: out_dir)
     if module == "experiments.fidelity":
-        import experiments.fidelity as fidelity
+        fidelity = mod
         chosen: list[str] = []  # the scenarios the command selects, in the order the module runs them
         select = fidelity.select_scenarios
         monkeypatch.setattr(fidelity, "select_scenarios", lambda *a: chosen.extend(select(*a)) or chosen)

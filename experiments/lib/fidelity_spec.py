@@ -110,9 +110,11 @@ def compose_cfg(overrides: Sequence[str]) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
+def server_overrides(overrides: Sequence[str]) -> list[str]:
+    """`overrides` with backend=server first unless they pick another backend."""
+    return list(overrides) if any(o.startswith("backend=") for o in overrides) else ["backend=server", *overrides]
+
+
 def compose_server_cfg(overrides: Sequence[str]) -> DictConfig:
     """conf/config.yaml with backend=server unless the overrides pick another backend."""
-    overrides = list(overrides)
-    if not any(o.startswith("backend=") for o in overrides):
-        overrides.insert(0, "backend=server")
-    return compose_cfg(overrides)
+    return compose_cfg(server_overrides(overrides))
