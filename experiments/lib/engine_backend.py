@@ -146,10 +146,29 @@ def run_engine(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
     def build(gpu: int, cpu: int, _: int) -> Scheduler:
         return factory.build_scheduler(cfg, gpu, cpu, recorder, workload)
 
-    engine = get_engine(engine_args(cfg), build)
+    args = engine_args(cfg)
+    note = cpu_run_note(args, len(workload.requests))
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    engine = get_engine(args, build)
     engine.reset(build_scheduler=build)
     num_steps = feed_workload(engine, workload, on_done)
     return BackendRun(num_steps, engine.now(), "wall", engine_info(engine.runner))
+
+
+# Models up to this many parameters run a request in well under a second on the CPU's reference
+# kernels (the tiny-* test models); larger ones take seconds a request there.
+CPU_QUICK_PARAMS = 50_000_000
+
+
+def cpu_run_note(args: EngineArgs, num_requests: int) -> str | None:
+    """A line for the user when `args` runs a model of real size on the CPU (the reference kernels,
+    float32): nothing appears for minutes otherwise. None on GPUs and for small models."""
+    if args.device != "cpu" or args.model.num_params <= CPU_QUICK_PARAMS:
+        return None
+    return (f"note: backend=engine runs {args.model.name} ({args.model.num_params / 1e6:,.0f}M parameters) on the "
+            f"CPU's reference kernels in {args.dtype}: {num_requests} requests may take many minutes. On a GPU "
+            "set backend.device=cuda; for a quick CPU run use model=tiny-qwen3 (or tiny-llama, tiny-qwen2).")
 
 
 def feed_workload(engine, workload: Workload, on_done: Callable[[int], None]) -> int:

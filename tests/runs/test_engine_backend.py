@@ -3,6 +3,7 @@ trace files as the simulator, honours arrival times and the workload's stop leng
 `experiments.ab` compares two engine configs on one request stream."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pandas as pd
@@ -108,3 +109,31 @@ def test_engine_pair_writes_the_disaggregated_fleet_traces(tmp_path, ahead, join
     assert decode.time.min() >= handed.first_token_time.min() - 1e-9
     assert decode.time.max() <= handed.finish_time.max() + 1e-9
     assert decode.num_batched_tokens.sum() == (handed.output_len - 1).sum()
+
+
+def test_cpu_run_of_a_real_size_model_says_so_before_it_starts():
+    """A real-size model on the CPU's reference kernels is silent for minutes otherwise: the run
+    names the model, its size and the quick alternatives; tiny models and GPUs get no note."""
+    cfg = compose_cfg(["backend=engine", "model=qwen3-0.6b", "blocks.num_gpu_blocks=64"])
+    note = engine_backend.cpu_run_note(engine_backend.engine_args(cfg), 500)
+    assert note is not None and "qwen3-0.6b" in note and "500 requests" in note
+    assert "model=tiny-qwen3" in note and "backend.device=cuda" in note
+    assert engine_backend.cpu_run_note(engine_backend.engine_args(compose_cfg(ENGINE)), 500) is None
+    on_gpu = dataclasses.replace(engine_backend.engine_args(cfg), device="cuda")
+    assert engine_backend.cpu_run_note(on_gpu, 500) is None
+
+
+def test_engine_run_prints_the_cpu_note(tmp_path, capsys, monkeypatch):
+    """The note reaches stderr before the engine is built (a stand-in engine: no 0.6B weights here)."""
+    cfg = compose_cfg(["backend=engine", "model=qwen3-0.6b", "blocks.num_gpu_blocks=64", *WORKLOAD[:3]])
+
+    class Built(Exception):
+        pass
+
+    def no_engine(*_):
+        raise Built
+
+    monkeypatch.setattr(engine_backend, "get_engine", no_engine)
+    with pytest.raises(Built):
+        engine_backend.run_engine(cfg, factory.workload(cfg), None, lambda n: None)
+    assert "note: backend=engine runs qwen3-0.6b" in capsys.readouterr().err
