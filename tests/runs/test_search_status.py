@@ -112,3 +112,20 @@ def test_the_printed_summary_says_which_capacities_are_bounds(tmp_path, monkeypa
     assert "1 of 1 capacities are lower bounds" in out and "search.rate.max_iterations=2 (raise it)" in out
     assert "capacity >= 16 req/s, at most $" in out and "met at 16 req/s (32 requests, capacity_status=lower_bound)" in out
     assert "Pareto front: 1 deployments (1 at a lower bound)" in out
+
+
+@pytest.fixture(scope="module")
+def default_rate(tmp_path_factory):
+    return search_cfg([], tmp_path_factory.mktemp("defaults")).search.rate
+
+
+@hyp_settings(max_examples=examples(200), deadline=None)
+@given(ratio=st.floats(1 / 64, 1000))
+def test_the_default_bisection_converges_from_a_64th_to_a_thousand_times_its_start(ratio, default_rate):
+    """conf/search.yaml's search.rate brackets any capacity from start/64 to 1000 x start within
+    rtol before max_iterations runs out (the README's search: every capacity 3.6-25 x its start)."""
+    rate = default_rate
+    start = rate.start_per_replica
+    cap = max_sustained_rate(lambda r: RateProbe(r, r <= ratio * start), start, rate.max_iterations, rate.rtol,
+                             rate.growth)
+    assert cap.upper is not None and cap.upper - cap.rate <= rate.rtol * cap.upper

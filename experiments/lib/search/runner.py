@@ -60,7 +60,7 @@ def settings(s: Mapping[str, Any]) -> SearchSettings:
     growth = rate.get("growth", 4.0)
     if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1 < growth < math.inf:
         raise ValueError(f"search.rate.growth={growth!r} is invalid: must be a number > 1")
-    iters = rate.get("max_iterations", 8)
+    iters = rate.get("max_iterations", 12)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"search.rate.max_iterations={iters!r} is invalid: must be an integer >= 1")
     rtol = rate.get("rtol", 0.05)
