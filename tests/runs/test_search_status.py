@@ -129,3 +129,16 @@ def test_the_default_bisection_converges_from_a_64th_to_a_thousand_times_its_sta
     cap = max_sustained_rate(lambda r: RateProbe(r, r <= ratio * start), start, rate.max_iterations, rate.rtol,
                              rate.growth)
     assert cap.upper is not None and cap.upper - cap.rate <= rate.rtol * cap.upper
+
+
+def test_the_printed_summary_flags_brackets_wider_than_rtol(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["search", *TINY, *ONE, "search.space.max_num_seqs=[1]",
+                                      "search.rate.start_per_replica=50", f"search.cache_dir={tmp_path / 'cache'}",
+                                      f"hydra.run.dir={tmp_path / 'out'}"])
+    search_module.main()  # met at 50 and 200, missed at 800: 3 runs leave [200, 800)
+    out = capsys.readouterr().out
+    assert "1 of 1 capacities are brackets wider than search.rate.rtol=0.05 (up to 75%, column bracket_width): " \
+           "search.rate.max_iterations=3 ran out" in out
+    assert "failed at 800 req/s (1600 requests): TTFT p90 " in out
+    summary = (tmp_path / "out" / "summary.json").read_text()
+    assert '"unconverged": 1' in summary and '"widest_bracket": 0.75' in summary
