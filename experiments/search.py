@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from experiments.lib.cli import config_errors, run_cli
 from experiments.lib.search.outputs import describe, largest_capacity
 from experiments.lib.search.runner import run_search
+from experiments.lib.search.status import LOWER_BOUND, status_lines
 
 
 @hydra.main(config_path="../conf", config_name="search", version_base="1.3")
@@ -32,15 +33,23 @@ def _main(cfg: DictConfig) -> None:
     print(f"{s['deployments']} deployments of {s['model']} ({s['simulated']} simulated, {s['cached']} cached, "
           f"{s['pruned']} pruned), {s['simulations']} simulations ({s['simulated_requests']} requests); SLO: "
           f"{s['slo_text']}")
+    for line in status_lines(result.table, s):
+        print(f"  {line}")
     c = result.cheapest
     if c is None:
         print(f"no deployment sustains search.target_rate={s['target_rate']:g} req/s: "
-              f"{largest_capacity(result.table, cfg.search.rate.get('max_iterations'))}")
+              f"{largest_capacity(result.table, s['max_iterations'])}")
     else:
+        bound = c["capacity_status"] == LOWER_BOUND
         print(f"cheapest for {s['target_rate']:g} req/s: {describe(c)}: {c['num_gpus']} GPUs, "
-              f"${c['dollars_per_hour']:.2f}/h, capacity {c['capacity_rps']:.3g} req/s, "
-              f"${c['cost_per_million_output_tokens']:.3f} per million output tokens")
-    print(f"  Pareto front: {len(result.front)} deployments; table, pareto.png and summary.json in {out_dir}")
+              f"${c['dollars_per_hour']:.2f}/h, capacity {'>= ' if bound else ''}{c['capacity_rps']:.3g} req/s, "
+              f"{'at most ' if bound else ''}${c['cost_per_million_output_tokens']:.3f} per million output tokens")
+        failed = ("no rate tried failed (a lower bound)" if c["failed_rps"] is None else
+                  f"failed at {c['failed_rps']:.3g} req/s ({int(c['failed_num_requests'])} requests): {c['failed_because']}")
+        print(f"  met at {c['capacity_rps']:.3g} req/s ({int(c['num_requests'])} requests, capacity_status="
+              f"{c['capacity_status']}); {failed}")
+    bounds = int((result.front["capacity_status"] == LOWER_BOUND).sum())
+    print(f"  Pareto front: {len(result.front)} deployments{f' ({bounds} at a lower bound)' if bounds else ''}; table, pareto.png and summary.json in {out_dir}")
 
 
 def main() -> None:

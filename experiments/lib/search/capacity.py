@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class RateProbe:
-    rate: float
+    rate: float  # the rate run: the one asked for, or less where the workload can offer no more
     met: bool
     metrics: dict = field(default_factory=dict)
     missed: list[str] = field(default_factory=list)
+    reason: str = ""  # why it missed, with the figures ("TTFT p90 2.41 s > 2 s"); empty when met
 
 
 @dataclass(slots=True)
@@ -19,13 +20,24 @@ class Capacity:
     rate: float  # the highest rate tried that met the SLOs (0: none did)
     upper: float | None  # the lowest rate tried that failed (None: none failed)
     probes: list[RateProbe]
+    # The most the probe could offer, where a run there met the SLOs and the search stopped (the
+    # capacity is then at least that rate); None when the search never reached such a limit.
+    limit: float | None = None
+
+
+def bracket_width(lo, hi):
+    """How wide the bracket [lo met, hi failed) is relative to its top: the bisection stops at
+    `rtol`. Numbers or pandas Series alike."""
+    return (hi - lo) / hi
 
 
 def max_sustained_rate(probe: Callable[[float], RateProbe], start: float, max_iterations: int,
                        rtol: float, growth: float = 4.0) -> Capacity:
     """Multiplies the rate from `start` by `growth` while `probe` meets the SLOs, then bisects the bracket
     [highest met, lowest failed] until it is `rtol` narrow relative to its top or `max_iterations`
-    probes ran. A capacity is assumed monotone in the rate (more load, worse latency)."""
+    probes ran. A capacity is assumed monotone in the rate (more load, worse latency). A probe may
+    run a lower rate than asked (the most its workload offers, `RateProbe.rate`): met there, the
+    search stops with that rate as the capacity's lower bound (`Capacity.limit`)."""
     if not start > 0:
         raise ValueError(f"search.rate.start_per_replica gives a start rate of {start!r}: must be > 0")
     if max_iterations < 1:
@@ -41,12 +53,14 @@ def max_sustained_rate(probe: Callable[[float], RateProbe], start: float, max_it
         p = probe(rate)
         probes.append(p)
         if p.met:
-            lo = rate
+            lo = p.rate
+            if p.rate < rate:
+                return Capacity(lo, hi, probes, p.rate)
         else:
-            hi = rate
+            hi = p.rate
         if hi is None:
             rate = growth * rate
-        elif hi - lo <= rtol * hi:
+        elif bracket_width(lo, hi) <= rtol:
             break
         else:
             rate = (lo + hi) / 2

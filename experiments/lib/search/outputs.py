@@ -3,6 +3,7 @@ for the target rate (printed and in summary.json)."""
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.search.pareto import pareto_front, plot_front
+from experiments.lib.search.status import add_status, status_counts
 from experiments.lib.workloads import Workload
 
 DEPLOYMENT_COLUMNS = ["gpu", "tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens",
@@ -48,10 +50,12 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
     (out_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg))
     table = pd.DataFrame(rows)
     for col in ("capacity_rps", "failed_rps", "ttft_p", "tpot_p", "goodput_fraction", "simulations",
-                "simulated_requests", "missed_at_lowest"):
+                "simulated_requests", "missed_at_lowest", "failed_because", "num_requests", "failed_num_requests",
+                "rate_limit_rps"):
         if col not in table:
             table[col] = np.nan
     table["capacity_rps"] = table["capacity_rps"].astype(float)
+    add_status(table, s.rtol)
     table["capacity_per_gpu_rps"] = table["capacity_rps"] / table["num_gpus"]  # goodput per GPU at the SLOs
     tokens_per_hour = table["capacity_rps"] * mean_output * 3600
     table["cost_per_million_output_tokens"] = np.where(
@@ -67,6 +71,12 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
             f"search.slo.{field}={getattr(slo, field)!r}"
         raise ValueError(f"{named} is met by no deployment: none of "
                          f"{len(ran)} meets {slo_text(slo)} even at {lowest:.3g} req/s (table in {out_dir / 'table.csv'})")
+    if s.duration_s is None and ran["failed_rps"].isna().all():
+        raise ValueError(f"search.duration_s=null measured no capacity: none of {len(ran)} deployments missed "
+                         f"{slo_text(slo)} at any rate tried (up to {ran['capacity_rps'].max():.3g} req/s), as every "
+                         f"run offers the same {len(workload)} requests of workload={workload.name!r}, which at a high "
+                         "rate arrive as one burst the batch absorbs: set search.duration_s, the seconds of arrivals "
+                         f"per run (table in {out_dir / 'table.csv'})")
     front = pareto_front(table)
     plot_front(table, front, out_dir / "pareto.png",
                f"{cfg.model.name}, {workload.name}, {slo_text(slo)}")
@@ -74,7 +84,9 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
         ["dollars_per_hour", "capacity_rps"], ascending=[True, False], kind="stable")
     cheapest = None if able.empty else _plain(able.iloc[0][[*DEPLOYMENT_COLUMNS, SPLIT_COLUMN, "num_gpus", "dollars_per_hour",
                                                             "capacity_rps", "cost_per_million_output_tokens",
-                                                            "ttft_p", "tpot_p", "goodput_fraction"]].to_dict())
+                                                            "ttft_p", "tpot_p", "goodput_fraction", "capacity_status",
+                                                            "num_requests", "failed_rps", "failed_because",
+                                                            "failed_num_requests"]].to_dict())
     counts = table["status"].value_counts().to_dict()
     summary = {"model": cfg.model.name, "workload": workload.name,
                "mean_output_tokens": mean_output, "latency": cfg.latency.name, "slo": slo.as_dict(),
@@ -83,10 +95,11 @@ def finish(cfg: DictConfig, rows: list[dict[str, Any]], slo, s, mean_output: flo
                "simulated": int(counts.get("simulated", 0)), "cached": int(counts.get("cached", 0)),
                "pruned": int(counts.get("pruned", 0)), "simulations": int(table["simulations"].fillna(0).sum()),
                "simulated_requests": int(table["simulated_requests"].fillna(0).sum()),
-               "duration_s": s.duration_s,
+               "duration_s": s.duration_s, "requests_per_run": len(workload) if s.duration_s is None else None,
+               "rtol": s.rtol, "max_iterations": s.max_iterations, "capacities": status_counts(table),
                "cheapest": cheapest, "pareto_front": [_plain(r) for r in front[
                    [*DEPLOYMENT_COLUMNS, SPLIT_COLUMN, "num_gpus", "dollars_per_hour", "capacity_rps",
-                    "cost_per_million_output_tokens"]].to_dict("records")],
+                    "cost_per_million_output_tokens", "capacity_status"]].to_dict("records")],
                "files": {"table": "table.csv", "parquet": "table.parquet", "pareto": "pareto.png",
                          "config": CONFIG_FILE}}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -99,6 +112,9 @@ def largest_capacity(table: pd.DataFrame, max_iterations: int | None) -> str:
     best = table.loc[table["capacity_rps"].idxmax()] if table["capacity_rps"].notna().any() else None
     if best is None:
         return "no deployment was simulated"
+    if "rate_limit_rps" in table and pd.notna(best["rate_limit_rps"]):
+        return (f"the largest capacity is at least {best['capacity_rps']:.3g} req/s, the most the workload's requests "
+                "cover for search.duration_s: give a longer trace")
     if "failed_rps" in table and pd.isna(best["failed_rps"]):
         within = f" within {max_iterations} iterations" if max_iterations is not None else ""
         return (f"the largest capacity is at least {best['capacity_rps']:.3g} req/s: no failing rate found{within}; "
@@ -117,4 +133,6 @@ def slo_text(slo) -> str:
 
 
 def _plain(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in d.items()}
+    """JSON-ready values: numpy scalars as Python ones, NaN (no value) as None."""
+    out = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in d.items()}
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}

@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.lib.search.runner import run_search
 
 SWEEP_COLUMNS = ["tpot_ms", "pd_split", "replicas", "tensor_parallel_size", "num_gpus", "capacity_rps",
-                 "capacity_per_gpu_rps", "ttft_p", "tpot_p", "goodput_fraction"]
+                 "capacity_per_gpu_rps", "ttft_p", "tpot_p", "goodput_fraction", "capacity_status", "failed_rps",
+                 "failed_because"]
 
 
 def check_sweep(values: object) -> list[float]:

@@ -15,11 +15,17 @@ from experiments.lib.config_schema import check_config
 from experiments.lib.search.cache import ResultCache, data_digest, result_key
 from experiments.lib.search.catalogue import GpuType, load_catalogue
 from experiments.lib.search.outputs import SearchResult, finish
-from experiments.lib.search.simulate import arrival_rate, deployment_capacity
+from experiments.lib.search.simulate import (
+    MIN_REQUESTS,
+    arrival_rate,
+    deployment_capacity,
+    requests_at,
+    workload_for,
+)
 from experiments.lib.search.slo import SearchSlo
 from experiments.lib.search.space import Deployment, deployments, run_config
 
-RESULT_VERSION = 2  # bump when a cached result's meaning changes
+RESULT_VERSION = 3  # bump when a cached result's meaning changes
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,7 +60,7 @@ def settings(s: Mapping[str, Any]) -> SearchSettings:
     growth = rate.get("growth", 4.0)
     if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1 < growth < math.inf:
         raise ValueError(f"search.rate.growth={growth!r} is invalid: must be a number > 1")
-    iters = rate.get("max_iterations", 8)
+    iters = rate.get("max_iterations", 12)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"search.rate.max_iterations={iters!r} is invalid: must be an integer >= 1")
     rtol = rate.get("rtol", 0.05)
@@ -71,6 +77,23 @@ def settings(s: Mapping[str, Any]) -> SearchSettings:
     if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0 or n_jobs < -1:
         raise ValueError(f"search.n_jobs={n_jobs!r} is invalid: must be an integer >= 1, or -1 (one per core)")
     return SearchSettings(float(target), float(start), float(growth), iters, float(rtol), min_kv, None if duration is None else float(duration), n_jobs, str(s.get("cache_dir")))
+
+
+def check_covers(cfg: DictConfig, duration_s: float, target_rate: float) -> None:
+    """The workload holds the requests of `duration_s` seconds of arrivals at the target rate: a
+    trace of fewer rows would be run shorter than `duration_s` where the answer is decided (a
+    rate above the target that it does not cover is run at the most it covers, which makes that
+    capacity a lower bound)."""
+    need = requests_at(target_rate, duration_s)
+    wl = workload_for(cfg, target_rate, duration_s)
+    if len(wl) < need:
+        where = f" (workload.path={cfg.workload.path!r})" if cfg.workload.get("path") else ""
+        fix = f"or search.duration_s <= {math.floor(len(wl) / target_rate * 1000) / 1000:g}" \
+            if len(wl) >= MIN_REQUESTS else f"(a run offers at least {MIN_REQUESTS})"
+        raise ValueError(f"search.duration_s={duration_s:g} is too long for workload={wl.name!r}: a run at "
+                         f"search.target_rate={target_rate:g} req/s offers {need} requests, but it holds {len(wl)}"
+                         f"{where}, which cover {duration_s:g} s of arrivals only up to {len(wl) / duration_s:.3g} "
+                         f"req/s: give a longer trace {fix}")
 
 
 def check_latency_data(base: DictConfig, gpus: list[GpuType], d: Deployment) -> None:
@@ -141,6 +164,8 @@ def run_search(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> S
     if arrival_rate(workload) <= 0:
         raise ValueError(f"workload={workload.name!r} is invalid for a search: its requests arrive at once (an offline "
                          "workload), so it has no arrival rate to scale; pick one with arrival times")
+    if s.duration_s is not None:
+        check_covers(first, s.duration_s, s.target_rate)
     mean_output = sum(workload.output_lens) / len(workload)
     check_latency_data(cfg, [catalogue[g] for g in dict.fromkeys(d.gpu for d in space)], space[0])
 

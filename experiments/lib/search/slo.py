@@ -64,6 +64,41 @@ class SearchSlo:
                 missed.append("tpot_s")
         return not missed, metrics, missed
 
+    def explain(self, requests: pd.DataFrame, metrics: Mapping[str, float | None], missed: list[str]) -> str:
+        """Why a run missed (empty when it met), with its figures: each objective missed against its
+        limit, the requests that did not finish by their finish reason and, for goodput, which
+        objective the finished ones missed ("goodput 0.858 < 0.9: 43 of 304 requests not finished
+        (43 abort:handoff_queue_full)")."""
+        if not missed:
+            return ""
+        parts = []
+        for key in missed:
+            if key == "ttft_s":
+                parts.append(_over("TTFT", self.ttft_percentile, metrics["ttft_p"], self.ttft_s, "s", 1.0))
+            elif key == "tpot_s":
+                parts.append(_over("TPOT", self.tpot_percentile, metrics["tpot_p"], self.tpot_s, "ms", 1e3))
+            elif key == "goodput":
+                parts.append(f"goodput {metrics['goodput_fraction']:.3g} < {self.goodput:g}")
+        done = requests[requests["status"] == "finished"]
+        if len(done) < len(requests):
+            left = requests[requests["status"] != "finished"]
+            why = left["finish_reason"].fillna(left["status"]).fillna("unfinished").value_counts()
+            parts.append(f"{len(left)} of {len(requests)} requests not finished ("
+                         + ", ".join(f"{n} {reason}" for reason, n in why.items()) + ")")
+        if "goodput" in missed:
+            for key, label, unit, scale in (("ttft_s", "TTFT", "s", 1.0), ("tpot_s", "TPOT", "ms", 1e3)):
+                limit = getattr(self, key)
+                if limit is not None:
+                    over = int((~meets_slo(done, {key: limit})).sum())
+                    parts.append(f"{over} finished over {label} {limit * scale:g} {unit}")
+        return "; ".join(parts)
+
+
+def _over(label: str, percentile: float, value: float | None, limit: float, unit: str, scale: float) -> str:
+    if value is None:
+        return f"{label}: no request finished"
+    return f"{label} p{percentile:g} {value * scale:.3g} {unit} > {limit * scale:g} {unit}"
+
 
 def _percentile(values: pd.Series, q: float) -> float | None:
     v = values.to_numpy(dtype=float)
