@@ -10,6 +10,9 @@ fields only 8-byte aligned, the alignment of the metadata views (block tables, c
 lengths, the tile map) changed with the step's sizes, and eager steps of new sizes compiled new
 variants of the attention kernels mid-run (1.5-2 s each on an H200 with an empty Triton cache).
 At 16 every field is aligned in every shape, so each kernel compiles once.
+
+The block tables' width follows policies/block_table_width.py (`table_width`: a multiple of 16,
+for the same reason with Triton's integer specialization).
 """
 from __future__ import annotations
 

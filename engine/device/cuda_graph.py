@@ -8,8 +8,8 @@ Two families of buckets:
   token count >= T (16, 32, 64, ... with 1.5x steps from 512, up to `MAX_GRAPH_TOKENS`). Its
   decode kernel covers min(T, max_num_seqs) rows (those past the step's decode rows are idle),
   and its prefill kernel a tile map with room for any batch of that many tokens.
-Block tables are captured at the full width `ceil(max_model_len / block_size)`, so no launch shape
-depends on the batch's contents. Larger steps run eagerly (the GPU is the bottleneck there), as do
+Block tables are captured at the full width (`ceil(max_model_len / block_size)`, rounded up to a
+multiple of 16: `table_width`), so no launch shape depends on the batch's contents. Larger steps run eagerly (the GPU is the bottleneck there), as do
 steps of `eager_from` tokens or more (the sequence-parallel steps, engine/models/sequence_parallel.py:
 no token bucket reaches that size, and captures run the all-reduce path, `sequence_parallel=False`).
 Logits go to one static [max rows, width] buffer in the model's dtype (the model's logit columns:

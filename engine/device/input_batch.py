@@ -25,6 +25,7 @@ from engine.device.attention import AttentionMetadata
 from engine.device.batch_layout import BatchShape, InputBuffers
 from engine.device.block_tables import BlockTableRows
 from kernels.prefill import tile_map
+from policies.block_table_width import table_width
 from policies.outputs import ScheduledSeq
 
 
@@ -58,8 +59,9 @@ class StepPlan:
         return [s.num_new_tokens for s in self.prefills]
 
     def shape(self) -> BatchShape:
-        """The exact (unpadded) shape of an eager step."""
-        return BatchShape(self.num_tokens, len(self.decodes), len(self.prefills), len(self.sampled), self.width)
+        """The shape of an eager step: its exact rows, its block tables `table_width` columns wide."""
+        return BatchShape(self.num_tokens, len(self.decodes), len(self.prefills), len(self.sampled),
+                          table_width(self.width))
 
     def check_within(self, max_len: int) -> None:
         """ValueError naming the first sequence whose rows reach past token `max_len` (positions

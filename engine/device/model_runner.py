@@ -36,6 +36,7 @@ from engine.distributed.sharding import TPShard
 from engine.distributed.vocab_parallel_sampling import sample_vocab_parallel
 from engine.models.parallel_layers import TPContext
 from kernels.prefill import max_tiles, tokens_per_tile
+from policies.block_table_width import table_width
 from policies.blocks.base import fits_idle_pool
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.request import Request, SamplingParams
@@ -94,7 +95,7 @@ class ModelRunner:
                                  max_positions=max_model_len, seed=seed, compile=compile_model,
                                  tp=None if tp is None else TPContext(shard, tp))
         self.sampler = Sampler(self.device)
-        width = cache_config.blocks_per_seq(max_model_len)
+        width = table_width(cache_config.blocks_per_seq(max_model_len))
         tokens = tokens_per_tile(self.local_config.num_attention_heads, self.local_config.num_key_value_heads)
         capacity = BatchShape(max_num_batched_tokens, max_num_seqs, max_num_seqs, max_num_seqs, width,
                               max_tiles(max_num_batched_tokens, max_num_seqs, tokens))

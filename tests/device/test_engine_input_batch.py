@@ -46,8 +46,9 @@ def test_layout_of_a_mixed_batch():
     assert meta.prefill_cu_seqlens_q.tolist() == [1, 6, 9]
     assert meta.prefill_context_lens.tolist() == [7, 3]
     assert meta.decode_context_lens.tolist() == [6]
-    assert meta.prefill_block_tables.tolist() == [[4, 9, 1], [3, 0, 0]]
-    assert meta.decode_block_tables.tolist() == [[7, 2, 0]]
+    pad = [0] * 13  # the tables are table_width(3) = 16 columns wide
+    assert meta.prefill_block_tables.tolist() == [[4, 9, 1, *pad], [3, 0, 0, *pad]]
+    assert meta.decode_block_tables.tolist() == [[7, 2, 0, *pad]]
     assert batch.sample_rows.tolist() == [0, 8]
 
 
@@ -131,3 +132,31 @@ def test_every_field_of_every_shape_is_16_byte_aligned(t, d, s, r, w, tiles):
     capacity = BatchShape(300, 40, 9, 40, 37, num_tiles=23)
     views = InputBuffers(capacity, torch.device("cpu")).device_views(BatchShape(t, d, s, r, w, num_tiles=tiles))
     assert {name: v.data_ptr() % 16 for name, v in views.items() if v.data_ptr() % 16} == {}
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(tables=st.lists(st.integers(1, 300), min_size=1, max_size=12), decode=st.lists(st.booleans(), min_size=12,
+                                                                                       max_size=12))
+def test_every_step_passes_the_kernels_a_width_divisible_by_16(tables, decode):
+    """Triton specializes the attention kernels on whether the block tables' stride and width are
+    multiples of 16: a step whose tables were as wide as its longest one compiled new variants
+    mid-run. Every eager step's tables are a multiple of 16 columns, zero past each sequence's own."""
+    block = 16
+    sched = []
+    for i, blocks in enumerate(tables):
+        n = (blocks - 1) * block + 1  # the last block holds one token
+        table = [(7 * i + j) % 997 for j in range(blocks)]
+        if decode[i]:
+            sched.append(ScheduledSeq(seq(i, list(range(n + 1)), n, table + [1]), 1, 1))
+        else:
+            sched.append(ScheduledSeq(seq(i, list(range(n)), 0, table), n, 1))
+    plan = plan_step(sched, block)
+    shape = plan.shape()
+    assert shape.width % 16 == 0 and plan.width <= shape.width < plan.width + 16
+    meta = build_model_input(sched, block, torch.device("cpu")).meta
+    for rows, group in ((meta.decode_block_tables, plan.decodes), (meta.prefill_block_tables, plan.prefills)):
+        if not group:
+            continue
+        assert rows.shape[1] == shape.width
+        for row, s in zip(rows.tolist(), group):
+            assert row == s.seq.block_table + [0] * (shape.width - len(s.seq.block_table))

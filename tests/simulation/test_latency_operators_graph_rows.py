@@ -106,3 +106,11 @@ def test_the_built_model_takes_the_engines_split_rule():
     built = factory.build_latency(config("latency=operators", "model=qwen3-0.6b"))
     assert built.decode_pricing.split_rule(8, 528, 4096) == built.decode_pricing.lone_splits == 16
     assert built.decode_pricing.split_rule(256 * 8, 528, 4096) == 1 and built.decode_pricing.table_tokens == 4096
+
+
+def test_the_priced_block_tables_are_as_wide_as_the_engines():
+    """The kernels' split count follows the block tables' width, which the engine rounds up to a
+    multiple of 16 columns (policies/block_table_width.py): 1,000 tokens of 16-token blocks is 63
+    blocks, 64 columns."""
+    built = factory.build_latency(config("latency=operators", "model=qwen3-0.6b", "scheduler.max_model_len=1000"))
+    assert built.decode_pricing.table_tokens == 64 * 16
