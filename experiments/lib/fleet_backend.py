@@ -15,7 +15,7 @@ from math import inf
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.lib import factory
-from experiments.lib.paths import REPO_ROOT
+from experiments.lib.paths import REPO_ROOT, resolve_path
 from experiments.lib.serving_overhead import ServingOverhead
 from experiments.lib.workloads import Workload
 from policies.disagg import ReplicaRole, is_disaggregated, parse_roles
@@ -146,6 +146,26 @@ def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:
     return out
 
 
+def replica_latency(rcfg: DictConfig, cluster: ClusterConfig, replica: int):
+    """Replica `replica`'s latency model, from its config (`replica_config`). With `cluster.hardware`
+    its prices follow that replica's GPU (a profile's path is `<gpu>-<model>...csv`), so a GPU the
+    latency model has no data for is an error naming `cluster.hardware[replica]`."""
+    try:
+        return factory.build_latency(rcfg)
+    except ValueError as e:
+        if cluster.hardware is None:
+            raise
+        key = f"cluster.hardware[{replica}]={cluster.hardware[replica]!r}"
+        path = rcfg.latency.get("path")
+        if path is not None and not resolve_path(str(path)).is_file():
+            raise ValueError(
+                f"{key} has no latency profile: latency={rcfg.latency.get('name')} reads each replica's profile "
+                f"for its own GPU, here latency.path={str(path)!r}, which does not exist; use latency=roofline "
+                f"(any conf/hardware GPU), profile that GPU (`python -m experiments.profile` on it), or set "
+                f"latency.path to one profile for every replica") from None
+        raise ValueError(f"{key} (replica {replica}'s GPU): {e}") from None
+
+
 def prefill_scheduler_config(cfg: DictConfig, cluster: ClusterConfig) -> DictConfig:
     """A prefill replica's scheduler config: it schedules ahead only with
     `cluster.prefill_async_scheduling`, on the engine pair and in the simulator alike (the latency
@@ -180,7 +200,7 @@ def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None
         prefill = cluster.disaggregated and cluster.roles[i] is ReplicaRole.PREFILL
         scheduler = factory.build_scheduler(prefill_scheduler_config(rcfg, cluster) if prefill else rcfg,
                                             gpu, cpu, recorder, workload)
-        specs.append(ReplicaSpec(scheduler, factory.build_latency(rcfg)))
+        specs.append(ReplicaSpec(scheduler, replica_latency(rcfg, cluster, i)))
         recorders.append(recorder)
         info.append({"replica": i, "hardware": rcfg.hardware.name, "num_gpu_blocks": gpu, "num_cpu_blocks": cpu})
         if sources := specs[-1].latency.data_sources():
