@@ -18,7 +18,7 @@ from experiments.lib import factory
 from experiments.lib.paths import REPO_ROOT, resolve_path
 from experiments.lib.serving_overhead import ServingOverhead
 from experiments.lib.workloads import Workload
-from policies.disagg import ReplicaRole, is_disaggregated, parse_roles
+from policies.disagg import ReplicaRole, check_max_queue, is_disaggregated, parse_roles
 from policies.trace import TraceRecorder
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
@@ -33,8 +33,10 @@ class ClusterConfig:
     roles: tuple[ReplicaRole, ...] = ()
     decode_router: str = "least_kv"  # a conf/router name: picks the decode replica of each hand-off
     link: str = "nvlink"  # a conf/hardware `links` name: what a KV transfer crosses
-    handoff_queue: int = 64  # hand-offs waiting for blocks on one decode replica, at most
-    handoff_timeout_s: float = 60.0  # how long one may wait there
+    # Hand-offs waiting on one decode replica (for a sequence slot and KV blocks), at most; None:
+    # unbounded, the prefill side holding their KV (backpressure) up to handoff_timeout_s
+    handoff_queue: int | None = None
+    handoff_timeout_s: float = 60.0  # how long one may wait there (longer: aborted)
     handoff_hop_s: float = 1e-4  # backend=sim: one message between a pair's host loops (sim/fleet/disagg.py)
     handoff_step_boundaries: bool = True  # backend=sim: each side acts on a hand-off between its steps
     handoff_host_s: float = 0.0  # backend=sim: a synchronous prefill replica's host time per hand-off
@@ -97,8 +99,7 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     if not isinstance(link, str) or not link:
         raise ValueError(f"cluster.link={link!r} is invalid: a link name of conf/hardware (nvlink, network)")
     queue, timeout = c.get("handoff_queue", d.handoff_queue), c.get("handoff_timeout_s", d.handoff_timeout_s)
-    if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
-        raise ValueError(f"cluster.handoff_queue={queue!r} is invalid: must be an integer >= 1")
+    check_max_queue(queue, "cluster.handoff_queue")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < inf:
         raise ValueError(f"cluster.handoff_timeout_s={timeout!r} is invalid: must be a number of seconds > 0")
     from sim.fleet.disagg import HandoffHost
