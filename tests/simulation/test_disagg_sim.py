@@ -51,6 +51,10 @@ def test_runs_are_byte_identical_and_ttft_splits_into_its_parts(tmp_path):
     assert ((rows["link_time"] - rows["transfer_bytes"].map(link.transfer_time)).abs() < 1e-12).all()
     split = summary["disaggregation"]
     assert split["handed_off"] == 40 and summary["run"]["roles"] == ["prefill", "prefill", "decode"]
+    counts, per = summary["routing"]["requests_per_replica"], summary["per_replica"]
+    assert sum(counts[:2]) == 40 and counts[2] == 40  # arrivals over the prefill replicas; hand-offs received
+    assert [per[r]["role"] for r in "012"] == ["prefill", "prefill", "decode"] and per["2"]["received"] == 40
+    assert per["0"]["handed_off"] + per["1"]["handed_off"] == 40 and per["0"]["prefills"] == counts[0]
     assert summary["num_gpus"] == 3 and summary["goodput_per_gpu"] == pytest.approx(summary["goodput"] / 3)
 
 
