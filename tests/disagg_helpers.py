@@ -57,7 +57,7 @@ def run_on_device(kv: KVStoreBackend, out) -> dict[int, list[int]]:
 
 
 class DisaggPair:
-    def __init__(self, prefill: Scheduler, decode: Scheduler, max_queue: int = 64, timeout_s: float = 1e9,
+    def __init__(self, prefill: Scheduler, decode: Scheduler, max_queue: int | None = None, timeout_s: float = 1e9,
                  abort_at: dict[str, int] | None = None, prefill_ahead: bool = False,
                  decode_ahead: bool = False) -> None:
         """`abort_at`: request id -> the round (one step each side) it is aborted at. `prefill_ahead`:

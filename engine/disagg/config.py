@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, fields
 
 from engine.config import check_device
+from policies.disagg import check_max_queue
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,8 +25,10 @@ class DisaggregationConfig:
     # One transfer moves every hand-off the decode engine reserved in one turn, up to this many
     # blocks (a larger request goes alone): its staging buffers' bound.
     max_blocks_per_transfer: int = 512
-    # Hand-offs the decode engine queues while its KV pool is full, and how long one may wait there.
-    max_queue: int = 64
+    # Hand-offs the decode engine queues while it has no sequence slot or KV blocks for them, at most
+    # (more: refused, abort:handoff_queue_full); None: unbounded, the prefill engine holding their KV
+    # (backpressure). How long one may wait there (longer: refused, abort:handoff_timeout).
+    max_queue: int | None = None
     queue_timeout_s: float = 60.0
     # EngineArgs fields the decode engine sets otherwise (e.g. {"num_gpu_blocks": 64, "max_num_seqs": 128}).
     decode_args: dict | None = None
@@ -40,7 +43,8 @@ class DisaggregationConfig:
     sends_mid_step: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "max_queue", "max_transfers_in_flight", "max_blocks_per_transfer"):
+        check_max_queue(self.max_queue, "disaggregation.max_queue")
+        for name in ("prefill", "decode", "max_transfers_in_flight", "max_blocks_per_transfer"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"disaggregation.{name}={value!r} is invalid: must be an integer >= 1")
@@ -92,6 +96,8 @@ def _convert(key: str, value: object, kind: str) -> object:
     if not isinstance(value, str):
         return value
     try:
+        if kind == "int | None":
+            return None if value.strip().lower() in ("none", "null") else int(value)
         if kind == "int":
             return int(value)
         if kind == "float":

@@ -6,7 +6,7 @@ reports `DecodeStarted`, joins the pair's `KVLink` as the receiving end, receive
 start-up transfer (engine/disagg/link_warmup.py: one block through the serving path, so the first
 request pays no set-up) and reports `DecodeReady`, then loops:
 1. take the front's messages: the clock's origin (`ClockOrigin`: the front's, so both engines'
-   times are on one clock, counted from when the pair was ready), hand-offs into the `DecodeSide`'s queue (refused when it is full),
+   times are on one clock, counted from when the pair was ready), hand-offs into the `DecodeSide`'s queue (refused only when a bounded one is full),
    transfer start times, aborts (a queued hand-off is withdrawn, one whose receive is posted runs
    to its end and is dropped there, a live request is aborted in the engine);
 2. hand-offs queued longer than `queue_timeout_s`, or too long for this KV pool, are refused;

@@ -22,6 +22,7 @@ from experiments.lib.fleet_backend import (
     build_router,
     cluster_config,
     replica_config,
+    replica_latency,
     run_fleet,
 )
 from experiments.lib.serving_overhead import ServingOverhead
@@ -78,7 +79,7 @@ def run_sim(cfg: DictConfig, workload: Workload, recorder: TraceRecorder,
         cfg = replica_config(cfg, cluster.hardware[0])
     gpu, cpu = factory.kv_block_counts(cfg)
     scheduler = factory.build_scheduler(cfg, gpu, cpu, recorder, workload)
-    latency = factory.build_latency(cfg)
+    latency = replica_latency(cfg, cluster, 0)
     overhead = ServingOverhead.from_cfg(cfg)  # checked before the run, not after it
     result = Simulator(scheduler, latency, workload.requests, workload.stop_lens, on_done,
                        fast_forward=cfg.backend.get("fast_forward", True)).run()

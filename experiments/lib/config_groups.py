@@ -18,7 +18,7 @@ class Cluster:
     roles: list[str] | None = None  # prefill | decode | mixed per replica (docs/disaggregation.md)
     decode_router: str = "least_kv"
     link: str = "nvlink"
-    handoff_queue: int = 64
+    handoff_queue: int | None = None  # null: unbounded (backpressure up to handoff_timeout_s)
     handoff_timeout_s: float = 60.0
     handoff_hop_s: float = 1e-4
     handoff_step_boundaries: bool = True

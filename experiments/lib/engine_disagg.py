@@ -8,7 +8,7 @@ and `summary.json`'s `disaggregation` section, so one notebook compares the two.
 The prefill engine's scheduler is the run's (`factory.build_scheduler`), scheduling synchronously,
 or ahead with `cluster.prefill_async_scheduling` (docs/disaggregation-engine.md); the decode
 engine's is built from the same engine arguments (policy, block manager, limits), with `cluster.handoff_queue` and `cluster.handoff_timeout_s`
-bounding its hand-off queue as in the simulator. Request and step rows come from both engines
+bounding its hand-off queue by the simulator's rule (policies/disagg/decode_side.py: null, backpressure alone). Request and step rows come from both engines
 (`steps.parquet`'s replica 1: the decode engine's steps, on the same clock); events are the
 prefill engine's (the decode engine records none). The run's t=0 is when the pair is ready: both
 engines built and the KV link warm (`DisaggregatedEngine.reset_clock`).

@@ -15,10 +15,10 @@ from math import inf
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.lib import factory
-from experiments.lib.paths import REPO_ROOT
+from experiments.lib.paths import REPO_ROOT, resolve_path
 from experiments.lib.serving_overhead import ServingOverhead
 from experiments.lib.workloads import Workload
-from policies.disagg import ReplicaRole, is_disaggregated, parse_roles
+from policies.disagg import ReplicaRole, check_max_queue, is_disaggregated, parse_roles
 from policies.trace import TraceRecorder
 
 HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
@@ -33,8 +33,10 @@ class ClusterConfig:
     roles: tuple[ReplicaRole, ...] = ()
     decode_router: str = "least_kv"  # a conf/router name: picks the decode replica of each hand-off
     link: str = "nvlink"  # a conf/hardware `links` name: what a KV transfer crosses
-    handoff_queue: int = 64  # hand-offs waiting for blocks on one decode replica, at most
-    handoff_timeout_s: float = 60.0  # how long one may wait there
+    # Hand-offs waiting on one decode replica (for a sequence slot and KV blocks), at most; None:
+    # unbounded, the prefill side holding their KV (backpressure) up to handoff_timeout_s
+    handoff_queue: int | None = None
+    handoff_timeout_s: float = 60.0  # how long one may wait there (longer: aborted)
     handoff_hop_s: float = 1e-4  # backend=sim: one message between a pair's host loops (sim/fleet/disagg.py)
     handoff_step_boundaries: bool = True  # backend=sim: each side acts on a hand-off between its steps
     handoff_host_s: float = 0.0  # backend=sim: a synchronous prefill replica's host time per hand-off
@@ -97,8 +99,7 @@ def cluster_config(cfg: DictConfig) -> ClusterConfig:
     if not isinstance(link, str) or not link:
         raise ValueError(f"cluster.link={link!r} is invalid: a link name of conf/hardware (nvlink, network)")
     queue, timeout = c.get("handoff_queue", d.handoff_queue), c.get("handoff_timeout_s", d.handoff_timeout_s)
-    if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
-        raise ValueError(f"cluster.handoff_queue={queue!r} is invalid: must be an integer >= 1")
+    check_max_queue(queue, "cluster.handoff_queue")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < inf:
         raise ValueError(f"cluster.handoff_timeout_s={timeout!r} is invalid: must be a number of seconds > 0")
     from sim.fleet.disagg import HandoffHost
@@ -146,6 +147,26 @@ def replica_config(cfg: DictConfig, hardware: str | None) -> DictConfig:
     return out
 
 
+def replica_latency(rcfg: DictConfig, cluster: ClusterConfig, replica: int):
+    """Replica `replica`'s latency model, from its config (`replica_config`). With `cluster.hardware`
+    its prices follow that replica's GPU (a profile's path is `<gpu>-<model>...csv`), so a GPU the
+    latency model has no data for is an error naming `cluster.hardware[replica]`."""
+    try:
+        return factory.build_latency(rcfg)
+    except ValueError as e:
+        if cluster.hardware is None:
+            raise
+        key = f"cluster.hardware[{replica}]={cluster.hardware[replica]!r}"
+        path = rcfg.latency.get("path")
+        if path is not None and not resolve_path(str(path)).is_file():
+            raise ValueError(
+                f"{key} has no latency profile: latency={rcfg.latency.get('name')} reads each replica's profile "
+                f"for its own GPU, here latency.path={str(path)!r}, which does not exist; use latency=roofline "
+                f"(any conf/hardware GPU), profile that GPU (`python -m experiments.profile` on it), or set "
+                f"latency.path to one profile for every replica") from None
+        raise ValueError(f"{key} (replica {replica}'s GPU): {e}") from None
+
+
 def prefill_scheduler_config(cfg: DictConfig, cluster: ClusterConfig) -> DictConfig:
     """A prefill replica's scheduler config: it schedules ahead only with
     `cluster.prefill_async_scheduling`, on the engine pair and in the simulator alike (the latency
@@ -180,7 +201,7 @@ def run_fleet(cfg: DictConfig, workload: Workload, on_done: Callable[[int], None
         prefill = cluster.disaggregated and cluster.roles[i] is ReplicaRole.PREFILL
         scheduler = factory.build_scheduler(prefill_scheduler_config(rcfg, cluster) if prefill else rcfg,
                                             gpu, cpu, recorder, workload)
-        specs.append(ReplicaSpec(scheduler, factory.build_latency(rcfg)))
+        specs.append(ReplicaSpec(scheduler, replica_latency(rcfg, cluster, i)))
         recorders.append(recorder)
         info.append({"replica": i, "hardware": rcfg.hardware.name, "num_gpu_blocks": gpu, "num_cpu_blocks": cpu})
         if sources := specs[-1].latency.data_sources():

@@ -6,7 +6,8 @@ consecutive output tokens (`token_times`); E2E = finish - arrival; queueing = fi
 arrival. Each latency gets mean / median / std / p90 / p99 (seconds). Goodput = completed
 requests per second meeting every SLO that is set (`slo.ttft_s`, `slo.tpot_s`, `slo.e2el_s`).
 KV utilisation = used token slots / allocated slots (`kv_tokens / (gpu_blocks_used * block_size)`)
-and waste = 1 - utilisation, both weighted by step duration.
+and waste = the allocated slots left unfilled, max(0, 1 - that ratio) per step (a step whose
+sequences share blocks counts none), both weighted by step duration.
 """
 from __future__ import annotations
 
@@ -89,10 +90,14 @@ def kv_metrics(steps: pd.DataFrame, block_size: int) -> dict[str, float | None]:
     w = steps["duration"].astype(float)
     allocated = steps["gpu_blocks_used"] * block_size
     busy = allocated > 0
-    util = _weighted_mean((steps["kv_tokens"][busy] / allocated[busy]), w[busy])
+    ratio = steps["kv_tokens"][busy] / allocated[busy]
+    util = _weighted_mean(ratio, w[busy])
+    # Shared blocks (forked samples, a prefix cache) count once in the pool and once per sequence in
+    # kv_tokens, so a step's ratio can pass 1; its unfilled slots cannot be told apart then: none.
+    waste = _weighted_mean((1.0 - ratio).clip(lower=0.0), w[busy])
     return {
         "kv_utilization": util,
-        "kv_waste": None if util is None else 1.0 - util,
+        "kv_waste": waste,
         "gpu_blocks_used_mean": _weighted_mean(steps["gpu_blocks_used"].astype(float), w),
         "gpu_blocks_used_peak": int(steps["gpu_blocks_used"].max()),
         "gpu_block_usage_mean": _weighted_mean(steps["gpu_blocks_used"] / steps["gpu_blocks_total"], w),

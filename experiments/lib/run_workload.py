@@ -44,7 +44,8 @@ def run(cfg: DictConfig, out_dir: str | Path, label: str | None = None,
         summary.update(summarize(requests, steps, bs, slo))
     else:  # a fleet (docs/fleet.md): traces with a replica column, per-replica metrics
         requests, steps, events = write_fleet_traces(result.replica_recorders, out_dir)
-        summary.update(fleet_summary(requests, steps, bs, len(result.replica_recorders), slo))
+        summary.update(fleet_summary(requests, steps, bs, len(result.replica_recorders), slo,
+                                     result.info.get("roles")))
     num_gpus = len(result.replica_recorders or [recorder]) * factory.tensor_parallel_size(cfg)
     summary["num_gpus"] = num_gpus
     summary["goodput_per_gpu"] = goodput(requests, summary["duration_s"], slo, num_gpus)

@@ -5,10 +5,10 @@ hand-off on a `policies.Scheduler`: `PrefillSide` (hands requests off after thei
 frees their blocks once the transfer is done) and `DecodeSide` (allocates blocks before the send,
 queues hand-offs that do not fit yet, joins received requests to the running batch).
 """
-from policies.disagg.decode_side import DecodeSide
+from policies.disagg.decode_side import DecodeSide, check_max_queue
 from policies.disagg.handoff import HANDOFF_COLUMNS, KVHandoff, kv_block_bytes, transfer_batches
 from policies.disagg.prefill_side import PrefillSide
 from policies.disagg.roles import ROLE_NAMES, ReplicaRole, is_disaggregated, parse_roles
 
 __all__ = ["HANDOFF_COLUMNS", "ROLE_NAMES", "DecodeSide", "KVHandoff", "PrefillSide", "ReplicaRole",
-           "is_disaggregated", "kv_block_bytes", "parse_roles", "transfer_batches"]
+           "check_max_queue", "is_disaggregated", "kv_block_bytes", "parse_roles", "transfer_batches"]

@@ -1,18 +1,25 @@
 """The decode side of a hand-off: a decode replica's `Scheduler` receiving requests whose prompt
 was computed elsewhere.
 
-    side = DecodeSide(scheduler, max_queue=64, timeout_s=60.0, replica=1)
-    side.enqueue(handoff, now)               # False: the queue is full (the caller aborts it)
+    side = DecodeSide(scheduler, max_queue=None, timeout_s=60.0, replica=1)
+    side.enqueue(handoff, now)               # False: a bounded queue is full (the caller aborts it)
     for handoff in side.reserve_ready(now):  # blocks allocated BEFORE any byte is sent
         ...  send handoff.block_ids -> handoff.dst_block_ids ...
         side.receive(handoff, now)           # the request joins the running batch
     side.expire(now)                         # hand-offs queued longer than timeout_s (caller aborts them)
 
-Admission: hand-offs wait here in FIFO order (`queue`, at most `max_queue`) until the head fits:
-no sequence of this replica waiting or swapped (its preempted sequences come first), sequence slots
-left under `max_num_seqs` (the running queue's plus those reserved), and the block manager admits
-its prompt + first token (`can_allocate`, with the watermark). `reserve_ready` then allocates the
-blocks; call it after every event that frees blocks here (a step's update) and after `enqueue`.
+Admission: hand-offs wait here in FIFO order (`queue`) until the head fits: no sequence of this
+replica waiting or swapped (its preempted sequences come first), sequence slots left under
+`max_num_seqs` (the running queue's plus those reserved), and the block manager admits its prompt +
+first token (`can_allocate`, with the watermark). `reserve_ready` then allocates the blocks; call it
+after every event that frees blocks here (a step's update) and after `enqueue`.
+
+Backpressure: while a hand-off waits, the prefill side keeps its KV blocks, so a decode side that
+is short of sequence slots or blocks fills the prefill side's pool and holds back its next prompts,
+as vLLM's and llm-d's prefill instances keep a finished prefill's KV until the decode instance
+reads it. The wait is bounded in time (`timeout_s`: the caller aborts the expired ones) and, with
+`max_queue` set, in number: a hand-off that finds `max_queue` waiting is refused (load shedding);
+None (the default): no bound in number.
 
 `receive` makes the request a live request of this scheduler: its sequences join the running queue
 with `num_computed_tokens` = the prompt's length and their first token, so the next step scheduled
@@ -34,10 +41,18 @@ from policies.disagg.handoff import KVHandoff
 from policies.sequence import Sequence, SequenceStatus
 
 
+def check_max_queue(value: object, key: str) -> int | None:
+    """A hand-off queue's bound: an integer >= 1, or None (unbounded: backpressure alone)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{key}={value!r} is invalid: must be an integer >= 1 (hand-offs waiting on one decode "
+                         "replica, more are aborted) or null (unbounded: they wait, their KV held by the prefill "
+                         "side, up to the timeout)")
+    return value
+
+
 class DecodeSide:
-    def __init__(self, scheduler, max_queue: int = 64, timeout_s: float = 60.0, replica: int = 0) -> None:
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-            raise ValueError(f"max_queue={max_queue!r} is invalid: must be an integer >= 1")
+    def __init__(self, scheduler, max_queue: int | None = None, timeout_s: float = 60.0, replica: int = 0) -> None:
+        check_max_queue(max_queue, "max_queue")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid: must be a number of seconds > 0")
         self.scheduler = scheduler
@@ -55,9 +70,10 @@ class DecodeSide:
         return len(self._reserved)
 
     def enqueue(self, handoff: KVHandoff, now: float) -> bool:
-        """Queue a hand-off routed here; False (nothing queued; the caller aborts it) when `max_queue` are waiting."""
+        """Queue a hand-off routed here; False (nothing queued; the caller aborts it) when a bounded
+        queue has `max_queue` waiting."""
         handoff.decode_replica = self.replica
-        if len(self.queue) >= self.max_queue:
+        if self.max_queue is not None and len(self.queue) >= self.max_queue:
             return False
         self.queue.append((now, handoff))
         self._families[handoff.request_id] = self._build(handoff)

@@ -8,10 +8,10 @@ policies/disagg/ (`PrefillSide`, `DecodeSide`), run unchanged here as in the eng
 1. A prefill replica's update hands off the requests whose first token it sampled (each replica's
    `after_step` hook picks them up at once, on the same clock); they reach the decode side together.
 2. The decode router (any registered router; exact snapshots of the decode replicas) picks a
-   decode replica; the hand-off waits in that replica's bounded queue (`handoff_queue`; full:
-   abort:handoff_queue_full; older than `handoff_timeout_s`: abort:handoff_timeout) until its
-   blocks are allocated there, before any byte moves. Queued hand-offs are retried after each of
-   that replica's steps.
+   decode replica; the hand-off waits in that replica's queue, its KV held by the prefill replica
+   (backpressure; `handoff_queue`, where set, bounds it: full, abort:handoff_queue_full; older than
+   `handoff_timeout_s`: abort:handoff_timeout) until a sequence slot and its blocks are allocated
+   there, before any byte moves. Queued hand-offs are retried after each of that replica's steps.
 3. The hand-offs a decode replica reserves at once move as one message per prefill replica, up to
    `batch_blocks` blocks (`transfer_batches`, the engine pair's rule). A message queues at the sending
    replica's link: one SimPy `Resource` of capacity 1 per prefill replica (its outgoing link; every
@@ -77,7 +77,7 @@ from sim.simulator import run_without_gc
 class DisaggFleetSimulator(KVMessages, FleetSimulator):
     def __init__(self, replicas: Sequence[ReplicaSpec], roles: Sequence[ReplicaRole], router: Router,
                  decode_router: Router, requests: Iterable[Request], links: Sequence[Link | None],
-                 block_bytes: Sequence[int], handoff_queue: int = 64, handoff_timeout_s: float = 60.0,
+                 block_bytes: Sequence[int], handoff_queue: int | None = None, handoff_timeout_s: float = 60.0,
                  refresh_s: float = 0.0, stop_lens: Mapping[str, int] | None = None,
                  on_done: Callable[[int], None] | None = None, fast_forward: bool = True,
                  host: HandoffHost | None = None, batch_blocks: int = 512,

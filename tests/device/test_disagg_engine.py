@@ -225,11 +225,19 @@ def test_a_stopped_decode_process_is_hung_and_its_requests_end_with_an_error():
     ("prefill=1,decode", "key=value pairs"),
     ("prefill=1,decoders=1", r"keys \['decoders'\] are unknown"),
     ("transfer_timeout_s=0", "transfer_timeout_s=0.0 is invalid"),
+    ("max_queue=0", r"max_queue=0 is invalid: must be an integer >= 1 .* or null"),
     ("decode_device=tpu", "decode_device='tpu' is invalid"),
 ])
 def test_bad_disaggregation_settings_name_the_key(spec, message):
     with pytest.raises(ValueError, match=message):
         DisaggregationConfig.parse(spec)
+
+
+def test_the_decode_engines_hand_off_queue_is_unbounded_by_default():
+    """The simulator's rule (policies/disagg/decode_side.py): backpressure unless a bound is set."""
+    assert DisaggregationConfig().max_queue is None
+    assert DisaggregationConfig.parse("max_queue=null").max_queue is None
+    assert DisaggregationConfig.parse("max_queue=8").max_queue == 8
 
 
 def test_decode_args_may_not_change_the_kv_layout():

@@ -50,6 +50,11 @@ def test_routers_sweep_with_multirun(tmp_path):
     ("+cluster.racks=2", "key cluster.racks is unknown"),
     ("cluster.replicas=2 cluster.hardware=[h200]", "cluster.hardware=['h200'] is invalid"),
     ("cluster.replicas=2 cluster.hardware=[h200,tpu]", "cluster.hardware[1]='tpu' is unknown"),
+    ("cluster.replicas=2 cluster.hardware=[h200,a100] latency=profiled",
+     "cluster.hardware[1]='a100' has no latency profile: latency=profiled reads each replica's profile"),
+    ("cluster.hardware=[a100] latency=profiled", "cluster.hardware[0]='a100' has no latency profile"),
+    ("cluster.replicas=2 cluster.hardware=[h200,a100] latency=operators",
+     "cluster.hardware[1]='a100' (replica 1's GPU): latency.gpu='a100' is invalid"),
     ("router=lottery", "router/lottery"),
     ("router=prefix_aware router.cache_threshold=2 cluster.replicas=2", "router.cache_threshold=2 is invalid"),
     ("+router.cache_threshold=0.3", "key router.cache_threshold is unknown"),  # not a round_robin knob
@@ -61,6 +66,18 @@ def test_routers_sweep_with_multirun(tmp_path):
 def test_bad_fleet_config_is_one_line_naming_the_key(override, key, monkeypatch, capsys, tmp_path):
     expect_one_line_error([*override.split(), "workload.num_requests=5", *SMALL, f"hydra.run.dir={tmp_path}"],
                           key, monkeypatch, capsys)
+
+
+def test_one_profile_prices_every_replica_when_latency_path_is_set(tmp_path):
+    """latency.path names one file: every replica is priced from it, whatever its GPU."""
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "cluster.replicas=2", "cluster.hardware=[h200,a100]", "latency=profiled",
+            "latency.path=experiments/profiles/h200-qwen3-0.6b-async.csv", "workload.num_requests=6",
+            "plots=false", *SMALL])
+    summary = run_module.run(cfg, tmp_path / "run")
+    assert summary["completed"] == 6
+    assert [r["hardware"] for r in summary["run"]["replica_info"]] == ["h200", "a100"]
 
 
 def test_prefix_aware_beats_round_robin_on_shared_system_prompts(tmp_path):

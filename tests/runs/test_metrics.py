@@ -2,9 +2,14 @@
 from types import SimpleNamespace
 
 import numpy as np
+import pandas as pd
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+from property_settings import examples
 
-from experiments.lib.metrics import summarize, summary_table
+from experiments.lib.metrics import kv_metrics, summarize, summary_table
 from experiments.lib.traces import load_run, requests_frame, steps_frame, write_traces
 from policies.trace import STEP_COLUMNS
 
@@ -57,6 +62,27 @@ def test_hand_computed_metrics(recorder):
     assert s["gpu_blocks_used_peak"] == 4
     assert set(s["per_priority"]) == {"0", "1"}
     assert "TTFT mean / p50 / p99 (ms)      1000.0 / 1000.0 / 1000.0" in summary_table(s)
+
+
+def test_kv_waste_is_never_negative_when_blocks_are_shared():
+    """A prefix cache's shared blocks put kv_tokens above the allocated slots: utilisation passes
+    100% and such a step wastes nothing (not a negative share)."""
+    frame = pd.DataFrame([step(0, 0.0, 1.0, 2, 12), step(1, 1.0, 1.0, 4, 8)])  # 150% and 50%
+    s = kv_metrics(frame, block_size=4)
+    assert s["kv_utilization"] == pytest.approx(1.0)
+    assert s["kv_waste"] == pytest.approx(0.25)  # (0 + 0.5) / 2
+
+
+@hsettings(max_examples=examples(60), deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 50), st.integers(1, 40), st.floats(0.01, 5.0)), min_size=1, max_size=8))
+def test_kv_waste_is_a_share_and_one_minus_utilisation_without_sharing(rows):
+    """kv_waste lies in [0, 1]; where no step's sequences hold more tokens than its blocks have slots
+    it is 1 - kv_utilization."""
+    frame = pd.DataFrame([step(i, float(i), d, used, tokens) for i, (tokens, used, d) in enumerate(rows)])
+    s = kv_metrics(frame, block_size=4)
+    assert 0.0 <= s["kv_waste"] <= 1.0
+    if all(tokens <= used * 4 for tokens, used, _ in rows):
+        assert s["kv_waste"] == pytest.approx(1.0 - s["kv_utilization"])
 
 
 def test_without_slo_goodput_counts_every_completed_request(recorder):

@@ -84,6 +84,31 @@ def test_a_full_decode_queue_aborts_the_hand_off():
     assert pair.prefill.block_manager.num_free_gpu_blocks() == 64
 
 
+@pytest.mark.parametrize("max_queue", [None, 1])
+def test_a_decode_side_short_of_sequence_slots_holds_hand_offs_back(max_queue):
+    """By default (max_queue None) a hand-off waits for a sequence slot, its KV held by the prefill
+    side, and every request finishes; a bounded queue refuses what finds it full."""
+    pair = DisaggPair(make_scheduler(num_gpu_blocks=64), make_scheduler(num_gpu_blocks=64, max_num_seqs=1),
+                      max_queue=max_queue)
+    ended = pair.run([request(f"r{i}", 8, max_tokens=6) for i in range(4)])
+    reasons = {rid: r.finish_reason for rid, r in ended.items()}
+    if max_queue is None:
+        assert reasons == dict.fromkeys(("r0", "r1", "r2", "r3"), "length")
+        assert [rid for what, rid in pair.events if what == "reserved"] == ["r0", "r1", "r2", "r3"]
+        waits = {row["request_id"]: row["decode_wait"] for row in pair.decode.recorder.requests}
+        assert min(waits["r2"], waits["r3"]) > 0  # held on the prefill side until a slot was free
+    else:
+        assert reasons == {"r0": "length", **dict.fromkeys(("r1", "r2", "r3"), "abort:handoff_queue_full")}
+    assert pair.prefill.block_manager.num_free_gpu_blocks() == 64
+
+
+def test_the_hand_off_queue_is_unbounded_by_default_and_its_bound_checked():
+    side = DecodeSide(make_scheduler())
+    assert side.max_queue is None
+    with pytest.raises(ValueError, match=r"max_queue=0 is invalid: must be an integer >= 1 .* or null"):
+        DecodeSide(make_scheduler(), max_queue=0)
+
+
 @pytest.mark.parametrize("decode_blocks", [5, 16])  # 5: r1 waits in the decode queue; 16: its transfer in flight
 def test_abort_while_handed_off(decode_blocks):
     pair = DisaggPair(make_scheduler(num_gpu_blocks=64), make_scheduler(num_gpu_blocks=decode_blocks),

@@ -51,6 +51,10 @@ def test_runs_are_byte_identical_and_ttft_splits_into_its_parts(tmp_path):
     assert ((rows["link_time"] - rows["transfer_bytes"].map(link.transfer_time)).abs() < 1e-12).all()
     split = summary["disaggregation"]
     assert split["handed_off"] == 40 and summary["run"]["roles"] == ["prefill", "prefill", "decode"]
+    counts, per = summary["routing"]["requests_per_replica"], summary["per_replica"]
+    assert sum(counts[:2]) == 40 and counts[2] == 40  # arrivals over the prefill replicas; hand-offs received
+    assert [per[r]["role"] for r in "012"] == ["prefill", "prefill", "decode"] and per["2"]["received"] == 40
+    assert per["0"]["handed_off"] + per["1"]["handed_off"] == 40 and per["0"]["prefills"] == counts[0]
     assert summary["num_gpus"] == 3 and summary["goodput_per_gpu"] == pytest.approx(summary["goodput"] / 3)
 
 
@@ -79,6 +83,22 @@ def test_a_small_decode_pool_queues_then_aborts_with_a_reason(tmp_path):
     summary = run(cfg, tmp_path / "queued", "queued")
     rows = pd.read_parquet(tmp_path / "queued" / "requests.parquet")
     assert summary["completed"] == 40 and rows["decode_wait"].max() > 0  # waited for blocks, then ran
+
+
+@pytest.mark.parametrize("queue", ["null", "4"])
+def test_a_decode_side_short_of_sequence_slots_pushes_back(queue, tmp_path):
+    """By default (cluster.handoff_queue=null) hand-offs that find the decode replica's sequence
+    slots taken wait, their KV held by the prefill replica, and every request finishes; a bound
+    sheds the hand-offs that find it full."""
+    cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "scheduler.max_num_seqs=4",
+               "workload=offline", f"cluster.handoff_queue={queue}")
+    assert cluster_config(cfg).handoff_queue == (None if queue == "null" else 4)
+    summary = run(cfg, tmp_path, queue)
+    rows = pd.read_parquet(tmp_path / "requests.parquet")
+    if queue == "null":
+        assert summary["completed"] == 40 and rows["decode_wait"].max() > 0
+    else:
+        assert summary["aborted"] > 0 and set(summary["abort_reasons"]) == {"abort:handoff_queue_full"}
 
 
 def test_mixed_replicas_serve_beside_a_prefill_decode_pair(tmp_path):
@@ -160,7 +180,8 @@ def test_parallel_samples_cross_the_hand_off_and_decode_preemption_recomputes_th
     (["cluster.roles=[prefill,decode]"], "2 roles for 3 replicas"),
     (["cluster.roles=[prefill,mixed,mixed]"], "0 decode replicas"),
     (["cluster.decode_router=fastest"], "cluster.decode_router='fastest' is unknown"),
-    (["cluster.handoff_queue=0"], "cluster.handoff_queue=0 is invalid"),
+    (["cluster.handoff_queue=0"], "cluster.handoff_queue=0 is invalid: must be an integer >= 1 .* or null"),
+    (["cluster.handoff_queue=true"], "cluster.handoff_queue=True is invalid"),
     (["cluster.handoff_batch_blocks=0"], "cluster.handoff_batch_blocks=0 is invalid"),
     (["cluster.handoff_hop_s=-1"], "cluster.handoff_hop_s=-1 is invalid"),
     (["cluster.handoff_step_boundaries=sometimes"], "cluster.handoff_step_boundaries='sometimes' is invalid"),
