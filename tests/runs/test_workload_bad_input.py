@@ -137,7 +137,8 @@ def test_a_long_legal_prompt_is_aborted_too_long_while_the_others_finish(tmp_pat
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = run(compose_cfg(["workload=replay", f"workload.path={path}", "model=qwen3-0.6b",
-                               "scheduler.max_model_len=40960", "progress=false", "plots=false"]), tmp_path / "out")
+                               "scheduler.max_model_len=40960", "blocks.kv_cache_gib=5", "progress=false",
+                               "plots=false"]), tmp_path / "out")
     req = pd.read_parquet(tmp_path / "out" / "requests.parquet").set_index("request_id")
     assert req.loc["long", "finish_reason"] == "abort:too_long"
     assert summary["completed"] == 2 and summary["abort_reasons"] == {"abort:too_long": 1}
