@@ -22,6 +22,7 @@ from engine.parallel_config import CUSTOM_ALL_REDUCE_MAX_BYTES, DISABLE_CUSTOM_A
 from policies.blocks import BLOCK_MANAGERS, BlockManagerConfig
 from policies.build import SchedulingConfig, block_manager_config, policy_config
 from policies.kv_pool_size import DEFAULT as DEFAULT_MEMORY_UTILIZATION
+from policies.kv_pool_size import check_num_gpu_blocks
 from policies.model_shape import resolve_max_model_len
 from policies.policy.base import POLICIES, PREEMPTION_MODES, PolicyConfig
 from policies.scheduler_config import SchedulerConfig
@@ -137,7 +138,13 @@ class EngineArgs:
         """Build the configs that need no weights (model shapes, KV cache sizing, max_model_len), so a
         bad value is a ValueError naming it before anything loads."""
         self.cache_config()
-        self.resolve_max_model_len(self.model_config())
+        self.check_kv_pool(self.resolve_max_model_len(self.model_config()))
+
+    def check_kv_pool(self, max_model_len: int) -> None:
+        """A `num_gpu_blocks` given must hold one max_model_len sequence, refused before anything
+        loads (the model runner checks a profiled count alike)."""
+        if self.num_gpu_blocks is not None:
+            check_num_gpu_blocks(self.num_gpu_blocks, self.block_size, max_model_len)
 
     def resolve_device(self) -> str:
         """The device to run on (None picked); a CUDA device this machine lacks is a ValueError."""

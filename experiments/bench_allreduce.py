@@ -230,7 +230,7 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     sizes = [int(s) for s in a.world_sizes.split(",")] if a.world_sizes else [s for s in (2, 4) if s <= gpus]
     if not sizes or max(sizes) > gpus:
-        ap.error(f"--world-sizes {sizes} is invalid: this machine has {gpus} GPUs (at least 2 needed)")
+        ap.error(f"--world-sizes {sizes} is invalid: each must be >= 2 and at most the GPUs this machine has ({gpus})")
     if a.min_bytes < 16 or a.min_bytes % 16 or a.max_bytes < a.min_bytes:
         ap.error(f"--min-bytes {a.min_bytes} / --max-bytes {a.max_bytes} are invalid: multiples of 16, min <= max")
     ParallelConfig(custom_all_reduce_max_bytes=a.max_bytes)  # a ValueError naming a bad --max-bytes

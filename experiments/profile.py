@@ -54,6 +54,7 @@ from experiments.lib.profiling.limits import EngineLimits, check_grid
 from experiments.lib.profiling.measure import PIPELINED_SLACK, measure, slower_pipelined
 from experiments.lib.profiling.synthetic import blocks_needed
 from experiments.lib.profiling.versions import versions
+from sim.latency.file_meta import device_is
 from sim.latency.operator_file import SEQUENCE_PARALLEL_META
 from sim.latency.prefill_schedule import PrefillSchedule
 
@@ -62,12 +63,11 @@ HARDWARE_DIR = REPO_ROOT / "conf" / "hardware"
 
 def gpu_slug(device_name: str) -> str:
     """'NVIDIA H200' -> 'h200' (a conf/hardware name it contains), else a slug of the name."""
-    low = device_name.lower()
     known = sorted((p.stem for p in HARDWARE_DIR.glob("*.yaml") if "-" not in p.stem), key=len, reverse=True)
     for stem in known:
-        if stem in low:
+        if device_is(stem, device_name):  # the rule a run checks the profile's device by
             return stem
-    return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "device"
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "device"
 
 
 OPERATOR_PARTS = ("compute", "collectives")

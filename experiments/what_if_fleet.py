@@ -98,7 +98,8 @@ def markdown(rows: list[dict], target: float, slo_text: str, workload: str, mode
         b, c = r["best_cost"], r["cheapest"]
         best = "none" if b is None else (f"${b['cost_per_million_output_tokens']:.3f}: {short(b)}, "
                                          f"{b['capacity_rps'] / b['num_gpus']:.2f} req/s per GPU")
-        cheap = "none reaches it" if c is None else (f"{short(c)}: {int(c['num_gpus'])} GPUs, ${c['dollars_per_hour']:.2f}/h, "
+        gpus = "" if c is None else f"{int(c['num_gpus'])} GPU{'s' if int(c['num_gpus']) != 1 else ''}"
+        cheap = "none reaches it" if c is None else (f"{short(c)}: {gpus}, ${c['dollars_per_hour']:.2f}/h, "
                                                      f"{c['capacity_rps']:.3g} req/s")
         lines.append(f"| {r['gpu']} | {r['latency']} | {best} | {r['max_capacity']:.3g} | {cheap} |")
     return "\n".join(lines) + "\n"

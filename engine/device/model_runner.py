@@ -37,7 +37,7 @@ from engine.distributed.vocab_parallel_sampling import sample_vocab_parallel
 from engine.models.parallel_layers import TPContext
 from kernels.prefill import max_tiles, tokens_per_tile
 from policies.block_table_width import table_width
-from policies.blocks.base import fits_idle_pool
+from policies.kv_pool_size import check_holds_one_sequence, check_num_gpu_blocks
 from policies.outputs import ScheduledSeq, SchedulerOutput
 from policies.request import Request, SamplingParams
 from policies.sequence import Sequence
@@ -112,12 +112,11 @@ class ModelRunner:
         if tp is not None:  # one block table serves every rank
             self.num_gpu_blocks = tp.min_int(self.num_gpu_blocks)
             self.num_cpu_blocks = tp.min_int(self.num_cpu_blocks)
-        if not fits_idle_pool(max_model_len, self.block_size, self.num_gpu_blocks):  # admission's rule
-            raise ValueError(
-                f"KV cache too small: one max_model_len={max_model_len} request needs {width} blocks "
-                f"of {self.block_size} tokens, but only {self.num_gpu_blocks} fit (gpu_memory_utilization="
-                f"{cache_config.gpu_memory_utilization}, num_gpu_blocks={cache_config.num_gpu_blocks}); "
-                "lower max_model_len or give the cache more memory (on CPU: set num_gpu_blocks)")
+        if cache_config.num_gpu_blocks is not None or self.device.type != "cuda":  # a count given, or the CPU's
+            check_num_gpu_blocks(self.num_gpu_blocks, self.block_size, max_model_len)
+        else:  # sized from the memory a profiling pass left
+            check_holds_one_sequence(self.num_gpu_blocks, self.block_size, max_model_len, "gpu_memory_utilization",
+                                     cache_config.gpu_memory_utilization)
         self.kv_cache = KVCache(self.local_config, self.block_size, self.num_gpu_blocks, self.num_cpu_blocks,
                                 self.device, self.dtype, self.ops)
         self.model.bind_kv_cache(self.kv_cache.k_caches, self.kv_cache.v_caches)

@@ -48,6 +48,10 @@ class SweepJobError(Exception):
 
 
 def one_line(exc: BaseException) -> str:
+    from experiments.lib.config_schema import unknown_override  # the schemas: only when reporting
+    unknown = unknown_override(exc)
+    if unknown is not None:
+        return unknown
     text = str(exc).strip() or type(exc).__name__
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     msg = lines[0]

@@ -2,7 +2,7 @@
 conf/profile.yaml, a fidelity spec) against their schemas (the keys each may hold and their types,
 as OmegaConf structured configs). Hydra catches a mistyped key on the command line but not in a
 yaml file, where it would be silently ignored; `check_config` refuses it with a ValueError naming
-the file and the key.
+the file and the key, and `unknown_override` words Hydra's refusal of a command-line key alike.
 
 A pluggable group's schema is the config dataclass of the plugin its file names (policies,
 block managers, latency models, backends, workloads: every registry with a `group`,
@@ -14,6 +14,7 @@ Values are checked for type only; ranges and meanings stay with the code that re
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -143,8 +144,7 @@ def _check(section: Mapping[str, Any], schema: type, group: str | None, origin: 
         at = [*path, str(key)]
         if key not in hints or key not in {f.name for f in dataclasses.fields(schema)}:
             dotted = ".".join([*([group] if group else []), *at])
-            names = sorted(f.name for f in dataclasses.fields(schema))
-            raise ValueError(f"{origin.where(group, at)}: key {dotted} is unknown: allowed are {names}")
+            raise ValueError(_unknown_key(origin.where(group, at), dotted, _field_names(schema)))
         inner = _strip_optional(hints[key])
         if dataclasses.is_dataclass(inner) and isinstance(value, Mapping):
             _check(value, inner, group, origin, tuple(at))
@@ -164,6 +164,56 @@ def _check(section: Mapping[str, Any], schema: type, group: str | None, origin: 
         if shape is not None:  # OmegaConf's words for it ("AnyNode is not a ListConfig") name no key
             raise ValueError(f"{where}: {dotted}={section.get(key.split('.')[0])!r} is invalid: {shape}") from None
         raise ValueError(f"{where}: {dotted} is invalid: {str(e).splitlines()[0]}") from None
+
+
+def _unknown_key(where: str, dotted: str, allowed: list[str]) -> str:
+    return f"{where}: key {dotted} is unknown: allowed are {allowed}"
+
+
+def _field_names(schema: type) -> list[str]:
+    return sorted(f.name for f in dataclasses.fields(schema))
+
+
+def unknown_override(exc: BaseException) -> str | None:
+    """Hydra's refusal of a command-line override of a key the composed config lacks (`cluster.foo=1`:
+    "Could not override 'cluster.foo'", "Key 'foo' is not in struct") in `check_config`'s words for
+    a yaml file's unknown key, naming the keys allowed there (its schema's, else the config's); a
+    key the schema has but the chosen file leaves out is added with `+`. None for another error."""
+    cause = exc.__cause__
+    full_key, parent = getattr(cause, "full_key", None), getattr(cause, "parent_node", None)
+    if not isinstance(cause, OmegaConfBaseException) or "not in struct" not in str(cause) or not full_key \
+            or parent is None:
+        return None
+    typed = re.search(r"use \+(\S+)", str(exc))  # Hydra's advice repeats the override
+    override = typed.group(1) if typed else full_key
+    *path, key = full_key.split(".")
+    schema, present = _schema_at(path, parent), sorted(str(k) for k in parent if k != "hydra")
+    if schema is None:
+        return _unknown_key(f"the command line ({override})", full_key, present)
+    if key in _field_names(schema):
+        return (f"the command line ({override}): key {full_key} is not in the chosen {path[0]} config (its keys: "
+                f"{present}): add it with +{override}")
+    return _unknown_key(f"the command line ({override})", full_key, _field_names(schema))
+
+
+def _schema_at(path: list[str], parent: Any) -> type | None:
+    """The schema of the config section at `path` (`parent`: that section's node), or None where
+    none is known (the top level, a section no schema covers)."""
+    if not path:
+        return None
+    root = parent._get_root()
+    group = path[0]
+    section = OmegaConf.to_container(root[group], resolve=False) if group in root else {}
+    if group in groups():
+        schema = group_schema(group, section)
+    else:
+        schema = RUN_KEYS.get(group) if dataclasses.is_dataclass(RUN_KEYS.get(group)) else None
+    for key in path[1:]:
+        if schema is None or key not in _field_names(schema):
+            return None
+        inner = _strip_optional(typing.get_type_hints(schema)[key])
+        schema = inner if dataclasses.is_dataclass(inner) else None
+    return schema
 
 
 def _container_kind(annotation: Any, value: Any) -> str | None:

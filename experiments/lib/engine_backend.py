@@ -26,6 +26,7 @@ from engine.model_loader import check_against_gguf
 from engine.offline.llm_engine import LLMEngine, SchedulerBuilder
 from experiments.lib import factory
 from experiments.lib.backend_run import BackendRun
+from experiments.lib.kv_pool import explicit_gpu_blocks
 from experiments.lib.workloads import Workload
 from experiments.lib.workloads.base import READ_OUTPUT_KIND
 from policies.blocks.base import BASE_KNOBS
@@ -56,9 +57,7 @@ def engine_args(cfg: DictConfig) -> EngineArgs:
     tp = factory.tensor_parallel_size(cfg)
     gpu_model = model if tp == 1 else TPShard.of(model, 0, tp).local_config(model)  # one GPU's KV heads
     block_bytes = block_size * gpu_model.kv_bytes_per_token_in(DTYPES[dtype].itemsize)  # as the runner sizes blocks
-    num_gpu_blocks = blocks.get("num_gpu_blocks")
-    if num_gpu_blocks is None and blocks.get("kv_cache_gib") is not None:
-        num_gpu_blocks = int(float(blocks["kv_cache_gib"]) * 2**30 // block_bytes)
+    num_gpu_blocks = explicit_gpu_blocks(cfg, block_bytes)  # checked as the simulator's, in the engine's blocks
     if device == "cpu" and num_gpu_blocks is None:
         raise ValueError("blocks.num_gpu_blocks=null is invalid with backend=engine on CPU: set "
                          "blocks.num_gpu_blocks or blocks.kv_cache_gib (there is no GPU memory to size from)")

@@ -1,56 +1,39 @@
-"""Config -> objects: model/hardware shapes, KV block counts, scheduler, latency model, workload.
+"""Config -> objects: model/hardware shapes (experiments/lib/config_parts.py), KV block counts
+(experiments/lib/kv_pool.py), scheduler, latency model, workload.
 
 Every check raises ValueError naming the config key (`blocks.block_size=0 is invalid: ...`), which
 the entry points print as one line.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from experiments.lib.config_parts import (
+    block_size,
+    gpu_model_shape,
+    hardware,
+    model_shape,
+    section,
+    tensor_parallel_size,
+)
+from experiments.lib.kv_pool import kv_block_counts as kv_block_counts
 from experiments.lib.paths import resolve_path
 from experiments.lib.workloads import Workload, build_workload
 from policies.build import SchedulingConfig, block_manager_config, policy_config, scheduler_config
 from policies.build import build_scheduler as build
-from policies.kv_pool_size import blocks_memory_utilization
 from policies.model_shape import resolve_max_model_len
 from policies.scheduler import Scheduler
 from policies.sequence_parallel import sequence_parallel_from
-from policies.tensor_parallel import check_tensor_parallel_size
 from sim.latency import (
     LATENCY_MODELS,
-    Hardware,
     LatencyConfig,
     LatencyModel,
     LatencySetup,
-    ModelShape,
     build_latency_model,
 )
 from sim.latency.build import EngineAllReduce
-from sim.latency.tensor_parallel import shard_shape
-
-
-def section(cfg: DictConfig, key: str) -> dict[str, Any]:
-    if key not in cfg or cfg[key] is None:
-        raise ValueError(f"{key} is missing from the config")
-    return OmegaConf.to_container(cfg[key], resolve=True)  # type: ignore[return-value]
-
-
-def model_shape(cfg: DictConfig) -> ModelShape:
-    return ModelShape.from_dict(section(cfg, "model"))
-
-
-def hardware(cfg: DictConfig) -> Hardware:
-    return Hardware.from_dict(section(cfg, "hardware"))
-
-
-def tensor_parallel_size(cfg: DictConfig) -> int:
-    """`parallel.tensor_parallel_size` (1 when the config has no `parallel` block)."""
-    size = (cfg.get("parallel") or {}).get("tensor_parallel_size", 1)
-    return check_tensor_parallel_size(size, "parallel.tensor_parallel_size")
-
 
 ALL_REDUCE_SETTINGS = ("disable_custom_all_reduce", "custom_all_reduce_one_shot_max_bytes",
                        "custom_all_reduce_max_bytes", "all_reduce_kernel")
@@ -103,67 +86,6 @@ def engine_all_reduce(cfg: DictConfig) -> EngineAllReduce:
         from kernels.all_reduce import fits_add_rms_norm as fuses_width
     return EngineAllReduce(lambda nbytes: choose_path(nbytes, dtype, True, one_shot, two_shot), one_shot, two_shot,
                            kernel=kernel, fuses_width=fuses_width, symmetric_memory_on=True)
-
-
-def gpu_model_shape(cfg: DictConfig) -> ModelShape:
-    """The model one GPU holds under `parallel.tensor_parallel_size` (the whole model for 1)."""
-    model, size = model_shape(cfg), tensor_parallel_size(cfg)  # each names its own key
-    try:
-        return shard_shape(model, size)
-    except ValueError as e:
-        raise ValueError(f"parallel.{e}" if str(e).startswith("tensor_parallel_size") else f"model.{e}") from None
-
-
-def _int_at_least(b: Mapping[str, Any], key: str, low: int) -> int:
-    v = b.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"blocks.{key}={v!r} is invalid: must be an integer >= {low}")
-    return v
-
-
-def _gib(b: Mapping[str, Any], key: str, allow_zero: bool) -> float:
-    v = b.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"blocks.{key}={v!r} is invalid: must be a number {'>=' if allow_zero else '>'} 0 (GiB)")
-    return float(v)
-
-
-def block_size(cfg: DictConfig) -> int:
-    bs = cfg.blocks.get("block_size")
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
-        raise ValueError(f"blocks.block_size={bs!r} is invalid: must be a power of two >= 1")
-    return bs
-
-
-def kv_block_counts(cfg: DictConfig) -> tuple[int, int]:
-    """(num_gpu_blocks, num_cpu_blocks) for the simulated GPU, as vLLM sizes its pools."""
-    b = section(cfg, "blocks")
-    model, hw = gpu_model_shape(cfg), hardware(cfg)  # per GPU: each holds its share of weights and KV
-    # checked when set, used or not, and needed where the pool has no size of its own (the engine's rule)
-    util = blocks_memory_utilization(b)
-    block_bytes = model.kv_bytes_per_token * block_size(cfg)
-    if b.get("num_gpu_blocks") is not None:
-        gpu = _int_at_least(b, "num_gpu_blocks", 1)
-    elif b.get("kv_cache_gib") is not None:
-        gpu = int(_gib(b, "kv_cache_gib", allow_zero=False) * 2**30 // block_bytes)
-        if gpu < 1:
-            raise ValueError(f"blocks.kv_cache_gib={b['kv_cache_gib']!r} is invalid: it holds no KV block "
-                             f"of {block_bytes} bytes (model={model.name}, block_size={block_size(cfg)})")
-    else:
-        sched = cfg.scheduler
-        # Peak activations of one max-size forward (vLLM measures this with a profiling run).
-        activations = (sched.max_num_batched_tokens * (4 * model.hidden_size + 2 * model.intermediate_size)
-                       * model.dtype_bytes + sched.max_num_seqs * model.vocab_size * 4)
-        budget = hw.memory_bytes * util - model.weight_bytes - activations
-        gpu = int(budget // block_bytes)
-        if gpu < 1:
-            raise ValueError(f"blocks.gpu_memory_utilization={util!r} is invalid: {hw.name} memory x {util} "
-                             f"leaves {budget / 2**30:.2f} GiB for KV after weights and activations: no block fits")
-    if b.get("num_cpu_blocks") is not None:
-        cpu = _int_at_least(b, "num_cpu_blocks", 0)
-    else:
-        cpu = int(_gib(b, "swap_space_gib", allow_zero=True) * 2**30 // block_bytes)
-    return gpu, cpu
 
 
 def build_predictor(cfg: DictConfig, workload: Workload | None):

@@ -37,11 +37,17 @@ def admission_status(needed: int, num_free: int, num_gpu_blocks: int, watermark_
     return AllocStatus.OK
 
 
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """The blocks of `block_size` tokens that `num_tokens` tokens take."""
+    return -(-num_tokens // block_size)
+
+
 def fits_idle_pool(num_tokens: int, block_size: int, num_gpu_blocks: int) -> bool:
     """Whether a sequence of `num_tokens` tokens at its longest can ever run: its blocks fit the pool,
     so `admission_status` admits it once the pool is idle. Admission aborts a request that fails it as
-    too_long; the engine's start-up size check asks it for one max_model_len request."""
-    return -(-num_tokens // block_size) <= num_gpu_blocks
+    too_long; the start-up size check (policies/kv_pool_size.py `check_holds_one_sequence`) asks it
+    for one max_model_len request."""
+    return blocks_for_tokens(num_tokens, block_size) <= num_gpu_blocks
 
 
 @dataclass(slots=True)
@@ -115,7 +121,7 @@ class BlockManager(ABC):
         self.max_model_len = max_model_len
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def max_seq_tokens(self, seq: Sequence) -> int:
         """Tokens a sequence can hold at its longest: min(prompt + max_tokens, max_model_len)."""

@@ -103,7 +103,7 @@ def price_collectives(profile: OperatorProfile, size: int, mode: str = "measured
         raise ValueError(
             f"parallel.tensor_parallel_size={size} has no {missing} data in the operator profile "
             f"{[str(p) for p in profile.paths]}: measured at world sizes {profile.world_sizes(missing) or 'none'}; "
-            f"take them on a {size}-GPU machine (python -m experiments.profile mode=operators "
+            f"take them on a machine with {size} GPUs (python -m experiments.profile mode=operators "
             "operator_parts=[collectives]), or price them from the hardware's interconnect with "
             "latency.collectives=measured_else_ring")
     if hardware is None:

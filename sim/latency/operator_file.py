@@ -7,7 +7,7 @@ Format (v1): leading `# key: value` lines (metadata), then a CSV header and one 
     op,m,k,n,num_heads,num_kv_heads,head_dim,context,bytes,world_size,time_s
 
 Metadata keys: `format` (`servelab operator profile v1`), `gpu` (the conf/hardware name the file
-is for), `device` (the GPU's name), `dtype`, `kernels` (the decode kernel the attention rows ran,
+is for), `device` (the GPU's name, checked against the run's hardware: file_meta.py), `dtype`, `kernels` (the decode kernel the attention rows ran,
 or `collectives`), `versions` (torch, triton, CUDA), `date`, `command`, `time_unit` (`s`), and
 `grid` (JSON: the operator grid the rows were measured on; each list strictly increasing).
 

@@ -70,6 +70,7 @@ from sim.latency.collective_pricing import (
     price_fused_boundary,
 )
 from sim.latency.decode_attention_pricing import DecodeAttentionPricing
+from sim.latency.file_meta import check_device
 from sim.latency.op_grid import Axis, OpGrid
 from sim.latency.operator_profile import OperatorProfile, find_operator_files
 from sim.latency.operator_step_price import OperatorStepPrice
@@ -118,7 +119,11 @@ class OperatorModel(OperatorStepPrice, LatencyModel):
                                     else (None, None))
         engine_paths = (setup.all_reduce() if setup.all_reduce is not None and setup.tensor_parallel_size > 1
                         else None)
-        return cls(OperatorProfile.load(files), setup.model, setup.block_size, setup.tensor_parallel_size,
+        profile = OperatorProfile.load(files)
+        for path, meta in zip(profile.paths, profile.meta):
+            check_device(f"operator profile {str(path)!r} (latency.gpu={config.gpu!r})", meta.get("device"),
+                         setup.hardware.name)
+        return cls(profile, setup.model, setup.block_size, setup.tensor_parallel_size,
                    host_step_s=config.host_step_s, admission_s=config.admission_s, batch_sizes=batch_sizes,
                    token_sizes=token_sizes, sync_host_s=config.sync_host_s,
                    sync_host_per_seq_s=config.sync_host_per_seq_s, async_scheduling=setup.async_scheduling,

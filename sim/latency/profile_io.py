@@ -2,8 +2,9 @@
 prices steps from: its schema, reading, writing and row parsing.
 
 Profile schema (v1). A CSV file whose leading `# key: value` comment lines carry metadata:
-`model` (conf/model name, checked against the run), `block_size` (of the swap rows), `device`,
-and free-form `dtype`, `versions`, `date`, `command`. Then a header and one row per measurement:
+`model` (conf/model name, checked against the run), `block_size` (of the swap rows), `device`
+(the GPU's name, checked against the run's hardware: file_meta.py `check_device`), and free-form
+`dtype`, `versions`, `date`, `command`. Then a header and one row per measurement:
 
     kind,num_prefill_tokens,num_decode_seqs,num_context_tokens,num_blocks,time_s
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from policies.outputs import SchedulerOutput
 from sim.latency.base import BatchShape, LatencyModel, shape_decode_times
 from sim.latency.build import LATENCY_MODELS, LatencyConfig, LatencySetup
+from sim.latency.file_meta import check_device
 from sim.latency.prefill_schedule import PrefillSchedule
 from sim.latency.profile_io import ProfileRows, meta_number, meta_sizes, read_profile
 from sim.latency.step_grid import GridAxes, Times, segment
@@ -37,15 +38,17 @@ class ProfiledModel(LatencyModel):
 
     @classmethod
     def from_config(cls, config: ProfiledConfig, setup: LatencySetup) -> ProfiledModel:
-        return cls(config.path, setup.block_size, model_name=setup.model.name,
+        return cls(config.path, setup.block_size, model_name=setup.model.name, hardware_name=setup.hardware.name,
                    tensor_parallel_size=setup.tensor_parallel_size, async_scheduling=setup.async_scheduling,
                    kv_reread_cost=setup.hardware.kv_reread_cost)
 
     def __init__(self, path: str | Path, block_size: int, model_name: str | None = None,
                  async_scheduling: bool | None = None, tensor_parallel_size: int = 1,
-                 kv_reread_cost: float = 1.0) -> None:
-        """`async_scheduling`: the runs' scheduler mode, checked against the profile's (a profile
-        without the key was taken synchronously); `tensor_parallel_size`: the runs' GPUs per model,
+                 kv_reread_cost: float = 1.0, hardware_name: str | None = None) -> None:
+        """`model_name`, `hardware_name` (conf/hardware's `name`): the runs', checked against the
+        profile's `model` and `device` (sim/latency/file_meta.py `check_device`). `async_scheduling`:
+        the runs' scheduler mode, checked against the profile's (a profile without the key was taken
+        synchronously); `tensor_parallel_size`: the runs' GPUs per model,
         checked against the profile's `tensor_parallel_size` (1 when absent): a profile's step
         times are those of the size it was measured at. `kv_reread_cost` (`Hardware.kv_reread_cost`):
         the profile's decodes read distinct KV, so a decode batch's shared KV entries are priced as
@@ -62,6 +65,7 @@ class ProfiledModel(LatencyModel):
         if model_name is not None and self.meta.get("model") not in (None, model_name):
             raise ValueError(f"latency profile {str(path)!r} was measured for model={self.meta['model']!r}, "
                              f"not model={model_name!r}: profile that model or pick its profile")
+        check_device(f"latency profile {str(path)!r}", self.meta.get("device"), hardware_name)
         mode = self.meta.get("async_scheduling", "false")  # "any": computed, not measured in one mode
         profiled_ahead = mode == "true"
         if async_scheduling is not None and mode != "any" and async_scheduling != profiled_ahead:

@@ -76,7 +76,7 @@ def test_why_the_symmetric_paths_stay_off(parallel, device, size, said):
 
 
 # Where the flag is set: a run config (Hydra) and the server's command line, besides EngineArgs.
-CONFIG = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu"]
+CONFIG = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu", "scheduler.max_model_len=1024"]
 
 
 def _from_config(*overrides: str) -> bool:

@@ -44,7 +44,7 @@ def test_auto_is_packed_on_cpu_and_named_kernels_are_kept(monkeypatch):
 def test_engine_args_and_run_config_default_to_async_and_auto():
     args = EngineArgs()
     assert args.async_scheduling and args.decode_kernel == "auto"
-    base = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu"]
+    base = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu", "scheduler.max_model_len=1024"]
     from_cfg = engine_args(compose_cfg(base))
     assert from_cfg.async_scheduling and from_cfg.decode_kernel == "auto"
     off = engine_args(compose_cfg([*base, "scheduler.async_scheduling=false", "backend.decode_kernel=packed"]))

@@ -146,7 +146,8 @@ def test_cpu_kv_cache_has_a_stated_default(caplog, monkeypatch):
 
 
 def test_bad_sizes_raise_clear_errors():
-    with pytest.raises(ValueError, match=r"needs 32 blocks of 4 tokens, but only 10 fit"):
+    with pytest.raises(ValueError, match=r"num_gpu_blocks=10 is invalid: its KV pool of 10 x 4-token blocks "
+                                         r"cannot hold one max_model_len=128 sequence, which takes 32 of them"):
         make_runner(num_gpu_blocks=10)
     cfg = load_model_config("tiny-llama")
     with pytest.raises(ValueError, match="max_model_len=4096"):

@@ -38,7 +38,7 @@ def test_the_default_is_auto_and_each_kernel_reaches_the_engine():
     from experiments.lib.engine_backend import engine_args
     from experiments.lib.fidelity_spec import compose_cfg
 
-    config = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu"]
+    config = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu", "scheduler.max_model_len=1024"]
     assert engine_args(compose_cfg(config)).parallel_config().all_reduce_kernel == "auto"
     from engine.serve import engine_args_from, parse_args
 

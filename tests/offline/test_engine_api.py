@@ -201,7 +201,7 @@ def test_bad_input_errors(tiny, llm, tmp_path):
     (gelu / "config.json").write_text(json.dumps(config | {"hidden_act": "gelu"}))
     with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
         LLM(str(gelu), num_gpu_blocks=16, swap_space=0.01)
-    with pytest.raises(ValueError, match=r"needs 16 blocks .* only 4 fit"):
+    with pytest.raises(ValueError, match=r"num_gpu_blocks=4 is invalid: .* which takes 16 of them"):
         LLM(tiny[0], num_gpu_blocks=4, swap_space=0.01, max_model_len=256, block_size=16)
     with pytest.raises(ValueError, match=r"prompts\[1\]: prompt_token_ids=\[256, 999\].*\[0, 256\)"):
         llm.generate([[1, 2], [3, 256, 999]], GREEDY, use_tqdm=False)

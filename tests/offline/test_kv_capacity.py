@@ -50,7 +50,11 @@ def tiny(tmp_path_factory):
 
 def test_engine_start_up_check_and_admission_agree(tiny):
     args = {"model": tiny, "block_size": 16, "max_model_len": 256, "watermark": 0.1, "swap_space": 0.01}
-    with pytest.raises(ValueError, match="KV cache too small: one max_model_len=256 request needs 16 blocks"):
+    too_small = (r"num_gpu_blocks=15 is invalid: its KV pool of 15 x 16-token blocks cannot hold one "
+                 r"max_model_len=256 sequence, which takes 16 of them: set it to at least 16")
+    with pytest.raises(ValueError, match=too_small):
+        EngineArgs(num_gpu_blocks=15, **args).check()  # before anything loads
+    with pytest.raises(ValueError, match=too_small):
         LLMEngine(EngineArgs(num_gpu_blocks=15, **args))
     engine = LLMEngine(EngineArgs(num_gpu_blocks=16, **args))  # the smallest pool the check accepts
     engine.add_request("r", list(range(250)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))

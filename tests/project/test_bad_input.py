@@ -112,7 +112,7 @@ CONSTRUCTOR = (
     ("swap_space", ("tiny-llama", {"swap_space": -1}), r"swap_space=-1 is invalid"),
     ("num_gpu_blocks-zero", ("tiny-llama", {"num_gpu_blocks": 0}), r"num_gpu_blocks=0 is invalid"),
     ("kv-cache-too-small", ("tiny-llama", {"num_gpu_blocks": 4, "max_model_len": 256}),
-     r"needs 16 blocks .* only 4 fit"),
+     r"num_gpu_blocks=4 is invalid: .* max_model_len=256 sequence, which takes 16 of them: set it to at least 16"),
     ("decode_kernel", ("tiny-llama", {"decode_kernel": "flash"}), r"decode_kernel='flash' is invalid"),
     ("max_logprobs", ("tiny-llama", {"max_logprobs": -2}), r"max_logprobs=-2 is invalid"),
     ("num_gpu_blocks-negative", ("tiny-llama", {"num_gpu_blocks": -3}), r"num_gpu_blocks=-3 is invalid"),

@@ -53,7 +53,7 @@ def test_a_block_manager_knob_reaches_the_simulator_and_the_engine_args(headroom
     from experiments.lib.engine_backend import engine_args
 
     overrides = ["blocks.kind=headroom", "+blocks.headroom_tokens=64", "blocks.num_gpu_blocks=100",
-                 "model=tiny-qwen3", "scheduler.max_model_len=2048"]
+                 "model=tiny-qwen3", "scheduler.max_model_len=1600"]  # what 100 blocks hold
     cfg = compose_cfg(overrides)
     check_config(cfg)
     scheduler = factory.build_scheduler(cfg, 100, 0)

@@ -101,7 +101,7 @@ def test_ab_rounds_on_the_simulator(tmp_path):
 
 def test_warmups_cover_each_engine_config():
     """A warms up on the engine; B too only when it runs another engine; the simulator never."""
-    engine = ["backend=engine", "backend.device=cpu", "blocks.num_gpu_blocks=64"]
+    engine = ["backend=engine", "backend.device=cpu", "blocks.num_gpu_blocks=64", "scheduler.max_model_len=1024"]
     names = lambda a, b, flag=None: [w[0] for w in _warmups(a, b, flag, "a", "b")]
     assert names(*compose_pair(engine, ["policy=fcfs"], ["policy=priority"])) == ["_warmup"]
     assert names(*compose_pair(engine, ["backend.decode_kernel=packed"], ["backend.decode_kernel=per-head"])) == \

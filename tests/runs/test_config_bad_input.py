@@ -46,7 +46,8 @@ def test_max_model_len_up_to_the_model_positions_runs(tmp_path):
     from experiments.lib.fidelity_spec import compose_cfg
     from experiments.lib.run_workload import run
 
-    summary = run(compose_cfg([*SMALL, "progress=false", "plots=false", "scheduler.max_model_len=40960"]), tmp_path)
+    summary = run(compose_cfg([*SMALL, "progress=false", "plots=false", "scheduler.max_model_len=40960",
+                              "blocks.kv_cache_gib=5"]), tmp_path)  # 3 GiB hold 28,080 tokens
     assert summary["completed"] == 5
 
 

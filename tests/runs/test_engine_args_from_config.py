@@ -13,7 +13,7 @@ from engine.engine_args import EngineArgs
 from experiments.lib.engine_backend import engine_args
 from experiments.lib.fidelity_spec import compose_cfg
 
-BASE = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu"]
+BASE = ["backend=engine", "model=tiny-qwen3", "blocks.num_gpu_blocks=64", "backend.device=cpu", "scheduler.max_model_len=1024"]
 
 # EngineArgs field -> (an override that changes it, the value the field must then hold).
 MAPPED = {

@@ -33,7 +33,7 @@ def test_option_composes_and_builds(group, option):
     if option == "operators":  # the committed CPU operator profile (GPU ones are named by hardware)
         overrides += ["latency.gpu=cpu", "latency.dtype=float32"]
     if group == "model":  # tiny models would get millions of blocks from 140 GiB (tested below)
-        overrides.append("blocks.kv_cache_gib=1")
+        overrides.append("blocks.kv_cache_gib=2")  # 1.25 GiB of Llama-3.1-70B's KV hold one 4096-token sequence
         positions = yaml.safe_load((CONF / "model" / f"{option}.yaml").read_text())["max_position_embeddings"]
         overrides.append(f"scheduler.max_model_len={min(4096, positions)}")  # the tiny models hold 2048
     cfg = compose_with(*overrides)
@@ -55,7 +55,7 @@ def test_unsized_kv_pool_is_derived_from_hardware_memory():
     assert budget / block_bytes - 300 < gpu < budget / block_bytes  # minus the activation estimate
     assert cpu == 4 * 2**30 // block_bytes
     assert factory.kv_block_counts(compose_with("blocks.kv_cache_gib=1"))[0] == 2**30 // block_bytes
-    assert factory.kv_block_counts(compose_with("blocks.num_gpu_blocks=123"))[0] == 123
+    assert factory.kv_block_counts(compose_with("blocks.num_gpu_blocks=300"))[0] == 300
     assert factory.kv_block_counts(compose_with("blocks.kv_cache_gib=null", "hardware=h100"))[0] < gpu
 
 

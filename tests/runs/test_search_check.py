@@ -240,6 +240,7 @@ def test_the_fleet_what_if_searches_each_gpu_type_on_the_data_it_has(tmp_path):
                                                                  ("roofline", "h100"), ("roofline", "h200")]
     md = (out / "what_if.md").read_text()
     assert "h200-bfloat16-tma.csv" in md and "h100-bfloat16-tma.csv" in md and "conf/hardware/h100.yaml" in md
+    assert ": 1 GPU, $" in md and "1 GPUs" not in md  # the cheapest: one replica of one GPU
     assert len(pd.read_csv(out / "fleet.csv")) == len(table) == 8
 
 

@@ -147,7 +147,7 @@ def test_bad_replica_timeout_is_one_line(capsys, argv, message):
     from engine.serve import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["--model", "tiny-qwen3", "--device", "cpu", "--num-gpu-blocks", "16", *argv])
+        main(["--model", "tiny-qwen3", "--device", "cpu", "--num-gpu-blocks", "16", "--max-model-len", "256", *argv])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and "\n" not in err, err

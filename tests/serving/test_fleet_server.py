@@ -201,7 +201,8 @@ def test_bad_replica_options_are_one_line(capsys, argv, message):
     from engine.serve import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["--model", "tiny-qwen3", "--device", "cpu", "--num-gpu-blocks", "16", "--data-parallel-size", "2",
+        main(["--model", "tiny-qwen3", "--device", "cpu", "--num-gpu-blocks", "16", "--max-model-len", "256",
+              "--data-parallel-size", "2",
               "--router", "prefix_aware", *argv])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()

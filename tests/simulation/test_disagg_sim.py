@@ -69,9 +69,12 @@ def test_transfers_from_one_prefill_replica_queue_at_its_link(tmp_path):
     assert all(a_end <= b_start + 1e-12 for (_, a_end), (b_start, _) in pairwise(spans))  # one at a time
 
 
+SMALL_POOL_LEN = "scheduler.max_model_len=2080"  # the longest sequence 130 blocks hold (the engine's start-up rule)
+
+
 def test_a_small_decode_pool_queues_then_aborts_with_a_reason(tmp_path):
     cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "cluster.handoff_queue=2",
-               "blocks.num_gpu_blocks=130", "workload=offline")
+               "blocks.num_gpu_blocks=130", "workload=offline", SMALL_POOL_LEN)
     summary = run(cfg, tmp_path, "small")
     rows = pd.read_parquet(tmp_path / "requests.parquet")
     assert len(rows) == 40 and rows["request_id"].is_unique
@@ -79,7 +82,8 @@ def test_a_small_decode_pool_queues_then_aborts_with_a_reason(tmp_path):
     assert len(aborted) > 0 and set(aborted["finish_reason"]) == {"abort:handoff_queue_full"}
     assert (aborted["replica"] == 0).all()  # dropped hand-offs end on the prefill replica
     assert summary["completed"] + summary["aborted"] == 40
-    cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "blocks.num_gpu_blocks=130", "workload=offline")
+    cfg = _cfg("cluster.replicas=2", "cluster.roles=[prefill,decode]", "blocks.num_gpu_blocks=130", "workload=offline",
+               SMALL_POOL_LEN)
     summary = run(cfg, tmp_path / "queued", "queued")
     rows = pd.read_parquet(tmp_path / "queued" / "requests.parquet")
     assert summary["completed"] == 40 and rows["decode_wait"].max() > 0  # waited for blocks, then ran

@@ -150,7 +150,7 @@ def test_measured_block_counts_reach_every_replica():
     num_cpu_blocks (over a kv_cache_gib that would size the pool otherwise): every replica's pool
     has them, as its steps trace and replica_info show."""
     cfg = _cfg("cluster.replicas=3", "blocks=prefix", "blocks.kv_cache_gib=2", "blocks.num_gpu_blocks=77",
-               "blocks.num_cpu_blocks=5", "workload=offline")
+               "blocks.num_cpu_blocks=5", "workload=offline", "scheduler.max_model_len=1232")  # 77 blocks' tokens
     fleet = run_fleet(cfg, factory.workload(cfg), lambda n: None, cluster_config(cfg))
     assert [(r["num_gpu_blocks"], r["num_cpu_blocks"]) for r in fleet.info["replica_info"]] == [(77, 5)] * 3
     for recorder in fleet.replica_recorders:

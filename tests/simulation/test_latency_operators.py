@@ -191,7 +191,7 @@ def test_measured_else_ring_takes_measured_rows_where_they_exist_and_the_ring_mo
 
 def test_collectives_nobody_measured_are_refused_by_default_naming_the_fallback():
     with pytest.raises(ValueError, match=r"parallel.tensor_parallel_size=8 has no all_reduce data.*world sizes "
-                                         r"\[2, 4\].*latency.collectives=measured_else_ring"):
+                                         r"\[2, 4\]; take them on a machine with 8 GPUs .*latency.collectives=measured_else_ring"):
         operator_model(H200_FILES, "h200", 8)
     assert operator_model(H200_FILES, "h200", 4).data_sources()["collectives"].startswith("measured at N=4")
     assert factory.latency_config(config("latency=operators")).collectives == "measured"

@@ -46,8 +46,8 @@ def _profile(out: Path, fused_width: int | None, lamport: bool = False) -> Path:
         rows += [{"op": op, "bytes": n, "n": fused_width, "world_size": 2, "time_s": t}
                  for op, t in ((FUSED_ALL_REDUCE, FUSED_S), (LAMPORT_FUSED_ALL_REDUCE, LAMPORT_S))[:1 + lamport]
                  for n in sizes if n >= row and n % row == 0]
-    meta = {"gpu": "h200-roofline", "device": "synthetic", "dtype": "bfloat16", "kernels": "collectives",
-            "versions": "none", "date": "computed", "grid": "{}"}
+    meta = {"gpu": "h200-roofline", "device": "synthetic (roofline formulas of h200)", "dtype": "bfloat16",
+            "kernels": "collectives", "versions": "none", "date": "computed", "grid": "{}"}
     write_operator_file(out / COLLECTIVES_FILE, meta, rows)
     return out
 

@@ -53,8 +53,8 @@ def _profile(out: Path, fused_rows: bool = True, recorded: str | None = None) ->
         rows += [{"op": op, "m": m, "k": k, "n": n, "world_size": 2, "time_s": f(m, k, n)}
                  for op, f in (("all_gather_matmul", agmm_s), ("matmul_reduce_scatter", mmrs_s))
                  for m in M for k in K for n in N]
-    meta = {"gpu": "h200-roofline", "device": "synthetic", "dtype": "bfloat16", "kernels": "collectives",
-            "versions": "none", "date": "computed", "grid": "{}"}
+    meta = {"gpu": "h200-roofline", "device": "synthetic (roofline formulas of h200)", "dtype": "bfloat16",
+            "kernels": "collectives", "versions": "none", "date": "computed", "grid": "{}"}
     if recorded is not None:
         meta["sequence_parallel_ops"] = recorded
     write_operator_file(out / COLLECTIVES_FILE, meta, rows)

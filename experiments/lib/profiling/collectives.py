@@ -243,7 +243,7 @@ def collective_rows(world_sizes: list[int], sizes: list[int], dtype: torch.dtype
     rows: list[Row] = []
     for world in world_sizes:
         if world > available:
-            log(f"collectives: world_size={world} skipped ({available} GPUs here)")
+            log(f"collectives: world_size={world} skipped (GPUs here: {available})")
             continue
         start = time.perf_counter()
         status, payload = run_ranks(_worker, world, (sizes, dtype, cuda, iters, timeout_s, width), timeout_s)

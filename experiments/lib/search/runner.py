@@ -113,6 +113,9 @@ def prune_reason(cfg: DictConfig, min_kv_tokens: int | None, latency_checked: di
     one GPU's memory at its tensor-parallel size, or its latency model has no data for that size."""
     try:
         shard = factory.gpu_model_shape(cfg)
+    except ValueError as e:  # the heads do not split over the GPUs: not a memory limit
+        return f"sharding: {e}"
+    try:
         gpu_blocks, _ = factory.kv_block_counts(cfg)
     except ValueError as e:
         return f"memory: {e}"

@@ -8,9 +8,10 @@ classes, shared prefix, shared system prompts), `sessions` (multi-turn conversat
 Every request carries `max_tokens` and `ignore_eos=True`; its natural output length is
 `output_lens[i]` (== max_tokens unless the workload sets a larger `max_tokens` cap, in which case
 the backend ends it at output_len: the simulator emits a stop token there).
-`rate` is null or a finite number > 0 whatever the kind; the kinds whose arrivals do not come at a
-rate (offline arrivals, tenants' own rates, nanovllm, the traces) leave a valid one unused, so that
-one sweep over `workload.rate` can take in such workloads too.
+`rate` is null or a finite number > 0 whatever the kind; the synthetic kinds whose arrivals do not
+come at a rate (offline arrivals, tenants' own rates, nanovllm) leave a valid one unused, so that
+one sweep over `workload.rate` can take in such workloads too. The traces (replay, azure, burstgpt,
+mooncake) replay their own arrival times and refuse a rate: `time_scale` scales them.
 """
 from __future__ import annotations
 

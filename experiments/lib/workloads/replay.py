@@ -7,7 +7,7 @@ required), `priority` (int, default 0), `request_id` (default: the row index), `
 other field (a CSV column, a JSON key) is allowed: a misspelt one would otherwise be dropped
 unnoticed. `prompt_len` next to `prompt_token_ids` must be its length. Rows are sorted by arrival
 (stable). Config: `path`, optional `num_requests` (first N rows), `time_scale` (multiplies arrival
-times; 0.5 = twice the rate).
+times; 0.5 = twice the rate); a `rate` is refused (the trace's arrivals are its own).
 A malformed row raises ValueError naming the file, the line and the field; a file that is not UTF-8
 text, one naming the file, the line and the byte; CSV text the csv module cannot parse (a field
 longer than the longest prompt's ids, MAX_LENGTH x ID_CHARS characters), one naming file and line. Lengths and the memory the prompts take are
@@ -208,13 +208,16 @@ def _prompt(path: Path, line: int, row: Mapping[str, Any], vocab_size: int, memo
 def trace_rows(cfg: Mapping[str, Any], where: str, kind: str = ".csv or .jsonl",
                fields: tuple[str, ...] | None = None) -> tuple[Path, list[tuple[int, dict[str, Any]]], float]:
     """(file, its first `num_requests` rows with their line numbers, `time_scale`) of a trace
-    workload's config (`path`, `num_requests`, `time_scale`), each checked; with `fields`, the only
-    columns or keys the rows may have (read_rows)."""
+    workload's config (`path`, `num_requests`, `time_scale`), each checked, and no `rate` (a
+    trace's arrivals are its own); with `fields`, the only columns or keys the rows may have (read_rows)."""
     if not cfg.get("path"):
         raise ValueError(f"{where}.path={cfg.get('path')!r} is invalid: give a {kind} trace file")
     path = resolve_path(cfg["path"])
     if not path.is_file():
         raise ValueError(f"{where}.path={str(cfg['path'])!r} is invalid: no such file")
+    if cfg.get("rate") is not None:  # else a sweep over rates would rerun the trace unchanged
+        raise ValueError(f"{where}.rate={cfg['rate']!r} is invalid with {where}.kind={cfg.get('kind')}: a trace "
+                         f"replays its own arrival times; scale them with {where}.time_scale (0.5: twice the rate)")
     scale = get_positive(cfg, "time_scale", where) if cfg.get("time_scale") is not None else 1.0
     limit = get_int(cfg, "num_requests", where, 1, COUNT) if cfg.get("num_requests") is not None else None
     rows = read_rows(path, MAX_REQUESTS + 1 if limit is None else limit, fields)

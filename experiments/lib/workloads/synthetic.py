@@ -2,7 +2,9 @@
 
 Arrivals (`arrival`): `offline` (everything at t = 0), `poisson` (exponential gaps at `rate`
 requests/s), `gamma` (gaps ~ Gamma(shape=burstiness, scale=1 / (rate * burstiness)), vLLM's
-`--burstiness`: 1 is Poisson, < 1 burstier, > 1 more regular). The first request arrives at 0.
+`--burstiness`: 1 is Poisson, < 1 burstier, > 1 more regular). `burstiness` shapes gamma arrivals
+only: with the others it must be 1 or null (a value they would ignore is refused, pointing at
+`arrival: gamma`). The first request arrives at 0.
 Lengths (`prompt_len`, `output_len`): `{dist: fixed, value}`, `{dist: uniform, low, high}`
 (inclusive), `{dist: lognormal, mean, sigma, min, max}` where `mean` is the mean of the unclipped
 distribution and `sigma` the std of log(length); the result is rounded and clipped to [min, max].
@@ -94,6 +96,11 @@ def arrival_times(cfg: Mapping[str, Any], n: int, rng: np.random.Generator, wher
     kind = cfg.get("arrival", "poisson")
     if kind not in ARRIVALS:
         raise ValueError(f"{where}.arrival={kind!r} is unknown: choose one of {list(ARRIVALS)}")
+    burstiness = cfg.get("burstiness")
+    if kind != "gamma" and burstiness is not None and (not is_num(burstiness) or burstiness != 1):
+        raise ValueError(f"{where}.burstiness={burstiness!r} is invalid with {where}.arrival={kind}: it shapes "
+                         f"gamma arrivals only (1: Poisson); set {where}.arrival=gamma for burstier or more "
+                         f"regular arrivals (workload=gamma is a preset), or leave burstiness at 1")
     if kind == "offline":
         return np.zeros(n)
     rate = get_positive(cfg, "rate", where)
