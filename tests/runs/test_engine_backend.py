@@ -114,7 +114,7 @@ def test_engine_pair_writes_the_disaggregated_fleet_traces(tmp_path, ahead, join
 def test_cpu_run_of_a_real_size_model_says_so_before_it_starts():
     """A real-size model on the CPU's reference kernels is silent for minutes otherwise: the run
     names the model, its size and the quick alternatives; tiny models and GPUs get no note."""
-    cfg = compose_cfg(["backend=engine", "model=qwen3-0.6b", "blocks.num_gpu_blocks=64"])
+    cfg = compose_cfg(["backend=engine", "model=qwen3-0.6b", "blocks.num_gpu_blocks=256"])
     note = engine_backend.cpu_run_note(engine_backend.engine_args(cfg), 500)
     assert note is not None and "qwen3-0.6b" in note and "500 requests" in note
     assert "model=tiny-qwen3" in note and "backend.device=cuda" in note
@@ -125,7 +125,7 @@ def test_cpu_run_of_a_real_size_model_says_so_before_it_starts():
 
 def test_engine_run_prints_the_cpu_note(tmp_path, capsys, monkeypatch):
     """The note reaches stderr before the engine is built (a stand-in engine: no 0.6B weights here)."""
-    cfg = compose_cfg(["backend=engine", "model=qwen3-0.6b", "blocks.num_gpu_blocks=64", *WORKLOAD[:3]])
+    cfg = compose_cfg(["backend=engine", "model=qwen3-0.6b", "blocks.num_gpu_blocks=256", *WORKLOAD[:3]])
 
     class Built(Exception):
         pass

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.lib.profiling.operator_grid import OperatorGrid
+from policies.block_table_width import table_width
 
 Row = dict[str, float | str]
 
@@ -79,8 +80,8 @@ def gemm_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype) -> Iterator[
 
 def _widen(tables: torch.Tensor, width: int) -> torch.Tensor:
     """Block tables padded to `width` columns (block 0: never read past a context), as the engine's
-    CUDA graphs hold them at max_model_len / block_size columns; the decode kernels size their
-    split-KV grid from the width."""
+    CUDA graphs hold them (max_model_len's blocks at `table_width` columns); the decode kernels size
+    their split-KV grid from the width."""
     if tables.shape[1] >= width:
         return tables
     pad = torch.zeros(tables.shape[0], width - tables.shape[1], dtype=tables.dtype, device=tables.device)
@@ -104,7 +105,7 @@ def attention_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype, decode_
                         problems = [random_paged_problem([c] * b, None, hq, kv, d, bs, dtype, device=dev, seed=i)
                                     for i in range(_copies(dev, 4 * b * c * kv * d * dtype.itemsize, 8))]
                         for p in problems:
-                            p.block_tables = _widen(p.block_tables, -(-max_model_len // bs))
+                            p.block_tables = _widen(p.block_tables, table_width(-(-max_model_len // bs)))
                         # The engine launches its decodes longest first (`decode_order`), which the
                         # split heuristic takes into account: here every context is equal.
                         order = ({"order": torch.arange(b, dtype=torch.int32, device=dev)}
