@@ -68,16 +68,24 @@ def test_bad_fleet_config_is_one_line_naming_the_key(override, key, monkeypatch,
                           key, monkeypatch, capsys)
 
 
-def test_one_profile_prices_every_replica_when_latency_path_is_set(tmp_path):
-    """latency.path names one file: every replica is priced from it, whatever its GPU."""
+def test_one_profile_for_mixed_gpus_is_refused_naming_the_replica(tmp_path):
+    """latency.path names one file for every replica: a replica whose GPU is not the one the
+    profile was measured on is refused, naming it, rather than priced as another GPU."""
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "cluster.replicas=2", "cluster.hardware=[h200,a100]", "latency=profiled",
             "latency.path=experiments/profiles/h200-qwen3-0.6b-async.csv", "workload.num_requests=6",
             "plots=false", *SMALL])
-    summary = run_module.run(cfg, tmp_path / "run")
+    with pytest.raises(ValueError, match=r"cluster.hardware\[1\]='a100'.*measured on device='NVIDIA H200'"):
+        run_module.run(cfg, tmp_path / "run")
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        same = compose(config_name="config", overrides=[
+            "cluster.replicas=2", "cluster.hardware=[h200,h200]", "latency=profiled",
+            "latency.path=experiments/profiles/h200-qwen3-0.6b-async.csv", "workload.num_requests=6",
+            "plots=false", *SMALL])
+    summary = run_module.run(same, tmp_path / "same")
     assert summary["completed"] == 6
-    assert [r["hardware"] for r in summary["run"]["replica_info"]] == ["h200", "a100"]
+    assert [r["hardware"] for r in summary["run"]["replica_info"]] == ["h200", "h200"]
 
 
 def test_prefix_aware_beats_round_robin_on_shared_system_prompts(tmp_path):
