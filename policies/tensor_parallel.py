@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policies.request import is_int
+
 
 @dataclass(slots=True, frozen=True)
 class TPSplit:
@@ -22,7 +24,7 @@ class TPSplit:
 def check_tensor_parallel_size(size: object, field: str = "tensor_parallel_size") -> int:
     """`tensor_parallel_size`: an integer >= 1, or ValueError naming `field` (its place in the
     caller's config)."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if not is_int(size) or size < 1:
         raise ValueError(f"{field}={size!r} is invalid: must be an integer >= 1")
     return size
 

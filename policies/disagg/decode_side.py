@@ -38,12 +38,13 @@ from collections import deque
 
 from policies.blocks.base import AllocStatus
 from policies.disagg.handoff import KVHandoff
+from policies.request import is_int
 from policies.sequence import Sequence, SequenceStatus
 
 
 def check_max_queue(value: object, key: str) -> int | None:
     """A hand-off queue's bound: an integer >= 1, or None (unbounded: backpressure alone)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is not None and (not is_int(value) or value < 1):
         raise ValueError(f"{key}={value!r} is invalid: must be an integer >= 1 (hand-offs waiting on one decode "
                          "replica, more are aborted) or null (unbounded: they wait, their KV held by the prefill "
                          "side, up to the timeout)")

@@ -113,7 +113,7 @@ def test_outputs_equal_colocated_and_only_a_cold_start_is_synchronous(join_ahead
     assert disagg == colocated_outputs(reqs(), num_gpu_blocks=64)
     # The first decode step starts cold. Each of the five later receives joins a step scheduled
     # ahead; with join_ahead off it makes the step in flight synchronous, and the synchronous step
-    # after it takes the next round's receive too: three breaks (receives 2+3, 4+5, 6).
+    # after it takes the next loop turn's receive too: three breaks (receives 2+3, 4+5, 6).
     assert pair.decode_sync_steps == (1 if join_ahead else 4)
     assert pair.decode.block_manager.num_free_gpu_blocks() == 64
 
