@@ -54,7 +54,7 @@ from experiments.lib.profiling.limits import EngineLimits, check_grid
 from experiments.lib.profiling.measure import PIPELINED_SLACK, measure, slower_pipelined
 from experiments.lib.profiling.synthetic import blocks_needed
 from experiments.lib.profiling.versions import versions
-from policies.block_table_width import table_width
+from policies.block_table_width import table_tokens
 from sim.latency.file_meta import device_is
 from sim.latency.operator_file import SEQUENCE_PARALLEL_META
 from sim.latency.prefill_schedule import PrefillSchedule
@@ -110,8 +110,7 @@ def profile_operators(cfg: DictConfig, command: str) -> list[Path]:
                    if device.type == "cuda" else "reference")
         start = time.perf_counter()
         rows = compute_rows(grid, device, dtype, cfg.decode_kernel, cfg.max_model_len, log)
-        meta_c = {**meta, "kernels": kernels, "decode_block_table_tokens":
-                  table_width(-(-cfg.max_model_len // grid.block_size)) * grid.block_size,
+        meta_c = {**meta, "kernels": kernels, "decode_block_table_tokens": table_tokens(cfg.max_model_len, grid.block_size),
                   "elapsed_s": f"{time.perf_counter() - start:.1f}"}
         paths.append(write_operator_file(out_dir / f"{gpu}-{dtype_name}-{kernels}.csv", meta_c, rows))
     if "collectives" in parts:

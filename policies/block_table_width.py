@@ -18,3 +18,9 @@ def table_width(blocks: int) -> int:
     """The columns of a step whose longest block table has `blocks` blocks: at least one block,
     rounded up to a multiple of WIDTH_ALIGN."""
     return -(-max(blocks, 1) // WIDTH_ALIGN) * WIDTH_ALIGN
+
+
+def table_tokens(max_model_len: int, block_size: int) -> int:
+    """The tokens a block-table row of the engine's full width covers: max_model_len's blocks at
+    `table_width` columns (the decode kernels' split count follows it)."""
+    return table_width(-(-max_model_len // block_size)) * block_size

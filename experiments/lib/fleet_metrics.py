@@ -19,11 +19,12 @@ from typing import Any
 import pandas as pd
 
 from experiments.lib.metrics import kv_metrics, stats, summarize
+from policies.disagg import ReplicaRole
 
 PER_REPLICA_KEYS = ("num_requests", "completed", "aborted", "request_throughput", "output_throughput",
                     "ttft", "tpot", "e2e", "queueing_time", "num_steps", "mean_batch_size",
                     "num_preemptions", "prefix_hit_rate", "kv_utilization", "gpu_block_usage_mean")
-PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
+PREFILL, DECODE, MIXED = ReplicaRole.PREFILL, ReplicaRole.DECODE, ReplicaRole.MIXED
 
 
 def prefix_hit_rate(steps: pd.DataFrame) -> float | None:

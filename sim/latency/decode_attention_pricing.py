@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from policies.block_table_width import table_width
+from policies.block_table_width import table_tokens
 from sim.latency.base import BatchShape
 from sim.latency.operator_profile import OperatorProfile
 
@@ -44,7 +44,7 @@ class DecodeAttentionPricing:
             widths = [int(meta["decode_block_table_tokens"]) for meta in profile.meta
                       if "decode_block_table_tokens" in meta]
             # The engine's block tables: max_model_len's blocks at the width rule's columns.
-            self.table_tokens = (table_width(-(-max_model_len // block_size)) * block_size if max_model_len
+            self.table_tokens = (table_tokens(max_model_len, block_size) if max_model_len
                                  else widths[0] if widths else 0)
             # The profile's one-sequence rows: Hkv programs, split as the kernel splits them.
             self.lone_splits = self.split_rule(num_kv_heads, decode_wave_programs,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.lib.profiling.operator_grid import OperatorGrid
-from policies.block_table_width import table_width
+from policies.block_table_width import table_tokens
 
 Row = dict[str, float | str]
 
@@ -105,7 +105,7 @@ def attention_rows(grid: OperatorGrid, timer: Timer, dtype: torch.dtype, decode_
                         problems = [random_paged_problem([c] * b, None, hq, kv, d, bs, dtype, device=dev, seed=i)
                                     for i in range(_copies(dev, 4 * b * c * kv * d * dtype.itemsize, 8))]
                         for p in problems:
-                            p.block_tables = _widen(p.block_tables, table_width(-(-max_model_len // bs)))
+                            p.block_tables = _widen(p.block_tables, table_tokens(max_model_len, bs) // bs)
                         # The engine launches its decodes longest first (`decode_order`), which the
                         # split heuristic takes into account: here every context is equal.
                         order = ({"order": torch.arange(b, dtype=torch.int32, device=dev)}
